@@ -1,0 +1,62 @@
+// A decoder-only transformer, described by its shape (YAML; see docs/model.md). The operator
+// graph it lowers to is in core/opgraph.h.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/precision.h"
+
+namespace nnsim {
+
+enum class MlpKind { kGelu, kSwiglu, kSquaredRelu, kRelu };
+enum class PositionKind { kLearned, kRope, kAlibi };
+enum class NormKind { kLayerNorm, kRmsNorm };
+// kFlash: fused attention that keeps only Q, K, V, the output and the softmax statistics.
+// kUnfused: the scores, softmax output and dropout mask are materialized and kept.
+enum class AttentionKernel { kFlash, kUnfused };
+
+struct ModelSpec {
+  std::string name;
+  std::string family;  // informational: gpt, llama, mpt, nemotron, ...
+  int layers = 0;
+  int64_t hidden = 0;
+  int64_t heads = 0;
+  int64_t kv_heads = 0;     // == heads for multi-head attention; fewer for GQA/MQA
+  int64_t ffn_hidden = 0;   // per branch for gated MLPs
+  int64_t vocab = 0;
+  int64_t seq_len = 0;
+  MlpKind mlp = MlpKind::kGelu;
+  bool tied_embeddings = false;
+  PositionKind position = PositionKind::kLearned;
+  NormKind norm = NormKind::kLayerNorm;
+  bool bias = true;      // linear layers and norms carry bias vectors
+  bool dropout = false;  // dropout layers after attention, MLP and embedding (masks kept)
+  AttentionKernel attention = AttentionKernel::kFlash;
+  Precision precision = Precision::kBf16;  // default compute precision of the matmuls
+
+  int64_t head_dim() const { return hidden / heads; }
+  bool gated_mlp() const { return mlp == MlpKind::kSwiglu; }
+  // Parameters of one transformer block, of the embedding(s) and in total.
+  int64_t layer_parameters() const;
+  int64_t embedding_parameters() const;  // word (+ learned position) embedding
+  int64_t head_parameters() const;       // output projection (0 when tied) + final norm
+  int64_t parameters() const;
+};
+
+// Reads a model from a YAML file, or a preset name ("gpt3-175b") from models/.
+Expected<ModelSpec> load_model(const std::string& path_or_preset);
+Expected<ModelSpec> parse_model(const std::string& yaml_text, const std::string& display_name);
+Status validate_model(const ModelSpec& model);
+
+std::string model_preset_path(const std::string& name);
+std::vector<std::string> model_preset_names();
+
+std::string_view to_string(MlpKind k);
+std::string_view to_string(PositionKind k);
+std::string_view to_string(NormKind k);
+std::string_view to_string(AttentionKernel k);
+
+}  // namespace nnsim
