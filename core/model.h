@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/error.h"
@@ -24,8 +25,8 @@ struct ModelSpec {
   int layers = 0;
   int64_t hidden = 0;
   int64_t heads = 0;
-  int64_t kv_heads = 0;     // == heads for multi-head attention; fewer for GQA/MQA
-  int64_t ffn_hidden = 0;   // per branch for gated MLPs
+  int64_t kv_heads = 0;    // == heads for multi-head attention; fewer for GQA/MQA
+  int64_t ffn_hidden = 0;  // per branch for gated MLPs
   int64_t vocab = 0;
   int64_t seq_len = 0;
   MlpKind mlp = MlpKind::kGelu;
@@ -50,6 +51,14 @@ struct ModelSpec {
 Expected<ModelSpec> load_model(const std::string& path_or_preset);
 Expected<ModelSpec> parse_model(const std::string& yaml_text, const std::string& display_name);
 Status validate_model(const ModelSpec& model);
+
+class InputNode;
+// Reads and validates a model mapping inside a larger file (a plan, a validation case); throws
+// InputError naming the file, line and field. `default_name` is used when the mapping has no
+// `name`.
+ModelSpec parse_model_node(const InputNode& node, const std::string& default_name = "");
+// Every field, defaults included, as a JSON object that parse_model reads back unchanged.
+std::string model_to_json(const ModelSpec& model);
 
 std::string model_preset_path(const std::string& name);
 std::vector<std::string> model_preset_names();

@@ -47,6 +47,7 @@ class Network {
   std::vector<int> nic_;             // [node * nics + n]
   std::vector<int> fabric_uplink_;   // [group * rails + rail] (rails = 1 for a fat tree)
   std::vector<int> local_switch_;    // local GPU -> PCIe switch
+  std::vector<int> local_nic_;       // local GPU -> the NIC serving it (Topology::nic_of)
 };
 
 }  // namespace nnsim

@@ -1,0 +1,57 @@
+// Collectives decomposed the way NCCL runs them, into concurrent flows between GPUs:
+//
+//  - ring: members ordered node by node; one ring per channel, channel c entering each node at
+//    local member c and leaving it at member c-1, so that every NIC of the group carries one
+//    channel out and one in (NCCL's multi-ring layout). An all-reduce moves 2(n-1)/n of the
+//    buffer over every ring edge, an all-gather or reduce-scatter (n-1)/n.
+//  - tree (all-reduce only): a chain through the members of each node and two binary trees over
+//    the nodes, each carrying half the buffer (NCCL's double binary tree); reduce up, broadcast
+//    down, pipelined.
+//  - all-to-all: every member sends 1/n of its buffer to every other member.
+//
+// The flows of a pipelined algorithm progress together at the rate of their bottleneck link
+// (what SimGrid's parallel tasks do), so a collective alone on the network takes
+//   max over links (bytes crossing the link / its bandwidth) + steps x route latency,
+// which `isolated_seconds` computes; the simulator runs the same flows with contention.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/layout.h"
+#include "core/network.h"
+
+namespace nnsim {
+
+enum class Algorithm { kAuto, kRing, kTree };
+
+struct Flow {
+  int src = 0;  // GPU indices
+  int dst = 0;
+  double bytes = 0;
+};
+
+struct CollectiveFlows {
+  std::string algorithm;  // "ring", "tree", "all-to-all", "p2p"
+  std::vector<Flow> flows;
+  int steps = 1;  // sequential latency steps (2(n-1) for a ring all-reduce)
+};
+
+// Decomposes a collective over `gpus` (group order) moving `bytes` (nccl-tests convention, see
+// core/layout.h). kAuto picks the algorithm with the smaller isolated time, as NCCL's tuner
+// does. One member gives no flows.
+CollectiveFlows decompose_collective(CollectiveKind kind, const std::vector<int>& gpus,
+                                     double bytes, Algorithm algorithm, const Network& net);
+
+// Seconds the flows take alone on the network (see above). Scratch vectors are reused between
+// calls through `scratch` to avoid allocation on hot paths.
+struct LinkLoadScratch {
+  std::vector<double> load;
+  std::vector<int> touched;
+  std::vector<int> route;
+};
+double isolated_seconds(const CollectiveFlows& c, const Network& net, LinkLoadScratch& scratch);
+// Largest route latency among the flows.
+double max_route_latency(const CollectiveFlows& c, const Network& net, LinkLoadScratch& scratch);
+
+}  // namespace nnsim

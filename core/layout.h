@@ -1,0 +1,83 @@
+// How partitioned operators lay their tensors out over the device mesh, and the communication
+// that follows (nnScaler's R/V/D rules). Along each mesh axis a tensor is replicated (R), split
+// along one of its dimensions (S), or a partial sum (P: the "value split"). An operator's
+// partition fixes the layout of its output and the layout it needs for each input; where a
+// producer's layout differs from what the consumer needs, a collective converts it:
+//
+//   have -> want   forward           backward (on the gradient, want -> have)
+//   P -> R         all-reduce        nothing
+//   P -> S(d)      reduce-scatter    all-gather
+//   S(d) -> R      all-gather        reduce-scatter
+//   S(d) -> S(e)   all-to-all        all-to-all
+//   R -> S(d)      nothing (slice)   all-gather of the gradient pieces ... (see below)
+//
+// The backward column is derived, not tabulated: the gradient of an input an operator reads
+// replicated while being split along that axis is a partial sum, and a producer whose output is
+// a partial sum needs the full gradient. docs/plan.md walks through Megatron's tensor and
+// sequence parallelism as an example.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/opgraph.h"
+#include "core/plan.h"
+
+namespace nnsim {
+
+// How one operator is split: for each mesh axis, the dimension split along it (or none).
+struct OpPartition {
+  static constexpr int8_t kNone = -1;
+  std::vector<int8_t> axis_dim;  // indexed like Mesh::axes
+
+  bool splits_on(int axis) const { return axis_dim[axis] != kNone; }
+  Dim dim_on(int axis) const { return static_cast<Dim>(axis_dim[axis]); }
+  // Product of the sizes of the axes splitting `d`.
+  int factor(Dim d, const Mesh& mesh) const;
+  // Product of the split factors of the dimensions in `dims`.
+  int factor(DimSet dims, const Mesh& mesh) const;
+};
+
+enum class AxisLayoutKind : uint8_t { kReplicated, kSplit, kPartial };
+
+struct AxisLayout {
+  AxisLayoutKind kind = AxisLayoutKind::kReplicated;
+  Dim dim = Dim::kBatch;  // for kSplit
+  bool operator==(const AxisLayout&) const = default;
+};
+
+using TensorLayout = std::vector<AxisLayout>;  // one entry per mesh axis
+
+enum class CollectiveKind { kAllReduce, kAllGather, kReduceScatter, kAllToAll };
+std::string_view to_string(CollectiveKind k);
+
+// A collective along one mesh axis. `bytes` follows nccl-tests: the all-reduce buffer, the
+// all-gather output, the reduce-scatter input, the all-to-all buffer, per device.
+struct Conversion {
+  int axis = 0;
+  CollectiveKind kind = CollectiveKind::kAllReduce;
+  double bytes = 0;
+};
+
+TensorLayout output_layout(const Op& op, const OpPartition& part);
+// The layout `op` needs for an input tensor spanning `dims`.
+TensorLayout input_layout(const Op& op, const OpPartition& part, DimSet dims);
+// The layout of the gradient `op` produces for that input.
+TensorLayout input_grad_layout(const Op& op, const OpPartition& part, DimSet dims);
+// The layout a producer needs for the gradient of its output.
+TensorLayout output_grad_layout(const Op& op, const OpPartition& part);
+
+// Bytes of the piece of `t` one device holds under `layout`.
+double piece_bytes(const TensorSpec& t, const TensorLayout& layout, const Mesh& mesh);
+
+// Collectives turning `have` into `want` for tensor `t`, axis by axis (mesh order).
+std::vector<Conversion> conversions(const TensorSpec& t, TensorLayout have,
+                                    const TensorLayout& want, const Mesh& mesh);
+
+// Resolves the plan's partition rules for every operator of a graph part. Fails when a rule
+// splits a dimension the operator does not have or cannot be split along, when a factor does not
+// divide the dimension, or when one axis would split two dimensions of one operator.
+Expected<std::vector<OpPartition>> resolve_partitions(const GraphPart& part, const Plan& plan);
+
+}  // namespace nnsim

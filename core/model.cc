@@ -1,0 +1,310 @@
+#include "core/model.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <optional>
+#include <system_error>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/input.h"
+#include "core/suggest.h"
+
+namespace nnsim {
+namespace {
+
+namespace fs = std::filesystem;
+
+// One thing wrong with a model, tied to the field the user should change.
+struct Problem {
+  std::string field;
+  std::string message;
+};
+
+// Divisors of n just below and just above `near`, for "use 40 or 48" hints.
+std::string nearby_divisors(int64_t n, int64_t near) {
+  int64_t below = 0, above = 0;
+  for (int64_t d = std::min(near, n); d >= 1; --d) {
+    if (n % d == 0) {
+      below = d;
+      break;
+    }
+  }
+  for (int64_t d = std::max<int64_t>(near, 1); d <= n; ++d) {
+    if (n % d == 0) {
+      above = d;
+      break;
+    }
+  }
+  if (below == 0 || below == above) return fmt::format("{}", above);
+  if (above == 0) return fmt::format("{}", below);
+  return fmt::format("{} or {}", below, above);
+}
+
+// Upper bounds far beyond any real model that keep every parameter count within int64
+// (layers * layer_parameters() stays below 2^60).
+constexpr int64_t kMaxLayers = int64_t{1} << 16;
+constexpr int64_t kMaxWidth = int64_t{1} << 20;  // hidden, heads, kv_heads, ffn_hidden
+constexpr int64_t kMaxVocab = int64_t{1} << 24;
+constexpr int64_t kMaxSeqLen = int64_t{1} << 30;
+
+int64_t size_limit(std::string_view field) {
+  if (field == "layers") return kMaxLayers;
+  if (field == "vocab") return kMaxVocab;
+  if (field == "seq_len") return kMaxSeqLen;
+  return kMaxWidth;
+}
+
+std::string too_large(int64_t value, std::string_view field) {
+  return fmt::format("{} is too large (at most {})", value, size_limit(field));
+}
+
+std::optional<Problem> find_problem(const ModelSpec& m) {
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"layers", m.layers},     {"hidden", m.hidden},         {"heads", m.heads},
+      {"kv_heads", m.kv_heads}, {"ffn_hidden", m.ffn_hidden}, {"vocab", m.vocab},
+      {"seq_len", m.seq_len},
+  };
+  for (const auto& [field, value] : sizes) {
+    if (value <= 0) {
+      return Problem{field, fmt::format("must be a positive integer, got {}", value)};
+    }
+    if (value > size_limit(field)) return Problem{field, too_large(value, field)};
+  }
+  if (m.hidden % m.heads != 0) {
+    return Problem{"heads",
+                   fmt::format("heads ({}) must divide hidden ({}) so that every head has the "
+                               "same width; use heads = {}, or change hidden",
+                               m.heads, m.hidden, nearby_divisors(m.hidden, m.heads))};
+  }
+  if (m.kv_heads > m.heads || m.heads % m.kv_heads != 0) {
+    return Problem{
+        "kv_heads",
+        fmt::format("kv_heads ({}) must divide heads ({}): each key/value head serves "
+                    "the same number of query heads; use kv_heads = {} (or omit it for "
+                    "plain multi-head attention)",
+                    m.kv_heads, m.heads, nearby_divisors(m.heads, std::min(m.kv_heads, m.heads)))};
+  }
+  return std::nullopt;
+}
+
+// Signs are checked by find_problem, after all fields are read; the upper bound is checked here
+// too so that `layers` cannot wrap when narrowed to int.
+int64_t read_size(const InputNode& parent, std::string_view field) {
+  InputNode node = parent[field];
+  int64_t v = node.as_int();
+  if (v > size_limit(field)) node.fail(too_large(v, field));
+  return v;
+}
+
+bool is_file(const std::string& path) {
+  std::error_code ec;
+  return fs::is_regular_file(path, ec);
+}
+
+// Preset names contain dots ("gpt3-1.3b"), so only a directory or a YAML/JSON extension marks
+// a string as a path.
+bool looks_like_path(const std::string& s) {
+  std::string ext = fs::path(s).extension().string();
+  return s.find('/') != std::string::npos || ext == ".yaml" || ext == ".yml" || ext == ".json";
+}
+
+std::string models_dir() {
+  return std::string(NNSIM_SOURCE_DIR) + "/models";
+}
+
+}  // namespace
+
+int64_t ModelSpec::layer_parameters() const {
+  const int64_t h = hidden, d = head_dim(), f = ffn_hidden;
+  const int64_t qkv_out = (heads + 2 * kv_heads) * d;
+  int64_t p = h * qkv_out + (bias ? qkv_out : 0);  // fused Q, K, V projection
+  p += h * h + (bias ? h : 0);                     // attention output projection
+  if (gated_mlp()) {
+    p += 3 * h * f + (bias ? 2 * f + h : 0);  // gate and up (h->f), down (f->h)
+  } else {
+    p += 2 * h * f + (bias ? f + h : 0);  // up (h->f), down (f->h)
+  }
+  const int64_t norm_params = h + (norm == NormKind::kLayerNorm && bias ? h : 0);
+  p += 2 * norm_params;  // before attention and before the MLP
+  return p;
+}
+
+int64_t ModelSpec::embedding_parameters() const {
+  return vocab * hidden + (position == PositionKind::kLearned ? seq_len * hidden : 0);
+}
+
+int64_t ModelSpec::head_parameters() const {
+  const int64_t final_norm = hidden + (norm == NormKind::kLayerNorm && bias ? hidden : 0);
+  return final_norm + (tied_embeddings ? 0 : vocab * hidden);
+}
+
+int64_t ModelSpec::parameters() const {
+  return layers * layer_parameters() + embedding_parameters() + head_parameters();
+}
+
+Status validate_model(const ModelSpec& model) {
+  if (auto p = find_problem(model)) {
+    return Error(fmt::format("model '{}': field '{}': {}", model.name, p->field, p->message));
+  }
+  return Status::Ok();
+}
+
+ModelSpec parse_model_node(const InputNode& node, const std::string& default_name) {
+  node.check_keys({"name", "family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "mlp",
+                   "vocab", "seq_len", "tied_embeddings", "position", "norm", "bias", "dropout",
+                   "attention", "precision"});
+  ModelSpec m;
+  m.name = node.get_string("name", default_name);
+  m.family = node.get_string("family", "");
+  m.layers = static_cast<int>(read_size(node, "layers"));
+  m.hidden = read_size(node, "hidden");
+  m.heads = read_size(node, "heads");
+  m.kv_heads = node.has("kv_heads") ? read_size(node, "kv_heads") : m.heads;
+  m.ffn_hidden = read_size(node, "ffn_hidden");
+  m.vocab = read_size(node, "vocab");
+  m.seq_len = read_size(node, "seq_len");
+  m.mlp = node["mlp"].as_enum<MlpKind>({{"gelu", MlpKind::kGelu},
+                                        {"swiglu", MlpKind::kSwiglu},
+                                        {"squared_relu", MlpKind::kSquaredRelu},
+                                        {"relu", MlpKind::kRelu}});
+  m.tied_embeddings = node.get_bool("tied_embeddings", false);
+  if (auto n = node.get("position")) {
+    m.position = n->as_enum<PositionKind>({{"learned", PositionKind::kLearned},
+                                           {"rope", PositionKind::kRope},
+                                           {"alibi", PositionKind::kAlibi}});
+  }
+  if (auto n = node.get("norm")) {
+    m.norm = n->as_enum<NormKind>(
+        {{"layernorm", NormKind::kLayerNorm}, {"rmsnorm", NormKind::kRmsNorm}});
+  }
+  m.bias = node.get_bool("bias", true);
+  m.dropout = node.get_bool("dropout", false);
+  if (auto n = node.get("attention")) {
+    m.attention = n->as_enum<AttentionKernel>(
+        {{"flash", AttentionKernel::kFlash}, {"unfused", AttentionKernel::kUnfused}});
+  }
+  if (auto n = node.get("precision")) {
+    m.precision = n->as_enum<Precision>({{"fp32", Precision::kFp32},
+                                         {"tf32", Precision::kTf32},
+                                         {"bf16", Precision::kBf16},
+                                         {"fp16", Precision::kFp16},
+                                         {"fp8", Precision::kFp8}});
+  }
+  if (auto p = find_problem(m)) {
+    // Point at the offending field; kv_heads may be absent (defaulted), then at the mapping.
+    if (node.has(p->field)) node[p->field].fail(p->message);
+    node.fail(fmt::format("field '{}': {}", p->field, p->message));
+  }
+  return m;
+}
+
+std::string model_to_json(const ModelSpec& m) {
+  nlohmann::ordered_json j;
+  j["name"] = m.name;
+  j["family"] = m.family;
+  j["layers"] = m.layers;
+  j["hidden"] = m.hidden;
+  j["heads"] = m.heads;
+  j["kv_heads"] = m.kv_heads;
+  j["ffn_hidden"] = m.ffn_hidden;
+  j["mlp"] = to_string(m.mlp);
+  j["vocab"] = m.vocab;
+  j["seq_len"] = m.seq_len;
+  j["tied_embeddings"] = m.tied_embeddings;
+  j["position"] = to_string(m.position);
+  j["norm"] = to_string(m.norm);
+  j["bias"] = m.bias;
+  j["dropout"] = m.dropout;
+  j["attention"] = to_string(m.attention);
+  j["precision"] = to_string(m.precision);
+  return j.dump();
+}
+
+Expected<ModelSpec> parse_model(const std::string& yaml_text, const std::string& display_name) {
+  return catch_input_errors<ModelSpec>(display_name, [&] {
+    return parse_model_node(InputNode::load_string(yaml_text, display_name),
+                            fs::path(display_name).stem().string());
+  });
+}
+
+Expected<ModelSpec> load_model(const std::string& path_or_preset) {
+  std::string path = path_or_preset;
+  // An existing file wins over a preset of the same name.
+  if (!is_file(path) && !path.empty() && path.find('/') == std::string::npos) {
+    std::string preset = model_preset_path(path);
+    if (is_file(preset)) {
+      path = preset;
+    } else if (!looks_like_path(path)) {
+      return Error(fmt::format("model '{}' is neither a file nor a preset in {}{}", path,
+                               models_dir(), suggest(path, model_preset_names())));
+    }
+  }
+  return catch_input_errors<ModelSpec>(path, [&] {
+    return parse_model_node(InputNode::load_file(path), fs::path(path).stem().string());
+  });
+}
+
+std::string model_preset_path(const std::string& name) {
+  return models_dir() + "/" + name + ".yaml";
+}
+
+std::vector<std::string> model_preset_names() {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (fs::directory_iterator it(models_dir(), ec), end; !ec && it != end; it.increment(ec)) {
+    const fs::path& p = it->path();
+    if (p.extension() == ".yaml") names.push_back(p.stem().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::string_view to_string(MlpKind k) {
+  switch (k) {
+    case MlpKind::kGelu:
+      return "gelu";
+    case MlpKind::kSwiglu:
+      return "swiglu";
+    case MlpKind::kSquaredRelu:
+      return "squared_relu";
+    case MlpKind::kRelu:
+      return "relu";
+  }
+  return "?";
+}
+
+std::string_view to_string(PositionKind k) {
+  switch (k) {
+    case PositionKind::kLearned:
+      return "learned";
+    case PositionKind::kRope:
+      return "rope";
+    case PositionKind::kAlibi:
+      return "alibi";
+  }
+  return "?";
+}
+
+std::string_view to_string(NormKind k) {
+  switch (k) {
+    case NormKind::kLayerNorm:
+      return "layernorm";
+    case NormKind::kRmsNorm:
+      return "rmsnorm";
+  }
+  return "?";
+}
+
+std::string_view to_string(AttentionKernel k) {
+  switch (k) {
+    case AttentionKernel::kFlash:
+      return "flash";
+    case AttentionKernel::kUnfused:
+      return "unfused";
+  }
+  return "?";
+}
+
+}  // namespace nnsim

@@ -1,0 +1,216 @@
+#include "core/network.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cstddef>
+
+#include <fmt/format.h>
+
+namespace nnsim {
+
+Network::Network(const Topology& topo) : topo_(topo) {
+  // The topology is assumed to pass validate_topology (every parser and resize_topology check it).
+  const int nodes = topo_.nodes;
+  const int g = topo_.gpus_per_node;
+  const int nics = static_cast<int>(topo_.nics.size());
+  const IntraNodeSpec& in = topo_.intra;
+  const int switches = in.has_pcie ? static_cast<int>(in.pcie.switches.size()) : 0;
+  const FabricSpec& fabric = topo_.fabric;
+
+  local_switch_.assign(g, -1);
+  for (int s = 0; s < switches; ++s) {
+    for (int gpu : in.pcie.switches[s]) {
+      if (gpu >= 0 && gpu < g && local_switch_[gpu] < 0) local_switch_[gpu] = s;
+    }
+  }
+  local_nic_.assign(g, -1);
+  for (int j = 0; j < g; ++j) local_nic_[j] = topo_.nic_of(j);
+
+  int groups = 0;
+  int rails = 0;
+  if (fabric.kind != FabricKind::kSingleSwitch && nics > 0 && fabric.nodes_per_group > 0) {
+    groups = (nodes + fabric.nodes_per_group - 1) / fabric.nodes_per_group;
+    rails = fabric.kind == FabricKind::kRailOptimized ? nics : 1;
+  }
+
+  // Size everything up front: a 16,384-GPU cluster has tens of thousands of links.
+  size_t per_node = 0;
+  if (in.kind == IntraNodeKind::kNvSwitch) per_node += g;
+  if (in.kind == IntraNodeKind::kNvLinkMesh) per_node += in.mesh.size();
+  if (in.has_pcie) per_node += g + switches;
+  per_node += nics;
+  links_.reserve(2 * (per_node * nodes + static_cast<size_t>(groups) * rails));
+  if (in.kind == IntraNodeKind::kNvSwitch) nvswitch_port_.reserve(static_cast<size_t>(nodes) * g);
+  if (in.kind == IntraNodeKind::kNvLinkMesh) {
+    mesh_link_.assign(static_cast<size_t>(nodes) * g * g, -1);
+  }
+  if (in.has_pcie) {
+    pcie_gpu_.reserve(static_cast<size_t>(nodes) * g);
+    pcie_uplink_.reserve(static_cast<size_t>(nodes) * switches);
+  }
+  nic_.reserve(static_cast<size_t>(nodes) * nics);
+
+  for (int node = 0; node < nodes; ++node) {
+    if (in.kind == IntraNodeKind::kNvSwitch) {
+      // Two ports per transfer: half the GPU-to-GPU latency on each.
+      for (int j = 0; j < g; ++j) {
+        nvswitch_port_.push_back(add_duplex(fmt::format("n{}.g{}.nvl", node, j), LinkKind::kNvLink,
+                                            in.bandwidth, in.latency / 2));
+      }
+    } else if (in.kind == IntraNodeKind::kNvLinkMesh) {
+      const size_t base = static_cast<size_t>(node) * g * g;
+      for (const MeshLink& m : in.mesh) {
+        int lo = std::min(m.a, m.b);
+        int hi = std::max(m.a, m.b);
+        int id = add_duplex(fmt::format("n{}.g{}-g{}.nvl", node, lo, hi), LinkKind::kNvLink,
+                            m.links * in.bandwidth, in.latency);
+        mesh_link_[base + static_cast<size_t>(lo) * g + hi] = id;
+        mesh_link_[base + static_cast<size_t>(hi) * g + lo] = id;
+      }
+    }
+    if (in.has_pcie) {
+      const PcieSpec& p = in.pcie;
+      for (int j = 0; j < g; ++j) {
+        pcie_gpu_.push_back(add_duplex(fmt::format("n{}.g{}.pcie", node, j), LinkKind::kPcie,
+                                       p.gpu_link_bandwidth, p.latency));
+      }
+      for (int s = 0; s < switches; ++s) {
+        pcie_uplink_.push_back(add_duplex(fmt::format("n{}.psw{}", node, s), LinkKind::kPcie,
+                                          p.switch_uplink_bandwidth, p.latency));
+      }
+    }
+    for (int n = 0; n < nics; ++n) {
+      const NicSpec& nic = topo_.nics[n];
+      nic_.push_back(add_duplex(fmt::format("n{}.nic{}", node, n), LinkKind::kNic, nic.bandwidth,
+                                nic.latency));
+    }
+  }
+
+  if (groups > 0) {
+    const double os = fabric.oversubscription;
+    if (fabric.kind == FabricKind::kFatTree) {
+      // A leaf's uplinks carry what its nodes' NICs can send, divided by the oversubscription.
+      double node_bw = 0;
+      for (const NicSpec& nic : topo_.nics) node_bw += nic.bandwidth;
+      for (int grp = 0; grp < groups; ++grp) {
+        fabric_uplink_.push_back(add_duplex(fmt::format("leaf{}", grp), LinkKind::kFabric,
+                                            fabric.nodes_per_group * node_bw / os,
+                                            fabric.switch_latency));
+      }
+    } else {
+      // One leaf per (scalable unit, rail); its uplinks carry what the unit's NICs of that rail
+      // can send, divided by the oversubscription.
+      for (int grp = 0; grp < groups; ++grp) {
+        for (int r = 0; r < rails; ++r) {
+          fabric_uplink_.push_back(add_duplex(fmt::format("su{}.rail{}", grp, r), LinkKind::kFabric,
+                                              fabric.nodes_per_group * topo_.nics[r].bandwidth / os,
+                                              fabric.switch_latency));
+        }
+      }
+    }
+  }
+}
+
+int Network::add_duplex(const std::string& name, LinkKind kind, double bandwidth, double latency) {
+  int id = static_cast<int>(links_.size());
+  links_.push_back({name + ".up", kind, bandwidth, latency});
+  links_.push_back({name + ".down", kind, bandwidth, latency});
+  return id;
+}
+
+void Network::intra_route(int node, int a, int b, std::vector<int>& out) const {
+  const int g = topo_.gpus_per_node;
+  const size_t gpu_base = static_cast<size_t>(node) * g;
+  switch (topo_.intra.kind) {
+    case IntraNodeKind::kNvSwitch:
+      out.push_back(nvswitch_port_[gpu_base + a]);
+      out.push_back(nvswitch_port_[gpu_base + b] + 1);
+      return;
+    case IntraNodeKind::kNvLinkMesh: {
+      int id = mesh_link_[gpu_base * g + static_cast<size_t>(a) * g + b];
+      if (id >= 0) {
+        out.push_back(a < b ? id : id + 1);  // the up entry carries lower -> higher index
+        return;
+      }
+      break;  // no NVLink between them: PCIe, below
+    }
+    case IntraNodeKind::kPcie:
+      break;
+  }
+  const int switches = static_cast<int>(topo_.intra.pcie.switches.size());
+  const size_t switch_base = static_cast<size_t>(node) * switches;
+  const int sa = local_switch_[a];
+  const int sb = local_switch_[b];
+  out.push_back(pcie_gpu_[gpu_base + a]);
+  if (sa != sb) {
+    out.push_back(pcie_uplink_[switch_base + sa]);
+    out.push_back(pcie_uplink_[switch_base + sb] + 1);
+  }
+  out.push_back(pcie_gpu_[gpu_base + b] + 1);
+}
+
+void Network::gpu_to_nic(int node, int local, int nic, bool outbound, std::vector<int>& out) const {
+  const int g = topo_.gpus_per_node;
+  const int switches = static_cast<int>(topo_.intra.pcie.switches.size());
+  const size_t switch_base = static_cast<size_t>(node) * switches;
+  const int gpu_link = pcie_gpu_[static_cast<size_t>(node) * g + local];
+  const int sg = local_switch_[local];
+  const int sn = topo_.intra.pcie.nic_switch[nic];
+  if (outbound) {
+    out.push_back(gpu_link);
+    if (sg != sn) {
+      out.push_back(pcie_uplink_[switch_base + sg]);
+      out.push_back(pcie_uplink_[switch_base + sn] + 1);
+    }
+  } else {
+    if (sg != sn) {
+      out.push_back(pcie_uplink_[switch_base + sn]);
+      out.push_back(pcie_uplink_[switch_base + sg] + 1);
+    }
+    out.push_back(gpu_link + 1);
+  }
+}
+
+double Network::route(int src, int dst, std::vector<int>& out) const {
+  assert(src >= 0 && src < topo_.num_gpus() && dst >= 0 && dst < topo_.num_gpus());
+  if (src == dst) return 0;
+  const size_t start = out.size();
+  const int g = topo_.gpus_per_node;
+  const int ns = src / g;
+  const int nd = dst / g;
+  const int ls = src % g;
+  const int ld = dst % g;
+  if (ns == nd) {
+    intra_route(ns, ls, ld, out);
+  } else {
+    const int nics = static_cast<int>(topo_.nics.size());
+    const int nic_s = local_nic_[ls];
+    const int nic_d = local_nic_[ld];
+    assert(nic_s >= 0 && nic_d >= 0);
+    const bool pcie = topo_.intra.has_pcie;
+    if (pcie) gpu_to_nic(ns, ls, nic_s, true, out);
+    out.push_back(nic_[static_cast<size_t>(ns) * nics + nic_s]);
+    const FabricSpec& f = topo_.fabric;
+    if (!fabric_uplink_.empty()) {
+      const int gs = ns / f.nodes_per_group;
+      const int gd = nd / f.nodes_per_group;
+      if (f.kind == FabricKind::kFatTree) {
+        if (gs != gd) {
+          out.push_back(fabric_uplink_[gs]);
+          out.push_back(fabric_uplink_[gd] + 1);
+        }
+      } else if (gs != gd || nic_s != nic_d) {
+        // Rail-optimized: only the same rail of the same unit shares a leaf switch.
+        out.push_back(fabric_uplink_[static_cast<size_t>(gs) * nics + nic_s]);
+        out.push_back(fabric_uplink_[static_cast<size_t>(gd) * nics + nic_d] + 1);
+      }
+    }
+    out.push_back(nic_[static_cast<size_t>(nd) * nics + nic_d] + 1);
+    if (pcie) gpu_to_nic(nd, ld, nic_d, false, out);
+  }
+  double latency = 0;
+  for (size_t i = start; i < out.size(); ++i) latency += links_[out[i]].latency;
+  return latency;
+}
+
+}  // namespace nnsim

@@ -1,0 +1,401 @@
+#include "core/opgraph.h"
+
+#include <algorithm>
+
+namespace nnsim {
+
+std::string_view to_string(Dim d) {
+  switch (d) {
+    case Dim::kBatch:
+      return "batch";
+    case Dim::kSeq:
+      return "seq";
+    case Dim::kHidden:
+      return "hidden";
+    case Dim::kHeads:
+      return "heads";
+    case Dim::kFfn:
+      return "ffn";
+    case Dim::kVocab:
+      return "vocab";
+  }
+  return "?";
+}
+
+bool parse_dim(std::string_view name, Dim* out) {
+  for (int i = 0; i < kNumDims; ++i) {
+    if (to_string(static_cast<Dim>(i)) == name) {
+      *out = static_cast<Dim>(i);
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string_view to_string(OpKind k) {
+  switch (k) {
+    case OpKind::kEmbedding:
+      return "embedding";
+    case OpKind::kNorm:
+      return "norm";
+    case OpKind::kLinear:
+      return "linear";
+    case OpKind::kAttention:
+      return "attention";
+    case OpKind::kActivation:
+      return "activation";
+    case OpKind::kDropoutAdd:
+      return "dropout_add";
+    case OpKind::kAdd:
+      return "add";
+    case OpKind::kLoss:
+      return "loss";
+  }
+  return "?";
+}
+
+double Op::parameters() const {
+  if (tied_to_embedding) return 0;
+  double n = 0;
+  for (const auto& w : weights) n += w.elements;
+  return n;
+}
+
+namespace {
+
+constexpr TensorRef kPartInput{-1, 0};
+
+// Shapes shared by the builders below, as doubles (FLOP and byte counts overflow int64 quickly
+// for large models only in products, but doubles keep every formula in one type).
+struct Shape {
+  double b, s, h, a, k, dh, f, v, p;
+  int64_t mb, seq, hidden, kv_heads, ffn, vocab;
+  double qkv_width() const { return (a + 2 * k) * dh; }
+};
+
+Shape shape_of(const ModelSpec& m, int64_t micro_batch) {
+  Shape x{};
+  x.b = static_cast<double>(micro_batch);
+  x.s = static_cast<double>(m.seq_len);
+  x.h = static_cast<double>(m.hidden);
+  x.a = static_cast<double>(m.heads);
+  x.k = static_cast<double>(m.kv_heads);
+  x.dh = static_cast<double>(m.head_dim());
+  x.f = static_cast<double>(m.ffn_hidden);
+  x.v = static_cast<double>(m.vocab);
+  // Activations are 16-bit in mixed precision (fp8 training keeps bf16 activations too).
+  x.p = m.precision == Precision::kFp32 || m.precision == Precision::kTf32 ? 4 : 2;
+  x.mb = micro_batch;
+  x.seq = m.seq_len;
+  x.hidden = m.hidden;
+  x.kv_heads = m.kv_heads;
+  x.ffn = m.ffn_hidden;
+  x.vocab = m.vocab;
+  return x;
+}
+
+void set_granularity(Op& op, const Shape& x) {
+  op.granularity[static_cast<int>(Dim::kBatch)] = x.mb;
+  op.granularity[static_cast<int>(Dim::kSeq)] = x.seq;
+  op.granularity[static_cast<int>(Dim::kHidden)] = x.hidden;
+  op.granularity[static_cast<int>(Dim::kHeads)] = x.kv_heads;  // heads split by KV group
+  op.granularity[static_cast<int>(Dim::kFfn)] = x.ffn;
+  op.granularity[static_cast<int>(Dim::kVocab)] = x.vocab;
+}
+
+TensorSpec tensor(TensorRef ref, double elements, DimSet dims, double bytes_per_element) {
+  TensorSpec t;
+  t.ref = ref;
+  t.elements = elements;
+  t.dims = dims;
+  t.bytes_per_element = bytes_per_element;
+  return t;
+}
+
+// The op's own output as a tensor reference.
+TensorRef out(int op) {
+  return TensorRef{op, 0};
+}
+
+Op norm_op(const std::string& name, int self, TensorRef input, const ModelSpec& m, const Shape& x) {
+  Op op;
+  op.name = name;
+  op.kind = OpKind::kNorm;
+  op.dims = {Dim::kBatch, Dim::kSeq, Dim::kHidden};
+  op.unsplittable = {Dim::kHidden};  // statistics over hidden need all of it
+  op.inputs = {input};
+  const double bsh = x.b * x.s * x.h;
+  op.output = tensor(out(self), bsh, {Dim::kBatch, Dim::kSeq, Dim::kHidden}, x.p);
+  double norm_params = m.norm == NormKind::kLayerNorm && m.bias ? 2 * x.h : x.h;
+  op.weights = {tensor(TensorRef{self, 1}, norm_params, {Dim::kHidden}, x.p)};
+  op.saved = {tensor(input, bsh, {Dim::kBatch, Dim::kSeq, Dim::kHidden}, x.p)};
+  op.fwd_bytes = 2 * bsh * x.p;  // read x, write y
+  op.bwd_bytes = 3 * bsh * x.p;  // read x and dy, write dx
+  set_granularity(op, x);
+  return op;
+}
+
+// y[b,s,out] = x[b,s,in] . W[in,out] (+ bias).
+Op linear_op(const std::string& name, int self, TensorRef input, Dim in_dim, double in_size,
+             Dim out_dim, double out_size, bool bias, const Shape& x) {
+  Op op;
+  op.name = name;
+  op.kind = OpKind::kLinear;
+  op.dims = {Dim::kBatch, Dim::kSeq, in_dim, out_dim};
+  op.reduced = {in_dim};
+  op.inputs = {input};
+  const double tokens = x.b * x.s;
+  op.output = tensor(out(self), tokens * out_size, {Dim::kBatch, Dim::kSeq, out_dim}, x.p);
+  op.weights = {tensor(TensorRef{self, 1}, in_size * out_size, {in_dim, out_dim}, x.p)};
+  if (bias) op.weights.push_back(tensor(TensorRef{self, 2}, out_size, {out_dim}, x.p));
+  op.saved = {tensor(input, tokens * in_size, {Dim::kBatch, Dim::kSeq, in_dim}, x.p)};
+  op.fwd_flops = 2 * tokens * in_size * out_size;
+  op.bwd_input_flops = op.fwd_flops;
+  op.bwd_weight_flops = op.fwd_flops;
+  op.fwd_bytes = (tokens * (in_size + out_size) + in_size * out_size) * x.p;
+  op.bwd_bytes = 2 * op.fwd_bytes;
+  set_granularity(op, x);
+  return op;
+}
+
+Op dropout_add_op(const std::string& name, int self, std::vector<TensorRef> inputs, bool dropout,
+                  const Shape& x) {
+  Op op;
+  op.name = name;
+  op.kind = OpKind::kDropoutAdd;
+  op.dims = {Dim::kBatch, Dim::kSeq, Dim::kHidden};
+  op.inputs = std::move(inputs);
+  const double bsh = x.b * x.s * x.h;
+  op.output = tensor(out(self), bsh, {Dim::kBatch, Dim::kSeq, Dim::kHidden}, x.p);
+  if (dropout) {
+    op.saved = {tensor(TensorRef{self, 1}, bsh, {Dim::kBatch, Dim::kSeq, Dim::kHidden}, 1)};
+  }
+  const double reads = static_cast<double>(op.inputs.size());
+  op.fwd_bytes = (reads + 1) * bsh * x.p + (dropout ? bsh : 0);
+  op.bwd_bytes = (reads + 1) * bsh * x.p + (dropout ? bsh : 0);
+  set_granularity(op, x);
+  return op;
+}
+
+Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
+  Op op;
+  op.name = "attn.core";
+  op.kind = OpKind::kAttention;
+  op.dims = {Dim::kBatch, Dim::kSeq, Dim::kHeads};
+  op.inputs = {qkv};
+  op.causal = true;
+  const double tokens = x.b * x.s;
+  const DimSet bsn{Dim::kBatch, Dim::kSeq, Dim::kHeads};
+  op.output = tensor(out(self), tokens * x.a * x.dh, bsn, x.p);
+  // Q, K and V are the projection's output: kept as one tensor.
+  op.saved = {tensor(qkv, tokens * x.qkv_width(), bsn, x.p)};
+  const double scores = x.b * x.a * x.s * x.s;  // spans batch, heads and the query sequence
+  if (m.attention == AttentionKernel::kUnfused) {
+    op.saved.push_back(tensor(TensorRef{self, 1}, scores, bsn, x.p));  // softmax output
+    if (m.dropout) {
+      op.saved.push_back(tensor(TensorRef{self, 2}, scores, bsn, 1));    // dropout mask
+      op.saved.push_back(tensor(TensorRef{self, 3}, scores, bsn, x.p));  // dropout output
+    }
+    op.transient_bytes = 2 * scores * x.p;  // raw scores and their gradient
+    op.fwd_bytes = tokens * (x.qkv_width() + x.a * x.dh) * x.p + 3 * scores * x.p;
+    op.bwd_bytes = 2 * op.fwd_bytes;
+  } else {
+    // FlashAttention keeps its output and the log-sum-exp of each row (fp32).
+    op.saved.push_back(tensor(out(self), tokens * x.a * x.dh, bsn, x.p));
+    op.saved.push_back(tensor(TensorRef{self, 1}, x.b * x.a * x.s, bsn, 4));
+    op.fwd_bytes = tokens * (x.qkv_width() + x.a * x.dh) * x.p;
+    op.bwd_bytes = 2 * op.fwd_bytes;
+  }
+  // Q.K^T and softmax(.).V: 2 * (2 * b * s * s * a * dh), counted in full (Megatron).
+  op.fwd_flops = 4 * x.b * x.s * x.s * x.a * x.dh;
+  op.bwd_input_flops = 2 * op.fwd_flops;
+  // Context parallelism splits the query sequence: each device passes its K and V chunk around a
+  // ring (ways - 1 steps), overlapped with attention on the chunk it holds; the backward pass
+  // passes K, V and their gradients.
+  InternalComm ring;
+  ring.dim = Dim::kSeq;
+  ring.kind = InternalComm::Kind::kRingExchange;
+  ring.dims = bsn;
+  ring.fwd_bytes = tokens * 2 * x.k * x.dh * x.p;
+  ring.bwd_bytes = 2 * ring.fwd_bytes;
+  ring.fwd_calls = 1;
+  ring.bwd_calls = 1;
+  ring.overlaps_compute = true;
+  op.internal_comm = {ring};
+  set_granularity(op, x);
+  return op;
+}
+
+Op activation_op(int self, TensorRef input, const ModelSpec& m, const Shape& x) {
+  Op op;
+  op.name = "mlp.act";
+  op.kind = OpKind::kActivation;
+  op.dims = {Dim::kBatch, Dim::kSeq, Dim::kFfn};
+  op.inputs = {input};
+  const double tokens = x.b * x.s;
+  const double in_width = m.gated_mlp() ? 2 * x.f : x.f;
+  const DimSet bsf{Dim::kBatch, Dim::kSeq, Dim::kFfn};
+  op.output = tensor(out(self), tokens * x.f, bsf, x.p);
+  op.saved = {tensor(input, tokens * in_width, bsf, x.p)};
+  op.fwd_bytes = tokens * (in_width + x.f) * x.p;
+  op.bwd_bytes = tokens * (in_width + x.f + in_width) * x.p;
+  set_granularity(op, x);
+  return op;
+}
+
+GraphPart build_embedding(const ModelSpec& m, const Shape& x) {
+  GraphPart part;
+  const double bsh = x.b * x.s * x.h;
+  const DimSet bsh_dims{Dim::kBatch, Dim::kSeq, Dim::kHidden};
+  Op word;
+  word.name = "embed.word";
+  word.kind = OpKind::kEmbedding;
+  word.dims = {Dim::kBatch, Dim::kSeq, Dim::kVocab, Dim::kHidden};
+  word.reduced = {Dim::kVocab};  // a vocab shard yields zeros for tokens outside it: partial sums
+  word.inputs = {kPartInput};
+  word.output = tensor(out(0), bsh, bsh_dims, x.p);
+  word.weights = {tensor(TensorRef{0, 1}, x.v * x.h, {Dim::kVocab, Dim::kHidden}, x.p)};
+  word.fwd_bytes = 2 * bsh * x.p;
+  word.bwd_bytes = 2 * bsh * x.p;
+  set_granularity(word, x);
+  part.ops.push_back(word);
+  if (m.position == PositionKind::kLearned) {
+    Op pos;
+    pos.name = "embed.position";
+    pos.kind = OpKind::kAdd;
+    pos.dims = bsh_dims;
+    pos.inputs = {out(0)};
+    pos.output = tensor(out(1), bsh, bsh_dims, x.p);
+    pos.weights = {tensor(TensorRef{1, 1}, x.s * x.h, {Dim::kSeq, Dim::kHidden}, x.p)};
+    pos.fwd_bytes = 3 * bsh * x.p;
+    pos.bwd_bytes = 2 * bsh * x.p;
+    set_granularity(pos, x);
+    part.ops.push_back(pos);
+  }
+  if (m.dropout) {
+    int self = static_cast<int>(part.ops.size());
+    Op drop = dropout_add_op("embed.dropout", self, {out(self - 1)}, true, x);
+    part.ops.push_back(drop);
+  }
+  return part;
+}
+
+GraphPart build_layer(const ModelSpec& m, const Shape& x) {
+  GraphPart part;
+  auto& ops = part.ops;
+  ops.push_back(norm_op("attn.norm", 0, kPartInput, m, x));
+  ops.push_back(
+      linear_op("attn.qkv", 1, out(0), Dim::kHidden, x.h, Dim::kHeads, x.qkv_width(), m.bias, x));
+  ops.push_back(attention_op(2, out(1), m, x));
+  ops.push_back(
+      linear_op("attn.proj", 3, out(2), Dim::kHeads, x.a * x.dh, Dim::kHidden, x.h, m.bias, x));
+  ops.push_back(dropout_add_op("attn.residual", 4, {out(3), kPartInput}, m.dropout, x));
+  ops.push_back(norm_op("mlp.norm", 5, out(4), m, x));
+  const double fc1_width = m.gated_mlp() ? 2 * x.f : x.f;
+  ops.push_back(
+      linear_op("mlp.fc1", 6, out(5), Dim::kHidden, x.h, Dim::kFfn, fc1_width, m.bias, x));
+  ops.push_back(activation_op(7, out(6), m, x));
+  ops.push_back(linear_op("mlp.fc2", 8, out(7), Dim::kFfn, x.f, Dim::kHidden, x.h, m.bias, x));
+  ops.push_back(dropout_add_op("mlp.residual", 9, {out(8), out(4)}, m.dropout, x));
+  return part;
+}
+
+GraphPart build_head(const ModelSpec& m, const Shape& x) {
+  GraphPart part;
+  part.ops.push_back(norm_op("head.norm", 0, kPartInput, m, x));
+  Op proj = linear_op("head.proj", 1, out(0), Dim::kHidden, x.h, Dim::kVocab, x.v, false, x);
+  proj.tied_to_embedding = m.tied_embeddings;
+  part.ops.push_back(proj);
+
+  Op loss;
+  loss.name = "loss";
+  loss.kind = OpKind::kLoss;
+  loss.dims = {Dim::kBatch, Dim::kSeq, Dim::kVocab};
+  loss.reduced = {Dim::kVocab};
+  loss.inputs = {out(1)};
+  const double tokens = x.b * x.s;
+  const DimSet bsv{Dim::kBatch, Dim::kSeq, Dim::kVocab};
+  loss.output = tensor(out(2), tokens, {Dim::kBatch, Dim::kSeq}, 4);
+  // Cross-entropy runs in fp32 and keeps the softmax for the backward pass (Megatron's
+  // vocab-parallel cross-entropy does this too).
+  loss.saved = {tensor(TensorRef{2, 1}, tokens * x.v, bsv, 4)};
+  loss.transient_bytes = tokens * x.v * 4;  // the fp32 copy of the logits
+  loss.fwd_bytes = tokens * x.v * (x.p + 4 + 4);
+  loss.bwd_bytes = tokens * x.v * (4 + x.p);
+  // A vocab-split loss all-reduces the row maximum, the sum of exponentials and the target
+  // logit (three fp32 values per token) across the split.
+  InternalComm stats;
+  stats.dim = Dim::kVocab;
+  stats.kind = InternalComm::Kind::kAllReduce;
+  stats.dims = {Dim::kBatch, Dim::kSeq};
+  stats.fwd_bytes = tokens * 4;
+  stats.fwd_calls = 3;
+  loss.internal_comm = {stats};
+  set_granularity(loss, x);
+  part.ops.push_back(loss);
+  return part;
+}
+
+double part_flops(const GraphPart& part, bool backward) {
+  double f = 0;
+  for (const auto& op : part.ops) {
+    f += backward ? op.bwd_input_flops + op.bwd_weight_flops : op.fwd_flops;
+  }
+  return f;
+}
+
+}  // namespace
+
+double OpGraph::forward_flops() const {
+  return part_flops(embedding, false) + model.layers * part_flops(layer, false) +
+         part_flops(head, false);
+}
+
+double OpGraph::backward_flops() const {
+  return part_flops(embedding, true) + model.layers * part_flops(layer, true) +
+         part_flops(head, true);
+}
+
+OpGraph lower_model(const ModelSpec& model, int64_t micro_batch) {
+  Shape x = shape_of(model, micro_batch);
+  OpGraph g;
+  g.model = model;
+  g.micro_batch = micro_batch;
+  g.activation_precision = x.p == 4 ? Precision::kFp32 : Precision::kBf16;
+  g.embedding = build_embedding(model, x);
+  g.layer = build_layer(model, x);
+  g.head = build_head(model, x);
+  return g;
+}
+
+double layer_activation_bytes(const OpGraph& graph, const std::vector<std::string>& recomputed) {
+  const auto& ops = graph.layer.ops;
+  auto is_recomputed = [&](int i) {
+    return i >= 0 &&
+           std::find(recomputed.begin(), recomputed.end(), ops[i].name) != recomputed.end();
+  };
+  std::vector<TensorSpec> kept;
+  auto keep = [&](const TensorSpec& t) {
+    for (const auto& k : kept) {
+      if (k.ref == t.ref) return;
+    }
+    kept.push_back(t);
+  };
+  for (int i = 0; i < static_cast<int>(ops.size()); ++i) {
+    const Op& op = ops[i];
+    if (!is_recomputed(i)) {
+      for (const auto& t : op.saved) keep(t);
+      continue;
+    }
+    // A recomputed op keeps only the inputs that come from outside the recomputed region: they
+    // are the checkpoint it restarts from.
+    for (const auto& t : op.saved) {
+      if (t.ref.slot == 0 && t.ref.op != i && !is_recomputed(t.ref.op)) keep(t);
+    }
+  }
+  double bytes = 0;
+  for (const auto& t : kept) bytes += t.bytes();
+  return bytes;
+}
+
+}  // namespace nnsim

@@ -1,0 +1,458 @@
+#include "core/plan.h"
+
+#include <charconv>
+#include <set>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/input.h"
+#include "core/suggest.h"
+
+namespace nnsim {
+
+int Mesh::num_ranks() const {
+  int n = 1;
+  for (const auto& a : axes) n *= a.size;
+  return n;
+}
+
+int Mesh::axis_index(const std::string& name) const {
+  for (size_t i = 0; i < axes.size(); ++i) {
+    if (axes[i].name == name) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+int Mesh::axis_size(const std::string& name) const {
+  int i = axis_index(name);
+  return i < 0 ? 1 : axes[i].size;
+}
+
+std::vector<int> Mesh::coordinates(int rank) const {
+  std::vector<int> c(axes.size());
+  for (int i = static_cast<int>(axes.size()) - 1; i >= 0; --i) {
+    c[i] = rank % axes[i].size;
+    rank /= axes[i].size;
+  }
+  return c;
+}
+
+int Mesh::rank_of(const std::vector<int>& coordinates) const {
+  int r = 0;
+  for (size_t i = 0; i < axes.size(); ++i) r = r * axes[i].size + coordinates[i];
+  return r;
+}
+
+std::vector<int> Placement::gpu_of_rank(const Mesh& mesh) const {
+  const int n = mesh.num_ranks();
+  if (!gpus.empty()) return gpus;
+  std::vector<int> out(n);
+  for (int r = 0; r < n; ++r) {
+    std::vector<int> coord = mesh.coordinates(r);
+    // Remaining (not yet consumed) size of each axis: factors of one axis take its coordinate
+    // most significant part first.
+    std::vector<int> remaining(mesh.axes.size());
+    for (size_t i = 0; i < mesh.axes.size(); ++i) remaining[i] = mesh.axes[i].size;
+    int gpu = 0;
+    for (const auto& f : factors) {
+      int ai = mesh.axis_index(f.axis);
+      remaining[ai] /= f.size;
+      int digit = (coord[ai] / remaining[ai]) % f.size;
+      gpu = gpu * f.size + digit;
+    }
+    out[r] = gpu;
+  }
+  return out;
+}
+
+int Plan::num_micro_batches() const {
+  int denom = micro_batch * data_parallel();
+  return denom > 0 ? global_batch / denom : 0;
+}
+
+std::string_view to_string(BlockKind k) {
+  switch (k) {
+    case BlockKind::kForward:
+      return "F";
+    case BlockKind::kBackward:
+      return "B";
+    case BlockKind::kBackwardInput:
+      return "BI";
+    case BlockKind::kBackwardWeight:
+      return "BW";
+    case BlockKind::kRecompute:
+      return "R";
+  }
+  return "?";
+}
+
+std::string to_string(const Block& b) {
+  return fmt::format("{}{}@{}", to_string(b.kind), b.micro_batch, b.segment);
+}
+
+Expected<Block> parse_block(const std::string& text) {
+  auto bad = [&] {
+    return Error(fmt::format(
+        "'{}' is not a block (expected KIND<micro-batch>@<segment> with KIND one of F, B, BI, "
+        "BW, R, e.g. 'F3@1')",
+        text));
+  };
+  size_t i = 0;
+  while (i < text.size() && std::isalpha(static_cast<unsigned char>(text[i]))) ++i;
+  std::string kind = text.substr(0, i);
+  Block b;
+  if (kind == "F") {
+    b.kind = BlockKind::kForward;
+  } else if (kind == "B") {
+    b.kind = BlockKind::kBackward;
+  } else if (kind == "BI") {
+    b.kind = BlockKind::kBackwardInput;
+  } else if (kind == "BW") {
+    b.kind = BlockKind::kBackwardWeight;
+  } else if (kind == "R") {
+    b.kind = BlockKind::kRecompute;
+  } else {
+    return bad();
+  }
+  size_t at = text.find('@', i);
+  if (at == std::string::npos) return bad();
+  const char* begin = text.data();
+  auto r1 = std::from_chars(begin + i, begin + at, b.micro_batch);
+  auto r2 = std::from_chars(begin + at + 1, begin + text.size(), b.segment);
+  if (r1.ec != std::errc() || r1.ptr != begin + at || r2.ec != std::errc() ||
+      r2.ptr != begin + text.size() || b.micro_batch < 0 || b.segment < 0) {
+    return bad();
+  }
+  return b;
+}
+
+bool match_pattern(const std::string& pattern, const std::string& name) {
+  // Iterative glob with '*' only.
+  size_t p = 0, n = 0, star = std::string::npos, mark = 0;
+  while (n < name.size()) {
+    if (p < pattern.size() && pattern[p] == name[n]) {
+      ++p;
+      ++n;
+    } else if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      mark = n;
+    } else if (star != std::string::npos) {
+      p = star + 1;
+      n = ++mark;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+namespace {
+
+using json = nlohmann::ordered_json;
+
+Precision parse_precision(const InputNode& n) {
+  return n.as_enum<Precision>({{"fp32", Precision::kFp32},
+                               {"tf32", Precision::kTf32},
+                               {"bf16", Precision::kBf16},
+                               {"fp16", Precision::kFp16},
+                               {"fp8", Precision::kFp8}});
+}
+
+MeshSlice parse_slice(const InputNode& n, const Mesh& mesh) {
+  MeshSlice slice;
+  for (const auto& [axis, value] : n.entries()) {
+    int ai = mesh.axis_index(axis);
+    if (ai < 0) {
+      std::vector<std::string> names;
+      for (const auto& a : mesh.axes) names.push_back(a.name);
+      value.fail(fmt::format("no mesh axis '{}'{}", axis, suggest(axis, names)));
+    }
+    int64_t c = value.as_int();
+    if (c < 0 || c >= mesh.axes[ai].size) {
+      value.fail(fmt::format("coordinate {} is outside axis '{}' (size {}: 0-{})", c, axis,
+                             mesh.axes[ai].size, mesh.axes[ai].size - 1));
+    }
+    slice[axis] = static_cast<int>(c);
+  }
+  return slice;
+}
+
+Mesh parse_mesh(const InputNode& n) {
+  Mesh mesh;
+  std::set<std::string> seen;
+  for (const auto& item : n.items()) {
+    auto pair = item.items();
+    if (pair.size() != 2) item.fail("expected [\"axis\", size], e.g. [\"tp\", 8]");
+    MeshAxis a{pair[0].as_string(), static_cast<int>(pair[1].as_int())};
+    if (a.size < 1) pair[1].fail("an axis size must be at least 1");
+    if (!seen.insert(a.name).second) pair[0].fail("axis '" + a.name + "' appears twice");
+    mesh.axes.push_back(a);
+  }
+  if (mesh.axes.empty()) n.fail("the mesh needs at least one axis");
+  return mesh;
+}
+
+Placement parse_placement(const InputNode& n, const Mesh& mesh) {
+  n.check_keys({"factors", "gpus"});
+  Placement p;
+  if (auto g = n.get("gpus")) {
+    for (const auto& item : g->items()) p.gpus.push_back(static_cast<int>(item.as_int()));
+    if (static_cast<int>(p.gpus.size()) != mesh.num_ranks()) {
+      g->fail(
+          fmt::format("lists {} GPUs but the mesh has {} ranks", p.gpus.size(), mesh.num_ranks()));
+    }
+    return p;
+  }
+  auto factors = n["factors"];
+  std::map<std::string, int> product;
+  for (const auto& item : factors.items()) {
+    auto pair = item.items();
+    if (pair.size() != 2) item.fail("expected [\"axis\", size], e.g. [\"tp\", 8]");
+    PlacementFactor f{pair[0].as_string(), static_cast<int>(pair[1].as_int())};
+    if (mesh.axis_index(f.axis) < 0) pair[0].fail("no mesh axis '" + f.axis + "'");
+    if (f.size < 1) pair[1].fail("a factor must be at least 1");
+    product[f.axis] = (product.count(f.axis) ? product[f.axis] : 1) * f.size;
+    p.factors.push_back(f);
+  }
+  for (const auto& a : mesh.axes) {
+    int got = product.count(a.name) ? product[a.name] : 1;
+    if (got != a.size) {
+      factors.fail(fmt::format("the factors of axis '{}' multiply to {}, but the axis has size {}",
+                               a.name, got, a.size));
+    }
+  }
+  return p;
+}
+
+std::pair<int, int> parse_range(const InputNode& n) {
+  auto v = n.as_int_list();
+  if (v.size() != 2 || v[0] < 0 || v[1] < v[0]) {
+    n.fail("expected [first, end) as two integers with first <= end, e.g. [0, 12]");
+  }
+  return {static_cast<int>(v[0]), static_cast<int>(v[1])};
+}
+
+Plan parse_plan_node(const InputNode& root) {
+  root.check_keys({"format", "version", "name", "topology", "model", "training", "mesh",
+                   "placement", "segments", "partition", "recompute", "optimizer", "communication",
+                   "schedule"});
+  if (root["format"].as_string() != "nnsim-plan") {
+    root["format"].fail("expected \"nnsim-plan\" (is this a plan file?)");
+  }
+  Plan plan;
+  plan.version = static_cast<int>(root["version"].as_int());
+  if (plan.version != kPlanVersion) {
+    root["version"].fail(fmt::format(
+        "plan version {} is not supported by this nnsim (it reads version {}); rebuild the plan "
+        "with `nnsim plan`",
+        plan.version, kPlanVersion));
+  }
+  plan.name = root.get_string("name", "");
+  if (auto t = root.get("topology")) {
+    t->check_keys({"name", "gpus"});
+    plan.topology_name = t->get_string("name", "");
+    plan.topology_gpus = static_cast<int>(t->get_int("gpus", 0));
+  }
+  plan.model = parse_model_node(root["model"]);
+
+  auto training = root["training"];
+  training.check_keys({"global_batch", "micro_batch", "precision"});
+  plan.global_batch = static_cast<int>(training["global_batch"].as_int());
+  plan.micro_batch = static_cast<int>(training["micro_batch"].as_int());
+  if (plan.global_batch < 1) training["global_batch"].fail("must be at least 1");
+  if (plan.micro_batch < 1) training["micro_batch"].fail("must be at least 1");
+  plan.precision =
+      training.has("precision") ? parse_precision(training["precision"]) : plan.model.precision;
+
+  plan.mesh = parse_mesh(root["mesh"]);
+  plan.placement = parse_placement(root["placement"], plan.mesh);
+
+  for (const auto& s : root["segments"].items()) {
+    s.check_keys({"name", "layers", "embedding", "head", "devices"});
+    Segment seg;
+    seg.name = s.get_string("name", fmt::format("s{}", plan.segments.size()));
+    std::tie(seg.first_layer, seg.end_layer) = parse_range(s["layers"]);
+    seg.embedding = s.get_bool("embedding", false);
+    seg.head = s.get_bool("head", false);
+    seg.devices = parse_slice(s["devices"], plan.mesh);
+    plan.segments.push_back(seg);
+  }
+
+  if (auto parts = root.get("partition")) {
+    for (const auto& r : parts->items()) {
+      r.check_keys({"match", "split"});
+      PartitionRule rule;
+      rule.match = r["match"].as_string();
+      for (const auto& [dim_name, axes] : r["split"].entries()) {
+        DimSplit split;
+        if (!parse_dim(dim_name, &split.dim)) {
+          axes.fail(
+              fmt::format("unknown dimension '{}'{}", dim_name,
+                          suggest(dim_name, {"batch", "seq", "hidden", "heads", "ffn", "vocab"})));
+        }
+        for (const auto& a : axes.items()) {
+          std::string axis = a.as_string();
+          if (plan.mesh.axis_index(axis) < 0) a.fail("no mesh axis '" + axis + "'");
+          if (axis == kDataParallelAxis) {
+            a.fail("the data-parallel axis 'dp' splits the batch implicitly; remove it here");
+          }
+          split.axes.push_back(axis);
+        }
+        rule.splits.push_back(split);
+      }
+      plan.partition.push_back(rule);
+    }
+  }
+
+  if (auto rec = root.get("recompute")) {
+    for (const auto& r : rec->items()) {
+      r.check_keys({"match", "layers"});
+      RecomputeRule rule;
+      rule.match = r["match"].as_string();
+      if (r.has("layers")) std::tie(rule.first_layer, rule.end_layer) = parse_range(r["layers"]);
+      plan.recompute.push_back(rule);
+    }
+  }
+
+  if (auto opt = root.get("optimizer")) {
+    opt->check_keys({"kind", "zero", "grad_bytes", "state_bytes"});
+    plan.optimizer.kind = opt->get_string("kind", "adam");
+    if (plan.optimizer.kind != "adam") (*opt)["kind"].fail_unknown(plan.optimizer.kind, {"adam"});
+    plan.optimizer.zero = static_cast<int>(opt->get_int("zero", 0));
+    if (plan.optimizer.zero < 0 || plan.optimizer.zero > 3) {
+      (*opt)["zero"].fail("expected a ZeRO stage 0, 1, 2 or 3");
+    }
+    plan.optimizer.grad_bytes = opt->get_double("grad_bytes", plan.optimizer.grad_bytes);
+    plan.optimizer.state_bytes = opt->get_double("state_bytes", plan.optimizer.state_bytes);
+  }
+
+  if (auto c = root.get("communication")) {
+    c->check_keys({"dp_bucket_bytes", "overlap_grad_reduce", "overlap_param_gather",
+                   "pp_scatter_gather", "algorithm"});
+    plan.comm.dp_bucket_bytes =
+        c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
+    plan.comm.overlap_grad_reduce = c->get_bool("overlap_grad_reduce", true);
+    plan.comm.overlap_param_gather = c->get_bool("overlap_param_gather", true);
+    plan.comm.pp_scatter_gather = c->get_bool("pp_scatter_gather", true);
+    plan.comm.algorithm = c->get_string("algorithm", "auto");
+    if (plan.comm.algorithm != "auto" && plan.comm.algorithm != "ring" &&
+        plan.comm.algorithm != "tree") {
+      (*c)["algorithm"].fail_unknown(plan.comm.algorithm, {"auto", "ring", "tree"});
+    }
+  }
+
+  auto sched = root["schedule"];
+  sched.check_keys({"name", "orders"});
+  plan.schedule_name = sched.get_string("name", "");
+  for (const auto& o : sched["orders"].items()) {
+    o.check_keys({"devices", "blocks"});
+    DeviceOrder order;
+    order.devices = parse_slice(o["devices"], plan.mesh);
+    std::string text = o["blocks"].as_string();
+    size_t pos = 0;
+    while (pos < text.size()) {
+      size_t end = text.find(' ', pos);
+      if (end == std::string::npos) end = text.size();
+      if (end > pos) {
+        Expected<Block> b = parse_block(text.substr(pos, end - pos));
+        if (!b) o["blocks"].fail(b.error().message());
+        order.blocks.push_back(*b);
+      }
+      pos = end + 1;
+    }
+    plan.schedule.push_back(order);
+  }
+  return plan;
+}
+
+json slice_json(const MeshSlice& s) {
+  json j = json::object();
+  for (const auto& [axis, c] : s) j[axis] = c;
+  return j;
+}
+
+}  // namespace
+
+Expected<Plan> parse_plan(const std::string& json_text, const std::string& display_name) {
+  return catch_input_errors<Plan>(display_name, [&] {
+    return parse_plan_node(InputNode::load_string(json_text, display_name));
+  });
+}
+
+Expected<Plan> load_plan(const std::string& path) {
+  return catch_input_errors<Plan>(path,
+                                  [&] { return parse_plan_node(InputNode::load_file(path)); });
+}
+
+std::string plan_to_json(const Plan& plan) {
+  json j;
+  j["format"] = "nnsim-plan";
+  j["version"] = plan.version;
+  j["name"] = plan.name;
+  if (plan.topology_gpus > 0) {
+    j["topology"] = {{"name", plan.topology_name}, {"gpus", plan.topology_gpus}};
+  }
+  j["model"] = json::parse(model_to_json(plan.model));
+  j["training"] = {{"global_batch", plan.global_batch},
+                   {"micro_batch", plan.micro_batch},
+                   {"precision", std::string(to_string(plan.precision))}};
+  json mesh = json::array();
+  for (const auto& a : plan.mesh.axes) mesh.push_back(json::array({a.name, a.size}));
+  j["mesh"] = mesh;
+  json placement = json::object();
+  if (!plan.placement.gpus.empty()) {
+    placement["gpus"] = plan.placement.gpus;
+  } else {
+    json factors = json::array();
+    for (const auto& f : plan.placement.factors) factors.push_back(json::array({f.axis, f.size}));
+    placement["factors"] = factors;
+  }
+  j["placement"] = placement;
+  json segments = json::array();
+  for (const auto& s : plan.segments) {
+    segments.push_back({{"name", s.name},
+                        {"layers", json::array({s.first_layer, s.end_layer})},
+                        {"embedding", s.embedding},
+                        {"head", s.head},
+                        {"devices", slice_json(s.devices)}});
+  }
+  j["segments"] = segments;
+  json partition = json::array();
+  for (const auto& r : plan.partition) {
+    json split = json::object();
+    for (const auto& s : r.splits) split[std::string(to_string(s.dim))] = s.axes;
+    partition.push_back({{"match", r.match}, {"split", split}});
+  }
+  j["partition"] = partition;
+  json recompute = json::array();
+  for (const auto& r : plan.recompute) {
+    json rule = {{"match", r.match}};
+    if (r.end_layer >= 0) rule["layers"] = json::array({r.first_layer, r.end_layer});
+    recompute.push_back(rule);
+  }
+  j["recompute"] = recompute;
+  j["optimizer"] = {{"kind", plan.optimizer.kind},
+                    {"zero", plan.optimizer.zero},
+                    {"grad_bytes", plan.optimizer.grad_bytes},
+                    {"state_bytes", plan.optimizer.state_bytes}};
+  j["communication"] = {{"dp_bucket_bytes", plan.comm.dp_bucket_bytes},
+                        {"overlap_grad_reduce", plan.comm.overlap_grad_reduce},
+                        {"overlap_param_gather", plan.comm.overlap_param_gather},
+                        {"pp_scatter_gather", plan.comm.pp_scatter_gather},
+                        {"algorithm", plan.comm.algorithm}};
+  json orders = json::array();
+  for (const auto& o : plan.schedule) {
+    std::string blocks;
+    for (const auto& b : o.blocks) {
+      if (!blocks.empty()) blocks += ' ';
+      blocks += to_string(b);
+    }
+    orders.push_back({{"devices", slice_json(o.devices)}, {"blocks", blocks}});
+  }
+  j["schedule"] = {{"name", plan.schedule_name}, {"orders", orders}};
+  return j.dump(1) + "\n";
+}
+
+}  // namespace nnsim

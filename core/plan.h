@@ -1,0 +1,180 @@
+// A parallelization plan (plan.json, versioned; schema in docs/plan.md). It states nnScaler's
+// three primitives for one data-parallel replica and says how replicas are made:
+//
+//  - op-trans: `partition` rules say how each operator is split: which of its dimensions is
+//    split along which mesh axis. Operators a rule does not split are replicated; splitting a
+//    dimension the operator sums over leaves partial sums (value split).
+//  - op-assign: `segments` put consecutive layers (plus the embedding and the head) on a slice
+//    of the device mesh (e.g. pipeline rank 3, all tensor-parallel ranks).
+//  - op-order: `schedule` lists, for each slice of devices that runs the same program, the
+//    order of its blocks (forward / backward / backward-input / backward-weight / recompute of
+//    one micro-batch through one segment).
+//
+// Plus recomputation, optimizer sharding (ZeRO 0-3), communication settings and the placement of
+// mesh ranks on GPUs. The communication an operator needs follows from the partitioning
+// (core/layout.h). Data-parallel replicas and identical layers are described once: the plan's
+// size does not grow with the data-parallel degree or the layer count.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/model.h"
+#include "core/opgraph.h"
+#include "core/precision.h"
+
+namespace nnsim {
+
+inline constexpr int kPlanVersion = 1;
+inline constexpr const char* kDataParallelAxis = "dp";
+
+// The device mesh: named axes; a rank's coordinates are its row-major index (last axis
+// innermost). The axis named "dp" holds the data-parallel replicas.
+struct MeshAxis {
+  std::string name;
+  int size = 1;
+};
+
+struct Mesh {
+  std::vector<MeshAxis> axes;
+
+  int num_ranks() const;
+  int axis_index(const std::string& name) const;  // -1 if absent
+  int axis_size(const std::string& name) const;   // 1 if absent
+  std::vector<int> coordinates(int rank) const;
+  int rank_of(const std::vector<int>& coordinates) const;
+};
+
+// Where mesh ranks sit on the cluster. GPU index = mixed-radix number over `factors`, outermost
+// first; an axis may appear in several factors (its coordinate is split, most significant part
+// first), which expresses mesh shapes such as "TP 8 as 2 nodes x 4 GPUs". Alternatively, `gpus`
+// lists the GPU of every rank explicitly.
+struct PlacementFactor {
+  std::string axis;
+  int size = 1;
+};
+
+struct Placement {
+  std::vector<PlacementFactor> factors;
+  std::vector<int> gpus;  // explicit: gpus[rank]; used when non-empty
+
+  // GPU index of every rank.
+  std::vector<int> gpu_of_rank(const Mesh& mesh) const;
+};
+
+// Split `dim` of the matched operators along the product of `axes`.
+struct DimSplit {
+  Dim dim = Dim::kBatch;
+  std::vector<std::string> axes;
+};
+
+struct PartitionRule {
+  std::string match;  // operator name pattern: "attn.qkv", "mlp.*", "*"
+  std::vector<DimSplit> splits;
+};
+
+// A fixed coordinate per named mesh axis; axes not named are spanned. {"pp": 3} = every device
+// whose pipeline coordinate is 3 (all tensor-parallel ranks of it, in every replica).
+using MeshSlice = std::map<std::string, int>;
+
+// Consecutive layers [first_layer, end_layer) on one mesh slice, optionally with the embedding
+// before them and the head (final norm, output projection, loss) after them.
+struct Segment {
+  std::string name;
+  int first_layer = 0;
+  int end_layer = 0;
+  bool embedding = false;
+  bool head = false;
+  MeshSlice devices;
+};
+
+enum class BlockKind {
+  kForward,         // F
+  kBackward,        // B: input and weight gradients
+  kBackwardInput,   // BI: input gradients only (zero-bubble split)
+  kBackwardWeight,  // BW: weight gradients only
+  kRecompute,       // R: recompute a micro-batch's dropped activations ahead of its backward
+};
+std::string_view to_string(BlockKind k);  // "F", "B", "BI", "BW", "R"
+
+struct Block {
+  BlockKind kind = BlockKind::kForward;
+  int micro_batch = 0;
+  int segment = 0;
+  bool operator==(const Block&) const = default;
+};
+std::string to_string(const Block& b);  // "F3@1": forward of micro-batch 3 through segment 1
+Expected<Block> parse_block(const std::string& text);
+
+// The block order of every device in a slice.
+struct DeviceOrder {
+  MeshSlice devices;
+  std::vector<Block> blocks;
+};
+
+// Operators whose activations are dropped after the forward pass and recomputed before their
+// backward, in layers [first_layer, end_layer) (end_layer -1 = through the last layer).
+struct RecomputeRule {
+  std::string match;
+  int first_layer = 0;
+  int end_layer = -1;
+};
+
+struct OptimizerSpec {
+  std::string kind = "adam";
+  int zero = 0;  // 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (over "dp")
+  // Bytes per parameter of the gradient buffer (2 = bf16/fp16, 4 = fp32 accumulation) and of
+  // the optimizer state (fp32 master copy + two Adam moments = 12).
+  double grad_bytes = 2;
+  double state_bytes = 12;
+};
+
+struct CommSettings {
+  // Data-parallel gradient reduction: bucket size (bytes of gradients) and whether buckets are
+  // reduced during the backward pass (else after it).
+  double dp_bucket_bytes = 40e6 * 4;
+  bool overlap_grad_reduce = true;
+  // ZeRO-1/2 parameter all-gather after the optimizer step overlapped with the next forward;
+  // ZeRO-3 prefetches the next layers' parameters.
+  bool overlap_param_gather = true;
+  // Pipeline: send 1/t of a tensor replicated over `t` ranks and all-gather it on arrival.
+  bool pp_scatter_gather = true;
+  std::string algorithm = "auto";  // collective algorithm: auto, ring or tree
+};
+
+struct Plan {
+  int version = kPlanVersion;
+  std::string name;
+  ModelSpec model;
+  int global_batch = 0;       // sequences per optimizer step, whole job
+  int micro_batch = 1;        // sequences per micro-batch per replica
+  Precision precision = Precision::kBf16;
+  Mesh mesh;
+  Placement placement;
+  std::vector<Segment> segments;
+  std::vector<PartitionRule> partition;
+  std::vector<RecomputeRule> recompute;
+  std::vector<DeviceOrder> schedule;
+  OptimizerSpec optimizer;
+  CommSettings comm;
+  std::string schedule_name;  // informational ("1f1b"), as written by the builder
+  int topology_gpus = 0;      // GPU count the plan was built for (0 = unchecked)
+  std::string topology_name;  // informational
+
+  int data_parallel() const { return mesh.axis_size(kDataParallelAxis); }
+  int num_micro_batches() const;  // per replica, per iteration
+};
+
+// plan.json <-> Plan. Reading checks the structure and the names (file, line and field in every
+// message); semantic checks against a topology are in core/program.h.
+Expected<Plan> load_plan(const std::string& path);
+Expected<Plan> parse_plan(const std::string& json_text, const std::string& display_name);
+std::string plan_to_json(const Plan& plan);
+
+// Name matching used by partition and recompute rules: '*' matches any run of characters.
+bool match_pattern(const std::string& pattern, const std::string& name);
+
+}  // namespace nnsim

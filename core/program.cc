@@ -1,0 +1,1143 @@
+#include "core/program.h"
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "core/schedule_check.h"
+
+namespace nnsim {
+
+std::vector<int> Program::group_of(int rank, uint32_t axes_mask) const {
+  const Mesh& mesh = plan.mesh;
+  std::vector<int> base = mesh.coordinates(rank);
+  std::vector<int> varying;
+  for (size_t a = 0; a < mesh.axes.size(); ++a) {
+    if (axes_mask & (1u << a)) varying.push_back(static_cast<int>(a));
+  }
+  int count = 1;
+  for (int a : varying) count *= mesh.axes[a].size;
+  std::vector<int> out;
+  out.reserve(count);
+  for (int i = 0; i < count; ++i) {
+    std::vector<int> c = base;
+    int rest = i;
+    for (int k = static_cast<int>(varying.size()) - 1; k >= 0; --k) {
+      int a = varying[k];
+      c[a] = rest % mesh.axes[a].size;
+      rest /= mesh.axes[a].size;
+    }
+    out.push_back(mesh.rank_of(c));
+  }
+  return out;
+}
+
+std::string Program::axes_name(uint32_t axes_mask) const {
+  std::string s;
+  for (size_t a = 0; a < plan.mesh.axes.size(); ++a) {
+    if (axes_mask & (1u << a)) s += (s.empty() ? "" : "+") + plan.mesh.axes[a].name;
+  }
+  return s.empty() ? "local" : s;
+}
+
+int Program::rank_in_replica(int rank, int replica) const {
+  int dp = plan.mesh.axis_index(kDataParallelAxis);
+  if (dp < 0) return rank;
+  std::vector<int> c = plan.mesh.coordinates(rank);
+  c[dp] = replica;
+  return plan.mesh.rank_of(c);
+}
+
+namespace {
+
+// NCCL's Simple-protocol buffer per channel and peer (NCCL_BUFFSIZE default, 4 MiB) and the
+// channels a communicator opens; see docs/cost-model.md.
+constexpr double kNcclBufferBytes = 4.0 * 1024 * 1024;
+constexpr int kNcclChannels = 8;
+// CUDA context, cuBLAS workspaces and allocator slack outside the tensors (assumption,
+// docs/cost-model.md; calibrated by hwexec measurements).
+constexpr double kRuntimeBytes = 512.0 * 1024 * 1024;
+
+// A graph part (embedding, one layer, head) with everything the plan fixes about it.
+struct PartInfo {
+  const GraphPart* part = nullptr;
+  std::vector<OpPartition> partitions;
+  std::vector<TensorLayout> out_layouts;
+  std::vector<double> fwd_seconds, bwd_input_seconds, bwd_weight_seconds;
+  std::vector<double> fwd_flops, bwd_input_flops, bwd_weight_flops;
+  std::vector<double> local_params;   // parameters of each op's piece
+  std::vector<uint32_t> sync_axes;    // axes (besides dp) each op's weight gradients sum over
+  std::vector<int> labels;
+};
+
+struct Compiler {
+  const Plan& plan;
+  const Topology& topo;
+  Program& prog;
+  const Mesh& mesh;
+  Network net;
+  PartInfo embed, layer, head;
+  TensorSpec boundary;  // the hidden-state tensor passed between parts: [b, s, h]
+  uint32_t lane_axes = 0;
+  uint32_t bucket_axes = 0;  // dp and the axes every weight syncs over (context parallel)
+  std::vector<int> segment_order;  // segments in pipeline order
+  std::vector<int> next_segment, prev_segment, lane_of_segment;
+  std::map<std::string, int> label_index;
+
+  Compiler(const Plan& p, const Topology& t, Program& out)
+      : plan(p), topo(t), prog(out), mesh(p.mesh), net(t) {}
+
+  int label(const std::string& s) {
+    auto [it, inserted] = label_index.emplace(s, static_cast<int>(prog.labels.size()));
+    if (inserted) prog.labels.push_back(s);
+    return it->second;
+  }
+
+  Status check_basics();
+  Status resolve_part(const GraphPart& part, PartInfo& info);
+  Status build_lanes();
+  Status check_segments();
+  void emit_forward(const PartInfo& p, const TensorLayout& in_layout,
+                    const std::vector<bool>& recomputed, bool only_recomputed,
+                    ComputeClass cls, std::vector<Step>& steps);
+  void emit_backward(const PartInfo& p, const TensorLayout& in_layout,
+                     const TensorLayout& in_grad_layout, const std::vector<bool>& recomputed,
+                     bool input_grads, bool weight_grads, std::vector<Step>& steps);
+  double kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
+                    const std::vector<bool>& recomputed, bool weight_inputs_only) const;
+  double transient_bytes(const PartInfo& p) const;
+  std::vector<bool> recomputed_ops(const PartInfo& p, int layer_index) const;
+  bool has_recompute(int segment) const;
+  int template_for(int segment, BlockKind kind, bool grad_sync, bool explicit_recompute,
+                   bool first_forward);
+  void build_template(BlockTemplate& t, bool grad_sync, bool explicit_recompute,
+                      bool first_forward);
+  void emit_grad_buckets(double bytes, double& pending, std::vector<Step>& steps, int segment);
+  double segment_params(int segment) const;
+  void build_memory(Lane& lane, const std::vector<int>& segments);
+  std::map<std::tuple<int, int, bool, bool, bool>, int> template_cache;
+};
+
+Status Compiler::check_basics() {
+  if (Status s = validate_model(plan.model); !s) return s;
+  if (mesh.axis_index(kDataParallelAxis) < 0) {
+    return Error("the plan's mesh has no 'dp' axis; add [\"dp\", 1] for a single replica");
+  }
+  const int ranks = mesh.num_ranks();
+  if (ranks != topo.num_gpus()) {
+    return Error(fmt::format(
+        "the plan's mesh has {} ranks but topology '{}' has {} GPUs ({} nodes x {}); build the "
+        "plan for this topology (nnsim plan --topo ...) or resize the topology with --nodes",
+        ranks, topo.name, topo.num_gpus(), topo.nodes, topo.gpus_per_node));
+  }
+  prog.gpu_of_rank = plan.placement.gpu_of_rank(mesh);
+  std::vector<int> owner(topo.num_gpus(), -1);
+  for (int r = 0; r < ranks; ++r) {
+    int g = prog.gpu_of_rank[r];
+    if (g < 0 || g >= topo.num_gpus()) {
+      return Error(fmt::format("placement puts rank {} on GPU {}, which does not exist "
+                               "(GPUs 0-{})",
+                               r, g, topo.num_gpus() - 1));
+    }
+    if (owner[g] >= 0) {
+      return Error(fmt::format("placement puts ranks {} and {} on the same GPU {}", owner[g], r,
+                               g));
+    }
+    owner[g] = r;
+  }
+  const int dp = plan.data_parallel();
+  if (plan.global_batch % (dp * plan.micro_batch) != 0) {
+    return Error(fmt::format(
+        "global batch {} is not divisible by data-parallel degree x micro-batch = {} x {} = {}; "
+        "change the global batch or the micro-batch",
+        plan.global_batch, dp, plan.micro_batch, dp * plan.micro_batch));
+  }
+  return Status::Ok();
+}
+
+Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
+  info.part = &part;
+  Expected<std::vector<OpPartition>> parts = resolve_partitions(part, plan);
+  if (!parts) return parts.error();
+  info.partitions = *parts;
+  const GpuSpec& gpu = topo.gpu;
+  for (size_t i = 0; i < part.ops.size(); ++i) {
+    const Op& op = part.ops[i];
+    const OpPartition& p = info.partitions[i];
+    const double f = p.factor(op.dims, mesh);
+    info.out_layouts.push_back(output_layout(op, p));
+    info.fwd_flops.push_back(op.fwd_flops / f);
+    info.bwd_input_flops.push_back(op.bwd_input_flops / f);
+    info.bwd_weight_flops.push_back(op.bwd_weight_flops / f);
+    const double fb = op.fwd_bytes / f;
+    const double bb = op.bwd_bytes / f;
+    const ComputeModel& cm = prog.compute_model;
+    info.fwd_seconds.push_back(
+        op_seconds(op, Pass::kForward, info.fwd_flops.back(), fb, plan.precision, gpu, cm));
+    // Weight-gradient kernels move about half of the backward traffic of a matmul.
+    const bool has_weight_grad = op.bwd_weight_flops > 0;
+    info.bwd_input_seconds.push_back(op_seconds(op, Pass::kBackwardInput,
+                                                info.bwd_input_flops.back(),
+                                                has_weight_grad ? bb / 2 : bb, plan.precision,
+                                                gpu, cm));
+    info.bwd_weight_seconds.push_back(
+        has_weight_grad ? op_seconds(op, Pass::kBackwardWeight, info.bwd_weight_flops.back(),
+                                     bb / 2, plan.precision, gpu, cm)
+                        : 0.0);
+    double params = 0;
+    uint32_t sync = 0;
+    for (const auto& w : op.weights) {
+      params += w.elements / p.factor(w.dims, mesh);
+    }
+    for (size_t a = 0; a < mesh.axes.size(); ++a) {
+      if (!p.splits_on(static_cast<int>(a)) || mesh.axes[a].size == 1) continue;
+      Dim d = p.dim_on(static_cast<int>(a));
+      bool in_weight = false;
+      for (const auto& w : op.weights) in_weight = in_weight || w.dims.contains(d);
+      if (!op.weights.empty() && !in_weight) sync |= 1u << a;
+    }
+    info.local_params.push_back(params);
+    info.sync_axes.push_back(sync);
+    info.labels.push_back(label(op.name));
+  }
+  return Status::Ok();
+}
+
+std::vector<bool> Compiler::recomputed_ops(const PartInfo& p, int layer_index) const {
+  std::vector<bool> r(p.part->ops.size(), false);
+  for (size_t i = 0; i < r.size(); ++i) {
+    for (const auto& rule : plan.recompute) {
+      if (!match_pattern(rule.match, p.part->ops[i].name)) continue;
+      if (layer_index < 0) {
+        if (rule.end_layer < 0) r[i] = true;  // embedding / head: only rules without a range
+      } else if (layer_index >= rule.first_layer &&
+                 (rule.end_layer < 0 || layer_index < rule.end_layer)) {
+        r[i] = true;
+      }
+    }
+  }
+  return r;
+}
+
+bool Compiler::has_recompute(int segment) const {
+  const Segment& s = plan.segments[segment];
+  for (int l = s.first_layer; l < s.end_layer; ++l) {
+    auto r = recomputed_ops(layer, l);
+    if (std::find(r.begin(), r.end(), true) != r.end()) return true;
+  }
+  return false;
+}
+
+// The layout the part's input arrives in, and the tensor it is.
+TensorLayout input_layout_of(const PartInfo& prev) { return prev.out_layouts.back(); }
+
+void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
+                            const std::vector<bool>& recomputed, bool only_recomputed,
+                            ComputeClass cls, std::vector<Step>& steps) {
+  const auto& ops = p.part->ops;
+  std::vector<std::pair<TensorRef, TensorLayout>> converted;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (only_recomputed && !recomputed[i]) continue;
+    const Op& op = ops[i];
+    const OpPartition& part = p.partitions[i];
+    for (const TensorRef& r : op.inputs) {
+      const TensorSpec& t = r.op < 0 ? boundary : ops[r.op].output;
+      const TensorLayout& have = r.op < 0 ? in_layout : p.out_layouts[r.op];
+      TensorLayout want = input_layout(op, part, t.dims);
+      bool seen = false;
+      for (const auto& [ref, lay] : converted) seen = seen || (ref == r && lay == want);
+      if (seen) continue;
+      converted.emplace_back(r, want);
+      for (const Conversion& c : conversions(t, have, want, mesh)) {
+        Step s;
+        s.kind = StepKind::kCollective;
+        s.collective = c.kind;
+        s.axes = 1u << c.axis;
+        s.bytes = c.bytes;
+        s.label = p.labels[i];
+        steps.push_back(s);
+      }
+    }
+    Step s;
+    s.kind = StepKind::kCompute;
+    s.compute_class = cls;
+    s.seconds = p.fwd_seconds[i];
+    s.flops = cls == ComputeClass::kRecompute ? 0 : p.fwd_flops[i];
+    s.label = p.labels[i];
+    // Internal communication of a split operator.
+    bool overlapped = false;
+    for (const auto& ic : op.internal_comm) {
+      int f = part.factor(ic.dim, mesh);
+      if (f <= 1) continue;
+      uint32_t axes = 0;
+      for (size_t a = 0; a < mesh.axes.size(); ++a) {
+        if (part.splits_on(static_cast<int>(a)) && part.dim_on(static_cast<int>(a)) == ic.dim) {
+          axes |= 1u << a;
+        }
+      }
+      const double piece = ic.fwd_bytes / part.factor(ic.dims, mesh);
+      if (ic.kind == InternalComm::Kind::kRingExchange) {
+        // Passing every chunk around the ring moves what an all-gather of the chunks moves.
+        Step c;
+        c.kind = StepKind::kCollective;
+        c.collective = CollectiveKind::kAllGather;
+        c.axes = axes;
+        c.bytes = piece * f;
+        c.seconds = s.seconds;  // overlapped with the operator's compute
+        c.compute_class = cls;
+        c.flops = s.flops;
+        c.label = p.labels[i];
+        steps.push_back(c);
+        overlapped = true;
+      } else {
+        for (int k = 0; k < ic.fwd_calls; ++k) {
+          Step c;
+          c.kind = StepKind::kCollective;
+          c.collective = CollectiveKind::kAllReduce;
+          c.axes = axes;
+          c.bytes = piece;
+          c.label = p.labels[i];
+          steps.push_back(c);
+        }
+      }
+    }
+    if (!overlapped) steps.push_back(s);
+  }
+}
+
+void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
+                             const TensorLayout& in_grad_layout,
+                             const std::vector<bool>& recomputed, bool input_grads,
+                             bool weight_grads, std::vector<Step>& steps) {
+  const auto& ops = p.part->ops;
+  std::vector<std::pair<TensorRef, TensorLayout>> converted;
+  for (int i = static_cast<int>(ops.size()) - 1; i >= 0; --i) {
+    const Op& op = ops[i];
+    const OpPartition& part = p.partitions[i];
+    if (input_grads) {
+      // Inputs kept split instead of gathered (Megatron's sequence parallelism keeps the
+      // sequence-split norm output) are gathered again before the backward matmuls.
+      for (const TensorRef& r : op.inputs) {
+        const TensorSpec& t = r.op < 0 ? boundary : ops[r.op].output;
+        const TensorLayout& have = r.op < 0 ? in_layout : p.out_layouts[r.op];
+        TensorLayout want = input_layout(op, part, t.dims);
+        bool saved = false;
+        for (const auto& sv : op.saved) saved = saved || sv.ref == r;
+        if (!saved || recomputed[i]) continue;
+        for (const Conversion& c : conversions(t, have, want, mesh)) {
+          if (c.kind != CollectiveKind::kAllGather) continue;
+          Step s;
+          s.kind = StepKind::kCollective;
+          s.collective = c.kind;
+          s.axes = 1u << c.axis;
+          s.bytes = c.bytes;
+          s.label = p.labels[i];
+          steps.push_back(s);
+        }
+      }
+    }
+    Step s;
+    s.kind = StepKind::kCompute;
+    s.seconds = (input_grads ? p.bwd_input_seconds[i] : 0) +
+                (weight_grads ? p.bwd_weight_seconds[i] : 0);
+    s.flops = (input_grads ? p.bwd_input_flops[i] : 0) +
+              (weight_grads ? p.bwd_weight_flops[i] : 0);
+    s.label = p.labels[i];
+    bool overlapped = false;
+    if (input_grads) {
+      for (const auto& ic : op.internal_comm) {
+        int f = part.factor(ic.dim, mesh);
+        if (f <= 1 || ic.bwd_calls == 0) continue;
+        uint32_t axes = 0;
+        for (size_t a = 0; a < mesh.axes.size(); ++a) {
+          if (part.splits_on(static_cast<int>(a)) &&
+              part.dim_on(static_cast<int>(a)) == ic.dim) {
+            axes |= 1u << a;
+          }
+        }
+        const double piece = ic.bwd_bytes / part.factor(ic.dims, mesh);
+        Step c;
+        c.kind = StepKind::kCollective;
+        c.collective = CollectiveKind::kAllGather;
+        c.axes = axes;
+        c.bytes = piece * f;
+        c.label = p.labels[i];
+        if (ic.overlaps_compute) {
+          c.seconds = s.seconds;
+          c.flops = s.flops;
+          overlapped = true;
+        }
+        steps.push_back(c);
+      }
+    }
+    if (!overlapped && s.seconds > 0) steps.push_back(s);
+    if (!input_grads) continue;
+    // Gradients of the inputs, converted to the layout their producers need.
+    for (const TensorRef& r : op.inputs) {
+      const TensorSpec& t = r.op < 0 ? boundary : ops[r.op].output;
+      if (op.kind == OpKind::kEmbedding && r.op < 0) continue;  // token ids: no gradient
+      TensorLayout have = input_grad_layout(op, part, t.dims);
+      TensorLayout want = r.op < 0 ? in_grad_layout
+                                   : output_grad_layout(ops[r.op], p.partitions[r.op]);
+      bool seen = false;
+      for (const auto& [ref, lay] : converted) seen = seen || (ref == r && lay == have);
+      if (seen) continue;
+      converted.emplace_back(r, have);
+      for (const Conversion& c : conversions(t, have, want, mesh)) {
+        Step cs;
+        cs.kind = StepKind::kCollective;
+        cs.collective = c.kind;
+        cs.axes = 1u << c.axis;
+        cs.bytes = c.bytes;
+        cs.label = p.labels[i];
+        steps.push_back(cs);
+      }
+    }
+  }
+}
+
+// Activation bytes a part keeps for its backward pass (one micro-batch). With
+// `weight_inputs_only`, only what the weight gradients still need after a split backward's
+// input-gradient half (the inputs of operators with weights).
+double Compiler::kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
+                            const std::vector<bool>& recomputed, bool weight_inputs_only) const {
+  const auto& ops = p.part->ops;
+  std::vector<TensorRef> kept;
+  double bytes = 0;
+  auto keep = [&](const TensorSpec& t, const TensorLayout& layout) {
+    for (const auto& k : kept) {
+      if (k == t.ref) return;
+    }
+    kept.push_back(t.ref);
+    bytes += piece_bytes(t, layout, mesh);
+  };
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const Op& op = ops[i];
+    const OpPartition& part = p.partitions[i];
+    if (weight_inputs_only && op.bwd_weight_flops <= 0) continue;
+    for (const TensorSpec& t : op.saved) {
+      const bool is_input = t.ref.slot == 0 && t.ref.op != static_cast<int>(i);
+      if (recomputed[i]) {
+        // A recomputed operator keeps only inputs from outside the recomputed region.
+        if (!is_input || (t.ref.op >= 0 && recomputed[t.ref.op])) continue;
+      }
+      if (weight_inputs_only && !is_input) continue;
+      TensorLayout layout;
+      if (is_input) {
+        const TensorLayout& have = t.ref.op < 0 ? in_layout : p.out_layouts[t.ref.op];
+        layout = input_layout(op, part, t.dims);
+        // Inputs that arrive by all-gather are kept in their split form.
+        for (size_t a = 0; a < layout.size(); ++a) {
+          if (have[a].kind == AxisLayoutKind::kSplit &&
+              layout[a].kind == AxisLayoutKind::kReplicated) {
+            layout[a] = have[a];
+          }
+        }
+      } else {
+        layout = input_layout(op, part, t.dims);
+      }
+      keep(t, layout);
+    }
+  }
+  return bytes;
+}
+
+// The largest temporary an operator of the part allocates: its own scratch plus its output and
+// the gradient of its output.
+double Compiler::transient_bytes(const PartInfo& p) const {
+  double worst = 0;
+  const auto& ops = p.part->ops;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const Op& op = ops[i];
+    const OpPartition& part = p.partitions[i];
+    double f = part.factor(op.dims, mesh);
+    double out = piece_bytes(op.output, p.out_layouts[i], mesh);
+    worst = std::max(worst, op.transient_bytes / f + 2 * out);
+  }
+  return worst;
+}
+
+double Compiler::segment_params(int segment) const {
+  const Segment& s = plan.segments[segment];
+  // A tied output projection on the embedding's own devices is the embedding matrix itself.
+  const bool shares_embedding =
+      s.head && lane_of_segment[segment] == lane_of_segment[segment_order.front()];
+  auto sum = [&](const PartInfo& p) {
+    double n = 0;
+    for (size_t i = 0; i < p.local_params.size(); ++i) {
+      if (shares_embedding && p.part->ops[i].tied_to_embedding) continue;
+      n += p.local_params[i];
+    }
+    return n;
+  };
+  double n = (s.end_layer - s.first_layer) * sum(layer);
+  if (s.embedding) n += sum(embed);
+  if (s.head) n += sum(head);
+  return n;
+}
+
+void Compiler::emit_grad_buckets(double bytes, double& pending, std::vector<Step>& steps,
+                                 int segment) {
+  pending += bytes;
+  const double bucket = plan.comm.dp_bucket_bytes;
+  while (bucket > 0 && pending >= bucket) {
+    Step s;
+    s.kind = StepKind::kDpLaunch;
+    s.collective = plan.optimizer.zero >= 1 ? CollectiveKind::kReduceScatter
+                                            : CollectiveKind::kAllReduce;
+    s.axes = bucket_axes;
+    s.bytes = bucket;
+    s.label = label(fmt::format("grad sync {}", plan.segments[segment].name));
+    steps.push_back(s);
+    pending -= bucket;
+  }
+}
+
+int Compiler::template_for(int segment, BlockKind kind, bool grad_sync, bool explicit_recompute,
+                           bool first_forward) {
+  auto k = std::make_tuple(segment, static_cast<int>(kind), grad_sync, explicit_recompute,
+                           first_forward);
+  auto it = template_cache.find(k);
+  if (it != template_cache.end()) return it->second;
+  BlockTemplate t;
+  t.segment = segment;
+  t.kind = kind;
+  build_template(t, grad_sync, explicit_recompute, first_forward);
+  prog.templates.push_back(std::move(t));
+  int index = static_cast<int>(prog.templates.size()) - 1;
+  template_cache.emplace(k, index);
+  return index;
+}
+
+void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_recompute,
+                              bool first_forward) {
+  const int seg = t.segment;
+  const Segment& s = plan.segments[seg];
+  const int zero = plan.optimizer.zero;
+  const TensorLayout embed_out = input_layout_of(embed);
+  const TensorLayout layer_out = input_layout_of(layer);
+  auto layer_in = [&](int l) { return l == 0 ? embed_out : layer_out; };
+  auto steps = &t.steps;
+  const int prev = prev_segment[seg];
+  const int next = next_segment[seg];
+  const bool recv_from_prev = prev >= 0 && lane_of_segment[prev] != lane_of_segment[seg];
+  const bool send_to_next = next >= 0 && lane_of_segment[next] != lane_of_segment[seg];
+  const bool recv_from_next = send_to_next;
+  const bool send_to_prev = recv_from_prev;
+  const double act_piece =
+      piece_bytes(boundary, s.embedding ? embed_out : layer_out, mesh);
+  // Pipeline transfers carry the boundary tensor; a tensor replicated over an axis of the lane
+  // is sent in 1/size slices and all-gathered on arrival when scatter-gather is on.
+  auto transfer_bytes = [&](const TensorLayout& layout, uint32_t* gather_axes) {
+    double b = piece_bytes(boundary, layout, mesh);
+    *gather_axes = 0;
+    if (!plan.comm.pp_scatter_gather) return b;
+    for (size_t a = 0; a < layout.size(); ++a) {
+      if ((lane_axes & (1u << a)) && layout[a].kind == AxisLayoutKind::kReplicated &&
+          mesh.axes[a].size > 1) {
+        b /= mesh.axes[a].size;
+        *gather_axes |= 1u << a;
+      }
+    }
+    return b;
+  };
+  auto recv = [&](int peer, bool gradient, const TensorLayout& layout) {
+    uint32_t gather = 0;
+    Step r;
+    r.kind = StepKind::kRecv;
+    r.peer_segment = peer;
+    r.gradient = gradient;
+    r.bytes = transfer_bytes(layout, &gather);
+    r.label = label(gradient ? "recv gradient" : "recv activation");
+    steps->push_back(r);
+    for (size_t a = 0; a < mesh.axes.size(); ++a) {
+      if (!(gather & (1u << a))) continue;
+      Step g;
+      g.kind = StepKind::kCollective;
+      g.collective = CollectiveKind::kAllGather;
+      g.axes = 1u << a;
+      g.bytes = piece_bytes(boundary, layout, mesh);
+      g.label = r.label;
+      steps->push_back(g);
+    }
+  };
+  auto send = [&](int peer, bool gradient, const TensorLayout& layout) {
+    uint32_t gather = 0;
+    Step x;
+    x.kind = StepKind::kSend;
+    x.peer_segment = peer;
+    x.gradient = gradient;
+    x.bytes = transfer_bytes(layout, &gather);
+    x.label = label(gradient ? "send gradient" : "send activation");
+    steps->push_back(x);
+  };
+  auto memory = [&](double bytes) {
+    Step m;
+    m.kind = StepKind::kMemory;
+    m.bytes = bytes;
+    steps->push_back(m);
+  };
+  auto zero3_gather = [&](int tag, double params) {
+    Step l;
+    l.kind = StepKind::kDpLaunch;
+    l.collective = CollectiveKind::kAllGather;
+    l.axes = 1u << mesh.axis_index(kDataParallelAxis);
+    l.bytes = params * 2;
+    l.tag = tag;
+    l.label = label("param gather");
+    steps->push_back(l);
+    Step w;
+    w.kind = StepKind::kDpWait;
+    w.tag = tag;
+    w.label = l.label;
+    steps->push_back(w);
+  };
+  auto layer_params = std::accumulate(layer.local_params.begin(), layer.local_params.end(), 0.0);
+  auto embed_params = std::accumulate(embed.local_params.begin(), embed.local_params.end(), 0.0);
+  auto head_params = std::accumulate(head.local_params.begin(), head.local_params.end(), 0.0);
+  const double grad_bytes = plan.optimizer.grad_bytes;
+
+  // Activation bytes of this segment per micro-batch (forward keeps), and the peak extra.
+  double kept = 0, kept_weight_inputs = 0, full_layer = 0;
+  if (s.embedding) {
+    kept += kept_bytes(embed, embed_out, recomputed_ops(embed, -1), false);
+    kept_weight_inputs += kept_bytes(embed, embed_out, recomputed_ops(embed, -1), true);
+  }
+  for (int l = s.first_layer; l < s.end_layer; ++l) {
+    kept += kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), false);
+    kept_weight_inputs += kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), true);
+    full_layer = std::max(full_layer,
+                          kept_bytes(layer, layer_in(l), std::vector<bool>(
+                                                              layer.part->ops.size(), false),
+                                     false));
+  }
+  if (s.head) {
+    kept += kept_bytes(head, layer_out, recomputed_ops(head, -1), false);
+    kept_weight_inputs += kept_bytes(head, layer_out, recomputed_ops(head, -1), true);
+  }
+  double transient = transient_bytes(layer);
+  if (s.head) transient = std::max(transient, transient_bytes(head));
+  if (s.embedding) transient = std::max(transient, transient_bytes(embed));
+
+  switch (t.kind) {
+    case BlockKind::kForward: {
+      if (first_forward && (zero == 1 || zero == 2) && plan.comm.overlap_param_gather &&
+          plan.data_parallel() > 1) {
+        Step w;
+        w.kind = StepKind::kDpWait;
+        w.tag = 1000000 + seg;
+        w.label = label("param gather");
+        steps->push_back(w);
+      }
+      if (recv_from_prev) recv(prev, false, s.embedding ? embed_out : layer_out);
+      if (s.embedding) {
+        if (zero == 3) zero3_gather(seg * 10000 + 9999, embed_params);
+        emit_forward(embed, embed_out, recomputed_ops(embed, -1), false, ComputeClass::kCompute,
+                     t.steps);
+      }
+      for (int l = s.first_layer; l < s.end_layer; ++l) {
+        if (zero == 3) zero3_gather(seg * 10000 + l, layer_params);
+        emit_forward(layer, layer_in(l), recomputed_ops(layer, l), false,
+                     ComputeClass::kCompute, t.steps);
+      }
+      if (s.head) {
+        if (zero == 3) zero3_gather(seg * 10000 + 9998, head_params);
+        emit_forward(head, layer_out, recomputed_ops(head, -1), false, ComputeClass::kCompute,
+                     t.steps);
+      }
+      if (send_to_next) send(next, false, layer_out);
+      t.kept_bytes = kept;
+      t.peak_bytes = kept + transient;
+      memory(kept);
+      break;
+    }
+    case BlockKind::kRecompute: {
+      double extra = 0;
+      for (int l = s.first_layer; l < s.end_layer; ++l) {
+        auto r = recomputed_ops(layer, l);
+        emit_forward(layer, layer_in(l), r, true, ComputeClass::kRecompute, t.steps);
+        extra += kept_bytes(layer, layer_in(l), std::vector<bool>(r.size(), false), false) -
+                 kept_bytes(layer, layer_in(l), r, false);
+      }
+      t.kept_bytes = extra;
+      t.peak_bytes = extra + transient;
+      memory(extra);
+      break;
+    }
+    case BlockKind::kBackward:
+    case BlockKind::kBackwardInput:
+    case BlockKind::kBackwardWeight: {
+      const bool input_grads = t.kind != BlockKind::kBackwardWeight;
+      const bool weight_grads = t.kind != BlockKind::kBackwardInput;
+      if (input_grads && recv_from_next) recv(next, true, layer_out);
+      double pending = 0;
+      const bool sync_here = weight_grads && grad_sync && plan.comm.overlap_grad_reduce &&
+                             (plan.data_parallel() > 1 || bucket_axes != (1u << mesh.axis_index(
+                                                                              kDataParallelAxis)));
+      auto grads_ready = [&](double params) {
+        if (!sync_here) return;
+        if (zero == 3) {
+          Step rs;
+          rs.kind = StepKind::kDpLaunch;
+          rs.collective = CollectiveKind::kReduceScatter;
+          rs.axes = bucket_axes;
+          rs.bytes = params * grad_bytes;
+          rs.label = label(fmt::format("grad sync {}", s.name));
+          steps->push_back(rs);
+        } else {
+          emit_grad_buckets(params * grad_bytes, pending, t.steps, seg);
+        }
+      };
+      if (s.head) {
+        if (zero == 3) zero3_gather(seg * 10000 + 9998, head_params);
+        emit_backward(head, layer_out, layer_out, recomputed_ops(head, -1), input_grads,
+                      weight_grads, t.steps);
+        grads_ready(head_params);
+      }
+      for (int l = s.end_layer - 1; l >= s.first_layer; --l) {
+        if (zero == 3) zero3_gather(seg * 10000 + l, layer_params);
+        auto r = recomputed_ops(layer, l);
+        if (input_grads && !explicit_recompute &&
+            std::find(r.begin(), r.end(), true) != r.end()) {
+          emit_forward(layer, layer_in(l), r, true, ComputeClass::kRecompute, t.steps);
+        }
+        emit_backward(layer, layer_in(l), layer_out, r, input_grads, weight_grads, t.steps);
+        grads_ready(layer_params);
+      }
+      if (s.embedding) {
+        if (zero == 3) zero3_gather(seg * 10000 + 9999, embed_params);
+        emit_backward(embed, embed_out, embed_out, recomputed_ops(embed, -1), input_grads,
+                      weight_grads, t.steps);
+        grads_ready(embed_params);
+      }
+      if (input_grads && send_to_prev) send(prev, true, s.embedding ? embed_out : layer_out);
+      if (sync_here && pending > 0) {
+        Step f;
+        f.kind = StepKind::kDpLaunch;
+        f.collective = zero >= 1 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce;
+        f.axes = bucket_axes;
+        f.bytes = pending;
+        f.label = label(fmt::format("grad sync {}", s.name));
+        steps->push_back(f);
+      }
+      // Memory: the backward frees what the forward (and an explicit recompute) kept; a
+      // recompute inside the backward holds one layer's activations at a time.
+      const bool recompute_inside = input_grads && !explicit_recompute && has_recompute(seg);
+      double extra = recompute_inside ? full_layer : 0;
+      double freed = 0;
+      if (t.kind == BlockKind::kBackward) {
+        freed = kept;
+        if (explicit_recompute) {
+          for (int l = s.first_layer; l < s.end_layer; ++l) {
+            auto r = recomputed_ops(layer, l);
+            freed += kept_bytes(layer, layer_in(l), std::vector<bool>(r.size(), false), false) -
+                     kept_bytes(layer, layer_in(l), r, false);
+          }
+        }
+      } else if (t.kind == BlockKind::kBackwardInput) {
+        freed = kept - kept_weight_inputs;
+      } else {
+        freed = kept_weight_inputs;
+      }
+      t.kept_bytes = -freed;
+      t.peak_bytes = extra + transient + act_piece;
+      memory(-freed);
+      break;
+    }
+  }
+}
+
+Status Compiler::check_segments() {
+  const int L = plan.model.layers;
+  if (plan.segments.empty()) return Error("the plan has no segments; add at least one");
+  std::vector<int> owner(L, -1);
+  int embedding = -1, head_seg = -1;
+  for (size_t i = 0; i < plan.segments.size(); ++i) {
+    const Segment& s = plan.segments[i];
+    if (s.end_layer > L) {
+      return Error(fmt::format("segment '{}' spans layers [{}, {}) but the model has {} layers",
+                               s.name, s.first_layer, s.end_layer, L));
+    }
+    for (int l = s.first_layer; l < s.end_layer; ++l) {
+      if (owner[l] >= 0) {
+        return Error(fmt::format("layer {} is in segments '{}' and '{}'; every layer belongs "
+                                 "to exactly one segment",
+                                 l, plan.segments[owner[l]].name, s.name));
+      }
+      owner[l] = static_cast<int>(i);
+    }
+    if (s.embedding) {
+      if (embedding >= 0) return Error("two segments hold the embedding; keep one");
+      embedding = static_cast<int>(i);
+    }
+    if (s.head) {
+      if (head_seg >= 0) return Error("two segments hold the head; keep one");
+      head_seg = static_cast<int>(i);
+    }
+    for (const auto& [axis, c] : s.devices) {
+      if (axis == kDataParallelAxis) {
+        return Error(fmt::format("segment '{}' fixes the 'dp' coordinate; segments describe "
+                                 "one replica, remove \"dp\" from its devices",
+                                 s.name));
+      }
+    }
+  }
+  for (int l = 0; l < L; ++l) {
+    if (owner[l] < 0) {
+      return Error(fmt::format("layer {} is in no segment; extend a segment's layers to it", l));
+    }
+  }
+  if (embedding < 0) return Error("no segment holds the embedding; set \"embedding\": true");
+  if (head_seg < 0) return Error("no segment holds the head; set \"head\": true");
+  // Pipeline order: the embedding's segment, then by first layer, the head's segment last.
+  segment_order.resize(plan.segments.size());
+  std::iota(segment_order.begin(), segment_order.end(), 0);
+  std::stable_sort(segment_order.begin(), segment_order.end(), [&](int a, int b) {
+    const Segment& x = plan.segments[a];
+    const Segment& y = plan.segments[b];
+    auto rank = [&](const Segment& s, int idx) {
+      double pos = s.first_layer;
+      if (s.end_layer == s.first_layer) pos = idx == embedding ? -1 : L + 1;
+      if (idx == embedding) pos = std::min(pos, -0.5);
+      if (idx == head_seg && s.end_layer == s.first_layer) pos = L + 1;
+      return pos;
+    };
+    return rank(x, a) < rank(y, b);
+  });
+  if (segment_order.front() != embedding) {
+    return Error("the embedding's segment must come first in layer order");
+  }
+  if (segment_order.back() != head_seg) {
+    return Error("the head's segment must come last in layer order");
+  }
+  next_segment.assign(plan.segments.size(), -1);
+  prev_segment.assign(plan.segments.size(), -1);
+  for (size_t i = 0; i + 1 < segment_order.size(); ++i) {
+    const Segment& a = plan.segments[segment_order[i]];
+    const Segment& b = plan.segments[segment_order[i + 1]];
+    if (a.end_layer != b.first_layer && !(a.end_layer == a.first_layer)) {
+      return Error(fmt::format("segments '{}' (layers [{}, {})) and '{}' (layers [{}, {})) are "
+                               "not consecutive",
+                               a.name, a.first_layer, a.end_layer, b.name, b.first_layer,
+                               b.end_layer));
+    }
+    next_segment[segment_order[i]] = segment_order[i + 1];
+    prev_segment[segment_order[i + 1]] = segment_order[i];
+  }
+  return Status::Ok();
+}
+
+bool slice_contains(const MeshSlice& slice, const Mesh& mesh, const std::vector<int>& coord) {
+  for (const auto& [axis, c] : slice) {
+    if (coord[mesh.axis_index(axis)] != c) return false;
+  }
+  return true;
+}
+
+Status Compiler::build_lanes() {
+  const int dp_axis = mesh.axis_index(kDataParallelAxis);
+  const int ranks = mesh.num_ranks();
+  // Lanes: the schedule's slices within replica 0.
+  std::vector<int> lane_of_rank(ranks, -1);
+  for (size_t o = 0; o < plan.schedule.size(); ++o) {
+    Lane lane;
+    lane.slice = plan.schedule[o].devices;
+    for (int r = 0; r < ranks; ++r) {
+      auto c = mesh.coordinates(r);
+      if (c[dp_axis] != 0 || !slice_contains(lane.slice, mesh, c)) continue;
+      if (lane_of_rank[r] >= 0) {
+        return Error(fmt::format("rank {} is in two schedule orders ({} and {}); give every "
+                                 "device exactly one order",
+                                 r, lane_of_rank[r], o));
+      }
+      lane_of_rank[r] = static_cast<int>(o);
+      lane.ranks.push_back(r);
+      lane.gpus.push_back(prog.gpu_of_rank[r]);
+    }
+    if (lane.ranks.empty()) {
+      return Error(fmt::format("schedule order {} matches no device", o));
+    }
+    prog.lanes.push_back(std::move(lane));
+  }
+  for (int r = 0; r < ranks; ++r) {
+    if (mesh.coordinates(r)[dp_axis] == 0 && lane_of_rank[r] < 0) {
+      return Error(fmt::format("rank {} (coordinates {}) is in no schedule order; every device "
+                               "needs one",
+                               r, fmt::join(mesh.coordinates(r), ",")));
+    }
+  }
+  // Axes a lane spans: the axes no schedule slice fixes (besides dp).
+  lane_axes = 0;
+  for (size_t a = 0; a < mesh.axes.size(); ++a) {
+    if (static_cast<int>(a) == dp_axis) continue;
+    bool fixed = false;
+    for (const auto& o : plan.schedule) fixed = fixed || o.devices.count(mesh.axes[a].name) > 0;
+    if (!fixed) lane_axes |= 1u << a;
+  }
+  // Each segment runs on exactly the lane whose devices are its devices.
+  lane_of_segment.assign(plan.segments.size(), -1);
+  for (size_t s = 0; s < plan.segments.size(); ++s) {
+    for (size_t o = 0; o < prog.lanes.size(); ++o) {
+      auto c = mesh.coordinates(prog.lanes[o].ranks.front());
+      if (!slice_contains(plan.segments[s].devices, mesh, c)) continue;
+      // Every lane rank must be in the segment and vice versa (within replica 0).
+      for (int r : prog.lanes[o].ranks) {
+        if (!slice_contains(plan.segments[s].devices, mesh, mesh.coordinates(r))) {
+          return Error(fmt::format("segment '{}' covers part of schedule order {} only; a "
+                                   "segment's devices must be whole orders",
+                                   plan.segments[s].name, o));
+        }
+      }
+      if (lane_of_segment[s] >= 0) {
+        return Error(fmt::format("segment '{}' spans several schedule orders ({} and {}); "
+                                 "segments spanning pipeline stages are not supported yet",
+                                 plan.segments[s].name, lane_of_segment[s], o));
+      }
+      lane_of_segment[s] = static_cast<int>(o);
+    }
+    if (lane_of_segment[s] < 0) {
+      return Error(fmt::format("segment '{}' is on no device of any schedule order",
+                               plan.segments[s].name));
+    }
+  }
+  return Status::Ok();
+}
+
+void Compiler::build_memory(Lane& lane, const std::vector<int>& segments) {
+  const int zero = plan.optimizer.zero;
+  const int dp = plan.data_parallel();
+  double params = 0;
+  for (int s : segments) params += segment_params(s);
+  lane.parameters = params;
+  const double weight_bytes = bytes_per_element(plan.precision == Precision::kFp8
+                                                    ? Precision::kBf16
+                                                    : plan.precision);
+  StaticMemory m;
+  m.weights = params * weight_bytes;
+  m.gradients = params * plan.optimizer.grad_bytes;
+  m.optimizer = params * plan.optimizer.state_bytes;
+  if (zero >= 1) m.optimizer /= dp;
+  if (zero >= 2) m.gradients /= dp;
+  if (zero >= 3) {
+    // Sharded weights plus the gathered copies of the layer in use and the one prefetched.
+    const double layer_params =
+        std::accumulate(layer.local_params.begin(), layer.local_params.end(), 0.0);
+    m.weights = params * weight_bytes / dp + 2 * layer_params * weight_bytes;
+    m.gradients += layer_params * plan.optimizer.grad_bytes;
+  }
+  // One communicator per parallel group the device is in, plus the pipeline neighbours.
+  int communicators = 0;
+  for (size_t a = 0; a < mesh.axes.size(); ++a) {
+    if (mesh.axes[a].size > 1) ++communicators;
+  }
+  m.comm_buffers = communicators * kNcclChannels * 2 * kNcclBufferBytes;
+  m.runtime = kRuntimeBytes;
+  lane.memory = m;
+}
+
+}  // namespace
+
+Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
+                               const CompileOptions& options) {
+  Program prog;
+  prog.plan = plan;
+  prog.topology = topology;
+  prog.compute_model = options.use_default_compute_model
+                           ? ComputeModel::defaults_for(topology.gpu)
+                           : options.compute_model;
+  prog.algorithm = plan.comm.algorithm == "ring"   ? Algorithm::kRing
+                   : plan.comm.algorithm == "tree" ? Algorithm::kTree
+                                                   : Algorithm::kAuto;
+  Compiler c(prog.plan, prog.topology, prog);
+  if (Status s = c.check_basics(); !s) return s.error();
+  ModelSpec model = plan.model;
+  model.precision = plan.precision;
+  prog.graph = lower_model(model, plan.micro_batch);
+  if (Status s = c.resolve_part(prog.graph.embedding, c.embed); !s) return s.error();
+  if (Status s = c.resolve_part(prog.graph.layer, c.layer); !s) return s.error();
+  if (Status s = c.resolve_part(prog.graph.head, c.head); !s) return s.error();
+  c.boundary = prog.graph.layer.ops.back().output;
+  c.boundary.ref = TensorRef{-1, 0};
+  if (Status s = c.check_segments(); !s) return s.error();
+  if (Status s = c.build_lanes(); !s) return s.error();
+
+  const Mesh& mesh = prog.plan.mesh;
+  const int dp_axis = mesh.axis_index(kDataParallelAxis);
+  prog.replicas = plan.data_parallel();
+  prog.micro_batches = plan.num_micro_batches();
+  // Gradient buckets sync over dp and the axes every weighted operator syncs over (context
+  // parallelism); operator-specific sync axes (sequence-parallel norms over tp) get their own
+  // small all-reduce at the end of the iteration.
+  uint32_t common = ~0u;
+  for (const PartInfo* p : {&c.embed, &c.layer, &c.head}) {
+    for (size_t i = 0; i < p->part->ops.size(); ++i) {
+      if (!p->part->ops[i].weights.empty()) common &= p->sync_axes[i];
+    }
+  }
+  c.bucket_axes = (1u << dp_axis) | (common == ~0u ? 0u : common);
+
+  // Schedule checks.
+  std::vector<OrderView> views;
+  for (size_t o = 0; o < prog.lanes.size(); ++o) {
+    const Lane& lane = prog.lanes[o];
+    std::string name;
+    for (const auto& [axis, v] : lane.slice) name += fmt::format("{}{}={}", name.empty() ? "" : ",", axis, v);
+    if (name.empty()) name = "all devices";
+    auto [lo, hi] = std::minmax_element(lane.gpus.begin(), lane.gpus.end());
+    views.push_back({lane.gpus.size() == 1 ? fmt::format("{} (GPU {})", name, *lo)
+                                           : fmt::format("{} (GPUs {}-{})", name, *lo, *hi),
+                     plan.schedule[o].blocks});
+  }
+  if (Status s = check_schedule(views, static_cast<int>(plan.segments.size()),
+                                prog.micro_batches, c.next_segment, c.lane_of_segment);
+      !s) {
+    return s.error();
+  }
+
+  // Blocks, prologue and epilogue of every lane.
+  const int zero = plan.optimizer.zero;
+  for (size_t o = 0; o < prog.lanes.size(); ++o) {
+    Lane& lane = prog.lanes[o];
+    std::vector<int> segs;
+    for (size_t s = 0; s < plan.segments.size(); ++s) {
+      if (c.lane_of_segment[s] == static_cast<int>(o)) segs.push_back(static_cast<int>(s));
+    }
+    std::set<int> explicit_recompute;
+    std::set<int> seen_forward;
+    for (const Block& b : plan.schedule[o].blocks) {
+      if (b.kind == BlockKind::kRecompute) explicit_recompute.insert(b.segment);
+    }
+    for (const Block& b : plan.schedule[o].blocks) {
+      const bool last = b.micro_batch == prog.micro_batches - 1;
+      const bool sync = zero >= 2 || last;
+      const bool first_fwd =
+          b.kind == BlockKind::kForward && seen_forward.insert(b.segment).second;
+      const bool sync_block = b.kind == BlockKind::kBackward || b.kind == BlockKind::kBackwardWeight;
+      int t = c.template_for(b.segment, b.kind, sync_block && sync,
+                             explicit_recompute.count(b.segment) > 0, first_fwd);
+      lane.blocks.push_back({b, t});
+    }
+    // Prologue: ZeRO-1/2 gather the parameters updated by the last step, overlapped with the
+    // first forwards.
+    if ((zero == 1 || zero == 2) && plan.comm.overlap_param_gather && prog.replicas > 1) {
+      for (const Block& b : plan.schedule[o].blocks) {
+        if (b.kind != BlockKind::kForward || b.micro_batch != 0) continue;
+        Step l;
+        l.kind = StepKind::kDpLaunch;
+        l.collective = CollectiveKind::kAllGather;
+        l.axes = c.bucket_axes;
+        l.bytes = c.segment_params(b.segment) * 2;
+        l.tag = 1000000 + b.segment;
+        l.label = c.label("param gather");
+        lane.prologue.push_back(l);
+      }
+    }
+    // Epilogue.
+    const double grad_bytes = plan.optimizer.grad_bytes;
+    if (!plan.comm.overlap_grad_reduce && zero < 3) {
+      for (int s : segs) {
+        Step l;
+        l.kind = StepKind::kDpLaunch;
+        l.collective = zero >= 1 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce;
+        l.axes = c.bucket_axes;
+        l.bytes = c.segment_params(s) * grad_bytes;
+        l.label = c.label("grad sync");
+        lane.epilogue.push_back(l);
+      }
+    }
+    Step wait;
+    wait.kind = StepKind::kDpWait;
+    wait.label = c.label("grad sync wait");
+    lane.epilogue.push_back(wait);
+    // Operator-specific gradient sums (sequence-parallel norm weights over tp).
+    std::map<uint32_t, double> extra_sync;
+    for (int s : segs) {
+      const Segment& seg = plan.segments[s];
+      auto add = [&](const PartInfo& p, int times) {
+        for (size_t i = 0; i < p.part->ops.size(); ++i) {
+          uint32_t rest = p.sync_axes[i] & ~c.bucket_axes;
+          if (rest && p.local_params[i] > 0) {
+            extra_sync[rest] += times * p.local_params[i] * grad_bytes;
+          }
+        }
+      };
+      add(c.layer, seg.end_layer - seg.first_layer);
+      if (seg.embedding) add(c.embed, 1);
+      if (seg.head) add(c.head, 1);
+    }
+    for (const auto& [axes, bytes] : extra_sync) {
+      Step a;
+      a.kind = StepKind::kCollective;
+      a.collective = CollectiveKind::kAllReduce;
+      a.axes = axes;
+      a.bytes = bytes;
+      a.label = c.label("norm grad sync");
+      lane.epilogue.push_back(a);
+    }
+    c.build_memory(lane, segs);
+    double local_params = lane.parameters;
+    if (zero >= 1) local_params /= prog.replicas;
+    Step opt;
+    opt.kind = StepKind::kCompute;
+    opt.compute_class = ComputeClass::kOptimizer;
+    opt.seconds = optimizer_seconds(local_params, grad_bytes, plan.optimizer.state_bytes,
+                                    topology.gpu, prog.compute_model);
+    opt.label = c.label("optimizer step");
+    lane.epilogue.push_back(opt);
+    if ((zero == 1 || zero == 2) && !plan.comm.overlap_param_gather && prog.replicas > 1) {
+      for (int s : segs) {
+        Step l;
+        l.kind = StepKind::kDpLaunch;
+        l.collective = CollectiveKind::kAllGather;
+        l.axes = c.bucket_axes;
+        l.bytes = c.segment_params(s) * 2;
+        l.label = c.label("param gather");
+        lane.epilogue.push_back(l);
+      }
+      Step w;
+      w.kind = StepKind::kDpWait;
+      w.label = c.label("param gather wait");
+      lane.epilogue.push_back(w);
+    }
+  }
+
+  // Tied embedding: the first and last pipeline stage hold copies whose gradients are summed.
+  const int emb_seg = c.segment_order.front();
+  const int head_seg = c.segment_order.back();
+  if (plan.model.tied_embeddings && c.lane_of_segment[emb_seg] != c.lane_of_segment[head_seg]) {
+    const Lane& a = prog.lanes[c.lane_of_segment[emb_seg]];
+    const Lane& b = prog.lanes[c.lane_of_segment[head_seg]];
+    std::vector<std::vector<int>> groups;
+    for (size_t i = 0; i < a.ranks.size() && i < b.ranks.size(); ++i) {
+      groups.push_back({a.ranks[i], b.ranks[i]});
+    }
+    prog.explicit_groups.push_back(groups);
+    const int gid = static_cast<int>(prog.explicit_groups.size()) - 1;
+    const double bytes = std::accumulate(c.embed.local_params.begin(),
+                                         c.embed.local_params.end(), 0.0) *
+                         plan.optimizer.grad_bytes;
+    for (int l : {c.lane_of_segment[emb_seg], c.lane_of_segment[head_seg]}) {
+      Step s;
+      s.kind = StepKind::kCollective;
+      s.collective = CollectiveKind::kAllReduce;
+      s.group = gid;
+      s.bytes = bytes;
+      s.label = c.label("tied embedding grad sync");
+      auto& ep = prog.lanes[l].epilogue;
+      // After the data-parallel wait (second step onwards), before the optimizer step.
+      ep.insert(ep.end() - 1, s);
+    }
+  }
+
+  // Throughput bookkeeping.
+  const OpGraph& g = prog.graph;
+  prog.model_flops_per_iteration = (g.forward_flops() + g.backward_flops()) *
+                                   prog.micro_batches * prog.replicas;
+  prog.tokens_per_iteration = static_cast<double>(plan.global_batch) * plan.model.seq_len;
+  return prog;
+}
+
+}  // namespace nnsim

@@ -1,0 +1,126 @@
+// A plan compiled for a cluster: what every device runs, step by step, with the compute time of
+// every step, the collectives and point-to-point transfers between them, and the memory each
+// block keeps. The simulator replays it; analytical estimators can walk it too.
+//
+// Devices that run the same blocks in lockstep (the tensor- and context-parallel ranks of one
+// pipeline stage of one replica) share one program: a "lane". Collectives along axes inside a
+// lane join only that lane; collectives along other axes (data parallel) or transfers to other
+// segments (pipeline) connect lanes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/collective.h"
+#include "core/cost_model.h"
+#include "core/layout.h"
+#include "core/network.h"
+#include "core/opgraph.h"
+#include "core/plan.h"
+#include "core/topology.h"
+
+namespace nnsim {
+
+// What a stretch of compute was doing, for the breakdown.
+enum class ComputeClass : uint8_t { kCompute, kRecompute, kOptimizer };
+
+enum class StepKind : uint8_t {
+  kCompute,       // the compute stream is busy for `seconds`
+  kCollective,    // a blocking collective on the compute stream (tensor/context parallel)
+  kRecv,          // wait for a transfer from another segment
+  kSend,          // start a transfer to another segment (does not block the compute stream)
+  kDpLaunch,      // queue a collective on the data-parallel stream (gradient or parameter)
+  kDpWait,        // wait for queued data-parallel collectives (all, or those with `tag`)
+  kMemory,        // allocate (+) or free (-) `bytes`
+};
+
+struct Step {
+  StepKind kind = StepKind::kCompute;
+  ComputeClass compute_class = ComputeClass::kCompute;
+  CollectiveKind collective = CollectiveKind::kAllReduce;
+  uint32_t axes = 0;      // mesh axes of the collective, as a bitmask over Mesh::axes
+  double seconds = 0;     // kCompute; for kCollective with overlap: compute running alongside
+  double flops = 0;       // model FLOPs of a kCompute step (for throughput and MFU)
+  double bytes = 0;       // collective / transfer / memory bytes (per device)
+  int peer_segment = -1;  // kSend / kRecv: the other segment
+  bool gradient = false;  // kSend / kRecv: a backward transfer
+  int tag = -1;           // kDpLaunch / kDpWait: what to wait for (-1: everything)
+  int group = -1;         // kCollective over an explicit group (Program::explicit_groups)
+  int label = -1;         // index into Program::labels ("attn.qkv", "grad bucket 3", ...)
+};
+
+// The steps of one kind of block (one segment, one block kind, one variant), shared by every
+// micro-batch that runs it.
+struct BlockTemplate {
+  int segment = 0;
+  BlockKind kind = BlockKind::kForward;
+  std::vector<Step> steps;
+  double kept_bytes = 0;   // activation bytes the block leaves allocated (negative: frees)
+  double peak_bytes = 0;   // extra bytes above the level at the block's start, at its peak
+};
+
+struct BlockInstance {
+  Block block;
+  int template_index = 0;
+};
+
+// Static memory of a device, bytes.
+struct StaticMemory {
+  double weights = 0;
+  double gradients = 0;
+  double optimizer = 0;
+  double comm_buffers = 0;
+  double runtime = 0;  // CUDA context and libraries
+  double total() const { return weights + gradients + optimizer + comm_buffers + runtime; }
+};
+
+struct Lane {
+  MeshSlice slice;                    // the schedule slice this lane's devices belong to
+  std::vector<int> ranks;             // mesh ranks of the lane (one replica), lockstep members
+  std::vector<int> gpus;              // their GPUs
+  int replica = 0;                    // data-parallel coordinate
+  std::vector<Step> prologue;         // before the first block (parameter gathers)
+  std::vector<BlockInstance> blocks;  // in schedule order
+  std::vector<Step> epilogue;         // gradient sync waits, optimizer step
+  StaticMemory memory;
+  double parameters = 0;              // parameters held per device (before ZeRO sharding)
+};
+
+struct Program {
+  Plan plan;
+  Topology topology;
+  OpGraph graph;
+  ComputeModel compute_model;
+  Algorithm algorithm = Algorithm::kAuto;
+  std::vector<int> gpu_of_rank;
+  std::vector<BlockTemplate> templates;
+  std::vector<Lane> lanes;  // the lanes of replica 0; other replicas run the same programs
+  int replicas = 1;         // data-parallel degree
+  std::vector<std::string> labels;
+  // Explicit groups (the tied embedding's first/last stage pair): for each, the member ranks of
+  // each parallel group, replica 0; other replicas shift by the replica stride.
+  std::vector<std::vector<std::vector<int>>> explicit_groups;
+  int micro_batches = 0;
+  double model_flops_per_iteration = 0;  // Megatron-convention FLOPs, whole job
+  double tokens_per_iteration = 0;
+
+  // Ranks that share every coordinate of `rank` outside the axes in `axes_mask` (the group of
+  // `rank` along those axes), in mesh order.
+  std::vector<int> group_of(int rank, uint32_t axes_mask) const;
+  std::string axes_name(uint32_t axes_mask) const;  // "tp", "dp+cp", ...
+  // The rank holding the same position as `rank` in data-parallel replica `replica`.
+  int rank_in_replica(int rank, int replica) const;
+};
+
+struct CompileOptions {
+  ComputeModel compute_model;
+  bool use_default_compute_model = true;  // ComputeModel::defaults_for(topology GPU)
+};
+
+// Checks the plan against the model and topology and compiles it. Errors say what is wrong and
+// how to fix it (degrees that do not divide, a schedule that misses a block, ...).
+Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
+                               const CompileOptions& options = {});
+
+}  // namespace nnsim

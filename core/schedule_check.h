@@ -1,0 +1,26 @@
+// Checks a plan's schedule before anything runs it: every device runs every block it must, in an
+// order that respects each micro-batch's own dependencies, and the devices together cannot
+// deadlock (a device waiting for data another device only produces after waiting for it).
+#pragma once
+
+#include <vector>
+
+#include "core/error.h"
+#include "core/plan.h"
+
+namespace nnsim {
+
+// One schedule order, as the checker sees it: the order's blocks and the segments its devices
+// hold.
+struct OrderView {
+  std::string name;  // for messages: "pp=1 (GPUs 8-15)"
+  std::vector<Block> blocks;
+};
+
+// `next_segment[s]` is the segment after s in the pipeline (-1 for the last) and `lane_of_segment`
+// the order that runs it. Segments on the same order exchange data without waiting.
+Status check_schedule(const std::vector<OrderView>& orders, int num_segments, int micro_batches,
+                      const std::vector<int>& next_segment,
+                      const std::vector<int>& lane_of_segment);
+
+}  // namespace nnsim

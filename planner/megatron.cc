@@ -1,0 +1,190 @@
+#include "planner/megatron.h"
+
+#include <numeric>
+
+#include <fmt/format.h>
+
+#include "core/suggest.h"
+
+namespace nnsim {
+
+Expected<RecomputeMode> parse_recompute_mode(const std::string& name) {
+  if (name == "none") return RecomputeMode::kNone;
+  if (name == "selective") return RecomputeMode::kSelective;
+  if (name == "full") return RecomputeMode::kFull;
+  return Error(fmt::format("unknown recompute mode '{}'{}", name,
+                           suggest(name, {"none", "selective", "full"})));
+}
+
+std::string_view to_string(RecomputeMode m) {
+  switch (m) {
+    case RecomputeMode::kNone: return "none";
+    case RecomputeMode::kSelective: return "selective";
+    case RecomputeMode::kFull: return "full";
+  }
+  return "?";
+}
+
+std::vector<int> split_layers(int layers, int segments) {
+  const int base = (layers + segments - 1) / segments;
+  std::vector<int> out(segments, base);
+  int deficit = base * segments - layers;
+  // Take from the ends inwards: first, last, second, second to last, ...
+  for (int i = 0; deficit > 0; ++i) {
+    int idx = i % 2 == 0 ? i / 2 : segments - 1 - i / 2;
+    if (idx < 0 || idx >= segments) idx = i % segments;
+    if (out[idx] > 0) {
+      --out[idx];
+      --deficit;
+    }
+  }
+  return out;
+}
+
+Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
+                                   const MegatronOptions& o) {
+  if (Status s = validate_model(model); !s) return s.error();
+  const int gpus = topo.num_gpus();
+  for (auto [name, v] : {std::pair{"--tp", o.tp}, {"--pp", o.pp}, {"--cp", o.cp},
+                         {"--vpp", o.vpp}, {"--micro-batch", o.micro_batch}}) {
+    if (v < 1) return Error(fmt::format("{} must be at least 1 (got {})", name, v));
+  }
+  const int model_parallel = o.tp * o.pp * o.cp;
+  int dp = o.dp;
+  if (dp <= 0) {
+    if (gpus % model_parallel != 0) {
+      return Error(fmt::format(
+          "tp x pp x cp = {} x {} x {} = {} does not divide the {} GPUs of topology '{}'; "
+          "choose degrees whose product divides {}",
+          o.tp, o.pp, o.cp, model_parallel, gpus, topo.name, gpus));
+    }
+    dp = gpus / model_parallel;
+  }
+  if (dp * model_parallel != gpus) {
+    return Error(fmt::format(
+        "tp x pp x cp x dp = {} x {} x {} x {} = {} ranks, but topology '{}' has {} GPUs; "
+        "adjust the degrees or resize the topology with --nodes",
+        o.tp, o.pp, o.cp, dp, dp * model_parallel, topo.name, gpus));
+  }
+  if (model.heads % o.tp != 0) {
+    return Error(fmt::format("--tp {} does not divide the model's {} attention heads", o.tp,
+                             model.heads));
+  }
+  if (model.kv_heads % o.tp != 0) {
+    return Error(fmt::format("--tp {} does not divide the model's {} key/value heads", o.tp,
+                             model.kv_heads));
+  }
+  if (o.global_batch < 1) {
+    return Error("--global-batch is required (sequences per optimizer step, whole job)");
+  }
+  if (o.global_batch % (dp * o.micro_batch) != 0) {
+    return Error(fmt::format(
+        "global batch {} is not divisible by dp x micro-batch = {} x {} = {}; choose a global "
+        "batch that is a multiple of {}",
+        o.global_batch, dp, o.micro_batch, dp * o.micro_batch, dp * o.micro_batch));
+  }
+  if (model.seq_len % (o.cp * (o.sequence_parallel ? o.tp : 1)) != 0) {
+    return Error(fmt::format("the sequence length {} is not divisible by the sequence split ({})",
+                             model.seq_len, o.cp * (o.sequence_parallel ? o.tp : 1)));
+  }
+  if (o.vpp > 1 && o.schedule != ScheduleKind::kInterleaved) {
+    return Error("--vpp > 1 needs --schedule interleaved");
+  }
+  if (o.zero < 0 || o.zero > 3) return Error("--zero must be 0, 1, 2 or 3");
+  const int segments = o.pp * o.vpp;
+  if (segments > model.layers) {
+    return Error(fmt::format("pp x vpp = {} segments, but the model has only {} layers",
+                             segments, model.layers));
+  }
+  std::vector<int> layers = o.stage_layers.empty() ? split_layers(model.layers, segments)
+                                                   : o.stage_layers;
+  if (static_cast<int>(layers.size()) != segments) {
+    return Error(fmt::format("--stage-layers lists {} segments; pp x vpp = {}", layers.size(),
+                             segments));
+  }
+  if (std::accumulate(layers.begin(), layers.end(), 0) != model.layers) {
+    return Error(fmt::format("--stage-layers adds up to {} layers; the model has {}",
+                             std::accumulate(layers.begin(), layers.end(), 0), model.layers));
+  }
+
+  Plan plan;
+  plan.model = model;
+  plan.global_batch = o.global_batch;
+  plan.micro_batch = o.micro_batch;
+  plan.precision = o.precision.value_or(model.precision);
+  plan.topology_gpus = gpus;
+  plan.topology_name = topo.name;
+  plan.schedule_name = std::string(to_string(o.schedule));
+  plan.name = fmt::format("{} tp{} pp{} dp{}{}{} {} recompute-{} zero{}", model.name, o.tp, o.pp,
+                          dp, o.cp > 1 ? fmt::format(" cp{}", o.cp) : "",
+                          o.vpp > 1 ? fmt::format(" vpp{}", o.vpp) : "", plan.schedule_name,
+                          to_string(o.recompute), o.zero);
+  plan.mesh.axes = {{"dp", dp}, {"pp", o.pp}, {"cp", o.cp}, {"tp", o.tp}};
+  // Megatron's rank order tp-cp-dp-pp: tensor parallel fastest, pipeline slowest.
+  plan.placement.factors = {{"pp", o.pp}, {"dp", dp}, {"cp", o.cp}, {"tp", o.tp}};
+
+  int first = 0;
+  for (int i = 0; i < segments; ++i) {
+    Segment s;
+    s.name = o.vpp > 1 ? fmt::format("stage{}.chunk{}", i % o.pp, i / o.pp)
+                       : fmt::format("stage{}", i);
+    s.first_layer = first;
+    s.end_layer = first + layers[i];
+    first = s.end_layer;
+    s.embedding = i == 0;
+    s.head = i == segments - 1;
+    s.devices = {{"pp", i % o.pp}};
+    plan.segments.push_back(s);
+  }
+
+  // op-trans: Megatron tensor parallelism, sequence and context parallelism.
+  auto rule = [&](const std::string& match, Dim d, std::vector<std::string> axes) {
+    plan.partition.push_back({match, {{d, std::move(axes)}}});
+  };
+  if (o.cp > 1) rule("*", Dim::kSeq, {"cp"});
+  if (o.tp > 1) {
+    for (const char* m : {"attn.qkv", "attn.core", "attn.proj"}) rule(m, Dim::kHeads, {"tp"});
+    for (const char* m : {"mlp.fc1", "mlp.act", "mlp.fc2"}) rule(m, Dim::kFfn, {"tp"});
+    for (const char* m : {"embed.word", "head.proj", "loss"}) rule(m, Dim::kVocab, {"tp"});
+    if (o.sequence_parallel) {
+      std::vector<std::string> axes = o.cp > 1 ? std::vector<std::string>{"cp", "tp"}
+                                               : std::vector<std::string>{"tp"};
+      for (const char* m : {"*.norm", "*.residual", "embed.position", "embed.dropout"}) {
+        rule(m, Dim::kSeq, axes);
+      }
+    }
+  }
+
+  switch (o.recompute) {
+    case RecomputeMode::kNone: break;
+    case RecomputeMode::kSelective:
+      plan.recompute.push_back({"attn.core", 0, model.layers});
+      break;
+    case RecomputeMode::kFull: plan.recompute.push_back({"*", 0, model.layers}); break;
+  }
+
+  plan.optimizer.zero = o.zero;
+  // Megatron accumulates bf16 gradients in fp32; fp16 training keeps fp16 gradients.
+  plan.optimizer.grad_bytes = plan.precision == Precision::kFp16 ? 2 : 4;
+  if (plan.precision == Precision::kFp32 || plan.precision == Precision::kTf32) {
+    plan.optimizer.grad_bytes = 4;
+    plan.optimizer.state_bytes = 8;  // fp32 weights are the master copy: two moments only
+  }
+  // Megatron-Core's bucket: max(40M, 1M x dp) parameters.
+  plan.comm.dp_bucket_bytes =
+      std::max(40e6, 1e6 * dp) * plan.optimizer.grad_bytes;
+  plan.comm.overlap_grad_reduce = o.overlap_grad_reduce;
+  plan.comm.overlap_param_gather = o.overlap_param_gather;
+  plan.comm.algorithm = o.algorithm;
+
+  const int micro_batches = o.global_batch / (dp * o.micro_batch);
+  for (int stage = 0; stage < o.pp; ++stage) {
+    Expected<std::vector<Block>> order =
+        pipeline_order(o.schedule, stage, o.pp, o.vpp, micro_batches);
+    if (!order) return order.error();
+    plan.schedule.push_back({{{"pp", stage}}, *order});
+  }
+  return plan;
+}
+
+}  // namespace nnsim

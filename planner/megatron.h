@@ -1,0 +1,51 @@
+// The pinned plan builder: a fully specified plan with Megatron-LM semantics from parallel
+// degrees. Column-parallel QKV and first MLP matmul, row-parallel output projections,
+// vocab-parallel embedding, head and loss; optional sequence parallelism (norms, dropout and
+// residuals split along the sequence over tp); context parallelism (everything split along the
+// sequence over cp, ring attention); pipeline stages of consecutive layers with the embedding on
+// the first and the head on the last; ranks placed tensor-parallel innermost.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/model.h"
+#include "core/plan.h"
+#include "core/topology.h"
+#include "planner/schedules.h"
+
+namespace nnsim {
+
+enum class RecomputeMode { kNone, kSelective, kFull };
+Expected<RecomputeMode> parse_recompute_mode(const std::string& name);
+std::string_view to_string(RecomputeMode m);
+
+struct MegatronOptions {
+  int tp = 1;
+  int pp = 1;
+  int dp = 0;  // 0: whatever the topology's GPU count leaves
+  int cp = 1;
+  int vpp = 1;  // model chunks per pipeline rank (interleaved schedule)
+  bool sequence_parallel = false;
+  int micro_batch = 1;
+  int global_batch = 0;
+  RecomputeMode recompute = RecomputeMode::kNone;
+  int zero = 0;
+  ScheduleKind schedule = ScheduleKind::kOneFOneB;
+  std::optional<Precision> precision;  // default: the model's
+  std::vector<int> stage_layers;       // layers per segment; empty: as even as possible
+  bool overlap_grad_reduce = true;
+  bool overlap_param_gather = true;
+  std::string algorithm = "auto";
+};
+
+Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
+                                   const MegatronOptions& options);
+
+// Layers per segment for `segments` segments: as even as possible, with the first and last
+// segments (which also hold the embedding and the head) taking the shortfall first.
+std::vector<int> split_layers(int layers, int segments);
+
+}  // namespace nnsim

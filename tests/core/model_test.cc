@@ -1,0 +1,322 @@
+#include "core/model.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/input.h"
+
+namespace nnsim {
+namespace {
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+// A small valid model; tests replace one line to break it.
+const char* kSmall =
+    "name: small\n"  // line 1
+    "layers: 2\n"    // line 2
+    "hidden: 64\n"   // line 3
+    "heads: 4\n"     // line 4
+    "ffn_hidden: 256\n"
+    "mlp: gelu\n"    // line 6
+    "vocab: 1000\n"  // line 7
+    "seq_len: 128\n";
+
+std::string replace(std::string text, const std::string& from, const std::string& to) {
+  auto pos = text.find(from);
+  EXPECT_NE(pos, std::string::npos) << from;
+  return text.replace(pos, from.size(), to);
+}
+
+std::string parse_error(const std::string& yaml) {
+  auto m = parse_model(yaml, "m.yaml");
+  EXPECT_FALSE(m.ok());
+  return m.ok() ? "" : m.error().message();
+}
+
+TEST(Model, EveryPresetLoadsAndValidates) {
+  const std::vector<std::string> expected = {"gpt3-1.3b",  "gpt3-13b",   "gpt3-175b", "gpt3-2.7b",
+                                             "gpt3-6.7b",  "llama2-70b", "llama2-7b", "llama3-405b",
+                                             "llama3-70b", "llama3-8b"};
+  std::vector<std::string> names = model_preset_names();
+  for (const auto& name : expected) {
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
+  }
+  for (const auto& name : names) {
+    auto m = load_model(name);
+    ASSERT_TRUE(m.ok()) << m.error().message();
+    EXPECT_EQ(m->name, name);
+    EXPECT_TRUE(validate_model(*m).ok()) << name;
+    EXPECT_EQ(m->precision, Precision::kBf16) << name;
+    EXPECT_EQ(m->attention, AttentionKernel::kFlash) << name;
+    // The preset path loads the same model.
+    auto by_path = load_model(model_preset_path(name));
+    ASSERT_TRUE(by_path.ok()) << by_path.error().message();
+    EXPECT_EQ(by_path->parameters(), m->parameters());
+  }
+}
+
+TEST(Model, PresetParameterCountsArePinned) {
+  // The numbers in docs/model.md.
+  const std::pair<const char*, int64_t> counts[] = {
+      {"gpt3-1.3b", 1'317'654'528},   {"gpt3-2.7b", 2'653'967'360},
+      {"gpt3-6.7b", 6'662'266'880},   {"gpt3-13b", 12'858'214'400},
+      {"gpt3-175b", 174'615'846'912}, {"llama2-7b", 6'738'415'616},
+      {"llama2-70b", 68'976'648'192}, {"llama3-8b", 8'030'261'248},
+      {"llama3-70b", 70'553'706'496}, {"llama3-405b", 405'853'388'800},
+  };
+  for (const auto& [name, count] : counts) {
+    auto m = load_model(name);
+    ASSERT_TRUE(m.ok()) << m.error().message();
+    EXPECT_EQ(m->parameters(), count) << name;
+  }
+}
+
+TEST(Model, Gpt3_175bMatchesNarayanan) {
+  auto m = load_model("gpt3-175b");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  // Narayanan et al. 2021 (SC'21) state 174.6B for this shape.
+  EXPECT_NEAR(static_cast<double>(m->parameters()), 174.6e9, 174.6e9 * 0.001);
+
+  // The formula spelled out: l = 96, h = 12288, a = k = 96, d = 128, f = 4h, V = 51200, s = 2048.
+  const int64_t h = 12288, f = 4 * h, V = 51200, s = 2048;
+  const int64_t qkv = h * 3 * h + 3 * h;
+  const int64_t proj = h * h + h;
+  const int64_t mlp = 2 * h * f + f + h;
+  const int64_t norms = 2 * 2 * h;
+  EXPECT_EQ(m->layer_parameters(), qkv + proj + mlp + norms);
+  EXPECT_EQ(m->embedding_parameters(), V * h + s * h);
+  EXPECT_EQ(m->head_parameters(), 2 * h);  // tied: only the final LayerNorm
+  EXPECT_EQ(m->parameters(), 96 * (qkv + proj + mlp + norms) + V * h + s * h + 2 * h);
+  EXPECT_EQ(m->parameters(), 174'615'846'912);
+}
+
+TEST(Model, LlamaCountsMatchPublishedSizes) {
+  const std::pair<const char*, double> published[] = {
+      {"llama2-7b", 6.74e9},
+      {"llama3-8b", 8.03e9},
+      {"llama3-70b", 70.6e9},
+      {"llama3-405b", 405.8e9},
+  };
+  for (const auto& [name, size] : published) {
+    auto m = load_model(name);
+    ASSERT_TRUE(m.ok()) << m.error().message();
+    EXPECT_NEAR(static_cast<double>(m->parameters()), size, size * 0.005) << name;
+  }
+  // Llama 3 8B, by hand: GQA with 8 KV heads of 128, SwiGLU, RMSNorm, untied.
+  auto m = load_model("llama3-8b");
+  ASSERT_TRUE(m.ok());
+  const int64_t h = 4096, f = 14336, kv = 8 * 128, V = 128256;
+  EXPECT_EQ(m->layer_parameters(), h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h);
+  EXPECT_EQ(m->embedding_parameters(), V * h);
+  EXPECT_EQ(m->head_parameters(), V * h + h);
+}
+
+TEST(Model, BiasAndNormVariantsFollowTheFormula) {
+  // Gated MLP with biases, LayerNorm with biases, GQA, untied, rotary.
+  std::string yaml = replace(kSmall, "mlp: gelu", "mlp: swiglu") +
+                     "kv_heads: 2\nposition: rope\nnorm: layernorm\nbias: true\n";
+  auto m = parse_model(yaml, "m.yaml");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  const int64_t h = 64, d = 16, f = 256, qkv_out = (4 + 2 * 2) * d;
+  EXPECT_EQ(m->layer_parameters(),
+            (h * qkv_out + qkv_out) + (h * h + h) + (3 * h * f + 2 * f + h) + 2 * 2 * h);
+  EXPECT_EQ(m->embedding_parameters(), 1000 * h);
+  EXPECT_EQ(m->head_parameters(), 2 * h + 1000 * h);
+
+  // Without biases, LayerNorm keeps only its scale; squared-ReLU MLP is not gated.
+  auto nb =
+      parse_model(replace(yaml, "bias: true", "bias: false") + "tied_embeddings: true\n", "m.yaml");
+  ASSERT_TRUE(nb.ok()) << nb.error().message();
+  EXPECT_EQ(nb->layer_parameters(), h * qkv_out + h * h + 3 * h * f + 2 * h);
+  EXPECT_EQ(nb->head_parameters(), h);
+
+  auto sq = parse_model(replace(yaml, "mlp: swiglu", "mlp: squared_relu"), "m.yaml");
+  ASSERT_TRUE(sq.ok()) << sq.error().message();
+  EXPECT_FALSE(sq->gated_mlp());
+  EXPECT_EQ(sq->layer_parameters(),
+            (h * qkv_out + qkv_out) + (h * h + h) + (2 * h * f + f + h) + 2 * 2 * h);
+  EXPECT_EQ(sq->parameters(),
+            2 * sq->layer_parameters() + sq->embedding_parameters() + sq->head_parameters());
+}
+
+TEST(Model, OptionalFieldsTakeTheDocumentedDefaults) {
+  auto m = parse_model(kSmall, "dir/tiny.yaml");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_EQ(m->name, "small");
+  EXPECT_EQ(m->family, "");
+  EXPECT_EQ(m->kv_heads, 4);
+  EXPECT_FALSE(m->tied_embeddings);
+  EXPECT_EQ(m->position, PositionKind::kLearned);
+  EXPECT_EQ(m->norm, NormKind::kLayerNorm);
+  EXPECT_TRUE(m->bias);
+  EXPECT_FALSE(m->dropout);
+  EXPECT_EQ(m->attention, AttentionKernel::kFlash);
+  EXPECT_EQ(m->precision, Precision::kBf16);
+  EXPECT_EQ(m->head_dim(), 16);
+
+  // Without `name`, the file name (less its extension) names the model.
+  auto unnamed = parse_model(replace(kSmall, "name: small\n", ""), "dir/tiny.yaml");
+  ASSERT_TRUE(unnamed.ok());
+  EXPECT_EQ(unnamed->name, "tiny");
+}
+
+TEST(Model, ReadsEveryEnumSpelling) {
+  std::string yaml = std::string(kSmall) +
+                     "position: alibi\nnorm: rmsnorm\nattention: unfused\nprecision: fp8\n"
+                     "dropout: true\nfamily: mpt\n";
+  auto m = parse_model(replace(yaml, "mlp: gelu", "mlp: relu"), "m.yaml");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_EQ(m->mlp, MlpKind::kRelu);
+  EXPECT_EQ(m->position, PositionKind::kAlibi);
+  EXPECT_EQ(m->norm, NormKind::kRmsNorm);
+  EXPECT_EQ(m->attention, AttentionKernel::kUnfused);
+  EXPECT_EQ(m->precision, Precision::kFp8);
+  EXPECT_TRUE(m->dropout);
+  EXPECT_EQ(m->family, "mpt");
+
+  EXPECT_EQ(to_string(MlpKind::kSquaredRelu), "squared_relu");
+  EXPECT_EQ(to_string(MlpKind::kSwiglu), "swiglu");
+  EXPECT_EQ(to_string(PositionKind::kRope), "rope");
+  EXPECT_EQ(to_string(NormKind::kLayerNorm), "layernorm");
+  EXPECT_EQ(to_string(AttentionKernel::kFlash), "flash");
+}
+
+TEST(Model, MalformedYamlNamesFileAndLine) {
+  std::string msg = parse_error("layers: 2\nhidden: [64\nheads: 4\n");
+  EXPECT_TRUE(contains(msg, "m.yaml:")) << msg;
+  EXPECT_TRUE(contains(msg, "malformed YAML")) << msg;
+}
+
+TEST(Model, UnknownFieldSuggestsTheRightOne) {
+  std::string msg = parse_error(replace(kSmall, "hidden: 64", "hiden: 64"));
+  EXPECT_TRUE(contains(msg, "m.yaml:3")) << msg;
+  EXPECT_TRUE(contains(msg, "unknown field 'hiden'")) << msg;
+  EXPECT_TRUE(contains(msg, "did you mean 'hidden'")) << msg;
+}
+
+TEST(Model, HeadsMustDivideHidden) {
+  std::string msg = parse_error(replace(kSmall, "heads: 4", "heads: 5"));
+  EXPECT_TRUE(contains(msg, "m.yaml:4")) << msg;
+  EXPECT_TRUE(contains(msg, "field 'heads'")) << msg;
+  EXPECT_TRUE(contains(msg, "must divide hidden (64)")) << msg;
+  EXPECT_TRUE(contains(msg, "use heads = 4 or 8")) << msg;
+}
+
+TEST(Model, KvHeadsMustDivideHeads) {
+  std::string msg = parse_error(std::string(kSmall) + "kv_heads: 3\n");
+  EXPECT_TRUE(contains(msg, "m.yaml:9")) << msg;
+  EXPECT_TRUE(contains(msg, "field 'kv_heads'")) << msg;
+  EXPECT_TRUE(contains(msg, "must divide heads (4)")) << msg;
+}
+
+TEST(Model, UnknownMlpSuggestsTheRightOne) {
+  std::string msg = parse_error(replace(kSmall, "mlp: gelu", "mlp: swiglue"));
+  EXPECT_TRUE(contains(msg, "m.yaml:6")) << msg;
+  EXPECT_TRUE(contains(msg, "field 'mlp'")) << msg;
+  EXPECT_TRUE(contains(msg, "unknown value 'swiglue'")) << msg;
+  EXPECT_TRUE(contains(msg, "did you mean 'swiglu'")) << msg;
+}
+
+TEST(Model, MissingRequiredFieldIsNamed) {
+  std::string msg = parse_error(replace(kSmall, "vocab: 1000\n", ""));
+  EXPECT_TRUE(contains(msg, "m.yaml:1")) << msg;
+  EXPECT_TRUE(contains(msg, "missing required field 'vocab'")) << msg;
+}
+
+TEST(Model, NonPositiveAndHugeSizesAreRejected) {
+  std::string msg = parse_error(replace(kSmall, "layers: 2", "layers: 0"));
+  EXPECT_TRUE(contains(msg, "m.yaml:2: field 'layers'")) << msg;
+  EXPECT_TRUE(contains(msg, "must be a positive integer, got 0")) << msg;
+
+  msg = parse_error(replace(kSmall, "layers: 2", "layers: 4294967298"));
+  EXPECT_TRUE(contains(msg, "m.yaml:2: field 'layers'")) << msg;
+  EXPECT_TRUE(contains(msg, "too large")) << msg;
+
+  msg = parse_error(replace(kSmall, "seq_len: 128", "seq_len: 12.5"));
+  EXPECT_TRUE(contains(msg, "field 'seq_len'")) << msg;
+  EXPECT_TRUE(contains(msg, "expected an integer")) << msg;
+
+  msg = parse_error(std::string(kSmall) + "bias: maybe\n");
+  EXPECT_TRUE(contains(msg, "field 'bias'")) << msg;
+}
+
+TEST(Model, ValidateNamesTheModelAndField) {
+  auto m = load_model("llama3-8b");
+  ASSERT_TRUE(m.ok());
+  ModelSpec bad = *m;
+  bad.kv_heads = 3;
+  Status s = validate_model(bad);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(), "model 'llama3-8b': field 'kv_heads'"))
+      << s.error().message();
+  bad = *m;
+  bad.seq_len = -1;
+  s = validate_model(bad);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(), "field 'seq_len'")) << s.error().message();
+}
+
+TEST(Model, LoadsFilesAndReportsTheirPath) {
+  std::string path = testing::TempDir() + "nnsim_model_test_bad.yaml";
+  {
+    std::ofstream out(path);
+    out << replace(kSmall, "heads: 4", "heads: 6");
+  }
+  auto m = load_model(path);
+  ASSERT_FALSE(m.ok());
+  EXPECT_TRUE(contains(m.error().message(), path + ":4: field 'heads'")) << m.error().message();
+
+  auto missing = load_model(testing::TempDir() + "no_such_model.yaml");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_TRUE(contains(missing.error().message(), "no_such_model.yaml"))
+      << missing.error().message();
+}
+
+TEST(Model, UnknownPresetSuggestsANearOne) {
+  auto m = load_model("gpt3-175");
+  ASSERT_FALSE(m.ok());
+  EXPECT_TRUE(contains(m.error().message(), "did you mean 'gpt3-175b'")) << m.error().message();
+}
+
+TEST(Model, JsonRoundTripKeepsEveryField) {
+  for (const auto& name : model_preset_names()) {
+    auto m = load_model(name);
+    ASSERT_TRUE(m.ok()) << m.error().message();
+    auto back = parse_model(model_to_json(*m), "plan.json");
+    ASSERT_TRUE(back.ok()) << back.error().message();
+    EXPECT_EQ(model_to_json(*back), model_to_json(*m));
+    EXPECT_EQ(back->parameters(), m->parameters());
+  }
+  ModelSpec odd = *parse_model(std::string(kSmall) +
+                                   "position: alibi\nnorm: rmsnorm\nattention: unfused\n"
+                                   "precision: fp16\nbias: false\ndropout: true\nfamily: mpt\n",
+                               "m.yaml");
+  auto back = parse_model(model_to_json(odd), "plan.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_EQ(model_to_json(*back), model_to_json(odd));
+  EXPECT_TRUE(contains(model_to_json(odd), "\"attention\":\"unfused\""));
+}
+
+TEST(Model, ParsesAModelEmbeddedInALargerFile) {
+  InputNode root = InputNode::load_string(
+      "case: x\nmodel:\n  layers: 2\n  hidden: 64\n  heads: 3\n  ffn_hidden: 256\n  mlp: gelu\n"
+      "  vocab: 10\n  seq_len: 8\n",
+      "cases.yaml");
+  try {
+    parse_model_node(root["model"], "x");
+    FAIL() << "expected an InputError";
+  } catch (const InputError& e) {
+    EXPECT_TRUE(contains(e.what(), "cases.yaml:5: field 'model.heads'")) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace nnsim
