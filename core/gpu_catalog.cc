@@ -1,7 +1,7 @@
 // The GPUs nnsim knows by name. Figures are vendor datasheet peaks (dense, no sparsity), as
-// collected in shared/calibration/refs.yaml (gpu_specs). Capacities use GB = 1e9 bytes: HBM sizes
-// are quoted in marketing GB ("80GB", "141GB") and the simulator only needs a consistent number,
-// so "80 GB" is stored as 80e9 bytes. NVLink figures are per direction: half of the datasheet's
+// collected in shared/calibration/refs.yaml (gpu_specs). Capacities are the memory the driver
+// reports (nvidia-smi "Total", in MiB): the marketing "80GB" of an A100 is 81920 MiB = 80 GiB, the
+// "141GB" of an H200 143771 MiB. NVLink figures are per direction: half of the datasheet's
 // bidirectional number (A100: 600 GB/s -> 300 GB/s; H100/H200: 900 GB/s -> 450 GB/s).
 #include "core/gpu.h"
 
@@ -16,7 +16,8 @@ namespace nnsim {
 namespace {
 
 constexpr double kT = 1e12;  // TFLOP/s
-constexpr double kG = 1e9;   // GB, GB/s
+constexpr double kG = 1e9;   // GB/s
+constexpr double kMiB = 1024.0 * 1024.0;
 
 constexpr const char* kA100Source =
     "https://www.nvidia.com/en-us/data-center/a100/ (NVIDIA A100 datasheet)";
@@ -43,20 +44,20 @@ std::map<Precision, double> h100_sxm_flops() {
 std::vector<GpuSpec> build_catalog() {
   std::vector<GpuSpec> c;
   // The optional NVLink bridge between two A100 PCIe cards is not modeled: PCIe-only.
-  c.push_back({"a100-pcie-80gb", a100_flops(), 80 * kG, 1935 * kG, 0, 108,
+  c.push_back({"a100-pcie-80gb", a100_flops(), 81920 * kMiB, 1935 * kG, 0, 108,
                std::string(kA100Source) + ", A100 80GB PCIe column"});
-  c.push_back({"a100-sxm4-40gb", a100_flops(), 40 * kG, 1555 * kG, 300 * kG, 108,
+  c.push_back({"a100-sxm4-40gb", a100_flops(), 40960 * kMiB, 1555 * kG, 300 * kG, 108,
                std::string(kA100Source) + ", A100 40GB SXM column"});
-  c.push_back({"a100-sxm4-80gb", a100_flops(), 80 * kG, 2039 * kG, 300 * kG, 108,
+  c.push_back({"a100-sxm4-80gb", a100_flops(), 81920 * kMiB, 2039 * kG, 300 * kG, 108,
                std::string(kA100Source) + ", A100 80GB SXM column"});
-  c.push_back({"h100-sxm5-80gb", h100_sxm_flops(), 80 * kG, 3350 * kG, 450 * kG, 132, kH100Source});
+  c.push_back({"h100-sxm5-80gb", h100_sxm_flops(), 81559 * kMiB, 3350 * kG, 450 * kG, 132, kH100Source});
   c.push_back(
-      {"h100-sxm5-96gb", h100_sxm_flops(), 96 * kG, 3350 * kG, 450 * kG, 132,
+      {"h100-sxm5-96gb", h100_sxm_flops(), 97871 * kMiB, 3350 * kG, 450 * kG, 132,
        std::string("derived from h100-sxm5-80gb (same compute, NVLink and HBM bandwidth; ") +
-           kH100Source + ") with 96 GB of HBM"});
+           kH100Source + ") with 96 GB of HBM (97871 MiB usable)"});
   // refs.yaml lists bf16, fp8, HBM and NVLink for the H200; fp32, tf32, fp16 and the SM count
   // are those of the H100 SXM5, which the H200 datasheet repeats (same die).
-  c.push_back({"h200-sxm-141gb", h100_sxm_flops(), 141 * kG, 4800 * kG, 450 * kG, 132,
+  c.push_back({"h200-sxm-141gb", h100_sxm_flops(), 143771 * kMiB, 4800 * kG, 450 * kG, 132,
                "https://www.nvidia.com/en-us/data-center/h200/ (NVIDIA H200 datasheet, SXM "
                "column)"});
   std::sort(c.begin(), c.end(), [](const GpuSpec& a, const GpuSpec& b) { return a.name < b.name; });

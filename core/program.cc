@@ -1132,6 +1132,12 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     }
   }
 
+  for (int l = 0; l < plan.model.layers; ++l) {
+    const TensorLayout in = l == 0 ? input_layout_of(c.embed) : input_layout_of(c.layer);
+    prog.layer_activation_bytes.push_back(
+        c.kept_bytes(c.layer, in, c.recomputed_ops(c.layer, l), false));
+  }
+
   // Throughput bookkeeping.
   const OpGraph& g = prog.graph;
   prog.model_flops_per_iteration = (g.forward_flops() + g.backward_flops()) *

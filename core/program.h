@@ -102,6 +102,9 @@ struct Program {
   // each parallel group, replica 0; other replicas shift by the replica stride.
   std::vector<std::vector<std::vector<int>>> explicit_groups;
   int micro_batches = 0;
+  // Activation bytes one device keeps for the backward pass per micro-batch, for each layer
+  // (under that layer's partitioning and recompute rules).
+  std::vector<double> layer_activation_bytes;
   double model_flops_per_iteration = 0;  // Megatron-convention FLOPs, whole job
   double tokens_per_iteration = 0;
 

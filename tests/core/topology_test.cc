@@ -57,7 +57,7 @@ TEST(GpuCatalog, FiguresAndFallbacks) {
   EXPECT_DOUBLE_EQ(a100.peak_flops(Precision::kTf32), 156e12);
   EXPECT_DOUBLE_EQ(a100.peak_flops(Precision::kFp32), 19.5e12);
   EXPECT_DOUBLE_EQ(a100.peak_flops(Precision::kFp8), 312e12);  // no fp8: runs as bf16
-  EXPECT_DOUBLE_EQ(a100.hbm_bytes, 80e9);
+  EXPECT_DOUBLE_EQ(a100.hbm_bytes, 80.0 * 1024 * 1024 * 1024);  // 81920 MiB
   EXPECT_DOUBLE_EQ(a100.hbm_bandwidth, 2039e9);
   EXPECT_DOUBLE_EQ(a100.nvlink_bandwidth, 300e9);
 
@@ -68,12 +68,12 @@ TEST(GpuCatalog, FiguresAndFallbacks) {
   EXPECT_EQ(h100.sms, 132);
 
   GpuSpec h100_96 = *find_gpu("h100-sxm5-96gb");
-  EXPECT_DOUBLE_EQ(h100_96.hbm_bytes, 96e9);
+  EXPECT_DOUBLE_EQ(h100_96.hbm_bytes, 97871.0 * 1024 * 1024);
   EXPECT_DOUBLE_EQ(h100_96.hbm_bandwidth, h100.hbm_bandwidth);
   EXPECT_NE(h100_96.source.find("derived"), std::string::npos);
 
   GpuSpec h200 = *find_gpu("h200-sxm-141gb");
-  EXPECT_DOUBLE_EQ(h200.hbm_bytes, 141e9);
+  EXPECT_DOUBLE_EQ(h200.hbm_bytes, 143771.0 * 1024 * 1024);
   EXPECT_DOUBLE_EQ(h200.hbm_bandwidth, 4800e9);
 
   GpuSpec pcie = *find_gpu("a100-pcie-80gb");

@@ -1,0 +1,27 @@
+// Peak device memory of a compiled plan, found by walking every lane's blocks in order (the
+// schedule fixes the order of allocations, so the peak does not depend on timing), and the
+// out-of-memory diagnosis.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/program.h"
+
+namespace nnsim {
+
+struct LaneMemoryPeak {
+  double peak = 0;          // bytes: static + activations + transient at the worst moment
+  double activations = 0;   // activation bytes held at that moment (with transients)
+  int in_flight = 0;        // micro-batch activations alive at that moment
+  int block = -1;           // block at the peak (-1: before any block)
+};
+
+std::vector<LaneMemoryPeak> lane_memory_peaks(const Program& program);
+
+// Error when a lane's peak exceeds the GPU's memory: which GPU, by how much, what dominates and
+// what to try.
+Status check_memory_fits(const Program& program);
+
+}  // namespace nnsim

@@ -1,0 +1,85 @@
+#include "sim/report.h"
+
+#include <nlohmann/json.hpp>
+
+namespace nnsim {
+
+namespace {
+using json = nlohmann::ordered_json;
+
+json breakdown_json(const Breakdown& b) {
+  json exposed = json::object();
+  for (const auto& [group, s] : b.exposed_comm) exposed[group] = s;
+  return {{"compute_s", b.compute},
+          {"recompute_s", b.recompute},
+          {"optimizer_s", b.optimizer},
+          {"exposed_comm_s", exposed},
+          {"bubble_s", b.bubble}};
+}
+
+json memory_json(const LaneReport& l) {
+  const StaticMemory& m = l.static_memory;
+  return {{"peak_bytes", l.peak_memory},
+          {"weights_bytes", m.weights},
+          {"gradients_bytes", m.gradients},
+          {"optimizer_bytes", m.optimizer},
+          {"comm_buffers_bytes", m.comm_buffers},
+          {"runtime_bytes", m.runtime},
+          {"peak_activations_bytes", l.peak_activations}};
+}
+
+}  // namespace
+
+std::string report_json(const Program& program, const SimResult& r) {
+  json j;
+  j["format"] = "nnsim-report";
+  j["version"] = 1;
+  j["plan"] = program.plan.name;
+  j["topology"] = program.topology.name;
+  j["gpu"] = program.topology.gpu.name;
+  j["gpus"] = r.num_gpus;
+  j["micro_batches"] = r.micro_batches;
+  j["iteration_time_s"] = r.iteration_time;
+  j["tokens_per_s"] = r.tokens_per_second;
+  j["model_flops_per_s_per_gpu"] = r.model_flops_per_gpu;
+  j["peak_flops_per_s_per_gpu"] = r.peak_flops_per_gpu;
+  j["mfu"] = r.mfu;
+  j["memory_capacity_bytes"] = program.topology.gpu.hbm_bytes;
+  const LaneReport& worst = worst_memory_lane(r);
+  j["peak_memory_bytes"] = worst.peak_memory;
+  j["simulation"] = {{"fidelity", std::string(to_string(r.fidelity))},
+                     {"lanes_simulated", r.simulated_lanes},
+                     {"replicas_simulated", r.replicas_simulated}};
+  json lanes = json::array();
+  for (const auto& l : r.lanes) {
+    json timeline = json::array();
+    for (const auto& p : l.memory_timeline) timeline.push_back({p.time, p.bytes});
+    lanes.push_back({{"name", l.name},
+                     {"gpus", l.gpus},
+                     {"parameters", l.parameters},
+                     {"finish_s", l.finish_time},
+                     {"breakdown", breakdown_json(l.breakdown)},
+                     {"memory", memory_json(l)},
+                     {"memory_timeline", timeline}});
+  }
+  j["lanes"] = lanes;
+  // Every GPU of the job: replicas that were not simulated mirror replica 0.
+  json per_gpu = json::array();
+  std::vector<int> lane_of_gpu(r.num_gpus, -1);
+  for (size_t l = 0; l < program.lanes.size(); ++l) {
+    for (int rank : program.lanes[l].ranks) {
+      for (int rep = 0; rep < program.replicas; ++rep) {
+        lane_of_gpu[program.gpu_of_rank[program.rank_in_replica(rank, rep)]] =
+            static_cast<int>(l);
+      }
+    }
+  }
+  for (int g = 0; g < r.num_gpus; ++g) {
+    const LaneReport& l = r.lanes[lane_of_gpu[g]];
+    per_gpu.push_back({{"gpu", g}, {"lane", lane_of_gpu[g]}, {"peak_memory_bytes", l.peak_memory}});
+  }
+  j["per_gpu"] = per_gpu;
+  return j.dump(1) + "\n";
+}
+
+}  // namespace nnsim

@@ -1,0 +1,46 @@
+#include "sim/result.h"
+
+namespace nnsim {
+
+double Breakdown::total_exposed_comm() const {
+  double t = 0;
+  for (const auto& [group, seconds] : exposed_comm) t += seconds;
+  return t;
+}
+
+std::string_view to_string(TaskKind k) {
+  switch (k) {
+    case TaskKind::kCompute: return "compute";
+    case TaskKind::kRecompute: return "recompute";
+    case TaskKind::kOptimizer: return "optimizer";
+    case TaskKind::kCollective: return "collective";
+    case TaskKind::kRecvWait: return "recv-wait";
+    case TaskKind::kDpWait: return "dp-wait";
+    case TaskKind::kTransfer: return "transfer";
+    case TaskKind::kDpCollective: return "dp-collective";
+  }
+  return "?";
+}
+
+std::string_view to_string(Stream s) {
+  switch (s) {
+    case Stream::kCompute: return "compute";
+    case Stream::kDataParallel: return "data-parallel";
+    case Stream::kPipelineSend: return "pipeline-send";
+  }
+  return "?";
+}
+
+std::string_view to_string(Fidelity f) {
+  return f == Fidelity::kFull ? "full" : "symmetric";
+}
+
+const LaneReport& worst_memory_lane(const SimResult& r) {
+  const LaneReport* worst = &r.lanes.front();
+  for (const auto& l : r.lanes) {
+    if (l.peak_memory > worst->peak_memory) worst = &l;
+  }
+  return *worst;
+}
+
+}  // namespace nnsim

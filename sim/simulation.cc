@@ -1,0 +1,422 @@
+#include "sim/simulation.h"
+
+#include <chrono>
+#include <mutex>
+#include <set>
+
+#include <fmt/format.h>
+#include <xbt/log.h>
+
+#include "sim/platform.h"
+
+namespace nnsim {
+
+namespace sg4 = simgrid::s4u;
+
+namespace {
+
+double wall_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+Simulation::Simulation(const Program& program, const SimOptions& options)
+    : prog_(program), options_(options) {}
+
+std::string Simulation::exposed_key(uint32_t axes) const { return prog_.axes_name(axes); }
+
+void Simulation::record(const Instance& inst, Stream stream, TaskKind kind, double start,
+                        double end, int label, int block, double bytes, double flops,
+                        uint32_t axes) {
+  if (!options_.record_tasks || inst.replica != 0) return;
+  TaskRecord r;
+  r.lane = inst.lane;
+  r.stream = stream;
+  r.kind = kind;
+  r.start = start;
+  r.end = end;
+  r.label = label;
+  r.block = block;
+  r.bytes = bytes;
+  r.flops = flops;
+  r.memory = inst.memory_level;
+  r.axes = axes;
+  tasks_.push_back(r);
+}
+
+void Simulation::block_done() {
+  ++blocks_done_;
+  if (!options_.progress) return;
+  double now = wall_now();
+  if (now - last_progress_wall_ >= 0.2 || blocks_done_ == blocks_total_) {
+    last_progress_wall_ = now;
+    options_.progress(static_cast<double>(blocks_done_) / static_cast<double>(blocks_total_));
+  }
+}
+
+// Consecutive compute steps run as one sleep; the breakdown and the records keep every step.
+void Simulation::flush_compute(Instance& inst, int block) {
+  PendingCompute& p = pending_[&inst];
+  if (p.steps.empty()) return;
+  if (p.seconds > 0) {
+    sg4::this_actor::sleep_for(p.seconds);
+    ++activities_;
+  }
+  for (const auto& [step, offset] : p.steps) {
+    TaskKind kind = step->compute_class == ComputeClass::kRecompute   ? TaskKind::kRecompute
+                    : step->compute_class == ComputeClass::kOptimizer ? TaskKind::kOptimizer
+                                                                      : TaskKind::kCompute;
+    record(inst, Stream::kCompute, kind, p.start + offset, p.start + offset + step->seconds,
+           step->label, block, 0, step->flops, 0);
+  }
+  p.steps.clear();
+  p.seconds = 0;
+}
+
+int Simulation::participants(const Step& step) const {
+  if (step.group >= 0) return 2;
+  // Collectives along axes outside the lane join the instances of other replicas when those are
+  // simulated too.
+  const int dp_axis = prog_.plan.mesh.axis_index(kDataParallelAxis);
+  if (options_.fidelity == Fidelity::kFull && (step.axes & (1u << dp_axis))) {
+    return prog_.replicas;
+  }
+  return 1;
+}
+
+const PreparedComm& Simulation::prepared_collective(Instance& inst, const Step& step) {
+  auto it = inst.prepared.find(&step);
+  if (it != inst.prepared.end()) return it->second;
+  std::vector<std::vector<int>> groups;
+  if (step.group >= 0) {
+    for (const auto& ranks : prog_.explicit_groups[step.group]) {
+      std::vector<int> g;
+      for (int r : ranks) g.push_back(prog_.gpu_of_rank[prog_.rank_in_replica(r, inst.replica)]);
+      groups.push_back(g);
+    }
+  } else {
+    std::set<std::vector<int>> seen;
+    for (int r : inst.ranks) {
+      std::vector<int> ranks = prog_.group_of(r, step.axes);
+      if (!seen.insert(ranks).second) continue;
+      std::vector<int> g;
+      for (int x : ranks) g.push_back(prog_.gpu_of_rank[x]);
+      groups.push_back(g);
+    }
+  }
+  return inst.prepared.emplace(&step, runner_->prepare(groups, step.collective, step.bytes))
+      .first->second;
+}
+
+double Simulation::joint_collective(Instance& inst, const PreparedComm& comm,
+                                    const std::tuple<int, int, int>& key, int n, double overlap) {
+  if (n <= 1) {
+    const double start = sg4::Engine::get_clock();
+    activities_ += runner_->run(comm, overlap);
+    return start;
+  }
+  Rendezvous& rv = rendezvous_[key];
+  if (!rv.release) {
+    rv.release = sg4::Semaphore::create(0);
+    rv.start = std::make_shared<double>(0);
+  }
+  if (++rv.arrived < n) {
+    sg4::SemaphorePtr release = rv.release;
+    std::shared_ptr<double> start = rv.start;
+    release->acquire();
+    return *start;
+  }
+  // The last to arrive starts it: until then the others were waiting on their peers.
+  sg4::SemaphorePtr release = rv.release;
+  std::shared_ptr<double> start = rv.start;
+  rendezvous_.erase(key);
+  *start = sg4::Engine::get_clock();
+  activities_ += runner_->run(comm, overlap);
+  for (int i = 1; i < n; ++i) release->release();
+  return *start;
+}
+
+void Simulation::run_collective(Instance& inst, const Step& step, int block) {
+  flush_compute(inst, block);
+  const PreparedComm& comm = prepared_collective(inst, step);
+  const int n = participants(step);
+  // Instances joining one collective meet under the same key: each counts its joint
+  // collectives in program order, which is the same on every participant.
+  std::tuple<int, int, int> key =
+      step.group >= 0 ? std::tuple<int, int, int>{-1 - step.group, inst.replica,
+                                                   inst.explicit_sequence++}
+                      : std::tuple<int, int, int>{inst.lane, 2 << 20, inst.joint_sequence++};
+  // Time spent waiting for the other participants to arrive is not communication.
+  const double t0 = joint_collective(inst, comm, key, n, step.seconds);
+  const double t1 = sg4::Engine::get_clock();
+  const std::string group = step.group >= 0 ? "pp" : exposed_key(step.axes);
+  double exposed = t1 - t0 - step.seconds;
+  if (step.seconds > 0) {
+    // Communication overlapped with this operator's compute: the compute counts as compute.
+    (step.compute_class == ComputeClass::kRecompute ? inst.breakdown.recompute
+                                                    : inst.breakdown.compute) += step.seconds;
+    record(inst, Stream::kCompute,
+           step.compute_class == ComputeClass::kRecompute ? TaskKind::kRecompute
+                                                          : TaskKind::kCompute,
+           t0, t0 + step.seconds, step.label, block, 0, step.flops, 0);
+  }
+  if (exposed > 0) inst.breakdown.exposed_comm[group] += exposed;
+  record(inst, Stream::kCompute, TaskKind::kCollective, t0, t1,
+         step.label, block, step.bytes, 0, step.axes);
+}
+
+void Simulation::send(Instance& inst, const Step& step, int block, int micro_batch,
+                      int segment) {
+  flush_compute(inst, block);
+  TransferKey key{segment, step.peer_segment, step.gradient, micro_batch, inst.replica};
+  Transfer& t = transfers_[key];
+  if (!t.arrived) t.arrived = sg4::Semaphore::create(0);
+  const double now = sg4::Engine::get_clock();
+  t.posted = now;
+  const Instance& peer = *instances_[static_cast<size_t>(inst.replica) * prog_.lanes.size() +
+                                     lane_of_segment_[step.peer_segment]];
+  auto it = inst.prepared.find(&step);
+  if (it == inst.prepared.end()) {
+    it = inst.prepared.emplace(&step, runner_->prepare_transfer(inst.gpus, peer.gpus, step.bytes))
+             .first;
+  }
+  const PreparedComm* comm = &it->second;
+  sg4::SemaphorePtr arrived = t.arrived;
+  Instance* self = &inst;
+  // The transfer runs on the sender's send stream: an actor per transfer, so transfers of
+  // different micro-batches may overlap as asynchronous sends do.
+  sg4::Actor::create("send", hosts_[inst.gpus.front()],
+                     [this, comm, arrived, self, now, &step, block] {
+                       activities_ += runner_->run(*comm);
+                       record(*self, Stream::kPipelineSend, TaskKind::kTransfer, now,
+                              sg4::Engine::get_clock(), step.label, block, step.bytes, 0, 0);
+                       arrived->release();
+                     });
+}
+
+void Simulation::recv(Instance& inst, const Step& step, int block, int micro_batch,
+                      int segment) {
+  flush_compute(inst, block);
+  TransferKey key{step.peer_segment, segment, step.gradient, micro_batch, inst.replica};
+  Transfer& t = transfers_[key];
+  if (!t.arrived) t.arrived = sg4::Semaphore::create(0);
+  sg4::SemaphorePtr arrived = t.arrived;
+  const double t0 = sg4::Engine::get_clock();
+  arrived->acquire();
+  const double t1 = sg4::Engine::get_clock();
+  const double posted = transfers_[key].posted;
+  transfers_.erase(key);
+  // Waiting for the producer to finish is bubble; waiting for the bytes is exposed transfer.
+  const double ready = std::max(t0, std::min(posted, t1));
+  inst.breakdown.bubble += ready - t0;
+  if (t1 > ready) inst.breakdown.exposed_comm["pp"] += t1 - ready;
+  if (t1 > t0) {
+    record(inst, Stream::kCompute, TaskKind::kRecvWait, t0, t1, step.label, block, step.bytes,
+           0, 0);
+  }
+}
+
+void Simulation::dp_wait(Instance& inst, const Step& step, int block) {
+  flush_compute(inst, block);
+  int target = inst.dp_launched;
+  if (step.tag >= 0) {
+    auto it = inst.dp_tag_seq.find(step.tag);
+    target = it == inst.dp_tag_seq.end() ? 0 : it->second;
+  }
+  const double t0 = sg4::Engine::get_clock();
+  {
+    std::unique_lock<sg4::Mutex> lock(*inst.dp_mutex);
+    while (inst.dp_completed < target) inst.dp_progress->wait(lock);
+  }
+  const double t1 = sg4::Engine::get_clock();
+  if (t1 > t0) {
+    uint32_t axes = inst.dp_seq_axes.count(target) ? inst.dp_seq_axes[target] : 0;
+    inst.breakdown.exposed_comm[exposed_key(axes)] += t1 - t0;
+    record(inst, Stream::kCompute, TaskKind::kDpWait, t0, t1, step.label, block, 0, 0, axes);
+  }
+}
+
+void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int block,
+                           int micro_batch, int segment) {
+  PendingCompute& p = pending_[&inst];
+  for (const Step& step : steps) {
+    switch (step.kind) {
+      case StepKind::kCompute: {
+        if (p.steps.empty()) p.start = sg4::Engine::get_clock();
+        p.steps.emplace_back(&step, p.seconds);
+        p.seconds += step.seconds;
+        switch (step.compute_class) {
+          case ComputeClass::kCompute: inst.breakdown.compute += step.seconds; break;
+          case ComputeClass::kRecompute: inst.breakdown.recompute += step.seconds; break;
+          case ComputeClass::kOptimizer: inst.breakdown.optimizer += step.seconds; break;
+        }
+        break;
+      }
+      case StepKind::kCollective: run_collective(inst, step, block); break;
+      case StepKind::kRecv: recv(inst, step, block, micro_batch, segment); break;
+      case StepKind::kSend: send(inst, step, block, micro_batch, segment); break;
+      case StepKind::kDpLaunch: {
+        const int seq = ++inst.dp_launched;
+        if (step.tag >= 0) inst.dp_tag_seq[step.tag] = seq;
+        inst.dp_seq_axes[seq] = step.axes;
+        inst.dp_queue.push_back({&step, seq});
+        inst.dp_pending->release();
+        break;
+      }
+      case StepKind::kDpWait: dp_wait(inst, step, block); break;
+      case StepKind::kMemory: {
+        flush_compute(inst, block);
+        inst.memory_level += step.bytes;
+        inst.timeline.push_back({sg4::Engine::get_clock(), inst.memory_level});
+        break;
+      }
+    }
+  }
+  flush_compute(inst, block);
+}
+
+void Simulation::compute_actor(Instance& inst) {
+  const Lane& lane = prog_.lanes[inst.lane];
+  inst.memory_level = lane.memory.total();
+  inst.peak_memory = inst.memory_level;
+  inst.timeline.push_back({0, inst.memory_level});
+  run_steps(inst, lane.prologue, -1, 0, -1);
+  for (size_t b = 0; b < lane.blocks.size(); ++b) {
+    const BlockInstance& bi = lane.blocks[b];
+    const BlockTemplate& t = prog_.templates[bi.template_index];
+    // The block's peak happens while it runs, above the level at its start.
+    inst.peak_memory = std::max(inst.peak_memory, inst.memory_level + t.peak_bytes);
+    inst.timeline.push_back({sg4::Engine::get_clock(), inst.memory_level + t.peak_bytes});
+    run_steps(inst, t.steps, static_cast<int>(b), bi.block.micro_batch, bi.block.segment);
+    if (inst.replica == 0) block_done();
+  }
+  run_steps(inst, lane.epilogue, -1, 0, -1);
+  inst.finish = sg4::Engine::get_clock();
+}
+
+void Simulation::dp_stream_actor(Instance& inst) {
+  sg4::Actor::self()->daemonize();
+  while (true) {
+    inst.dp_pending->acquire();
+    Instance::DpItem item = inst.dp_queue.front();
+    inst.dp_queue.pop_front();
+    const Step& step = *item.step;
+    const PreparedComm& comm = prepared_collective(inst, step);
+    std::tuple<int, int, int> key{inst.lane, 1 << 20, inst.dp_sequence_for_rendezvous++};
+    const double t0 = joint_collective(inst, comm, key, participants(step), 0);
+    record(inst, Stream::kDataParallel, TaskKind::kDpCollective, t0, sg4::Engine::get_clock(),
+           step.label, -1, step.bytes, 0, step.axes);
+    std::unique_lock<sg4::Mutex> lock(*inst.dp_mutex);
+    inst.dp_completed = item.seq;
+    inst.dp_progress->notify_all();
+  }
+}
+
+Expected<SimResult> Simulation::run() {
+  const double wall0 = wall_now();
+  int argc = 1;
+  char arg0[] = "nnsim";
+  char* argv[] = {arg0, nullptr};
+  // SimGrid is quiet: everything nnsim reports goes through the result.
+  xbt_log_control_set("root.thresh:critical");
+  sg4::Engine engine(&argc, argv);
+  // Parallel tasks need the L07 model; its bandwidth sharing is fair (no RTT weighting) and
+  // the TCP window bound is disabled (GPU fabrics have no TCP). See docs/simulator.md.
+  sg4::Engine::set_config("host/model:ptask_L07");
+  sg4::Engine::set_config("network/TCP-gamma:0");
+  sg4::Engine::set_config("contexts/stack-size:256");
+
+  net_ = std::make_unique<Network>(prog_.topology);
+  hosts_ = build_platform(*net_);
+  runner_ = std::make_unique<CollectiveRunner>(*net_, hosts_, prog_.algorithm);
+
+  lane_of_segment_.assign(prog_.plan.segments.size(), -1);
+  for (size_t l = 0; l < prog_.lanes.size(); ++l) {
+    for (const auto& b : prog_.lanes[l].blocks) {
+      lane_of_segment_[b.block.segment] = static_cast<int>(l);
+    }
+  }
+  const int replicas = options_.fidelity == Fidelity::kFull ? prog_.replicas : 1;
+  for (int r = 0; r < replicas; ++r) {
+    for (size_t l = 0; l < prog_.lanes.size(); ++l) {
+      auto inst = std::make_unique<Instance>();
+      inst->lane = static_cast<int>(l);
+      inst->replica = r;
+      for (int rank : prog_.lanes[l].ranks) {
+        int x = prog_.rank_in_replica(rank, r);
+        inst->ranks.push_back(x);
+        inst->gpus.push_back(prog_.gpu_of_rank[x]);
+      }
+      inst->dp_pending = sg4::Semaphore::create(0);
+      inst->dp_mutex = sg4::Mutex::create();
+      inst->dp_progress = sg4::ConditionVariable::create();
+      instances_.push_back(std::move(inst));
+    }
+  }
+  for (const auto& l : prog_.lanes) blocks_total_ += l.blocks.size();
+  for (auto& inst : instances_) {
+    Instance* p = inst.get();
+    sg4::Host* host = hosts_[p->gpus.front()];
+    sg4::Actor::create(fmt::format("lane{}.r{}", p->lane, p->replica), host,
+                       [this, p] { compute_actor(*p); });
+    sg4::Actor::create(fmt::format("dp{}.r{}", p->lane, p->replica), host,
+                       [this, p] { dp_stream_actor(*p); });
+  }
+  engine.run();
+
+  SimResult res;
+  res.fidelity = options_.fidelity;
+  res.num_gpus = prog_.topology.num_gpus();
+  res.micro_batches = prog_.micro_batches;
+  res.simulated_lanes = static_cast<int>(instances_.size());
+  res.replicas_simulated = replicas;
+  res.labels = prog_.labels;
+  for (const auto& a : prog_.plan.mesh.axes) res.lane_axes.push_back(a.name);
+  double iteration = 0;
+  for (const auto& inst : instances_) iteration = std::max(iteration, inst->finish);
+  for (const auto& inst : instances_) {
+    if (inst->finish <= 0 && !prog_.lanes[inst->lane].blocks.empty()) {
+      return Error(fmt::format("the simulation stopped before lane {} finished its blocks "
+                               "(a deadlock the schedule check did not catch)",
+                               inst->lane));
+    }
+  }
+  for (size_t l = 0; l < prog_.lanes.size(); ++l) {
+    const Instance& inst = *instances_[l];
+    const Lane& lane = prog_.lanes[l];
+    LaneReport rep;
+    for (const auto& [axis, v] : lane.slice) {
+      rep.name += fmt::format("{}{}={}", rep.name.empty() ? "" : ",", axis, v);
+    }
+    if (rep.name.empty()) rep.name = "all";
+    rep.gpus = lane.gpus;
+    rep.ranks = lane.ranks;
+    rep.finish_time = inst.finish;
+    rep.breakdown = inst.breakdown;
+    // Whatever is not compute or exposed communication is waiting on others: bubble.
+    double busy = rep.breakdown.compute + rep.breakdown.recompute + rep.breakdown.optimizer +
+                  rep.breakdown.total_exposed_comm();
+    rep.breakdown.bubble = std::max(0.0, iteration - busy);
+    rep.static_memory = lane.memory;
+    rep.peak_memory = inst.peak_memory;
+    rep.peak_activations = inst.peak_memory - lane.memory.total();
+    rep.memory_timeline = inst.timeline;
+    rep.memory_timeline.push_back({iteration, inst.memory_level});
+    rep.parameters = lane.parameters;
+    res.lanes.push_back(std::move(rep));
+  }
+  res.iteration_time = iteration;
+  res.tokens_per_second = iteration > 0 ? prog_.tokens_per_iteration / iteration : 0;
+  res.model_flops_per_gpu =
+      iteration > 0 ? prog_.model_flops_per_iteration / iteration / res.num_gpus : 0;
+  res.peak_flops_per_gpu = prog_.topology.gpu.peak_flops(prog_.plan.precision);
+  res.mfu = res.peak_flops_per_gpu > 0 ? res.model_flops_per_gpu / res.peak_flops_per_gpu : 0;
+  res.tasks = std::move(tasks_);
+  res.activities = activities_;
+  res.wall_seconds = wall_now() - wall0;
+  return res;
+}
+
+}  // namespace nnsim

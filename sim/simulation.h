@@ -1,0 +1,120 @@
+// The actors of one simulated iteration, and the state they share. Internal to sim/: use
+// sim/simulator.h. Runs inside the process that owns the SimGrid engine.
+#pragma once
+
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include <simgrid/s4u.hpp>
+
+#include "core/network.h"
+#include "core/program.h"
+#include "sim/collective_runner.h"
+#include "sim/result.h"
+#include "sim/simulator.h"
+
+namespace nnsim {
+
+class Simulation {
+ public:
+  Simulation(const Program& program, const SimOptions& options);
+  // Creates the engine, the platform and the actors, runs, and collects the result.
+  Expected<SimResult> run();
+
+ private:
+  // One simulated lane in one replica.
+  struct Instance {
+    int lane = 0;
+    int replica = 0;
+    std::vector<int> ranks;
+    std::vector<int> gpus;
+    // Data-parallel stream: a FIFO of collectives.
+    struct DpItem {
+      const Step* step = nullptr;
+      int seq = 0;
+    };
+    std::deque<DpItem> dp_queue;
+    simgrid::s4u::SemaphorePtr dp_pending;
+    simgrid::s4u::MutexPtr dp_mutex;
+    simgrid::s4u::ConditionVariablePtr dp_progress;
+    int dp_launched = 0;
+    int dp_completed = 0;
+    std::map<int, int> dp_tag_seq;               // tag -> sequence number of its last launch
+    std::map<int, uint32_t> dp_seq_axes;         // sequence number -> axes (for the breakdown)
+    int dp_sequence_for_rendezvous = 0;
+    int explicit_sequence = 0;
+    int joint_sequence = 0;
+    // Accounting.
+    Breakdown breakdown;
+    double finish = 0;
+    double memory_level = 0;
+    double peak_memory = 0;
+    std::vector<MemoryPoint> timeline;
+    std::unordered_map<const Step*, PreparedComm> prepared;
+  };
+
+  // A pipeline transfer, keyed by (from segment, to segment, gradient, micro-batch, replica).
+  struct Transfer {
+    simgrid::s4u::SemaphorePtr arrived;
+    double posted = -1;
+  };
+  using TransferKey = std::tuple<int, int, bool, int, int>;
+
+  // Several instances meeting for one collective; the last to arrive runs it.
+  struct Rendezvous {
+    int arrived = 0;
+    simgrid::s4u::SemaphorePtr release;
+    std::shared_ptr<double> start;  // when the last participant arrived
+  };
+
+  void compute_actor(Instance& inst);
+  void dp_stream_actor(Instance& inst);
+  void run_steps(Instance& inst, const std::vector<Step>& steps, int block, int micro_batch,
+                 int segment);
+  void flush_compute(Instance& inst, int block);
+  void run_collective(Instance& inst, const Step& step, int block);
+  void recv(Instance& inst, const Step& step, int block, int micro_batch, int segment);
+  void send(Instance& inst, const Step& step, int block, int micro_batch, int segment);
+  void dp_wait(Instance& inst, const Step& step, int block);
+  const PreparedComm& prepared_collective(Instance& inst, const Step& step);
+  // Runs a collective that several instances join (data parallel in full fidelity, explicit
+  // groups); returns when it is done for this instance.
+  // Returns when the collective started (the last participant's arrival).
+  double joint_collective(Instance& inst, const PreparedComm& comm,
+                          const std::tuple<int, int, int>& key, int participants, double overlap);
+  int participants(const Step& step) const;
+  void record(const Instance& inst, Stream stream, TaskKind kind, double start, double end,
+              int label, int block, double bytes, double flops, uint32_t axes);
+  void block_done();
+  std::string exposed_key(uint32_t axes) const;
+
+  const Program& prog_;
+  SimOptions options_;
+  std::unique_ptr<Network> net_;
+  std::vector<simgrid::s4u::Host*> hosts_;
+  std::unique_ptr<CollectiveRunner> runner_;
+  std::vector<std::unique_ptr<Instance>> instances_;
+  std::map<TransferKey, Transfer> transfers_;
+  std::map<std::tuple<int, int, int>, Rendezvous> rendezvous_;
+  std::vector<int> lane_of_segment_;
+  uint32_t lane_axes_ = 0;  // axes spanned inside a lane
+  // Pending merged compute of the instance being run (actors never interleave within a step).
+  struct PendingCompute {
+    double seconds = 0;
+    double start = 0;
+    std::vector<std::pair<const Step*, double>> steps;  // step and its offset
+  };
+  std::unordered_map<const Instance*, PendingCompute> pending_;
+  std::vector<TaskRecord> tasks_;
+  uint64_t activities_ = 0;
+  size_t blocks_total_ = 0;
+  size_t blocks_done_ = 0;
+  double last_progress_wall_ = 0;
+};
+
+}  // namespace nnsim

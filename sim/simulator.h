@@ -1,0 +1,33 @@
+// Replays one training iteration of a compiled plan as a SimGrid discrete-event simulation.
+//
+// Every simulated lane (devices running one program in lockstep) is a SimGrid actor for its
+// compute stream, with a second actor for its data-parallel communication stream; each pipeline
+// transfer is a short-lived actor. Collectives are decomposed into flows (core/collective.h)
+// that run as one SimGrid parallel task, so that concurrent groups share the links they cross.
+//
+// SimGrid keeps global state that cannot be reset within a process, so every simulation runs in
+// a child process; `simulate` forks, runs it there and reads the result back. Callers may call it
+// any number of times, from tests too.
+#pragma once
+
+#include <functional>
+
+#include "core/error.h"
+#include "core/program.h"
+#include "sim/result.h"
+
+namespace nnsim {
+
+struct SimOptions {
+  // kSymmetric simulates one data-parallel replica: its collectives still move every replica's
+  // bytes over every replica's links, but other replicas' pipeline transfers are not replayed
+  // (docs/simulator.md measures the effect). kFull simulates every replica.
+  Fidelity fidelity = Fidelity::kSymmetric;
+  bool record_tasks = false;  // keep every task for traces (--trace, --hdf5)
+  // Called with the fraction of blocks done, at most every 0.2 s of wall time.
+  std::function<void(double)> progress;
+};
+
+Expected<SimResult> simulate(const Program& program, const SimOptions& options = {});
+
+}  // namespace nnsim

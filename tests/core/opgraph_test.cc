@@ -1,0 +1,258 @@
+#include "core/opgraph.h"
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/model.h"
+
+namespace nnsim {
+namespace {
+
+// Sum of a graph part's FLOPs.
+double fwd(const GraphPart& part) {
+  double f = 0;
+  for (const auto& op : part.ops) f += op.fwd_flops;
+  return f;
+}
+double bwd(const GraphPart& part) {
+  double f = 0;
+  for (const auto& op : part.ops) f += op.bwd_input_flops + op.bwd_weight_flops;
+  return f;
+}
+
+// FLOPs of one iteration of `global_batch` sequences, from the operator graph: every layer runs
+// forward, backward and (with full recompute) a second forward; the head runs forward and
+// backward.
+double graph_flops(const ModelSpec& m, int64_t global_batch, int64_t micro_batch, bool recompute) {
+  OpGraph g = lower_model(m, micro_batch);
+  const double per_layer = (recompute ? 2 : 1) * fwd(g.layer) + bwd(g.layer);
+  const double per_micro_batch =
+      m.layers * per_layer + fwd(g.head) + bwd(g.head) + fwd(g.embedding) + bwd(g.embedding);
+  return static_cast<double>(global_batch / micro_batch) * per_micro_batch;
+}
+
+// Narayanan et al. 2021, eq. 3 (full recompute) and the same count without recompute.
+double megatron_flops(const ModelSpec& m, double B, bool recompute) {
+  const double s = m.seq_len, l = m.layers, h = m.hidden, V = m.vocab;
+  if (recompute) return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h));
+  return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h));
+}
+
+ModelSpec preset(const std::string& name) {
+  auto m = load_model(name);
+  EXPECT_TRUE(m.ok()) << (m.ok() ? "" : m.error().message());
+  return *m;
+}
+
+// The model of Korthikanti et al. 2022: multi-head attention, f = 4h, unfused attention whose
+// softmax and dropout are kept, dropout after attention and MLP, 16-bit activations.
+ModelSpec korthikanti(const std::string& name) {
+  ModelSpec m = preset(name);
+  m.attention = AttentionKernel::kUnfused;
+  m.dropout = true;
+  m.precision = Precision::kBf16;
+  EXPECT_EQ(m.kv_heads, m.heads);
+  EXPECT_EQ(m.ffn_hidden, 4 * m.hidden);
+  return m;
+}
+
+std::vector<std::string> layer_op_names(const OpGraph& g) {
+  std::vector<std::string> names;
+  for (const auto& op : g.layer.ops) names.push_back(op.name);
+  return names;
+}
+
+const Op* find_op(const GraphPart& part, const std::string& name) {
+  for (const auto& op : part.ops) {
+    if (op.name == name) return &op;
+  }
+  return nullptr;
+}
+
+TEST(OpGraph, MegatronFlopsWithFullRecompute) {
+  struct Case {
+    std::string model;
+    int64_t global_batch, micro_batch;
+  };
+  for (const Case& c :
+       {Case{"gpt3-175b", 1536, 1}, Case{"gpt3-1.3b", 512, 4}, Case{"gpt3-13b", 96, 2}}) {
+    ModelSpec m = preset(c.model);
+    const double got = graph_flops(m, c.global_batch, c.micro_batch, true);
+    const double want = megatron_flops(m, static_cast<double>(c.global_batch), true);
+    EXPECT_NEAR(got / want, 1.0, 1e-9) << c.model << ": " << got << " vs " << want;
+  }
+}
+
+TEST(OpGraph, MegatronFlopsWithoutRecompute) {
+  for (const char* name : {"gpt3-175b", "gpt3-1.3b", "gpt3-6.7b"}) {
+    ModelSpec m = preset(name);
+    const double got = graph_flops(m, 256, 2, false);
+    const double want = megatron_flops(m, 256, false);
+    EXPECT_NEAR(got / want, 1.0, 1e-9) << name;
+    // forward_flops + backward_flops are the same count, per micro-batch.
+    OpGraph g = lower_model(m, 2);
+    EXPECT_NEAR((g.forward_flops() + g.backward_flops()) * 128 / want, 1.0, 1e-9) << name;
+  }
+}
+
+TEST(OpGraph, LayerFlopsAndBackwardRatio) {
+  ModelSpec m = preset("gpt3-1.3b");
+  const double b = 3, s = m.seq_len, h = m.hidden;
+  OpGraph g = lower_model(m, 3);
+  // 24 b s h^2 (QKV 6, projection 2, MLP 16) + 4 b s^2 h (scores and weighted values).
+  EXPECT_DOUBLE_EQ(fwd(g.layer), 24 * b * s * h * h + 4 * b * s * s * h);
+  EXPECT_DOUBLE_EQ(bwd(g.layer), 2 * fwd(g.layer));
+  // Head: 2 b s h V forward, twice that backward; the embedding lookup is free.
+  EXPECT_DOUBLE_EQ(fwd(g.head), 2 * b * s * h * m.vocab);
+  EXPECT_DOUBLE_EQ(bwd(g.head), 4 * b * s * h * m.vocab);
+  EXPECT_EQ(fwd(g.embedding), 0);
+  EXPECT_EQ(bwd(g.embedding), 0);
+  const Op* core = find_op(g.layer, "attn.core");
+  ASSERT_NE(core, nullptr);
+  EXPECT_EQ(core->bwd_weight_flops, 0);
+  EXPECT_DOUBLE_EQ(core->bwd_input_flops, 2 * core->fwd_flops);
+}
+
+TEST(OpGraph, GatedMlpAndGqaFlops) {
+  ModelSpec m = preset("llama3-8b");
+  const double s = m.seq_len, h = m.hidden, f = m.ffn_hidden, a = m.heads, k = m.kv_heads;
+  const double d = h / a;
+  OpGraph g = lower_model(m, 1);
+  const double qkv = 2 * s * h * (a + 2 * k) * d;
+  const double proj = 2 * s * h * h;
+  const double mlp = 2 * s * h * 2 * f + 2 * s * f * h;
+  const double attn = 4 * s * s * h;
+  EXPECT_DOUBLE_EQ(fwd(g.layer), qkv + proj + mlp + attn);
+}
+
+TEST(OpGraph, PartsHoldTheModelsParameters) {
+  for (const char* name : {"gpt3-175b", "gpt3-1.3b", "llama2-70b", "llama3-8b"}) {
+    ModelSpec m = preset(name);
+    OpGraph g = lower_model(m, 1);
+    auto params = [](const GraphPart& p) {
+      double n = 0;
+      for (const auto& op : p.ops) n += op.parameters();
+      return n;
+    };
+    EXPECT_EQ(params(g.layer), static_cast<double>(m.layer_parameters())) << name;
+    EXPECT_EQ(params(g.embedding), static_cast<double>(m.embedding_parameters())) << name;
+    EXPECT_EQ(params(g.head), static_cast<double>(m.head_parameters())) << name;
+  }
+}
+
+TEST(OpGraph, LayerOperatorsInOrder) {
+  OpGraph g = lower_model(korthikanti("gpt3-1.3b"), 1);
+  EXPECT_EQ(
+      layer_op_names(g),
+      (std::vector<std::string>{"attn.norm", "attn.qkv", "attn.core", "attn.proj", "attn.residual",
+                                "mlp.norm", "mlp.fc1", "mlp.act", "mlp.fc2", "mlp.residual"}));
+  std::vector<std::string> embed, head;
+  for (const auto& op : g.embedding.ops) embed.push_back(op.name);
+  for (const auto& op : g.head.ops) head.push_back(op.name);
+  EXPECT_EQ(embed, (std::vector<std::string>{"embed.word", "embed.position", "embed.dropout"}));
+  EXPECT_EQ(head, (std::vector<std::string>{"head.norm", "head.proj", "loss"}));
+  // Without learned positions or dropout the embedding is the lookup alone.
+  OpGraph llama = lower_model(preset("llama3-8b"), 1);
+  ASSERT_EQ(llama.embedding.ops.size(), 1u);
+  EXPECT_EQ(llama.embedding.ops[0].name, "embed.word");
+}
+
+// Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+// section 4: s b h (34 + 5 a s / h) bytes per layer with no parallelism.
+TEST(OpGraph, KorthikantiActivationMemory) {
+  for (const char* name : {"gpt3-175b", "gpt3-1.3b", "gpt3-13b"}) {
+    ModelSpec m = korthikanti(name);
+    for (int64_t b : {1, 2, 4}) {
+      OpGraph g = lower_model(m, b);
+      const double s = m.seq_len, h = m.hidden, a = m.heads, bb = b;
+      // s b h (34 + 5 a s / h) = 34 s b h + 5 a s^2 b, exact in doubles.
+      EXPECT_EQ(layer_activation_bytes(g, {}), 34 * s * bb * h + 5 * a * s * s * bb)
+          << name << " b=" << b;
+      EXPECT_EQ(layer_activation_bytes(g, {"attn.core"}), 34 * s * bb * h) << name;
+      EXPECT_EQ(layer_activation_bytes(g, layer_op_names(g)), 2 * s * bb * h) << name;
+    }
+  }
+}
+
+// The 34: where each s b h of the layer's activations comes from.
+TEST(OpGraph, SavedActivationsPerOperator) {
+  ModelSpec m = korthikanti("gpt3-1.3b");
+  OpGraph g = lower_model(m, 1);
+  const double sbh = static_cast<double>(m.seq_len) * m.hidden;
+  const double as2 = static_cast<double>(m.heads) * m.seq_len * m.seq_len;
+  auto saved = [&](const std::string& name) {
+    const Op* op = find_op(g.layer, name);
+    EXPECT_NE(op, nullptr) << name;
+    double n = 0;
+    for (const auto& t : op->saved) n += t.bytes();
+    return n;
+  };
+  EXPECT_EQ(saved("attn.norm"), 2 * sbh);
+  EXPECT_EQ(saved("attn.qkv"), 2 * sbh);
+  EXPECT_EQ(saved("attn.core"), 6 * sbh + 5 * as2);  // Q, K, V; softmax, mask, dropout output
+  EXPECT_EQ(saved("attn.proj"), 2 * sbh);
+  EXPECT_EQ(saved("attn.residual"), 1 * sbh);  // dropout mask, one byte per element
+  EXPECT_EQ(saved("mlp.norm"), 2 * sbh);
+  EXPECT_EQ(saved("mlp.fc1"), 2 * sbh);
+  EXPECT_EQ(saved("mlp.act"), 8 * sbh);
+  EXPECT_EQ(saved("mlp.fc2"), 8 * sbh);
+  EXPECT_EQ(saved("mlp.residual"), 1 * sbh);
+}
+
+TEST(OpGraph, FlashAttentionKeepsOutputAndStatistics) {
+  ModelSpec m = korthikanti("gpt3-1.3b");
+  m.attention = AttentionKernel::kFlash;
+  OpGraph g = lower_model(m, 2);
+  const double s = m.seq_len, h = m.hidden, a = m.heads, b = 2;
+  // The output is shared with the projection's saved input (counted once); the fp32 row
+  // log-sum-exp replaces the s x s tensors.
+  EXPECT_EQ(layer_activation_bytes(g, {}), 34 * s * b * h + 4 * b * a * s);
+  // Without dropout the two masks go.
+  m.dropout = false;
+  EXPECT_EQ(layer_activation_bytes(lower_model(m, 2), {}), 32 * s * b * h + 4 * b * a * s);
+}
+
+TEST(OpGraph, RecomputingTheMlpKeepsItsCheckpoint) {
+  ModelSpec m = korthikanti("gpt3-1.3b");
+  OpGraph g = lower_model(m, 1);
+  const double sbh = static_cast<double>(m.seq_len) * m.hidden;
+  const double as2 = static_cast<double>(m.heads) * m.seq_len * m.seq_len;
+  // Recomputing fc1, act and fc2 keeps only fc1's input (the norm output, 2 sbh) of the 18 sbh
+  // they save.
+  EXPECT_EQ(layer_activation_bytes(g, {"mlp.fc1", "mlp.act", "mlp.fc2"}),
+            34 * sbh + 5 * as2 - 16 * sbh);
+  // Unknown names recompute nothing.
+  EXPECT_EQ(layer_activation_bytes(g, {"nothing"}), 34 * sbh + 5 * as2);
+}
+
+TEST(OpGraph, DimensionNames) {
+  for (int i = 0; i < kNumDims; ++i) {
+    Dim d{};
+    ASSERT_TRUE(parse_dim(to_string(static_cast<Dim>(i)), &d));
+    EXPECT_EQ(d, static_cast<Dim>(i));
+  }
+  Dim d{};
+  EXPECT_FALSE(parse_dim("hiden", &d));
+  DimSet s{Dim::kBatch, Dim::kSeq};
+  EXPECT_TRUE(s.contains(Dim::kSeq));
+  EXPECT_FALSE(s.contains(Dim::kHidden));
+  EXPECT_TRUE(s.with(Dim::kHidden).contains(Dim::kHidden));
+  EXPECT_TRUE(DimSet{}.empty());
+}
+
+TEST(OpGraph, HeadsSplitByKeyValueGroup) {
+  OpGraph g = lower_model(preset("llama3-8b"), 1);
+  const Op* qkv = find_op(g.layer, "attn.qkv");
+  ASSERT_NE(qkv, nullptr);
+  EXPECT_EQ(qkv->granularity[static_cast<int>(Dim::kHeads)], 8);
+  EXPECT_TRUE(qkv->reduced.contains(Dim::kHidden));
+  const Op* norm = find_op(g.layer, "attn.norm");
+  ASSERT_NE(norm, nullptr);
+  EXPECT_TRUE(norm->unsplittable.contains(Dim::kHidden));
+}
+
+}  // namespace
+}  // namespace nnsim

@@ -1,0 +1,187 @@
+#include "planner/schedules.h"
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/model.h"
+#include "core/program.h"
+#include "core/schedule_check.h"
+#include "core/topology.h"
+#include "planner/megatron.h"
+
+namespace nnsim {
+namespace {
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+std::vector<Block> order(ScheduleKind kind, int stage, int stages, int chunks, int m) {
+  auto o = pipeline_order(kind, stage, stages, chunks, m);
+  EXPECT_TRUE(o.ok()) << (o.ok() ? "" : o.error().message());
+  return o.ok() ? *o : std::vector<Block>{};
+}
+
+std::string text(const std::vector<Block>& blocks) {
+  std::string s;
+  for (const auto& b : blocks) s += (s.empty() ? "" : " ") + to_string(b);
+  return s;
+}
+
+int leading_forwards(const std::vector<Block>& blocks) {
+  int n = 0;
+  while (n < static_cast<int>(blocks.size()) && blocks[n].kind == BlockKind::kForward) ++n;
+  return n;
+}
+
+// Every forward and backward of every micro-batch through each of the stage's chunks, once.
+void expect_complete(const std::vector<Block>& blocks, int stage, int stages, int chunks, int m) {
+  std::map<std::tuple<int, int, int>, int> seen;
+  for (const auto& b : blocks) ++seen[{static_cast<int>(b.kind), b.micro_batch, b.segment}];
+  EXPECT_EQ(blocks.size(), static_cast<size_t>(2 * m * chunks));
+  for (int c = 0; c < chunks; ++c) {
+    for (int mb = 0; mb < m; ++mb) {
+      for (BlockKind k : {BlockKind::kForward, BlockKind::kBackward}) {
+        EXPECT_EQ((seen[{static_cast<int>(k), mb, segment_of(c, stage, stages)}]), 1)
+            << to_string(k) << mb << "@" << segment_of(c, stage, stages) << " stage " << stage;
+      }
+    }
+  }
+}
+
+// Runs the whole pipeline's orders through the schedule checker (completeness, dependencies,
+// deadlock).
+Status check_pipeline(ScheduleKind kind, int stages, int chunks, int m) {
+  std::vector<OrderView> views;
+  for (int p = 0; p < stages; ++p) {
+    views.push_back({"pp=" + std::to_string(p), order(kind, p, stages, chunks, m)});
+  }
+  const int segments = stages * chunks;
+  std::vector<int> next(segments), lane(segments);
+  for (int s = 0; s < segments; ++s) {
+    next[s] = s + 1 < segments ? s + 1 : -1;
+    lane[s] = s % stages;
+  }
+  return check_schedule(views, segments, m, next, lane);
+}
+
+TEST(Schedules, OneFOneBWarmUp) {
+  const int stages = 4, m = 8;
+  for (int p = 0; p < stages; ++p) {
+    auto o = order(ScheduleKind::kOneFOneB, p, stages, 1, m);
+    // stages - p - 1 warm-up forwards, then the first forward of the steady state.
+    EXPECT_EQ(leading_forwards(o), stages - p) << "stage " << p;
+    expect_complete(o, p, stages, 1, m);
+    // Steady state: one forward, one backward; micro-batches in order within each kind.
+    int next_f = 0, next_b = 0;
+    for (const auto& b : o) {
+      if (b.kind == BlockKind::kForward) EXPECT_EQ(b.micro_batch, next_f++);
+      if (b.kind == BlockKind::kBackward) EXPECT_EQ(b.micro_batch, next_b++);
+      EXPECT_EQ(b.segment, p);
+    }
+  }
+  EXPECT_EQ(text(order(ScheduleKind::kOneFOneB, 0, 4, 1, 8)),
+            "F0@0 F1@0 F2@0 F3@0 B0@0 F4@0 B1@0 F5@0 B2@0 F6@0 B3@0 F7@0 B4@0 B5@0 B6@0 B7@0");
+  EXPECT_EQ(text(order(ScheduleKind::kOneFOneB, 3, 4, 1, 4)),
+            "F0@3 B0@3 F1@3 B1@3 F2@3 B2@3 F3@3 B3@3");
+  // Fewer micro-batches than stages: warm-up is capped.
+  auto few = order(ScheduleKind::kOneFOneB, 0, 8, 1, 3);
+  EXPECT_EQ(text(few), "F0@0 F1@0 F2@0 B0@0 B1@0 B2@0");
+  EXPECT_TRUE(check_pipeline(ScheduleKind::kOneFOneB, 4, 1, 8).ok());
+  EXPECT_TRUE(check_pipeline(ScheduleKind::kOneFOneB, 8, 1, 3).ok());
+  EXPECT_TRUE(check_pipeline(ScheduleKind::kOneFOneB, 1, 1, 5).ok());
+}
+
+TEST(Schedules, GpipeOrder) {
+  EXPECT_EQ(text(order(ScheduleKind::kGpipe, 1, 4, 1, 4)),
+            "F0@1 F1@1 F2@1 F3@1 B3@1 B2@1 B1@1 B0@1");
+  for (int p = 0; p < 4; ++p) {
+    auto o = order(ScheduleKind::kGpipe, p, 4, 1, 6);
+    EXPECT_EQ(leading_forwards(o), 6);
+    expect_complete(o, p, 4, 1, 6);
+  }
+  EXPECT_TRUE(check_pipeline(ScheduleKind::kGpipe, 4, 1, 6).ok());
+}
+
+// Megatron's interleaved 1F1B for pp = 4, vpp = 2, m = 8.
+TEST(Schedules, InterleavedOrder) {
+  const int stages = 4, chunks = 2, m = 8;
+  for (int p = 0; p < stages; ++p) {
+    auto o = order(ScheduleKind::kInterleaved, p, stages, chunks, m);
+    expect_complete(o, p, stages, chunks, m);
+    // Warm-up: 2 (stages - p - 1) + (chunks - 1) stages, then the steady state's first forward.
+    EXPECT_EQ(leading_forwards(o), 2 * (stages - p - 1) + (chunks - 1) * stages + 1)
+        << "stage " << p;
+  }
+  // Forwards go through the chunks in groups of `stages` micro-batches; backwards start from the
+  // last chunk.
+  EXPECT_EQ(text(order(ScheduleKind::kInterleaved, 0, stages, chunks, m)),
+            "F0@0 F1@0 F2@0 F3@0 F0@4 F1@4 F2@4 F3@4 F4@0 F5@0 "
+            "F6@0 B0@4 F7@0 B1@4 F4@4 B2@4 F5@4 B3@4 F6@4 B0@0 F7@4 B1@0 "
+            "B2@0 B3@0 B4@4 B5@4 B6@4 B7@4 B4@0 B5@0 B6@0 B7@0");
+  EXPECT_TRUE(check_pipeline(ScheduleKind::kInterleaved, stages, chunks, m).ok());
+  EXPECT_TRUE(check_pipeline(ScheduleKind::kInterleaved, 4, 2, 4).ok());   // m == stages
+  EXPECT_TRUE(check_pipeline(ScheduleKind::kInterleaved, 4, 3, 12).ok());
+  EXPECT_TRUE(check_pipeline(ScheduleKind::kInterleaved, 2, 4, 6).ok());
+}
+
+TEST(Schedules, InterleavedPlanCompiles) {
+  auto m = load_model("gpt3-1.3b");  // 24 layers: 8 segments of 3
+  auto topo = load_topology("dgx-a100x4");
+  ASSERT_TRUE(m.ok() && topo.ok());
+  MegatronOptions o;
+  o.tp = 8;
+  o.pp = 4;
+  o.vpp = 2;
+  o.schedule = ScheduleKind::kInterleaved;
+  o.global_batch = 8;  // dp 1: 8 micro-batches
+  auto plan = build_megatron_plan(*m, *topo, o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  EXPECT_EQ(plan->segments.size(), 8u);
+  EXPECT_EQ(plan->segments[5].name, "stage1.chunk1");
+  EXPECT_EQ(plan->segments[5].devices, (MeshSlice{{"pp", 1}}));
+  auto prog = compile_plan(*plan, *topo);
+  ASSERT_TRUE(prog.ok()) << prog.error().message();
+  EXPECT_EQ(prog->lanes.size(), 4u);
+  EXPECT_EQ(prog->micro_batches, 8);
+  for (const Lane& lane : prog->lanes) EXPECT_EQ(lane.blocks.size(), 32u);
+}
+
+TEST(Schedules, Errors) {
+  auto e = pipeline_order(ScheduleKind::kOneFOneB, 0, 4, 2, 8);
+  ASSERT_FALSE(e.ok());
+  EXPECT_TRUE(contains(e.error().message(), "use --schedule interleaved for --vpp 2"))
+      << e.error().message();
+  e = pipeline_order(ScheduleKind::kGpipe, 0, 4, 2, 8);
+  ASSERT_FALSE(e.ok());
+  e = pipeline_order(ScheduleKind::kInterleaved, 0, 4, 2, 6);
+  ASSERT_FALSE(e.ok());
+  EXPECT_TRUE(contains(e.error().message(),
+                       "needs the micro-batch count (6) to be a multiple of the pipeline stages "
+                       "(4)"))
+      << e.error().message();
+  e = pipeline_order(ScheduleKind::kOneFOneB, 0, 4, 1, 0);
+  ASSERT_FALSE(e.ok());
+  EXPECT_TRUE(contains(e.error().message(), "at least one micro-batch"));
+}
+
+TEST(Schedules, Names) {
+  for (ScheduleKind k : {ScheduleKind::kGpipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved}) {
+    auto parsed = parse_schedule_kind(std::string(to_string(k)));
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(*parsed, k);
+  }
+  auto bad = parse_schedule_kind("1f1c");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_TRUE(contains(bad.error().message(), "unknown schedule '1f1c' (did you mean '1f1b'?)"))
+      << bad.error().message();
+  EXPECT_EQ(segment_of(1, 2, 4), 6);
+}
+
+}  // namespace
+}  // namespace nnsim

@@ -1,0 +1,293 @@
+// nnsim: the command-line driver. It parses arguments, calls the libraries and talks to the
+// user; the libraries never print or exit.
+//
+//   nnsim --topo topologies/dgx-a100x4.yaml plan.json     (same as `nnsim simulate ...`)
+//   nnsim plan --model gpt3-175b --topo dgx-a100x4 --tp 8 --pp 4 ... -o plan.json
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <optional>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "core/memory_check.h"
+#include "core/model.h"
+#include "core/plan.h"
+#include "core/program.h"
+#include "core/topology.h"
+#include "core/units.h"
+#include "planner/megatron.h"
+#include "sim/report.h"
+#include "sim/simulator.h"
+#include "sim/trace.h"
+
+namespace nnsim {
+namespace {
+
+int fail(const std::string& message) {
+  std::fprintf(stderr, "nnsim: error: %s\n", message.c_str());
+  return 1;
+}
+
+bool write_file(const std::string& path, const std::string& text, std::string* error) {
+  std::ofstream out(path, std::ios::binary);
+  if (!out) {
+    *error = fmt::format("cannot write '{}' (does its folder exist?)", path);
+    return false;
+  }
+  out << text;
+  if (!out.flush()) {
+    *error = fmt::format("writing '{}' failed", path);
+    return false;
+  }
+  return true;
+}
+
+Expected<Topology> load_topology_sized(const std::string& path, int nodes) {
+  Expected<Topology> topo = load_topology(path);
+  if (!topo || nodes <= 0) return topo;
+  return resize_topology(*topo, nodes);
+}
+
+// Progress on a terminal only; pipes and files stay quiet.
+class Progress {
+ public:
+  explicit Progress(const char* what) : what_(what), tty_(::isatty(STDERR_FILENO) != 0) {}
+  ~Progress() { done(); }
+  void update(double fraction) {
+    if (!tty_) return;
+    std::fprintf(stderr, "\r%s %3.0f%%", what_, 100 * fraction);
+    std::fflush(stderr);
+    shown_ = true;
+  }
+  void done() {
+    if (shown_) std::fprintf(stderr, "\r%*s\r", 40, "");
+    shown_ = false;
+  }
+
+ private:
+  const char* what_;
+  bool tty_;
+  bool shown_ = false;
+};
+
+struct SimulateArgs {
+  std::string topo;
+  std::string plan;
+  int nodes = 0;
+  std::string json;
+  std::string trace;
+  std::string hdf5;
+  std::string fidelity = "symmetric";
+  bool allow_oom = false;
+};
+
+void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
+  auto* topo = app->add_option("--topo", a.topo, "topology YAML file or preset name");
+  auto* plan = app->add_option("plan", a.plan, "plan.json to simulate");
+  if (required) {
+    topo->required();
+    plan->required();
+  }
+  app->add_option("--nodes", a.nodes, "resize the topology to this many nodes (what-if)");
+  app->add_option("--json", a.json, "write the report as JSON to this file");
+  app->add_option("--trace", a.trace, "write a Chrome/Perfetto timeline (JSON) to this file");
+  app->add_option("--hdf5", a.hdf5, "write the task-level timeline (HDF5) to this file");
+  app->add_option("--fidelity", a.fidelity,
+                  "symmetric: simulate one data-parallel replica (default); full: all of them")
+      ->check(CLI::IsMember({"symmetric", "full"}));
+  app->add_flag("--allow-oom", a.allow_oom,
+                "simulate even when the plan does not fit in GPU memory (still exits non-zero)");
+}
+
+std::string lane_gpus(const LaneReport& l) {
+  if (l.gpus.size() == 1) return std::to_string(l.gpus.front());
+  auto [lo, hi] = std::minmax_element(l.gpus.begin(), l.gpus.end());
+  return fmt::format("{}-{}", *lo, *hi);
+}
+
+void print_report(const Program& prog, const SimResult& r) {
+  const Topology& t = prog.topology;
+  std::printf("%s\n", fmt::format("{} on {} ({} x {})", prog.plan.name, t.name, r.num_gpus,
+                                   t.gpu.name)
+                          .c_str());
+  std::printf("  iteration time   %s (%d micro-batches per replica)\n",
+              format_seconds(r.iteration_time).c_str(), r.micro_batches);
+  std::printf("  throughput       %s tokens/s, %s per GPU (MFU %.1f%% of %s)\n",
+              format_count(r.tokens_per_second).c_str(),
+              format_flops(r.model_flops_per_gpu).c_str(), 100 * r.mfu,
+              format_flops(r.peak_flops_per_gpu).c_str());
+  const LaneReport& worst = worst_memory_lane(r);
+  std::printf("  peak memory      %s of %s (GPU %d, %s)\n", format_bytes(worst.peak_memory).c_str(),
+              format_bytes(t.gpu.hbm_bytes).c_str(), worst.gpus.front(), worst.name.c_str());
+  // Per-lane breakdown.
+  std::vector<std::string> groups;
+  for (const auto& l : r.lanes) {
+    for (const auto& [g, s] : l.breakdown.exposed_comm) {
+      if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+    }
+  }
+  std::sort(groups.begin(), groups.end());
+  std::string header = fmt::format("  {:<10} {:>9} {:>10} {:>10} {:>10}", "lane", "gpus",
+                                   "compute", "recompute", "optimizer");
+  for (const auto& g : groups) header += fmt::format(" {:>10}", "exp." + g);
+  header += fmt::format(" {:>10} {:>11}", "bubble", "peak mem");
+  std::printf("breakdown per lane (devices in lockstep; every GPU listed has these figures):\n");
+  std::printf("%s\n", header.c_str());
+  size_t shown = 0;
+  for (const auto& l : r.lanes) {
+    if (shown++ == 32 && r.lanes.size() > 34) {
+      std::printf("  ... %zu more lanes in --json\n", r.lanes.size() - 32);
+      break;
+    }
+    const Breakdown& b = l.breakdown;
+    std::string row = fmt::format("  {:<10} {:>9} {:>10} {:>10} {:>10}", l.name, lane_gpus(l),
+                                  format_seconds(b.compute), format_seconds(b.recompute),
+                                  format_seconds(b.optimizer));
+    for (const auto& g : groups) {
+      auto it = b.exposed_comm.find(g);
+      row += fmt::format(" {:>10}", format_seconds(it == b.exposed_comm.end() ? 0 : it->second));
+    }
+    row += fmt::format(" {:>10} {:>11}", format_seconds(b.bubble), format_bytes(l.peak_memory));
+    std::printf("%s\n", row.c_str());
+  }
+  if (r.fidelity == Fidelity::kSymmetric && prog.replicas > 1) {
+    std::printf("  (simulated 1 of %d data-parallel replicas; the others mirror it)\n",
+                prog.replicas);
+  }
+}
+
+int run_simulate(const SimulateArgs& a) {
+  Expected<Topology> topo = load_topology_sized(a.topo, a.nodes);
+  if (!topo) return fail(topo.error().message());
+  Expected<Plan> plan = load_plan(a.plan);
+  if (!plan) return fail(plan.error().message());
+  Expected<Program> prog = compile_plan(*plan, *topo);
+  if (!prog) return fail(fmt::format("{}: {}", a.plan, prog.error().message()));
+  Status fits = check_memory_fits(*prog);
+  if (!fits && !a.allow_oom) return fail(fits.error().message());
+
+  SimOptions opts;
+  opts.fidelity = a.fidelity == "full" ? Fidelity::kFull : Fidelity::kSymmetric;
+  opts.record_tasks = !a.trace.empty() || !a.hdf5.empty();
+  Progress progress("simulating");
+  opts.progress = [&progress](double f) { progress.update(f); };
+  Expected<SimResult> result = simulate(*prog, opts);
+  progress.done();
+  if (!result) return fail(result.error().message());
+
+  print_report(*prog, *result);
+  std::string error;
+  if (!a.json.empty() && !write_file(a.json, report_json(*prog, *result), &error)) {
+    return fail(error);
+  }
+  if (!a.trace.empty() && !write_file(a.trace, chrome_trace_json(*prog, *result), &error)) {
+    return fail(error);
+  }
+  if (!a.hdf5.empty()) {
+    if (Status s = write_hdf5_timeline(a.hdf5, *prog, *result); !s) return fail(s.error().message());
+  }
+  if (!fits) return fail(fits.error().message());
+  return 0;
+}
+
+struct PlanArgs {
+  std::string model;
+  std::string topo;
+  int nodes = 0;
+  MegatronOptions o;
+  std::string recompute = "none";
+  std::string schedule = "1f1b";
+  std::string precision;
+  std::string output;
+};
+
+int run_plan(PlanArgs& a) {
+  Expected<ModelSpec> model = load_model(a.model);
+  if (!model) return fail(model.error().message());
+  Expected<Topology> topo = load_topology_sized(a.topo, a.nodes);
+  if (!topo) return fail(topo.error().message());
+  Expected<RecomputeMode> rec = parse_recompute_mode(a.recompute);
+  if (!rec) return fail("--recompute: " + rec.error().message());
+  a.o.recompute = *rec;
+  Expected<ScheduleKind> sched = parse_schedule_kind(a.schedule);
+  if (!sched) return fail("--schedule: " + sched.error().message());
+  a.o.schedule = *sched;
+  if (!a.precision.empty()) {
+    static const std::pair<const char*, Precision> kNames[] = {
+        {"fp32", Precision::kFp32}, {"tf32", Precision::kTf32}, {"bf16", Precision::kBf16},
+        {"fp16", Precision::kFp16}, {"fp8", Precision::kFp8}};
+    bool found = false;
+    for (const auto& [n, p] : kNames) {
+      if (a.precision == n) {
+        a.o.precision = p;
+        found = true;
+      }
+    }
+    if (!found) return fail("--precision: expected one of fp32, tf32, bf16, fp16, fp8");
+  }
+  Expected<Plan> plan = build_megatron_plan(*model, *topo, a.o);
+  if (!plan) return fail(plan.error().message());
+  // The plan must compile on its topology: check now rather than at simulation time.
+  Expected<Program> prog = compile_plan(*plan, *topo);
+  if (!prog) return fail(prog.error().message());
+  std::string error;
+  if (!write_file(a.output, plan_to_json(*plan), &error)) return fail(error);
+  std::printf("wrote %s: %s\n", a.output.c_str(), plan->name.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace nnsim
+
+int main(int argc, char** argv) {
+  using namespace nnsim;
+  CLI::App app{"nnsim: simulate distributed LLM training plans on GPU clusters"};
+  app.set_version_flag("--version", "nnsim 0.1.0");
+  SimulateArgs top;
+  add_simulate_options(&app, top, false);
+
+  SimulateArgs sim;
+  CLI::App* simulate_cmd = app.add_subcommand("simulate", "simulate one training iteration");
+  add_simulate_options(simulate_cmd, sim, true);
+
+  PlanArgs plan;
+  CLI::App* plan_cmd = app.add_subcommand("plan", "build a fully pinned Megatron-style plan");
+  plan_cmd->add_option("--model", plan.model, "model YAML file or preset name")->required();
+  plan_cmd->add_option("--topo", plan.topo, "topology YAML file or preset name")->required();
+  plan_cmd->add_option("--nodes", plan.nodes, "resize the topology to this many nodes");
+  plan_cmd->add_option("--tp", plan.o.tp, "tensor-parallel degree");
+  plan_cmd->add_option("--pp", plan.o.pp, "pipeline-parallel degree (stages)");
+  plan_cmd->add_option("--dp", plan.o.dp, "data-parallel degree (default: GPUs / (tp pp cp))");
+  plan_cmd->add_option("--cp", plan.o.cp, "context-parallel degree");
+  plan_cmd->add_option("--vpp", plan.o.vpp, "model chunks per pipeline rank (interleaved)");
+  plan_cmd->add_flag("--sequence-parallel", plan.o.sequence_parallel,
+                     "Megatron sequence parallelism inside tensor-parallel groups");
+  plan_cmd->add_option("--micro-batch", plan.o.micro_batch, "sequences per micro-batch");
+  plan_cmd->add_option("--global-batch", plan.o.global_batch, "sequences per optimizer step")
+      ->required();
+  plan_cmd->add_option("--recompute", plan.recompute, "none, selective or full");
+  plan_cmd->add_option("--zero", plan.o.zero, "optimizer sharding stage 0-3");
+  plan_cmd->add_option("--schedule", plan.schedule, "gpipe, 1f1b or interleaved");
+  plan_cmd->add_option("--precision", plan.precision, "fp32, tf32, bf16, fp16 or fp8");
+  plan_cmd->add_option("--stage-layers", plan.o.stage_layers,
+                       "layers per segment (pp x vpp numbers), default as even as possible")
+      ->delimiter(',');
+  plan_cmd->add_option("-o,--output", plan.output, "where to write plan.json")->required();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (simulate_cmd->parsed()) return run_simulate(sim);
+  if (plan_cmd->parsed()) return run_plan(plan);
+  if (top.topo.empty() || top.plan.empty()) {
+    std::fprintf(stderr, "%s", app.help().c_str());
+    return fail("give a topology and a plan: nnsim --topo TOPOLOGY.yaml plan.json");
+  }
+  return run_simulate(top);
+}
