@@ -314,19 +314,27 @@ void Simulation::dp_stream_actor(Instance& inst) {
   }
 }
 
-Expected<SimResult> Simulation::run() {
-  const double wall0 = wall_now();
-  int argc = 1;
-  char arg0[] = "nnsim";
-  char* argv[] = {arg0, nullptr};
+void configure_engine_once() {
   // SimGrid is quiet: everything nnsim reports goes through the result.
   xbt_log_control_set("root.thresh:critical");
-  sg4::Engine engine(&argc, argv);
+}
+
+void apply_engine_config() {
   // Parallel tasks need the L07 model; its bandwidth sharing is fair (no RTT weighting) and
   // the TCP window bound is disabled (GPU fabrics have no TCP). See docs/simulator.md.
   sg4::Engine::set_config("host/model:ptask_L07");
   sg4::Engine::set_config("network/TCP-gamma:0");
   sg4::Engine::set_config("contexts/stack-size:256");
+}
+
+Expected<SimResult> Simulation::run() {
+  const double wall0 = wall_now();
+  configure_engine_once();
+  int argc = 1;
+  char arg0[] = "nnsim";
+  char* argv[] = {arg0, nullptr};
+  sg4::Engine engine(&argc, argv);
+  apply_engine_config();
 
   net_ = std::make_unique<Network>(prog_.topology);
   hosts_ = build_platform(*net_);

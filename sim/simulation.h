@@ -20,6 +20,15 @@
 
 namespace nnsim {
 
+// SimGrid settings every simulation uses: call configure_engine_once before creating the engine
+// and apply_engine_config right after.
+void configure_engine_once();
+void apply_engine_config();
+
+// Runs simulate_communication's requests in this process (which must not have run SimGrid).
+Expected<std::vector<double>> run_communication(const Topology& topology,
+                                                const std::vector<CommRequest>& requests);
+
 class Simulation {
  public:
   Simulation(const Program& program, const SimOptions& options);

@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <functional>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -201,33 +203,18 @@ void send_frame(int fd, char tag, const std::string& payload) {
   write_all(fd, payload.data(), payload.size());
 }
 
-[[noreturn]] void run_child(int fd, const Program& program, SimOptions options) {
-  if (options.progress) {
-    options.progress = [fd](double fraction) {
-      char tag = 'P';
-      write_all(fd, &tag, 1);
-      write_all(fd, &fraction, sizeof fraction);
-    };
-  }
-  Simulation sim(program, options);
-  Expected<SimResult> r = sim.run();
-  if (r) {
-    send_frame(fd, 'R', encode(*r));
-  } else {
-    send_frame(fd, 'E', r.error().message());
-  }
-  ::close(fd);
-  // Skip SimGrid's and the parent's exit handlers: the parent owns the process's resources.
-  ::_exit(0);
-}
+// Runs `work` in a child process and returns its encoded result (frame 'R') or its error
+// (frame 'E'); progress frames ('P') from the child go to `progress`.
+using ChildWork = std::function<Expected<std::string>(const std::function<void(double)>&)>;
 
-}  // namespace
-
-Expected<SimResult> simulate(const Program& program, const SimOptions& options) {
+Expected<std::string> run_isolated(const ChildWork& work,
+                                   const std::function<void(double)>& progress) {
   int fds[2];
   if (::pipe(fds) != 0) {
     return Error(fmt::format("cannot create a pipe for the simulation: {}", std::strerror(errno)));
   }
+  std::fflush(stdout);
+  std::fflush(stderr);
   pid_t pid = ::fork();
   if (pid < 0) {
     ::close(fds[0]);
@@ -236,7 +223,24 @@ Expected<SimResult> simulate(const Program& program, const SimOptions& options) 
   }
   if (pid == 0) {
     ::close(fds[0]);
-    run_child(fds[1], program, options);
+    const int fd = fds[1];
+    std::function<void(double)> child_progress;
+    if (progress) {
+      child_progress = [fd](double fraction) {
+        char tag = 'P';
+        write_all(fd, &tag, 1);
+        write_all(fd, &fraction, sizeof fraction);
+      };
+    }
+    Expected<std::string> r = work(child_progress);
+    if (r) {
+      send_frame(fd, 'R', *r);
+    } else {
+      send_frame(fd, 'E', r.error().message());
+    }
+    ::close(fd);
+    // Skip SimGrid's and the parent's exit handlers: the parent owns the process's resources.
+    ::_exit(0);
   }
   ::close(fds[1]);
   std::string payload;
@@ -246,7 +250,7 @@ Expected<SimResult> simulate(const Program& program, const SimOptions& options) 
     if (tag == 'P') {
       double f;
       if (!read_all(fds[0], &f, sizeof f)) break;
-      if (options.progress) options.progress(f);
+      if (progress) progress(f);
       continue;
     }
     uint64_t n;
@@ -259,7 +263,7 @@ Expected<SimResult> simulate(const Program& program, const SimOptions& options) 
   int wstatus = 0;
   while (::waitpid(pid, &wstatus, 0) < 0 && errno == EINTR) {
   }
-  if (status == 'R') return decode(payload);
+  if (status == 'R') return payload;
   if (status == 'E') return Error(payload);
   if (WIFSIGNALED(wstatus)) {
     return Error(fmt::format("the simulation process was killed by signal {} ({}); this is a "
@@ -269,6 +273,39 @@ Expected<SimResult> simulate(const Program& program, const SimOptions& options) 
   return Error(fmt::format("the simulation process exited with status {} without a result; "
                            "this is a bug in nnsim: please report it with the plan and topology",
                            WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : -1));
+}
+
+}  // namespace
+
+Expected<SimResult> simulate(const Program& program, const SimOptions& options) {
+  Expected<std::string> out = run_isolated(
+      [&](const std::function<void(double)>& progress) -> Expected<std::string> {
+        SimOptions child = options;
+        child.progress = progress;
+        Simulation sim(program, child);
+        Expected<SimResult> r = sim.run();
+        if (!r) return r.error();
+        return encode(*r);
+      },
+      options.progress);
+  if (!out) return out.error();
+  return decode(*out);
+}
+
+Expected<std::vector<double>> simulate_communication(const Topology& topology,
+                                                     const std::vector<CommRequest>& requests) {
+  Expected<std::string> out = run_isolated(
+      [&](const std::function<void(double)>&) -> Expected<std::string> {
+        Expected<std::vector<double>> r = run_communication(topology, requests);
+        if (!r) return r.error();
+        Writer w;
+        w.pods(*r);
+        return std::move(w.buffer());
+      },
+      {});
+  if (!out) return out.error();
+  Reader r(*out);
+  return r.pods<double>();
 }
 
 }  // namespace nnsim

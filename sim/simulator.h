@@ -13,7 +13,9 @@
 #include <functional>
 
 #include "core/error.h"
+#include "core/collective.h"
 #include "core/program.h"
+#include "core/topology.h"
 #include "sim/result.h"
 
 namespace nnsim {
@@ -29,5 +31,20 @@ struct SimOptions {
 };
 
 Expected<SimResult> simulate(const Program& program, const SimOptions& options = {});
+
+// Communication alone on a topology: collectives and transfers that all start at time 0 and
+// share the network. Used to check the network model against closed forms and to measure
+// collectives the way nccl-tests does.
+struct CommRequest {
+  enum class Kind { kCollective, kTransfer };
+  Kind kind = Kind::kCollective;
+  CollectiveKind collective = CollectiveKind::kAllReduce;
+  Algorithm algorithm = Algorithm::kRing;
+  std::vector<int> gpus;  // the group (kCollective) or {source, destination} (kTransfer)
+  double bytes = 0;
+};
+// Seconds each request took.
+Expected<std::vector<double>> simulate_communication(const Topology& topology,
+                                                     const std::vector<CommRequest>& requests);
 
 }  // namespace nnsim

@@ -80,8 +80,11 @@ TEST(Schedules, OneFOneBWarmUp) {
     // Steady state: one forward, one backward; micro-batches in order within each kind.
     int next_f = 0, next_b = 0;
     for (const auto& b : o) {
-      if (b.kind == BlockKind::kForward) EXPECT_EQ(b.micro_batch, next_f++);
-      if (b.kind == BlockKind::kBackward) EXPECT_EQ(b.micro_batch, next_b++);
+      if (b.kind == BlockKind::kForward) {
+        EXPECT_EQ(b.micro_batch, next_f++);
+      } else {
+        EXPECT_EQ(b.micro_batch, next_b++);
+      }
       EXPECT_EQ(b.segment, p);
     }
   }
@@ -125,7 +128,7 @@ TEST(Schedules, InterleavedOrder) {
             "F6@0 B0@4 F7@0 B1@4 F4@4 B2@4 F5@4 B3@4 F6@4 B0@0 F7@4 B1@0 "
             "B2@0 B3@0 B4@4 B5@4 B6@4 B7@4 B4@0 B5@0 B6@0 B7@0");
   EXPECT_TRUE(check_pipeline(ScheduleKind::kInterleaved, stages, chunks, m).ok());
-  EXPECT_TRUE(check_pipeline(ScheduleKind::kInterleaved, 4, 2, 4).ok());   // m == stages
+  EXPECT_TRUE(check_pipeline(ScheduleKind::kInterleaved, 4, 2, 4).ok());  // m == stages
   EXPECT_TRUE(check_pipeline(ScheduleKind::kInterleaved, 4, 3, 12).ok());
   EXPECT_TRUE(check_pipeline(ScheduleKind::kInterleaved, 2, 4, 6).ok());
 }
@@ -171,7 +174,8 @@ TEST(Schedules, Errors) {
 }
 
 TEST(Schedules, Names) {
-  for (ScheduleKind k : {ScheduleKind::kGpipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved}) {
+  for (ScheduleKind k :
+       {ScheduleKind::kGpipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved}) {
     auto parsed = parse_schedule_kind(std::string(to_string(k)));
     ASSERT_TRUE(parsed.ok());
     EXPECT_EQ(*parsed, k);

@@ -1,0 +1,238 @@
+// The simulator against closed forms: pipeline bubbles on a communication-free cluster, a lone
+// ring all-reduce, link sharing, and determinism.
+#include "sim/simulator.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/model.h"
+#include "core/program.h"
+#include "core/topology.h"
+#include "planner/megatron.h"
+#include "sim/report.h"
+
+namespace nnsim {
+namespace {
+
+const std::string kData = NNSIM_TEST_DATA;
+
+Topology load(const std::string& name, int nodes = 0) {
+  Expected<Topology> t = load_topology(name);
+  EXPECT_TRUE(t.ok()) << (t.ok() ? "" : t.error().message());
+  if (nodes > 0) {
+    Expected<Topology> r = resize_topology(*t, nodes);
+    EXPECT_TRUE(r.ok()) << (r.ok() ? "" : r.error().message());
+    return *r;
+  }
+  return *t;
+}
+
+ModelSpec model(const std::string& name) {
+  Expected<ModelSpec> m = load_model(name);
+  EXPECT_TRUE(m.ok()) << (m.ok() ? "" : m.error().message());
+  return *m;
+}
+
+Program compile(const ModelSpec& m, const Topology& t, const MegatronOptions& o,
+                const CompileOptions& co = {}) {
+  Expected<Plan> plan = build_megatron_plan(m, t, o);
+  EXPECT_TRUE(plan.ok()) << (plan.ok() ? "" : plan.error().message());
+  Expected<Program> prog = compile_plan(*plan, t, co);
+  EXPECT_TRUE(prog.ok()) << (prog.ok() ? "" : prog.error().message());
+  return *prog;
+}
+
+SimResult run(const Program& p, SimOptions o = {}) {
+  Expected<SimResult> r = simulate(p, o);
+  EXPECT_TRUE(r.ok()) << (r.ok() ? "" : r.error().message());
+  return *r;
+}
+
+// Memory-bound operators and kernel launches free: only matmuls cost time, so the embedding and
+// head (with a tiny vocabulary) cost next to nothing and pipeline stages are balanced.
+CompileOptions matmul_only(const Topology& t) {
+  CompileOptions co;
+  co.use_default_compute_model = false;
+  co.compute_model = ComputeModel::defaults_for(t.gpu);
+  co.compute_model.kernel_overhead = 0;
+  co.compute_model.memory_efficiency = 1e12;
+  return co;
+}
+
+// A topology with `gpus` GPUs of the communication-free node.
+Topology ideal(int gpus) {
+  Topology t = load(kData + "/ideal.yaml");
+  t.gpus_per_node = gpus;
+  t.nics.resize(1);
+  t.nics[0].gpus.clear();
+  for (int g = 0; g < gpus; ++g) t.nics[0].gpus.push_back(g);
+  EXPECT_TRUE(validate_topology(t).ok());
+  return t;
+}
+
+class BubbleTest : public ::testing::TestWithParam<std::tuple<ScheduleKind, int, int>> {};
+
+TEST_P(BubbleTest, BubbleFractionIsClosedForm) {
+  auto [kind, stages, micro_batches] = GetParam();
+  MegatronOptions o;
+  o.pp = stages;
+  o.global_batch = micro_batches;
+  o.schedule = kind;
+  const Topology t = ideal(stages);
+  Program p = compile(model(kData + "/uniform-model.yaml"), t, o, matmul_only(t));
+  SimResult r = run(p);
+  const double expected = static_cast<double>(stages - 1) / (micro_batches + stages - 1);
+  // Every stage idles (p-1) stage-times of its (m+p-1); the optimizer step follows the pipeline.
+  for (const LaneReport& lane : r.lanes) {
+    const double pipeline = r.iteration_time - lane.breakdown.optimizer;
+    EXPECT_NEAR(lane.breakdown.bubble / pipeline, expected, 0.01 * expected) << lane.name;
+    EXPECT_LT(lane.breakdown.total_exposed_comm(), 1e-6 * r.iteration_time) << lane.name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, BubbleTest,
+                         ::testing::Values(std::make_tuple(ScheduleKind::kOneFOneB, 4, 8),
+                                           std::make_tuple(ScheduleKind::kOneFOneB, 4, 16),
+                                           std::make_tuple(ScheduleKind::kOneFOneB, 8, 32),
+                                           std::make_tuple(ScheduleKind::kGpipe, 4, 8),
+                                           std::make_tuple(ScheduleKind::kGpipe, 2, 5)));
+
+TEST(Simulator, InterleavedBubbleShrinksByTheChunkCount) {
+  // Megatron's interleaved schedule: bubble (p-1)/(v m + p-1) of the pipeline time.
+  const int p = 4, m = 8, v = 2;
+  MegatronOptions o;
+  o.pp = p;
+  o.vpp = v;
+  o.global_batch = m;
+  o.schedule = ScheduleKind::kInterleaved;
+  const Topology t = ideal(p);
+  Program prog = compile(model(kData + "/uniform-model.yaml"), t, o, matmul_only(t));
+  SimResult r = run(prog);
+  const double expected = static_cast<double>(p - 1) / (v * m + p - 1);
+  for (const LaneReport& lane : r.lanes) {
+    const double pipeline = r.iteration_time - lane.breakdown.optimizer;
+    EXPECT_NEAR(lane.breakdown.bubble / pipeline, expected, 0.01 * expected) << lane.name;
+  }
+}
+
+TEST(Simulator, LoneRingAllReduceMatchesTheRingFormula) {
+  const Topology t = load("dgx-a100x4");
+  const double S = 1024.0 * 1024 * 1024;
+  // One node: every ring edge crosses two NVSwitch ports of 300 GB/s.
+  std::vector<int> node0 = {0, 1, 2, 3, 4, 5, 6, 7};
+  CommRequest ar{CommRequest::Kind::kCollective, CollectiveKind::kAllReduce, Algorithm::kRing,
+                 node0, S};
+  Expected<std::vector<double>> r = simulate_communication(t, {ar});
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  const double n = 8, B = t.intra.bandwidth, alpha = t.intra.latency;
+  const double expected = 2 * (n - 1) / n * S / B + 2 * (n - 1) * alpha;
+  EXPECT_NEAR((*r)[0], expected, 0.02 * expected);
+
+  // Two nodes: eight rings, each leaving a node through a different NIC (25 GB/s each).
+  std::vector<int> two_nodes;
+  for (int g = 0; g < 16; ++g) two_nodes.push_back(g);
+  ar.gpus = two_nodes;
+  r = simulate_communication(t, {ar});
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  const double m = 16;
+  const double nic = t.nics[0].bandwidth;
+  std::vector<int> route;
+  const double inter_latency = Network(t).route(7, 8, route);
+  const double expected2 = 2 * (m - 1) / m * S / (8 * nic) + 2 * (m - 1) * inter_latency;
+  EXPECT_NEAR((*r)[0], expected2, 0.02 * expected2);
+}
+
+TEST(Simulator, TwoFlowsSharingALinkGetHalfEach) {
+  const Topology t = load("dgx-a100x4");
+  const double S = 1e9;
+  const double B = t.intra.bandwidth;
+  CommRequest a{CommRequest::Kind::kTransfer, CollectiveKind::kAllReduce, Algorithm::kRing,
+                {0, 1}, S};
+  CommRequest b = a;
+  b.gpus = {2, 1};  // into the same GPU: both cross its NVSwitch port
+  Expected<std::vector<double>> shared = simulate_communication(t, {a, b});
+  ASSERT_TRUE(shared.ok()) << shared.error().message();
+  b.gpus = {2, 3};  // disjoint ports
+  Expected<std::vector<double>> apart = simulate_communication(t, {a, b});
+  ASSERT_TRUE(apart.ok()) << apart.error().message();
+  const double alone = S / B + t.intra.latency;
+  EXPECT_NEAR((*apart)[0], alone, 1e-6 * alone);
+  EXPECT_NEAR((*apart)[1], alone, 1e-6 * alone);
+  EXPECT_NEAR((*shared)[0], 2 * S / B + t.intra.latency, 1e-6 * alone);
+  EXPECT_NEAR((*shared)[1], 2 * S / B + t.intra.latency, 1e-6 * alone);
+}
+
+TEST(Simulator, RejectsRequestsForMissingGpus) {
+  CommRequest a{CommRequest::Kind::kTransfer, CollectiveKind::kAllReduce, Algorithm::kRing,
+                {0, 99}, 1e6};
+  Expected<std::vector<double>> r = simulate_communication(load("dgx-a100x4"), {a});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("GPU 99 does not exist"), std::string::npos);
+}
+
+TEST(Simulator, SameInputGivesByteIdenticalReports) {
+  MegatronOptions o;
+  o.tp = 2;
+  o.pp = 4;
+  o.global_batch = 32;
+  o.sequence_parallel = true;
+  Program p = compile(model("gpt3-1.3b"), load("dgx-a100x4"), o);
+  SimResult a = run(p);
+  SimResult b = run(p);
+  EXPECT_EQ(report_json(p, a), report_json(p, b));
+}
+
+TEST(Simulator, BreakdownAddsUpToTheIterationTime) {
+  MegatronOptions o;
+  o.tp = 4;
+  o.pp = 2;
+  o.global_batch = 64;
+  o.zero = 1;
+  o.recompute = RecomputeMode::kSelective;
+  Program p = compile(model("gpt3-2.7b"), load("dgx-a100x4"), o);
+  SimResult r = run(p);
+  ASSERT_GT(r.iteration_time, 0);
+  for (const LaneReport& l : r.lanes) {
+    const Breakdown& b = l.breakdown;
+    double sum = b.compute + b.recompute + b.optimizer + b.total_exposed_comm() + b.bubble;
+    EXPECT_NEAR(sum, r.iteration_time, 1e-9 * r.iteration_time) << l.name;
+    EXPECT_GT(b.exposed_comm.count("tp"), 0u) << l.name;
+  }
+}
+
+TEST(Simulator, SymmetricReplicaMatchesFullSimulationWhenReplicasDoNotShareLinks) {
+  MegatronOptions o;
+  o.tp = 2;
+  o.pp = 4;
+  o.global_batch = 32;
+  Program p = compile(model("gpt3-1.3b"), load("dgx-a100x4"), o);
+  SimOptions full;
+  full.fidelity = Fidelity::kFull;
+  SimResult a = run(p);
+  SimResult b = run(p, full);
+  EXPECT_EQ(b.replicas_simulated, 4);
+  EXPECT_NEAR(a.iteration_time, b.iteration_time, 1e-9 * a.iteration_time);
+}
+
+TEST(Simulator, RecordsTasksOnRequest) {
+  MegatronOptions o;
+  o.tp = 2;
+  o.pp = 2;
+  o.global_batch = 16;
+  Program p = compile(model("gpt3-1.3b"), load("dgx-a100x4"), o);
+  SimOptions opts;
+  opts.record_tasks = true;
+  SimResult r = run(p, opts);
+  ASSERT_FALSE(r.tasks.empty());
+  double last = 0;
+  for (const TaskRecord& t : r.tasks) {
+    EXPECT_LE(t.start, t.end);
+    last = std::max(last, t.end);
+  }
+  EXPECT_NEAR(last, r.iteration_time, 1e-9 * r.iteration_time);
+  EXPECT_TRUE(run(p).tasks.empty());
+}
+
+}  // namespace
+}  // namespace nnsim
