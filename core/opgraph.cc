@@ -266,7 +266,10 @@ GraphPart build_embedding(const ModelSpec& m, const Shape& x) {
     pos.dims = bsh_dims;
     pos.inputs = {out(0)};
     pos.output = tensor(out(1), bsh, bsh_dims, x.p);
-    pos.weights = {tensor(TensorRef{1, 1}, x.s * x.h, {Dim::kSeq, Dim::kHidden}, x.p)};
+    // The table is indexed by position, but every rank keeps all of it even when the sequence
+    // is split (Megatron does), so it spans only hidden: sequence splits replicate it and make
+    // its gradient a partial sum.
+    pos.weights = {tensor(TensorRef{1, 1}, x.s * x.h, {Dim::kHidden}, x.p)};
     pos.fwd_bytes = 3 * bsh * x.p;
     pos.bwd_bytes = 2 * bsh * x.p;
     set_granularity(pos, x);

@@ -244,6 +244,7 @@ void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
     const Op& op = ops[i];
     const OpPartition& part = p.partitions[i];
     for (const TensorRef& r : op.inputs) {
+      if (op.kind == OpKind::kEmbedding && r.op < 0) continue;  // token ids: every rank has them
       const TensorSpec& t = r.op < 0 ? boundary : ops[r.op].output;
       const TensorLayout& have = r.op < 0 ? in_layout : p.out_layouts[r.op];
       TensorLayout want = input_layout(op, part, t.dims);
@@ -520,6 +521,12 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   const TensorLayout embed_out = input_layout_of(embed);
   const TensorLayout layer_out = input_layout_of(layer);
   auto layer_in = [&](int l) { return l == 0 ? embed_out : layer_out; };
+  // The layout the producer of a part's input needs that input's gradient in.
+  const TensorLayout embed_out_grad =
+      output_grad_layout(embed.part->ops.back(), embed.partitions.back());
+  const TensorLayout layer_out_grad =
+      output_grad_layout(layer.part->ops.back(), layer.partitions.back());
+  auto layer_in_grad = [&](int l) { return l == 0 ? embed_out_grad : layer_out_grad; };
   auto steps = &t.steps;
   const int prev = prev_segment[seg];
   const int next = next_segment[seg];
@@ -693,7 +700,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       };
       if (s.head) {
         if (zero == 3) zero3_gather(seg * 10000 + 9998, head_params);
-        emit_backward(head, layer_out, layer_out, recomputed_ops(head, -1), input_grads,
+        emit_backward(head, layer_out, layer_out_grad, recomputed_ops(head, -1), input_grads,
                       weight_grads, t.steps);
         grads_ready(head_params);
       }
@@ -704,12 +711,13 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
             std::find(r.begin(), r.end(), true) != r.end()) {
           emit_forward(layer, layer_in(l), r, true, ComputeClass::kRecompute, t.steps);
         }
-        emit_backward(layer, layer_in(l), layer_out, r, input_grads, weight_grads, t.steps);
+        emit_backward(layer, layer_in(l), layer_in_grad(l), r, input_grads, weight_grads,
+                      t.steps);
         grads_ready(layer_params);
       }
       if (s.embedding) {
         if (zero == 3) zero3_gather(seg * 10000 + 9999, embed_params);
-        emit_backward(embed, embed_out, embed_out, recomputed_ops(embed, -1), input_grads,
+        emit_backward(embed, embed_out, embed_out_grad, recomputed_ops(embed, -1), input_grads,
                       weight_grads, t.steps);
         grads_ready(embed_params);
       }

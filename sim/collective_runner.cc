@@ -16,6 +16,55 @@ namespace {
 constexpr size_t kMaxFlowsPerTask = 256;
 }  // namespace
 
+double PreparedComm::alone_with_overlap(double overlap_seconds) const {
+  if (tasks.empty()) return overlap_seconds;
+  return overlap_seconds > extra_latency ? std::max(overlap_seconds, alone_seconds)
+                                         : alone_seconds;
+}
+
+// Links, participants and the closed-form time of a prepared communication. A parallel task
+// alone takes its largest route latency plus its bottleneck link's bytes over bandwidth
+// (SimGrid's L07 model); tasks on disjoint links run side by side.
+void CollectiveRunner::finish(PreparedComm& out) {
+  std::vector<int> owner;  // link -> task that uses it
+  double longest = 0;
+  for (size_t t = 0; t < out.tasks.size(); ++t) {
+    const auto& task = out.tasks[t];
+    const size_t n = task.hosts.size();
+    std::vector<std::pair<int, double>> load;
+    double latency = 0;
+    for (size_t i = 0; i < n; ++i) {
+      for (size_t j = 0; j < n; ++j) {
+        double b = task.bytes[i * n + j];
+        if (b <= 0) continue;
+        scratch_.route.clear();
+        int src = gpu_index_.at(task.hosts[i]);
+        int dst = gpu_index_.at(task.hosts[j]);
+        latency = std::max(latency, net_.route(src, dst, scratch_.route));
+        for (int l : scratch_.route) load.emplace_back(l, b);
+      }
+    }
+    std::sort(load.begin(), load.end());
+    double worst = 0;
+    for (size_t k = 0; k < load.size();) {
+      int l = load[k].first;
+      double sum = 0;
+      for (; k < load.size() && load[k].first == l; ++k) sum += load[k].second;
+      worst = std::max(worst, sum / net_.links()[l].bandwidth);
+      if (owner.size() <= static_cast<size_t>(l)) owner.resize(l + 1, -1);
+      if (owner[l] >= 0 && owner[l] != static_cast<int>(t)) out.tasks_disjoint = false;
+      if (owner[l] < 0) out.links.push_back(l);
+      owner[l] = static_cast<int>(t);
+    }
+    longest = std::max(longest, worst + latency);
+    for (auto* h : task.hosts) out.gpus.push_back(gpu_index_.at(h));
+  }
+  std::sort(out.links.begin(), out.links.end());
+  std::sort(out.gpus.begin(), out.gpus.end());
+  out.gpus.erase(std::unique(out.gpus.begin(), out.gpus.end()), out.gpus.end());
+  out.alone_seconds = out.extra_latency + longest;
+}
+
 void CollectiveRunner::add_flows(const std::vector<Flow>& flows, PreparedComm& out) {
   for (size_t begin = 0; begin < flows.size(); begin += kMaxFlowsPerTask) {
     size_t end = std::min(flows.size(), begin + kMaxFlowsPerTask);
@@ -53,6 +102,7 @@ PreparedComm CollectiveRunner::prepare(const std::vector<std::vector<int>>& grou
     out.extra_latency = std::max(out.extra_latency, (c.steps - 1) * lat);
     add_flows(c.flows, out);
   }
+  finish(out);
   return out;
 }
 
@@ -65,6 +115,7 @@ PreparedComm CollectiveRunner::prepare_transfer(const std::vector<int>& src_gpus
     flows.push_back({src_gpus[i], dst_gpus[i], bytes});
   }
   add_flows(flows, out);
+  finish(out);
   return out;
 }
 

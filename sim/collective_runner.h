@@ -4,6 +4,7 @@
 // task itself does not pay.
 #pragma once
 
+#include <unordered_map>
 #include <vector>
 
 #include <simgrid/s4u/Host.hpp>
@@ -22,13 +23,23 @@ struct PreparedComm {
   std::vector<Task> tasks;
   double extra_latency = 0;  // seconds before the tasks start
   double bytes_per_device = 0;
+  // For running it in closed form when nothing else shares its links: the links its flows
+  // cross, the time it takes alone, and whether its tasks touch disjoint links.
+  std::vector<int> links;
+  std::vector<int> gpus;  // every GPU taking part, sorted
+  double alone_seconds = 0;
+  bool tasks_disjoint = true;
+  // Time alone when `overlap_seconds` of compute runs alongside (see CollectiveRunner::run).
+  double alone_with_overlap(double overlap_seconds) const;
 };
 
 class CollectiveRunner {
  public:
   CollectiveRunner(const Network& net, const std::vector<simgrid::s4u::Host*>& hosts,
                    Algorithm algorithm)
-      : net_(net), hosts_(hosts), algorithm_(algorithm) {}
+      : net_(net), hosts_(hosts), algorithm_(algorithm) {
+    for (size_t g = 0; g < hosts.size(); ++g) gpu_index_[hosts[g]] = static_cast<int>(g);
+  }
 
   // Every group (GPU lists) runs the same collective at once.
   PreparedComm prepare(const std::vector<std::vector<int>>& groups, CollectiveKind kind,
@@ -43,11 +54,13 @@ class CollectiveRunner {
 
  private:
   void add_flows(const std::vector<Flow>& flows, PreparedComm& out);
+  void finish(PreparedComm& out);
 
   const Network& net_;
   const std::vector<simgrid::s4u::Host*>& hosts_;
   Algorithm algorithm_;
   LinkLoadScratch scratch_;
+  std::unordered_map<const simgrid::s4u::Host*, int> gpu_index_;
 };
 
 }  // namespace nnsim

@@ -56,23 +56,81 @@ void Simulation::block_done() {
   }
 }
 
-// Consecutive compute steps run as one sleep; the breakdown and the records keep every step.
+// Consecutive compute steps (and folded collectives) run as one sleep; the breakdown and the
+// records keep every step.
 void Simulation::flush_compute(Instance& inst, int block) {
   PendingCompute& p = pending_[&inst];
-  if (p.steps.empty()) return;
+  if (p.parts.empty()) return;
   if (p.seconds > 0) {
     sg4::this_actor::sleep_for(p.seconds);
     ++activities_;
   }
-  for (const auto& [step, offset] : p.steps) {
-    TaskKind kind = step->compute_class == ComputeClass::kRecompute   ? TaskKind::kRecompute
-                    : step->compute_class == ComputeClass::kOptimizer ? TaskKind::kOptimizer
-                                                                      : TaskKind::kCompute;
-    record(inst, Stream::kCompute, kind, p.start + offset, p.start + offset + step->seconds,
-           step->label, block, 0, step->flops, 0);
+  if (options_.record_tasks && inst.replica == 0) {
+    for (const auto& part : p.parts) {
+      const Step& step = *part.step;
+      TaskKind kind = step.compute_class == ComputeClass::kRecompute   ? TaskKind::kRecompute
+                      : step.compute_class == ComputeClass::kOptimizer ? TaskKind::kOptimizer
+                                                                       : TaskKind::kCompute;
+      const double start = p.start + part.offset;
+      if (!part.collective) {
+        record(inst, Stream::kCompute, kind, start, start + part.seconds, step.label, block, 0,
+               step.flops, 0);
+        continue;
+      }
+      if (step.seconds > 0) {
+        record(inst, Stream::kCompute, kind, start, start + step.seconds, step.label, block, 0,
+               step.flops, 0);
+      }
+      record(inst, Stream::kCompute, TaskKind::kCollective, start, start + part.seconds,
+             step.label, block, step.bytes, 0, step.axes);
+    }
   }
-  p.steps.clear();
+  p.parts.clear();
   p.seconds = 0;
+}
+
+void Simulation::analyze_links() {
+  link_user_.assign(net_->links().size(), -1);
+  link_shared_.assign(net_->links().size(), false);
+  auto use = [&](const PreparedComm& c, bool transfer) {
+    std::vector<int> key = c.gpus;
+    if (transfer) key.insert(key.begin(), -1);  // transfers never share identity with collectives
+    int id = user_ids_.emplace(key, static_cast<int>(user_ids_.size())).first->second;
+    for (int l : c.links) {
+      if (link_user_[l] < 0) {
+        link_user_[l] = id;
+      } else if (link_user_[l] != id) {
+        link_shared_[l] = true;
+      }
+    }
+  };
+  for (auto& inst : instances_) {
+    const Lane& lane = prog_.lanes[inst->lane];
+    auto visit = [&](const std::vector<Step>& steps) {
+      for (const Step& step : steps) {
+        if (step.kind == StepKind::kCollective || step.kind == StepKind::kDpLaunch) {
+          use(prepared_collective(*inst, step), false);
+        } else if (step.kind == StepKind::kSend) {
+          use(prepared_transfer(*inst, step), true);
+        }
+      }
+    };
+    visit(lane.prologue);
+    visit(lane.epilogue);
+    std::set<int> templates;
+    for (const auto& b : lane.blocks) templates.insert(b.template_index);
+    for (int t : templates) visit(prog_.templates[t].steps);
+  }
+}
+
+bool Simulation::foldable(const Instance& inst, const Step& step) const {
+  if (!fold_ || participants(step) > 1) return false;
+  const PreparedComm& c = inst.prepared.at(&step);
+  if (!c.tasks_disjoint) return false;
+  for (int l : c.links) {
+    if (link_shared_[l]) return false;
+  }
+  return true;
 }
 
 int Simulation::participants(const Step& step) const {
@@ -139,8 +197,24 @@ double Simulation::joint_collective(Instance& inst, const PreparedComm& comm,
 }
 
 void Simulation::run_collective(Instance& inst, const Step& step, int block) {
-  flush_compute(inst, block);
   const PreparedComm& comm = prepared_collective(inst, step);
+  if (foldable(inst, step)) {
+    // Nothing else ever crosses its links: its time alone is its time, so it joins the
+    // compute stream's pending sleep.
+    PendingCompute& p = pending_[&inst];
+    if (p.parts.empty()) p.start = sg4::Engine::get_clock();
+    const double seconds = comm.alone_with_overlap(step.seconds);
+    p.parts.push_back({&step, p.seconds, seconds, true});
+    p.seconds += seconds;
+    if (step.seconds > 0) {
+      (step.compute_class == ComputeClass::kRecompute ? inst.breakdown.recompute
+                                                      : inst.breakdown.compute) += step.seconds;
+    }
+    const double exposed = seconds - step.seconds;
+    if (exposed > 0) inst.breakdown.exposed_comm[exposed_key(step.axes)] += exposed;
+    return;
+  }
+  flush_compute(inst, block);
   const int n = participants(step);
   // Instances joining one collective meet under the same key: each counts its joint
   // collectives in program order, which is the same on every participant.
@@ -167,6 +241,15 @@ void Simulation::run_collective(Instance& inst, const Step& step, int block) {
          step.label, block, step.bytes, 0, step.axes);
 }
 
+const PreparedComm& Simulation::prepared_transfer(Instance& inst, const Step& step) {
+  auto it = inst.prepared.find(&step);
+  if (it != inst.prepared.end()) return it->second;
+  const Instance& peer = *instances_[static_cast<size_t>(inst.replica) * prog_.lanes.size() +
+                                     lane_of_segment_[step.peer_segment]];
+  return inst.prepared.emplace(&step, runner_->prepare_transfer(inst.gpus, peer.gpus, step.bytes))
+      .first->second;
+}
+
 void Simulation::send(Instance& inst, const Step& step, int block, int micro_batch,
                       int segment) {
   flush_compute(inst, block);
@@ -175,25 +258,25 @@ void Simulation::send(Instance& inst, const Step& step, int block, int micro_bat
   if (!t.arrived) t.arrived = sg4::Semaphore::create(0);
   const double now = sg4::Engine::get_clock();
   t.posted = now;
-  const Instance& peer = *instances_[static_cast<size_t>(inst.replica) * prog_.lanes.size() +
-                                     lane_of_segment_[step.peer_segment]];
-  auto it = inst.prepared.find(&step);
-  if (it == inst.prepared.end()) {
-    it = inst.prepared.emplace(&step, runner_->prepare_transfer(inst.gpus, peer.gpus, step.bytes))
-             .first;
+  // The transfer runs on the sender's send stream for its direction, after the sends before it.
+  const int direction = step.gradient ? 1 : 0;
+  inst.send_queue[direction].push_back({&prepared_transfer(inst, step), t.arrived, &step, block,
+                                        now});
+  inst.send_pending[direction]->release();
+}
+
+void Simulation::send_stream_actor(Instance& inst, int direction) {
+  sg4::Actor::self()->daemonize();
+  while (true) {
+    inst.send_pending[direction]->acquire();
+    Instance::SendItem item = inst.send_queue[direction].front();
+    inst.send_queue[direction].pop_front();
+    const double t0 = sg4::Engine::get_clock();
+    activities_ += runner_->run(*item.comm);
+    record(inst, Stream::kPipelineSend, TaskKind::kTransfer, t0, sg4::Engine::get_clock(),
+           item.step->label, item.block, item.step->bytes, 0, 0);
+    item.arrived->release();
   }
-  const PreparedComm* comm = &it->second;
-  sg4::SemaphorePtr arrived = t.arrived;
-  Instance* self = &inst;
-  // The transfer runs on the sender's send stream: an actor per transfer, so transfers of
-  // different micro-batches may overlap as asynchronous sends do.
-  sg4::Actor::create("send", hosts_[inst.gpus.front()],
-                     [this, comm, arrived, self, now, &step, block] {
-                       activities_ += runner_->run(*comm);
-                       record(*self, Stream::kPipelineSend, TaskKind::kTransfer, now,
-                              sg4::Engine::get_clock(), step.label, block, step.bytes, 0, 0);
-                       arrived->release();
-                     });
 }
 
 void Simulation::recv(Instance& inst, const Step& step, int block, int micro_batch,
@@ -244,8 +327,8 @@ void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int b
   for (const Step& step : steps) {
     switch (step.kind) {
       case StepKind::kCompute: {
-        if (p.steps.empty()) p.start = sg4::Engine::get_clock();
-        p.steps.emplace_back(&step, p.seconds);
+        if (p.parts.empty()) p.start = sg4::Engine::get_clock();
+        p.parts.push_back({&step, p.seconds, step.seconds, false});
         p.seconds += step.seconds;
         switch (step.compute_class) {
           case ComputeClass::kCompute: inst.breakdown.compute += step.seconds; break;
@@ -258,6 +341,7 @@ void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int b
       case StepKind::kRecv: recv(inst, step, block, micro_batch, segment); break;
       case StepKind::kSend: send(inst, step, block, micro_batch, segment); break;
       case StepKind::kDpLaunch: {
+        flush_compute(inst, block);  // the gradients exist once the compute before them ran
         const int seq = ++inst.dp_launched;
         if (step.tag >= 0) inst.dp_tag_seq[step.tag] = seq;
         inst.dp_seq_axes[seq] = step.axes;
@@ -358,12 +442,16 @@ Expected<SimResult> Simulation::run() {
         inst->gpus.push_back(prog_.gpu_of_rank[x]);
       }
       inst->dp_pending = sg4::Semaphore::create(0);
+      inst->send_pending[0] = sg4::Semaphore::create(0);
+      inst->send_pending[1] = sg4::Semaphore::create(0);
       inst->dp_mutex = sg4::Mutex::create();
       inst->dp_progress = sg4::ConditionVariable::create();
       instances_.push_back(std::move(inst));
     }
   }
   for (const auto& l : prog_.lanes) blocks_total_ += l.blocks.size();
+  fold_ = options_.fold_exclusive_collectives;
+  analyze_links();
   for (auto& inst : instances_) {
     Instance* p = inst.get();
     sg4::Host* host = hosts_[p->gpus.front()];
@@ -371,6 +459,10 @@ Expected<SimResult> Simulation::run() {
                        [this, p] { compute_actor(*p); });
     sg4::Actor::create(fmt::format("dp{}.r{}", p->lane, p->replica), host,
                        [this, p] { dp_stream_actor(*p); });
+    for (int d = 0; d < 2; ++d) {
+      sg4::Actor::create(fmt::format("send{}.{}.r{}", d, p->lane, p->replica), host,
+                         [this, p, d] { send_stream_actor(*p, d); });
+    }
   }
   engine.run();
 

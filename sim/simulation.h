@@ -65,6 +65,16 @@ class Simulation {
     double peak_memory = 0;
     std::vector<MemoryPoint> timeline;
     std::unordered_map<const Step*, PreparedComm> prepared;
+    // Pipeline sends, one FIFO stream per direction (activations, gradients).
+    struct SendItem {
+      const PreparedComm* comm = nullptr;
+      simgrid::s4u::SemaphorePtr arrived;
+      const Step* step = nullptr;
+      int block = -1;
+      double posted = 0;
+    };
+    std::deque<SendItem> send_queue[2];
+    simgrid::s4u::SemaphorePtr send_pending[2];
   };
 
   // A pipeline transfer, keyed by (from segment, to segment, gradient, micro-batch, replica).
@@ -83,6 +93,12 @@ class Simulation {
 
   void compute_actor(Instance& inst);
   void dp_stream_actor(Instance& inst);
+  void send_stream_actor(Instance& inst, int direction);
+  // Prepares every communication of every instance and finds the collectives whose links no
+  // other communication crosses: those run in closed form on the compute stream.
+  void analyze_links();
+  bool foldable(const Instance& inst, const Step& step) const;
+  const PreparedComm& prepared_transfer(Instance& inst, const Step& step);
   void run_steps(Instance& inst, const std::vector<Step>& steps, int block, int micro_batch,
                  int segment);
   void flush_compute(Instance& inst, int block);
@@ -116,10 +132,22 @@ class Simulation {
   struct PendingCompute {
     double seconds = 0;
     double start = 0;
-    std::vector<std::pair<const Step*, double>> steps;  // step and its offset
+    struct Part {
+      const Step* step;
+      double offset;
+      double seconds;
+      bool collective;  // a folded collective (its compute part, if overlapped, is step->seconds)
+    };
+    std::vector<Part> parts;
   };
   std::unordered_map<const Instance*, PendingCompute> pending_;
   std::vector<TaskRecord> tasks_;
+  // Link analysis: for each link, which communication uses it (an id per distinct set of GPUs)
+  // and whether a second one does too.
+  std::vector<int> link_user_;
+  std::vector<bool> link_shared_;
+  std::map<std::vector<int>, int> user_ids_;
+  bool fold_ = true;
   uint64_t activities_ = 0;
   size_t blocks_total_ = 0;
   size_t blocks_done_ = 0;

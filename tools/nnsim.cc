@@ -83,6 +83,7 @@ struct SimulateArgs {
   std::string hdf5;
   std::string fidelity = "symmetric";
   bool allow_oom = false;
+  bool no_fold = false;
 };
 
 void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
@@ -99,6 +100,9 @@ void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
   app->add_option("--fidelity", a.fidelity,
                   "symmetric: simulate one data-parallel replica (default); full: all of them")
       ->check(CLI::IsMember({"symmetric", "full"}));
+  app->add_flag("--no-fold", a.no_fold,
+                "run every collective as SimGrid activities, even those whose links nothing else "
+                "crosses (slower; the same result)");
   app->add_flag("--allow-oom", a.allow_oom,
                 "simulate even when the plan does not fit in GPU memory (still exits non-zero)");
 }
@@ -173,6 +177,7 @@ int run_simulate(const SimulateArgs& a) {
   SimOptions opts;
   opts.fidelity = a.fidelity == "full" ? Fidelity::kFull : Fidelity::kSymmetric;
   opts.record_tasks = !a.trace.empty() || !a.hdf5.empty();
+  opts.fold_exclusive_collectives = !a.no_fold;
   Progress progress("simulating");
   opts.progress = [&progress](double f) { progress.update(f); };
   Expected<SimResult> result = simulate(*prog, opts);

@@ -283,14 +283,6 @@ TEST(Program, SequenceParallelEmbeddingGradientIsGathered) {
   EXPECT_EQ(layer_collectives(prog, 0, BlockKind::kForward),
             (Counts{{kAG, 2 * n}, {kRS, 2 * n + 1}}));
   const Counts backward = layer_collectives(prog, 0, BlockKind::kBackward);
-  if (backward.count(kAG) && backward.at(kAG) == 4 * n) {
-    // Known gap, core/program.cc (build_template, backward): the first layer's input gradient
-    // is converted to the layout of the layers' output (sequence split) instead of the
-    // embedding's output gradient layout (replicated: the gradient of a partial sum), so the
-    // all-gather mirroring the forward reduce-scatter is missing.
-    GTEST_SKIP() << "backward lacks the all-gather of the first layer's input gradient into the "
-                    "vocab-parallel embedding (4n all-gathers instead of 4n + 1)";
-  }
   EXPECT_EQ(backward, (Counts{{kAG, 4 * n + 1}, {kRS, 2 * n}}));
 }
 
@@ -331,8 +323,6 @@ TEST(Program, EmbeddingLookupNeedsNoInputCollective) {
       {"llama2-7b", false, {}, 2 * l + 1, 0, 0},
       {"llama2-7b", true, {}, 0, 2 * l, 2 * l + 1},
   };
-  bool known_gap = false;
-  std::string gap;
   for (const Case& c : cases) {
     const ModelSpec& m = std::string(c.model) == "gpt3-1.3b" ? gpt : llama;
     Program prog = compile(m, options(8, 1, c.sp, RecomputeMode::kNone, 1));
@@ -342,21 +332,39 @@ TEST(Program, EmbeddingLookupNeedsNoInputCollective) {
     if (c.layer_rs) layer[kRS] = c.layer_rs;
     EXPECT_EQ(layer_collectives(prog, 0, BlockKind::kForward), layer) << c.model << " sp=" << c.sp;
     auto got = embedding_forward_collectives(prog);
-    if (got.count("embed.word")) {
-      // Known gap, core/program.cc (Compiler::emit_forward): the lookup's part input (-1) is
-      // taken to be the [b, s, h] boundary tensor in the embedding's own output layout, so a
-      // conversion to the lookup's (replicated) input layout is emitted: an all-gather of
-      // b s h 16-bit values when that layout is sequence-split (GPT + SP), an all-reduce when it
-      // is a partial sum (Llama, with or without SP). emit_backward already skips this input.
-      known_gap = true;
-      gap +=
-          fmt::format(" {} sp={}: {};", c.model, c.sp, to_string(got["embed.word"].begin()->first));
-      got.erase("embed.word");
-    }
     EXPECT_EQ(got, c.embedding) << c.model << " sp=" << c.sp;
   }
-  if (known_gap) {
-    GTEST_SKIP() << "spurious collective on the word embedding's token-id input:" << gap;
+}
+
+// Context parallelism: every weight's gradient is a partial sum over cp, reduced together with
+// dp (Megatron's combined data-parallel + context-parallel group), in the overlapped buckets.
+TEST(Program, ContextParallelGradientsGoInTheBuckets) {
+  for (const char* name : {"llama2-7b", "gpt3-1.3b"}) {
+    const ModelSpec m = preset(name);
+    MegatronOptions o = options(4, 1, false, RecomputeMode::kNone, 1);
+    o.cp = 2;
+    o.global_batch = 8;  // dp 4
+    Program prog = compile(m, o);
+    const uint32_t dp_cp =
+        (1u << prog.plan.mesh.axis_index("dp")) | (1u << prog.plan.mesh.axis_index("cp"));
+    int launches = 0;
+    bool dp_only = false;
+    for (const BlockTemplate& t : prog.templates) {
+      for (const Step& s : t.steps) {
+        if (s.kind != StepKind::kDpLaunch) continue;
+        ++launches;
+        dp_only = dp_only || s.axes != dp_cp;
+      }
+    }
+    EXPECT_GT(launches, 0) << name;
+    double cp_epilogue = 0;
+    for (const Step& s : prog.lanes[0].epilogue) {
+      if (s.kind == StepKind::kCollective && s.axes == (1u << prog.plan.mesh.axis_index("cp"))) {
+        cp_epilogue += s.bytes;
+      }
+    }
+    EXPECT_FALSE(dp_only) << name << ": a gradient bucket does not reduce over dp+cp";
+    EXPECT_EQ(cp_epilogue, 0) << name;
   }
 }
 

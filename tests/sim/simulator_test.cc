@@ -215,6 +215,31 @@ TEST(Simulator, SymmetricReplicaMatchesFullSimulationWhenReplicasDoNotShareLinks
   EXPECT_NEAR(a.iteration_time, b.iteration_time, 1e-9 * a.iteration_time);
 }
 
+TEST(Simulator, FoldingExclusiveCollectivesChangesNothing) {
+  // Tensor-parallel groups inside a node own their NVSwitch ports: folded, they must take
+  // exactly what SimGrid gives them. With dp inside the node too, their ports are shared and
+  // nothing may be folded.
+  for (int tp : {8, 4}) {
+    MegatronOptions o;
+    o.tp = tp;
+    o.pp = 2;
+    o.global_batch = 32;
+    o.sequence_parallel = true;
+    o.zero = 1;
+    Program p = compile(model("gpt3-2.7b"), load("dgx-a100x4"), o);
+    SimOptions unfolded;
+    unfolded.fold_exclusive_collectives = false;
+    SimResult a = run(p);
+    SimResult b = run(p, unfolded);
+    EXPECT_NEAR(a.iteration_time, b.iteration_time, 1e-9 * b.iteration_time) << "tp " << tp;
+    for (size_t l = 0; l < a.lanes.size(); ++l) {
+      EXPECT_NEAR(a.lanes[l].breakdown.exposed_comm["tp"], b.lanes[l].breakdown.exposed_comm["tp"],
+                  1e-9 * b.iteration_time);
+    }
+    if (tp == 8) EXPECT_LT(a.activities, b.activities / 2);
+  }
+}
+
 TEST(Simulator, RecordsTasksOnRequest) {
   MegatronOptions o;
   o.tp = 2;
