@@ -125,7 +125,7 @@ void Simulation::analyze_links() {
 
 bool Simulation::foldable(const Instance& inst, const Step& step) const {
   if (!fold_ || participants(step) > 1) return false;
-  const PreparedComm& c = inst.prepared.at(&step);
+  const PreparedComm& c = *inst.prepared.at(&step);
   if (!c.tasks_disjoint) return false;
   for (int l : c.links) {
     if (link_shared_[l]) return false;
@@ -146,7 +146,7 @@ int Simulation::participants(const Step& step) const {
 
 const PreparedComm& Simulation::prepared_collective(Instance& inst, const Step& step) {
   auto it = inst.prepared.find(&step);
-  if (it != inst.prepared.end()) return it->second;
+  if (it != inst.prepared.end()) return *it->second;
   std::vector<std::vector<int>> groups;
   if (step.group >= 0) {
     for (const auto& ranks : prog_.explicit_groups[step.group]) {
@@ -164,8 +164,15 @@ const PreparedComm& Simulation::prepared_collective(Instance& inst, const Step& 
       groups.push_back(g);
     }
   }
-  return inst.prepared.emplace(&step, runner_->prepare(groups, step.collective, step.bytes))
-      .first->second;
+  // Identical communication (same groups, kind and size) is prepared once for all steps and
+  // instances that run it.
+  auto key = std::make_tuple(static_cast<int>(step.collective), step.bytes, std::move(groups));
+  auto shared = prepared_cache_.find(key);
+  if (shared == prepared_cache_.end()) {
+    PreparedComm c = runner_->prepare(std::get<2>(key), step.collective, step.bytes);
+    shared = prepared_cache_.emplace(std::move(key), std::move(c)).first;
+  }
+  return *inst.prepared.emplace(&step, &shared->second).first->second;
 }
 
 double Simulation::joint_collective(Instance& inst, const PreparedComm& comm,
@@ -243,11 +250,16 @@ void Simulation::run_collective(Instance& inst, const Step& step, int block) {
 
 const PreparedComm& Simulation::prepared_transfer(Instance& inst, const Step& step) {
   auto it = inst.prepared.find(&step);
-  if (it != inst.prepared.end()) return it->second;
+  if (it != inst.prepared.end()) return *it->second;
   const Instance& peer = *instances_[static_cast<size_t>(inst.replica) * prog_.lanes.size() +
                                      lane_of_segment_[step.peer_segment]];
-  return inst.prepared.emplace(&step, runner_->prepare_transfer(inst.gpus, peer.gpus, step.bytes))
-      .first->second;
+  auto key = std::make_tuple(-1, step.bytes, std::vector<std::vector<int>>{inst.gpus, peer.gpus});
+  auto shared = prepared_cache_.find(key);
+  if (shared == prepared_cache_.end()) {
+    PreparedComm c = runner_->prepare_transfer(inst.gpus, peer.gpus, step.bytes);
+    shared = prepared_cache_.emplace(std::move(key), std::move(c)).first;
+  }
+  return *inst.prepared.emplace(&step, &shared->second).first->second;
 }
 
 void Simulation::send(Instance& inst, const Step& step, int block, int micro_batch,

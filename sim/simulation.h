@@ -64,7 +64,7 @@ class Simulation {
     double memory_level = 0;
     double peak_memory = 0;
     std::vector<MemoryPoint> timeline;
-    std::unordered_map<const Step*, PreparedComm> prepared;
+    std::unordered_map<const Step*, const PreparedComm*> prepared;
     // Pipeline sends, one FIFO stream per direction (activations, gradients).
     struct SendItem {
       const PreparedComm* comm = nullptr;
@@ -126,6 +126,8 @@ class Simulation {
   std::vector<std::unique_ptr<Instance>> instances_;
   std::map<TransferKey, Transfer> transfers_;
   std::map<std::tuple<int, int, int>, Rendezvous> rendezvous_;
+  // Prepared communication by (collective kind or -1 for a transfer, bytes, groups).
+  std::map<std::tuple<int, double, std::vector<std::vector<int>>>, PreparedComm> prepared_cache_;
   std::vector<int> lane_of_segment_;
   uint32_t lane_axes_ = 0;  // axes spanned inside a lane
   // Pending merged compute of the instance being run (actors never interleave within a step).
