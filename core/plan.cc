@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/input.h"
+#include "core/json_format.h"
 #include "core/suggest.h"
 
 namespace nnsim {
@@ -452,7 +453,7 @@ std::string plan_to_json(const Plan& plan) {
     orders.push_back({{"devices", slice_json(o.devices)}, {"blocks", blocks}});
   }
   j["schedule"] = {{"name", plan.schedule_name}, {"orders", orders}};
-  return j.dump(1) + "\n";
+  return format_json(j);
 }
 
 }  // namespace nnsim

@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_format.h"
+
 namespace nnsim {
 
 namespace {
@@ -79,7 +81,7 @@ std::string report_json(const Program& program, const SimResult& r) {
     per_gpu.push_back({{"gpu", g}, {"lane", lane_of_gpu[g]}, {"peak_memory_bytes", l.peak_memory}});
   }
   j["per_gpu"] = per_gpu;
-  return j.dump(1) + "\n";
+  return format_json(j);
 }
 
 }  // namespace nnsim

@@ -81,6 +81,7 @@ struct SimulateArgs {
   std::string json;
   std::string trace;
   std::string hdf5;
+  bool trace_per_gpu = false;
   std::string fidelity = "symmetric";
   bool allow_oom = false;
   bool no_fold = false;
@@ -96,6 +97,8 @@ void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
   app->add_option("--nodes", a.nodes, "resize the topology to this many nodes (what-if)");
   app->add_option("--json", a.json, "write the report as JSON to this file");
   app->add_option("--trace", a.trace, "write a Chrome/Perfetto timeline (JSON) to this file");
+  app->add_flag("--trace-per-gpu", a.trace_per_gpu,
+                "one trace process per GPU instead of one per lane (lockstep GPUs repeat)");
   app->add_option("--hdf5", a.hdf5, "write the task-level timeline (HDF5) to this file");
   app->add_option("--fidelity", a.fidelity,
                   "symmetric: simulate one data-parallel replica (default); full: all of them")
@@ -189,7 +192,7 @@ int run_simulate(const SimulateArgs& a) {
   if (!a.json.empty() && !write_file(a.json, report_json(*prog, *result), &error)) {
     return fail(error);
   }
-  if (!a.trace.empty() && !write_file(a.trace, chrome_trace_json(*prog, *result), &error)) {
+  if (!a.trace.empty() && !write_file(a.trace, chrome_trace_json(*prog, *result, a.trace_per_gpu), &error)) {
     return fail(error);
   }
   if (!a.hdf5.empty()) {
