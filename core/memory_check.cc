@@ -62,12 +62,12 @@ Status check_memory_fits(const Program& program) {
     where += fmt::format("{}{}={}", where.empty() ? "" : ",", axis, v);
   }
   return Error(fmt::format(
-      "the plan does not fit in memory: GPU {} ({}) needs {} but a {} has {}: {} over.\n"
+      "the plan does not fit in memory: GPU {} ({}) needs {} but has {} ({}): {} over.\n"
       "  largest parts: {}.\n"
       "  try activation recomputation (--recompute selective or full), optimizer sharding "
       "(--zero 1..3), more pipeline or tensor parallelism, or a smaller micro-batch",
       lane.gpus.front(), where.empty() ? "every stage" : where, format_bytes(p.peak),
-      program.topology.gpu.name, format_bytes(capacity), format_bytes(p.peak - capacity), what));
+      format_bytes(capacity), program.topology.gpu.name, format_bytes(p.peak - capacity), what));
 }
 
 }  // namespace nnsim

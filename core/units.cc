@@ -110,7 +110,7 @@ std::string format_bytes(double bytes) {
 
 std::string format_seconds(double seconds) {
   double a = std::fabs(seconds);
-  if (a == 0) return "0 s";
+  if (a < 1e-10) return "0 s";  // rounding residue of sums of times, not a duration
   if (a >= 1.0) return fmt::format("{:.3f} s", seconds);
   if (a >= 1e-3) return fmt::format("{:.2f} ms", seconds * 1e3);
   if (a >= 1e-6) return fmt::format("{:.2f} us", seconds * 1e6);

@@ -510,7 +510,8 @@ Expected<SimResult> Simulation::run() {
     // Whatever is not compute or exposed communication is waiting on others: bubble.
     double busy = rep.breakdown.compute + rep.breakdown.recompute + rep.breakdown.optimizer +
                   rep.breakdown.total_exposed_comm();
-    rep.breakdown.bubble = std::max(0.0, iteration - busy);
+    rep.breakdown.bubble = iteration - busy;
+    if (rep.breakdown.bubble < 1e-12 * iteration) rep.breakdown.bubble = 0;  // rounding residue
     rep.static_memory = lane.memory;
     rep.peak_memory = inst.peak_memory;
     rep.peak_activations = inst.peak_memory - lane.memory.total();

@@ -245,6 +245,9 @@ int run_plan(PlanArgs& a) {
   std::string error;
   if (!write_file(a.output, plan_to_json(*plan), &error)) return fail(error);
   std::printf("wrote %s: %s\n", a.output.c_str(), plan->name.c_str());
+  if (Status fits = check_memory_fits(*prog); !fits) {
+    std::fprintf(stderr, "nnsim: warning: %s\n", fits.error().message().c_str());
+  }
   return 0;
 }
 
@@ -288,8 +291,15 @@ int main(int argc, char** argv) {
 
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "nnsim: error: %s\nRun with --help for more information.\n", e.what());
+    return 2;
   }
   if (simulate_cmd->parsed()) return run_simulate(sim);
   if (plan_cmd->parsed()) return run_plan(plan);

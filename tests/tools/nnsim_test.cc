@@ -654,13 +654,7 @@ TEST(NnsimToolErrors, MissingRequiredOptionFails) {
 }
 
 TEST(NnsimToolErrors, UsageErrorsUseTheErrorPrefix) {
-  // Driver inconsistency: errors found by the command-line parser (CLI11) bypass fail(), so they
-  // lack the "nnsim: error:" prefix every other error has, and exit with CLI11's codes (106,
-  // 109) rather than 1. Today `nnsim simulate p.json` prints "--topo is required\nRun with --help
-  // for more information." and `nnsim --bogus` prints "The following argument was not expected:
-  // --bogus". Expected: stderr starting with "nnsim: error:" (e.g. "nnsim: error: --topo is
-  // required"), as for every other bad input.
-  GTEST_SKIP() << "driver bug: CLI11 parse errors lack the 'nnsim: error:' prefix";
+  // Errors found by the command-line parser read like every other error.
   Sandbox box;
   make_plan(box);
   expect_error(box.nnsim({"simulate", "p.json"}), {"--topo"});
