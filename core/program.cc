@@ -587,25 +587,43 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     m.bytes = bytes;
     steps->push_back(m);
   };
-  auto zero3_gather = [&](int tag, double params) {
+  // ZeRO-3: every parameter unit (embedding, each layer, head) is gathered before it runs; the
+  // next unit's gather is launched before waiting for the current one, so it overlaps this
+  // unit's compute (FSDP's and DeepSpeed's prefetch of one unit ahead).
+  struct ParamUnit {
+    int tag;
+    double params;
+  };
+  auto gather = [&](const ParamUnit& u) {
     Step l;
     l.kind = StepKind::kDpLaunch;
     l.collective = CollectiveKind::kAllGather;
     l.axes = 1u << mesh.axis_index(kDataParallelAxis);
-    l.bytes = params * 2;
-    l.tag = tag;
+    l.bytes = u.params * 2;
+    l.tag = u.tag;
     l.label = label("param gather");
     steps->push_back(l);
+  };
+  auto zero3_before = [&](const std::vector<ParamUnit>& order, size_t i) {
+    if (zero != 3) return;
+    if (i == 0) gather(order[0]);
+    if (i + 1 < order.size()) gather(order[i + 1]);
     Step w;
     w.kind = StepKind::kDpWait;
-    w.tag = tag;
-    w.label = l.label;
+    w.tag = order[i].tag;
+    w.label = label("param gather");
     steps->push_back(w);
   };
   auto layer_params = std::accumulate(layer.local_params.begin(), layer.local_params.end(), 0.0);
   auto embed_params = std::accumulate(embed.local_params.begin(), embed.local_params.end(), 0.0);
   auto head_params = std::accumulate(head.local_params.begin(), head.local_params.end(), 0.0);
   const double grad_bytes = plan.optimizer.grad_bytes;
+  std::vector<ParamUnit> units;  // forward order
+  if (s.embedding) units.push_back({seg * 10000 + 9999, embed_params});
+  for (int l = s.first_layer; l < s.end_layer; ++l) units.push_back({seg * 10000 + l, layer_params});
+  if (s.head) units.push_back({seg * 10000 + 9998, head_params});
+  const std::vector<ParamUnit> backward_units(units.rbegin(), units.rend());
+  size_t unit = 0;
 
   // Activation bytes of this segment per micro-batch (forward keeps), and the peak extra.
   double kept = 0, kept_weight_inputs = 0, full_layer = 0;
@@ -641,17 +659,17 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       }
       if (recv_from_prev) recv(prev, false, s.embedding ? embed_out : layer_out);
       if (s.embedding) {
-        if (zero == 3) zero3_gather(seg * 10000 + 9999, embed_params);
+        zero3_before(units, unit++);
         emit_forward(embed, embed_out, recomputed_ops(embed, -1), false, ComputeClass::kCompute,
                      t.steps);
       }
       for (int l = s.first_layer; l < s.end_layer; ++l) {
-        if (zero == 3) zero3_gather(seg * 10000 + l, layer_params);
+        zero3_before(units, unit++);
         emit_forward(layer, layer_in(l), recomputed_ops(layer, l), false,
                      ComputeClass::kCompute, t.steps);
       }
       if (s.head) {
-        if (zero == 3) zero3_gather(seg * 10000 + 9998, head_params);
+        zero3_before(units, unit++);
         emit_forward(head, layer_out, recomputed_ops(head, -1), false, ComputeClass::kCompute,
                      t.steps);
       }
@@ -699,13 +717,13 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         }
       };
       if (s.head) {
-        if (zero == 3) zero3_gather(seg * 10000 + 9998, head_params);
+        zero3_before(backward_units, unit++);
         emit_backward(head, layer_out, layer_out_grad, recomputed_ops(head, -1), input_grads,
                       weight_grads, t.steps);
         grads_ready(head_params);
       }
       for (int l = s.end_layer - 1; l >= s.first_layer; --l) {
-        if (zero == 3) zero3_gather(seg * 10000 + l, layer_params);
+        zero3_before(backward_units, unit++);
         auto r = recomputed_ops(layer, l);
         if (input_grads && !explicit_recompute &&
             std::find(r.begin(), r.end(), true) != r.end()) {
@@ -716,7 +734,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         grads_ready(layer_params);
       }
       if (s.embedding) {
-        if (zero == 3) zero3_gather(seg * 10000 + 9999, embed_params);
+        zero3_before(backward_units, unit++);
         emit_backward(embed, embed_out, embed_out_grad, recomputed_ops(embed, -1), input_grads,
                       weight_grads, t.steps);
         grads_ready(embed_params);
