@@ -34,7 +34,7 @@ double op_seconds(const Op& op, Pass pass, double flops, double bytes, Precision
 
 // Seconds of the optimizer step over `params` local parameters (memory-bound: reads and writes
 // the fp32 state, reads the gradient, writes the 16-bit weight).
-double optimizer_seconds(double params, double grad_bytes, double state_bytes,
-                         const GpuSpec& gpu, const ComputeModel& model);
+double optimizer_seconds(double params, double grad_bytes, double state_bytes, const GpuSpec& gpu,
+                         const ComputeModel& model);
 
 }  // namespace nnsim

@@ -12,13 +12,13 @@
 namespace nnsim {
 
 struct GpuSpec {
-  std::string name;                             // catalog key, e.g. "a100-sxm4-80gb"
-  std::map<Precision, double> dense_flops;      // peak dense FLOP/s per matmul precision
-  double hbm_bytes = 0;                         // memory capacity
-  double hbm_bandwidth = 0;                     // bytes/s
-  double nvlink_bandwidth = 0;                  // bytes/s per direction per GPU; 0 = no NVLink
-  int sms = 0;                                  // streaming multiprocessors
-  std::string source;                           // where the figures come from
+  std::string name;                         // catalog key, e.g. "a100-sxm4-80gb"
+  std::map<Precision, double> dense_flops;  // peak dense FLOP/s per matmul precision
+  double hbm_bytes = 0;                     // memory capacity
+  double hbm_bandwidth = 0;                 // bytes/s
+  double nvlink_bandwidth = 0;              // bytes/s per direction per GPU; 0 = no NVLink
+  int sms = 0;                              // streaming multiprocessors
+  std::string source;                       // where the figures come from
 
   // Peak for `p`; falls back to the closest slower format the GPU has (fp8 on an A100 runs at
   // bf16 rate). Returns 0 when the GPU has no matmul unit for it.

@@ -50,7 +50,8 @@ std::vector<GpuSpec> build_catalog() {
                std::string(kA100Source) + ", A100 40GB SXM column"});
   c.push_back({"a100-sxm4-80gb", a100_flops(), 81920 * kMiB, 2039 * kG, 300 * kG, 108,
                std::string(kA100Source) + ", A100 80GB SXM column"});
-  c.push_back({"h100-sxm5-80gb", h100_sxm_flops(), 81559 * kMiB, 3350 * kG, 450 * kG, 132, kH100Source});
+  c.push_back(
+      {"h100-sxm5-80gb", h100_sxm_flops(), 81559 * kMiB, 3350 * kG, 450 * kG, 132, kH100Source});
   c.push_back(
       {"h100-sxm5-96gb", h100_sxm_flops(), 97871 * kMiB, 3350 * kG, 450 * kG, 132,
        std::string("derived from h100-sxm5-80gb (same compute, NVLink and HBM bandwidth; ") +

@@ -69,7 +69,9 @@ InputNode InputNode::load_file(const std::string& path) {
   return load_string(ss.str(), path);
 }
 
-int InputNode::line() const { return mark_.is_null() ? 0 : mark_.line + 1; }
+int InputNode::line() const {
+  return mark_.is_null() ? 0 : mark_.line + 1;
+}
 
 std::string InputNode::location() const {
   std::string where = line() > 0 ? fmt::format("{}:{}", *file_, line()) : *file_;
@@ -146,8 +148,8 @@ int64_t InputNode::as_int() const {
   // Accept integral values written as floats ("1e3", "8.0").
   double d = 0;
   auto [end2, ec2] = std::from_chars(s.data(), s.data() + s.size(), d);
-  if (ec2 == std::errc() && end2 == s.data() + s.size() && d == static_cast<double>(
-                                                                     static_cast<int64_t>(d))) {
+  if (ec2 == std::errc() && end2 == s.data() + s.size() &&
+      d == static_cast<double>(static_cast<int64_t>(d))) {
     return static_cast<int64_t>(d);
   }
   fail(fmt::format("expected an integer, got '{}'", s));

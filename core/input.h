@@ -37,9 +37,9 @@ class InputNode {
   bool is_null() const { return !node_ || node_.IsNull(); }
 
   bool has(std::string_view key) const;
-  InputNode operator[](std::string_view key) const;        // required field
-  std::optional<InputNode> get(std::string_view key) const;  // optional field
-  std::vector<InputNode> items() const;                     // sequence elements
+  InputNode operator[](std::string_view key) const;                // required field
+  std::optional<InputNode> get(std::string_view key) const;        // optional field
+  std::vector<InputNode> items() const;                            // sequence elements
   std::vector<std::pair<std::string, InputNode>> entries() const;  // map entries in file order
 
   std::string as_string() const;

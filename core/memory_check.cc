@@ -45,16 +45,17 @@ Status check_memory_fits(const Program& program) {
   const Lane& lane = program.lanes[worst];
   const StaticMemory& m = lane.memory;
   std::vector<std::pair<double, std::string>> parts = {
-      {p.activations, fmt::format("activations {} ({} micro-batch{} in flight)",
-                                  format_bytes(p.activations), p.in_flight,
-                                  p.in_flight == 1 ? "" : "es")},
+      {p.activations,
+       fmt::format("activations {} ({} micro-batch{} in flight)", format_bytes(p.activations),
+                   p.in_flight, p.in_flight == 1 ? "" : "es")},
       {m.optimizer, "optimizer state " + format_bytes(m.optimizer)},
       {m.weights, "weights " + format_bytes(m.weights)},
       {m.gradients, "gradients " + format_bytes(m.gradients)},
       {m.comm_buffers + m.runtime,
        "communication buffers and runtime " + format_bytes(m.comm_buffers + m.runtime)},
   };
-  std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::sort(parts.begin(), parts.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
   std::string what;
   for (const auto& [bytes, text] : parts) what += (what.empty() ? "" : ", ") + text;
   std::string where;

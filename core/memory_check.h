@@ -12,10 +12,10 @@
 namespace nnsim {
 
 struct LaneMemoryPeak {
-  double peak = 0;          // bytes: static + activations + transient at the worst moment
-  double activations = 0;   // activation bytes held at that moment (with transients)
-  int in_flight = 0;        // micro-batch activations alive at that moment
-  int block = -1;           // block at the peak (-1: before any block)
+  double peak = 0;         // bytes: static + activations + transient at the worst moment
+  double activations = 0;  // activation bytes held at that moment (with transients)
+  int in_flight = 0;       // micro-batch activations alive at that moment
+  int block = -1;          // block at the peak (-1: before any block)
 };
 
 std::vector<LaneMemoryPeak> lane_memory_peaks(const Program& program);

@@ -13,7 +13,7 @@ enum class LinkKind { kNvLink, kPcie, kNic, kFabric };
 
 // One direction of a physical link (every physical link is full duplex: two NetLinks).
 struct NetLink {
-  std::string name;     // e.g. "n3.g5.nvl.up"
+  std::string name;  // e.g. "n3.g5.nvl.up"
   LinkKind kind = LinkKind::kNvLink;
   double bandwidth = 0;  // bytes/s
   double latency = 0;    // seconds
@@ -40,14 +40,14 @@ class Network {
   Topology topo_;
   std::vector<NetLink> links_;  // a duplex link is two consecutive entries: up (out), down (in)
   // Index of the first (up) entry of each duplex link, per node and per local element.
-  std::vector<int> nvswitch_port_;   // [node * gpus_per_node + local]
-  std::vector<int> mesh_link_;       // [node * g * g + a * g + b] -> duplex id or -1
-  std::vector<int> pcie_gpu_;        // [node * gpus_per_node + local]
-  std::vector<int> pcie_uplink_;     // [node * switches + s]
-  std::vector<int> nic_;             // [node * nics + n]
-  std::vector<int> fabric_uplink_;   // [group * rails + rail] (rails = 1 for a fat tree)
-  std::vector<int> local_switch_;    // local GPU -> PCIe switch
-  std::vector<int> local_nic_;       // local GPU -> the NIC serving it (Topology::nic_of)
+  std::vector<int> nvswitch_port_;  // [node * gpus_per_node + local]
+  std::vector<int> mesh_link_;      // [node * g * g + a * g + b] -> duplex id or -1
+  std::vector<int> pcie_gpu_;       // [node * gpus_per_node + local]
+  std::vector<int> pcie_uplink_;    // [node * switches + s]
+  std::vector<int> nic_;            // [node * nics + n]
+  std::vector<int> fabric_uplink_;  // [group * rails + rail] (rails = 1 for a fat tree)
+  std::vector<int> local_switch_;   // local GPU -> PCIe switch
+  std::vector<int> local_nic_;      // local GPU -> the NIC serving it (Topology::nic_of)
 };
 
 }  // namespace nnsim

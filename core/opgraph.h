@@ -49,22 +49,22 @@ std::string_view to_string(Dim d);
 bool parse_dim(std::string_view name, Dim* out);
 
 enum class OpKind {
-  kEmbedding,    // token lookup (vocab is summed over: a vocab-split lookup yields partial sums)
-  kNorm,         // LayerNorm / RMSNorm over hidden
-  kLinear,       // matmul with a weight
-  kAttention,    // scaled dot-product attention core (scores, softmax, weighted values)
-  kActivation,   // GeLU, SwiGLU, squared ReLU, ReLU
-  kDropoutAdd,   // [dropout +] residual add
-  kAdd,          // elementwise add of a learned position embedding
-  kLoss,         // softmax cross-entropy over the vocabulary
+  kEmbedding,   // token lookup (vocab is summed over: a vocab-split lookup yields partial sums)
+  kNorm,        // LayerNorm / RMSNorm over hidden
+  kLinear,      // matmul with a weight
+  kAttention,   // scaled dot-product attention core (scores, softmax, weighted values)
+  kActivation,  // GeLU, SwiGLU, squared ReLU, ReLU
+  kDropoutAdd,  // [dropout +] residual add
+  kAdd,         // elementwise add of a learned position embedding
+  kLoss,        // softmax cross-entropy over the vocabulary
 };
 std::string_view to_string(OpKind k);
 
 // Which tensor a saved activation is, so that two operators keeping the same tensor (the
 // attention output is both the attention core's output and the projection's input) count once.
 struct TensorRef {
-  int op = -1;     // index of the producing operator in its graph part; -1 = the part's input
-  int slot = 0;    // 0 = the operator's output; 1.. = tensors internal to the operator
+  int op = -1;   // index of the producing operator in its graph part; -1 = the part's input
+  int slot = 0;  // 0 = the operator's output; 1.. = tensors internal to the operator
   bool operator==(const TensorRef&) const = default;
 };
 
@@ -97,9 +97,9 @@ struct InternalComm {
 struct Op {
   std::string name;  // e.g. "attn.qkv"; matched by plan partition and recompute rules
   OpKind kind = OpKind::kLinear;
-  DimSet dims;        // iteration dimensions
-  DimSet reduced;     // iteration dimensions summed over (absent from the output)
-  DimSet unsplittable;  // dimensions the operator cannot be split along
+  DimSet dims;                    // iteration dimensions
+  DimSet reduced;                 // iteration dimensions summed over (absent from the output)
+  DimSet unsplittable;            // dimensions the operator cannot be split along
   std::vector<TensorRef> inputs;  // activations consumed
   TensorSpec output;
   std::vector<TensorSpec> weights;
@@ -109,8 +109,8 @@ struct Op {
   double bwd_weight_flops = 0;    // gradient with respect to the weights
   double fwd_bytes = 0;           // HBM bytes read + written (memory-bound cost)
   double bwd_bytes = 0;
-  double transient_bytes = 0;     // temporaries freed when the operator ends (fwd or bwd)
-  bool causal = false;            // attention with a causal mask
+  double transient_bytes = 0;      // temporaries freed when the operator ends (fwd or bwd)
+  bool causal = false;             // attention with a causal mask
   bool tied_to_embedding = false;  // the head projection sharing the word embedding matrix
   std::vector<InternalComm> internal_comm;
   // Indivisible units along each dimension: a split factor must divide it (heads split by KV

@@ -149,8 +149,8 @@ struct Plan {
   int version = kPlanVersion;
   std::string name;
   ModelSpec model;
-  int global_batch = 0;       // sequences per optimizer step, whole job
-  int micro_batch = 1;        // sequences per micro-batch per replica
+  int global_batch = 0;  // sequences per optimizer step, whole job
+  int micro_batch = 1;   // sequences per micro-batch per replica
   Precision precision = Precision::kBf16;
   Mesh mesh;
   Placement placement;

@@ -68,8 +68,8 @@ struct PartInfo {
   std::vector<TensorLayout> out_layouts;
   std::vector<double> fwd_seconds, bwd_input_seconds, bwd_weight_seconds;
   std::vector<double> fwd_flops, bwd_input_flops, bwd_weight_flops;
-  std::vector<double> local_params;   // parameters of each op's piece
-  std::vector<uint32_t> sync_axes;    // axes (besides dp) each op's weight gradients sum over
+  std::vector<double> local_params;  // parameters of each op's piece
+  std::vector<uint32_t> sync_axes;   // axes (besides dp) each op's weight gradients sum over
   std::vector<int> labels;
 };
 
@@ -82,7 +82,7 @@ struct Compiler {
   PartInfo embed, layer, head;
   TensorSpec boundary;  // the hidden-state tensor passed between parts: [b, s, h]
   uint32_t lane_axes = 0;
-  uint32_t bucket_axes = 0;  // dp and the axes every weight syncs over (context parallel)
+  uint32_t bucket_axes = 0;        // dp and the axes every weight syncs over (context parallel)
   std::vector<int> segment_order;  // segments in pipeline order
   std::vector<int> next_segment, prev_segment, lane_of_segment;
   std::map<std::string, int> label_index;
@@ -101,8 +101,8 @@ struct Compiler {
   Status build_lanes();
   Status check_segments();
   void emit_forward(const PartInfo& p, const TensorLayout& in_layout,
-                    const std::vector<bool>& recomputed, bool only_recomputed,
-                    ComputeClass cls, std::vector<Step>& steps);
+                    const std::vector<bool>& recomputed, bool only_recomputed, ComputeClass cls,
+                    std::vector<Step>& steps);
   void emit_backward(const PartInfo& p, const TensorLayout& in_layout,
                      const TensorLayout& in_grad_layout, const std::vector<bool>& recomputed,
                      bool input_grads, bool weight_grads, std::vector<Step>& steps);
@@ -138,13 +138,14 @@ Status Compiler::check_basics() {
   for (int r = 0; r < ranks; ++r) {
     int g = prog.gpu_of_rank[r];
     if (g < 0 || g >= topo.num_gpus()) {
-      return Error(fmt::format("placement puts rank {} on GPU {}, which does not exist "
-                               "(GPUs 0-{})",
-                               r, g, topo.num_gpus() - 1));
+      return Error(
+          fmt::format("placement puts rank {} on GPU {}, which does not exist "
+                      "(GPUs 0-{})",
+                      r, g, topo.num_gpus() - 1));
     }
     if (owner[g] >= 0) {
-      return Error(fmt::format("placement puts ranks {} and {} on the same GPU {}", owner[g], r,
-                               g));
+      return Error(
+          fmt::format("placement puts ranks {} and {} on the same GPU {}", owner[g], r, g));
     }
     owner[g] = r;
   }
@@ -179,14 +180,13 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
         op_seconds(op, Pass::kForward, info.fwd_flops.back(), fb, plan.precision, gpu, cm));
     // Weight-gradient kernels move about half of the backward traffic of a matmul.
     const bool has_weight_grad = op.bwd_weight_flops > 0;
-    info.bwd_input_seconds.push_back(op_seconds(op, Pass::kBackwardInput,
-                                                info.bwd_input_flops.back(),
-                                                has_weight_grad ? bb / 2 : bb, plan.precision,
-                                                gpu, cm));
-    info.bwd_weight_seconds.push_back(
-        has_weight_grad ? op_seconds(op, Pass::kBackwardWeight, info.bwd_weight_flops.back(),
-                                     bb / 2, plan.precision, gpu, cm)
-                        : 0.0);
+    info.bwd_input_seconds.push_back(
+        op_seconds(op, Pass::kBackwardInput, info.bwd_input_flops.back(),
+                   has_weight_grad ? bb / 2 : bb, plan.precision, gpu, cm));
+    info.bwd_weight_seconds.push_back(has_weight_grad ? op_seconds(op, Pass::kBackwardWeight,
+                                                                   info.bwd_weight_flops.back(),
+                                                                   bb / 2, plan.precision, gpu, cm)
+                                                      : 0.0);
     double params = 0;
     uint32_t sync = 0;
     for (const auto& w : op.weights) {
@@ -232,7 +232,9 @@ bool Compiler::has_recompute(int segment) const {
 }
 
 // The layout the part's input arrives in, and the tensor it is.
-TensorLayout input_layout_of(const PartInfo& prev) { return prev.out_layouts.back(); }
+TensorLayout input_layout_of(const PartInfo& prev) {
+  return prev.out_layouts.back();
+}
 
 void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
                             const std::vector<bool>& recomputed, bool only_recomputed,
@@ -342,10 +344,9 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
     }
     Step s;
     s.kind = StepKind::kCompute;
-    s.seconds = (input_grads ? p.bwd_input_seconds[i] : 0) +
-                (weight_grads ? p.bwd_weight_seconds[i] : 0);
-    s.flops = (input_grads ? p.bwd_input_flops[i] : 0) +
-              (weight_grads ? p.bwd_weight_flops[i] : 0);
+    s.seconds =
+        (input_grads ? p.bwd_input_seconds[i] : 0) + (weight_grads ? p.bwd_weight_seconds[i] : 0);
+    s.flops = (input_grads ? p.bwd_input_flops[i] : 0) + (weight_grads ? p.bwd_weight_flops[i] : 0);
     s.label = p.labels[i];
     bool overlapped = false;
     if (input_grads) {
@@ -354,8 +355,7 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
         if (f <= 1 || ic.bwd_calls == 0) continue;
         uint32_t axes = 0;
         for (size_t a = 0; a < mesh.axes.size(); ++a) {
-          if (part.splits_on(static_cast<int>(a)) &&
-              part.dim_on(static_cast<int>(a)) == ic.dim) {
+          if (part.splits_on(static_cast<int>(a)) && part.dim_on(static_cast<int>(a)) == ic.dim) {
             axes |= 1u << a;
           }
         }
@@ -381,8 +381,8 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
       const TensorSpec& t = r.op < 0 ? boundary : ops[r.op].output;
       if (op.kind == OpKind::kEmbedding && r.op < 0) continue;  // token ids: no gradient
       TensorLayout have = input_grad_layout(op, part, t.dims);
-      TensorLayout want = r.op < 0 ? in_grad_layout
-                                   : output_grad_layout(ops[r.op], p.partitions[r.op]);
+      TensorLayout want =
+          r.op < 0 ? in_grad_layout : output_grad_layout(ops[r.op], p.partitions[r.op]);
       bool seen = false;
       for (const auto& [ref, lay] : converted) seen = seen || (ref == r && lay == have);
       if (seen) continue;
@@ -487,8 +487,8 @@ void Compiler::emit_grad_buckets(double bytes, double& pending, std::vector<Step
   while (bucket > 0 && pending >= bucket) {
     Step s;
     s.kind = StepKind::kDpLaunch;
-    s.collective = plan.optimizer.zero >= 1 ? CollectiveKind::kReduceScatter
-                                            : CollectiveKind::kAllReduce;
+    s.collective =
+        plan.optimizer.zero >= 1 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce;
     s.axes = bucket_axes;
     s.bytes = bucket;
     s.label = label(fmt::format("grad sync {}", plan.segments[segment].name));
@@ -534,8 +534,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   const bool send_to_next = next >= 0 && lane_of_segment[next] != lane_of_segment[seg];
   const bool recv_from_next = send_to_next;
   const bool send_to_prev = recv_from_prev;
-  const double act_piece =
-      piece_bytes(boundary, s.embedding ? embed_out : layer_out, mesh);
+  const double act_piece = piece_bytes(boundary, s.embedding ? embed_out : layer_out, mesh);
   // Pipeline transfers carry the boundary tensor; a tensor replicated over an axis of the lane
   // is sent in 1/size slices and all-gathered on arrival when scatter-gather is on.
   auto transfer_bytes = [&](const TensorLayout& layout, uint32_t* gather_axes) {
@@ -620,7 +619,8 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   const double grad_bytes = plan.optimizer.grad_bytes;
   std::vector<ParamUnit> units;  // forward order
   if (s.embedding) units.push_back({seg * 10000 + 9999, embed_params});
-  for (int l = s.first_layer; l < s.end_layer; ++l) units.push_back({seg * 10000 + l, layer_params});
+  for (int l = s.first_layer; l < s.end_layer; ++l)
+    units.push_back({seg * 10000 + l, layer_params});
   if (s.head) units.push_back({seg * 10000 + 9998, head_params});
   const std::vector<ParamUnit> backward_units(units.rbegin(), units.rend());
   size_t unit = 0;
@@ -634,10 +634,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   for (int l = s.first_layer; l < s.end_layer; ++l) {
     kept += kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), false);
     kept_weight_inputs += kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), true);
-    full_layer = std::max(full_layer,
-                          kept_bytes(layer, layer_in(l), std::vector<bool>(
-                                                              layer.part->ops.size(), false),
-                                     false));
+    full_layer = std::max(
+        full_layer,
+        kept_bytes(layer, layer_in(l), std::vector<bool>(layer.part->ops.size(), false), false));
   }
   if (s.head) {
     kept += kept_bytes(head, layer_out, recomputed_ops(head, -1), false);
@@ -665,8 +664,8 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       }
       for (int l = s.first_layer; l < s.end_layer; ++l) {
         zero3_before(units, unit++);
-        emit_forward(layer, layer_in(l), recomputed_ops(layer, l), false,
-                     ComputeClass::kCompute, t.steps);
+        emit_forward(layer, layer_in(l), recomputed_ops(layer, l), false, ComputeClass::kCompute,
+                     t.steps);
       }
       if (s.head) {
         zero3_before(units, unit++);
@@ -699,9 +698,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       const bool weight_grads = t.kind != BlockKind::kBackwardInput;
       if (input_grads && recv_from_next) recv(next, true, layer_out);
       double pending = 0;
-      const bool sync_here = weight_grads && grad_sync && plan.comm.overlap_grad_reduce &&
-                             (plan.data_parallel() > 1 || bucket_axes != (1u << mesh.axis_index(
-                                                                              kDataParallelAxis)));
+      const bool sync_here =
+          weight_grads && grad_sync && plan.comm.overlap_grad_reduce &&
+          (plan.data_parallel() > 1 || bucket_axes != (1u << mesh.axis_index(kDataParallelAxis)));
       auto grads_ready = [&](double params) {
         if (!sync_here) return;
         if (zero == 3) {
@@ -725,12 +724,10 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       for (int l = s.end_layer - 1; l >= s.first_layer; --l) {
         zero3_before(backward_units, unit++);
         auto r = recomputed_ops(layer, l);
-        if (input_grads && !explicit_recompute &&
-            std::find(r.begin(), r.end(), true) != r.end()) {
+        if (input_grads && !explicit_recompute && std::find(r.begin(), r.end(), true) != r.end()) {
           emit_forward(layer, layer_in(l), r, true, ComputeClass::kRecompute, t.steps);
         }
-        emit_backward(layer, layer_in(l), layer_in_grad(l), r, input_grads, weight_grads,
-                      t.steps);
+        emit_backward(layer, layer_in(l), layer_in_grad(l), r, input_grads, weight_grads, t.steps);
         grads_ready(layer_params);
       }
       if (s.embedding) {
@@ -789,9 +786,10 @@ Status Compiler::check_segments() {
     }
     for (int l = s.first_layer; l < s.end_layer; ++l) {
       if (owner[l] >= 0) {
-        return Error(fmt::format("layer {} is in segments '{}' and '{}'; every layer belongs "
-                                 "to exactly one segment",
-                                 l, plan.segments[owner[l]].name, s.name));
+        return Error(
+            fmt::format("layer {} is in segments '{}' and '{}'; every layer belongs "
+                        "to exactly one segment",
+                        l, plan.segments[owner[l]].name, s.name));
       }
       owner[l] = static_cast<int>(i);
     }
@@ -805,9 +803,10 @@ Status Compiler::check_segments() {
     }
     for (const auto& [axis, c] : s.devices) {
       if (axis == kDataParallelAxis) {
-        return Error(fmt::format("segment '{}' fixes the 'dp' coordinate; segments describe "
-                                 "one replica, remove \"dp\" from its devices",
-                                 s.name));
+        return Error(
+            fmt::format("segment '{}' fixes the 'dp' coordinate; segments describe "
+                        "one replica, remove \"dp\" from its devices",
+                        s.name));
       }
     }
   }
@@ -845,10 +844,10 @@ Status Compiler::check_segments() {
     const Segment& a = plan.segments[segment_order[i]];
     const Segment& b = plan.segments[segment_order[i + 1]];
     if (a.end_layer != b.first_layer && !(a.end_layer == a.first_layer)) {
-      return Error(fmt::format("segments '{}' (layers [{}, {})) and '{}' (layers [{}, {})) are "
-                               "not consecutive",
-                               a.name, a.first_layer, a.end_layer, b.name, b.first_layer,
-                               b.end_layer));
+      return Error(
+          fmt::format("segments '{}' (layers [{}, {})) and '{}' (layers [{}, {})) are "
+                      "not consecutive",
+                      a.name, a.first_layer, a.end_layer, b.name, b.first_layer, b.end_layer));
     }
     next_segment[segment_order[i]] = segment_order[i + 1];
     prev_segment[segment_order[i + 1]] = segment_order[i];
@@ -875,9 +874,10 @@ Status Compiler::build_lanes() {
       auto c = mesh.coordinates(r);
       if (c[dp_axis] != 0 || !slice_contains(lane.slice, mesh, c)) continue;
       if (lane_of_rank[r] >= 0) {
-        return Error(fmt::format("rank {} is in two schedule orders ({} and {}); give every "
-                                 "device exactly one order",
-                                 r, lane_of_rank[r], o));
+        return Error(
+            fmt::format("rank {} is in two schedule orders ({} and {}); give every "
+                        "device exactly one order",
+                        r, lane_of_rank[r], o));
       }
       lane_of_rank[r] = static_cast<int>(o);
       lane.ranks.push_back(r);
@@ -890,9 +890,10 @@ Status Compiler::build_lanes() {
   }
   for (int r = 0; r < ranks; ++r) {
     if (mesh.coordinates(r)[dp_axis] == 0 && lane_of_rank[r] < 0) {
-      return Error(fmt::format("rank {} (coordinates {}) is in no schedule order; every device "
-                               "needs one",
-                               r, fmt::join(mesh.coordinates(r), ",")));
+      return Error(
+          fmt::format("rank {} (coordinates {}) is in no schedule order; every device "
+                      "needs one",
+                      r, fmt::join(mesh.coordinates(r), ",")));
     }
   }
   // Axes a lane spans: the axes no schedule slice fixes (besides dp).
@@ -912,21 +913,23 @@ Status Compiler::build_lanes() {
       // Every lane rank must be in the segment and vice versa (within replica 0).
       for (int r : prog.lanes[o].ranks) {
         if (!slice_contains(plan.segments[s].devices, mesh, mesh.coordinates(r))) {
-          return Error(fmt::format("segment '{}' covers part of schedule order {} only; a "
-                                   "segment's devices must be whole orders",
-                                   plan.segments[s].name, o));
+          return Error(
+              fmt::format("segment '{}' covers part of schedule order {} only; a "
+                          "segment's devices must be whole orders",
+                          plan.segments[s].name, o));
         }
       }
       if (lane_of_segment[s] >= 0) {
-        return Error(fmt::format("segment '{}' spans several schedule orders ({} and {}); "
-                                 "segments spanning pipeline stages are not supported yet",
-                                 plan.segments[s].name, lane_of_segment[s], o));
+        return Error(
+            fmt::format("segment '{}' spans several schedule orders ({} and {}); "
+                        "segments spanning pipeline stages are not supported yet",
+                        plan.segments[s].name, lane_of_segment[s], o));
       }
       lane_of_segment[s] = static_cast<int>(o);
     }
     if (lane_of_segment[s] < 0) {
-      return Error(fmt::format("segment '{}' is on no device of any schedule order",
-                               plan.segments[s].name));
+      return Error(
+          fmt::format("segment '{}' is on no device of any schedule order", plan.segments[s].name));
     }
   }
   return Status::Ok();
@@ -938,9 +941,8 @@ void Compiler::build_memory(Lane& lane, const std::vector<int>& segments) {
   double params = 0;
   for (int s : segments) params += segment_params(s);
   lane.parameters = params;
-  const double weight_bytes = bytes_per_element(plan.precision == Precision::kFp8
-                                                    ? Precision::kBf16
-                                                    : plan.precision);
+  const double weight_bytes =
+      bytes_per_element(plan.precision == Precision::kFp8 ? Precision::kBf16 : plan.precision);
   StaticMemory m;
   m.weights = params * weight_bytes;
   m.gradients = params * plan.optimizer.grad_bytes;
@@ -971,9 +973,8 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   Program prog;
   prog.plan = plan;
   prog.topology = topology;
-  prog.compute_model = options.use_default_compute_model
-                           ? ComputeModel::defaults_for(topology.gpu)
-                           : options.compute_model;
+  prog.compute_model = options.use_default_compute_model ? ComputeModel::defaults_for(topology.gpu)
+                                                         : options.compute_model;
   prog.algorithm = plan.comm.algorithm == "ring"   ? Algorithm::kRing
                    : plan.comm.algorithm == "tree" ? Algorithm::kTree
                                                    : Algorithm::kAuto;
@@ -1010,15 +1011,16 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   for (size_t o = 0; o < prog.lanes.size(); ++o) {
     const Lane& lane = prog.lanes[o];
     std::string name;
-    for (const auto& [axis, v] : lane.slice) name += fmt::format("{}{}={}", name.empty() ? "" : ",", axis, v);
+    for (const auto& [axis, v] : lane.slice)
+      name += fmt::format("{}{}={}", name.empty() ? "" : ",", axis, v);
     if (name.empty()) name = "all devices";
     auto [lo, hi] = std::minmax_element(lane.gpus.begin(), lane.gpus.end());
     views.push_back({lane.gpus.size() == 1 ? fmt::format("{} (GPU {})", name, *lo)
                                            : fmt::format("{} (GPUs {}-{})", name, *lo, *hi),
                      plan.schedule[o].blocks});
   }
-  if (Status s = check_schedule(views, static_cast<int>(plan.segments.size()),
-                                prog.micro_batches, c.next_segment, c.lane_of_segment);
+  if (Status s = check_schedule(views, static_cast<int>(plan.segments.size()), prog.micro_batches,
+                                c.next_segment, c.lane_of_segment);
       !s) {
     return s.error();
   }
@@ -1039,9 +1041,9 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     for (const Block& b : plan.schedule[o].blocks) {
       const bool last = b.micro_batch == prog.micro_batches - 1;
       const bool sync = zero >= 2 || last;
-      const bool first_fwd =
-          b.kind == BlockKind::kForward && seen_forward.insert(b.segment).second;
-      const bool sync_block = b.kind == BlockKind::kBackward || b.kind == BlockKind::kBackwardWeight;
+      const bool first_fwd = b.kind == BlockKind::kForward && seen_forward.insert(b.segment).second;
+      const bool sync_block =
+          b.kind == BlockKind::kBackward || b.kind == BlockKind::kBackwardWeight;
       int t = c.template_for(b.segment, b.kind, sync_block && sync,
                              explicit_recompute.count(b.segment) > 0, first_fwd);
       lane.blocks.push_back({b, t});
@@ -1142,9 +1144,9 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     }
     prog.explicit_groups.push_back(groups);
     const int gid = static_cast<int>(prog.explicit_groups.size()) - 1;
-    const double bytes = std::accumulate(c.embed.local_params.begin(),
-                                         c.embed.local_params.end(), 0.0) *
-                         plan.optimizer.grad_bytes;
+    const double bytes =
+        std::accumulate(c.embed.local_params.begin(), c.embed.local_params.end(), 0.0) *
+        plan.optimizer.grad_bytes;
     for (int l : {c.lane_of_segment[emb_seg], c.lane_of_segment[head_seg]}) {
       Step s;
       s.kind = StepKind::kCollective;
@@ -1166,8 +1168,8 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
 
   // Throughput bookkeeping.
   const OpGraph& g = prog.graph;
-  prog.model_flops_per_iteration = (g.forward_flops() + g.backward_flops()) *
-                                   prog.micro_batches * prog.replicas;
+  prog.model_flops_per_iteration =
+      (g.forward_flops() + g.backward_flops()) * prog.micro_batches * prog.replicas;
   prog.tokens_per_iteration = static_cast<double>(plan.global_batch) * plan.model.seq_len;
   return prog;
 }

@@ -26,13 +26,13 @@ namespace nnsim {
 enum class ComputeClass : uint8_t { kCompute, kRecompute, kOptimizer };
 
 enum class StepKind : uint8_t {
-  kCompute,       // the compute stream is busy for `seconds`
-  kCollective,    // a blocking collective on the compute stream (tensor/context parallel)
-  kRecv,          // wait for a transfer from another segment
-  kSend,          // start a transfer to another segment (does not block the compute stream)
-  kDpLaunch,      // queue a collective on the data-parallel stream (gradient or parameter)
-  kDpWait,        // wait for queued data-parallel collectives (all, or those with `tag`)
-  kMemory,        // allocate (+) or free (-) `bytes`
+  kCompute,     // the compute stream is busy for `seconds`
+  kCollective,  // a blocking collective on the compute stream (tensor/context parallel)
+  kRecv,        // wait for a transfer from another segment
+  kSend,        // start a transfer to another segment (does not block the compute stream)
+  kDpLaunch,    // queue a collective on the data-parallel stream (gradient or parameter)
+  kDpWait,      // wait for queued data-parallel collectives (all, or those with `tag`)
+  kMemory,      // allocate (+) or free (-) `bytes`
 };
 
 struct Step {
@@ -56,8 +56,8 @@ struct BlockTemplate {
   int segment = 0;
   BlockKind kind = BlockKind::kForward;
   std::vector<Step> steps;
-  double kept_bytes = 0;   // activation bytes the block leaves allocated (negative: frees)
-  double peak_bytes = 0;   // extra bytes above the level at the block's start, at its peak
+  double kept_bytes = 0;  // activation bytes the block leaves allocated (negative: frees)
+  double peak_bytes = 0;  // extra bytes above the level at the block's start, at its peak
 };
 
 struct BlockInstance {
@@ -84,7 +84,7 @@ struct Lane {
   std::vector<BlockInstance> blocks;  // in schedule order
   std::vector<Step> epilogue;         // gradient sync waits, optimizer step
   StaticMemory memory;
-  double parameters = 0;              // parameters held per device (before ZeRO sharding)
+  double parameters = 0;  // parameters held per device (before ZeRO sharding)
 };
 
 struct Program {

@@ -23,9 +23,9 @@ struct MeshLink {
 
 // The PCIe tree of a node: GPUs and NICs hang off PCIe switches that share an uplink to the CPU.
 struct PcieSpec {
-  double gpu_link_bandwidth = 0;   // bytes/s per direction between a GPU and its PCIe switch
+  double gpu_link_bandwidth = 0;       // bytes/s per direction between a GPU and its PCIe switch
   double switch_uplink_bandwidth = 0;  // bytes/s per direction between a switch and the CPU
-  double latency = 0;              // seconds per hop
+  double latency = 0;                  // seconds per hop
   std::vector<std::vector<int>> switches;  // local GPU indices under each PCIe switch
   std::vector<int> nic_switch;             // for each NIC, the PCIe switch it sits on
 };
@@ -35,16 +35,16 @@ struct IntraNodeSpec {
   // kNvSwitch: bandwidth of each GPU's port into the switch, per direction.
   // kNvLinkMesh: bandwidth of one NVLink link, per direction.
   double bandwidth = 0;
-  double latency = 0;            // seconds for one GPU-to-GPU transfer inside the node
-  std::vector<MeshLink> mesh;    // kNvLinkMesh only
-  bool has_pcie = false;         // true when `pcie` is described (required for kPcie)
+  double latency = 0;          // seconds for one GPU-to-GPU transfer inside the node
+  std::vector<MeshLink> mesh;  // kNvLinkMesh only
+  bool has_pcie = false;       // true when `pcie` is described (required for kPcie)
   PcieSpec pcie;
 };
 
 struct NicSpec {
-  double bandwidth = 0;     // bytes/s per direction
-  double latency = 0;       // seconds, NIC plus cable to the first switch
-  std::vector<int> gpus;    // local GPU indices this NIC serves
+  double bandwidth = 0;   // bytes/s per direction
+  double latency = 0;     // seconds, NIC plus cable to the first switch
+  std::vector<int> gpus;  // local GPU indices this NIC serves
 };
 
 struct FabricSpec {

@@ -1,9 +1,9 @@
 #include "core/units.h"
 
+#include <fmt/format.h>
 #include <cctype>
 #include <charconv>
 #include <cmath>
-#include <fmt/format.h>
 
 namespace nnsim {
 namespace {
@@ -21,9 +21,20 @@ double take_prefix(std::string_view& unit) {
     double factor;
   };
   static constexpr Prefix kPrefixes[] = {
-      {"Ki", 1024.0},       {"Mi", 1048576.0}, {"Gi", 1073741824.0}, {"Ti", 1099511627776.0},
-      {"Pi", 1125899906842624.0}, {"k", 1e3},   {"K", 1e3},  {"M", 1e6},  {"G", 1e9},
-      {"T", 1e12},          {"P", 1e15},       {"E", 1e18},  {"m", 1e-3}, {"u", 1e-6},
+      {"Ki", 1024.0},
+      {"Mi", 1048576.0},
+      {"Gi", 1073741824.0},
+      {"Ti", 1099511627776.0},
+      {"Pi", 1125899906842624.0},
+      {"k", 1e3},
+      {"K", 1e3},
+      {"M", 1e6},
+      {"G", 1e9},
+      {"T", 1e12},
+      {"P", 1e15},
+      {"E", 1e18},
+      {"m", 1e-3},
+      {"u", 1e-6},
       {"n", 1e-9},
   };
   for (const auto& p : kPrefixes) {
@@ -37,11 +48,16 @@ double take_prefix(std::string_view& unit) {
 
 std::string expected_units(Dimension dim) {
   switch (dim) {
-    case Dimension::kBytes: return "B, KB, MB, GB, KiB, MiB, GiB, TiB";
-    case Dimension::kSeconds: return "s, ms, us, ns";
-    case Dimension::kBytesPerSecond: return "B/s, GB/s, Gb/s, Gbit/s, Gbps";
-    case Dimension::kFlopsPerSecond: return "FLOP/s, TFLOP/s, PFLOP/s";
-    case Dimension::kFlops: return "FLOP, GFLOP, TFLOP";
+    case Dimension::kBytes:
+      return "B, KB, MB, GB, KiB, MiB, GiB, TiB";
+    case Dimension::kSeconds:
+      return "s, ms, us, ns";
+    case Dimension::kBytesPerSecond:
+      return "B/s, GB/s, Gb/s, Gbit/s, Gbps";
+    case Dimension::kFlopsPerSecond:
+      return "FLOP/s, TFLOP/s, PFLOP/s";
+    case Dimension::kFlops:
+      return "FLOP, GFLOP, TFLOP";
   }
   return "";
 }
@@ -130,8 +146,14 @@ std::string format_decimal(double v, const char* unit) {
 }
 }  // namespace
 
-std::string format_rate(double bytes_per_s) { return format_decimal(bytes_per_s, "B/s"); }
-std::string format_flops(double flops_per_s) { return format_decimal(flops_per_s, "FLOP/s"); }
-std::string format_count(double n) { return format_decimal(n, ""); }
+std::string format_rate(double bytes_per_s) {
+  return format_decimal(bytes_per_s, "B/s");
+}
+std::string format_flops(double flops_per_s) {
+  return format_decimal(flops_per_s, "FLOP/s");
+}
+std::string format_count(double n) {
+  return format_decimal(n, "");
+}
 
 }  // namespace nnsim

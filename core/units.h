@@ -17,10 +17,10 @@ enum class Dimension { kBytes, kSeconds, kBytesPerSecond, kFlopsPerSecond, kFlop
 // "b"/"bit" is bits (converted to bytes), "B" bytes.
 Expected<double> parse_quantity(std::string_view text, Dimension dim);
 
-std::string format_bytes(double bytes);         // "1.50 GiB"
-std::string format_seconds(double seconds);     // "12.3 ms"
-std::string format_rate(double bytes_per_s);    // "25.0 GB/s"
-std::string format_flops(double flops_per_s);   // "312 TFLOP/s"
-std::string format_count(double n);             // "1.2 M"
+std::string format_bytes(double bytes);        // "1.50 GiB"
+std::string format_seconds(double seconds);    // "12.3 ms"
+std::string format_rate(double bytes_per_s);   // "25.0 GB/s"
+std::string format_flops(double flops_per_s);  // "312 TFLOP/s"
+std::string format_count(double n);            // "1.2 M"
 
 }  // namespace nnsim

@@ -18,9 +18,12 @@ Expected<RecomputeMode> parse_recompute_mode(const std::string& name) {
 
 std::string_view to_string(RecomputeMode m) {
   switch (m) {
-    case RecomputeMode::kNone: return "none";
-    case RecomputeMode::kSelective: return "selective";
-    case RecomputeMode::kFull: return "full";
+    case RecomputeMode::kNone:
+      return "none";
+    case RecomputeMode::kSelective:
+      return "selective";
+    case RecomputeMode::kFull:
+      return "full";
   }
   return "?";
 }
@@ -45,8 +48,11 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                                    const MegatronOptions& o) {
   if (Status s = validate_model(model); !s) return s.error();
   const int gpus = topo.num_gpus();
-  for (auto [name, v] : {std::pair{"--tp", o.tp}, {"--pp", o.pp}, {"--cp", o.cp},
-                         {"--vpp", o.vpp}, {"--micro-batch", o.micro_batch}}) {
+  for (auto [name, v] : {std::pair{"--tp", o.tp},
+                         {"--pp", o.pp},
+                         {"--cp", o.cp},
+                         {"--vpp", o.vpp},
+                         {"--micro-batch", o.micro_batch}}) {
     if (v < 1) return Error(fmt::format("{} must be at least 1 (got {})", name, v));
   }
   const int model_parallel = o.tp * o.pp * o.cp;
@@ -67,8 +73,8 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         o.tp, o.pp, o.cp, dp, dp * model_parallel, topo.name, gpus));
   }
   if (model.heads % o.tp != 0) {
-    return Error(fmt::format("--tp {} does not divide the model's {} attention heads", o.tp,
-                             model.heads));
+    return Error(
+        fmt::format("--tp {} does not divide the model's {} attention heads", o.tp, model.heads));
   }
   if (model.kv_heads % o.tp != 0) {
     return Error(fmt::format("--tp {} does not divide the model's {} key/value heads", o.tp,
@@ -93,14 +99,14 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (o.zero < 0 || o.zero > 3) return Error("--zero must be 0, 1, 2 or 3");
   const int segments = o.pp * o.vpp;
   if (segments > model.layers) {
-    return Error(fmt::format("pp x vpp = {} segments, but the model has only {} layers",
-                             segments, model.layers));
+    return Error(fmt::format("pp x vpp = {} segments, but the model has only {} layers", segments,
+                             model.layers));
   }
-  std::vector<int> layers = o.stage_layers.empty() ? split_layers(model.layers, segments)
-                                                   : o.stage_layers;
+  std::vector<int> layers =
+      o.stage_layers.empty() ? split_layers(model.layers, segments) : o.stage_layers;
   if (static_cast<int>(layers.size()) != segments) {
-    return Error(fmt::format("--stage-layers lists {} segments; pp x vpp = {}", layers.size(),
-                             segments));
+    return Error(
+        fmt::format("--stage-layers lists {} segments; pp x vpp = {}", layers.size(), segments));
   }
   if (std::accumulate(layers.begin(), layers.end(), 0) != model.layers) {
     return Error(fmt::format("--stage-layers adds up to {} layers; the model has {}",
@@ -126,8 +132,8 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   int first = 0;
   for (int i = 0; i < segments; ++i) {
     Segment s;
-    s.name = o.vpp > 1 ? fmt::format("stage{}.chunk{}", i % o.pp, i / o.pp)
-                       : fmt::format("stage{}", i);
+    s.name =
+        o.vpp > 1 ? fmt::format("stage{}.chunk{}", i % o.pp, i / o.pp) : fmt::format("stage{}", i);
     s.first_layer = first;
     s.end_layer = first + layers[i];
     first = s.end_layer;
@@ -147,8 +153,8 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     for (const char* m : {"mlp.fc1", "mlp.act", "mlp.fc2"}) rule(m, Dim::kFfn, {"tp"});
     for (const char* m : {"embed.word", "head.proj", "loss"}) rule(m, Dim::kVocab, {"tp"});
     if (o.sequence_parallel) {
-      std::vector<std::string> axes = o.cp > 1 ? std::vector<std::string>{"cp", "tp"}
-                                               : std::vector<std::string>{"tp"};
+      std::vector<std::string> axes =
+          o.cp > 1 ? std::vector<std::string>{"cp", "tp"} : std::vector<std::string>{"tp"};
       for (const char* m : {"*.norm", "*.residual", "embed.position", "embed.dropout"}) {
         rule(m, Dim::kSeq, axes);
       }
@@ -156,11 +162,14 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   }
 
   switch (o.recompute) {
-    case RecomputeMode::kNone: break;
+    case RecomputeMode::kNone:
+      break;
     case RecomputeMode::kSelective:
       plan.recompute.push_back({"attn.core", 0, model.layers});
       break;
-    case RecomputeMode::kFull: plan.recompute.push_back({"*", 0, model.layers}); break;
+    case RecomputeMode::kFull:
+      plan.recompute.push_back({"*", 0, model.layers});
+      break;
   }
 
   plan.optimizer.zero = o.zero;
@@ -171,8 +180,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     plan.optimizer.state_bytes = 8;  // fp32 weights are the master copy: two moments only
   }
   // Megatron-Core's bucket: max(40M, 1M x dp) parameters.
-  plan.comm.dp_bucket_bytes =
-      std::max(40e6, 1e6 * dp) * plan.optimizer.grad_bytes;
+  plan.comm.dp_bucket_bytes = std::max(40e6, 1e6 * dp) * plan.optimizer.grad_bytes;
   plan.comm.overlap_grad_reduce = o.overlap_grad_reduce;
   plan.comm.overlap_param_gather = o.overlap_param_gather;
   plan.comm.algorithm = o.algorithm;

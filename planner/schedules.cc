@@ -48,9 +48,9 @@ std::vector<Block> interleaved(int stage, int stages, int chunks, int micro_batc
     int mb = (k / (stages * chunks)) * stages + k % stages;
     return Block{BlockKind::kBackward, mb, segment_of(chunk, stage, stages)};
   };
-  int warmup = micro_batches == stages ? total
-                                       : std::min((stages - stage - 1) * 2 + (chunks - 1) * stages,
-                                                  total);
+  int warmup = micro_batches == stages
+                   ? total
+                   : std::min((stages - stage - 1) * 2 + (chunks - 1) * stages, total);
   std::vector<Block> out;
   for (int k = 0; k < warmup; ++k) out.push_back(forward(k));
   for (int i = 0; i < total - warmup; ++i) {
@@ -70,9 +70,10 @@ Expected<std::vector<Block>> pipeline_order(ScheduleKind kind, int stage, int st
     case ScheduleKind::kGpipe:
     case ScheduleKind::kOneFOneB: {
       if (chunks != 1) {
-        return Error(fmt::format("the {} schedule runs one model chunk per pipeline rank; use "
-                                 "--schedule interleaved for --vpp {}",
-                                 to_string(kind), chunks));
+        return Error(
+            fmt::format("the {} schedule runs one model chunk per pipeline rank; use "
+                        "--schedule interleaved for --vpp {}",
+                        to_string(kind), chunks));
       }
       return kind == ScheduleKind::kGpipe ? gpipe(stage, stages, micro_batches)
                                           : one_f_one_b(stage, stages, micro_batches);
@@ -99,9 +100,12 @@ Expected<ScheduleKind> parse_schedule_kind(const std::string& name) {
 
 std::string_view to_string(ScheduleKind kind) {
   switch (kind) {
-    case ScheduleKind::kGpipe: return "gpipe";
-    case ScheduleKind::kOneFOneB: return "1f1b";
-    case ScheduleKind::kInterleaved: return "interleaved";
+    case ScheduleKind::kGpipe:
+      return "gpipe";
+    case ScheduleKind::kOneFOneB:
+      return "1f1b";
+    case ScheduleKind::kInterleaved:
+      return "interleaved";
   }
   return "?";
 }

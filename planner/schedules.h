@@ -14,7 +14,9 @@ enum class ScheduleKind { kGpipe, kOneFOneB, kInterleaved };
 
 // Segment index of chunk `chunk` on pipeline rank `stage` (Megatron's virtual stages: chunk c of
 // rank p holds the (c * stages + p)-th slice of the layers).
-inline int segment_of(int chunk, int stage, int stages) { return chunk * stages + stage; }
+inline int segment_of(int chunk, int stage, int stages) {
+  return chunk * stages + stage;
+}
 
 // The block order of pipeline rank `stage` of `stages`, with `chunks` model chunks per rank
 // (1 unless interleaved) and `micro_batches` micro-batches per iteration.

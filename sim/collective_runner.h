@@ -45,8 +45,8 @@ class CollectiveRunner {
   PreparedComm prepare(const std::vector<std::vector<int>>& groups, CollectiveKind kind,
                        double bytes);
   // src_gpus[i] sends `bytes` to dst_gpus[i], all at once.
-  PreparedComm prepare_transfer(const std::vector<int>& src_gpus,
-                                const std::vector<int>& dst_gpus, double bytes);
+  PreparedComm prepare_transfer(const std::vector<int>& src_gpus, const std::vector<int>& dst_gpus,
+                                double bytes);
   // Runs it from the calling actor and returns when every flow has arrived; with
   // `overlap_seconds` > 0, the caller's compute of that length runs alongside.
   // Returns the number of SimGrid activities used.

@@ -71,8 +71,7 @@ std::string report_json(const Program& program, const SimResult& r) {
   for (size_t l = 0; l < program.lanes.size(); ++l) {
     for (int rank : program.lanes[l].ranks) {
       for (int rep = 0; rep < program.replicas; ++rep) {
-        lane_of_gpu[program.gpu_of_rank[program.rank_in_replica(rank, rep)]] =
-            static_cast<int>(l);
+        lane_of_gpu[program.gpu_of_rank[program.rank_in_replica(rank, rep)]] = static_cast<int>(l);
       }
     }
   }

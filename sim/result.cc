@@ -10,23 +10,34 @@ double Breakdown::total_exposed_comm() const {
 
 std::string_view to_string(TaskKind k) {
   switch (k) {
-    case TaskKind::kCompute: return "compute";
-    case TaskKind::kRecompute: return "recompute";
-    case TaskKind::kOptimizer: return "optimizer";
-    case TaskKind::kCollective: return "collective";
-    case TaskKind::kRecvWait: return "recv-wait";
-    case TaskKind::kDpWait: return "dp-wait";
-    case TaskKind::kTransfer: return "transfer";
-    case TaskKind::kDpCollective: return "dp-collective";
+    case TaskKind::kCompute:
+      return "compute";
+    case TaskKind::kRecompute:
+      return "recompute";
+    case TaskKind::kOptimizer:
+      return "optimizer";
+    case TaskKind::kCollective:
+      return "collective";
+    case TaskKind::kRecvWait:
+      return "recv-wait";
+    case TaskKind::kDpWait:
+      return "dp-wait";
+    case TaskKind::kTransfer:
+      return "transfer";
+    case TaskKind::kDpCollective:
+      return "dp-collective";
   }
   return "?";
 }
 
 std::string_view to_string(Stream s) {
   switch (s) {
-    case Stream::kCompute: return "compute";
-    case Stream::kDataParallel: return "data-parallel";
-    case Stream::kPipelineSend: return "pipeline-send";
+    case Stream::kCompute:
+      return "compute";
+    case Stream::kDataParallel:
+      return "data-parallel";
+    case Stream::kPipelineSend:
+      return "pipeline-send";
   }
   return "?";
 }

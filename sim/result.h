@@ -29,8 +29,8 @@ struct MemoryPoint {
 // One lane: the devices that run the same program in lockstep (a pipeline stage's
 // tensor/context-parallel ranks in one replica). All its GPUs have the same figures.
 struct LaneReport {
-  std::string name;        // "pp=3"
-  std::vector<int> gpus;   // its GPUs in replica 0
+  std::string name;       // "pp=3"
+  std::vector<int> gpus;  // its GPUs in replica 0
   std::vector<int> ranks;
   double finish_time = 0;  // when its last step ended
   Breakdown breakdown;
@@ -38,18 +38,18 @@ struct LaneReport {
   double peak_activations = 0;  // bytes above static memory at the peak
   double peak_memory = 0;       // static + peak activations
   std::vector<MemoryPoint> memory_timeline;
-  double parameters = 0;        // held per device
+  double parameters = 0;  // held per device
 };
 
 enum class TaskKind : uint8_t {
   kCompute,
   kRecompute,
   kOptimizer,
-  kCollective,   // blocking collective on the compute stream
-  kRecvWait,     // compute stream waiting for a transfer
-  kDpWait,       // compute stream waiting for the data-parallel stream
-  kTransfer,     // a pipeline transfer in flight (on the sender's send stream)
-  kDpCollective, // a collective on the data-parallel stream
+  kCollective,    // blocking collective on the compute stream
+  kRecvWait,      // compute stream waiting for a transfer
+  kDpWait,        // compute stream waiting for the data-parallel stream
+  kTransfer,      // a pipeline transfer in flight (on the sender's send stream)
+  kDpCollective,  // a collective on the data-parallel stream
 };
 std::string_view to_string(TaskKind k);
 
@@ -62,12 +62,12 @@ struct TaskRecord {
   TaskKind kind = TaskKind::kCompute;
   double start = 0;
   double end = 0;
-  int label = -1;        // Program::labels
-  int block = -1;        // index into the lane's blocks (-1: prologue/epilogue)
-  double bytes = 0;      // communication bytes per device
-  double flops = 0;      // model FLOPs per device
-  double memory = 0;     // device memory after the task, bytes
-  uint32_t axes = 0;     // collective group axes
+  int label = -1;     // Program::labels
+  int block = -1;     // index into the lane's blocks (-1: prologue/epilogue)
+  double bytes = 0;   // communication bytes per device
+  double flops = 0;   // model FLOPs per device
+  double memory = 0;  // device memory after the task, bytes
+  uint32_t axes = 0;  // collective group axes
 };
 
 enum class Fidelity { kSymmetric, kFull };

@@ -16,8 +16,7 @@ namespace sg4 = simgrid::s4u;
 namespace {
 
 double wall_now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace
@@ -25,7 +24,9 @@ double wall_now() {
 Simulation::Simulation(const Program& program, const SimOptions& options)
     : prog_(program), options_(options) {}
 
-std::string Simulation::exposed_key(uint32_t axes) const { return prog_.axes_name(axes); }
+std::string Simulation::exposed_key(uint32_t axes) const {
+  return prog_.axes_name(axes);
+}
 
 void Simulation::record(const Instance& inst, Stream stream, TaskKind kind, double start,
                         double end, int label, int block, double bytes, double flops,
@@ -81,8 +82,8 @@ void Simulation::flush_compute(Instance& inst, int block) {
         record(inst, Stream::kCompute, kind, start, start + step.seconds, step.label, block, 0,
                step.flops, 0);
       }
-      record(inst, Stream::kCompute, TaskKind::kCollective, start, start + part.seconds,
-             step.label, block, step.bytes, 0, step.axes);
+      record(inst, Stream::kCompute, TaskKind::kCollective, start, start + part.seconds, step.label,
+             block, step.bytes, 0, step.axes);
     }
   }
   p.parts.clear();
@@ -226,9 +227,9 @@ void Simulation::run_collective(Instance& inst, const Step& step, int block) {
   // Instances joining one collective meet under the same key: each counts its joint
   // collectives in program order, which is the same on every participant.
   std::tuple<int, int, int> key =
-      step.group >= 0 ? std::tuple<int, int, int>{-1 - step.group, inst.replica,
-                                                   inst.explicit_sequence++}
-                      : std::tuple<int, int, int>{inst.lane, 2 << 20, inst.joint_sequence++};
+      step.group >= 0
+          ? std::tuple<int, int, int>{-1 - step.group, inst.replica, inst.explicit_sequence++}
+          : std::tuple<int, int, int>{inst.lane, 2 << 20, inst.joint_sequence++};
   // Time spent waiting for the other participants to arrive is not communication.
   const double t0 = joint_collective(inst, comm, key, n, step.seconds);
   const double t1 = sg4::Engine::get_clock();
@@ -238,14 +239,14 @@ void Simulation::run_collective(Instance& inst, const Step& step, int block) {
     // Communication overlapped with this operator's compute: the compute counts as compute.
     (step.compute_class == ComputeClass::kRecompute ? inst.breakdown.recompute
                                                     : inst.breakdown.compute) += step.seconds;
-    record(inst, Stream::kCompute,
-           step.compute_class == ComputeClass::kRecompute ? TaskKind::kRecompute
-                                                          : TaskKind::kCompute,
-           t0, t0 + step.seconds, step.label, block, 0, step.flops, 0);
+    record(
+        inst, Stream::kCompute,
+        step.compute_class == ComputeClass::kRecompute ? TaskKind::kRecompute : TaskKind::kCompute,
+        t0, t0 + step.seconds, step.label, block, 0, step.flops, 0);
   }
   if (exposed > 0) inst.breakdown.exposed_comm[group] += exposed;
-  record(inst, Stream::kCompute, TaskKind::kCollective, t0, t1,
-         step.label, block, step.bytes, 0, step.axes);
+  record(inst, Stream::kCompute, TaskKind::kCollective, t0, t1, step.label, block, step.bytes, 0,
+         step.axes);
 }
 
 const PreparedComm& Simulation::prepared_transfer(Instance& inst, const Step& step) {
@@ -262,8 +263,7 @@ const PreparedComm& Simulation::prepared_transfer(Instance& inst, const Step& st
   return *inst.prepared.emplace(&step, &shared->second).first->second;
 }
 
-void Simulation::send(Instance& inst, const Step& step, int block, int micro_batch,
-                      int segment) {
+void Simulation::send(Instance& inst, const Step& step, int block, int micro_batch, int segment) {
   flush_compute(inst, block);
   TransferKey key{segment, step.peer_segment, step.gradient, micro_batch, inst.replica};
   Transfer& t = transfers_[key];
@@ -272,8 +272,8 @@ void Simulation::send(Instance& inst, const Step& step, int block, int micro_bat
   t.posted = now;
   // The transfer runs on the sender's send stream for its direction, after the sends before it.
   const int direction = step.gradient ? 1 : 0;
-  inst.send_queue[direction].push_back({&prepared_transfer(inst, step), t.arrived, &step, block,
-                                        now});
+  inst.send_queue[direction].push_back(
+      {&prepared_transfer(inst, step), t.arrived, &step, block, now});
   inst.send_pending[direction]->release();
 }
 
@@ -291,8 +291,7 @@ void Simulation::send_stream_actor(Instance& inst, int direction) {
   }
 }
 
-void Simulation::recv(Instance& inst, const Step& step, int block, int micro_batch,
-                      int segment) {
+void Simulation::recv(Instance& inst, const Step& step, int block, int micro_batch, int segment) {
   flush_compute(inst, block);
   TransferKey key{step.peer_segment, segment, step.gradient, micro_batch, inst.replica};
   Transfer& t = transfers_[key];
@@ -308,8 +307,8 @@ void Simulation::recv(Instance& inst, const Step& step, int block, int micro_bat
   inst.breakdown.bubble += ready - t0;
   if (t1 > ready) inst.breakdown.exposed_comm["pp"] += t1 - ready;
   if (t1 > t0) {
-    record(inst, Stream::kCompute, TaskKind::kRecvWait, t0, t1, step.label, block, step.bytes,
-           0, 0);
+    record(inst, Stream::kCompute, TaskKind::kRecvWait, t0, t1, step.label, block, step.bytes, 0,
+           0);
   }
 }
 
@@ -343,15 +342,27 @@ void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int b
         p.parts.push_back({&step, p.seconds, step.seconds, false});
         p.seconds += step.seconds;
         switch (step.compute_class) {
-          case ComputeClass::kCompute: inst.breakdown.compute += step.seconds; break;
-          case ComputeClass::kRecompute: inst.breakdown.recompute += step.seconds; break;
-          case ComputeClass::kOptimizer: inst.breakdown.optimizer += step.seconds; break;
+          case ComputeClass::kCompute:
+            inst.breakdown.compute += step.seconds;
+            break;
+          case ComputeClass::kRecompute:
+            inst.breakdown.recompute += step.seconds;
+            break;
+          case ComputeClass::kOptimizer:
+            inst.breakdown.optimizer += step.seconds;
+            break;
         }
         break;
       }
-      case StepKind::kCollective: run_collective(inst, step, block); break;
-      case StepKind::kRecv: recv(inst, step, block, micro_batch, segment); break;
-      case StepKind::kSend: send(inst, step, block, micro_batch, segment); break;
+      case StepKind::kCollective:
+        run_collective(inst, step, block);
+        break;
+      case StepKind::kRecv:
+        recv(inst, step, block, micro_batch, segment);
+        break;
+      case StepKind::kSend:
+        send(inst, step, block, micro_batch, segment);
+        break;
       case StepKind::kDpLaunch: {
         flush_compute(inst, block);  // the gradients exist once the compute before them ran
         const int seq = ++inst.dp_launched;
@@ -361,7 +372,9 @@ void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int b
         inst.dp_pending->release();
         break;
       }
-      case StepKind::kDpWait: dp_wait(inst, step, block); break;
+      case StepKind::kDpWait:
+        dp_wait(inst, step, block);
+        break;
       case StepKind::kMemory: {
         flush_compute(inst, block);
         inst.memory_level += step.bytes;
@@ -490,9 +503,10 @@ Expected<SimResult> Simulation::run() {
   for (const auto& inst : instances_) iteration = std::max(iteration, inst->finish);
   for (const auto& inst : instances_) {
     if (inst->finish <= 0 && !prog_.lanes[inst->lane].blocks.empty()) {
-      return Error(fmt::format("the simulation stopped before lane {} finished its blocks "
-                               "(a deadlock the schedule check did not catch)",
-                               inst->lane));
+      return Error(
+          fmt::format("the simulation stopped before lane {} finished its blocks "
+                      "(a deadlock the schedule check did not catch)",
+                      inst->lane));
     }
   }
   for (size_t l = 0; l < prog_.lanes.size(); ++l) {

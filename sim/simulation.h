@@ -53,8 +53,8 @@ class Simulation {
     simgrid::s4u::ConditionVariablePtr dp_progress;
     int dp_launched = 0;
     int dp_completed = 0;
-    std::map<int, int> dp_tag_seq;               // tag -> sequence number of its last launch
-    std::map<int, uint32_t> dp_seq_axes;         // sequence number -> axes (for the breakdown)
+    std::map<int, int> dp_tag_seq;        // tag -> sequence number of its last launch
+    std::map<int, uint32_t> dp_seq_axes;  // sequence number -> axes (for the breakdown)
     int dp_sequence_for_rendezvous = 0;
     int explicit_sequence = 0;
     int joint_sequence = 0;

@@ -5,8 +5,8 @@
 
 #include <cerrno>
 #include <cstdio>
-#include <functional>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <type_traits>
 
@@ -266,13 +266,15 @@ Expected<std::string> run_isolated(const ChildWork& work,
   if (status == 'R') return payload;
   if (status == 'E') return Error(payload);
   if (WIFSIGNALED(wstatus)) {
-    return Error(fmt::format("the simulation process was killed by signal {} ({}); this is a "
-                             "bug in nnsim: please report it with the plan and topology",
-                             WTERMSIG(wstatus), strsignal(WTERMSIG(wstatus))));
+    return Error(
+        fmt::format("the simulation process was killed by signal {} ({}); this is a "
+                    "bug in nnsim: please report it with the plan and topology",
+                    WTERMSIG(wstatus), strsignal(WTERMSIG(wstatus))));
   }
-  return Error(fmt::format("the simulation process exited with status {} without a result; "
-                           "this is a bug in nnsim: please report it with the plan and topology",
-                           WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : -1));
+  return Error(
+      fmt::format("the simulation process exited with status {} without a result; "
+                  "this is a bug in nnsim: please report it with the plan and topology",
+                  WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : -1));
 }
 
 }  // namespace

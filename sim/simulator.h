@@ -12,8 +12,8 @@
 
 #include <functional>
 
-#include "core/error.h"
 #include "core/collective.h"
+#include "core/error.h"
 #include "core/program.h"
 #include "core/topology.h"
 #include "sim/result.h"

@@ -44,11 +44,13 @@ std::string chrome_trace_json(const Program& program, const SimResult& r, bool p
                                 lane.name);
       emit(fmt::format(R"({{"name":"process_name","ph":"M","pid":{},"args":{{"name":"{}"}}}})",
                        pids[l][i], escape(name)));
-      emit(fmt::format(R"({{"name":"process_sort_index","ph":"M","pid":{},"args":{{"sort_index":{}}}}})",
-                       pids[l][i], pids[l][i]));
+      emit(fmt::format(
+          R"({{"name":"process_sort_index","ph":"M","pid":{},"args":{{"sort_index":{}}}}})",
+          pids[l][i], pids[l][i]));
       for (Stream s : {Stream::kCompute, Stream::kDataParallel, Stream::kPipelineSend}) {
-        emit(fmt::format(R"({{"name":"thread_name","ph":"M","pid":{},"tid":{},"args":{{"name":"{}"}}}})",
-                         pids[l][i], static_cast<int>(s), to_string(s)));
+        emit(fmt::format(
+            R"({{"name":"thread_name","ph":"M","pid":{},"tid":{},"args":{{"name":"{}"}}}})",
+            pids[l][i], static_cast<int>(s), to_string(s)));
       }
     }
   }
@@ -68,8 +70,9 @@ std::string chrome_trace_json(const Program& program, const SimResult& r, bool p
   for (size_t l = 0; l < r.lanes.size(); ++l) {
     for (const MemoryPoint& p : r.lanes[l].memory_timeline) {
       for (int pid : pids[l]) {
-        emit(fmt::format(R"({{"name":"memory","ph":"C","pid":{},"ts":{:.3f},"args":{{"bytes":{}}}}})",
-                         pid, p.time * 1e6, p.bytes));
+        emit(fmt::format(
+            R"({{"name":"memory","ph":"C","pid":{},"ts":{:.3f},"args":{{"bytes":{}}}}})", pid,
+            p.time * 1e6, p.bytes));
       }
     }
   }

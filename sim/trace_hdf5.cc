@@ -49,8 +49,7 @@ herr_t write_strings(hid_t file, const char* name, const std::vector<std::string
 
 void attr_double(hid_t obj, const char* name, double v) {
   Handle space{H5Screate(H5S_SCALAR), H5Sclose};
-  Handle a{H5Acreate2(obj, name, H5T_NATIVE_DOUBLE, space.id, H5P_DEFAULT, H5P_DEFAULT),
-           H5Aclose};
+  Handle a{H5Acreate2(obj, name, H5T_NATIVE_DOUBLE, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose};
   H5Awrite(a.id, H5T_NATIVE_DOUBLE, &v);
 }
 
@@ -89,16 +88,15 @@ Status write_hdf5_timeline(const std::string& path, const Program& program, cons
   std::vector<Row> rows;
   rows.reserve(r.tasks.size());
   for (const TaskRecord& t : r.tasks) {
-    rows.push_back({t.lane, static_cast<uint8_t>(t.stream), static_cast<uint8_t>(t.kind),
-                    t.start, t.end, t.label, t.block, t.bytes, t.flops, t.memory, t.axes});
+    rows.push_back({t.lane, static_cast<uint8_t>(t.stream), static_cast<uint8_t>(t.kind), t.start,
+                    t.end, t.label, t.block, t.bytes, t.flops, t.memory, t.axes});
   }
   hsize_t n = rows.size();
   Handle space{H5Screate_simple(1, &n, nullptr), H5Sclose};
-  Handle set{H5Dcreate2(file.id, "tasks", type.id, space.id, H5P_DEFAULT, H5P_DEFAULT,
-                        H5P_DEFAULT),
+  Handle set{H5Dcreate2(file.id, "tasks", type.id, space.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
              H5Dclose};
-  if (set.id < 0 || (n > 0 && H5Dwrite(set.id, type.id, H5S_ALL, H5S_ALL, H5P_DEFAULT,
-                                       rows.data()) < 0)) {
+  if (set.id < 0 ||
+      (n > 0 && H5Dwrite(set.id, type.id, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()) < 0)) {
     return Error(fmt::format("writing the task table to '{}' failed", path));
   }
   std::vector<std::string> kinds, streams, lanes, blocks;
@@ -109,8 +107,10 @@ Status write_hdf5_timeline(const std::string& path, const Program& program, cons
     streams.emplace_back(to_string(static_cast<Stream>(s)));
   }
   for (const auto& l : r.lanes) lanes.push_back(l.name);
-  if (write_strings(file.id, "labels", r.labels) < 0 || write_strings(file.id, "kinds", kinds) < 0 ||
-      write_strings(file.id, "streams", streams) < 0 || write_strings(file.id, "lanes", lanes) < 0 ||
+  if (write_strings(file.id, "labels", r.labels) < 0 ||
+      write_strings(file.id, "kinds", kinds) < 0 ||
+      write_strings(file.id, "streams", streams) < 0 ||
+      write_strings(file.id, "lanes", lanes) < 0 ||
       write_strings(file.id, "axes", r.lane_axes) < 0) {
     return Error(fmt::format("writing the name tables to '{}' failed", path));
   }

@@ -10,8 +10,8 @@
 #include <iostream>
 #include <optional>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include "core/memory_check.h"
 #include "core/model.h"
@@ -118,9 +118,9 @@ std::string lane_gpus(const LaneReport& l) {
 
 void print_report(const Program& prog, const SimResult& r) {
   const Topology& t = prog.topology;
-  std::printf("%s\n", fmt::format("{} on {} ({} x {})", prog.plan.name, t.name, r.num_gpus,
-                                   t.gpu.name)
-                          .c_str());
+  std::printf(
+      "%s\n",
+      fmt::format("{} on {} ({} x {})", prog.plan.name, t.name, r.num_gpus, t.gpu.name).c_str());
   std::printf("  iteration time   %s (%d micro-batches per replica)\n",
               format_seconds(r.iteration_time).c_str(), r.micro_batches);
   std::printf("  throughput       %s tokens/s, %s per GPU (MFU %.1f%% of %s)\n",
@@ -138,8 +138,8 @@ void print_report(const Program& prog, const SimResult& r) {
     }
   }
   std::sort(groups.begin(), groups.end());
-  std::string header = fmt::format("  {:<10} {:>9} {:>10} {:>10} {:>10}", "lane", "gpus",
-                                   "compute", "recompute", "optimizer");
+  std::string header = fmt::format("  {:<10} {:>9} {:>10} {:>10} {:>10}", "lane", "gpus", "compute",
+                                   "recompute", "optimizer");
   for (const auto& g : groups) header += fmt::format(" {:>10}", "exp." + g);
   header += fmt::format(" {:>10} {:>11}", "bubble", "peak mem");
   std::printf("breakdown per lane (devices in lockstep; every GPU listed has these figures):\n");
@@ -192,11 +192,13 @@ int run_simulate(const SimulateArgs& a) {
   if (!a.json.empty() && !write_file(a.json, report_json(*prog, *result), &error)) {
     return fail(error);
   }
-  if (!a.trace.empty() && !write_file(a.trace, chrome_trace_json(*prog, *result, a.trace_per_gpu), &error)) {
+  if (!a.trace.empty() &&
+      !write_file(a.trace, chrome_trace_json(*prog, *result, a.trace_per_gpu), &error)) {
     return fail(error);
   }
   if (!a.hdf5.empty()) {
-    if (Status s = write_hdf5_timeline(a.hdf5, *prog, *result); !s) return fail(s.error().message());
+    if (Status s = write_hdf5_timeline(a.hdf5, *prog, *result); !s)
+      return fail(s.error().message());
   }
   if (!fits) return fail(fits.error().message());
   return 0;
@@ -225,9 +227,11 @@ int run_plan(PlanArgs& a) {
   if (!sched) return fail("--schedule: " + sched.error().message());
   a.o.schedule = *sched;
   if (!a.precision.empty()) {
-    static const std::pair<const char*, Precision> kNames[] = {
-        {"fp32", Precision::kFp32}, {"tf32", Precision::kTf32}, {"bf16", Precision::kBf16},
-        {"fp16", Precision::kFp16}, {"fp8", Precision::kFp8}};
+    static const std::pair<const char*, Precision> kNames[] = {{"fp32", Precision::kFp32},
+                                                               {"tf32", Precision::kTf32},
+                                                               {"bf16", Precision::kBf16},
+                                                               {"fp16", Precision::kFp16},
+                                                               {"fp8", Precision::kFp8}};
     bool found = false;
     for (const auto& [n, p] : kNames) {
       if (a.precision == n) {
@@ -284,8 +288,9 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--zero", plan.o.zero, "optimizer sharding stage 0-3");
   plan_cmd->add_option("--schedule", plan.schedule, "gpipe, 1f1b or interleaved");
   plan_cmd->add_option("--precision", plan.precision, "fp32, tf32, bf16, fp16 or fp8");
-  plan_cmd->add_option("--stage-layers", plan.o.stage_layers,
-                       "layers per segment (pp x vpp numbers), default as even as possible")
+  plan_cmd
+      ->add_option("--stage-layers", plan.o.stage_layers,
+                   "layers per segment (pp x vpp numbers), default as even as possible")
       ->delimiter(',');
   plan_cmd->add_option("-o,--output", plan.output, "where to write plan.json")->required();
 

@@ -56,7 +56,7 @@ TEST(GpuCatalog, FiguresAndFallbacks) {
   EXPECT_DOUBLE_EQ(a100.peak_flops(Precision::kBf16), 312e12);
   EXPECT_DOUBLE_EQ(a100.peak_flops(Precision::kTf32), 156e12);
   EXPECT_DOUBLE_EQ(a100.peak_flops(Precision::kFp32), 19.5e12);
-  EXPECT_DOUBLE_EQ(a100.peak_flops(Precision::kFp8), 312e12);  // no fp8: runs as bf16
+  EXPECT_DOUBLE_EQ(a100.peak_flops(Precision::kFp8), 312e12);   // no fp8: runs as bf16
   EXPECT_DOUBLE_EQ(a100.hbm_bytes, 80.0 * 1024 * 1024 * 1024);  // 81920 MiB
   EXPECT_DOUBLE_EQ(a100.hbm_bandwidth, 2039e9);
   EXPECT_DOUBLE_EQ(a100.nvlink_bandwidth, 300e9);

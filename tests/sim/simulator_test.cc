@@ -147,8 +147,8 @@ TEST(Simulator, TwoFlowsSharingALinkGetHalfEach) {
   const Topology t = load("dgx-a100x4");
   const double S = 1e9;
   const double B = t.intra.bandwidth;
-  CommRequest a{CommRequest::Kind::kTransfer, CollectiveKind::kAllReduce, Algorithm::kRing,
-                {0, 1}, S};
+  CommRequest a{
+      CommRequest::Kind::kTransfer, CollectiveKind::kAllReduce, Algorithm::kRing, {0, 1}, S};
   CommRequest b = a;
   b.gpus = {2, 1};  // into the same GPU: both cross its NVSwitch port
   Expected<std::vector<double>> shared = simulate_communication(t, {a, b});
@@ -164,8 +164,8 @@ TEST(Simulator, TwoFlowsSharingALinkGetHalfEach) {
 }
 
 TEST(Simulator, RejectsRequestsForMissingGpus) {
-  CommRequest a{CommRequest::Kind::kTransfer, CollectiveKind::kAllReduce, Algorithm::kRing,
-                {0, 99}, 1e6};
+  CommRequest a{
+      CommRequest::Kind::kTransfer, CollectiveKind::kAllReduce, Algorithm::kRing, {0, 99}, 1e6};
   Expected<std::vector<double>> r = simulate_communication(load("dgx-a100x4"), {a});
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.error().message().find("GPU 99 does not exist"), std::string::npos);
