@@ -81,9 +81,10 @@ class InputNode {
   int line() const;
 
  private:
-  InputNode(YAML::Node node, std::shared_ptr<const std::string> file, std::string path,
+  // YAML::Node has reference semantics: copying it is cheap and shares the document.
+  InputNode(const YAML::Node& node, std::shared_ptr<const std::string> file, std::string path,
             YAML::Mark mark)
-      : node_(std::move(node)), file_(std::move(file)), path_(std::move(path)), mark_(mark) {}
+      : node_(node), file_(std::move(file)), path_(std::move(path)), mark_(mark) {}
   InputNode child(const YAML::Node& n, std::string path) const;
   std::string location() const;
 

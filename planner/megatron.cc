@@ -89,9 +89,10 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "batch that is a multiple of {}",
         o.global_batch, dp, o.micro_batch, dp * o.micro_batch, dp * o.micro_batch));
   }
-  if (model.seq_len % (o.cp * (o.sequence_parallel ? o.tp : 1)) != 0) {
+  const int64_t seq_split = static_cast<int64_t>(o.cp) * (o.sequence_parallel ? o.tp : 1);
+  if (model.seq_len % seq_split != 0) {
     return Error(fmt::format("the sequence length {} is not divisible by the sequence split ({})",
-                             model.seq_len, o.cp * (o.sequence_parallel ? o.tp : 1)));
+                             model.seq_len, seq_split));
   }
   if (o.vpp > 1 && o.schedule != ScheduleKind::kInterleaved) {
     return Error("--vpp > 1 needs --schedule interleaved");

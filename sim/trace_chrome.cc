@@ -58,7 +58,7 @@ std::string chrome_trace_json(const Program& program, const SimResult& r, bool p
     std::string label = t.label >= 0 ? r.labels[t.label] : std::string(to_string(t.kind));
     std::string block;
     if (t.block >= 0) block = to_string(program.lanes[t.lane].blocks[t.block].block);
-    std::string name = block.empty() ? label : block + " " + label;
+    std::string name = block.empty() ? label : block.append(" ").append(label);
     for (int pid : pids[t.lane]) {
       emit(fmt::format(
           R"({{"name":"{}","cat":"{}","ph":"X","pid":{},"tid":{},"ts":{:.3f},"dur":{:.3f},"args":{{"bytes":{},"flops":{},"memory_bytes":{}}}}})",

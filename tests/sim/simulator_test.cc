@@ -236,7 +236,9 @@ TEST(Simulator, FoldingExclusiveCollectivesChangesNothing) {
       EXPECT_NEAR(a.lanes[l].breakdown.exposed_comm["tp"], b.lanes[l].breakdown.exposed_comm["tp"],
                   1e-9 * b.iteration_time);
     }
-    if (tp == 8) EXPECT_LT(a.activities, b.activities / 2);
+    if (tp == 8) {
+      EXPECT_LT(a.activities, b.activities / 2);
+    }
   }
 }
 
