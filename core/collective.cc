@@ -92,21 +92,74 @@ CollectiveFlows tree(const std::vector<int>& gpus, double bytes, const Network& 
 
 }  // namespace
 
+namespace {
+
+// Divides every flow by NCCL's efficiency for this buffer size on the links it crosses (NVLink
+// inside one node, the network otherwise) and sets the per-step time.
+CollectiveFlows apply_protocol(CollectiveFlows c, double bytes, bool all_reduce,
+                               const Network& net, const CommModel& comm) {
+  bool crosses_nodes = false;
+  for (const Flow& f : c.flows) crosses_nodes = crosses_nodes || !net.same_node(f.src, f.dst);
+  const bool nvlink = !crosses_nodes && net.topology().intra.kind != IntraNodeKind::kPcie;
+  const LinkClassModel& cls = nvlink ? comm.nvlink : comm.network;
+  const double e = cls.efficiency(bytes, all_reduce);
+  for (Flow& f : c.flows) f.bytes /= e;
+  c.step_latency = cls.step_latency;
+  return c;
+}
+
+CollectiveFlows decompose_bare(CollectiveKind kind, const std::vector<int>& gpus, double bytes,
+                               Algorithm algorithm, const Network& net);
+
+}  // namespace
+
+double step_seconds(const CollectiveFlows& c, double route_latency) {
+  return std::max(route_latency, c.step_latency);
+}
+
 CollectiveFlows decompose_collective(CollectiveKind kind, const std::vector<int>& gpus,
-                                     double bytes, Algorithm algorithm, const Network& net) {
+                                     double bytes, Algorithm algorithm, const Network& net,
+                                     const CommModel& comm) {
+  if (gpus.size() <= 1 || bytes <= 0) return CollectiveFlows{"none", {}, 0, 0};
+  if (kind == CollectiveKind::kAllReduce && algorithm == Algorithm::kAuto) {
+    // NCCL's tuner: the algorithm that is faster alone.
+    CollectiveFlows r =
+        apply_protocol(decompose_bare(kind, gpus, bytes, Algorithm::kRing, net), bytes,
+                       true, net, comm);
+    if (by_node(gpus, net).size() == 1) return r;
+    CollectiveFlows t =
+        apply_protocol(decompose_bare(kind, gpus, bytes, Algorithm::kTree, net), bytes,
+                       true, net, comm);
+    LinkLoadScratch s;
+    return isolated_seconds(t, net, s) < isolated_seconds(r, net, s) ? t : r;
+  }
+  return apply_protocol(decompose_bare(kind, gpus, bytes, algorithm, net), bytes,
+                        kind == CollectiveKind::kAllReduce, net, comm);
+}
+
+CollectiveFlows decompose_transfer(const std::vector<int>& src_gpus,
+                                   const std::vector<int>& dst_gpus, double bytes,
+                                   const Network& net, const CommModel& comm) {
+  CollectiveFlows c;
+  c.algorithm = "p2p";
+  c.steps = 1;
+  for (size_t i = 0; i < src_gpus.size() && i < dst_gpus.size(); ++i) {
+    c.flows.push_back({src_gpus[i], dst_gpus[i], bytes});
+  }
+  return apply_protocol(std::move(c), bytes, false, net, comm);
+}
+
+namespace {
+
+CollectiveFlows decompose_bare(CollectiveKind kind, const std::vector<int>& gpus, double bytes,
+                               Algorithm algorithm, const Network& net) {
   const int n = static_cast<int>(gpus.size());
   if (n <= 1 || bytes <= 0) return CollectiveFlows{"none", {}, 0};
   const double frac = static_cast<double>(n - 1) / n;
   switch (kind) {
-    case CollectiveKind::kAllReduce: {
-      if (algorithm == Algorithm::kRing) return ring(gpus, 2 * frac * bytes, 2 * (n - 1), net);
+    case CollectiveKind::kAllReduce:
       if (algorithm == Algorithm::kTree) return tree(gpus, bytes, net);
-      CollectiveFlows r = ring(gpus, 2 * frac * bytes, 2 * (n - 1), net);
-      if (net.same_node(gpus.front(), gpus.back()) && by_node(gpus, net).size() == 1) return r;
-      CollectiveFlows t = tree(gpus, bytes, net);
-      LinkLoadScratch s;
-      return isolated_seconds(t, net, s) < isolated_seconds(r, net, s) ? t : r;
-    }
+      return ring(gpus, 2 * frac * bytes, 2 * (n - 1), net);
     case CollectiveKind::kAllGather:
     case CollectiveKind::kReduceScatter:
       return ring(gpus, frac * bytes, n - 1, net);
@@ -124,6 +177,8 @@ CollectiveFlows decompose_collective(CollectiveKind kind, const std::vector<int>
   }
   return {};
 }
+
+}  // namespace
 
 double max_route_latency(const CollectiveFlows& c, const Network& net, LinkLoadScratch& s) {
   double lat = 0;
@@ -152,7 +207,7 @@ double isolated_seconds(const CollectiveFlows& c, const Network& net, LinkLoadSc
     s.load[l] = 0;
   }
   s.touched.clear();
-  return worst + c.steps * lat;
+  return worst + c.steps * step_seconds(c, lat);
 }
 
 }  // namespace nnsim

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "core/comm_model.h"
 #include "core/layout.h"
 #include "core/network.h"
 
@@ -33,15 +34,25 @@ struct Flow {
 
 struct CollectiveFlows {
   std::string algorithm;  // "ring", "tree", "all-to-all", "p2p"
-  std::vector<Flow> flows;
+  std::vector<Flow> flows;  // bytes already divided by NCCL's efficiency at this size
   int steps = 1;  // sequential latency steps (2(n-1) for a ring all-reduce)
+  double step_latency = 0;  // least time per step (CommModel), wire latency included
 };
 
 // Decomposes a collective over `gpus` (group order) moving `bytes` (nccl-tests convention, see
 // core/layout.h). kAuto picks the algorithm with the smaller isolated time, as NCCL's tuner
 // does. One member gives no flows.
+// NCCL's protocol efficiency and per-step time come from `comm` (CommModel::ideal() for the
+// bare network).
 CollectiveFlows decompose_collective(CollectiveKind kind, const std::vector<int>& gpus,
-                                     double bytes, Algorithm algorithm, const Network& net);
+                                     double bytes, Algorithm algorithm, const Network& net,
+                                     const CommModel& comm);
+// Point-to-point transfers src_gpus[i] -> dst_gpus[i] of `bytes` each, at once.
+CollectiveFlows decompose_transfer(const std::vector<int>& src_gpus,
+                                   const std::vector<int>& dst_gpus, double bytes,
+                                   const Network& net, const CommModel& comm);
+// Time per latency step: the larger of the route latency and the model's step latency.
+double step_seconds(const CollectiveFlows& c, double route_latency);
 
 // Seconds the flows take alone on the network (see above). Scratch vectors are reused between
 // calls through `scratch` to avoid allocation on hot paths.

@@ -1,46 +1,132 @@
 #include "core/cost_model.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace nnsim {
 
-ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu) {
+std::string_view to_string(AttentionLibrary a) {
+  return a == AttentionLibrary::kFused3 ? "fused3" : "flash2";
+}
+
+namespace {
+
+bool is_a100(const GpuSpec& g) { return g.name.rfind("a100", 0) == 0; }
+bool is_hopper(const GpuSpec& g) {
+  return g.name.rfind("h100", 0) == 0 || g.name.rfind("h200", 0) == 0;
+}
+
+}  // namespace
+
+ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu, AttentionLibrary attention) {
   ComputeModel m;
-  // Maximum achievable matmul FLOP/s over peak, measured by mamf-finder (calibration refs.yaml,
-  // gemm_measured/mamf-bf16): A100 SXM 271.2/312, H100 SXM 794.5/989 (H200 the same).
-  if (gpu.name.rfind("a100", 0) == 0) {
-    m.matmul_efficiency = 271.2 / 312.0;
-  } else if (gpu.name.rfind("h100", 0) == 0 || gpu.name.rfind("h200", 0) == 0) {
-    m.matmul_efficiency = 794.5 / 989.0;
+  m.sms = gpu.sms > 0 ? gpu.sms : 108;
+  m.attention = attention;
+  // Maximum achievable matmul FLOP/s over the datasheet peak, measured by mamf-finder
+  // (shared/calibration/refs.yaml, gemm_measured): A100 SXM bf16 271.2/312; H100 SXM bf16
+  // 794.5/989 (H200 the same); fp8 H100 1402.6/1979, H200 1453.4/1979. fp16 runs as bf16.
+  if (is_a100(gpu)) {
+    m.gemm_efficiency = {{Precision::kBf16, 271.2 / 312}, {Precision::kFp16, 271.2 / 312},
+                         {Precision::kTf32, 271.2 / 312}, {Precision::kFp32, 0.9}};
+  } else if (is_hopper(gpu)) {
+    const bool h200 = gpu.name.rfind("h200", 0) == 0;
+    m.gemm_efficiency = {{Precision::kBf16, 794.5 / 989},
+                         {Precision::kFp16, 794.5 / 989},
+                         {Precision::kTf32, 794.5 / 989},
+                         {Precision::kFp32, 0.9},
+                         {Precision::kFp8, (h200 ? 1453.4 : 1402.6) / 1979}};
+  }
+  // Attention kernels on long sequences, 128-wide heads, causal, executed FLOPs
+  // (docs/cost-model.md): FlashAttention-2 reaches about 60 % (forward) and 45 % (backward) of
+  // the A100's peak but only about 35 % / 28 % of the H100's; the Hopper fused kernels
+  // (FlashAttention-3, cuDNN) about 60 % / 45 % of the H100's.
+  if (attention == AttentionLibrary::kFused3 && is_hopper(gpu)) {
+    m.attention_fwd_efficiency = 0.60;
+    m.attention_bwd_efficiency = 0.45;
+  } else if (is_hopper(gpu)) {
+    m.attention_fwd_efficiency = 0.35;
+    m.attention_bwd_efficiency = 0.28;
+  } else {
+    m.attention_fwd_efficiency = 0.60;
+    m.attention_bwd_efficiency = 0.45;
   }
   return m;
 }
 
-double op_seconds(const Op& op, Pass pass, double flops, double bytes, Precision precision,
-                  const GpuSpec& gpu, const ComputeModel& model) {
-  if (flops <= 0 && bytes <= 0) return 0;
+ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu) {
+  return defaults_for(gpu, AttentionLibrary::kFlash2);
+}
+
+double gemm_seconds(double m, double n, double k, Precision precision, const GpuSpec& gpu,
+                    const ComputeModel& model) {
+  if (m <= 0 || n <= 0 || k <= 0) return 0;
   double peak = gpu.peak_flops(precision);
-  double efficiency = model.matmul_efficiency;
-  double executed = flops;
-  if (op.kind == OpKind::kAttention) {
-    efficiency =
-        pass == Pass::kForward ? model.attention_fwd_efficiency : model.attention_bwd_efficiency;
-    // Attention runs in 16-bit even in fp8 training.
-    peak = gpu.peak_flops(precision == Precision::kFp8 ? Precision::kBf16 : precision);
-    if (op.causal) executed *= model.causal_fraction;
+  auto it = model.gemm_efficiency.find(precision);
+  double best = it != model.gemm_efficiency.end() ? it->second : 0.8;
+  if (it == model.gemm_efficiency.end() && precision == Precision::kFp8) {
+    // A GPU without fp8 tensor cores runs fp8 GEMMs as bf16.
+    auto bf16 = model.gemm_efficiency.find(Precision::kBf16);
+    if (bf16 != model.gemm_efficiency.end()) best = bf16->second;
   }
-  double compute = peak > 0 && executed > 0 ? executed / (peak * efficiency) : 0;
-  double memory = bytes > 0 ? bytes / (gpu.hbm_bandwidth * model.memory_efficiency) : 0;
+  // The library picks the tile that best fills the GPU: the useful fraction of the last,
+  // partial tiles (tile quantization) times the fraction of the last wave of tiles that has
+  // work (wave quantization), times the tile's own efficiency.
+  double fill = 0;
+  for (const GemmTile& t : model.tiles) {
+    const double tiles_m = std::ceil(m / t.m), tiles_n = std::ceil(n / t.n);
+    const double tile_use = (m * n) / (tiles_m * t.m * tiles_n * t.n);
+    const double tiles = tiles_m * tiles_n;
+    const double waves = std::ceil(tiles / model.sms);
+    const double wave_use = tiles / (waves * model.sms);
+    fill = std::max(fill, tile_use * wave_use * t.relative);
+  }
+  const double k_use = k / (k + model.gemm_k_half);
+  return 2 * m * n * k / (peak * best * fill * k_use);
+}
+
+double op_seconds(const Op& op, Pass pass, double flops, double bytes, const PieceShape& shape,
+                  Precision precision, const GpuSpec& gpu, const ComputeModel& model) {
+  if (flops <= 0 && bytes <= 0) return 0;
+  double compute = 0;
+  if (op.kind == OpKind::kLinear && flops > 0) {
+    // The backward pass is two GEMMs: input gradient (m x k x n) and weight gradient
+    // (k x n x m).
+    switch (pass) {
+      case Pass::kForward:
+        compute = gemm_seconds(shape.m, shape.n, shape.k, precision, gpu, model);
+        break;
+      case Pass::kBackwardInput:
+        compute = gemm_seconds(shape.m, shape.k, shape.n, precision, gpu, model);
+        break;
+      case Pass::kBackwardWeight:
+        compute = gemm_seconds(shape.k, shape.n, shape.m, precision, gpu, model);
+        break;
+    }
+  } else if (op.kind == OpKind::kAttention && flops > 0) {
+    // Attention runs in 16-bit even in fp8 training.
+    const Precision p = precision == Precision::kFp8 ? Precision::kBf16 : precision;
+    double efficiency =
+        pass == Pass::kForward ? model.attention_fwd_efficiency : model.attention_bwd_efficiency;
+    efficiency *= shape.seq / (shape.seq + model.attention_seq_half);
+    efficiency *= std::pow(std::min(1.0, shape.head_dim / 128), model.attention_head_dim_exponent);
+    const double executed = op.causal ? flops * model.causal_fraction : flops;
+    compute = executed / (gpu.peak_flops(p) * efficiency);
+  } else if (flops > 0) {
+    auto it = model.gemm_efficiency.find(precision);
+    compute = flops / (gpu.peak_flops(precision) *
+                       (it != model.gemm_efficiency.end() ? it->second : 0.8));
+  }
+  const double memory = bytes > 0 ? bytes / (gpu.hbm_bandwidth * model.memory_efficiency) : 0;
   return std::max(compute, memory) + model.kernel_overhead;
 }
 
-double optimizer_seconds(double params, double grad_bytes, double state_bytes, const GpuSpec& gpu,
-                         const ComputeModel& model) {
+double optimizer_seconds(double params, double grad_bytes, double state_bytes,
+                         const GpuSpec& gpu, const ComputeModel& model) {
   if (params <= 0) return 0;
-  // Read and write the state (master weights, two moments), read the gradient, write the 16-bit
-  // weight copy.
-  double bytes = params * (2 * state_bytes + grad_bytes + 2);
-  return bytes / (gpu.hbm_bandwidth * model.memory_efficiency) + model.kernel_overhead;
+  // Gradient norm (read the gradients), then Adam: read and write the state (master weights,
+  // two moments), read the gradient, write the 16-bit weight copy.
+  double bytes = params * (2 * state_bytes + 2 * grad_bytes + 2);
+  return bytes / (gpu.hbm_bandwidth * model.memory_efficiency) + 2 * model.kernel_overhead;
 }
 
 }  // namespace nnsim

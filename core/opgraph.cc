@@ -150,6 +150,7 @@ Op linear_op(const std::string& name, int self, TensorRef input, Dim in_dim, dou
   if (bias) op.weights.push_back(tensor(TensorRef{self, 2}, out_size, {out_dim}, x.p));
   op.saved = {tensor(input, tokens * in_size, {Dim::kBatch, Dim::kSeq, in_dim}, x.p)};
   op.fwd_flops = 2 * tokens * in_size * out_size;
+  op.gemm = GemmShape{tokens, out_size, in_size, out_dim, in_dim};
   op.bwd_input_flops = op.fwd_flops;
   op.bwd_weight_flops = op.fwd_flops;
   op.fwd_bytes = (tokens * (in_size + out_size) + in_size * out_size) * x.p;
@@ -209,6 +210,8 @@ Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
   // Q.K^T and softmax(.).V: 2 * (2 * b * s * s * a * dh), counted in full (Megatron).
   op.fwd_flops = 4 * x.b * x.s * x.s * x.a * x.dh;
   op.bwd_input_flops = 2 * op.fwd_flops;
+  op.head_dim = x.dh;
+  op.seq = x.s;
   // Context parallelism splits the query sequence: each device passes its K and V chunk around a
   // ring (ways - 1 steps), overlapped with attention on the chunk it holds; the backward pass
   // passes K, V and their gradients.

@@ -94,6 +94,15 @@ struct InternalComm {
   bool overlaps_compute = false;
 };
 
+// The matrix multiply of a linear operator, y[m, n] = x[m, k] . w[k, n], unpartitioned: m spans
+// the token dimensions (batch, sequence), n and k one dimension each. A device's piece divides
+// each by the split factors of its dimensions.
+struct GemmShape {
+  double m = 0, n = 0, k = 0;
+  Dim n_dim = Dim::kHidden;
+  Dim k_dim = Dim::kHidden;
+};
+
 struct Op {
   std::string name;  // e.g. "attn.qkv"; matched by plan partition and recompute rules
   OpKind kind = OpKind::kLinear;
@@ -112,6 +121,9 @@ struct Op {
   double transient_bytes = 0;      // temporaries freed when the operator ends (fwd or bwd)
   bool causal = false;             // attention with a causal mask
   bool tied_to_embedding = false;  // the head projection sharing the word embedding matrix
+  GemmShape gemm;                  // kLinear only
+  double head_dim = 0;             // kAttention: per-head width
+  double seq = 0;                  // kAttention: sequence length (queries = keys)
   std::vector<InternalComm> internal_comm;
   // Indivisible units along each dimension: a split factor must divide it (heads split by KV
   // group, so it is kv_heads for kHeads).

@@ -259,13 +259,18 @@ Plan parse_plan_node(const InputNode& root) {
   plan.model = parse_model_node(root["model"]);
 
   auto training = root["training"];
-  training.check_keys({"global_batch", "micro_batch", "precision"});
+  training.check_keys({"global_batch", "micro_batch", "precision", "framework"});
   plan.global_batch = static_cast<int>(training["global_batch"].as_int());
   plan.micro_batch = static_cast<int>(training["micro_batch"].as_int());
   if (plan.global_batch < 1) training["global_batch"].fail("must be at least 1");
   if (plan.micro_batch < 1) training["micro_batch"].fail("must be at least 1");
   plan.precision =
       training.has("precision") ? parse_precision(training["precision"]) : plan.model.precision;
+  plan.framework = training.get_string("framework", "megatron");
+  if (plan.framework != "megatron" && plan.framework != "fsdp" && plan.framework != "deepspeed" &&
+      plan.framework != "other") {
+    training["framework"].fail_unknown(plan.framework, {"megatron", "fsdp", "deepspeed", "other"});
+  }
 
   plan.mesh = parse_mesh(root["mesh"]);
   plan.placement = parse_placement(root["placement"], plan.mesh);
@@ -318,7 +323,7 @@ Plan parse_plan_node(const InputNode& root) {
   }
 
   if (auto opt = root.get("optimizer")) {
-    opt->check_keys({"kind", "zero", "grad_bytes", "state_bytes"});
+    opt->check_keys({"kind", "zero", "grad_bytes", "state_bytes", "weight_shard_bytes"});
     plan.optimizer.kind = opt->get_string("kind", "adam");
     if (plan.optimizer.kind != "adam") (*opt)["kind"].fail_unknown(plan.optimizer.kind, {"adam"});
     plan.optimizer.zero = static_cast<int>(opt->get_int("zero", 0));
@@ -327,17 +332,20 @@ Plan parse_plan_node(const InputNode& root) {
     }
     plan.optimizer.grad_bytes = opt->get_double("grad_bytes", plan.optimizer.grad_bytes);
     plan.optimizer.state_bytes = opt->get_double("state_bytes", plan.optimizer.state_bytes);
+    plan.optimizer.weight_shard_bytes =
+        opt->get_double("weight_shard_bytes", plan.optimizer.weight_shard_bytes);
   }
 
   if (auto c = root.get("communication")) {
     c->check_keys({"dp_bucket_bytes", "overlap_grad_reduce", "overlap_param_gather",
-                   "pp_scatter_gather", "algorithm"});
+                   "pp_scatter_gather", "algorithm", "grad_reduce_bytes"});
     plan.comm.dp_bucket_bytes =
         c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
     plan.comm.overlap_grad_reduce = c->get_bool("overlap_grad_reduce", true);
     plan.comm.overlap_param_gather = c->get_bool("overlap_param_gather", true);
     plan.comm.pp_scatter_gather = c->get_bool("pp_scatter_gather", true);
     plan.comm.algorithm = c->get_string("algorithm", "auto");
+    plan.comm.grad_reduce_bytes = c->get_double("grad_reduce_bytes", 0);
     if (plan.comm.algorithm != "auto" && plan.comm.algorithm != "ring" &&
         plan.comm.algorithm != "tree") {
       (*c)["algorithm"].fail_unknown(plan.comm.algorithm, {"auto", "ring", "tree"});
@@ -398,7 +406,8 @@ std::string plan_to_json(const Plan& plan) {
   j["model"] = json::parse(model_to_json(plan.model));
   j["training"] = {{"global_batch", plan.global_batch},
                    {"micro_batch", plan.micro_batch},
-                   {"precision", std::string(to_string(plan.precision))}};
+                   {"precision", std::string(to_string(plan.precision))},
+                   {"framework", plan.framework}};
   json mesh = json::array();
   for (const auto& a : plan.mesh.axes) mesh.push_back(json::array({a.name, a.size}));
   j["mesh"] = mesh;
@@ -437,12 +446,14 @@ std::string plan_to_json(const Plan& plan) {
   j["optimizer"] = {{"kind", plan.optimizer.kind},
                     {"zero", plan.optimizer.zero},
                     {"grad_bytes", plan.optimizer.grad_bytes},
-                    {"state_bytes", plan.optimizer.state_bytes}};
+                    {"state_bytes", plan.optimizer.state_bytes},
+                    {"weight_shard_bytes", plan.optimizer.weight_shard_bytes}};
   j["communication"] = {{"dp_bucket_bytes", plan.comm.dp_bucket_bytes},
                         {"overlap_grad_reduce", plan.comm.overlap_grad_reduce},
                         {"overlap_param_gather", plan.comm.overlap_param_gather},
                         {"pp_scatter_gather", plan.comm.pp_scatter_gather},
-                        {"algorithm", plan.comm.algorithm}};
+                        {"algorithm", plan.comm.algorithm},
+                        {"grad_reduce_bytes", plan.comm.grad_reduce_bytes}};
   json orders = json::array();
   for (const auto& o : plan.schedule) {
     std::string blocks;

@@ -130,6 +130,9 @@ struct OptimizerSpec {
   // the optimizer state (fp32 master copy + two Adam moments = 12).
   double grad_bytes = 2;
   double state_bytes = 12;
+  // ZeRO-3: bytes per parameter of the stored weight shard (2: a 16-bit shard, DeepSpeed;
+  // 4: an fp32 shard that is also the master copy, PyTorch FSDP, whose state_bytes is then 8).
+  double weight_shard_bytes = 2;
 };
 
 struct CommSettings {
@@ -143,6 +146,9 @@ struct CommSettings {
   // Pipeline: send 1/t of a tensor replicated over `t` ranks and all-gather it on arrival.
   bool pp_scatter_gather = true;
   std::string algorithm = "auto";  // collective algorithm: auto, ring or tree
+  // Bytes per element of gradient reduce-scatters / all-reduces (0: the gradient buffer's,
+  // grad_bytes; frameworks may reduce in another precision than they accumulate).
+  double grad_reduce_bytes = 0;
 };
 
 struct Plan {
@@ -152,6 +158,9 @@ struct Plan {
   int global_batch = 0;  // sequences per optimizer step, whole job
   int micro_batch = 1;   // sequences per micro-batch per replica
   Precision precision = Precision::kBf16;
+  // The training framework whose kernels and conventions the plan runs with: megatron, fsdp,
+  // deepspeed or other (it picks kernel efficiencies; docs/cost-model.md).
+  std::string framework = "megatron";
   Mesh mesh;
   Placement placement;
   std::vector<Segment> segments;

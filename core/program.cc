@@ -173,20 +173,37 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
     info.fwd_flops.push_back(op.fwd_flops / f);
     info.bwd_input_flops.push_back(op.bwd_input_flops / f);
     info.bwd_weight_flops.push_back(op.bwd_weight_flops / f);
-    const double fb = op.fwd_bytes / f;
-    const double bb = op.bwd_bytes / f;
+    double fb = op.fwd_bytes / f;
+    double bb = op.bwd_bytes / f;
+    PieceShape shape;
+    if (op.kind == OpKind::kLinear) {
+      shape.m = op.gemm.m / p.factor(DimSet{Dim::kBatch, Dim::kSeq}, mesh);
+      shape.n = op.gemm.n / p.factor(op.gemm.n_dim, mesh);
+      shape.k = op.gemm.k / p.factor(op.gemm.k_dim, mesh);
+      if (plan.precision == Precision::kFp8) {
+        // Transformer Engine casts the GEMM inputs to fp8 (read 16-bit, write 8-bit): the
+        // activation in the forward, the output gradient twice (and the activation's transpose)
+        // in the backward.
+        fb += 3 * shape.m * shape.k;
+        bb += 3 * (2 * shape.m * shape.n + shape.m * shape.k);
+      }
+    } else if (op.kind == OpKind::kAttention) {
+      shape.seq = op.seq;
+      shape.head_dim = op.head_dim;
+    }
     const ComputeModel& cm = prog.compute_model;
-    info.fwd_seconds.push_back(
-        op_seconds(op, Pass::kForward, info.fwd_flops.back(), fb, plan.precision, gpu, cm));
+    info.fwd_seconds.push_back(op_seconds(op, Pass::kForward, info.fwd_flops.back(), fb, shape,
+                                          plan.precision, gpu, cm));
     // Weight-gradient kernels move about half of the backward traffic of a matmul.
     const bool has_weight_grad = op.bwd_weight_flops > 0;
-    info.bwd_input_seconds.push_back(
-        op_seconds(op, Pass::kBackwardInput, info.bwd_input_flops.back(),
-                   has_weight_grad ? bb / 2 : bb, plan.precision, gpu, cm));
-    info.bwd_weight_seconds.push_back(has_weight_grad ? op_seconds(op, Pass::kBackwardWeight,
-                                                                   info.bwd_weight_flops.back(),
-                                                                   bb / 2, plan.precision, gpu, cm)
-                                                      : 0.0);
+    info.bwd_input_seconds.push_back(op_seconds(op, Pass::kBackwardInput,
+                                                info.bwd_input_flops.back(),
+                                                has_weight_grad ? bb / 2 : bb, shape,
+                                                plan.precision, gpu, cm));
+    info.bwd_weight_seconds.push_back(
+        has_weight_grad ? op_seconds(op, Pass::kBackwardWeight, info.bwd_weight_flops.back(),
+                                     bb / 2, shape, plan.precision, gpu, cm)
+                        : 0.0);
     double params = 0;
     uint32_t sync = 0;
     for (const auto& w : op.weights) {
@@ -616,7 +633,8 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   auto layer_params = std::accumulate(layer.local_params.begin(), layer.local_params.end(), 0.0);
   auto embed_params = std::accumulate(embed.local_params.begin(), embed.local_params.end(), 0.0);
   auto head_params = std::accumulate(head.local_params.begin(), head.local_params.end(), 0.0);
-  const double grad_bytes = plan.optimizer.grad_bytes;
+  const double grad_bytes =
+      plan.comm.grad_reduce_bytes > 0 ? plan.comm.grad_reduce_bytes : plan.optimizer.grad_bytes;
   std::vector<ParamUnit> units;  // forward order
   if (s.embedding) units.push_back({seg * 10000 + 9999, embed_params});
   for (int l = s.first_layer; l < s.end_layer; ++l)
@@ -953,7 +971,7 @@ void Compiler::build_memory(Lane& lane, const std::vector<int>& segments) {
     // Sharded weights plus the gathered copies of the layer in use and the one prefetched.
     const double layer_params =
         std::accumulate(layer.local_params.begin(), layer.local_params.end(), 0.0);
-    m.weights = params * weight_bytes / dp + 2 * layer_params * weight_bytes;
+    m.weights = params * plan.optimizer.weight_shard_bytes / dp + 2 * layer_params * weight_bytes;
     m.gradients += layer_params * plan.optimizer.grad_bytes;
   }
   // One communicator per parallel group the device is in, plus the pipeline neighbours.
@@ -973,8 +991,17 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   Program prog;
   prog.plan = plan;
   prog.topology = topology;
-  prog.compute_model = options.use_default_compute_model ? ComputeModel::defaults_for(topology.gpu)
-                                                         : options.compute_model;
+  // The framework's attention kernels: Megatron-Core / NeMo run Transformer Engine's cuDNN
+  // fused attention on Hopper; elsewhere FlashAttention-2 (docs/cost-model.md).
+  const AttentionLibrary attention =
+      plan.framework == "megatron" && topology.gpu.name.rfind("a100", 0) != 0
+          ? AttentionLibrary::kFused3
+          : AttentionLibrary::kFlash2;
+  prog.compute_model = options.use_default_compute_model
+                           ? ComputeModel::defaults_for(topology.gpu, attention)
+                           : options.compute_model;
+  prog.comm_model = options.use_default_comm_model ? CommModel::defaults_for(topology.gpu)
+                                                   : options.comm_model;
   prog.algorithm = plan.comm.algorithm == "ring"   ? Algorithm::kRing
                    : plan.comm.algorithm == "tree" ? Algorithm::kTree
                                                    : Algorithm::kAuto;
@@ -1064,7 +1091,8 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
       }
     }
     // Epilogue.
-    const double grad_bytes = plan.optimizer.grad_bytes;
+    const double grad_bytes =
+        plan.comm.grad_reduce_bytes > 0 ? plan.comm.grad_reduce_bytes : plan.optimizer.grad_bytes;
     if (!plan.comm.overlap_grad_reduce && zero < 3) {
       for (int s : segs) {
         Step l;
@@ -1111,8 +1139,8 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     Step opt;
     opt.kind = StepKind::kCompute;
     opt.compute_class = ComputeClass::kOptimizer;
-    opt.seconds = optimizer_seconds(local_params, grad_bytes, plan.optimizer.state_bytes,
-                                    topology.gpu, prog.compute_model);
+    opt.seconds = optimizer_seconds(local_params, plan.optimizer.grad_bytes,
+                                    plan.optimizer.state_bytes, topology.gpu, prog.compute_model);
     opt.label = c.label("optimizer step");
     lane.epilogue.push_back(opt);
     if ((zero == 1 || zero == 2) && !plan.comm.overlap_param_gather && prog.replicas > 1) {

@@ -92,6 +92,7 @@ struct Program {
   Topology topology;
   OpGraph graph;
   ComputeModel compute_model;
+  CommModel comm_model;
   Algorithm algorithm = Algorithm::kAuto;
   std::vector<int> gpu_of_rank;
   std::vector<BlockTemplate> templates;
@@ -119,6 +120,8 @@ struct Program {
 struct CompileOptions {
   ComputeModel compute_model;
   bool use_default_compute_model = true;  // ComputeModel::defaults_for(topology GPU)
+  CommModel comm_model;
+  bool use_default_comm_model = true;  // CommModel::defaults_for(topology GPU)
 };
 
 // Checks the plan against the model and topology and compiles it. Errors say what is wrong and

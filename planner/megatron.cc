@@ -116,9 +116,15 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
 
   Plan plan;
   plan.model = model;
+  // Megatron pads the vocabulary to a multiple of 128 x tp (--make-vocab-size-divisible-by 128)
+  // so that every tensor-parallel shard is equal and aligned; other frameworks pad only to what
+  // the split needs.
+  const int64_t pad = o.framework == "megatron" ? 128LL * o.tp : o.tp;
+  plan.model.vocab = (model.vocab + pad - 1) / pad * pad;
   plan.global_batch = o.global_batch;
   plan.micro_batch = o.micro_batch;
   plan.precision = o.precision.value_or(model.precision);
+  plan.framework = o.framework;
   plan.topology_gpus = gpus;
   plan.topology_name = topo.name;
   plan.schedule_name = std::string(to_string(o.schedule));
@@ -179,6 +185,23 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (plan.precision == Precision::kFp32 || plan.precision == Precision::kTf32) {
     plan.optimizer.grad_bytes = 4;
     plan.optimizer.state_bytes = 8;  // fp32 weights are the master copy: two moments only
+  }
+  // Other frameworks' precision conventions.
+  if (o.framework == "fsdp") {
+    // PyTorch FSDP with mixed precision: the sharded fp32 parameters are the master copy (the
+    // optimizer state adds the two moments), gradients are sharded in fp32 and reduced in fp32
+    // (MixedPrecision's default reduce_dtype in torchtitan and llm-foundry).
+    plan.optimizer.weight_shard_bytes = 4;
+    plan.optimizer.state_bytes = 8;
+    plan.optimizer.grad_bytes = 4;
+    plan.comm.grad_reduce_bytes = 4;
+  } else if (o.framework == "deepspeed" || o.framework == "other") {
+    // DeepSpeed ZeRO and plain mixed precision: 16-bit weights and gradients, fp32 master copy
+    // and moments (the 16 bytes per parameter of the ZeRO paper).
+    plan.optimizer.grad_bytes = plan.precision == Precision::kFp32 ? 4 : 2;
+  } else if (o.framework != "megatron") {
+    return Error(fmt::format("unknown framework '{}'{}", o.framework,
+                             suggest(o.framework, {"megatron", "fsdp", "deepspeed", "other"})));
   }
   // Megatron-Core's bucket: max(40M, 1M x dp) parameters.
   plan.comm.dp_bucket_bytes = std::max(40e6, 1e6 * dp) * plan.optimizer.grad_bytes;

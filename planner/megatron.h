@@ -39,6 +39,9 @@ struct MegatronOptions {
   bool overlap_grad_reduce = true;
   bool overlap_param_gather = true;
   std::string algorithm = "auto";
+  // Whose conventions for gradient and optimizer precision: megatron, fsdp (PyTorch FSDP),
+  // deepspeed, other (plain data parallelism). See docs/plan.md.
+  std::string framework = "megatron";
 };
 
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,

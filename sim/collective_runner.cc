@@ -1,6 +1,7 @@
 #include "sim/collective_runner.h"
 
 #include <algorithm>
+#include <limits>
 #include <unordered_map>
 
 #include <simgrid/s4u/Actor.hpp>
@@ -18,50 +19,122 @@ constexpr size_t kMaxFlowsPerTask = 256;
 
 double PreparedComm::alone_with_overlap(double overlap_seconds) const {
   if (tasks.empty()) return overlap_seconds;
-  return overlap_seconds > extra_latency ? std::max(overlap_seconds, alone_seconds) : alone_seconds;
+  return overlap_seconds > extra_latency ? std::max(overlap_seconds, alone_seconds)
+                                         : alone_seconds;
 }
 
-// Links, participants and the closed-form time of a prepared communication. A parallel task
-// alone takes its largest route latency plus its bottleneck link's bytes over bandwidth
-// (SimGrid's L07 model); tasks on disjoint links run side by side.
-void CollectiveRunner::finish(PreparedComm& out) {
-  std::vector<int> owner;  // link -> task that uses it
-  double longest = 0;
-  for (size_t t = 0; t < out.tasks.size(); ++t) {
-    const auto& task = out.tasks[t];
-    const size_t n = task.hosts.size();
-    std::vector<std::pair<int, double>> load;
-    double latency = 0;
-    for (size_t i = 0; i < n; ++i) {
-      for (size_t j = 0; j < n; ++j) {
-        double b = task.bytes[i * n + j];
-        if (b <= 0) continue;
-        scratch_.route.clear();
-        int src = gpu_index_.at(task.hosts[i]);
-        int dst = gpu_index_.at(task.hosts[j]);
-        latency = std::max(latency, net_.route(src, dst, scratch_.route));
-        for (int l : scratch_.route) load.emplace_back(l, b);
+double fluid_seconds(const std::vector<PreparedComm::Task>& tasks,
+                     const std::vector<NetLink>& links) {
+  const size_t n = tasks.size();
+  if (n == 0) return 0;
+  // Progressive filling, event by event: every unfinished task's rate (fraction of its bytes
+  // per second) is raised equally until a link saturates; the tasks crossing it are frozen;
+  // repeat. Then advance to the next task end (or latency end) and solve again.
+  std::vector<double> remaining(n, 1.0), rate(n, 0.0);
+  std::unordered_map<int, size_t> slot;  // link -> index in the per-link arrays
+  std::vector<int> link_ids;
+  for (const auto& t : tasks) {
+    for (const auto& [l, b] : t.link_load) {
+      if (slot.emplace(l, link_ids.size()).second) link_ids.push_back(l);
+    }
+  }
+  std::vector<double> used(link_ids.size()), demand(link_ids.size());
+  double now = 0;
+  size_t done = 0;
+  std::vector<bool> finished(n, false);
+  while (done < n) {
+    // Tasks still in their latency wait do not transfer yet.
+    std::vector<bool> active(n, false), frozen(n, false);
+    double next_latency_end = std::numeric_limits<double>::infinity();
+    for (size_t t = 0; t < n; ++t) {
+      if (finished[t]) continue;
+      if (tasks[t].latency > now) {
+        next_latency_end = std::min(next_latency_end, tasks[t].latency);
+      } else {
+        active[t] = true;
+      }
+      rate[t] = 0;
+    }
+    std::fill(used.begin(), used.end(), 0.0);
+    for (;;) {
+      std::fill(demand.begin(), demand.end(), 0.0);
+      bool any = false;
+      for (size_t t = 0; t < n; ++t) {
+        if (!active[t] || frozen[t]) continue;
+        any = true;
+        for (const auto& [l, b] : tasks[t].link_load) demand[slot[l]] += b;
+      }
+      if (!any) break;
+      double step = std::numeric_limits<double>::infinity();
+      for (size_t i = 0; i < link_ids.size(); ++i) {
+        if (demand[i] > 0) {
+          step = std::min(step, (links[link_ids[i]].bandwidth - used[i]) / demand[i]);
+        }
+      }
+      step = std::max(step, 0.0);
+      for (size_t t = 0; t < n; ++t) {
+        if (active[t] && !frozen[t]) rate[t] += step;
+      }
+      for (size_t i = 0; i < link_ids.size(); ++i) used[i] += step * demand[i];
+      // Freeze the tasks crossing a saturated link.
+      for (size_t t = 0; t < n; ++t) {
+        if (!active[t] || frozen[t]) continue;
+        for (const auto& [l, b] : tasks[t].link_load) {
+          size_t i = slot[l];
+          if (links[l].bandwidth - used[i] <= 1e-9 * links[l].bandwidth) {
+            frozen[t] = true;
+            break;
+          }
+        }
       }
     }
+    double dt = next_latency_end - now;
+    for (size_t t = 0; t < n; ++t) {
+      if (active[t] && rate[t] > 0) dt = std::min(dt, remaining[t] / rate[t]);
+    }
+    if (!(dt < std::numeric_limits<double>::infinity())) break;  // nothing can progress
+    now += dt;
+    for (size_t t = 0; t < n; ++t) {
+      if (!active[t]) continue;
+      remaining[t] -= rate[t] * dt;
+      if (remaining[t] <= 1e-12) {
+        finished[t] = true;
+        ++done;
+      }
+    }
+  }
+  return now;
+}
+
+// Links, participants and the closed-form time of a prepared communication.
+void CollectiveRunner::finish(PreparedComm& out) {
+  std::vector<std::pair<int, double>> load;
+  for (auto& task : out.tasks) {
+    load.clear();
+    task.latency = 0;
+    for (size_t p = 0; p < task.pairs.size(); ++p) {
+      scratch_.route.clear();
+      int src = task.gpus[task.pairs[p].first];
+      int dst = task.gpus[task.pairs[p].second];
+      task.latency = std::max(task.latency, net_.route(src, dst, scratch_.route));
+      for (int l : scratch_.route) load.emplace_back(l, task.bytes[p]);
+    }
     std::sort(load.begin(), load.end());
-    double worst = 0;
+    task.link_load.clear();
     for (size_t k = 0; k < load.size();) {
       int l = load[k].first;
       double sum = 0;
       for (; k < load.size() && load[k].first == l; ++k) sum += load[k].second;
-      worst = std::max(worst, sum / net_.links()[l].bandwidth);
-      if (owner.size() <= static_cast<size_t>(l)) owner.resize(l + 1, -1);
-      if (owner[l] >= 0 && owner[l] != static_cast<int>(t)) out.tasks_disjoint = false;
-      if (owner[l] < 0) out.links.push_back(l);
-      owner[l] = static_cast<int>(t);
+      task.link_load.emplace_back(l, sum);
+      out.links.push_back(l);
     }
-    longest = std::max(longest, worst + latency);
-    for (auto* h : task.hosts) out.gpus.push_back(gpu_index_.at(h));
+    out.gpus.insert(out.gpus.end(), task.gpus.begin(), task.gpus.end());
   }
   std::sort(out.links.begin(), out.links.end());
+  out.links.erase(std::unique(out.links.begin(), out.links.end()), out.links.end());
   std::sort(out.gpus.begin(), out.gpus.end());
   out.gpus.erase(std::unique(out.gpus.begin(), out.gpus.end()), out.gpus.end());
-  out.alone_seconds = out.extra_latency + longest;
+  out.alone_seconds = out.extra_latency + fluid_seconds(out.tasks, net_.links());
 }
 
 void CollectiveRunner::add_flows(const std::vector<Flow>& flows, PreparedComm& out) {
@@ -70,22 +143,17 @@ void CollectiveRunner::add_flows(const std::vector<Flow>& flows, PreparedComm& o
     PreparedComm::Task task;
     std::unordered_map<int, int> index;
     auto host_index = [&](int gpu) {
-      auto [it, inserted] = index.emplace(gpu, static_cast<int>(task.hosts.size()));
-      if (inserted) task.hosts.push_back(hosts_[gpu]);
+      auto [it, inserted] = index.emplace(gpu, static_cast<int>(task.gpus.size()));
+      if (inserted) task.gpus.push_back(gpu);
       return it->second;
     };
-    std::vector<std::pair<std::pair<int, int>, double>> entries;
     for (size_t i = begin; i < end; ++i) {
       const Flow& f = flows[i];
       if (f.bytes <= 0 || f.src == f.dst) continue;
-      entries.push_back({{host_index(f.src), host_index(f.dst)}, f.bytes});
+      task.pairs.emplace_back(host_index(f.src), host_index(f.dst));
+      task.bytes.push_back(f.bytes);
     }
-    if (entries.empty()) continue;
-    const size_t n = task.hosts.size();
-    task.flops.assign(n, 0.0);
-    task.bytes.assign(n * n, 0.0);
-    for (const auto& [pair, b] : entries) task.bytes[pair.first * n + pair.second] += b;
-    out.tasks.push_back(std::move(task));
+    if (!task.pairs.empty()) out.tasks.push_back(std::move(task));
   }
 }
 
@@ -94,11 +162,11 @@ PreparedComm CollectiveRunner::prepare(const std::vector<std::vector<int>>& grou
   PreparedComm out;
   out.bytes_per_device = bytes;
   for (const auto& g : groups) {
-    CollectiveFlows c = decompose_collective(kind, g, bytes, algorithm_, net_);
+    CollectiveFlows c = decompose_collective(kind, g, bytes, algorithm_, net_, comm_);
     if (c.flows.empty()) continue;
-    // A task pays one route latency; the remaining pipelined steps are paid up front.
+    // A task pays one route latency; the rest of the steps' time is paid up front.
     double lat = max_route_latency(c, net_, scratch_);
-    out.extra_latency = std::max(out.extra_latency, (c.steps - 1) * lat);
+    out.extra_latency = std::max(out.extra_latency, c.steps * step_seconds(c, lat) - lat);
     add_flows(c.flows, out);
   }
   finish(out);
@@ -109,41 +177,46 @@ PreparedComm CollectiveRunner::prepare_transfer(const std::vector<int>& src_gpus
                                                 const std::vector<int>& dst_gpus, double bytes) {
   PreparedComm out;
   out.bytes_per_device = bytes;
-  std::vector<Flow> flows;
-  for (size_t i = 0; i < src_gpus.size() && i < dst_gpus.size(); ++i) {
-    flows.push_back({src_gpus[i], dst_gpus[i], bytes});
+  CollectiveFlows c = decompose_transfer(src_gpus, dst_gpus, bytes, net_, comm_);
+  if (!c.flows.empty()) {
+    double lat = max_route_latency(c, net_, scratch_);
+    out.extra_latency = step_seconds(c, lat) - lat;
   }
-  add_flows(flows, out);
+  add_flows(c.flows, out);
   finish(out);
   return out;
 }
 
 int CollectiveRunner::run(const PreparedComm& comm, double overlap_seconds) {
   int activities = 0;
+  auto sleep = [&](double seconds) {
+    if (seconds <= 0) return;
+    sg4::this_actor::sleep_for(seconds);
+    ++activities;
+  };
   if (comm.tasks.empty()) {
-    if (overlap_seconds > 0) {
-      sg4::this_actor::sleep_for(overlap_seconds);
-      ++activities;
-    }
+    sleep(overlap_seconds);
     return activities;
   }
   std::vector<sg4::ExecPtr> running;
   running.reserve(comm.tasks.size());
   auto start_tasks = [&] {
     for (const auto& t : comm.tasks) {
+      const size_t n = t.gpus.size();
+      std::vector<sg4::Host*> hosts(n);
+      for (size_t i = 0; i < n; ++i) hosts[i] = hosts_[t.gpus[i]];
+      std::vector<double> matrix(n * n, 0.0);
+      for (size_t p = 0; p < t.pairs.size(); ++p) {
+        matrix[t.pairs[p].first * n + t.pairs[p].second] += t.bytes[p];
+      }
       sg4::ExecPtr e = sg4::Exec::init();
-      e->set_hosts(t.hosts);
-      e->set_flops_amounts(t.flops);
-      e->set_bytes_amounts(t.bytes);
+      e->set_hosts(hosts);
+      e->set_flops_amounts(std::vector<double>(n, 0.0));
+      e->set_bytes_amounts(matrix);
       e->start();
       running.push_back(e);
       ++activities;
     }
-  };
-  auto sleep = [&](double seconds) {
-    if (seconds <= 0) return;
-    sg4::this_actor::sleep_for(seconds);
-    ++activities;
   };
   if (overlap_seconds > comm.extra_latency) {
     // Compute and communication start together; the latency delays only the transfer.

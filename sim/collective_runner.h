@@ -4,7 +4,6 @@
 // task itself does not pay.
 #pragma once
 
-#include <unordered_map>
 #include <vector>
 
 #include <simgrid/s4u/Host.hpp>
@@ -15,31 +14,37 @@
 namespace nnsim {
 
 struct PreparedComm {
+  // One SimGrid parallel task, kept sparse: its dense hosts x hosts matrix is built only when
+  // it runs.
   struct Task {
-    std::vector<simgrid::s4u::Host*> hosts;
-    std::vector<double> flops;  // zeros: communication only
-    std::vector<double> bytes;  // hosts x hosts matrix
+    std::vector<int> gpus;                    // hosts of the task
+    std::vector<std::pair<int, int>> pairs;   // (source, destination) indices into gpus
+    std::vector<double> bytes;                // per pair
+    std::vector<std::pair<int, double>> link_load;  // bytes each link carries
+    double latency = 0;                       // largest route latency (paid once by L07)
   };
   std::vector<Task> tasks;
   double extra_latency = 0;  // seconds before the tasks start
   double bytes_per_device = 0;
   // For running it in closed form when nothing else shares its links: the links its flows
-  // cross, the time it takes alone, and whether its tasks touch disjoint links.
+  // cross, the GPUs taking part (sorted) and the time it takes alone.
   std::vector<int> links;
-  std::vector<int> gpus;  // every GPU taking part, sorted
+  std::vector<int> gpus;
   double alone_seconds = 0;
-  bool tasks_disjoint = true;
   // Time alone when `overlap_seconds` of compute runs alongside (see CollectiveRunner::run).
   double alone_with_overlap(double overlap_seconds) const;
 };
 
+// Seconds until every task ends when the tasks share links max-min fairly, each task's flows
+// advancing together (SimGrid L07's bandwidth sharing), after each task's latency.
+double fluid_seconds(const std::vector<PreparedComm::Task>& tasks,
+                     const std::vector<NetLink>& links);
+
 class CollectiveRunner {
  public:
   CollectiveRunner(const Network& net, const std::vector<simgrid::s4u::Host*>& hosts,
-                   Algorithm algorithm)
-      : net_(net), hosts_(hosts), algorithm_(algorithm) {
-    for (size_t g = 0; g < hosts.size(); ++g) gpu_index_[hosts[g]] = static_cast<int>(g);
-  }
+                   Algorithm algorithm, const CommModel& comm)
+      : net_(net), hosts_(hosts), algorithm_(algorithm), comm_(comm) {}
 
   // Every group (GPU lists) runs the same collective at once.
   PreparedComm prepare(const std::vector<std::vector<int>>& groups, CollectiveKind kind,
@@ -59,8 +64,8 @@ class CollectiveRunner {
   const Network& net_;
   const std::vector<simgrid::s4u::Host*>& hosts_;
   Algorithm algorithm_;
+  CommModel comm_;
   LinkLoadScratch scratch_;
-  std::unordered_map<const simgrid::s4u::Host*, int> gpu_index_;
 };
 
 }  // namespace nnsim

@@ -14,6 +14,7 @@ namespace nnsim {
 namespace sg4 = simgrid::s4u;
 
 Expected<std::vector<double>> run_communication(const Topology& topology,
+                                                const CommModel& comm,
                                                 const std::vector<CommRequest>& requests) {
   for (size_t i = 0; i < requests.size(); ++i) {
     const CommRequest& r = requests[i];
@@ -39,7 +40,7 @@ Expected<std::vector<double>> run_communication(const Topology& topology,
   std::vector<std::unique_ptr<CollectiveRunner>> runners;
   for (size_t i = 0; i < requests.size(); ++i) {
     const CommRequest& r = requests[i];
-    runners.push_back(std::make_unique<CollectiveRunner>(net, hosts, r.algorithm));
+    runners.push_back(std::make_unique<CollectiveRunner>(net, hosts, r.algorithm, comm));
     CollectiveRunner* runner = runners.back().get();
     PreparedComm comm = r.kind == CommRequest::Kind::kTransfer
                             ? runner->prepare_transfer({r.gpus[0]}, {r.gpus[1]}, r.bytes)

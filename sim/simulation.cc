@@ -63,7 +63,13 @@ void Simulation::flush_compute(Instance& inst, int block) {
   PendingCompute& p = pending_[&inst];
   if (p.parts.empty()) return;
   if (p.seconds > 0) {
-    sg4::this_actor::sleep_for(p.seconds);
+    // Communication kernels running on this GPU meanwhile (the data-parallel stream, pipeline
+    // sends) take SMs and memory bandwidth from the compute.
+    const bool comm_busy = inst.dp_completed < inst.dp_launched || inst.sends_in_flight > 0;
+    const double slowdown =
+        comm_busy ? p.compute_seconds * prog_.compute_model.comm_interference : 0;
+    inst.breakdown.compute += slowdown;
+    sg4::this_actor::sleep_for(p.seconds + slowdown);
     ++activities_;
   }
   if (options_.record_tasks && inst.replica == 0) {
@@ -88,14 +94,17 @@ void Simulation::flush_compute(Instance& inst, int block) {
   }
   p.parts.clear();
   p.seconds = 0;
+  p.compute_seconds = 0;
 }
 
 void Simulation::analyze_links() {
   link_user_.assign(net_->links().size(), -1);
   link_shared_.assign(net_->links().size(), false);
-  auto use = [&](const PreparedComm& c, bool transfer) {
+  // A user is one stream's communication over one set of GPUs: a stream runs its collectives
+  // one after another, so they never contend with each other; different streams may overlap.
+  auto use = [&](const PreparedComm& c, int stream) {
     std::vector<int> key = c.gpus;
-    if (transfer) key.insert(key.begin(), -1);  // transfers never share identity with collectives
+    key.insert(key.begin(), stream);
     int id = user_ids_.emplace(key, static_cast<int>(user_ids_.size())).first->second;
     for (int l : c.links) {
       if (link_user_[l] < 0) {
@@ -109,10 +118,12 @@ void Simulation::analyze_links() {
     const Lane& lane = prog_.lanes[inst->lane];
     auto visit = [&](const std::vector<Step>& steps) {
       for (const Step& step : steps) {
-        if (step.kind == StepKind::kCollective || step.kind == StepKind::kDpLaunch) {
-          use(prepared_collective(*inst, step), false);
+        if (step.kind == StepKind::kCollective) {
+          use(prepared_collective(*inst, step), -1);
+        } else if (step.kind == StepKind::kDpLaunch) {
+          use(prepared_collective(*inst, step), -2);
         } else if (step.kind == StepKind::kSend) {
-          use(prepared_transfer(*inst, step), true);
+          use(prepared_transfer(*inst, step), step.gradient ? -4 : -3);
         }
       }
     };
@@ -127,7 +138,6 @@ void Simulation::analyze_links() {
 bool Simulation::foldable(const Instance& inst, const Step& step) const {
   if (!fold_ || participants(step) > 1) return false;
   const PreparedComm& c = *inst.prepared.at(&step);
-  if (!c.tasks_disjoint) return false;
   for (int l : c.links) {
     if (link_shared_[l]) return false;
   }
@@ -214,6 +224,7 @@ void Simulation::run_collective(Instance& inst, const Step& step, int block) {
     const double seconds = comm.alone_with_overlap(step.seconds);
     p.parts.push_back({&step, p.seconds, seconds, true});
     p.seconds += seconds;
+    p.compute_seconds += step.seconds;  // the operator's compute overlapped with it
     if (step.seconds > 0) {
       (step.compute_class == ComputeClass::kRecompute ? inst.breakdown.recompute
                                                       : inst.breakdown.compute) += step.seconds;
@@ -287,6 +298,7 @@ void Simulation::send_stream_actor(Instance& inst, int direction) {
     activities_ += runner_->run(*item.comm);
     record(inst, Stream::kPipelineSend, TaskKind::kTransfer, t0, sg4::Engine::get_clock(),
            item.step->label, item.block, item.step->bytes, 0, 0);
+    --inst.sends_in_flight;
     item.arrived->release();
   }
 }
@@ -341,6 +353,7 @@ void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int b
         if (p.parts.empty()) p.start = sg4::Engine::get_clock();
         p.parts.push_back({&step, p.seconds, step.seconds, false});
         p.seconds += step.seconds;
+        p.compute_seconds += step.seconds;
         switch (step.compute_class) {
           case ComputeClass::kCompute:
             inst.breakdown.compute += step.seconds;
@@ -414,7 +427,13 @@ void Simulation::dp_stream_actor(Instance& inst) {
     const Step& step = *item.step;
     const PreparedComm& comm = prepared_collective(inst, step);
     std::tuple<int, int, int> key{inst.lane, 1 << 20, inst.dp_sequence_for_rendezvous++};
-    const double t0 = joint_collective(inst, comm, key, participants(step), 0);
+    double t0 = sg4::Engine::get_clock();
+    if (foldable(inst, step)) {
+      sg4::this_actor::sleep_for(comm.alone_seconds);  // nothing else crosses its links
+      ++activities_;
+    } else {
+      t0 = joint_collective(inst, comm, key, participants(step), 0);
+    }
     record(inst, Stream::kDataParallel, TaskKind::kDpCollective, t0, sg4::Engine::get_clock(),
            step.label, -1, step.bytes, 0, step.axes);
     std::unique_lock<sg4::Mutex> lock(*inst.dp_mutex);
@@ -447,7 +466,7 @@ Expected<SimResult> Simulation::run() {
 
   net_ = std::make_unique<Network>(prog_.topology);
   hosts_ = build_platform(*net_);
-  runner_ = std::make_unique<CollectiveRunner>(*net_, hosts_, prog_.algorithm);
+  runner_ = std::make_unique<CollectiveRunner>(*net_, hosts_, prog_.algorithm, prog_.comm_model);
 
   lane_of_segment_.assign(prog_.plan.segments.size(), -1);
   for (size_t l = 0; l < prog_.lanes.size(); ++l) {

@@ -27,6 +27,7 @@ void apply_engine_config();
 
 // Runs simulate_communication's requests in this process (which must not have run SimGrid).
 Expected<std::vector<double>> run_communication(const Topology& topology,
+                                                const CommModel& comm,
                                                 const std::vector<CommRequest>& requests);
 
 class Simulation {
@@ -58,6 +59,7 @@ class Simulation {
     int dp_sequence_for_rendezvous = 0;
     int explicit_sequence = 0;
     int joint_sequence = 0;
+    int sends_in_flight = 0;
     // Accounting.
     Breakdown breakdown;
     double finish = 0;
@@ -133,6 +135,7 @@ class Simulation {
   // Pending merged compute of the instance being run (actors never interleave within a step).
   struct PendingCompute {
     double seconds = 0;
+    double compute_seconds = 0;  // of which compute (communication slows it down)
     double start = 0;
     struct Part {
       const Step* step;

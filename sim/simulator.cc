@@ -295,10 +295,11 @@ Expected<SimResult> simulate(const Program& program, const SimOptions& options) 
 }
 
 Expected<std::vector<double>> simulate_communication(const Topology& topology,
+                                                     const CommModel& comm,
                                                      const std::vector<CommRequest>& requests) {
   Expected<std::string> out = run_isolated(
       [&](const std::function<void(double)>&) -> Expected<std::string> {
-        Expected<std::vector<double>> r = run_communication(topology, requests);
+        Expected<std::vector<double>> r = run_communication(topology, comm, requests);
         if (!r) return r.error();
         Writer w;
         w.pods(*r);

@@ -46,8 +46,10 @@ struct CommRequest {
   std::vector<int> gpus;  // the group (kCollective) or {source, destination} (kTransfer)
   double bytes = 0;
 };
-// Seconds each request took.
+// Seconds each request took, with NCCL's protocol efficiency and step times from `comm`
+// (CommModel::ideal() for the bare network).
 Expected<std::vector<double>> simulate_communication(const Topology& topology,
+                                                     const CommModel& comm,
                                                      const std::vector<CommRequest>& requests);
 
 }  // namespace nnsim

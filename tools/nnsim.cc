@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
+#include <thread>
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
@@ -23,6 +24,7 @@
 #include "sim/report.h"
 #include "sim/simulator.h"
 #include "sim/trace.h"
+#include "validate/validate.h"
 
 namespace nnsim {
 namespace {
@@ -255,6 +257,59 @@ int run_plan(PlanArgs& a) {
   return 0;
 }
 
+struct ValidateArgs {
+  std::string set;
+  std::string json;
+  int jobs = 0;
+};
+
+int run_validate(const ValidateArgs& a) {
+  Expected<std::vector<ValidationCase>> cases = load_validation_set(a.set);
+  if (!cases) return fail(cases.error().message());
+  ValidateOptions opts;
+  opts.jobs = a.jobs > 0 ? a.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  Progress progress("validating");
+  opts.progress = [&progress](int done, int all) {
+    progress.update(static_cast<double>(done) / all);
+  };
+  std::vector<CaseOutcome> out = run_validation(*cases, opts);
+  progress.done();
+  ValidationSummary s = summarize(out);
+  std::printf("%-48s %6s %-9s %11s %11s %8s %9s %9s\n", "case", "gpus", "framework",
+              "measured", "predicted", "error", "mem meas", "mem pred");
+  for (const CaseOutcome& o : out) {
+    if (!o.ok()) {
+      std::printf("%-48s %6d %-9s %11s  FAILED: %s\n", o.id.c_str(), o.gpus, o.framework.c_str(),
+                  format_seconds(o.measured_s).c_str(), o.status.c_str());
+      continue;
+    }
+    std::string mem_meas = o.measured_memory_gib ? fmt::format("{:.1f} GiB", *o.measured_memory_gib) : "";
+    std::string mem_pred = o.predicted_memory_gib ? fmt::format("{:.1f} GiB", *o.predicted_memory_gib) : "";
+    std::printf("%-48s %6d %-9s %11s %11s %+7.1f%% %9s %9s%s\n", o.id.c_str(), o.gpus,
+                o.framework.c_str(), format_seconds(o.measured_s).c_str(),
+                format_seconds(o.predicted_s).c_str(), o.error_pct, mem_meas.c_str(),
+                mem_pred.c_str(), o.parallel_stated ? "" : "  (parallel config assumed)");
+  }
+  auto line = [](const char* what, const ErrorStats& e) {
+    if (e.count == 0) return;
+    std::printf("%s (%d cases): median %.1f%%, p90 %.1f%%, max %.1f%%, mean %.1f%%\n", what,
+                e.count, e.median, e.p90, e.max, e.mean);
+  };
+  std::printf("\n");
+  line("iteration time, absolute error", s.time);
+  line("  cases with a stated parallel configuration", s.time_stated);
+  line("peak memory, absolute error", s.memory);
+  if (s.failures > 0) std::printf("%d of %d cases could not be simulated\n", s.failures, s.cases);
+  if (!a.json.empty()) {
+    std::string error;
+    if (!write_file(a.json, validation_json(out, s), &error)) return fail(error);
+  }
+  if (s.failures > 0) {
+    return fail(fmt::format("{} of {} cases could not be simulated", s.failures, s.cases));
+  }
+  return 0;
+}
+
 }  // namespace
 }  // namespace nnsim
 
@@ -294,6 +349,14 @@ int main(int argc, char** argv) {
       ->delimiter(',');
   plan_cmd->add_option("-o,--output", plan.output, "where to write plan.json")->required();
 
+  ValidateArgs validate;
+  CLI::App* validate_cmd =
+      app.add_subcommand("validate", "simulate published runs and compare with their measurements");
+  validate_cmd->add_option("set", validate.set, "validation set YAML (shared/validation schema)")
+      ->required();
+  validate_cmd->add_option("--json", validate.json, "write per-case results and the summary");
+  validate_cmd->add_option("--jobs", validate.jobs, "simulations run at once (default: cores)");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -308,6 +371,7 @@ int main(int argc, char** argv) {
   }
   if (simulate_cmd->parsed()) return run_simulate(sim);
   if (plan_cmd->parsed()) return run_plan(plan);
+  if (validate_cmd->parsed()) return run_validate(validate);
   if (top.topo.empty() || top.plan.empty()) {
     std::fprintf(stderr, "%s", app.help().c_str());
     return fail("give a topology and a plan: nnsim --topo TOPOLOGY.yaml plan.json");

@@ -1,0 +1,63 @@
+#include "validate/case_builder.h"
+
+#include <fmt/format.h>
+
+namespace nnsim {
+
+Expected<Topology> case_topology(const ValidationCase& c) {
+  const bool a100 = c.cluster.gpu.rfind("a100", 0) == 0;
+  Expected<Topology> base = load_topology(a100 ? "dgx-a100x4" : "dgx-h100-superpod");
+  if (!base) return base.error();
+  Topology t = *base;
+  Expected<GpuSpec> gpu = find_gpu(c.cluster.gpu);
+  if (!gpu) return gpu.error().with_context(fmt::format("case {}: cluster.gpu", c.id));
+  t.name = fmt::format("{} ({} x {} {})", t.name, c.cluster.nodes, c.cluster.gpus_per_node,
+                       c.cluster.gpu);
+  t.gpu = *gpu;
+  t.intra.bandwidth = gpu->nvlink_bandwidth;
+  t.gpus_per_node = c.cluster.gpus_per_node;
+  // NICs: the case's count and speed, GPUs spread evenly over them.
+  const int nics = c.cluster.nics_per_node;
+  t.nics.assign(nics, t.nics.front());
+  for (int n = 0; n < nics; ++n) {
+    t.nics[n].bandwidth = c.cluster.nic_bandwidth;
+    t.nics[n].gpus.clear();
+  }
+  for (int g = 0; g < t.gpus_per_node; ++g) {
+    t.nics[static_cast<size_t>(g) * nics / t.gpus_per_node].gpus.push_back(g);
+  }
+  Expected<Topology> sized = resize_topology(t, c.cluster.nodes);
+  if (!sized) return sized.error().with_context(fmt::format("case {}", c.id));
+  return sized;
+}
+
+Expected<MegatronOptions> case_options(const ValidationCase& c) {
+  const ValidationParallel& p = c.parallel;
+  MegatronOptions o;
+  o.tp = p.tp;
+  o.pp = p.pp;
+  o.dp = p.dp;
+  o.cp = p.cp;
+  o.vpp = p.vp;
+  o.sequence_parallel = p.sequence_parallel;
+  o.micro_batch = p.micro_batch;
+  o.global_batch = p.global_batch;
+  Expected<RecomputeMode> rec = parse_recompute_mode(p.recompute);
+  if (!rec) return rec.error();
+  o.recompute = *rec;
+  o.zero = p.zero;
+  o.precision = p.precision;
+  o.schedule = p.vp > 1 ? ScheduleKind::kInterleaved : ScheduleKind::kOneFOneB;
+  o.framework = p.framework;
+  return o;
+}
+
+Expected<Plan> case_plan(const ValidationCase& c, const Topology& topology) {
+  Expected<MegatronOptions> o = case_options(c);
+  if (!o) return o.error().with_context(fmt::format("case {}", c.id));
+  Expected<Plan> plan = build_megatron_plan(c.model, topology, *o);
+  if (!plan) return plan.error().with_context(fmt::format("case {}", c.id));
+  return plan;
+}
+
+}  // namespace nnsim

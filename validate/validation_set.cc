@@ -1,0 +1,134 @@
+#include "validate/validation_set.h"
+
+#include <set>
+
+#include <fmt/format.h>
+
+#include "core/input.h"
+
+namespace nnsim {
+
+bool ValidationCase::parallel_stated() const {
+  for (const auto& a : assumed) {
+    if (a.rfind("parallel.", 0) == 0) return false;
+  }
+  return true;
+}
+
+namespace {
+
+ModelSpec parse_case_model(const InputNode& n, const std::string& id) {
+  n.check_keys({"family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "mlp", "vocab",
+                "seq_len", "tied_embeddings", "position"});
+  ModelSpec m;
+  m.name = id;
+  m.family = n["family"].as_string();
+  m.layers = static_cast<int>(n["layers"].as_int());
+  m.hidden = n["hidden"].as_int();
+  m.heads = n["heads"].as_int();
+  m.kv_heads = n["kv_heads"].as_int();
+  m.ffn_hidden = n["ffn_hidden"].as_int();
+  m.mlp = n["mlp"].as_enum<MlpKind>({{"gelu", MlpKind::kGelu},
+                                     {"swiglu", MlpKind::kSwiglu},
+                                     {"squared_relu", MlpKind::kSquaredRelu},
+                                     {"relu", MlpKind::kRelu}});
+  m.vocab = n["vocab"].as_int();
+  m.seq_len = n["seq_len"].as_int();
+  m.tied_embeddings = n["tied_embeddings"].as_bool();
+  m.position = n["position"].as_enum<PositionKind>({{"learned", PositionKind::kLearned},
+                                                    {"rope", PositionKind::kRope},
+                                                    {"alibi", PositionKind::kAlibi}});
+  // The schema leaves these to the family: GPT-style models use LayerNorm with biases,
+  // Llama-style ones RMSNorm without (MPT: LayerNorm without biases; Nemotron-4: LayerNorm,
+  // no biases).
+  const bool llama = m.family == "llama";
+  m.norm = llama ? NormKind::kRmsNorm : NormKind::kLayerNorm;
+  m.bias = m.family == "gpt";
+  return m;
+}
+
+ValidationCase parse_case(const InputNode& c) {
+  c.check_keys({"id", "source", "model", "cluster", "parallel", "measured", "assumed"});
+  ValidationCase v;
+  v.id = c["id"].as_string();
+  v.source = c["source"].as_string();
+  v.model = parse_case_model(c["model"], v.id);
+
+  auto cl = c["cluster"];
+  cl.check_keys({"gpu", "nodes", "gpus_per_node", "nic_gbps", "nics_per_node"});
+  v.cluster.gpu = cl["gpu"].as_string();
+  v.cluster.nodes = static_cast<int>(cl["nodes"].as_int());
+  v.cluster.gpus_per_node = static_cast<int>(cl["gpus_per_node"].as_int());
+  v.cluster.nic_bandwidth = cl["nic_gbps"].as_double() * 1e9 / 8;
+  v.cluster.nics_per_node = static_cast<int>(cl["nics_per_node"].as_int());
+
+  auto p = c["parallel"];
+  p.check_keys({"tp", "pp", "dp", "cp", "ep", "vp", "micro_batch", "global_batch", "recompute",
+                "sequence_parallel", "zero", "precision", "framework"});
+  ValidationParallel& x = v.parallel;
+  x.tp = static_cast<int>(p["tp"].as_int());
+  x.pp = static_cast<int>(p["pp"].as_int());
+  x.dp = static_cast<int>(p["dp"].as_int());
+  x.cp = static_cast<int>(p["cp"].as_int());
+  x.ep = static_cast<int>(p["ep"].as_int());
+  x.vp = static_cast<int>(p["vp"].as_int());
+  x.micro_batch = static_cast<int>(p["micro_batch"].as_int());
+  x.global_batch = static_cast<int>(p["global_batch"].as_int());
+  x.recompute = p["recompute"].as_string();
+  if (x.recompute != "none" && x.recompute != "selective" && x.recompute != "full") {
+    p["recompute"].fail_unknown(x.recompute, {"none", "selective", "full"});
+  }
+  x.sequence_parallel = p["sequence_parallel"].as_bool();
+  x.zero = static_cast<int>(p["zero"].as_int());
+  x.precision = p["precision"].as_enum<Precision>(
+      {{"bf16", Precision::kBf16}, {"fp16", Precision::kFp16}, {"fp8", Precision::kFp8}});
+  x.framework = p["framework"].as_string();
+  if (x.framework != "megatron" && x.framework != "fsdp" && x.framework != "deepspeed" &&
+      x.framework != "other") {
+    p["framework"].fail_unknown(x.framework, {"megatron", "fsdp", "deepspeed", "other"});
+  }
+  if (x.ep != 1) p["ep"].fail("expert parallelism is not supported (dense models only: ep 1)");
+
+  auto m = c["measured"];
+  m.check_keys({"iteration_time_s", "tokens_per_s_per_gpu", "mfu_pct", "peak_memory_gib"});
+  v.measured.iteration_time_s = m["iteration_time_s"].as_double();
+  if (m.has("tokens_per_s_per_gpu")) {
+    v.measured.tokens_per_s_per_gpu = m["tokens_per_s_per_gpu"].as_double();
+  }
+  if (m.has("mfu_pct")) v.measured.mfu_pct = m["mfu_pct"].as_double();
+  if (m.has("peak_memory_gib")) v.measured.peak_memory_gib = m["peak_memory_gib"].as_double();
+  if (c.has("assumed")) {
+    for (const auto& a : c["assumed"].items()) v.assumed.push_back(a.as_string());
+  }
+  return v;
+}
+
+std::vector<ValidationCase> parse_set(const InputNode& root) {
+  root.check_keys({"schema", "cases"});
+  if (root["schema"].as_string() != "nnsim-validation/1") {
+    root["schema"].fail("expected \"nnsim-validation/1\" (see shared/validation/README.md)");
+  }
+  std::vector<ValidationCase> out;
+  std::set<std::string> ids;
+  for (const auto& c : root["cases"].items()) {
+    out.push_back(parse_case(c));
+    if (!ids.insert(out.back().id).second) c["id"].fail("case id '" + out.back().id + "' repeats");
+  }
+  return out;
+}
+
+}  // namespace
+
+Expected<std::vector<ValidationCase>> parse_validation_set(const std::string& yaml_text,
+                                                           const std::string& display_name) {
+  return catch_input_errors<std::vector<ValidationCase>>(display_name, [&] {
+    return parse_set(InputNode::load_string(yaml_text, display_name));
+  });
+}
+
+Expected<std::vector<ValidationCase>> load_validation_set(const std::string& path) {
+  return catch_input_errors<std::vector<ValidationCase>>(
+      path, [&] { return parse_set(InputNode::load_file(path)); });
+}
+
+}  // namespace nnsim
