@@ -20,6 +20,9 @@ bool is_hopper(const GpuSpec& g) {
 
 ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu, AttentionLibrary attention) {
   ComputeModel m;
+  // Sustained tensor throughput in training relative to the short benchmarks above (clocks
+  // under the power limit): calibrated on the validation set (docs/VALIDATION.md).
+  m.sustained = is_a100(gpu) ? 0.92 : (is_hopper(gpu) ? 0.80 : 0.9);
   m.sms = gpu.sms > 0 ? gpu.sms : 108;
   m.attention = attention;
   // Maximum achievable matmul FLOP/s over the datasheet peak, measured by mamf-finder
@@ -44,11 +47,11 @@ ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu, AttentionLibrary att
     m.attention_fwd_efficiency = 0.60;
     m.attention_bwd_efficiency = 0.45;
   } else if (is_hopper(gpu)) {
-    m.attention_fwd_efficiency = 0.35;
-    m.attention_bwd_efficiency = 0.28;
+    m.attention_fwd_efficiency = 0.30;
+    m.attention_bwd_efficiency = 0.24;
   } else {
-    m.attention_fwd_efficiency = 0.60;
-    m.attention_bwd_efficiency = 0.45;
+    m.attention_fwd_efficiency = 0.52;
+    m.attention_bwd_efficiency = 0.38;
   }
   return m;
 }
@@ -81,7 +84,7 @@ double gemm_seconds(double m, double n, double k, Precision precision, const Gpu
     fill = std::max(fill, tile_use * wave_use * t.relative);
   }
   const double k_use = k / (k + model.gemm_k_half);
-  return 2 * m * n * k / (peak * best * fill * k_use);
+  return 2 * m * n * k / (peak * best * model.sustained * fill * k_use);
 }
 
 double op_seconds(const Op& op, Pass pass, double flops, double bytes, const PieceShape& shape,
@@ -110,13 +113,17 @@ double op_seconds(const Op& op, Pass pass, double flops, double bytes, const Pie
     efficiency *= shape.seq / (shape.seq + model.attention_seq_half);
     efficiency *= std::pow(std::min(1.0, shape.head_dim / 128), model.attention_head_dim_exponent);
     const double executed = op.causal ? flops * model.causal_fraction : flops;
-    compute = executed / (gpu.peak_flops(p) * efficiency);
+    compute = executed / (gpu.peak_flops(p) * efficiency * model.sustained);
   } else if (flops > 0) {
     auto it = model.gemm_efficiency.find(precision);
     compute = flops / (gpu.peak_flops(precision) *
                        (it != model.gemm_efficiency.end() ? it->second : 0.8));
   }
-  const double memory = bytes > 0 ? bytes / (gpu.hbm_bandwidth * model.memory_efficiency) : 0;
+  // Elementwise operators move more than the operator graph's minimal traffic (casts, layout
+  // copies, unfused steps): elementwise_traffic times it.
+  const bool elementwise = op.kind != OpKind::kLinear && op.kind != OpKind::kAttention;
+  const double traffic = elementwise ? bytes * model.elementwise_traffic : bytes;
+  const double memory = traffic > 0 ? traffic / (gpu.hbm_bandwidth * model.memory_efficiency) : 0;
   return std::max(compute, memory) + model.kernel_overhead;
 }
 

@@ -47,8 +47,15 @@ struct ComputeModel {
   // Fraction of the counted attention FLOPs a causal fused kernel executes.
   double causal_fraction = 0.5;
 
+  // Sustained tensor-core throughput in a training run over the short-benchmark rates above
+  // (clock under the power limit), for matmuls and attention.
+  double sustained = 1.0;
+
   // Fraction of the HBM bandwidth memory-bound kernels reach.
   double memory_efficiency = 0.8;
+  // Traffic of elementwise operators (norms, activations, residuals, loss, embedding) over the
+  // operator graph's minimal count: casts, layout copies and unfused steps add to it.
+  double elementwise_traffic = 2.0;
   // Fixed cost per kernel (launch and tail), seconds.
   double kernel_overhead = 3e-6;
   // Slowdown of compute while communication kernels run on the same GPU (they take SMs and

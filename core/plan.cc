@@ -338,7 +338,7 @@ Plan parse_plan_node(const InputNode& root) {
 
   if (auto c = root.get("communication")) {
     c->check_keys({"dp_bucket_bytes", "overlap_grad_reduce", "overlap_param_gather",
-                   "pp_scatter_gather", "algorithm", "grad_reduce_bytes"});
+                   "pp_scatter_gather", "algorithm", "grad_reduce_bytes", "tp_overlap"});
     plan.comm.dp_bucket_bytes =
         c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
     plan.comm.overlap_grad_reduce = c->get_bool("overlap_grad_reduce", true);
@@ -346,6 +346,7 @@ Plan parse_plan_node(const InputNode& root) {
     plan.comm.pp_scatter_gather = c->get_bool("pp_scatter_gather", true);
     plan.comm.algorithm = c->get_string("algorithm", "auto");
     plan.comm.grad_reduce_bytes = c->get_double("grad_reduce_bytes", 0);
+    plan.comm.tp_overlap = c->get_bool("tp_overlap", false);
     if (plan.comm.algorithm != "auto" && plan.comm.algorithm != "ring" &&
         plan.comm.algorithm != "tree") {
       (*c)["algorithm"].fail_unknown(plan.comm.algorithm, {"auto", "ring", "tree"});
@@ -453,7 +454,8 @@ std::string plan_to_json(const Plan& plan) {
                         {"overlap_param_gather", plan.comm.overlap_param_gather},
                         {"pp_scatter_gather", plan.comm.pp_scatter_gather},
                         {"algorithm", plan.comm.algorithm},
-                        {"grad_reduce_bytes", plan.comm.grad_reduce_bytes}};
+                        {"grad_reduce_bytes", plan.comm.grad_reduce_bytes},
+                        {"tp_overlap", plan.comm.tp_overlap}};
   json orders = json::array();
   for (const auto& o : plan.schedule) {
     std::string blocks;

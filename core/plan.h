@@ -146,6 +146,9 @@ struct CommSettings {
   // Pipeline: send 1/t of a tensor replicated over `t` ranks and all-gather it on arrival.
   bool pp_scatter_gather = true;
   std::string algorithm = "auto";  // collective algorithm: auto, ring or tree
+  // Tensor-parallel all-gathers and reduce-scatters overlapped with the GEMM next to them
+  // (Transformer Engine's userbuffer overlap), instead of blocking before or after it.
+  bool tp_overlap = false;
   // Bytes per element of gradient reduce-scatters / all-reduces (0: the gradient buffer's,
   // grad_bytes; frameworks may reduce in another precision than they accumulate).
   double grad_reduce_bytes = 0;

@@ -61,6 +61,9 @@ constexpr int kNcclChannels = 8;
 // docs/cost-model.md; calibrated by hwexec measurements).
 constexpr double kRuntimeBytes = 512.0 * 1024 * 1024;
 
+// Tag of a ZeRO-1/2 parameter-gather bucket (disjoint from ZeRO-3's per-unit tags).
+int gather_tag(int segment, int bucket) { return 1000000 + segment * 1000 + bucket; }
+
 // A graph part (embedding, one layer, head) with everything the plan fixes about it.
 struct PartInfo {
   const GraphPart* part = nullptr;
@@ -117,6 +120,10 @@ struct Compiler {
                       bool first_forward);
   void emit_grad_buckets(double bytes, double& pending, std::vector<Step>& steps, int segment);
   double segment_params(int segment) const;
+  // ZeRO-1/2 parameter buckets of a segment in forward order: (index of the first parameter
+  // unit, parameters). Units are the embedding, each layer and the head; buckets hold about
+  // the data-parallel bucket size of parameters.
+  std::vector<std::pair<int, double>> gather_buckets(int segment) const;
   void build_memory(Lane& lane, const std::vector<int>& segments);
   std::map<std::tuple<int, int, bool, bool, bool>, int> template_cache;
 };
@@ -287,6 +294,7 @@ void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
     s.seconds = p.fwd_seconds[i];
     s.flops = cls == ComputeClass::kRecompute ? 0 : p.fwd_flops[i];
     s.label = p.labels[i];
+    s.matmul = op.kind == OpKind::kLinear;
     // Internal communication of a split operator.
     bool overlapped = false;
     for (const auto& ic : op.internal_comm) {
@@ -365,6 +373,7 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
         (input_grads ? p.bwd_input_seconds[i] : 0) + (weight_grads ? p.bwd_weight_seconds[i] : 0);
     s.flops = (input_grads ? p.bwd_input_flops[i] : 0) + (weight_grads ? p.bwd_weight_flops[i] : 0);
     s.label = p.labels[i];
+    s.matmul = op.kind == OpKind::kLinear;
     bool overlapped = false;
     if (input_grads) {
       for (const auto& ic : op.internal_comm) {
@@ -478,6 +487,24 @@ double Compiler::transient_bytes(const PartInfo& p) const {
   return worst;
 }
 
+std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment) const {
+  const Segment& s = plan.segments[segment];
+  auto sum = [](const PartInfo& p) {
+    return std::accumulate(p.local_params.begin(), p.local_params.end(), 0.0);
+  };
+  std::vector<double> units;
+  if (s.embedding) units.push_back(sum(embed));
+  for (int l = s.first_layer; l < s.end_layer; ++l) units.push_back(sum(layer));
+  if (s.head) units.push_back(sum(head));
+  const double bucket = plan.comm.dp_bucket_bytes / plan.optimizer.grad_bytes;
+  std::vector<std::pair<int, double>> out;
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (out.empty() || out.back().second >= bucket) out.emplace_back(static_cast<int>(u), 0.0);
+    out.back().second += units[u];
+  }
+  return out;
+}
+
 double Compiler::segment_params(int segment) const {
   const Segment& s = plan.segments[segment];
   // A tied output projection on the embedding's own devices is the embedding matrix itself.
@@ -528,6 +555,42 @@ int Compiler::template_for(int segment, BlockKind kind, bool grad_sync, bool exp
   int index = static_cast<int>(prog.templates.size()) - 1;
   template_cache.emplace(k, index);
   return index;
+}
+
+// Transformer Engine's tensor-parallel overlap: an all-gather runs alongside the GEMM that
+// consumes it, a reduce-scatter alongside the GEMM that produces it, chunk by chunk; the pair
+// takes the longer of the two (the GEMM slowed by the communication kernels sharing the GPU).
+void overlap_tp_collectives(std::vector<Step>& steps, uint32_t lane_axes, double interference) {
+  std::vector<Step> out;
+  out.reserve(steps.size());
+  auto overlappable = [&](const Step& c) {
+    return c.kind == StepKind::kCollective && c.seconds == 0 && c.group < 0 &&
+           (c.axes & ~lane_axes) == 0 &&
+           (c.collective == CollectiveKind::kAllGather ||
+            c.collective == CollectiveKind::kReduceScatter);
+  };
+  auto gemm = [](const Step& s) { return s.kind == StepKind::kCompute && s.matmul; };
+  auto merge = [&](Step c, const Step& g) {
+    c.seconds = g.seconds * (1 + interference);
+    c.flops = g.flops;
+    c.compute_class = g.compute_class;
+    return c;
+  };
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const Step& s = steps[i];
+    if (overlappable(s) && s.collective == CollectiveKind::kAllGather && i + 1 < steps.size() &&
+        gemm(steps[i + 1])) {
+      out.push_back(merge(s, steps[i + 1]));
+      ++i;
+    } else if (overlappable(s) && s.collective == CollectiveKind::kReduceScatter &&
+               !out.empty() && gemm(out.back())) {
+      Step g = out.back();
+      out.back() = merge(s, g);
+    } else {
+      out.push_back(s);
+    }
+  }
+  steps = std::move(out);
 }
 
 void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_recompute,
@@ -666,26 +729,37 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
 
   switch (t.kind) {
     case BlockKind::kForward: {
-      if (first_forward && (zero == 1 || zero == 2) && plan.comm.overlap_param_gather &&
-          plan.data_parallel() > 1) {
-        Step w;
-        w.kind = StepKind::kDpWait;
-        w.tag = 1000000 + seg;
-        w.label = label("param gather");
-        steps->push_back(w);
-      }
+      // ZeRO-1/2: the first forward of a segment waits, unit by unit, for the bucket of
+      // parameters the last optimizer step updated (launched in the prologue).
+      const bool wait_gathers = first_forward && (zero == 1 || zero == 2) &&
+                                plan.comm.overlap_param_gather && plan.data_parallel() > 1;
+      const auto buckets = gather_buckets(seg);
+      size_t next_bucket = 0;
+      auto wait_gather = [&](size_t u) {
+        if (!wait_gathers) return;
+        while (next_bucket < buckets.size() && buckets[next_bucket].first <= static_cast<int>(u)) {
+          Step w;
+          w.kind = StepKind::kDpWait;
+          w.tag = gather_tag(seg, static_cast<int>(next_bucket++));
+          w.label = label("param gather");
+          steps->push_back(w);
+        }
+      };
       if (recv_from_prev) recv(prev, false, s.embedding ? embed_out : layer_out);
       if (s.embedding) {
+        wait_gather(unit);
         zero3_before(units, unit++);
         emit_forward(embed, embed_out, recomputed_ops(embed, -1), false, ComputeClass::kCompute,
                      t.steps);
       }
       for (int l = s.first_layer; l < s.end_layer; ++l) {
+        wait_gather(unit);
         zero3_before(units, unit++);
         emit_forward(layer, layer_in(l), recomputed_ops(layer, l), false, ComputeClass::kCompute,
                      t.steps);
       }
       if (s.head) {
+        wait_gather(unit);
         zero3_before(units, unit++);
         emit_forward(head, layer_out, recomputed_ops(head, -1), false, ComputeClass::kCompute,
                      t.steps);
@@ -788,6 +862,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       memory(-freed);
       break;
     }
+  }
+  if (plan.comm.tp_overlap) {
+    overlap_tp_collectives(t.steps, lane_axes, prog.compute_model.comm_interference);
   }
 }
 
@@ -1080,14 +1157,17 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     if ((zero == 1 || zero == 2) && plan.comm.overlap_param_gather && prog.replicas > 1) {
       for (const Block& b : plan.schedule[o].blocks) {
         if (b.kind != BlockKind::kForward || b.micro_batch != 0) continue;
-        Step l;
-        l.kind = StepKind::kDpLaunch;
-        l.collective = CollectiveKind::kAllGather;
-        l.axes = c.bucket_axes;
-        l.bytes = c.segment_params(b.segment) * 2;
-        l.tag = 1000000 + b.segment;
-        l.label = c.label("param gather");
-        lane.prologue.push_back(l);
+        const auto buckets = c.gather_buckets(b.segment);
+        for (size_t k = 0; k < buckets.size(); ++k) {
+          Step l;
+          l.kind = StepKind::kDpLaunch;
+          l.collective = CollectiveKind::kAllGather;
+          l.axes = c.bucket_axes;
+          l.bytes = buckets[k].second * 2;
+          l.tag = gather_tag(b.segment, static_cast<int>(k));
+          l.label = c.label("param gather");
+          lane.prologue.push_back(l);
+        }
       }
     }
     // Epilogue.

@@ -48,6 +48,7 @@ struct Step {
   int tag = -1;           // kDpLaunch / kDpWait: what to wait for (-1: everything)
   int group = -1;         // kCollective over an explicit group (Program::explicit_groups)
   int label = -1;         // index into Program::labels ("attn.qkv", "grad bucket 3", ...)
+  bool matmul = false;    // kCompute of a linear operator (a GEMM)
 };
 
 // The steps of one kind of block (one segment, one block kind, one variant), shared by every

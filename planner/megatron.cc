@@ -208,6 +208,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   plan.comm.overlap_grad_reduce = o.overlap_grad_reduce;
   plan.comm.overlap_param_gather = o.overlap_param_gather;
   plan.comm.algorithm = o.algorithm;
+  plan.comm.tp_overlap = o.tp_comm_overlap && o.tp > 1;
 
   const int micro_batches = o.global_batch / (dp * o.micro_batch);
   for (int stage = 0; stage < o.pp; ++stage) {

@@ -39,6 +39,9 @@ struct MegatronOptions {
   bool overlap_grad_reduce = true;
   bool overlap_param_gather = true;
   std::string algorithm = "auto";
+  // Overlap tensor-parallel all-gathers / reduce-scatters with the neighbouring GEMMs
+  // (Transformer Engine's --tp-comm-overlap).
+  bool tp_comm_overlap = false;
   // Whose conventions for gradient and optimizer precision: megatron, fsdp (PyTorch FSDP),
   // deepspeed, other (plain data parallelism). See docs/plan.md.
   std::string framework = "megatron";

@@ -343,6 +343,10 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--zero", plan.o.zero, "optimizer sharding stage 0-3");
   plan_cmd->add_option("--schedule", plan.schedule, "gpipe, 1f1b or interleaved");
   plan_cmd->add_option("--precision", plan.precision, "fp32, tf32, bf16, fp16 or fp8");
+  plan_cmd->add_option("--framework", plan.o.framework,
+                       "whose kernels and conventions: megatron, fsdp, deepspeed, other");
+  plan_cmd->add_flag("--tp-comm-overlap", plan.o.tp_comm_overlap,
+                     "overlap tensor-parallel collectives with GEMMs (Transformer Engine)");
   plan_cmd
       ->add_option("--stage-layers", plan.o.stage_layers,
                    "layers per segment (pp x vpp numbers), default as even as possible")

@@ -49,6 +49,9 @@ Expected<MegatronOptions> case_options(const ValidationCase& c) {
   o.precision = p.precision;
   o.schedule = p.vp > 1 ? ScheduleKind::kInterleaved : ScheduleKind::kOneFOneB;
   o.framework = p.framework;
+  // Megatron-Core / NeMo on Hopper run Transformer Engine with tensor-parallel communication
+  // overlapped with the GEMMs (the NeMo recipes enable it); earlier Megatron did not.
+  o.tp_comm_overlap = p.framework == "megatron" && c.cluster.gpu.rfind("a100", 0) != 0;
   return o;
 }
 
