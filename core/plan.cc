@@ -338,7 +338,8 @@ Plan parse_plan_node(const InputNode& root) {
 
   if (auto c = root.get("communication")) {
     c->check_keys({"dp_bucket_bytes", "overlap_grad_reduce", "overlap_param_gather",
-                   "pp_scatter_gather", "algorithm", "grad_reduce_bytes", "tp_overlap"});
+                   "pp_scatter_gather", "algorithm", "grad_reduce_bytes", "tp_overlap",
+                   "zero3_per_tensor"});
     plan.comm.dp_bucket_bytes =
         c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
     plan.comm.overlap_grad_reduce = c->get_bool("overlap_grad_reduce", true);
@@ -347,6 +348,7 @@ Plan parse_plan_node(const InputNode& root) {
     plan.comm.algorithm = c->get_string("algorithm", "auto");
     plan.comm.grad_reduce_bytes = c->get_double("grad_reduce_bytes", 0);
     plan.comm.tp_overlap = c->get_bool("tp_overlap", false);
+    plan.comm.zero3_per_tensor = c->get_bool("zero3_per_tensor", false);
     if (plan.comm.algorithm != "auto" && plan.comm.algorithm != "ring" &&
         plan.comm.algorithm != "tree") {
       (*c)["algorithm"].fail_unknown(plan.comm.algorithm, {"auto", "ring", "tree"});
@@ -455,7 +457,8 @@ std::string plan_to_json(const Plan& plan) {
                         {"pp_scatter_gather", plan.comm.pp_scatter_gather},
                         {"algorithm", plan.comm.algorithm},
                         {"grad_reduce_bytes", plan.comm.grad_reduce_bytes},
-                        {"tp_overlap", plan.comm.tp_overlap}};
+                        {"tp_overlap", plan.comm.tp_overlap},
+                        {"zero3_per_tensor", plan.comm.zero3_per_tensor}};
   json orders = json::array();
   for (const auto& o : plan.schedule) {
     std::string blocks;

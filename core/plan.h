@@ -149,6 +149,9 @@ struct CommSettings {
   // Tensor-parallel all-gathers and reduce-scatters overlapped with the GEMM next to them
   // (Transformer Engine's userbuffer overlap), instead of blocking before or after it.
   bool tp_overlap = false;
+  // ZeRO-3: gather parameters and reduce gradients tensor by tensor (DeepSpeed) rather than a
+  // whole unit (layer) at once (FSDP).
+  bool zero3_per_tensor = false;
   // Bytes per element of gradient reduce-scatters / all-reduces (0: the gradient buffer's,
   // grad_bytes; frameworks may reduce in another precision than they accumulate).
   double grad_reduce_bytes = 0;

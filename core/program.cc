@@ -72,6 +72,7 @@ struct PartInfo {
   std::vector<double> fwd_seconds, bwd_input_seconds, bwd_weight_seconds;
   std::vector<double> fwd_flops, bwd_input_flops, bwd_weight_flops;
   std::vector<double> local_params;  // parameters of each op's piece
+  std::vector<double> weight_tensors;  // local size of every weight tensor, in op order
   std::vector<uint32_t> sync_axes;   // axes (besides dp) each op's weight gradients sum over
   std::vector<int> labels;
 };
@@ -224,6 +225,9 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
       if (!op.weights.empty() && !in_weight) sync |= 1u << a;
     }
     info.local_params.push_back(params);
+    for (const auto& w : op.weights) {
+      info.weight_tensors.push_back(w.elements / p.factor(w.dims, mesh));
+    }
     info.sync_axes.push_back(sync);
     info.labels.push_back(label(op.name));
   }
@@ -669,19 +673,27 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   // ZeRO-3: every parameter unit (embedding, each layer, head) is gathered before it runs; the
   // next unit's gather is launched before waiting for the current one, so it overlaps this
   // unit's compute (FSDP's and DeepSpeed's prefetch of one unit ahead).
+  // DeepSpeed gathers and reduces tensor by tensor, FSDP a whole unit at once.
   struct ParamUnit {
     int tag;
     double params;
+    const std::vector<double>* tensors;
+  };
+  auto pieces = [&](const ParamUnit& u) {
+    return plan.comm.zero3_per_tensor ? *u.tensors : std::vector<double>{u.params};
   };
   auto gather = [&](const ParamUnit& u) {
-    Step l;
-    l.kind = StepKind::kDpLaunch;
-    l.collective = CollectiveKind::kAllGather;
-    l.axes = 1u << mesh.axis_index(kDataParallelAxis);
-    l.bytes = u.params * 2;
-    l.tag = u.tag;
-    l.label = label("param gather");
-    steps->push_back(l);
+    const auto parts = pieces(u);
+    for (size_t k = 0; k < parts.size(); ++k) {
+      Step l;
+      l.kind = StepKind::kDpLaunch;
+      l.collective = CollectiveKind::kAllGather;
+      l.axes = 1u << mesh.axis_index(kDataParallelAxis);
+      l.bytes = parts[k] * 2;
+      l.tag = k + 1 == parts.size() ? u.tag : -1;  // the stream is FIFO: the last one tells
+      l.label = label("param gather");
+      steps->push_back(l);
+    }
   };
   auto zero3_before = [&](const std::vector<ParamUnit>& order, size_t i) {
     if (zero != 3) return;
@@ -699,10 +711,11 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   const double grad_bytes =
       plan.comm.grad_reduce_bytes > 0 ? plan.comm.grad_reduce_bytes : plan.optimizer.grad_bytes;
   std::vector<ParamUnit> units;  // forward order
-  if (s.embedding) units.push_back({seg * 10000 + 9999, embed_params});
-  for (int l = s.first_layer; l < s.end_layer; ++l)
-    units.push_back({seg * 10000 + l, layer_params});
-  if (s.head) units.push_back({seg * 10000 + 9998, head_params});
+  if (s.embedding) units.push_back({seg * 10000 + 9999, embed_params, &embed.weight_tensors});
+  for (int l = s.first_layer; l < s.end_layer; ++l) {
+    units.push_back({seg * 10000 + l, layer_params, &layer.weight_tensors});
+  }
+  if (s.head) units.push_back({seg * 10000 + 9998, head_params, &head.weight_tensors});
   const std::vector<ParamUnit> backward_units(units.rbegin(), units.rend());
   size_t unit = 0;
 
@@ -793,25 +806,27 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       const bool sync_here =
           weight_grads && grad_sync && plan.comm.overlap_grad_reduce &&
           (plan.data_parallel() > 1 || bucket_axes != (1u << mesh.axis_index(kDataParallelAxis)));
-      auto grads_ready = [&](double params) {
+      auto grads_ready = [&](const ParamUnit& u) {
         if (!sync_here) return;
         if (zero == 3) {
-          Step rs;
-          rs.kind = StepKind::kDpLaunch;
-          rs.collective = CollectiveKind::kReduceScatter;
-          rs.axes = bucket_axes;
-          rs.bytes = params * grad_bytes;
-          rs.label = label(fmt::format("grad sync {}", s.name));
-          steps->push_back(rs);
+          for (double part : pieces(u)) {
+            Step rs;
+            rs.kind = StepKind::kDpLaunch;
+            rs.collective = CollectiveKind::kReduceScatter;
+            rs.axes = bucket_axes;
+            rs.bytes = part * grad_bytes;
+            rs.label = label(fmt::format("grad sync {}", s.name));
+            steps->push_back(rs);
+          }
         } else {
-          emit_grad_buckets(params * grad_bytes, pending, t.steps, seg);
+          emit_grad_buckets(u.params * grad_bytes, pending, t.steps, seg);
         }
       };
       if (s.head) {
         zero3_before(backward_units, unit++);
         emit_backward(head, layer_out, layer_out_grad, recomputed_ops(head, -1), input_grads,
                       weight_grads, t.steps);
-        grads_ready(head_params);
+        grads_ready(backward_units[unit - 1]);
       }
       for (int l = s.end_layer - 1; l >= s.first_layer; --l) {
         zero3_before(backward_units, unit++);
@@ -820,13 +835,13 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
           emit_forward(layer, layer_in(l), r, true, ComputeClass::kRecompute, t.steps);
         }
         emit_backward(layer, layer_in(l), layer_in_grad(l), r, input_grads, weight_grads, t.steps);
-        grads_ready(layer_params);
+        grads_ready(backward_units[unit - 1]);
       }
       if (s.embedding) {
         zero3_before(backward_units, unit++);
         emit_backward(embed, embed_out, embed_out_grad, recomputed_ops(embed, -1), input_grads,
                       weight_grads, t.steps);
-        grads_ready(embed_params);
+        grads_ready(backward_units[unit - 1]);
       }
       if (input_grads && send_to_prev) send(prev, true, s.embedding ? embed_out : layer_out);
       if (sync_here && pending > 0) {

@@ -199,6 +199,8 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     // DeepSpeed ZeRO and plain mixed precision: 16-bit weights and gradients, fp32 master copy
     // and moments (the 16 bytes per parameter of the ZeRO paper).
     plan.optimizer.grad_bytes = plan.precision == Precision::kFp32 ? 4 : 2;
+    // DeepSpeed's ZeRO-3 fetches and partitions each parameter tensor on its own.
+    plan.comm.zero3_per_tensor = o.framework == "deepspeed";
   } else if (o.framework != "megatron") {
     return Error(fmt::format("unknown framework '{}'{}", o.framework,
                              suggest(o.framework, {"megatron", "fsdp", "deepspeed", "other"})));

@@ -1,0 +1,108 @@
+// nnsim validate: the validation-set reader, its errors, and the accuracy regression bound on
+// shared/validation/dev.yaml (fails when accuracy drops).
+#include "validate/validate.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "validate/case_builder.h"
+
+namespace nnsim {
+namespace {
+
+const std::string kDevSet = std::string(NNSIM_SHARED_DIR) + "/validation/dev.yaml";
+
+const char* kOneCase = R"(schema: nnsim-validation/1
+cases:
+- id: tiny
+  source: a test
+  model: {family: gpt, layers: 4, hidden: 1024, heads: 16, kv_heads: 16, ffn_hidden: 4096,
+          mlp: gelu, vocab: 50257, seq_len: 1024, tied_embeddings: true, position: learned}
+  cluster: {gpu: a100-sxm4-80gb, nodes: 1, gpus_per_node: 8, nic_gbps: 200, nics_per_node: 8}
+  parallel: {tp: 2, pp: 2, dp: 2, cp: 1, ep: 1, vp: 1, micro_batch: 1, global_batch: 8,
+             recompute: none, sequence_parallel: true, zero: 1, precision: bf16,
+             framework: megatron}
+  measured: {iteration_time_s: 0.1, peak_memory_gib: 10}
+  assumed: [parallel.vp]
+)";
+
+TEST(ValidationSet, ReadsTheSchema) {
+  auto set = parse_validation_set(kOneCase, "one.yaml");
+  ASSERT_TRUE(set.ok()) << set.error().message();
+  ASSERT_EQ(set->size(), 1u);
+  const ValidationCase& c = set->front();
+  EXPECT_EQ(c.gpus(), 8);
+  EXPECT_DOUBLE_EQ(c.cluster.nic_bandwidth, 25e9);
+  EXPECT_FALSE(c.parallel_stated());
+  EXPECT_EQ(*c.measured.peak_memory_gib, 10);
+}
+
+TEST(ValidationSet, BadInputNamesTheFieldAndTheFix) {
+  std::string bad = kOneCase;
+  bad.replace(bad.find("schema: nnsim-validation/1"), 26, "schema: other/2");
+  auto r = parse_validation_set(bad, "bad.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("bad.yaml:1: field 'schema'"), std::string::npos)
+      << r.error().message();
+  bad = kOneCase;
+  bad.replace(bad.find("framework: megatron"), 19, "framework: megatronn");
+  r = parse_validation_set(bad, "bad.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("did you mean 'megatron'"), std::string::npos)
+      << r.error().message();
+}
+
+TEST(Validate, SimulatesACaseAndReportsItsError) {
+  auto set = parse_validation_set(kOneCase, "one.yaml");
+  ASSERT_TRUE(set.ok());
+  ValidateOptions o;
+  auto out = run_validation(*set, o);
+  ASSERT_EQ(out.size(), 1u);
+  ASSERT_TRUE(out[0].ok()) << out[0].status;
+  EXPECT_GT(out[0].predicted_s, 0);
+  EXPECT_NEAR(out[0].error_pct, 100 * (out[0].predicted_s - 0.1) / 0.1, 1e-9);
+  ASSERT_TRUE(out[0].memory_error_pct.has_value());
+}
+
+TEST(Validate, ACaseThatCannotBeSimulatedIsAFailureWithItsReason) {
+  std::string bad = kOneCase;
+  bad.replace(bad.find("tp: 2, pp: 2, dp: 2"), 19, "tp: 3, pp: 2, dp: 2");
+  auto set = parse_validation_set(bad, "one.yaml");
+  ASSERT_TRUE(set.ok());
+  auto out = run_validation(*set, {});
+  ASSERT_FALSE(out[0].ok());
+  EXPECT_NE(out[0].status.find("tiny"), std::string::npos) << out[0].status;
+  ValidationSummary s = summarize(out);
+  EXPECT_EQ(s.failures, 1);
+  EXPECT_EQ(s.time.count, 0);
+}
+
+TEST(Validate, ErrorStatisticsInterpolatePercentiles) {
+  ErrorStats s = error_stats({4, 1, 3, 2, 10});
+  EXPECT_DOUBLE_EQ(s.median, 3);
+  EXPECT_DOUBLE_EQ(s.p90, 4 + 0.6 * 6);
+  EXPECT_DOUBLE_EQ(s.max, 10);
+  EXPECT_DOUBLE_EQ(s.mean, 4);
+}
+
+// The regression bound: the accuracy docs/VALIDATION.md reports, with a small margin. Tighten
+// it when the model improves; it fails when a change makes predictions worse.
+TEST(Validate, DevSetAccuracyRegressionBound) {
+  if (!std::filesystem::exists(kDevSet)) GTEST_SKIP() << "no " << kDevSet;
+  auto set = load_validation_set(kDevSet);
+  ASSERT_TRUE(set.ok()) << set.error().message();
+  ValidateOptions o;
+  o.jobs = 2;
+  auto out = run_validation(*set, o);
+  ValidationSummary s = summarize(out);
+  for (const auto& c : out) EXPECT_TRUE(c.ok()) << c.id << ": " << c.status;
+  EXPECT_EQ(s.failures, 0);
+  EXPECT_LE(s.time.median, 7.0);
+  EXPECT_LE(s.time.p90, 25.0);
+  EXPECT_LE(s.time_stated.median, 7.0);
+  EXPECT_LE(s.time_stated.p90, 13.0);
+}
+
+}  // namespace
+}  // namespace nnsim
