@@ -1094,6 +1094,10 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
                            : options.compute_model;
   prog.comm_model = options.use_default_comm_model ? CommModel::defaults_for(topology.gpu)
                                                    : options.comm_model;
+  if (options.calibration) {
+    apply_calibration(*options.calibration, topology.gpu.name, prog.compute_model,
+                      prog.comm_model);
+  }
   prog.algorithm = plan.comm.algorithm == "ring"   ? Algorithm::kRing
                    : plan.comm.algorithm == "tree" ? Algorithm::kTree
                                                    : Algorithm::kAuto;

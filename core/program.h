@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/calibration.h"
 #include "core/collective.h"
 #include "core/cost_model.h"
 #include "core/layout.h"
@@ -123,6 +124,8 @@ struct CompileOptions {
   bool use_default_compute_model = true;  // ComputeModel::defaults_for(topology GPU)
   CommModel comm_model;
   bool use_default_comm_model = true;  // CommModel::defaults_for(topology GPU)
+  // Applied on top of the default models when set (its entry for the topology's GPU).
+  const Calibration* calibration = nullptr;
 };
 
 // Checks the plan against the model and topology and compiles it. Errors say what is wrong and

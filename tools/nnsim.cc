@@ -87,6 +87,7 @@ struct SimulateArgs {
   std::string fidelity = "symmetric";
   bool allow_oom = false;
   bool no_fold = false;
+  std::string calib;
 };
 
 void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
@@ -108,6 +109,8 @@ void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
   app->add_flag("--no-fold", a.no_fold,
                 "run every collective as SimGrid activities, even those whose links nothing else "
                 "crosses (slower; the same result)");
+  app->add_option("--calib", a.calib,
+                  "calibration file (HDF5) replacing the cost model's constants for its GPUs");
   app->add_flag("--allow-oom", a.allow_oom,
                 "simulate even when the plan does not fit in GPU memory (still exits non-zero)");
 }
@@ -174,7 +177,14 @@ int run_simulate(const SimulateArgs& a) {
   if (!topo) return fail(topo.error().message());
   Expected<Plan> plan = load_plan(a.plan);
   if (!plan) return fail(plan.error().message());
-  Expected<Program> prog = compile_plan(*plan, *topo);
+  CompileOptions compile;
+  Expected<Calibration> calib = Calibration{};
+  if (!a.calib.empty()) {
+    calib = load_calibration(a.calib);
+    if (!calib) return fail(calib.error().message());
+    compile.calibration = &*calib;
+  }
+  Expected<Program> prog = compile_plan(*plan, *topo, compile);
   if (!prog) return fail(fmt::format("{}: {}", a.plan, prog.error().message()));
   Status fits = check_memory_fits(*prog);
   if (!fits && !a.allow_oom) return fail(fits.error().message());
@@ -260,6 +270,7 @@ int run_plan(PlanArgs& a) {
 struct ValidateArgs {
   std::string set;
   std::string json;
+  std::string calib;
   int jobs = 0;
 };
 
@@ -267,6 +278,12 @@ int run_validate(const ValidateArgs& a) {
   Expected<std::vector<ValidationCase>> cases = load_validation_set(a.set);
   if (!cases) return fail(cases.error().message());
   ValidateOptions opts;
+  Expected<Calibration> calib = Calibration{};
+  if (!a.calib.empty()) {
+    calib = load_calibration(a.calib);
+    if (!calib) return fail(calib.error().message());
+    opts.compile.calibration = &*calib;
+  }
   opts.jobs = a.jobs > 0 ? a.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   Progress progress("validating");
   opts.progress = [&progress](int done, int all) {
@@ -360,6 +377,19 @@ int main(int argc, char** argv) {
       ->required();
   validate_cmd->add_option("--json", validate.json, "write per-case results and the summary");
   validate_cmd->add_option("--jobs", validate.jobs, "simulations run at once (default: cores)");
+  validate_cmd->add_option("--calib", validate.calib,
+                           "calibration file (HDF5) replacing the cost model's constants");
+
+  std::vector<std::string> export_gpus;
+  std::string export_out, export_attention = "flash2";
+  CLI::App* calib_cmd = app.add_subcommand("calibration", "calibration files");
+  CLI::App* export_cmd =
+      calib_cmd->add_subcommand("export", "write the built-in cost model as a calibration file");
+  export_cmd->add_option("--gpu", export_gpus, "catalog GPU (repeatable)")->required();
+  export_cmd->add_option("--attention", export_attention, "attention kernels: flash2 or fused3")
+      ->check(CLI::IsMember({"flash2", "fused3"}));
+  export_cmd->add_option("-o,--output", export_out, "the HDF5 file to write")->required();
+  calib_cmd->require_subcommand(1);
 
   try {
     app.parse(argc, argv);
@@ -376,6 +406,21 @@ int main(int argc, char** argv) {
   if (simulate_cmd->parsed()) return run_simulate(sim);
   if (plan_cmd->parsed()) return run_plan(plan);
   if (validate_cmd->parsed()) return run_validate(validate);
+  if (export_cmd->parsed()) {
+    Calibration c;
+    for (const auto& name : export_gpus) {
+      Expected<GpuSpec> gpu = find_gpu(name);
+      if (!gpu) return fail("--gpu: " + gpu.error().message());
+      const AttentionLibrary lib =
+          export_attention == "fused3" ? AttentionLibrary::kFused3 : AttentionLibrary::kFlash2;
+      c.gpus[name] = describe_models(ComputeModel::defaults_for(*gpu, lib),
+                                     CommModel::defaults_for(*gpu),
+                                     "nnsim built-in defaults (docs/cost-model.md)");
+    }
+    if (Status s = save_calibration(export_out, c); !s) return fail(s.error().message());
+    std::printf("wrote %s\n", export_out.c_str());
+    return 0;
+  }
   if (top.topo.empty() || top.plan.empty()) {
     std::fprintf(stderr, "%s", app.help().c_str());
     return fail("give a topology and a plan: nnsim --topo TOPOLOGY.yaml plan.json");

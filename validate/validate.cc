@@ -44,7 +44,8 @@ CaseOutcome run_case_timed(const ValidationCase& c, const ValidateOptions& optio
   if (!topo) return fail(topo.error());
   Expected<Plan> plan = case_plan(c, *topo);
   if (!plan) return fail(plan.error());
-  Expected<Program> prog = compile_plan(*plan, *topo, options.compile);
+  CompileOptions compile = options.compile;
+  Expected<Program> prog = compile_plan(*plan, *topo, compile);
   if (!prog) return fail(prog.error());
   // Out-of-memory plans are still simulated: the measured run did fit, and the predicted peak
   // is compared below.
