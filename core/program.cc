@@ -121,6 +121,14 @@ struct Compiler {
                       bool first_forward);
   void emit_grad_buckets(double bytes, double& pending, std::vector<Step>& steps, int segment);
   double segment_params(int segment) const;
+  // Devices the optimizer state is sharded over (the size of the bucket group).
+  int shard_degree() const {
+    int n = 1;
+    for (size_t a = 0; a < mesh.axes.size(); ++a) {
+      if (bucket_axes & (1u << a)) n *= mesh.axes[a].size;
+    }
+    return n;
+  }
   // ZeRO-1/2 parameter buckets of a segment in forward order: (index of the first parameter
   // unit, parameters). Units are the embedding, each layer and the head; buckets hold about
   // the data-parallel bucket size of parameters.
@@ -184,11 +192,18 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
     double fb = op.fwd_bytes / f;
     double bb = op.bwd_bytes / f;
     PieceShape shape;
+    // fp8 training runs the transformer blocks' linear layers in fp8; the output projection
+    // (and everything that is not a linear layer) stays in bf16 (Transformer Engine modules
+    // replace only the blocks' linears; torchao's float8 skips the output layer too).
+    const bool fp8 = plan.precision == Precision::kFp8 && part.ops.size() > 0 &&
+                     &part == &prog.graph.layer;
+    const Precision precision =
+        plan.precision == Precision::kFp8 && !fp8 ? Precision::kBf16 : plan.precision;
     if (op.kind == OpKind::kLinear) {
       shape.m = op.gemm.m / p.factor(DimSet{Dim::kBatch, Dim::kSeq}, mesh);
       shape.n = op.gemm.n / p.factor(op.gemm.n_dim, mesh);
       shape.k = op.gemm.k / p.factor(op.gemm.k_dim, mesh);
-      if (plan.precision == Precision::kFp8) {
+      if (fp8) {
         // Transformer Engine casts the GEMM inputs to fp8 (read 16-bit, write 8-bit): the
         // activation in the forward, the output gradient twice (and the activation's transpose)
         // in the backward.
@@ -201,16 +216,16 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
     }
     const ComputeModel& cm = prog.compute_model;
     info.fwd_seconds.push_back(op_seconds(op, Pass::kForward, info.fwd_flops.back(), fb, shape,
-                                          plan.precision, gpu, cm));
+                                          precision, gpu, cm));
     // Weight-gradient kernels move about half of the backward traffic of a matmul.
     const bool has_weight_grad = op.bwd_weight_flops > 0;
     info.bwd_input_seconds.push_back(op_seconds(op, Pass::kBackwardInput,
                                                 info.bwd_input_flops.back(),
                                                 has_weight_grad ? bb / 2 : bb, shape,
-                                                plan.precision, gpu, cm));
+                                                precision, gpu, cm));
     info.bwd_weight_seconds.push_back(
         has_weight_grad ? op_seconds(op, Pass::kBackwardWeight, info.bwd_weight_flops.back(),
-                                     bb / 2, shape, plan.precision, gpu, cm)
+                                     bb / 2, shape, precision, gpu, cm)
                         : 0.0);
     double params = 0;
     uint32_t sync = 0;
@@ -688,7 +703,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       Step l;
       l.kind = StepKind::kDpLaunch;
       l.collective = CollectiveKind::kAllGather;
-      l.axes = 1u << mesh.axis_index(kDataParallelAxis);
+      l.axes = bucket_axes;
       l.bytes = parts[k] * 2;
       l.tag = k + 1 == parts.size() ? u.tag : -1;  // the stream is FIFO: the last one tells
       l.label = label("param gather");
@@ -1047,7 +1062,9 @@ Status Compiler::build_lanes() {
 
 void Compiler::build_memory(Lane& lane, const std::vector<int>& segments) {
   const int zero = plan.optimizer.zero;
-  const int dp = plan.data_parallel();
+  // ZeRO shards over the gradient-sync group: data parallel, with context parallel when there
+  // is one (Megatron's distributed optimizer and FSDP both shard over dp x cp).
+  const int dp = shard_degree();
   double params = 0;
   for (int s : segments) params += segment_params(s);
   lane.parameters = params;
@@ -1234,7 +1251,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     }
     c.build_memory(lane, segs);
     double local_params = lane.parameters;
-    if (zero >= 1) local_params /= prog.replicas;
+    if (zero >= 1) local_params /= c.shard_degree();
     Step opt;
     opt.kind = StepKind::kCompute;
     opt.compute_class = ComputeClass::kOptimizer;

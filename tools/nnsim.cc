@@ -24,6 +24,8 @@
 #include "sim/report.h"
 #include "sim/simulator.h"
 #include "sim/trace.h"
+#include "core/suggest.h"
+#include "validate/case_builder.h"
 #include "validate/validate.h"
 
 namespace nnsim {
@@ -271,12 +273,39 @@ struct ValidateArgs {
   std::string set;
   std::string json;
   std::string calib;
+  std::vector<std::string> only;
+  std::string plans_dir;
   int jobs = 0;
 };
 
 int run_validate(const ValidateArgs& a) {
   Expected<std::vector<ValidationCase>> cases = load_validation_set(a.set);
   if (!cases) return fail(cases.error().message());
+  if (!a.only.empty()) {
+    std::vector<ValidationCase> kept;
+    std::vector<std::string> ids;
+    for (const auto& c : *cases) ids.push_back(c.id);
+    for (const auto& id : a.only) {
+      auto it = std::find_if(cases->begin(), cases->end(),
+                             [&](const ValidationCase& c) { return c.id == id; });
+      if (it == cases->end()) return fail(fmt::format("--only: no case '{}'{}", id, suggest(id, ids)));
+      kept.push_back(*it);
+    }
+    *cases = kept;
+  }
+  if (!a.plans_dir.empty()) {
+    // The plans exactly as simulated, for inspection or for `nnsim simulate`.
+    for (const auto& c : *cases) {
+      Expected<Topology> topo = case_topology(c);
+      if (!topo) continue;
+      Expected<Plan> plan = case_plan(c, *topo);
+      if (!plan) continue;
+      std::string error;
+      if (!write_file(a.plans_dir + "/" + c.id + ".json", plan_to_json(*plan), &error)) {
+        return fail(error);
+      }
+    }
+  }
   ValidateOptions opts;
   Expected<Calibration> calib = Calibration{};
   if (!a.calib.empty()) {
@@ -377,6 +406,9 @@ int main(int argc, char** argv) {
       ->required();
   validate_cmd->add_option("--json", validate.json, "write per-case results and the summary");
   validate_cmd->add_option("--jobs", validate.jobs, "simulations run at once (default: cores)");
+  validate_cmd->add_option("--only", validate.only, "simulate only these case ids");
+  validate_cmd->add_option("--write-plans", validate.plans_dir,
+                           "write every case's plan (as simulated) into this folder");
   validate_cmd->add_option("--calib", validate.calib,
                            "calibration file (HDF5) replacing the cost model's constants");
 
