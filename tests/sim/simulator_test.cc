@@ -150,6 +150,26 @@ TEST(Simulator, LoneRingAllReduceMatchesTheRingFormula) {
   EXPECT_NEAR((*r)[0], expected2, 0.02 * expected2);
 }
 
+TEST(Simulator, NcclModelReproducesTheNcclTestsTablesItCameFrom) {
+  // refs.yaml nccl-allreduce-dgx-a100-8gpu / -h100-8gpu: 8-GPU all-reduce times, microseconds.
+  struct Point {
+    double bytes, us;
+  };
+  const std::vector<std::pair<std::string, std::vector<Point>>> tables = {
+      {"dgx-a100x4", {{16777216, 276.6}, {268435456, 2420.6}, {1073741824, 8203.9}}},
+      {"h200x8", {{16777216, 123.8}, {268435456, 1112.5}, {1073741824, 4029.4}}}};
+  for (const auto& [preset, points] : tables) {
+    const Topology t = load(preset);
+    for (const Point& p : points) {
+      CommRequest ar{CommRequest::Kind::kCollective, CollectiveKind::kAllReduce,
+                     Algorithm::kRing, {0, 1, 2, 3, 4, 5, 6, 7}, p.bytes};
+      auto r = simulate_communication(t, CommModel::defaults_for(t.gpu), {ar});
+      ASSERT_TRUE(r.ok()) << r.error().message();
+      EXPECT_NEAR((*r)[0] * 1e6, p.us, 0.02 * p.us) << preset << " " << p.bytes;
+    }
+  }
+}
+
 TEST(Simulator, TwoFlowsSharingALinkGetHalfEach) {
   const Topology t = load("dgx-a100x4");
   const double S = 1e9;
