@@ -1,18 +1,13 @@
 #include "core/schedule_check.h"
 
-#include <map>
-#include <tuple>
+#include <vector>
 
 #include <fmt/format.h>
 
 namespace nnsim {
 namespace {
 
-// Index of a block within its order, by (kind, micro-batch, segment).
-using BlockKey = std::tuple<int, int, int>;
-BlockKey key(BlockKind k, int mb, int seg) {
-  return {static_cast<int>(k), mb, seg};
-}
+constexpr int kBlockKinds = 5;
 
 }  // namespace
 
@@ -23,8 +18,13 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
   for (int s = 0; s < num_segments; ++s) {
     if (next_segment[s] >= 0) prev_segment[next_segment[s]] = s;
   }
-  // Per order: where each block sits.
-  std::vector<std::map<BlockKey, int>> position(orders.size());
+  // Dense tables indexed by (kind, micro-batch, segment): where each block sits in its order
+  // (a segment belongs to one order), and whether it has run.
+  auto key = [&](BlockKind k, int mb, int seg) {
+    return (static_cast<size_t>(k) * micro_batches + mb) * num_segments + seg;
+  };
+  const size_t table = static_cast<size_t>(kBlockKinds) * micro_batches * num_segments;
+  std::vector<int> position(table, -1);
   for (size_t o = 0; o < orders.size(); ++o) {
     const auto& ord = orders[o];
     for (size_t i = 0; i < ord.blocks.size(); ++i) {
@@ -47,18 +47,17 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
                         "not this order's devices",
                         ord.name, to_string(b), b.segment));
       }
-      auto [it, inserted] =
-          position[o].emplace(key(b.kind, b.micro_batch, b.segment), static_cast<int>(i));
-      if (!inserted) {
+      int& at = position[key(b.kind, b.micro_batch, b.segment)];
+      if (at >= 0) {
         return Error(fmt::format("schedule of {}: block {} appears twice (positions {} and {})",
-                                 ord.name, to_string(b), it->second, i));
+                                 ord.name, to_string(b), at, i));
       }
+      at = static_cast<int>(i);
     }
   }
   // Completeness and the order of each micro-batch's own blocks on its device.
-  auto find = [&](int o, BlockKind k, int mb, int seg) {
-    auto it = position[o].find(key(k, mb, seg));
-    return it == position[o].end() ? -1 : it->second;
+  auto find = [&](int /*order*/, BlockKind k, int mb, int seg) {
+    return position[key(k, mb, seg)];
   };
   for (int s = 0; s < num_segments; ++s) {
     int o = lane_of_segment[s];
@@ -121,8 +120,8 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
   // Deadlock: replay every order, a block may run once the blocks it receives data from have
   // run. If no order can make progress before all are done, report what each waits for.
   std::vector<size_t> next(orders.size(), 0);
-  std::map<BlockKey, bool> done;
-  auto is_done = [&](BlockKind k, int mb, int seg) { return done.count(key(k, mb, seg)) > 0; };
+  std::vector<char> done(table, 0);
+  auto is_done = [&](BlockKind k, int mb, int seg) { return done[key(k, mb, seg)] != 0; };
   auto backward_done = [&](int mb, int seg) {
     return is_done(BlockKind::kBackward, mb, seg) || is_done(BlockKind::kBackwardInput, mb, seg);
   };
@@ -153,7 +152,7 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
       while (next[o] < orders[o].blocks.size()) {
         const Block& b = orders[o].blocks[next[o]];
         if (!waits_for(b).empty()) break;
-        done[key(b.kind, b.micro_batch, b.segment)] = true;
+        done[key(b.kind, b.micro_batch, b.segment)] = 1;
         ++next[o];
         ++finished;
         progress = true;

@@ -134,7 +134,18 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                           to_string(o.recompute), o.zero);
   plan.mesh.axes = {{"dp", dp}, {"pp", o.pp}, {"cp", o.cp}, {"tp", o.tp}};
   // Megatron's rank order tp-cp-dp-pp: tensor parallel fastest, pipeline slowest.
-  plan.placement.factors = {{"pp", o.pp}, {"dp", dp}, {"cp", o.cp}, {"tp", o.tp}};
+  plan.placement.factors.clear();
+  for (const auto& axis : o.placement) {
+    const int size = plan.mesh.axis_size(axis);
+    if (plan.mesh.axis_index(axis) < 0) {
+      return Error(fmt::format("placement names axis '{}'{}", axis,
+                               suggest(axis, {"pp", "dp", "cp", "tp"})));
+    }
+    plan.placement.factors.push_back({axis, size});
+  }
+  if (plan.placement.factors.size() != 4) {
+    return Error("placement must name each of pp, dp, cp and tp once");
+  }
 
   int first = 0;
   for (int i = 0; i < segments; ++i) {

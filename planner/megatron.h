@@ -42,6 +42,9 @@ struct MegatronOptions {
   // Overlap tensor-parallel all-gathers / reduce-scatters with the neighbouring GEMMs
   // (Transformer Engine's --tp-comm-overlap).
   bool tp_comm_overlap = false;
+  // Rank placement, outermost axis first (the innermost varies fastest over GPU indices):
+  // Megatron's default puts tensor parallelism innermost, pipeline outermost.
+  std::vector<std::string> placement = {"pp", "dp", "cp", "tp"};
   // Whose conventions for gradient and optimizer precision: megatron, fsdp (PyTorch FSDP),
   // deepspeed, other (plain data parallelism). See docs/plan.md.
   std::string framework = "megatron";

@@ -21,6 +21,7 @@
 #include "core/topology.h"
 #include "core/units.h"
 #include "planner/megatron.h"
+#include "planner/search.h"
 #include "sim/report.h"
 #include "sim/simulator.h"
 #include "sim/trace.h"
@@ -227,7 +228,105 @@ struct PlanArgs {
   std::string schedule = "1f1b";
   std::string precision;
   std::string output;
+  // Search.
+  bool search = false;
+  std::string constraints;
+  int top = 10;
+  int confirm = 5;
+  int jobs = 0;
+  std::string csv;
+  SearchPins pins;  // what was given on the command line
 };
+
+std::string csv_escape(const std::string& s) {
+  return s.find(',') == std::string::npos ? s : "\"" + s + "\"";
+}
+
+int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
+  SearchOptions so;
+  so.global_batch = a.o.global_batch;
+  so.precision = a.o.precision;
+  so.framework = a.o.framework;
+  so.tp_comm_overlap = a.o.tp_comm_overlap;
+  so.pins = a.pins;
+  so.top = a.top;
+  so.confirm = a.confirm;
+  so.jobs = a.jobs > 0 ? a.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (!a.constraints.empty()) {
+    Expected<Constraints> c = load_constraints(a.constraints);
+    if (!c) return fail(c.error().message());
+    so.constraints = *c;
+  }
+  Progress progress("searching");
+  so.progress = [&progress](const std::string& phase, size_t done, size_t all) {
+    progress.update(phase == "estimating" ? 0.9 * done / all : 0.9 + 0.1 * done / all);
+  };
+  so.simulate = [](const Program& p) -> Expected<double> {
+    Expected<SimResult> r = simulate(p);
+    if (!r) return r.error();
+    return r->iteration_time;
+  };
+  Expected<SearchResult> r = search_plans(model, topo, so);
+  progress.done();
+  if (!r) return fail(r.error().message());
+  std::printf("searched %zu candidates (%zu compiled and estimated, %zu confirmed by simulation)\n",
+              r->enumerated, r->evaluated, r->confirmed);
+  std::printf("%4s  %-60s %11s %11s %10s %6s\n", "rank", "plan", "estimated", "simulated",
+              "peak mem", "MFU");
+  int rank = 0;
+  for (const Candidate& c : r->ranked) {
+    const double mfu = c.simulated ? c.estimate.mfu * c.estimate.iteration_time / *c.simulated
+                                   : c.estimate.mfu;
+    std::printf("%4d  %-60s %11s %11s %10s %5.1f%%\n", ++rank, c.describe().c_str(),
+                format_seconds(c.estimate.iteration_time).c_str(),
+                c.simulated ? format_seconds(*c.simulated).c_str() : "-",
+                format_bytes(c.estimate.peak_memory).c_str(), 100 * mfu);
+  }
+  if (r->best_per_placement.size() > 1) {
+    std::printf("best plan per rank placement:\n");
+    for (const Candidate& c : r->best_per_placement) {
+      std::printf("      %-60s %11s  (%s)\n", c.describe().c_str(), format_seconds(c.time()).c_str(),
+                  c.placement.c_str());
+    }
+  }
+  if (!r->rejected.empty()) {
+    std::printf("faster plans that lost:\n");
+    for (const Candidate& c : r->rejected) {
+      if (c.estimate.iteration_time >= r->ranked.front().time()) continue;
+      std::printf("      %-60s %11s  %s\n", c.describe().c_str(),
+                  format_seconds(c.estimate.iteration_time).c_str(), c.status.c_str());
+    }
+  }
+  std::printf("candidates removed:");
+  for (const auto& [why, n] : r->rejections) std::printf(" %s %zu;", why.c_str(), n);
+  std::printf("\n");
+  if (r->rank_pairs > 0) {
+    std::printf("estimator vs simulator: %zu of %zu pairs of confirmed plans ranked differently\n",
+                r->rank_disagreements, r->rank_pairs);
+  }
+  std::string error;
+  if (!a.csv.empty()) {
+    std::string csv =
+        "rank,plan,tp,pp,vpp,cp,dp,micro_batch,sequence_parallel,recompute,zero,schedule,"
+        "placement,estimated_s,simulated_s,peak_memory_bytes,mfu,status\n";
+    int k = 0;
+    auto row = [&](const Candidate& c, const std::string& rank_text) {
+      const MegatronOptions& o = c.options;
+      csv += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", rank_text,
+                         csv_escape(c.describe()), o.tp, o.pp, o.vpp, o.cp, o.dp, o.micro_batch,
+                         o.sequence_parallel ? 1 : 0, to_string(o.recompute), o.zero,
+                         to_string(o.schedule), c.placement, c.estimate.iteration_time,
+                         c.simulated ? fmt::format("{}", *c.simulated) : "",
+                         c.estimate.peak_memory, c.estimate.mfu, csv_escape(c.status));
+    };
+    for (const Candidate& c : r->ranked) row(c, std::to_string(++k));
+    for (const Candidate& c : r->rejected) row(c, "");
+    if (!write_file(a.csv, csv, &error)) return fail(error);
+  }
+  if (!write_file(a.output, plan_to_json(r->best), &error)) return fail(error);
+  std::printf("wrote %s: %s\n", a.output.c_str(), r->best.name.c_str());
+  return 0;
+}
 
 int run_plan(PlanArgs& a) {
   Expected<ModelSpec> model = load_model(a.model);
@@ -255,6 +354,7 @@ int run_plan(PlanArgs& a) {
     }
     if (!found) return fail("--precision: expected one of fp32, tf32, bf16, fp16, fp8");
   }
+  if (a.search) return run_search(a, *model, *topo);
   Expected<Plan> plan = build_megatron_plan(*model, *topo, a.o);
   if (!plan) return fail(plan.error().message());
   // The plan must compile on its topology: check now rather than at simulation time.
@@ -398,6 +498,14 @@ int main(int argc, char** argv) {
                    "layers per segment (pp x vpp numbers), default as even as possible")
       ->delimiter(',');
   plan_cmd->add_option("-o,--output", plan.output, "where to write plan.json")->required();
+  plan_cmd->add_flag("--search", plan.search,
+                     "search the choices not given (implied when --tp or --pp is missing)");
+  plan_cmd->add_option("--constraints", plan.constraints, "constraints file (YAML) for the search");
+  plan_cmd->add_option("--top", plan.top, "plans shown in the ranked table (default 10)");
+  plan_cmd->add_option("--confirm", plan.confirm,
+                       "best estimates confirmed by simulation (default 5)");
+  plan_cmd->add_option("--jobs", plan.jobs, "candidates evaluated at once (default: cores)");
+  plan_cmd->add_option("--csv", plan.csv, "write the ranked and rejected plans as CSV");
 
   ValidateArgs validate;
   CLI::App* validate_cmd =
@@ -436,7 +544,31 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (simulate_cmd->parsed()) return run_simulate(sim);
-  if (plan_cmd->parsed()) return run_plan(plan);
+  if (plan_cmd->parsed()) {
+    // What the user pinned; the search explores the rest.
+    auto given = [&](const char* name) { return plan_cmd->count(name) > 0; };
+    SearchPins& p = plan.pins;
+    if (given("--tp")) p.tp = plan.o.tp;
+    if (given("--pp")) p.pp = plan.o.pp;
+    if (given("--dp")) p.dp = plan.o.dp;
+    if (given("--cp")) p.cp = plan.o.cp;
+    if (given("--vpp")) p.vpp = plan.o.vpp;
+    if (given("--micro-batch")) p.micro_batch = plan.o.micro_batch;
+    if (given("--zero")) p.zero = plan.o.zero;
+    if (given("--sequence-parallel")) p.sequence_parallel = true;
+    if (given("--recompute")) {
+      Expected<RecomputeMode> r = parse_recompute_mode(plan.recompute);
+      if (!r) return fail("--recompute: " + r.error().message());
+      p.recompute = *r;
+    }
+    if (given("--schedule")) {
+      Expected<ScheduleKind> s = parse_schedule_kind(plan.schedule);
+      if (!s) return fail("--schedule: " + s.error().message());
+      p.schedule = *s;
+    }
+    if (!p.tp || !p.pp) plan.search = true;
+    return run_plan(plan);
+  }
   if (validate_cmd->parsed()) return run_validate(validate);
   if (export_cmd->parsed()) {
     Calibration c;

@@ -1,0 +1,250 @@
+#include "planner/estimator.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <tuple>
+#include <unordered_map>
+
+#include "core/collective.h"
+#include "core/memory_check.h"
+
+namespace nnsim {
+
+namespace {
+
+// A template reduced to what matters for timing: fixed delays between synchronization points.
+struct Op {
+  enum Kind { kDelay, kRecv, kSend, kDpLaunch, kDpWait } kind = kDelay;
+  double seconds = 0;       // kDelay: busy time; kSend / kDpLaunch: communication time
+  double compute = 0;       // kDelay: of which compute (the rest is blocking communication)
+  int peer = -1;            // kRecv / kSend: the other segment
+  bool gradient = false;
+  int tag = -1;             // kDpLaunch / kDpWait
+};
+
+class Estimator {
+ public:
+  explicit Estimator(const Program& p) : prog_(p), net_(p.topology) {}
+
+  Estimate run();
+
+ private:
+  double collective_seconds(const Lane& lane, const Step& s);
+  double transfer_seconds(const Lane& lane, const Step& s);
+  const std::vector<Op>& ops(int lane, int template_index, const std::vector<Step>& steps);
+  std::vector<Op> reduce(int lane, const std::vector<Step>& steps);
+
+  const Program& prog_;
+  Network net_;
+  LinkLoadScratch scratch_;
+  std::map<std::tuple<int, int>, std::vector<Op>> ops_;  // (lane, template)
+  std::map<std::tuple<int, uint32_t, int, int, double>, double> collective_cache_;
+  std::vector<int> lane_of_segment_;
+};
+
+double Estimator::collective_seconds(const Lane& lane, const Step& s) {
+  auto key = std::make_tuple(s.group >= 0 ? -1 - s.group : 0, s.axes,
+                             static_cast<int>(s.collective), lane.ranks.front(), s.bytes);
+  auto it = collective_cache_.find(key);
+  if (it != collective_cache_.end()) return it->second;
+  std::vector<int> ranks = s.group >= 0 ? prog_.explicit_groups[s.group].front()
+                                        : prog_.group_of(lane.ranks.front(), s.axes);
+  std::vector<int> gpus;
+  for (int r : ranks) gpus.push_back(prog_.gpu_of_rank[r]);
+  CollectiveFlows c =
+      decompose_collective(s.collective, gpus, s.bytes, prog_.algorithm, net_, prog_.comm_model);
+  double t = isolated_seconds(c, net_, scratch_);
+  collective_cache_.emplace(key, t);
+  return t;
+}
+
+double Estimator::transfer_seconds(const Lane& lane, const Step& s) {
+  const Lane& peer = prog_.lanes[lane_of_segment_[s.peer_segment]];
+  CollectiveFlows c = decompose_transfer({lane.gpus.front()}, {peer.gpus.front()}, s.bytes, net_,
+                                         prog_.comm_model);
+  return isolated_seconds(c, net_, scratch_);
+}
+
+std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps) {
+  const Lane& lane = prog_.lanes[lane_index];
+  std::vector<Op> out;
+  auto delay = [&](double seconds, double compute) {
+    if (out.empty() || out.back().kind != Op::kDelay) out.push_back(Op{});
+    out.back().seconds += seconds;
+    out.back().compute += compute;
+  };
+  for (const Step& s : steps) {
+    switch (s.kind) {
+      case StepKind::kCompute: delay(s.seconds, s.seconds); break;
+      case StepKind::kCollective: {
+        const double comm = collective_seconds(lane, s);
+        delay(std::max(comm, s.seconds), s.seconds);
+        break;
+      }
+      case StepKind::kRecv: {
+        Op o;
+        o.kind = Op::kRecv;
+        o.peer = s.peer_segment;
+        o.gradient = s.gradient;
+        out.push_back(o);
+        break;
+      }
+      case StepKind::kSend: {
+        Op o;
+        o.kind = Op::kSend;
+        o.peer = s.peer_segment;
+        o.gradient = s.gradient;
+        o.seconds = transfer_seconds(lane, s);
+        out.push_back(o);
+        break;
+      }
+      case StepKind::kDpLaunch: {
+        Op o;
+        o.kind = Op::kDpLaunch;
+        o.seconds = collective_seconds(lane, s);
+        o.tag = s.tag;
+        out.push_back(o);
+        break;
+      }
+      case StepKind::kDpWait: {
+        Op o;
+        o.kind = Op::kDpWait;
+        o.tag = s.tag;
+        out.push_back(o);
+        break;
+      }
+      case StepKind::kMemory: break;
+    }
+  }
+  return out;
+}
+
+const std::vector<Op>& Estimator::ops(int lane, int template_index,
+                                      const std::vector<Step>& steps) {
+  auto key = std::make_tuple(lane, template_index);
+  auto it = ops_.find(key);
+  if (it != ops_.end()) return it->second;
+  return ops_.emplace(key, reduce(lane, steps)).first->second;
+}
+
+Estimate Estimator::run() {
+  const size_t lanes = prog_.lanes.size();
+  lane_of_segment_.assign(prog_.plan.segments.size(), 0);
+  for (size_t l = 0; l < lanes; ++l) {
+    for (const auto& b : prog_.lanes[l].blocks) lane_of_segment_[b.block.segment] = l;
+  }
+  struct LaneState {
+    double time = 0;
+    double compute = 0;
+    double dp_free = 0;                 // when the data-parallel stream is next free
+    double dp_last = 0;                 // when the last launched item ends
+    std::map<int, double> tag_done;     // tag -> when its last launch ends
+    size_t block = 0;                   // next block (lanes' prologue is block "-1")
+    size_t op = 0;                      // next op within it
+    int phase = 0;                      // 0 prologue, 1 blocks, 2 epilogue, 3 done
+  };
+  std::vector<LaneState> st(lanes);
+  // Arrival time of transfers by (from, to, gradient, micro-batch).
+  std::map<std::tuple<int, int, bool, int>, double> arrival;
+
+  auto current_ops = [&](size_t l) -> const std::vector<Op>* {
+    const Lane& lane = prog_.lanes[l];
+    LaneState& s = st[l];
+    if (s.phase == 0) return &ops(static_cast<int>(l), -1, lane.prologue);
+    if (s.phase == 1) {
+      const BlockInstance& b = lane.blocks[s.block];
+      return &ops(static_cast<int>(l), b.template_index, prog_.templates[b.template_index].steps);
+    }
+    return &ops(static_cast<int>(l), -2, lane.epilogue);
+  };
+  auto advance_phase = [&](LaneState& s, const Lane& lane) {
+    s.op = 0;
+    if (s.phase == 0) {
+      s.phase = lane.blocks.empty() ? 2 : 1;
+    } else if (s.phase == 1) {
+      if (++s.block >= lane.blocks.size()) s.phase = 2;
+    } else {
+      s.phase = 3;
+    }
+  };
+
+  size_t done = 0;
+  bool progress = true;
+  while (done < lanes && progress) {
+    progress = false;
+    for (size_t l = 0; l < lanes; ++l) {
+      LaneState& s = st[l];
+      const Lane& lane = prog_.lanes[l];
+      while (s.phase < 3) {
+        const std::vector<Op>& list = *current_ops(l);
+        const int segment = s.phase == 1 ? lane.blocks[s.block].block.segment : -1;
+        const int mb = s.phase == 1 ? lane.blocks[s.block].block.micro_batch : 0;
+        bool blocked = false;
+        for (; s.op < list.size(); ++s.op) {
+          const Op& o = list[s.op];
+          if (o.kind == Op::kDelay) {
+            // Compute shares the GPU with data-parallel communication still running (as in the
+            // simulator, decided at the start of the stretch).
+            const double slowdown =
+                s.dp_last > s.time ? o.compute * prog_.compute_model.comm_interference : 0;
+            s.time += o.seconds + slowdown;
+            s.compute += o.compute + slowdown;
+          } else if (o.kind == Op::kRecv) {
+            auto it = arrival.find({o.peer, segment, o.gradient, mb});
+            if (it == arrival.end()) {
+              blocked = true;
+              break;
+            }
+            s.time = std::max(s.time, it->second);
+          } else if (o.kind == Op::kSend) {
+            arrival[{segment, o.peer, o.gradient, mb}] = s.time + o.seconds;
+          } else if (o.kind == Op::kDpLaunch) {
+            s.dp_free = std::max(s.dp_free, s.time) + o.seconds;
+            s.dp_last = s.dp_free;
+            if (o.tag >= 0) s.tag_done[o.tag] = s.dp_free;
+          } else {
+            double until = s.dp_last;
+            if (o.tag >= 0) {
+              auto it = s.tag_done.find(o.tag);
+              until = it == s.tag_done.end() ? s.time : it->second;
+            }
+            s.time = std::max(s.time, until);
+          }
+        }
+        if (blocked) break;
+        advance_phase(s, lane);
+        progress = true;
+        if (s.phase == 3) ++done;
+      }
+    }
+  }
+
+  Estimate e;
+  size_t busiest = 0;
+  for (size_t l = 0; l < lanes; ++l) {
+    e.iteration_time = std::max(e.iteration_time, st[l].time);
+    if (st[l].compute > st[busiest].compute) busiest = l;
+  }
+  e.compute = st[busiest].compute;
+  for (size_t l = 0; l < lanes; ++l) {
+    // Idle = not computing and not blocked on communication we can attribute: approximate the
+    // bubble by the time a lane is neither computing nor was it the last to finish.
+    const double idle = e.iteration_time - st[l].compute;
+    e.bubble_fraction = std::max(e.bubble_fraction, idle / e.iteration_time);
+  }
+  e.exposed_comm = std::max(0.0, st[busiest].time - st[busiest].compute);
+  e.bubble = e.iteration_time - st[busiest].time;
+  for (const auto& p : lane_memory_peaks(prog_)) e.peak_memory = std::max(e.peak_memory, p.peak);
+  const double peak = prog_.topology.gpu.peak_flops(prog_.plan.precision);
+  if (e.iteration_time > 0 && peak > 0) {
+    e.mfu = prog_.model_flops_per_iteration / e.iteration_time / prog_.topology.num_gpus() / peak;
+  }
+  return e;
+}
+
+}  // namespace
+
+Estimate estimate_program(const Program& program) { return Estimator(program).run(); }
+
+}  // namespace nnsim

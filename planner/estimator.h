@@ -1,0 +1,24 @@
+// The planner's fast estimator: replays a compiled program's blocks without SimGrid. Every
+// block takes the sum of its steps (compute from the cost model, collectives and transfers at
+// their time alone on the network); a block starts when its lane is free and its input has
+// arrived. Data-parallel collectives run on their own stream behind the compute. No contention
+// between communications: the simulator confirms the best candidates with it.
+#pragma once
+
+#include "core/program.h"
+
+namespace nnsim {
+
+struct Estimate {
+  double iteration_time = 0;
+  double compute = 0;          // busiest lane's compute + recompute + optimizer
+  double exposed_comm = 0;     // its exposed communication
+  double bubble = 0;           // its idle time
+  double bubble_fraction = 0;  // worst lane's idle time over the iteration
+  double peak_memory = 0;      // worst lane, bytes
+  double mfu = 0;
+};
+
+Estimate estimate_program(const Program& program);
+
+}  // namespace nnsim

@@ -1,0 +1,326 @@
+#include "planner/search.h"
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "core/memory_check.h"
+
+namespace nnsim {
+
+std::string Candidate::describe() const {
+  const MegatronOptions& o = options;
+  std::string s = fmt::format("tp{} pp{}", o.tp, o.pp);
+  if (o.vpp > 1) s += fmt::format(" vpp{}", o.vpp);
+  if (o.cp > 1) s += fmt::format(" cp{}", o.cp);
+  s += fmt::format(" dp{} mb{}", o.dp, o.micro_batch);
+  if (o.sequence_parallel) s += " sp";
+  s += fmt::format(" {} zero{} {}", to_string(o.recompute), o.zero, to_string(o.schedule));
+  if (!o.stage_layers.empty() && o.vpp == 1) {
+    std::string layers;
+    for (int n : o.stage_layers) layers += (layers.empty() ? "" : ",") + std::to_string(n);
+    s += " layers=" + layers;
+  }
+  if (placement != "tp-innermost") s += " " + placement;
+  return s;
+}
+
+namespace {
+
+std::vector<int> divisors(int n, int limit) {
+  std::vector<int> out;
+  for (int d = 1; d <= n && d <= limit; ++d) {
+    if (n % d == 0) out.push_back(d);
+  }
+  return out;
+}
+
+template <class T>
+std::vector<T> pinned_or(const std::optional<T>& pin, std::vector<T> all) {
+  return pin ? std::vector<T>{*pin} : all;
+}
+
+// A dominance chain: the same degrees and schedule, with ever cheaper memory and ever higher
+// cost (recompute, ZeRO). The first that fits is the one worth having.
+struct Chain {
+  MegatronOptions base;
+  std::string placement;
+  std::vector<std::pair<RecomputeMode, int>> levels;
+};
+
+struct PlacementChoice {
+  std::string name;
+  std::vector<std::string> order;
+};
+
+// Static memory per GPU (weights, gradients, optimizer state) without activations: a lower
+// bound that rules out degrees before compiling anything.
+double static_bytes_lower_bound(const ModelSpec& m, int tp, int pp, int dp, int cp, int zero,
+                                bool fsdp) {
+  const double params = static_cast<double>(m.parameters()) / (tp * pp);
+  const double shard = dp * cp;
+  const double per_param = fsdp ? 16.0 : 18.0;
+  double b = params * per_param;
+  if (zero >= 1) b -= params * 12 * (1 - 1 / shard);
+  if (zero >= 2) b -= params * 4 * (1 - 1 / shard);
+  if (zero >= 3) b -= params * 2 * (1 - 1 / shard);
+  return b;
+}
+
+}  // namespace
+
+Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo,
+                                    const SearchOptions& o) {
+  if (o.global_batch < 1) return Error("--global-batch is required for a search");
+  const SearchPins& pin = o.pins;
+  const Constraints& cons = o.constraints;
+  const int gpus = topo.num_gpus();
+  const bool fsdp = o.framework == "fsdp";
+  // Plans keep headroom for the caching allocator's reserve and fragmentation, which the memory
+  // model does not count; a memory_cap constraint replaces it.
+  const double capacity = cons.memory_cap ? std::min(*cons.memory_cap, topo.gpu.hbm_bytes)
+                                          : topo.gpu.hbm_bytes * (1 - o.memory_headroom);
+
+  SearchResult result;
+  std::map<std::string, size_t> reasons;
+  std::mutex mutex;
+  auto reject = [&](const std::string& why) {
+    std::lock_guard<std::mutex> lock(mutex);
+    ++reasons[why];
+  };
+
+  // Enumerate.
+  std::vector<PlacementChoice> placements = {{"tp-innermost", {"pp", "dp", "cp", "tp"}},
+                                       {"dp-innermost", {"pp", "cp", "tp", "dp"}}};
+  if (pin.placement) placements = {{"pinned", *pin.placement}};
+  std::vector<int> tps;
+  for (int t : pinned_or(pin.tp, divisors(gpus, 64))) {
+    if (model.heads % t == 0 && model.kv_heads % t == 0) tps.push_back(t);
+  }
+  std::vector<Chain> chains;
+  for (int tp : tps) {
+    for (int pp : pinned_or(pin.pp, divisors(gpus / tp, model.layers))) {
+      if (gpus % (tp * pp) != 0) continue;
+      if (cons.max_stages && pp > *cons.max_stages) {
+        reject("max_stages");
+        continue;
+      }
+      if (!cons.stage_layers.empty() && static_cast<int>(cons.stage_layers.size()) != pp) {
+        reject("stage_layers");
+        continue;
+      }
+      for (int cp : pinned_or(pin.cp, std::vector<int>{1, 2, 4, 8})) {
+        if (gpus % (tp * pp * cp) != 0) continue;
+        const int dp = gpus / (tp * pp * cp);
+        if (pin.dp && *pin.dp != dp) continue;
+        if (cp > 1 && model.seq_len / cp < 1024) continue;  // too short to split
+        for (bool sp : pinned_or(pin.sequence_parallel, std::vector<bool>{tp > 1})) {
+          if (model.seq_len % (cp * (sp ? tp : 1)) != 0) continue;
+          for (int mb : pinned_or(pin.micro_batch, std::vector<int>{1, 2, 4, 8})) {
+            if (o.global_batch % (dp * mb) != 0) continue;
+            const int micro_batches = o.global_batch / (dp * mb);
+            std::vector<int> vpps = {1};
+            if (pp > 1) {
+              for (int v : {2, 3, 4, 6, 8}) vpps.push_back(v);
+            }
+            for (int vpp : pinned_or(pin.vpp, vpps)) {
+              if (pp * vpp > model.layers) continue;
+              if (vpp > 1 && micro_batches % pp != 0) continue;
+              std::vector<ScheduleKind> schedules =
+                  vpp > 1 ? std::vector<ScheduleKind>{ScheduleKind::kInterleaved}
+                          : std::vector<ScheduleKind>{ScheduleKind::kOneFOneB,
+                                                      ScheduleKind::kGpipe};
+              if (pin.schedule) schedules = {*pin.schedule};
+              for (ScheduleKind sched : schedules) {
+                if ((sched == ScheduleKind::kInterleaved) != (vpp > 1)) continue;
+                if (!cons.schedules.empty() &&
+                    std::find(cons.schedules.begin(), cons.schedules.end(), sched) ==
+                        cons.schedules.end()) {
+                  reject("schedules");
+                  continue;
+                }
+                // GPipe holds every micro-batch's activations and takes as long as 1F1B:
+                // evaluated only when 1F1B is not allowed.
+                if (sched == ScheduleKind::kGpipe && !pin.schedule &&
+                    (cons.schedules.empty() ||
+                     std::find(cons.schedules.begin(), cons.schedules.end(),
+                               ScheduleKind::kOneFOneB) != cons.schedules.end())) {
+                  reject("dominated (GPipe: as fast as 1F1B, more memory)");
+                  continue;
+                }
+                for (const PlacementChoice& pl : placements) {
+                  if (pl.name == "dp-innermost" && (tp == 1 || dp == 1)) continue;
+                  Chain c;
+                  c.placement = pl.name;
+                  MegatronOptions& b = c.base;
+                  b.tp = tp;
+                  b.pp = pp;
+                  b.cp = cp;
+                  b.dp = dp;
+                  b.vpp = vpp;
+                  b.sequence_parallel = sp;
+                  b.micro_batch = mb;
+                  b.global_batch = o.global_batch;
+                  b.schedule = sched;
+                  b.precision = o.precision;
+                  b.framework = o.framework;
+                  b.tp_comm_overlap = o.tp_comm_overlap;
+                  b.placement = pl.order;
+                  b.stage_layers = vpp == 1 ? cons.stage_layers : std::vector<int>{};
+                  std::vector<RecomputeMode> recs = {RecomputeMode::kNone,
+                                                     RecomputeMode::kSelective,
+                                                     RecomputeMode::kFull};
+                  if (pin.recompute) recs = {*pin.recompute};
+                  if (cons.recompute) recs = {*cons.recompute};
+                  std::vector<int> zeros = tp == 1 && pp == 1 ? std::vector<int>{0, 1, 2, 3}
+                                                              : std::vector<int>{0, 1};
+                  if (fsdp) zeros = {3, 2};
+                  if (pin.zero) zeros = {*pin.zero};
+                  for (RecomputeMode r : recs) {
+                    for (int z : zeros) {
+                      if (static_bytes_lower_bound(model, tp, pp, dp, cp, z, fsdp) > capacity) {
+                        reject("does not fit in memory");
+                        continue;
+                      }
+                      c.levels.emplace_back(r, z);
+                    }
+                  }
+                  ++result.enumerated;
+                  if (!c.levels.empty()) chains.push_back(c);
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // Evaluate: compile and estimate each chain's levels until one fits.
+  std::vector<Candidate> feasible;
+  std::vector<Candidate> lost;
+  std::atomic<size_t> next{0}, done{0}, evaluated{0};
+  auto worker = [&] {
+    for (size_t i = next++; i < chains.size(); i = next++) {
+      const Chain& chain = chains[i];
+      for (const auto& [rec, zero] : chain.levels) {
+        Candidate cand;
+        cand.options = chain.base;
+        cand.options.recompute = rec;
+        cand.options.zero = zero;
+        cand.placement = chain.placement;
+        Expected<Plan> plan = build_megatron_plan(model, topo, cand.options);
+        if (!plan) {
+          reject("invalid");
+          break;
+        }
+        Expected<Program> prog = compile_plan(*plan, topo);
+        if (!prog) {
+          reject("invalid");
+          break;
+        }
+        ++evaluated;
+        cand.estimate = estimate_program(*prog);
+        if (cand.estimate.peak_memory > capacity) {
+          cand.status = fmt::format("does not fit: needs {:.1f} GiB of {:.1f} GiB usable",
+                                    cand.estimate.peak_memory / (1 << 30), capacity / (1 << 30));
+          reject("does not fit in memory");
+          std::lock_guard<std::mutex> lock(mutex);
+          lost.push_back(cand);
+          continue;
+        }
+        std::string why = violated_constraint(cons, *plan, *prog, cand.estimate.bubble_fraction,
+                                              cand.estimate.peak_memory);
+        if (!why.empty()) {
+          cand.status = "violates " + why;
+          reject(why);
+          std::lock_guard<std::mutex> lock(mutex);
+          lost.push_back(cand);
+          if (why == "memory_cap") continue;  // cheaper memory may satisfy it
+          break;
+        }
+        cand.status = "ok";
+        std::lock_guard<std::mutex> lock(mutex);
+        feasible.push_back(cand);
+        break;  // the rest of the chain costs more time
+      }
+      const size_t d = ++done;
+      if (o.progress) {
+        std::lock_guard<std::mutex> lock(mutex);
+        o.progress("estimating", d, chains.size());
+      }
+    }
+  };
+  {
+    std::vector<std::thread> threads;
+    for (int j = 1; j < std::max(1, o.jobs); ++j) threads.emplace_back(worker);
+    worker();
+    for (auto& t : threads) t.join();
+  }
+  result.evaluated = evaluated;
+  for (const auto& [why, n] : reasons) result.rejections.emplace_back(why, n);
+
+  if (feasible.empty()) {
+    std::string msg = "no plan is feasible";
+    if (!cons.file.empty()) msg += fmt::format(" under the constraints of {}", cons.file);
+    msg += fmt::format(" ({} candidates enumerated):", result.enumerated);
+    std::vector<std::pair<std::string, size_t>> sorted = result.rejections;
+    std::sort(sorted.begin(), sorted.end(),
+              [](const auto& a, const auto& b) { return a.second > b.second; });
+    for (const auto& [why, n] : sorted) msg += fmt::format("\n  {:>7} removed by {}", n, why);
+    msg += "\nrelax the constraints that removed the most, or use more GPUs";
+    return Error(msg);
+  }
+
+  // Rank by estimate; deterministic tie-break on the description.
+  auto by_time = [](const Candidate& a, const Candidate& b) {
+    if (a.time() != b.time()) return a.time() < b.time();
+    return a.describe() < b.describe();
+  };
+  std::sort(feasible.begin(), feasible.end(), by_time);
+
+  // Confirm the best by simulation.
+  if (o.simulate && o.confirm > 0) {
+    const size_t n = std::min<size_t>(o.confirm, feasible.size());
+    for (size_t i = 0; i < n; ++i) {
+      Candidate& c = feasible[i];
+      Expected<Plan> plan = build_megatron_plan(model, topo, c.options);
+      Expected<Program> prog = compile_plan(*plan, topo);
+      Expected<double> t = o.simulate(*prog);
+      if (t) c.simulated = *t;
+      if (o.progress) o.progress("simulating", i + 1, n);
+    }
+    result.confirmed = n;
+    // How often the estimator orders two confirmed plans differently from the simulator.
+    for (size_t a = 0; a < n; ++a) {
+      for (size_t b = a + 1; b < n; ++b) {
+        if (!feasible[a].simulated || !feasible[b].simulated) continue;
+        ++result.rank_pairs;
+        const bool est = feasible[a].estimate.iteration_time <= feasible[b].estimate.iteration_time;
+        const bool sim = *feasible[a].simulated <= *feasible[b].simulated;
+        if (est != sim) ++result.rank_disagreements;
+      }
+    }
+    std::stable_sort(feasible.begin(), feasible.begin() + n, by_time);
+  }
+  std::set<std::string> seen;
+  for (const Candidate& c : feasible) {
+    if (seen.insert(c.placement).second) result.best_per_placement.push_back(c);
+  }
+  Expected<Plan> best = build_megatron_plan(model, topo, feasible.front().options);
+  if (!best) return best.error();
+  result.best = *best;
+  if (feasible.size() > static_cast<size_t>(o.top)) feasible.resize(o.top);
+  result.ranked = feasible;
+  std::sort(lost.begin(), lost.end(), by_time);
+  if (lost.size() > static_cast<size_t>(o.top)) lost.resize(o.top);
+  result.rejected = lost;
+  return result;
+}
+
+}  // namespace nnsim

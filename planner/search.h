@@ -1,0 +1,81 @@
+// The plan search (`nnsim plan` with choices left open): every choice the user did not pin is
+// enumerated (tensor, pipeline, context and data parallelism, virtual stages, micro-batch,
+// recomputation, ZeRO stage, schedule, rank placement); candidates that cannot work are dropped
+// early (degrees that do not divide, constraints, memory); the rest are compiled and ranked by
+// the fast estimator (planner/estimator.h); the best are confirmed in the SimGrid simulation.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/model.h"
+#include "core/program.h"
+#include "core/topology.h"
+#include "planner/constraints.h"
+#include "planner/estimator.h"
+#include "planner/megatron.h"
+
+namespace nnsim {
+
+// Choices the user pinned; unset ones are searched.
+struct SearchPins {
+  std::optional<int> tp, pp, dp, cp, vpp, micro_batch, zero;
+  std::optional<bool> sequence_parallel;
+  std::optional<RecomputeMode> recompute;
+  std::optional<ScheduleKind> schedule;
+  std::optional<std::vector<std::string>> placement;
+};
+
+struct SearchOptions {
+  int global_batch = 0;
+  std::optional<Precision> precision;
+  std::string framework = "megatron";
+  bool tp_comm_overlap = false;
+  SearchPins pins;
+  Constraints constraints;
+  double memory_headroom = 0.1;  // fraction of GPU memory left free (without memory_cap)
+  int top = 10;      // plans in the ranked table
+  int confirm = 5;   // best estimates confirmed by simulation (0: none)
+  int jobs = 1;
+  // Called as work progresses: (phase, done, total). Phases: "estimating", "simulating".
+  std::function<void(const std::string&, size_t, size_t)> progress;
+  // Confirms a plan by simulation; returns the simulated iteration time. Supplied by the
+  // caller (the planner library does not depend on the simulator).
+  std::function<Expected<double>(const Program&)> simulate;
+};
+
+struct Candidate {
+  MegatronOptions options;
+  std::string placement;  // "tp-innermost", ...
+  std::string status;     // "ok", or why it lost (does not fit, violates ..., invalid: ...)
+  Estimate estimate;
+  std::optional<double> simulated;  // SimGrid iteration time, for the confirmed ones
+  double time() const { return simulated ? *simulated : estimate.iteration_time; }
+  std::string describe() const;  // "tp8 pp16 vpp3 dp8 mb1 sp selective zero1 interleaved"
+};
+
+struct SearchResult {
+  std::vector<Candidate> ranked;    // feasible, fastest first (confirmed ones by simulation)
+  std::vector<Candidate> rejected;  // a sample of what lost, with why
+  // The best feasible plan of each rank placement (what keeping tensor parallelism inside a
+  // node, or not, costs).
+  std::vector<Candidate> best_per_placement;
+  // How many candidates each reason removed ("does not fit in memory", "memory_cap", ...).
+  std::vector<std::pair<std::string, size_t>> rejections;
+  size_t enumerated = 0;
+  size_t evaluated = 0;  // compiled and estimated
+  size_t confirmed = 0;
+  // Pairs of confirmed plans whose order the estimator and the simulator disagree on.
+  size_t rank_pairs = 0;
+  size_t rank_disagreements = 0;
+  Plan best;
+};
+
+// Fails (naming the constraints that emptied it) when nothing is feasible.
+Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topology,
+                                    const SearchOptions& options);
+
+}  // namespace nnsim

@@ -1,0 +1,171 @@
+// The plan search: constraints are obeyed, contradictions are reported, placement is priced.
+#include "planner/search.h"
+
+#include <gtest/gtest.h>
+
+#include "core/memory_check.h"
+
+namespace nnsim {
+namespace {
+
+Topology topo(const std::string& name, int nodes) {
+  Expected<Topology> t = load_topology(name);
+  EXPECT_TRUE(t.ok());
+  Expected<Topology> r = resize_topology(*t, nodes);
+  EXPECT_TRUE(r.ok());
+  return *r;
+}
+
+SearchOptions options(int global_batch) {
+  SearchOptions o;
+  o.global_batch = global_batch;
+  o.jobs = 2;
+  o.confirm = 0;
+  o.top = 50;
+  return o;
+}
+
+bool tp_inside_nodes(const Program& p) {
+  const int tp = p.plan.mesh.axis_index("tp");
+  for (const Lane& lane : p.lanes) {
+    for (int r : lane.ranks) {
+      auto group = p.group_of(r, 1u << tp);
+      for (int g : group) {
+        if (p.topology.node_of(p.gpu_of_rank[g]) !=
+            p.topology.node_of(p.gpu_of_rank[group.front()])) {
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
+TEST(Search, EveryPlanObeysTheConstraints) {
+  const ModelSpec m = *load_model("gpt3-13b");
+  const Topology t = topo("dgx-a100x4", 4);
+  SearchOptions o = options(64);
+  Expected<Constraints> c =
+      parse_constraints("tp_within_node: true\nmemory_cap: 60 GB\n", "c.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  o.constraints = *c;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  ASSERT_FALSE(r->ranked.empty());
+  for (const Candidate& cand : r->ranked) {
+    Expected<Plan> plan = build_megatron_plan(m, t, cand.options);
+    ASSERT_TRUE(plan.ok());
+    Expected<Program> prog = compile_plan(*plan, t);
+    ASSERT_TRUE(prog.ok());
+    EXPECT_TRUE(tp_inside_nodes(*prog)) << cand.describe();
+    for (const auto& peak : lane_memory_peaks(*prog)) {
+      EXPECT_LE(peak.peak, 60e9) << cand.describe();
+    }
+  }
+  // Without the constraints, faster plans exist that break them.
+  o.constraints = {};
+  Expected<SearchResult> free = search_plans(m, t, o);
+  ASSERT_TRUE(free.ok());
+  EXPECT_LE(free->ranked.front().time(), r->ranked.front().time());
+}
+
+TEST(Search, ContradictoryConstraintsReportWhatEmptiedTheSpace) {
+  const ModelSpec m = *load_model("gpt3-13b");
+  const Topology t = topo("dgx-a100x4", 4);
+  SearchOptions o = options(64);
+  Expected<Constraints> c =
+      parse_constraints("memory_cap: 2 GB\nmax_stages: 2\n", "contradiction.yaml");
+  ASSERT_TRUE(c.ok());
+  o.constraints = *c;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_FALSE(r.ok());
+  const std::string& msg = r.error().message();
+  EXPECT_NE(msg.find("no plan is feasible under the constraints of contradiction.yaml"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("max_stages"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("does not fit in memory"), std::string::npos) << msg;
+}
+
+TEST(Search, SlowInterNodeLinksKeepTensorParallelismInsideNodes) {
+  const ModelSpec m = *load_model("gpt3-13b");
+  Topology t = topo("dgx-a100x4", 4);
+  for (auto& nic : t.nics) nic.bandwidth /= 10;
+  SearchOptions o = options(64);
+  o.pins.tp = 8;  // large enough that placement decides where its traffic goes
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  Expected<Program> best = compile_plan(r->best, t);
+  ASSERT_TRUE(best.ok());
+  EXPECT_TRUE(tp_inside_nodes(*best));
+  // The table prices the alternative: tensor parallelism across nodes, much slower.
+  const Candidate* inner = nullptr;
+  const Candidate* across = nullptr;
+  for (const Candidate& c : r->best_per_placement) {
+    if (c.placement == "tp-innermost") inner = &c;
+    if (c.placement == "dp-innermost") across = &c;
+  }
+  ASSERT_NE(inner, nullptr);
+  ASSERT_NE(across, nullptr);
+  EXPECT_GT(across->time(), 1.5 * inner->time());
+}
+
+TEST(Search, AllChoicesPinnedIsTheBuilder) {
+  const ModelSpec m = *load_model("gpt3-1.3b");
+  const Topology t = topo("dgx-a100x4", 4);
+  SearchOptions o = options(64);
+  o.pins.tp = 2;
+  o.pins.pp = 4;
+  o.pins.cp = 1;
+  o.pins.vpp = 1;
+  o.pins.micro_batch = 1;
+  o.pins.sequence_parallel = false;
+  o.pins.recompute = RecomputeMode::kNone;
+  o.pins.zero = 1;
+  o.pins.schedule = ScheduleKind::kOneFOneB;
+  o.pins.placement = std::vector<std::string>{"pp", "dp", "cp", "tp"};
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  ASSERT_EQ(r->ranked.size(), 1u);
+  MegatronOptions b;
+  b.tp = 2;
+  b.pp = 4;
+  b.global_batch = 64;
+  b.zero = 1;
+  Expected<Plan> built = build_megatron_plan(m, t, b);
+  ASSERT_TRUE(built.ok());
+  EXPECT_EQ(plan_to_json(r->best), plan_to_json(*built));
+}
+
+TEST(Constraints, BadFilesNameTheField) {
+  auto r = parse_constraints("memory_cap: 60 GB/s\n", "c.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("c.yaml:1: field 'memory_cap'"), std::string::npos)
+      << r.error().message();
+  r = parse_constraints("schedules: [1f1c]\n", "c.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("did you mean '1f1b'"), std::string::npos);
+  r = parse_constraints("operators:\n  - match: attn.*\n    forbid: [heds]\n", "c.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("did you mean 'seq'"), std::string::npos);
+  r = parse_constraints("max_bubbles: 0.1\n", "c.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("did you mean 'max_bubble'"), std::string::npos);
+}
+
+TEST(Constraints, OperatorRulesRestrictPartitioning) {
+  const ModelSpec m = *load_model("gpt3-13b");
+  const Topology t = topo("dgx-a100x4", 4);
+  SearchOptions o = options(64);
+  // No operator of the MLP split more than 2 ways: tensor parallelism of at most 2.
+  Expected<Constraints> c = parse_constraints(
+      "operators:\n  - match: \"mlp.*\"\n    max_degree: 2\n", "ops.yaml");
+  ASSERT_TRUE(c.ok());
+  o.constraints = *c;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  for (const Candidate& cand : r->ranked) EXPECT_LE(cand.options.tp, 2) << cand.describe();
+}
+
+}  // namespace
+}  // namespace nnsim
