@@ -91,9 +91,9 @@ std::optional<std::string> read_string_attr(hid_t obj, const std::string& name) 
 void write_vector(hid_t group, const char* name, const std::vector<double>& v) {
   hsize_t n = v.size();
   Handle space(H5Screate_simple(1, &n, nullptr), H5Sclose);
-  Handle set(H5Dcreate2(group, name, H5T_NATIVE_DOUBLE, space.id, H5P_DEFAULT, H5P_DEFAULT,
-                        H5P_DEFAULT),
-             H5Dclose);
+  Handle set(
+      H5Dcreate2(group, name, H5T_NATIVE_DOUBLE, space.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+      H5Dclose);
   if (n > 0) H5Dwrite(set.id, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data());
 }
 
@@ -126,23 +126,25 @@ void write_link(hid_t parent, const char* name, const GpuCalibration::Link& l) {
 }
 
 Expected<std::optional<GpuCalibration::Link>> read_link(hid_t parent, const char* name,
-                                                         const std::string& where) {
+                                                        const std::string& where) {
   if (H5Lexists(parent, name, H5P_DEFAULT) <= 0) return std::optional<GpuCalibration::Link>{};
   Handle g(H5Gopen2(parent, name, H5P_DEFAULT), H5Gclose);
   GpuCalibration::Link l;
   auto bytes = read_vector(g.id, "bytes");
   auto eff = read_vector(g.id, "efficiency");
   if (bytes.has_value() != eff.has_value() || (bytes && bytes->size() != eff->size())) {
-    return Error(fmt::format("{}/{}: 'bytes' and 'efficiency' must both be present and of the "
-                             "same length",
-                             where, name));
+    return Error(
+        fmt::format("{}/{}: 'bytes' and 'efficiency' must both be present and of the "
+                    "same length",
+                    where, name));
   }
   if (bytes) {
     for (size_t i = 0; i < bytes->size(); ++i) {
       if ((*eff)[i] <= 0 || (i > 0 && (*bytes)[i] <= (*bytes)[i - 1])) {
-        return Error(fmt::format("{}/{}: efficiencies must be positive and sizes increasing "
-                                 "(entry {})",
-                                 where, name, i));
+        return Error(
+            fmt::format("{}/{}: efficiencies must be positive and sizes increasing "
+                        "(entry {})",
+                        where, name, i));
       }
       l.curve.push_back({(*bytes)[i], (*eff)[i]});
     }
@@ -212,8 +214,7 @@ Status save_calibration(const std::string& path, const Calibration& c) {
   write_attr(file.id, "format", std::string("nnsim-calibration"));
   write_attr(file.id, "version", 1.0);
   for (const auto& [gpu, g] : c.gpus) {
-    Handle group(H5Gcreate2(file.id, gpu.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                 H5Gclose);
+    Handle group(H5Gcreate2(file.id, gpu.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
     if (group.id < 0) return Error(fmt::format("writing '{}' into '{}' failed", gpu, path));
     write_attr(group.id, "source", g.source);
     Handle compute(H5Gcreate2(group.id, "compute", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
@@ -232,9 +233,10 @@ Status save_calibration(const std::string& path, const Calibration& c) {
 Expected<Calibration> load_calibration(const std::string& path) {
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
   if (H5Fis_hdf5(path.c_str()) <= 0) {
-    return Error(fmt::format("{}: not an HDF5 file (or it does not exist); write one with "
-                             "`nnsim calibration export`",
-                             path));
+    return Error(
+        fmt::format("{}: not an HDF5 file (or it does not exist); write one with "
+                    "`nnsim calibration export`",
+                    path));
   }
   Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
   if (file.id < 0) return Error(fmt::format("{}: cannot open", path));
@@ -261,8 +263,8 @@ Expected<Calibration> load_calibration(const std::string& path) {
     const std::string gpu = name;
     const std::string where = fmt::format("{}: /{}", path, gpu);
     if (!find_gpu(gpu)) {
-      return Error(fmt::format("{}: no GPU '{}' in the catalog{}", where, gpu,
-                               suggest(gpu, known)));
+      return Error(
+          fmt::format("{}: no GPU '{}' in the catalog{}", where, gpu, suggest(gpu, known)));
     }
     Handle group(H5Gopen2(file.id, name, H5P_DEFAULT), H5Gclose);
     GpuCalibration g;

@@ -96,8 +96,8 @@ namespace {
 
 // Divides every flow by NCCL's efficiency for this buffer size on the links it crosses (NVLink
 // inside one node, the network otherwise) and sets the per-step time.
-CollectiveFlows apply_protocol(CollectiveFlows c, double bytes, bool all_reduce,
-                               const Network& net, const CommModel& comm) {
+CollectiveFlows apply_protocol(CollectiveFlows c, double bytes, bool all_reduce, const Network& net,
+                               const CommModel& comm) {
   bool crosses_nodes = false;
   for (const Flow& f : c.flows) crosses_nodes = crosses_nodes || !net.same_node(f.src, f.dst);
   const bool nvlink = !crosses_nodes && net.topology().intra.kind != IntraNodeKind::kPcie;
@@ -123,13 +123,11 @@ CollectiveFlows decompose_collective(CollectiveKind kind, const std::vector<int>
   if (gpus.size() <= 1 || bytes <= 0) return CollectiveFlows{"none", {}, 0, 0};
   if (kind == CollectiveKind::kAllReduce && algorithm == Algorithm::kAuto) {
     // NCCL's tuner: the algorithm that is faster alone.
-    CollectiveFlows r =
-        apply_protocol(decompose_bare(kind, gpus, bytes, Algorithm::kRing, net), bytes,
-                       true, net, comm);
+    CollectiveFlows r = apply_protocol(decompose_bare(kind, gpus, bytes, Algorithm::kRing, net),
+                                       bytes, true, net, comm);
     if (by_node(gpus, net).size() == 1) return r;
-    CollectiveFlows t =
-        apply_protocol(decompose_bare(kind, gpus, bytes, Algorithm::kTree, net), bytes,
-                       true, net, comm);
+    CollectiveFlows t = apply_protocol(decompose_bare(kind, gpus, bytes, Algorithm::kTree, net),
+                                       bytes, true, net, comm);
     LinkLoadScratch s;
     return isolated_seconds(t, net, s) < isolated_seconds(r, net, s) ? t : r;
   }

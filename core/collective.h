@@ -33,9 +33,9 @@ struct Flow {
 };
 
 struct CollectiveFlows {
-  std::string algorithm;  // "ring", "tree", "all-to-all", "p2p"
+  std::string algorithm;    // "ring", "tree", "all-to-all", "p2p"
   std::vector<Flow> flows;  // bytes already divided by NCCL's efficiency at this size
-  int steps = 1;  // sequential latency steps (2(n-1) for a ring all-reduce)
+  int steps = 1;            // sequential latency steps (2(n-1) for a ring all-reduce)
   double step_latency = 0;  // least time per step (CommModel), wire latency included
 };
 

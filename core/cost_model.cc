@@ -11,7 +11,9 @@ std::string_view to_string(AttentionLibrary a) {
 
 namespace {
 
-bool is_a100(const GpuSpec& g) { return g.name.rfind("a100", 0) == 0; }
+bool is_a100(const GpuSpec& g) {
+  return g.name.rfind("a100", 0) == 0;
+}
 bool is_hopper(const GpuSpec& g) {
   return g.name.rfind("h100", 0) == 0 || g.name.rfind("h200", 0) == 0;
 }
@@ -29,8 +31,10 @@ ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu, AttentionLibrary att
   // (shared/calibration/refs.yaml, gemm_measured): A100 SXM bf16 271.2/312; H100 SXM bf16
   // 794.5/989 (H200 the same); fp8 H100 1402.6/1979, H200 1453.4/1979. fp16 runs as bf16.
   if (is_a100(gpu)) {
-    m.gemm_efficiency = {{Precision::kBf16, 271.2 / 312}, {Precision::kFp16, 271.2 / 312},
-                         {Precision::kTf32, 271.2 / 312}, {Precision::kFp32, 0.9}};
+    m.gemm_efficiency = {{Precision::kBf16, 271.2 / 312},
+                         {Precision::kFp16, 271.2 / 312},
+                         {Precision::kTf32, 271.2 / 312},
+                         {Precision::kFp32, 0.9}};
   } else if (is_hopper(gpu)) {
     const bool h200 = gpu.name.rfind("h200", 0) == 0;
     m.gemm_efficiency = {{Precision::kBf16, 794.5 / 989},
@@ -116,8 +120,8 @@ double op_seconds(const Op& op, Pass pass, double flops, double bytes, const Pie
     compute = executed / (gpu.peak_flops(p) * efficiency * model.sustained);
   } else if (flops > 0) {
     auto it = model.gemm_efficiency.find(precision);
-    compute = flops / (gpu.peak_flops(precision) *
-                       (it != model.gemm_efficiency.end() ? it->second : 0.8));
+    compute = flops /
+              (gpu.peak_flops(precision) * (it != model.gemm_efficiency.end() ? it->second : 0.8));
   }
   // Elementwise operators move more than the operator graph's minimal traffic (casts, layout
   // copies, unfused steps): elementwise_traffic times it.
@@ -127,8 +131,8 @@ double op_seconds(const Op& op, Pass pass, double flops, double bytes, const Pie
   return std::max(compute, memory) + model.kernel_overhead;
 }
 
-double optimizer_seconds(double params, double grad_bytes, double state_bytes,
-                         const GpuSpec& gpu, const ComputeModel& model) {
+double optimizer_seconds(double params, double grad_bytes, double state_bytes, const GpuSpec& gpu,
+                         const ComputeModel& model) {
   if (params <= 0) return 0;
   // Gradient norm (read the gradients), then Adam: read and write the state (master weights,
   // two moments), read the gradient, write the 16-bit weight copy.

@@ -29,8 +29,8 @@ struct GemmTile {
 struct ComputeModel {
   // Best achievable GEMM FLOP/s over the dense peak, per precision (mamf-finder).
   std::map<Precision, double> gemm_efficiency = {{Precision::kBf16, 0.8}};
-  std::vector<GemmTile> tiles = {{256, 128, 1.0}, {128, 256, 1.0}, {128, 128, 0.92},
-                                 {64, 128, 0.8},  {64, 64, 0.6}};
+  std::vector<GemmTile> tiles = {
+      {256, 128, 1.0}, {128, 256, 1.0}, {128, 128, 0.92}, {64, 128, 0.8}, {64, 64, 0.6}};
   // Reduction dimension at which a GEMM reaches half its efficiency: k / (k + k_half).
   double gemm_k_half = 64;
   int sms = 108;
@@ -77,7 +77,7 @@ double gemm_seconds(double m, double n, double k, Precision precision, const Gpu
 // For a linear operator, `gemm` is the piece's m x n x k; for attention, `heads` and `batch` the
 // piece's heads and sequences.
 struct PieceShape {
-  double m = 0, n = 0, k = 0;  // linear
+  double m = 0, n = 0, k = 0;    // linear
   double seq = 0, head_dim = 0;  // attention
 };
 double op_seconds(const Op& op, Pass pass, double flops, double bytes, const PieceShape& shape,
@@ -85,7 +85,7 @@ double op_seconds(const Op& op, Pass pass, double flops, double bytes, const Pie
 
 // Seconds of the optimizer step over `params` local parameters (memory-bound: reads and writes
 // the fp32 state, reads the gradient, writes the 16-bit weight, plus the gradient-norm pass).
-double optimizer_seconds(double params, double grad_bytes, double state_bytes,
-                         const GpuSpec& gpu, const ComputeModel& model);
+double optimizer_seconds(double params, double grad_bytes, double state_bytes, const GpuSpec& gpu,
+                         const ComputeModel& model);
 
 }  // namespace nnsim

@@ -62,7 +62,9 @@ constexpr int kNcclChannels = 8;
 constexpr double kRuntimeBytes = 512.0 * 1024 * 1024;
 
 // Tag of a ZeRO-1/2 parameter-gather bucket (disjoint from ZeRO-3's per-unit tags).
-int gather_tag(int segment, int bucket) { return 1000000 + segment * 1000 + bucket; }
+int gather_tag(int segment, int bucket) {
+  return 1000000 + segment * 1000 + bucket;
+}
 
 // A graph part (embedding, one layer, head) with everything the plan fixes about it.
 struct PartInfo {
@@ -71,9 +73,9 @@ struct PartInfo {
   std::vector<TensorLayout> out_layouts;
   std::vector<double> fwd_seconds, bwd_input_seconds, bwd_weight_seconds;
   std::vector<double> fwd_flops, bwd_input_flops, bwd_weight_flops;
-  std::vector<double> local_params;  // parameters of each op's piece
+  std::vector<double> local_params;    // parameters of each op's piece
   std::vector<double> weight_tensors;  // local size of every weight tensor, in op order
-  std::vector<uint32_t> sync_axes;   // axes (besides dp) each op's weight gradients sum over
+  std::vector<uint32_t> sync_axes;     // axes (besides dp) each op's weight gradients sum over
   std::vector<int> labels;
 };
 
@@ -195,8 +197,8 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
     // fp8 training runs the transformer blocks' linear layers in fp8; the output projection
     // (and everything that is not a linear layer) stays in bf16 (Transformer Engine modules
     // replace only the blocks' linears; torchao's float8 skips the output layer too).
-    const bool fp8 = plan.precision == Precision::kFp8 && part.ops.size() > 0 &&
-                     &part == &prog.graph.layer;
+    const bool fp8 =
+        plan.precision == Precision::kFp8 && part.ops.size() > 0 && &part == &prog.graph.layer;
     const Precision precision =
         plan.precision == Precision::kFp8 && !fp8 ? Precision::kBf16 : plan.precision;
     if (op.kind == OpKind::kLinear) {
@@ -215,14 +217,13 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
       shape.head_dim = op.head_dim;
     }
     const ComputeModel& cm = prog.compute_model;
-    info.fwd_seconds.push_back(op_seconds(op, Pass::kForward, info.fwd_flops.back(), fb, shape,
-                                          precision, gpu, cm));
+    info.fwd_seconds.push_back(
+        op_seconds(op, Pass::kForward, info.fwd_flops.back(), fb, shape, precision, gpu, cm));
     // Weight-gradient kernels move about half of the backward traffic of a matmul.
     const bool has_weight_grad = op.bwd_weight_flops > 0;
-    info.bwd_input_seconds.push_back(op_seconds(op, Pass::kBackwardInput,
-                                                info.bwd_input_flops.back(),
-                                                has_weight_grad ? bb / 2 : bb, shape,
-                                                precision, gpu, cm));
+    info.bwd_input_seconds.push_back(
+        op_seconds(op, Pass::kBackwardInput, info.bwd_input_flops.back(),
+                   has_weight_grad ? bb / 2 : bb, shape, precision, gpu, cm));
     info.bwd_weight_seconds.push_back(
         has_weight_grad ? op_seconds(op, Pass::kBackwardWeight, info.bwd_weight_flops.back(),
                                      bb / 2, shape, precision, gpu, cm)
@@ -601,8 +602,8 @@ void overlap_tp_collectives(std::vector<Step>& steps, uint32_t lane_axes, double
         gemm(steps[i + 1])) {
       out.push_back(merge(s, steps[i + 1]));
       ++i;
-    } else if (overlappable(s) && s.collective == CollectiveKind::kReduceScatter &&
-               !out.empty() && gemm(out.back())) {
+    } else if (overlappable(s) && s.collective == CollectiveKind::kReduceScatter && !out.empty() &&
+               gemm(out.back())) {
       Step g = out.back();
       out.back() = merge(s, g);
     } else {
@@ -1109,11 +1110,10 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   prog.compute_model = options.use_default_compute_model
                            ? ComputeModel::defaults_for(topology.gpu, attention)
                            : options.compute_model;
-  prog.comm_model = options.use_default_comm_model ? CommModel::defaults_for(topology.gpu)
-                                                   : options.comm_model;
+  prog.comm_model =
+      options.use_default_comm_model ? CommModel::defaults_for(topology.gpu) : options.comm_model;
   if (options.calibration) {
-    apply_calibration(*options.calibration, topology.gpu.name, prog.compute_model,
-                      prog.comm_model);
+    apply_calibration(*options.calibration, topology.gpu.name, prog.compute_model, prog.comm_model);
   }
   prog.algorithm = plan.comm.algorithm == "ring"   ? Algorithm::kRing
                    : plan.comm.algorithm == "tree" ? Algorithm::kTree

@@ -90,13 +90,12 @@ Constraints parse(const InputNode& root) {
 }  // namespace
 
 Expected<Constraints> parse_constraints(const std::string& yaml, const std::string& name) {
-  return catch_input_errors<Constraints>(
-      name, [&] { return parse(InputNode::load_string(yaml, name)); });
+  return catch_input_errors<Constraints>(name,
+                                         [&] { return parse(InputNode::load_string(yaml, name)); });
 }
 
 Expected<Constraints> load_constraints(const std::string& path) {
-  return catch_input_errors<Constraints>(path,
-                                         [&] { return parse(InputNode::load_file(path)); });
+  return catch_input_errors<Constraints>(path, [&] { return parse(InputNode::load_file(path)); });
 }
 
 std::string violated_constraint(const Constraints& c, const Plan& plan, const Program& program,
@@ -141,8 +140,7 @@ std::string violated_constraint(const Constraints& c, const Plan& plan, const Pr
           const Dim d = p.dim_on(static_cast<int>(a));
           degree *= plan.mesh.axes[a].size;
           const bool forbidden =
-              oc.replicate ||
-              std::find(oc.forbid.begin(), oc.forbid.end(), d) != oc.forbid.end() ||
+              oc.replicate || std::find(oc.forbid.begin(), oc.forbid.end(), d) != oc.forbid.end() ||
               (!oc.allow.empty() &&
                std::find(oc.allow.begin(), oc.allow.end(), d) == oc.allow.end());
           if (forbidden) return fmt::format("operators[{}] ({})", i, oc.match);

@@ -17,24 +17,24 @@ namespace nnsim {
 
 // How the operators a pattern matches may be partitioned.
 struct OperatorConstraint {
-  std::string match;            // operator name pattern ("attn.*", "mlp.fc1", "*")
-  std::vector<Dim> forbid;      // dimensions they may not be split along
-  std::vector<Dim> allow;       // if non-empty, the only dimensions they may be split along
+  std::string match;              // operator name pattern ("attn.*", "mlp.fc1", "*")
+  std::vector<Dim> forbid;        // dimensions they may not be split along
+  std::vector<Dim> allow;         // if non-empty, the only dimensions they may be split along
   std::optional<int> max_degree;  // most ways they may be split in all
-  bool replicate = false;       // they may not be split at all
-  int line = 0;                 // where it was written (for messages)
+  bool replicate = false;         // they may not be split at all
+  int line = 0;                   // where it was written (for messages)
 };
 
 struct Constraints {
-  std::string file;  // for messages
-  std::optional<double> memory_cap;            // bytes per GPU (below the GPU's capacity)
-  std::vector<ScheduleKind> schedules;         // allowed (empty: all)
-  std::optional<int> max_stages;               // pipeline stages
-  std::optional<double> max_bubble;            // fraction of the iteration
-  bool tp_within_node = false;                 // tensor-parallel groups inside one node
+  std::string file;                     // for messages
+  std::optional<double> memory_cap;     // bytes per GPU (below the GPU's capacity)
+  std::vector<ScheduleKind> schedules;  // allowed (empty: all)
+  std::optional<int> max_stages;        // pipeline stages
+  std::optional<double> max_bubble;     // fraction of the iteration
+  bool tp_within_node = false;          // tensor-parallel groups inside one node
   std::vector<OperatorConstraint> operators;
-  std::vector<int> stage_layers;               // pinned layers per pipeline stage
-  std::optional<RecomputeMode> recompute;      // pinned recomputation
+  std::vector<int> stage_layers;                              // pinned layers per pipeline stage
+  std::optional<RecomputeMode> recompute;                     // pinned recomputation
   std::vector<std::pair<int, std::vector<int>>> stage_nodes;  // stage -> nodes it must use
 };
 

@@ -16,11 +16,11 @@ namespace {
 // A template reduced to what matters for timing: fixed delays between synchronization points.
 struct Op {
   enum Kind { kDelay, kRecv, kSend, kDpLaunch, kDpWait } kind = kDelay;
-  double seconds = 0;       // kDelay: busy time; kSend / kDpLaunch: communication time
-  double compute = 0;       // kDelay: of which compute (the rest is blocking communication)
-  int peer = -1;            // kRecv / kSend: the other segment
+  double seconds = 0;  // kDelay: busy time; kSend / kDpLaunch: communication time
+  double compute = 0;  // kDelay: of which compute (the rest is blocking communication)
+  int peer = -1;       // kRecv / kSend: the other segment
   bool gradient = false;
-  int tag = -1;             // kDpLaunch / kDpWait
+  int tag = -1;  // kDpLaunch / kDpWait
 };
 
 class Estimator {
@@ -61,8 +61,8 @@ double Estimator::collective_seconds(const Lane& lane, const Step& s) {
 
 double Estimator::transfer_seconds(const Lane& lane, const Step& s) {
   const Lane& peer = prog_.lanes[lane_of_segment_[s.peer_segment]];
-  CollectiveFlows c = decompose_transfer({lane.gpus.front()}, {peer.gpus.front()}, s.bytes, net_,
-                                         prog_.comm_model);
+  CollectiveFlows c =
+      decompose_transfer({lane.gpus.front()}, {peer.gpus.front()}, s.bytes, net_, prog_.comm_model);
   return isolated_seconds(c, net_, scratch_);
 }
 
@@ -76,7 +76,9 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
   };
   for (const Step& s : steps) {
     switch (s.kind) {
-      case StepKind::kCompute: delay(s.seconds, s.seconds); break;
+      case StepKind::kCompute:
+        delay(s.seconds, s.seconds);
+        break;
       case StepKind::kCollective: {
         const double comm = collective_seconds(lane, s);
         delay(std::max(comm, s.seconds), s.seconds);
@@ -114,7 +116,8 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
         out.push_back(o);
         break;
       }
-      case StepKind::kMemory: break;
+      case StepKind::kMemory:
+        break;
     }
   }
   return out;
@@ -137,12 +140,12 @@ Estimate Estimator::run() {
   struct LaneState {
     double time = 0;
     double compute = 0;
-    double dp_free = 0;                 // when the data-parallel stream is next free
-    double dp_last = 0;                 // when the last launched item ends
-    std::map<int, double> tag_done;     // tag -> when its last launch ends
-    size_t block = 0;                   // next block (lanes' prologue is block "-1")
-    size_t op = 0;                      // next op within it
-    int phase = 0;                      // 0 prologue, 1 blocks, 2 epilogue, 3 done
+    double dp_free = 0;              // when the data-parallel stream is next free
+    double dp_last = 0;              // when the last launched item ends
+    std::map<int, double> tag_done;  // tag -> when its last launch ends
+    size_t block = 0;                // next block (lanes' prologue is block "-1")
+    size_t op = 0;                   // next op within it
+    int phase = 0;                   // 0 prologue, 1 blocks, 2 epilogue, 3 done
   };
   std::vector<LaneState> st(lanes);
   // Arrival time of transfers by (from, to, gradient, micro-batch).
@@ -245,6 +248,8 @@ Estimate Estimator::run() {
 
 }  // namespace
 
-Estimate estimate_program(const Program& program) { return Estimator(program).run(); }
+Estimate estimate_program(const Program& program) {
+  return Estimator(program).run();
+}
 
 }  // namespace nnsim

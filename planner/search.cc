@@ -96,7 +96,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
 
   // Enumerate.
   std::vector<PlacementChoice> placements = {{"tp-innermost", {"pp", "dp", "cp", "tp"}},
-                                       {"dp-innermost", {"pp", "cp", "tp", "dp"}}};
+                                             {"dp-innermost", {"pp", "cp", "tp", "dp"}}};
   if (pin.placement) placements = {{"pinned", *pin.placement}};
   std::vector<int> tps;
   for (int t : pinned_or(pin.tp, divisors(gpus, 64))) {
@@ -132,9 +132,9 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
               if (pp * vpp > model.layers) continue;
               if (vpp > 1 && micro_batches % pp != 0) continue;
               std::vector<ScheduleKind> schedules =
-                  vpp > 1 ? std::vector<ScheduleKind>{ScheduleKind::kInterleaved}
-                          : std::vector<ScheduleKind>{ScheduleKind::kOneFOneB,
-                                                      ScheduleKind::kGpipe};
+                  vpp > 1
+                      ? std::vector<ScheduleKind>{ScheduleKind::kInterleaved}
+                      : std::vector<ScheduleKind>{ScheduleKind::kOneFOneB, ScheduleKind::kGpipe};
               if (pin.schedule) schedules = {*pin.schedule};
               for (ScheduleKind sched : schedules) {
                 if ((sched == ScheduleKind::kInterleaved) != (vpp > 1)) continue;
@@ -172,13 +172,12 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   b.tp_comm_overlap = o.tp_comm_overlap;
                   b.placement = pl.order;
                   b.stage_layers = vpp == 1 ? cons.stage_layers : std::vector<int>{};
-                  std::vector<RecomputeMode> recs = {RecomputeMode::kNone,
-                                                     RecomputeMode::kSelective,
-                                                     RecomputeMode::kFull};
+                  std::vector<RecomputeMode> recs = {
+                      RecomputeMode::kNone, RecomputeMode::kSelective, RecomputeMode::kFull};
                   if (pin.recompute) recs = {*pin.recompute};
                   if (cons.recompute) recs = {*cons.recompute};
-                  std::vector<int> zeros = tp == 1 && pp == 1 ? std::vector<int>{0, 1, 2, 3}
-                                                              : std::vector<int>{0, 1};
+                  std::vector<int> zeros =
+                      tp == 1 && pp == 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 1};
                   if (fsdp) zeros = {3, 2};
                   if (pin.zero) zeros = {*pin.zero};
                   for (RecomputeMode r : recs) {

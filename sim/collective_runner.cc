@@ -19,8 +19,7 @@ constexpr size_t kMaxFlowsPerTask = 256;
 
 double PreparedComm::alone_with_overlap(double overlap_seconds) const {
   if (tasks.empty()) return overlap_seconds;
-  return overlap_seconds > extra_latency ? std::max(overlap_seconds, alone_seconds)
-                                         : alone_seconds;
+  return overlap_seconds > extra_latency ? std::max(overlap_seconds, alone_seconds) : alone_seconds;
 }
 
 double fluid_seconds(const std::vector<PreparedComm::Task>& tasks,

@@ -17,11 +17,11 @@ struct PreparedComm {
   // One SimGrid parallel task, kept sparse: its dense hosts x hosts matrix is built only when
   // it runs.
   struct Task {
-    std::vector<int> gpus;                    // hosts of the task
-    std::vector<std::pair<int, int>> pairs;   // (source, destination) indices into gpus
-    std::vector<double> bytes;                // per pair
+    std::vector<int> gpus;                          // hosts of the task
+    std::vector<std::pair<int, int>> pairs;         // (source, destination) indices into gpus
+    std::vector<double> bytes;                      // per pair
     std::vector<std::pair<int, double>> link_load;  // bytes each link carries
-    double latency = 0;                       // largest route latency (paid once by L07)
+    double latency = 0;                             // largest route latency (paid once by L07)
   };
   std::vector<Task> tasks;
   double extra_latency = 0;  // seconds before the tasks start

@@ -13,8 +13,7 @@ namespace nnsim {
 
 namespace sg4 = simgrid::s4u;
 
-Expected<std::vector<double>> run_communication(const Topology& topology,
-                                                const CommModel& comm,
+Expected<std::vector<double>> run_communication(const Topology& topology, const CommModel& comm,
                                                 const std::vector<CommRequest>& requests) {
   for (size_t i = 0; i < requests.size(); ++i) {
     const CommRequest& r = requests[i];

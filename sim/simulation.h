@@ -26,8 +26,7 @@ void configure_engine_once();
 void apply_engine_config();
 
 // Runs simulate_communication's requests in this process (which must not have run SimGrid).
-Expected<std::vector<double>> run_communication(const Topology& topology,
-                                                const CommModel& comm,
+Expected<std::vector<double>> run_communication(const Topology& topology, const CommModel& comm,
                                                 const std::vector<CommRequest>& requests);
 
 class Simulation {

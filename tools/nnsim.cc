@@ -18,6 +18,7 @@
 #include "core/model.h"
 #include "core/plan.h"
 #include "core/program.h"
+#include "core/suggest.h"
 #include "core/topology.h"
 #include "core/units.h"
 #include "planner/megatron.h"
@@ -25,7 +26,6 @@
 #include "sim/report.h"
 #include "sim/simulator.h"
 #include "sim/trace.h"
-#include "core/suggest.h"
 #include "validate/case_builder.h"
 #include "validate/validate.h"
 
@@ -251,7 +251,8 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   so.pins = a.pins;
   so.top = a.top;
   so.confirm = a.confirm;
-  so.jobs = a.jobs > 0 ? a.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  so.jobs =
+      a.jobs > 0 ? a.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (!a.constraints.empty()) {
     Expected<Constraints> c = load_constraints(a.constraints);
     if (!c) return fail(c.error().message());
@@ -275,8 +276,8 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
               "peak mem", "MFU");
   int rank = 0;
   for (const Candidate& c : r->ranked) {
-    const double mfu = c.simulated ? c.estimate.mfu * c.estimate.iteration_time / *c.simulated
-                                   : c.estimate.mfu;
+    const double mfu =
+        c.simulated ? c.estimate.mfu * c.estimate.iteration_time / *c.simulated : c.estimate.mfu;
     std::printf("%4d  %-60s %11s %11s %10s %5.1f%%\n", ++rank, c.describe().c_str(),
                 format_seconds(c.estimate.iteration_time).c_str(),
                 c.simulated ? format_seconds(*c.simulated).c_str() : "-",
@@ -285,8 +286,8 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   if (r->best_per_placement.size() > 1) {
     std::printf("best plan per rank placement:\n");
     for (const Candidate& c : r->best_per_placement) {
-      std::printf("      %-60s %11s  (%s)\n", c.describe().c_str(), format_seconds(c.time()).c_str(),
-                  c.placement.c_str());
+      std::printf("      %-60s %11s  (%s)\n", c.describe().c_str(),
+                  format_seconds(c.time()).c_str(), c.placement.c_str());
     }
   }
   if (!r->rejected.empty()) {
@@ -316,8 +317,8 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
                          csv_escape(c.describe()), o.tp, o.pp, o.vpp, o.cp, o.dp, o.micro_batch,
                          o.sequence_parallel ? 1 : 0, to_string(o.recompute), o.zero,
                          to_string(o.schedule), c.placement, c.estimate.iteration_time,
-                         c.simulated ? fmt::format("{}", *c.simulated) : "",
-                         c.estimate.peak_memory, c.estimate.mfu, csv_escape(c.status));
+                         c.simulated ? fmt::format("{}", *c.simulated) : "", c.estimate.peak_memory,
+                         c.estimate.mfu, csv_escape(c.status));
     };
     for (const Candidate& c : r->ranked) row(c, std::to_string(++k));
     for (const Candidate& c : r->rejected) row(c, "");
@@ -388,7 +389,8 @@ int run_validate(const ValidateArgs& a) {
     for (const auto& id : a.only) {
       auto it = std::find_if(cases->begin(), cases->end(),
                              [&](const ValidationCase& c) { return c.id == id; });
-      if (it == cases->end()) return fail(fmt::format("--only: no case '{}'{}", id, suggest(id, ids)));
+      if (it == cases->end())
+        return fail(fmt::format("--only: no case '{}'{}", id, suggest(id, ids)));
       kept.push_back(*it);
     }
     *cases = kept;
@@ -413,7 +415,8 @@ int run_validate(const ValidateArgs& a) {
     if (!calib) return fail(calib.error().message());
     opts.compile.calibration = &*calib;
   }
-  opts.jobs = a.jobs > 0 ? a.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  opts.jobs =
+      a.jobs > 0 ? a.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   Progress progress("validating");
   opts.progress = [&progress](int done, int all) {
     progress.update(static_cast<double>(done) / all);
@@ -421,16 +424,18 @@ int run_validate(const ValidateArgs& a) {
   std::vector<CaseOutcome> out = run_validation(*cases, opts);
   progress.done();
   ValidationSummary s = summarize(out);
-  std::printf("%-48s %6s %-9s %11s %11s %8s %9s %9s\n", "case", "gpus", "framework",
-              "measured", "predicted", "error", "mem meas", "mem pred");
+  std::printf("%-48s %6s %-9s %11s %11s %8s %9s %9s\n", "case", "gpus", "framework", "measured",
+              "predicted", "error", "mem meas", "mem pred");
   for (const CaseOutcome& o : out) {
     if (!o.ok()) {
       std::printf("%-48s %6d %-9s %11s  FAILED: %s\n", o.id.c_str(), o.gpus, o.framework.c_str(),
                   format_seconds(o.measured_s).c_str(), o.status.c_str());
       continue;
     }
-    std::string mem_meas = o.measured_memory_gib ? fmt::format("{:.1f} GiB", *o.measured_memory_gib) : "";
-    std::string mem_pred = o.predicted_memory_gib ? fmt::format("{:.1f} GiB", *o.predicted_memory_gib) : "";
+    std::string mem_meas =
+        o.measured_memory_gib ? fmt::format("{:.1f} GiB", *o.measured_memory_gib) : "";
+    std::string mem_pred =
+        o.predicted_memory_gib ? fmt::format("{:.1f} GiB", *o.predicted_memory_gib) : "";
     std::printf("%-48s %6d %-9s %11s %11s %+7.1f%% %9s %9s%s\n", o.id.c_str(), o.gpus,
                 o.framework.c_str(), format_seconds(o.measured_s).c_str(),
                 format_seconds(o.predicted_s).c_str(), o.error_pct, mem_meas.c_str(),
@@ -577,9 +582,9 @@ int main(int argc, char** argv) {
       if (!gpu) return fail("--gpu: " + gpu.error().message());
       const AttentionLibrary lib =
           export_attention == "fused3" ? AttentionLibrary::kFused3 : AttentionLibrary::kFlash2;
-      c.gpus[name] = describe_models(ComputeModel::defaults_for(*gpu, lib),
-                                     CommModel::defaults_for(*gpu),
-                                     "nnsim built-in defaults (docs/cost-model.md)");
+      c.gpus[name] =
+          describe_models(ComputeModel::defaults_for(*gpu, lib), CommModel::defaults_for(*gpu),
+                          "nnsim built-in defaults (docs/cost-model.md)");
     }
     if (Status s = save_calibration(export_out, c); !s) return fail(s.error().message());
     std::printf("wrote %s\n", export_out.c_str());

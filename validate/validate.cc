@@ -136,8 +136,7 @@ ValidationSummary summarize(const std::vector<CaseOutcome>& outcomes) {
   return s;
 }
 
-std::string validation_json(const std::vector<CaseOutcome>& outcomes,
-                            const ValidationSummary& s) {
+std::string validation_json(const std::vector<CaseOutcome>& outcomes, const ValidationSummary& s) {
   using json = nlohmann::ordered_json;
   json cases = json::array();
   for (const auto& o : outcomes) {
@@ -154,8 +153,10 @@ std::string validation_json(const std::vector<CaseOutcome>& outcomes,
     if (o.ok()) {
       json exposed = json::object();
       for (const auto& [g, v] : o.exposed_by_group) exposed[g] = v;
-      c["breakdown"] = {{"compute_s", o.compute_s},        {"recompute_s", o.recompute_s},
-                        {"optimizer_s", o.optimizer_s},    {"exposed_comm_s", exposed},
+      c["breakdown"] = {{"compute_s", o.compute_s},
+                        {"recompute_s", o.recompute_s},
+                        {"optimizer_s", o.optimizer_s},
+                        {"exposed_comm_s", exposed},
                         {"bubble_s", o.bubble_s}};
     }
     c["predicted_peak_memory_gib"] =

@@ -33,18 +33,18 @@ struct CaseOutcome {
 
 struct ErrorStats {
   int count = 0;
-  double mean = 0;    // of absolute errors, percent
+  double mean = 0;  // of absolute errors, percent
   double median = 0;
-  double p90 = 0;     // linear interpolation between order statistics
+  double p90 = 0;  // linear interpolation between order statistics
   double max = 0;
 };
 
 struct ValidationSummary {
   int cases = 0;
   int failures = 0;
-  ErrorStats time;             // all simulated cases
-  ErrorStats time_stated;      // cases with no assumed parallel.* field
-  ErrorStats memory;           // cases with a measured peak memory
+  ErrorStats time;         // all simulated cases
+  ErrorStats time_stated;  // cases with no assumed parallel.* field
+  ErrorStats memory;       // cases with a measured peak memory
 };
 
 struct ValidateOptions {

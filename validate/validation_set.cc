@@ -121,9 +121,8 @@ std::vector<ValidationCase> parse_set(const InputNode& root) {
 
 Expected<std::vector<ValidationCase>> parse_validation_set(const std::string& yaml_text,
                                                            const std::string& display_name) {
-  return catch_input_errors<std::vector<ValidationCase>>(display_name, [&] {
-    return parse_set(InputNode::load_string(yaml_text, display_name));
-  });
+  return catch_input_errors<std::vector<ValidationCase>>(
+      display_name, [&] { return parse_set(InputNode::load_string(yaml_text, display_name)); });
 }
 
 Expected<std::vector<ValidationCase>> load_validation_set(const std::string& path) {

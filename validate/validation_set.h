@@ -14,10 +14,10 @@
 namespace nnsim {
 
 struct ValidationCluster {
-  std::string gpu;             // catalog name: a100-sxm4-80gb, h100-sxm5-80gb, ...
+  std::string gpu;  // catalog name: a100-sxm4-80gb, h100-sxm5-80gb, ...
   int nodes = 0;
   int gpus_per_node = 0;
-  double nic_bandwidth = 0;    // bytes/s per NIC per direction
+  double nic_bandwidth = 0;  // bytes/s per NIC per direction
   int nics_per_node = 0;
 };
 

@@ -158,8 +158,8 @@ TEST(Constraints, OperatorRulesRestrictPartitioning) {
   const Topology t = topo("dgx-a100x4", 4);
   SearchOptions o = options(64);
   // No operator of the MLP split more than 2 ways: tensor parallelism of at most 2.
-  Expected<Constraints> c = parse_constraints(
-      "operators:\n  - match: \"mlp.*\"\n    max_degree: 2\n", "ops.yaml");
+  Expected<Constraints> c =
+      parse_constraints("operators:\n  - match: \"mlp.*\"\n    max_degree: 2\n", "ops.yaml");
   ASSERT_TRUE(c.ok());
   o.constraints = *c;
   Expected<SearchResult> r = search_plans(m, t, o);

@@ -161,8 +161,11 @@ TEST(Simulator, NcclModelReproducesTheNcclTestsTablesItCameFrom) {
   for (const auto& [preset, points] : tables) {
     const Topology t = load(preset);
     for (const Point& p : points) {
-      CommRequest ar{CommRequest::Kind::kCollective, CollectiveKind::kAllReduce,
-                     Algorithm::kRing, {0, 1, 2, 3, 4, 5, 6, 7}, p.bytes};
+      CommRequest ar{CommRequest::Kind::kCollective,
+                     CollectiveKind::kAllReduce,
+                     Algorithm::kRing,
+                     {0, 1, 2, 3, 4, 5, 6, 7},
+                     p.bytes};
       auto r = simulate_communication(t, CommModel::defaults_for(t.gpu), {ar});
       ASSERT_TRUE(r.ok()) << r.error().message();
       EXPECT_NEAR((*r)[0] * 1e6, p.us, 0.02 * p.us) << preset << " " << p.bytes;
@@ -193,7 +196,8 @@ TEST(Simulator, TwoFlowsSharingALinkGetHalfEach) {
 TEST(Simulator, RejectsRequestsForMissingGpus) {
   CommRequest a{
       CommRequest::Kind::kTransfer, CollectiveKind::kAllReduce, Algorithm::kRing, {0, 99}, 1e6};
-  Expected<std::vector<double>> r = simulate_communication(load("dgx-a100x4"), CommModel::ideal(), {a});
+  Expected<std::vector<double>> r =
+      simulate_communication(load("dgx-a100x4"), CommModel::ideal(), {a});
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.error().message().find("GPU 99 does not exist"), std::string::npos);
 }

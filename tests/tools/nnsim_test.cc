@@ -664,6 +664,27 @@ TEST(NnsimToolErrors, UsageErrorsUseTheErrorPrefix) {
 // ------------------------------------------------------------------------------------------
 // 5. --version.
 
+TEST(NnsimTool, SearchWritesTheBestPlanAndTheRankedTable) {
+  Sandbox box;
+  RunResult r = box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--global-batch",
+                           "64", "--confirm", "2", "-o", "best.json", "--csv", "ranked.csv"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "rank")) << r;
+  EXPECT_TRUE(contains(r.out, "confirmed by simulation")) << r;
+  EXPECT_FALSE(contains(r.out + r.err, "\r")) << r;
+  std::string csv = box.read("ranked.csv");
+  EXPECT_EQ(csv.rfind("rank,plan,tp,pp", 0), 0u) << csv;
+  EXPECT_GT(std::count(csv.begin(), csv.end(), '\n'), 2) << csv;
+  RunResult sim = box.nnsim({"--topo", "dgx-a100x4", "best.json"});
+  EXPECT_EQ(sim.status, 0) << sim;
+
+  box.write("c.yaml", "memory_cap: 1 GB\n");
+  RunResult none = box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4",
+                              "--global-batch", "64", "--constraints", "c.yaml", "-o", "x.json"});
+  expect_error(none, {"no plan is feasible under the constraints of c.yaml",
+                      "removed by does not fit in memory"});
+}
+
 TEST(NnsimTool, Version) {
   Sandbox box;
   RunResult r = box.nnsim({"--version"});
