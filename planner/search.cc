@@ -264,6 +264,23 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
   result.evaluated = evaluated;
   for (const auto& [why, n] : reasons) result.rejections.emplace_back(why, n);
 
+  if (chains.empty() && result.enumerated == 0) {
+    // Nothing even to try: the pinned choices themselves cannot work. The builder says why.
+    MegatronOptions b;
+    b.global_batch = o.global_batch;
+    b.framework = o.framework;
+    if (pin.tp) b.tp = *pin.tp;
+    if (pin.pp) b.pp = *pin.pp;
+    if (pin.cp) b.cp = *pin.cp;
+    if (pin.dp) b.dp = *pin.dp;
+    if (pin.vpp) b.vpp = *pin.vpp;
+    if (pin.micro_batch) b.micro_batch = *pin.micro_batch;
+    if (pin.sequence_parallel) b.sequence_parallel = *pin.sequence_parallel;
+    if (pin.schedule) b.schedule = *pin.schedule;
+    if (b.vpp > 1 && !pin.schedule) b.schedule = ScheduleKind::kInterleaved;
+    Expected<Plan> p = build_megatron_plan(model, topo, b);
+    if (!p) return p.error();
+  }
   if (feasible.empty()) {
     std::string msg = "no plan is feasible";
     if (!cons.file.empty()) msg += fmt::format(" under the constraints of {}", cons.file);
