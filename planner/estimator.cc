@@ -28,8 +28,10 @@ class Estimator {
   explicit Estimator(const Program& p) : prog_(p), net_(p.topology) {}
 
   Estimate run();
+  std::vector<TemplateTime> template_times();
 
  private:
+  void map_segments();
   double collective_seconds(const Lane& lane, const Step& s);
   double transfer_seconds(const Lane& lane, const Step& s);
   const std::vector<Op>& ops(int lane, int template_index, const std::vector<Step>& steps);
@@ -131,12 +133,45 @@ const std::vector<Op>& Estimator::ops(int lane, int template_index,
   return ops_.emplace(key, reduce(lane, steps)).first->second;
 }
 
-Estimate Estimator::run() {
-  const size_t lanes = prog_.lanes.size();
+void Estimator::map_segments() {
   lane_of_segment_.assign(prog_.plan.segments.size(), 0);
-  for (size_t l = 0; l < lanes; ++l) {
+  for (size_t l = 0; l < prog_.lanes.size(); ++l) {
     for (const auto& b : prog_.lanes[l].blocks) lane_of_segment_[b.block.segment] = l;
   }
+}
+
+std::vector<TemplateTime> Estimator::template_times() {
+  map_segments();
+  std::set<int> layer_labels;
+  for (const auto& op : prog_.graph.layer.ops) {
+    for (size_t i = 0; i < prog_.labels.size(); ++i) {
+      if (prog_.labels[i] == op.name) layer_labels.insert(static_cast<int>(i));
+    }
+  }
+  std::vector<TemplateTime> out(prog_.templates.size());
+  for (size_t t = 0; t < prog_.templates.size(); ++t) {
+    const BlockTemplate& tpl = prog_.templates[t];
+    const Lane& lane = prog_.lanes[lane_of_segment_[tpl.segment]];
+    for (const Step& s : tpl.steps) {
+      double busy = 0;
+      if (s.kind == StepKind::kCompute) busy = s.seconds;
+      if (s.kind == StepKind::kCollective) busy = std::max(collective_seconds(lane, s), s.seconds);
+      if (busy == 0) continue;
+      if (!layer_labels.count(s.label)) {
+        out[t].other += busy;
+      } else if (s.compute_class == ComputeClass::kRecompute) {
+        out[t].layers_recompute += busy;
+      } else {
+        out[t].layers += busy;
+      }
+    }
+  }
+  return out;
+}
+
+Estimate Estimator::run() {
+  const size_t lanes = prog_.lanes.size();
+  map_segments();
   struct LaneState {
     double time = 0;
     double compute = 0;
@@ -250,6 +285,10 @@ Estimate Estimator::run() {
 
 Estimate estimate_program(const Program& program) {
   return Estimator(program).run();
+}
+
+std::vector<TemplateTime> template_times(const Program& program) {
+  return Estimator(program).template_times();
 }
 
 }  // namespace nnsim

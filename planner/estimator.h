@@ -21,4 +21,15 @@ struct Estimate {
 
 Estimate estimate_program(const Program& program);
 
+// Busy time of a block template on its lane's compute stream (compute, and blocking collectives
+// at their time alone on the network), split into the steps of transformer-layer operators and
+// the rest (embedding, head, loss). Recompute steps are counted apart. The stage partitioner
+// reads per-layer costs from it.
+struct TemplateTime {
+  double layers = 0;            // forward / backward of the layers' operators
+  double layers_recompute = 0;  // recomputing the layers' dropped activations
+  double other = 0;             // everything else on the compute stream
+};
+std::vector<TemplateTime> template_times(const Program& program);
+
 }  // namespace nnsim

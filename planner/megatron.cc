@@ -3,6 +3,7 @@
 #include <numeric>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/suggest.h"
 
@@ -132,6 +133,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                           dp, o.cp > 1 ? fmt::format(" cp{}", o.cp) : "",
                           o.vpp > 1 ? fmt::format(" vpp{}", o.vpp) : "", plan.schedule_name,
                           to_string(o.recompute), o.zero);
+  if (!o.recompute_layers.empty()) {
+    plan.name += fmt::format(" recompute-layers {}", fmt::join(o.recompute_layers, ","));
+  }
+  if (!o.stage_layers.empty()) {
+    plan.name += fmt::format(" layers {}", fmt::join(o.stage_layers, ","));
+  }
   plan.mesh.axes = {{"dp", dp}, {"pp", o.pp}, {"cp", o.cp}, {"tp", o.tp}};
   // Megatron's rank order tp-cp-dp-pp: tensor parallel fastest, pipeline slowest.
   plan.placement.factors.clear();
@@ -179,14 +186,42 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     }
   }
 
+  if (!o.recompute_layers.empty()) {
+    if (static_cast<int>(o.recompute_layers.size()) != segments) {
+      return Error(fmt::format("--recompute-layers lists {} segments; pp x vpp = {}",
+                               o.recompute_layers.size(), segments));
+    }
+    for (int i = 0; i < segments; ++i) {
+      const Segment& s = plan.segments[i];
+      const int k = o.recompute_layers[i];
+      if (k < 0 || k > s.end_layer - s.first_layer) {
+        return Error(
+            fmt::format("--recompute-layers: segment {} ({}) has {} layers; it cannot recompute {}",
+                        i, s.name, s.end_layer - s.first_layer, k));
+      }
+      if (k > 0) plan.recompute.push_back({"*", s.first_layer, s.first_layer + k});
+    }
+  }
+  // The layers not fully recomputed above follow the uniform mode.
+  auto uniform_rule = [&](const std::string& match) {
+    if (o.recompute_layers.empty()) {
+      plan.recompute.push_back({match, 0, model.layers});
+      return;
+    }
+    for (int i = 0; i < segments; ++i) {
+      const Segment& s = plan.segments[i];
+      const int first = s.first_layer + o.recompute_layers[i];
+      if (first < s.end_layer) plan.recompute.push_back({match, first, s.end_layer});
+    }
+  };
   switch (o.recompute) {
     case RecomputeMode::kNone:
       break;
     case RecomputeMode::kSelective:
-      plan.recompute.push_back({"attn.core", 0, model.layers});
+      uniform_rule("attn.core");
       break;
     case RecomputeMode::kFull:
-      plan.recompute.push_back({"*", 0, model.layers});
+      uniform_rule("*");
       break;
   }
 

@@ -36,6 +36,10 @@ struct MegatronOptions {
   ScheduleKind schedule = ScheduleKind::kOneFOneB;
   std::optional<Precision> precision;  // default: the model's
   std::vector<int> stage_layers;       // layers per segment; empty: as even as possible
+  // Stage-aware recomputation (Merak; Megatron's --recompute-method block): per segment, how
+  // many of its first layers are fully recomputed; the others follow `recompute`. Empty: every
+  // layer follows `recompute`.
+  std::vector<int> recompute_layers;
   bool overlap_grad_reduce = true;
   bool overlap_param_gather = true;
   std::string algorithm = "auto";

@@ -2,14 +2,18 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/memory_check.h"
+#include "planner/stage_partition.h"
 
 namespace nnsim {
 
@@ -22,15 +26,21 @@ std::string Candidate::describe() const {
   if (o.sequence_parallel) s += " sp";
   s += fmt::format(" {} zero{} {}", to_string(o.recompute), o.zero, to_string(o.schedule));
   if (!o.stage_layers.empty() && o.vpp == 1) {
-    std::string layers;
-    for (int n : o.stage_layers) layers += (layers.empty() ? "" : ",") + std::to_string(n);
-    s += " layers=" + layers;
+    s += fmt::format(" layers={}", fmt::join(o.stage_layers, ","));
+  }
+  if (!o.recompute_layers.empty()) {
+    s += fmt::format(" recompute-layers={}", fmt::join(o.recompute_layers, ","));
   }
   if (placement != "tp-innermost") s += " " + placement;
   return s;
 }
 
 namespace {
+
+// Stage re-partitioning is tried on at most this many pipelines whose cheapest estimate is
+// within this margin of the best plan (balancing the head and embedding gains a few percent).
+constexpr size_t kMaxBalanced = 48;
+constexpr double kBalanceMargin = 0.05;
 
 std::vector<int> divisors(int n, int limit) {
   std::vector<int> out;
@@ -72,6 +82,95 @@ double static_bytes_lower_bound(const ModelSpec& m, int tp, int pp, int dp, int 
   return b;
 }
 
+Expected<Program> compile_options(const ModelSpec& model, const Topology& topo,
+                                  const MegatronOptions& options) {
+  Expected<Plan> plan = build_megatron_plan(model, topo, options);
+  if (!plan) return plan.error();
+  return compile_plan(*plan, topo);
+}
+
+// Merak-style stage partitioning with stage-aware recomputation for one chain's degrees: stage
+// costs measured on the uniform split, the split and per-stage recomputation from dynamic
+// programming (planner/stage_partition.h), then compiled and checked like any candidate. With
+// virtual stages the split stays even and each device recomputes what it needs to fit. When
+// the exact memory check finds a device over, it recomputes more and the plan is tried again.
+// Nothing when the result is the uniform plan or nothing fits.
+std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& topo,
+                                       const Chain& chain,
+                                       std::optional<RecomputeMode> pinned_recompute,
+                                       double capacity, const Constraints& cons,
+                                       std::atomic<size_t>& evaluated) {
+  std::vector<int> zeros;
+  for (const auto& level : chain.levels) {
+    if (std::find(zeros.begin(), zeros.end(), level.second) == zeros.end()) {
+      zeros.push_back(level.second);
+    }
+  }
+  for (int zero : zeros) {
+    MegatronOptions plain = chain.base;
+    plain.zero = zero;
+    plain.recompute = pinned_recompute.value_or(RecomputeMode::kNone);
+    Expected<Program> p0 = compile_options(model, topo, plain);
+    if (!p0) return std::nullopt;
+    std::optional<Program> p1;
+    if (!pinned_recompute) {
+      MegatronOptions full = plain;
+      full.recompute = RecomputeMode::kFull;
+      Expected<Program> p = compile_options(model, topo, full);
+      if (!p) return std::nullopt;
+      p1 = std::move(*p);
+    }
+    Candidate cand;
+    cand.options = plain;
+    cand.placement = chain.placement;
+    const double saved_per_layer =
+        p1 ? p0->layer_activation_bytes.front() - p1->layer_activation_bytes.front() : 0;
+    std::vector<int> recomputed(p0->plan.segments.size(), 0);
+    if (chain.base.vpp == 1) {
+      Expected<std::vector<StageCosts>> costs = measure_stage_costs(*p0, p1 ? *p1 : *p0);
+      if (!costs) return std::nullopt;
+      Expected<StagePartition> part = partition_stages(*costs, model.layers, capacity);
+      if (!part) continue;
+      cand.options.stage_layers = part->layers;
+      recomputed = part->recomputed;
+    } else {
+      // Virtual stages keep the even split; each device recomputes what it needs to fit.
+      if (pinned_recompute) return std::nullopt;
+      Expected<std::vector<int>> fit = recompute_to_fit(*p0, recomputed, saved_per_layer, capacity);
+      if (!fit) continue;
+      recomputed = *fit;
+    }
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      const bool any =
+          std::any_of(recomputed.begin(), recomputed.end(), [](int k) { return k > 0; });
+      cand.options.recompute_layers = any ? recomputed : std::vector<int>{};
+      const bool uniform = cand.options.stage_layers.empty() ||
+                           cand.options.stage_layers == split_layers(model.layers, chain.base.pp);
+      if (uniform && !any) return std::nullopt;  // already evaluated
+      Expected<Plan> plan = build_megatron_plan(model, topo, cand.options);
+      if (!plan) return std::nullopt;
+      Expected<Program> prog = compile_plan(*plan, topo);
+      if (!prog) return std::nullopt;
+      ++evaluated;
+      cand.estimate = estimate_program(*prog);
+      if (cand.estimate.peak_memory <= capacity) {
+        std::string why = violated_constraint(cons, *plan, *prog, cand.estimate.bubble_fraction,
+                                              cand.estimate.peak_memory);
+        if (!why.empty()) return std::nullopt;
+        cand.status = "ok";
+        return cand;
+      }
+      // The linear memory model was short: recompute more where the exact check overflows.
+      if (pinned_recompute) break;
+      Expected<std::vector<int>> more =
+          recompute_to_fit(*prog, recomputed, saved_per_layer, capacity);
+      if (!more || *more == recomputed) break;
+      recomputed = *more;
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo,
@@ -94,6 +193,10 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     ++reasons[why];
   };
 
+  const std::vector<int>* fixed_layers = pin.stage_layers            ? &*pin.stage_layers
+                                         : cons.stage_layers.empty() ? nullptr
+                                                                     : &cons.stage_layers;
+
   // Enumerate.
   std::vector<PlacementChoice> placements = {{"tp-innermost", {"pp", "dp", "cp", "tp"}},
                                              {"dp-innermost", {"pp", "cp", "tp", "dp"}}};
@@ -114,6 +217,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
         reject("stage_layers");
         continue;
       }
+      if (pin.stage_layers && static_cast<int>(pin.stage_layers->size()) % pp != 0) continue;
       for (int cp : pinned_or(pin.cp, std::vector<int>{1, 2, 4, 8})) {
         if (gpus % (tp * pp * cp) != 0) continue;
         const int dp = gpus / (tp * pp * cp);
@@ -130,6 +234,12 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
             }
             for (int vpp : pinned_or(pin.vpp, vpps)) {
               if (pp * vpp > model.layers) continue;
+              // Pinned layers per stage (constraints) or per segment (command line).
+              if (!cons.stage_layers.empty() && vpp > 1) {
+                reject("stage_layers");
+                continue;
+              }
+              if (fixed_layers && static_cast<int>(fixed_layers->size()) != pp * vpp) continue;
               if (vpp > 1 && micro_batches % pp != 0) continue;
               std::vector<ScheduleKind> schedules =
                   vpp > 1
@@ -171,7 +281,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   b.framework = o.framework;
                   b.tp_comm_overlap = o.tp_comm_overlap;
                   b.placement = pl.order;
-                  b.stage_layers = vpp == 1 ? cons.stage_layers : std::vector<int>{};
+                  if (fixed_layers) b.stage_layers = *fixed_layers;
                   std::vector<RecomputeMode> recs = {
                       RecomputeMode::kNone, RecomputeMode::kSelective, RecomputeMode::kFull};
                   if (pin.recompute) recs = {*pin.recompute};
@@ -204,9 +314,14 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
   std::vector<Candidate> feasible;
   std::vector<Candidate> lost;
   std::atomic<size_t> next{0}, done{0}, evaluated{0};
+  // Each chain's cheapest level's estimate, fitting or not: what its degrees could reach.
+  std::vector<double> first_estimate(chains.size(), std::numeric_limits<double>::infinity());
+  // Each chain's feasible plan's estimate (infinite when none fits).
+  std::vector<double> chain_best(chains.size(), std::numeric_limits<double>::infinity());
   auto worker = [&] {
     for (size_t i = next++; i < chains.size(); i = next++) {
       const Chain& chain = chains[i];
+      bool first = true;
       for (const auto& [rec, zero] : chain.levels) {
         Candidate cand;
         cand.options = chain.base;
@@ -225,6 +340,8 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
         }
         ++evaluated;
         cand.estimate = estimate_program(*prog);
+        if (first) first_estimate[i] = cand.estimate.iteration_time;
+        first = false;
         if (cand.estimate.peak_memory > capacity) {
           cand.status = fmt::format("does not fit: needs {:.1f} GiB of {:.1f} GiB usable",
                                     cand.estimate.peak_memory / (1 << 30), capacity / (1 << 30));
@@ -244,6 +361,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
           break;
         }
         cand.status = "ok";
+        chain_best[i] = cand.estimate.iteration_time;
         std::lock_guard<std::mutex> lock(mutex);
         feasible.push_back(cand);
         break;  // the rest of the chain costs more time
@@ -261,6 +379,49 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     worker();
     for (auto& t : threads) t.join();
   }
+
+  // Re-partition the stages of the most promising pipelines: those whose cheapest level
+  // estimates faster than the best plan found (or nearly), fitting or not.
+  if (!fixed_layers && !feasible.empty()) {
+    double best_time = std::numeric_limits<double>::infinity();
+    for (const Candidate& c : feasible) best_time = std::min(best_time, c.estimate.iteration_time);
+    std::vector<size_t> promising;
+    for (size_t i = 0; i < chains.size(); ++i) {
+      const MegatronOptions& b = chains[i].base;
+      if (b.pp > 1 && first_estimate[i] < best_time * (1 + kBalanceMargin)) {
+        promising.push_back(i);
+      }
+    }
+    std::sort(promising.begin(), promising.end(), [&](size_t a, size_t b) {
+      return first_estimate[a] != first_estimate[b] ? first_estimate[a] < first_estimate[b] : a < b;
+    });
+    if (promising.size() > kMaxBalanced) promising.resize(kMaxBalanced);
+    std::optional<RecomputeMode> pinned_recompute = cons.recompute ? cons.recompute : pin.recompute;
+    std::vector<std::optional<Candidate>> balanced(promising.size());
+    std::atomic<size_t> next_balance{0};
+    auto balance_worker = [&] {
+      for (size_t i = next_balance++; i < promising.size(); i = next_balance++) {
+        balanced[i] = balance_chain(model, topo, chains[promising[i]], pinned_recompute, capacity,
+                                    cons, evaluated);
+        if (o.progress) {
+          std::lock_guard<std::mutex> lock(mutex);
+          o.progress("balancing stages", i + 1, promising.size());
+        }
+      }
+    };
+    std::vector<std::thread> threads;
+    for (int j = 1; j < std::max(1, o.jobs); ++j) threads.emplace_back(balance_worker);
+    balance_worker();
+    for (auto& t : threads) t.join();
+    result.balanced = promising.size();
+    for (size_t i = 0; i < balanced.size(); ++i) {
+      if (!balanced[i]) continue;
+      if (balanced[i]->estimate.iteration_time < chain_best[promising[i]]) {
+        ++result.balanced_better;
+        feasible.push_back(*balanced[i]);
+      }
+    }
+  }
   result.evaluated = evaluated;
   for (const auto& [why, n] : reasons) result.rejections.emplace_back(why, n);
 
@@ -277,6 +438,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     if (pin.micro_batch) b.micro_batch = *pin.micro_batch;
     if (pin.sequence_parallel) b.sequence_parallel = *pin.sequence_parallel;
     if (pin.schedule) b.schedule = *pin.schedule;
+    if (pin.stage_layers) b.stage_layers = *pin.stage_layers;
     if (b.vpp > 1 && !pin.schedule) b.schedule = ScheduleKind::kInterleaved;
     Expected<Plan> p = build_megatron_plan(model, topo, b);
     if (!p) return p.error();

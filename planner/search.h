@@ -27,6 +27,7 @@ struct SearchPins {
   std::optional<RecomputeMode> recompute;
   std::optional<ScheduleKind> schedule;
   std::optional<std::vector<std::string>> placement;
+  std::optional<std::vector<int>> stage_layers;  // layers per segment (pp x vpp numbers)
 };
 
 struct SearchOptions {
@@ -68,6 +69,10 @@ struct SearchResult {
   size_t enumerated = 0;
   size_t evaluated = 0;  // compiled and estimated
   size_t confirmed = 0;
+  // Degrees whose stages were re-partitioned (planner/stage_partition.h), and how many of those
+  // beat the uniform split of the same degrees (and joined the ranking).
+  size_t balanced = 0;
+  size_t balanced_better = 0;
   // Pairs of confirmed plans whose order the estimator and the simulator disagree on.
   size_t rank_pairs = 0;
   size_t rank_disagreements = 0;

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <CLI/CLI.hpp>
 
 #include "core/memory_check.h"
@@ -260,7 +261,10 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   }
   Progress progress("searching");
   so.progress = [&progress](const std::string& phase, size_t done, size_t all) {
-    progress.update(phase == "estimating" ? 0.9 * done / all : 0.9 + 0.1 * done / all);
+    const double f = static_cast<double>(done) / all;
+    if (phase == "estimating") progress.update(0.8 * f);
+    if (phase == "balancing stages") progress.update(0.8 + 0.1 * f);
+    if (phase == "simulating") progress.update(0.9 + 0.1 * f);
   };
   so.simulate = [](const Program& p) -> Expected<double> {
     Expected<SimResult> r = simulate(p);
@@ -272,6 +276,10 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   if (!r) return fail(r.error().message());
   std::printf("searched %zu candidates (%zu compiled and estimated, %zu confirmed by simulation)\n",
               r->enumerated, r->evaluated, r->confirmed);
+  if (r->balanced > 0) {
+    std::printf("stages re-partitioned for %zu pipelines; %zu beat their uniform split\n",
+                r->balanced, r->balanced_better);
+  }
   std::printf("%4s  %-60s %11s %11s %10s %6s\n", "rank", "plan", "estimated", "simulated",
               "peak mem", "MFU");
   int rank = 0;
@@ -309,14 +317,16 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   if (!a.csv.empty()) {
     std::string csv =
         "rank,plan,tp,pp,vpp,cp,dp,micro_batch,sequence_parallel,recompute,zero,schedule,"
-        "placement,estimated_s,simulated_s,peak_memory_bytes,mfu,status\n";
+        "placement,stage_layers,recompute_layers,estimated_s,simulated_s,peak_memory_bytes,mfu,"
+        "status\n";
     int k = 0;
     auto row = [&](const Candidate& c, const std::string& rank_text) {
       const MegatronOptions& o = c.options;
-      csv += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", rank_text,
+      csv += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", rank_text,
                          csv_escape(c.describe()), o.tp, o.pp, o.vpp, o.cp, o.dp, o.micro_batch,
                          o.sequence_parallel ? 1 : 0, to_string(o.recompute), o.zero,
-                         to_string(o.schedule), c.placement, c.estimate.iteration_time,
+                         to_string(o.schedule), c.placement, fmt::join(o.stage_layers, ";"),
+                         fmt::join(o.recompute_layers, ";"), c.estimate.iteration_time,
                          c.simulated ? fmt::format("{}", *c.simulated) : "", c.estimate.peak_memory,
                          c.estimate.mfu, csv_escape(c.status));
     };
@@ -502,6 +512,10 @@ int main(int argc, char** argv) {
       ->add_option("--stage-layers", plan.o.stage_layers,
                    "layers per segment (pp x vpp numbers), default as even as possible")
       ->delimiter(',');
+  plan_cmd
+      ->add_option("--recompute-layers", plan.o.recompute_layers,
+                   "per segment, how many of its first layers are fully recomputed")
+      ->delimiter(',');
   plan_cmd->add_option("-o,--output", plan.output, "where to write plan.json")->required();
   plan_cmd->add_flag("--search", plan.search,
                      "search the choices not given (implied when --tp or --pp is missing)");
@@ -561,6 +575,7 @@ int main(int argc, char** argv) {
     if (given("--micro-batch")) p.micro_batch = plan.o.micro_batch;
     if (given("--zero")) p.zero = plan.o.zero;
     if (given("--sequence-parallel")) p.sequence_parallel = true;
+    if (given("--stage-layers")) p.stage_layers = plan.o.stage_layers;
     if (given("--recompute")) {
       Expected<RecomputeMode> r = parse_recompute_mode(plan.recompute);
       if (!r) return fail("--recompute: " + r.error().message());
@@ -572,6 +587,11 @@ int main(int argc, char** argv) {
       p.schedule = *s;
     }
     if (!p.tp || !p.pp) plan.search = true;
+    if (plan.search && given("--recompute-layers")) {
+      return fail(
+          "--recompute-layers pins the builder's per-stage recomputation; the search chooses "
+          "it (give --tp and --pp without --search to build a plan with it)");
+    }
     return run_plan(plan);
   }
   if (validate_cmd->parsed()) return run_validate(validate);

@@ -124,14 +124,17 @@ TEST(Search, AllChoicesPinnedIsTheBuilder) {
   o.pins.zero = 1;
   o.pins.schedule = ScheduleKind::kOneFOneB;
   o.pins.placement = std::vector<std::string>{"pp", "dp", "cp", "tp"};
+  o.pins.stage_layers = std::vector<int>{6, 6, 6, 6};
   Expected<SearchResult> r = search_plans(m, t, o);
   ASSERT_TRUE(r.ok()) << r.error().message();
   ASSERT_EQ(r->ranked.size(), 1u);
+  EXPECT_EQ(r->balanced, 0u);
   MegatronOptions b;
   b.tp = 2;
   b.pp = 4;
   b.global_batch = 64;
   b.zero = 1;
+  b.stage_layers = {6, 6, 6, 6};
   Expected<Plan> built = build_megatron_plan(m, t, b);
   ASSERT_TRUE(built.ok());
   EXPECT_EQ(plan_to_json(r->best), plan_to_json(*built));

@@ -1,0 +1,294 @@
+// Automatic stage partitioning: the dynamic programme against brute force, stage costs measured
+// from compiled plans, and the plans it gives (balanced head, stage-aware recomputation).
+#include "planner/stage_partition.h"
+
+#include <functional>
+#include <numeric>
+
+#include <gtest/gtest.h>
+
+#include "core/memory_check.h"
+#include "planner/estimator.h"
+#include "planner/megatron.h"
+#include "planner/search.h"
+
+namespace nnsim {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024 * 1024;
+
+StageCosts stage(int in_flight, double other_seconds = 0) {
+  StageCosts c;
+  c.layer_seconds = 1.0;
+  c.recompute_seconds = 0.3;
+  c.other_seconds = other_seconds;
+  c.static_per_layer = 1 * kGiB;
+  c.activation_per_layer = 0.5 * kGiB;
+  c.activation_per_recomputed_layer = 0.05 * kGiB;
+  c.in_flight = in_flight;
+  c.fixed_bytes = 2 * kGiB;
+  return c;
+}
+
+double bytes(const StageCosts& c, int n, int k) {
+  return c.fixed_bytes + n * c.static_per_layer +
+         c.in_flight * ((n - k) * c.activation_per_layer + k * c.activation_per_recomputed_layer);
+}
+
+double seconds(const StageCosts& c, int n, int k) {
+  return c.other_seconds + n * c.layer_seconds + k * c.recompute_seconds;
+}
+
+// The best slowest-stage time over every split and every recompute count, by enumeration.
+double brute_force(const std::vector<StageCosts>& stages, int layers, double capacity) {
+  double best = 1e300;
+  std::vector<int> n(stages.size());
+  std::function<void(size_t, int, double)> walk = [&](size_t s, int left, double slowest) {
+    if (slowest >= best) return;
+    if (s == stages.size()) {
+      if (left == 0) best = std::min(best, slowest);
+      return;
+    }
+    for (int x = 1; x <= left; ++x) {
+      for (int k = 0; k <= x; ++k) {
+        if (bytes(stages[s], x, k) > capacity) continue;
+        walk(s + 1, left - x, std::max(slowest, seconds(stages[s], x, k)));
+        break;  // more recomputation only costs time
+      }
+    }
+  };
+  walk(0, layers, 0);
+  return best;
+}
+
+void expect_valid(const StagePartition& p, const std::vector<StageCosts>& stages, int layers,
+                  double capacity) {
+  ASSERT_EQ(p.layers.size(), stages.size());
+  EXPECT_EQ(std::accumulate(p.layers.begin(), p.layers.end(), 0), layers);
+  double slowest = 0;
+  for (size_t s = 0; s < stages.size(); ++s) {
+    EXPECT_GE(p.layers[s], 1);
+    EXPECT_GE(p.recomputed[s], 0);
+    EXPECT_LE(p.recomputed[s], p.layers[s]);
+    EXPECT_LE(bytes(stages[s], p.layers[s], p.recomputed[s]), capacity) << "stage " << s;
+    slowest = std::max(slowest, seconds(stages[s], p.layers[s], p.recomputed[s]));
+  }
+  EXPECT_NEAR(slowest, p.slowest_stage_seconds, 1e-9);
+}
+
+TEST(StagePartition, HeadOnTheLastStageGivesItFewerLayers) {
+  // 4 stages, 32 layers, the head costs 2.5 layers: uniform 8 each makes the last stage 10.5.
+  std::vector<StageCosts> stages = {stage(4), stage(3), stage(2), stage(1, 2.5)};
+  Expected<StagePartition> p = partition_stages(stages, 32, 1000 * kGiB);
+  ASSERT_TRUE(p.ok()) << p.error().message();
+  expect_valid(*p, stages, 32, 1000 * kGiB);
+  EXPECT_LT(p->layers[3], 8);
+  EXPECT_DOUBLE_EQ(p->slowest_stage_seconds, brute_force(stages, 32, 1000 * kGiB));
+  EXPECT_DOUBLE_EQ(p->slowest_stage_seconds, 9.0);  // 9,9,9 + 5 layers and the head (7.5)
+  for (int k : p->recomputed) EXPECT_EQ(k, 0);
+}
+
+TEST(StagePartition, EarlyStagesRecomputeWhatTheirInFlightMicroBatchesNeed) {
+  // Under 1F1B stage s holds p - s micro-batches: with 5 layers each, stage 0 needs
+  // 2 + 5 + 6 x 5 x 0.5 = 22 GiB, stage 5 only 9.5 GiB. Capacity 14 GiB.
+  std::vector<StageCosts> stages;
+  for (int s = 0; s < 6; ++s) stages.push_back(stage(6 - s, s == 5 ? 1.5 : 0));
+  const double capacity = 14 * kGiB;
+  Expected<StagePartition> p = partition_stages(stages, 30, capacity);
+  ASSERT_TRUE(p.ok()) << p.error().message();
+  expect_valid(*p, stages, 30, capacity);
+  EXPECT_NEAR(p->slowest_stage_seconds, brute_force(stages, 30, capacity), 1e-9);
+  EXPECT_GT(p->recomputed.front(), 0);
+  EXPECT_EQ(p->recomputed.back(), 0);  // the last stage holds one micro-batch: no recompute
+  // Less recomputation than recomputing everything, and faster.
+  EXPECT_LT(std::accumulate(p->recomputed.begin(), p->recomputed.end(), 0), 30);
+  EXPECT_LT(p->slowest_stage_seconds, 5 * 1.3 + 1.5);
+}
+
+TEST(StagePartition, SaysWhenNothingFits) {
+  std::vector<StageCosts> stages = {stage(2), stage(1)};
+  Expected<StagePartition> p = partition_stages(stages, 16, 8 * kGiB);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.error().message().find("no split of 16 layers over 2 stages fits"), std::string::npos)
+      << p.error().message();
+  EXPECT_FALSE(partition_stages(stages, 1, 100 * kGiB).ok());  // fewer layers than stages
+}
+
+Program compile(const ModelSpec& model, const Topology& topo, const MegatronOptions& o) {
+  Expected<Plan> plan = build_megatron_plan(model, topo, o);
+  EXPECT_TRUE(plan.ok()) << plan.error().message();
+  Expected<Program> prog = compile_plan(*plan, topo);
+  EXPECT_TRUE(prog.ok()) << prog.error().message();
+  return *prog;
+}
+
+struct Llama8bOnOneNode : ::testing::Test {
+  void SetUp() override {
+    Expected<ModelSpec> m = load_model("llama3-8b");
+    ASSERT_TRUE(m.ok());
+    model = *m;
+    Expected<Topology> t = load_topology("dgx-h100-superpod");
+    ASSERT_TRUE(t.ok());
+    Expected<Topology> r = resize_topology(*t, 1);
+    ASSERT_TRUE(r.ok());
+    topo = *r;
+    o.tp = 2;
+    o.pp = 4;
+    o.sequence_parallel = true;
+    o.global_batch = 64;
+  }
+  ModelSpec model;
+  Topology topo;
+  MegatronOptions o;
+};
+
+TEST_F(Llama8bOnOneNode, MeasuredCostsSeparateLayersFromTheHead) {
+  Program plain = compile(model, topo, o);
+  MegatronOptions full = o;
+  full.recompute = RecomputeMode::kFull;
+  Program recomputed = compile(model, topo, full);
+  Expected<std::vector<StageCosts>> costs = measure_stage_costs(plain, recomputed);
+  ASSERT_TRUE(costs.ok()) << costs.error().message();
+  ASSERT_EQ(costs->size(), 4u);
+  const StageCosts& first = costs->front();
+  const StageCosts& last = costs->back();
+  for (const StageCosts& c : *costs) {
+    // Identical layers cost the same on every stage.
+    EXPECT_NEAR(c.layer_seconds, first.layer_seconds, 0.01 * first.layer_seconds);
+    EXPECT_GT(c.recompute_seconds, 0);
+    EXPECT_LT(c.recompute_seconds, c.layer_seconds);  // a forward, not a forward and backward
+    EXPECT_LT(c.activation_per_recomputed_layer, c.activation_per_layer / 10);
+  }
+  // Llama 3's 128K vocabulary: the head and loss cost more than a layer; the embedding little.
+  EXPECT_GT(last.other_seconds, first.layer_seconds);
+  EXPECT_LT(first.other_seconds, 0.1 * first.layer_seconds);
+  // 1F1B: stage s holds p - s micro-batches at its peak.
+  for (int s = 0; s < 4; ++s) EXPECT_EQ((*costs)[s].in_flight, 4 - s);
+  // The linear memory model reproduces each stage's measured peak with the uniform split.
+  const std::vector<LaneMemoryPeak> peaks = lane_memory_peaks(plain);
+  for (int s = 0; s < 4; ++s) {
+    const StageCosts& c = (*costs)[s];
+    EXPECT_NEAR(bytes(c, 8, 0), peaks[s].peak, 1e-6 * peaks[s].peak);
+  }
+}
+
+TEST_F(Llama8bOnOneNode, BalancedStagesBeatTheUniformSplit) {
+  const double uniform = estimate_program(compile(model, topo, o)).iteration_time;
+  SearchOptions so;
+  so.global_batch = 64;
+  so.jobs = 2;
+  so.confirm = 0;
+  so.pins.tp = 2;
+  so.pins.pp = 4;
+  so.pins.vpp = 1;
+  so.pins.micro_batch = 1;
+  so.pins.sequence_parallel = true;
+  so.pins.schedule = ScheduleKind::kOneFOneB;
+  so.pins.placement = std::vector<std::string>{"pp", "dp", "cp", "tp"};
+  Expected<SearchResult> r = search_plans(model, topo, so);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  EXPECT_GE(r->balanced_better, 1u);
+  const Candidate& best = r->ranked.front();
+  ASSERT_EQ(best.options.stage_layers.size(), 4u);
+  EXPECT_LT(best.options.stage_layers.back(), 8);  // the head's stage holds fewer layers
+  EXPECT_LT(best.estimate.iteration_time, 0.95 * uniform);
+}
+
+TEST_F(Llama8bOnOneNode, StageAwareRecomputeFitsWhereNoRecomputeDoesNot) {
+  // tp1 pp8 micro-batch 4: without recomputation stage 0 does not fit in 80 GB; recomputing
+  // every layer fits but costs a third more.
+  SearchOptions so;
+  so.global_batch = 64;
+  so.jobs = 2;
+  so.confirm = 0;
+  so.pins.tp = 1;
+  so.pins.pp = 8;
+  so.pins.vpp = 1;
+  so.pins.micro_batch = 4;
+  so.pins.schedule = ScheduleKind::kOneFOneB;
+  so.pins.placement = std::vector<std::string>{"pp", "dp", "cp", "tp"};
+  so.pins.zero = 0;
+  Expected<SearchResult> r = search_plans(model, topo, so);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  const Candidate& best = r->ranked.front();
+  ASSERT_EQ(best.options.recompute_layers.size(), 8u);
+  EXPECT_GT(best.options.recompute_layers.front(), 0);
+  EXPECT_EQ(best.options.recompute_layers.back(), 0);
+  // It fits (exact memory check), and beats uniform full recomputation.
+  Program p = compile(model, topo, best.options);
+  EXPECT_LE(estimate_program(p).peak_memory, 0.9 * topo.gpu.hbm_bytes);
+  MegatronOptions full = best.options;
+  full.stage_layers.clear();
+  full.recompute_layers.clear();
+  full.recompute = RecomputeMode::kFull;
+  EXPECT_LT(best.estimate.iteration_time,
+            0.9 * estimate_program(compile(model, topo, full)).iteration_time);
+}
+
+TEST(StagePartition, RecomputeToFitCoversEachDevicesExcess) {
+  // Interleaved GPT-3 13B: 4 stages x 2 chunks; capacity set between the plan with no
+  // recomputation and the plan recomputing everything.
+  Expected<ModelSpec> m = load_model("gpt3-13b");
+  Expected<Topology> t = load_topology("dgx-a100x4");
+  ASSERT_TRUE(m.ok() && t.ok());
+  MegatronOptions o;
+  o.tp = 8;
+  o.pp = 4;
+  o.vpp = 2;
+  o.schedule = ScheduleKind::kInterleaved;
+  o.global_batch = 64;
+  o.micro_batch = 4;
+  Program plain = compile(*m, *t, o);
+  o.recompute = RecomputeMode::kFull;
+  Program full = compile(*m, *t, o);
+  double plain_peak = 0, full_peak = 0;
+  for (const auto& p : lane_memory_peaks(plain)) plain_peak = std::max(plain_peak, p.peak);
+  for (const auto& p : lane_memory_peaks(full)) full_peak = std::max(full_peak, p.peak);
+  ASSERT_LT(full_peak, plain_peak);
+  const double capacity = 0.5 * (plain_peak + full_peak);
+  const double saved = plain.layer_activation_bytes[0] - full.layer_activation_bytes[0];
+  Expected<std::vector<int>> k = recompute_to_fit(plain, std::vector<int>(8, 0), saved, capacity);
+  ASSERT_TRUE(k.ok()) << k.error().message();
+  // Every device's chunks recompute the same count; the first stage (most in flight) the most.
+  for (int s = 0; s < 4; ++s) EXPECT_EQ((*k)[s], (*k)[s + 4]);
+  EXPECT_GT((*k)[0], 0);
+  EXPECT_GE((*k)[0], (*k)[3]);
+  MegatronOptions fitted = o;
+  fitted.recompute = RecomputeMode::kNone;
+  fitted.recompute_layers = *k;
+  for (const auto& p : lane_memory_peaks(compile(*m, *t, fitted))) EXPECT_LE(p.peak, capacity);
+  // Below the fully recomputed peak nothing fits, and the error says which GPU.
+  Expected<std::vector<int>> none =
+      recompute_to_fit(full, std::vector<int>(8, 5), saved, 0.9 * full_peak);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.error().message().find("even recomputing every layer"), std::string::npos);
+}
+
+TEST(MegatronRecomputeLayers, RulesCoverEachSegmentsFirstLayers) {
+  Expected<ModelSpec> m = load_model("gpt3-1.3b");
+  Expected<Topology> t = load_topology("dgx-a100x4");
+  MegatronOptions o;
+  o.pp = 4;
+  o.global_batch = 32;
+  o.stage_layers = {5, 7, 6, 6};
+  o.recompute_layers = {3, 1, 0, 6};
+  o.recompute = RecomputeMode::kSelective;
+  Expected<Plan> p = build_megatron_plan(*m, *t, o);
+  ASSERT_TRUE(p.ok()) << p.error().message();
+  // Full recomputation of layers 0-2, 5, 18-23; selective for the rest.
+  std::vector<std::tuple<std::string, int, int>> rules;
+  for (const auto& r : p->recompute) rules.emplace_back(r.match, r.first_layer, r.end_layer);
+  std::vector<std::tuple<std::string, int, int>> want = {
+      {"*", 0, 3},         {"*", 5, 6},          {"*", 18, 24},
+      {"attn.core", 3, 5}, {"attn.core", 6, 12}, {"attn.core", 12, 18}};
+  EXPECT_EQ(rules, want);
+  o.recompute_layers = {3, 8, 0, 0};
+  Expected<Plan> bad = build_megatron_plan(*m, *t, o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.error().message().find("segment 1 (stage1) has 7 layers; it cannot recompute 8"),
+            std::string::npos)
+      << bad.error().message();
+}
+
+}  // namespace
+}  // namespace nnsim
