@@ -685,6 +685,27 @@ TEST(NnsimTool, SearchWritesTheBestPlanAndTheRankedTable) {
                       "removed by does not fit in memory"});
 }
 
+TEST(NnsimTool, PerStageLayersAndRecomputeOnTheCommandLine) {
+  Sandbox box;
+  RunResult r = box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--tp", "2",
+                           "--pp", "4", "--global-batch", "64", "--stage-layers", "5,7,7,5",
+                           "--recompute-layers", "2,1,0,0", "-o", "p.json"});
+  ASSERT_EQ(r.status, 0) << r;
+  json plan = json::parse(box.read("p.json"));
+  EXPECT_EQ(plan["segments"][1]["layers"], json::array({5, 12})) << plan["segments"];
+  EXPECT_EQ(plan["recompute"].size(), 2u) << plan["recompute"];
+  RunResult sim = box.nnsim({"--topo", "dgx-a100x4", "p.json"});
+  EXPECT_EQ(sim.status, 0) << sim;
+  // The search chooses per-stage recomputation itself.
+  expect_error(box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4",
+                          "--global-batch", "64", "--recompute-layers", "1,1", "-o", "x.json"}),
+               {"--recompute-layers", "the search chooses"});
+  expect_error(box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--tp", "2",
+                          "--pp", "4", "--global-batch", "64", "--recompute-layers", "9,0,0,0",
+                          "-o", "x.json"}),
+               {"segment 0 (stage0) has 6 layers; it cannot recompute 9"});
+}
+
 TEST(NnsimTool, Version) {
   Sandbox box;
   RunResult r = box.nnsim({"--version"});
