@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -41,6 +42,8 @@ namespace {
 // within this margin of the best plan (balancing the head and embedding gains a few percent).
 constexpr size_t kMaxBalanced = 48;
 constexpr double kBalanceMargin = 0.05;
+// Every other rank placement is tried for the best plans of this many sets of degrees.
+constexpr size_t kMaxPlaced = 8;
 
 std::vector<int> divisors(int n, int limit) {
   std::vector<int> out;
@@ -80,6 +83,55 @@ double static_bytes_lower_bound(const ModelSpec& m, int tp, int pp, int dp, int 
   if (zero >= 2) b -= params * 4 * (1 - 1 / shard);
   if (zero >= 3) b -= params * 2 * (1 - 1 / shard);
   return b;
+}
+
+// Runs body(0..n-1) on `jobs` threads, calling progress(done, n) after each.
+void parallel_for(size_t n, int jobs, const std::function<void(size_t)>& body,
+                  const std::function<void(size_t, size_t)>& progress) {
+  std::atomic<size_t> next{0}, done{0};
+  std::mutex mutex;
+  auto worker = [&] {
+    for (size_t i = next++; i < n; i = next++) {
+      body(i);
+      const size_t d = ++done;
+      if (progress) {
+        std::lock_guard<std::mutex> lock(mutex);
+        progress(d, n);
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int j = 1; j < std::max(1, jobs); ++j) threads.emplace_back(worker);
+  worker();
+  for (auto& t : threads) t.join();
+}
+
+// Every order of the mesh axes (outermost first) that places ranks differently: axes of size 1
+// do not matter, so orders equal without them are one.
+std::vector<std::vector<std::string>> distinct_orders(const MegatronOptions& o) {
+  std::vector<std::string> axes = {"cp", "dp", "pp", "tp"};
+  auto size = [&](const std::string& a) {
+    return a == "cp" ? o.cp : a == "dp" ? o.dp : a == "pp" ? o.pp : o.tp;
+  };
+  std::vector<std::vector<std::string>> out;
+  std::set<std::vector<std::string>> seen;
+  do {
+    std::vector<std::string> key;
+    for (const auto& a : axes) {
+      if (size(a) > 1) key.push_back(a);
+    }
+    if (seen.insert(key).second) out.push_back(axes);
+  } while (std::next_permutation(axes.begin(), axes.end()));
+  return out;
+}
+
+std::string order_name(const MegatronOptions& o, const std::vector<std::string>& order) {
+  std::vector<std::string> key;
+  for (const auto& a : order) {
+    const int n = a == "cp" ? o.cp : a == "dp" ? o.dp : a == "pp" ? o.pp : o.tp;
+    if (n > 1) key.push_back(a);
+  }
+  return fmt::format("order {}", fmt::join(key, "-"));
 }
 
 Expected<Program> compile_options(const ModelSpec& model, const Topology& topo,
@@ -398,21 +450,15 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     if (promising.size() > kMaxBalanced) promising.resize(kMaxBalanced);
     std::optional<RecomputeMode> pinned_recompute = cons.recompute ? cons.recompute : pin.recompute;
     std::vector<std::optional<Candidate>> balanced(promising.size());
-    std::atomic<size_t> next_balance{0};
-    auto balance_worker = [&] {
-      for (size_t i = next_balance++; i < promising.size(); i = next_balance++) {
-        balanced[i] = balance_chain(model, topo, chains[promising[i]], pinned_recompute, capacity,
-                                    cons, evaluated);
-        if (o.progress) {
-          std::lock_guard<std::mutex> lock(mutex);
-          o.progress("balancing stages", i + 1, promising.size());
-        }
-      }
-    };
-    std::vector<std::thread> threads;
-    for (int j = 1; j < std::max(1, o.jobs); ++j) threads.emplace_back(balance_worker);
-    balance_worker();
-    for (auto& t : threads) t.join();
+    parallel_for(
+        promising.size(), o.jobs,
+        [&](size_t i) {
+          balanced[i] = balance_chain(model, topo, chains[promising[i]], pinned_recompute, capacity,
+                                      cons, evaluated);
+        },
+        [&](size_t done_count, size_t all) {
+          if (o.progress) o.progress("balancing stages", done_count, all);
+        });
     result.balanced = promising.size();
     for (size_t i = 0; i < balanced.size(); ++i) {
       if (!balanced[i]) continue;
@@ -420,6 +466,63 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
         ++result.balanced_better;
         feasible.push_back(*balanced[i]);
       }
+    }
+  }
+  // Other rank placements for the best plans (nnScaler-M): every order of the mesh axes that
+  // places ranks differently, priced on the topology by the estimator.
+  if (!pin.placement && !feasible.empty()) {
+    std::sort(feasible.begin(), feasible.end(), [](const Candidate& a, const Candidate& b) {
+      return a.estimate.iteration_time != b.estimate.iteration_time
+                 ? a.estimate.iteration_time < b.estimate.iteration_time
+                 : a.describe() < b.describe();
+    });
+    std::vector<Candidate> tries;
+    std::set<std::string> degrees_seen;
+    for (const Candidate& c : feasible) {
+      if (degrees_seen.size() >= kMaxPlaced) break;
+      Candidate degrees = c;
+      degrees.placement = "tp-innermost";
+      if (!degrees_seen.insert(degrees.describe()).second) continue;
+      for (const auto& order : distinct_orders(c.options)) {
+        const std::string name = order_name(c.options, order);
+        if (name == order_name(c.options, {"pp", "dp", "cp", "tp"}) ||
+            name == order_name(c.options, {"pp", "cp", "tp", "dp"})) {
+          continue;  // evaluated with the degrees
+        }
+        Candidate t = c;
+        t.options.placement = order;
+        t.placement = name;
+        t.simulated.reset();
+        tries.push_back(t);
+      }
+    }
+    std::vector<std::optional<Candidate>> placed(tries.size());
+    parallel_for(
+        tries.size(), o.jobs,
+        [&](size_t i) {
+          Candidate c = tries[i];
+          Expected<Plan> plan = build_megatron_plan(model, topo, c.options);
+          if (!plan) return;
+          Expected<Program> prog = compile_plan(*plan, topo);
+          if (!prog) return;
+          ++evaluated;
+          c.estimate = estimate_program(*prog);
+          if (c.estimate.peak_memory > capacity) return;
+          if (!violated_constraint(cons, *plan, *prog, c.estimate.bubble_fraction,
+                                   c.estimate.peak_memory)
+                   .empty()) {
+            reject("placement constraints");
+            return;
+          }
+          c.status = "ok";
+          placed[i] = c;
+        },
+        [&](size_t done_count, size_t all) {
+          if (o.progress) o.progress("placing ranks", done_count, all);
+        });
+    result.placements_tried = tries.size();
+    for (auto& c : placed) {
+      if (c) feasible.push_back(*c);
     }
   }
   result.evaluated = evaluated;
@@ -461,6 +564,22 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     return a.describe() < b.describe();
   };
   std::sort(feasible.begin(), feasible.end(), by_time);
+  // The ranking keeps each set of degrees once, at its best placement; the other placements
+  // of the winner are reported beside it.
+  auto degrees_of = [](const Candidate& c) {
+    Candidate d = c;
+    d.placement = "tp-innermost";
+    return d.describe();
+  };
+  std::vector<Candidate> all_placed = feasible;
+  {
+    std::set<std::string> seen_degrees;
+    std::vector<Candidate> unique;
+    for (const Candidate& c : feasible) {
+      if (seen_degrees.insert(degrees_of(c)).second) unique.push_back(c);
+    }
+    feasible = unique;
+  }
 
   // Confirm the best by simulation.
   if (o.simulate && o.confirm > 0) {
@@ -487,8 +606,14 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     std::stable_sort(feasible.begin(), feasible.begin() + n, by_time);
   }
   std::set<std::string> seen;
-  for (const Candidate& c : feasible) {
+  for (const Candidate& c : all_placed) {
     if (seen.insert(c.placement).second) result.best_per_placement.push_back(c);
+  }
+  const std::string winner = degrees_of(feasible.front());
+  for (const Candidate& c : all_placed) {
+    if (degrees_of(c) == winner && c.placement != feasible.front().placement) {
+      result.other_placements_of_best.push_back(c);
+    }
   }
   Expected<Plan> best = build_megatron_plan(model, topo, feasible.front().options);
   if (!best) return best.error();

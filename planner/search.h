@@ -64,6 +64,8 @@ struct SearchResult {
   // The best feasible plan of each rank placement (what keeping tensor parallelism inside a
   // node, or not, costs).
   std::vector<Candidate> best_per_placement;
+  // The best plan's degrees under every other placement evaluated, by estimate.
+  std::vector<Candidate> other_placements_of_best;
   // How many candidates each reason removed ("does not fit in memory", "memory_cap", ...).
   std::vector<std::pair<std::string, size_t>> rejections;
   size_t enumerated = 0;
@@ -73,6 +75,8 @@ struct SearchResult {
   // beat the uniform split of the same degrees (and joined the ranking).
   size_t balanced = 0;
   size_t balanced_better = 0;
+  // Other rank placements (orders of the mesh axes) tried for the best plans.
+  size_t placements_tried = 0;
   // Pairs of confirmed plans whose order the estimator and the simulator disagree on.
   size_t rank_pairs = 0;
   size_t rank_disagreements = 0;

@@ -262,8 +262,9 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   Progress progress("searching");
   so.progress = [&progress](const std::string& phase, size_t done, size_t all) {
     const double f = static_cast<double>(done) / all;
-    if (phase == "estimating") progress.update(0.8 * f);
-    if (phase == "balancing stages") progress.update(0.8 + 0.1 * f);
+    if (phase == "estimating") progress.update(0.75 * f);
+    if (phase == "balancing stages") progress.update(0.75 + 0.1 * f);
+    if (phase == "placing ranks") progress.update(0.85 + 0.05 * f);
     if (phase == "simulating") progress.update(0.9 + 0.1 * f);
   };
   so.simulate = [](const Program& p) -> Expected<double> {
@@ -280,6 +281,9 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
     std::printf("stages re-partitioned for %zu pipelines; %zu beat their uniform split\n",
                 r->balanced, r->balanced_better);
   }
+  if (r->placements_tried > 0) {
+    std::printf("%zu other rank placements tried for the best plans\n", r->placements_tried);
+  }
   std::printf("%4s  %-60s %11s %11s %10s %6s\n", "rank", "plan", "estimated", "simulated",
               "peak mem", "MFU");
   int rank = 0;
@@ -291,7 +295,21 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
                 c.simulated ? format_seconds(*c.simulated).c_str() : "-",
                 format_bytes(c.estimate.peak_memory).c_str(), 100 * mfu);
   }
-  if (r->best_per_placement.size() > 1) {
+  if (!r->other_placements_of_best.empty()) {
+    const auto& others = r->other_placements_of_best;
+    std::printf("the best plan placed otherwise (%zu placements, mesh axes outermost first):\n",
+                others.size());
+    for (size_t i = 0; i < others.size(); ++i) {
+      // The closest few, and the worst for scale.
+      if (i >= 5 && i + 1 < others.size()) continue;
+      const Candidate& c = others[i];
+      std::printf(
+          "      %-24s %11s  %+.1f%%\n", c.placement.c_str(),
+          format_seconds(c.estimate.iteration_time).c_str(),
+          100 * (c.estimate.iteration_time / r->ranked.front().estimate.iteration_time - 1));
+    }
+  }
+  if (r->other_placements_of_best.empty() && r->best_per_placement.size() > 1) {
     std::printf("best plan per rank placement:\n");
     for (const Candidate& c : r->best_per_placement) {
       std::printf("      %-60s %11s  (%s)\n", c.describe().c_str(),

@@ -1,6 +1,8 @@
 // The plan search: constraints are obeyed, contradictions are reported, placement is priced.
 #include "planner/search.h"
 
+#include <set>
+
 #include <gtest/gtest.h>
 
 #include "core/memory_check.h"
@@ -108,6 +110,32 @@ TEST(Search, SlowInterNodeLinksKeepTensorParallelismInsideNodes) {
   ASSERT_NE(inner, nullptr);
   ASSERT_NE(across, nullptr);
   EXPECT_GT(across->time(), 1.5 * inner->time());
+  // Every other order of the mesh axes was priced for the winner; all are slower or equal, and
+  // those that split its tensor-parallel groups over nodes much slower.
+  ASSERT_FALSE(r->other_placements_of_best.empty());
+  const Candidate& winner = r->ranked.front();
+  size_t split = 0;
+  for (const Candidate& c : r->other_placements_of_best) {
+    EXPECT_EQ(c.options.tp, winner.options.tp);
+    EXPECT_EQ(c.options.pp, winner.options.pp);
+    EXPECT_NE(c.placement, winner.placement);
+    EXPECT_GE(c.estimate.iteration_time, winner.estimate.iteration_time);
+    Expected<Plan> p = build_megatron_plan(m, t, c.options);
+    ASSERT_TRUE(p.ok());
+    Expected<Program> prog = compile_plan(*p, t);
+    ASSERT_TRUE(prog.ok());
+    if (!tp_inside_nodes(*prog)) {
+      ++split;
+      EXPECT_GT(c.estimate.iteration_time, 1.5 * winner.estimate.iteration_time) << c.placement;
+    }
+  }
+  EXPECT_GT(split, 0u);
+  // The ranking lists each set of degrees once.
+  std::set<std::string> degrees;
+  for (Candidate c : r->ranked) {
+    c.placement = "tp-innermost";
+    EXPECT_TRUE(degrees.insert(c.describe()).second) << c.describe();
+  }
 }
 
 TEST(Search, AllChoicesPinnedIsTheBuilder) {
