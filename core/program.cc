@@ -145,7 +145,9 @@ Status Compiler::check_basics() {
     return Error("the plan's mesh has no 'dp' axis; add [\"dp\", 1] for a single replica");
   }
   const int ranks = mesh.num_ranks();
-  if (ranks != topo.num_gpus()) {
+  // An explicit list of GPUs may leave some idle (GPUs to avoid); factors cover the cluster.
+  const bool subset = !plan.placement.gpus.empty() && ranks <= topo.num_gpus();
+  if (ranks != topo.num_gpus() && !subset) {
     return Error(fmt::format(
         "the plan's mesh has {} ranks but topology '{}' has {} GPUs ({} nodes x {}); build the "
         "plan for this topology (nnsim plan --topo ...) or resize the topology with --nodes",

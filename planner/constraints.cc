@@ -21,7 +21,8 @@ Dim parse_dim_node(const InputNode& n) {
 
 Constraints parse(const InputNode& root) {
   root.check_keys({"memory_cap", "schedules", "max_stages", "max_bubble", "tp_within_node",
-                   "operators", "stage_layers", "recompute", "stage_nodes"});
+                   "operators", "stage_layers", "recompute", "stage_nodes", "avoid_gpus",
+                   "avoid_nodes"});
   Constraints c;
   c.file = root.file();
   if (auto n = root.get("memory_cap")) {
@@ -82,6 +83,15 @@ Constraints parse(const InputNode& root) {
       std::vector<int> nodes;
       for (int64_t x : e["nodes"].as_int_list()) nodes.push_back(static_cast<int>(x));
       c.stage_nodes.emplace_back(static_cast<int>(e["stage"].as_int()), nodes);
+    }
+  }
+  for (const char* key : {"avoid_gpus", "avoid_nodes"}) {
+    if (auto n = root.get(key)) {
+      for (int64_t x : n->as_int_list()) {
+        if (x < 0) n->fail("GPU and node indices start at 0");
+        (std::string(key) == "avoid_gpus" ? c.avoid_gpus : c.avoid_nodes)
+            .push_back(static_cast<int>(x));
+      }
     }
   }
   return c;

@@ -36,6 +36,8 @@ struct Constraints {
   std::vector<int> stage_layers;                              // pinned layers per pipeline stage
   std::optional<RecomputeMode> recompute;                     // pinned recomputation
   std::vector<std::pair<int, std::vector<int>>> stage_nodes;  // stage -> nodes it must use
+  std::vector<int> avoid_gpus;                                // GPUs no rank may use
+  std::vector<int> avoid_nodes;                               // nodes no rank may use
 };
 
 Expected<Constraints> load_constraints(const std::string& path);

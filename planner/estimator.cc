@@ -276,7 +276,8 @@ Estimate Estimator::run() {
   for (const auto& p : lane_memory_peaks(prog_)) e.peak_memory = std::max(e.peak_memory, p.peak);
   const double peak = prog_.topology.gpu.peak_flops(prog_.plan.precision);
   if (e.iteration_time > 0 && peak > 0) {
-    e.mfu = prog_.model_flops_per_iteration / e.iteration_time / prog_.topology.num_gpus() / peak;
+    e.mfu = prog_.model_flops_per_iteration / e.iteration_time /
+            static_cast<double>(prog_.gpu_of_rank.size()) / peak;
   }
   return e;
 }

@@ -45,10 +45,33 @@ std::vector<int> split_layers(int layers, int segments) {
   return out;
 }
 
+Expected<std::vector<int>> usable_gpus(const Topology& topo, const std::vector<int>& avoid) {
+  std::vector<bool> avoided(topo.num_gpus(), false);
+  std::vector<bool> node_hit(topo.nodes, false);
+  for (int g : avoid) {
+    if (g < 0 || g >= topo.num_gpus()) {
+      return Error(fmt::format("GPU {} to avoid does not exist: topology '{}' has GPUs 0-{}", g,
+                               topo.name, topo.num_gpus() - 1));
+    }
+    avoided[g] = true;
+    node_hit[topo.node_of(g)] = true;
+  }
+  std::vector<int> out;
+  for (bool partial : {false, true}) {
+    for (int g = 0; g < topo.num_gpus(); ++g) {
+      if (!avoided[g] && node_hit[topo.node_of(g)] == partial) out.push_back(g);
+    }
+  }
+  return out;
+}
+
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                                    const MegatronOptions& o) {
   if (Status s = validate_model(model); !s) return s.error();
-  const int gpus = topo.num_gpus();
+  Expected<std::vector<int>> usable = usable_gpus(topo, o.avoid_gpus);
+  if (!usable) return usable.error();
+  const bool avoiding = !o.avoid_gpus.empty();
+  const int gpus = static_cast<int>(usable->size());
   for (auto [name, v] : {std::pair{"--tp", o.tp},
                          {"--pp", o.pp},
                          {"--cp", o.cp},
@@ -58,6 +81,13 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   }
   const int model_parallel = o.tp * o.pp * o.cp;
   int dp = o.dp;
+  if (dp <= 0 && avoiding) {
+    dp = gpus / model_parallel;  // the GPUs left over stay idle
+    if (dp < 1) {
+      return Error(fmt::format("tp x pp x cp = {} needs more than the {} GPUs not avoided",
+                               model_parallel, gpus));
+    }
+  }
   if (dp <= 0) {
     if (gpus % model_parallel != 0) {
       return Error(fmt::format(
@@ -67,7 +97,13 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     }
     dp = gpus / model_parallel;
   }
-  if (dp * model_parallel != gpus) {
+  if (avoiding && dp * model_parallel > gpus) {
+    return Error(fmt::format(
+        "tp x pp x cp x dp = {} x {} x {} x {} = {} ranks, but only {} GPUs of topology '{}' are "
+        "not avoided; lower the degrees",
+        o.tp, o.pp, o.cp, dp, dp * model_parallel, gpus, topo.name));
+  }
+  if (!avoiding && dp * model_parallel != gpus) {
     return Error(fmt::format(
         "tp x pp x cp x dp = {} x {} x {} x {} = {} ranks, but topology '{}' has {} GPUs; "
         "adjust the degrees or resize the topology with --nodes",
@@ -126,7 +162,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   plan.micro_batch = o.micro_batch;
   plan.precision = o.precision.value_or(model.precision);
   plan.framework = o.framework;
-  plan.topology_gpus = gpus;
+  plan.topology_gpus = topo.num_gpus();
   plan.topology_name = topo.name;
   plan.schedule_name = std::string(to_string(o.schedule));
   plan.name = fmt::format("{} tp{} pp{} dp{}{}{} {} recompute-{} zero{}", model.name, o.tp, o.pp,
@@ -152,6 +188,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   }
   if (plan.placement.factors.size() != 4) {
     return Error("placement must name each of pp, dp, cp and tp once");
+  }
+  if (avoiding) {
+    // The factors number the ranks over the usable GPUs, in the order usable_gpus gives.
+    const std::vector<int> slot = plan.placement.gpu_of_rank(plan.mesh);
+    for (int s : slot) plan.placement.gpus.push_back((*usable)[s]);
+    plan.placement.factors.clear();
   }
 
   int first = 0;

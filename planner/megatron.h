@@ -52,10 +52,17 @@ struct MegatronOptions {
   // Whose conventions for gradient and optimizer precision: megatron, fsdp (PyTorch FSDP),
   // deepspeed, other (plain data parallelism). See docs/plan.md.
   std::string framework = "megatron";
+  // GPUs the plan must not use (faulty or reserved). Ranks then go to the other GPUs, whole
+  // nodes without avoided GPUs first, and GPUs that the degrees cannot use stay idle.
+  std::vector<int> avoid_gpus;
 };
 
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                                    const MegatronOptions& options);
+
+// The GPUs a plan may use when avoiding `avoid`: GPUs of nodes without avoided GPUs first, then
+// the rest, each in index order. Fails on a GPU the topology does not have.
+Expected<std::vector<int>> usable_gpus(const Topology& topo, const std::vector<int>& avoid);
 
 // Layers per segment for `segments` segments: as even as possible, with the first and last
 // segments (which also hold the embedding and the head) taking the shortfall first.

@@ -231,6 +231,24 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
   const SearchPins& pin = o.pins;
   const Constraints& cons = o.constraints;
   const int gpus = topo.num_gpus();
+  // GPUs to avoid (constraints): degrees still divide the cluster, data parallelism takes what
+  // the usable GPUs allow and the rest stay idle.
+  std::vector<int> avoid = cons.avoid_gpus;
+  for (int node : cons.avoid_nodes) {
+    if (node < 0 || node >= topo.nodes) {
+      return Error(
+          fmt::format("{}: field 'avoid_nodes': node {} does not exist (topology '{}' has "
+                      "nodes 0-{})",
+                      cons.file, node, topo.name, topo.nodes - 1));
+    }
+    for (int g = 0; g < topo.gpus_per_node; ++g) avoid.push_back(node * topo.gpus_per_node + g);
+  }
+  std::sort(avoid.begin(), avoid.end());
+  avoid.erase(std::unique(avoid.begin(), avoid.end()), avoid.end());
+  Expected<std::vector<int>> usable = usable_gpus(topo, avoid);
+  if (!usable)
+    return Error(fmt::format("{}: field 'avoid_gpus': {}", cons.file, usable.error().message()));
+  const int usable_count = static_cast<int>(usable->size());
   const bool fsdp = o.framework == "fsdp";
   // Plans keep headroom for the caching allocator's reserve and fragmentation, which the memory
   // model does not count; a memory_cap constraint replaces it.
@@ -272,7 +290,8 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
       if (pin.stage_layers && static_cast<int>(pin.stage_layers->size()) % pp != 0) continue;
       for (int cp : pinned_or(pin.cp, std::vector<int>{1, 2, 4, 8})) {
         if (gpus % (tp * pp * cp) != 0) continue;
-        const int dp = gpus / (tp * pp * cp);
+        const int dp = usable_count / (tp * pp * cp);
+        if (dp < 1) continue;
         if (pin.dp && *pin.dp != dp) continue;
         if (cp > 1 && model.seq_len / cp < 1024) continue;  // too short to split
         for (bool sp : pinned_or(pin.sequence_parallel, std::vector<bool>{tp > 1})) {
@@ -331,6 +350,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   b.schedule = sched;
                   b.precision = o.precision;
                   b.framework = o.framework;
+                  b.avoid_gpus = avoid;
                   b.tp_comm_overlap = o.tp_comm_overlap;
                   b.placement = pl.order;
                   if (fixed_layers) b.stage_layers = *fixed_layers;
@@ -533,6 +553,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     MegatronOptions b;
     b.global_batch = o.global_batch;
     b.framework = o.framework;
+    b.avoid_gpus = avoid;
     if (pin.tp) b.tp = *pin.tp;
     if (pin.pp) b.pp = *pin.pp;
     if (pin.cp) b.cp = *pin.cp;

@@ -67,7 +67,7 @@ std::string report_json(const Program& program, const SimResult& r) {
   j["lanes"] = lanes;
   // Every GPU of the job: replicas that were not simulated mirror replica 0.
   json per_gpu = json::array();
-  std::vector<int> lane_of_gpu(r.num_gpus, -1);
+  std::vector<int> lane_of_gpu(program.topology.num_gpus(), -1);
   for (size_t l = 0; l < program.lanes.size(); ++l) {
     for (int rank : program.lanes[l].ranks) {
       for (int rep = 0; rep < program.replicas; ++rep) {
@@ -75,11 +75,17 @@ std::string report_json(const Program& program, const SimResult& r) {
       }
     }
   }
-  for (int g = 0; g < r.num_gpus; ++g) {
+  json idle = json::array();  // GPUs of the topology the plan leaves unused
+  for (int g = 0; g < program.topology.num_gpus(); ++g) {
+    if (lane_of_gpu[g] < 0) {
+      idle.push_back(g);
+      continue;
+    }
     const LaneReport& l = r.lanes[lane_of_gpu[g]];
     per_gpu.push_back({{"gpu", g}, {"lane", lane_of_gpu[g]}, {"peak_memory_bytes", l.peak_memory}});
   }
   j["per_gpu"] = per_gpu;
+  if (!idle.empty()) j["idle_gpus"] = idle;
   return format_json(j);
 }
 

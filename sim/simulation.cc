@@ -512,7 +512,7 @@ Expected<SimResult> Simulation::run() {
 
   SimResult res;
   res.fidelity = options_.fidelity;
-  res.num_gpus = prog_.topology.num_gpus();
+  res.num_gpus = static_cast<int>(prog_.gpu_of_rank.size());  // GPUs the plan uses
   res.micro_batches = prog_.micro_batches;
   res.simulated_lanes = static_cast<int>(instances_.size());
   res.replicas_simulated = replicas;

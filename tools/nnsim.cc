@@ -129,7 +129,10 @@ void print_report(const Program& prog, const SimResult& r) {
   const Topology& t = prog.topology;
   std::printf(
       "%s\n",
-      fmt::format("{} on {} ({} x {})", prog.plan.name, t.name, r.num_gpus, t.gpu.name).c_str());
+      fmt::format(
+          "{} on {} ({} x {}{})", prog.plan.name, t.name, r.num_gpus, t.gpu.name,
+          r.num_gpus < t.num_gpus() ? fmt::format("; {} GPUs idle", t.num_gpus() - r.num_gpus) : "")
+          .c_str());
   std::printf("  iteration time   %s (%d micro-batches per replica)\n",
               format_seconds(r.iteration_time).c_str(), r.micro_batches);
   std::printf("  throughput       %s tokens/s, %s per GPU (MFU %.1f%% of %s)\n",
@@ -259,6 +262,7 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
     if (!c) return fail(c.error().message());
     so.constraints = *c;
   }
+  for (int g : a.o.avoid_gpus) so.constraints.avoid_gpus.push_back(g);
   Progress progress("searching");
   so.progress = [&progress](const std::string& phase, size_t done, size_t all) {
     const double f = static_cast<double>(done) / all;
@@ -529,6 +533,10 @@ int main(int argc, char** argv) {
   plan_cmd
       ->add_option("--stage-layers", plan.o.stage_layers,
                    "layers per segment (pp x vpp numbers), default as even as possible")
+      ->delimiter(',');
+  plan_cmd
+      ->add_option("--avoid-gpus", plan.o.avoid_gpus,
+                   "GPUs (indices) no rank may use; the degrees use what is left")
       ->delimiter(',');
   plan_cmd
       ->add_option("--recompute-layers", plan.o.recompute_layers,

@@ -181,6 +181,28 @@ TEST(Megatron, DegreesMustDivideTheGpus) {
   EXPECT_TRUE(contains(e, "--tp must be at least 1 (got 0)")) << e;
 }
 
+TEST(Megatron, AvoidedGpusStayIdleAndHealthyNodesComeFirst) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  MegatronOptions o = opts(8, 1, 48);
+  o.avoid_gpus = {3};  // node 0 has a bad GPU: three healthy nodes remain
+  Plan p = build(m, o);
+  EXPECT_EQ(p.data_parallel(), 3);  // 31 usable GPUs hold 3 TP-8 groups
+  Expected<Program> prog = compile_plan(p, topology("dgx-a100x4"));
+  ASSERT_TRUE(prog.ok()) << prog.error().message();
+  ASSERT_EQ(prog->gpu_of_rank.size(), 24u);
+  for (size_t r = 0; r < 24; ++r) {
+    EXPECT_GE(prog->gpu_of_rank[r], 8) << r;  // nodes 1-3, whole TP groups inside each
+    EXPECT_EQ(prog->gpu_of_rank[r] / 8, prog->gpu_of_rank[r / 8 * 8] / 8) << r;
+  }
+  // More ranks than usable GPUs, or a GPU that does not exist, are errors.
+  o.dp = 4;
+  EXPECT_TRUE(contains(build_error(m, o), "only 31 GPUs of topology 'dgx-a100x4' are not avoided"));
+  o.dp = 0;
+  o.avoid_gpus = {32};
+  EXPECT_TRUE(contains(build_error(m, o),
+                       "GPU 32 to avoid does not exist: topology 'dgx-a100x4' has GPUs 0-31"));
+}
+
 TEST(Megatron, HeadsMustDivideByTp) {
   ModelSpec m = preset("gpt3-1.3b");  // 16 heads
   std::string e = build_error(m, opts(32, 1, 32));

@@ -168,6 +168,36 @@ TEST(Search, AllChoicesPinnedIsTheBuilder) {
   EXPECT_EQ(plan_to_json(r->best), plan_to_json(*built));
 }
 
+TEST(Search, AvoidedNodesAndGpusAreNeverUsed) {
+  const ModelSpec m = *load_model("gpt3-1.3b");
+  const Topology t = topo("dgx-a100x4", 4);
+  Expected<Constraints> c = parse_constraints("avoid_nodes: [1]\navoid_gpus: [3]\n", "c.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  SearchOptions o = options(64);
+  o.constraints = *c;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  for (const Candidate& cand : r->ranked) {
+    Expected<Plan> p = build_megatron_plan(m, t, cand.options);
+    ASSERT_TRUE(p.ok());
+    Expected<Program> prog = compile_plan(*p, t);
+    ASSERT_TRUE(prog.ok());
+    EXPECT_LE(prog->gpu_of_rank.size(), 23u);
+    for (int g : prog->gpu_of_rank) {
+      EXPECT_NE(g, 3) << cand.describe();
+      EXPECT_NE(g / 8, 1) << cand.describe();
+    }
+  }
+  Expected<Constraints> bad = parse_constraints("avoid_nodes: [4]\n", "c.yaml");
+  ASSERT_TRUE(bad.ok());
+  o.constraints = *bad;
+  Expected<SearchResult> none = search_plans(m, t, o);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.error().message().find("c.yaml: field 'avoid_nodes': node 4 does not exist"),
+            std::string::npos)
+      << none.error().message();
+}
+
 TEST(Constraints, BadFilesNameTheField) {
   auto r = parse_constraints("memory_cap: 60 GB/s\n", "c.yaml");
   ASSERT_FALSE(r.ok());

@@ -697,13 +697,33 @@ TEST(NnsimTool, PerStageLayersAndRecomputeOnTheCommandLine) {
   RunResult sim = box.nnsim({"--topo", "dgx-a100x4", "p.json"});
   EXPECT_EQ(sim.status, 0) << sim;
   // The search chooses per-stage recomputation itself.
-  expect_error(box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4",
-                          "--global-batch", "64", "--recompute-layers", "1,1", "-o", "x.json"}),
+  expect_error(box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--global-batch",
+                          "64", "--recompute-layers", "1,1", "-o", "x.json"}),
                {"--recompute-layers", "the search chooses"});
-  expect_error(box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--tp", "2",
-                          "--pp", "4", "--global-batch", "64", "--recompute-layers", "9,0,0,0",
-                          "-o", "x.json"}),
-               {"segment 0 (stage0) has 6 layers; it cannot recompute 9"});
+  expect_error(
+      box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--tp", "2", "--pp", "4",
+                 "--global-batch", "64", "--recompute-layers", "9,0,0,0", "-o", "x.json"}),
+      {"segment 0 (stage0) has 6 layers; it cannot recompute 9"});
+}
+
+TEST(NnsimTool, AvoidedGpusAreIdleInTheReport) {
+  Sandbox box;
+  RunResult r =
+      box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--tp", "8", "--pp", "1",
+                 "--global-batch", "48", "--avoid-gpus", "3", "-o", "p.json"});
+  ASSERT_EQ(r.status, 0) << r;
+  RunResult sim = box.nnsim({"--topo", "dgx-a100x4", "p.json", "--json", "r.json"});
+  ASSERT_EQ(sim.status, 0) << sim;
+  EXPECT_TRUE(contains(sim.out, "(24 x a100-sxm4-80gb; 8 GPUs idle)")) << sim;
+  json report = json::parse(box.read("r.json"));
+  EXPECT_EQ(report["gpus"], 24);
+  EXPECT_EQ(report["idle_gpus"], json::array({0, 1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_EQ(report["per_gpu"].size(), 24u);
+  EXPECT_EQ(report["per_gpu"][0]["gpu"], 8);
+  expect_error(
+      box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--tp", "8", "--pp", "1",
+                 "--global-batch", "48", "--avoid-gpus", "40", "-o", "x.json"}),
+      {"GPU 40 to avoid does not exist"});
 }
 
 TEST(NnsimTool, Version) {
