@@ -47,10 +47,30 @@ Constraints parse(const InputNode& root) {
   c.tp_within_node = root.get_bool("tp_within_node", false);
   if (auto n = root.get("operators")) {
     for (const auto& o : n->items()) {
-      o.check_keys({"match", "forbid", "allow", "max_degree", "replicate"});
+      o.check_keys({"match", "kind", "layers", "forbid", "allow", "max_degree", "replicate"});
       OperatorConstraint oc;
-      oc.match = o["match"].as_string();
       oc.line = o.line();
+      if (auto m = o.get("match")) oc.match = m->as_string();
+      if (auto k = o.get("kind")) {
+        const std::string s = k->as_string();
+        std::vector<std::string> names;
+        for (OpKind kind : {OpKind::kEmbedding, OpKind::kNorm, OpKind::kLinear, OpKind::kAttention,
+                            OpKind::kActivation, OpKind::kDropoutAdd, OpKind::kAdd, OpKind::kLoss}) {
+          names.emplace_back(to_string(kind));
+          if (s == to_string(kind)) oc.kind = kind;
+        }
+        if (!oc.kind) k->fail_unknown(s, names);
+      }
+      if (auto l = o.get("layers")) {
+        std::vector<int64_t> range = l->as_int_list();
+        if (range.size() != 2 || range[0] < 0 || range[1] <= range[0]) {
+          l->fail("a layer range [first, end), e.g. [0, 4]");
+        }
+        oc.layers = std::make_pair(static_cast<int>(range[0]), static_cast<int>(range[1]));
+      }
+      if (!o.get("match") && !oc.kind && !oc.layers) {
+        o.fail("an operator rule needs match, kind or layers to say which operators it covers");
+      }
       if (auto f = o.get("forbid")) {
         for (const auto& d : f->items()) oc.forbid.push_back(parse_dim_node(d));
       }
@@ -138,11 +158,17 @@ std::string violated_constraint(const Constraints& c, const Plan& plan, const Pr
     const OperatorConstraint& oc = c.operators[i];
     for (const GraphPart* part :
          {&program.graph.embedding, &program.graph.layer, &program.graph.head}) {
+      // Partition rules apply to every layer alike: a layer range selects the layers' operators
+      // when it covers a layer the model has.
+      if (oc.layers && (part != &program.graph.layer || oc.layers->first >= plan.model.layers)) {
+        continue;
+      }
       Expected<std::vector<OpPartition>> parts = resolve_partitions(*part, plan);
       if (!parts) continue;
       for (size_t k = 0; k < part->ops.size(); ++k) {
         const Op& op = part->ops[k];
         if (!match_pattern(oc.match, op.name)) continue;
+        if (oc.kind && op.kind != *oc.kind) continue;
         const OpPartition& p = (*parts)[k];
         int degree = 1;
         for (size_t a = 0; a < p.axis_dim.size(); ++a) {

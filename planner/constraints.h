@@ -17,7 +17,11 @@ namespace nnsim {
 
 // How the operators a pattern matches may be partitioned.
 struct OperatorConstraint {
-  std::string match;              // operator name pattern ("attn.*", "mlp.fc1", "*")
+  std::string match = "*";        // operator name pattern ("attn.*", "mlp.fc1", "*")
+  std::optional<OpKind> kind;     // and only operators of this kind
+  // And only these layers' operators, [first, end) (the embedding and head are outside every
+  // layer range); unset: layers, embedding and head.
+  std::optional<std::pair<int, int>> layers;
   std::vector<Dim> forbid;        // dimensions they may not be split along
   std::vector<Dim> allow;         // if non-empty, the only dimensions they may be split along
   std::optional<int> max_degree;  // most ways they may be split in all

@@ -212,6 +212,16 @@ TEST(Constraints, BadFilesNameTheField) {
   r = parse_constraints("max_bubbles: 0.1\n", "c.yaml");
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.error().message().find("did you mean 'max_bubble'"), std::string::npos);
+  r = parse_constraints("operators:\n  - kind: atention\n    replicate: true\n", "c.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("did you mean 'attention'"), std::string::npos);
+  r = parse_constraints("operators:\n  - layers: [4, 2]\n    replicate: true\n", "c.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("field 'operators[0].layers'"), std::string::npos)
+      << r.error().message();
+  r = parse_constraints("operators:\n  - replicate: true\n", "c.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("needs match, kind or layers"), std::string::npos);
 }
 
 TEST(Constraints, OperatorRulesRestrictPartitioning) {
@@ -226,6 +236,38 @@ TEST(Constraints, OperatorRulesRestrictPartitioning) {
   Expected<SearchResult> r = search_plans(m, t, o);
   ASSERT_TRUE(r.ok()) << r.error().message();
   for (const Candidate& cand : r->ranked) EXPECT_LE(cand.options.tp, 2) << cand.describe();
+
+  // By kind and layer range: attention cores of layers 0-9 never split along the sequence (no
+  // context parallelism); linear layers at most 4 ways.
+  c = parse_constraints(
+      "operators:\n  - kind: attention\n    layers: [0, 10]\n    forbid: [seq]\n"
+      "  - kind: linear\n    max_degree: 4\n",
+      "ops.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  o.constraints = *c;
+  r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  bool saw_tp = false;
+  for (const Candidate& cand : r->ranked) {
+    EXPECT_EQ(cand.options.cp, 1) << cand.describe();
+    EXPECT_LE(cand.options.tp, 4) << cand.describe();
+    saw_tp |= cand.options.tp > 1;
+  }
+  EXPECT_TRUE(saw_tp);  // the kind rule does not forbid tensor parallelism
+  // Without the kind rule, context parallelism wins some places in the ranking.
+  c = parse_constraints("operators:\n  - kind: linear\n    max_degree: 4\n", "ops.yaml");
+  o.constraints = *c;
+  r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok());
+  bool saw_cp = false;
+  for (const Candidate& cand : r->ranked) saw_cp |= cand.options.cp > 1;
+  EXPECT_TRUE(saw_cp);
+  // A range past the model's layers covers no operator.
+  c = parse_constraints("operators:\n  - layers: [60, 70]\n    replicate: true\n", "ops.yaml");
+  o.constraints = *c;
+  r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok());
+  EXPECT_GT(r->ranked.front().options.tp * r->ranked.front().options.cp, 1);
 }
 
 }  // namespace
