@@ -21,8 +21,8 @@ Dim parse_dim_node(const InputNode& n) {
 
 Constraints parse(const InputNode& root) {
   root.check_keys({"memory_cap", "schedules", "max_stages", "max_bubble", "tp_within_node",
-                   "operators", "stage_layers", "recompute", "stage_nodes", "avoid_gpus",
-                   "avoid_nodes"});
+                   "operators", "stage_layers", "recompute", "recompute_modules", "stage_nodes",
+                   "avoid_gpus", "avoid_nodes"});
   Constraints c;
   c.file = root.file();
   if (auto n = root.get("memory_cap")) {
@@ -54,8 +54,9 @@ Constraints parse(const InputNode& root) {
       if (auto k = o.get("kind")) {
         const std::string s = k->as_string();
         std::vector<std::string> names;
-        for (OpKind kind : {OpKind::kEmbedding, OpKind::kNorm, OpKind::kLinear, OpKind::kAttention,
-                            OpKind::kActivation, OpKind::kDropoutAdd, OpKind::kAdd, OpKind::kLoss}) {
+        for (OpKind kind :
+             {OpKind::kEmbedding, OpKind::kNorm, OpKind::kLinear, OpKind::kAttention,
+              OpKind::kActivation, OpKind::kDropoutAdd, OpKind::kAdd, OpKind::kLoss}) {
           names.emplace_back(to_string(kind));
           if (s == to_string(kind)) oc.kind = kind;
         }
@@ -93,9 +94,20 @@ Constraints parse(const InputNode& root) {
     }
   }
   if (auto n = root.get("recompute")) {
-    Expected<RecomputeMode> m = parse_recompute_mode(n->as_string());
-    if (!m) n->fail(m.error().message());
-    c.recompute = *m;
+    auto mode = [](const InputNode& x) {
+      Expected<RecomputeMode> m = parse_recompute_mode(x.as_string());
+      if (!m) x.fail(m.error().message());
+      return *m;
+    };
+    if (n->is_sequence()) {
+      for (const auto& x : n->items()) c.stage_recompute.push_back(mode(x));
+      if (c.stage_recompute.empty()) n->fail("give a mode, or one mode per pipeline stage");
+    } else {
+      c.recompute = mode(*n);
+    }
+  }
+  if (auto n = root.get("recompute_modules")) {
+    for (const auto& x : n->items()) c.recompute_modules.push_back(x.as_string());
   }
   if (auto n = root.get("stage_nodes")) {
     for (const auto& e : n->items()) {

@@ -17,8 +17,8 @@ namespace nnsim {
 
 // How the operators a pattern matches may be partitioned.
 struct OperatorConstraint {
-  std::string match = "*";        // operator name pattern ("attn.*", "mlp.fc1", "*")
-  std::optional<OpKind> kind;     // and only operators of this kind
+  std::string match = "*";     // operator name pattern ("attn.*", "mlp.fc1", "*")
+  std::optional<OpKind> kind;  // and only operators of this kind
   // And only these layers' operators, [first, end) (the embedding and head are outside every
   // layer range); unset: layers, embedding and head.
   std::optional<std::pair<int, int>> layers;
@@ -39,6 +39,8 @@ struct Constraints {
   std::vector<OperatorConstraint> operators;
   std::vector<int> stage_layers;                              // pinned layers per pipeline stage
   std::optional<RecomputeMode> recompute;                     // pinned recomputation
+  std::vector<RecomputeMode> stage_recompute;                 // pinned, per pipeline stage
+  std::vector<std::string> recompute_modules;                 // operators always recomputed
   std::vector<std::pair<int, std::vector<int>>> stage_nodes;  // stage -> nodes it must use
   std::vector<int> avoid_gpus;                                // GPUs no rank may use
   std::vector<int> avoid_nodes;                               // nodes no rank may use

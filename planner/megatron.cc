@@ -172,6 +172,14 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (!o.recompute_layers.empty()) {
     plan.name += fmt::format(" recompute-layers {}", fmt::join(o.recompute_layers, ","));
   }
+  if (!o.stage_recompute.empty()) {
+    std::vector<std::string_view> modes;
+    for (RecomputeMode m : o.stage_recompute) modes.push_back(to_string(m));
+    plan.name += fmt::format(" stage-recompute {}", fmt::join(modes, ","));
+  }
+  if (!o.recompute_modules.empty()) {
+    plan.name += fmt::format(" recompute-modules {}", fmt::join(o.recompute_modules, ","));
+  }
   if (!o.stage_layers.empty()) {
     plan.name += fmt::format(" layers {}", fmt::join(o.stage_layers, ","));
   }
@@ -244,28 +252,26 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
       if (k > 0) plan.recompute.push_back({"*", s.first_layer, s.first_layer + k});
     }
   }
-  // The layers not fully recomputed above follow the uniform mode.
-  auto uniform_rule = [&](const std::string& match) {
-    if (o.recompute_layers.empty()) {
-      plan.recompute.push_back({match, 0, model.layers});
-      return;
-    }
+  if (!o.stage_recompute.empty() && static_cast<int>(o.stage_recompute.size()) != o.pp) {
+    return Error(fmt::format("per-stage recomputation lists {} stages; pp = {}",
+                             o.stage_recompute.size(), o.pp));
+  }
+  // The layers not fully recomputed above follow their stage's mode.
+  auto pattern = [](RecomputeMode m) -> const char* {
+    return m == RecomputeMode::kSelective ? "attn.core" : m == RecomputeMode::kFull ? "*" : nullptr;
+  };
+  if (o.recompute_layers.empty() && o.stage_recompute.empty()) {
+    if (const char* p = pattern(o.recompute)) plan.recompute.push_back({p, 0, model.layers});
+  } else {
     for (int i = 0; i < segments; ++i) {
       const Segment& s = plan.segments[i];
-      const int first = s.first_layer + o.recompute_layers[i];
-      if (first < s.end_layer) plan.recompute.push_back({match, first, s.end_layer});
+      const RecomputeMode m = o.stage_recompute.empty() ? o.recompute : o.stage_recompute[i % o.pp];
+      const int first = s.first_layer + (o.recompute_layers.empty() ? 0 : o.recompute_layers[i]);
+      const char* p = pattern(m);
+      if (p && first < s.end_layer) plan.recompute.push_back({p, first, s.end_layer});
     }
-  };
-  switch (o.recompute) {
-    case RecomputeMode::kNone:
-      break;
-    case RecomputeMode::kSelective:
-      uniform_rule("attn.core");
-      break;
-    case RecomputeMode::kFull:
-      uniform_rule("*");
-      break;
   }
+  for (const std::string& m : o.recompute_modules) plan.recompute.push_back({m, 0, model.layers});
 
   plan.optimizer.zero = o.zero;
   // Megatron accumulates bf16 gradients in fp32; fp16 training keeps fp16 gradients.

@@ -40,6 +40,11 @@ struct MegatronOptions {
   // many of its first layers are fully recomputed; the others follow `recompute`. Empty: every
   // layer follows `recompute`.
   std::vector<int> recompute_layers;
+  // Recomputation mode per pipeline stage (all chunks of a stage alike); replaces `recompute`.
+  std::vector<RecomputeMode> stage_recompute;
+  // Operators (name patterns) whose activations every layer drops and recomputes, on top of the
+  // mode: a per-module recomputation policy.
+  std::vector<std::string> recompute_modules;
   bool overlap_grad_reduce = true;
   bool overlap_param_gather = true;
   std::string algorithm = "auto";

@@ -14,6 +14,7 @@
 #include <fmt/ranges.h>
 
 #include "core/memory_check.h"
+#include "core/suggest.h"
 #include "planner/stage_partition.h"
 
 namespace nnsim {
@@ -25,7 +26,16 @@ std::string Candidate::describe() const {
   if (o.cp > 1) s += fmt::format(" cp{}", o.cp);
   s += fmt::format(" dp{} mb{}", o.dp, o.micro_batch);
   if (o.sequence_parallel) s += " sp";
-  s += fmt::format(" {} zero{} {}", to_string(o.recompute), o.zero, to_string(o.schedule));
+  std::string recompute(to_string(o.recompute));
+  if (!o.stage_recompute.empty()) {
+    std::vector<std::string_view> modes;
+    for (RecomputeMode m : o.stage_recompute) modes.push_back(to_string(m));
+    recompute = fmt::format("recompute={}", fmt::join(modes, ","));
+  }
+  if (!o.recompute_modules.empty()) {
+    recompute += fmt::format("+{}", fmt::join(o.recompute_modules, "+"));
+  }
+  s += fmt::format(" {} zero{} {}", recompute, o.zero, to_string(o.schedule));
   if (!o.stage_layers.empty() && o.vpp == 1) {
     s += fmt::format(" layers={}", fmt::join(o.stage_layers, ","));
   }
@@ -249,6 +259,20 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
   if (!usable)
     return Error(fmt::format("{}: field 'avoid_gpus': {}", cons.file, usable.error().message()));
   const int usable_count = static_cast<int>(usable->size());
+  if (!cons.recompute_modules.empty()) {
+    const OpGraph graph = lower_model(model, 1);
+    std::vector<std::string> names;
+    for (const Op& op : graph.layer.ops) names.push_back(op.name);
+    for (const std::string& m : cons.recompute_modules) {
+      if (std::none_of(names.begin(), names.end(),
+                       [&](const std::string& n) { return match_pattern(m, n); })) {
+        return Error(
+            fmt::format("{}: field 'recompute_modules': '{}' matches no operator of a "
+                        "layer{} (operators: {})",
+                        cons.file, m, suggest(m, names), fmt::join(names, ", ")));
+      }
+    }
+  }
   const bool fsdp = o.framework == "fsdp";
   // Plans keep headroom for the caching allocator's reserve and fragmentation, which the memory
   // model does not count; a memory_cap constraint replaces it.
@@ -285,6 +309,10 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
       }
       if (!cons.stage_layers.empty() && static_cast<int>(cons.stage_layers.size()) != pp) {
         reject("stage_layers");
+        continue;
+      }
+      if (!cons.stage_recompute.empty() && static_cast<int>(cons.stage_recompute.size()) != pp) {
+        reject("recompute (per stage)");
         continue;
       }
       if (pin.stage_layers && static_cast<int>(pin.stage_layers->size()) % pp != 0) continue;
@@ -358,6 +386,10 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                       RecomputeMode::kNone, RecomputeMode::kSelective, RecomputeMode::kFull};
                   if (pin.recompute) recs = {*pin.recompute};
                   if (cons.recompute) recs = {*cons.recompute};
+                  // Per-stage modes pinned: the base mode is unused.
+                  if (!cons.stage_recompute.empty()) recs = {RecomputeMode::kNone};
+                  b.stage_recompute = cons.stage_recompute;
+                  b.recompute_modules = cons.recompute_modules;
                   std::vector<int> zeros =
                       tp == 1 && pp == 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 1};
                   if (fsdp) zeros = {3, 2};
@@ -469,6 +501,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     });
     if (promising.size() > kMaxBalanced) promising.resize(kMaxBalanced);
     std::optional<RecomputeMode> pinned_recompute = cons.recompute ? cons.recompute : pin.recompute;
+    if (!cons.stage_recompute.empty()) pinned_recompute = RecomputeMode::kNone;
     std::vector<std::optional<Candidate>> balanced(promising.size());
     parallel_for(
         promising.size(), o.jobs,

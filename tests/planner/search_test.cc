@@ -224,6 +224,47 @@ TEST(Constraints, BadFilesNameTheField) {
   EXPECT_NE(r.error().message().find("needs match, kind or layers"), std::string::npos);
 }
 
+TEST(Constraints, RecomputationPerStageAndPerModule) {
+  const ModelSpec m = *load_model("gpt3-13b");
+  const Topology t = topo("dgx-a100x4", 4);
+  SearchOptions o = options(64);
+  Expected<Constraints> c = parse_constraints(
+      "recompute: [full, selective, none, none]\nrecompute_modules: [\"mlp.act\"]\n", "r.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  o.constraints = *c;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  for (const Candidate& cand : r->ranked) {
+    EXPECT_EQ(cand.options.pp, 4) << cand.describe();  // one mode per stage pins the stages
+    Expected<Plan> p = build_megatron_plan(m, t, cand.options);
+    ASSERT_TRUE(p.ok());
+    // Every layer recomputes mlp.act; stage 0's layers everything; stage 1's the attention
+    // core; stages 2 and 3 nothing else.
+    for (const Segment& s : p->segments) {
+      const int stage = s.devices.at("pp");
+      for (int layer = s.first_layer; layer < s.end_layer; ++layer) {
+        std::set<std::string> rules;
+        for (const RecomputeRule& rule : p->recompute) {
+          if (layer >= rule.first_layer && layer < rule.end_layer) rules.insert(rule.match);
+        }
+        std::set<std::string> want = {"mlp.act"};
+        if (stage == 0) want.insert("*");
+        if (stage == 1) want.insert("attn.core");
+        EXPECT_EQ(rules, want) << cand.describe() << " layer " << layer;
+      }
+    }
+  }
+  c = parse_constraints("recompute_modules: [mlp.actt]\n", "r.yaml");
+  ASSERT_TRUE(c.ok());
+  o.constraints = *c;
+  r = search_plans(m, t, o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("r.yaml: field 'recompute_modules': 'mlp.actt' matches no "
+                                     "operator of a layer (did you mean 'mlp.act'?)"),
+            std::string::npos)
+      << r.error().message();
+}
+
 TEST(Constraints, OperatorRulesRestrictPartitioning) {
   const ModelSpec m = *load_model("gpt3-13b");
   const Topology t = topo("dgx-a100x4", 4);
