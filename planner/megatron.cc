@@ -1,5 +1,6 @@
 #include "planner/megatron.h"
 
+#include <map>
 #include <numeric>
 
 #include <fmt/format.h>
@@ -63,6 +64,49 @@ Expected<std::vector<int>> usable_gpus(const Topology& topo, const std::vector<i
     }
   }
   return out;
+}
+
+Expected<Placement> placement_from_order(const Mesh& mesh, const std::vector<std::string>& order) {
+  Placement placement;
+  // Entries "axis" or "axis:size" (one part of a split axis, most significant first); an entry
+  // without a size takes what the axis's sized entries leave.
+  std::map<std::string, int> sized;
+  std::map<std::string, int> unsized;
+  std::vector<std::string> names;
+  for (const auto& a : mesh.axes) names.push_back(a.name);
+  for (const auto& entry : order) {
+    const size_t colon = entry.find(':');
+    const std::string axis = entry.substr(0, colon);
+    if (mesh.axis_index(axis) < 0) {
+      return Error(fmt::format("placement names axis '{}'{}", axis, suggest(axis, names)));
+    }
+    int size = 0;
+    if (colon != std::string::npos) {
+      size = std::atoi(entry.c_str() + colon + 1);
+      if (size < 1) {
+        return Error(fmt::format("placement entry '{}': the size must be at least 1", entry));
+      }
+      sized.try_emplace(axis, 1).first->second *= size;
+    } else {
+      ++unsized[axis];
+    }
+    placement.factors.push_back({axis, size});
+  }
+  for (const auto& a : mesh.axes) {
+    const int n = a.size;
+    const int given = sized.count(a.name) ? sized[a.name] : 1;
+    if (unsized[a.name] > 1 || (!sized.count(a.name) && !unsized[a.name]) || n % given != 0 ||
+        (!unsized[a.name] && given != n)) {
+      return Error(fmt::format(
+          "placement must cover each of {} once (an axis may be split as '{}:a', '{}' with a "
+          "dividing its size); {} has size {}",
+          fmt::join(names, ", "), a.name, a.name, a.name, n));
+    }
+    for (auto& f : placement.factors) {
+      if (f.axis == a.name && f.size == 0) f.size = n / given;
+    }
+  }
+  return placement;
 }
 
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
@@ -185,18 +229,9 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   }
   plan.mesh.axes = {{"dp", dp}, {"pp", o.pp}, {"cp", o.cp}, {"tp", o.tp}};
   // Megatron's rank order tp-cp-dp-pp: tensor parallel fastest, pipeline slowest.
-  plan.placement.factors.clear();
-  for (const auto& axis : o.placement) {
-    const int size = plan.mesh.axis_size(axis);
-    if (plan.mesh.axis_index(axis) < 0) {
-      return Error(fmt::format("placement names axis '{}'{}", axis,
-                               suggest(axis, {"pp", "dp", "cp", "tp"})));
-    }
-    plan.placement.factors.push_back({axis, size});
-  }
-  if (plan.placement.factors.size() != 4) {
-    return Error("placement must name each of pp, dp, cp and tp once");
-  }
+  Expected<Placement> placement = placement_from_order(plan.mesh, o.placement);
+  if (!placement) return placement.error();
+  plan.placement = *placement;
   if (avoiding) {
     // The factors number the ranks over the usable GPUs, in the order usable_gpus gives.
     const std::vector<int> slot = plan.placement.gpu_of_rank(plan.mesh);

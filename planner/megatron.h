@@ -65,6 +65,11 @@ struct MegatronOptions {
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                                    const MegatronOptions& options);
 
+// Placement factors from a rank order over the mesh axes, outermost first: entries "axis" or
+// "axis:size" (a part of a split axis, most significant first; an entry without a size takes
+// the rest of its axis). Every axis must be covered.
+Expected<Placement> placement_from_order(const Mesh& mesh, const std::vector<std::string>& order);
+
 // The GPUs a plan may use when avoiding `avoid`: GPUs of nodes without avoided GPUs first, then
 // the rest, each in index order. Fails on a GPU the topology does not have.
 Expected<std::vector<int>> usable_gpus(const Topology& topo, const std::vector<int>& avoid);

@@ -116,22 +116,39 @@ void parallel_for(size_t n, int jobs, const std::function<void(size_t)>& body,
   for (auto& t : threads) t.join();
 }
 
-// Every order of the mesh axes (outermost first) that places ranks differently: axes of size 1
-// do not matter, so orders equal without them are one.
-std::vector<std::vector<std::string>> distinct_orders(const MegatronOptions& o) {
-  std::vector<std::string> axes = {"cp", "dp", "pp", "tp"};
-  auto size = [&](const std::string& a) {
-    return a == "cp" ? o.cp : a == "dp" ? o.dp : a == "pp" ? o.pp : o.tp;
+// Rank orders (outermost first) for the degrees of `o` that place ranks differently from each
+// other and from the orders in `done`: every order of the whole axes, and each axis split
+// a x b with its a-part outermost (over nodes) and its b-part in Megatron's place (TP 8 as 2
+// groups of 4 GPUs on different nodes).
+std::vector<std::vector<std::string>> distinct_orders(
+    const MegatronOptions& o, const std::vector<std::vector<std::string>>& done) {
+  Mesh mesh;
+  mesh.axes = {{"dp", o.dp}, {"pp", o.pp}, {"cp", o.cp}, {"tp", o.tp}};
+  auto mapping = [&](const std::vector<std::string>& order) -> std::optional<std::vector<int>> {
+    Expected<Placement> p = placement_from_order(mesh, order);
+    if (!p) return std::nullopt;
+    return p->gpu_of_rank(mesh);
   };
-  std::vector<std::vector<std::string>> out;
-  std::set<std::vector<std::string>> seen;
+  std::set<std::vector<int>> seen;
+  for (const auto& order : done) {
+    if (auto m = mapping(order)) seen.insert(*m);
+  }
+  std::vector<std::vector<std::string>> candidates;
+  std::vector<std::string> axes = {"cp", "dp", "pp", "tp"};
   do {
-    std::vector<std::string> key;
-    for (const auto& a : axes) {
-      if (size(a) > 1) key.push_back(a);
-    }
-    if (seen.insert(key).second) out.push_back(axes);
+    candidates.push_back(axes);
   } while (std::next_permutation(axes.begin(), axes.end()));
+  for (const char* axis : {"tp", "cp", "dp", "pp"}) {
+    const int s = mesh.axis_size(axis);
+    for (int a = 2; a < s; ++a) {
+      if (s % a == 0) candidates.push_back({fmt::format("{}:{}", axis, a), "pp", "dp", "cp", "tp"});
+    }
+  }
+  std::vector<std::vector<std::string>> out;
+  for (const auto& order : candidates) {
+    std::optional<std::vector<int>> m = mapping(order);
+    if (m && seen.insert(*m).second) out.push_back(order);
+  }
   return out;
 }
 
@@ -139,7 +156,8 @@ std::string order_name(const MegatronOptions& o, const std::vector<std::string>&
   std::vector<std::string> key;
   for (const auto& a : order) {
     const int n = a == "cp" ? o.cp : a == "dp" ? o.dp : a == "pp" ? o.pp : o.tp;
-    if (n > 1) key.push_back(a);
+    // A split axis's parts are both larger than 1.
+    if (n > 1 || a.find(':') != std::string::npos) key.push_back(a);
   }
   return fmt::format("order {}", fmt::join(key, "-"));
 }
@@ -536,12 +554,11 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
       Candidate degrees = c;
       degrees.placement = "tp-innermost";
       if (!degrees_seen.insert(degrees.describe()).second) continue;
-      for (const auto& order : distinct_orders(c.options)) {
+      // The placements evaluated with the degrees.
+      std::vector<std::vector<std::string>> done = {{"pp", "dp", "cp", "tp"}};
+      if (c.options.tp > 1 && c.options.dp > 1) done.push_back({"pp", "cp", "tp", "dp"});
+      for (const auto& order : distinct_orders(c.options, done)) {
         const std::string name = order_name(c.options, order);
-        if (name == order_name(c.options, {"pp", "dp", "cp", "tp"}) ||
-            name == order_name(c.options, {"pp", "cp", "tp", "dp"})) {
-          continue;  // evaluated with the degrees
-        }
         Candidate t = c;
         t.options.placement = order;
         t.placement = name;

@@ -535,6 +535,11 @@ int main(int argc, char** argv) {
                    "layers per segment (pp x vpp numbers), default as even as possible")
       ->delimiter(',');
   plan_cmd
+      ->add_option("--placement", plan.o.placement,
+                   "rank order over the GPUs, outermost first (default pp,dp,cp,tp); an axis "
+                   "may be split: tp:2,pp,dp,cp,tp puts TP 8 as 2 x 4")
+      ->delimiter(',');
+  plan_cmd
       ->add_option("--avoid-gpus", plan.o.avoid_gpus,
                    "GPUs (indices) no rank may use; the degrees use what is left")
       ->delimiter(',');
@@ -602,6 +607,7 @@ int main(int argc, char** argv) {
     if (given("--zero")) p.zero = plan.o.zero;
     if (given("--sequence-parallel")) p.sequence_parallel = true;
     if (given("--stage-layers")) p.stage_layers = plan.o.stage_layers;
+    if (given("--placement")) p.placement = plan.o.placement;
     if (given("--recompute")) {
       Expected<RecomputeMode> r = parse_recompute_mode(plan.recompute);
       if (!r) return fail("--recompute: " + r.error().message());

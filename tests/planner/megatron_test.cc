@@ -203,6 +203,30 @@ TEST(Megatron, AvoidedGpusStayIdleAndHealthyNodesComeFirst) {
                        "GPU 32 to avoid does not exist: topology 'dgx-a100x4' has GPUs 0-31"));
 }
 
+TEST(Megatron, PlacementOrdersMaySplitAnAxis) {
+  const ModelSpec m = preset("gpt3-13b");
+  MegatronOptions o = opts(8, 2, 64);
+  o.placement = {"tp:2", "pp", "dp", "cp", "tp"};  // TP 8 as 2 nodes x 4 GPUs
+  Plan p = build(m, o);
+  ASSERT_EQ(p.placement.factors.size(), 5u);
+  EXPECT_EQ(p.placement.factors.front().axis, "tp");
+  EXPECT_EQ(p.placement.factors.front().size, 2);
+  EXPECT_EQ(p.placement.factors.back().size, 4);
+  Expected<Program> prog = compile_plan(p, topology("dgx-a100x4"));
+  ASSERT_TRUE(prog.ok()) << prog.error().message();
+  // Rank 0's tensor-parallel group: GPUs 0-3 and 16-19.
+  const int tp_axis = p.mesh.axis_index("tp");
+  std::vector<int> gpus;
+  for (int r : prog->group_of(0, 1u << tp_axis)) gpus.push_back(prog->gpu_of_rank[r]);
+  EXPECT_EQ(gpus, (std::vector<int>{0, 1, 2, 3, 16, 17, 18, 19}));
+  o.placement = {"tp:3", "pp", "dp", "cp", "tp"};
+  EXPECT_TRUE(contains(build_error(m, o), "tp has size 8"));
+  o.placement = {"pp", "dp", "cp"};
+  EXPECT_TRUE(contains(build_error(m, o), "placement must cover each of dp, pp, cp, tp once"));
+  o.placement = {"pp", "dp", "cp", "tq"};
+  EXPECT_TRUE(contains(build_error(m, o), "did you mean 'tp'"));
+}
+
 TEST(Megatron, HeadsMustDivideByTp) {
   ModelSpec m = preset("gpt3-1.3b");  // 16 heads
   std::string e = build_error(m, opts(32, 1, 32));
