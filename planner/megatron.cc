@@ -1,5 +1,6 @@
 #include "planner/megatron.h"
 
+#include <algorithm>
 #include <map>
 #include <numeric>
 
@@ -7,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include "core/suggest.h"
+#include "planner/schedule_gen.h"
 
 namespace nnsim {
 
@@ -175,8 +177,14 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     return Error(fmt::format("the sequence length {} is not divisible by the sequence split ({})",
                              model.seq_len, seq_split));
   }
-  if (o.vpp > 1 && o.schedule != ScheduleKind::kInterleaved) {
-    return Error("--vpp > 1 needs --schedule interleaved");
+  if (o.vpp > 1 && required_chunks(o.schedule) == 1) {
+    return Error("--vpp > 1 needs --schedule interleaved (or zb-v with --vpp 2)");
+  }
+  if (o.schedule == ScheduleKind::kZbV && o.vpp != 2) {
+    return Error(
+        fmt::format("the zb-v schedule runs two model chunks per pipeline rank in a V; "
+                    "use --vpp 2 (got {})",
+                    o.vpp));
   }
   if (o.zero < 0 || o.zero > 3) return Error("--zero must be 0, 1, 2 or 3");
   const int segments = o.pp * o.vpp;
@@ -242,14 +250,15 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   int first = 0;
   for (int i = 0; i < segments; ++i) {
     Segment s;
-    s.name =
-        o.vpp > 1 ? fmt::format("stage{}.chunk{}", i % o.pp, i / o.pp) : fmt::format("stage{}", i);
+    s.name = o.vpp > 1
+                 ? fmt::format("stage{}.chunk{}", rank_of_segment(o.schedule, i, o.pp), i / o.pp)
+                 : fmt::format("stage{}", i);
     s.first_layer = first;
     s.end_layer = first + layers[i];
     first = s.end_layer;
     s.embedding = i == 0;
     s.head = i == segments - 1;
-    s.devices = {{"pp", i % o.pp}};
+    s.devices = {{"pp", rank_of_segment(o.schedule, i, o.pp)}};
     plan.segments.push_back(s);
   }
 
@@ -291,16 +300,31 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     return Error(fmt::format("per-stage recomputation lists {} stages; pp = {}",
                              o.stage_recompute.size(), o.pp));
   }
+  std::vector<RecomputeMode> stage_modes = o.stage_recompute;
+  if (o.schedule == ScheduleKind::kMerak) {
+    // Merak: the last stage runs each backward right after its forward and keeps its
+    // activations; the others recompute, off the critical path.
+    if (stage_modes.empty()) stage_modes.assign(o.pp, o.recompute);
+    stage_modes.back() = RecomputeMode::kNone;
+    if (o.pp < 2 || (std::all_of(stage_modes.begin(), stage_modes.end(),
+                                 [](RecomputeMode m) { return m == RecomputeMode::kNone; }) &&
+                     o.recompute_layers.empty())) {
+      return Error(
+          "the merak schedule moves recomputation off the critical path of a pipeline: give "
+          "--pp 2 or more and --recompute selective or full");
+    }
+  }
   // The layers not fully recomputed above follow their stage's mode.
   auto pattern = [](RecomputeMode m) -> const char* {
     return m == RecomputeMode::kSelective ? "attn.core" : m == RecomputeMode::kFull ? "*" : nullptr;
   };
-  if (o.recompute_layers.empty() && o.stage_recompute.empty()) {
+  if (o.recompute_layers.empty() && stage_modes.empty()) {
     if (const char* p = pattern(o.recompute)) plan.recompute.push_back({p, 0, model.layers});
   } else {
     for (int i = 0; i < segments; ++i) {
       const Segment& s = plan.segments[i];
-      const RecomputeMode m = o.stage_recompute.empty() ? o.recompute : o.stage_recompute[i % o.pp];
+      const RecomputeMode m =
+          stage_modes.empty() ? o.recompute : stage_modes[rank_of_segment(o.schedule, i, o.pp)];
       const int first = s.first_layer + (o.recompute_layers.empty() ? 0 : o.recompute_layers[i]);
       const char* p = pattern(m);
       if (p && first < s.end_layer) plan.recompute.push_back({p, first, s.end_layer});
@@ -342,11 +366,24 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   plan.comm.tp_overlap = o.tp_comm_overlap && o.tp > 1;
 
   const int micro_batches = o.global_batch / (dp * o.micro_batch);
+  // Segments whose recomputation Merak's schedule issues as its own block.
+  std::vector<bool> recompute_segments(segments, false);
+  for (const RecomputeRule& r : plan.recompute) {
+    for (int i = 0; i < segments; ++i) {
+      const Segment& s = plan.segments[i];
+      if (r.first_layer < s.end_layer && r.end_layer > s.first_layer) recompute_segments[i] = true;
+    }
+  }
+  Expected<std::vector<std::vector<Block>>> orders =
+      pipeline_orders(o.schedule, o.pp, o.vpp, micro_batches, recompute_segments);
+  if (!orders) return orders.error();
   for (int stage = 0; stage < o.pp; ++stage) {
-    Expected<std::vector<Block>> order =
-        pipeline_order(o.schedule, stage, o.pp, o.vpp, micro_batches);
-    if (!order) return order.error();
-    plan.schedule.push_back({{{"pp", stage}}, *order});
+    plan.schedule.push_back({{{"pp", stage}}, (*orders)[stage]});
+  }
+  if (o.schedule == ScheduleKind::kZbH1 || o.schedule == ScheduleKind::kZbH2 ||
+      o.schedule == ScheduleKind::kZbV || o.schedule == ScheduleKind::kMerak) {
+    // List-scheduled: re-timed with the plan's own compiled costs.
+    return generate_schedule(plan, topo, o.schedule);
   }
   return plan;
 }

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "core/suggest.h"
+#include "planner/list_schedule.h"
 
 namespace nnsim {
 namespace {
@@ -63,21 +64,52 @@ std::vector<Block> interleaved(int stage, int stages, int chunks, int micro_batc
 
 }  // namespace
 
-Expected<std::vector<Block>> pipeline_order(ScheduleKind kind, int stage, int stages, int chunks,
-                                            int micro_batches) {
+bool splits_backward(ScheduleKind kind) {
+  return kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbH2 || kind == ScheduleKind::kZbV;
+}
+
+int required_chunks(ScheduleKind kind) {
+  switch (kind) {
+    case ScheduleKind::kInterleaved:
+      return 0;
+    case ScheduleKind::kZbV:
+      return 2;
+    default:
+      return 1;
+  }
+}
+
+int rank_of_segment(ScheduleKind kind, int segment, int stages) {
+  if (kind == ScheduleKind::kZbV) return segment < stages ? segment : 2 * stages - 1 - segment;
+  return segment % stages;
+}
+
+Expected<std::vector<std::vector<Block>>> pipeline_orders(
+    ScheduleKind kind, int stages, int chunks, int micro_batches,
+    const std::vector<bool>& recompute_segments) {
   if (micro_batches < 1) return Error("a schedule needs at least one micro-batch");
+  const int need = required_chunks(kind);
+  if (need > 0 && chunks != need) {
+    if (kind == ScheduleKind::kZbV) {
+      return Error(
+          fmt::format("the zb-v schedule runs two model chunks per pipeline rank in a V; "
+                      "use --vpp 2 (got {})",
+                      chunks));
+    }
+    return Error(
+        fmt::format("the {} schedule runs one model chunk per pipeline rank; use "
+                    "--schedule interleaved for --vpp {}",
+                    to_string(kind), chunks));
+  }
+  std::vector<std::vector<Block>> out;
   switch (kind) {
     case ScheduleKind::kGpipe:
-    case ScheduleKind::kOneFOneB: {
-      if (chunks != 1) {
-        return Error(
-            fmt::format("the {} schedule runs one model chunk per pipeline rank; use "
-                        "--schedule interleaved for --vpp {}",
-                        to_string(kind), chunks));
+    case ScheduleKind::kOneFOneB:
+      for (int s = 0; s < stages; ++s) {
+        out.push_back(kind == ScheduleKind::kGpipe ? gpipe(s, stages, micro_batches)
+                                                   : one_f_one_b(s, stages, micro_batches));
       }
-      return kind == ScheduleKind::kGpipe ? gpipe(stage, stages, micro_batches)
-                                          : one_f_one_b(stage, stages, micro_batches);
-    }
+      return out;
     case ScheduleKind::kInterleaved:
       if (micro_batches % stages != 0) {
         return Error(fmt::format(
@@ -85,17 +117,65 @@ Expected<std::vector<Block>> pipeline_order(ScheduleKind kind, int stage, int st
             "pipeline stages ({}); change the global batch or the micro-batch size",
             micro_batches, stages));
       }
-      return interleaved(stage, stages, chunks, micro_batches);
+      for (int s = 0; s < stages; ++s) out.push_back(interleaved(s, stages, chunks, micro_batches));
+      return out;
+    default:
+      break;
   }
-  return Error("unknown schedule");
+  // The list-scheduled ones (planner/list_schedule.h), with unit block times (the papers'
+  // hand-built schedules assume forward = input gradient = weight gradient).
+  ListScheduleProblem p;
+  p.devices = stages;
+  p.micro_batches = micro_batches;
+  const int segments = stages * chunks;
+  for (int s = 0; s < segments; ++s)
+    p.device_of_segment.push_back(rank_of_segment(kind, s, stages));
+  p.split_backward = splits_backward(kind);
+  for (int d = 0; d < stages; ++d) {
+    switch (kind) {
+      case ScheduleKind::kMerak:
+        p.in_flight_limit.push_back(stages - d);  // 1F1B's
+        break;
+      case ScheduleKind::kZbH1:
+        // 1F1B's peak (the first stage's) on every stage: the later stages use their spare
+        // memory to hold weight gradients back for the bubbles.
+        p.in_flight_limit.push_back(stages);
+        break;
+      case ScheduleKind::kZbH2:
+        p.in_flight_limit.push_back(2 * stages - 1);
+        break;
+      case ScheduleKind::kZbV:
+        p.in_flight_limit.push_back(2 * stages);  // chunks of half a stage: 1F1B's peak
+        break;
+      default:
+        break;
+    }
+  }
+  if (kind == ScheduleKind::kMerak) {
+    // Recomputation as explicit blocks, except on the last stage, which runs each backward
+    // right after its forward and keeps its activations.
+    p.recompute = recompute_segments;
+    p.recompute.resize(segments, false);
+    if (segments > 0) p.recompute[segments - 1] = false;
+    p.backward_input.assign(segments, 2.0);  // unsplit backward: two forward times
+    p.backward_weight.assign(segments, 0.0);
+  }
+  Expected<ListSchedule> ls = list_schedule(p);
+  if (!ls) return ls.error();
+  return ls->orders;
 }
 
 Expected<ScheduleKind> parse_schedule_kind(const std::string& name) {
   if (name == "gpipe") return ScheduleKind::kGpipe;
   if (name == "1f1b") return ScheduleKind::kOneFOneB;
   if (name == "interleaved") return ScheduleKind::kInterleaved;
-  return Error(fmt::format("unknown schedule '{}'{}", name,
-                           suggest(name, {"gpipe", "1f1b", "interleaved"})));
+  if (name == "zb-h1") return ScheduleKind::kZbH1;
+  if (name == "zb-h2") return ScheduleKind::kZbH2;
+  if (name == "zb-v") return ScheduleKind::kZbV;
+  if (name == "merak") return ScheduleKind::kMerak;
+  return Error(fmt::format(
+      "unknown schedule '{}'{}", name,
+      suggest(name, {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "merak"})));
 }
 
 std::string_view to_string(ScheduleKind kind) {
@@ -106,6 +186,14 @@ std::string_view to_string(ScheduleKind kind) {
       return "1f1b";
     case ScheduleKind::kInterleaved:
       return "interleaved";
+    case ScheduleKind::kZbH1:
+      return "zb-h1";
+    case ScheduleKind::kZbH2:
+      return "zb-h2";
+    case ScheduleKind::kZbV:
+      return "zb-v";
+    case ScheduleKind::kMerak:
+      return "merak";
   }
   return "?";
 }

@@ -10,7 +10,20 @@
 
 namespace nnsim {
 
-enum class ScheduleKind { kGpipe, kOneFOneB, kInterleaved };
+enum class ScheduleKind {
+  kGpipe,
+  kOneFOneB,
+  kInterleaved,
+  kZbH1,   // zero bubble, 1F1B's memory (Qi et al. 2024, ZB-H1)
+  kZbH2,   // zero bubble, about twice 1F1B's memory on the first stage (ZB-H2)
+  kZbV,    // zero bubble on a V-shaped placement of two chunks per rank (ZB-V)
+  kMerak,  // Merak's shifted critical path: 1F1B with recomputation off the critical path
+};
+
+// Whether the schedule splits backward into input- and weight-gradient blocks.
+bool splits_backward(ScheduleKind kind);
+// Model chunks per pipeline rank the schedule needs (0: any, set by --vpp).
+int required_chunks(ScheduleKind kind);
 
 // Segment index of chunk `chunk` on pipeline rank `stage` (Megatron's virtual stages: chunk c of
 // rank p holds the (c * stages + p)-th slice of the layers).
@@ -18,10 +31,16 @@ inline int segment_of(int chunk, int stage, int stages) {
   return chunk * stages + stage;
 }
 
-// The block order of pipeline rank `stage` of `stages`, with `chunks` model chunks per rank
-// (1 unless interleaved) and `micro_batches` micro-batches per iteration.
-Expected<std::vector<Block>> pipeline_order(ScheduleKind kind, int stage, int stages, int chunks,
-                                            int micro_batches);
+// The pipeline rank that runs segment `segment`: Megatron's round robin over the ranks, or for
+// ZB-V a V (rank r holds segments r and 2 stages - 1 - r).
+int rank_of_segment(ScheduleKind kind, int segment, int stages);
+
+// The block order of every pipeline rank of `stages`, with `chunks` model chunks per rank and
+// `micro_batches` micro-batches per iteration. `recompute_segments` marks the segments whose
+// recomputation the schedule places as explicit blocks (Merak).
+Expected<std::vector<std::vector<Block>>> pipeline_orders(
+    ScheduleKind kind, int stages, int chunks, int micro_batches,
+    const std::vector<bool>& recompute_segments = {});
 
 Expected<ScheduleKind> parse_schedule_kind(const std::string& name);
 std::string_view to_string(ScheduleKind kind);

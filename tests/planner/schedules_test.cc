@@ -22,9 +22,9 @@ bool contains(const std::string& haystack, const std::string& needle) {
 }
 
 std::vector<Block> order(ScheduleKind kind, int stage, int stages, int chunks, int m) {
-  auto o = pipeline_order(kind, stage, stages, chunks, m);
+  auto o = pipeline_orders(kind, stages, chunks, m);
   EXPECT_TRUE(o.ok()) << (o.ok() ? "" : o.error().message());
-  return o.ok() ? *o : std::vector<Block>{};
+  return o.ok() ? (*o)[stage] : std::vector<Block>{};
 }
 
 std::string text(const std::vector<Block>& blocks) {
@@ -156,19 +156,19 @@ TEST(Schedules, InterleavedPlanCompiles) {
 }
 
 TEST(Schedules, Errors) {
-  auto e = pipeline_order(ScheduleKind::kOneFOneB, 0, 4, 2, 8);
+  auto e = pipeline_orders(ScheduleKind::kOneFOneB, 4, 2, 8);
   ASSERT_FALSE(e.ok());
   EXPECT_TRUE(contains(e.error().message(), "use --schedule interleaved for --vpp 2"))
       << e.error().message();
-  e = pipeline_order(ScheduleKind::kGpipe, 0, 4, 2, 8);
+  e = pipeline_orders(ScheduleKind::kGpipe, 4, 2, 8);
   ASSERT_FALSE(e.ok());
-  e = pipeline_order(ScheduleKind::kInterleaved, 0, 4, 2, 6);
+  e = pipeline_orders(ScheduleKind::kInterleaved, 4, 2, 6);
   ASSERT_FALSE(e.ok());
   EXPECT_TRUE(contains(e.error().message(),
                        "needs the micro-batch count (6) to be a multiple of the pipeline stages "
                        "(4)"))
       << e.error().message();
-  e = pipeline_order(ScheduleKind::kOneFOneB, 0, 4, 1, 0);
+  e = pipeline_orders(ScheduleKind::kOneFOneB, 4, 1, 0);
   ASSERT_FALSE(e.ok());
   EXPECT_TRUE(contains(e.error().message(), "at least one micro-batch"));
 }

@@ -123,6 +123,57 @@ TEST(Simulator, InterleavedBubbleShrinksByTheChunkCount) {
   }
 }
 
+// The zero-bubble and Merak generators, simulated on the communication-free cluster against
+// 1F1B: less bubble, and the memory each promises.
+struct PipelineRun {
+  double bubble = 0;  // worst lane's bubble over its pipeline time
+  double peak = 0;    // worst lane's peak memory
+  double iteration = 0;
+};
+
+PipelineRun run_pipeline(ScheduleKind kind, int vpp,
+                         RecomputeMode recompute = RecomputeMode::kNone) {
+  MegatronOptions o;
+  o.pp = 4;
+  o.vpp = vpp;
+  o.global_batch = 16;
+  o.schedule = kind;
+  o.recompute = recompute;
+  const Topology t = ideal(4);
+  Program p = compile(model(kData + "/uniform-model.yaml"), t, o, matmul_only(t));
+  SimResult r = run(p);
+  PipelineRun out;
+  out.iteration = r.iteration_time;
+  for (const LaneReport& lane : r.lanes) {
+    out.bubble =
+        std::max(out.bubble, lane.breakdown.bubble / (r.iteration_time - lane.breakdown.optimizer));
+    out.peak = std::max(out.peak, lane.peak_memory);
+  }
+  return out;
+}
+
+TEST(Simulator, ZeroBubbleSchedulesShrinkTheBubbleWithinTheirMemory) {
+  const PipelineRun base = run_pipeline(ScheduleKind::kOneFOneB, 1);
+  EXPECT_NEAR(base.bubble, 3.0 / 19, 0.01 * 3 / 19);
+  const PipelineRun h1 = run_pipeline(ScheduleKind::kZbH1, 1);
+  const PipelineRun h2 = run_pipeline(ScheduleKind::kZbH2, 1);
+  const PipelineRun v = run_pipeline(ScheduleKind::kZbV, 2);
+  // ZB-H1 and ZB-V: 1F1B's peak memory (within 1 %), less bubble.
+  EXPECT_LT(h1.bubble, 0.75 * base.bubble);
+  EXPECT_LE(h1.peak, 1.01 * base.peak);
+  EXPECT_LT(v.bubble, 0.5 * base.bubble);
+  EXPECT_LE(v.peak, 1.01 * base.peak);
+  // ZB-H2: more memory for less bubble than ZB-H1.
+  EXPECT_LT(h2.bubble, h1.bubble);
+  EXPECT_GT(h2.peak, base.peak);
+}
+
+TEST(Simulator, MerakTakesRecomputationOffTheCriticalPath) {
+  const PipelineRun full = run_pipeline(ScheduleKind::kOneFOneB, 1, RecomputeMode::kFull);
+  const PipelineRun merak = run_pipeline(ScheduleKind::kMerak, 1, RecomputeMode::kFull);
+  EXPECT_LT(merak.iteration, 0.97 * full.iteration);
+}
+
 TEST(Simulator, LoneRingAllReduceMatchesTheRingFormula) {
   const Topology t = load("dgx-a100x4");
   const double S = 1024.0 * 1024 * 1024;

@@ -1,0 +1,201 @@
+#include "planner/schedule_gen.h"
+
+#include <algorithm>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "core/program.h"
+#include "core/units.h"
+#include "planner/estimator.h"
+#include "planner/list_schedule.h"
+
+namespace nnsim {
+
+namespace {
+
+bool list_scheduled(ScheduleKind kind) {
+  return kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbH2 || kind == ScheduleKind::kZbV ||
+         kind == ScheduleKind::kMerak;
+}
+
+// What one segment's blocks cost, read from a compiled plan (the slowest variant of each).
+struct SegmentCosts {
+  double forward = 0, backward = 0, backward_input = 0, backward_weight = 0, recompute = 0;
+  double kept = 0;           // activation bytes a forward keeps
+  double weight_inputs = 0;  // of which a weight-gradient block frees
+};
+
+std::vector<SegmentCosts> segment_costs(const Program& prog) {
+  std::vector<SegmentCosts> out(prog.plan.segments.size());
+  const std::vector<TemplateTime> times = template_times(prog);
+  for (size_t t = 0; t < prog.templates.size(); ++t) {
+    const BlockTemplate& tpl = prog.templates[t];
+    SegmentCosts& c = out[tpl.segment];
+    const double s = times[t].layers + times[t].layers_recompute + times[t].other;
+    switch (tpl.kind) {
+      case BlockKind::kForward:
+        c.forward = std::max(c.forward, s);
+        c.kept = std::max(c.kept, tpl.kept_bytes);
+        break;
+      case BlockKind::kBackward:
+        c.backward = std::max(c.backward, s);
+        break;
+      case BlockKind::kBackwardInput:
+        c.backward_input = std::max(c.backward_input, s);
+        break;
+      case BlockKind::kBackwardWeight:
+        c.backward_weight = std::max(c.backward_weight, s);
+        c.weight_inputs = std::max(c.weight_inputs, -tpl.kept_bytes);
+        break;
+      case BlockKind::kRecompute:
+        c.recompute = std::max(c.recompute, s);
+        break;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleKind kind,
+                                 std::optional<double> memory_limit) {
+  Plan plan = in;
+  const int stages = static_cast<int>(plan.schedule.size());
+  const int segments = static_cast<int>(plan.segments.size());
+  if (stages < 1 || segments % stages != 0) {
+    return Error(
+        fmt::format("the plan has {} segments over {} schedule orders; a pipeline "
+                    "schedule needs the same number of segments on every stage",
+                    segments, stages));
+  }
+  const int chunks = segments / stages;
+  // Order index of each pipeline rank.
+  std::map<int, int> order_of_rank;
+  for (int i = 0; i < stages; ++i) {
+    const MeshSlice& d = plan.schedule[i].devices;
+    auto it = d.find("pp");
+    if (it == d.end() || d.size() != 1) {
+      return Error(
+          fmt::format("schedule order {} is not one pipeline stage ({{\"pp\": r}}); the "
+                      "generators schedule pipelines of one order per stage",
+                      i));
+    }
+    order_of_rank[it->second] = i;
+  }
+  for (int i = 0; i < segments; ++i) {
+    const Segment& s = plan.segments[i];
+    const int want = rank_of_segment(kind, i, stages);
+    auto it = s.devices.find("pp");
+    if (it == s.devices.end() || it->second != want) {
+      return Error(fmt::format(
+          "segment '{}' is not where the {} schedule puts segment {} (pp={}); build the plan "
+          "with --schedule {}{}",
+          s.name, to_string(kind), i, want, to_string(kind),
+          kind == ScheduleKind::kZbV ? " --vpp 2" : ""));
+    }
+    if (i + 1 < segments && s.end_layer != plan.segments[i + 1].first_layer) {
+      return Error(
+          fmt::format("segment '{}' is not followed by the next layers; the generators "
+                      "need segments in layer order",
+                      s.name));
+    }
+  }
+  if (order_of_rank.size() != static_cast<size_t>(stages)) {
+    return Error("two schedule orders name the same pipeline stage");
+  }
+  if (memory_limit && !list_scheduled(kind)) {
+    return Error(
+        fmt::format("--memory-limit applies to zb-h1, zb-h2, zb-v and merak; the {} "
+                    "schedule's memory follows from its shape",
+                    to_string(kind)));
+  }
+  const int micro_batches = plan.num_micro_batches();
+  std::vector<bool> recompute_segments(segments, false);
+  for (const RecomputeRule& r : plan.recompute) {
+    for (int i = 0; i < segments; ++i) {
+      const Segment& s = plan.segments[i];
+      const int end = r.end_layer < 0 ? plan.model.layers : r.end_layer;
+      if (r.first_layer < s.end_layer && end > s.first_layer) recompute_segments[i] = true;
+    }
+  }
+  auto assign = [&](const std::vector<std::vector<Block>>& orders) {
+    for (int r = 0; r < stages; ++r) plan.schedule[order_of_rank[r]].blocks = orders[r];
+  };
+  Expected<std::vector<std::vector<Block>>> provisional =
+      pipeline_orders(kind, stages, chunks, micro_batches, recompute_segments);
+  if (!provisional) return provisional.error();
+  assign(*provisional);
+  plan.schedule_name = std::string(to_string(kind));
+  if (!list_scheduled(kind)) return plan;
+
+  // Time the list schedule with the plan's own costs.
+  Expected<Program> prog = compile_plan(plan, topo);
+  if (!prog) return prog.error();
+  const std::vector<SegmentCosts> costs = segment_costs(*prog);
+  ListScheduleProblem p;
+  p.devices = stages;
+  p.micro_batches = micro_batches;
+  p.split_backward = splits_backward(kind);
+  for (int i = 0; i < segments; ++i) {
+    const SegmentCosts& c = costs[i];
+    p.device_of_segment.push_back(rank_of_segment(kind, i, stages));
+    p.forward.push_back(c.forward);
+    p.backward_input.push_back(p.split_backward ? c.backward_input : c.backward);
+    p.backward_weight.push_back(p.split_backward ? c.backward_weight : 0.0);
+    p.recompute_time.push_back(c.recompute);
+    p.forward_bytes.push_back(c.kept);
+    p.weight_input_bytes.push_back(p.split_backward ? c.weight_inputs : 0.0);
+  }
+  if (kind == ScheduleKind::kMerak) {
+    p.recompute = recompute_segments;
+    p.recompute[segments - 1] = false;
+  }
+  // Activation bytes each rank may hold.
+  std::vector<double> held(stages, 0);  // a micro-batch's activations per rank (all chunks)
+  for (int i = 0; i < segments; ++i) held[p.device_of_segment[i]] += costs[i].kept;
+  double one_f_one_b_peak = 0;  // the first stage's p micro-batches
+  for (int r = 0; r < stages; ++r) {
+    const int in_flight = kind == ScheduleKind::kZbV ? stages : stages - r;
+    one_f_one_b_peak = std::max(one_f_one_b_peak, in_flight * held[r]);
+  }
+  if (memory_limit) {
+    for (const Lane& lane : prog->lanes) {
+      const int rank = lane.slice.count("pp") ? lane.slice.at("pp") : 0;
+      if (static_cast<int>(p.memory_limit.size()) <= rank) p.memory_limit.resize(rank + 1, 0);
+      const double budget = *memory_limit - lane.memory.total();
+      if (budget <= 0) {
+        return Error(fmt::format(
+            "--memory-limit {} leaves no room for activations on pipeline stage {}: its "
+            "weights, gradients, optimizer state and buffers take {}",
+            format_bytes(*memory_limit), rank, format_bytes(lane.memory.total())));
+      }
+      p.memory_limit[rank] = budget;
+    }
+  } else if (kind == ScheduleKind::kMerak) {
+    for (int r = 0; r < stages; ++r) p.in_flight_limit.push_back(stages - r);
+  } else {
+    // ZB-H1 and ZB-V: 1F1B's peak on every rank (the later ranks' spare memory holds weight
+    // gradients back); ZB-H2: 2p - 1 micro-batches of the first stage.
+    const double scale = kind == ScheduleKind::kZbH2 ? (2.0 * stages - 1) / stages : 1.0;
+    p.memory_limit.assign(stages, scale * one_f_one_b_peak);
+  }
+  // Warm-up depth: free (as deep as memory allows), or the hand-built schedules' (1F1B's for
+  // ZB-H1, 2p - 1 on the first stage for ZB-H2); the one that finishes first in the plan's own
+  // costs wins.
+  Expected<ListSchedule> ls = list_schedule(p);
+  if (!ls) return ls.error();
+  if (kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbH2) {
+    ListScheduleProblem q = p;
+    for (int r = 0; r < stages; ++r) {
+      q.forward_lead_limit.push_back(kind == ScheduleKind::kZbH2 ? 2 * (stages - r) - 1
+                                                                 : stages - r);
+    }
+    Expected<ListSchedule> lead = list_schedule(q);
+    if (lead && lead->makespan < ls->makespan) ls = std::move(lead);
+  }
+  assign(ls->orders);
+  return plan;
+}
+
+}  // namespace nnsim

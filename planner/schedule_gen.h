@@ -1,0 +1,23 @@
+// Rewrites the per-device block orders of a plan with a schedule generator (`nnsim schedule
+// --generator`, and the builder for the list-scheduled ones). Closed-form generators (GPipe,
+// 1F1B, interleaved 1F1B) depend only on the pipeline's shape; the list-scheduled ones (ZB-H1,
+// ZB-H2, ZB-V, Merak) are timed with the plan's own compiled costs: the plan is compiled once
+// with a provisional order, each segment's forward, backward, weight-gradient and recompute
+// times and activation bytes are read from it, and the order is list-scheduled with them.
+#pragma once
+
+#include <optional>
+
+#include "core/error.h"
+#include "core/plan.h"
+#include "core/topology.h"
+#include "planner/schedules.h"
+
+namespace nnsim {
+
+// `memory_limit`: bytes per GPU the schedule may use (static memory included); by default each
+// generator's own (1F1B's peak for ZB-H1 and ZB-V, about twice it for ZB-H2).
+Expected<Plan> generate_schedule(const Plan& plan, const Topology& topo, ScheduleKind kind,
+                                 std::optional<double> memory_limit = std::nullopt);
+
+}  // namespace nnsim
