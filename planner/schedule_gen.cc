@@ -111,6 +111,17 @@ Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleK
                     to_string(kind)));
   }
   const int micro_batches = plan.num_micro_batches();
+  if (kind == ScheduleKind::kMerak) {
+    bool any = false;
+    for (const RecomputeRule& r : plan.recompute) {
+      any |= r.first_layer < plan.segments[segments - 1].first_layer;
+    }
+    if (!any) {
+      return Error(
+          "the merak schedule moves recomputation off the critical path, but the plan "
+          "recomputes nothing before its last stage; build it with --recompute selective or full");
+    }
+  }
   std::vector<bool> recompute_segments(segments, false);
   for (const RecomputeRule& r : plan.recompute) {
     for (int i = 0; i < segments; ++i) {
@@ -163,7 +174,13 @@ Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleK
     for (const Lane& lane : prog->lanes) {
       const int rank = lane.slice.count("pp") ? lane.slice.at("pp") : 0;
       if (static_cast<int>(p.memory_limit.size()) <= rank) p.memory_limit.resize(rank + 1, 0);
-      const double budget = *memory_limit - lane.memory.total();
+      // Room for kept activations: the limit less static memory and the largest transient
+      // workspace a block of this rank needs on top of them.
+      double transient = 0;
+      for (const BlockInstance& b : lane.blocks) {
+        transient = std::max(transient, prog->templates[b.template_index].peak_bytes);
+      }
+      const double budget = *memory_limit - lane.memory.total() - transient;
       if (budget <= 0) {
         return Error(fmt::format(
             "--memory-limit {} leaves no room for activations on pipeline stage {}: its "

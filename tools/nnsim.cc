@@ -22,7 +22,9 @@
 #include "core/suggest.h"
 #include "core/topology.h"
 #include "core/units.h"
+#include "planner/estimator.h"
 #include "planner/megatron.h"
+#include "planner/schedule_gen.h"
 #include "planner/search.h"
 #include "sim/report.h"
 #include "sim/simulator.h"
@@ -361,6 +363,67 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   return 0;
 }
 
+struct ScheduleArgs {
+  std::string plan;
+  std::string topo;  // default: the topology the plan names
+  int nodes = 0;
+  std::string generator;
+  std::string memory_limit;
+  std::string output;
+};
+
+int run_schedule(const ScheduleArgs& a) {
+  Expected<Plan> plan = load_plan(a.plan);
+  if (!plan) return fail(plan.error().message());
+  std::string topo_name = a.topo.empty() ? plan->topology_name : a.topo;
+  if (topo_name.empty()) return fail(a.plan + ": the plan names no topology; give --topo");
+  int nodes = a.nodes;
+  Expected<Topology> topo = load_topology_sized(topo_name, nodes);
+  if (!topo) return fail(topo.error().message());
+  if (nodes == 0 && plan->topology_gpus > 0 && plan->topology_gpus != topo->num_gpus() &&
+      plan->topology_gpus % topo->gpus_per_node == 0) {
+    // A preset resized with --nodes when the plan was built.
+    topo = resize_topology(*topo, plan->topology_gpus / topo->gpus_per_node);
+    if (!topo) return fail(topo.error().message());
+  }
+  Expected<ScheduleKind> kind = parse_schedule_kind(a.generator);
+  if (!kind) return fail("--generator: " + kind.error().message());
+  std::optional<double> limit;
+  if (!a.memory_limit.empty()) {
+    Expected<double> bytes = parse_quantity(a.memory_limit, Dimension::kBytes);
+    if (!bytes || *bytes <= 0) {
+      return fail(fmt::format("--memory-limit '{}': give bytes per GPU, e.g. 60GB or 64GiB",
+                              a.memory_limit));
+    }
+    limit = *bytes;
+  }
+  Expected<Program> before = compile_plan(*plan, *topo);
+  if (!before) return fail(fmt::format("{}: {}", a.plan, before.error().message()));
+  Expected<Plan> out = generate_schedule(*plan, *topo, *kind, limit);
+  if (!out) return fail(fmt::format("{}: {}", a.plan, out.error().message()));
+  // The new orders go through the same checks as any plan (dependencies, deadlock).
+  Expected<Program> after = compile_plan(*out, *topo);
+  if (!after) return fail(after.error().message());
+  const Estimate e0 = estimate_program(*before), e1 = estimate_program(*after);
+  if (limit && e1.peak_memory > *limit) {
+    return fail(
+        fmt::format("the {} schedule needs {} per GPU, over --memory-limit {}; raise the "
+                    "limit or recompute activations (the plan's weights, gradients and "
+                    "optimizer state alone take {})",
+                    a.generator, format_bytes(e1.peak_memory), format_bytes(*limit),
+                    format_bytes(after->lanes.front().memory.total())));
+  }
+  std::string error;
+  if (!write_file(a.output, plan_to_json(*out), &error)) return fail(error);
+  std::printf("wrote %s: %s schedule, %zu pipeline stages, %d micro-batches\n", a.output.c_str(),
+              a.generator.c_str(), out->schedule.size(), out->num_micro_batches());
+  std::printf("  estimated iteration %s (was %s with %s), peak memory %s (was %s)\n",
+              format_seconds(e1.iteration_time).c_str(), format_seconds(e0.iteration_time).c_str(),
+              plan->schedule_name.empty() ? "the plan's orders" : plan->schedule_name.c_str(),
+              format_bytes(e1.peak_memory).c_str(), format_bytes(e0.peak_memory).c_str());
+  return 0;
+}
+
 int run_plan(PlanArgs& a) {
   Expected<ModelSpec> model = load_model(a.model);
   if (!model) return fail(model.error().message());
@@ -524,7 +587,8 @@ int main(int argc, char** argv) {
       ->required();
   plan_cmd->add_option("--recompute", plan.recompute, "none, selective or full");
   plan_cmd->add_option("--zero", plan.o.zero, "optimizer sharding stage 0-3");
-  plan_cmd->add_option("--schedule", plan.schedule, "gpipe, 1f1b or interleaved");
+  plan_cmd->add_option("--schedule", plan.schedule,
+                       "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v (with --vpp 2) or merak");
   plan_cmd->add_option("--precision", plan.precision, "fp32, tf32, bf16, fp16 or fp8");
   plan_cmd->add_option("--framework", plan.o.framework,
                        "whose kernels and conventions: megatron, fsdp, deepspeed, other");
@@ -556,6 +620,22 @@ int main(int argc, char** argv) {
                        "best estimates confirmed by simulation (default 5)");
   plan_cmd->add_option("--jobs", plan.jobs, "candidates evaluated at once (default: cores)");
   plan_cmd->add_option("--csv", plan.csv, "write the ranked and rejected plans as CSV");
+
+  ScheduleArgs sched;
+  CLI::App* schedule_cmd = app.add_subcommand(
+      "schedule", "rewrite a plan's pipeline block orders with a schedule generator");
+  schedule_cmd->add_option("--plan", sched.plan, "plan.json to reschedule")->required();
+  schedule_cmd->add_option("--topo", sched.topo,
+                           "topology YAML file or preset (default: the one the plan names)");
+  schedule_cmd->add_option("--nodes", sched.nodes, "resize the topology to this many nodes");
+  schedule_cmd
+      ->add_option("--generator", sched.generator,
+                   "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v or merak")
+      ->required();
+  schedule_cmd->add_option(
+      "--memory-limit", sched.memory_limit,
+      "bytes per GPU the schedule may use (e.g. 60GB); zb-h1, zb-h2, zb-v, merak");
+  schedule_cmd->add_option("-o,--output", sched.output, "where to write the plan")->required();
 
   ValidateArgs validate;
   CLI::App* validate_cmd =
@@ -627,6 +707,7 @@ int main(int argc, char** argv) {
     return run_plan(plan);
   }
   if (validate_cmd->parsed()) return run_validate(validate);
+  if (schedule_cmd->parsed()) return run_schedule(sched);
   if (export_cmd->parsed()) {
     Calibration c;
     for (const auto& name : export_gpus) {

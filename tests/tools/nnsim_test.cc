@@ -726,6 +726,38 @@ TEST(NnsimTool, AvoidedGpusAreIdleInTheReport) {
       {"GPU 40 to avoid does not exist"});
 }
 
+TEST(NnsimTool, ScheduleRewritesTheBlockOrders) {
+  Sandbox box;
+  RunResult r = box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--tp", "8",
+                           "--pp", "4", "--global-batch", "32", "-o", "p.json"});
+  ASSERT_EQ(r.status, 0) << r;
+  RunResult s = box.nnsim({"schedule", "--plan", "p.json", "--generator", "zb-h1", "-o", "z.json"});
+  ASSERT_EQ(s.status, 0) << s;
+  EXPECT_TRUE(contains(s.out, "zb-h1 schedule, 4 pipeline stages, 32 micro-batches")) << s;
+  json plan = json::parse(box.read("z.json"));
+  EXPECT_EQ(plan["schedule"]["name"], "zb-h1");
+  const std::string blocks = plan["schedule"]["orders"][0]["blocks"];
+  EXPECT_TRUE(contains(blocks, "BI0@0") && contains(blocks, "BW0@0")) << blocks;
+  RunResult sim = box.nnsim({"--topo", "dgx-a100x4", "z.json"});
+  EXPECT_EQ(sim.status, 0) << sim;
+
+  expect_error(box.nnsim({"schedule", "--plan", "p.json", "--generator", "zb-h3", "-o", "x.json"}),
+               {"--generator", "unknown schedule 'zb-h3'", "did you mean"});
+  expect_error(box.nnsim({"schedule", "--plan", "p.json", "--generator", "zb-v", "-o", "x.json"}),
+               {"p.json", "zb-v", "--vpp 2"});
+  expect_error(box.nnsim({"schedule", "--plan", "p.json", "--generator", "merak", "-o", "x.json"}),
+               {"recomputes nothing", "--recompute selective or full"});
+  expect_error(box.nnsim({"schedule", "--plan", "p.json", "--generator", "zb-h1", "--memory-limit",
+                          "lots", "-o", "x.json"}),
+               {"--memory-limit 'lots'", "e.g. 60GB"});
+  expect_error(box.nnsim({"schedule", "--plan", "p.json", "--generator", "zb-h1", "--memory-limit",
+                          "1GB", "-o", "x.json"}),
+               {"leaves no room for activations on pipeline stage 0"});
+  expect_error(box.nnsim({"schedule", "--plan", "p.json", "--generator", "1f1b", "--memory-limit",
+                          "60GB", "-o", "x.json"}),
+               {"--memory-limit applies to zb-h1, zb-h2, zb-v and merak"});
+}
+
 TEST(NnsimTool, Version) {
   Sandbox box;
   RunResult r = box.nnsim({"--version"});
