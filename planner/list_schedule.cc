@@ -110,7 +110,10 @@ Choice ListScheduler::next_for(int d) {
                                      in_flight_[d] == 0  // always one, or nothing could run
                                : limit <= 0 || in_flight_[d] < limit;
     const int lead = p_.forward_lead_limit.empty() ? 0 : p_.forward_lead_limit[d];
-    if (int mb = next_f_[s]; mb < p_.micro_batches && room && (lead <= 0 || lead_[d] < lead)) {
+    const bool segment_room = p_.segment_lead_limit.empty() || p_.segment_lead_limit[s] <= 0 ||
+                              next_f_[s] - next_b_[s] < p_.segment_lead_limit[s];
+    if (int mb = next_f_[s];
+        mb < p_.micro_batches && room && segment_room && (lead <= 0 || lead_[d] < lead)) {
       const double ready = s == 0 ? 0.0 : finish(BlockKind::kForward, s - 1, mb);
       consider({{BlockKind::kForward, mb, s}, ready, kForward});
     }

@@ -28,6 +28,9 @@ struct ListScheduleProblem {
   // Per device: at most this many forwards ahead of the input-gradient backwards (the warm-up
   // depth). 0 or empty: no limit.
   std::vector<int> forward_lead_limit;
+  // Per segment: the same, counted on that segment alone (a V placement needs room kept for the
+  // deeper chunk, or the shallow one fills the device and nothing reaches the turn).
+  std::vector<int> segment_lead_limit;
   // Durations per segment (any unit); empty: 1 each (B: 2 when not split).
   std::vector<double> forward, backward_input, backward_weight, recompute_time;
   // Memory instead of counts, when `memory_limit` (per device, bytes) is given: a forward keeps

@@ -158,6 +158,10 @@ Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleK
     p.forward_bytes.push_back(c.kept);
     p.weight_input_bytes.push_back(p.split_backward ? c.weight_inputs : 0.0);
   }
+  if (kind == ScheduleKind::kZbV) {
+    // As in a 2p-stage 1F1B: segment j keeps at most 2p - j micro-batches ahead.
+    for (int i = 0; i < segments; ++i) p.segment_lead_limit.push_back(segments - i);
+  }
   if (kind == ScheduleKind::kMerak) {
     p.recompute = recompute_segments;
     p.recompute[segments - 1] = false;
@@ -169,6 +173,13 @@ Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleK
   for (int r = 0; r < stages; ++r) {
     const int in_flight = kind == ScheduleKind::kZbV ? stages : stages - r;
     one_f_one_b_peak = std::max(one_f_one_b_peak, in_flight * held[r]);
+  }
+  if (kind == ScheduleKind::kZbV) {
+    // The V-shaped 1F1B's: segment j keeps 2p - j micro-batches (p + 1/2 stages' worth per
+    // rank), or the shallow chunk can fill a rank before anything reaches the turn.
+    std::vector<double> v(stages, 0);
+    for (int i = 0; i < segments; ++i) v[p.device_of_segment[i]] += (segments - i) * costs[i].kept;
+    for (double x : v) one_f_one_b_peak = std::max(one_f_one_b_peak, x);
   }
   if (memory_limit) {
     for (const Lane& lane : prog->lanes) {

@@ -158,11 +158,12 @@ TEST(Simulator, ZeroBubbleSchedulesShrinkTheBubbleWithinTheirMemory) {
   const PipelineRun h1 = run_pipeline(ScheduleKind::kZbH1, 1);
   const PipelineRun h2 = run_pipeline(ScheduleKind::kZbH2, 1);
   const PipelineRun v = run_pipeline(ScheduleKind::kZbV, 2);
-  // ZB-H1 and ZB-V: 1F1B's peak memory (within 1 %), less bubble.
+  // ZB-H1: 1F1B's peak memory (within 1 %), less bubble. ZB-V: at most the V-shaped 1F1B's
+  // activations (p + 1/2 stages' worth against 1F1B's p), half the bubble or less.
   EXPECT_LT(h1.bubble, 0.75 * base.bubble);
   EXPECT_LE(h1.peak, 1.01 * base.peak);
   EXPECT_LT(v.bubble, 0.5 * base.bubble);
-  EXPECT_LE(v.peak, 1.01 * base.peak);
+  EXPECT_LE(v.peak, (4 + 0.5) / 4 * base.peak);
   // ZB-H2: more memory for less bubble than ZB-H1.
   EXPECT_LT(h2.bubble, h1.bubble);
   EXPECT_GT(h2.peak, base.peak);
