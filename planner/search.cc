@@ -54,6 +54,8 @@ constexpr size_t kMaxBalanced = 48;
 constexpr double kBalanceMargin = 0.05;
 // Every other rank placement is tried for the best plans of this many sets of degrees.
 constexpr size_t kMaxPlaced = 8;
+// The zero-bubble and Merak schedules are tried for this many of the best pipelined plans.
+constexpr size_t kMaxRescheduled = 8;
 
 std::vector<int> divisors(int n, int limit) {
   std::vector<int> out;
@@ -539,6 +541,79 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
       }
     }
   }
+  // The list-scheduled pipelines (zero bubble, Merak) for the best pipelined plans: same
+  // degrees, another schedule (ZB-V with two chunks per stage in a V).
+  if (!pin.schedule && !feasible.empty()) {
+    auto allowed = [&](ScheduleKind k) {
+      return cons.schedules.empty() ||
+             std::find(cons.schedules.begin(), cons.schedules.end(), k) != cons.schedules.end();
+    };
+    std::sort(feasible.begin(), feasible.end(), [](const Candidate& a, const Candidate& b) {
+      return a.estimate.iteration_time != b.estimate.iteration_time
+                 ? a.estimate.iteration_time < b.estimate.iteration_time
+                 : a.describe() < b.describe();
+    });
+    std::vector<Candidate> tries;
+    std::set<std::string> seen;
+    for (const Candidate& c : feasible) {
+      if (seen.size() >= kMaxRescheduled) break;
+      if (c.options.pp < 2 || !c.options.recompute_layers.empty()) continue;
+      // The degrees, whatever the virtual stages and schedule.
+      Candidate key = c;
+      key.options.vpp = 1;
+      key.options.schedule = ScheduleKind::kOneFOneB;
+      key.options.stage_layers.clear();
+      key.placement = "tp-innermost";
+      if (!seen.insert(key.describe()).second) continue;
+      std::vector<std::pair<ScheduleKind, int>> kinds;
+      if (pin.vpp.value_or(1) == 1) {
+        kinds = {{ScheduleKind::kZbH1, 1}, {ScheduleKind::kZbH2, 1}};
+        if (c.options.recompute != RecomputeMode::kNone) kinds.push_back({ScheduleKind::kMerak, 1});
+      }
+      if (2 * c.options.pp <= model.layers && pin.vpp.value_or(2) == 2) {
+        kinds.push_back({ScheduleKind::kZbV, 2});
+      }
+      for (const auto& [kind, vpp] : kinds) {
+        if (!allowed(kind)) continue;
+        Candidate t = c;
+        t.options.schedule = kind;
+        t.options.vpp = vpp;
+        if (vpp != c.options.vpp || !fixed_layers) t.options.stage_layers.clear();
+        if (fixed_layers) t.options.stage_layers = *fixed_layers;
+        if (fixed_layers && static_cast<int>(fixed_layers->size()) != c.options.pp * vpp) continue;
+        t.simulated.reset();
+        tries.push_back(t);
+      }
+    }
+    std::vector<std::optional<Candidate>> scheduled(tries.size());
+    parallel_for(
+        tries.size(), o.jobs,
+        [&](size_t i) {
+          Candidate c = tries[i];
+          Expected<Plan> plan = build_megatron_plan(model, topo, c.options);
+          if (!plan) return;
+          Expected<Program> prog = compile_plan(*plan, topo);
+          if (!prog) return;
+          ++evaluated;
+          c.estimate = estimate_program(*prog);
+          if (c.estimate.peak_memory > capacity) return;
+          if (!violated_constraint(cons, *plan, *prog, c.estimate.bubble_fraction,
+                                   c.estimate.peak_memory)
+                   .empty()) {
+            return;
+          }
+          c.status = "ok";
+          scheduled[i] = c;
+        },
+        [&](size_t done_count, size_t all) {
+          if (o.progress) o.progress("scheduling", done_count, all);
+        });
+    result.schedules_tried = tries.size();
+    for (auto& c : scheduled) {
+      if (c) feasible.push_back(*c);
+    }
+  }
+
   // Other rank placements for the best plans (nnScaler-M): every order of the mesh axes that
   // places ranks differently, priced on the topology by the estimator.
   if (!pin.placement && !feasible.empty()) {
@@ -595,6 +670,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
       if (c) feasible.push_back(*c);
     }
   }
+
   result.evaluated = evaluated;
   for (const auto& [why, n] : reasons) result.rejections.emplace_back(why, n);
 

@@ -77,6 +77,8 @@ struct SearchResult {
   size_t balanced_better = 0;
   // Other rank placements (orders of the mesh axes) tried for the best plans.
   size_t placements_tried = 0;
+  // Zero-bubble and Merak schedules tried for the best pipelined plans.
+  size_t schedules_tried = 0;
   // Pairs of confirmed plans whose order the estimator and the simulator disagree on.
   size_t rank_pairs = 0;
   size_t rank_disagreements = 0;

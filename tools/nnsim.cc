@@ -270,7 +270,8 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
     const double f = static_cast<double>(done) / all;
     if (phase == "estimating") progress.update(0.75 * f);
     if (phase == "balancing stages") progress.update(0.75 + 0.1 * f);
-    if (phase == "placing ranks") progress.update(0.85 + 0.05 * f);
+    if (phase == "placing ranks") progress.update(0.85 + 0.025 * f);
+    if (phase == "scheduling") progress.update(0.875 + 0.025 * f);
     if (phase == "simulating") progress.update(0.9 + 0.1 * f);
   };
   so.simulate = [](const Program& p) -> Expected<double> {
@@ -289,6 +290,10 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   }
   if (r->placements_tried > 0) {
     std::printf("%zu other rank placements tried for the best plans\n", r->placements_tried);
+  }
+  if (r->schedules_tried > 0) {
+    std::printf("%zu zero-bubble and Merak schedules tried for the best pipelined plans\n",
+                r->schedules_tried);
   }
   std::printf("%4s  %-60s %11s %11s %10s %6s\n", "rank", "plan", "estimated", "simulated",
               "peak mem", "MFU");

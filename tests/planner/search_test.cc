@@ -138,6 +138,38 @@ TEST(Search, SlowInterNodeLinksKeepTensorParallelismInsideNodes) {
   }
 }
 
+TEST(Search, ZeroBubbleSchedulesAreTriedForThePipelinedPlans) {
+  const ModelSpec m = *load_model("gpt3-13b");
+  const Topology t = topo("dgx-a100x4", 4);
+  SearchOptions o = options(64);
+  o.pins.pp = 4;
+  Expected<Constraints> c = parse_constraints("schedules: [1f1b, zb-h1]\n", "c.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  o.constraints = *c;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  EXPECT_GT(r->schedules_tried, 0u);
+  // ZB-H1 keeps 1F1B's memory and shortens its bubble, so it wins every set of degrees it was
+  // tried for; nothing outside the allowed schedules appears.
+  ASSERT_FALSE(r->ranked.empty());
+  EXPECT_EQ(r->ranked.front().options.schedule, ScheduleKind::kZbH1)
+      << r->ranked.front().describe();
+  for (const Candidate& cand : r->ranked) {
+    EXPECT_TRUE(cand.options.schedule == ScheduleKind::kOneFOneB ||
+                cand.options.schedule == ScheduleKind::kZbH1)
+        << cand.describe();
+  }
+  // A pinned schedule is not replaced.
+  o.pins.schedule = ScheduleKind::kOneFOneB;
+  Expected<SearchResult> pinned = search_plans(m, t, o);
+  ASSERT_TRUE(pinned.ok());
+  EXPECT_EQ(pinned->schedules_tried, 0u);
+  for (const Candidate& cand : pinned->ranked) {
+    EXPECT_EQ(cand.options.schedule, ScheduleKind::kOneFOneB);
+  }
+  EXPECT_LT(r->ranked.front().time(), pinned->ranked.front().time());
+}
+
 TEST(Search, AllChoicesPinnedIsTheBuilder) {
   const ModelSpec m = *load_model("gpt3-1.3b");
   const Topology t = topo("dgx-a100x4", 4);
