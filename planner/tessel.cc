@@ -1,0 +1,403 @@
+#include "planner/tessel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <tuple>
+
+#include <fmt/format.h>
+#include <z3++.h>
+
+namespace nnsim {
+
+namespace {
+
+// Blocks in an order where every block comes after those it needs; empty on a cycle.
+std::vector<int> topological_order(const TesselProblem& p) {
+  const int n = static_cast<int>(p.blocks.size());
+  std::vector<int> indegree(n, 0);
+  std::vector<std::vector<int>> users(n);
+  for (int c = 0; c < n; ++c) {
+    for (int b : p.blocks[c].after) {
+      ++indegree[c];
+      users[b].push_back(c);
+    }
+  }
+  std::vector<int> out;
+  for (int b = 0; b < n; ++b) {
+    if (indegree[b] == 0) out.push_back(b);
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    for (int c : users[out[i]]) {
+      if (--indegree[c] == 0) out.push_back(c);
+    }
+  }
+  if (static_cast<int>(out.size()) != n) out.clear();
+  return out;
+}
+
+std::string block_name(const TesselBlock& b, int micro_batch) {
+  return to_string(Block{b.kind, micro_batch, b.segment});
+}
+
+Status check_problem(const TesselProblem& p) {
+  if (p.devices < 1 || p.micro_batches < 1) {
+    return Error("the schedule search needs at least one device and one micro-batch");
+  }
+  if (p.blocks.empty()) return Error("the schedule search got no blocks to place");
+  std::map<std::pair<BlockKind, int>, int> seen;
+  std::vector<double> balance(p.devices, 0);
+  for (size_t i = 0; i < p.blocks.size(); ++i) {
+    const TesselBlock& b = p.blocks[i];
+    if (!seen.emplace(std::make_pair(b.kind, b.segment), static_cast<int>(i)).second) {
+      return Error(fmt::format("block {} appears twice in one micro-batch", block_name(b, 0)));
+    }
+    if (b.devices.empty()) return Error(fmt::format("block {} has no device", block_name(b, 0)));
+    for (int d : b.devices) {
+      if (d < 0 || d >= p.devices) {
+        return Error(
+            fmt::format("block {} is placed on device {} of {}", block_name(b, 0), d, p.devices));
+      }
+      balance[d] += b.bytes;
+    }
+    for (int a : b.after) {
+      if (a < 0 || a >= static_cast<int>(p.blocks.size()) || a == static_cast<int>(i)) {
+        return Error(
+            fmt::format("block {} needs block {}, which does not exist", block_name(b, 0), a));
+      }
+    }
+    if (b.seconds < 0) return Error(fmt::format("block {} has a negative time", block_name(b, 0)));
+  }
+  double scale = 1;
+  for (const TesselBlock& b : p.blocks) scale = std::max(scale, std::abs(b.bytes));
+  for (int d = 0; d < p.devices; ++d) {
+    if (std::abs(balance[d]) > 1e-9 * scale) {
+      return Error(fmt::format(
+          "the blocks of one micro-batch keep {} bytes on device {} that none of them frees",
+          balance[d], d));
+    }
+  }
+  if (!p.memory_limit.empty() && static_cast<int>(p.memory_limit.size()) != p.devices) {
+    return Error("the memory limit needs one value per device");
+  }
+  if (topological_order(p).empty()) {
+    return Error("the blocks of one micro-batch depend on each other in a cycle");
+  }
+  return Status::Ok();
+}
+
+// The problem in integer units: time in ticks (the busiest device's work is kTicks), bytes in
+// millionths of the largest block's.
+constexpr int64_t kTicks = 10'000;
+
+struct Discrete {
+  std::vector<int64_t> ticks, bytes;
+  std::vector<int64_t> limit;  // per device; -1: none
+  int64_t lower_bound = 0;     // busiest device's ticks per micro-batch
+  int64_t sequential = 0;      // every block in sequence
+  double seconds_per_tick = 0;
+  double busiest_seconds = 0;
+  int root = 0;             // a block that needs none
+  bool single_root = true;  // every other block needs it, directly or not
+};
+
+Discrete discretize(const TesselProblem& p) {
+  Discrete d;
+  std::vector<double> load(p.devices, 0);
+  for (const TesselBlock& b : p.blocks) {
+    for (int dev : b.devices) load[dev] += b.seconds;
+  }
+  const double busiest = *std::max_element(load.begin(), load.end());
+  d.busiest_seconds = busiest;
+  d.seconds_per_tick = busiest > 0 ? busiest / kTicks : 1.0 / kTicks;
+  double byte_unit = 0;
+  for (const TesselBlock& b : p.blocks) byte_unit = std::max(byte_unit, std::abs(b.bytes));
+  byte_unit = byte_unit > 0 ? byte_unit / 1e6 : 1;
+  for (const TesselBlock& b : p.blocks) {
+    d.ticks.push_back(static_cast<int64_t>(std::ceil(b.seconds / d.seconds_per_tick - 1e-9)));
+    d.bytes.push_back(std::llround(b.bytes / byte_unit));
+    d.sequential += d.ticks.back();
+  }
+  std::vector<int64_t> tick_load(p.devices, 0);
+  for (size_t i = 0; i < p.blocks.size(); ++i) {
+    for (int dev : p.blocks[i].devices) tick_load[dev] += d.ticks[i];
+  }
+  d.lower_bound = std::max<int64_t>(1, *std::max_element(tick_load.begin(), tick_load.end()));
+  d.sequential = std::max(d.sequential, d.lower_bound);
+  const std::vector<int> topo = topological_order(p);
+  d.root = topo.front();
+  for (const TesselBlock& b : p.blocks)
+    d.single_root = d.single_root && (&b == &p.blocks[d.root] || !b.after.empty());
+  for (int dev = 0; dev < p.devices; ++dev) {
+    d.limit.push_back(p.memory_limit.empty()
+                          ? -1
+                          : static_cast<int64_t>(std::floor(p.memory_limit[dev] / byte_unit)));
+  }
+  return d;
+}
+
+struct Repetend {
+  int64_t period = 0;
+  std::vector<int64_t> start, lag;
+};
+
+// Is there a repetend of period `period` whose lags are at most `max_lag`?
+std::optional<Repetend> find_repetend(const TesselProblem& p, const Discrete& d, int64_t period,
+                                      int64_t max_lag, int& calls, std::string& failure) {
+  ++calls;
+  try {
+    z3::context ctx;
+    z3::solver solver(ctx);
+    z3::params params(ctx);
+    params.set("rlimit", p.solver_rlimit);
+    solver.set(params);
+    const int n = static_cast<int>(p.blocks.size());
+    const z3::expr P = ctx.int_val(period);
+    std::vector<z3::expr> s, k;
+    for (int b = 0; b < n; ++b) {
+      s.push_back(ctx.int_const(fmt::format("s{}", b).c_str()));
+      k.push_back(ctx.int_const(fmt::format("k{}", b).c_str()));
+      solver.add(s[b] >= 0 && s[b] < P && k[b] >= 0 && k[b] <= ctx.int_val(max_lag));
+    }
+    auto t = [&](int b) { return ctx.int_val(d.ticks[b]); };
+    // The circle can be rotated and all lags shifted: the first block starts period 0 at 0.
+    solver.add(s[d.root] == 0);
+    if (d.single_root) solver.add(k[d.root] == 0);
+    // One block at a time per device, on a circle of length P.
+    std::vector<std::vector<int>> on_device(p.devices);
+    for (int b = 0; b < n; ++b) {
+      for (int dev : p.blocks[b].devices) on_device[dev].push_back(b);
+    }
+    std::set<std::pair<int, int>> pairs;
+    for (const auto& blocks : on_device) {
+      for (size_t i = 0; i < blocks.size(); ++i) {
+        for (size_t j = i + 1; j < blocks.size(); ++j) {
+          const int a = blocks[i], b = blocks[j];
+          if (d.ticks[a] == 0 || d.ticks[b] == 0 || !pairs.emplace(a, b).second) continue;
+          solver.add((s[a] + t(a) <= s[b] && s[b] + t(b) <= s[a] + P) ||
+                     (s[b] + t(b) <= s[a] && s[a] + t(a) <= s[b] + P));
+        }
+      }
+    }
+    // Dependencies within a micro-batch, across periods.
+    for (int c = 0; c < n; ++c) {
+      for (int b : p.blocks[c].after) solver.add(k[c] * P + s[c] >= k[b] * P + s[b] + t(b));
+    }
+    // Steady-state memory at each allocating block's end (where it peaks): block b has run for
+    // j - k_b + floor((tau - e_b) / P) micro-batches by phase tau of period j, so the level is
+    // sum_b bytes_b (floor((tau - e_b) / P) - k_b): the j terms cancel as each device's blocks
+    // free what they keep.
+    for (int dev = 0; dev < p.devices; ++dev) {
+      if (d.limit[dev] < 0) continue;
+      for (int a : on_device[dev]) {
+        if (d.bytes[a] <= 0) continue;
+        const z3::expr wrap = ctx.bool_const(fmt::format("w{}_{}", dev, a).c_str());
+        const z3::expr tau = s[a] + t(a) - z3::ite(wrap, P, ctx.int_val(0));
+        solver.add(tau >= 0 && tau < P);
+        z3::expr level = ctx.int_val(0);
+        for (int b : on_device[dev]) {
+          if (d.bytes[b] == 0) continue;
+          const z3::expr f = ctx.int_const(fmt::format("f{}_{}_{}", dev, a, b).c_str());
+          solver.add(f * P <= tau - (s[b] + t(b)) && tau - (s[b] + t(b)) < (f + 1) * P);
+          level = level + ctx.int_val(d.bytes[b]) * (f - k[b]);
+        }
+        solver.add(level <= ctx.int_val(d.limit[dev]));
+      }
+    }
+    if (solver.check() != z3::sat) return std::nullopt;
+    const z3::model m = solver.get_model();
+    Repetend r;
+    r.period = period;
+    for (int b = 0; b < n; ++b) {
+      r.start.push_back(m.eval(s[b], true).get_numeral_int64());
+      r.lag.push_back(m.eval(k[b], true).get_numeral_int64());
+    }
+    return r;
+  } catch (const z3::exception& e) {
+    failure = e.msg();
+    return std::nullopt;
+  }
+}
+
+// The unrolled orders: every device's blocks by absolute time (m + k_b) P + s_b, ties by
+// dependency order then micro-batch, the same on every device a block spans.
+std::vector<std::vector<Block>> unroll(const TesselProblem& p, const Repetend& r) {
+  const std::vector<int> topo = topological_order(p);
+  std::vector<int> rank(p.blocks.size());
+  for (size_t i = 0; i < topo.size(); ++i) rank[topo[i]] = static_cast<int>(i);
+  std::vector<std::tuple<int64_t, int, int, int>> events;  // time, rank, micro-batch, block
+  for (int m = 0; m < p.micro_batches; ++m) {
+    for (size_t b = 0; b < p.blocks.size(); ++b) {
+      events.emplace_back((m + r.lag[b]) * r.period + r.start[b], rank[b], m, static_cast<int>(b));
+    }
+  }
+  std::sort(events.begin(), events.end());
+  std::vector<std::vector<Block>> orders(p.devices);
+  for (const auto& [time, order, m, b] : events) {
+    for (int dev : p.blocks[b].devices) {
+      orders[dev].push_back(Block{p.blocks[b].kind, m, p.blocks[b].segment});
+    }
+  }
+  return orders;
+}
+
+}  // namespace
+
+Expected<OrdersRun> run_orders(const TesselProblem& p,
+                               const std::vector<std::vector<Block>>& orders) {
+  if (Status s = check_problem(p); !s) return s.error();
+  if (static_cast<int>(orders.size()) != p.devices) {
+    return Error(fmt::format("{} orders for {} devices", orders.size(), p.devices));
+  }
+  std::map<std::pair<BlockKind, int>, int> index;
+  for (size_t i = 0; i < p.blocks.size(); ++i) {
+    index[{p.blocks[i].kind, p.blocks[i].segment}] = static_cast<int>(i);
+  }
+  const int n = static_cast<int>(p.blocks.size());
+  // Which positions of which orders each (block, micro-batch) holds.
+  std::vector<std::vector<int>> position(orders.size());
+  std::vector<int> seen(static_cast<size_t>(n) * p.micro_batches, 0);
+  for (size_t dev = 0; dev < orders.size(); ++dev) {
+    for (const Block& b : orders[dev]) {
+      auto it = index.find({b.kind, b.segment});
+      const bool on_device =
+          it != index.end() && std::count(p.blocks[it->second].devices.begin(),
+                                          p.blocks[it->second].devices.end(), dev) > 0;
+      if (!on_device || b.micro_batch < 0 || b.micro_batch >= p.micro_batches) {
+        return Error(
+            fmt::format("device {} runs {}, which is not one of its blocks", dev, to_string(b)));
+      }
+      if (++seen[static_cast<size_t>(it->second) * p.micro_batches + b.micro_batch] >
+          static_cast<int>(p.blocks[it->second].devices.size())) {
+        return Error(fmt::format("device {} runs {} twice", dev, to_string(b)));
+      }
+      position[dev].push_back(it->second * p.micro_batches + b.micro_batch);
+    }
+  }
+  for (int b = 0; b < n; ++b) {
+    for (int m = 0; m < p.micro_batches; ++m) {
+      if (seen[static_cast<size_t>(b) * p.micro_batches + m] !=
+          static_cast<int>(p.blocks[b].devices.size())) {
+        for (int dev : p.blocks[b].devices) {
+          if (std::find(orders[dev].begin(), orders[dev].end(),
+                        Block{p.blocks[b].kind, m, p.blocks[b].segment}) == orders[dev].end()) {
+            return Error(fmt::format("device {} never runs {}", dev, block_name(p.blocks[b], m)));
+          }
+        }
+      }
+    }
+  }
+  std::vector<size_t> next(orders.size(), 0);
+  std::vector<double> free_at(orders.size(), 0);
+  std::vector<double> end(static_cast<size_t>(n) * p.micro_batches, -1);
+  size_t remaining = 0;
+  for (const auto& o : orders) remaining += o.size();
+  OrdersRun run;
+  run.peak_bytes.assign(orders.size(), 0);
+  std::vector<double> level(orders.size(), 0);
+  while (remaining > 0) {
+    bool progress = false;
+    for (size_t dev = 0; dev < orders.size(); ++dev) {
+      if (next[dev] >= orders[dev].size()) continue;
+      const int id = position[dev][next[dev]];
+      const int b = id / p.micro_batches, m = id % p.micro_batches;
+      const TesselBlock& blk = p.blocks[b];
+      // Every device of the block is at it, and its inputs are done.
+      bool ready = true;
+      double start = 0;
+      for (int other : blk.devices) {
+        ready = ready && next[other] < orders[other].size() && position[other][next[other]] == id;
+        start = std::max(start, free_at[other]);
+      }
+      for (int a : blk.after) {
+        const double e = end[static_cast<size_t>(a) * p.micro_batches + m];
+        ready = ready && e >= 0;
+        start = std::max(start, e);
+      }
+      if (!ready) continue;
+      const double finish = start + blk.seconds;
+      end[id] = finish;
+      run.makespan = std::max(run.makespan, finish);
+      for (int other : blk.devices) {
+        free_at[other] = finish;
+        level[other] += blk.bytes;
+        run.peak_bytes[other] = std::max(run.peak_bytes[other], level[other]);
+        ++next[other];
+        --remaining;
+      }
+      progress = true;
+    }
+    if (!progress) {
+      for (size_t dev = 0; dev < orders.size(); ++dev) {
+        if (next[dev] < orders[dev].size()) {
+          return Error(fmt::format("the orders deadlock: device {} waits forever at {}", dev,
+                                   to_string(orders[dev][next[dev]])));
+        }
+      }
+    }
+  }
+  return run;
+}
+
+Expected<TesselSchedule> tessel_search(const TesselProblem& p) {
+  if (Status s = check_problem(p); !s) return s.error();
+  const Discrete d = discretize(p);
+  const int n = static_cast<int>(p.blocks.size());
+  // Lags beyond one per block never help: the sequential repetend has none.
+  const int64_t lag_bound = std::min<int64_t>(n, 4 * p.devices + 4);
+  TesselSchedule out;
+  std::string failure;
+  auto find = [&](int64_t period, int64_t max_lag) {
+    return find_repetend(p, d, period, max_lag, out.solver_calls, failure);
+  };
+  std::optional<Repetend> best = find(d.sequential, lag_bound);
+  if (!failure.empty()) return Error("the Z3 solver failed: " + failure);
+  if (!best) {
+    return Error(
+        "no repeating schedule fits the memory limit, not even one micro-batch at a time; "
+        "raise --memory-limit or recompute more");
+  }
+  // Shortest period, by bisection.
+  int64_t lo = d.lower_bound, hi = d.sequential;
+  const int64_t tolerance =
+      std::max<int64_t>(1, static_cast<int64_t>(p.precision * static_cast<double>(lo)));
+  if (auto r = find(lo, lag_bound)) {
+    best = r;
+    hi = lo;
+  }
+  while (hi - lo > tolerance) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (auto r = find(mid, lag_bound)) {
+      best = r;
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  // At that period, the smallest largest lag (the shortest warm-up and cool-down).
+  int64_t lag_lo = 0, lag_hi = *std::max_element(best->lag.begin(), best->lag.end());
+  while (lag_lo < lag_hi) {
+    const int64_t mid = lag_lo + (lag_hi - lag_lo) / 2;
+    if (auto r = find(best->period, mid)) {
+      best = r;
+      lag_hi = mid;
+    } else {
+      lag_lo = mid + 1;
+    }
+  }
+  out.period = static_cast<double>(best->period) * d.seconds_per_tick;
+  out.lower_bound = d.busiest_seconds;
+  out.lag.assign(best->lag.begin(), best->lag.end());
+  for (int64_t s : best->start) out.start.push_back(static_cast<double>(s) * d.seconds_per_tick);
+  out.orders = unroll(p, *best);
+  Expected<OrdersRun> run = run_orders(p, out.orders);
+  if (!run) return run.error();
+  out.makespan = run->makespan;
+  out.peak_bytes = run->peak_bytes;
+  return out;
+}
+
+}  // namespace nnsim

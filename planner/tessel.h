@@ -1,0 +1,76 @@
+// Tessel's schedule search (Lin et al., HPCA 2024): for any placement of one micro-batch's
+// blocks on devices, including blocks that occupy several devices at once (a sharded embedding
+// or head inside a pipeline), find the repeating steady-state pattern (the repetend) with the
+// shortest period under a per-device memory limit, with the Z3 solver, then unroll it for any
+// number of micro-batches.
+//
+// A repetend gives every block b a lag k_b (in period j the block runs for micro-batch j - k_b)
+// and a start s_b within the period; blocks may wrap around the period's end. Constraints: no
+// two blocks overlap on a device (on a circle of length P), a block starts after the blocks it
+// needs of the same micro-batch end (k_c P + s_c >= k_b P + s_b + t_b), and the activation bytes
+// a device holds in steady state stay under its limit (evaluated exactly at every block's end).
+// The shortest feasible P is found by bisection between the busiest device's work per
+// micro-batch and the whole micro-batch run in sequence; at that P the smallest largest lag
+// (the shortest fill and drain) is kept. Unrolled, every device runs its blocks in order of
+// their absolute times (m + k_b) P + s_b; executed as soon as inputs and devices are ready this
+// compacts warm-up and cool-down.
+#pragma once
+
+#include <vector>
+
+#include "core/error.h"
+#include "core/plan.h"
+
+namespace nnsim {
+
+struct TesselBlock {
+  BlockKind kind = BlockKind::kForward;
+  int segment = 0;
+  std::vector<int> devices;  // the devices it occupies together (several: a sharded block)
+  double seconds = 0;
+  // Activation bytes it leaves on each of its devices: positive keeps, negative frees. On every
+  // device the blocks of one micro-batch sum to zero.
+  double bytes = 0;
+  std::vector<int> after;  // blocks of the same micro-batch that must end before it starts
+};
+
+struct TesselProblem {
+  int devices = 1;
+  int micro_batches = 1;
+  std::vector<TesselBlock> blocks;  // one micro-batch's
+  // Per device: activation bytes it may hold (empty: no limit).
+  std::vector<double> memory_limit;
+  // Solver work per satisfiability check (Z3's deterministic resource limit, not a wall-clock
+  // time: the same inputs give the same schedule).
+  unsigned solver_rlimit = 20'000'000;
+  // Relative precision of the period bisection.
+  double precision = 0.01;
+};
+
+struct TesselSchedule {
+  std::vector<std::vector<Block>> orders;  // per device, the unrolled blocks in order
+  double period = 0;                       // the repetend's length
+  double lower_bound = 0;                  // the busiest device's work per micro-batch
+  std::vector<int> lag;                    // per block
+  std::vector<double> start;               // per block, within the period
+  double makespan = 0;             // the unrolled orders run as soon as possible, no communication
+  std::vector<double> peak_bytes;  // per device, in the unrolled orders
+  int solver_calls = 0;
+};
+
+// Fails when the blocks' dependencies form a cycle, a block needs a device that does not exist,
+// or no repetend fits the memory limit.
+Expected<TesselSchedule> tessel_search(const TesselProblem& problem);
+
+// Runs per-device block orders of `problem` (blocks named by kind and segment) as soon as inputs
+// and devices are ready; a block on several devices starts when all of them reach it. Returns
+// the makespan, or an error naming the device and block that can never start (a deadlock) or a
+// block missing from a device's order.
+struct OrdersRun {
+  double makespan = 0;
+  std::vector<double> peak_bytes;  // per device: the most activation bytes held at once
+};
+Expected<OrdersRun> run_orders(const TesselProblem& problem,
+                               const std::vector<std::vector<Block>>& orders);
+
+}  // namespace nnsim

@@ -1,0 +1,186 @@
+// Tessel's repetend search: shortest period under memory limits, valid unrolled orders, sharded
+// blocks inside a pipeline, and the errors.
+#include "planner/tessel.h"
+
+#include <gtest/gtest.h>
+
+namespace nnsim {
+namespace {
+
+// A p-stage pipeline, one segment per device: F keeps one unit, B (or BI and BW) frees it.
+TesselProblem pipeline(int p, int m, bool split = false) {
+  TesselProblem q;
+  q.devices = p;
+  q.micro_batches = m;
+  std::vector<int> forward(p), backward(p);
+  for (int s = 0; s < p; ++s) {
+    forward[s] = static_cast<int>(q.blocks.size());
+    q.blocks.push_back({BlockKind::kForward, s, {s}, 1.0, 1.0, {}});
+    if (s > 0) q.blocks.back().after = {forward[s - 1]};
+  }
+  for (int s = p - 1; s >= 0; --s) {
+    backward[s] = static_cast<int>(q.blocks.size());
+    const std::vector<int> after =
+        s == p - 1 ? std::vector<int>{forward[s]} : std::vector<int>{backward[s + 1], forward[s]};
+    if (split) {
+      q.blocks.push_back({BlockKind::kBackwardInput, s, {s}, 1.0, -0.5, after});
+      q.blocks.push_back({BlockKind::kBackwardWeight, s, {s}, 1.0, -0.5, {backward[s]}});
+    } else {
+      q.blocks.push_back({BlockKind::kBackward, s, {s}, 2.0, -1.0, after});
+    }
+  }
+  return q;
+}
+
+TEST(Tessel, OneFOneBMemoryGivesOneFOneBSteadyState) {
+  const int p = 4, m = 8;
+  TesselProblem q = pipeline(p, m);
+  for (int d = 0; d < p; ++d) q.memory_limit.push_back(p - d);  // 1F1B's in-flight counts
+  Expected<TesselSchedule> s = tessel_search(q);
+  ASSERT_TRUE(s.ok()) << s.error().message();
+  // No bubble in steady state: a period is one forward and one backward per device.
+  EXPECT_NEAR(s->period, 3.0, 3.0 * q.precision + 1e-9);
+  EXPECT_DOUBLE_EQ(s->lower_bound, 3.0);
+  // As short as 1F1B's (m + p - 1)(F + B) and within the memory limits.
+  EXPECT_LE(s->makespan, (m + p - 1) * 3.0 * (1 + q.precision) + 1e-9);
+  for (int d = 0; d < p; ++d) EXPECT_LE(s->peak_bytes[d], q.memory_limit[d] + 1e-9) << d;
+  Expected<OrdersRun> again = run_orders(q, s->orders);
+  ASSERT_TRUE(again.ok()) << again.error().message();
+  EXPECT_DOUBLE_EQ(again->makespan, s->makespan);
+}
+
+TEST(Tessel, TightMemoryLengthensThePeriod) {
+  TesselProblem q = pipeline(4, 6);
+  q.memory_limit.assign(4, 1.0);  // one micro-batch at a time on every device
+  Expected<TesselSchedule> s = tessel_search(q);
+  ASSERT_TRUE(s.ok()) << s.error().message();
+  // Device 0 holds its activation for a whole round trip: 4 forwards and 4 backwards.
+  EXPECT_NEAR(s->period, 12.0, 12.0 * q.precision + 1e-9);
+  for (double peak : s->peak_bytes) EXPECT_LE(peak, 1.0 + 1e-9);
+  q.memory_limit.assign(4, 0.5);
+  Expected<TesselSchedule> none = tessel_search(q);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.error().message().find("memory limit"), std::string::npos);
+}
+
+TEST(Tessel, SplitBackwardFillsTheBubbleAtOneFOneBMemory) {
+  const int p = 4, m = 8;
+  TesselProblem q = pipeline(p, m, /*split=*/true);
+  q.memory_limit.assign(p, p);  // 1F1B's peak (the first stage's) on every device, as ZB-H1
+  Expected<TesselSchedule> s = tessel_search(q);
+  ASSERT_TRUE(s.ok()) << s.error().message();
+  EXPECT_NEAR(s->period, 3.0, 3.0 * q.precision + 1e-9);
+  // Shorter than 1F1B's 33 units: weight gradients fill the fill and drain.
+  EXPECT_LT(s->makespan, (m + p - 1) * 3.0);
+  for (double peak : s->peak_bytes) EXPECT_LE(peak, p + 1e-9);
+}
+
+// The head of the pipeline sharded over every device (Tessel's K shape): segment p runs on all
+// devices at once after the last stage's forward and before its backward.
+TesselProblem sharded_head(int p, int m) {
+  TesselProblem q = pipeline(p, m);
+  std::vector<int> all(p);
+  for (int d = 0; d < p; ++d) all[d] = d;
+  const int last_forward = p - 1, last_backward = p;
+  const int head_f = static_cast<int>(q.blocks.size());
+  q.blocks.push_back({BlockKind::kForward, p, all, 1.0, 0.5, {last_forward}});
+  q.blocks.push_back({BlockKind::kBackward, p, all, 1.0, -0.5, {head_f}});
+  q.blocks[last_backward].after.push_back(head_f + 1);
+  return q;
+}
+
+// 1F1B with the head's forward and backward of micro-batch i inserted on every device just
+// before that device's backward of i.
+std::vector<std::vector<Block>> one_f_one_b_with_head(int p, int m) {
+  std::vector<std::vector<Block>> orders(p);
+  for (int d = 0; d < p; ++d) {
+    const int warmup = std::min(m, p - d);
+    int f = 0;
+    for (; f < warmup; ++f) orders[d].push_back({BlockKind::kForward, f, d});
+    for (int b = 0; b < m; ++b) {
+      orders[d].push_back({BlockKind::kForward, b, p});
+      orders[d].push_back({BlockKind::kBackward, b, p});
+      orders[d].push_back({BlockKind::kBackward, b, d});
+      if (f < m) orders[d].push_back({BlockKind::kForward, f++, d});
+    }
+  }
+  return orders;
+}
+
+TEST(Tessel, ShardedHeadBeatsOneFOneBAtItsMemory) {
+  const int p = 4, m = 8;
+  TesselProblem q = sharded_head(p, m);
+  Expected<OrdersRun> baseline = run_orders(q, one_f_one_b_with_head(p, m));
+  ASSERT_TRUE(baseline.ok()) << baseline.error().message();
+  q.memory_limit = baseline->peak_bytes;
+  Expected<TesselSchedule> s = tessel_search(q);
+  ASSERT_TRUE(s.ok()) << s.error().message();
+  EXPECT_LT(s->makespan, baseline->makespan);
+  for (int d = 0; d < p; ++d) EXPECT_LE(s->peak_bytes[d], q.memory_limit[d] + 1e-9) << d;
+  // Every device runs the head blocks of every micro-batch, in the same order.
+  std::vector<std::vector<Block>> head(p);
+  for (int d = 0; d < p; ++d) {
+    for (const Block& b : s->orders[d]) {
+      if (b.segment == p) head[d].push_back(b);
+    }
+    EXPECT_EQ(head[d].size(), 2u * m);
+    EXPECT_EQ(head[d], head[0]);
+  }
+}
+
+TEST(Tessel, EightDevicesWithAShardedHead) {
+  const int p = 8, m = 16;
+  TesselProblem q = sharded_head(p, m);
+  Expected<OrdersRun> baseline = run_orders(q, one_f_one_b_with_head(p, m));
+  ASSERT_TRUE(baseline.ok()) << baseline.error().message();
+  q.memory_limit = baseline->peak_bytes;
+  Expected<TesselSchedule> s = tessel_search(q);
+  ASSERT_TRUE(s.ok()) << s.error().message();
+  EXPECT_LT(s->makespan, baseline->makespan);
+  for (int d = 0; d < p; ++d) EXPECT_LE(s->peak_bytes[d], q.memory_limit[d] + 1e-9) << d;
+}
+
+TEST(Tessel, DeterministicSchedules) {
+  TesselProblem q = sharded_head(4, 6);
+  q.memory_limit.assign(4, 3.0);
+  Expected<TesselSchedule> a = tessel_search(q);
+  Expected<TesselSchedule> b = tessel_search(q);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->orders, b->orders);
+  EXPECT_EQ(a->lag, b->lag);
+}
+
+TEST(Tessel, BadProblemsAndOrdersAreNamed) {
+  TesselProblem q = pipeline(2, 2);
+  q.blocks[0].after = {3};  // F0 after B0, which needs F0
+  Expected<TesselSchedule> cycle = tessel_search(q);
+  ASSERT_FALSE(cycle.ok());
+  EXPECT_NE(cycle.error().message().find("cycle"), std::string::npos);
+
+  q = pipeline(2, 2);
+  q.blocks[1].devices = {5};
+  ASSERT_FALSE(tessel_search(q).ok());
+
+  q = pipeline(2, 2);
+  // Device 0 waits for B0@0 first, which needs device 1's backward, which needs F0@0.
+  std::vector<std::vector<Block>> orders = {{{BlockKind::kBackward, 0, 0},
+                                             {BlockKind::kForward, 0, 0},
+                                             {BlockKind::kForward, 1, 0},
+                                             {BlockKind::kBackward, 1, 0}},
+                                            {{BlockKind::kForward, 0, 1},
+                                             {BlockKind::kBackward, 0, 1},
+                                             {BlockKind::kForward, 1, 1},
+                                             {BlockKind::kBackward, 1, 1}}};
+  Expected<OrdersRun> dead = run_orders(q, orders);
+  ASSERT_FALSE(dead.ok());
+  EXPECT_NE(dead.error().message().find("device 0 waits forever at B0@0"), std::string::npos)
+      << dead.error().message();
+  orders[1].pop_back();
+  Expected<OrdersRun> missing = run_orders(q, orders);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.error().message().find("device 1 never runs B1@1"), std::string::npos)
+      << missing.error().message();
+}
+
+}  // namespace
+}  // namespace nnsim
