@@ -90,7 +90,9 @@ struct Compiler {
   uint32_t lane_axes = 0;
   uint32_t bucket_axes = 0;        // dp and the axes every weight syncs over (context parallel)
   std::vector<int> segment_order;  // segments in pipeline order
-  std::vector<int> next_segment, prev_segment, lane_of_segment;
+  std::vector<int> next_segment, prev_segment;
+  std::vector<std::vector<int>> lanes_of_segment;
+  std::vector<int> lane_of_rank;  // replica 0's ranks
   std::map<std::string, int> label_index;
 
   Compiler(const Plan& p, const Topology& t, Program& out)
@@ -105,6 +107,16 @@ struct Compiler {
   Status check_basics();
   Status resolve_part(const GraphPart& part, PartInfo& info);
   Status build_lanes();
+  Status check_spanning();
+  bool holds(int segment, int lane) const {
+    const auto& l = lanes_of_segment[segment];
+    return std::find(l.begin(), l.end(), lane) != l.end();
+  }
+  // The lane that sends segment `from`'s boundary tensor to lane `to`: -1 when `to` holds it
+  // (the segment runs there), else the segment's first lane.
+  int source_lane(int from, int to) const {
+    return holds(from, to) ? -1 : lanes_of_segment[from].front();
+  }
   Status check_segments();
   void emit_forward(const PartInfo& p, const TensorLayout& in_layout,
                     const std::vector<bool>& recomputed, bool only_recomputed, ComputeClass cls,
@@ -117,7 +129,7 @@ struct Compiler {
   double transient_bytes(const PartInfo& p) const;
   std::vector<bool> recomputed_ops(const PartInfo& p, int layer_index) const;
   bool has_recompute(int segment) const;
-  int template_for(int segment, BlockKind kind, bool grad_sync, bool explicit_recompute,
+  int template_for(int segment, int lane, BlockKind kind, bool grad_sync, bool explicit_recompute,
                    bool first_forward);
   void build_template(BlockTemplate& t, bool grad_sync, bool explicit_recompute,
                       bool first_forward);
@@ -136,7 +148,7 @@ struct Compiler {
   // the data-parallel bucket size of parameters.
   std::vector<std::pair<int, double>> gather_buckets(int segment) const;
   void build_memory(Lane& lane, const std::vector<int>& segments);
-  std::map<std::tuple<int, int, bool, bool, bool>, int> template_cache;
+  std::map<std::tuple<int, int, int, bool, bool, bool>, int> template_cache;
 };
 
 Status Compiler::check_basics() {
@@ -530,8 +542,9 @@ std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment) const 
 double Compiler::segment_params(int segment) const {
   const Segment& s = plan.segments[segment];
   // A tied output projection on the embedding's own devices is the embedding matrix itself.
-  const bool shares_embedding =
-      s.head && lane_of_segment[segment] == lane_of_segment[segment_order.front()];
+  const auto& emb_lanes = lanes_of_segment[segment_order.front()];
+  const bool shares_embedding = s.head && lanes_of_segment[segment].size() == 1 &&
+                                emb_lanes.size() == 1 && lanes_of_segment[segment] == emb_lanes;
   auto sum = [&](const PartInfo& p) {
     double n = 0;
     for (size_t i = 0; i < p.local_params.size(); ++i) {
@@ -563,14 +576,15 @@ void Compiler::emit_grad_buckets(double bytes, double& pending, std::vector<Step
   }
 }
 
-int Compiler::template_for(int segment, BlockKind kind, bool grad_sync, bool explicit_recompute,
-                           bool first_forward) {
-  auto k = std::make_tuple(segment, static_cast<int>(kind), grad_sync, explicit_recompute,
+int Compiler::template_for(int segment, int lane, BlockKind kind, bool grad_sync,
+                           bool explicit_recompute, bool first_forward) {
+  auto k = std::make_tuple(segment, lane, static_cast<int>(kind), grad_sync, explicit_recompute,
                            first_forward);
   auto it = template_cache.find(k);
   if (it != template_cache.end()) return it->second;
   BlockTemplate t;
   t.segment = segment;
+  t.lane = lane;
   t.kind = kind;
   build_template(t, grad_sync, explicit_recompute, first_forward);
   prog.templates.push_back(std::move(t));
@@ -632,10 +646,21 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   auto steps = &t.steps;
   const int prev = prev_segment[seg];
   const int next = next_segment[seg];
-  const bool recv_from_prev = prev >= 0 && lane_of_segment[prev] != lane_of_segment[seg];
-  const bool send_to_next = next >= 0 && lane_of_segment[next] != lane_of_segment[seg];
-  const bool recv_from_next = send_to_next;
-  const bool send_to_prev = recv_from_prev;
+  // Transfers: a lane receives what a neighbouring segment does not compute on it, from that
+  // segment's sending lane, and sends to the neighbour's lanes it is the source for.
+  const int recv_prev_lane = prev >= 0 ? source_lane(prev, t.lane) : -1;
+  const int recv_next_lane = next >= 0 ? source_lane(next, t.lane) : -1;
+  std::vector<int> send_next_lanes, send_prev_lanes;
+  if (next >= 0) {
+    for (int l : lanes_of_segment[next]) {
+      if (source_lane(seg, l) == t.lane) send_next_lanes.push_back(l);
+    }
+  }
+  if (prev >= 0) {
+    for (int l : lanes_of_segment[prev]) {
+      if (source_lane(seg, l) == t.lane) send_prev_lanes.push_back(l);
+    }
+  }
   const double act_piece = piece_bytes(boundary, s.embedding ? embed_out : layer_out, mesh);
   // Pipeline transfers carry the boundary tensor; a tensor replicated over an axis of the lane
   // is sent in 1/size slices and all-gathered on arrival when scatter-gather is on.
@@ -652,11 +677,12 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     }
     return b;
   };
-  auto recv = [&](int peer, bool gradient, const TensorLayout& layout) {
+  auto recv = [&](int peer, int peer_lane, bool gradient, const TensorLayout& layout) {
     uint32_t gather = 0;
     Step r;
     r.kind = StepKind::kRecv;
     r.peer_segment = peer;
+    r.peer_lane = peer_lane;
     r.gradient = gradient;
     r.bytes = transfer_bytes(layout, &gather);
     r.label = label(gradient ? "recv gradient" : "recv activation");
@@ -672,11 +698,12 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       steps->push_back(g);
     }
   };
-  auto send = [&](int peer, bool gradient, const TensorLayout& layout) {
+  auto send = [&](int peer, int peer_lane, bool gradient, const TensorLayout& layout) {
     uint32_t gather = 0;
     Step x;
     x.kind = StepKind::kSend;
     x.peer_segment = peer;
+    x.peer_lane = peer_lane;
     x.gradient = gradient;
     x.bytes = transfer_bytes(layout, &gather);
     x.label = label(gradient ? "send gradient" : "send activation");
@@ -776,7 +803,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
           steps->push_back(w);
         }
       };
-      if (recv_from_prev) recv(prev, false, s.embedding ? embed_out : layer_out);
+      if (recv_prev_lane >= 0) {
+        recv(prev, recv_prev_lane, false, s.embedding ? embed_out : layer_out);
+      }
       if (s.embedding) {
         wait_gather(unit);
         zero3_before(units, unit++);
@@ -795,7 +824,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         emit_forward(head, layer_out, recomputed_ops(head, -1), false, ComputeClass::kCompute,
                      t.steps);
       }
-      if (send_to_next) send(next, false, layer_out);
+      for (int l : send_next_lanes) send(next, l, false, layer_out);
       t.kept_bytes = kept;
       t.peak_bytes = kept + transient;
       memory(kept);
@@ -819,7 +848,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     case BlockKind::kBackwardWeight: {
       const bool input_grads = t.kind != BlockKind::kBackwardWeight;
       const bool weight_grads = t.kind != BlockKind::kBackwardInput;
-      if (input_grads && recv_from_next) recv(next, true, layer_out);
+      if (input_grads && recv_next_lane >= 0) recv(next, recv_next_lane, true, layer_out);
       double pending = 0;
       const bool sync_here =
           weight_grads && grad_sync && plan.comm.overlap_grad_reduce &&
@@ -861,7 +890,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
                       weight_grads, t.steps);
         grads_ready(backward_units[unit - 1]);
       }
-      if (input_grads && send_to_prev) send(prev, true, s.embedding ? embed_out : layer_out);
+      if (input_grads) {
+        for (int l : send_prev_lanes) send(prev, l, true, s.embedding ? embed_out : layer_out);
+      }
       if (sync_here && pending > 0) {
         Step f;
         f.kind = StepKind::kDpLaunch;
@@ -994,7 +1025,7 @@ Status Compiler::build_lanes() {
   const int dp_axis = mesh.axis_index(kDataParallelAxis);
   const int ranks = mesh.num_ranks();
   // Lanes: the schedule's slices within replica 0.
-  std::vector<int> lane_of_rank(ranks, -1);
+  lane_of_rank.assign(ranks, -1);
   for (size_t o = 0; o < plan.schedule.size(); ++o) {
     Lane lane;
     lane.slice = plan.schedule[o].devices;
@@ -1032,8 +1063,9 @@ Status Compiler::build_lanes() {
     for (const auto& o : plan.schedule) fixed = fixed || o.devices.count(mesh.axes[a].name) > 0;
     if (!fixed) lane_axes |= 1u << a;
   }
-  // Each segment runs on exactly the lane whose devices are its devices.
-  lane_of_segment.assign(plan.segments.size(), -1);
+  // Each segment runs on the lanes whose devices are its devices: one, or several when its
+  // slice leaves an axis the orders fix unfixed (a block spanning pipeline stages).
+  lanes_of_segment.assign(plan.segments.size(), {});
   for (size_t s = 0; s < plan.segments.size(); ++s) {
     for (size_t o = 0; o < prog.lanes.size(); ++o) {
       auto c = mesh.coordinates(prog.lanes[o].ranks.front());
@@ -1047,18 +1079,71 @@ Status Compiler::build_lanes() {
                           plan.segments[s].name, o));
         }
       }
-      if (lane_of_segment[s] >= 0) {
-        return Error(
-            fmt::format("segment '{}' spans several schedule orders ({} and {}); "
-                        "segments spanning pipeline stages are not supported yet",
-                        plan.segments[s].name, lane_of_segment[s], o));
-      }
-      lane_of_segment[s] = static_cast<int>(o);
+      lanes_of_segment[s].push_back(static_cast<int>(o));
     }
-    if (lane_of_segment[s] < 0) {
+    if (lanes_of_segment[s].empty()) {
       return Error(
           fmt::format("segment '{}' is on no device of any schedule order", plan.segments[s].name));
     }
+  }
+  return Status::Ok();
+}
+
+// Operators may be split along an axis that separates schedule orders (the pipeline axis) only
+// in a segment spanning every order its groups along that axis reach: their collectives join
+// those lanes.
+Status Compiler::check_spanning() {
+  const int dp_axis = mesh.axis_index(kDataParallelAxis);
+  for (size_t s = 0; s < plan.segments.size(); ++s) {
+    const Segment& seg = plan.segments[s];
+    std::vector<const PartInfo*> parts;
+    if (seg.embedding) parts.push_back(&embed);
+    if (seg.end_layer > seg.first_layer) parts.push_back(&layer);
+    if (seg.head) parts.push_back(&head);
+    for (const PartInfo* p : parts) {
+      for (size_t i = 0; i < p->partitions.size(); ++i) {
+        const std::string& op = p->part->ops[i].name;
+        for (size_t a = 0; a < mesh.axes.size(); ++a) {
+          const int ai = static_cast<int>(a);
+          if (ai == dp_axis || (lane_axes & (1u << a)) || mesh.axes[a].size == 1 ||
+              !p->partitions[i].splits_on(ai)) {
+            continue;
+          }
+          const std::string& axis = mesh.axes[a].name;
+          if (lanes_of_segment[s].size() == 1) {
+            return Error(fmt::format(
+                "operator '{}' of segment '{}' is split along mesh axis '{}', which separates "
+                "schedule orders; only a segment spanning those orders may split along it "
+                "(leave '{}' out of the segment's devices, or narrow the partition rule)",
+                op, seg.name, axis, axis));
+          }
+          if (p->sync_axes[i] & (1u << a)) {
+            return Error(fmt::format(
+                "operator '{}' of segment '{}' is split along '{}' on a dimension its weights "
+                "do not span; summing weight gradients across schedule orders is not supported",
+                op, seg.name, axis));
+          }
+          for (int l : lanes_of_segment[s]) {
+            for (int r : prog.group_of(prog.lanes[l].ranks.front(), 1u << a)) {
+              if (!holds(static_cast<int>(s), lane_of_rank[r])) {
+                return Error(fmt::format(
+                    "operator '{}' of segment '{}' is split along '{}', whose group reaches "
+                    "schedule order {}, which the segment does not span",
+                    op, seg.name, axis, lane_of_rank[r]));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  const int emb = segment_order.front();
+  const int hd = segment_order.back();
+  if (plan.model.tied_embeddings &&
+      (lanes_of_segment[emb].size() > 1 || lanes_of_segment[hd].size() > 1)) {
+    return Error(
+        "tied embeddings with an embedding or head spanning several schedule orders are not "
+        "supported yet; give them one order each");
   }
   return Status::Ok();
 }
@@ -1132,6 +1217,9 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   c.boundary.ref = TensorRef{-1, 0};
   if (Status s = c.check_segments(); !s) return s.error();
   if (Status s = c.build_lanes(); !s) return s.error();
+  if (Status s = c.check_spanning(); !s) return s.error();
+  prog.lanes_of_segment = c.lanes_of_segment;
+  prog.lane_axes = c.lane_axes;
 
   const Mesh& mesh = prog.plan.mesh;
   const int dp_axis = mesh.axis_index(kDataParallelAxis);
@@ -1162,7 +1250,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
                      plan.schedule[o].blocks});
   }
   if (Status s = check_schedule(views, static_cast<int>(plan.segments.size()), prog.micro_batches,
-                                c.next_segment, c.lane_of_segment);
+                                c.next_segment, c.lanes_of_segment);
       !s) {
     return s.error();
   }
@@ -1173,7 +1261,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     Lane& lane = prog.lanes[o];
     std::vector<int> segs;
     for (size_t s = 0; s < plan.segments.size(); ++s) {
-      if (c.lane_of_segment[s] == static_cast<int>(o)) segs.push_back(static_cast<int>(s));
+      if (c.holds(static_cast<int>(s), static_cast<int>(o))) segs.push_back(static_cast<int>(s));
     }
     std::set<int> explicit_recompute;
     std::set<int> seen_forward;
@@ -1186,7 +1274,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
       const bool first_fwd = b.kind == BlockKind::kForward && seen_forward.insert(b.segment).second;
       const bool sync_block =
           b.kind == BlockKind::kBackward || b.kind == BlockKind::kBackwardWeight;
-      int t = c.template_for(b.segment, b.kind, sync_block && sync,
+      int t = c.template_for(b.segment, static_cast<int>(o), b.kind, sync_block && sync,
                              explicit_recompute.count(b.segment) > 0, first_fwd);
       lane.blocks.push_back({b, t});
     }
@@ -1281,9 +1369,11 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   // Tied embedding: the first and last pipeline stage hold copies whose gradients are summed.
   const int emb_seg = c.segment_order.front();
   const int head_seg = c.segment_order.back();
-  if (plan.model.tied_embeddings && c.lane_of_segment[emb_seg] != c.lane_of_segment[head_seg]) {
-    const Lane& a = prog.lanes[c.lane_of_segment[emb_seg]];
-    const Lane& b = prog.lanes[c.lane_of_segment[head_seg]];
+  const int emb_lane = c.lanes_of_segment[emb_seg].front();
+  const int head_lane = c.lanes_of_segment[head_seg].front();
+  if (plan.model.tied_embeddings && emb_lane != head_lane) {
+    const Lane& a = prog.lanes[emb_lane];
+    const Lane& b = prog.lanes[head_lane];
     std::vector<std::vector<int>> groups;
     for (size_t i = 0; i < a.ranks.size() && i < b.ranks.size(); ++i) {
       groups.push_back({a.ranks[i], b.ranks[i]});
@@ -1293,7 +1383,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     const double bytes =
         std::accumulate(c.embed.local_params.begin(), c.embed.local_params.end(), 0.0) *
         plan.optimizer.grad_bytes;
-    for (int l : {c.lane_of_segment[emb_seg], c.lane_of_segment[head_seg]}) {
+    for (int l : {emb_lane, head_lane}) {
       Step s;
       s.kind = StepKind::kCollective;
       s.collective = CollectiveKind::kAllReduce;

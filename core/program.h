@@ -4,8 +4,9 @@
 //
 // Devices that run the same blocks in lockstep (the tensor- and context-parallel ranks of one
 // pipeline stage of one replica) share one program: a "lane". Collectives along axes inside a
-// lane join only that lane; collectives along other axes (data parallel) or transfers to other
-// segments (pipeline) connect lanes.
+// lane join only that lane; collectives along other axes (data parallel, or the pipeline axis
+// of a segment spanning several stages) or transfers to other segments (pipeline) connect
+// lanes.
 #pragma once
 
 #include <cstdint>
@@ -45,6 +46,7 @@ struct Step {
   double flops = 0;       // model FLOPs of a kCompute step (for throughput and MFU)
   double bytes = 0;       // collective / transfer / memory bytes (per device)
   int peer_segment = -1;  // kSend / kRecv: the other segment
+  int peer_lane = -1;     // kSend: the receiving lane; kRecv: the sending lane
   bool gradient = false;  // kSend / kRecv: a backward transfer
   int tag = -1;           // kDpLaunch / kDpWait: what to wait for (-1: everything)
   int group = -1;         // kCollective over an explicit group (Program::explicit_groups)
@@ -56,6 +58,7 @@ struct Step {
 // micro-batch that runs it.
 struct BlockTemplate {
   int segment = 0;
+  int lane = 0;  // a segment spanning several lanes has templates per lane (transfers differ)
   BlockKind kind = BlockKind::kForward;
   std::vector<Step> steps;
   double kept_bytes = 0;  // activation bytes the block leaves allocated (negative: frees)
@@ -99,7 +102,11 @@ struct Program {
   std::vector<int> gpu_of_rank;
   std::vector<BlockTemplate> templates;
   std::vector<Lane> lanes;  // the lanes of replica 0; other replicas run the same programs
-  int replicas = 1;         // data-parallel degree
+  // The lanes each segment runs on: one, or several for a segment spanning pipeline stages
+  // (its collectives along the axes that separate them join those lanes).
+  std::vector<std::vector<int>> lanes_of_segment;
+  uint32_t lane_axes = 0;  // mesh axes spanned inside a lane
+  int replicas = 1;        // data-parallel degree
   std::vector<std::string> labels;
   // Explicit groups (the tied embedding's first/last stage pair): for each, the member ranks of
   // each parallel group, replica 0; other replicas shift by the replica stride.

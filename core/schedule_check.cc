@@ -1,5 +1,6 @@
 #include "core/schedule_check.h"
 
+#include <algorithm>
 #include <vector>
 
 #include <fmt/format.h>
@@ -14,17 +15,37 @@ constexpr int kBlockKinds = 5;
 Status check_schedule(const std::vector<OrderView>& orders, int num_segments, int micro_batches,
                       const std::vector<int>& next_segment,
                       const std::vector<int>& lane_of_segment) {
+  std::vector<std::vector<int>> lanes;
+  for (int l : lane_of_segment) lanes.push_back({l});
+  return check_schedule(orders, num_segments, micro_batches, next_segment, lanes);
+}
+
+Status check_schedule(const std::vector<OrderView>& orders, int num_segments, int micro_batches,
+                      const std::vector<int>& next_segment,
+                      const std::vector<std::vector<int>>& lanes_of_segment) {
   std::vector<int> prev_segment(num_segments, -1);
   for (int s = 0; s < num_segments; ++s) {
     if (next_segment[s] >= 0) prev_segment[next_segment[s]] = s;
   }
-  // Dense tables indexed by (kind, micro-batch, segment): where each block sits in its order
-  // (a segment belongs to one order), and whether it has run.
+  // Where order o sits among the orders of segment s (-1: not one of them).
+  auto slot_of = [&](int s, int o) {
+    const auto& l = lanes_of_segment[s];
+    auto it = std::find(l.begin(), l.end(), o);
+    return it == l.end() ? -1 : static_cast<int>(it - l.begin());
+  };
+  // Dense tables: `done` by (kind, micro-batch, segment): whether the block has run (a block of
+  // a spanning segment runs once, jointly); `position` by (segment, its order, kind,
+  // micro-batch): where the block sits in that order.
   auto key = [&](BlockKind k, int mb, int seg) {
     return (static_cast<size_t>(k) * micro_batches + mb) * num_segments + seg;
   };
   const size_t table = static_cast<size_t>(kBlockKinds) * micro_batches * num_segments;
-  std::vector<int> position(table, -1);
+  std::vector<size_t> base(num_segments + 1, 0);
+  for (int s = 0; s < num_segments; ++s) base[s + 1] = base[s] + lanes_of_segment[s].size();
+  auto pkey = [&](BlockKind k, int mb, int seg, int slot) {
+    return ((base[seg] + slot) * kBlockKinds + static_cast<size_t>(k)) * micro_batches + mb;
+  };
+  std::vector<int> position(base.back() * kBlockKinds * micro_batches, -1);
   for (size_t o = 0; o < orders.size(); ++o) {
     const auto& ord = orders[o];
     for (size_t i = 0; i < ord.blocks.size(); ++i) {
@@ -41,13 +62,14 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
                         "micro-batches per replica (0-{}): global_batch / (dp x micro_batch)",
                         ord.name, to_string(b), b.micro_batch, micro_batches, micro_batches - 1));
       }
-      if (lane_of_segment[b.segment] != static_cast<int>(o)) {
+      const int slot = slot_of(b.segment, static_cast<int>(o));
+      if (slot < 0) {
         return Error(
             fmt::format("schedule of {}: block {} runs segment {}, whose devices are "
                         "not this order's devices",
                         ord.name, to_string(b), b.segment));
       }
-      int& at = position[key(b.kind, b.micro_batch, b.segment)];
+      int& at = position[pkey(b.kind, b.micro_batch, b.segment, slot)];
       if (at >= 0) {
         return Error(fmt::format("schedule of {}: block {} appears twice (positions {} and {})",
                                  ord.name, to_string(b), at, i));
@@ -55,60 +77,68 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
       at = static_cast<int>(i);
     }
   }
-  // Completeness and the order of each micro-batch's own blocks on its device.
-  auto find = [&](int /*order*/, BlockKind k, int mb, int seg) {
-    return position[key(k, mb, seg)];
-  };
+  // Completeness and the order of each micro-batch's own blocks on every order of its segment.
   for (int s = 0; s < num_segments; ++s) {
-    int o = lane_of_segment[s];
-    const auto& name = orders[o].name;
-    for (int mb = 0; mb < micro_batches; ++mb) {
-      int f = find(o, BlockKind::kForward, mb, s);
-      int b = find(o, BlockKind::kBackward, mb, s);
-      int bi = find(o, BlockKind::kBackwardInput, mb, s);
-      int bw = find(o, BlockKind::kBackwardWeight, mb, s);
-      int r = find(o, BlockKind::kRecompute, mb, s);
-      if (f < 0) {
-        return Error(
-            fmt::format("schedule of {} never runs the forward F{}@{}; add it", name, mb, s));
-      }
-      if (b < 0 && (bi < 0 || bw < 0)) {
-        return Error(fmt::format(
-            "schedule of {} never runs the backward of micro-batch {} through segment {}: add "
-            "B{}@{} (or both BI{}@{} and BW{}@{})",
-            name, mb, s, mb, s, mb, s, mb, s));
-      }
-      if (b >= 0 && (bi >= 0 || bw >= 0)) {
-        return Error(
-            fmt::format("schedule of {} runs both B{}@{} and a split backward (BI/BW) "
-                        "of it; keep one",
-                        name, mb, s));
-      }
-      int first_bwd = b >= 0 ? b : bi;
-      if (first_bwd < f) {
-        return Error(
-            fmt::format("schedule of {} runs the backward of micro-batch {} through "
-                        "segment {} before its forward F{}@{}",
-                        name, mb, s, mb, s));
-      }
-      if (bw >= 0 && bw < bi) {
-        return Error(fmt::format("schedule of {} runs BW{}@{} before BI{}@{}", name, mb, s, mb, s));
-      }
-      if (r >= 0 && (r < f || r > first_bwd)) {
-        return Error(
-            fmt::format("schedule of {}: R{}@{} must come after F{}@{} and before the "
-                        "backward of that micro-batch",
-                        name, mb, s, mb, s));
+    const bool spanning = lanes_of_segment[s].size() > 1;
+    const std::string note =
+        spanning ? fmt::format(" (segment {} spans {} orders; each runs all its blocks)", s,
+                               lanes_of_segment[s].size())
+                 : "";
+    for (size_t slot = 0; slot < lanes_of_segment[s].size(); ++slot) {
+      const auto& name = orders[lanes_of_segment[s][slot]].name;
+      auto find = [&](BlockKind k, int mb) {
+        return position[pkey(k, mb, s, static_cast<int>(slot))];
+      };
+      for (int mb = 0; mb < micro_batches; ++mb) {
+        int f = find(BlockKind::kForward, mb);
+        int b = find(BlockKind::kBackward, mb);
+        int bi = find(BlockKind::kBackwardInput, mb);
+        int bw = find(BlockKind::kBackwardWeight, mb);
+        int r = find(BlockKind::kRecompute, mb);
+        if (f < 0) {
+          return Error(fmt::format("schedule of {} never runs the forward F{}@{}; add it{}", name,
+                                   mb, s, note));
+        }
+        if (b < 0 && (bi < 0 || bw < 0)) {
+          return Error(fmt::format(
+              "schedule of {} never runs the backward of micro-batch {} through segment {}: add "
+              "B{}@{} (or both BI{}@{} and BW{}@{}){}",
+              name, mb, s, mb, s, mb, s, mb, s, note));
+        }
+        if (b >= 0 && (bi >= 0 || bw >= 0)) {
+          return Error(
+              fmt::format("schedule of {} runs both B{}@{} and a split backward (BI/BW) "
+                          "of it; keep one",
+                          name, mb, s));
+        }
+        int first_bwd = b >= 0 ? b : bi;
+        if (first_bwd < f) {
+          return Error(
+              fmt::format("schedule of {} runs the backward of micro-batch {} through "
+                          "segment {} before its forward F{}@{}",
+                          name, mb, s, mb, s));
+        }
+        if (bw >= 0 && bw < bi) {
+          return Error(
+              fmt::format("schedule of {} runs BW{}@{} before BI{}@{}", name, mb, s, mb, s));
+        }
+        if (r >= 0 && (r < f || r > first_bwd)) {
+          return Error(
+              fmt::format("schedule of {}: R{}@{} must come after F{}@{} and before the "
+                          "backward of that micro-batch",
+                          name, mb, s, mb, s));
+        }
       }
     }
   }
   for (size_t o = 0; o < orders.size(); ++o) {
     size_t expected = 0;
     for (int s = 0; s < num_segments; ++s) {
-      if (lane_of_segment[s] != static_cast<int>(o)) continue;
+      const int slot = slot_of(s, static_cast<int>(o));
+      if (slot < 0) continue;
       for (int mb = 0; mb < micro_batches; ++mb) {
-        expected += 1 + (find(static_cast<int>(o), BlockKind::kBackward, mb, s) >= 0 ? 1 : 2) +
-                    (find(static_cast<int>(o), BlockKind::kRecompute, mb, s) >= 0 ? 1 : 0);
+        expected += 1 + (position[pkey(BlockKind::kBackward, mb, s, slot)] >= 0 ? 1 : 2) +
+                    (position[pkey(BlockKind::kRecompute, mb, s, slot)] >= 0 ? 1 : 0);
       }
     }
     if (orders[o].blocks.size() != expected) {
@@ -118,20 +148,25 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
   }
 
   // Deadlock: replay every order, a block may run once the blocks it receives data from have
-  // run. If no order can make progress before all are done, report what each waits for.
+  // run; a block of a spanning segment runs once every order it spans has reached it. If no
+  // order can make progress before all are done, report what each waits for.
   std::vector<size_t> next(orders.size(), 0);
   std::vector<char> done(table, 0);
   auto is_done = [&](BlockKind k, int mb, int seg) { return done[key(k, mb, seg)] != 0; };
   auto backward_done = [&](int mb, int seg) {
     return is_done(BlockKind::kBackward, mb, seg) || is_done(BlockKind::kBackwardInput, mb, seg);
   };
-  // What `b` needs from another order that has not run yet ("" if nothing).
+  auto order_names = [&](int seg) {
+    std::string s;
+    for (int o : lanes_of_segment[seg]) s += (s.empty() ? "" : ", ") + orders[o].name;
+    return s;
+  };
+  // What `b` needs that has not run yet ("" if nothing).
   auto waits_for = [&](const Block& b) -> std::string {
     if (b.kind == BlockKind::kForward) {
       int p = prev_segment[b.segment];
       if (p >= 0 && !is_done(BlockKind::kForward, b.micro_batch, p)) {
-        return fmt::format("the activation of F{}@{} from {}", b.micro_batch, p,
-                           orders[lane_of_segment[p]].name);
+        return fmt::format("the activation of F{}@{} from {}", b.micro_batch, p, order_names(p));
       }
     } else if (b.kind == BlockKind::kBackward || b.kind == BlockKind::kBackwardInput) {
       int n = next_segment[b.segment];
@@ -139,7 +174,21 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
         return fmt::format(
             "the gradient of the backward of micro-batch {} through segment {} "
             "from {}",
-            b.micro_batch, n, orders[lane_of_segment[n]].name);
+            b.micro_batch, n, order_names(n));
+      }
+    }
+    if (lanes_of_segment[b.segment].size() > 1) {
+      std::string absent;
+      for (int o : lanes_of_segment[b.segment]) {
+        if (next[o] < orders[o].blocks.size() && orders[o].blocks[next[o]] == b) continue;
+        absent +=
+            fmt::format("{}{} ({})", absent.empty() ? "" : ", ", orders[o].name,
+                        next[o] < orders[o].blocks.size()
+                            ? fmt::format("waiting in {}", to_string(orders[o].blocks[next[o]]))
+                            : std::string("finished"));
+      }
+      if (!absent.empty()) {
+        return fmt::format("the other devices of the joint block {}: {}", to_string(b), absent);
       }
     }
     return "";
@@ -150,11 +199,13 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
     bool progress = false;
     for (size_t o = 0; o < orders.size(); ++o) {
       while (next[o] < orders[o].blocks.size()) {
-        const Block& b = orders[o].blocks[next[o]];
+        const Block b = orders[o].blocks[next[o]];
         if (!waits_for(b).empty()) break;
         done[key(b.kind, b.micro_batch, b.segment)] = 1;
-        ++next[o];
-        ++finished;
+        for (int x : lanes_of_segment[b.segment]) {
+          ++next[x];
+          ++finished;
+        }
         progress = true;
       }
     }
@@ -166,6 +217,9 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
         msg += fmt::format("\n  {} waits in {} for {}", orders[o].name, to_string(b), waits_for(b));
       }
       msg += "\nreorder the blocks so that every transfer is produced before it is awaited";
+      if (base.back() > static_cast<size_t>(num_segments)) {
+        msg += " and the orders a segment spans run its blocks in the same order";
+      }
       return Error(msg);
     }
   }

@@ -23,4 +23,11 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
                       const std::vector<int>& next_segment,
                       const std::vector<int>& lane_of_segment);
 
+// The same with the orders of every segment: a segment spanning several orders (pipeline
+// stages) has each of its blocks in every one of them, and such a block is a joint event that
+// starts only once every order it spans has reached it.
+Status check_schedule(const std::vector<OrderView>& orders, int num_segments, int micro_batches,
+                      const std::vector<int>& next_segment,
+                      const std::vector<std::vector<int>>& lanes_of_segment);
+
 }  // namespace nnsim

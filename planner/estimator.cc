@@ -15,12 +15,16 @@ namespace {
 
 // A template reduced to what matters for timing: fixed delays between synchronization points.
 struct Op {
-  enum Kind { kDelay, kRecv, kSend, kDpLaunch, kDpWait } kind = kDelay;
-  double seconds = 0;  // kDelay: busy time; kSend / kDpLaunch: communication time
+  // kJoin: a collective joining the lanes of a spanning segment (a rendezvous).
+  enum Kind { kDelay, kRecv, kSend, kDpLaunch, kDpWait, kJoin } kind = kDelay;
+  double seconds = 0;  // kDelay: busy time; kSend / kDpLaunch / kJoin: communication time
   double compute = 0;  // kDelay: of which compute (the rest is blocking communication)
   int peer = -1;       // kRecv / kSend: the other segment
+  int peer_lane = -1;  // kRecv / kSend: the sending / receiving lane
   bool gradient = false;
-  int tag = -1;  // kDpLaunch / kDpWait
+  int tag = -1;      // kDpLaunch / kDpWait
+  int lanes = 1;     // kJoin: lanes that meet
+  int sequence = 0;  // kJoin: rank among the block's joint collectives
 };
 
 class Estimator {
@@ -43,6 +47,7 @@ class Estimator {
   std::map<std::tuple<int, int>, std::vector<Op>> ops_;  // (lane, template)
   std::map<std::tuple<int, uint32_t, int, int, double>, double> collective_cache_;
   std::vector<int> lane_of_segment_;
+  uint32_t cross_axes_ = 0;
 };
 
 double Estimator::collective_seconds(const Lane& lane, const Step& s) {
@@ -62,7 +67,7 @@ double Estimator::collective_seconds(const Lane& lane, const Step& s) {
 }
 
 double Estimator::transfer_seconds(const Lane& lane, const Step& s) {
-  const Lane& peer = prog_.lanes[lane_of_segment_[s.peer_segment]];
+  const Lane& peer = prog_.lanes[s.peer_lane >= 0 ? s.peer_lane : lane_of_segment_[s.peer_segment]];
   CollectiveFlows c =
       decompose_transfer({lane.gpus.front()}, {peer.gpus.front()}, s.bytes, net_, prog_.comm_model);
   return isolated_seconds(c, net_, scratch_);
@@ -71,6 +76,7 @@ double Estimator::transfer_seconds(const Lane& lane, const Step& s) {
 std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps) {
   const Lane& lane = prog_.lanes[lane_index];
   std::vector<Op> out;
+  int joins = 0;
   auto delay = [&](double seconds, double compute) {
     if (out.empty() || out.back().kind != Op::kDelay) out.push_back(Op{});
     out.back().seconds += seconds;
@@ -83,6 +89,23 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
         break;
       case StepKind::kCollective: {
         const double comm = collective_seconds(lane, s);
+        if (s.group < 0 && (s.axes & cross_axes_)) {
+          Op o;
+          o.kind = Op::kJoin;
+          o.seconds = std::max(comm, s.seconds);
+          o.compute = s.seconds;
+          std::set<int> lanes;
+          for (int r : prog_.group_of(lane.ranks.front(), s.axes)) {
+            for (size_t l = 0; l < prog_.lanes.size(); ++l) {
+              const auto& rk = prog_.lanes[l].ranks;
+              if (std::find(rk.begin(), rk.end(), r) != rk.end()) lanes.insert(static_cast<int>(l));
+            }
+          }
+          o.lanes = static_cast<int>(lanes.size());
+          o.sequence = joins++;
+          out.push_back(o);
+          break;
+        }
         delay(std::max(comm, s.seconds), s.seconds);
         break;
       }
@@ -90,6 +113,7 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
         Op o;
         o.kind = Op::kRecv;
         o.peer = s.peer_segment;
+        o.peer_lane = s.peer_lane;
         o.gradient = s.gradient;
         out.push_back(o);
         break;
@@ -98,6 +122,7 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
         Op o;
         o.kind = Op::kSend;
         o.peer = s.peer_segment;
+        o.peer_lane = s.peer_lane;
         o.gradient = s.gradient;
         o.seconds = transfer_seconds(lane, s);
         out.push_back(o);
@@ -135,8 +160,16 @@ const std::vector<Op>& Estimator::ops(int lane, int template_index,
 
 void Estimator::map_segments() {
   lane_of_segment_.assign(prog_.plan.segments.size(), 0);
-  for (size_t l = 0; l < prog_.lanes.size(); ++l) {
+  for (size_t l = prog_.lanes.size(); l-- > 0;) {
     for (const auto& b : prog_.lanes[l].blocks) lane_of_segment_[b.block.segment] = l;
+  }
+  const int dp_axis = prog_.plan.mesh.axis_index(kDataParallelAxis);
+  cross_axes_ = 0;
+  for (size_t a = 0; a < prog_.plan.mesh.axes.size(); ++a) {
+    if (static_cast<int>(a) != dp_axis && !(prog_.lane_axes & (1u << a)) &&
+        prog_.plan.mesh.axes[a].size > 1) {
+      cross_axes_ |= 1u << a;
+    }
   }
 }
 
@@ -151,7 +184,7 @@ std::vector<TemplateTime> Estimator::template_times() {
   std::vector<TemplateTime> out(prog_.templates.size());
   for (size_t t = 0; t < prog_.templates.size(); ++t) {
     const BlockTemplate& tpl = prog_.templates[t];
-    const Lane& lane = prog_.lanes[lane_of_segment_[tpl.segment]];
+    const Lane& lane = prog_.lanes[tpl.lane];
     for (const Step& s : tpl.steps) {
       double busy = 0;
       if (s.kind == StepKind::kCompute) busy = s.seconds;
@@ -183,8 +216,15 @@ Estimate Estimator::run() {
     int phase = 0;                   // 0 prologue, 1 blocks, 2 epilogue, 3 done
   };
   std::vector<LaneState> st(lanes);
-  // Arrival time of transfers by (from, to, gradient, micro-batch).
-  std::map<std::tuple<int, int, bool, int>, double> arrival;
+  // Arrival time of transfers by (from, to, gradient, micro-batch, receiving lane).
+  std::map<std::tuple<int, int, bool, int, int>, double> arrival;
+  // Joint collectives of spanning segments by (segment, kind, micro-batch, sequence): the lanes
+  // that have arrived and the latest arrival.
+  struct Join {
+    std::set<int> arrived;
+    double last = 0;
+  };
+  std::map<std::tuple<int, int, int, int>, Join> joins;
 
   auto current_ops = [&](size_t l) -> const std::vector<Op>* {
     const Lane& lane = prog_.lanes[l];
@@ -218,7 +258,9 @@ Estimate Estimator::run() {
         const std::vector<Op>& list = *current_ops(l);
         const int segment = s.phase == 1 ? lane.blocks[s.block].block.segment : -1;
         const int mb = s.phase == 1 ? lane.blocks[s.block].block.micro_batch : 0;
+        const int kind = s.phase == 1 ? static_cast<int>(lane.blocks[s.block].block.kind) : -1;
         bool blocked = false;
+        const size_t op_before = s.op;
         for (; s.op < list.size(); ++s.op) {
           const Op& o = list[s.op];
           if (o.kind == Op::kDelay) {
@@ -229,14 +271,24 @@ Estimate Estimator::run() {
             s.time += o.seconds + slowdown;
             s.compute += o.compute + slowdown;
           } else if (o.kind == Op::kRecv) {
-            auto it = arrival.find({o.peer, segment, o.gradient, mb});
+            auto it = arrival.find({o.peer, segment, o.gradient, mb, static_cast<int>(l)});
             if (it == arrival.end()) {
               blocked = true;
               break;
             }
             s.time = std::max(s.time, it->second);
           } else if (o.kind == Op::kSend) {
-            arrival[{segment, o.peer, o.gradient, mb}] = s.time + o.seconds;
+            arrival[{segment, o.peer, o.gradient, mb, o.peer_lane}] = s.time + o.seconds;
+          } else if (o.kind == Op::kJoin) {
+            // Starts when the last lane arrives (the simulator's rendezvous).
+            Join& j = joins[{segment, kind, mb, o.sequence}];
+            if (j.arrived.insert(static_cast<int>(l)).second) j.last = std::max(j.last, s.time);
+            if (static_cast<int>(j.arrived.size()) < o.lanes) {
+              blocked = true;
+              break;
+            }
+            s.time = j.last + o.seconds;
+            s.compute += o.compute;
           } else if (o.kind == Op::kDpLaunch) {
             s.dp_free = std::max(s.dp_free, s.time) + o.seconds;
             s.dp_last = s.dp_free;
@@ -250,7 +302,10 @@ Estimate Estimator::run() {
             s.time = std::max(s.time, until);
           }
         }
-        if (blocked) break;
+        if (blocked) {
+          progress = progress || s.op != op_before;  // passing a rendezvous frees others
+          break;
+        }
         advance_phase(s, lane);
         progress = true;
         if (s.phase == 3) ++done;

@@ -187,6 +187,13 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                     o.vpp));
   }
   if (o.zero < 0 || o.zero > 3) return Error("--zero must be 0, 1, 2 or 3");
+  if (o.shard_head && (o.vpp > 1 || (o.schedule != ScheduleKind::kOneFOneB &&
+                                     o.schedule != ScheduleKind::kGpipe))) {
+    return Error(fmt::format(
+        "--shard-head places the head's blocks in the 1f1b and gpipe schedules only (one chunk "
+        "per stage); got --schedule {}{}",
+        to_string(o.schedule), o.vpp > 1 ? fmt::format(" --vpp {}", o.vpp) : ""));
+  }
   const int segments = o.pp * o.vpp;
   if (segments > model.layers) {
     return Error(fmt::format("pp x vpp = {} segments, but the model has only {} layers", segments,
@@ -208,7 +215,9 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   // Megatron pads the vocabulary to a multiple of 128 x tp (--make-vocab-size-divisible-by 128)
   // so that every tensor-parallel shard is equal and aligned; other frameworks pad only to what
   // the split needs.
-  const int64_t pad = o.framework == "megatron" ? 128LL * o.tp : o.tp;
+  // A head sharded over the pipeline splits the vocabulary pp ways more.
+  const int64_t vocab_split = static_cast<int64_t>(o.tp) * (o.shard_head ? o.pp : 1);
+  const int64_t pad = o.framework == "megatron" ? 128LL * vocab_split : vocab_split;
   plan.model.vocab = (model.vocab + pad - 1) / pad * pad;
   plan.global_batch = o.global_batch;
   plan.micro_batch = o.micro_batch;
@@ -235,6 +244,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (!o.stage_layers.empty()) {
     plan.name += fmt::format(" layers {}", fmt::join(o.stage_layers, ","));
   }
+  if (o.shard_head) plan.name += " shard-head";
   plan.mesh.axes = {{"dp", dp}, {"pp", o.pp}, {"cp", o.cp}, {"tp", o.tp}};
   // Megatron's rank order tp-cp-dp-pp: tensor parallel fastest, pipeline slowest.
   Expected<Placement> placement = placement_from_order(plan.mesh, o.placement);
@@ -257,9 +267,17 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     s.end_layer = first + layers[i];
     first = s.end_layer;
     s.embedding = i == 0;
-    s.head = i == segments - 1;
+    s.head = i == segments - 1 && !o.shard_head;
     s.devices = {{"pp", rank_of_segment(o.schedule, i, o.pp)}};
     plan.segments.push_back(s);
+  }
+  if (o.shard_head) {
+    // No layers, every stage: its devices leave pp unfixed.
+    Segment h;
+    h.name = "head";
+    h.first_layer = h.end_layer = model.layers;
+    h.head = true;
+    plan.segments.push_back(h);
   }
 
   // op-trans: Megatron tensor parallelism, sequence and context parallelism.
@@ -271,6 +289,13 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     for (const char* m : {"attn.qkv", "attn.core", "attn.proj"}) rule(m, Dim::kHeads, {"tp"});
     for (const char* m : {"mlp.fc1", "mlp.act", "mlp.fc2"}) rule(m, Dim::kFfn, {"tp"});
     for (const char* m : {"embed.word", "head.proj", "loss"}) rule(m, Dim::kVocab, {"tp"});
+  }
+  if (o.shard_head && o.pp > 1) {
+    std::vector<std::string> axes = {"pp"};
+    if (o.tp > 1) axes.push_back("tp");
+    for (const char* m : {"head.proj", "loss"}) rule(m, Dim::kVocab, axes);
+  }
+  if (o.tp > 1) {
     if (o.sequence_parallel) {
       std::vector<std::string> axes =
           o.cp > 1 ? std::vector<std::string>{"cp", "tp"} : std::vector<std::string>{"tp"};
@@ -377,6 +402,9 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   Expected<std::vector<std::vector<Block>>> orders =
       pipeline_orders(o.schedule, o.pp, o.vpp, micro_batches, recompute_segments);
   if (!orders) return orders.error();
+  if (o.shard_head) {
+    if (Status s = add_spanning_blocks(o.schedule, segments, *orders); !s) return s.error();
+  }
   for (int stage = 0; stage < o.pp; ++stage) {
     plan.schedule.push_back({{{"pp", stage}}, (*orders)[stage]});
   }

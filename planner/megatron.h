@@ -60,6 +60,9 @@ struct MegatronOptions {
   // GPUs the plan must not use (faulty or reserved). Ranks then go to the other GPUs, whole
   // nodes without avoided GPUs first, and GPUs that the degrees cannot use stay idle.
   std::vector<int> avoid_gpus;
+  // The head (final norm, output projection, loss) as its own segment spanning every pipeline
+  // stage, its vocabulary split over pp (and tp): Tessel's sharded head. 1f1b and gpipe only.
+  bool shard_head = false;
 };
 
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,

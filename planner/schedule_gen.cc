@@ -227,3 +227,171 @@ Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleK
 }
 
 }  // namespace nnsim
+
+namespace nnsim {
+
+namespace {
+
+// Schedule orders that hold a segment: those whose devices are in the segment's slice.
+std::vector<int> orders_of_segment(const Plan& plan, const Segment& s) {
+  std::vector<int> out;
+  for (size_t o = 0; o < plan.schedule.size(); ++o) {
+    bool inside = true;
+    for (const auto& [axis, v] : s.devices) {
+      auto it = plan.schedule[o].devices.find(axis);
+      inside = inside && it != plan.schedule[o].devices.end() && it->second == v;
+    }
+    if (inside) out.push_back(static_cast<int>(o));
+  }
+  return out;
+}
+
+// Segments in the order a micro-batch flows through them.
+std::vector<int> flow_order(const Plan& plan) {
+  std::vector<int> order(plan.segments.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    const Segment& x = plan.segments[a];
+    const Segment& y = plan.segments[b];
+    return std::make_tuple(x.first_layer, x.end_layer, x.head) <
+           std::make_tuple(y.first_layer, y.end_layer, y.head);
+  });
+  return order;
+}
+
+// The plan's orders with every B as BI then BW (to read the split blocks' costs).
+Plan with_split_backward(const Plan& in) {
+  Plan plan = in;
+  for (DeviceOrder& o : plan.schedule) {
+    std::vector<Block> blocks;
+    for (const Block& b : o.blocks) {
+      if (b.kind == BlockKind::kBackward) {
+        blocks.push_back({BlockKind::kBackwardInput, b.micro_batch, b.segment});
+        blocks.push_back({BlockKind::kBackwardWeight, b.micro_batch, b.segment});
+      } else {
+        blocks.push_back(b);
+      }
+    }
+    o.blocks = std::move(blocks);
+  }
+  return plan;
+}
+
+bool has_split_backward(const Plan& plan) {
+  for (const DeviceOrder& o : plan.schedule) {
+    for (const Block& b : o.blocks) {
+      if (b.kind == BlockKind::kBackwardInput) return true;
+    }
+  }
+  return false;
+}
+
+// One micro-batch's blocks and the activation room of every order, from a compiled plan.
+Expected<TesselProblem> tessel_problem(const Program& prog, bool split,
+                                       const std::vector<double>& limit) {
+  const Plan& plan = prog.plan;
+  const std::vector<SegmentCosts> costs = segment_costs(prog);
+  TesselProblem p;
+  p.devices = static_cast<int>(plan.schedule.size());
+  p.micro_batches = plan.num_micro_batches();
+  const std::vector<int> flow = flow_order(plan);
+  std::vector<int> forward(plan.segments.size()), backward(plan.segments.size());
+  int prev = -1;
+  for (int s : flow) {
+    std::vector<int> devices = orders_of_segment(plan, plan.segments[s]);
+    if (devices.empty()) {
+      return Error(fmt::format("segment '{}' is on no schedule order", plan.segments[s].name));
+    }
+    forward[s] = static_cast<int>(p.blocks.size());
+    TesselBlock f{BlockKind::kForward, s, devices, costs[s].forward, costs[s].kept, {}};
+    if (prev >= 0) f.after = {forward[prev]};
+    p.blocks.push_back(f);
+    prev = s;
+  }
+  int next = -1;
+  for (auto it = flow.rbegin(); it != flow.rend(); ++it) {
+    const int s = *it;
+    const SegmentCosts& c = costs[s];
+    const std::vector<int> devices = p.blocks[forward[s]].devices;
+    std::vector<int> after = {forward[s]};
+    if (next >= 0) after.push_back(backward[next]);
+    backward[s] = static_cast<int>(p.blocks.size());
+    if (split) {
+      p.blocks.push_back({BlockKind::kBackwardInput, s, devices, c.backward_input,
+                          -(c.kept - c.weight_inputs), after});
+      p.blocks.push_back({BlockKind::kBackwardWeight,
+                          s,
+                          devices,
+                          c.backward_weight,
+                          -c.weight_inputs,
+                          {backward[s]}});
+    } else {
+      p.blocks.push_back({BlockKind::kBackward, s, devices, c.backward, -c.kept, after});
+    }
+    next = s;
+  }
+  p.memory_limit = limit;
+  return p;
+}
+
+}  // namespace
+
+Expected<SearchedSchedule> search_schedule(const Plan& in, const Topology& topo,
+                                           std::optional<double> memory_limit) {
+  Expected<Program> input = compile_plan(in, topo);
+  if (!input) return input.error();
+  // Activation room per order: what the limit leaves beside static memory and the largest
+  // transient workspace of its blocks; without a limit, what the current orders hold at most.
+  std::vector<double> room;
+  for (size_t o = 0; memory_limit && o < input->lanes.size(); ++o) {
+    const Lane& lane = input->lanes[o];
+    double transient = 0;
+    for (const BlockInstance& b : lane.blocks) {
+      transient = std::max(transient, input->templates[b.template_index].peak_bytes);
+    }
+    const double budget = *memory_limit - lane.memory.total() - transient;
+    if (budget < 0) {
+      return Error(fmt::format(
+          "--memory-limit {} leaves no room for activations on schedule order {}: its weights, "
+          "gradients, optimizer state and buffers take {}",
+          format_bytes(*memory_limit), o, format_bytes(lane.memory.total())));
+    }
+    room.push_back(budget);
+  }
+  std::optional<SearchedSchedule> best;
+  const std::vector<bool> variants =
+      has_split_backward(in) ? std::vector<bool>{true} : std::vector<bool>{false, true};
+  for (bool split : variants) {
+    Plan timed = split && !has_split_backward(in) ? with_split_backward(in) : in;
+    Expected<Program> prog =
+        split && !has_split_backward(in) ? compile_plan(timed, topo) : std::move(input);
+    if (!prog) return prog.error();
+    Expected<TesselProblem> problem = tessel_problem(*prog, split, room);
+    if (!problem) return problem.error();
+    std::vector<std::vector<Block>> current;
+    for (const DeviceOrder& o : prog->plan.schedule) current.push_back(o.blocks);
+    Expected<OrdersRun> before = run_orders(*problem, current);
+    if (!before) return before.error();
+    if (!memory_limit) problem->memory_limit = before->peak_bytes;
+    Expected<TesselSchedule> found = tessel_search(*problem);
+    if (!found) {
+      if (split) continue;  // the unsplit search's answer stands
+      return found.error();
+    }
+    if (!best || found->makespan < best->tessel.makespan) {
+      SearchedSchedule s;
+      s.plan = in;
+      for (size_t o = 0; o < s.plan.schedule.size(); ++o) {
+        s.plan.schedule[o].blocks = found->orders[o];
+      }
+      s.plan.schedule_name = "tessel";
+      s.tessel = std::move(*found);
+      s.split_backward = split;
+      s.input_makespan = before->makespan;
+      best = std::move(s);
+    }
+  }
+  return std::move(*best);
+}
+
+}  // namespace nnsim

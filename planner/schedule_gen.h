@@ -12,6 +12,7 @@
 #include "core/plan.h"
 #include "core/topology.h"
 #include "planner/schedules.h"
+#include "planner/tessel.h"
 
 namespace nnsim {
 
@@ -19,5 +20,21 @@ namespace nnsim {
 // generator's own (1F1B's peak for ZB-H1 and ZB-V, about twice it for ZB-H2).
 Expected<Plan> generate_schedule(const Plan& plan, const Topology& topo, ScheduleKind kind,
                                  std::optional<double> memory_limit = std::nullopt);
+
+// Tessel's search (`nnsim schedule --search`) for the plan's own placement of segments on
+// schedule orders, whatever it is (segments on any orders, several segments per order, a
+// segment spanning several orders). Blocks are timed with the plan's compiled costs (the plan
+// must compile with its current orders); each order may hold the activation bytes
+// `memory_limit` leaves beside its static memory, by default as many as the plan's current
+// schedule peaks at, so the result never needs more memory than the input. Tried with the
+// backward whole and split into input- and weight-gradient blocks; the shorter wins.
+struct SearchedSchedule {
+  Plan plan;
+  TesselSchedule tessel;  // in seconds of the plan's compiled block costs
+  bool split_backward = false;
+  double input_makespan = 0;  // the plan's current orders, timed the same way
+};
+Expected<SearchedSchedule> search_schedule(const Plan& plan, const Topology& topo,
+                                           std::optional<double> memory_limit = std::nullopt);
 
 }  // namespace nnsim

@@ -165,6 +165,29 @@ Expected<std::vector<std::vector<Block>>> pipeline_orders(
   return ls->orders;
 }
 
+Status add_spanning_blocks(ScheduleKind kind, int segment,
+                           std::vector<std::vector<Block>>& orders) {
+  if (kind != ScheduleKind::kGpipe && kind != ScheduleKind::kOneFOneB) {
+    return Error(
+        fmt::format("a segment spanning every pipeline rank (--shard-head) is placed by the "
+                    "gpipe and 1f1b schedules only, not {}; use --schedule 1f1b or gpipe",
+                    to_string(kind)));
+  }
+  for (auto& order : orders) {
+    std::vector<Block> out;
+    out.reserve(order.size() * 2);
+    for (const Block& b : order) {
+      if (b.kind == BlockKind::kBackward && b.segment != segment) {
+        out.push_back({BlockKind::kForward, b.micro_batch, segment});
+        out.push_back({BlockKind::kBackward, b.micro_batch, segment});
+      }
+      out.push_back(b);
+    }
+    order = std::move(out);
+  }
+  return Status::Ok();
+}
+
 Expected<ScheduleKind> parse_schedule_kind(const std::string& name) {
   if (name == "gpipe") return ScheduleKind::kGpipe;
   if (name == "1f1b") return ScheduleKind::kOneFOneB;

@@ -42,6 +42,13 @@ Expected<std::vector<std::vector<Block>>> pipeline_orders(
     ScheduleKind kind, int stages, int chunks, int micro_batches,
     const std::vector<bool>& recompute_segments = {});
 
+// Adds the blocks of `segment`, a segment spanning every pipeline rank (a head sharded over the
+// ranks), to GPipe or 1F1B orders of one chunk per rank: for each micro-batch m, F m and B m of
+// it go into every rank's order just before that rank's backward of m (on the last rank that is
+// right after its forward of m under 1F1B). Every rank then meets the spanning blocks in the
+// order of its backwards, which is the same on every rank, so the joint blocks cannot deadlock.
+Status add_spanning_blocks(ScheduleKind kind, int segment, std::vector<std::vector<Block>>& orders);
+
 Expected<ScheduleKind> parse_schedule_kind(const std::string& name);
 std::string_view to_string(ScheduleKind kind);
 

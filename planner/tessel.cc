@@ -92,6 +92,8 @@ Status check_problem(const TesselProblem& p) {
 // The problem in integer units: time in ticks (the busiest device's work is kTicks), bytes in
 // millionths of the largest block's.
 constexpr int64_t kTicks = 10'000;
+// Lags are searched up to this many periods per device (and never above the block count).
+constexpr int64_t kMaxLagPerDevice = 4;
 
 struct Discrete {
   std::vector<int64_t> ticks, bytes;
@@ -131,10 +133,14 @@ Discrete discretize(const TesselProblem& p) {
   d.root = topo.front();
   for (const TesselBlock& b : p.blocks)
     d.single_root = d.single_root && (&b == &p.blocks[d.root] || !b.after.empty());
+  // Rounding each block's bytes to a unit can put a level that exactly meets the limit a few
+  // units over it: allow one unit per block and period of lag (a few millionths of a block).
+  const int64_t slack = static_cast<int64_t>(p.blocks.size()) * (kMaxLagPerDevice * p.devices + 2);
   for (int dev = 0; dev < p.devices; ++dev) {
     d.limit.push_back(p.memory_limit.empty()
                           ? -1
-                          : static_cast<int64_t>(std::floor(p.memory_limit[dev] / byte_unit)));
+                          : static_cast<int64_t>(std::floor(p.memory_limit[dev] / byte_unit)) +
+                                slack);
   }
   return d;
 }
@@ -347,7 +353,7 @@ Expected<TesselSchedule> tessel_search(const TesselProblem& p) {
   const Discrete d = discretize(p);
   const int n = static_cast<int>(p.blocks.size());
   // Lags beyond one per block never help: the sequential repetend has none.
-  const int64_t lag_bound = std::min<int64_t>(n, 4 * p.devices + 4);
+  const int64_t lag_bound = std::min<int64_t>(n, kMaxLagPerDevice * p.devices + 4);
   TesselSchedule out;
   std::string failure;
   auto find = [&](int64_t period, int64_t max_lag) {

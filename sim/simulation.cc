@@ -136,7 +136,7 @@ void Simulation::analyze_links() {
 }
 
 bool Simulation::foldable(const Instance& inst, const Step& step) const {
-  if (!fold_ || participants(step) > 1) return false;
+  if (!fold_ || participants(inst, step) > 1) return false;
   const PreparedComm& c = *inst.prepared.at(&step);
   for (int l : c.links) {
     if (link_shared_[l]) return false;
@@ -144,8 +144,19 @@ bool Simulation::foldable(const Instance& inst, const Step& step) const {
   return true;
 }
 
-int Simulation::participants(const Step& step) const {
+int Simulation::participants(const Instance& inst, const Step& step) const {
   if (step.group >= 0) return 2;
+  if (step.axes & cross_axes_) {
+    auto [it, fresh] = lanes_reached_.try_emplace({inst.lane, step.axes}, 0);
+    if (fresh) {
+      std::set<int> lanes;
+      for (int r : prog_.group_of(prog_.lanes[inst.lane].ranks.front(), step.axes)) {
+        lanes.insert(lane_of_rank_[prog_.rank_in_replica(r, 0)]);
+      }
+      it->second = static_cast<int>(lanes.size());
+    }
+    return it->second;
+  }
   // Collectives along axes outside the lane join the instances of other replicas when those are
   // simulated too.
   const int dp_axis = prog_.plan.mesh.axis_index(kDataParallelAxis);
@@ -187,7 +198,7 @@ const PreparedComm& Simulation::prepared_collective(Instance& inst, const Step& 
 }
 
 double Simulation::joint_collective(Instance& inst, const PreparedComm& comm,
-                                    const std::tuple<int, int, int>& key, int n, double overlap) {
+                                    const RendezvousKey& key, int n, double overlap) {
   if (n <= 1) {
     const double start = sg4::Engine::get_clock();
     activities_ += runner_->run(comm, overlap);
@@ -234,13 +245,18 @@ void Simulation::run_collective(Instance& inst, const Step& step, int block) {
     return;
   }
   flush_compute(inst, block);
-  const int n = participants(step);
+  const int n = participants(inst, step);
   // Instances joining one collective meet under the same key: each counts its joint
-  // collectives in program order, which is the same on every participant.
-  std::tuple<int, int, int> key =
-      step.group >= 0
-          ? std::tuple<int, int, int>{-1 - step.group, inst.replica, inst.explicit_sequence++}
-          : std::tuple<int, int, int>{inst.lane, 2 << 20, inst.joint_sequence++};
+  // collectives in program order, which is the same on every participant. The lanes of a
+  // spanning segment meet by block and by the collective's rank among the block's joint ones
+  // (their templates differ only in transfers).
+  RendezvousKey key =
+      step.group >= 0 ? RendezvousKey{-1 - step.group, inst.replica, inst.explicit_sequence++, 0, 0}
+      : (step.axes & cross_axes_)
+          ? RendezvousKey{-(1 << 24) - inst.block_segment,
+                          inst.block_kind * (1 << 20) + inst.block_micro_batch,
+                          inst.cross_sequence++, inst.replica, 1}
+          : RendezvousKey{inst.lane, 2 << 20, inst.joint_sequence++, 0, 0};
   // Time spent waiting for the other participants to arrive is not communication.
   const double t0 = joint_collective(inst, comm, key, n, step.seconds);
   const double t1 = sg4::Engine::get_clock();
@@ -263,8 +279,8 @@ void Simulation::run_collective(Instance& inst, const Step& step, int block) {
 const PreparedComm& Simulation::prepared_transfer(Instance& inst, const Step& step) {
   auto it = inst.prepared.find(&step);
   if (it != inst.prepared.end()) return *it->second;
-  const Instance& peer = *instances_[static_cast<size_t>(inst.replica) * prog_.lanes.size() +
-                                     lane_of_segment_[step.peer_segment]];
+  const Instance& peer =
+      *instances_[static_cast<size_t>(inst.replica) * prog_.lanes.size() + step.peer_lane];
   auto key = std::make_tuple(-1, step.bytes, std::vector<std::vector<int>>{inst.gpus, peer.gpus});
   auto shared = prepared_cache_.find(key);
   if (shared == prepared_cache_.end()) {
@@ -276,7 +292,8 @@ const PreparedComm& Simulation::prepared_transfer(Instance& inst, const Step& st
 
 void Simulation::send(Instance& inst, const Step& step, int block, int micro_batch, int segment) {
   flush_compute(inst, block);
-  TransferKey key{segment, step.peer_segment, step.gradient, micro_batch, inst.replica};
+  TransferKey key{segment,     step.peer_segment, step.gradient,
+                  micro_batch, inst.replica,      step.peer_lane};
   Transfer& t = transfers_[key];
   if (!t.arrived) t.arrived = sg4::Semaphore::create(0);
   const double now = sg4::Engine::get_clock();
@@ -305,7 +322,7 @@ void Simulation::send_stream_actor(Instance& inst, int direction) {
 
 void Simulation::recv(Instance& inst, const Step& step, int block, int micro_batch, int segment) {
   flush_compute(inst, block);
-  TransferKey key{step.peer_segment, segment, step.gradient, micro_batch, inst.replica};
+  TransferKey key{step.peer_segment, segment, step.gradient, micro_batch, inst.replica, inst.lane};
   Transfer& t = transfers_[key];
   if (!t.arrived) t.arrived = sg4::Semaphore::create(0);
   sg4::SemaphorePtr arrived = t.arrived;
@@ -411,6 +428,10 @@ void Simulation::compute_actor(Instance& inst) {
     // The block's peak happens while it runs, above the level at its start.
     inst.peak_memory = std::max(inst.peak_memory, inst.memory_level + t.peak_bytes);
     inst.timeline.push_back({sg4::Engine::get_clock(), inst.memory_level + t.peak_bytes});
+    inst.block_segment = bi.block.segment;
+    inst.block_kind = static_cast<int>(bi.block.kind);
+    inst.block_micro_batch = bi.block.micro_batch;
+    inst.cross_sequence = 0;
     run_steps(inst, t.steps, static_cast<int>(b), bi.block.micro_batch, bi.block.segment);
     if (inst.replica == 0) block_done();
   }
@@ -426,13 +447,13 @@ void Simulation::dp_stream_actor(Instance& inst) {
     inst.dp_queue.pop_front();
     const Step& step = *item.step;
     const PreparedComm& comm = prepared_collective(inst, step);
-    std::tuple<int, int, int> key{inst.lane, 1 << 20, inst.dp_sequence_for_rendezvous++};
+    RendezvousKey key{inst.lane, 1 << 20, inst.dp_sequence_for_rendezvous++, 0, 0};
     double t0 = sg4::Engine::get_clock();
     if (foldable(inst, step)) {
       sg4::this_actor::sleep_for(comm.alone_seconds);  // nothing else crosses its links
       ++activities_;
     } else {
-      t0 = joint_collective(inst, comm, key, participants(step), 0);
+      t0 = joint_collective(inst, comm, key, participants(inst, step), 0);
     }
     record(inst, Stream::kDataParallel, TaskKind::kDpCollective, t0, sg4::Engine::get_clock(),
            step.label, -1, step.bytes, 0, step.axes);
@@ -468,10 +489,16 @@ Expected<SimResult> Simulation::run() {
   hosts_ = build_platform(*net_);
   runner_ = std::make_unique<CollectiveRunner>(*net_, hosts_, prog_.algorithm, prog_.comm_model);
 
-  lane_of_segment_.assign(prog_.plan.segments.size(), -1);
+  lane_of_rank_.assign(prog_.plan.mesh.num_ranks(), -1);
   for (size_t l = 0; l < prog_.lanes.size(); ++l) {
-    for (const auto& b : prog_.lanes[l].blocks) {
-      lane_of_segment_[b.block.segment] = static_cast<int>(l);
+    for (int r : prog_.lanes[l].ranks) lane_of_rank_[r] = static_cast<int>(l);
+  }
+  const int dp_axis = prog_.plan.mesh.axis_index(kDataParallelAxis);
+  cross_axes_ = 0;
+  for (size_t a = 0; a < prog_.plan.mesh.axes.size(); ++a) {
+    if (static_cast<int>(a) != dp_axis && !(prog_.lane_axes & (1u << a)) &&
+        prog_.plan.mesh.axes[a].size > 1) {
+      cross_axes_ |= 1u << a;
     }
   }
   const int replicas = options_.fidelity == Fidelity::kFull ? prog_.replicas : 1;

@@ -58,6 +58,12 @@ class Simulation {
     int dp_sequence_for_rendezvous = 0;
     int explicit_sequence = 0;
     int joint_sequence = 0;
+    // The block being run, and how many collectives joining other lanes it has run so far (the
+    // key under which the lanes of a spanning segment meet).
+    int block_segment = -1;
+    int block_kind = -1;
+    int block_micro_batch = -1;
+    int cross_sequence = 0;
     int sends_in_flight = 0;
     // Accounting.
     Breakdown breakdown;
@@ -78,12 +84,15 @@ class Simulation {
     simgrid::s4u::SemaphorePtr send_pending[2];
   };
 
-  // A pipeline transfer, keyed by (from segment, to segment, gradient, micro-batch, replica).
+  // A pipeline transfer, keyed by (from segment, to segment, gradient, micro-batch, replica,
+  // receiving lane).
   struct Transfer {
     simgrid::s4u::SemaphorePtr arrived;
     double posted = -1;
   };
-  using TransferKey = std::tuple<int, int, bool, int, int>;
+  using TransferKey = std::tuple<int, int, bool, int, int, int>;
+  // Identifies one joint collective the same way on every participant.
+  using RendezvousKey = std::tuple<int, int, int, int, int>;
 
   // Several instances meeting for one collective; the last to arrive runs it.
   struct Rendezvous {
@@ -111,9 +120,11 @@ class Simulation {
   // Runs a collective that several instances join (data parallel in full fidelity, explicit
   // groups); returns when it is done for this instance.
   // Returns when the collective started (the last participant's arrival).
-  double joint_collective(Instance& inst, const PreparedComm& comm,
-                          const std::tuple<int, int, int>& key, int participants, double overlap);
-  int participants(const Step& step) const;
+  double joint_collective(Instance& inst, const PreparedComm& comm, const RendezvousKey& key,
+                          int participants, double overlap);
+  // Instances that run `step` together: the lanes its group reaches (a spanning segment's
+  // collective along the pipeline axis), the replicas in full fidelity, or an explicit pair.
+  int participants(const Instance& inst, const Step& step) const;
   void record(const Instance& inst, Stream stream, TaskKind kind, double start, double end,
               int label, int block, double bytes, double flops, uint32_t axes);
   void block_done();
@@ -126,11 +137,12 @@ class Simulation {
   std::unique_ptr<CollectiveRunner> runner_;
   std::vector<std::unique_ptr<Instance>> instances_;
   std::map<TransferKey, Transfer> transfers_;
-  std::map<std::tuple<int, int, int>, Rendezvous> rendezvous_;
+  std::map<RendezvousKey, Rendezvous> rendezvous_;
   // Prepared communication by (collective kind or -1 for a transfer, bytes, groups).
   std::map<std::tuple<int, double, std::vector<std::vector<int>>>, PreparedComm> prepared_cache_;
-  std::vector<int> lane_of_segment_;
-  uint32_t lane_axes_ = 0;  // axes spanned inside a lane
+  std::vector<int> lane_of_rank_;  // replica 0's ranks
+  uint32_t cross_axes_ = 0;        // axes that separate lanes, besides dp
+  mutable std::map<std::pair<int, uint32_t>, int> lanes_reached_;  // (lane, axes) -> lanes
   // Pending merged compute of the instance being run (actors never interleave within a step).
   struct PendingCompute {
     double seconds = 0;

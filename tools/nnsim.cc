@@ -373,6 +373,7 @@ struct ScheduleArgs {
   std::string topo;  // default: the topology the plan names
   int nodes = 0;
   std::string generator;
+  bool search = false;  // Tessel's repetend search instead of a generator
   std::string memory_limit;
   std::string output;
 };
@@ -391,8 +392,9 @@ int run_schedule(const ScheduleArgs& a) {
     topo = resize_topology(*topo, plan->topology_gpus / topo->gpus_per_node);
     if (!topo) return fail(topo.error().message());
   }
-  Expected<ScheduleKind> kind = parse_schedule_kind(a.generator);
-  if (!kind) return fail("--generator: " + kind.error().message());
+  if (a.search == !a.generator.empty()) {
+    return fail("nnsim schedule: give either --generator NAME or --search");
+  }
   std::optional<double> limit;
   if (!a.memory_limit.empty()) {
     Expected<double> bytes = parse_quantity(a.memory_limit, Dimension::kBytes);
@@ -404,8 +406,20 @@ int run_schedule(const ScheduleArgs& a) {
   }
   Expected<Program> before = compile_plan(*plan, *topo);
   if (!before) return fail(fmt::format("{}: {}", a.plan, before.error().message()));
-  Expected<Plan> out = generate_schedule(*plan, *topo, *kind, limit);
+  Expected<Plan> out = Error("");
+  std::optional<SearchedSchedule> searched;
+  if (a.search) {
+    Expected<SearchedSchedule> s = search_schedule(*plan, *topo, limit);
+    if (!s) return fail(fmt::format("{}: {}", a.plan, s.error().message()));
+    out = s->plan;
+    searched = std::move(*s);
+  } else {
+    Expected<ScheduleKind> kind = parse_schedule_kind(a.generator);
+    if (!kind) return fail("--generator: " + kind.error().message());
+    out = generate_schedule(*plan, *topo, *kind, limit);
+  }
   if (!out) return fail(fmt::format("{}: {}", a.plan, out.error().message()));
+  const std::string name = a.search ? "tessel" : a.generator;
   // The new orders go through the same checks as any plan (dependencies, deadlock).
   Expected<Program> after = compile_plan(*out, *topo);
   if (!after) return fail(after.error().message());
@@ -415,13 +429,22 @@ int run_schedule(const ScheduleArgs& a) {
         fmt::format("the {} schedule needs {} per GPU, over --memory-limit {}; raise the "
                     "limit or recompute activations (the plan's weights, gradients and "
                     "optimizer state alone take {})",
-                    a.generator, format_bytes(e1.peak_memory), format_bytes(*limit),
+                    name, format_bytes(e1.peak_memory), format_bytes(*limit),
                     format_bytes(after->lanes.front().memory.total())));
   }
   std::string error;
   if (!write_file(a.output, plan_to_json(*out), &error)) return fail(error);
-  std::printf("wrote %s: %s schedule, %zu pipeline stages, %d micro-batches\n", a.output.c_str(),
-              a.generator.c_str(), out->schedule.size(), out->num_micro_batches());
+  std::printf("wrote %s: %s schedule, %zu schedule orders, %d micro-batches\n", a.output.c_str(),
+              name.c_str(), out->schedule.size(), out->num_micro_batches());
+  if (searched) {
+    const TesselSchedule& t = searched->tessel;
+    std::printf(
+        "  repetend of %s per micro-batch (busiest device's work %s), backward %s, %d solver "
+        "calls; blocks alone: %s (was %s)\n",
+        format_seconds(t.period).c_str(), format_seconds(t.lower_bound).c_str(),
+        searched->split_backward ? "split" : "whole", t.solver_calls,
+        format_seconds(t.makespan).c_str(), format_seconds(searched->input_makespan).c_str());
+  }
   std::printf("  estimated iteration %s (was %s with %s), peak memory %s (was %s)\n",
               format_seconds(e1.iteration_time).c_str(), format_seconds(e0.iteration_time).c_str(),
               plan->schedule_name.empty() ? "the plan's orders" : plan->schedule_name.c_str(),
@@ -587,6 +610,9 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--vpp", plan.o.vpp, "model chunks per pipeline rank (interleaved)");
   plan_cmd->add_flag("--sequence-parallel", plan.o.sequence_parallel,
                      "Megatron sequence parallelism inside tensor-parallel groups");
+  plan_cmd->add_flag("--shard-head", plan.o.shard_head,
+                     "the head as a segment spanning every pipeline stage, vocabulary split "
+                     "over pp (1f1b or gpipe; builder only)");
   plan_cmd->add_option("--micro-batch", plan.o.micro_batch, "sequences per micro-batch");
   plan_cmd->add_option("--global-batch", plan.o.global_batch, "sequences per optimizer step")
       ->required();
@@ -633,13 +659,14 @@ int main(int argc, char** argv) {
   schedule_cmd->add_option("--topo", sched.topo,
                            "topology YAML file or preset (default: the one the plan names)");
   schedule_cmd->add_option("--nodes", sched.nodes, "resize the topology to this many nodes");
-  schedule_cmd
-      ->add_option("--generator", sched.generator,
-                   "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v or merak")
-      ->required();
+  schedule_cmd->add_option("--generator", sched.generator,
+                           "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v or merak");
+  schedule_cmd->add_flag("--search", sched.search,
+                         "search the plan's own placement for a repeating schedule (Tessel, Z3)");
   schedule_cmd->add_option(
       "--memory-limit", sched.memory_limit,
-      "bytes per GPU the schedule may use (e.g. 60GB); zb-h1, zb-h2, zb-v, merak");
+      "bytes per GPU the schedule may use (e.g. 60GB); zb-h1, zb-h2, zb-v, merak, --search "
+      "(default: the plan's current peak)");
   schedule_cmd->add_option("-o,--output", sched.output, "where to write the plan")->required();
 
   ValidateArgs validate;
@@ -704,6 +731,11 @@ int main(int argc, char** argv) {
       p.schedule = *s;
     }
     if (!p.tp || !p.pp) plan.search = true;
+    if (plan.search && given("--shard-head")) {
+      return fail(
+          "--shard-head is for the builder: give --tp and --pp (the search does not "
+          "shard the head)");
+    }
     if (plan.search && given("--recompute-layers")) {
       return fail(
           "--recompute-layers pins the builder's per-stage recomputation; the search chooses "

@@ -733,7 +733,7 @@ TEST(NnsimTool, ScheduleRewritesTheBlockOrders) {
   ASSERT_EQ(r.status, 0) << r;
   RunResult s = box.nnsim({"schedule", "--plan", "p.json", "--generator", "zb-h1", "-o", "z.json"});
   ASSERT_EQ(s.status, 0) << s;
-  EXPECT_TRUE(contains(s.out, "zb-h1 schedule, 4 pipeline stages, 32 micro-batches")) << s;
+  EXPECT_TRUE(contains(s.out, "zb-h1 schedule, 4 schedule orders, 32 micro-batches")) << s;
   json plan = json::parse(box.read("z.json"));
   EXPECT_EQ(plan["schedule"]["name"], "zb-h1");
   const std::string blocks = plan["schedule"]["orders"][0]["blocks"];
