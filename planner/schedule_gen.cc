@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -358,14 +359,15 @@ Expected<SearchedSchedule> search_schedule(const Plan& in, const Topology& topo,
     }
     room.push_back(budget);
   }
-  std::optional<SearchedSchedule> best;
-  const std::vector<bool> variants =
-      has_split_backward(in) ? std::vector<bool>{true} : std::vector<bool>{false, true};
-  for (bool split : variants) {
-    Plan timed = split && !has_split_backward(in) ? with_split_backward(in) : in;
-    Expected<Program> prog =
-        split && !has_split_backward(in) ? compile_plan(timed, topo) : std::move(input);
-    if (!prog) return prog.error();
+  auto attempt = [&](bool split) -> Expected<SearchedSchedule> {
+    std::optional<Program> rewritten;
+    const Program* prog = &*input;
+    if (split && !has_split_backward(in)) {
+      Expected<Program> c = compile_plan(with_split_backward(in), topo);
+      if (!c) return c.error();
+      rewritten = std::move(*c);
+      prog = &*rewritten;
+    }
     Expected<TesselProblem> problem = tessel_problem(*prog, split, room);
     if (!problem) return problem.error();
     std::vector<std::vector<Block>> current;
@@ -374,24 +376,35 @@ Expected<SearchedSchedule> search_schedule(const Plan& in, const Topology& topo,
     if (!before) return before.error();
     if (!memory_limit) problem->memory_limit = before->peak_bytes;
     Expected<TesselSchedule> found = tessel_search(*problem);
-    if (!found) {
-      if (split) continue;  // the unsplit search's answer stands
-      return found.error();
+    if (!found) return found.error();
+    SearchedSchedule s;
+    s.plan = in;
+    for (size_t o = 0; o < s.plan.schedule.size(); ++o)
+      s.plan.schedule[o].blocks = found->orders[o];
+    s.plan.schedule_name = "tessel";
+    s.tessel = std::move(*found);
+    s.split_backward = split;
+    s.input_makespan = before->makespan;
+    return s;
+  };
+  // Both variants at once (independent solver contexts).
+  const std::vector<bool> variants =
+      has_split_backward(in) ? std::vector<bool>{true} : std::vector<bool>{false, true};
+  std::vector<std::optional<Expected<SearchedSchedule>>> results(variants.size());
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < variants.size(); ++i) {
+      threads.emplace_back([&, i] { results[i] = attempt(variants[i]); });
     }
-    if (!best || found->makespan < best->tessel.makespan) {
-      SearchedSchedule s;
-      s.plan = in;
-      for (size_t o = 0; o < s.plan.schedule.size(); ++o) {
-        s.plan.schedule[o].blocks = found->orders[o];
-      }
-      s.plan.schedule_name = "tessel";
-      s.tessel = std::move(*found);
-      s.split_backward = split;
-      s.input_makespan = before->makespan;
-      best = std::move(s);
-    }
+    for (std::thread& t : threads) t.join();
   }
-  return std::move(*best);
+  // The first variant's failure is the answer's; the split one only competes when it succeeds.
+  if (!*results.front()) return results.front()->error();
+  size_t best = 0;
+  for (size_t i = 1; i < results.size(); ++i) {
+    if (*results[i] && (*results[i])->tessel.makespan < (*results[best])->tessel.makespan) best = i;
+  }
+  return std::move(**results[best]);
 }
 
 }  // namespace nnsim

@@ -93,7 +93,7 @@ Status check_problem(const TesselProblem& p) {
 // millionths of the largest block's.
 constexpr int64_t kTicks = 10'000;
 // Lags are searched up to this many periods per device (and never above the block count).
-constexpr int64_t kMaxLagPerDevice = 4;
+constexpr int64_t kMaxLagPerDevice = 2;
 
 struct Discrete {
   std::vector<int64_t> ticks, bytes;
@@ -359,29 +359,29 @@ Expected<TesselSchedule> tessel_search(const TesselProblem& p) {
   auto find = [&](int64_t period, int64_t max_lag) {
     return find_repetend(p, d, period, max_lag, out.solver_calls, failure);
   };
-  std::optional<Repetend> best = find(d.sequential, lag_bound);
+  // Shortest period: the busiest device's work if it can be had, else by bisection up to the
+  // whole micro-batch in sequence.
+  std::optional<Repetend> best = find(d.lower_bound, lag_bound);
+  if (!best) {
+    int64_t lo = d.lower_bound + 1, hi = d.sequential;
+    const int64_t tolerance = std::max<int64_t>(
+        1, static_cast<int64_t>(p.precision * static_cast<double>(d.lower_bound)));
+    while (hi - lo > tolerance) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (auto r = find(mid, lag_bound)) {
+        best = r;
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    if (!best) best = find(hi, lag_bound);
+  }
   if (!failure.empty()) return Error("the Z3 solver failed: " + failure);
   if (!best) {
     return Error(
         "no repeating schedule fits the memory limit, not even one micro-batch at a time; "
         "raise --memory-limit or recompute more");
-  }
-  // Shortest period, by bisection.
-  int64_t lo = d.lower_bound, hi = d.sequential;
-  const int64_t tolerance =
-      std::max<int64_t>(1, static_cast<int64_t>(p.precision * static_cast<double>(lo)));
-  if (auto r = find(lo, lag_bound)) {
-    best = r;
-    hi = lo;
-  }
-  while (hi - lo > tolerance) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (auto r = find(mid, lag_bound)) {
-      best = r;
-      hi = mid;
-    } else {
-      lo = mid + 1;
-    }
   }
   // At that period, the smallest largest lag (the shortest warm-up and cool-down).
   int64_t lag_lo = 0, lag_hi = *std::max_element(best->lag.begin(), best->lag.end());

@@ -756,6 +756,29 @@ TEST(NnsimTool, ScheduleRewritesTheBlockOrders) {
   expect_error(box.nnsim({"schedule", "--plan", "p.json", "--generator", "1f1b", "--memory-limit",
                           "60GB", "-o", "x.json"}),
                {"--memory-limit applies to zb-h1, zb-h2, zb-v and merak"});
+  expect_error(box.nnsim({"schedule", "--plan", "p.json", "-o", "x.json"}),
+               {"give either --generator NAME or --search"});
+  expect_error(box.nnsim({"schedule", "--plan", "p.json", "--generator", "1f1b", "--search", "-o",
+                          "x.json"}),
+               {"give either --generator NAME or --search"});
+}
+
+TEST(NnsimTool, ScheduleSearchOnAShardedHead) {
+  Sandbox box;
+  RunResult r = box.nnsim({"plan", "--model", "llama2-7b", "--topo", "dgx-a100x4", "--tp", "8",
+                           "--pp", "4", "--global-batch", "16", "--shard-head", "-o", "p.json"});
+  ASSERT_EQ(r.status, 0) << r;
+  RunResult s = box.nnsim({"schedule", "--plan", "p.json", "--search", "-o", "t.json"});
+  ASSERT_EQ(s.status, 0) << s;
+  EXPECT_TRUE(contains(s.out, "tessel schedule, 4 schedule orders, 16 micro-batches")) << s;
+  EXPECT_TRUE(contains(s.out, "repetend of")) << s;
+  json plan = json::parse(box.read("t.json"));
+  EXPECT_EQ(plan["schedule"]["name"], "tessel");
+  RunResult sim = box.nnsim({"--topo", "dgx-a100x4", "t.json"});
+  EXPECT_EQ(sim.status, 0) << sim;
+  expect_error(box.nnsim({"schedule", "--plan", "p.json", "--search", "--memory-limit", "1GB", "-o",
+                          "x.json"}),
+               {"leaves no room for activations on schedule order 0"});
 }
 
 TEST(NnsimTool, Version) {
