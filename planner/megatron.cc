@@ -187,11 +187,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                     o.vpp));
   }
   if (o.zero < 0 || o.zero > 3) return Error("--zero must be 0, 1, 2 or 3");
-  if (o.shard_head && (o.vpp > 1 || (o.schedule != ScheduleKind::kOneFOneB &&
-                                     o.schedule != ScheduleKind::kGpipe))) {
+  if (o.shard_head &&
+      (o.vpp > 1 || (o.schedule != ScheduleKind::kOneFOneB && o.schedule != ScheduleKind::kGpipe &&
+                     o.schedule != ScheduleKind::kTessel))) {
     return Error(fmt::format(
-        "--shard-head places the head's blocks in the 1f1b and gpipe schedules only (one chunk "
-        "per stage); got --schedule {}{}",
+        "--shard-head places the head's blocks in the 1f1b, gpipe and tessel schedules only (one "
+        "chunk per stage); got --schedule {}{}",
         to_string(o.schedule), o.vpp > 1 ? fmt::format(" --vpp {}", o.vpp) : ""));
   }
   const int segments = o.pp * o.vpp;
@@ -412,6 +413,11 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
       o.schedule == ScheduleKind::kZbV || o.schedule == ScheduleKind::kMerak) {
     // List-scheduled: re-timed with the plan's own compiled costs.
     return generate_schedule(plan, topo, o.schedule);
+  }
+  if (o.schedule == ScheduleKind::kTessel) {
+    Expected<SearchedSchedule> s = search_schedule(plan, topo);
+    if (!s) return s.error();
+    return s->plan;
   }
   return plan;
 }

@@ -61,6 +61,11 @@ std::vector<SegmentCosts> segment_costs(const Program& prog) {
 
 Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleKind kind,
                                  std::optional<double> memory_limit) {
+  if (kind == ScheduleKind::kTessel) {
+    Expected<SearchedSchedule> s = search_schedule(in, topo, memory_limit);
+    if (!s) return s.error();
+    return s->plan;
+  }
   Plan plan = in;
   const int stages = static_cast<int>(plan.schedule.size());
   const int segments = static_cast<int>(plan.segments.size());

@@ -71,6 +71,7 @@ bool splits_backward(ScheduleKind kind) {
 int required_chunks(ScheduleKind kind) {
   switch (kind) {
     case ScheduleKind::kInterleaved:
+    case ScheduleKind::kTessel:
       return 0;
     case ScheduleKind::kZbV:
       return 2;
@@ -100,6 +101,12 @@ Expected<std::vector<std::vector<Block>>> pipeline_orders(
         fmt::format("the {} schedule runs one model chunk per pipeline rank; use "
                     "--schedule interleaved for --vpp {}",
                     to_string(kind), chunks));
+  }
+  if (kind == ScheduleKind::kTessel) {
+    // The search starts from the orders of the same placement that it must not use more memory
+    // than (planner/schedule_gen.h).
+    return pipeline_orders(chunks > 1 ? ScheduleKind::kInterleaved : ScheduleKind::kOneFOneB,
+                           stages, chunks, micro_batches, recompute_segments);
   }
   std::vector<std::vector<Block>> out;
   switch (kind) {
@@ -167,7 +174,8 @@ Expected<std::vector<std::vector<Block>>> pipeline_orders(
 
 Status add_spanning_blocks(ScheduleKind kind, int segment,
                            std::vector<std::vector<Block>>& orders) {
-  if (kind != ScheduleKind::kGpipe && kind != ScheduleKind::kOneFOneB) {
+  if (kind != ScheduleKind::kGpipe && kind != ScheduleKind::kOneFOneB &&
+      kind != ScheduleKind::kTessel) {
     return Error(
         fmt::format("a segment spanning every pipeline rank (--shard-head) is placed by the "
                     "gpipe and 1f1b schedules only, not {}; use --schedule 1f1b or gpipe",
@@ -196,9 +204,10 @@ Expected<ScheduleKind> parse_schedule_kind(const std::string& name) {
   if (name == "zb-h2") return ScheduleKind::kZbH2;
   if (name == "zb-v") return ScheduleKind::kZbV;
   if (name == "merak") return ScheduleKind::kMerak;
-  return Error(fmt::format(
-      "unknown schedule '{}'{}", name,
-      suggest(name, {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "merak"})));
+  if (name == "tessel") return ScheduleKind::kTessel;
+  return Error(fmt::format("unknown schedule '{}'{}", name,
+                           suggest(name, {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v",
+                                          "merak", "tessel"})));
 }
 
 std::string_view to_string(ScheduleKind kind) {
@@ -217,6 +226,8 @@ std::string_view to_string(ScheduleKind kind) {
       return "zb-v";
     case ScheduleKind::kMerak:
       return "merak";
+    case ScheduleKind::kTessel:
+      return "tessel";
   }
   return "?";
 }

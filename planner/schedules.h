@@ -18,6 +18,9 @@ enum class ScheduleKind {
   kZbH2,   // zero bubble, about twice 1F1B's memory on the first stage (ZB-H2)
   kZbV,    // zero bubble on a V-shaped placement of two chunks per rank (ZB-V)
   kMerak,  // Merak's shifted critical path: 1F1B with recomputation off the critical path
+  // Tessel's repetend search (planner/tessel.h) on the plan's placement, from 1F1B orders (one
+  // chunk per rank) or interleaved ones (several), within their memory.
+  kTessel,
 };
 
 // Whether the schedule splits backward into input- and weight-gradient blocks.

@@ -56,6 +56,9 @@ constexpr double kBalanceMargin = 0.05;
 constexpr size_t kMaxPlaced = 8;
 // The zero-bubble and Merak schedules are tried for this many of the best pipelined plans.
 constexpr size_t kMaxRescheduled = 8;
+// Tessel's search is tried on pipelines of at most this many stages (its solver time grows fast
+// with the devices: 0.8 s for 4, 4 s for 8).
+constexpr int kMaxTesselStages = 8;
 
 std::vector<int> divisors(int n, int limit) {
   std::vector<int> out;
@@ -573,12 +576,19 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
       if (2 * c.options.pp <= model.layers && pin.vpp.value_or(2) == 2) {
         kinds.push_back({ScheduleKind::kZbV, 2});
       }
+      // Tessel's search (a solver run per plan) only when the constraints ask for it, on the
+      // plan's own stages.
+      const bool tessel = c.options.pp <= kMaxTesselStages &&
+                          std::find(cons.schedules.begin(), cons.schedules.end(),
+                                    ScheduleKind::kTessel) != cons.schedules.end();
+      if (tessel) kinds.push_back({ScheduleKind::kTessel, c.options.vpp});
       for (const auto& [kind, vpp] : kinds) {
         if (!allowed(kind)) continue;
         Candidate t = c;
         t.options.schedule = kind;
         t.options.vpp = vpp;
-        if (vpp != c.options.vpp || !fixed_layers) t.options.stage_layers.clear();
+        const bool same_stages = kind == ScheduleKind::kTessel;
+        if (!same_stages && (vpp != c.options.vpp || !fixed_layers)) t.options.stage_layers.clear();
         if (fixed_layers) t.options.stage_layers = *fixed_layers;
         if (fixed_layers && static_cast<int>(fixed_layers->size()) != c.options.pp * vpp) continue;
         t.simulated.reset();

@@ -292,8 +292,10 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
     std::printf("%zu other rank placements tried for the best plans\n", r->placements_tried);
   }
   if (r->schedules_tried > 0) {
-    std::printf("%zu zero-bubble and Merak schedules tried for the best pipelined plans\n",
-                r->schedules_tried);
+    std::printf(
+        "%zu other pipeline schedules (zero bubble, Merak, Tessel) tried for the best pipelined "
+        "plans\n",
+        r->schedules_tried);
   }
   std::printf("%4s  %-60s %11s %11s %10s %6s\n", "rank", "plan", "estimated", "simulated",
               "peak mem", "MFU");

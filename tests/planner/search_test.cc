@@ -170,6 +170,24 @@ TEST(Search, ZeroBubbleSchedulesAreTriedForThePipelinedPlans) {
   EXPECT_LT(r->ranked.front().time(), pinned->ranked.front().time());
 }
 
+TEST(Search, TesselIsTriedWhenTheConstraintsAskForIt) {
+  const ModelSpec m = *load_model("gpt3-13b");
+  const Topology t = topo("dgx-a100x4", 1);
+  SearchOptions o = options(16);
+  o.pins.pp = 4;
+  o.pins.vpp = 1;
+  Expected<Constraints> c = parse_constraints("schedules: [1f1b, tessel]\n", "c.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  o.constraints = *c;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  EXPECT_GT(r->schedules_tried, 0u);
+  // The search's repetend has no steady-state bubble at 1F1B's memory: it wins the degrees.
+  ASSERT_FALSE(r->ranked.empty());
+  EXPECT_EQ(r->ranked.front().options.schedule, ScheduleKind::kTessel)
+      << r->ranked.front().describe();
+}
+
 TEST(Search, AllChoicesPinnedIsTheBuilder) {
   const ModelSpec m = *load_model("gpt3-1.3b");
   const Topology t = topo("dgx-a100x4", 4);

@@ -104,7 +104,9 @@ TEST(Spanning, TransfersAndJointCollectives) {
         recvs += s.kind == StepKind::kRecv;
         sends += s.kind == StepKind::kSend;
         joint += s.kind == StepKind::kCollective && (s.axes & pp_bit);
-        if (s.kind == StepKind::kRecv) EXPECT_EQ(s.peer_lane, 3);
+        if (s.kind == StepKind::kRecv) {
+          EXPECT_EQ(s.peer_lane, 3);
+        }
       }
       // The head's forward receives the last layer's output from stage 3 (local on stage 3);
       // its input gradient is all-reduced over pp, so stage 3 has it without a transfer.
