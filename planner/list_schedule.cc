@@ -66,8 +66,13 @@ class ListScheduler {
 Choice ListScheduler::next_for(int d) {
   const bool split = p_.split_backward;
   Choice best;
+  Choice first_backward;  // the backward ready soonest (already timed)
   auto consider = [&](const Choice& c) {
     if (c.ready == kNotYet) return;
+    if (c.priority == kBackward &&
+        (first_backward.ready == kNotYet || c.ready < first_backward.ready)) {
+      first_backward = c;
+    }
     // Among what is ready when the device is free, the best priority; otherwise whatever is
     // ready first.
     const double t = free_at_[d];
@@ -120,9 +125,19 @@ Choice ListScheduler::next_for(int d) {
     // Weight gradients, oldest first.
     if (split && !weights_[s].empty()) {
       const int mb = weights_[s].front();
-      consider(
-          {{BlockKind::kBackwardWeight, mb, s}, finish(BlockKind::kBackwardInput, s, mb), kWeight});
+      const int delay = p_.weight_delay_limit.empty() ? -1 : p_.weight_delay_limit[d];
+      const bool overdue = delay >= 0 && static_cast<int>(weights_[s].size()) > delay;
+      consider({{BlockKind::kBackwardWeight, mb, s},
+                finish(BlockKind::kBackwardInput, s, mb),
+                overdue ? kBackward : kWeight});
     }
+  }
+  // A weight gradient that would still run when a backward arrives waits for it instead: the
+  // backward is on the critical path of the stages before, the weight gradient on nobody's.
+  if (p_.weight_waits_for_backward && best.priority == kWeight && first_backward.ready != kNotYet &&
+      first_backward.ready <
+          std::max(free_at_[d], best.ready) + cost(p_.backward_weight, best.block.segment, 1)) {
+    return first_backward;
   }
   return best;
 }

@@ -31,6 +31,12 @@ struct ListScheduleProblem {
   // Per segment: the same, counted on that segment alone (a V placement needs room kept for the
   // deeper chunk, or the shallow one fills the device and nothing reaches the turn).
   std::vector<int> segment_lead_limit;
+  // Per device: at most this many weight-gradient blocks wait; beyond it the oldest is as urgent
+  // as a backward (ZB-H1 delays stage r's by r). Negative or empty: no limit.
+  std::vector<int> weight_delay_limit;
+  // A weight gradient that would still run when a backward arrives waits for the backward
+  // instead (the backward is on the critical path of the stages before it).
+  bool weight_waits_for_backward = false;
   // Durations per segment (any unit); empty: 1 each (B: 2 when not split).
   std::vector<double> forward, backward_input, backward_weight, recompute_time;
   // Memory instead of counts, when `memory_limit` (per device, bytes) is given: a forward keeps

@@ -214,19 +214,41 @@ Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleK
     const double scale = kind == ScheduleKind::kZbH2 ? (2.0 * stages - 1) / stages : 1.0;
     p.memory_limit.assign(stages, scale * one_f_one_b_peak);
   }
-  // Warm-up depth: free (as deep as memory allows), or the hand-built schedules' (1F1B's for
-  // ZB-H1, 2p - 1 on the first stage for ZB-H2); the one that finishes first in the plan's own
-  // costs wins.
-  Expected<ListSchedule> ls = list_schedule(p);
-  if (!ls) return ls.error();
+  // Variants of the priority rule; the one that finishes first in the plan's own costs wins:
+  // - warm-up depth: free (as deep as memory allows), or the hand-built schedules' (1F1B's for
+  //   ZB-H1, 2p - 1 on the first stage for ZB-H2);
+  // - ZB-H1's weight-gradient delay: stage r runs a weight gradient once r - 1 more input
+  //   gradients have followed it (the last stage: F B F B F B W F B W ..., Qi et al.), or as
+  //   late as the other blocks let it;
+  // - weight gradients wait for a backward about to arrive, or fill the device until it does.
+  std::vector<ListScheduleProblem> variants = {p};
   if (kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbH2) {
     ListScheduleProblem q = p;
     for (int r = 0; r < stages; ++r) {
       q.forward_lead_limit.push_back(kind == ScheduleKind::kZbH2 ? 2 * (stages - r) - 1
                                                                  : stages - r);
     }
-    Expected<ListSchedule> lead = list_schedule(q);
-    if (lead && lead->makespan < ls->makespan) ls = std::move(lead);
+    variants.push_back(q);
+  }
+  if (kind == ScheduleKind::kZbH1) {
+    for (size_t i = 0, n = variants.size(); i < n; ++i) {
+      ListScheduleProblem q = variants[i];
+      for (int r = 0; r < stages; ++r) q.weight_delay_limit.push_back(std::max(0, r - 1));
+      variants.push_back(q);
+    }
+  }
+  if (p.split_backward) {
+    for (size_t i = 0, n = variants.size(); i < n; ++i) {
+      ListScheduleProblem q = variants[i];
+      q.weight_waits_for_backward = true;
+      variants.push_back(q);
+    }
+  }
+  Expected<ListSchedule> ls = list_schedule(variants.front());
+  if (!ls) return ls.error();
+  for (size_t i = 1; i < variants.size(); ++i) {
+    Expected<ListSchedule> other = list_schedule(variants[i]);
+    if (other && other->makespan < ls->makespan) ls = std::move(other);
   }
   assign(ls->orders);
   return plan;
