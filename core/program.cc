@@ -636,7 +636,19 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   const int zero = plan.optimizer.zero;
   const TensorLayout embed_out = input_layout_of(embed);
   const TensorLayout layer_out = input_layout_of(layer);
-  auto layer_in = [&](int l) { return l == 0 ? embed_out : layer_out; };
+  // The embedding's output as the next part reads it. A vocabulary split over axes outside the
+  // lane (the embedding sharded over pipeline stages) leaves partial sums that only the lanes
+  // holding the shards can add: the embedding's segment all-reduces them before handing on.
+  TensorLayout embed_boundary = embed_out;
+  for (size_t a = 0; a < embed_boundary.size(); ++a) {
+    if (!(lane_axes & (1u << a)) && embed_boundary[a].kind == AxisLayoutKind::kPartial) {
+      embed_boundary[a] = AxisLayout{};
+    }
+  }
+  auto layer_in = [&](int l) { return l == 0 ? embed_boundary : layer_out; };
+  // What the segment hands to the next one.
+  const TensorLayout segment_out =
+      s.embedding && s.end_layer == s.first_layer && !s.head ? embed_boundary : layer_out;
   // The layout the producer of a part's input needs that input's gradient in.
   const TensorLayout embed_out_grad =
       output_grad_layout(embed.part->ops.back(), embed.partitions.back());
@@ -661,7 +673,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       if (source_lane(seg, l) == t.lane) send_prev_lanes.push_back(l);
     }
   }
-  const double act_piece = piece_bytes(boundary, s.embedding ? embed_out : layer_out, mesh);
+  const double act_piece = piece_bytes(boundary, s.embedding ? embed_boundary : layer_out, mesh);
   // Pipeline transfers carry the boundary tensor; a tensor replicated over an axis of the lane
   // is sent in 1/size slices and all-gathered on arrival when scatter-gather is on.
   auto transfer_bytes = [&](const TensorLayout& layout, uint32_t* gather_axes) {
@@ -811,6 +823,15 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         zero3_before(units, unit++);
         emit_forward(embed, embed_out, recomputed_ops(embed, -1), false, ComputeClass::kCompute,
                      t.steps);
+        for (const Conversion& c : conversions(boundary, embed_out, embed_boundary, mesh)) {
+          Step x;
+          x.kind = StepKind::kCollective;
+          x.collective = c.kind;
+          x.axes = 1u << c.axis;
+          x.bytes = c.bytes;
+          x.label = label("embed.partial-sums");
+          t.steps.push_back(x);
+        }
       }
       for (int l = s.first_layer; l < s.end_layer; ++l) {
         wait_gather(unit);
@@ -824,7 +845,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         emit_forward(head, layer_out, recomputed_ops(head, -1), false, ComputeClass::kCompute,
                      t.steps);
       }
-      for (int l : send_next_lanes) send(next, l, false, layer_out);
+      for (int l : send_next_lanes) send(next, l, false, segment_out);
       t.kept_bytes = kept;
       t.peak_bytes = kept + transient;
       memory(kept);

@@ -195,6 +195,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "chunk per stage); got --schedule {}{}",
         to_string(o.schedule), o.vpp > 1 ? fmt::format(" --vpp {}", o.vpp) : ""));
   }
+  if (o.shard_embedding && (o.schedule != ScheduleKind::kTessel || o.vpp > 1 || o.pp < 2)) {
+    return Error(
+        "--shard-embedding needs --schedule tessel, one chunk per stage and at least 2 "
+        "pipeline stages: the embedding's blocks join every stage, which only the schedule "
+        "search places without stalling the pipeline");
+  }
   const int segments = o.pp * o.vpp;
   if (segments > model.layers) {
     return Error(fmt::format("pp x vpp = {} segments, but the model has only {} layers", segments,
@@ -217,7 +223,8 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   // so that every tensor-parallel shard is equal and aligned; other frameworks pad only to what
   // the split needs.
   // A head sharded over the pipeline splits the vocabulary pp ways more.
-  const int64_t vocab_split = static_cast<int64_t>(o.tp) * (o.shard_head ? o.pp : 1);
+  const int64_t vocab_split =
+      static_cast<int64_t>(o.tp) * (o.shard_head || o.shard_embedding ? o.pp : 1);
   const int64_t pad = o.framework == "megatron" ? 128LL * vocab_split : vocab_split;
   plan.model.vocab = (model.vocab + pad - 1) / pad * pad;
   plan.global_batch = o.global_batch;
@@ -246,6 +253,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     plan.name += fmt::format(" layers {}", fmt::join(o.stage_layers, ","));
   }
   if (o.shard_head) plan.name += " shard-head";
+  if (o.shard_embedding) plan.name += " shard-embedding";
   plan.mesh.axes = {{"dp", dp}, {"pp", o.pp}, {"cp", o.cp}, {"tp", o.tp}};
   // Megatron's rank order tp-cp-dp-pp: tensor parallel fastest, pipeline slowest.
   Expected<Placement> placement = placement_from_order(plan.mesh, o.placement);
@@ -267,7 +275,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     s.first_layer = first;
     s.end_layer = first + layers[i];
     first = s.end_layer;
-    s.embedding = i == 0;
+    s.embedding = i == 0 && !o.shard_embedding;
     s.head = i == segments - 1 && !o.shard_head;
     s.devices = {{"pp", rank_of_segment(o.schedule, i, o.pp)}};
     plan.segments.push_back(s);
@@ -279,6 +287,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     h.first_layer = h.end_layer = model.layers;
     h.head = true;
     plan.segments.push_back(h);
+  }
+  if (o.shard_embedding) {
+    Segment e;
+    e.name = "embedding";
+    e.embedding = true;
+    plan.segments.push_back(e);
   }
 
   // op-trans: Megatron tensor parallelism, sequence and context parallelism.
@@ -295,6 +309,11 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     std::vector<std::string> axes = {"pp"};
     if (o.tp > 1) axes.push_back("tp");
     for (const char* m : {"head.proj", "loss"}) rule(m, Dim::kVocab, axes);
+  }
+  if (o.shard_embedding) {
+    std::vector<std::string> axes = {"pp"};
+    if (o.tp > 1) axes.push_back("tp");
+    rule("embed.word", Dim::kVocab, axes);
   }
   if (o.tp > 1) {
     if (o.sequence_parallel) {
@@ -399,6 +418,31 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
       const Segment& s = plan.segments[i];
       if (r.first_layer < s.end_layer && r.end_layer > s.first_layer) recompute_segments[i] = true;
     }
+  }
+  if (o.shard_embedding) {
+    // A provisional order that any placement can run: one micro-batch at a time through every
+    // segment, the joint blocks on every stage; the search replaces it.
+    const int embedding = static_cast<int>(plan.segments.size()) - 1;
+    std::vector<std::vector<Block>> seq(o.pp);
+    auto all = [&](BlockKind k, int m, int seg) {
+      for (auto& order : seq) order.push_back({k, m, seg});
+    };
+    for (int m = 0; m < micro_batches; ++m) {
+      all(BlockKind::kForward, m, embedding);
+      for (int s = 0; s < segments; ++s) seq[s].push_back({BlockKind::kForward, m, s});
+      if (o.shard_head) {
+        all(BlockKind::kForward, m, segments);
+        all(BlockKind::kBackward, m, segments);
+      }
+      for (int s = segments - 1; s >= 0; --s) seq[s].push_back({BlockKind::kBackward, m, s});
+      all(BlockKind::kBackward, m, embedding);
+    }
+    for (int stage = 0; stage < o.pp; ++stage)
+      plan.schedule.push_back({{{"pp", stage}}, seq[stage]});
+    Expected<SearchedSchedule> s =
+        search_schedule(plan, topo, topo.gpu.hbm_bytes * (1 - o.memory_headroom));
+    if (!s) return s.error();
+    return s->plan;
   }
   Expected<std::vector<std::vector<Block>>> orders =
       pipeline_orders(o.schedule, o.pp, o.vpp, micro_batches, recompute_segments);

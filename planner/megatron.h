@@ -63,6 +63,12 @@ struct MegatronOptions {
   // The head (final norm, output projection, loss) as its own segment spanning every pipeline
   // stage, its vocabulary split over pp (and tp): Tessel's sharded head. 1f1b and gpipe only.
   bool shard_head = false;
+  // The embedding likewise (its vocabulary split over pp; its partial sums all-reduced over
+  // the stages): with the head, Tessel's M shape. Its joint blocks would stall the hand-built
+  // schedules' warm-up, so it is scheduled by Tessel's search only (--schedule tessel), within
+  // the GPUs' memory less `memory_headroom`.
+  bool shard_embedding = false;
+  double memory_headroom = 0.1;
 };
 
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,

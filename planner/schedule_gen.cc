@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <map>
-#include <thread>
 
 #include <fmt/format.h>
 
@@ -25,6 +24,8 @@ struct SegmentCosts {
   double forward = 0, backward = 0, backward_input = 0, backward_weight = 0, recompute = 0;
   double kept = 0;           // activation bytes a forward keeps
   double weight_inputs = 0;  // of which a weight-gradient block frees
+  // Bytes above the level at the block's start at its peak, per kind.
+  double forward_peak = 0, backward_peak = 0, backward_input_peak = 0, backward_weight_peak = 0;
 };
 
 std::vector<SegmentCosts> segment_costs(const Program& prog) {
@@ -38,15 +39,19 @@ std::vector<SegmentCosts> segment_costs(const Program& prog) {
       case BlockKind::kForward:
         c.forward = std::max(c.forward, s);
         c.kept = std::max(c.kept, tpl.kept_bytes);
+        c.forward_peak = std::max(c.forward_peak, tpl.peak_bytes);
         break;
       case BlockKind::kBackward:
         c.backward = std::max(c.backward, s);
+        c.backward_peak = std::max(c.backward_peak, tpl.peak_bytes);
         break;
       case BlockKind::kBackwardInput:
         c.backward_input = std::max(c.backward_input, s);
+        c.backward_input_peak = std::max(c.backward_input_peak, tpl.peak_bytes);
         break;
       case BlockKind::kBackwardWeight:
         c.backward_weight = std::max(c.backward_weight, s);
+        c.backward_weight_peak = std::max(c.backward_weight_peak, tpl.peak_bytes);
         c.weight_inputs = std::max(c.weight_inputs, -tpl.kept_bytes);
         break;
       case BlockKind::kRecompute:
@@ -331,7 +336,8 @@ Expected<TesselProblem> tessel_problem(const Program& prog, bool split,
       return Error(fmt::format("segment '{}' is on no schedule order", plan.segments[s].name));
     }
     forward[s] = static_cast<int>(p.blocks.size());
-    TesselBlock f{BlockKind::kForward, s, devices, costs[s].forward, costs[s].kept, {}};
+    TesselBlock f{BlockKind::kForward,  s, devices, costs[s].forward, costs[s].kept, {},
+                  costs[s].forward_peak};
     if (prev >= 0) f.after = {forward[prev]};
     p.blocks.push_back(f);
     prev = s;
@@ -346,15 +352,17 @@ Expected<TesselProblem> tessel_problem(const Program& prog, bool split,
     backward[s] = static_cast<int>(p.blocks.size());
     if (split) {
       p.blocks.push_back({BlockKind::kBackwardInput, s, devices, c.backward_input,
-                          -(c.kept - c.weight_inputs), after});
+                          -(c.kept - c.weight_inputs), after, c.backward_input_peak});
       p.blocks.push_back({BlockKind::kBackwardWeight,
                           s,
                           devices,
                           c.backward_weight,
                           -c.weight_inputs,
-                          {backward[s]}});
+                          {backward[s]},
+                          c.backward_weight_peak});
     } else {
-      p.blocks.push_back({BlockKind::kBackward, s, devices, c.backward, -c.kept, after});
+      p.blocks.push_back(
+          {BlockKind::kBackward, s, devices, c.backward, -c.kept, after, c.backward_peak});
     }
     next = s;
   }
@@ -368,16 +376,12 @@ Expected<SearchedSchedule> search_schedule(const Plan& in, const Topology& topo,
                                            std::optional<double> memory_limit) {
   Expected<Program> input = compile_plan(in, topo);
   if (!input) return input.error();
-  // Activation room per order: what the limit leaves beside static memory and the largest
-  // transient workspace of its blocks; without a limit, what the current orders hold at most.
+  // Activation room per order: what the limit leaves beside static memory (each block's own
+  // workspace is in its peak); without a limit, what the current orders hold at most.
   std::vector<double> room;
   for (size_t o = 0; memory_limit && o < input->lanes.size(); ++o) {
     const Lane& lane = input->lanes[o];
-    double transient = 0;
-    for (const BlockInstance& b : lane.blocks) {
-      transient = std::max(transient, input->templates[b.template_index].peak_bytes);
-    }
-    const double budget = *memory_limit - lane.memory.total() - transient;
+    const double budget = *memory_limit - lane.memory.total();
     if (budget < 0) {
       return Error(fmt::format(
           "--memory-limit {} leaves no room for activations on schedule order {}: its weights, "
@@ -414,24 +418,15 @@ Expected<SearchedSchedule> search_schedule(const Plan& in, const Topology& topo,
     s.input_makespan = before->makespan;
     return s;
   };
-  // Both variants at once (independent solver contexts).
-  const std::vector<bool> variants =
-      has_split_backward(in) ? std::vector<bool>{true} : std::vector<bool>{false, true};
-  std::vector<std::optional<Expected<SearchedSchedule>>> results(variants.size());
-  {
-    std::vector<std::thread> threads;
-    for (size_t i = 0; i < variants.size(); ++i) {
-      threads.emplace_back([&, i] { results[i] = attempt(variants[i]); });
-    }
-    for (std::thread& t : threads) t.join();
-  }
-  // The first variant's failure is the answer's; the split one only competes when it succeeds.
-  if (!*results.front()) return results.front()->error();
-  size_t best = 0;
-  for (size_t i = 1; i < results.size(); ++i) {
-    if (*results[i] && (*results[i])->tessel.makespan < (*results[best])->tessel.makespan) best = i;
-  }
-  return std::move(**results[best]);
+  // The split backward first: it has the more freedom, so when its repetend has no bubble
+  // (the busiest device's work per micro-batch) the whole backward cannot do better.
+  Expected<SearchedSchedule> split = attempt(true);
+  if (has_split_backward(in)) return split;
+  if (split && split->tessel.period <= split->tessel.lower_bound * 1.01) return split;
+  Expected<SearchedSchedule> whole = attempt(false);
+  if (!whole) return split ? std::move(split) : std::move(whole);
+  if (split && split->tessel.makespan < whole->tessel.makespan) return split;
+  return whole;
 }
 
 }  // namespace nnsim

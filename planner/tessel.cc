@@ -39,6 +39,10 @@ std::vector<int> topological_order(const TesselProblem& p) {
   return out;
 }
 
+double peak_of(const TesselBlock& b) {
+  return std::max({b.peak, b.bytes, 0.0});
+}
+
 std::string block_name(const TesselBlock& b, int micro_batch) {
   return to_string(Block{b.kind, micro_batch, b.segment});
 }
@@ -96,7 +100,7 @@ constexpr int64_t kTicks = 10'000;
 constexpr int64_t kMaxLagPerDevice = 2;
 
 struct Discrete {
-  std::vector<int64_t> ticks, bytes;
+  std::vector<int64_t> ticks, bytes, peak;
   std::vector<int64_t> limit;  // per device; -1: none
   int64_t lower_bound = 0;     // busiest device's ticks per micro-batch
   int64_t sequential = 0;      // every block in sequence
@@ -116,11 +120,14 @@ Discrete discretize(const TesselProblem& p) {
   d.busiest_seconds = busiest;
   d.seconds_per_tick = busiest > 0 ? busiest / kTicks : 1.0 / kTicks;
   double byte_unit = 0;
-  for (const TesselBlock& b : p.blocks) byte_unit = std::max(byte_unit, std::abs(b.bytes));
+  for (const TesselBlock& b : p.blocks) {
+    byte_unit = std::max({byte_unit, std::abs(b.bytes), peak_of(b)});
+  }
   byte_unit = byte_unit > 0 ? byte_unit / 1e6 : 1;
   for (const TesselBlock& b : p.blocks) {
     d.ticks.push_back(static_cast<int64_t>(std::ceil(b.seconds / d.seconds_per_tick - 1e-9)));
     d.bytes.push_back(std::llround(b.bytes / byte_unit));
+    d.peak.push_back(std::llround(peak_of(b) / byte_unit));
     d.sequential += d.ticks.back();
   }
   std::vector<int64_t> tick_load(p.devices, 0);
@@ -151,14 +158,18 @@ struct Repetend {
 };
 
 // Is there a repetend of period `period` whose lags are at most `max_lag`?
+// `budget`: solver work left for the whole search (Z3's resource units); each check may use
+// at most `p.solver_rlimit` of it and spends what it used.
 std::optional<Repetend> find_repetend(const TesselProblem& p, const Discrete& d, int64_t period,
-                                      int64_t max_lag, int& calls, std::string& failure) {
+                                      int64_t max_lag, int& calls, std::string& failure,
+                                      uint64_t& budget) {
+  if (budget == 0) return std::nullopt;
   ++calls;
   try {
     z3::context ctx;
     z3::solver solver(ctx);
     z3::params params(ctx);
-    params.set("rlimit", p.solver_rlimit);
+    params.set("rlimit", static_cast<unsigned>(std::min<uint64_t>(p.solver_rlimit, budget)));
     solver.set(params);
     const int n = static_cast<int>(p.blocks.size());
     const z3::expr P = ctx.int_val(period);
@@ -192,14 +203,22 @@ std::optional<Repetend> find_repetend(const TesselProblem& p, const Discrete& d,
     for (int c = 0; c < n; ++c) {
       for (int b : p.blocks[c].after) solver.add(k[c] * P + s[c] >= k[b] * P + s[b] + t(b));
     }
-    // Steady-state memory at each allocating block's end (where it peaks): block b has run for
-    // j - k_b + floor((tau - e_b) / P) micro-batches by phase tau of period j, so the level is
-    // sum_b bytes_b (floor((tau - e_b) / P) - k_b): the j terms cancel as each device's blocks
-    // free what they keep.
+    // Steady-state memory. Block b has ended for j - k_b + floor((tau - e_b) / P) micro-batches
+    // by phase tau of period j, so the level is sum_b bytes_b (floor((tau - e_b) / P) - k_b):
+    // the j terms cancel as each device's blocks free what they keep. The level only rises
+    // when a keeping block ends, so it is evaluated there (tau = its end): that level less what
+    // the block keeps, plus its own peak, is the peak during it; the highest such level, L,
+    // bounds the level any other block starts at, and so that block's peak.
     for (int dev = 0; dev < p.devices; ++dev) {
       if (d.limit[dev] < 0) continue;
+      const z3::expr highest = ctx.int_const(fmt::format("L{}", dev).c_str());
+      const z3::expr limit = ctx.int_val(d.limit[dev]);
+      int64_t other_peak = 0;
       for (int a : on_device[dev]) {
-        if (d.bytes[a] <= 0) continue;
+        if (d.bytes[a] <= 0) {
+          other_peak = std::max(other_peak, d.peak[a]);
+          continue;
+        }
         const z3::expr wrap = ctx.bool_const(fmt::format("w{}_{}", dev, a).c_str());
         const z3::expr tau = s[a] + t(a) - z3::ite(wrap, P, ctx.int_val(0));
         solver.add(tau >= 0 && tau < P);
@@ -210,10 +229,22 @@ std::optional<Repetend> find_repetend(const TesselProblem& p, const Discrete& d,
           solver.add(f * P <= tau - (s[b] + t(b)) && tau - (s[b] + t(b)) < (f + 1) * P);
           level = level + ctx.int_val(d.bytes[b]) * (f - k[b]);
         }
-        solver.add(level <= ctx.int_val(d.limit[dev]));
+        solver.add(level <= highest);
+        solver.add(level - ctx.int_val(d.bytes[a]) + ctx.int_val(d.peak[a]) <= limit);
+      }
+      solver.add(highest + ctx.int_val(other_peak) <= limit);
+    }
+    const z3::check_result result = solver.check();
+    const z3::stats stats = solver.statistics();
+    uint64_t used = 0;
+    for (unsigned i = 0; i < stats.size(); ++i) {
+      if (stats.key(i) == "rlimit count") {
+        used =
+            stats.is_uint(i) ? stats.uint_value(i) : static_cast<uint64_t>(stats.double_value(i));
       }
     }
-    if (solver.check() != z3::sat) return std::nullopt;
+    budget -= std::min(budget, std::max<uint64_t>(used, 1));
+    if (result != z3::sat) return std::nullopt;
     const z3::model m = solver.get_model();
     Repetend r;
     r.period = period;
@@ -329,8 +360,8 @@ Expected<OrdersRun> run_orders(const TesselProblem& p,
       run.makespan = std::max(run.makespan, finish);
       for (int other : blk.devices) {
         free_at[other] = finish;
+        run.peak_bytes[other] = std::max(run.peak_bytes[other], level[other] + peak_of(blk));
         level[other] += blk.bytes;
-        run.peak_bytes[other] = std::max(run.peak_bytes[other], level[other]);
         ++next[other];
         --remaining;
       }
@@ -356,12 +387,17 @@ Expected<TesselSchedule> tessel_search(const TesselProblem& p) {
   const int64_t lag_bound = std::min<int64_t>(n, kMaxLagPerDevice * p.devices + 4);
   TesselSchedule out;
   std::string failure;
+  uint64_t budget = p.search_rlimit;
   auto find = [&](int64_t period, int64_t max_lag) {
-    return find_repetend(p, d, period, max_lag, out.solver_calls, failure);
+    return find_repetend(p, d, period, max_lag, out.solver_calls, failure, budget);
   };
   // Shortest period: the busiest device's work if it can be had, else by bisection up to the
   // whole micro-batch in sequence.
-  std::optional<Repetend> best = find(d.lower_bound, lag_bound);
+  // (Tried first with the lags a pipeline of this many devices needs, which is much quicker
+  // to search, then with all.)
+  const int64_t few_lags = std::min<int64_t>(lag_bound, p.devices + 2);
+  std::optional<Repetend> best = find(d.lower_bound, few_lags);
+  if (!best && few_lags < lag_bound) best = find(d.lower_bound, lag_bound);
   if (!best) {
     int64_t lo = d.lower_bound + 1, hi = d.sequential;
     const int64_t tolerance = std::max<int64_t>(
@@ -375,7 +411,10 @@ Expected<TesselSchedule> tessel_search(const TesselProblem& p) {
         lo = mid + 1;
       }
     }
-    if (!best) best = find(hi, lag_bound);
+    if (!best) {
+      budget = std::max<uint64_t>(budget, p.solver_rlimit);  // the answer of last resort
+      best = find(hi, lag_bound);
+    }
   }
   if (!failure.empty()) return Error("the Z3 solver failed: " + failure);
   if (!best) {

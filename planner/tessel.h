@@ -8,7 +8,8 @@
 // and a start s_b within the period; blocks may wrap around the period's end. Constraints: no
 // two blocks overlap on a device (on a circle of length P), a block starts after the blocks it
 // needs of the same micro-batch end (k_c P + s_c >= k_b P + s_b + t_b), and the activation bytes
-// a device holds in steady state stay under its limit (evaluated exactly at every block's end).
+// a device holds in steady state, plus each block's own peak, stay under its limit (evaluated
+// exactly at every block's start).
 // The shortest feasible P is found by bisection between the busiest device's work per
 // micro-batch and the whole micro-batch run in sequence; at that P the smallest largest lag
 // (the shortest fill and drain) is kept. Unrolled, every device runs its blocks in order of
@@ -32,6 +33,9 @@ struct TesselBlock {
   // device the blocks of one micro-batch sum to zero.
   double bytes = 0;
   std::vector<int> after;  // blocks of the same micro-batch that must end before it starts
+  // Bytes above the level at its start it needs while it runs (workspace, and what it keeps);
+  // at least `bytes`.
+  double peak = 0;
 };
 
 struct TesselProblem {
@@ -42,7 +46,10 @@ struct TesselProblem {
   std::vector<double> memory_limit;
   // Solver work per satisfiability check (Z3's deterministic resource limit, not a wall-clock
   // time: the same inputs give the same schedule).
-  unsigned solver_rlimit = 20'000'000;
+  // The whole search stops refining once it has spent `search_rlimit` (keeping the best
+  // repetend found): at most about 15 s on this project's 2-core machine.
+  unsigned solver_rlimit = 4'000'000;
+  uint64_t search_rlimit = 8'000'000;
   // Relative precision of the period bisection.
   double precision = 0.01;
 };

@@ -22,6 +22,7 @@
 #include "core/suggest.h"
 #include "core/topology.h"
 #include "core/units.h"
+#include "hwexec/fit.h"
 #include "planner/estimator.h"
 #include "planner/megatron.h"
 #include "planner/schedule_gen.h"
@@ -586,6 +587,78 @@ int run_validate(const ValidateArgs& a) {
   return 0;
 }
 
+struct CalibrateArgs {
+  std::string micro;
+  std::string gpu;
+  std::string output;
+};
+
+// nnsim calibrate: fits the cost model to an `nnexec bench` file (docs/hwexec.md).
+int run_calibrate(const CalibrateArgs& a) {
+  Expected<hwexec::MicroResults> micro = hwexec::read_micro(a.micro);
+  if (!micro) return fail(micro.error().message());
+  std::string gpu_name = a.gpu;
+  if (micro->device == "cpu" && gpu_name.empty()) {
+    return fail(fmt::format(
+        "{} was measured on a CPU ('{}'), which has no catalog entry: name the catalog GPU "
+        "whose parameters it should set with --gpu (its efficiencies are then relative to that "
+        "GPU's datasheet peaks; docs/hwexec.md)",
+        a.micro, micro->device_name));
+  }
+  if (gpu_name.empty()) {
+    Expected<std::string> matched = hwexec::match_catalog_gpu(micro->device_name);
+    if (!matched) return fail(fmt::format("{}: {}", a.micro, matched.error().message()));
+    gpu_name = *matched;
+  }
+  Expected<GpuSpec> gpu = find_gpu(gpu_name);
+  if (!gpu) return fail("--gpu: " + gpu.error().message());
+  std::string source =
+      fmt::format("nnsim calibrate {} (nnexec bench on {} '{}', LibTorch {})", a.micro,
+                  micro->device, micro->device_name, micro->torch_version);
+  if (micro->device == "cpu") source += fmt::format("; relative to {}'s datasheet", gpu->name);
+  Expected<hwexec::Fit> fit = hwexec::fit_micro(*micro, *gpu, source);
+  if (!fit) return fail(fmt::format("{}: {}", a.micro, fit.error().message()));
+  Calibration c;
+  c.gpus[gpu->name] = fit->calibration;
+  if (Status s = save_calibration(a.output, c); !s) return fail(s.error().message());
+
+  std::printf("%s -> %s (%s)\n", a.micro.c_str(), a.output.c_str(), gpu->name.c_str());
+  if (micro->device == "cpu") {
+    std::printf("  note: measured on a CPU; efficiencies are relative to %s's datasheet\n",
+                gpu->name.c_str());
+  }
+  for (const hwexec::GemmFit& g : fit->gemm) {
+    std::printf(
+        "  gemm_efficiency_%-4s %.4g  (best %.4g FLOP/s at %.0fx%.0fx%.0f of %.4g peak; "
+        "model error over %d shapes: median %.1f%%, max %.1f%%)\n",
+        std::string(to_string(g.precision)).c_str(), g.efficiency, g.best_flops, g.m, g.n, g.k,
+        g.peak, g.samples, 100 * g.median_error, 100 * g.max_error);
+  }
+  if (fit->memory) {
+    const hwexec::MemoryFit& m = *fit->memory;
+    std::printf("  memory_efficiency    %.4g  (%.4g bytes/s of %.4g)\n", m.efficiency, m.bandwidth,
+                gpu->hbm_bandwidth);
+    std::printf(
+        "  kernel_overhead      %.4g s  (line fit over %d sizes: median %.1f%%, max %.1f%%)\n",
+        m.overhead, m.samples, 100 * m.median_error, 100 * m.max_error);
+    for (const auto& op : m.per_op) {
+      std::printf("    %-10s alone: %.4g bytes/s, %.4g s per kernel\n", op.op.c_str(), op.bandwidth,
+                  op.overhead);
+    }
+  }
+  if (fit->nvlink) {
+    const hwexec::LinkFit& l = *fit->nvlink;
+    std::printf(
+        "  nvlink (%d GPUs, %s): step latency %.4g s, max efficiency %.3f, all-reduce %.3f, "
+        "%zu curve points\n",
+        l.ranks, fmt::format("{}", fmt::join(l.from, ", ")).c_str(),
+        l.link.step_latency.value_or(0), l.link.max_efficiency.value_or(0),
+        l.link.all_reduce_max_efficiency.value_or(0), l.link.curve.size());
+  }
+  for (const std::string& n : fit->notes) std::printf("  not fitted: %s\n", n.c_str());
+  return 0;
+}
+
 }  // namespace
 }  // namespace nnsim
 
@@ -614,7 +687,10 @@ int main(int argc, char** argv) {
                      "Megatron sequence parallelism inside tensor-parallel groups");
   plan_cmd->add_flag("--shard-head", plan.o.shard_head,
                      "the head as a segment spanning every pipeline stage, vocabulary split "
-                     "over pp (1f1b or gpipe; builder only)");
+                     "over pp (1f1b, gpipe or tessel; builder only)");
+  plan_cmd->add_flag("--shard-embedding", plan.o.shard_embedding,
+                     "the embedding as a segment spanning every pipeline stage, vocabulary "
+                     "split over pp (--schedule tessel; builder only)");
   plan_cmd->add_option("--micro-batch", plan.o.micro_batch, "sequences per micro-batch");
   plan_cmd->add_option("--global-batch", plan.o.global_batch, "sequences per optimizer step")
       ->required();
@@ -695,6 +771,16 @@ int main(int argc, char** argv) {
   export_cmd->add_option("-o,--output", export_out, "the HDF5 file to write")->required();
   calib_cmd->require_subcommand(1);
 
+  CalibrateArgs calibrate;
+  CLI::App* calibrate_cmd = app.add_subcommand(
+      "calibrate", "fit the cost model to microbenchmarks (nnexec bench) into a calibration file");
+  calibrate_cmd->add_option("micro", calibrate.micro, "nnexec bench output (HDF5)")->required();
+  calibrate_cmd->add_option("--gpu", calibrate.gpu,
+                            "catalog GPU to calibrate (default: the file's device; required for "
+                            "a CPU file)");
+  calibrate_cmd->add_option("-o,--output", calibrate.output, "the calibration file to write")
+      ->required();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -733,10 +819,10 @@ int main(int argc, char** argv) {
       p.schedule = *s;
     }
     if (!p.tp || !p.pp) plan.search = true;
-    if (plan.search && given("--shard-head")) {
+    if (plan.search && (given("--shard-head") || given("--shard-embedding"))) {
       return fail(
-          "--shard-head is for the builder: give --tp and --pp (the search does not "
-          "shard the head)");
+          "--shard-head and --shard-embedding are for the builder: give --tp and --pp (the "
+          "search does not shard the head or the embedding)");
     }
     if (plan.search && given("--recompute-layers")) {
       return fail(
@@ -747,6 +833,7 @@ int main(int argc, char** argv) {
   }
   if (validate_cmd->parsed()) return run_validate(validate);
   if (schedule_cmd->parsed()) return run_schedule(sched);
+  if (calibrate_cmd->parsed()) return run_calibrate(calibrate);
   if (export_cmd->parsed()) {
     Calibration c;
     for (const auto& name : export_gpus) {

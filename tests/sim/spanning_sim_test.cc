@@ -128,5 +128,51 @@ TEST(SpanningSim, TesselSearchBeatsOneFOneBOnTheShardedHead) {
   }
 }
 
+// Tessel's M shape: the embedding and the head both sharded over the four stages, scheduled by
+// the search. The embedding's vocabulary-split lookup leaves partial sums that the four lanes
+// all-reduce together; every stage holds a quarter of both tables; the iteration beats 1F1B
+// with the whole embedding and head on the end stages.
+TEST(SpanningSim, ShardedEmbeddingAndHeadUnderTheSearch) {
+  Expected<ModelSpec> m = load_model("llama3-8b");
+  ASSERT_TRUE(m.ok());
+  MegatronOptions o;
+  o.pp = 4;
+  o.avoid_gpus = {4, 5, 6, 7};
+  o.global_batch = 8;
+  o.shard_head = true;
+  o.shard_embedding = true;
+  o.schedule = ScheduleKind::kOneFOneB;
+  Expected<Plan> refused = build_megatron_plan(*m, one_node(), o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("--schedule tessel"), std::string::npos);
+  o.schedule = ScheduleKind::kTessel;
+  Expected<Plan> p = build_megatron_plan(*m, one_node(), o);
+  ASSERT_TRUE(p.ok()) << p.error().message();
+  Expected<Program> prog = compile_plan(*p, one_node());
+  ASSERT_TRUE(prog.ok()) << prog.error().message();
+  const SimResult r = run(*prog);
+  const SimResult plain = run(compile(false));
+  EXPECT_LT(r.iteration_time, 0.9 * plain.iteration_time);
+  // The partial sums of every micro-batch's lookup, all-reduced over pp on every lane.
+  int label = -1;
+  for (size_t i = 0; i < r.labels.size(); ++i) {
+    if (r.labels[i] == "embed.partial-sums") label = static_cast<int>(i);
+  }
+  ASSERT_GE(label, 0);
+  std::vector<int> per_lane(4, 0);
+  for (const TaskRecord& t : r.tasks) {
+    if (t.kind == TaskKind::kCollective && t.label == label) {
+      EXPECT_EQ(t.axes, 1u << prog->plan.mesh.axis_index("pp"));
+      ++per_lane[t.lane];
+    }
+  }
+  for (int n : per_lane) EXPECT_EQ(n, r.micro_batches);
+  // Every stage holds the same quarter of the embedding and of the head.
+  for (size_t l = 1; l < prog->lanes.size(); ++l) {
+    EXPECT_NEAR(prog->lanes[l].parameters, prog->lanes[0].parameters,
+                1e-9 * prog->lanes[0].parameters);
+  }
+}
+
 }  // namespace
 }  // namespace nnsim

@@ -1,0 +1,59 @@
+// hwexec's internal boundary between the benchmark driver (bench.cc) and the parts that need
+// LibTorch (torch_ops.cc, the only file that includes its headers) or the CUDA runtime and NCCL
+// (cuda.cc). When a part is not built, bench.cc does not call it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "hwexec/bench.h"
+#include "hwexec/micro.h"
+
+namespace nnsim::hwexec::detail {
+
+struct Repeat {
+  int warmup = 2;
+  int repetitions = 5;
+};
+
+// torch_ops.cc
+std::string torch_version();
+int torch_threads();
+void set_torch_threads(int threads);
+bool torch_cuda_available();
+// Whether LibTorch can multiply matrices of `p` on `device` here (fp8 needs torch >= 2.4 on a
+// GPU with fp8 tensor cores); `why` says why not.
+bool gemm_supported(const std::string& device, Precision p, std::string* why);
+Expected<Timing> time_gemm(const std::string& device, Precision p, std::int64_t m, std::int64_t n,
+                           std::int64_t k, const Repeat& r);
+// op: "add" (c = a + b), "layernorm" (rows of 4096), "softmax" (rows of 4096), "gelu".
+// Returns the timing; *traffic_elements is how many elements it reads and writes per element.
+Expected<Timing> time_memory_op(const std::string& device, const std::string& op, Precision dtype,
+                                std::int64_t elements, const Repeat& r, double* traffic_elements);
+
+// cuda.cc
+CudaProbe cuda_probe();
+std::string nccl_version();
+// Elapsed time between two CUDA events recorded on `stream` (a cudaStream_t).
+class CudaTimer {
+ public:
+  explicit CudaTimer(void* stream);
+  ~CudaTimer();
+  CudaTimer(const CudaTimer&) = delete;
+  CudaTimer& operator=(const CudaTimer&) = delete;
+  void start();
+  void stop();
+  double seconds();  // waits for the stop event
+
+ private:
+  void* stream_;
+  void* start_ = nullptr;
+  void* stop_ = nullptr;
+};
+// nccl-tests style: one process drives all `devices` GPUs; float32; sum for reductions.
+Expected<std::vector<CollectiveSeries>> bench_nccl(int devices, const std::vector<double>& sizes,
+                                                   const Repeat& r);
+
+}  // namespace nnsim::hwexec::detail

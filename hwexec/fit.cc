@@ -1,0 +1,285 @@
+#include "hwexec/fit.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "core/comm_model.h"
+#include "core/cost_model.h"
+
+namespace nnsim::hwexec {
+
+namespace {
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+bool has(const std::string& s, const char* what) {
+  return s.find(what) != std::string::npos;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Relative errors |model - measured| / measured: median and max.
+std::pair<double, double> error_stats(const std::vector<double>& model,
+                                      const std::vector<double>& measured) {
+  std::vector<double> e;
+  for (size_t i = 0; i < model.size(); ++i) {
+    e.push_back(std::abs(model[i] - measured[i]) / measured[i]);
+  }
+  return {median(e), e.empty() ? 0 : *std::max_element(e.begin(), e.end())};
+}
+
+// Relative peak-to-fit check: a measurement above what the datasheet allows means the file is
+// not from this GPU.
+constexpr double kSlack = 1.02;
+
+Expected<std::vector<GemmFit>> fit_gemm(const MicroResults& micro, const GpuSpec& gpu,
+                                        std::vector<std::string>& notes) {
+  std::vector<GemmFit> out;
+  const ComputeModel defaults = ComputeModel::defaults_for(gpu);
+  for (const GemmSeries& s : micro.gemm) {
+    if (s.samples.empty()) continue;
+    const double peak = gpu.peak_flops(s.precision);
+    if (peak <= 0) {
+      notes.push_back(fmt::format("gemm {}: {} has no peak for it; not fitted",
+                                  to_string(s.precision), gpu.name));
+      continue;
+    }
+    // The simulator's GEMM time with efficiency 1 and sustained 1: the shape's tile and wave
+    // quantization and short-k factor at the datasheet peak.
+    ComputeModel ideal = defaults;
+    ideal.gemm_efficiency = {{s.precision, 1.0}};
+    ideal.sustained = 1.0;
+    GemmFit f;
+    f.precision = s.precision;
+    f.peak = peak;
+    f.samples = static_cast<int>(s.samples.size());
+    std::vector<double> ideal_t, measured;
+    for (const GemmSample& x : s.samples) {
+      const double t0 = gemm_seconds(x.m, x.n, x.k, s.precision, gpu, ideal);
+      ideal_t.push_back(t0);
+      measured.push_back(x.t.seconds);
+      const double e = t0 / x.t.seconds;
+      if (e > f.efficiency) {
+        f.efficiency = e;
+        f.best_flops = x.flops() / x.t.seconds;
+        f.m = x.m;
+        f.n = x.n;
+        f.k = x.k;
+      }
+    }
+    if (f.efficiency > kSlack) {
+      return Error(fmt::format(
+          "gemm {}: {} x {} x {} ran at {:.4g} FLOP/s, {:.2f} times what {}'s datasheet peak "
+          "({:.4g} FLOP/s) allows for that shape; is the file from another GPU (--gpu)?",
+          to_string(s.precision), f.m, f.n, f.k, f.best_flops, f.efficiency, gpu.name, peak));
+    }
+    f.efficiency = std::min(f.efficiency, 1.0);
+    std::vector<double> model;
+    for (double t0 : ideal_t) model.push_back(t0 / f.efficiency);
+    std::tie(f.median_error, f.max_error) = error_stats(model, measured);
+    out.push_back(f);
+  }
+  return out;
+}
+
+// Weighted least squares of t = a + b x minimizing the relative residuals (a + b x_i - t_i)/t_i,
+// with a >= 0.
+std::pair<double, double> fit_line(const std::vector<double>& x, const std::vector<double>& t) {
+  double s0 = 0, s1 = 0, s2 = 0, st = 0, sxt = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double w = 1 / (t[i] * t[i]);
+    s0 += w;
+    s1 += w * x[i];
+    s2 += w * x[i] * x[i];
+    st += w * t[i];
+    sxt += w * x[i] * t[i];
+  }
+  const double det = s0 * s2 - s1 * s1;
+  double a = 0, b = 0;
+  if (x.size() >= 2 && det > 0) {
+    a = (s2 * st - s1 * sxt) / det;
+    b = (s0 * sxt - s1 * st) / det;
+  }
+  if (a < 0 || b <= 0) {
+    a = 0;
+    b = sxt / s2;
+  }
+  return {a, b};
+}
+
+std::optional<MemoryFit> fit_memory(const MicroResults& micro, const GpuSpec& gpu,
+                                    std::vector<std::string>& notes) {
+  std::vector<double> bytes, seconds;
+  for (const MemorySeries& s : micro.memory) {
+    for (const MemorySample& x : s.samples) {
+      bytes.push_back(x.bytes);
+      seconds.push_back(x.t.seconds);
+    }
+  }
+  if (bytes.empty()) {
+    notes.push_back(
+        "memory-bound operators: none measured; memory_efficiency and "
+        "kernel_overhead not fitted");
+    return std::nullopt;
+  }
+  if (gpu.hbm_bandwidth <= 0) {
+    notes.push_back(
+        fmt::format("memory-bound operators: {} has no HBM bandwidth; not fitted", gpu.name));
+    return std::nullopt;
+  }
+  auto [a, b] = fit_line(bytes, seconds);
+  MemoryFit f;
+  f.samples = static_cast<int>(bytes.size());
+  f.overhead = a;
+  f.bandwidth = 1 / b;
+  f.efficiency = f.bandwidth / gpu.hbm_bandwidth;
+  for (const MemorySeries& s : micro.memory) {
+    if (s.samples.empty()) continue;
+    std::vector<double> x, t;
+    for (const MemorySample& m : s.samples) {
+      x.push_back(m.bytes);
+      t.push_back(m.t.seconds);
+    }
+    auto [oa, ob] = fit_line(x, t);
+    f.per_op.push_back({s.op, 1 / ob, oa});
+  }
+  std::vector<double> model;
+  for (double x : bytes) model.push_back(a + b * x);
+  std::tie(f.median_error, f.max_error) = error_stats(model, seconds);
+  if (f.efficiency > 1) {
+    notes.push_back(fmt::format(
+        "memory-bound operators: {:.4g} bytes/s is above {}'s HBM bandwidth ({:.4g} bytes/s); "
+        "the sizes probably fit in cache",
+        f.bandwidth, gpu.name, gpu.hbm_bandwidth));
+  }
+  return f;
+}
+
+std::optional<LinkFit> fit_link(const MicroResults& micro, const GpuSpec& gpu,
+                                std::vector<std::string>& notes) {
+  if (micro.collectives.empty()) {
+    notes.push_back(
+        "collectives: none measured (NCCL needs 2 or more GPUs); link parameters "
+        "not fitted");
+    return std::nullopt;
+  }
+  if (gpu.nvlink_bandwidth <= 0) {
+    notes.push_back(fmt::format(
+        "collectives: {} has no NVLink; a PCIe bandwidth depends on the machine and is not in "
+        "the catalog, so link parameters are not fitted",
+        gpu.name));
+    return std::nullopt;
+  }
+  LinkFit f;
+  f.link_bandwidth = gpu.nvlink_bandwidth;
+  std::optional<double> all_reduce_cap, ring_cap, step_latency;
+  std::vector<EfficiencyPoint> all_reduce_curve, ring_curve;
+  for (const CollectiveSeries& s : micro.collectives) {
+    if (s.ranks < 2 || s.samples.size() < 2) {
+      notes.push_back(fmt::format("collectives {}: {} rank(s), {} size(s); not fitted", s.kind,
+                                  s.ranks, s.samples.size()));
+      continue;
+    }
+    if (f.ranks != 0 && f.ranks != s.ranks) {
+      notes.push_back(fmt::format("collectives {}: {} ranks, the others {}; not fitted", s.kind,
+                                  s.ranks, f.ranks));
+      continue;
+    }
+    std::vector<CollectiveSample> samples = s.samples;
+    std::sort(samples.begin(), samples.end(),
+              [](const auto& x, const auto& y) { return x.bytes < y.bytes; });
+    const bool all_reduce = s.kind == "all_reduce";
+    const int steps = all_reduce ? 2 * (s.ranks - 1) : s.ranks - 1;
+    // All latency at the smallest size (as for the built-in curves, core/comm_model.cc).
+    const double alpha = samples.front().t.seconds;
+    std::vector<EfficiencyPoint> curve;
+    for (const CollectiveSample& x : samples) {
+      if (x.bytes < 1024.0 * 1024 || x.t.seconds <= alpha) continue;
+      const double volume = bus_factor(s.kind, s.ranks) * x.bytes;
+      curve.push_back({x.bytes, volume / (gpu.nvlink_bandwidth * (x.t.seconds - alpha))});
+    }
+    if (curve.empty()) {
+      notes.push_back(fmt::format(
+          "collectives {}: no size of 1 MiB or more above the smallest size's time; not fitted",
+          s.kind));
+      continue;
+    }
+    f.ranks = s.ranks;
+    f.from.push_back(s.kind);
+    double top = 0;
+    for (const auto& p : curve) top = std::max(top, p.efficiency);
+    if (all_reduce) {
+      all_reduce_curve = curve;
+      all_reduce_cap = top;
+      step_latency = alpha / steps;
+    } else {
+      ring_cap = std::max(ring_cap.value_or(0.0), top);
+      if (ring_curve.empty()) ring_curve = curve;
+      if (!step_latency) step_latency = alpha / steps;
+    }
+  }
+  if (f.from.empty()) return std::nullopt;
+  // The curve is the all-reduce's (all-gather's or reduce-scatter's without one); the
+  // ring-only collectives are capped at their own best, the all-reduce at its own.
+  f.link.curve = all_reduce_curve.empty() ? ring_curve : all_reduce_curve;
+  f.link.step_latency = step_latency;
+  if (all_reduce_cap) f.link.all_reduce_max_efficiency = *all_reduce_cap;
+  f.link.max_efficiency = ring_cap ? *ring_cap : *all_reduce_cap;
+  if (!all_reduce_cap) f.link.all_reduce_max_efficiency = *ring_cap;
+  return f;
+}
+
+}  // namespace
+
+Expected<std::string> match_catalog_gpu(const std::string& device_name) {
+  const std::string d = lower(device_name);
+  std::string name;
+  if (has(d, "h200")) {
+    name = "h200-sxm-141gb";
+  } else if (has(d, "h100") && !has(d, "pcie") && !has(d, "nvl")) {
+    name = has(d, "96") ? "h100-sxm5-96gb" : "h100-sxm5-80gb";
+  } else if (has(d, "a100")) {
+    name =
+        has(d, "pcie") ? "a100-pcie-80gb" : (has(d, "40gb") ? "a100-sxm4-40gb" : "a100-sxm4-80gb");
+  }
+  if (!name.empty() && find_gpu(name)) return name;
+  std::string known;
+  for (const GpuSpec& g : gpu_catalog()) known += (known.empty() ? "" : ", ") + g.name;
+  return Error(fmt::format("device '{}' is not a catalog GPU ({}); name one with --gpu",
+                           device_name, known));
+}
+
+Expected<Fit> fit_micro(const MicroResults& micro, const GpuSpec& gpu, const std::string& source) {
+  Fit f;
+  f.gpu = gpu.name;
+  f.notes = {};
+  auto gemm = fit_gemm(micro, gpu, f.notes);
+  if (!gemm) return gemm.error();
+  f.gemm = *gemm;
+  f.memory = fit_memory(micro, gpu, f.notes);
+  f.nvlink = fit_link(micro, gpu, f.notes);
+  if (f.gemm.empty() && !f.memory && !f.nvlink) {
+    return Error("nothing to fit: no GEMM, memory-bound or collective measurements");
+  }
+  f.calibration.source = source;
+  for (const GemmFit& g : f.gemm) f.calibration.gemm_efficiency[g.precision] = g.efficiency;
+  if (f.memory) {
+    f.calibration.compute["memory_efficiency"] = f.memory->efficiency;
+    f.calibration.compute["kernel_overhead"] = f.memory->overhead;
+  }
+  if (f.nvlink) f.calibration.nvlink = f.nvlink->link;
+  return f;
+}
+
+}  // namespace nnsim::hwexec

@@ -1,0 +1,398 @@
+#include "hwexec/micro.h"
+
+#include <hdf5.h>
+
+#include <cmath>
+#include <optional>
+
+#include <fmt/format.h>
+
+namespace nnsim::hwexec {
+
+namespace {
+
+// Closes an HDF5 handle when it goes out of scope.
+struct Handle {
+  hid_t id;
+  herr_t (*close)(hid_t);
+  Handle(hid_t i, herr_t (*c)(hid_t)) : id(i), close(c) {}
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+  ~Handle() {
+    if (id >= 0) close(id);
+  }
+};
+
+bool write_attr(hid_t obj, const char* name, double v) {
+  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
+  Handle a(H5Acreate2(obj, name, H5T_NATIVE_DOUBLE, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  return a.id >= 0 && H5Awrite(a.id, H5T_NATIVE_DOUBLE, &v) >= 0;
+}
+
+bool write_attr(hid_t obj, const char* name, long long v) {
+  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
+  Handle a(H5Acreate2(obj, name, H5T_STD_I64LE, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  return a.id >= 0 && H5Awrite(a.id, H5T_NATIVE_LLONG, &v) >= 0;
+}
+
+bool write_attr(hid_t obj, const char* name, const std::string& v) {
+  Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
+  H5Tset_size(type.id, v.size() + 1);
+  H5Tset_cset(type.id, H5T_CSET_UTF8);
+  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
+  Handle a(H5Acreate2(obj, name, type.id, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  return a.id >= 0 && H5Awrite(a.id, type.id, v.c_str()) >= 0;
+}
+
+bool write_vector(hid_t group, const char* name, const std::vector<double>& v) {
+  hsize_t n = v.size();
+  Handle space(H5Screate_simple(1, &n, nullptr), H5Sclose);
+  Handle set(
+      H5Dcreate2(group, name, H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+      H5Dclose);
+  if (set.id < 0) return false;
+  return n == 0 ||
+         H5Dwrite(set.id, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) >= 0;
+}
+
+hid_t make_group(hid_t parent, const std::string& name) {
+  return H5Gcreate2(parent, name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+}
+
+std::optional<double> read_number(hid_t obj, const char* name) {
+  if (H5Aexists(obj, name) <= 0) return std::nullopt;
+  Handle a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+  Handle type(H5Aget_type(a.id), H5Tclose);
+  const H5T_class_t cls = H5Tget_class(type.id);
+  if (cls != H5T_FLOAT && cls != H5T_INTEGER) return std::nullopt;
+  double v = 0;
+  if (H5Aread(a.id, H5T_NATIVE_DOUBLE, &v) < 0) return std::nullopt;
+  return v;
+}
+
+std::optional<std::string> read_string(hid_t obj, const char* name) {
+  if (H5Aexists(obj, name) <= 0) return std::nullopt;
+  Handle a(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose);
+  Handle type(H5Aget_type(a.id), H5Tclose);
+  if (H5Tget_class(type.id) != H5T_STRING) return std::nullopt;
+  if (H5Tis_variable_str(type.id) > 0) {
+    char* p = nullptr;
+    Handle mem(H5Tcopy(H5T_C_S1), H5Tclose);
+    H5Tset_size(mem.id, H5T_VARIABLE);
+    if (H5Aread(a.id, mem.id, &p) < 0 || p == nullptr) return std::nullopt;
+    std::string s(p);
+    H5free_memory(p);
+    return s;
+  }
+  std::string s(H5Tget_size(type.id), '\0');
+  if (H5Aread(a.id, type.id, s.data()) < 0) return std::nullopt;
+  while (!s.empty() && s.back() == '\0') s.pop_back();
+  return s;
+}
+
+// Names of the links in a group, in name order.
+std::vector<std::string> children(hid_t group) {
+  std::vector<std::string> names;
+  H5G_info_t info;
+  if (H5Gget_info(group, &info) < 0) return names;
+  for (hsize_t i = 0; i < info.nlinks; ++i) {
+    ssize_t n =
+        H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT);
+    if (n < 0) continue;
+    std::string name(static_cast<size_t>(n) + 1, '\0');
+    H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(), name.size(),
+                       H5P_DEFAULT);
+    name.resize(static_cast<size_t>(n));
+    names.push_back(name);
+  }
+  return names;
+}
+
+// Reads the series datasets of one group: each must exist, be 1-D doubles of one length, and
+// hold positive finite values.
+class SeriesReader {
+ public:
+  SeriesReader(hid_t group, std::string where) : group_(group), where_(std::move(where)) {}
+
+  Expected<std::vector<double>> column(const char* name) {
+    if (H5Lexists(group_, name, H5P_DEFAULT) <= 0) {
+      return Error(fmt::format("{}: dataset '{}' is missing", where_, name));
+    }
+    Handle set(H5Dopen2(group_, name, H5P_DEFAULT), H5Dclose);
+    if (set.id < 0) return Error(fmt::format("{}/{}: not a dataset", where_, name));
+    Handle space(H5Dget_space(set.id), H5Sclose);
+    if (H5Sget_simple_extent_ndims(space.id) != 1) {
+      return Error(fmt::format("{}/{}: must be one-dimensional", where_, name));
+    }
+    const hssize_t n = H5Sget_simple_extent_npoints(space.id);
+    std::vector<double> v(n > 0 ? static_cast<size_t>(n) : 0);
+    if (n > 0 && H5Dread(set.id, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) < 0) {
+      return Error(fmt::format("{}/{}: cannot be read as numbers", where_, name));
+    }
+    if (length_ && v.size() != *length_) {
+      return Error(fmt::format("{}/{}: has {} entries, the other datasets of the group {}", where_,
+                               name, v.size(), *length_));
+    }
+    length_ = v.size();
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (!std::isfinite(v[i]) || v[i] <= 0) {
+        return Error(
+            fmt::format("{}/{}: entry {} is {} (must be positive)", where_, name, i, v[i]));
+      }
+    }
+    return v;
+  }
+
+ private:
+  hid_t group_;
+  std::string where_;
+  std::optional<size_t> length_;
+};
+
+Status write_timing(hid_t g, const std::vector<Timing>& t) {
+  std::vector<double> med, min;
+  for (const Timing& x : t) {
+    med.push_back(x.seconds);
+    min.push_back(x.seconds_min);
+  }
+  if (!write_vector(g, "seconds", med) || !write_vector(g, "seconds_min", min)) {
+    return Error("writing the timings failed");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+double bus_factor(const std::string& kind, int ranks) {
+  if (ranks < 1) return 0;
+  const double frac = static_cast<double>(ranks - 1) / ranks;
+  if (kind == "all_reduce") return 2 * frac;
+  if (kind == "all_gather" || kind == "reduce_scatter") return frac;
+  return 0;
+}
+
+Expected<Precision> parse_precision(const std::string& name) {
+  for (Precision p :
+       {Precision::kFp32, Precision::kTf32, Precision::kBf16, Precision::kFp16, Precision::kFp8}) {
+    if (to_string(p) == name) return p;
+  }
+  return Error(fmt::format("unknown precision '{}' (fp32, tf32, bf16, fp16 or fp8)", name));
+}
+
+Status write_micro(const std::string& path, const MicroResults& r) {
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  Handle file(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+  if (file.id < 0) return Error(fmt::format("cannot create '{}' (does its folder exist?)", path));
+  bool ok = write_attr(file.id, "format", std::string(kMicroFormat)) &&
+            write_attr(file.id, "version", static_cast<long long>(kMicroVersion)) &&
+            write_attr(file.id, "device", r.device) &&
+            write_attr(file.id, "device_name", r.device_name) &&
+            write_attr(file.id, "device_count", static_cast<long long>(r.device_count)) &&
+            write_attr(file.id, "torch_version", r.torch_version) &&
+            write_attr(file.id, "nccl_version", r.nccl_version) &&
+            write_attr(file.id, "threads", static_cast<long long>(r.threads)) &&
+            write_attr(file.id, "warmup", static_cast<long long>(r.warmup)) &&
+            write_attr(file.id, "repetitions", static_cast<long long>(r.repetitions)) &&
+            write_attr(file.id, "quick", static_cast<long long>(r.quick ? 1 : 0));
+  std::string notes;
+  for (const auto& n : r.notes) notes += n + "\n";
+  ok = ok && write_attr(file.id, "notes", notes);
+  if (!ok) return Error(fmt::format("writing the attributes of '{}' failed", path));
+
+  auto fail = [&](const std::string& what) {
+    return Error(fmt::format("writing {} into '{}' failed", what, path));
+  };
+  Handle gemm(make_group(file.id, "gemm"), H5Gclose);
+  for (const GemmSeries& s : r.gemm) {
+    const std::string name(to_string(s.precision));
+    Handle g(make_group(gemm.id, name), H5Gclose);
+    if (g.id < 0) return fail("/gemm/" + name);
+    std::vector<double> m, n, k, rate;
+    std::vector<Timing> t;
+    for (const GemmSample& x : s.samples) {
+      m.push_back(x.m);
+      n.push_back(x.n);
+      k.push_back(x.k);
+      t.push_back(x.t);
+      rate.push_back(x.flops() / x.t.seconds);
+    }
+    if (!write_attr(g.id, "precision", name) ||
+        !write_attr(g.id, "element_bytes", bytes_per_element(s.precision)) ||
+        !write_vector(g.id, "m", m) || !write_vector(g.id, "n", n) || !write_vector(g.id, "k", k) ||
+        !write_timing(g.id, t) || !write_vector(g.id, "flop_per_s", rate)) {
+      return fail("/gemm/" + name);
+    }
+  }
+  Handle memory(make_group(file.id, "memory"), H5Gclose);
+  for (const MemorySeries& s : r.memory) {
+    Handle g(make_group(memory.id, s.op), H5Gclose);
+    if (g.id < 0) return fail("/memory/" + s.op);
+    std::vector<double> elements, bytes, rate;
+    std::vector<Timing> t;
+    for (const MemorySample& x : s.samples) {
+      elements.push_back(x.elements);
+      bytes.push_back(x.bytes);
+      t.push_back(x.t);
+      rate.push_back(x.bytes / x.t.seconds);
+    }
+    if (!write_attr(g.id, "dtype", s.dtype) ||
+        !write_attr(g.id, "bytes_per_element", s.bytes_per_element) ||
+        !write_vector(g.id, "elements", elements) || !write_vector(g.id, "bytes", bytes) ||
+        !write_timing(g.id, t) || !write_vector(g.id, "bytes_per_s", rate)) {
+      return fail("/memory/" + s.op);
+    }
+  }
+  Handle coll(make_group(file.id, "collectives"), H5Gclose);
+  for (const CollectiveSeries& s : r.collectives) {
+    Handle g(make_group(coll.id, s.kind), H5Gclose);
+    if (g.id < 0) return fail("/collectives/" + s.kind);
+    std::vector<double> bytes, algbw, busbw;
+    std::vector<Timing> t;
+    const double factor = bus_factor(s.kind, s.ranks);
+    for (const CollectiveSample& x : s.samples) {
+      bytes.push_back(x.bytes);
+      t.push_back(x.t);
+      algbw.push_back(x.bytes / x.t.seconds);
+      busbw.push_back(x.bytes / x.t.seconds * factor);
+    }
+    if (!write_attr(g.id, "ranks", static_cast<long long>(s.ranks)) ||
+        !write_attr(g.id, "dtype", s.dtype) || !write_vector(g.id, "bytes", bytes) ||
+        !write_timing(g.id, t) || !write_vector(g.id, "algbw_bytes_per_s", algbw) ||
+        !write_vector(g.id, "busbw_bytes_per_s", busbw)) {
+      return fail("/collectives/" + s.kind);
+    }
+  }
+  if (H5Fflush(file.id, H5F_SCOPE_GLOBAL) < 0) return fail("the data");
+  return Status::Ok();
+}
+
+Expected<MicroResults> read_micro(const std::string& path) {
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  if (H5Fis_hdf5(path.c_str()) <= 0) {
+    return Error(fmt::format(
+        "{}: not an HDF5 file (or it does not exist); write one with `nnexec bench --out {}`", path,
+        path));
+  }
+  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  if (file.id < 0) return Error(fmt::format("{}: cannot open", path));
+  auto format = read_string(file.id, "format");
+  if (!format || *format != kMicroFormat) {
+    return Error(fmt::format("{}: attribute 'format' of / is {} (must be \"{}\")", path,
+                             format ? "\"" + *format + "\"" : std::string("missing"),
+                             kMicroFormat));
+  }
+  auto version = read_number(file.id, "version");
+  if (!version || *version != kMicroVersion) {
+    return Error(fmt::format("{}: attribute 'version' of / is {} (this nnsim reads version {})",
+                             path, version ? fmt::format("{}", *version) : "missing",
+                             kMicroVersion));
+  }
+  MicroResults r;
+  auto device = read_string(file.id, "device");
+  if (!device || (*device != "cpu" && *device != "cuda")) {
+    return Error(fmt::format("{}: attribute 'device' of / must be \"cpu\" or \"cuda\"", path));
+  }
+  r.device = *device;
+  r.device_name = read_string(file.id, "device_name").value_or("");
+  r.device_count = static_cast<int>(read_number(file.id, "device_count").value_or(1));
+  r.torch_version = read_string(file.id, "torch_version").value_or("");
+  r.nccl_version = read_string(file.id, "nccl_version").value_or("");
+  r.threads = static_cast<int>(read_number(file.id, "threads").value_or(1));
+  r.warmup = static_cast<int>(read_number(file.id, "warmup").value_or(0));
+  r.repetitions = static_cast<int>(read_number(file.id, "repetitions").value_or(0));
+  r.quick = read_number(file.id, "quick").value_or(0) != 0;
+
+  auto timings = [](SeriesReader& in) -> Expected<std::vector<Timing>> {
+    auto med = in.column("seconds");
+    if (!med) return med.error();
+    auto min = in.column("seconds_min");
+    if (!min) return min.error();
+    std::vector<Timing> t;
+    for (size_t i = 0; i < med->size(); ++i) t.push_back({(*med)[i], (*min)[i]});
+    return t;
+  };
+
+  if (H5Lexists(file.id, "gemm", H5P_DEFAULT) > 0) {
+    Handle gemm(H5Gopen2(file.id, "gemm", H5P_DEFAULT), H5Gclose);
+    for (const std::string& name : children(gemm.id)) {
+      const std::string where = fmt::format("{}: /gemm/{}", path, name);
+      Expected<Precision> p = parse_precision(name);
+      if (!p) return p.error().with_context(where);
+      Handle g(H5Gopen2(gemm.id, name.c_str(), H5P_DEFAULT), H5Gclose);
+      SeriesReader in(g.id, where);
+      auto m = in.column("m");
+      if (!m) return m.error();
+      auto n = in.column("n");
+      if (!n) return n.error();
+      auto k = in.column("k");
+      if (!k) return k.error();
+      auto t = timings(in);
+      if (!t) return t.error();
+      GemmSeries s;
+      s.precision = *p;
+      for (size_t i = 0; i < m->size(); ++i)
+        s.samples.push_back({(*m)[i], (*n)[i], (*k)[i], (*t)[i]});
+      r.gemm.push_back(std::move(s));
+    }
+  }
+  if (H5Lexists(file.id, "memory", H5P_DEFAULT) > 0) {
+    Handle memory(H5Gopen2(file.id, "memory", H5P_DEFAULT), H5Gclose);
+    for (const std::string& name : children(memory.id)) {
+      const std::string where = fmt::format("{}: /memory/{}", path, name);
+      Handle g(H5Gopen2(memory.id, name.c_str(), H5P_DEFAULT), H5Gclose);
+      SeriesReader in(g.id, where);
+      auto elements = in.column("elements");
+      if (!elements) return elements.error();
+      auto bytes = in.column("bytes");
+      if (!bytes) return bytes.error();
+      auto t = timings(in);
+      if (!t) return t.error();
+      MemorySeries s;
+      s.op = name;
+      s.dtype = read_string(g.id, "dtype").value_or("");
+      s.bytes_per_element = read_number(g.id, "bytes_per_element").value_or(0);
+      for (size_t i = 0; i < elements->size(); ++i) {
+        s.samples.push_back({(*elements)[i], (*bytes)[i], (*t)[i]});
+      }
+      r.memory.push_back(std::move(s));
+    }
+  }
+  if (H5Lexists(file.id, "collectives", H5P_DEFAULT) > 0) {
+    Handle coll(H5Gopen2(file.id, "collectives", H5P_DEFAULT), H5Gclose);
+    for (const std::string& name : children(coll.id)) {
+      const std::string where = fmt::format("{}: /collectives/{}", path, name);
+      if (bus_factor(name, 2) == 0) {
+        return Error(fmt::format(
+            "{}: unknown collective (all_reduce, all_gather or reduce_scatter)", where));
+      }
+      Handle g(H5Gopen2(coll.id, name.c_str(), H5P_DEFAULT), H5Gclose);
+      auto ranks = read_number(g.id, "ranks");
+      if (!ranks || *ranks < 1) {
+        return Error(fmt::format("{}: attribute 'ranks' is missing or below 1", where));
+      }
+      SeriesReader in(g.id, where);
+      auto bytes = in.column("bytes");
+      if (!bytes) return bytes.error();
+      auto t = timings(in);
+      if (!t) return t.error();
+      CollectiveSeries s;
+      s.kind = name;
+      s.ranks = static_cast<int>(*ranks);
+      s.dtype = read_string(g.id, "dtype").value_or("");
+      for (size_t i = 0; i < bytes->size(); ++i) s.samples.push_back({(*bytes)[i], (*t)[i]});
+      r.collectives.push_back(std::move(s));
+    }
+  }
+  if (auto notes = read_string(file.id, "notes")) {
+    size_t start = 0;
+    while (start < notes->size()) {
+      size_t end = notes->find('\n', start);
+      if (end == std::string::npos) end = notes->size();
+      if (end > start) r.notes.push_back(notes->substr(start, end - start));
+      start = end + 1;
+    }
+  }
+  return r;
+}
+
+}  // namespace nnsim::hwexec

@@ -1,0 +1,91 @@
+// Microbenchmark results (`nnexec bench`) and their HDF5 file: format "nnexec-micro", version 1,
+// layout in docs/hwexec.md. Times are seconds, sizes bytes, rates FLOP/s or bytes/s.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/precision.h"
+
+namespace nnsim::hwexec {
+
+inline constexpr const char* kMicroFormat = "nnexec-micro";
+inline constexpr int kMicroVersion = 1;
+
+// One timed configuration: the median and the fastest of `repetitions` runs after warm-up.
+struct Timing {
+  double seconds = 0;      // median
+  double seconds_min = 0;  // fastest
+};
+
+// C = A B with A m x k and B k x n (2 m n k FLOPs).
+struct GemmSample {
+  double m = 0, n = 0, k = 0;
+  Timing t;
+  double flops() const { return 2 * m * n * k; }
+};
+
+struct GemmSeries {
+  Precision precision = Precision::kFp32;
+  std::vector<GemmSample> samples;
+};
+
+// A memory-bound operator over `elements` elements; it reads and writes `bytes` in all
+// (its minimal traffic: every input read once, the output written once).
+struct MemorySample {
+  double elements = 0;
+  double bytes = 0;
+  Timing t;
+};
+
+struct MemorySeries {
+  std::string op;                // "add", "layernorm", "softmax", "gelu", ...
+  std::string dtype;             // element type, e.g. "fp32", "bf16"
+  double bytes_per_element = 0;  // traffic per element (3 element sizes for a + b -> c)
+  std::vector<MemorySample> samples;
+};
+
+// A collective over `ranks` GPUs, `bytes` in nccl-tests' convention (the all-reduce buffer, the
+// all-gather output, the reduce-scatter input, per GPU).
+struct CollectiveSample {
+  double bytes = 0;
+  Timing t;
+};
+
+struct CollectiveSeries {
+  std::string kind;  // "all_reduce", "all_gather", "reduce_scatter"
+  int ranks = 0;
+  std::string dtype;
+  std::vector<CollectiveSample> samples;
+};
+
+// nccl-tests' bus bandwidth factor: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n;
+// also the fraction of `bytes` the busiest link of a ring carries. 0 for an unknown kind.
+double bus_factor(const std::string& kind, int ranks);
+
+struct MicroResults {
+  std::string device = "cpu";  // "cpu" or "cuda"
+  std::string device_name;     // e.g. "NVIDIA H200", or the CPU model
+  int device_count = 1;        // GPUs visible (1 on a CPU)
+  std::string torch_version;
+  std::string nccl_version;  // empty without NCCL
+  int threads = 1;           // intra-op threads (CPU)
+  int warmup = 0;
+  int repetitions = 0;
+  bool quick = false;
+  std::vector<GemmSeries> gemm;
+  std::vector<MemorySeries> memory;
+  std::vector<CollectiveSeries> collectives;
+  std::vector<std::string> notes;  // what was skipped and why
+};
+
+Status write_micro(const std::string& path, const MicroResults& r);
+// Checks the format name and version, and that every series is complete and positive; errors
+// name the file and the object.
+Expected<MicroResults> read_micro(const std::string& path);
+
+// "fp32" -> kFp32, ...
+Expected<Precision> parse_precision(const std::string& name);
+
+}  // namespace nnsim::hwexec

@@ -1,0 +1,105 @@
+// Synthetic microbenchmark results with known answers: times made from the simulator's own
+// formulas with chosen parameters, so a correct fit recovers exactly those parameters.
+#pragma once
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/cost_model.h"
+#include "core/gpu.h"
+#include "hwexec/micro.h"
+
+namespace nnsim::hwexec::testing {
+
+struct Truth {
+  double bf16_efficiency = 0.7;
+  double fp8_efficiency = 0.6;
+  double memory_efficiency = 0.85;
+  double kernel_overhead = 5e-6;
+  double alpha = 20e-6;  // all-reduce time of the smallest message
+  // all-reduce efficiency for sizes of 1 MiB and up, by size index; all-gather constant
+  std::vector<double> all_reduce_efficiency = {0.3, 0.5, 0.7, 0.9, 1.05};
+  double all_gather_efficiency = 0.8;
+  int ranks = 8;
+};
+
+inline MicroResults synthetic_micro(const GpuSpec& gpu, const Truth& truth = {}) {
+  MicroResults r;
+  r.device = "cuda";
+  r.device_name = "NVIDIA H100 80GB HBM3";
+  r.device_count = truth.ranks;
+  r.torch_version = "synthetic";
+  r.nccl_version = "2.28.9";
+  r.warmup = 1;
+  r.repetitions = 1;
+  ComputeModel ideal = ComputeModel::defaults_for(gpu);
+  ideal.sustained = 1;
+  for (auto [p, e] : {std::pair{Precision::kBf16, truth.bf16_efficiency},
+                      std::pair{Precision::kFp8, truth.fp8_efficiency}}) {
+    ideal.gemm_efficiency = {{p, 1.0}};
+    GemmSeries s;
+    s.precision = p;
+    const std::vector<std::vector<double>> shapes = {
+        {1024, 1024, 1024}, {4096, 4096, 4096}, {8192, 5120, 20480}, {300, 700, 96}};
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const auto& x = shapes[i];
+      double t = gemm_seconds(x[0], x[1], x[2], p, gpu, ideal) / e;
+      if (i == 0) t *= 1.5;  // one shape slower than the model: the best one sets the value
+      s.samples.push_back({x[0], x[1], x[2], {t, t}});
+    }
+    r.gemm.push_back(s);
+  }
+  const double bw = truth.memory_efficiency * gpu.hbm_bandwidth;
+  for (auto [op, traffic] : {std::pair{"add", 6.0}, std::pair{"gelu", 4.0}}) {
+    MemorySeries s;
+    s.op = op;
+    s.dtype = "bf16";
+    s.bytes_per_element = traffic;
+    for (double n = 1 << 16; n <= (1 << 28); n *= 4) {
+      const double t = truth.kernel_overhead + n * traffic / bw;
+      s.samples.push_back({n, n * traffic, {t, t}});
+    }
+    r.memory.push_back(s);
+  }
+  const int n = truth.ranks;
+  CollectiveSeries ar{"all_reduce", n, "fp32", {}};
+  CollectiveSeries ag{"all_gather", n, "fp32", {}};
+  ar.samples.push_back({1024, {truth.alpha, truth.alpha}});
+  const double ag_alpha = truth.alpha / 2;  // half the steps
+  ag.samples.push_back({1024, {ag_alpha, ag_alpha}});
+  double size = 1 << 20;
+  for (double e : truth.all_reduce_efficiency) {
+    const double t = truth.alpha + 2.0 * (n - 1) / n * size / (gpu.nvlink_bandwidth * e);
+    ar.samples.push_back({size, {t, t}});
+    const double tg =
+        ag_alpha + 1.0 * (n - 1) / n * size / (gpu.nvlink_bandwidth * truth.all_gather_efficiency);
+    ag.samples.push_back({size, {tg, tg}});
+    size *= 4;
+  }
+  r.collectives = {ar, ag};
+  return r;
+}
+
+// A fresh temporary directory, removed afterwards.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "hwexec_test.XXXXXX").string();
+    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+}  // namespace nnsim::hwexec::testing

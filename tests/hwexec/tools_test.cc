@@ -1,0 +1,236 @@
+// nnexec bench and nnsim calibrate end to end: they run the binaries and look at what a user
+// sees (exit status, output, files). Tests that need LibTorch or a GPU report Skipped without.
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <iterator>
+#include <optional>
+
+#include <gtest/gtest.h>
+
+#include "core/calibration.h"
+#include "hwexec/bench.h"
+#include "hwexec/micro.h"
+#include "synthetic.h"
+
+namespace nnsim::hwexec {
+namespace {
+
+using testing::synthetic_micro;
+using testing::TempDir;
+
+struct RunResult {
+  int status = -1;
+  std::string out, err;
+};
+
+std::ostream& operator<<(std::ostream& os, const RunResult& r) {
+  return os << "exit status " << r.status << "\n--- stdout ---\n"
+            << r.out << "--- stderr ---\n"
+            << r.err << "--------------";
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Runs `program args...` (PATH lookup without a slash) in `dir`, without a shell.
+RunResult run(const TempDir& dir, const std::string& program, std::vector<std::string> args) {
+  RunResult r;
+  const std::string out = dir.file("stdout.txt"), err = dir.file("stderr.txt");
+  const std::string work = dir.file("");
+  args.insert(args.begin(), program);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(o, 1);
+    ::dup2(e, 2);
+    if (::chdir(work.c_str()) != 0) ::_exit(126);
+    ::execvp(argv[0], argv.data());
+    ::_exit(127);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  r.status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+bool contains(const std::string& s, const std::string& what) {
+  return s.find(what) != std::string::npos;
+}
+
+std::optional<std::string> python_with_h5py(const TempDir& dir) {
+  for (const char* python : {"python3", "/usr/bin/python3"}) {
+    if (run(dir, python, {"-c", "import h5py"}).status == 0) return std::string(python);
+  }
+  return std::nullopt;
+}
+
+TEST(NnexecBench, CpuQuickWritesPlausibleFiguresReadableWithH5py) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  TempDir dir;
+  RunResult r = run(dir, NNEXEC_BINARY, {"bench", "--out", "micro.h5", "--quick"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "gemm fp32")) << r;
+
+  Expected<MicroResults> m = read_micro(dir.file("micro.h5"));
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_EQ(m->device, "cpu");
+  EXPECT_GE(m->threads, 1);
+  ASSERT_FALSE(m->gemm.empty());
+  EXPECT_EQ(m->gemm[0].precision, Precision::kBf16);  // name order: bf16, fp32
+  for (const GemmSeries& s : m->gemm) {
+    ASSERT_GE(s.samples.size(), 3u);
+    for (const GemmSample& x : s.samples) {
+      const double rate = x.flops() / x.t.seconds;
+      // Any CPU of the last 15 years multiplies at more than 0.1 GFLOP/s, and no single node
+      // at more than 100 TFLOP/s.
+      EXPECT_GT(rate, 1e8) << to_string(s.precision) << " " << x.m;
+      EXPECT_LT(rate, 1e14) << to_string(s.precision) << " " << x.m;
+      EXPECT_LE(x.t.seconds_min, x.t.seconds);
+    }
+  }
+  ASSERT_EQ(m->memory.size(), 4u);
+  for (const MemorySeries& s : m->memory) {
+    EXPECT_EQ(s.dtype, "fp32");
+    for (const MemorySample& x : s.samples) {
+      EXPECT_DOUBLE_EQ(x.bytes, x.elements * s.bytes_per_element);
+      EXPECT_GT(x.bytes / x.t.seconds, 1e8) << s.op;   // > 0.1 GB/s
+      EXPECT_LT(x.bytes / x.t.seconds, 1e13) << s.op;  // < 10 TB/s
+    }
+  }
+  EXPECT_TRUE(m->collectives.empty());
+
+  std::optional<std::string> python = python_with_h5py(dir);
+  if (!python) GTEST_SKIP() << "no python3 with h5py (apt-get install python3-h5py)";
+  std::ofstream(dir.file("check.py")) << R"(import sys
+import h5py
+with h5py.File(sys.argv[1], "r") as f:
+    fmt = f.attrs["format"]
+    fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+    assert fmt == "nnexec-micro", fmt
+    assert int(f.attrs["version"]) == 1
+    g = f["gemm/fp32"]
+    rate = 2 * g["m"][()] * g["n"][()] * g["k"][()] / g["seconds"][()]
+    assert abs(rate / g["flop_per_s"][()] - 1).max() < 1e-9, rate
+    a = f["memory/add"]
+    assert (a["bytes"][()] == 12 * a["elements"][()]).all()
+    print("ok %.1f GFLOP/s" % (rate.max() / 1e9))
+)";
+  RunResult check = run(dir, *python, {"check.py", "micro.h5"});
+  EXPECT_EQ(check.status, 0) << check;
+  EXPECT_TRUE(contains(check.out, "ok ")) << check;
+}
+
+TEST(NnexecBench, CudaWithoutAGpuSaysWhy) {
+  const CudaProbe probe = probe_cuda();
+  if (probe.usable) GTEST_SKIP() << "a GPU is usable here (" << probe.name << ")";
+  TempDir dir;
+  RunResult r = run(dir, NNEXEC_BINARY, {"bench", "--out", "m.h5", "--device", "cuda"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "--device cuda: no usable GPU: ")) << r;
+  EXPECT_TRUE(contains(r.err, probe.reason)) << r;
+  if (build_info().cuda) {
+    // The runtime's own error name, e.g. cudaErrorInsufficientDriver without a driver.
+    EXPECT_TRUE(contains(r.err, "cudaError")) << r;
+  }
+  EXPECT_FALSE(std::ifstream(dir.file("m.h5")).good());
+}
+
+TEST(NnexecBench, CudaQuickOnAGpu) {
+  const CudaProbe probe = probe_cuda();
+  if (!probe.usable) GTEST_SKIP() << "no usable GPU: " << probe.reason;
+  if (!build_info().torch_cuda) GTEST_SKIP() << "LibTorch here has no CUDA";
+  TempDir dir;
+  RunResult r = run(dir, NNEXEC_BINARY, {"bench", "--out", "m.h5", "--device", "cuda", "--quick"});
+  ASSERT_EQ(r.status, 0) << r;
+  Expected<MicroResults> m = read_micro(dir.file("m.h5"));
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_EQ(m->device, "cuda");
+  bool bf16 = false;
+  for (const GemmSeries& s : m->gemm) {
+    if (s.precision != Precision::kBf16) continue;
+    bf16 = true;
+    double best = 0;
+    for (const GemmSample& x : s.samples) best = std::max(best, x.flops() / x.t.seconds);
+    EXPECT_GT(best, 1e12);  // any tensor-core GPU: > 1 TFLOP/s in bf16
+  }
+  EXPECT_TRUE(bf16);
+  RunResult c = run(dir, NNSIM_BINARY, {"calibrate", "m.h5", "-o", "cal.h5"});
+  if (contains(c.err, "is not a catalog GPU")) GTEST_SKIP() << c.err;
+  EXPECT_EQ(c.status, 0) << c;
+}
+
+TEST(NnsimCalibrate, SyntheticFileRoundTripsIntoACalibrationFile) {
+  TempDir dir;
+  const GpuSpec gpu = *find_gpu("h100-sxm5-80gb");
+  ASSERT_TRUE(write_micro(dir.file("micro.h5"), synthetic_micro(gpu)).ok());
+  RunResult r = run(dir, NNSIM_BINARY, {"calibrate", "micro.h5", "-o", "cal.h5"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "(h100-sxm5-80gb)")) << r;  // matched from the device name
+  EXPECT_TRUE(contains(r.out, "gemm_efficiency_bf16 0.7 ")) << r;
+  EXPECT_TRUE(contains(r.out, "memory_efficiency    0.85 ")) << r;
+  Expected<Calibration> c = load_calibration(dir.file("cal.h5"));
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  ASSERT_EQ(c->gpus.count("h100-sxm5-80gb"), 1u);
+  const GpuCalibration& g = c->gpus.at("h100-sxm5-80gb");
+  EXPECT_TRUE(contains(g.source, "micro.h5")) << g.source;
+  EXPECT_NEAR(g.gemm_efficiency.at(Precision::kBf16), 0.7, 1e-9);
+  EXPECT_NEAR(g.compute.at("kernel_overhead"), 5e-6, 1e-12);
+  ASSERT_TRUE(g.nvlink.has_value());
+  EXPECT_EQ(g.nvlink->curve.size(), 5u);
+  // The file drives a simulation: nnsim accepts it.
+  EXPECT_FALSE(g.network.has_value());
+}
+
+TEST(NnsimCalibrate, BadInputsNameTheFileAndTheField) {
+  TempDir dir;
+  RunResult r = run(dir, NNSIM_BINARY, {"calibrate", "missing.h5", "-o", "cal.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "missing.h5: not an HDF5 file")) << r;
+
+  // A calibration file is not a microbenchmark file.
+  ASSERT_EQ(
+      run(dir, NNSIM_BINARY, {"calibration", "export", "--gpu", "a100-sxm4-80gb", "-o", "other.h5"})
+          .status,
+      0);
+  r = run(dir, NNSIM_BINARY, {"calibrate", "other.h5", "-o", "cal.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "other.h5: attribute 'format' of / is \"nnsim-calibration\"")) << r;
+
+  const GpuSpec gpu = *find_gpu("h100-sxm5-80gb");
+  MicroResults m = synthetic_micro(gpu);
+  m.device_name = "NVIDIA GeForce RTX 4090";
+  ASSERT_TRUE(write_micro(dir.file("rtx.h5"), m).ok());
+  r = run(dir, NNSIM_BINARY, {"calibrate", "rtx.h5", "-o", "cal.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "rtx.h5: device 'NVIDIA GeForce RTX 4090' is not a catalog GPU"))
+      << r;
+  r = run(dir, NNSIM_BINARY, {"calibrate", "rtx.h5", "--gpu", "h100-sxm", "-o", "cal.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "--gpu: unknown GPU 'h100-sxm'")) << r;
+  r = run(dir, NNSIM_BINARY, {"calibrate", "rtx.h5", "--gpu", "a100-sxm4-80gb", "-o", "cal.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "rtx.h5: gemm bf16")) << r;
+
+  m.device = "cpu";
+  m.device_name = "Some CPU";
+  ASSERT_TRUE(write_micro(dir.file("cpu.h5"), m).ok());
+  r = run(dir, NNSIM_BINARY, {"calibrate", "cpu.h5", "-o", "cal.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "cpu.h5 was measured on a CPU ('Some CPU')")) << r;
+  EXPECT_TRUE(contains(r.err, "--gpu")) << r;
+  EXPECT_FALSE(std::ifstream(dir.file("cal.h5")).good());
+}
+
+}  // namespace
+}  // namespace nnsim::hwexec
