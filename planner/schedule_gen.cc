@@ -62,6 +62,36 @@ std::vector<SegmentCosts> segment_costs(const Program& prog) {
   return out;
 }
 
+// Whether every device's orders keep its activation bytes within the problem's memory limit.
+bool holds_within(const ListScheduleProblem& p, const std::vector<std::vector<Block>>& orders) {
+  if (p.memory_limit.empty()) return true;
+  for (size_t d = 0; d < orders.size(); ++d) {
+    double level = 0;
+    for (const Block& b : orders[d]) {
+      const double kept = p.forward_bytes[b.segment];
+      const double weights = p.weight_input_bytes.empty() ? 0.0 : p.weight_input_bytes[b.segment];
+      switch (b.kind) {
+        case BlockKind::kForward:
+          level += kept;
+          if (level > p.memory_limit[d] * (1 + 1e-9)) return false;
+          break;
+        case BlockKind::kBackward:
+          level -= kept;
+          break;
+        case BlockKind::kBackwardInput:
+          level -= kept - weights;
+          break;
+        case BlockKind::kBackwardWeight:
+          level -= weights;
+          break;
+        case BlockKind::kRecompute:
+          break;
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleKind kind,
@@ -249,11 +279,23 @@ Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleK
       variants.push_back(q);
     }
   }
+  // - ZB-H1 and ZB-H2 also count micro-batches instead of bytes (a pending weight gradient
+  //   counts as a whole one, as in the papers' schedules), kept only when the bytes fit.
+  if ((kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbH2) && !p.memory_limit.empty()) {
+    for (size_t i = 0, n = variants.size(); i < n; ++i) {
+      ListScheduleProblem q = variants[i];
+      q.memory_limit.clear();
+      q.in_flight_limit.assign(stages, kind == ScheduleKind::kZbH2 ? 2 * stages - 1 : stages);
+      variants.push_back(q);
+    }
+  }
   Expected<ListSchedule> ls = list_schedule(variants.front());
   if (!ls) return ls.error();
   for (size_t i = 1; i < variants.size(); ++i) {
     Expected<ListSchedule> other = list_schedule(variants[i]);
-    if (other && other->makespan < ls->makespan) ls = std::move(other);
+    if (other && other->makespan < ls->makespan && holds_within(p, other->orders)) {
+      ls = std::move(other);
+    }
   }
   assign(ls->orders);
   return plan;
