@@ -422,26 +422,40 @@ Expected<TesselSchedule> tessel_search(const TesselProblem& p) {
         "no repeating schedule fits the memory limit, not even one micro-batch at a time; "
         "raise --memory-limit or recompute more");
   }
-  // At that period, the smallest largest lag (the shortest warm-up and cool-down).
+  // At that period, smaller largest lags (shorter warm-up and cool-down): every repetend found
+  // on the way is unrolled, and the one whose unrolled orders finish first is kept.
+  std::optional<Repetend> chosen;
+  std::optional<OrdersRun> chosen_run;
+  std::vector<std::vector<Block>> chosen_orders;
+  auto consider = [&](const Repetend& r) -> Status {
+    std::vector<std::vector<Block>> orders = unroll(p, r);
+    Expected<OrdersRun> run = run_orders(p, orders);
+    if (!run) return run.error();
+    if (!chosen_run || run->makespan < chosen_run->makespan) {
+      chosen = r;
+      chosen_run = *run;
+      chosen_orders = std::move(orders);
+    }
+    return Status::Ok();
+  };
+  if (Status s = consider(*best); !s) return s.error();
   int64_t lag_lo = 0, lag_hi = *std::max_element(best->lag.begin(), best->lag.end());
   while (lag_lo < lag_hi) {
     const int64_t mid = lag_lo + (lag_hi - lag_lo) / 2;
     if (auto r = find(best->period, mid)) {
-      best = r;
+      if (Status s = consider(*r); !s) return s.error();
       lag_hi = mid;
     } else {
       lag_lo = mid + 1;
     }
   }
-  out.period = static_cast<double>(best->period) * d.seconds_per_tick;
+  out.period = static_cast<double>(chosen->period) * d.seconds_per_tick;
   out.lower_bound = d.busiest_seconds;
-  out.lag.assign(best->lag.begin(), best->lag.end());
-  for (int64_t s : best->start) out.start.push_back(static_cast<double>(s) * d.seconds_per_tick);
-  out.orders = unroll(p, *best);
-  Expected<OrdersRun> run = run_orders(p, out.orders);
-  if (!run) return run.error();
-  out.makespan = run->makespan;
-  out.peak_bytes = run->peak_bytes;
+  out.lag.assign(chosen->lag.begin(), chosen->lag.end());
+  for (int64_t s : chosen->start) out.start.push_back(static_cast<double>(s) * d.seconds_per_tick);
+  out.orders = std::move(chosen_orders);
+  out.makespan = chosen_run->makespan;
+  out.peak_bytes = chosen_run->peak_bytes;
   return out;
 }
 
