@@ -22,8 +22,10 @@ bool list_scheduled(ScheduleKind kind) {
 // What one segment's blocks cost, read from a compiled plan (the slowest variant of each).
 struct SegmentCosts {
   double forward = 0, backward = 0, backward_input = 0, backward_weight = 0, recompute = 0;
-  double kept = 0;           // activation bytes a forward keeps
-  double weight_inputs = 0;  // of which a weight-gradient block frees
+  double kept = 0;            // activation bytes a forward keeps
+  double weight_inputs = 0;   // of which a weight-gradient block frees
+  double recompute_kept = 0;  // what an explicit recompute block brings back
+  double backward_frees = 0;  // what a whole backward frees (an explicit recompute's too)
   // Bytes above the level at the block's start at its peak, per kind.
   double forward_peak = 0, backward_peak = 0, backward_input_peak = 0, backward_weight_peak = 0;
 };
@@ -44,6 +46,7 @@ std::vector<SegmentCosts> segment_costs(const Program& prog) {
       case BlockKind::kBackward:
         c.backward = std::max(c.backward, s);
         c.backward_peak = std::max(c.backward_peak, tpl.peak_bytes);
+        c.backward_frees = std::max(c.backward_frees, -tpl.kept_bytes);
         break;
       case BlockKind::kBackwardInput:
         c.backward_input = std::max(c.backward_input, s);
@@ -56,6 +59,7 @@ std::vector<SegmentCosts> segment_costs(const Program& prog) {
         break;
       case BlockKind::kRecompute:
         c.recompute = std::max(c.recompute, s);
+        c.recompute_kept = std::max(c.recompute_kept, tpl.kept_bytes);
         break;
     }
   }
@@ -384,6 +388,13 @@ Expected<TesselProblem> tessel_problem(const Program& prog, bool split,
     p.blocks.push_back(f);
     prev = s;
   }
+  // Segments whose recomputation the input orders run as its own block (Merak's) keep it.
+  std::vector<bool> explicit_recompute(plan.segments.size(), false);
+  for (const DeviceOrder& o : plan.schedule) {
+    for (const Block& b : o.blocks) {
+      if (b.kind == BlockKind::kRecompute) explicit_recompute[b.segment] = true;
+    }
+  }
   int next = -1;
   for (auto it = flow.rbegin(); it != flow.rend(); ++it) {
     const int s = *it;
@@ -391,6 +402,19 @@ Expected<TesselProblem> tessel_problem(const Program& prog, bool split,
     const std::vector<int> devices = p.blocks[forward[s]].devices;
     std::vector<int> after = {forward[s]};
     if (next >= 0) after.push_back(backward[next]);
+    double frees = c.kept;
+    if (explicit_recompute[s]) {
+      if (split) return Error("explicit recomputation blocks with a split backward");
+      after.push_back(static_cast<int>(p.blocks.size()));
+      p.blocks.push_back({BlockKind::kRecompute,
+                          s,
+                          devices,
+                          c.recompute,
+                          c.recompute_kept,
+                          {forward[s]},
+                          c.recompute_kept});
+      frees = c.backward_frees;
+    }
     backward[s] = static_cast<int>(p.blocks.size());
     if (split) {
       p.blocks.push_back({BlockKind::kBackwardInput, s, devices, c.backward_input,
@@ -404,7 +428,7 @@ Expected<TesselProblem> tessel_problem(const Program& prog, bool split,
                           c.backward_weight_peak});
     } else {
       p.blocks.push_back(
-          {BlockKind::kBackward, s, devices, c.backward, -c.kept, after, c.backward_peak});
+          {BlockKind::kBackward, s, devices, c.backward, -frees, after, c.backward_peak});
     }
     next = s;
   }
@@ -462,6 +486,11 @@ Expected<SearchedSchedule> search_schedule(const Plan& in, const Topology& topo,
   };
   // The split backward first: it has the more freedom, so when its repetend has no bubble
   // (the busiest device's work per micro-batch) the whole backward cannot do better.
+  bool recompute_blocks = false;
+  for (const DeviceOrder& o : in.schedule) {
+    for (const Block& b : o.blocks) recompute_blocks |= b.kind == BlockKind::kRecompute;
+  }
+  if (recompute_blocks) return attempt(false);  // Merak's blocks go with a whole backward
   Expected<SearchedSchedule> split = attempt(true);
   if (has_split_backward(in)) return split;
   if (split && split->tessel.period <= split->tessel.lower_bound * 1.01) return split;

@@ -12,7 +12,9 @@
 #include "core/program.h"
 #include "core/schedule_check.h"
 #include "core/topology.h"
+#include "planner/estimator.h"
 #include "planner/megatron.h"
+#include "planner/schedule_gen.h"
 
 namespace nnsim {
 namespace {
@@ -153,6 +155,36 @@ TEST(Schedules, InterleavedPlanCompiles) {
   EXPECT_EQ(prog->lanes.size(), 4u);
   EXPECT_EQ(prog->micro_batches, 8);
   for (const Lane& lane : prog->lanes) EXPECT_EQ(lane.blocks.size(), 32u);
+}
+
+// Tessel's search keeps Merak's explicit recomputation blocks (their cost and the activations
+// they bring back) and does no worse than the Merak order it starts from.
+TEST(Schedules, SearchKeepsExplicitRecomputation) {
+  auto m = load_model("gpt3-1.3b");
+  auto topo = load_topology("dgx-a100x4");
+  ASSERT_TRUE(m.ok() && topo.ok());
+  MegatronOptions o;
+  o.tp = 8;
+  o.pp = 4;
+  o.schedule = ScheduleKind::kMerak;
+  o.recompute = RecomputeMode::kFull;
+  o.global_batch = 16;
+  auto plan = build_megatron_plan(*m, *topo, o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  Expected<SearchedSchedule> s = search_schedule(*plan, *topo);
+  ASSERT_TRUE(s.ok()) << s.error().message();
+  EXPECT_FALSE(s->split_backward);
+  size_t recomputes = 0;
+  for (const DeviceOrder& d : s->plan.schedule) {
+    for (const Block& b : d.blocks) recomputes += b.kind == BlockKind::kRecompute;
+  }
+  EXPECT_GT(recomputes, 0u);
+  auto before = compile_plan(*plan, *topo);
+  auto after = compile_plan(s->plan, *topo);
+  ASSERT_TRUE(before.ok() && after.ok()) << (after.ok() ? "" : after.error().message());
+  EXPECT_LE(estimate_program(*after).iteration_time,
+            1.01 * estimate_program(*before).iteration_time);
+  EXPECT_LE(estimate_program(*after).peak_memory, 1.001 * estimate_program(*before).peak_memory);
 }
 
 TEST(Schedules, Errors) {
