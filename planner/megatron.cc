@@ -195,6 +195,13 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "chunk per stage); got --schedule {}{}",
         to_string(o.schedule), o.vpp > 1 ? fmt::format(" --vpp {}", o.vpp) : ""));
   }
+  if ((o.shard_head || o.shard_embedding) && model.tied_embeddings) {
+    return Error(fmt::format(
+        "{}: model '{}' ties its embedding and output weights (tied_embeddings: true), which a "
+        "head or embedding sharded over the pipeline does not support yet; drop the flag or use "
+        "a model with untied embeddings",
+        o.shard_head ? "--shard-head" : "--shard-embedding", model.name));
+  }
   if (o.shard_embedding && (o.schedule != ScheduleKind::kTessel || o.vpp > 1 || o.pp < 2)) {
     return Error(
         "--shard-embedding needs --schedule tessel, one chunk per stage and at least 2 "

@@ -482,6 +482,15 @@ Expected<SearchedSchedule> search_schedule(const Plan& in, const Topology& topo,
     s.tessel = std::move(*found);
     s.split_backward = split;
     s.input_makespan = before->makespan;
+    // The input stands when it is faster and fits the limit.
+    bool input_fits = true;
+    for (size_t o = 0; o < room.size(); ++o) {
+      input_fits = input_fits && before->peak_bytes[o] <= room[o] * (1 + 1e-9);
+    }
+    if (input_fits && s.tessel.makespan > before->makespan * (1 + 1e-9)) {
+      s.plan = in;
+      s.kept_input = true;
+    }
     return s;
   };
   // The split backward first: it has the more freedom, so when its repetend has no bubble
@@ -496,7 +505,10 @@ Expected<SearchedSchedule> search_schedule(const Plan& in, const Topology& topo,
   if (split && split->tessel.period <= split->tessel.lower_bound * 1.01) return split;
   Expected<SearchedSchedule> whole = attempt(false);
   if (!whole) return split ? std::move(split) : std::move(whole);
-  if (split && split->tessel.makespan < whole->tessel.makespan) return split;
+  auto effective = [](const SearchedSchedule& x) {
+    return x.kept_input ? x.input_makespan : x.tessel.makespan;
+  };
+  if (split && effective(*split) < effective(*whole)) return split;
   return whole;
 }
 

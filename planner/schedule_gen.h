@@ -27,12 +27,16 @@ Expected<Plan> generate_schedule(const Plan& plan, const Topology& topo, Schedul
 // must compile with its current orders); each order may hold the activation bytes
 // `memory_limit` leaves beside its static memory, by default as many as the plan's current
 // schedule peaks at, so the result never needs more memory than the input. Tried with the
-// backward whole and split into input- and weight-gradient blocks; the shorter wins.
+// backward whole and split into input- and weight-gradient blocks; the shorter wins. When
+// neither beats the plan's own orders (which fit the limit), the plan comes back unchanged.
 struct SearchedSchedule {
   Plan plan;
   TesselSchedule tessel;  // in seconds of the plan's compiled block costs
   bool split_backward = false;
   double input_makespan = 0;  // the plan's current orders, timed the same way
+  // The search found nothing faster than the plan's own orders within the memory limit, so
+  // `plan` is the input, unchanged.
+  bool kept_input = false;
 };
 Expected<SearchedSchedule> search_schedule(const Plan& plan, const Topology& topo,
                                            std::optional<double> memory_limit = std::nullopt);

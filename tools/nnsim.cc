@@ -438,7 +438,8 @@ int run_schedule(const ScheduleArgs& a) {
   std::string error;
   if (!write_file(a.output, plan_to_json(*out), &error)) return fail(error);
   std::printf("wrote %s: %s schedule, %zu schedule orders, %d micro-batches\n", a.output.c_str(),
-              name.c_str(), out->schedule.size(), out->num_micro_batches());
+              searched && searched->kept_input ? out->schedule_name.c_str() : name.c_str(),
+              out->schedule.size(), out->num_micro_batches());
   if (searched) {
     const TesselSchedule& t = searched->tessel;
     std::printf(
@@ -447,6 +448,9 @@ int run_schedule(const ScheduleArgs& a) {
         format_seconds(t.period).c_str(), format_seconds(t.lower_bound).c_str(),
         searched->split_backward ? "split" : "whole", t.solver_calls,
         format_seconds(t.makespan).c_str(), format_seconds(searched->input_makespan).c_str());
+    if (searched->kept_input) {
+      std::printf("  no faster schedule than the plan's own orders: kept them\n");
+    }
   }
   std::printf("  estimated iteration %s (was %s with %s), peak memory %s (was %s)\n",
               format_seconds(e1.iteration_time).c_str(), format_seconds(e0.iteration_time).c_str(),

@@ -187,6 +187,27 @@ TEST(Schedules, SearchKeepsExplicitRecomputation) {
   EXPECT_LE(estimate_program(*after).peak_memory, 1.001 * estimate_program(*before).peak_memory);
 }
 
+// Where the repetend's unrolled orders are slower than the plan's own (interleaved here, whose
+// fill and drain are shorter), the search hands the plan back unchanged.
+TEST(Schedules, SearchKeepsFasterInputOrders) {
+  auto m = load_model("gpt3-1.3b");
+  auto topo = load_topology("dgx-a100x4");
+  ASSERT_TRUE(m.ok() && topo.ok());
+  MegatronOptions o;
+  o.tp = 8;
+  o.pp = 4;
+  o.vpp = 2;
+  o.schedule = ScheduleKind::kInterleaved;
+  o.global_batch = 16;
+  auto plan = build_megatron_plan(*m, *topo, o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  Expected<SearchedSchedule> s = search_schedule(*plan, *topo);
+  ASSERT_TRUE(s.ok()) << s.error().message();
+  EXPECT_GT(s->tessel.makespan, s->input_makespan);
+  EXPECT_TRUE(s->kept_input);
+  EXPECT_EQ(plan_to_json(s->plan), plan_to_json(*plan));
+}
+
 TEST(Schedules, Errors) {
   auto e = pipeline_orders(ScheduleKind::kOneFOneB, 4, 2, 8);
   ASSERT_FALSE(e.ok());
