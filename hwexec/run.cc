@@ -1,0 +1,507 @@
+// `nnexec run`'s parts that need no LibTorch: which plans it can run, the per-rank result text
+// the launcher collects, and the run file (format "nnexec-run", docs/hwexec.md).
+#include "hwexec/run.h"
+
+#include <hdf5.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "core/opgraph.h"
+
+namespace nnsim::hwexec {
+
+namespace {
+
+std::string join(const std::vector<std::string>& v, const char* sep) {
+  std::string s;
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + v[i];
+  return s;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- what nnexec run supports
+
+Status check_runnable(const Plan& plan) {
+  const ModelSpec& m = plan.model;
+  auto refuse = [](const std::string& field, const std::string& why) {
+    return Error(
+        fmt::format("{}: {} (nnexec run executes GPT-style models: LayerNorm, "
+                    "multi-head attention, GeLU MLP, learned positions; Megatron tensor "
+                    "parallelism, pipelines of one segment per stage with F/B blocks, "
+                    "data parallelism)",
+                    field, why));
+  };
+  if (m.mlp != MlpKind::kGelu) {
+    return refuse("model.mlp",
+                  fmt::format("'{}' is not supported yet (gelu only)", to_string(m.mlp)));
+  }
+  if (m.kv_heads != m.heads) {
+    return refuse("model.kv_heads", fmt::format("{} key/value heads for {} heads (GQA/MQA) is not "
+                                                "supported yet",
+                                                m.kv_heads, m.heads));
+  }
+  if (m.norm != NormKind::kLayerNorm) {
+    return refuse("model.norm", fmt::format("'{}' is not supported yet", to_string(m.norm)));
+  }
+  if (m.position != PositionKind::kLearned) {
+    return refuse("model.position",
+                  fmt::format("'{}' is not supported yet (learned only)", to_string(m.position)));
+  }
+  if (m.dropout) {
+    return refuse("model.dropout",
+                  "dropout would make the partitioned run differ from the unpartitioned one; set "
+                  "dropout: false");
+  }
+  if (!plan.recompute.empty()) {
+    return refuse("recompute", fmt::format("recomputation ('{}') is not supported yet",
+                                           plan.recompute.front().match));
+  }
+  if (plan.optimizer.zero != 0) {
+    return refuse("optimizer.zero",
+                  fmt::format("ZeRO stage {} is not supported yet (0 only)", plan.optimizer.zero));
+  }
+  if (plan.optimizer.kind != "adam") {
+    return refuse("optimizer.kind",
+                  fmt::format("'{}' is not supported (adam only)", plan.optimizer.kind));
+  }
+
+  // Pipeline axes: those the schedule orders fix.
+  std::set<std::string> pp_axes;
+  for (const DeviceOrder& o : plan.schedule) {
+    for (const auto& [axis, c] : o.devices) pp_axes.insert(axis);
+  }
+
+  // Effective splits per operator (every matching rule, in file order).
+  const OpGraph graph = lower_model(m, 1);
+  std::vector<std::string> tp_axes;
+  bool tp_set = false;
+  std::map<std::string, std::vector<std::string>> split_of;  // op -> axes of its allowed dim
+  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
+    for (const Op& op : part->ops) {
+      std::map<Dim, std::vector<std::string>> splits;
+      for (const PartitionRule& r : plan.partition) {
+        if (!match_pattern(r.match, op.name)) continue;
+        for (const DimSplit& s : r.splits) splits[s.dim] = s.axes;
+      }
+      Dim allowed = Dim::kBatch;
+      bool has_allowed = true;
+      if (op.name == "attn.qkv" || op.name == "attn.core" || op.name == "attn.proj") {
+        allowed = Dim::kHeads;
+      } else if (op.name == "mlp.fc1" || op.name == "mlp.act" || op.name == "mlp.fc2") {
+        allowed = Dim::kFfn;
+      } else if (op.name == "embed.word" || op.name == "head.proj" || op.name == "loss") {
+        allowed = Dim::kVocab;
+      } else {
+        has_allowed = false;
+      }
+      for (const auto& [dim, axes] : splits) {
+        if (axes.empty()) continue;
+        if (!has_allowed || dim != allowed) {
+          const std::string what = dim == Dim::kSeq && op.kind == OpKind::kAttention
+                                       ? " (context parallelism)"
+                                   : dim == Dim::kSeq ? " (sequence parallelism)"
+                                                      : "";
+          return refuse("partition",
+                        fmt::format("operator '{}' is split along '{}' over {}{}, which is not "
+                                    "supported yet",
+                                    op.name, to_string(dim), join(axes, "+"), what));
+        }
+        for (const std::string& a : axes) {
+          if (pp_axes.count(a)) {
+            return refuse("partition",
+                          fmt::format("operator '{}' is split along the pipeline axis '{}' "
+                                      "(--shard-head / --shard-embedding), which is not supported "
+                                      "yet",
+                                      op.name, a));
+          }
+        }
+        if (tp_set && axes != tp_axes) {
+          return refuse("partition",
+                        fmt::format("operator '{}' is split over {} but others over {}; all "
+                                    "tensor-parallel splits must use the same axes",
+                                    op.name, join(axes, "+"), join(tp_axes, "+")));
+        }
+        tp_axes = axes;
+        tp_set = true;
+        split_of[op.name] = axes;
+      }
+    }
+  }
+  auto same = [&](std::initializer_list<const char*> names) -> Status {
+    const auto first =
+        split_of.count(*names.begin()) ? split_of[*names.begin()] : std::vector<std::string>{};
+    for (const char* n : names) {
+      const auto a = split_of.count(n) ? split_of[n] : std::vector<std::string>{};
+      if (a != first) {
+        return refuse("partition", fmt::format("operators {} must be split alike (Megatron "
+                                               "tensor parallelism); '{}' is not",
+                                               join({names.begin(), names.end()}, ", "), n));
+      }
+    }
+    return {};
+  };
+  if (Status s = same({"attn.qkv", "attn.core", "attn.proj"}); !s) return s;
+  if (Status s = same({"mlp.fc1", "mlp.act", "mlp.fc2"}); !s) return s;
+  if (Status s = same({"head.proj", "loss"}); !s) return s;
+  int tp = 1;
+  for (const std::string& a : tp_axes) tp *= plan.mesh.axis_size(a);
+  if (m.heads % tp != 0 || m.ffn_hidden % tp != 0 || m.vocab % tp != 0) {
+    return refuse("partition", fmt::format("tensor-parallel degree {} does not divide heads {}, "
+                                           "ffn_hidden {} and vocab {}",
+                                           tp, m.heads, m.ffn_hidden, m.vocab));
+  }
+  for (const MeshAxis& a : plan.mesh.axes) {
+    if (a.size == 1 || a.name == kDataParallelAxis || pp_axes.count(a.name)) continue;
+    if (std::find(tp_axes.begin(), tp_axes.end(), a.name) != tp_axes.end()) continue;
+    return refuse(
+        "mesh",
+        fmt::format("axis '{}' has size {} but no operator is split along it{}", a.name, a.size,
+                    a.name == "cp" ? " (context parallelism is not supported)" : ""));
+  }
+
+  // One segment per order, not spanning orders; F and B blocks only, each once.
+  const int mb = plan.num_micro_batches();
+  if (mb < 1) return refuse("training", "no micro-batches per replica");
+  for (std::size_t si = 0; si < plan.segments.size(); ++si) {
+    for (const std::string& a : pp_axes) {
+      if (!plan.segments[si].devices.count(a)) {
+        return refuse(fmt::format("segments[{}].devices", si),
+                      fmt::format("segment '{}' spans several pipeline stages (--shard-head / "
+                                  "--shard-embedding), which is not supported yet",
+                                  plan.segments[si].name));
+      }
+    }
+  }
+  for (std::size_t oi = 0; oi < plan.schedule.size(); ++oi) {
+    const DeviceOrder& o = plan.schedule[oi];
+    std::set<int> segs;
+    std::map<std::pair<int, int>, int> count;  // (kind F=0/B=1, micro-batch)
+    const std::string field = fmt::format("schedule.orders[{}].blocks", oi);
+    for (const Block& b : o.blocks) {
+      if (b.kind != BlockKind::kForward && b.kind != BlockKind::kBackward) {
+        return refuse(
+            field, fmt::format("block '{}' ({}) is not supported yet (F and B only)", to_string(b),
+                               b.kind == BlockKind::kRecompute ? "recompute"
+                                                               : "zero-bubble split backward"));
+      }
+      if (b.segment < 0 || b.segment >= static_cast<int>(plan.segments.size())) {
+        return refuse(field, fmt::format("block '{}' names no segment", to_string(b)));
+      }
+      segs.insert(b.segment);
+      ++count[{b.kind == BlockKind::kForward ? 0 : 1, b.micro_batch}];
+    }
+    if (segs.size() > 1) {
+      return refuse(field,
+                    "the order runs several segments (an interleaved pipeline), which is "
+                    "not supported yet");
+    }
+    for (int k = 0; k < 2; ++k) {
+      for (int i = 0; i < mb; ++i) {
+        const int n = count.count({k, i}) ? count[{k, i}] : 0;
+        if (n != 1) {
+          return refuse(field, fmt::format("the {} of micro-batch {} appears {} times (once "
+                                           "expected)",
+                                           k == 0 ? "forward" : "backward", i, n));
+        }
+      }
+    }
+  }
+  if (m.tied_embeddings) {
+    for (const Segment& s : plan.segments) {
+      if (s.embedding != s.head) {
+        return refuse("model.tied_embeddings",
+                      "tied embeddings with the embedding and the head in different segments "
+                      "are not supported yet");
+      }
+    }
+  }
+  return {};
+}
+
+// ---------------------------------------------------------------- per-rank result text
+
+std::vector<double> RunResults::iteration_seconds() const {
+  std::vector<double> t;
+  for (const RankResult& r : ranks) {
+    if (t.size() < r.iteration_seconds.size()) t.resize(r.iteration_seconds.size(), 0);
+    for (std::size_t i = 0; i < r.iteration_seconds.size(); ++i) {
+      t[i] = std::max(t[i], r.iteration_seconds[i]);
+    }
+  }
+  return t;
+}
+
+bool RunResults::check_passed() const {
+  if (!options.check) return false;
+  for (const RankResult& r : ranks) {
+    if (!r.checked) return false;
+    for (const ParamCheck& c : r.checks) {
+      if (!c.ok) return false;
+    }
+    if (r.has_loss && std::abs(r.check_loss - r.reference_loss) >
+                          options.rtol * std::abs(r.reference_loss) + options.atol) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::string rank_to_text(const RankResult& r) {
+  std::string s = fmt::format("rank {}\ncoordinates", r.rank);
+  for (int c : r.coordinates) s += fmt::format(" {}", c);
+  s += "\niterations";
+  for (double x : r.iteration_seconds) s += fmt::format(" {:.17g}", x);
+  s += "\nlosses";
+  for (double x : r.losses) s += fmt::format(" {:.17g}", x);
+  s += fmt::format("\nparameters {:.17g}\npeak_rss {:.17g}\ncheck {} {} {:.17g} {:.17g}\n",
+                   r.parameters, r.peak_rss_bytes, r.checked ? 1 : 0, r.has_loss ? 1 : 0,
+                   r.check_loss, r.reference_loss);
+  for (const OpTime& o : r.ops) {
+    s += fmt::format("op {} {} {:.17g} {:.17g}\n", o.name, o.phase, o.calls, o.seconds);
+  }
+  for (const CollTime& c : r.collectives) {
+    s += fmt::format("coll {} {} {} {:.17g} {:.17g} {:.17g}\n", c.kind, c.axes, c.label, c.bytes,
+                     c.calls, c.seconds);
+  }
+  for (const ParamCheck& c : r.checks) {
+    s += fmt::format("param {} {:.17g} {:.17g} {:.17g} {}\n", c.name, c.elements, c.max_abs_error,
+                     c.ref_max_abs, c.ok ? 1 : 0);
+  }
+  return s;
+}
+
+Expected<RankResult> rank_from_text(const std::string& text) {
+  RankResult r;
+  std::istringstream in(text);
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    std::istringstream l(line);
+    std::string key;
+    l >> key;
+    auto numbers = [&l] {
+      std::vector<double> v;
+      double x;
+      while (l >> x) v.push_back(x);
+      return v;
+    };
+    if (key == "rank") {
+      l >> r.rank;
+    } else if (key == "coordinates") {
+      for (double x : numbers()) r.coordinates.push_back(static_cast<int>(x));
+    } else if (key == "iterations") {
+      r.iteration_seconds = numbers();
+    } else if (key == "losses") {
+      r.losses = numbers();
+    } else if (key == "parameters") {
+      l >> r.parameters;
+    } else if (key == "peak_rss") {
+      l >> r.peak_rss_bytes;
+    } else if (key == "check") {
+      int c = 0, h = 0;
+      l >> c >> h >> r.check_loss >> r.reference_loss;
+      r.checked = c != 0;
+      r.has_loss = h != 0;
+    } else if (key == "op") {
+      OpTime o;
+      l >> o.name >> o.phase >> o.calls >> o.seconds;
+      r.ops.push_back(o);
+    } else if (key == "coll") {
+      CollTime c;
+      l >> c.kind >> c.axes >> c.label >> c.bytes >> c.calls >> c.seconds;
+      r.collectives.push_back(c);
+    } else if (key == "param") {
+      ParamCheck c;
+      int ok = 0;
+      l >> c.name >> c.elements >> c.max_abs_error >> c.ref_max_abs >> ok;
+      c.ok = ok != 0;
+      r.checks.push_back(c);
+    } else if (!key.empty()) {
+      return Error(fmt::format("rank result line {}: unknown key '{}'", n, key));
+    }
+    if (l.fail() && !l.eof()) return Error(fmt::format("rank result line {}: malformed", n));
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------- the run file
+
+namespace {
+
+struct Handle {
+  hid_t id;
+  herr_t (*close)(hid_t);
+  Handle(hid_t i, herr_t (*c)(hid_t)) : id(i), close(c) {}
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+  ~Handle() {
+    if (id >= 0) close(id);
+  }
+};
+
+bool attr(hid_t obj, const char* name, double v) {
+  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
+  Handle a(H5Acreate2(obj, name, H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  return a.id >= 0 && H5Awrite(a.id, H5T_NATIVE_DOUBLE, &v) >= 0;
+}
+
+bool attr_int(hid_t obj, const char* name, long long v) {
+  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
+  Handle a(H5Acreate2(obj, name, H5T_STD_I64LE, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  return a.id >= 0 && H5Awrite(a.id, H5T_NATIVE_LLONG, &v) >= 0;
+}
+
+bool attr(hid_t obj, const char* name, const std::string& v) {
+  Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
+  H5Tset_size(type.id, v.size() + 1);
+  H5Tset_cset(type.id, H5T_CSET_UTF8);
+  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
+  Handle a(H5Acreate2(obj, name, type.id, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  return a.id >= 0 && H5Awrite(a.id, type.id, v.c_str()) >= 0;
+}
+
+bool numbers(hid_t group, const char* name, const std::vector<double>& v) {
+  hsize_t n = v.size();
+  Handle space(H5Screate_simple(1, &n, nullptr), H5Sclose);
+  Handle set(
+      H5Dcreate2(group, name, H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+      H5Dclose);
+  return set.id >= 0 && (n == 0 || H5Dwrite(set.id, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL,
+                                            H5P_DEFAULT, v.data()) >= 0);
+}
+
+// Fixed-length UTF-8 strings (h5py: bytes; .astype(str)).
+bool strings(hid_t group, const char* name, const std::vector<std::string>& v) {
+  std::size_t width = 1;
+  for (const std::string& s : v) width = std::max(width, s.size() + 1);
+  std::vector<char> buf(width * v.size(), '\0');
+  for (std::size_t i = 0; i < v.size(); ++i) std::copy(v[i].begin(), v[i].end(), &buf[i * width]);
+  Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
+  H5Tset_size(type.id, width);
+  H5Tset_cset(type.id, H5T_CSET_UTF8);
+  hsize_t n = v.size();
+  Handle space(H5Screate_simple(1, &n, nullptr), H5Sclose);
+  Handle set(H5Dcreate2(group, name, type.id, space.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+             H5Dclose);
+  return set.id >= 0 &&
+         (n == 0 || H5Dwrite(set.id, type.id, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf.data()) >= 0);
+}
+
+hid_t group(hid_t parent, const std::string& name) {
+  return H5Gcreate2(parent, name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+}
+
+}  // namespace
+
+Status write_run(const std::string& path, const RunResults& r) {
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);  // errors come back as values, not prints
+  Handle file(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+  if (file.id < 0) return Error(fmt::format("{}: cannot create the file", path));
+  bool ok = true;
+  const hid_t f = file.id;
+  ok &= attr(f, "format", std::string(kRunFormat));
+  ok &= attr_int(f, "version", kRunVersion);
+  ok &= attr(f, "device", std::string("cpu"));
+  ok &= attr(f, "backend", std::string("unix-sockets"));
+  ok &= attr(f, "dtype", std::string("fp32"));
+  ok &= attr(f, "torch_version", r.torch_version);
+  ok &= attr(f, "plan_name", r.plan_name);
+  ok &= strings(f, "plan", {r.plan_json});
+  ok &= attr(f, "mesh_axes", join(r.mesh_axes, ","));
+  ok &= attr_int(f, "ranks", r.world);
+  ok &= attr_int(f, "iterations", r.options.iterations);
+  ok &= attr_int(f, "warmup", r.options.warmup);
+  ok &= attr_int(f, "threads", r.options.threads);
+  ok &= attr_int(f, "seed", static_cast<long long>(r.options.seed));
+  ok &= attr_int(f, "checked", r.options.check ? 1 : 0);
+  ok &= attr_int(f, "check_passed", r.check_passed() ? 1 : 0);
+  ok &= numbers(f, "iteration_seconds", r.iteration_seconds());
+  std::vector<double> loss;
+  for (const RankResult& k : r.ranks) {
+    if (!k.losses.empty()) {
+      loss = k.losses;
+      break;
+    }
+  }
+  ok &= numbers(f, "loss", loss);
+  Handle ranks(group(f, "ranks"), H5Gclose);
+  ok &= ranks.id >= 0;
+  for (const RankResult& k : r.ranks) {
+    Handle g(group(ranks.id, std::to_string(k.rank)), H5Gclose);
+    if (g.id < 0) return Error(fmt::format("{}: cannot create /ranks/{}", path, k.rank));
+    for (std::size_t a = 0; a < k.coordinates.size() && a < r.mesh_axes.size(); ++a) {
+      ok &= attr_int(g.id, r.mesh_axes[a].c_str(), k.coordinates[a]);
+    }
+    ok &= attr(g.id, "parameters", k.parameters);
+    ok &= attr(g.id, "peak_rss_bytes", k.peak_rss_bytes);
+    ok &= numbers(g.id, "iteration_seconds", k.iteration_seconds);
+    ok &= numbers(g.id, "loss", k.losses);
+    {
+      Handle ops(group(g.id, "ops"), H5Gclose);
+      std::vector<std::string> name, phase;
+      std::vector<double> calls, seconds;
+      for (const OpTime& o : k.ops) {
+        name.push_back(o.name);
+        phase.push_back(o.phase);
+        calls.push_back(o.calls);
+        seconds.push_back(o.seconds);
+      }
+      ok &= strings(ops.id, "name", name) && strings(ops.id, "phase", phase) &&
+            numbers(ops.id, "calls", calls) && numbers(ops.id, "seconds", seconds);
+    }
+    {
+      Handle cs(group(g.id, "collectives"), H5Gclose);
+      std::vector<std::string> kind, axes, label;
+      std::vector<double> bytes, calls, seconds;
+      for (const CollTime& c : k.collectives) {
+        kind.push_back(c.kind);
+        axes.push_back(c.axes);
+        label.push_back(c.label);
+        bytes.push_back(c.bytes);
+        calls.push_back(c.calls);
+        seconds.push_back(c.seconds);
+      }
+      ok &= strings(cs.id, "kind", kind) && strings(cs.id, "axes", axes) &&
+            strings(cs.id, "label", label) && numbers(cs.id, "bytes", bytes) &&
+            numbers(cs.id, "calls", calls) && numbers(cs.id, "seconds", seconds);
+    }
+  }
+  if (r.options.check) {
+    Handle c(group(f, "check"), H5Gclose);
+    std::vector<double> rank, elements, err, ref, pass;
+    std::vector<std::string> name;
+    double l = 0, lref = 0;
+    for (const RankResult& k : r.ranks) {
+      if (k.has_loss) {
+        l = k.check_loss;
+        lref = k.reference_loss;
+      }
+      for (const ParamCheck& p : k.checks) {
+        rank.push_back(k.rank);
+        name.push_back(p.name);
+        elements.push_back(p.elements);
+        err.push_back(p.max_abs_error);
+        ref.push_back(p.ref_max_abs);
+        pass.push_back(p.ok ? 1 : 0);
+      }
+    }
+    ok &= attr_int(c.id, "passed", r.check_passed() ? 1 : 0);
+    ok &= attr(c.id, "loss", l) && attr(c.id, "reference_loss", lref);
+    ok &= attr(c.id, "rtol", r.options.rtol) && attr(c.id, "atol", r.options.atol);
+    ok &= numbers(c.id, "rank", rank) && strings(c.id, "name", name) &&
+          numbers(c.id, "elements", elements) && numbers(c.id, "max_abs_error", err) &&
+          numbers(c.id, "ref_max_abs", ref) && numbers(c.id, "ok", pass);
+  }
+  if (!ok) return Error(fmt::format("{}: writing the run file failed", path));
+  return {};
+}
+
+}  // namespace nnsim::hwexec

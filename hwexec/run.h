@@ -1,0 +1,104 @@
+// Running a plan on this machine's CPU (`nnexec run`, docs/hwexec.md): one process per mesh rank,
+// each building with LibTorch the part of the model its rank owns (Megatron tensor parallelism,
+// the plan's pipeline segments and block orders, data parallelism), timing every operator and
+// collective, and optionally checking its loss and gradients against an unpartitioned run of
+// the same model and batch. Results go into an HDF5 run file (format "nnexec-run", version 1).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/plan.h"
+
+namespace nnsim::hwexec {
+
+inline constexpr const char* kRunFormat = "nnexec-run";
+inline constexpr int kRunVersion = 1;
+
+class Comm;
+
+struct RunOptions {
+  int iterations = 3;  // measured
+  int warmup = 1;      // run before, not recorded
+  bool check = false;  // compare the first iteration with an unpartitioned run
+  int threads = 1;     // LibTorch intra-op threads per process
+  unsigned long long seed = 1234;
+  double rtol = 1e-4;  // check: |g - g_ref| <= rtol * max|g_ref| + atol, per parameter
+  double atol = 1e-6;
+  bool inject_fault = false;  // tests: the last rank perturbs one gradient before the check
+};
+
+// Time of one operator (the operator graph's name) in one direction, per measured iteration:
+// the sum over its calls (every layer, every micro-batch) averaged over the iterations.
+struct OpTime {
+  std::string name;   // "attn.qkv", ...
+  std::string phase;  // "fwd" or "bwd"
+  double calls = 0;   // per iteration
+  double seconds = 0;
+};
+
+// A collective or pipeline transfer, aggregated the same way.
+struct CollTime {
+  std::string kind;   // all_reduce, all_gather, reduce_scatter, send, recv
+  std::string axes;   // mesh axis: "tp", "dp", "pp"
+  std::string label;  // what it carries: "attn.proj", "grad", "activation", ...
+  double bytes = 0;   // per call, per rank
+  double calls = 0;   // per iteration
+  double seconds = 0;
+};
+
+// One parameter shard's first-iteration gradient against its slice of the reference.
+struct ParamCheck {
+  std::string name;  // "layers.3.attn.qkv.weight"
+  double elements = 0;
+  double max_abs_error = 0;
+  double ref_max_abs = 0;
+  bool ok = true;
+};
+
+struct RankResult {
+  int rank = 0;
+  std::vector<int> coordinates;  // along the mesh axes
+  std::vector<double> iteration_seconds;
+  std::vector<double> losses;  // whole-job loss per measured iteration (head ranks; else empty)
+  std::vector<OpTime> ops;
+  std::vector<CollTime> collectives;
+  double parameters = 0;       // parameters this rank holds
+  double peak_rss_bytes = -1;  // the process's peak resident set (getrusage); -1 = unknown
+  // --check
+  bool checked = false;
+  double check_loss = 0;  // this run's first-iteration loss (head ranks)
+  double reference_loss = 0;
+  bool has_loss = false;
+  std::vector<ParamCheck> checks;
+};
+
+struct RunResults {
+  std::string plan_json;
+  std::string plan_name;
+  RunOptions options;
+  int world = 1;
+  std::string torch_version;
+  std::vector<std::string> mesh_axes;
+  std::vector<RankResult> ranks;
+  // Per measured iteration, the slowest rank's time.
+  std::vector<double> iteration_seconds() const;
+  // --check: every parameter and the loss within tolerance.
+  bool check_passed() const;
+};
+
+// Whether `nnexec run` can execute `plan` faithfully; the error names the field (and the value)
+// it cannot run, e.g. "model.mlp: 'swiglu' ...". No LibTorch needed.
+Status check_runnable(const Plan& plan);
+
+// Runs this process's rank (comm.rank()) of the plan. Needs LibTorch.
+Expected<RankResult> run_rank(const Plan& plan, const RunOptions& options, Comm& comm);
+
+// A rank's result as text, for the launcher to collect, and back.
+std::string rank_to_text(const RankResult& r);
+Expected<RankResult> rank_from_text(const std::string& text);
+
+Status write_run(const std::string& path, const RunResults& r);
+
+}  // namespace nnsim::hwexec

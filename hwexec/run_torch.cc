@@ -1,0 +1,703 @@
+// The LibTorch side of `nnexec run` (docs/hwexec.md): builds this rank's part of a GPT-style
+// model and runs the plan's blocks. ATen only (no torch::nn): every operator of the operator
+// graph (attn.qkv, attn.core, ...) runs as its own small autograd graph, from detached inputs,
+// so that its forward and its backward are timed alone and the collectives between operators
+// are explicit, as in Megatron-LM:
+//   attn.qkv / mlp.fc1: columns split over tp; their input gradient is all-reduced (f).
+//   attn.proj / mlp.fc2: rows split; their output (partial sums) is all-reduced (g), the bias
+//     added after it (timed in the residual).
+//   embed.word: rows (vocabulary) split, looked up with a mask, output all-reduced.
+//   head.proj + loss: columns (vocabulary) split, vocab-parallel cross-entropy (all-reduces of
+//     the row maximum, the sum of exponentials and the target logit).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <sys/resource.h>
+#include <torch/version.h>
+
+#include <chrono>
+#include <cmath>
+#include <deque>
+#include <functional>
+#include <limits>
+#include <map>
+#include <set>
+#include <tuple>
+
+#include <fmt/format.h>
+
+#include "hwexec/comm.h"
+#include "hwexec/run.h"
+
+namespace nnsim::hwexec {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Internal: thrown inside this file, returned as an Error by run_rank.
+struct Failure {
+  std::string message;
+};
+
+void ok_or_throw(const Status& s) {
+  if (!s) throw Failure{s.error().message()};
+}
+
+struct Stats {
+  bool recording = false;
+  double collective_seconds = 0;  // running total, to subtract from an operator's own time
+  std::map<std::pair<std::string, std::string>, OpTime> ops;
+  std::map<std::tuple<std::string, std::string, std::string, double>, CollTime> colls;
+
+  void op(const std::string& name, const char* phase, double s) {
+    if (!recording) return;
+    OpTime& o = ops[{name, phase}];
+    o.name = name;
+    o.phase = phase;
+    o.calls += 1;
+    o.seconds += s;
+  }
+  void coll(const char* kind, const std::string& axes, const std::string& label, double bytes,
+            double s) {
+    collective_seconds += s;
+    if (!recording) return;
+    CollTime& c = colls[{kind, axes, label, bytes}];
+    c.kind = kind;
+    c.axes = axes;
+    c.label = label;
+    c.bytes = bytes;
+    c.calls += 1;
+    c.seconds += s;
+  }
+};
+
+// Groups and collectives of one rank. Groups of one rank (the unpartitioned reference) do
+// nothing.
+struct Ctx {
+  Comm* comm = nullptr;
+  Stats* stats = nullptr;
+  std::vector<int> tp_group{0}, dp_group{0};
+  std::string tp_axes = "tp", pp_axes = "pp";
+  int tp_index = 0;
+
+  void all_reduce(at::Tensor& t, const std::vector<int>& group, const std::string& axes,
+                  const std::string& label, Comm::Op op = Comm::Op::kSum) {
+    if (group.size() <= 1) return;
+    t = t.contiguous();
+    const auto t0 = Clock::now();
+    ok_or_throw(comm->all_reduce(group, t.data_ptr<float>(), t.numel(), op));
+    stats->coll("all_reduce", axes, label, t.numel() * 4.0, seconds_since(t0));
+  }
+  void tp_all_reduce(at::Tensor& t, const std::string& label, Comm::Op op = Comm::Op::kSum) {
+    all_reduce(t, tp_group, tp_axes, label, op);
+  }
+  void send(int peer, const at::Tensor& t, const std::string& label) {
+    at::Tensor c = t.contiguous();
+    const auto t0 = Clock::now();
+    ok_or_throw(comm->send(peer, c.data_ptr<float>(), c.numel() * 4));
+    stats->coll("send", pp_axes, label, c.numel() * 4.0, seconds_since(t0));
+  }
+  at::Tensor recv(int peer, at::IntArrayRef shape, const std::string& label) {
+    at::Tensor t = at::empty(shape, at::kFloat);
+    const auto t0 = Clock::now();
+    ok_or_throw(comm->recv(peer, t.data_ptr<float>(), t.numel() * 4));
+    stats->coll("recv", pp_axes, label, t.numel() * 4.0, seconds_since(t0));
+    return t;
+  }
+};
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+struct Param {
+  std::string name;
+  at::Tensor w;                                      // this rank's shard, requires grad
+  std::function<at::Tensor(const at::Tensor&)> cut;  // full tensor -> this rank's shard
+  at::Tensor m, v;                                   // Adam moments
+};
+
+// Tensor-parallel degrees of the three operator groups (1 = replicated on every tp rank).
+struct Split {
+  int heads = 1, ffn = 1, embed_vocab = 1, head_vocab = 1;
+};
+
+struct LayerParams {
+  Param *ln1g, *ln1b = nullptr, *qkv_w, *qkv_b = nullptr, *proj_w, *proj_b = nullptr, *ln2g,
+               *ln2b = nullptr, *fc1_w, *fc1_b = nullptr, *fc2_w, *fc2_b = nullptr;
+};
+
+// One operator's forward: its output and the detached inputs whose gradients its backward gives.
+struct Unit {
+  at::Tensor out;
+  std::vector<at::Tensor> in;
+};
+
+at::Tensor leaf(const at::Tensor& t) {
+  return t.detach().requires_grad_(true);
+}
+
+struct LayerTape {
+  Unit n1, qkv, core, proj, res1, n2, fc1, act, fc2, res2;
+};
+
+struct MicroBatchTape {
+  Unit word, pos;
+  std::vector<LayerTape> layers;
+  Unit hnorm, hproj;
+  at::Tensor ez, se, onehot;  // the loss's saved softmax pieces
+  double loss = 0;
+};
+
+class Model {
+ public:
+  Model(const ModelSpec& spec, int first, int end, bool embedding, bool head, Split split,
+        int tp_index, unsigned long long seed)
+      : spec_(spec),
+        first_(first),
+        end_(end),
+        embedding_(embedding),
+        head_(head),
+        split_(split),
+        t_(tp_index),
+        seed_(seed) {
+    const int64_t h = spec.hidden, a = spec.heads, d = spec.head_dim(), f = spec.ffn_hidden,
+                  V = spec.vocab, s = spec.seq_len;
+    const int64_t al = a / split.heads, fl = f / split.ffn;
+    const int ta = split.heads > 1 ? t_ : 0, tf = split.ffn > 1 ? t_ : 0;
+    auto whole = [](const at::Tensor& x) { return x; };
+    if (embedding_) {
+      const int64_t vl = V / split.embed_vocab;
+      const int tv = split.embed_vocab > 1 ? t_ : 0;
+      word_ = add("embed.word.weight", {V, h}, 0.1, 0,
+                  [=](const at::Tensor& x) { return x.narrow(0, tv * vl, vl); });
+      pos_ = add("embed.position.weight", {s, h}, 0.1, 0, whole);
+    }
+    for (int l = first_; l < end_; ++l) {
+      const std::string p = fmt::format("layers.{}.", l);
+      LayerParams L;
+      L.ln1g = add(p + "attn.norm.weight", {h}, 0.1, 1, whole);
+      if (spec.bias) L.ln1b = add(p + "attn.norm.bias", {h}, 0.1, 0, whole);
+      L.qkv_w = add(p + "attn.qkv.weight", {h, 3 * h}, 0.05, 0, [=](const at::Tensor& x) {
+        return x.view({h, 3, a, d}).narrow(2, ta * al, al).reshape({h, 3 * al * d});
+      });
+      if (spec.bias) {
+        L.qkv_b = add(p + "attn.qkv.bias", {3 * h}, 0.05, 0, [=](const at::Tensor& x) {
+          return x.view({3, a, d}).narrow(1, ta * al, al).reshape({3 * al * d});
+        });
+      }
+      L.proj_w = add(p + "attn.proj.weight", {h, h}, 0.05, 0,
+                     [=](const at::Tensor& x) { return x.narrow(0, ta * al * d, al * d); });
+      if (spec.bias) L.proj_b = add(p + "attn.proj.bias", {h}, 0.05, 0, whole);
+      L.ln2g = add(p + "mlp.norm.weight", {h}, 0.1, 1, whole);
+      if (spec.bias) L.ln2b = add(p + "mlp.norm.bias", {h}, 0.1, 0, whole);
+      L.fc1_w = add(p + "mlp.fc1.weight", {h, f}, 0.05, 0,
+                    [=](const at::Tensor& x) { return x.narrow(1, tf * fl, fl); });
+      if (spec.bias) {
+        L.fc1_b = add(p + "mlp.fc1.bias", {f}, 0.05, 0,
+                      [=](const at::Tensor& x) { return x.narrow(0, tf * fl, fl); });
+      }
+      L.fc2_w = add(p + "mlp.fc2.weight", {f, h}, 0.05, 0,
+                    [=](const at::Tensor& x) { return x.narrow(0, tf * fl, fl); });
+      if (spec.bias) L.fc2_b = add(p + "mlp.fc2.bias", {h}, 0.05, 0, whole);
+      layers_.push_back(L);
+    }
+    if (head_) {
+      hn_g_ = add("head.norm.weight", {h}, 0.1, 1, whole);
+      if (spec.bias) hn_b_ = add("head.norm.bias", {h}, 0.1, 0, whole);
+      if (!spec.tied_embeddings) {
+        const int64_t vl = V / split.head_vocab;
+        const int tv = split.head_vocab > 1 ? t_ : 0;
+        head_w_ = add("head.proj.weight", {h, V}, 0.1, 0,
+                      [=](const at::Tensor& x) { return x.narrow(1, tv * vl, vl); });
+      }
+    }
+  }
+
+  std::deque<Param>& params() { return params_; }
+  bool has_embedding() const { return embedding_; }
+  bool has_head() const { return head_; }
+
+  // Forward of a micro-batch through this segment: tokens [b, s] (embedding) or the previous
+  // segment's output x [b, s, h]; targets [b, s] for the head. Returns the output (layers
+  // only), and fills the tape.
+  at::Tensor forward(Ctx& c, const at::Tensor& tokens, at::Tensor x, const at::Tensor& targets,
+                     MicroBatchTape& tape) {
+    Stats& st = *c.stats;
+    if (embedding_) {
+      const int64_t vl = spec_.vocab / split_.embed_vocab;
+      const int64_t start = split_.embed_vocab > 1 ? t_ * vl : 0;
+      tape.word = fwd(st, "embed.word", {}, [&](const std::vector<at::Tensor>&) {
+        if (split_.embed_vocab == 1) return at::embedding(word_->w, tokens);
+        at::Tensor local = tokens - start;
+        at::Tensor mask = (local >= 0).logical_and(local < vl);
+        return at::embedding(word_->w, local.clamp(0, vl - 1)) * mask.unsqueeze(-1).to(at::kFloat);
+      });
+      at::Tensor e = tape.word.out.detach().clone();
+      if (split_.embed_vocab > 1) c.tp_all_reduce(e, "embed.word");
+      tape.pos = fwd(st, "embed.position", {leaf(e)}, [&](const std::vector<at::Tensor>& in) {
+        return in[0] + pos_->w.narrow(0, 0, tokens.size(1));
+      });
+      x = tape.pos.out.detach();
+    }
+    tape.layers.resize(layers_.size());
+    for (std::size_t l = 0; l < layers_.size(); ++l)
+      x = layer_forward(c, layers_[l], x, tape.layers[l]);
+    if (!head_) return x;
+    const int64_t h = spec_.hidden;
+    tape.hnorm = fwd(st, "head.norm", {leaf(x)}, [&](const std::vector<at::Tensor>& in) {
+      return at::layer_norm(in[0], {h}, hn_g_->w, hn_b_ ? hn_b_->w : at::Tensor(), 1e-5);
+    });
+    const bool tied = spec_.tied_embeddings;
+    const int vsplit = tied ? split_.embed_vocab : split_.head_vocab;
+    tape.hproj =
+        fwd(st, "head.proj", {leaf(tape.hnorm.out)}, [&](const std::vector<at::Tensor>& in) {
+          return at::matmul(in[0], tied ? word_->w.t() : head_w_->w);
+        });
+    // Vocab-parallel cross-entropy, mean over the micro-batch's tokens.
+    const auto t0 = Clock::now();
+    const double c0 = st.collective_seconds;
+    at::Tensor logits = tape.hproj.out.detach();
+    const int64_t vl = logits.size(-1);
+    const int64_t start = vsplit > 1 ? t_ * vl : 0;
+    at::Tensor lmax = std::get<0>(logits.max(-1));
+    if (vsplit > 1) c.tp_all_reduce(lmax, "loss", Comm::Op::kMax);
+    at::Tensor z = logits - lmax.unsqueeze(-1);
+    tape.ez = z.exp();
+    tape.se = tape.ez.sum(-1);
+    if (vsplit > 1) c.tp_all_reduce(tape.se, "loss");
+    at::Tensor local = targets - start;
+    at::Tensor mask = (local >= 0).logical_and(local < vl).to(at::kFloat);
+    at::Tensor idx = local.clamp(0, vl - 1).unsqueeze(-1);
+    at::Tensor target_logit = z.gather(-1, idx).squeeze(-1) * mask;
+    if (vsplit > 1) c.tp_all_reduce(target_logit, "loss");
+    tape.loss = (tape.se.log() - target_logit).mean().item<double>();
+    tape.onehot = at::zeros_like(z).scatter_(-1, idx, mask.unsqueeze(-1));
+    st.op("loss", "fwd", seconds_since(t0) - (st.collective_seconds - c0));
+    return at::Tensor();
+  }
+
+  // Backward: dy is the gradient of the segment's output (layers only) or, for the head, the
+  // scale of the loss. Returns the gradient of the segment's input (none for the embedding).
+  at::Tensor backward(Ctx& c, MicroBatchTape& tape, at::Tensor dy, double loss_scale) {
+    Stats& st = *c.stats;
+    if (head_) {
+      const auto t0 = Clock::now();
+      const double n = static_cast<double>(tape.ez.size(0) * tape.ez.size(1));
+      at::Tensor dlogits = (tape.ez / tape.se.unsqueeze(-1) - tape.onehot) * (loss_scale / n);
+      st.op("loss", "bwd", seconds_since(t0));
+      tape.ez = tape.se = tape.onehot = at::Tensor();
+      const int vsplit = spec_.tied_embeddings ? split_.embed_vocab : split_.head_vocab;
+      at::Tensor dn = bwd(st, "head.proj", tape.hproj, dlogits)[0];
+      if (vsplit > 1) c.tp_all_reduce(dn, "head.proj");
+      dy = bwd(st, "head.norm", tape.hnorm, dn)[0];
+    }
+    for (std::size_t l = layers_.size(); l-- > 0;) dy = layer_backward(c, tape.layers[l], dy);
+    if (embedding_) {
+      at::Tensor de = bwd(st, "embed.position", tape.pos, dy)[0];
+      bwd(st, "embed.word", tape.word, de);
+      return at::Tensor();
+    }
+    return dy;
+  }
+
+ private:
+  Param* add(const std::string& name, std::vector<int64_t> shape, double scale, double offset,
+             std::function<at::Tensor(const at::Tensor&)> cut) {
+    at::manual_seed(static_cast<uint64_t>(seed_ ^ fnv1a(name)));
+    at::Tensor full = at::randn(shape, at::kFloat) * scale + offset;
+    Param p;
+    p.name = name;
+    p.cut = std::move(cut);
+    p.w = p.cut(full).contiguous().clone().requires_grad_(true);
+    params_.push_back(std::move(p));
+    return &params_.back();
+  }
+
+  template <class F>
+  Unit fwd(Stats& st, const char* name, std::vector<at::Tensor> in, F&& f) {
+    const auto t0 = Clock::now();
+    Unit u;
+    u.out = f(in);
+    u.in = std::move(in);
+    st.op(name, "fwd", seconds_since(t0));
+    return u;
+  }
+
+  std::vector<at::Tensor> bwd(Stats& st, const char* name, Unit& u, const at::Tensor& dy) {
+    const auto t0 = Clock::now();
+    u.out.backward(dy);
+    std::vector<at::Tensor> g;
+    for (const at::Tensor& i : u.in) g.push_back(i.grad());
+    st.op(name, "bwd", seconds_since(t0));
+    u = Unit{};
+    return g;
+  }
+
+  at::Tensor layer_forward(Ctx& c, const LayerParams& L, const at::Tensor& x, LayerTape& t) {
+    Stats& st = *c.stats;
+    const int64_t h = spec_.hidden, d = spec_.head_dim(), al = spec_.heads / split_.heads;
+    auto opt = [](Param* p) { return p ? p->w : at::Tensor(); };
+    t.n1 = fwd(st, "attn.norm", {leaf(x)}, [&](const std::vector<at::Tensor>& in) {
+      return at::layer_norm(in[0], {h}, L.ln1g->w, opt(L.ln1b), 1e-5);
+    });
+    t.qkv = fwd(st, "attn.qkv", {leaf(t.n1.out)}, [&](const std::vector<at::Tensor>& in) {
+      at::Tensor y = at::matmul(in[0], L.qkv_w->w);
+      return L.qkv_b ? y + L.qkv_b->w : y;
+    });
+    t.core = fwd(st, "attn.core", {leaf(t.qkv.out)}, [&](const std::vector<at::Tensor>& in) {
+      const int64_t b = in[0].size(0), s = in[0].size(1);
+      at::Tensor v5 = in[0].view({b, s, 3, al, d}).permute({2, 0, 3, 1, 4});
+      at::Tensor scores = at::matmul(v5[0], v5[1].transpose(-2, -1)) / std::sqrt(double(d));
+      at::Tensor causal = at::ones({s, s}, at::kBool).triu(1);
+      at::Tensor p =
+          at::softmax(scores.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1);
+      return at::matmul(p, v5[2]).permute({0, 2, 1, 3}).reshape({b, s, al * d});
+    });
+    t.proj = fwd(st, "attn.proj", {leaf(t.core.out)},
+                 [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], L.proj_w->w); });
+    at::Tensor y = t.proj.out.detach().clone();
+    if (split_.heads > 1) c.tp_all_reduce(y, "attn.proj");
+    t.res1 = fwd(st, "attn.residual", {leaf(y), leaf(x)}, [&](const std::vector<at::Tensor>& in) {
+      return L.proj_b ? in[0] + L.proj_b->w + in[1] : in[0] + in[1];
+    });
+    const at::Tensor x1 = t.res1.out.detach();
+    t.n2 = fwd(st, "mlp.norm", {leaf(x1)}, [&](const std::vector<at::Tensor>& in) {
+      return at::layer_norm(in[0], {h}, L.ln2g->w, opt(L.ln2b), 1e-5);
+    });
+    t.fc1 = fwd(st, "mlp.fc1", {leaf(t.n2.out)}, [&](const std::vector<at::Tensor>& in) {
+      at::Tensor z = at::matmul(in[0], L.fc1_w->w);
+      return L.fc1_b ? z + L.fc1_b->w : z;
+    });
+    t.act = fwd(st, "mlp.act", {leaf(t.fc1.out)},
+                [&](const std::vector<at::Tensor>& in) { return at::gelu(in[0]); });
+    t.fc2 = fwd(st, "mlp.fc2", {leaf(t.act.out)},
+                [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], L.fc2_w->w); });
+    at::Tensor y2 = t.fc2.out.detach().clone();
+    if (split_.ffn > 1) c.tp_all_reduce(y2, "mlp.fc2");
+    t.res2 = fwd(st, "mlp.residual", {leaf(y2), leaf(x1)}, [&](const std::vector<at::Tensor>& in) {
+      return L.fc2_b ? in[0] + L.fc2_b->w + in[1] : in[0] + in[1];
+    });
+    return t.res2.out.detach();
+  }
+
+  at::Tensor layer_backward(Ctx& c, LayerTape& t, const at::Tensor& dy) {
+    Stats& st = *c.stats;
+    std::vector<at::Tensor> g = bwd(st, "mlp.residual", t.res2, dy);
+    at::Tensor d = bwd(st, "mlp.fc2", t.fc2, g[0])[0];
+    d = bwd(st, "mlp.act", t.act, d)[0];
+    d = bwd(st, "mlp.fc1", t.fc1, d)[0];
+    if (split_.ffn > 1) c.tp_all_reduce(d, "mlp.fc1");
+    at::Tensor dx1 = bwd(st, "mlp.norm", t.n2, d)[0] + g[1];
+    g = bwd(st, "attn.residual", t.res1, dx1);
+    d = bwd(st, "attn.proj", t.proj, g[0])[0];
+    d = bwd(st, "attn.core", t.core, d)[0];
+    d = bwd(st, "attn.qkv", t.qkv, d)[0];
+    if (split_.heads > 1) c.tp_all_reduce(d, "attn.qkv");
+    return bwd(st, "attn.norm", t.n1, d)[0] + g[1];
+  }
+
+  ModelSpec spec_;
+  int first_, end_;
+  bool embedding_, head_;
+  Split split_;
+  int t_;
+  unsigned long long seed_;
+  std::deque<Param> params_;
+  std::vector<LayerParams> layers_;
+  Param *word_ = nullptr, *pos_ = nullptr, *hn_g_ = nullptr, *hn_b_ = nullptr, *head_w_ = nullptr;
+};
+
+// The plan as this rank sees it.
+struct Layout {
+  Split split;
+  std::vector<std::string> tp_axes, pp_axes;
+  int segment = -1;       // the one segment this rank's order runs
+  int prev_segment = -1;  // in pipeline order
+  int next_segment = -1;
+  const DeviceOrder* order = nullptr;
+};
+
+bool in_slice(const Mesh& mesh, const MeshSlice& slice, const std::vector<int>& coords) {
+  for (const auto& [axis, c] : slice) {
+    const int i = mesh.axis_index(axis);
+    if (i < 0 || coords[i] != c) return false;
+  }
+  return true;
+}
+
+std::vector<int> group_along(const Mesh& mesh, int rank, const std::vector<std::string>& axes) {
+  const std::vector<int> mine = mesh.coordinates(rank);
+  std::vector<int> g;
+  for (int r = 0; r < mesh.num_ranks(); ++r) {
+    const std::vector<int> c = mesh.coordinates(r);
+    bool same = true;
+    for (std::size_t i = 0; i < c.size(); ++i) {
+      const bool along = std::find(axes.begin(), axes.end(), mesh.axes[i].name) != axes.end();
+      if (!along && c[i] != mine[i]) same = false;
+    }
+    if (same) g.push_back(r);
+  }
+  return g;
+}
+
+int peer_in(const Mesh& mesh, int rank, const Segment& seg) {
+  std::vector<int> c = mesh.coordinates(rank);
+  for (const auto& [axis, v] : seg.devices) c[mesh.axis_index(axis)] = v;
+  return mesh.rank_of(c);
+}
+
+Layout layout_of(const Plan& plan, int rank) {
+  Layout L;
+  const std::vector<int> coords = plan.mesh.coordinates(rank);
+  std::set<std::string> pp;
+  for (const DeviceOrder& o : plan.schedule) {
+    for (const auto& [a, c] : o.devices) pp.insert(a);
+    if (in_slice(plan.mesh, o.devices, coords)) L.order = &o;
+  }
+  L.pp_axes.assign(pp.begin(), pp.end());
+  auto degree = [&](const char* op) {
+    std::vector<std::string> axes;
+    for (const PartitionRule& r : plan.partition) {
+      if (!match_pattern(r.match, op)) continue;
+      for (const DimSplit& s : r.splits) axes = s.axes;
+    }
+    int n = 1;
+    for (const std::string& a : axes) n *= plan.mesh.axis_size(a);
+    if (!axes.empty()) L.tp_axes = axes;
+    return n;
+  };
+  L.split.heads = degree("attn.qkv");
+  L.split.ffn = degree("mlp.fc1");
+  L.split.embed_vocab = degree("embed.word");
+  L.split.head_vocab = degree("head.proj");
+  if (L.order == nullptr || L.order->blocks.empty()) return L;
+  L.segment = L.order->blocks.front().segment;
+  // Pipeline order: embedding first, then by first layer, head last.
+  std::vector<int> seq(plan.segments.size());
+  for (std::size_t i = 0; i < seq.size(); ++i) seq[i] = static_cast<int>(i);
+  auto key = [&](int i) {
+    const Segment& s = plan.segments[i];
+    return std::make_tuple(s.embedding ? 0 : 1, s.head ? 1 : 0, s.first_layer);
+  };
+  std::sort(seq.begin(), seq.end(), [&](int a, int b) { return key(a) < key(b); });
+  for (std::size_t i = 0; i < seq.size(); ++i) {
+    if (seq[i] != L.segment) continue;
+    if (i > 0) L.prev_segment = seq[i - 1];
+    if (i + 1 < seq.size()) L.next_segment = seq[i + 1];
+  }
+  return L;
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? "+" : "") + v[i];
+  return s.empty() ? "none" : s;
+}
+
+// The batch of iteration `it`: tokens [B, s + 1], the same on every rank.
+at::Tensor batch(const Plan& plan, unsigned long long seed, int it) {
+  at::manual_seed(seed * 7919 + 104729ull * (it + 1));
+  return at::randint(plan.model.vocab, {plan.global_batch, plan.model.seq_len + 1}, at::kLong);
+}
+
+void zero_grads(std::deque<Param>& ps) {
+  for (Param& p : ps) p.w.mutable_grad() = at::Tensor();
+}
+
+at::Tensor grad_or_zeros(const Param& p) {
+  return p.w.grad().defined() ? p.w.grad() : at::zeros_like(p.w);
+}
+
+Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
+  if (Status s = check_runnable(plan); !s) return s.error();
+  if (comm.world() != plan.mesh.num_ranks()) {
+    return Error(fmt::format("the plan's mesh has {} ranks but {} processes run it",
+                             plan.mesh.num_ranks(), comm.world()));
+  }
+  at::set_num_threads(std::max(1, opt.threads));
+  const int rank = comm.rank();
+  const Mesh& mesh = plan.mesh;
+  Layout L = layout_of(plan, rank);
+  if (L.order == nullptr) return Error(fmt::format("no schedule order holds rank {}", rank));
+  const Segment& seg = plan.segments[L.segment];
+  const int tp_size = [&] {
+    int n = 1;
+    for (const std::string& a : L.tp_axes) n *= mesh.axis_size(a);
+    return n;
+  }();
+  Stats stats;
+  Ctx ctx;
+  ctx.comm = &comm;
+  ctx.stats = &stats;
+  ctx.tp_axes = join(L.tp_axes);
+  ctx.pp_axes = join(L.pp_axes);
+  ctx.tp_group = L.tp_axes.empty() ? std::vector<int>{rank} : group_along(mesh, rank, L.tp_axes);
+  ctx.dp_group = group_along(mesh, rank, {kDataParallelAxis});
+  ctx.tp_index = static_cast<int>(std::find(ctx.tp_group.begin(), ctx.tp_group.end(), rank) -
+                                  ctx.tp_group.begin());
+  (void)tp_size;
+  const std::vector<int> coords = mesh.coordinates(rank);
+  const int dp = plan.data_parallel();
+  const int dp_index = coords[mesh.axis_index(kDataParallelAxis)];
+  const int M = plan.num_micro_batches();
+  const int b = plan.micro_batch;
+  const int64_t s = plan.model.seq_len, h = plan.model.hidden;
+
+  Model model(plan.model, seg.first_layer, seg.end_layer, seg.embedding, seg.head, L.split,
+              ctx.tp_index, opt.seed);
+  const int prev = L.prev_segment >= 0 ? peer_in(mesh, rank, plan.segments[L.prev_segment]) : -1;
+  const int next = L.next_segment >= 0 ? peer_in(mesh, rank, plan.segments[L.next_segment]) : -1;
+
+  RankResult out;
+  out.rank = rank;
+  out.coordinates = coords;
+  for (const Param& p : model.params()) out.parameters += static_cast<double>(p.w.numel());
+
+  // The unpartitioned reference: the whole model, the whole batch, one micro-batch.
+  std::map<std::string, at::Tensor> ref_grads;
+  if (opt.check) {
+    Stats ref_stats;
+    Ctx ref;
+    ref.comm = &comm;
+    ref.stats = &ref_stats;
+    ref.tp_group = ref.dp_group = {rank};
+    Model whole(plan.model, 0, plan.model.layers, true, true, Split{}, 0, opt.seed);
+    const at::Tensor data = batch(plan, opt.seed, 0);
+    MicroBatchTape tape;
+    whole.forward(ref, data.narrow(1, 0, s), at::Tensor(), data.narrow(1, 1, s), tape);
+    out.reference_loss = tape.loss;
+    whole.backward(ref, tape, at::Tensor(), 1.0);
+    for (Param& p : whole.params()) ref_grads[p.name] = grad_or_zeros(p);
+  }
+
+  const double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, lr = 1e-4;
+  for (int it = 0; it < opt.warmup + opt.iterations; ++it) {
+    ok_or_throw(comm.barrier());
+    stats.recording = it >= opt.warmup;
+    zero_grads(model.params());
+    const auto t0 = Clock::now();
+    const at::Tensor data = batch(plan, opt.seed, it);
+    std::map<int, MicroBatchTape> tapes;
+    double loss = 0;
+    for (const Block& blk : L.order->blocks) {
+      const int m = blk.micro_batch;
+      const int64_t row = (static_cast<int64_t>(dp_index) * M + m) * b;
+      if (blk.kind == BlockKind::kForward) {
+        MicroBatchTape& tape = tapes[m];
+        at::Tensor x;
+        if (!model.has_embedding()) x = ctx.recv(prev, {b, s, h}, "activation");
+        at::Tensor y = model.forward(ctx, data.narrow(0, row, b).narrow(1, 0, s), x,
+                                     data.narrow(0, row, b).narrow(1, 1, s), tape);
+        if (model.has_head()) {
+          loss += tape.loss / (M * dp);
+        } else {
+          ctx.send(next, y, "activation");
+        }
+      } else {
+        MicroBatchTape& tape = tapes[m];
+        at::Tensor dy;
+        if (!model.has_head()) dy = ctx.recv(next, {b, s, h}, "gradient");
+        at::Tensor dx = model.backward(ctx, tape, dy, 1.0 / (M * dp));
+        if (!model.has_embedding()) ctx.send(prev, dx, "gradient");
+        tapes.erase(m);
+      }
+    }
+    // Data parallel: one all-reduce of every gradient, flattened.
+    std::vector<at::Tensor> flat;
+    for (Param& p : model.params()) flat.push_back(grad_or_zeros(p).reshape({-1}));
+    at::Tensor all = at::cat(flat);
+    ctx.all_reduce(all, ctx.dp_group, kDataParallelAxis, "grad");
+    {
+      at::NoGradGuard no_grad;
+      int64_t offset = 0;
+      for (Param& p : model.params()) {
+        const int64_t n = p.w.numel();
+        p.w.mutable_grad() = all.narrow(0, offset, n).view(p.w.sizes()).clone();
+        offset += n;
+      }
+    }
+    if (model.has_head()) {
+      at::Tensor l = at::full({1}, loss, at::kFloat);
+      ctx.all_reduce(l, ctx.dp_group, kDataParallelAxis, "loss");
+      loss = l.item<double>();
+    }
+    if (it == 0 && opt.check) {
+      out.checked = true;
+      out.has_loss = model.has_head();
+      out.check_loss = loss;
+      for (Param& p : model.params()) {
+        at::Tensor mine = grad_or_zeros(p);
+        if (opt.inject_fault && rank == comm.world() - 1 && out.checks.empty()) mine = mine * 1.01;
+        const at::Tensor want = p.cut(ref_grads.at(p.name));
+        ParamCheck c;
+        c.name = p.name;
+        c.elements = static_cast<double>(mine.numel());
+        c.max_abs_error = (mine - want).abs().max().item<double>();
+        c.ref_max_abs = want.abs().max().item<double>();
+        c.ok = c.max_abs_error <= opt.rtol * c.ref_max_abs + opt.atol;
+        out.checks.push_back(c);
+      }
+    }
+    // Adam.
+    {
+      const auto o0 = Clock::now();
+      at::NoGradGuard no_grad;
+      const double k = it + 1;
+      for (Param& p : model.params()) {
+        const at::Tensor g = p.w.grad();
+        if (!p.m.defined()) {
+          p.m = at::zeros_like(p.w);
+          p.v = at::zeros_like(p.w);
+        }
+        p.m.mul_(beta1).add_(g, 1 - beta1);
+        p.v.mul_(beta2).addcmul_(g, g, 1 - beta2);
+        at::Tensor denom = (p.v / (1 - std::pow(beta2, k))).sqrt_().add_(eps);
+        p.w.addcdiv_(p.m, denom, -lr / (1 - std::pow(beta1, k)));
+      }
+      stats.op("optimizer", "step", seconds_since(o0));
+    }
+    if (stats.recording) {
+      out.iteration_seconds.push_back(seconds_since(t0));
+      if (model.has_head()) out.losses.push_back(loss);
+    }
+  }
+  ok_or_throw(comm.flush());
+  ok_or_throw(comm.barrier());
+  const double n = std::max(1, opt.iterations);
+  for (auto& [k, o] : stats.ops) {
+    o.calls /= n;
+    o.seconds /= n;
+    out.ops.push_back(o);
+  }
+  for (auto& [k, c] : stats.colls) {
+    c.calls /= n;
+    c.seconds /= n;
+    out.collectives.push_back(c);
+  }
+  rusage u{};
+  if (::getrusage(RUSAGE_SELF, &u) == 0) out.peak_rss_bytes = u.ru_maxrss * 1024.0;
+  return out;
+}
+
+}  // namespace
+
+Expected<RankResult> run_rank(const Plan& plan, const RunOptions& options, Comm& comm) {
+  try {
+    return run(plan, options, comm);
+  } catch (const Failure& f) {
+    return Error(f.message);
+  } catch (const c10::Error& e) {
+    return Error(std::string("LibTorch: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return Error(std::string("LibTorch: ") + e.what());
+  }
+}
+
+}  // namespace nnsim::hwexec

@@ -1,0 +1,327 @@
+// nnexec run: the socket collective backend, the plan checks, and whole plans (TP, PP, DP and
+// all three) run as processes on this CPU whose loss and gradients must equal an unpartitioned
+// run's. Plans come from `nnsim plan` on a tiny model (tests/data/tiny-gpt.yaml). Tests that need
+// LibTorch report Skipped without it.
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <iterator>
+#include <optional>
+
+#include <gtest/gtest.h>
+
+#include "core/plan.h"
+#include "hwexec/bench.h"
+#include "hwexec/comm.h"
+#include "hwexec/run.h"
+#include "synthetic.h"
+
+namespace nnsim::hwexec {
+namespace {
+
+using testing::TempDir;
+
+struct Proc {
+  int status = -1;
+  std::string out, err;
+};
+
+std::ostream& operator<<(std::ostream& os, const Proc& r) {
+  return os << "exit status " << r.status << "\n--- stdout ---\n"
+            << r.out << "--- stderr ---\n"
+            << r.err << "--------------";
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+Proc run(const TempDir& dir, const std::string& program, std::vector<std::string> args) {
+  Proc r;
+  const std::string out = dir.file("stdout.txt"), err = dir.file("stderr.txt");
+  const std::string work = dir.file("");
+  args.insert(args.begin(), program);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(o, 1);
+    ::dup2(e, 2);
+    if (::chdir(work.c_str()) != 0) ::_exit(126);
+    ::execvp(argv[0], argv.data());
+    ::_exit(127);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  r.status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+bool contains(const std::string& s, const std::string& what) {
+  return s.find(what) != std::string::npos;
+}
+
+const std::string kModel = std::string(NNSIM_TEST_DATA) + "/tiny-gpt.yaml";
+const std::string kTopo = std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml";
+
+// `nnsim plan` for the tiny model on nodes of two ranks.
+Proc make_plan(const TempDir& dir, int tp, int pp, int dp, const std::string& schedule,
+               int global_batch, std::vector<std::string> extra = {}) {
+  std::vector<std::string> args = {"plan",
+                                   "--model",
+                                   kModel,
+                                   "--topo",
+                                   kTopo,
+                                   "--nodes",
+                                   std::to_string(tp * pp * dp / 2 > 0 ? tp * pp * dp / 2 : 1),
+                                   "--tp",
+                                   std::to_string(tp),
+                                   "--pp",
+                                   std::to_string(pp),
+                                   "--dp",
+                                   std::to_string(dp),
+                                   "--global-batch",
+                                   std::to_string(global_batch),
+                                   "--micro-batch",
+                                   "1",
+                                   "--precision",
+                                   "fp32",
+                                   "--schedule",
+                                   schedule,
+                                   "-o",
+                                   "plan.json"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return run(dir, NNSIM_BINARY, args);
+}
+
+// ---------------------------------------------------------------- the collective backend
+
+// Runs `body(comm)` in `world` forked processes; true when every one returns true.
+template <class F>
+bool in_processes(int world, F body) {
+  TempDir dir;
+  const std::string rendezvous = dir.file("");
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      auto c = Comm::connect(rendezvous, r, world, 30);
+      bool ok = c.ok() && body(**c) && (*c)->flush().ok() && (*c)->barrier().ok();
+      if (!c.ok()) std::fprintf(stderr, "rank %d: %s\n", r, c.error().message().c_str());
+      ::_exit(ok ? 0 : 1);
+    }
+    pids.push_back(pid);
+  }
+  bool ok = true;
+  for (pid_t p : pids) {
+    int status = 0;
+    ::waitpid(p, &status, 0);
+    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+  return ok;
+}
+
+TEST(Comm, CollectivesOverGroupsAndPointToPoint) {
+  EXPECT_TRUE(in_processes(4, [](Comm& c) {
+    const int r = c.rank();
+    // All-reduce over everyone, 10 elements (chunks of uneven size); and max.
+    std::vector<float> v(10);
+    for (int i = 0; i < 10; ++i) v[i] = static_cast<float>(r * 100 + i);
+    if (!c.all_reduce({0, 1, 2, 3}, v.data(), v.size()).ok()) return false;
+    for (int i = 0; i < 10; ++i) {
+      if (v[i] != 600 + 4 * i) return false;
+    }
+    float m = static_cast<float>(r);
+    if (!c.all_reduce({0, 1, 2, 3}, &m, 1, Comm::Op::kMax).ok() || m != 3) return false;
+    // Groups {0, 2} and {1, 3}.
+    const std::vector<int> g = r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
+    std::vector<float> in = {float(r), float(r + 10)}, out(4);
+    if (!c.all_gather(g, in.data(), 2, out.data()).ok()) return false;
+    if (out != std::vector<float>{float(g[0]), float(g[0] + 10), float(g[1]), float(g[1] + 10)}) {
+      return false;
+    }
+    // Reduce-scatter over everyone: member i gets the sum of chunk i (2 floats each).
+    std::vector<float> rs(8), chunk(2);
+    for (int i = 0; i < 8; ++i) rs[i] = static_cast<float>(i + r);
+    if (!c.reduce_scatter({0, 1, 2, 3}, rs.data(), 2, chunk.data()).ok()) return false;
+    if (chunk[0] != 4 * (2 * r) + 6 || chunk[1] != 4 * (2 * r + 1) + 6) return false;
+    // Point to point, large enough to exceed the sockets' buffers, both ways at once.
+    const int peer = r ^ 1;
+    std::vector<float> big(1 << 20, float(r)), got(1 << 20);
+    if (!c.send(peer, big.data(), big.size() * 4).ok()) return false;
+    if (!c.recv(peer, got.data(), got.size() * 4).ok()) return false;
+    return got.front() == float(peer) && got.back() == float(peer);
+  }));
+}
+
+TEST(Comm, MismatchedMessageSizesFailLoudly) {
+  EXPECT_FALSE(in_processes(2, [](Comm& c) {
+    std::vector<float> v(c.rank() == 0 ? 4 : 8, 1.0f);
+    return c.all_reduce({0, 1}, v.data(), v.size()).ok();
+  }));
+}
+
+// ---------------------------------------------------------------- plans
+
+struct Case {
+  const char* name;
+  int tp, pp, dp;
+  const char* schedule;
+  int global_batch;
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class NnexecRun : public ::testing::TestWithParam<Case> {};
+
+TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  const Case c = GetParam();
+  TempDir dir;
+  Proc p = make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch);
+  ASSERT_EQ(p.status, 0) << p;
+  const int n = c.tp * c.pp * c.dp;
+  Proc r = run(dir, NNEXEC_BINARY,
+               {"run", "--plan", "plan.json", "--launch", std::to_string(n), "--out", "run.h5",
+                "--iterations", "2", "--warmup", "1", "--check"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "check           passed")) << r;
+  EXPECT_TRUE(contains(r.out, "iteration time")) << r;
+  EXPECT_TRUE(std::ifstream(dir.file("run.h5")).good());
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, NnexecRun,
+                         ::testing::Values(Case{"tp2", 2, 1, 1, "1f1b", 2},
+                                           Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4},
+                                           Case{"pp2_gpipe", 1, 2, 1, "gpipe", 4},
+                                           Case{"dp2", 1, 1, 2, "1f1b", 4},
+                                           Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
+  // The check is not vacuous: --inject-fault scales one gradient shard of the last rank by 1.01
+  // before the comparison.
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  TempDir dir;
+  ASSERT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2).status, 0);
+  Proc r = run(dir, NNEXEC_BINARY,
+               {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "1", "--check",
+                "--inject-fault"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "differs from the unpartitioned run")) << r;
+  EXPECT_TRUE(contains(r.err, "check failed")) << r;
+}
+
+TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
+  TempDir dir;
+  ASSERT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {"--recompute", "selective"}).status, 0);
+  Proc r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "cannot run this plan: recompute: recomputation ('attn.core')")) << r;
+  EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
+
+  ASSERT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {"--sequence-parallel"}).status, 0);
+  r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "partition: operator")) << r;
+  EXPECT_TRUE(contains(r.err, "(sequence parallelism)")) << r;
+
+  ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 2, {"--zero", "1"}).status, 0);
+  r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "optimizer.zero: ZeRO stage 1")) << r;
+
+  ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
+  r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--launch", "3", "--out", "run.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "--launch 3 but the plan's mesh has 2 ranks")) << r;
+}
+
+TEST(NnexecRunRefuses, SwigluModel) {
+  Expected<Plan> base = [] {
+    TempDir dir;
+    EXPECT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2).status, 0);
+    return load_plan(dir.file("plan.json"));
+  }();
+  ASSERT_TRUE(base.ok()) << base.error().message();
+  Plan p = *base;
+  p.model.mlp = MlpKind::kSwiglu;
+  Status s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(), "model.mlp: 'swiglu' is not supported"))
+      << s.error().message();
+  p = *base;
+  p.model.kv_heads = 2;
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(), "model.kv_heads")) << s.error().message();
+  p = *base;
+  p.schedule[0].blocks[1].kind = BlockKind::kBackwardInput;
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(), "schedule.orders[0].blocks: block 'BI0@0'"))
+      << s.error().message();
+  EXPECT_TRUE(check_runnable(*base).ok());
+}
+
+std::optional<std::string> python_with_h5py(const TempDir& dir) {
+  for (const char* python : {"python3", "/usr/bin/python3"}) {
+    if (run(dir, python, {"-c", "import h5py"}).status == 0) return std::string(python);
+  }
+  return std::nullopt;
+}
+
+TEST(NnexecRunFile, ReadableWithH5py) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  TempDir dir;
+  ASSERT_EQ(make_plan(dir, 2, 2, 1, "1f1b", 4).status, 0);
+  Proc r = run(dir, NNEXEC_BINARY,
+               {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "3", "--check"});
+  ASSERT_EQ(r.status, 0) << r;
+  std::optional<std::string> python = python_with_h5py(dir);
+  if (!python) GTEST_SKIP() << "no python3 with h5py (apt-get install python3-h5py)";
+  std::ofstream(dir.file("check.py")) << R"(import sys
+import h5py
+def s(x):
+    return x.decode() if isinstance(x, bytes) else x
+with h5py.File(sys.argv[1], "r") as f:
+    assert s(f.attrs["format"]) == "nnexec-run", f.attrs["format"]
+    assert int(f.attrs["version"]) == 1
+    assert int(f.attrs["ranks"]) == 4
+    assert s(f.attrs["mesh_axes"]) == "dp,pp,cp,tp"
+    t = f["iteration_seconds"][()]
+    assert len(t) == 3 and (t > 0).all(), t
+    assert len(f["loss"][()]) == 3
+    assert sorted(f["ranks"].keys()) == ["0", "1", "2", "3"]
+    r3 = f["ranks/3"]
+    assert int(r3.attrs["pp"]) == 1 and int(r3.attrs["tp"]) == 1
+    names = set(r3["ops/name"][()].astype(str))
+    for op in ["attn.qkv", "attn.core", "attn.proj", "mlp.fc1", "mlp.act", "mlp.fc2",
+               "attn.norm", "head.proj", "loss", "optimizer"]:
+        assert op in names, (op, names)
+    assert (r3["ops/seconds"][()] > 0).all()
+    kinds = set(zip(r3["collectives/kind"][()].astype(str), r3["collectives/label"][()].astype(str)))
+    assert ("all_reduce", "attn.proj") in kinds and ("recv", "activation") in kinds, kinds
+    assert int(f["check"].attrs["passed"]) == 1
+    assert (f["check/ok"][()] == 1).all()
+    print("ok %.2f ms" % (1e3 * t.min()))
+)";
+  Proc check = run(dir, *python, {"check.py", "run.h5"});
+  EXPECT_EQ(check.status, 0) << check;
+  EXPECT_TRUE(contains(check.out, "ok ")) << check;
+}
+
+}  // namespace
+}  // namespace nnsim::hwexec
