@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "core/hdf5_io.h"
 #include "core/suggest.h"
 
 namespace nnsim {
@@ -32,82 +33,12 @@ constexpr ComputeField kComputeFields[] = {
 constexpr Precision kPrecisions[] = {Precision::kFp32, Precision::kTf32, Precision::kBf16,
                                      Precision::kFp16, Precision::kFp8};
 
-// Closes an HDF5 handle when it goes out of scope.
-struct Handle {
-  hid_t id;
-  herr_t (*close)(hid_t);
-  Handle(hid_t i, herr_t (*c)(hid_t)) : id(i), close(c) {}
-  Handle(const Handle&) = delete;
-  Handle& operator=(const Handle&) = delete;
-  ~Handle() {
-    if (id >= 0) close(id);
-  }
-};
-
-void write_attr(hid_t obj, const std::string& name, double v) {
-  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
-  Handle a(H5Acreate2(obj, name.c_str(), H5T_NATIVE_DOUBLE, space.id, H5P_DEFAULT, H5P_DEFAULT),
-           H5Aclose);
-  H5Awrite(a.id, H5T_NATIVE_DOUBLE, &v);
-}
-
-void write_attr(hid_t obj, const std::string& name, const std::string& v) {
-  Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
-  H5Tset_size(type.id, v.size() + 1);
-  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
-  Handle a(H5Acreate2(obj, name.c_str(), type.id, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
-  H5Awrite(a.id, type.id, v.c_str());
-}
-
-std::optional<double> read_attr(hid_t obj, const std::string& name) {
-  if (H5Aexists(obj, name.c_str()) <= 0) return std::nullopt;
-  Handle a(H5Aopen(obj, name.c_str(), H5P_DEFAULT), H5Aclose);
-  double v = 0;
-  if (H5Aread(a.id, H5T_NATIVE_DOUBLE, &v) < 0) return std::nullopt;
-  return v;
-}
-
-std::optional<std::string> read_string_attr(hid_t obj, const std::string& name) {
-  if (H5Aexists(obj, name.c_str()) <= 0) return std::nullopt;
-  Handle a(H5Aopen(obj, name.c_str(), H5P_DEFAULT), H5Aclose);
-  Handle type(H5Aget_type(a.id), H5Tclose);
-  if (H5Tget_class(type.id) != H5T_STRING) return std::nullopt;
-  if (H5Tis_variable_str(type.id) > 0) {
-    char* p = nullptr;
-    Handle mem(H5Tcopy(H5T_C_S1), H5Tclose);
-    H5Tset_size(mem.id, H5T_VARIABLE);
-    if (H5Aread(a.id, mem.id, &p) < 0 || p == nullptr) return std::nullopt;
-    std::string s(p);
-    H5free_memory(p);
-    return s;
-  }
-  size_t n = H5Tget_size(type.id);
-  std::string s(n, '\0');
-  if (H5Aread(a.id, type.id, s.data()) < 0) return std::nullopt;
-  while (!s.empty() && s.back() == '\0') s.pop_back();
-  return s;
-}
-
-void write_vector(hid_t group, const char* name, const std::vector<double>& v) {
-  hsize_t n = v.size();
-  Handle space(H5Screate_simple(1, &n, nullptr), H5Sclose);
-  Handle set(
-      H5Dcreate2(group, name, H5T_NATIVE_DOUBLE, space.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-      H5Dclose);
-  if (n > 0) H5Dwrite(set.id, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data());
-}
-
-std::optional<std::vector<double>> read_vector(hid_t group, const char* name) {
-  if (H5Lexists(group, name, H5P_DEFAULT) <= 0) return std::nullopt;
-  Handle set(H5Dopen2(group, name, H5P_DEFAULT), H5Dclose);
-  Handle space(H5Dget_space(set.id), H5Sclose);
-  hssize_t n = H5Sget_simple_extent_npoints(space.id);
-  std::vector<double> v(n > 0 ? n : 0);
-  if (n > 0 && H5Dread(set.id, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) < 0) {
-    return std::nullopt;
-  }
-  return v;
-}
+using h5::Handle;
+using h5::read_number;
+using h5::read_string;
+using h5::read_vector;
+using h5::write_attr;
+using h5::write_vector;
 
 void write_link(hid_t parent, const char* name, const GpuCalibration::Link& l) {
   Handle g(H5Gcreate2(parent, name, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
@@ -149,9 +80,9 @@ Expected<std::optional<GpuCalibration::Link>> read_link(hid_t parent, const char
       l.curve.push_back({(*bytes)[i], (*eff)[i]});
     }
   }
-  l.max_efficiency = read_attr(g.id, "max_efficiency");
-  l.all_reduce_max_efficiency = read_attr(g.id, "all_reduce_max_efficiency");
-  l.step_latency = read_attr(g.id, "step_latency_s");
+  l.max_efficiency = read_number(g.id, "max_efficiency");
+  l.all_reduce_max_efficiency = read_number(g.id, "all_reduce_max_efficiency");
+  l.step_latency = read_number(g.id, "step_latency_s");
   return std::optional<GpuCalibration::Link>{l};
 }
 
@@ -219,9 +150,9 @@ Status save_calibration(const std::string& path, const Calibration& c) {
     write_attr(group.id, "source", g.source);
     Handle compute(H5Gcreate2(group.id, "compute", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
                    H5Gclose);
-    for (const auto& [name, v] : g.compute) write_attr(compute.id, name, v);
+    for (const auto& [name, v] : g.compute) write_attr(compute.id, name.c_str(), v);
     for (const auto& [p, e] : g.gemm_efficiency) {
-      write_attr(compute.id, fmt::format("gemm_efficiency_{}", to_string(p)), e);
+      write_attr(compute.id, fmt::format("gemm_efficiency_{}", to_string(p)).c_str(), e);
     }
     Handle comm(H5Gcreate2(group.id, "comm", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
     if (g.nvlink) write_link(comm.id, "nvlink", *g.nvlink);
@@ -240,11 +171,11 @@ Expected<Calibration> load_calibration(const std::string& path) {
   }
   Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
   if (file.id < 0) return Error(fmt::format("{}: cannot open", path));
-  auto format = read_string_attr(file.id, "format");
+  auto format = read_string(file.id, "format");
   if (!format || *format != "nnsim-calibration") {
     return Error(fmt::format("{}: attribute 'format' of / must be \"nnsim-calibration\"", path));
   }
-  auto version = read_attr(file.id, "version");
+  auto version = read_number(file.id, "version");
   if (!version || *version != 1) {
     return Error(fmt::format("{}: calibration version {} is not supported (expected 1)", path,
                              version ? *version : 0));
@@ -268,11 +199,11 @@ Expected<Calibration> load_calibration(const std::string& path) {
     }
     Handle group(H5Gopen2(file.id, name, H5P_DEFAULT), H5Gclose);
     GpuCalibration g;
-    g.source = read_string_attr(group.id, "source").value_or("");
+    g.source = read_string(group.id, "source").value_or("");
     if (H5Lexists(group.id, "compute", H5P_DEFAULT) > 0) {
       Handle compute(H5Gopen2(group.id, "compute", H5P_DEFAULT), H5Gclose);
       for (const auto& f : kComputeFields) {
-        if (auto v = read_attr(compute.id, f.name)) {
+        if (auto v = read_number(compute.id, f.name)) {
           if (*v < 0) {
             return Error(fmt::format("{}/compute: '{}' is negative ({})", where, f.name, *v));
           }
@@ -280,7 +211,8 @@ Expected<Calibration> load_calibration(const std::string& path) {
         }
       }
       for (Precision p : kPrecisions) {
-        if (auto v = read_attr(compute.id, fmt::format("gemm_efficiency_{}", to_string(p)))) {
+        if (auto v =
+                read_number(compute.id, fmt::format("gemm_efficiency_{}", to_string(p)).c_str())) {
           if (*v <= 0 || *v > 1) {
             return Error(fmt::format("{}/compute: gemm_efficiency_{} must be in (0, 1]", where,
                                      to_string(p)));

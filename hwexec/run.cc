@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "core/hdf5_io.h"
 #include "core/opgraph.h"
 
 namespace nnsim::hwexec {
@@ -336,68 +337,7 @@ Expected<RankResult> rank_from_text(const std::string& text) {
 
 namespace {
 
-struct Handle {
-  hid_t id;
-  herr_t (*close)(hid_t);
-  Handle(hid_t i, herr_t (*c)(hid_t)) : id(i), close(c) {}
-  Handle(const Handle&) = delete;
-  Handle& operator=(const Handle&) = delete;
-  ~Handle() {
-    if (id >= 0) close(id);
-  }
-};
-
-bool attr(hid_t obj, const char* name, double v) {
-  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
-  Handle a(H5Acreate2(obj, name, H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
-  return a.id >= 0 && H5Awrite(a.id, H5T_NATIVE_DOUBLE, &v) >= 0;
-}
-
-bool attr_int(hid_t obj, const char* name, long long v) {
-  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
-  Handle a(H5Acreate2(obj, name, H5T_STD_I64LE, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
-  return a.id >= 0 && H5Awrite(a.id, H5T_NATIVE_LLONG, &v) >= 0;
-}
-
-bool attr(hid_t obj, const char* name, const std::string& v) {
-  Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
-  H5Tset_size(type.id, v.size() + 1);
-  H5Tset_cset(type.id, H5T_CSET_UTF8);
-  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
-  Handle a(H5Acreate2(obj, name, type.id, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
-  return a.id >= 0 && H5Awrite(a.id, type.id, v.c_str()) >= 0;
-}
-
-bool numbers(hid_t group, const char* name, const std::vector<double>& v) {
-  hsize_t n = v.size();
-  Handle space(H5Screate_simple(1, &n, nullptr), H5Sclose);
-  Handle set(
-      H5Dcreate2(group, name, H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-      H5Dclose);
-  return set.id >= 0 && (n == 0 || H5Dwrite(set.id, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL,
-                                            H5P_DEFAULT, v.data()) >= 0);
-}
-
-// Fixed-length UTF-8 strings (h5py: bytes; .astype(str)).
-bool strings(hid_t group, const char* name, const std::vector<std::string>& v) {
-  std::size_t width = 1;
-  for (const std::string& s : v) width = std::max(width, s.size() + 1);
-  std::vector<char> buf(width * v.size(), '\0');
-  for (std::size_t i = 0; i < v.size(); ++i) std::copy(v[i].begin(), v[i].end(), &buf[i * width]);
-  Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
-  H5Tset_size(type.id, width);
-  H5Tset_cset(type.id, H5T_CSET_UTF8);
-  hsize_t n = v.size();
-  Handle space(H5Screate_simple(1, &n, nullptr), H5Sclose);
-  Handle set(H5Dcreate2(group, name, type.id, space.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-             H5Dclose);
-  return set.id >= 0 &&
-         (n == 0 || H5Dwrite(set.id, type.id, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf.data()) >= 0);
-}
-
-hid_t group(hid_t parent, const std::string& name) {
-  return H5Gcreate2(parent, name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-}
+using h5::Handle;
 
 }  // namespace
 
@@ -407,23 +347,23 @@ Status write_run(const std::string& path, const RunResults& r) {
   if (file.id < 0) return Error(fmt::format("{}: cannot create the file", path));
   bool ok = true;
   const hid_t f = file.id;
-  ok &= attr(f, "format", std::string(kRunFormat));
-  ok &= attr_int(f, "version", kRunVersion);
-  ok &= attr(f, "device", std::string("cpu"));
-  ok &= attr(f, "backend", std::string("unix-sockets"));
-  ok &= attr(f, "dtype", std::string("fp32"));
-  ok &= attr(f, "torch_version", r.torch_version);
-  ok &= attr(f, "plan_name", r.plan_name);
-  ok &= strings(f, "plan", {r.plan_json});
-  ok &= attr(f, "mesh_axes", join(r.mesh_axes, ","));
-  ok &= attr_int(f, "ranks", r.world);
-  ok &= attr_int(f, "iterations", r.options.iterations);
-  ok &= attr_int(f, "warmup", r.options.warmup);
-  ok &= attr_int(f, "threads", r.options.threads);
-  ok &= attr_int(f, "seed", static_cast<long long>(r.options.seed));
-  ok &= attr_int(f, "checked", r.options.check ? 1 : 0);
-  ok &= attr_int(f, "check_passed", r.check_passed() ? 1 : 0);
-  ok &= numbers(f, "iteration_seconds", r.iteration_seconds());
+  ok &= h5::write_attr(f, "format", std::string(kRunFormat));
+  ok &= h5::write_attr(f, "version", static_cast<long long>(kRunVersion));
+  ok &= h5::write_attr(f, "device", std::string("cpu"));
+  ok &= h5::write_attr(f, "backend", std::string("unix-sockets"));
+  ok &= h5::write_attr(f, "dtype", std::string("fp32"));
+  ok &= h5::write_attr(f, "torch_version", r.torch_version);
+  ok &= h5::write_attr(f, "plan_name", r.plan_name);
+  ok &= h5::write_strings(f, "plan", {r.plan_json});
+  ok &= h5::write_attr(f, "mesh_axes", join(r.mesh_axes, ","));
+  ok &= h5::write_attr(f, "ranks", static_cast<long long>(r.world));
+  ok &= h5::write_attr(f, "iterations", static_cast<long long>(r.options.iterations));
+  ok &= h5::write_attr(f, "warmup", static_cast<long long>(r.options.warmup));
+  ok &= h5::write_attr(f, "threads", static_cast<long long>(r.options.threads));
+  ok &= h5::write_attr(f, "seed", static_cast<long long>(r.options.seed));
+  ok &= h5::write_attr(f, "checked", r.options.check ? 1LL : 0LL);
+  ok &= h5::write_attr(f, "check_passed", r.check_passed() ? 1LL : 0LL);
+  ok &= h5::write_vector(f, "iteration_seconds", r.iteration_seconds());
   std::vector<double> loss;
   for (const RankResult& k : r.ranks) {
     if (!k.losses.empty()) {
@@ -431,21 +371,21 @@ Status write_run(const std::string& path, const RunResults& r) {
       break;
     }
   }
-  ok &= numbers(f, "loss", loss);
-  Handle ranks(group(f, "ranks"), H5Gclose);
+  ok &= h5::write_vector(f, "loss", loss);
+  Handle ranks(h5::make_group(f, "ranks"), H5Gclose);
   ok &= ranks.id >= 0;
   for (const RankResult& k : r.ranks) {
-    Handle g(group(ranks.id, std::to_string(k.rank)), H5Gclose);
+    Handle g(h5::make_group(ranks.id, std::to_string(k.rank)), H5Gclose);
     if (g.id < 0) return Error(fmt::format("{}: cannot create /ranks/{}", path, k.rank));
     for (std::size_t a = 0; a < k.coordinates.size() && a < r.mesh_axes.size(); ++a) {
-      ok &= attr_int(g.id, r.mesh_axes[a].c_str(), k.coordinates[a]);
+      ok &= h5::write_attr(g.id, r.mesh_axes[a].c_str(), static_cast<long long>(k.coordinates[a]));
     }
-    ok &= attr(g.id, "parameters", k.parameters);
-    ok &= attr(g.id, "peak_rss_bytes", k.peak_rss_bytes);
-    ok &= numbers(g.id, "iteration_seconds", k.iteration_seconds);
-    ok &= numbers(g.id, "loss", k.losses);
+    ok &= h5::write_attr(g.id, "parameters", k.parameters);
+    ok &= h5::write_attr(g.id, "peak_rss_bytes", k.peak_rss_bytes);
+    ok &= h5::write_vector(g.id, "iteration_seconds", k.iteration_seconds);
+    ok &= h5::write_vector(g.id, "loss", k.losses);
     {
-      Handle ops(group(g.id, "ops"), H5Gclose);
+      Handle ops(h5::make_group(g.id, "ops"), H5Gclose);
       std::vector<std::string> name, phase;
       std::vector<double> calls, seconds;
       for (const OpTime& o : k.ops) {
@@ -454,11 +394,12 @@ Status write_run(const std::string& path, const RunResults& r) {
         calls.push_back(o.calls);
         seconds.push_back(o.seconds);
       }
-      ok &= strings(ops.id, "name", name) && strings(ops.id, "phase", phase) &&
-            numbers(ops.id, "calls", calls) && numbers(ops.id, "seconds", seconds);
+      ok &= h5::write_strings(ops.id, "name", name) && h5::write_strings(ops.id, "phase", phase) &&
+            h5::write_vector(ops.id, "calls", calls) &&
+            h5::write_vector(ops.id, "seconds", seconds);
     }
     {
-      Handle cs(group(g.id, "collectives"), H5Gclose);
+      Handle cs(h5::make_group(g.id, "collectives"), H5Gclose);
       std::vector<std::string> kind, axes, label;
       std::vector<double> bytes, calls, seconds;
       for (const CollTime& c : k.collectives) {
@@ -469,13 +410,13 @@ Status write_run(const std::string& path, const RunResults& r) {
         calls.push_back(c.calls);
         seconds.push_back(c.seconds);
       }
-      ok &= strings(cs.id, "kind", kind) && strings(cs.id, "axes", axes) &&
-            strings(cs.id, "label", label) && numbers(cs.id, "bytes", bytes) &&
-            numbers(cs.id, "calls", calls) && numbers(cs.id, "seconds", seconds);
+      ok &= h5::write_strings(cs.id, "kind", kind) && h5::write_strings(cs.id, "axes", axes) &&
+            h5::write_strings(cs.id, "label", label) && h5::write_vector(cs.id, "bytes", bytes) &&
+            h5::write_vector(cs.id, "calls", calls) && h5::write_vector(cs.id, "seconds", seconds);
     }
   }
   if (r.options.check) {
-    Handle c(group(f, "check"), H5Gclose);
+    Handle c(h5::make_group(f, "check"), H5Gclose);
     std::vector<double> rank, elements, err, ref, pass;
     std::vector<std::string> name;
     double l = 0, lref = 0;
@@ -493,12 +434,14 @@ Status write_run(const std::string& path, const RunResults& r) {
         pass.push_back(p.ok ? 1 : 0);
       }
     }
-    ok &= attr_int(c.id, "passed", r.check_passed() ? 1 : 0);
-    ok &= attr(c.id, "loss", l) && attr(c.id, "reference_loss", lref);
-    ok &= attr(c.id, "rtol", r.options.rtol) && attr(c.id, "atol", r.options.atol);
-    ok &= numbers(c.id, "rank", rank) && strings(c.id, "name", name) &&
-          numbers(c.id, "elements", elements) && numbers(c.id, "max_abs_error", err) &&
-          numbers(c.id, "ref_max_abs", ref) && numbers(c.id, "ok", pass);
+    ok &= h5::write_attr(c.id, "passed", r.check_passed() ? 1LL : 0LL);
+    ok &= h5::write_attr(c.id, "loss", l) && h5::write_attr(c.id, "reference_loss", lref);
+    ok &= h5::write_attr(c.id, "rtol", r.options.rtol) &&
+          h5::write_attr(c.id, "atol", r.options.atol);
+    ok &= h5::write_vector(c.id, "rank", rank) && h5::write_strings(c.id, "name", name) &&
+          h5::write_vector(c.id, "elements", elements) &&
+          h5::write_vector(c.id, "max_abs_error", err) &&
+          h5::write_vector(c.id, "ref_max_abs", ref) && h5::write_vector(c.id, "ok", pass);
   }
   if (!ok) return Error(fmt::format("{}: writing the run file failed", path));
   return {};
