@@ -256,6 +256,13 @@ std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& t
   return std::nullopt;
 }
 
+// Faster estimate first; ties by description, so the order never depends on the input's.
+bool faster_estimate(const Candidate& a, const Candidate& b) {
+  return a.estimate.iteration_time != b.estimate.iteration_time
+             ? a.estimate.iteration_time < b.estimate.iteration_time
+             : a.describe() < b.describe();
+}
+
 }  // namespace
 
 Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo,
@@ -441,6 +448,41 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
   std::vector<Candidate> feasible;
   std::vector<Candidate> lost;
   std::atomic<size_t> next{0}, done{0}, evaluated{0};
+
+  // Compiles and estimates variants of feasible plans (other schedules, other placements); those
+  // that fit and obey the constraints join the feasible ones. `rejected`: the reason counted for
+  // a variant that breaks a constraint (empty: not counted).
+  auto estimate_variants = [&](const std::vector<Candidate>& tries, const char* phase,
+                               const std::string& rejected) {
+    std::vector<std::optional<Candidate>> kept(tries.size());
+    parallel_for(
+        tries.size(), o.jobs,
+        [&](size_t i) {
+          Candidate c = tries[i];
+          Expected<Plan> plan = build_megatron_plan(model, topo, c.options);
+          if (!plan) return;
+          Expected<Program> prog = compile_plan(*plan, topo);
+          if (!prog) return;
+          ++evaluated;
+          c.estimate = estimate_program(*prog);
+          if (c.estimate.peak_memory > capacity) return;
+          if (!violated_constraint(cons, *plan, *prog, c.estimate.bubble_fraction,
+                                   c.estimate.peak_memory)
+                   .empty()) {
+            if (!rejected.empty()) reject(rejected);
+            return;
+          }
+          c.status = "ok";
+          kept[i] = c;
+        },
+        [&](size_t done_count, size_t all) {
+          if (o.progress) o.progress(phase, done_count, all);
+        });
+    for (auto& c : kept) {
+      if (c) feasible.push_back(*c);
+    }
+  };
+
   // Each chain's cheapest level's estimate, fitting or not: what its degrees could reach.
   std::vector<double> first_estimate(chains.size(), std::numeric_limits<double>::infinity());
   // Each chain's feasible plan's estimate (infinite when none fits).
@@ -551,11 +593,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
       return cons.schedules.empty() ||
              std::find(cons.schedules.begin(), cons.schedules.end(), k) != cons.schedules.end();
     };
-    std::sort(feasible.begin(), feasible.end(), [](const Candidate& a, const Candidate& b) {
-      return a.estimate.iteration_time != b.estimate.iteration_time
-                 ? a.estimate.iteration_time < b.estimate.iteration_time
-                 : a.describe() < b.describe();
-    });
+    std::sort(feasible.begin(), feasible.end(), faster_estimate);
     std::vector<Candidate> tries;
     std::set<std::string> seen;
     for (const Candidate& c : feasible) {
@@ -595,43 +633,14 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
         tries.push_back(t);
       }
     }
-    std::vector<std::optional<Candidate>> scheduled(tries.size());
-    parallel_for(
-        tries.size(), o.jobs,
-        [&](size_t i) {
-          Candidate c = tries[i];
-          Expected<Plan> plan = build_megatron_plan(model, topo, c.options);
-          if (!plan) return;
-          Expected<Program> prog = compile_plan(*plan, topo);
-          if (!prog) return;
-          ++evaluated;
-          c.estimate = estimate_program(*prog);
-          if (c.estimate.peak_memory > capacity) return;
-          if (!violated_constraint(cons, *plan, *prog, c.estimate.bubble_fraction,
-                                   c.estimate.peak_memory)
-                   .empty()) {
-            return;
-          }
-          c.status = "ok";
-          scheduled[i] = c;
-        },
-        [&](size_t done_count, size_t all) {
-          if (o.progress) o.progress("scheduling", done_count, all);
-        });
     result.schedules_tried = tries.size();
-    for (auto& c : scheduled) {
-      if (c) feasible.push_back(*c);
-    }
+    estimate_variants(tries, "scheduling", "");
   }
 
   // Other rank placements for the best plans (nnScaler-M): every order of the mesh axes that
   // places ranks differently, priced on the topology by the estimator.
   if (!pin.placement && !feasible.empty()) {
-    std::sort(feasible.begin(), feasible.end(), [](const Candidate& a, const Candidate& b) {
-      return a.estimate.iteration_time != b.estimate.iteration_time
-                 ? a.estimate.iteration_time < b.estimate.iteration_time
-                 : a.describe() < b.describe();
-    });
+    std::sort(feasible.begin(), feasible.end(), faster_estimate);
     std::vector<Candidate> tries;
     std::set<std::string> degrees_seen;
     for (const Candidate& c : feasible) {
@@ -651,34 +660,8 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
         tries.push_back(t);
       }
     }
-    std::vector<std::optional<Candidate>> placed(tries.size());
-    parallel_for(
-        tries.size(), o.jobs,
-        [&](size_t i) {
-          Candidate c = tries[i];
-          Expected<Plan> plan = build_megatron_plan(model, topo, c.options);
-          if (!plan) return;
-          Expected<Program> prog = compile_plan(*plan, topo);
-          if (!prog) return;
-          ++evaluated;
-          c.estimate = estimate_program(*prog);
-          if (c.estimate.peak_memory > capacity) return;
-          if (!violated_constraint(cons, *plan, *prog, c.estimate.bubble_fraction,
-                                   c.estimate.peak_memory)
-                   .empty()) {
-            reject("placement constraints");
-            return;
-          }
-          c.status = "ok";
-          placed[i] = c;
-        },
-        [&](size_t done_count, size_t all) {
-          if (o.progress) o.progress("placing ranks", done_count, all);
-        });
     result.placements_tried = tries.size();
-    for (auto& c : placed) {
-      if (c) feasible.push_back(*c);
-    }
+    estimate_variants(tries, "placing ranks", "placement constraints");
   }
 
   result.evaluated = evaluated;
