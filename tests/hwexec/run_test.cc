@@ -18,6 +18,7 @@
 #include "hwexec/bench.h"
 #include "hwexec/comm.h"
 #include "hwexec/run.h"
+#include "process.h"
 #include "synthetic.h"
 
 namespace nnsim::hwexec {
@@ -25,58 +26,17 @@ namespace {
 
 using testing::TempDir;
 
-struct Proc {
-  int status = -1;
-  std::string out, err;
-};
-
-std::ostream& operator<<(std::ostream& os, const Proc& r) {
-  return os << "exit status " << r.status << "\n--- stdout ---\n"
-            << r.out << "--- stderr ---\n"
-            << r.err << "--------------";
-}
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-Proc run(const TempDir& dir, const std::string& program, std::vector<std::string> args) {
-  Proc r;
-  const std::string out = dir.file("stdout.txt"), err = dir.file("stderr.txt");
-  const std::string work = dir.file("");
-  args.insert(args.begin(), program);
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    ::dup2(o, 1);
-    ::dup2(e, 2);
-    if (::chdir(work.c_str()) != 0) ::_exit(126);
-    ::execvp(argv[0], argv.data());
-    ::_exit(127);
-  }
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  r.status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
-}
-
-bool contains(const std::string& s, const std::string& what) {
-  return s.find(what) != std::string::npos;
-}
+using testing::contains;
+using testing::run;
+using testing::RunResult;
+using testing::slurp;
 
 const std::string kModel = std::string(NNSIM_TEST_DATA) + "/tiny-gpt.yaml";
 const std::string kTopo = std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml";
 
 // `nnsim plan` for the tiny model on nodes of two ranks.
-Proc make_plan(const TempDir& dir, int tp, int pp, int dp, const std::string& schedule,
-               int global_batch, std::vector<std::string> extra = {}) {
+RunResult make_plan(const TempDir& dir, int tp, int pp, int dp, const std::string& schedule,
+                    int global_batch, std::vector<std::string> extra = {}) {
   std::vector<std::string> args = {"plan",
                                    "--model",
                                    kModel,
@@ -190,12 +150,12 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const Case c = GetParam();
   TempDir dir;
-  Proc p = make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch);
+  RunResult p = make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch);
   ASSERT_EQ(p.status, 0) << p;
   const int n = c.tp * c.pp * c.dp;
-  Proc r = run(dir, NNEXEC_BINARY,
-               {"run", "--plan", "plan.json", "--launch", std::to_string(n), "--out", "run.h5",
-                "--iterations", "2", "--warmup", "1", "--check"});
+  RunResult r = run(dir, NNEXEC_BINARY,
+                    {"run", "--plan", "plan.json", "--launch", std::to_string(n), "--out", "run.h5",
+                     "--iterations", "2", "--warmup", "1", "--check"});
   ASSERT_EQ(r.status, 0) << r;
   EXPECT_TRUE(contains(r.out, "check           passed")) << r;
   EXPECT_TRUE(contains(r.out, "iteration time")) << r;
@@ -216,9 +176,9 @@ TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
   if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   TempDir dir;
   ASSERT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2).status, 0);
-  Proc r = run(dir, NNEXEC_BINARY,
-               {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "1", "--check",
-                "--inject-fault"});
+  RunResult r = run(dir, NNEXEC_BINARY,
+                    {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "1",
+                     "--check", "--inject-fault"});
   EXPECT_EQ(r.status, 1) << r;
   EXPECT_TRUE(contains(r.err, "differs from the unpartitioned run")) << r;
   EXPECT_TRUE(contains(r.err, "check failed")) << r;
@@ -227,7 +187,7 @@ TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
 TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
   TempDir dir;
   ASSERT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {"--recompute", "selective"}).status, 0);
-  Proc r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5"});
+  RunResult r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5"});
   EXPECT_EQ(r.status, 1) << r;
   EXPECT_TRUE(contains(r.err, "cannot run this plan: recompute: recomputation ('attn.core')")) << r;
   EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
@@ -287,8 +247,9 @@ TEST(NnexecRunFile, ReadableWithH5py) {
   if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   TempDir dir;
   ASSERT_EQ(make_plan(dir, 2, 2, 1, "1f1b", 4).status, 0);
-  Proc r = run(dir, NNEXEC_BINARY,
-               {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "3", "--check"});
+  RunResult r =
+      run(dir, NNEXEC_BINARY,
+          {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "3", "--check"});
   ASSERT_EQ(r.status, 0) << r;
   std::optional<std::string> python = python_with_h5py(dir);
   if (!python) GTEST_SKIP() << "no python3 with h5py (apt-get install python3-h5py)";
@@ -318,7 +279,7 @@ with h5py.File(sys.argv[1], "r") as f:
     assert (f["check/ok"][()] == 1).all()
     print("ok %.2f ms" % (1e3 * t.min()))
 )";
-  Proc check = run(dir, *python, {"check.py", "run.h5"});
+  RunResult check = run(dir, *python, {"check.py", "run.h5"});
   EXPECT_EQ(check.status, 0) << check;
   EXPECT_TRUE(contains(check.out, "ok ")) << check;
 }
