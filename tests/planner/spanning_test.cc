@@ -221,6 +221,28 @@ TEST(Spanning, OtherSchedulesAreRefused) {
   EXPECT_FALSE(add_spanning_blocks(ScheduleKind::kZbV, 4, orders).ok());
 }
 
+TEST(Spanning, TiedEmbeddingsAreRefusedByName) {
+  Expected<ModelSpec> m = load_model("gpt3-1.3b");  // ties its embedding and output weights
+  ASSERT_TRUE(m.ok());
+  MegatronOptions o;
+  o.pp = 4;
+  o.avoid_gpus = {4, 5, 6, 7};
+  o.global_batch = 8;
+  o.shard_head = true;
+  Expected<Plan> p = build_megatron_plan(*m, one_node(), o);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.error().message().find("--shard-head: model 'gpt3-1.3b' ties its embedding"),
+            std::string::npos)
+      << p.error().message();
+  o.shard_head = false;
+  o.shard_embedding = true;
+  o.schedule = ScheduleKind::kTessel;
+  p = build_megatron_plan(*m, one_node(), o);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.error().message().find("--shard-embedding"), std::string::npos)
+      << p.error().message();
+}
+
 TEST(Spanning, SplitAlongPpNeedsASpanningSegment) {
   Plan plan = llama_plan(false);
   plan.partition.push_back({"head.proj", {{Dim::kVocab, {"pp"}}}});
