@@ -154,7 +154,7 @@ Status validate_model(const ModelSpec& model) {
 ModelSpec parse_model_node(const InputNode& node, const std::string& default_name) {
   node.check_keys({"name", "family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "mlp",
                    "vocab", "seq_len", "tied_embeddings", "position", "norm", "bias", "dropout",
-                   "attention", "precision"});
+                   "attention", "loss", "precision"});
   ModelSpec m;
   m.name = node.get_string("name", default_name);
   m.family = node.get_string("family", "");
@@ -184,6 +184,10 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
   if (auto n = node.get("attention")) {
     m.attention = n->as_enum<AttentionKernel>(
         {{"flash", AttentionKernel::kFlash}, {"unfused", AttentionKernel::kUnfused}});
+  }
+  if (auto n = node.get("loss")) {
+    m.loss =
+        n->as_enum<LossKernel>({{"fused", LossKernel::kFused}, {"unfused", LossKernel::kUnfused}});
   }
   if (auto n = node.get("precision")) {
     m.precision = n->as_enum<Precision>({{"fp32", Precision::kFp32},
@@ -218,6 +222,7 @@ std::string model_to_json(const ModelSpec& m) {
   j["bias"] = m.bias;
   j["dropout"] = m.dropout;
   j["attention"] = to_string(m.attention);
+  j["loss"] = to_string(m.loss);
   j["precision"] = to_string(m.precision);
   return j.dump();
 }
@@ -302,6 +307,16 @@ std::string_view to_string(AttentionKernel k) {
     case AttentionKernel::kFlash:
       return "flash";
     case AttentionKernel::kUnfused:
+      return "unfused";
+  }
+  return "?";
+}
+
+std::string_view to_string(LossKernel k) {
+  switch (k) {
+    case LossKernel::kFused:
+      return "fused";
+    case LossKernel::kUnfused:
       return "unfused";
   }
   return "?";

@@ -18,6 +18,12 @@ enum class NormKind { kLayerNorm, kRmsNorm };
 // kFlash: fused attention that keeps only Q, K, V, the output and the softmax statistics.
 // kUnfused: the scores, softmax output and dropout mask are materialized and kept.
 enum class AttentionKernel { kFlash, kUnfused };
+// The cross-entropy over the vocabulary, both on fp32 logits.
+// kFused: Megatron's vocab-parallel cross-entropy: the fp32 copy of the logits becomes the saved
+//   softmax in place, and the backward pass forms the gradient in that buffer.
+// kUnfused: PyTorch's F.cross_entropy(logits.float()): the log-softmax output is saved, and the
+//   backward pass materializes the log-softmax's gradient and the input gradient beside it.
+enum class LossKernel { kFused, kUnfused };
 
 struct ModelSpec {
   std::string name;
@@ -36,6 +42,7 @@ struct ModelSpec {
   bool bias = true;      // linear layers and norms carry bias vectors
   bool dropout = false;  // dropout layers after attention, MLP and embedding (masks kept)
   AttentionKernel attention = AttentionKernel::kFlash;
+  LossKernel loss = LossKernel::kFused;
   Precision precision = Precision::kBf16;  // default compute precision of the matmuls
 
   int64_t head_dim() const { return hidden / heads; }
@@ -67,5 +74,6 @@ std::string_view to_string(MlpKind k);
 std::string_view to_string(PositionKind k);
 std::string_view to_string(NormKind k);
 std::string_view to_string(AttentionKernel k);
+std::string_view to_string(LossKernel k);
 
 }  // namespace nnsim

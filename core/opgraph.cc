@@ -322,12 +322,24 @@ GraphPart build_head(const ModelSpec& m, const Shape& x) {
   const double tokens = x.b * x.s;
   const DimSet bsv{Dim::kBatch, Dim::kSeq, Dim::kVocab};
   loss.output = tensor(out(2), tokens, {Dim::kBatch, Dim::kSeq}, 4);
-  // Cross-entropy runs in fp32 and keeps the softmax for the backward pass (Megatron's
-  // vocab-parallel cross-entropy does this too).
-  loss.saved = {tensor(TensorRef{2, 1}, tokens * x.v, bsv, 4)};
-  loss.transient_bytes = tokens * x.v * 4;  // the fp32 copy of the logits
-  loss.fwd_bytes = tokens * x.v * (x.p + 4 + 4);
-  loss.bwd_bytes = tokens * x.v * (4 + x.p);
+  // Cross-entropy runs in fp32 and keeps the softmax (or log-softmax) for the backward pass.
+  const double logits = tokens * x.v;
+  loss.saved = {tensor(TensorRef{2, 1}, logits, bsv, 4)};
+  if (m.loss == LossKernel::kFused) {
+    // Megatron: the fp32 copy of the logits becomes the softmax in place; the backward pass
+    // forms the gradient in that buffer and casts it to the logits' precision.
+    loss.transient_bytes = logits * 4;  // the fp32 copy
+    loss.fwd_bytes = logits * (x.p + 4 + 4);
+    loss.bwd_bytes = logits * (4 + x.p);
+  } else {
+    // PyTorch: cast (read p, write 4), log-softmax (read 4 twice, write 4); backward: the
+    // log-softmax's gradient (written 4), its backward (read 8, write 4), the cast (read 4,
+    // write p). Its peak is in the backward pass: the log-softmax's gradient and the input
+    // gradient, both fp32, beside the saved log-softmax.
+    loss.transient_bytes = logits * 8;
+    loss.fwd_bytes = logits * (x.p + 4 + 8 + 4);
+    loss.bwd_bytes = logits * (4 + 12 + 4 + x.p);
+  }
   // A vocab-split loss all-reduces the row maximum, the sum of exponentials and the target
   // logit (three fp32 values per token) across the split.
   InternalComm stats;

@@ -323,7 +323,8 @@ Plan parse_plan_node(const InputNode& root) {
   }
 
   if (auto opt = root.get("optimizer")) {
-    opt->check_keys({"kind", "zero", "grad_bytes", "state_bytes", "weight_shard_bytes"});
+    opt->check_keys(
+        {"kind", "zero", "grad_bytes", "state_bytes", "weight_shard_bytes", "keep_gathered"});
     plan.optimizer.kind = opt->get_string("kind", "adam");
     if (plan.optimizer.kind != "adam") (*opt)["kind"].fail_unknown(plan.optimizer.kind, {"adam"});
     plan.optimizer.zero = static_cast<int>(opt->get_int("zero", 0));
@@ -334,12 +335,17 @@ Plan parse_plan_node(const InputNode& root) {
     plan.optimizer.state_bytes = opt->get_double("state_bytes", plan.optimizer.state_bytes);
     plan.optimizer.weight_shard_bytes =
         opt->get_double("weight_shard_bytes", plan.optimizer.weight_shard_bytes);
+    plan.optimizer.keep_gathered = opt->get_bool("keep_gathered", false);
+    if (plan.optimizer.keep_gathered && plan.optimizer.zero != 3) {
+      (*opt)["keep_gathered"].fail(
+          "keeps ZeRO-3's gathered parameters; it needs \"zero\": 3 (or remove it)");
+    }
   }
 
   if (auto c = root.get("communication")) {
     c->check_keys({"dp_bucket_bytes", "overlap_grad_reduce", "overlap_param_gather",
                    "pp_scatter_gather", "algorithm", "grad_reduce_bytes", "tp_overlap",
-                   "zero3_per_tensor"});
+                   "zero3_per_tensor", "zero3_regather_for_recompute"});
     plan.comm.dp_bucket_bytes =
         c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
     plan.comm.overlap_grad_reduce = c->get_bool("overlap_grad_reduce", true);
@@ -349,6 +355,7 @@ Plan parse_plan_node(const InputNode& root) {
     plan.comm.grad_reduce_bytes = c->get_double("grad_reduce_bytes", 0);
     plan.comm.tp_overlap = c->get_bool("tp_overlap", false);
     plan.comm.zero3_per_tensor = c->get_bool("zero3_per_tensor", false);
+    plan.comm.zero3_regather_for_recompute = c->get_bool("zero3_regather_for_recompute", false);
     if (plan.comm.algorithm != "auto" && plan.comm.algorithm != "ring" &&
         plan.comm.algorithm != "tree") {
       (*c)["algorithm"].fail_unknown(plan.comm.algorithm, {"auto", "ring", "tree"});
@@ -450,7 +457,8 @@ std::string plan_to_json(const Plan& plan) {
                     {"zero", plan.optimizer.zero},
                     {"grad_bytes", plan.optimizer.grad_bytes},
                     {"state_bytes", plan.optimizer.state_bytes},
-                    {"weight_shard_bytes", plan.optimizer.weight_shard_bytes}};
+                    {"weight_shard_bytes", plan.optimizer.weight_shard_bytes},
+                    {"keep_gathered", plan.optimizer.keep_gathered}};
   j["communication"] = {{"dp_bucket_bytes", plan.comm.dp_bucket_bytes},
                         {"overlap_grad_reduce", plan.comm.overlap_grad_reduce},
                         {"overlap_param_gather", plan.comm.overlap_param_gather},
@@ -458,7 +466,8 @@ std::string plan_to_json(const Plan& plan) {
                         {"algorithm", plan.comm.algorithm},
                         {"grad_reduce_bytes", plan.comm.grad_reduce_bytes},
                         {"tp_overlap", plan.comm.tp_overlap},
-                        {"zero3_per_tensor", plan.comm.zero3_per_tensor}};
+                        {"zero3_per_tensor", plan.comm.zero3_per_tensor},
+                        {"zero3_regather_for_recompute", plan.comm.zero3_regather_for_recompute}};
   json orders = json::array();
   for (const auto& o : plan.schedule) {
     std::string blocks;

@@ -133,6 +133,12 @@ struct OptimizerSpec {
   // ZeRO-3: bytes per parameter of the stored weight shard (2: a 16-bit shard, DeepSpeed;
   // 4: an fp32 shard that is also the master copy, PyTorch FSDP, whose state_bytes is then 8).
   double weight_shard_bytes = 2;
+  // ZeRO-3: keep each parameter gathered from the first forward that needs it to the last
+  // micro-batch's backward, with its unsharded gradient accumulated there (at the
+  // communication's grad_reduce_bytes, else grad_bytes) and reduce-scattered once: one gather
+  // and one reduce-scatter per iteration instead of per micro-batch, as PyTorch FSDP2 runs
+  // under pipeline schedules.
+  bool keep_gathered = false;
 };
 
 struct CommSettings {
@@ -152,6 +158,10 @@ struct CommSettings {
   // ZeRO-3: gather parameters and reduce gradients tensor by tensor (DeepSpeed) rather than a
   // whole unit (layer) at once (FSDP).
   bool zero3_per_tensor = false;
+  // ZeRO-3: a unit recomputed inside the backward pass is gathered twice there, for its
+  // recomputation and again for its backward (DeepSpeed: the recomputed forward's hooks fetch
+  // and release the parameters before the backward's hooks fetch them again).
+  bool zero3_regather_for_recompute = false;
   // Bytes per element of gradient reduce-scatters / all-reduces (0: the gradient buffer's,
   // grad_bytes; frameworks may reduce in another precision than they accumulate).
   double grad_reduce_bytes = 0;

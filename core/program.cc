@@ -752,10 +752,31 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       steps->push_back(l);
     }
   };
+  // Whether this block recomputes layer unit `u` inside it (and gathers it for that too).
+  auto regather = [&](const ParamUnit& u) {
+    if (!plan.comm.zero3_regather_for_recompute || explicit_recompute) return false;
+    if (t.kind == BlockKind::kBackwardWeight) return false;
+    const int l = u.tag - seg * 10000;
+    if (l < s.first_layer || l >= s.end_layer) return false;
+    const auto r = recomputed_ops(layer, l);
+    return std::find(r.begin(), r.end(), true) != r.end();
+  };
   auto zero3_before = [&](const std::vector<ParamUnit>& order, size_t i) {
     if (zero != 3) return;
-    if (i == 0) gather(order[0]);
-    if (i + 1 < order.size()) gather(order[i + 1]);
+    // Kept gathered: only a segment's first forward gathers.
+    if (plan.optimizer.keep_gathered && !(t.kind == BlockKind::kForward && first_forward)) return;
+    auto fetch = [&](const ParamUnit& u) {
+      // A unit recomputed in this backward is gathered for the recomputation too; the wait on
+      // the tagged gather after it covers both (the stream is FIFO).
+      if (t.kind != BlockKind::kForward && regather(u)) {
+        ParamUnit untagged = u;
+        untagged.tag = -1;
+        gather(untagged);
+      }
+      gather(u);
+    };
+    if (i == 0) fetch(order[0]);
+    if (i + 1 < order.size()) fetch(order[i + 1]);
     Step w;
     w.kind = StepKind::kDpWait;
     w.tag = order[i].tag;
@@ -1191,6 +1212,13 @@ void Compiler::build_memory(Lane& lane, const std::vector<int>& segments) {
         std::accumulate(layer.local_params.begin(), layer.local_params.end(), 0.0);
     m.weights = params * plan.optimizer.weight_shard_bytes / dp + 2 * layer_params * weight_bytes;
     m.gradients += layer_params * plan.optimizer.grad_bytes;
+    if (plan.optimizer.keep_gathered) {
+      // Every parameter gathered, and its unsharded gradient accumulated, for the iteration.
+      const double accumulate =
+          plan.comm.grad_reduce_bytes > 0 ? plan.comm.grad_reduce_bytes : plan.optimizer.grad_bytes;
+      m.weights = params * plan.optimizer.weight_shard_bytes / dp + params * weight_bytes;
+      m.gradients = params * plan.optimizer.grad_bytes / dp + params * accumulate;
+    }
   }
   // One communicator per parallel group the device is in, plus the pipeline neighbours.
   int communicators = 0;
@@ -1291,7 +1319,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     }
     for (const Block& b : plan.schedule[o].blocks) {
       const bool last = b.micro_batch == prog.micro_batches - 1;
-      const bool sync = zero >= 2 || last;
+      const bool sync = (zero >= 2 && !plan.optimizer.keep_gathered) || last;
       const bool first_fwd = b.kind == BlockKind::kForward && seen_forward.insert(b.segment).second;
       const bool sync_block =
           b.kind == BlockKind::kBackward || b.kind == BlockKind::kBackwardWeight;

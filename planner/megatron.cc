@@ -400,12 +400,17 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     plan.optimizer.state_bytes = 8;
     plan.optimizer.grad_bytes = 4;
     plan.comm.grad_reduce_bytes = 4;
+    // Under pipeline parallelism torchtitan does not reshard after forward, and PyTorch's
+    // pipeline schedules skip resharding and gradient reduction after all but the last
+    // micro-batch's backward: parameters stay gathered for the iteration.
+    plan.optimizer.keep_gathered = o.zero == 3 && o.pp > 1;
   } else if (o.framework == "deepspeed" || o.framework == "other") {
     // DeepSpeed ZeRO and plain mixed precision: 16-bit weights and gradients, fp32 master copy
     // and moments (the 16 bytes per parameter of the ZeRO paper).
     plan.optimizer.grad_bytes = plan.precision == Precision::kFp32 ? 4 : 2;
     // DeepSpeed's ZeRO-3 fetches and partitions each parameter tensor on its own.
     plan.comm.zero3_per_tensor = o.framework == "deepspeed";
+    plan.comm.zero3_regather_for_recompute = o.framework == "deepspeed";
   } else if (o.framework != "megatron") {
     return Error(fmt::format("unknown framework '{}'{}", o.framework,
                              suggest(o.framework, {"megatron", "fsdp", "deepspeed", "other"})));

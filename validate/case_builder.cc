@@ -58,7 +58,11 @@ Expected<MegatronOptions> case_options(const ValidationCase& c) {
 Expected<Plan> case_plan(const ValidationCase& c, const Topology& topology) {
   Expected<MegatronOptions> o = case_options(c);
   if (!o) return o.error().with_context(fmt::format("case {}", c.id));
-  Expected<Plan> plan = build_megatron_plan(c.model, topology, *o);
+  // The loss is the training code's: PyTorch FSDP loops call F.cross_entropy on the fp32 logits
+  // (torchtitan), except llm-foundry, whose MPT models use flash-attn's fused cross-entropy.
+  ModelSpec model = c.model;
+  if (o->framework == "fsdp" && model.family != "mpt") model.loss = LossKernel::kUnfused;
+  Expected<Plan> plan = build_megatron_plan(model, topology, *o);
   if (!plan) return plan.error().with_context(fmt::format("case {}", c.id));
   return plan;
 }

@@ -159,6 +159,7 @@ TEST(Model, OptionalFieldsTakeTheDocumentedDefaults) {
   EXPECT_TRUE(m->bias);
   EXPECT_FALSE(m->dropout);
   EXPECT_EQ(m->attention, AttentionKernel::kFlash);
+  EXPECT_EQ(m->loss, LossKernel::kFused);
   EXPECT_EQ(m->precision, Precision::kBf16);
   EXPECT_EQ(m->head_dim(), 16);
 
@@ -169,15 +170,17 @@ TEST(Model, OptionalFieldsTakeTheDocumentedDefaults) {
 }
 
 TEST(Model, ReadsEveryEnumSpelling) {
-  std::string yaml = std::string(kSmall) +
-                     "position: alibi\nnorm: rmsnorm\nattention: unfused\nprecision: fp8\n"
-                     "dropout: true\nfamily: mpt\n";
+  std::string yaml =
+      std::string(kSmall) +
+      "position: alibi\nnorm: rmsnorm\nattention: unfused\nloss: unfused\nprecision: fp8\n"
+      "dropout: true\nfamily: mpt\n";
   auto m = parse_model(replace(yaml, "mlp: gelu", "mlp: relu"), "m.yaml");
   ASSERT_TRUE(m.ok()) << m.error().message();
   EXPECT_EQ(m->mlp, MlpKind::kRelu);
   EXPECT_EQ(m->position, PositionKind::kAlibi);
   EXPECT_EQ(m->norm, NormKind::kRmsNorm);
   EXPECT_EQ(m->attention, AttentionKernel::kUnfused);
+  EXPECT_EQ(m->loss, LossKernel::kUnfused);
   EXPECT_EQ(m->precision, Precision::kFp8);
   EXPECT_TRUE(m->dropout);
   EXPECT_EQ(m->family, "mpt");
@@ -187,6 +190,7 @@ TEST(Model, ReadsEveryEnumSpelling) {
   EXPECT_EQ(to_string(PositionKind::kRope), "rope");
   EXPECT_EQ(to_string(NormKind::kLayerNorm), "layernorm");
   EXPECT_EQ(to_string(AttentionKernel::kFlash), "flash");
+  EXPECT_EQ(to_string(LossKernel::kUnfused), "unfused");
 }
 
 TEST(Model, MalformedYamlNamesFileAndLine) {

@@ -215,6 +215,29 @@ TEST(OpGraph, FlashAttentionKeepsOutputAndStatistics) {
   EXPECT_EQ(layer_activation_bytes(lower_model(m, 2), {}), 32 * s * b * h + 4 * b * a * s);
 }
 
+// Both cross-entropies keep the fp32 (log-)softmax of every logit. Megatron's fused one then
+// allocates only the fp32 copy that becomes it; PyTorch's unfused one peaks in the backward pass
+// with the log-softmax's gradient and the input gradient, both fp32, beside it.
+TEST(OpGraph, CrossEntropyMemoryByKernel) {
+  ModelSpec m = preset("llama3-8b");
+  const double logits = 2.0 * m.seq_len * m.vocab;  // micro-batch 2
+  const OpGraph fused_graph = lower_model(m, 2);
+  const Op* fused = find_op(fused_graph.head, "loss");
+  ASSERT_NE(fused, nullptr);
+  ASSERT_EQ(fused->saved.size(), 1u);
+  EXPECT_DOUBLE_EQ(fused->saved[0].bytes(), 4 * logits);
+  EXPECT_DOUBLE_EQ(fused->transient_bytes, 4 * logits);
+
+  m.loss = LossKernel::kUnfused;
+  OpGraph g = lower_model(m, 2);
+  const Op* unfused = find_op(g.head, "loss");
+  ASSERT_NE(unfused, nullptr);
+  EXPECT_DOUBLE_EQ(unfused->saved[0].bytes(), 4 * logits);
+  EXPECT_DOUBLE_EQ(unfused->transient_bytes, 8 * logits);
+  EXPECT_GT(unfused->fwd_bytes, fused->fwd_bytes);
+  EXPECT_GT(unfused->bwd_bytes, fused->bwd_bytes);
+}
+
 TEST(OpGraph, RecomputingTheMlpKeepsItsCheckpoint) {
   ModelSpec m = korthikanti("gpt3-1.3b");
   OpGraph g = lower_model(m, 1);

@@ -251,6 +251,8 @@ TEST(Plan, OtherFieldChecks) {
   expect_error("{\"zero\": 1}", "{\"zero\": 4}", "optimizer.zero",
                "expected a ZeRO stage 0, 1, 2 or 3");
   expect_error("{\"zero\": 1}", "{\"kind\": \"adamw\"}", "optimizer.kind", "unknown value 'adamw'");
+  expect_error("{\"zero\": 1}", "{\"zero\": 1, \"keep_gathered\": true}", "optimizer.keep_gathered",
+               "it needs \"zero\": 3");
   expect_error("\"global_batch\": 8", "\"global_batch\": 0", "training.global_batch",
                "must be at least 1");
 }

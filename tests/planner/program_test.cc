@@ -249,6 +249,103 @@ TEST(Program, FullRecomputeRepeatsTheForwardCollectives) {
   EXPECT_EQ(layer_collectives(prog, 0, BlockKind::kBackward), (Counts{{kAG, 4 * n}, {kRS, 4 * n}}));
 }
 
+// Data-parallel launches of one kind over a lane's iteration.
+int dp_launches(const Program& prog, const Lane& lane, CollectiveKind kind) {
+  int n = 0;
+  for (const BlockInstance& b : lane.blocks) {
+    for (const Step& s : prog.templates[b.template_index].steps) {
+      n += s.kind == StepKind::kDpLaunch && s.collective == kind;
+    }
+  }
+  return n;
+}
+
+// PyTorch FSDP under a pipeline keeps the gathered parameters and their unsharded fp32
+// gradients for the iteration: one gather and one reduce-scatter per parameter unit instead of
+// per micro-batch, for the memory of the whole unsharded stage.
+TEST(Program, FsdpUnderAPipelineKeepsParametersGathered) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  MegatronOptions o = options(1, 2, false, RecomputeMode::kNone, 1);
+  o.framework = "fsdp";
+  o.zero = 3;
+  auto plan = build_megatron_plan(m, dgx(), o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  EXPECT_TRUE(plan->optimizer.keep_gathered);
+  auto kept = compile_plan(*plan, dgx());
+  ASSERT_TRUE(kept.ok()) << kept.error().message();
+  plan->optimizer.keep_gathered = false;
+  auto resharded = compile_plan(*plan, dgx());
+  ASSERT_TRUE(resharded.ok()) << resharded.error().message();
+
+  const int micro_batches = kept->micro_batches;
+  ASSERT_GE(micro_batches, 2);
+  const double shard = kept->replicas;
+  for (size_t l = 0; l < kept->lanes.size(); ++l) {
+    const Lane& lane = kept->lanes[l];
+    // Units: the stage's layers, plus the embedding or the head.
+    const int units = m.layers / 2 + 1;
+    SCOPED_TRACE(fmt::format("lane {}", l));
+    EXPECT_EQ(dp_launches(*kept, lane, kAG), units);
+    EXPECT_EQ(dp_launches(*kept, lane, kRS), units);
+    EXPECT_EQ(dp_launches(*resharded, resharded->lanes[l], kAG), 2 * units * micro_batches);
+    EXPECT_EQ(dp_launches(*resharded, resharded->lanes[l], kRS), units * micro_batches);
+
+    const double P = lane.parameters;
+    EXPECT_DOUBLE_EQ(lane.memory.weights, 4 * P / shard + 2 * P);
+    EXPECT_DOUBLE_EQ(lane.memory.gradients, 4 * P / shard + 4 * P);
+    EXPECT_LT(resharded->lanes[l].memory.weights, lane.memory.weights);
+  }
+
+  // Megatron's own conventions are untouched.
+  o.framework = "megatron";
+  auto megatron = build_megatron_plan(m, dgx(), o);
+  ASSERT_TRUE(megatron.ok());
+  EXPECT_FALSE(megatron->optimizer.keep_gathered);
+}
+
+// Data-parallel all-gathered bytes over a lane's iteration.
+double dp_gathered_bytes(const Program& prog, const Lane& lane) {
+  double bytes = 0;
+  for (const BlockInstance& b : lane.blocks) {
+    for (const Step& s : prog.templates[b.template_index].steps) {
+      if (s.kind == StepKind::kDpLaunch && s.collective == kAG) bytes += s.bytes;
+    }
+  }
+  return bytes;
+}
+
+// DeepSpeed's ZeRO-3 gathers a recomputed layer twice in the backward pass: for the
+// recomputation and for the backward (FSDP recomputes inside the unit it has gathered).
+TEST(Program, DeepSpeedRegathersRecomputedLayers) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  MegatronOptions o = options(1, 1, false, RecomputeMode::kFull, 1);
+  o.zero = 3;
+  o.framework = "deepspeed";
+  auto plan = build_megatron_plan(m, dgx(), o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  EXPECT_TRUE(plan->comm.zero3_regather_for_recompute);
+  auto regathered = compile_plan(*plan, dgx());
+  ASSERT_TRUE(regathered.ok()) << regathered.error().message();
+  plan->comm.zero3_regather_for_recompute = false;
+  auto once = compile_plan(*plan, dgx());
+  ASSERT_TRUE(once.ok()) << once.error().message();
+
+  const double P = once->lanes[0].parameters;
+  const double layer = static_cast<double>(m.layer_parameters());
+  const double mb = once->micro_batches;
+  // 16-bit parameters: a forward and a backward gather of everything per micro-batch (the tied
+  // head gathers the embedding matrix again), plus the recomputation's gather of every layer.
+  const double tied = static_cast<double>(plan->model.vocab) * m.hidden;
+  EXPECT_DOUBLE_EQ(dp_gathered_bytes(*once, once->lanes[0]), mb * 2 * 2 * (P + tied));
+  EXPECT_DOUBLE_EQ(dp_gathered_bytes(*regathered, regathered->lanes[0]),
+                   mb * (2 * 2 * (P + tied) + 2 * m.layers * layer));
+
+  o.framework = "fsdp";
+  auto fsdp = build_megatron_plan(m, dgx(), o);
+  ASSERT_TRUE(fsdp.ok());
+  EXPECT_FALSE(fsdp->comm.zero3_regather_for_recompute);
+}
+
 // Collective bytes of one layer under tensor parallelism: each all-reduce carries the whole
 // [b, s, h] activation; with sequence parallelism each all-gather outputs and each
 // reduce-scatter takes the whole activation.

@@ -65,6 +65,26 @@ TEST(Validate, SimulatesACaseAndReportsItsError) {
   ASSERT_TRUE(out[0].memory_error_pct.has_value());
 }
 
+// The loss kernel is the training code's: PyTorch FSDP loops call F.cross_entropy (unfused),
+// llm-foundry's MPT and Megatron fuse it.
+TEST(Validate, CaseLossKernelFollowsTheTrainingCode) {
+  auto loss_of = [](const std::string& family, const std::string& framework) {
+    std::string text = kOneCase;
+    text.replace(text.find("family: gpt"), 11, "family: " + family);
+    text.replace(text.find("framework: megatron"), 19, "framework: " + framework);
+    auto set = parse_validation_set(text, "one.yaml");
+    EXPECT_TRUE(set.ok()) << set.error().message();
+    auto topo = case_topology(set->front());
+    EXPECT_TRUE(topo.ok()) << topo.error().message();
+    auto plan = case_plan(set->front(), *topo);
+    EXPECT_TRUE(plan.ok()) << plan.error().message();
+    return plan.ok() ? plan->model.loss : LossKernel::kFused;
+  };
+  EXPECT_EQ(loss_of("gpt", "megatron"), LossKernel::kFused);
+  EXPECT_EQ(loss_of("llama", "fsdp"), LossKernel::kUnfused);
+  EXPECT_EQ(loss_of("mpt", "fsdp"), LossKernel::kFused);
+}
+
 TEST(Validate, ACaseThatCannotBeSimulatedIsAFailureWithItsReason) {
   std::string bad = kOneCase;
   bad.replace(bad.find("tp: 2, pp: 2, dp: 2"), 19, "tp: 3, pp: 2, dp: 2");
@@ -102,6 +122,8 @@ TEST(Validate, DevSetAccuracyRegressionBound) {
   EXPECT_LE(s.time.p90, 25.0);
   EXPECT_LE(s.time_stated.median, 7.0);
   EXPECT_LE(s.time_stated.p90, 15.0);
+  EXPECT_LE(s.memory.median, 14.0);
+  EXPECT_LE(s.memory.max, 25.0);
 }
 
 }  // namespace
