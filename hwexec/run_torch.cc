@@ -662,10 +662,9 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
 #else
   int gpu_index = -1;
   if (gpu) {
-    if (!at::hasCUDA() || at::globalContext().getNumGPUs() == 0) {
-      return Error("--device cuda: LibTorch sees no CUDA device");
-    }
-    gpu_index = rank % static_cast<int>(at::globalContext().getNumGPUs());
+    const int gpus = at::hasCUDA() ? static_cast<int>(c10::cuda::device_count()) : 0;
+    if (gpus == 0) return Error("--device cuda: LibTorch sees no CUDA device");
+    gpu_index = rank % gpus;
     ok_or_throw(cuda_set_device(gpu_index));
     c10::cuda::set_device(static_cast<c10::DeviceIndex>(gpu_index));
   }
