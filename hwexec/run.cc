@@ -261,6 +261,8 @@ std::string rank_to_text(const RankResult& r) {
   for (double x : r.iteration_seconds) s += fmt::format(" {:.17g}", x);
   s += "\nlosses";
   for (double x : r.losses) s += fmt::format(" {:.17g}", x);
+  s +=
+      fmt::format("\ngpu {} {:.17g} {:.17g}", r.gpu, r.peak_allocated_bytes, r.peak_reserved_bytes);
   s += fmt::format("\nparameters {:.17g}\npeak_rss {:.17g}\ncheck {} {} {:.17g} {:.17g}\n",
                    r.parameters, r.peak_rss_bytes, r.checked ? 1 : 0, r.has_loss ? 1 : 0,
                    r.check_loss, r.reference_loss);
@@ -304,6 +306,8 @@ Expected<RankResult> rank_from_text(const std::string& text) {
       r.losses = numbers();
     } else if (key == "parameters") {
       l >> r.parameters;
+    } else if (key == "gpu") {
+      l >> r.gpu >> r.peak_allocated_bytes >> r.peak_reserved_bytes;
     } else if (key == "peak_rss") {
       l >> r.peak_rss_bytes;
     } else if (key == "check") {
@@ -349,8 +353,12 @@ Status write_run(const std::string& path, const RunResults& r) {
   const hid_t f = file.id;
   ok &= h5::write_attr(f, "format", std::string(kRunFormat));
   ok &= h5::write_attr(f, "version", static_cast<long long>(kRunVersion));
-  ok &= h5::write_attr(f, "device", std::string("cpu"));
-  ok &= h5::write_attr(f, "backend", std::string("unix-sockets"));
+  const bool gpu = r.options.device == "cuda";
+  ok &= h5::write_attr(f, "device", r.options.device);
+  ok &= h5::write_attr(f, "device_name", r.device_name);
+  ok &= h5::write_attr(f, "backend", std::string(gpu ? "nccl" : "unix-sockets"));
+  ok &= h5::write_attr(f, "nccl_version", r.nccl_version);
+  ok &= h5::write_attr(f, "timing", std::string(gpu ? "cuda-events" : "steady-clock"));
   ok &= h5::write_attr(f, "dtype", std::string("fp32"));
   ok &= h5::write_attr(f, "torch_version", r.torch_version);
   ok &= h5::write_attr(f, "plan_name", r.plan_name);
@@ -382,6 +390,11 @@ Status write_run(const std::string& path, const RunResults& r) {
     }
     ok &= h5::write_attr(g.id, "parameters", k.parameters);
     ok &= h5::write_attr(g.id, "peak_rss_bytes", k.peak_rss_bytes);
+    if (k.gpu >= 0) {
+      ok &= h5::write_attr(g.id, "gpu", static_cast<long long>(k.gpu));
+      ok &= h5::write_attr(g.id, "peak_allocated_bytes", k.peak_allocated_bytes);
+      ok &= h5::write_attr(g.id, "peak_reserved_bytes", k.peak_reserved_bytes);
+    }
     ok &= h5::write_vector(g.id, "iteration_seconds", k.iteration_seconds);
     ok &= h5::write_vector(g.id, "loss", k.losses);
     {

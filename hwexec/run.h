@@ -19,10 +19,11 @@ inline constexpr int kRunVersion = 1;
 class Comm;
 
 struct RunOptions {
-  int iterations = 3;  // measured
-  int warmup = 1;      // run before, not recorded
-  bool check = false;  // compare the first iteration with an unpartitioned run
-  int threads = 1;     // LibTorch intra-op threads per process
+  std::string device = "cpu";  // "cpu" (socket collectives) or "cuda" (one GPU a rank, NCCL)
+  int iterations = 3;          // measured
+  int warmup = 1;              // run before, not recorded
+  bool check = false;          // compare the first iteration with an unpartitioned run
+  int threads = 1;             // LibTorch intra-op threads per process
   unsigned long long seed = 1234;
   double rtol = 1e-4;  // check: |g - g_ref| <= rtol * max|g_ref| + atol, per parameter
   double atol = 1e-6;
@@ -66,6 +67,11 @@ struct RankResult {
   std::vector<CollTime> collectives;
   double parameters = 0;       // parameters this rank holds
   double peak_rss_bytes = -1;  // the process's peak resident set (getrusage); -1 = unknown
+  // --device cuda: the GPU (CUDA device index) and LibTorch's CUDA caching allocator's peaks
+  // (bytes of tensors allocated, bytes reserved from the driver); -1 = not on a GPU.
+  int gpu = -1;
+  double peak_allocated_bytes = -1;
+  double peak_reserved_bytes = -1;
   // --check
   bool checked = false;
   double check_loss = 0;  // this run's first-iteration loss (head ranks)
@@ -80,6 +86,8 @@ struct RunResults {
   RunOptions options;
   int world = 1;
   std::string torch_version;
+  std::string device_name;   // "NVIDIA H200", or the CPU's
+  std::string nccl_version;  // --device cuda
   std::vector<std::string> mesh_axes;
   std::vector<RankResult> ranks;
   // Per measured iteration, the slowest rank's time.

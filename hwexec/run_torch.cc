@@ -9,6 +9,11 @@
 //   embed.word: rows (vocabulary) split, looked up with a mask, output all-reduced.
 //   head.proj + loss: columns (vocabulary) split, vocab-parallel cross-entropy (all-reduces of
 //     the row maximum, the sum of exponentials and the target logit).
+// On the CPU (--device cpu) the collectives go over the Unix-socket Comm and spans are timed with
+// the steady clock. On a GPU (--device cuda, only in a build whose LibTorch has CUDA) every rank
+// owns one GPU, the collectives and pipeline transfers are NCCL calls in the same order
+// (hwexec/nccl_comm.h), and every span is a pair of CUDA events, resolved after the iteration's
+// synchronize.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <sys/resource.h>
@@ -27,6 +32,14 @@
 
 #include "hwexec/comm.h"
 #include "hwexec/run.h"
+
+#ifdef NNSIM_TORCH_HAS_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+
+#include "hwexec/nccl_comm.h"
+#endif
 
 namespace nnsim::hwexec {
 
@@ -47,65 +60,170 @@ void ok_or_throw(const Status& s) {
   if (!s) throw Failure{s.error().message()};
 }
 
+// A point in time: the steady clock's on the CPU, a recorded CUDA event on a GPU. `colls` is how
+// many collectives had been recorded before it (an operator's span can exclude them).
+struct Mark {
+  Clock::time_point t;
+  int event = -1;
+  std::size_t colls = 0;
+};
+
+#ifdef NNSIM_TORCH_HAS_CUDA
+using Events = CudaEvents;
+#else
+// Never constructed without CUDA LibTorch: marks are steady-clock times.
+struct Events {
+  Expected<int> record(void*) { return Error("no CUDA"); }
+  Expected<double> elapsed(int, int) const { return Error("no CUDA"); }
+  void reset() {}
+};
+#endif
+
+// Spans of one iteration, resolved into per-operator and per-collective totals at its end (on a
+// GPU, after the synchronize, when the events have completed).
 struct Stats {
   bool recording = false;
-  double collective_seconds = 0;  // running total, to subtract from an operator's own time
+  Events* events = nullptr;  // null: steady clock
+  void* stream = nullptr;    // the compute stream (GPU)
   std::map<std::pair<std::string, std::string>, OpTime> ops;
   std::map<std::tuple<std::string, std::string, std::string, double>, CollTime> colls;
 
-  void op(const std::string& name, const char* phase, double s) {
-    if (!recording) return;
-    OpTime& o = ops[{name, phase}];
-    o.name = name;
-    o.phase = phase;
-    o.calls += 1;
-    o.seconds += s;
+  struct PendingOp {
+    std::string name;
+    const char* phase;
+    Mark a, b;
+    bool minus_collectives;
+  };
+  struct PendingColl {
+    const char* kind;
+    std::string axes, label;
+    double bytes;
+    Mark a, b;
+  };
+  std::vector<PendingOp> pending_ops;
+  std::vector<PendingColl> pending_colls;
+
+  // Now, on `on` (a stream; the compute stream when null) on a GPU.
+  Mark mark(void* on = nullptr) {
+    Mark m;
+    m.colls = pending_colls.size();
+    if (events == nullptr) {
+      m.t = Clock::now();
+      return m;
+    }
+    Expected<int> e = events->record(on ? on : stream);
+    if (!e) throw Failure{e.error().message()};
+    m.event = *e;
+    return m;
+  }
+  double seconds(const Mark& a, const Mark& b) const {
+    if (events == nullptr) return std::chrono::duration<double>(b.t - a.t).count();
+    Expected<double> s = events->elapsed(a.event, b.event);
+    if (!s) throw Failure{s.error().message()};
+    return *s;
+  }
+  // An operator's span; `minus_collectives`: without the collectives recorded inside it.
+  void op(const std::string& name, const char* phase, const Mark& a, const Mark& b,
+          bool minus_collectives = false) {
+    if (recording) pending_ops.push_back({name, phase, a, b, minus_collectives});
   }
   void coll(const char* kind, const std::string& axes, const std::string& label, double bytes,
-            double s) {
-    collective_seconds += s;
-    if (!recording) return;
-    CollTime& c = colls[{kind, axes, label, bytes}];
-    c.kind = kind;
-    c.axes = axes;
-    c.label = label;
-    c.bytes = bytes;
-    c.calls += 1;
-    c.seconds += s;
+            const Mark& a, const Mark& b) {
+    if (recording) pending_colls.push_back({kind, axes, label, bytes, a, b});
+  }
+  // Adds the iteration's spans to the totals (on a GPU, after a synchronize).
+  void resolve() {
+    std::vector<double> coll_seconds;
+    for (const PendingColl& p : pending_colls) {
+      coll_seconds.push_back(seconds(p.a, p.b));
+      CollTime& c = colls[{p.kind, p.axes, p.label, p.bytes}];
+      c.kind = p.kind;
+      c.axes = p.axes;
+      c.label = p.label;
+      c.bytes = p.bytes;
+      c.calls += 1;
+      c.seconds += coll_seconds.back();
+    }
+    for (const PendingOp& p : pending_ops) {
+      double s = seconds(p.a, p.b);
+      if (p.minus_collectives) {
+        for (std::size_t i = p.a.colls; i < p.b.colls; ++i) s -= coll_seconds[i];
+      }
+      OpTime& o = ops[{p.name, p.phase}];
+      o.name = p.name;
+      o.phase = p.phase;
+      o.calls += 1;
+      o.seconds += s;
+    }
+    pending_ops.clear();
+    pending_colls.clear();
+    if (events) events->reset();
   }
 };
 
 // Groups and collectives of one rank. Groups of one rank (the unpartitioned reference) do
-// nothing.
+// nothing. With `nccl` set (a GPU), NCCL carries them, on the compute stream (sends: on the
+// peer's send stream, after the compute stream's work so far).
 struct Ctx {
   Comm* comm = nullptr;
   Stats* stats = nullptr;
+  at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
   std::vector<int> tp_group{0}, dp_group{0};
   std::string tp_axes = "tp", pp_axes = "pp";
   int tp_index = 0;
+#ifdef NNSIM_TORCH_HAS_CUDA
+  NcclComms* nccl = nullptr;
+#endif
+  std::vector<at::Tensor> in_flight;  // sent tensors, kept until the iteration's synchronize
 
   void all_reduce(at::Tensor& t, const std::vector<int>& group, const std::string& axes,
                   const std::string& label, Comm::Op op = Comm::Op::kSum) {
     if (group.size() <= 1) return;
     t = t.contiguous();
-    const auto t0 = Clock::now();
+    const Mark a = stats->mark();
+#ifdef NNSIM_TORCH_HAS_CUDA
+    if (nccl) {
+      ok_or_throw(nccl->all_reduce(group, t.data_ptr<float>(), t.numel(), op, stats->stream));
+      stats->coll("all_reduce", axes, label, t.numel() * 4.0, a, stats->mark());
+      return;
+    }
+#endif
     ok_or_throw(comm->all_reduce(group, t.data_ptr<float>(), t.numel(), op));
-    stats->coll("all_reduce", axes, label, t.numel() * 4.0, seconds_since(t0));
+    stats->coll("all_reduce", axes, label, t.numel() * 4.0, a, stats->mark());
   }
   void tp_all_reduce(at::Tensor& t, const std::string& label, Comm::Op op = Comm::Op::kSum) {
     all_reduce(t, tp_group, tp_axes, label, op);
   }
   void send(int peer, const at::Tensor& t, const std::string& label) {
     at::Tensor c = t.contiguous();
-    const auto t0 = Clock::now();
+#ifdef NNSIM_TORCH_HAS_CUDA
+    if (nccl) {
+      Expected<void*> s = nccl->send_stream(peer);
+      if (!s) throw Failure{s.error().message()};
+      ok_or_throw(stats->events->order(*s, stats->stream));
+      const Mark a = stats->mark(*s);
+      ok_or_throw(nccl->send(peer, c.data_ptr<float>(), c.numel() * 4));
+      stats->coll("send", pp_axes, label, c.numel() * 4.0, a, stats->mark(*s));
+      in_flight.push_back(c);
+      return;
+    }
+#endif
+    const Mark a = stats->mark();
     ok_or_throw(comm->send(peer, c.data_ptr<float>(), c.numel() * 4));
-    stats->coll("send", pp_axes, label, c.numel() * 4.0, seconds_since(t0));
+    stats->coll("send", pp_axes, label, c.numel() * 4.0, a, stats->mark());
   }
   at::Tensor recv(int peer, at::IntArrayRef shape, const std::string& label) {
-    at::Tensor t = at::empty(shape, at::kFloat);
-    const auto t0 = Clock::now();
+    at::Tensor t = at::empty(shape, options);
+    const Mark a = stats->mark();
+#ifdef NNSIM_TORCH_HAS_CUDA
+    if (nccl) {
+      ok_or_throw(nccl->recv(peer, t.data_ptr<float>(), t.numel() * 4, stats->stream));
+      stats->coll("recv", pp_axes, label, t.numel() * 4.0, a, stats->mark());
+      return t;
+    }
+#endif
     ok_or_throw(comm->recv(peer, t.data_ptr<float>(), t.numel() * 4));
-    stats->coll("recv", pp_axes, label, t.numel() * 4.0, seconds_since(t0));
+    stats->coll("recv", pp_axes, label, t.numel() * 4.0, a, stats->mark());
     return t;
   }
 };
@@ -152,14 +270,15 @@ struct MicroBatchTape {
   std::vector<LayerTape> layers;
   Unit hnorm, hproj;
   at::Tensor ez, se, onehot;  // the loss's saved softmax pieces
-  double loss = 0;
+  at::Tensor loss;            // 0-dimensional, on the device (read after the iteration)
 };
 
 class Model {
  public:
   Model(const ModelSpec& spec, int first, int end, bool embedding, bool head, Split split,
-        int tp_index, unsigned long long seed)
-      : spec_(spec),
+        int tp_index, unsigned long long seed, at::Device device)
+      : device_(device),
+        spec_(spec),
         first_(first),
         end_(end),
         embedding_(embedding),
@@ -261,8 +380,7 @@ class Model {
           return at::matmul(in[0], tied ? word_->w.t() : head_w_->w);
         });
     // Vocab-parallel cross-entropy, mean over the micro-batch's tokens.
-    const auto t0 = Clock::now();
-    const double c0 = st.collective_seconds;
+    const Mark t0 = st.mark();
     at::Tensor logits = tape.hproj.out.detach();
     const int64_t vl = logits.size(-1);
     const int64_t start = vsplit > 1 ? t_ * vl : 0;
@@ -277,9 +395,9 @@ class Model {
     at::Tensor idx = local.clamp(0, vl - 1).unsqueeze(-1);
     at::Tensor target_logit = z.gather(-1, idx).squeeze(-1) * mask;
     if (vsplit > 1) c.tp_all_reduce(target_logit, "loss");
-    tape.loss = (tape.se.log() - target_logit).mean().item<double>();
+    tape.loss = (tape.se.log() - target_logit).mean();
     tape.onehot = at::zeros_like(z).scatter_(-1, idx, mask.unsqueeze(-1));
-    st.op("loss", "fwd", seconds_since(t0) - (st.collective_seconds - c0));
+    st.op("loss", "fwd", t0, st.mark(), /*minus_collectives=*/true);
     return at::Tensor();
   }
 
@@ -288,10 +406,10 @@ class Model {
   at::Tensor backward(Ctx& c, MicroBatchTape& tape, at::Tensor dy, double loss_scale) {
     Stats& st = *c.stats;
     if (head_) {
-      const auto t0 = Clock::now();
+      const Mark t0 = st.mark();
       const double n = static_cast<double>(tape.ez.size(0) * tape.ez.size(1));
       at::Tensor dlogits = (tape.ez / tape.se.unsqueeze(-1) - tape.onehot) * (loss_scale / n);
-      st.op("loss", "bwd", seconds_since(t0));
+      st.op("loss", "bwd", t0, st.mark());
       tape.ez = tape.se = tape.onehot = at::Tensor();
       const int vsplit = spec_.tied_embeddings ? split_.embed_vocab : split_.head_vocab;
       at::Tensor dn = bwd(st, "head.proj", tape.hproj, dlogits)[0];
@@ -310,32 +428,34 @@ class Model {
  private:
   Param* add(const std::string& name, std::vector<int64_t> shape, double scale, double offset,
              std::function<at::Tensor(const at::Tensor&)> cut) {
+    // Drawn on the CPU on every device, so that a GPU run starts from the CPU run's weights.
     at::manual_seed(static_cast<uint64_t>(seed_ ^ fnv1a(name)));
     at::Tensor full = at::randn(shape, at::kFloat) * scale + offset;
     Param p;
     p.name = name;
     p.cut = std::move(cut);
-    p.w = p.cut(full).contiguous().clone().requires_grad_(true);
+    at::Tensor w = p.cut(full).contiguous();
+    p.w = (device_.is_cpu() ? w.clone() : w.to(device_)).requires_grad_(true);
     params_.push_back(std::move(p));
     return &params_.back();
   }
 
   template <class F>
   Unit fwd(Stats& st, const char* name, std::vector<at::Tensor> in, F&& f) {
-    const auto t0 = Clock::now();
+    const Mark t0 = st.mark();
     Unit u;
     u.out = f(in);
     u.in = std::move(in);
-    st.op(name, "fwd", seconds_since(t0));
+    st.op(name, "fwd", t0, st.mark());
     return u;
   }
 
   std::vector<at::Tensor> bwd(Stats& st, const char* name, Unit& u, const at::Tensor& dy) {
-    const auto t0 = Clock::now();
+    const Mark t0 = st.mark();
     u.out.backward(dy);
     std::vector<at::Tensor> g;
     for (const at::Tensor& i : u.in) g.push_back(i.grad());
-    st.op(name, "bwd", seconds_since(t0));
+    st.op(name, "bwd", t0, st.mark());
     u = Unit{};
     return g;
   }
@@ -355,7 +475,7 @@ class Model {
       const int64_t b = in[0].size(0), s = in[0].size(1);
       at::Tensor v5 = in[0].view({b, s, 3, al, d}).permute({2, 0, 3, 1, 4});
       at::Tensor scores = at::matmul(v5[0], v5[1].transpose(-2, -1)) / std::sqrt(double(d));
-      at::Tensor causal = at::ones({s, s}, at::kBool).triu(1);
+      at::Tensor causal = at::ones({s, s}, in[0].options().dtype(at::kBool)).triu(1);
       at::Tensor p =
           at::softmax(scores.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1);
       return at::matmul(p, v5[2]).permute({0, 2, 1, 3}).reshape({b, s, al * d});
@@ -403,6 +523,7 @@ class Model {
     return bwd(st, "attn.norm", t.n1, d)[0] + g[1];
   }
 
+  at::Device device_;
   ModelSpec spec_;
   int first_, end_;
   bool embedding_, head_;
@@ -501,10 +622,12 @@ std::string join(const std::vector<std::string>& v) {
   return s.empty() ? "none" : s;
 }
 
-// The batch of iteration `it`: tokens [B, s + 1], the same on every rank.
-at::Tensor batch(const Plan& plan, unsigned long long seed, int it) {
+// The batch of iteration `it`: tokens [B, s + 1], the same on every rank (drawn on the CPU).
+at::Tensor batch(const Plan& plan, unsigned long long seed, int it, at::Device device) {
   at::manual_seed(seed * 7919 + 104729ull * (it + 1));
-  return at::randint(plan.model.vocab, {plan.global_batch, plan.model.seq_len + 1}, at::kLong);
+  at::Tensor t =
+      at::randint(plan.model.vocab, {plan.global_batch, plan.model.seq_len + 1}, at::kLong);
+  return device.is_cpu() ? t : t.to(device);
 }
 
 void zero_grads(std::deque<Param>& ps) {
@@ -524,6 +647,30 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   at::set_num_threads(std::max(1, opt.threads));
   const int rank = comm.rank();
   const Mesh& mesh = plan.mesh;
+  const bool gpu = opt.device == "cuda";
+  if (!gpu && opt.device != "cpu") {
+    return Error(fmt::format("--device: '{}' is neither cpu nor cuda", opt.device));
+  }
+#ifndef NNSIM_TORCH_HAS_CUDA
+  if (gpu) {
+    return Error(fmt::format(
+        "--device cuda: this build's LibTorch ({}) has no CUDA (Debian's libtorch is CPU-only); "
+        "configure with -DNNSIM_TORCH_PYTHON=<python with a CUDA torch>",
+        TORCH_VERSION));
+  }
+  const at::Device device(at::kCPU);
+#else
+  int gpu_index = -1;
+  if (gpu) {
+    const int gpus = at::hasCUDA() ? static_cast<int>(c10::cuda::device_count()) : 0;
+    if (gpus == 0) return Error("--device cuda: LibTorch sees no CUDA device");
+    gpu_index = rank % gpus;
+    ok_or_throw(cuda_set_device(gpu_index));
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(gpu_index));
+  }
+  const at::Device device =
+      gpu ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(gpu_index)) : at::Device(at::kCPU);
+#endif
   Layout L = layout_of(plan, rank);
   if (L.order == nullptr) return Error(fmt::format("no schedule order holds rank {}", rank));
   const Segment& seg = plan.segments[L.segment];
@@ -536,6 +683,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   Ctx ctx;
   ctx.comm = &comm;
   ctx.stats = &stats;
+  ctx.options = at::TensorOptions().dtype(at::kFloat).device(device);
   ctx.tp_axes = join(L.tp_axes);
   ctx.pp_axes = join(L.pp_axes);
   ctx.tp_group = L.tp_axes.empty() ? std::vector<int>{rank} : group_along(mesh, rank, L.tp_axes);
@@ -550,10 +698,33 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   const int b = plan.micro_batch;
   const int64_t s = plan.model.seq_len, h = plan.model.hidden;
 
-  Model model(plan.model, seg.first_layer, seg.end_layer, seg.embedding, seg.head, L.split,
-              ctx.tp_index, opt.seed);
   const int prev = L.prev_segment >= 0 ? peer_in(mesh, rank, plan.segments[L.prev_segment]) : -1;
   const int next = L.next_segment >= 0 ? peer_in(mesh, rank, plan.segments[L.next_segment]) : -1;
+#ifdef NNSIM_TORCH_HAS_CUDA
+  // One NCCL communicator per tensor- and data-parallel group and per pipeline direction; the
+  // compute stream is a non-blocking one of LibTorch's pool (NCCL kernels waiting for a peer
+  // must not serialize with the legacy default stream).
+  std::unique_ptr<NcclComms> nccl;
+  CudaEvents events;
+  if (gpu) {
+    std::vector<std::pair<int, int>> edges;
+    for (int peer : {prev, next}) {
+      if (peer < 0) continue;
+      edges.push_back({rank, peer});
+      edges.push_back({peer, rank});
+    }
+    auto made = NcclComms::create(comm, gpu_index, {ctx.tp_group, ctx.dp_group}, edges);
+    if (!made) return made.error();
+    nccl = std::move(*made);
+    ctx.nccl = nccl.get();
+    c10::cuda::CUDAStream compute = c10::cuda::getStreamFromPool(false, device.index());
+    c10::cuda::setCurrentCUDAStream(compute);
+    stats.events = &events;
+    stats.stream = compute.stream();
+  }
+#endif
+  Model model(plan.model, seg.first_layer, seg.end_layer, seg.embedding, seg.head, L.split,
+              ctx.tp_index, opt.seed, device);
 
   RankResult out;
   out.rank = rank;
@@ -563,16 +734,17 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // The unpartitioned reference: the whole model, the whole batch, one micro-batch.
   std::map<std::string, at::Tensor> ref_grads;
   if (opt.check) {
-    Stats ref_stats;
+    Stats ref_stats;  // never recording; steady-clock marks
     Ctx ref;
     ref.comm = &comm;
     ref.stats = &ref_stats;
+    ref.options = ctx.options;
     ref.tp_group = ref.dp_group = {rank};
-    Model whole(plan.model, 0, plan.model.layers, true, true, Split{}, 0, opt.seed);
-    const at::Tensor data = batch(plan, opt.seed, 0);
+    Model whole(plan.model, 0, plan.model.layers, true, true, Split{}, 0, opt.seed, device);
+    const at::Tensor data = batch(plan, opt.seed, 0, device);
     MicroBatchTape tape;
     whole.forward(ref, data.narrow(1, 0, s), at::Tensor(), data.narrow(1, 1, s), tape);
-    out.reference_loss = tape.loss;
+    out.reference_loss = tape.loss.item<double>();
     whole.backward(ref, tape, at::Tensor(), 1.0);
     for (Param& p : whole.params()) ref_grads[p.name] = grad_or_zeros(p);
   }
@@ -583,9 +755,9 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     stats.recording = it >= opt.warmup;
     zero_grads(model.params());
     const auto t0 = Clock::now();
-    const at::Tensor data = batch(plan, opt.seed, it);
+    const at::Tensor data = batch(plan, opt.seed, it, device);
     std::map<int, MicroBatchTape> tapes;
-    double loss = 0;
+    at::Tensor loss_sum = at::zeros({1}, ctx.options);
     for (const Block& blk : L.order->blocks) {
       const int m = blk.micro_batch;
       const int64_t row = (static_cast<int64_t>(dp_index) * M + m) * b;
@@ -596,7 +768,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         at::Tensor y = model.forward(ctx, data.narrow(0, row, b).narrow(1, 0, s), x,
                                      data.narrow(0, row, b).narrow(1, 1, s), tape);
         if (model.has_head()) {
-          loss += tape.loss / (M * dp);
+          loss_sum.add_(tape.loss, 1.0 / (M * dp));
         } else {
           ctx.send(next, y, "activation");
         }
@@ -623,10 +795,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         offset += n;
       }
     }
+    double loss = 0;
     if (model.has_head()) {
-      at::Tensor l = at::full({1}, loss, at::kFloat);
-      ctx.all_reduce(l, ctx.dp_group, kDataParallelAxis, "loss");
-      loss = l.item<double>();
+      ctx.all_reduce(loss_sum, ctx.dp_group, kDataParallelAxis, "loss");
+      loss = loss_sum.item<double>();
     }
     if (it == 0 && opt.check) {
       out.checked = true;
@@ -647,7 +819,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     }
     // Adam.
     {
-      const auto o0 = Clock::now();
+      const Mark o0 = stats.mark();
       at::NoGradGuard no_grad;
       const double k = it + 1;
       for (Param& p : model.params()) {
@@ -661,12 +833,17 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         at::Tensor denom = (p.v / (1 - std::pow(beta2, k))).sqrt_().add_(eps);
         p.w.addcdiv_(p.m, denom, -lr / (1 - std::pow(beta1, k)));
       }
-      stats.op("optimizer", "step", seconds_since(o0));
+      stats.op("optimizer", "step", o0, stats.mark());
     }
+#ifdef NNSIM_TORCH_HAS_CUDA
+    if (gpu) ok_or_throw(cuda_synchronize());  // the iteration ends when its GPU work does
+#endif
     if (stats.recording) {
       out.iteration_seconds.push_back(seconds_since(t0));
       if (model.has_head()) out.losses.push_back(loss);
     }
+    stats.resolve();
+    ctx.in_flight.clear();
   }
   ok_or_throw(comm.flush());
   ok_or_throw(comm.barrier());
@@ -683,6 +860,16 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   }
   rusage u{};
   if (::getrusage(RUSAGE_SELF, &u) == 0) out.peak_rss_bytes = u.ru_maxrss * 1024.0;
+#ifdef NNSIM_TORCH_HAS_CUDA
+  if (gpu) {
+    // LibTorch's caching allocator, since the process started (includes the --check reference).
+    // Index 0 of the stat arrays is the aggregate over small and large pools.
+    const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    out.gpu = gpu_index;
+    out.peak_allocated_bytes = static_cast<double>(st.allocated_bytes[0].peak);
+    out.peak_reserved_bytes = static_cast<double>(st.reserved_bytes[0].peak);
+  }
+#endif
   return out;
 }
 

@@ -2,7 +2,8 @@
 // to the user; the library never prints or exits (docs/hwexec.md).
 //
 //   nnexec bench --out micro.h5 [--device cpu|cuda] [--quick]
-//   nnexec run --plan plan.json --launch N --out run.h5 [--iterations K --warmup W --check]
+//   nnexec run --plan plan.json --launch N --out run.h5 [--device cpu|cuda] [--iterations K
+//              --warmup W --check]
 //   nnexec info
 #include <signal.h>
 #include <stdlib.h>
@@ -104,6 +105,39 @@ int run_launcher(RunArgs a) {
   if (!build_info().torch) {
     return fail("this nnexec was built without LibTorch (NNSIM_WITH_TORCH); it cannot run plans");
   }
+  std::string device_name = "cpu";
+  if (a.options.device == "cuda") {
+    // Everything that stops a GPU run, in one message.
+    const BuildInfo b = build_info();
+    std::vector<std::string> why;
+    const CudaProbe p = probe_cuda();
+    if (!b.cuda) {
+      why.push_back(
+          "this nnexec was built without hwexec's CUDA part (NNSIM_WITH_CUDA: the CUDA toolkit "
+          "and NCCL)");
+    } else if (!p.usable) {
+      why.push_back("no usable GPU: " + p.reason);
+    } else if (p.devices < ranks) {
+      why.push_back(
+          fmt::format("the plan has {} ranks but this machine has {} GPU(s) (one GPU a "
+                      "process; CUDA_VISIBLE_DEVICES?)",
+                      ranks, p.devices));
+    }
+    if (!b.torch_cuda) {
+      why.push_back(fmt::format(
+          "this build's LibTorch ({}) has no CUDA (Debian's libtorch is CPU-only); configure "
+          "with -DNNSIM_TORCH_PYTHON=<python with a CUDA torch>",
+          b.torch_version));
+    }
+    if (!why.empty()) {
+      std::string m = "--device cuda: ";
+      for (std::size_t i = 0; i < why.size(); ++i) m += (i ? "; and " : "") + why[i];
+      return fail(m);
+    }
+    device_name = p.name;
+    // All ranks are on this machine: NCCL's bootstrap can always use the loopback interface.
+    ::setenv("NCCL_SOCKET_IFNAME", "lo", /*overwrite=*/0);
+  }
   char dir_template[] = "/tmp/nnexec-XXXXXX";
   if (::mkdtemp(dir_template) == nullptr) return fail("cannot create a rendezvous directory");
   const std::string dir = dir_template;
@@ -130,7 +164,9 @@ int run_launcher(RunArgs a) {
                                      "--threads",
                                      std::to_string(a.options.threads),
                                      "--seed",
-                                     std::to_string(a.options.seed)};
+                                     std::to_string(a.options.seed),
+                                     "--device",
+                                     a.options.device};
     if (a.options.check) args.push_back("--check");
     if (a.options.inject_fault) args.push_back("--inject-fault");
     std::vector<char*> argv;
@@ -167,6 +203,8 @@ int run_launcher(RunArgs a) {
   results.options = a.options;
   results.world = a.launch;
   results.torch_version = build_info().torch_version;
+  results.device_name = device_name;
+  if (a.options.device == "cuda") results.nccl_version = build_info().nccl_version;
   for (const auto& ax : plan->mesh.axes) results.mesh_axes.push_back(ax.name);
   for (int r = 0; failure.empty() && r < a.launch; ++r) {
     auto k = rank_from_text(slurp(fmt::format("{}/rank-{}.txt", dir, r)));
@@ -182,8 +220,14 @@ int run_launcher(RunArgs a) {
 
   std::vector<double> t = results.iteration_seconds();
   std::sort(t.begin(), t.end());
-  std::printf("%s: %s on %d processes (CPU, LibTorch %s, %d thread(s) each)\n", a.out.c_str(),
-              plan->name.c_str(), a.launch, results.torch_version.c_str(), a.options.threads);
+  if (a.options.device == "cuda") {
+    std::printf("%s: %s on %d GPU(s) (%s, LibTorch %s, NCCL %s)\n", a.out.c_str(),
+                plan->name.c_str(), a.launch, device_name.c_str(), results.torch_version.c_str(),
+                results.nccl_version.c_str());
+  } else {
+    std::printf("%s: %s on %d processes (CPU, LibTorch %s, %d thread(s) each)\n", a.out.c_str(),
+                plan->name.c_str(), a.launch, results.torch_version.c_str(), a.options.threads);
+  }
   if (!t.empty()) {
     std::printf("  iteration time  median %.3f ms (min %.3f, max %.3f over %zu iterations)\n",
                 t[t.size() / 2] * 1e3, t.front() * 1e3, t.back() * 1e3, t.size());
@@ -194,6 +238,10 @@ int run_launcher(RunArgs a) {
       break;
     }
   }
+  double peak = -1;
+  for (const RankResult& k : results.ranks) peak = std::max(peak, k.peak_allocated_bytes);
+  if (peak >= 0)
+    std::printf("  GPU memory      peak %.3f GiB allocated (largest rank)\n", peak / (1 << 30));
   if (!a.options.check) return 0;
   double worst = 0;
   std::string worst_name;
@@ -259,8 +307,13 @@ int main(int argc, char** argv) {
 
   RunArgs run;
   CLI::App* run_cmd = app.add_subcommand(
-      "run", "run a plan on this machine's CPU, one process per mesh rank, into an HDF5 run file");
+      "run",
+      "run a plan on this machine's CPU or GPUs, one process per mesh rank, into an HDF5 run file");
   run_cmd->add_option("--plan", run.plan, "plan.json (nnsim plan)")->required();
+  run_cmd
+      ->add_option("--device", run.options.device,
+                   "cpu (socket collectives) or cuda (one GPU a rank, NCCL); default cpu")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   run_cmd->add_option("--launch", run.launch,
                       "processes to start, one per mesh rank (default: the plan's ranks)");
   run_cmd->add_option("-o,--out", run.out, "the HDF5 run file to write (format nnexec-run)");

@@ -1,7 +1,8 @@
 // nnexec run: the socket collective backend, the plan checks, and whole plans (TP, PP, DP and
 // all three) run as processes on this CPU whose loss and gradients must equal an unpartitioned
-// run's. Plans come from `nnsim plan` on a tiny model (tests/data/tiny-gpt.yaml). Tests that need
-// LibTorch report Skipped without it.
+// run's; `--device cuda` refusing with the reason where it cannot run, and the same plans on
+// GPUs where it can. Plans come from `nnsim plan` on a tiny model (tests/data/tiny-gpt.yaml).
+// Tests that need LibTorch, a CUDA LibTorch or GPUs report Skipped without them.
 #include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <iterator>
 #include <optional>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "core/plan.h"
@@ -33,6 +35,7 @@ using testing::slurp;
 
 const std::string kModel = std::string(NNSIM_TEST_DATA) + "/tiny-gpt.yaml";
 const std::string kTopo = std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml";
+const std::string kTopo1 = std::string(NNSIM_TEST_DATA) + "/tiny-node1.yaml";
 
 // `nnsim plan` for the tiny model on nodes of two ranks.
 RunResult make_plan(const TempDir& dir, int tp, int pp, int dp, const std::string& schedule,
@@ -41,7 +44,7 @@ RunResult make_plan(const TempDir& dir, int tp, int pp, int dp, const std::strin
                                    "--model",
                                    kModel,
                                    "--topo",
-                                   kTopo,
+                                   tp * pp * dp == 1 ? kTopo1 : kTopo,
                                    "--nodes",
                                    std::to_string(tp * pp * dp / 2 > 0 ? tp * pp * dp / 2 : 1),
                                    "--tp",
@@ -283,6 +286,93 @@ with h5py.File(sys.argv[1], "r") as f:
   EXPECT_EQ(check.status, 0) << check;
   EXPECT_TRUE(contains(check.out, "ok ")) << check;
 }
+
+}  // namespace
+}  // namespace nnsim::hwexec
+
+namespace nnsim::hwexec {
+namespace {
+
+// ---------------------------------------------------------------- --device cuda
+
+TEST(NnexecRunCuda, RefusesWithTheReasonWhereItCannotRun) {
+  const BuildInfo b = build_info();
+  const CudaProbe p = probe_cuda();
+  if (!b.torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (b.cuda && p.usable && b.torch_cuda) GTEST_SKIP() << "this machine can run --device cuda";
+  TempDir dir;
+  ASSERT_EQ(make_plan(dir, 1, 1, 1, "1f1b", 2).status, 0);
+  RunResult r = run(dir, NNEXEC_BINARY,
+                    {"run", "--plan", "plan.json", "--device", "cuda", "--out", "run.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "nnexec: error: --device cuda: ")) << r;
+  if (!b.cuda) {
+    EXPECT_TRUE(contains(r.err, "built without hwexec's CUDA part (NNSIM_WITH_CUDA")) << r;
+  } else if (!p.usable) {
+    // No driver (CI): cudaErrorInsufficientDriver; a driver without devices: cudaErrorNoDevice.
+    const std::string name = p.reason.substr(0, p.reason.find(':'));
+    EXPECT_EQ(name.rfind("cudaError", 0), 0u) << p.reason;
+    EXPECT_TRUE(contains(r.err, "no usable GPU: " + name)) << r;
+  }
+  if (!b.torch_cuda) {
+    EXPECT_TRUE(contains(r.err, "this build's LibTorch (" + b.torch_version + ") has no CUDA"))
+        << r;
+  }
+  EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
+}
+
+// Needs a CUDA LibTorch and `ranks` GPUs; skipped otherwise.
+std::optional<std::string> gpu_unavailable(int ranks) {
+  const BuildInfo b = build_info();
+  if (!b.torch_cuda) return std::string("this build's LibTorch has no CUDA");
+  const CudaProbe p = probe_cuda();
+  if (!p.usable) return "no usable GPU: " + p.reason;
+  if (p.devices < ranks) return fmt::format("needs {} GPUs, {} visible", ranks, p.devices);
+  return std::nullopt;
+}
+
+class NnexecRunGpu : public ::testing::TestWithParam<Case> {};
+
+TEST_P(NnexecRunGpu, MatchesTheUnpartitionedLossAndGradients) {
+  const Case c = GetParam();
+  const int n = c.tp * c.pp * c.dp;
+  if (auto why = gpu_unavailable(n)) GTEST_SKIP() << *why;
+  TempDir dir;
+  ASSERT_EQ(make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch).status, 0);
+  RunResult r = run(dir, NNEXEC_BINARY,
+                    {"run", "--plan", "plan.json", "--device", "cuda", "--out", "run.h5",
+                     "--iterations", "2", "--warmup", "1", "--check"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "GPU(s)")) << r;
+  EXPECT_TRUE(contains(r.out, "check           passed")) << r;
+  EXPECT_TRUE(contains(r.out, "GPU memory      peak")) << r;
+  std::optional<std::string> python = python_with_h5py(dir);
+  if (!python) GTEST_SKIP() << "no python3 with h5py";
+  std::ofstream(dir.file("check.py")) << R"(import sys
+import h5py
+def s(x):
+    return x.decode() if isinstance(x, bytes) else x
+with h5py.File(sys.argv[1], "r") as f:
+    assert s(f.attrs["device"]) == "cuda" and s(f.attrs["backend"]) == "nccl", dict(f.attrs)
+    assert s(f.attrs["timing"]) == "cuda-events"
+    for r in f["ranks"].values():
+        assert int(r.attrs["gpu"]) >= 0 and r.attrs["peak_allocated_bytes"] > 0, dict(r.attrs)
+        assert (r["ops/seconds"][()] > 0).all()
+        if len(r["collectives/kind"]):
+            assert (r["collectives/seconds"][()] > 0).all()
+    print("ok")
+)";
+  RunResult check = run(dir, *python, {"check.py", "run.h5"});
+  EXPECT_EQ(check.status, 0) << check;
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, NnexecRunGpu,
+                         ::testing::Values(Case{"one_gpu", 1, 1, 1, "1f1b", 2},
+                                           Case{"tp2", 2, 1, 1, "1f1b", 2},
+                                           Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4},
+                                           Case{"dp2", 1, 1, 2, "1f1b", 4},
+                                           Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace nnsim::hwexec
