@@ -349,9 +349,9 @@ Status write_run(const std::string& path, const RunResults& r) {
   const hid_t f = file.id;
   ok &= h5::write_attr(f, "format", std::string(kRunFormat));
   ok &= h5::write_attr(f, "version", static_cast<long long>(kRunVersion));
-  ok &= h5::write_attr(f, "device", std::string("cpu"));
+  ok &= h5::write_attr(f, "device", r.device);
   ok &= h5::write_attr(f, "backend", std::string("unix-sockets"));
-  ok &= h5::write_attr(f, "dtype", std::string("fp32"));
+  ok &= h5::write_attr(f, "dtype", r.dtype);
   ok &= h5::write_attr(f, "torch_version", r.torch_version);
   ok &= h5::write_attr(f, "plan_name", r.plan_name);
   ok &= h5::write_strings(f, "plan", {r.plan_json});
