@@ -11,6 +11,7 @@
 
 #include "core/plan.h"
 #include "hwexec/bench.h"
+#include "hwexec/micro.h"
 #include "hwexec/run.h"
 #include "process.h"
 #include "synthetic.h"
@@ -195,6 +196,22 @@ TEST(NnsimCompare, BadInputsSayWhatIsWrong) {
       << r;
   // Operators the run has and the simulator's program has more of are all listed.
   EXPECT_TRUE(contains(r.out, "mlp.fc1")) << r;
+  // calibrate: one microbenchmark file at most; with a run file, the GEMMs pool and the memory
+  // line comes from the microbenchmark when the run has no memory-bound operator.
+  const GpuSpec h100 = *find_gpu("h100-sxm5-80gb");
+  ASSERT_TRUE(write_micro(dir.file("m1.h5"), testing::synthetic_micro(h100)).ok());
+  ASSERT_TRUE(write_micro(dir.file("m2.h5"), testing::synthetic_micro(h100)).ok());
+  r = run(dir, NNSIM_BINARY, {"calibrate", "m1.h5", "m2.h5", "-o", "c.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "m1.h5 and m2.h5 are both microbenchmark files")) << r;
+  r = run(dir, NNSIM_BINARY, {"calibrate", "m1.h5", "run.h5", "--gpu", h100.name, "-o", "c.h5"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "m1.h5 run.h5 -> c.h5 (h100-sxm5-80gb)")) << r;
+  EXPECT_TRUE(contains(r.out, "gemm_efficiency_bf16 0.7 ")) << r;
+  EXPECT_TRUE(contains(r.out, "gemm_efficiency_fp32 ")) << r;
+  EXPECT_TRUE(contains(r.out, "memory_efficiency    0.85  (")) << r;
+  EXPECT_TRUE(contains(r.out, "; from m1.h5)")) << r;
+
   // The topology must hold the plan's ranks.
   r = run(dir, NNSIM_BINARY, {"compare", "run.h5", "--topo", kTopo});
   EXPECT_EQ(r.status, 1) << r;
