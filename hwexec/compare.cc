@@ -150,7 +150,7 @@ SimulatedRank simulate_rank(const Program& prog, int rank, Pricer& pricer,
             for (const auto& members : prog.explicit_groups[s.group]) {
               if (std::find(members.begin(), members.end(), r0) == members.end()) continue;
               std::vector<int> gpus;
-              for (int m : members) gpus.push_back(prog.gpu_of_rank[prog.rank_in_replica(m, 0)]);
+              for (int m : members) gpus.push_back(prog.gpu_of_rank[m]);
               t = pricer.collective_on(s.collective, gpus, s.bytes);
             }
           } else {

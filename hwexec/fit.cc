@@ -58,10 +58,11 @@ ComputeModel ideal_compute(const GpuSpec& gpu, Precision precision) {
 
 namespace {
 
-// The fit of one precision's GEMM efficiency: the largest e_i = ideal / measured. Above the
-// datasheet peak: an error for a GPU's measurement (the file is from another GPU); kept, with a
-// note, for a CPU's, which the GPU's shape model does not describe (tiny shapes the model
-// quantizes heavily can run faster on a CPU than the model lets the GPU run them).
+// The fit of one precision's GEMM efficiency: the largest e_i = ideal / measured, at most 1 (a
+// calibration file holds efficiencies in (0, 1]). Above the datasheet peak: an error for a GPU's
+// measurement (the file is from another GPU); for a CPU's, which the GPU's shape model does not
+// describe (tiny shapes the model quantizes heavily can run faster on a CPU than the model lets
+// the GPU run them), capped at 1 with a note.
 Expected<GemmFit> fit_gemm(Precision precision, const std::vector<GemmPoint>& points,
                            const GpuSpec& gpu, std::vector<std::string>& notes) {
   GemmFit f;
@@ -90,12 +91,11 @@ Expected<GemmFit> fit_gemm(Precision precision, const std::vector<GemmPoint>& po
         "allows for that shape",
         to_string(precision), f.best, f.best_flops, f.efficiency, gpu.name, f.peak);
     if (!best_on_cpu) return Error(what + "; is the file from another GPU (--gpu)?");
-    notes.push_back(what + fmt::format("; kept above 1 (measured on a CPU, which {}'s GEMM shape "
+    notes.push_back(what + fmt::format("; capped at 1 (measured on a CPU, which {}'s GEMM shape "
                                        "model does not describe)",
                                        gpu.name));
-  } else {
-    f.efficiency = std::min(f.efficiency, 1.0);
   }
+  f.efficiency = std::min(f.efficiency, 1.0);
   std::vector<double> model;
   for (double t0 : ideal_t) model.push_back(t0 / f.efficiency);
   std::tie(f.median_error, f.max_error) = error_stats(model, measured);

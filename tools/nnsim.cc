@@ -718,7 +718,7 @@ int run_calibrate(const CalibrateArgs& a) {
         l.link.step_latency.value_or(0), l.link.max_efficiency.value_or(0),
         l.link.all_reduce_max_efficiency.value_or(0), l.link.curve.size());
   }
-  for (const std::string& n : fit->notes) std::printf("  not fitted: %s\n", n.c_str());
+  for (const std::string& n : fit->notes) std::printf("  note: %s\n", n.c_str());
   return 0;
 }
 

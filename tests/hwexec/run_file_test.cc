@@ -282,7 +282,7 @@ TEST(HwexecFitRun, WithAMicrobenchmarkFileGemmsPoolAndTheRunSetsTheMemoryLine) {
   EXPECT_TRUE(said);
 }
 
-TEST(HwexecFitRun, FasterThanThePeakIsAnotherGpuOnAGpuAndKeptOnACpu) {
+TEST(HwexecFitRun, FasterThanThePeakIsAnotherGpuOnAGpuAndCappedOnACpu) {
   const Plan plan = tiny_plan();
   const GpuSpec gpu = *find_gpu("a100-sxm4-80gb");
   RunTruth truth;
@@ -297,15 +297,15 @@ TEST(HwexecFitRun, FasterThanThePeakIsAnotherGpuOnAGpuAndKeptOnACpu) {
   EXPECT_TRUE(contains(f.error().message(), "is the file from another GPU (--gpu)?"))
       << f.error().message();
 
-  // A CPU is not the GPU: its rate over the GPU's shape model is kept, and said.
+  // A CPU is not the GPU: its rate over the GPU's shape model is capped at 1, and said.
   points = run_points(synthetic_run(plan, gpu, truth), plan, gpu, "run.h5");
   ASSERT_TRUE(points.ok()) << points.error().message();
   f = fit_all(nullptr, "", {*points}, gpu, "x");
   ASSERT_TRUE(f.ok()) << f.error().message();
-  EXPECT_NEAR(f->calibration.gemm_efficiency.at(Precision::kFp32), 1.5, 1e-9);
+  EXPECT_EQ(f->calibration.gemm_efficiency.at(Precision::kFp32), 1.0);
   bool said = false;
   for (const std::string& n : f->notes)
-    said = said || contains(n, "kept above 1 (measured on a CPU");
+    said = said || contains(n, "capped at 1 (measured on a CPU");
   EXPECT_TRUE(said);
 }
 
