@@ -1,6 +1,7 @@
 #include "core/hdf5_io.h"
 
 #include <algorithm>
+#include <cstring>
 
 namespace nnsim::h5 {
 
@@ -94,6 +95,36 @@ std::optional<std::vector<double>> read_vector(hid_t group, const char* name) {
   std::vector<double> v(n > 0 ? n : 0);
   if (n > 0 && H5Dread(set.id, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) < 0) {
     return std::nullopt;
+  }
+  return v;
+}
+
+std::optional<std::vector<std::string>> read_strings(hid_t group, const char* name) {
+  if (H5Lexists(group, name, H5P_DEFAULT) <= 0) return std::nullopt;
+  Handle set(H5Dopen2(group, name, H5P_DEFAULT), H5Dclose);
+  Handle type(H5Dget_type(set.id), H5Tclose);
+  if (set.id < 0 || H5Tget_class(type.id) != H5T_STRING) return std::nullopt;
+  Handle space(H5Dget_space(set.id), H5Sclose);
+  const hssize_t n = H5Sget_simple_extent_npoints(space.id);
+  std::vector<std::string> v;
+  if (n <= 0) return v;
+  if (H5Tis_variable_str(type.id) > 0) {
+    std::vector<char*> p(static_cast<size_t>(n), nullptr);
+    Handle mem(H5Tcopy(H5T_C_S1), H5Tclose);
+    H5Tset_size(mem.id, H5T_VARIABLE);
+    if (H5Dread(set.id, mem.id, H5S_ALL, H5S_ALL, H5P_DEFAULT, p.data()) < 0) return std::nullopt;
+    for (char* s : p) {
+      v.emplace_back(s ? s : "");
+      if (s) H5free_memory(s);
+    }
+    return v;
+  }
+  const size_t width = H5Tget_size(type.id);
+  std::vector<char> buf(width * static_cast<size_t>(n), '\0');
+  if (H5Dread(set.id, type.id, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf.data()) < 0) return std::nullopt;
+  for (hssize_t i = 0; i < n; ++i) {
+    const char* s = &buf[static_cast<size_t>(i) * width];
+    v.emplace_back(s, strnlen(s, width));
   }
   return v;
 }

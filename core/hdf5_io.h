@@ -35,6 +35,8 @@ hid_t make_group(hid_t parent, const std::string& name);  // close with H5Gclose
 std::optional<double> read_number(hid_t obj, const char* name);
 std::optional<std::string> read_string(hid_t obj, const char* name);
 std::optional<std::vector<double>> read_vector(hid_t group, const char* name);
+// A 1-D dataset of strings (fixed or variable length).
+std::optional<std::vector<std::string>> read_strings(hid_t group, const char* name);
 // Names of the links in a group, in name order.
 std::vector<std::string> children(hid_t group);
 

@@ -216,9 +216,7 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
     const Precision precision =
         plan.precision == Precision::kFp8 && !fp8 ? Precision::kBf16 : plan.precision;
     if (op.kind == OpKind::kLinear) {
-      shape.m = op.gemm.m / p.factor(DimSet{Dim::kBatch, Dim::kSeq}, mesh);
-      shape.n = op.gemm.n / p.factor(op.gemm.n_dim, mesh);
-      shape.k = op.gemm.k / p.factor(op.gemm.k_dim, mesh);
+      shape = linear_piece_shape(op, p, mesh);
       if (fp8) {
         // Transformer Engine casts the GEMM inputs to fp8 (read 16-bit, write 8-bit): the
         // activation in the forward, the output gradient twice (and the activation's transpose)
@@ -1231,6 +1229,14 @@ void Compiler::build_memory(Lane& lane, const std::vector<int>& segments) {
 }
 
 }  // namespace
+
+PieceShape linear_piece_shape(const Op& op, const OpPartition& p, const Mesh& mesh) {
+  PieceShape shape;
+  shape.m = op.gemm.m / p.factor(DimSet{Dim::kBatch, Dim::kSeq}, mesh);
+  shape.n = op.gemm.n / p.factor(op.gemm.n_dim, mesh);
+  shape.k = op.gemm.k / p.factor(op.gemm.k_dim, mesh);
+  return shape;
+}
 
 Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
                                const CompileOptions& options) {

@@ -135,6 +135,10 @@ struct CompileOptions {
   const Calibration* calibration = nullptr;
 };
 
+// The m x n x k of a linear operator's piece on one device under its partition: the GEMM the
+// compiler prices with op_seconds (the backward's two GEMMs transpose it).
+PieceShape linear_piece_shape(const Op& op, const OpPartition& p, const Mesh& mesh);
+
 // Checks the plan against the model and topology and compiles it. Errors say what is wrong and
 // how to fix it (degrees that do not divide, a schedule that misses a block, ...).
 Expected<Program> compile_plan(const Plan& plan, const Topology& topology,

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -43,52 +44,75 @@ std::pair<double, double> error_stats(const std::vector<double>& model,
 // not from this GPU.
 constexpr double kSlack = 1.02;
 
-Expected<std::vector<GemmFit>> fit_gemm(const MicroResults& micro, const GpuSpec& gpu,
-                                        std::vector<std::string>& notes) {
-  std::vector<GemmFit> out;
-  const ComputeModel defaults = ComputeModel::defaults_for(gpu);
+}  // namespace
+
+// The simulator's compute model for `gpu` with GEMM efficiency 1 and sustained 1: what a shape's
+// time would be at the datasheet peak, with the model's tile and wave quantization and short-k
+// factor (the GPU's defaults).
+ComputeModel ideal_compute(const GpuSpec& gpu, Precision precision) {
+  ComputeModel ideal = ComputeModel::defaults_for(gpu);
+  ideal.gemm_efficiency = {{precision, 1.0}};
+  ideal.sustained = 1.0;
+  return ideal;
+}
+
+namespace {
+
+// The fit of one precision's GEMM efficiency: the largest e_i = ideal / measured, at most 1 (a
+// calibration file holds efficiencies in (0, 1]). Above the datasheet peak: an error for a GPU's
+// measurement (the file is from another GPU); for a CPU's, which the GPU's shape model does not
+// describe (tiny shapes the model quantizes heavily can run faster on a CPU than the model lets
+// the GPU run them), capped at 1 with a note.
+Expected<GemmFit> fit_gemm(Precision precision, const std::vector<GemmPoint>& points,
+                           const GpuSpec& gpu, std::vector<std::string>& notes) {
+  GemmFit f;
+  f.precision = precision;
+  f.peak = gpu.peak_flops(precision);
+  f.samples = static_cast<int>(points.size());
+  std::vector<double> ideal_t, measured;
+  bool best_on_cpu = false;
+  for (const GemmPoint& x : points) {
+    ideal_t.push_back(x.ideal_seconds);
+    measured.push_back(x.seconds);
+    const double e = x.ideal_seconds / x.seconds;
+    if (e > f.efficiency) {
+      f.efficiency = e;
+      f.best_flops = x.flops / x.seconds;
+      f.best = x.what;
+      f.m = x.m;
+      f.n = x.n;
+      f.k = x.k;
+      best_on_cpu = x.cpu;
+    }
+  }
+  if (f.efficiency > kSlack) {
+    const std::string what = fmt::format(
+        "gemm {}: {} ran at {:.4g} FLOP/s, {:.2f} times what {}'s datasheet peak ({:.4g} FLOP/s) "
+        "allows for that shape",
+        to_string(precision), f.best, f.best_flops, f.efficiency, gpu.name, f.peak);
+    if (!best_on_cpu) return Error(what + "; is the file from another GPU (--gpu)?");
+    notes.push_back(what + fmt::format("; capped at 1 (measured on a CPU, which {}'s GEMM shape "
+                                       "model does not describe)",
+                                       gpu.name));
+  }
+  f.efficiency = std::min(f.efficiency, 1.0);
+  std::vector<double> model;
+  for (double t0 : ideal_t) model.push_back(t0 / f.efficiency);
+  std::tie(f.median_error, f.max_error) = error_stats(model, measured);
+  return f;
+}
+
+// A microbenchmark file's GEMMs as points, per precision.
+std::map<Precision, std::vector<GemmPoint>> micro_gemm_points(const MicroResults& micro,
+                                                              const GpuSpec& gpu) {
+  std::map<Precision, std::vector<GemmPoint>> out;
   for (const GemmSeries& s : micro.gemm) {
-    if (s.samples.empty()) continue;
-    const double peak = gpu.peak_flops(s.precision);
-    if (peak <= 0) {
-      notes.push_back(fmt::format("gemm {}: {} has no peak for it; not fitted",
-                                  to_string(s.precision), gpu.name));
-      continue;
-    }
-    // The simulator's GEMM time with efficiency 1 and sustained 1: the shape's tile and wave
-    // quantization and short-k factor at the datasheet peak.
-    ComputeModel ideal = defaults;
-    ideal.gemm_efficiency = {{s.precision, 1.0}};
-    ideal.sustained = 1.0;
-    GemmFit f;
-    f.precision = s.precision;
-    f.peak = peak;
-    f.samples = static_cast<int>(s.samples.size());
-    std::vector<double> ideal_t, measured;
+    const ComputeModel ideal = ideal_compute(gpu, s.precision);
     for (const GemmSample& x : s.samples) {
-      const double t0 = gemm_seconds(x.m, x.n, x.k, s.precision, gpu, ideal);
-      ideal_t.push_back(t0);
-      measured.push_back(x.t.seconds);
-      const double e = t0 / x.t.seconds;
-      if (e > f.efficiency) {
-        f.efficiency = e;
-        f.best_flops = x.flops() / x.t.seconds;
-        f.m = x.m;
-        f.n = x.n;
-        f.k = x.k;
-      }
+      out[s.precision].push_back({fmt::format("{} x {} x {}", x.m, x.n, x.k), x.m, x.n, x.k,
+                                  x.flops(), gemm_seconds(x.m, x.n, x.k, s.precision, gpu, ideal),
+                                  x.t.seconds, micro.device == "cpu"});
     }
-    if (f.efficiency > kSlack) {
-      return Error(fmt::format(
-          "gemm {}: {} x {} x {} ran at {:.4g} FLOP/s, {:.2f} times what {}'s datasheet peak "
-          "({:.4g} FLOP/s) allows for that shape; is the file from another GPU (--gpu)?",
-          to_string(s.precision), f.m, f.n, f.k, f.best_flops, f.efficiency, gpu.name, peak));
-    }
-    f.efficiency = std::min(f.efficiency, 1.0);
-    std::vector<double> model;
-    for (double t0 : ideal_t) model.push_back(t0 / f.efficiency);
-    std::tie(f.median_error, f.max_error) = error_stats(model, measured);
-    out.push_back(f);
   }
   return out;
 }
@@ -118,13 +142,13 @@ std::pair<double, double> fit_line(const std::vector<double>& x, const std::vect
   return {a, b};
 }
 
-std::optional<MemoryFit> fit_memory(const MicroResults& micro, const GpuSpec& gpu,
+std::optional<MemoryFit> fit_memory(const std::vector<TrafficSeries>& series, const GpuSpec& gpu,
                                     std::vector<std::string>& notes) {
   std::vector<double> bytes, seconds;
-  for (const MemorySeries& s : micro.memory) {
-    for (const MemorySample& x : s.samples) {
+  for (const TrafficSeries& s : series) {
+    for (const TrafficPoint& x : s.points) {
       bytes.push_back(x.bytes);
-      seconds.push_back(x.t.seconds);
+      seconds.push_back(x.seconds);
     }
   }
   if (bytes.empty()) {
@@ -144,12 +168,12 @@ std::optional<MemoryFit> fit_memory(const MicroResults& micro, const GpuSpec& gp
   f.overhead = a;
   f.bandwidth = 1 / b;
   f.efficiency = f.bandwidth / gpu.hbm_bandwidth;
-  for (const MemorySeries& s : micro.memory) {
-    if (s.samples.empty()) continue;
+  for (const TrafficSeries& s : series) {
+    if (s.points.empty()) continue;
     std::vector<double> x, t;
-    for (const MemorySample& m : s.samples) {
-      x.push_back(m.bytes);
-      t.push_back(m.t.seconds);
+    for (const TrafficPoint& p : s.points) {
+      x.push_back(p.bytes);
+      t.push_back(p.seconds);
     }
     auto [oa, ob] = fit_line(x, t);
     f.per_op.push_back({s.op, 1 / ob, oa});
@@ -261,14 +285,66 @@ Expected<std::string> match_catalog_gpu(const std::string& device_name) {
 }
 
 Expected<Fit> fit_micro(const MicroResults& micro, const GpuSpec& gpu, const std::string& source) {
+  return fit_all(&micro, "", {}, gpu, source);
+}
+
+Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
+                      const std::vector<RunPoints>& runs, const GpuSpec& gpu,
+                      const std::string& source) {
   Fit f;
   f.gpu = gpu.name;
-  f.notes = {};
-  auto gemm = fit_gemm(micro, gpu, f.notes);
-  if (!gemm) return gemm.error();
-  f.gemm = *gemm;
-  f.memory = fit_memory(micro, gpu, f.notes);
-  f.nvlink = fit_link(micro, gpu, f.notes);
+  // GEMMs: every source's points of a precision together.
+  std::map<Precision, std::vector<GemmPoint>> gemm;
+  if (micro) gemm = micro_gemm_points(*micro, gpu);
+  for (const RunPoints& r : runs) {
+    for (const GemmPoint& p : r.gemm) gemm[r.precision].push_back(p);
+    for (const std::string& n : r.notes) f.notes.push_back(n);
+  }
+  for (const auto& [precision, points] : gemm) {
+    if (points.empty()) continue;
+    if (gpu.peak_flops(precision) <= 0) {
+      f.notes.push_back(fmt::format("gemm {}: {} has no peak for it; not fitted",
+                                    to_string(precision), gpu.name));
+      continue;
+    }
+    Expected<GemmFit> g = fit_gemm(precision, points, gpu, f.notes);
+    if (!g) return g.error();
+    f.gemm.push_back(*g);
+  }
+  // Memory-bound: the runs' operators when there are any, else the microbenchmark's kernels.
+  std::vector<TrafficSeries> memory;
+  std::string memory_from;
+  for (const RunPoints& r : runs) {
+    bool any = false;
+    for (const TrafficSeries& s : r.memory) {
+      memory.push_back(s);
+      any = any || !s.points.empty();
+    }
+    if (any) memory_from += (memory_from.empty() ? "" : ", ") + r.path;
+  }
+  if (memory_from.empty()) {
+    memory.clear();
+    if (micro) {
+      for (const MemorySeries& s : micro->memory) {
+        TrafficSeries t{s.op, {}};
+        for (const MemorySample& x : s.samples) t.points.push_back({x.bytes, x.t.seconds});
+        memory.push_back(t);
+      }
+      memory_from = micro_path;
+    }
+  } else if (micro && !micro->memory.empty()) {
+    f.notes.push_back(fmt::format(
+        "memory-bound operators: fitted to the run files' operators; {}'s kernels are not used",
+        micro_path));
+  }
+  f.memory = fit_memory(memory, gpu, f.notes);
+  if (f.memory) f.memory->from = memory_from;
+  if (micro) {
+    f.nvlink = fit_link(*micro, gpu, f.notes);
+  } else {
+    f.notes.push_back(
+        "collectives: link parameters come from a microbenchmark file (nnexec bench) only");
+  }
   if (f.gemm.empty() && !f.memory && !f.nvlink) {
     return Error("nothing to fit: no GEMM, memory-bound or collective measurements");
   }

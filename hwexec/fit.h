@@ -1,6 +1,6 @@
-// Fitting the simulator's cost-model parameters to microbenchmark results (`nnsim calibrate`).
-// The formulas and what each parameter means are in docs/hwexec.md. Independent of LibTorch and
-// CUDA: it runs wherever nnsim does.
+// Fitting the simulator's cost-model parameters to microbenchmark results and run files
+// (`nnsim calibrate`). The formulas, what each parameter means and how the sources combine are in
+// docs/hwexec.md. Independent of LibTorch and CUDA: it runs wherever nnsim does.
 #pragma once
 
 #include <optional>
@@ -9,7 +9,9 @@
 
 #include "core/calibration.h"
 #include "core/gpu.h"
+#include "core/plan.h"
 #include "hwexec/micro.h"
+#include "hwexec/run.h"
 
 namespace nnsim::hwexec {
 
@@ -17,12 +19,56 @@ namespace nnsim::hwexec {
 // error that lists the catalog.
 Expected<std::string> match_catalog_gpu(const std::string& device_name);
 
+// The simulator's compute model for `gpu` with GEMM efficiency 1 (for `precision`) and
+// sustained 1: a shape's time at the datasheet peak, with the model's tile and wave quantization
+// and short-k factor.
+ComputeModel ideal_compute(const GpuSpec& gpu, Precision precision);
+
+// A GEMM-bound measurement: the simulator's time for it at gemm efficiency 1 and sustained 1
+// (the shape's tile and wave quantization and short-k factor at the datasheet peak), and the
+// measured time.
+struct GemmPoint {
+  std::string what;            // "512 x 512 x 512", "attn.qkv bwd, rank 0 (run.h5)"
+  double m = 0, n = 0, k = 0;  // a microbenchmark's shape (0 for a run's operator)
+  double flops = 0;
+  double ideal_seconds = 0;
+  double seconds = 0;
+  bool cpu = false;  // measured on a CPU
+};
+
+// A memory-bound kernel: the bytes the simulator charges it and its time.
+struct TrafficPoint {
+  double bytes = 0;
+  double seconds = 0;
+};
+struct TrafficSeries {
+  std::string op;  // "add" (micro.h5), "attn.norm fwd" (a run)
+  std::vector<TrafficPoint> points;
+};
+
+// What a run file offers the fit, already in the simulator's terms (see docs/hwexec.md).
+struct RunPoints {
+  std::string path;
+  Precision precision = Precision::kFp32;  // what its operators computed in
+  std::vector<GemmPoint> gemm;             // linear operators
+  std::vector<TrafficSeries> memory;       // norms, activations, residual and position adds
+  std::vector<std::string> notes;
+};
+
+// The points of a run file `run` (read from `path`) of `plan` against `gpu`. Linear operators:
+// the forward is one GEMM of the piece's m x n x k, the backward the input-gradient (m x k x n)
+// and weight-gradient (k x n x m) GEMMs; memory-bound operators: the graph's traffic of the
+// piece times the GPU's built-in elementwise_traffic, per kernel the simulator prices.
+Expected<RunPoints> run_points(const RunResults& run, const Plan& plan, const GpuSpec& gpu,
+                               const std::string& path);
+
 struct GemmFit {
   Precision precision = Precision::kFp32;
   double peak = 0;             // the GPU's dense peak for it, FLOP/s
   double best_flops = 0;       // fastest measured rate, FLOP/s
   double efficiency = 0;       // the fitted gemm_efficiency
-  double m = 0, n = 0, k = 0;  // the shape that set it
+  std::string best;            // the measurement that set it
+  double m = 0, n = 0, k = 0;  // its shape (micro.h5 GEMMs; 0 for run operators)
   // Over all shapes: the model's relative time error |t_model - t| / t with the fitted value.
   double median_error = 0, max_error = 0;
   int samples = 0;
@@ -40,6 +86,7 @@ struct MemoryFit {
   double efficiency = 0;  // bandwidth / the GPU's HBM bandwidth
   double median_error = 0, max_error = 0;
   int samples = 0;
+  std::string from;  // the files it was fitted to
 };
 
 struct LinkFit {
@@ -61,5 +108,14 @@ struct Fit {
 // Fits `micro` against the datasheet figures of `gpu`. `source` goes into the calibration
 // entry. Errors when nothing can be fitted or a measurement beats the datasheet peak (wrong GPU).
 Expected<Fit> fit_micro(const MicroResults& micro, const GpuSpec& gpu, const std::string& source);
+
+// Fits a microbenchmark file (optional: `micro` may be null, `micro_path` names it) and run files
+// together (docs/hwexec.md, "Calibrating from run files"): each precision's GEMM efficiency is
+// the largest e_i over the GEMMs of both; the memory line is fitted to the runs' memory-bound
+// operators when they have any (the traffic the simulator charges, in the framework that ran
+// them), else to micro.h5's kernels; link parameters come from micro.h5 only.
+Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
+                      const std::vector<RunPoints>& runs, const GpuSpec& gpu,
+                      const std::string& source);
 
 }  // namespace nnsim::hwexec

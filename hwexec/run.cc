@@ -353,13 +353,13 @@ Status write_run(const std::string& path, const RunResults& r) {
   const hid_t f = file.id;
   ok &= h5::write_attr(f, "format", std::string(kRunFormat));
   ok &= h5::write_attr(f, "version", static_cast<long long>(kRunVersion));
-  const bool gpu = r.options.device == "cuda";
-  ok &= h5::write_attr(f, "device", r.options.device);
+  const bool gpu = r.device == "cuda";
+  ok &= h5::write_attr(f, "device", r.device);
   ok &= h5::write_attr(f, "device_name", r.device_name);
   ok &= h5::write_attr(f, "backend", std::string(gpu ? "nccl" : "unix-sockets"));
   ok &= h5::write_attr(f, "nccl_version", r.nccl_version);
   ok &= h5::write_attr(f, "timing", std::string(gpu ? "cuda-events" : "steady-clock"));
-  ok &= h5::write_attr(f, "dtype", std::string("fp32"));
+  ok &= h5::write_attr(f, "dtype", r.dtype);
   ok &= h5::write_attr(f, "torch_version", r.torch_version);
   ok &= h5::write_attr(f, "plan_name", r.plan_name);
   ok &= h5::write_strings(f, "plan", {r.plan_json});

@@ -81,6 +81,8 @@ struct RankResult {
 };
 
 struct RunResults {
+  std::string device = "cpu";  // what the operators ran on
+  std::string dtype = "fp32";  // what they computed in (whatever the plan's precision)
   std::string plan_json;
   std::string plan_name;
   RunOptions options;
@@ -108,5 +110,13 @@ std::string rank_to_text(const RankResult& r);
 Expected<RankResult> rank_from_text(const std::string& text);
 
 Status write_run(const std::string& path, const RunResults& r);
+// Reads a run file back (hwexec/run_read.cc). Checks the format name and version and that every
+// table is complete; errors name the file and the object (`run.h5: /ranks/2/ops: dataset
+// 'seconds' is missing`). The per-rank check results come back from /check, so
+// check_passed() says what the file's `check_passed` says.
+Expected<RunResults> read_run(const std::string& path);
+// The `format` attribute of an HDF5 file ("nnexec-run", "nnexec-micro", ...); an error naming the
+// file when it is not HDF5 or has none.
+Expected<std::string> hdf5_format(const std::string& path);
 
 }  // namespace nnsim::hwexec

@@ -203,6 +203,7 @@ int run_launcher(RunArgs a) {
   results.options = a.options;
   results.world = a.launch;
   results.torch_version = build_info().torch_version;
+  results.device = a.options.device;
   results.device_name = device_name;
   if (a.options.device == "cuda") results.nccl_version = build_info().nccl_version;
   for (const auto& ax : plan->mesh.axes) results.mesh_axes.push_back(ax.name);

@@ -5,6 +5,7 @@
 //   nnsim plan --model gpt3-175b --topo dgx-a100x4 --tp 8 --pp 4 ... -o plan.json
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -22,7 +23,9 @@
 #include "core/suggest.h"
 #include "core/topology.h"
 #include "core/units.h"
+#include "hwexec/compare.h"
 #include "hwexec/fit.h"
+#include "hwexec/run.h"
 #include "planner/estimator.h"
 #include "planner/megatron.h"
 #include "planner/schedule_gen.h"
@@ -592,61 +595,117 @@ int run_validate(const ValidateArgs& a) {
 }
 
 struct CalibrateArgs {
-  std::string micro;
+  std::vector<std::string> inputs;  // at most one nnexec bench file, any number of run files
   std::string gpu;
   std::string output;
 };
 
-// nnsim calibrate: fits the cost model to an `nnexec bench` file (docs/hwexec.md).
+// nnsim calibrate: fits the cost model to an `nnexec bench` file and/or `nnexec run` files
+// (docs/hwexec.md).
 int run_calibrate(const CalibrateArgs& a) {
-  Expected<hwexec::MicroResults> micro = hwexec::read_micro(a.micro);
-  if (!micro) return fail(micro.error().message());
-  std::string gpu_name = a.gpu;
-  if (micro->device == "cpu" && gpu_name.empty()) {
-    return fail(fmt::format(
-        "{} was measured on a CPU ('{}'), which has no catalog entry: name the catalog GPU "
-        "whose parameters it should set with --gpu (its efficiencies are then relative to that "
-        "GPU's datasheet peaks; docs/hwexec.md)",
-        a.micro, micro->device_name));
+  std::optional<hwexec::MicroResults> micro;
+  std::string micro_path;
+  std::vector<std::pair<std::string, hwexec::RunResults>> runs;
+  for (const std::string& path : a.inputs) {
+    Expected<std::string> format = hwexec::hdf5_format(path);
+    if (!format) {
+      return fail(
+          fmt::format("{}; give an nnexec bench file (nnexec bench --out) or nnexec run "
+                      "files (nnexec run --out)",
+                      format.error().message()));
+    }
+    if (*format == hwexec::kRunFormat) {
+      Expected<hwexec::RunResults> run = hwexec::read_run(path);
+      if (!run) return fail(run.error().message());
+      runs.emplace_back(path, std::move(*run));
+    } else {
+      if (micro) {
+        return fail(
+            fmt::format("{} and {} are both microbenchmark files; give one", micro_path, path));
+      }
+      Expected<hwexec::MicroResults> m = hwexec::read_micro(path);
+      if (!m) return fail(m.error().message());
+      micro = std::move(*m);
+      micro_path = path;
+    }
   }
+  // The GPU: --gpu, else the one the CUDA microbenchmark file names. CPU files need --gpu.
+  std::string gpu_name = a.gpu;
   if (gpu_name.empty()) {
+    if (micro && micro->device == "cpu") {
+      return fail(fmt::format(
+          "{} was measured on a CPU ('{}'), which has no catalog entry: name the catalog GPU "
+          "whose parameters it should set with --gpu (its efficiencies are then relative to that "
+          "GPU's datasheet peaks; docs/hwexec.md)",
+          micro_path, micro->device_name));
+    }
+    for (const auto& [path, run] : runs) {
+      if (run.device == "cpu") {
+        return fail(fmt::format(
+            "{} was run on a CPU, which has no catalog entry: name the catalog GPU whose "
+            "parameters it should set with --gpu (the topology's GPU, for nnsim compare; "
+            "docs/hwexec.md)",
+            path));
+      }
+    }
+    if (!micro) {
+      return fail(fmt::format("{} does not name its GPU model: give --gpu", runs.front().first));
+    }
     Expected<std::string> matched = hwexec::match_catalog_gpu(micro->device_name);
-    if (!matched) return fail(fmt::format("{}: {}", a.micro, matched.error().message()));
+    if (!matched) return fail(fmt::format("{}: {}", micro_path, matched.error().message()));
     gpu_name = *matched;
   }
   Expected<GpuSpec> gpu = find_gpu(gpu_name);
   if (!gpu) return fail("--gpu: " + gpu.error().message());
-  std::string source =
-      fmt::format("nnsim calibrate {} (nnexec bench on {} '{}', LibTorch {})", a.micro,
-                  micro->device, micro->device_name, micro->torch_version);
-  if (micro->device == "cpu") source += fmt::format("; relative to {}'s datasheet", gpu->name);
-  Expected<hwexec::Fit> fit = hwexec::fit_micro(*micro, *gpu, source);
-  if (!fit) return fail(fmt::format("{}: {}", a.micro, fit.error().message()));
+
+  std::vector<hwexec::RunPoints> points;
+  std::string source = "nnsim calibrate";
+  if (micro) {
+    source += fmt::format(" {} (nnexec bench on {} '{}', LibTorch {})", micro_path, micro->device,
+                          micro->device_name, micro->torch_version);
+  }
+  bool cpu = micro && micro->device == "cpu";
+  for (const auto& [path, run] : runs) {
+    Expected<Plan> plan = hwexec::plan_of_run(run, path, "");
+    if (!plan) return fail(plan.error().message());
+    Expected<hwexec::RunPoints> p = hwexec::run_points(run, *plan, *gpu, path);
+    if (!p) return fail(p.error().message());
+    points.push_back(std::move(*p));
+    source += fmt::format(" {} (nnexec run of '{}' on {}, {} ranks, LibTorch {})", path,
+                          run.plan_name, run.device, run.world, run.torch_version);
+    cpu = cpu || run.device == "cpu";
+  }
+  if (cpu) source += fmt::format("; relative to {}'s datasheet", gpu->name);
+  const std::string inputs = fmt::format("{}", fmt::join(a.inputs, " "));
+  Expected<hwexec::Fit> fit =
+      hwexec::fit_all(micro ? &*micro : nullptr, micro_path, points, *gpu, source);
+  if (!fit) return fail(fmt::format("{}: {}", inputs, fit.error().message()));
   Calibration c;
   c.gpus[gpu->name] = fit->calibration;
   if (Status s = save_calibration(a.output, c); !s) return fail(s.error().message());
 
-  std::printf("%s -> %s (%s)\n", a.micro.c_str(), a.output.c_str(), gpu->name.c_str());
-  if (micro->device == "cpu") {
+  std::printf("%s -> %s (%s)\n", inputs.c_str(), a.output.c_str(), gpu->name.c_str());
+  if (cpu) {
     std::printf("  note: measured on a CPU; efficiencies are relative to %s's datasheet\n",
                 gpu->name.c_str());
   }
   for (const hwexec::GemmFit& g : fit->gemm) {
+    const std::string at = g.m > 0 ? fmt::format("{:.0f}x{:.0f}x{:.0f}", g.m, g.n, g.k) : g.best;
     std::printf(
-        "  gemm_efficiency_%-4s %.4g  (best %.4g FLOP/s at %.0fx%.0fx%.0f of %.4g peak; "
-        "model error over %d shapes: median %.1f%%, max %.1f%%)\n",
-        std::string(to_string(g.precision)).c_str(), g.efficiency, g.best_flops, g.m, g.n, g.k,
-        g.peak, g.samples, 100 * g.median_error, 100 * g.max_error);
+        "  gemm_efficiency_%-4s %.4g  (best %.4g FLOP/s at %s of %.4g peak; "
+        "model error over %d GEMMs: median %.1f%%, max %.1f%%)\n",
+        std::string(to_string(g.precision)).c_str(), g.efficiency, g.best_flops, at.c_str(), g.peak,
+        g.samples, 100 * g.median_error, 100 * g.max_error);
   }
   if (fit->memory) {
     const hwexec::MemoryFit& m = *fit->memory;
-    std::printf("  memory_efficiency    %.4g  (%.4g bytes/s of %.4g)\n", m.efficiency, m.bandwidth,
-                gpu->hbm_bandwidth);
+    std::printf("  memory_efficiency    %.4g  (%.4g bytes/s of %.4g; from %s)\n", m.efficiency,
+                m.bandwidth, gpu->hbm_bandwidth, m.from.c_str());
     std::printf(
-        "  kernel_overhead      %.4g s  (line fit over %d sizes: median %.1f%%, max %.1f%%)\n",
+        "  kernel_overhead      %.4g s  (line fit over %d kernels: median %.1f%%, max %.1f%%)\n",
         m.overhead, m.samples, 100 * m.median_error, 100 * m.max_error);
     for (const auto& op : m.per_op) {
-      std::printf("    %-10s alone: %.4g bytes/s, %.4g s per kernel\n", op.op.c_str(), op.bandwidth,
+      std::printf("    %-16s alone: %.4g bytes/s, %.4g s per kernel\n", op.op.c_str(), op.bandwidth,
                   op.overhead);
     }
   }
@@ -659,7 +718,99 @@ int run_calibrate(const CalibrateArgs& a) {
         l.link.step_latency.value_or(0), l.link.max_efficiency.value_or(0),
         l.link.all_reduce_max_efficiency.value_or(0), l.link.curve.size());
   }
-  for (const std::string& n : fit->notes) std::printf("  not fitted: %s\n", n.c_str());
+  for (const std::string& n : fit->notes) std::printf("  note: %s\n", n.c_str());
+  return 0;
+}
+
+struct CompareArgs {
+  std::string run;
+  std::string topo;
+  int nodes = 0;
+  std::string plan;
+  std::string calib;
+  std::string json;
+};
+
+std::string percent(double error) {
+  return std::isfinite(error) ? fmt::format("{:+.1f}%", 100 * error) : std::string("n/a");
+}
+
+std::string seconds_or_na(double s) {
+  return std::isfinite(s) ? format_seconds(s) : std::string("n/a");
+}
+
+// nnsim compare: a run file against the simulator (docs/hwexec.md).
+int run_compare(const CompareArgs& a) {
+  Expected<hwexec::RunResults> run = hwexec::read_run(a.run);
+  if (!run) return fail(run.error().message());
+  Expected<Plan> plan = hwexec::plan_of_run(*run, a.run, a.plan);
+  if (!plan) return fail(plan.error().message());
+  Expected<Topology> topo = load_topology_sized(a.topo, a.nodes);
+  if (!topo) return fail(topo.error().message());
+  Expected<Calibration> calib = Calibration{};
+  hwexec::CompareOptions options;
+  if (!a.calib.empty()) {
+    calib = load_calibration(a.calib);
+    if (!calib) return fail(calib.error().message());
+    options.calibration = &*calib;
+    options.calibration_path = a.calib;
+  }
+  Expected<hwexec::Comparison> c = hwexec::compare_run(*run, *plan, *topo, options);
+  if (!c) return fail(fmt::format("{}: {}", a.run, c.error().message()));
+
+  std::printf("%s\n", fmt::format("{}: plan '{}', {} ranks on {} ({}), vs {} x {} ({})", a.run,
+                                  c->plan_name, c->ranks, c->device, c->dtype, c->topology, c->gpu,
+                                  c->calibration)
+                          .c_str());
+  std::printf("operators (per iteration, mean over the ranks that run them):\n");
+  std::printf("  %-16s %-5s %-11s %5s %7s %7s %11s %11s %8s\n", "operator", "phase", "kind",
+              "ranks", "calls", "sim", "measured", "simulated", "error");
+  for (const hwexec::OpRow& r : c->ops) {
+    std::printf("  %-16s %-5s %-11s %5d %7.4g %7.4g %11s %11s %8s\n", r.name.c_str(),
+                r.phase.c_str(), r.kind.c_str(), r.ranks, r.measured_calls, r.simulated_calls,
+                format_seconds(r.measured).c_str(), format_seconds(r.simulated).c_str(),
+                percent(r.error()).c_str());
+  }
+  std::printf("operator kinds (per iteration, mean over all ranks):\n");
+  for (const hwexec::KindRow& r : c->kinds) {
+    std::printf("  %-16s %11s %11s %8s\n", r.kind.c_str(), format_seconds(r.measured).c_str(),
+                format_seconds(r.simulated).c_str(), percent(r.error()).c_str());
+  }
+  std::printf("collectives (per iteration, mean over the ranks that run them):\n");
+  std::printf("  %-14s %-5s %-12s %10s %5s %7s %11s %11s %8s\n", "kind", "axes", "label", "bytes",
+              "ranks", "calls", "measured", "simulated", "error");
+  for (const hwexec::CollectiveRow& r : c->collectives) {
+    std::printf("  %-14s %-5s %-12s %10s %5d %7.4g %11s %11s %8s\n", r.kind.c_str(), r.axes.c_str(),
+                r.label.c_str(), format_bytes(r.bytes).c_str(), r.ranks, r.calls,
+                format_seconds(r.measured).c_str(), seconds_or_na(r.simulated).c_str(),
+                percent(r.error()).c_str());
+  }
+  std::printf("communication by kind and axes (per iteration, mean over all ranks):\n");
+  std::printf("  %-14s %-8s %9s %9s %11s %11s %11s %11s\n", "kind", "axes", "calls", "sim", "bytes",
+              "sim", "measured", "simulated");
+  for (const hwexec::TrafficRow& r : c->traffic) {
+    std::printf("  %-14s %-8s %9.4g %9.4g %11s %11s %11s %11s\n", r.kind.c_str(), r.axes.c_str(),
+                r.measured_calls, r.simulated_calls, format_bytes(r.measured_bytes).c_str(),
+                format_bytes(r.simulated_bytes).c_str(), format_seconds(r.measured).c_str(),
+                format_seconds(r.simulated).c_str());
+  }
+  std::printf("iteration: measured %s (median of %zu, slowest rank), simulated %s, error %s\n",
+              format_seconds(c->measured_iteration).c_str(), c->measured_iterations.size(),
+              seconds_or_na(c->simulated_iteration).c_str(), percent(c->iteration_error()).c_str());
+  std::printf("operators summed: measured %s, simulated %s, error %s\n",
+              format_seconds(c->measured_compute).c_str(),
+              format_seconds(c->simulated_compute).c_str(), percent(c->compute_error()).c_str());
+  auto magnitude = [](double e) {
+    return std::isfinite(e) ? fmt::format("{:.1f}%", 100 * e) : std::string("n/a");
+  };
+  std::printf("median |error|: operators %s, GEMMs (linear) %s, collectives %s\n",
+              magnitude(c->median_op_error).c_str(), magnitude(c->median_gemm_error).c_str(),
+              magnitude(c->median_collective_error).c_str());
+  for (const std::string& n : c->notes) std::printf("note: %s\n", n.c_str());
+  if (!a.json.empty()) {
+    std::string error;
+    if (!write_file(a.json, hwexec::comparison_json(*c), &error)) return fail(error);
+  }
   return 0;
 }
 
@@ -777,13 +928,32 @@ int main(int argc, char** argv) {
 
   CalibrateArgs calibrate;
   CLI::App* calibrate_cmd = app.add_subcommand(
-      "calibrate", "fit the cost model to microbenchmarks (nnexec bench) into a calibration file");
-  calibrate_cmd->add_option("micro", calibrate.micro, "nnexec bench output (HDF5)")->required();
+      "calibrate",
+      "fit the cost model to microbenchmarks (nnexec bench) and/or runs (nnexec run) into a "
+      "calibration file");
+  calibrate_cmd
+      ->add_option("files", calibrate.inputs,
+                   "an nnexec bench file (micro.h5) and/or nnexec run files (run.h5)")
+      ->required();
   calibrate_cmd->add_option("--gpu", calibrate.gpu,
-                            "catalog GPU to calibrate (default: the file's device; required for "
-                            "a CPU file)");
+                            "catalog GPU to calibrate (default: the microbenchmark file's "
+                            "device; required for CPU files and run files)");
   calibrate_cmd->add_option("-o,--output", calibrate.output, "the calibration file to write")
       ->required();
+
+  CompareArgs compare;
+  CLI::App* compare_cmd = app.add_subcommand(
+      "compare",
+      "compare a run file (nnexec run) with the simulator, per operator, collective "
+      "and iteration");
+  compare_cmd->add_option("run", compare.run, "nnexec run output (HDF5)")->required();
+  compare_cmd->add_option("plan", compare.plan,
+                          "plan.json (default: the plan embedded in the run file; must match it)");
+  compare_cmd->add_option("--topo", compare.topo, "topology YAML file or preset name")->required();
+  compare_cmd->add_option("--nodes", compare.nodes, "resize the topology to this many nodes");
+  compare_cmd->add_option("--calib", compare.calib,
+                          "calibration file (HDF5) replacing the cost model's constants");
+  compare_cmd->add_option("--json", compare.json, "write the comparison as JSON (SI units)");
 
   try {
     app.parse(argc, argv);
@@ -838,6 +1008,7 @@ int main(int argc, char** argv) {
   if (validate_cmd->parsed()) return run_validate(validate);
   if (schedule_cmd->parsed()) return run_schedule(sched);
   if (calibrate_cmd->parsed()) return run_calibrate(calibrate);
+  if (compare_cmd->parsed()) return run_compare(compare);
   if (export_cmd->parsed()) {
     Calibration c;
     for (const auto& name : export_gpus) {

@@ -1,0 +1,100 @@
+// A run file's operator timings as points of the calibration fit (docs/hwexec.md, "Calibrating
+// from run files"): each operator priced the way the simulator's compiler prices it
+// (core/program.cc), from the plan's operator graph and partition.
+#include <map>
+
+#include <fmt/format.h>
+
+#include "core/layout.h"
+#include "core/opgraph.h"
+#include "core/program.h"
+#include "hwexec/fit.h"
+
+namespace nnsim::hwexec {
+
+namespace {
+
+struct PricedOp {
+  const Op* op = nullptr;
+  OpPartition partition;
+};
+
+bool memory_bound(OpKind k) {
+  return k == OpKind::kNorm || k == OpKind::kActivation || k == OpKind::kDropoutAdd ||
+         k == OpKind::kAdd;
+}
+
+}  // namespace
+
+Expected<RunPoints> run_points(const RunResults& run, const Plan& plan, const GpuSpec& gpu,
+                               const std::string& path) {
+  RunPoints out;
+  out.path = path;
+  Expected<Precision> precision = parse_precision(run.dtype);
+  if (!precision) return precision.error().with_context(path + ": attribute 'dtype' of /");
+  out.precision = *precision;
+  if (plan.precision != out.precision) {
+    out.notes.push_back(fmt::format(
+        "{}: the plan trains in {} but the run computed in {}: gemm_efficiency_{} is fitted, "
+        "which a simulation of the plan in {} does not use",
+        path, to_string(plan.precision), run.dtype, run.dtype, to_string(plan.precision)));
+  }
+  // The operator graph as the compiler builds it, and each operator's partition.
+  ModelSpec model = plan.model;
+  model.precision = plan.precision;
+  const OpGraph graph = lower_model(model, plan.micro_batch);
+  std::map<std::string, PricedOp> ops;
+  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
+    Expected<std::vector<OpPartition>> parts = resolve_partitions(*part, plan);
+    if (!parts) return parts.error().with_context(path + ": the plan");
+    for (size_t i = 0; i < part->ops.size(); ++i) {
+      ops.emplace(part->ops[i].name, PricedOp{&part->ops[i], (*parts)[i]});
+    }
+  }
+  const ComputeModel ideal = ideal_compute(gpu, out.precision);
+  const double traffic = ComputeModel::defaults_for(gpu).elementwise_traffic;
+  std::map<std::string, size_t> series;  // "name phase" -> index into out.memory
+  for (const RankResult& r : run.ranks) {
+    for (const OpTime& t : r.ops) {
+      auto it = ops.find(t.name);
+      if (it == ops.end() || t.calls <= 0 || t.seconds <= 0) continue;
+      const Op& op = *it->second.op;
+      const OpPartition& p = it->second.partition;
+      const bool fwd = t.phase == "fwd";
+      if (!fwd && t.phase != "bwd") continue;
+      const double per_call = t.seconds / t.calls;
+      const std::string what = fmt::format("{} {}, rank {} ({})", t.name, t.phase, r.rank, path);
+      if (op.kind == OpKind::kLinear) {
+        const PieceShape s = linear_piece_shape(op, p, plan.mesh);
+        const Precision pr = out.precision;
+        const double ideal_s = fwd ? gemm_seconds(s.m, s.n, s.k, pr, gpu, ideal)
+                                   : gemm_seconds(s.m, s.k, s.n, pr, gpu, ideal) +
+                                         gemm_seconds(s.k, s.n, s.m, pr, gpu, ideal);
+        const double flops = (fwd ? 2 : 4) * s.m * s.n * s.k;
+        out.gemm.push_back({what, 0, 0, 0, flops, ideal_s, per_call, run.device == "cpu"});
+      } else if (memory_bound(op.kind)) {
+        // The compiler prices a backward with weight gradients as two kernels, half the traffic
+        // each; everything else as one.
+        const double f = p.factor(op.dims, plan.mesh);
+        const double bytes = (fwd ? op.fwd_bytes : op.bwd_bytes) / f * traffic;
+        const int kernels = !fwd && op.bwd_weight_flops > 0 ? 2 : 1;
+        if (bytes <= 0) continue;
+        const std::string key = t.name + " " + t.phase;
+        auto [s, added] = series.emplace(key, out.memory.size());
+        if (added) out.memory.push_back({key, {}});
+        // Per kernel: the relative residual of (overhead + bytes/bw) per kernel is that of the
+        // operator's kernels together.
+        out.memory[s->second].points.push_back({bytes / kernels, per_call / kernels});
+      }
+    }
+  }
+  if (out.gemm.empty() && out.memory.empty()) {
+    return Error(fmt::format(
+        "{}: no operator of the run is a linear or memory-bound operator of the plan's graph "
+        "(is the embedded plan the one that ran?)",
+        path));
+  }
+  return out;
+}
+
+}  // namespace nnsim::hwexec

@@ -1,0 +1,222 @@
+// nnsim compare and nnsim calibrate from run files, end to end: a tiny plan run on this CPU
+// (nnexec run, 4 processes), calibrated from its own run file and compared with the simulator
+// before and after. Tests that need LibTorch report Skipped without it.
+#include <cmath>
+#include <fstream>
+#include <set>
+#include <tuple>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "core/plan.h"
+#include "hwexec/bench.h"
+#include "hwexec/micro.h"
+#include "hwexec/run.h"
+#include "process.h"
+#include "synthetic.h"
+
+namespace nnsim::hwexec {
+namespace {
+
+using testing::contains;
+using testing::run;
+using testing::RunResult;
+using testing::slurp;
+using testing::TempDir;
+using json = nlohmann::json;
+
+const std::string kModel = std::string(NNSIM_TEST_DATA) + "/tiny-gpt.yaml";
+const std::string kTopo = std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml";
+
+RunResult make_plan(const TempDir& dir, const std::string& out, int global_batch) {
+  return run(dir, NNSIM_BINARY,
+             {"plan", "--model", kModel, "--topo", kTopo, "--nodes", "2", "--tp", "2", "--pp", "2",
+              "--global-batch", std::to_string(global_batch), "--precision", "fp32", "-o", out});
+}
+
+std::vector<std::string> compare_args(std::vector<std::string> extra) {
+  std::vector<std::string> a = {"compare", "run.h5", "--topo", kTopo, "--nodes", "2"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+TEST(NnsimCompare, CalibratingFromTheRunBringsTheSimulatorToTheMeasurement) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  TempDir dir;
+  ASSERT_EQ(make_plan(dir, "plan.json", 8).status, 0);
+  RunResult r = run(dir, NNEXEC_BINARY,
+                    {"run", "--plan", "plan.json", "--launch", "4", "--out", "run.h5", "--check"});
+  ASSERT_EQ(r.status, 0) << r;
+
+  // Calibrate from the run: a CPU run needs the GPU whose parameters it sets.
+  r = run(dir, NNSIM_BINARY, {"calibrate", "run.h5", "-o", "calib.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "run.h5 was run on a CPU")) << r;
+  r = run(dir, NNSIM_BINARY, {"calibrate", "run.h5", "--gpu", "a100-sxm4-80gb", "-o", "calib.h5"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "gemm_efficiency_fp32")) << r;
+  EXPECT_TRUE(contains(r.out, "memory_efficiency")) << r;
+
+  r = run(dir, NNSIM_BINARY, compare_args({"--json", "raw.json"}));
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "attn.qkv")) << r;
+  EXPECT_TRUE(contains(r.out, "iteration: measured")) << r;
+  r = run(dir, NNSIM_BINARY,
+          compare_args({"plan.json", "--calib", "calib.h5", "--json", "cal.json"}));
+  ASSERT_EQ(r.status, 0) << r;
+  const json raw = json::parse(slurp(dir.file("raw.json")));
+  const json cal = json::parse(slurp(dir.file("cal.json")));
+
+  // Every operator and collective of the run is in the comparison, with the calls the
+  // simulator's program makes.
+  Expected<RunResults> file = read_run(dir.file("run.h5"));
+  ASSERT_TRUE(file.ok()) << file.error().message();
+  std::set<std::pair<std::string, std::string>> ops;
+  std::set<std::tuple<std::string, std::string, std::string, double>> colls;
+  for (const RankResult& k : file->ranks) {
+    for (const OpTime& o : k.ops) ops.insert({o.name, o.phase});
+    for (const CollTime& c : k.collectives) colls.insert({c.kind, c.axes, c.label, c.bytes});
+  }
+  ASSERT_FALSE(ops.empty());
+  for (const auto& [name, phase] : ops) {
+    bool found = false;
+    for (const json& o : cal["operators"]) {
+      if (o["name"] != name || o["phase"] != phase) continue;
+      found = true;
+      EXPECT_GT(o["measured_s"].get<double>(), 0) << name << " " << phase;
+      EXPECT_GT(o["simulated_s"].get<double>(), 0) << name << " " << phase;
+      EXPECT_DOUBLE_EQ(o["simulated_calls"].get<double>(), o["measured_calls"].get<double>())
+          << name << " " << phase;
+    }
+    EXPECT_TRUE(found) << name << " " << phase;
+  }
+  ASSERT_FALSE(colls.empty());
+  for (const auto& [kind, axes, label, bytes] : colls) {
+    bool found = false;
+    for (const json& c : cal["collectives"]) {
+      if (c["kind"] != kind || c["axes"] != axes || c["label"] != label || c["bytes"] != bytes) {
+        continue;
+      }
+      found = true;
+      EXPECT_GT(c["simulated_s"].get<double>(), 0) << kind << " " << axes << " " << label;
+    }
+    EXPECT_TRUE(found) << kind << " " << axes << " " << label;
+  }
+
+  // Before: the simulator times an A100, far from this CPU (memory-bound operators and
+  // attention most of all). After: the GEMM efficiency is this CPU's best linear operator's and
+  // the memory line is fitted to its memory-bound operators.
+  const double ops_before = raw["summary"]["median_abs_op_error"].get<double>();
+  const double ops_after = cal["summary"]["median_abs_op_error"].get<double>();
+  EXPECT_GT(ops_before, 0.6) << raw.dump(1);
+  EXPECT_LT(ops_after, 0.7 * ops_before) << cal.dump(1);
+  // Each kind the memory line prices gets closer.
+  auto kind_error = [](const json& j, const std::string& kind) {
+    for (const json& k : j["operator_kinds"]) {
+      if (k["kind"] == kind) return std::abs(k["error"].get<double>());
+    }
+    ADD_FAILURE() << "no operator kind " << kind;
+    return 0.0;
+  };
+  for (const char* kind : {"norm", "activation", "dropout_add", "add"}) {
+    EXPECT_LT(kind_error(cal, kind), kind_error(raw, kind)) << kind;
+  }
+  EXPECT_LT(cal["summary"]["median_abs_gemm_error"].get<double>(),
+            raw["summary"]["median_abs_gemm_error"].get<double>());
+  EXPECT_LT(std::abs(cal["compute"]["error"].get<double>()),
+            std::abs(raw["compute"]["error"].get<double>()));
+  // The iteration: simulated in both and closer after (the collectives, which a run does not
+  // calibrate, keep it far: CPU sockets against NVLink).
+  EXPECT_GT(raw["iteration"]["simulated_s"].get<double>(), 0);
+  EXPECT_LT(std::abs(cal["iteration"]["error"].get<double>()),
+            std::abs(raw["iteration"]["error"].get<double>()));
+  EXPECT_EQ(cal["calibration"].get<std::string>().find("nnsim calibrate run.h5"), 0u)
+      << cal["calibration"];
+}
+
+// A run file of `plan` whose ranks each ran one operator (no LibTorch needed).
+void write_small_run(const std::string& path, const Plan& plan) {
+  RunResults r;
+  r.plan_json = plan_to_json(plan);
+  r.plan_name = plan.name;
+  r.world = plan.mesh.num_ranks();
+  for (const MeshAxis& a : plan.mesh.axes) r.mesh_axes.push_back(a.name);
+  for (int k = 0; k < r.world; ++k) {
+    RankResult x;
+    x.rank = k;
+    x.coordinates = plan.mesh.coordinates(k);
+    x.iteration_seconds = {0.5};
+    x.ops = {{"attn.qkv", "fwd", 2, 0.25}};
+    r.ranks.push_back(x);
+  }
+  ASSERT_TRUE(write_run(path, r).ok());
+}
+
+TEST(NnsimCompare, BadInputsSayWhatIsWrong) {
+  TempDir dir;
+  RunResult r = run(dir, NNSIM_BINARY, compare_args({}));
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "run.h5: not an HDF5 file")) << r;
+
+  // Another kind of HDF5 file.
+  ASSERT_EQ(
+      run(dir, NNSIM_BINARY, {"calibration", "export", "--gpu", "h100-sxm5-80gb", "-o", "run.h5"})
+          .status,
+      0);
+  r = run(dir, NNSIM_BINARY, compare_args({}));
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "run.h5: attribute 'format' of / is \"nnsim-calibration\"")) << r;
+  r = run(dir, NNSIM_BINARY, {"calibrate", "run.h5", "--gpu", "h100-sxm5-80gb", "-o", "c.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "run.h5: attribute 'format' of / is \"nnsim-calibration\"")) << r;
+
+  // A run of one plan compared with another.
+  ASSERT_EQ(make_plan(dir, "plan.json", 8).status, 0);
+  ASSERT_EQ(make_plan(dir, "other.json", 16).status, 0);
+  Expected<Plan> plan = load_plan(dir.file("plan.json"));
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  write_small_run(dir.file("run.h5"), *plan);
+  r = run(dir, NNSIM_BINARY, compare_args({"other.json"}));
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "other.json: differs from the plan run.h5 ran")) << r;
+  EXPECT_TRUE(contains(r.err, "first in field 'training'")) << r;
+
+  // The same plan given explicitly is fine; a calibration without the topology's GPU is named.
+  r = run(dir, NNSIM_BINARY, compare_args({"plan.json", "--calib", "c.h5"}));
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "c.h5")) << r;
+  ASSERT_EQ(
+      run(dir, NNSIM_BINARY, {"calibration", "export", "--gpu", "h100-sxm5-80gb", "-o", "h.h5"})
+          .status,
+      0);
+  r = run(dir, NNSIM_BINARY, compare_args({"plan.json", "--calib", "h.h5"}));
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "h.h5 has no entry for a100-sxm4-80gb (it has: h100-sxm5-80gb)"))
+      << r;
+  // Operators the run has and the simulator's program has more of are all listed.
+  EXPECT_TRUE(contains(r.out, "mlp.fc1")) << r;
+  // calibrate: one microbenchmark file at most; with a run file, the GEMMs pool and the memory
+  // line comes from the microbenchmark when the run has no memory-bound operator.
+  const GpuSpec h100 = *find_gpu("h100-sxm5-80gb");
+  ASSERT_TRUE(write_micro(dir.file("m1.h5"), testing::synthetic_micro(h100)).ok());
+  ASSERT_TRUE(write_micro(dir.file("m2.h5"), testing::synthetic_micro(h100)).ok());
+  r = run(dir, NNSIM_BINARY, {"calibrate", "m1.h5", "m2.h5", "-o", "c.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "m1.h5 and m2.h5 are both microbenchmark files")) << r;
+  r = run(dir, NNSIM_BINARY, {"calibrate", "m1.h5", "run.h5", "--gpu", h100.name, "-o", "c.h5"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "m1.h5 run.h5 -> c.h5 (h100-sxm5-80gb)")) << r;
+  EXPECT_TRUE(contains(r.out, "gemm_efficiency_bf16 0.7 ")) << r;
+  EXPECT_TRUE(contains(r.out, "gemm_efficiency_fp32 ")) << r;
+  EXPECT_TRUE(contains(r.out, "memory_efficiency    0.85  (")) << r;
+  EXPECT_TRUE(contains(r.out, "; from m1.h5)")) << r;
+
+  // The topology must hold the plan's ranks.
+  r = run(dir, NNSIM_BINARY, {"compare", "run.h5", "--topo", kTopo});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "--nodes")) << r;
+}
+
+}  // namespace
+}  // namespace nnsim::hwexec

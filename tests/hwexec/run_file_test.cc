@@ -1,0 +1,313 @@
+// The run file read back (read_run), and the calibration fit from run files on synthetic runs
+// with known answers: operator times made from the simulator's own formulas with chosen
+// parameters, so a correct fit recovers exactly those parameters.
+#include <hdf5.h>
+
+#include <cmath>
+#include <map>
+
+#include <gtest/gtest.h>
+
+#include "core/layout.h"
+#include "core/opgraph.h"
+#include "core/program.h"
+#include "hwexec/fit.h"
+#include "hwexec/run.h"
+#include "process.h"
+#include "synthetic.h"
+
+namespace nnsim::hwexec {
+namespace {
+
+using testing::contains;
+using testing::run;
+using testing::synthetic_micro;
+using testing::TempDir;
+
+RunResults two_ranks() {
+  RunResults r;
+  r.plan_json = "{\"name\": \"two\"}";
+  r.plan_name = "two";
+  r.options.iterations = 2;
+  r.options.warmup = 1;
+  r.options.check = true;
+  r.options.seed = 7;
+  r.world = 2;
+  r.torch_version = "1.13.0";
+  r.mesh_axes = {"dp", "tp"};
+  RankResult a;
+  a.rank = 0;
+  a.coordinates = {0, 0};
+  a.iteration_seconds = {0.25, 0.5};
+  a.losses = {4.5, 4.25};
+  a.ops = {
+      {"attn.qkv", "fwd", 8, 0.01}, {"attn.qkv", "bwd", 8, 0.02}, {"optimizer", "step", 1, 3e-3}};
+  a.collectives = {{"all_reduce", "tp", "attn.proj", 4096, 8, 0.003}};
+  a.parameters = 1000;
+  a.peak_rss_bytes = 1e8;
+  a.checked = true;
+  a.has_loss = true;
+  a.check_loss = 4.5;
+  a.reference_loss = 4.5;
+  a.checks = {{"layers.0.attn.qkv.weight", 6144, 1e-9, 0.5, true}};
+  RankResult b = a;
+  b.rank = 1;
+  b.coordinates = {0, 1};
+  b.iteration_seconds = {0.375, 0.25};
+  b.losses = {};
+  b.has_loss = false;
+  b.collectives.push_back({"all_reduce", "dp", "grad", 8000, 1, 0.0125});
+  b.checks = {{"layers.0.attn.qkv.weight", 6144, 2e-9, 0.5, true},
+              {"head.proj.weight", 8192, 0.25, 0.5, false}};
+  r.ranks = {a, b};
+  return r;
+}
+
+TEST(RunFile, WriteReadRoundTripKeepsEveryTable) {
+  TempDir dir;
+  const RunResults w = two_ranks();
+  ASSERT_TRUE(write_run(dir.file("run.h5"), w).ok());
+  Expected<RunResults> r = read_run(dir.file("run.h5"));
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  EXPECT_EQ(r->device, "cpu");
+  EXPECT_EQ(r->dtype, "fp32");
+  EXPECT_EQ(r->plan_json, w.plan_json);
+  EXPECT_EQ(r->plan_name, "two");
+  EXPECT_EQ(r->world, 2);
+  EXPECT_EQ(r->torch_version, "1.13.0");
+  EXPECT_EQ(r->mesh_axes, w.mesh_axes);
+  EXPECT_EQ(r->options.iterations, 2);
+  EXPECT_EQ(r->options.warmup, 1);
+  EXPECT_EQ(r->options.seed, 7u);
+  EXPECT_TRUE(r->options.check);
+  ASSERT_EQ(r->ranks.size(), 2u);
+  EXPECT_EQ(r->iteration_seconds(), (std::vector<double>{0.375, 0.5}));
+  for (size_t i = 0; i < 2; ++i) {
+    const RankResult &got = r->ranks[i], &want = w.ranks[i];
+    EXPECT_EQ(got.rank, want.rank);
+    EXPECT_EQ(got.coordinates, want.coordinates);
+    EXPECT_EQ(got.iteration_seconds, want.iteration_seconds);
+    EXPECT_EQ(got.losses, want.losses);
+    EXPECT_EQ(got.parameters, want.parameters);
+    EXPECT_EQ(got.peak_rss_bytes, want.peak_rss_bytes);
+    ASSERT_EQ(got.ops.size(), want.ops.size());
+    for (size_t k = 0; k < got.ops.size(); ++k) {
+      EXPECT_EQ(got.ops[k].name, want.ops[k].name);
+      EXPECT_EQ(got.ops[k].phase, want.ops[k].phase);
+      EXPECT_EQ(got.ops[k].calls, want.ops[k].calls);
+      EXPECT_EQ(got.ops[k].seconds, want.ops[k].seconds);
+    }
+    ASSERT_EQ(got.collectives.size(), want.collectives.size());
+    for (size_t k = 0; k < got.collectives.size(); ++k) {
+      EXPECT_EQ(got.collectives[k].kind, want.collectives[k].kind);
+      EXPECT_EQ(got.collectives[k].axes, want.collectives[k].axes);
+      EXPECT_EQ(got.collectives[k].label, want.collectives[k].label);
+      EXPECT_EQ(got.collectives[k].bytes, want.collectives[k].bytes);
+      EXPECT_EQ(got.collectives[k].calls, want.collectives[k].calls);
+      EXPECT_EQ(got.collectives[k].seconds, want.collectives[k].seconds);
+    }
+    ASSERT_EQ(got.checks.size(), want.checks.size());
+    for (size_t k = 0; k < got.checks.size(); ++k) {
+      EXPECT_EQ(got.checks[k].name, want.checks[k].name);
+      EXPECT_EQ(got.checks[k].max_abs_error, want.checks[k].max_abs_error);
+      EXPECT_EQ(got.checks[k].ok, want.checks[k].ok);
+    }
+  }
+  // Rank 1's head.proj shard failed the check: the file says so and so does the reader.
+  EXPECT_FALSE(w.check_passed());
+  EXPECT_FALSE(r->check_passed());
+  EXPECT_EQ(hdf5_format(dir.file("run.h5")).value(), "nnexec-run");
+}
+
+TEST(RunFile, BadFilesNameTheFileAndTheObject) {
+  TempDir dir;
+  Expected<RunResults> r = read_run(dir.file("missing.h5"));
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.error().message(), "missing.h5: not an HDF5 file")) << r.error().message();
+
+  ASSERT_TRUE(write_micro(dir.file("micro.h5"), synthetic_micro(*find_gpu("h100-sxm5-80gb"))).ok());
+  r = read_run(dir.file("micro.h5"));
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.error().message(),
+                       "micro.h5: attribute 'format' of / is \"nnexec-micro\" (must be "
+                       "\"nnexec-run\""))
+      << r.error().message();
+
+  // A table without one of its datasets; a file without a rank.
+  ASSERT_TRUE(write_run(dir.file("run.h5"), two_ranks()).ok());
+  {
+    hid_t f = H5Fopen(dir.file("run.h5").c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    ASSERT_GE(H5Ldelete(f, "ranks/1/ops/seconds", H5P_DEFAULT), 0);
+    H5Fclose(f);
+  }
+  r = read_run(dir.file("run.h5"));
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.error().message(), "run.h5: /ranks/1/ops: dataset 'seconds' is missing"))
+      << r.error().message();
+
+  ASSERT_TRUE(write_run(dir.file("run2.h5"), two_ranks()).ok());
+  {
+    hid_t f = H5Fopen(dir.file("run2.h5").c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(H5Ldelete(f, "ranks/0", H5P_DEFAULT), 0);
+    H5Fclose(f);
+  }
+  r = read_run(dir.file("run2.h5"));
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.error().message(), "run2.h5: /ranks has 1 ranks, attribute 'ranks'"))
+      << r.error().message();
+}
+
+// ---------------------------------------------------------------- the fit from run files
+
+struct RunTruth {
+  double fwd_efficiency = 0.6;  // linear forwards; the backwards run slower
+  double bwd_efficiency = 0.45;
+  double memory_efficiency = 0.3;
+  double kernel_overhead = 20e-6;
+};
+
+// A plan from `nnsim plan` for the tiny model: tp 2 (so the pieces are partitioned), pp 2.
+Plan tiny_plan() {
+  TempDir dir;
+  const std::string data = NNSIM_TEST_DATA;
+  auto r = run(dir, NNSIM_BINARY,
+               {"plan", "--model", data + "/tiny-gpt.yaml", "--topo", data + "/tiny-node2.yaml",
+                "--nodes", "2", "--tp", "2", "--pp", "2", "--global-batch", "8", "--precision",
+                "fp32", "-o", "plan.json"});
+  EXPECT_EQ(r.status, 0) << r;
+  Expected<Plan> p = load_plan(dir.file("plan.json"));
+  EXPECT_TRUE(p.ok()) << p.error().message();
+  return *p;
+}
+
+// Every rank runs every operator 3 times an iteration at the truth's rates; attention, the
+// embedding and the loss take a time no formula gives (the fit must leave them out).
+RunResults synthetic_run(const Plan& plan, const GpuSpec& gpu, const RunTruth& truth) {
+  ComputeModel ideal = ComputeModel::defaults_for(gpu);
+  ideal.gemm_efficiency = {{Precision::kFp32, 1.0}};
+  ideal.sustained = 1;
+  const double traffic = ComputeModel::defaults_for(gpu).elementwise_traffic;
+  const double bw = truth.memory_efficiency * gpu.hbm_bandwidth;
+  ModelSpec model = plan.model;
+  model.precision = plan.precision;
+  const OpGraph graph = lower_model(model, plan.micro_batch);
+  RunResults r;
+  r.plan_json = plan_to_json(plan);
+  r.plan_name = plan.name;
+  r.world = plan.mesh.num_ranks();
+  for (const MeshAxis& a : plan.mesh.axes) r.mesh_axes.push_back(a.name);
+  for (int rank = 0; rank < r.world; ++rank) {
+    RankResult k;
+    k.rank = rank;
+    k.coordinates = plan.mesh.coordinates(rank);
+    k.iteration_seconds = {1.0};
+    for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
+      const std::vector<OpPartition> parts = *resolve_partitions(*part, plan);
+      for (size_t i = 0; i < part->ops.size(); ++i) {
+        const Op& op = part->ops[i];
+        double fwd = 1e-3, bwd = 2e-3;
+        if (op.kind == OpKind::kLinear) {
+          const PieceShape s = linear_piece_shape(op, parts[i], plan.mesh);
+          const Precision p = Precision::kFp32;
+          fwd = gemm_seconds(s.m, s.n, s.k, p, gpu, ideal) / truth.fwd_efficiency;
+          bwd = (gemm_seconds(s.m, s.k, s.n, p, gpu, ideal) +
+                 gemm_seconds(s.k, s.n, s.m, p, gpu, ideal)) /
+                truth.bwd_efficiency;
+        } else if (op.kind == OpKind::kNorm || op.kind == OpKind::kActivation ||
+                   op.kind == OpKind::kDropoutAdd || op.kind == OpKind::kAdd) {
+          const double f = parts[i].factor(op.dims, plan.mesh);
+          const int bwd_kernels = op.bwd_weight_flops > 0 ? 2 : 1;
+          fwd = truth.kernel_overhead + op.fwd_bytes / f * traffic / bw;
+          bwd = bwd_kernels * truth.kernel_overhead + op.bwd_bytes / f * traffic / bw;
+        }
+        k.ops.push_back({op.name, "fwd", 3, 3 * fwd});
+        k.ops.push_back({op.name, "bwd", 3, 3 * bwd});
+      }
+    }
+    k.ops.push_back({"optimizer", "step", 1, 5e-3});
+    r.ranks.push_back(k);
+  }
+  return r;
+}
+
+TEST(HwexecFitRun, RecoversTheParametersTheOperatorTimesWereMadeWith) {
+  const Plan plan = tiny_plan();
+  const GpuSpec gpu = *find_gpu("a100-sxm4-80gb");
+  const RunTruth truth;
+  Expected<RunPoints> points = run_points(synthetic_run(plan, gpu, truth), plan, gpu, "run.h5");
+  ASSERT_TRUE(points.ok()) << points.error().message();
+  EXPECT_TRUE(points->notes.empty());
+  // Five linear operators (qkv, proj, fc1, fc2, head.proj) x 2 phases x 4 ranks.
+  EXPECT_EQ(points->gemm.size(), 5u * 2 * 4);
+  Expected<Fit> f = fit_all(nullptr, "", {*points}, gpu, "synthetic run");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  const GpuCalibration& c = f->calibration;
+  EXPECT_EQ(c.source, "synthetic run");
+  ASSERT_EQ(c.gemm_efficiency.size(), 1u);
+  // The largest e_i: the forwards'.
+  EXPECT_NEAR(c.gemm_efficiency.at(Precision::kFp32), truth.fwd_efficiency, 1e-9);
+  ASSERT_EQ(f->gemm.size(), 1u);
+  EXPECT_TRUE(contains(f->gemm[0].best, " fwd, rank ")) << f->gemm[0].best;
+  // The backwards are 0.6 / 0.45 - 1 = 33 % slower than the fitted model says.
+  EXPECT_NEAR(f->gemm[0].max_error, 1 - truth.bwd_efficiency / truth.fwd_efficiency, 1e-9);
+  EXPECT_NEAR(c.compute.at("memory_efficiency"), truth.memory_efficiency, 1e-9);
+  EXPECT_NEAR(c.compute.at("kernel_overhead"), truth.kernel_overhead, 1e-12);
+  ASSERT_TRUE(f->memory.has_value());
+  EXPECT_EQ(f->memory->from, "run.h5");
+  EXPECT_LT(f->memory->max_error, 1e-9);
+  EXPECT_FALSE(c.nvlink.has_value());
+}
+
+TEST(HwexecFitRun, WithAMicrobenchmarkFileGemmsPoolAndTheRunSetsTheMemoryLine) {
+  const Plan plan = tiny_plan();
+  const GpuSpec gpu = *find_gpu("h100-sxm5-80gb");
+  RunTruth truth;
+  truth.memory_efficiency = 0.2;  // the micro file's kernels say 0.85
+  Expected<RunPoints> points = run_points(synthetic_run(plan, gpu, truth), plan, gpu, "run.h5");
+  ASSERT_TRUE(points.ok()) << points.error().message();
+  const testing::Truth micro_truth;
+  const MicroResults micro = synthetic_micro(gpu, micro_truth);
+  Expected<Fit> f = fit_all(&micro, "micro.h5", {*points}, gpu, "both");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  const GpuCalibration& c = f->calibration;
+  EXPECT_NEAR(c.gemm_efficiency.at(Precision::kBf16), micro_truth.bf16_efficiency, 1e-9);
+  EXPECT_NEAR(c.gemm_efficiency.at(Precision::kFp32), truth.fwd_efficiency, 1e-9);
+  EXPECT_NEAR(c.compute.at("memory_efficiency"), truth.memory_efficiency, 1e-9);
+  EXPECT_NEAR(c.compute.at("kernel_overhead"), truth.kernel_overhead, 1e-12);
+  EXPECT_TRUE(c.nvlink.has_value());  // links: from the microbenchmark file only
+  bool said = false;
+  for (const std::string& n : f->notes)
+    said = said || contains(n, "micro.h5's kernels are not used");
+  EXPECT_TRUE(said);
+}
+
+TEST(HwexecFitRun, FasterThanThePeakIsAnotherGpuOnAGpuAndCappedOnACpu) {
+  const Plan plan = tiny_plan();
+  const GpuSpec gpu = *find_gpu("a100-sxm4-80gb");
+  RunTruth truth;
+  truth.fwd_efficiency = 1.5;
+  RunResults gpu_run = synthetic_run(plan, gpu, truth);
+  gpu_run.device = "cuda";
+  Expected<RunPoints> points = run_points(gpu_run, plan, gpu, "run.h5");
+  ASSERT_TRUE(points.ok()) << points.error().message();
+  Expected<Fit> f = fit_all(nullptr, "", {*points}, gpu, "x");
+  ASSERT_FALSE(f.ok());
+  EXPECT_TRUE(contains(f.error().message(), "gemm fp32: ")) << f.error().message();
+  EXPECT_TRUE(contains(f.error().message(), "is the file from another GPU (--gpu)?"))
+      << f.error().message();
+
+  // A CPU is not the GPU: its rate over the GPU's shape model is capped at 1, and said.
+  points = run_points(synthetic_run(plan, gpu, truth), plan, gpu, "run.h5");
+  ASSERT_TRUE(points.ok()) << points.error().message();
+  f = fit_all(nullptr, "", {*points}, gpu, "x");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  EXPECT_EQ(f->calibration.gemm_efficiency.at(Precision::kFp32), 1.0);
+  bool said = false;
+  for (const std::string& n : f->notes)
+    said = said || contains(n, "capped at 1 (measured on a CPU");
+  EXPECT_TRUE(said);
+}
+
+}  // namespace
+}  // namespace nnsim::hwexec
