@@ -186,6 +186,10 @@ std::vector<TemplateTime> Estimator::template_times() {
     const BlockTemplate& tpl = prog_.templates[t];
     const Lane& lane = prog_.lanes[tpl.lane];
     for (const Step& s : tpl.steps) {
+      if (s.kind == StepKind::kSend) {
+        out[t].sends.emplace_back(s.peer_segment, transfer_seconds(lane, s));
+        continue;
+      }
       double busy = 0;
       if (s.kind == StepKind::kCompute) busy = s.seconds;
       if (s.kind == StepKind::kCollective) busy = std::max(collective_seconds(lane, s), s.seconds);

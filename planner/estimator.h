@@ -5,6 +5,9 @@
 // between communications: the simulator confirms the best candidates with it.
 #pragma once
 
+#include <utility>
+#include <vector>
+
 #include "core/program.h"
 
 namespace nnsim {
@@ -29,6 +32,10 @@ struct TemplateTime {
   double layers = 0;            // forward / backward of the layers' operators
   double layers_recompute = 0;  // recomputing the layers' dropped activations
   double other = 0;             // everything else on the compute stream
+  // Point-to-point transfers the block starts to neighbouring segments' lanes (pipeline sends
+  // of activations or gradients, at the block's end), each at its time alone on the network:
+  // (receiving segment, seconds). They do not occupy the compute stream.
+  std::vector<std::pair<int, double>> sends;
 };
 std::vector<TemplateTime> template_times(const Program& program);
 

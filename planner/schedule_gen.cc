@@ -28,6 +28,14 @@ struct SegmentCosts {
   double backward_frees = 0;  // what a whole backward frees (an explicit recompute's too)
   // Bytes above the level at the block's start at its peak, per kind.
   double forward_peak = 0, backward_peak = 0, backward_input_peak = 0, backward_weight_peak = 0;
+  // Transfer times to neighbouring segments (the slowest of the block's sends to that segment's
+  // lanes, at its time alone on the network): the forward's activations, the backward's (or
+  // BI's) input gradients, by receiving segment.
+  std::map<int, double> forward_sends, backward_sends;
+  double forward_send(int to) const { return forward_sends.count(to) ? forward_sends.at(to) : 0; }
+  double backward_send(int to) const {
+    return backward_sends.count(to) ? backward_sends.at(to) : 0;
+  }
 };
 
 std::vector<SegmentCosts> segment_costs(const Program& prog) {
@@ -37,6 +45,14 @@ std::vector<SegmentCosts> segment_costs(const Program& prog) {
     const BlockTemplate& tpl = prog.templates[t];
     SegmentCosts& c = out[tpl.segment];
     const double s = times[t].layers + times[t].layers_recompute + times[t].other;
+    std::map<int, double>* sends = nullptr;
+    if (tpl.kind == BlockKind::kForward) sends = &c.forward_sends;
+    if (tpl.kind == BlockKind::kBackward || tpl.kind == BlockKind::kBackwardInput) {
+      sends = &c.backward_sends;
+    }
+    for (const auto& [to, seconds] : times[t].sends) {
+      if (sends) (*sends)[to] = std::max((*sends)[to], seconds);
+    }
     switch (tpl.kind) {
       case BlockKind::kForward:
         c.forward = std::max(c.forward, s);
@@ -384,7 +400,10 @@ Expected<TesselProblem> tessel_problem(const Program& prog, bool split,
     forward[s] = static_cast<int>(p.blocks.size());
     TesselBlock f{BlockKind::kForward,  s, devices, costs[s].forward, costs[s].kept, {},
                   costs[s].forward_peak};
-    if (prev >= 0) f.after = {forward[prev]};
+    if (prev >= 0) {
+      f.after = {forward[prev]};
+      f.transfer = {costs[prev].forward_send(s)};
+    }
     p.blocks.push_back(f);
     prev = s;
   }
@@ -401,34 +420,41 @@ Expected<TesselProblem> tessel_problem(const Program& prog, bool split,
     const SegmentCosts& c = costs[s];
     const std::vector<int> devices = p.blocks[forward[s]].devices;
     std::vector<int> after = {forward[s]};
-    if (next >= 0) after.push_back(backward[next]);
+    std::vector<double> transfer = {0.0};  // its own forward ran on the same devices
+    if (next >= 0) {
+      after.push_back(backward[next]);
+      transfer.push_back(costs[next].backward_send(s));
+    }
     double frees = c.kept;
     if (explicit_recompute[s]) {
       if (split) return Error("explicit recomputation blocks with a split backward");
       after.push_back(static_cast<int>(p.blocks.size()));
+      transfer.push_back(0.0);
       p.blocks.push_back({BlockKind::kRecompute,
                           s,
                           devices,
                           c.recompute,
                           c.recompute_kept,
                           {forward[s]},
-                          c.recompute_kept});
+                          c.recompute_kept,
+                          {0.0}});
       frees = c.backward_frees;
     }
     backward[s] = static_cast<int>(p.blocks.size());
     if (split) {
       p.blocks.push_back({BlockKind::kBackwardInput, s, devices, c.backward_input,
-                          -(c.kept - c.weight_inputs), after, c.backward_input_peak});
+                          -(c.kept - c.weight_inputs), after, c.backward_input_peak, transfer});
       p.blocks.push_back({BlockKind::kBackwardWeight,
                           s,
                           devices,
                           c.backward_weight,
                           -c.weight_inputs,
                           {backward[s]},
-                          c.backward_weight_peak});
+                          c.backward_weight_peak,
+                          {0.0}});
     } else {
       p.blocks.push_back(
-          {BlockKind::kBackward, s, devices, c.backward, -frees, after, c.backward_peak});
+          {BlockKind::kBackward, s, devices, c.backward, -frees, after, c.backward_peak, transfer});
     }
     next = s;
   }
@@ -480,6 +506,7 @@ Expected<SearchedSchedule> search_schedule(const Plan& in, const Topology& topo,
       s.plan.schedule[o].blocks = found->orders[o];
     s.plan.schedule_name = "tessel";
     s.tessel = std::move(*found);
+    s.problem = *problem;
     s.split_backward = split;
     s.input_makespan = before->makespan;
     // The input stands when it is faster and fits the limit.

@@ -32,6 +32,9 @@ Expected<Plan> generate_schedule(const Plan& plan, const Topology& topo, Schedul
 struct SearchedSchedule {
   Plan plan;
   TesselSchedule tessel;  // in seconds of the plan's compiled block costs
+  // What was searched: one micro-batch's blocks with their compiled times, activation bytes and
+  // transfer times between devices (the pipeline sends, priced on the topology), and the room.
+  TesselProblem problem;
   bool split_backward = false;
   double input_makespan = 0;  // the plan's current orders, timed the same way
   // The search found nothing faster than the plan's own orders within the memory limit, so

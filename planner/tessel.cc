@@ -73,6 +73,16 @@ Status check_problem(const TesselProblem& p) {
             fmt::format("block {} needs block {}, which does not exist", block_name(b, 0), a));
       }
     }
+    if (!b.transfer.empty() && b.transfer.size() != b.after.size()) {
+      return Error(fmt::format("block {} has {} transfer times for {} blocks it needs",
+                               block_name(b, 0), b.transfer.size(), b.after.size()));
+    }
+    for (double x : b.transfer) {
+      if (!(x >= 0) || !std::isfinite(x)) {
+        return Error(
+            fmt::format("block {} has a negative or unbounded transfer time", block_name(b, 0)));
+      }
+    }
     if (b.seconds < 0) return Error(fmt::format("block {} has a negative time", block_name(b, 0)));
   }
   double scale = 1;
@@ -101,9 +111,10 @@ constexpr int64_t kMaxLagPerDevice = 2;
 
 struct Discrete {
   std::vector<int64_t> ticks, bytes, peak;
-  std::vector<int64_t> limit;  // per device; -1: none
-  int64_t lower_bound = 0;     // busiest device's ticks per micro-batch
-  int64_t sequential = 0;      // every block in sequence
+  std::vector<std::vector<int64_t>> transfer;  // per block, per entry of its `after`
+  std::vector<int64_t> limit;                  // per device; -1: none
+  int64_t lower_bound = 0;                     // busiest device's ticks per micro-batch
+  int64_t sequential = 0;                      // every block in sequence
   double seconds_per_tick = 0;
   double busiest_seconds = 0;
   int root = 0;             // a block that needs none
@@ -129,6 +140,13 @@ Discrete discretize(const TesselProblem& p) {
     d.bytes.push_back(std::llround(b.bytes / byte_unit));
     d.peak.push_back(std::llround(peak_of(b) / byte_unit));
     d.sequential += d.ticks.back();
+    d.transfer.emplace_back();
+    for (size_t i = 0; i < b.after.size(); ++i) {
+      d.transfer.back().push_back(
+          static_cast<int64_t>(std::ceil(b.transfer_after(i) / d.seconds_per_tick - 1e-9)));
+      // One micro-batch in sequence waits for every transfer.
+      d.sequential += d.transfer.back().back();
+    }
   }
   std::vector<int64_t> tick_load(p.devices, 0);
   for (size_t i = 0; i < p.blocks.size(); ++i) {
@@ -199,9 +217,12 @@ std::optional<Repetend> find_repetend(const TesselProblem& p, const Discrete& d,
         }
       }
     }
-    // Dependencies within a micro-batch, across periods.
+    // Dependencies within a micro-batch, across periods, with the transfer between them.
     for (int c = 0; c < n; ++c) {
-      for (int b : p.blocks[c].after) solver.add(k[c] * P + s[c] >= k[b] * P + s[b] + t(b));
+      for (size_t i = 0; i < p.blocks[c].after.size(); ++i) {
+        const int b = p.blocks[c].after[i];
+        solver.add(k[c] * P + s[c] >= k[b] * P + s[b] + t(b) + ctx.int_val(d.transfer[c][i]));
+      }
     }
     // Steady-state memory. Block b has ended for j - k_b + floor((tau - e_b) / P) micro-batches
     // by phase tau of period j, so the level is sum_b bytes_b (floor((tau - e_b) / P) - k_b):
@@ -349,10 +370,10 @@ Expected<OrdersRun> run_orders(const TesselProblem& p,
         ready = ready && next[other] < orders[other].size() && position[other][next[other]] == id;
         start = std::max(start, free_at[other]);
       }
-      for (int a : blk.after) {
-        const double e = end[static_cast<size_t>(a) * p.micro_batches + m];
+      for (size_t i = 0; i < blk.after.size(); ++i) {
+        const double e = end[static_cast<size_t>(blk.after[i]) * p.micro_batches + m];
         ready = ready && e >= 0;
-        start = std::max(start, e);
+        start = std::max(start, e + blk.transfer_after(i));
       }
       if (!ready) continue;
       const double finish = start + blk.seconds;

@@ -7,14 +7,15 @@
 // A repetend gives every block b a lag k_b (in period j the block runs for micro-batch j - k_b)
 // and a start s_b within the period; blocks may wrap around the period's end. Constraints: no
 // two blocks overlap on a device (on a circle of length P), a block starts after the blocks it
-// needs of the same micro-batch end (k_c P + s_c >= k_b P + s_b + t_b), and the activation bytes
+// needs of the same micro-batch end and their outputs arrive (k_c P + s_c >= k_b P + s_b + t_b +
+// x_bc, x_bc the transfer time from b to c), and the activation bytes
 // a device holds in steady state, plus each block's own peak, stay under its limit (evaluated
 // exactly at every block's start).
 // The shortest feasible P is found by bisection between the busiest device's work per
 // micro-batch and the whole micro-batch run in sequence; at that P the smallest largest lag
 // (the shortest fill and drain) is kept. Unrolled, every device runs its blocks in order of
-// their absolute times (m + k_b) P + s_b; executed as soon as inputs and devices are ready this
-// compacts warm-up and cool-down.
+// their absolute times (m + k_b) P + s_b; executed as soon as inputs have arrived and devices
+// are ready this compacts warm-up and cool-down.
 #pragma once
 
 #include <vector>
@@ -36,6 +37,11 @@ struct TesselBlock {
   // Bytes above the level at its start it needs while it runs (workspace, and what it keeps);
   // at least `bytes`.
   double peak = 0;
+  // Per entry of `after`: seconds from that block's end to this one's earliest start (the
+  // transfer of its output from another device: a pipeline send of activations or gradients).
+  // Empty: none.
+  std::vector<double> transfer;
+  double transfer_after(size_t i) const { return i < transfer.size() ? transfer[i] : 0.0; }
 };
 
 struct TesselProblem {
@@ -60,8 +66,8 @@ struct TesselSchedule {
   double lower_bound = 0;                  // the busiest device's work per micro-batch
   std::vector<int> lag;                    // per block
   std::vector<double> start;               // per block, within the period
-  double makespan = 0;             // the unrolled orders run as soon as possible, no communication
-  std::vector<double> peak_bytes;  // per device, in the unrolled orders
+  double makespan = 0;  // the unrolled orders run as soon as possible, transfers included
+  std::vector<double> peak_bytes;  // per device, in the orders
   int solver_calls = 0;
 };
 
@@ -70,7 +76,8 @@ struct TesselSchedule {
 Expected<TesselSchedule> tessel_search(const TesselProblem& problem);
 
 // Runs per-device block orders of `problem` (blocks named by kind and segment) as soon as inputs
-// and devices are ready; a block on several devices starts when all of them reach it. Returns
+// have arrived (a needed block's end plus its transfer time) and devices are ready; a block on
+// several devices starts when all of them reach it. Returns
 // the makespan, or an error naming the device and block that can never start (a deadlock) or a
 // block missing from a device's order.
 struct OrdersRun {

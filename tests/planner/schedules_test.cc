@@ -208,6 +208,74 @@ TEST(Schedules, SearchKeepsFasterInputOrders) {
   EXPECT_EQ(plan_to_json(s->plan), plan_to_json(*plan));
 }
 
+// The search's blocks carry the pipeline transfers between stages, priced by the plan's own
+// cost model on its topology: nonzero between stages, zero between a segment's forward and its
+// own backward, larger over PCIe than over NVSwitch, and in the reported makespan.
+TEST(Schedules, SearchPricesTransfersBetweenStages) {
+  auto m = load_model("gpt3-1.3b");
+  auto dgx = load_topology("dgx-a100x4");
+  auto pcie = load_topology("pcie-a100x8");
+  ASSERT_TRUE(m.ok() && dgx.ok() && pcie.ok());
+  auto node = resize_topology(*dgx, 1);
+  ASSERT_TRUE(node.ok());
+  MegatronOptions o;
+  o.tp = 2;
+  o.pp = 4;
+  o.global_batch = 8;
+  std::map<std::string, double> forward_transfer;
+  for (const auto& [name, topo] : {std::pair<std::string, Topology>{"nvswitch", *node},
+                                   std::pair<std::string, Topology>{"pcie", *pcie}}) {
+    auto plan = build_megatron_plan(*m, topo, o);
+    ASSERT_TRUE(plan.ok()) << plan.error().message();
+    Expected<SearchedSchedule> s = search_schedule(*plan, topo);
+    ASSERT_TRUE(s.ok()) << s.error().message();
+    const TesselProblem& q = s->problem;
+    // The transfers the estimator prices for the compiled plan's sends, by (segment, kind).
+    auto prog = compile_plan(*plan, topo);
+    ASSERT_TRUE(prog.ok());
+    const std::vector<TemplateTime> times = template_times(*prog);
+    std::map<std::pair<int, int>, double> sends;  // (from, to) -> slowest
+    for (size_t t = 0; t < prog->templates.size(); ++t) {
+      for (const auto& [to, seconds] : times[t].sends) {
+        double& x = sends[{prog->templates[t].segment, to}];
+        x = std::max(x, seconds);
+      }
+    }
+    int forwards = 0, backwards = 0;
+    for (const TesselBlock& b : q.blocks) {
+      ASSERT_EQ(b.transfer.size(), b.after.size()) << to_string(Block{b.kind, 0, b.segment});
+      for (size_t i = 0; i < b.after.size(); ++i) {
+        const TesselBlock& a = q.blocks[b.after[i]];
+        if (a.segment == b.segment) {
+          EXPECT_EQ(b.transfer[i], 0.0);
+          continue;
+        }
+        EXPECT_GT(b.transfer[i], 0.0) << name;
+        EXPECT_EQ(b.transfer[i], (sends[{a.segment, b.segment}])) << name;
+        if (b.kind == BlockKind::kForward) {
+          ++forwards;
+          forward_transfer[name] = b.transfer[i];
+        } else {
+          ++backwards;
+        }
+      }
+    }
+    EXPECT_EQ(forwards, 3) << name;
+    EXPECT_EQ(backwards, 3) << name;
+    // The reported makespan is the orders' with the transfers, longer than without.
+    Expected<OrdersRun> with = run_orders(q, s->tessel.orders);
+    ASSERT_TRUE(with.ok()) << with.error().message();
+    EXPECT_EQ(with->makespan, s->tessel.makespan);
+    TesselProblem without = q;
+    for (TesselBlock& b : without.blocks) b.transfer.clear();
+    Expected<OrdersRun> free = run_orders(without, s->tessel.orders);
+    ASSERT_TRUE(free.ok());
+    EXPECT_LT(free->makespan, with->makespan) << name;
+  }
+  // 32 GB/s PCIe against 300 GB/s NVSwitch, the same bytes.
+  EXPECT_GT(forward_transfer["pcie"], 4 * forward_transfer["nvswitch"]);
+}
+
 TEST(Schedules, Errors) {
   auto e = pipeline_orders(ScheduleKind::kOneFOneB, 4, 2, 8);
   ASSERT_FALSE(e.ok());

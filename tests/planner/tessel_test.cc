@@ -150,7 +150,103 @@ TEST(Tessel, DeterministicSchedules) {
   EXPECT_EQ(a->lag, b->lag);
 }
 
+// Two stages with a transfer of d between them (F0 -> F1 and B1 -> B0).
+TesselProblem two_stages_with_transfer(int m, double d) {
+  TesselProblem q = pipeline(2, m);
+  // Blocks: F0, F1, B1 (after F1), B0 (after B1, F0).
+  q.blocks[1].transfer = {d};
+  q.blocks[3].transfer = {d, 0.0};
+  return q;
+}
+
+// One micro-batch at a time: device 0 holds its activation for the whole round trip, F + d + F +
+// B + d + B, so the period and the iteration grow by 2d.
+TEST(Tessel, TransferTimeLengthensTheRoundTrip) {
+  const int m = 4;
+  for (double d : {0.0, 0.5, 1.25}) {
+    TesselProblem q = two_stages_with_transfer(m, d);
+    q.memory_limit.assign(2, 1.0);
+    Expected<TesselSchedule> s = tessel_search(q);
+    ASSERT_TRUE(s.ok()) << s.error().message();
+    const double round_trip = 6.0 + 2 * d;
+    EXPECT_NEAR(s->period, round_trip, round_trip * q.precision + 1e-9) << d;
+    EXPECT_NEAR(s->makespan, m * round_trip, 1e-9) << d;
+    Expected<OrdersRun> again = run_orders(q, s->orders);
+    ASSERT_TRUE(again.ok()) << again.error().message();
+    EXPECT_DOUBLE_EQ(again->makespan, s->makespan);
+  }
+}
+
+// 1F1B's memory (two micro-batches on device 0, one on device 1): device 0 holds each
+// activation for the round trip F + d + F + B + d + B, two at a time, so the period is
+// max(F + B, (6 + 2d) / 2); without a memory limit the lags hide the transfers and it stays at
+// F + B. Either way the orders finish no later than 1F1B's with the same transfers.
+TEST(Tessel, TransfersAtOneFOneBMemoryAndWithout) {
+  const int m = 8;
+  const double d = 0.5;
+  TesselProblem q = two_stages_with_transfer(m, d);
+  std::vector<std::vector<Block>> one_f_one_b(2);
+  for (int dev = 0; dev < 2; ++dev) {
+    const int warmup = 2 - dev;
+    int f = 0;
+    for (; f < warmup; ++f) one_f_one_b[dev].push_back({BlockKind::kForward, f, dev});
+    for (int b = 0; b < m; ++b) {
+      one_f_one_b[dev].push_back({BlockKind::kBackward, b, dev});
+      if (f < m) one_f_one_b[dev].push_back({BlockKind::kForward, f++, dev});
+    }
+  }
+  Expected<OrdersRun> baseline = run_orders(q, one_f_one_b);
+  ASSERT_TRUE(baseline.ok()) << baseline.error().message();
+  EXPECT_DOUBLE_EQ(baseline->peak_bytes[0], 2.0);
+  EXPECT_DOUBLE_EQ(baseline->peak_bytes[1], 1.0);
+  q.memory_limit = baseline->peak_bytes;
+  Expected<TesselSchedule> s = tessel_search(q);
+  ASSERT_TRUE(s.ok()) << s.error().message();
+  const double period = (6.0 + 2 * d) / 2;
+  EXPECT_NEAR(s->period, period, period * q.precision + 1e-9);
+  EXPECT_LE(s->makespan, baseline->makespan + 1e-9);
+  for (int dev = 0; dev < 2; ++dev) EXPECT_LE(s->peak_bytes[dev], q.memory_limit[dev] + 1e-9);
+  // The transfers are in the reported makespan: it is longer than without them.
+  TesselProblem free_transfers = q;
+  for (TesselBlock& b : free_transfers.blocks) b.transfer.clear();
+  Expected<OrdersRun> without = run_orders(free_transfers, s->orders);
+  ASSERT_TRUE(without.ok());
+  EXPECT_LT(without->makespan, s->makespan);
+
+  q.memory_limit.clear();
+  Expected<TesselSchedule> free = tessel_search(q);
+  ASSERT_TRUE(free.ok()) << free.error().message();
+  EXPECT_NEAR(free->period, 3.0, 3.0 * q.precision + 1e-9);
+  // Never faster than one micro-batch's round trip plus m - 1 periods of device 0's work.
+  EXPECT_GE(free->makespan, 6.0 + 2 * d + (m - 1) * 3.0 - 1e-9);
+  EXPECT_LT(free->makespan, s->makespan);
+}
+
+TEST(Tessel, DeterministicWithTransfers) {
+  TesselProblem q = sharded_head(4, 6);
+  q.memory_limit.assign(4, 3.0);
+  for (TesselBlock& b : q.blocks) b.transfer.assign(b.after.size(), 0.3);
+  Expected<TesselSchedule> a = tessel_search(q);
+  Expected<TesselSchedule> b = tessel_search(q);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->orders, b->orders);
+  EXPECT_EQ(a->lag, b->lag);
+  EXPECT_EQ(a->start, b->start);
+  EXPECT_EQ(a->makespan, b->makespan);
+  EXPECT_EQ(a->period, b->period);
+}
+
 TEST(Tessel, BadProblemsAndOrdersAreNamed) {
+  {
+    TesselProblem q = pipeline(2, 2);
+    q.blocks[1].transfer = {0.5, 0.5};  // F1 needs one block
+    Expected<TesselSchedule> bad = tessel_search(q);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.error().message().find("2 transfer times for 1 blocks"), std::string::npos)
+        << bad.error().message();
+    q.blocks[1].transfer = {-1.0};
+    ASSERT_FALSE(tessel_search(q).ok());
+  }
   TesselProblem q = pipeline(2, 2);
   q.blocks[0].after = {3};  // F0 after B0, which needs F0
   Expected<TesselSchedule> cycle = tessel_search(q);
