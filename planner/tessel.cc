@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -302,6 +303,84 @@ std::vector<std::vector<Block>> unroll(const TesselProblem& p, const Repetend& r
   return orders;
 }
 
+// Priority of one (block, micro-batch) in the list scheduler: lower runs first when two blocks
+// can start at the same time.
+using Priority = std::tuple<int64_t, int64_t, int64_t>;
+
+// List scheduling of every micro-batch's blocks: repeatedly, of the blocks whose inputs are
+// scheduled and that fit the memory of each of their devices at the end of its order so far,
+// the one that can start first (its inputs arrived, all its devices free) is appended to its
+// devices' orders; ties go to the lower priority. The orders never exceed the memory limit and
+// respect every dependency (a block on several devices is appended to all of them at once, so
+// they meet it in the same order). Empty when memory leaves no block able to run.
+std::vector<std::vector<Block>> list_orders(const TesselProblem& p,
+                                            const std::function<Priority(int, int)>& priority) {
+  const int n = static_cast<int>(p.blocks.size());
+  const int mb = p.micro_batches;
+  std::vector<std::vector<int>> users(n);
+  for (int c = 0; c < n; ++c) {
+    for (int b : p.blocks[c].after) users[b].push_back(c);
+  }
+  std::vector<int> waiting(static_cast<size_t>(n) * mb);
+  std::vector<double> end(waiting.size(), -1);
+  std::vector<Priority> key(waiting.size());
+  std::vector<int> ready;
+  for (int b = 0; b < n; ++b) {
+    for (int m = 0; m < mb; ++m) {
+      const int id = b * mb + m;
+      waiting[id] = static_cast<int>(p.blocks[b].after.size());
+      key[id] = priority(b, m);
+      if (waiting[id] == 0) ready.push_back(id);
+    }
+  }
+  std::vector<double> free_at(p.devices, 0), level(p.devices, 0);
+  std::vector<std::vector<Block>> orders(p.devices);
+  auto fits = [&](const TesselBlock& blk) {
+    if (p.memory_limit.empty()) return true;
+    for (int dev : blk.devices) {
+      const double limit = p.memory_limit[dev];
+      if (level[dev] + peak_of(blk) > limit + 1e-9 * std::max(1.0, std::abs(limit))) return false;
+    }
+    return true;
+  };
+  for (size_t placed = 0; placed < waiting.size(); ++placed) {
+    auto earliest = [&](int id) {
+      const int b = id / mb, m = id % mb;
+      const TesselBlock& blk = p.blocks[b];
+      double start = 0;
+      for (int dev : blk.devices) start = std::max(start, free_at[dev]);
+      for (size_t i = 0; i < blk.after.size(); ++i) {
+        start = std::max(start, end[blk.after[i] * mb + m] + blk.transfer_after(i));
+      }
+      return start;
+    };
+    int best = -1;
+    double best_start = 0;
+    for (int id : ready) {
+      if (!fits(p.blocks[id / mb])) continue;
+      const double start = earliest(id);
+      if (best < 0 || start < best_start || (start == best_start && key[id] < key[best])) {
+        best = id;
+        best_start = start;
+      }
+    }
+    if (best < 0) return {};
+    ready.erase(std::find(ready.begin(), ready.end(), best));
+    const int b = best / mb, m = best % mb;
+    const TesselBlock& blk = p.blocks[b];
+    end[best] = best_start + blk.seconds;
+    for (int dev : blk.devices) {
+      free_at[dev] = end[best];
+      level[dev] += blk.bytes;
+      orders[dev].push_back(Block{blk.kind, m, blk.segment});
+    }
+    for (int c : users[b]) {
+      if (--waiting[c * mb + m] == 0) ready.push_back(c * mb + m);
+    }
+  }
+  return orders;
+}
+
 }  // namespace
 
 Expected<OrdersRun> run_orders(const TesselProblem& p,
@@ -468,6 +547,37 @@ Expected<TesselSchedule> tessel_search(const TesselProblem& p) {
       lag_hi = mid;
     } else {
       lag_lo = mid + 1;
+    }
+  }
+  // Warm-up and cool-down: the unrolled orders keep the repetend's order from the first block
+  // to the last, so the fill and drain wait on it. List scheduling every micro-batch's blocks
+  // (earliest start first, within the memory limit) fills them instead; two tie-breaks: the
+  // repetend's own order ((m + k_b) P + s_b), and backward first (input gradients, then
+  // forwards, then weight gradients, earliest micro-batch first: 1F1B's and ZB-H1's rule).
+  // The orders that finish first are kept (the unrolled ones on a tie).
+  const std::vector<int> topo = topological_order(p);
+  std::vector<int64_t> rank(n);
+  for (int i = 0; i < n; ++i) rank[topo[i]] = i;
+  const Repetend& r = *chosen;
+  auto by_repetend = [&](int b, int m) {
+    return Priority{(m + r.lag[b]) * r.period + r.start[b], rank[b], m};
+  };
+  auto backward_first = [&](int b, int m) {
+    const BlockKind k = p.blocks[b].kind;
+    const int64_t cls = k == BlockKind::kForward ? 1 : k == BlockKind::kBackwardWeight ? 2 : 0;
+    return Priority{cls, m, rank[b]};
+  };
+  for (const std::function<Priority(int, int)>& rule :
+       {std::function<Priority(int, int)>(by_repetend),
+        std::function<Priority(int, int)>(backward_first)}) {
+    std::vector<std::vector<Block>> orders = list_orders(p, rule);
+    if (orders.empty()) continue;
+    Expected<OrdersRun> run = run_orders(p, orders);
+    if (!run) return run.error();
+    if (run->makespan < chosen_run->makespan) {
+      chosen_run = *run;
+      chosen_orders = std::move(orders);
+      out.ends_list_scheduled = true;
     }
   }
   out.period = static_cast<double>(chosen->period) * d.seconds_per_tick;

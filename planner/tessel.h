@@ -15,7 +15,9 @@
 // micro-batch and the whole micro-batch run in sequence; at that P the smallest largest lag
 // (the shortest fill and drain) is kept. Unrolled, every device runs its blocks in order of
 // their absolute times (m + k_b) P + s_b; executed as soon as inputs have arrived and devices
-// are ready this compacts warm-up and cool-down.
+// are ready this compacts warm-up and cool-down. Those ends still keep the repetend's order, so
+// every micro-batch's blocks are also list-scheduled (earliest start first under the memory
+// limit, ties by the repetend's order or backward first) and the orders that finish first kept.
 #pragma once
 
 #include <vector>
@@ -69,6 +71,9 @@ struct TesselSchedule {
   double makespan = 0;  // the unrolled orders run as soon as possible, transfers included
   std::vector<double> peak_bytes;  // per device, in the orders
   int solver_calls = 0;
+  // The orders are the blocks list-scheduled (earliest start first under the memory limit),
+  // which filled the warm-up and cool-down better than unrolling the repetend.
+  bool ends_list_scheduled = false;
 };
 
 // Fails when the blocks' dependencies form a cycle, a block needs a device that does not exist,

@@ -276,6 +276,33 @@ TEST(Schedules, SearchPricesTransfersBetweenStages) {
   EXPECT_GT(forward_transfer["pcie"], 4 * forward_transfer["nvswitch"]);
 }
 
+// An ordinary pipeline across four nodes (InfiniBand transfers between stages): the search's
+// orders, transfers included, finish no later than the 1F1B orders it starts from, within their
+// memory, and the estimator agrees.
+TEST(Schedules, SearchNoWorseThanOneFOneBAcrossNodes) {
+  auto m = load_model("gpt3-1.3b");
+  auto topo = load_topology("dgx-a100x4");
+  ASSERT_TRUE(m.ok() && topo.ok());
+  MegatronOptions o;
+  o.tp = 8;
+  o.pp = 4;
+  o.global_batch = 16;
+  auto plan = build_megatron_plan(*m, *topo, o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  Expected<SearchedSchedule> s = search_schedule(*plan, *topo);
+  ASSERT_TRUE(s.ok()) << s.error().message();
+  EXPECT_LE(s->tessel.makespan, s->input_makespan);
+  for (const TesselBlock& b : s->problem.blocks) {
+    if (b.kind == BlockKind::kForward && !b.after.empty()) EXPECT_GT(b.transfer.at(0), 0.0);
+  }
+  auto before = compile_plan(*plan, *topo);
+  auto after = compile_plan(s->plan, *topo);
+  ASSERT_TRUE(before.ok() && after.ok()) << (after.ok() ? "" : after.error().message());
+  EXPECT_LE(estimate_program(*after).iteration_time,
+            1.001 * estimate_program(*before).iteration_time);
+  EXPECT_LE(estimate_program(*after).peak_memory, 1.001 * estimate_program(*before).peak_memory);
+}
+
 TEST(Schedules, Errors) {
   auto e = pipeline_orders(ScheduleKind::kOneFOneB, 4, 2, 8);
   ASSERT_FALSE(e.ok());

@@ -2,6 +2,7 @@
 // blocks inside a pipeline, and the errors.
 #include "planner/tessel.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 namespace nnsim {
@@ -220,6 +221,64 @@ TEST(Tessel, TransfersAtOneFOneBMemoryAndWithout) {
   // Never faster than one micro-batch's round trip plus m - 1 periods of device 0's work.
   EXPECT_GE(free->makespan, 6.0 + 2 * d + (m - 1) * 3.0 - 1e-9);
   EXPECT_LT(free->makespan, s->makespan);
+}
+
+// 1F1B's orders for a p-stage pipeline of one segment per device (whole or split backward: BW
+// right after BI).
+std::vector<std::vector<Block>> one_f_one_b(int p, int m, bool split) {
+  std::vector<std::vector<Block>> orders(p);
+  for (int d = 0; d < p; ++d) {
+    const int warmup = std::min(m, p - d);
+    int f = 0;
+    for (; f < warmup; ++f) orders[d].push_back({BlockKind::kForward, f, d});
+    for (int b = 0; b < m; ++b) {
+      if (split) {
+        orders[d].push_back({BlockKind::kBackwardInput, b, d});
+        orders[d].push_back({BlockKind::kBackwardWeight, b, d});
+      } else {
+        orders[d].push_back({BlockKind::kBackward, b, d});
+      }
+      if (f < m) orders[d].push_back({BlockKind::kForward, f++, d});
+    }
+  }
+  return orders;
+}
+
+// On an ordinary pipeline the search's fill and drain are no worse than 1F1B's (list-scheduled
+// where unrolling the repetend leaves them longer), with and without transfers: whole backward
+// at 1F1B's memory, split at ZB-H1's.
+TEST(Tessel, OrdinaryPipelineNoWorseThanOneFOneB) {
+  for (const int p : {2, 4, 8}) {
+    for (const double x : {0.0, 0.25}) {
+      for (const bool split : {false, true}) {
+        const int m = 2 * p;
+        TesselProblem q = pipeline(p, m, split);
+        for (TesselBlock& b : q.blocks) {
+          b.transfer.clear();
+          for (int a : b.after) b.transfer.push_back(q.blocks[a].segment == b.segment ? 0.0 : x);
+        }
+        Expected<OrdersRun> baseline = run_orders(q, one_f_one_b(p, m, split));
+        ASSERT_TRUE(baseline.ok()) << baseline.error().message();
+        q.memory_limit = baseline->peak_bytes;
+        if (split) q.memory_limit.assign(p, p);  // ZB-H1's: 1F1B's first stage's on every one
+        Expected<TesselSchedule> s = tessel_search(q);
+        ASSERT_TRUE(s.ok()) << s.error().message();
+        const std::string what = fmt::format("p {} transfer {} split {}", p, x, split);
+        EXPECT_LE(s->makespan, baseline->makespan + 1e-9) << what;
+        // Split, no transfers, ZB-H1's memory: ZB-H1's 3m + (p - 1) (only the first BI's
+        // wait for the gradient; Qi et al.'s unit-time schedule), where the unrolled repetend
+        // alone leaves more.
+        if (split && x == 0) {
+          EXPECT_DOUBLE_EQ(s->makespan, 3.0 * m + (p - 1)) << what;
+          EXPECT_TRUE(s->ends_list_scheduled) << what;
+        }
+        for (int d = 0; d < p; ++d) EXPECT_LE(s->peak_bytes[d], q.memory_limit[d] + 1e-9) << what;
+        Expected<OrdersRun> again = run_orders(q, s->orders);
+        ASSERT_TRUE(again.ok()) << again.error().message();
+        EXPECT_EQ(again->makespan, s->makespan) << what;
+      }
+    }
+  }
 }
 
 TEST(Tessel, DeterministicWithTransfers) {
