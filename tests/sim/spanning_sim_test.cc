@@ -120,8 +120,9 @@ TEST(SpanningSim, TesselSearchBeatsOneFOneBOnTheShardedHead) {
   const SimResult before = run(one_f_one_b);
   const SimResult after = run(*tessel);
   EXPECT_LT(after.iteration_time, 0.7 * before.iteration_time);
-  // The solver's own account of the blocks alone is close to the simulation.
-  EXPECT_NEAR(searched->tessel.makespan, after.iteration_time, 0.1 * after.iteration_time);
+  // The solver's own account of the blocks and the transfers between them is close to the
+  // simulation.
+  EXPECT_NEAR(searched->tessel.makespan, after.iteration_time, 0.03 * after.iteration_time);
   ASSERT_EQ(after.lanes.size(), before.lanes.size());
   for (size_t l = 0; l < after.lanes.size(); ++l) {
     EXPECT_LE(after.lanes[l].peak_memory, before.lanes[l].peak_memory * 1.001) << l;
