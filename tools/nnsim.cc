@@ -447,10 +447,11 @@ int run_schedule(const ScheduleArgs& a) {
     const TesselSchedule& t = searched->tessel;
     std::printf(
         "  repetend of %s per micro-batch (busiest device's work %s), backward %s, %d solver "
-        "calls; blocks and transfers between them: %s (was %s)\n",
+        "calls; blocks and transfers between them: %s (was %s)%s\n",
         format_seconds(t.period).c_str(), format_seconds(t.lower_bound).c_str(),
         searched->split_backward ? "split" : "whole", t.solver_calls,
-        format_seconds(t.makespan).c_str(), format_seconds(searched->input_makespan).c_str());
+        format_seconds(t.makespan).c_str(), format_seconds(searched->input_makespan).c_str(),
+        t.ends_list_scheduled ? ", warm-up and cool-down list-scheduled" : "");
     if (searched->kept_input) {
       std::printf("  no faster schedule than the plan's own orders: kept them\n");
     }
