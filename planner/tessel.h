@@ -8,9 +8,9 @@
 // and a start s_b within the period; blocks may wrap around the period's end. Constraints: no
 // two blocks overlap on a device (on a circle of length P), a block starts after the blocks it
 // needs of the same micro-batch end and their outputs arrive (k_c P + s_c >= k_b P + s_b + t_b +
-// x_bc, x_bc the transfer time from b to c), and the activation bytes
-// a device holds in steady state, plus each block's own peak, stay under its limit (evaluated
-// exactly at every block's start).
+// x_bc, x_bc the transfer time from b to c), and the activation bytes a device holds in steady
+// state, plus each block's own peak, stay under its limit (evaluated exactly at every block's
+// start).
 // The shortest feasible P is found by bisection between the busiest device's work per
 // micro-batch and the whole micro-batch run in sequence; at that P the smallest largest lag
 // (the shortest fill and drain) is kept. Unrolled, every device runs its blocks in order of
@@ -63,13 +63,13 @@ struct TesselProblem {
 };
 
 struct TesselSchedule {
-  std::vector<std::vector<Block>> orders;  // per device, the unrolled blocks in order
+  std::vector<std::vector<Block>> orders;  // per device, every micro-batch's blocks in order
   double period = 0;                       // the repetend's length
   double lower_bound = 0;                  // the busiest device's work per micro-batch
   std::vector<int> lag;                    // per block
   std::vector<double> start;               // per block, within the period
-  double makespan = 0;  // the unrolled orders run as soon as possible, transfers included
-  std::vector<double> peak_bytes;  // per device, in the orders
+  double makespan = 0;                     // the orders run as soon as possible, transfers included
+  std::vector<double> peak_bytes;          // per device, in the orders
   int solver_calls = 0;
   // The orders are the blocks list-scheduled (earliest start first under the memory limit),
   // which filled the warm-up and cool-down better than unrolling the repetend.
@@ -82,9 +82,8 @@ Expected<TesselSchedule> tessel_search(const TesselProblem& problem);
 
 // Runs per-device block orders of `problem` (blocks named by kind and segment) as soon as inputs
 // have arrived (a needed block's end plus its transfer time) and devices are ready; a block on
-// several devices starts when all of them reach it. Returns
-// the makespan, or an error naming the device and block that can never start (a deadlock) or a
-// block missing from a device's order.
+// several devices starts when all of them reach it. Returns the makespan, or an error naming the
+// device and block that can never start (a deadlock) or a block missing from a device's order.
 struct OrdersRun {
   double makespan = 0;
   std::vector<double> peak_bytes;  // per device: the most activation bytes held at once
