@@ -34,15 +34,18 @@ using testing::RunResult;
 using testing::slurp;
 
 const std::string kModel = std::string(NNSIM_TEST_DATA) + "/tiny-gpt.yaml";
+// RMSNorm, GQA (2 key/value heads for 4), SwiGLU, rotary positions, no biases.
+const std::string kLlama = std::string(NNSIM_TEST_DATA) + "/tiny-llama.yaml";
 const std::string kTopo = std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml";
 const std::string kTopo1 = std::string(NNSIM_TEST_DATA) + "/tiny-node1.yaml";
 
 // `nnsim plan` for the tiny model on nodes of two ranks.
 RunResult make_plan(const TempDir& dir, int tp, int pp, int dp, const std::string& schedule,
-                    int global_batch, std::vector<std::string> extra = {}) {
+                    int global_batch, std::vector<std::string> extra = {},
+                    const std::string& model = kModel, const std::string& precision = "fp32") {
   std::vector<std::string> args = {"plan",
                                    "--model",
-                                   kModel,
+                                   model,
                                    "--topo",
                                    tp * pp * dp == 1 ? kTopo1 : kTopo,
                                    "--nodes",
@@ -58,7 +61,7 @@ RunResult make_plan(const TempDir& dir, int tp, int pp, int dp, const std::strin
                                    "--micro-batch",
                                    "1",
                                    "--precision",
-                                   "fp32",
+                                   precision,
                                    "--schedule",
                                    schedule,
                                    "-o",
@@ -141,6 +144,8 @@ struct Case {
   int tp, pp, dp;
   const char* schedule;
   int global_batch;
+  const std::string* model = &kModel;
+  const char* precision = "fp32";
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
@@ -153,7 +158,8 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const Case c = GetParam();
   TempDir dir;
-  RunResult p = make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch);
+  RunResult p =
+      make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, {}, *c.model, c.precision);
   ASSERT_EQ(p.status, 0) << p;
   const int n = c.tp * c.pp * c.dp;
   RunResult r = run(dir, NNEXEC_BINARY,
@@ -162,16 +168,39 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   ASSERT_EQ(r.status, 0) << r;
   EXPECT_TRUE(contains(r.out, "check           passed")) << r;
   EXPECT_TRUE(contains(r.out, "iteration time")) << r;
-  EXPECT_TRUE(std::ifstream(dir.file("run.h5")).good());
+  Expected<RunResults> file = read_run(dir.file("run.h5"));
+  ASSERT_TRUE(file.ok()) << file.error().message();
+  EXPECT_EQ(file->dtype, c.precision);
+  EXPECT_TRUE(file->check_passed());
+  // The worst shard's error relative to its reference: fp32 runs agree to rounding; bf16 runs
+  // must show bf16's rounding (they really computed in bf16) and stay within its tolerance.
+  double worst = 0;
+  for (const RankResult& k : file->ranks) {
+    for (const ParamCheck& pc : k.checks) {
+      worst = std::max(worst, pc.max_abs_error / std::max(pc.ref_max_abs, 1e-30));
+    }
+  }
+  if (std::string(c.precision) == "bf16") {
+    EXPECT_EQ(file->options.rtol, kBf16CheckRtol);
+    EXPECT_GT(worst, 1e-3) << "a bf16 run as accurate as fp32";
+    EXPECT_LT(worst, kBf16CheckRtol);
+  } else {
+    EXPECT_LT(worst, 1e-4);
+  }
+  std::printf("%s: worst relative gradient error %.3g\n", c.name, worst);
 }
 
-INSTANTIATE_TEST_SUITE_P(Plans, NnexecRun,
-                         ::testing::Values(Case{"tp2", 2, 1, 1, "1f1b", 2},
-                                           Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4},
-                                           Case{"pp2_gpipe", 1, 2, 1, "gpipe", 4},
-                                           Case{"dp2", 1, 1, 2, "1f1b", 4},
-                                           Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8}),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    Plans, NnexecRun,
+    ::testing::Values(Case{"tp2", 2, 1, 1, "1f1b", 2}, Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4},
+                      Case{"pp2_gpipe", 1, 2, 1, "gpipe", 4}, Case{"dp2", 1, 1, 2, "1f1b", 4},
+                      Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8},
+                      Case{"llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama},
+                      Case{"llama_pp2", 1, 2, 1, "1f1b", 4, &kLlama},
+                      Case{"llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama},
+                      Case{"bf16_tp2", 2, 1, 1, "1f1b", 2, &kModel, "bf16"},
+                      Case{"bf16_llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "bf16"}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
   // The check is not vacuous: --inject-fault scales one gradient shard of the last rank by 1.01
@@ -212,31 +241,55 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
   EXPECT_TRUE(contains(r.err, "--launch 3 but the plan's mesh has 2 ranks")) << r;
 }
 
-TEST(NnexecRunRefuses, SwigluModel) {
+TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   Expected<Plan> base = [] {
     TempDir dir;
-    EXPECT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2).status, 0);
+    EXPECT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {}, kLlama).status, 0);
     return load_plan(dir.file("plan.json"));
   }();
   ASSERT_TRUE(base.ok()) << base.error().message();
+  EXPECT_TRUE(check_runnable(*base).ok()) << check_runnable(*base).error().message();
   Plan p = *base;
-  p.model.mlp = MlpKind::kSwiglu;
+  p.model.position = PositionKind::kAlibi;
   Status s = check_runnable(p);
   ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(contains(s.error().message(), "model.mlp: 'swiglu' is not supported"))
+  EXPECT_TRUE(contains(s.error().message(), "model.position: 'alibi' is not supported"))
       << s.error().message();
   p = *base;
-  p.model.kv_heads = 2;
+  p.model.mlp = MlpKind::kSquaredRelu;
   s = check_runnable(p);
   ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(contains(s.error().message(), "model.kv_heads")) << s.error().message();
+  EXPECT_TRUE(contains(s.error().message(), "model.mlp: 'squared_relu' is not supported"))
+      << s.error().message();
+  p = *base;
+  p.model.kv_heads = 1;  // MQA: runs unsplit, but one key/value head cannot be split over tp 2
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(),
+                       "model.kv_heads: 1 key/value heads cannot be split over a tensor-parallel "
+                       "degree of 2"))
+      << s.error().message();
+  p = *base;
+  p.model.kv_heads = 3;
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(), "model.kv_heads: 3 key/value heads do not divide 4"))
+      << s.error().message();
   p = *base;
   p.schedule[0].blocks[1].kind = BlockKind::kBackwardInput;
   s = check_runnable(p);
   ASSERT_FALSE(s.ok());
   EXPECT_TRUE(contains(s.error().message(), "schedule.orders[0].blocks: block 'BI0@0'"))
       << s.error().message();
-  EXPECT_TRUE(check_runnable(*base).ok());
+  // MQA without tensor parallelism runs.
+  Expected<Plan> one = [] {
+    TempDir dir;
+    EXPECT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2, {}, kLlama).status, 0);
+    return load_plan(dir.file("plan.json"));
+  }();
+  ASSERT_TRUE(one.ok()) << one.error().message();
+  one->model.kv_heads = 1;
+  EXPECT_TRUE(check_runnable(*one).ok()) << check_runnable(*one).error().message();
 }
 
 std::optional<std::string> python_with_h5py(const TempDir& dir) {
