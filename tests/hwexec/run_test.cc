@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -16,6 +17,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "core/model.h"
 #include "core/plan.h"
 #include "hwexec/bench.h"
 #include "hwexec/comm.h"
@@ -172,6 +174,16 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   ASSERT_TRUE(file.ok()) << file.error().message();
   EXPECT_EQ(file->dtype, c.precision);
   EXPECT_TRUE(file->check_passed());
+  if (c.tp == 1 && c.dp == 1) {
+    // Without replicas, the ranks' parameters are the model's as the simulator counts them
+    // (the operator graph's shapes: GQA's narrower qkv, SwiGLU's two fc1 branches, no biases,
+    // no position table with rope).
+    Expected<ModelSpec> m = load_model(*c.model);
+    ASSERT_TRUE(m.ok()) << m.error().message();
+    double held = 0;
+    for (const RankResult& k : file->ranks) held += k.parameters;
+    EXPECT_EQ(held, static_cast<double>(m->parameters()));
+  }
   // The worst shard's error relative to its reference: fp32 runs agree to rounding; bf16 runs
   // must show bf16's rounding (they really computed in bf16) and stay within its tolerance.
   double worst = 0;
