@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <optional>
@@ -129,6 +131,43 @@ TEST(Comm, CollectivesOverGroupsAndPointToPoint) {
     if (!c.send(peer, big.data(), big.size() * 4).ok()) return false;
     if (!c.recv(peer, got.data(), got.size() * 4).ok()) return false;
     return got.front() == float(peer) && got.back() == float(peer);
+  }));
+}
+
+// The bit pattern of a float that bf16 represents exactly, and back.
+uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float bf16_value(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+TEST(Comm, Bf16AllReduceSumsAndRoundsToNearestEven) {
+  EXPECT_TRUE(in_processes(4, [](Comm& c) {
+    const int r = c.rank();
+    // Small integers: exact in bf16; 10 elements over 4 ranks (uneven chunks).
+    std::vector<uint16_t> v(10);
+    for (int i = 0; i < 10; ++i) v[i] = bf16_bits(static_cast<float>(r * 10 + i));
+    if (!c.all_reduce_bf16({0, 1, 2, 3}, v.data(), v.size()).ok()) return false;
+    for (int i = 0; i < 10; ++i) {
+      if (bf16_value(v[i]) != 60 + 4 * i) return false;
+    }
+    uint16_t m = bf16_bits(static_cast<float>(-r));
+    if (!c.all_reduce_bf16({0, 1, 2, 3}, &m, 1, Comm::Op::kMax).ok() || bf16_value(m) != 0) {
+      return false;
+    }
+    // 256 + 1 = 257 lies halfway between bf16's 256 and 258: rounds to the even 256; 258 + 1
+    // to 260 (also halfway; 260 is even).
+    const std::vector<int> g = r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
+    std::vector<uint16_t> h = {bf16_bits(r < 2 ? 256.0f : 1.0f), bf16_bits(r < 2 ? 258.0f : 1.0f)};
+    if (!c.all_reduce_bf16(g, h.data(), h.size()).ok()) return false;
+    return bf16_value(h[0]) == 256 && bf16_value(h[1]) == 260;
   }));
 }
 
