@@ -258,6 +258,9 @@ struct Param {
   at::Tensor w;                                      // this rank's shard, requires grad
   std::function<at::Tensor(const at::Tensor&)> cut;  // full tensor -> this rank's shard
   at::Tensor m, v;                                   // Adam moments
+  // What the operators use: w itself in fp32; in bf16, its copy made once per iteration inside
+  // autograd, so the weight gradients of every micro-batch reach w's fp32 gradient.
+  at::Tensor c;
 };
 
 // Tensor-parallel degrees of the three operator groups (1 = replicated on every tp rank).
@@ -366,6 +369,13 @@ class Model {
                       [=](const at::Tensor& x) { return x.narrow(1, tv * vl, vl); });
       }
     }
+    cast_weights();
+  }
+
+  // The operators' copies of the (updated) master weights: bf16 casts, recorded by autograd (as
+  // Megatron copies its fp32 master weights to the bf16 model after each optimizer step).
+  void cast_weights() {
+    for (Param& p : params_) p.c = dtype_ == at::kFloat ? p.w : p.w.to(dtype_);
   }
 
   std::deque<Param>& params() { return params_; }
@@ -486,7 +496,8 @@ class Model {
 
   std::vector<at::Tensor> bwd(Stats& st, const char* name, Unit& u, const at::Tensor& dy) {
     const Mark t0 = st.mark();
-    u.out.backward(dy);
+    // bf16: the weights' casts are shared by every micro-batch's graphs; keep them.
+    u.out.backward(dy, /*retain_graph=*/dtype_ != at::kFloat);
     std::vector<at::Tensor> g;
     for (const at::Tensor& i : u.in) g.push_back(i.grad());
     st.op(name, "bwd", t0, st.mark());
@@ -494,12 +505,9 @@ class Model {
     return g;
   }
 
-  // A parameter in the compute dtype: the fp32 master weight itself, or its bf16 copy made
-  // inside the operator's autograd graph (its gradient arrives in fp32 on the master).
-  at::Tensor W(const Param* p) const {
-    if (p == nullptr) return at::Tensor();
-    return dtype_ == at::kFloat ? p->w : p->w.to(dtype_);
-  }
+  // A parameter in the compute dtype: the fp32 master weight itself, or this iteration's bf16
+  // copy (its gradient arrives in fp32 on the master).
+  at::Tensor W(const Param* p) const { return p ? p->c : at::Tensor(); }
 
   // LayerNorm or RMSNorm (no bias), with fp32 statistics whatever the input's dtype (as
   // Megatron's fused kernels), the output in the input's dtype.
@@ -872,6 +880,13 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         tapes.erase(m);
       }
     }
+    for (const Param& p : model.params()) {
+      // Every parameter of the rank's part is used by every micro-batch (through its bf16 copy
+      // in a bf16 run): one without a gradient means the copy lost its link to the master.
+      if (!p.w.grad().defined()) {
+        throw Failure{fmt::format("iteration {}: no gradient reached {}", it, p.name)};
+      }
+    }
     // Data parallel: one all-reduce of every gradient, flattened.
     std::vector<at::Tensor> flat;
     for (Param& p : model.params()) flat.push_back(grad_or_zeros(p).reshape({-1}));
@@ -911,19 +926,23 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     // Adam.
     {
       const Mark o0 = stats.mark();
-      at::NoGradGuard no_grad;
-      const double k = it + 1;
-      for (Param& p : model.params()) {
-        const at::Tensor g = p.w.grad();
-        if (!p.m.defined()) {
-          p.m = at::zeros_like(p.w);
-          p.v = at::zeros_like(p.w);
+      {
+        at::NoGradGuard no_grad;
+        const double k = it + 1;
+        for (Param& p : model.params()) {
+          const at::Tensor g = p.w.grad();
+          if (!p.m.defined()) {
+            p.m = at::zeros_like(p.w);
+            p.v = at::zeros_like(p.w);
+          }
+          p.m.mul_(beta1).add_(g, 1 - beta1);
+          p.v.mul_(beta2).addcmul_(g, g, 1 - beta2);
+          at::Tensor denom = (p.v / (1 - std::pow(beta2, k))).sqrt_().add_(eps);
+          p.w.addcdiv_(p.m, denom, -lr / (1 - std::pow(beta1, k)));
         }
-        p.m.mul_(beta1).add_(g, 1 - beta1);
-        p.v.mul_(beta2).addcmul_(g, g, 1 - beta2);
-        at::Tensor denom = (p.v / (1 - std::pow(beta2, k))).sqrt_().add_(eps);
-        p.w.addcdiv_(p.m, denom, -lr / (1 - std::pow(beta1, k)));
       }
+      // bf16: the next iteration's weight copies (with autograd), timed with the step.
+      model.cast_weights();
       stats.op("optimizer", "step", o0, stats.mark());
     }
 #ifdef NNSIM_TORCH_HAS_CUDA
