@@ -442,7 +442,9 @@ TEST_P(NnexecRunGpu, MatchesTheUnpartitionedLossAndGradients) {
   const int n = c.tp * c.pp * c.dp;
   if (auto why = gpu_unavailable(n)) GTEST_SKIP() << *why;
   TempDir dir;
-  ASSERT_EQ(make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch).status, 0);
+  ASSERT_EQ(make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, {}, *c.model, c.precision)
+                .status,
+            0);
   RunResult r = run(dir, NNEXEC_BINARY,
                     {"run", "--plan", "plan.json", "--device", "cuda", "--out", "run.h5",
                      "--iterations", "2", "--warmup", "1", "--check"});
@@ -470,13 +472,14 @@ with h5py.File(sys.argv[1], "r") as f:
   EXPECT_EQ(check.status, 0) << check;
 }
 
-INSTANTIATE_TEST_SUITE_P(Plans, NnexecRunGpu,
-                         ::testing::Values(Case{"one_gpu", 1, 1, 1, "1f1b", 2},
-                                           Case{"tp2", 2, 1, 1, "1f1b", 2},
-                                           Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4},
-                                           Case{"dp2", 1, 1, 2, "1f1b", 4},
-                                           Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8}),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    Plans, NnexecRunGpu,
+    ::testing::Values(Case{"one_gpu", 1, 1, 1, "1f1b", 2}, Case{"tp2", 2, 1, 1, "1f1b", 2},
+                      Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4}, Case{"dp2", 1, 1, 2, "1f1b", 4},
+                      Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8},
+                      Case{"llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama},
+                      Case{"bf16_llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16"}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace nnsim::hwexec
