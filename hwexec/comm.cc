@@ -80,6 +80,21 @@ int position_in(const std::vector<int>& group, int rank) {
   return it == group.end() ? -1 : static_cast<int>(it - group.begin());
 }
 
+float bf16_to_float(std::uint16_t b) {
+  const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+std::uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+
 }  // namespace
 
 Expected<std::unique_ptr<Comm>> Comm::connect(const std::string& dir, int rank, int world,
@@ -327,6 +342,38 @@ Status Comm::all_reduce(const std::vector<int>& group, float* data, std::size_t 
   const auto o = chunks(n, group.size());
   if (Status s = ring_reduce_scatter(group, pos, data, o, op); !s) return s;
   return ring_all_gather(group, pos, data, o);
+}
+
+Status Comm::all_reduce_bf16(const std::vector<int>& group, std::uint16_t* data, std::size_t n,
+                             Op op) {
+  const int pos = position_in(group, rank_);
+  if (pos < 0) return Error(fmt::format("rank {} is not in its all-reduce group", rank_));
+  const int g = static_cast<int>(group.size());
+  if (g == 1) return {};
+  const auto o = chunks(n, group.size());
+  const int next = group[(pos + 1) % g], prev = group[(pos + g - 1) % g];
+  auto bytes = [&](int chunk) { return (o[chunk + 1] - o[chunk]) * sizeof(std::uint16_t); };
+  // The float ring's steps (ring_reduce_scatter, ring_all_gather) on 2-byte elements.
+  std::vector<std::uint16_t> tmp;
+  for (int s = 0; s < g - 1; ++s) {
+    const int send_chunk = ((pos - s) % g + g) % g;
+    const int recv_chunk = ((pos - s - 1) % g + g) % g;
+    if (Status st = this->send(next, data + o[send_chunk], bytes(send_chunk)); !st) return st;
+    tmp.resize(o[recv_chunk + 1] - o[recv_chunk]);
+    if (Status st = recv(prev, tmp.data(), bytes(recv_chunk)); !st) return st;
+    std::uint16_t* d = data + o[recv_chunk];
+    for (std::size_t i = 0; i < tmp.size(); ++i) {
+      const float a = bf16_to_float(d[i]), b = bf16_to_float(tmp[i]);
+      d[i] = float_to_bf16(op == Op::kSum ? a + b : std::max(a, b));
+    }
+  }
+  for (int s = 0; s < g - 1; ++s) {
+    const int send_chunk = ((pos + 1 - s) % g + g) % g;
+    const int recv_chunk = ((pos - s) % g + g) % g;
+    if (Status st = this->send(next, data + o[send_chunk], bytes(send_chunk)); !st) return st;
+    if (Status st = recv(prev, data + o[recv_chunk], bytes(recv_chunk)); !st) return st;
+  }
+  return {};
 }
 
 Status Comm::all_gather(const std::vector<int>& group, const float* in, std::size_t n, float* out) {

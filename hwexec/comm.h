@@ -46,6 +46,11 @@ class Comm {
   // it must contain this rank). Rings in the group's order. A group of one does nothing.
   // all_reduce: n floats in place.
   Status all_reduce(const std::vector<int>& group, float* data, std::size_t n, Op op = Op::kSum);
+  // all_reduce_bf16: n bf16 values (their bit patterns) in place, 2 bytes an element on the
+  // wire; each ring step combines in fp32 and rounds to bf16 (to nearest even), as NCCL's bf16
+  // ring does.
+  Status all_reduce_bf16(const std::vector<int>& group, std::uint16_t* data, std::size_t n,
+                         Op op = Op::kSum);
   // all_gather: `n` floats from each member into out[position * n ...] (out holds n * size).
   Status all_gather(const std::vector<int>& group, const float* in, std::size_t n, float* out);
   // reduce_scatter: `in` holds n * size floats; member i gets the sum of everyone's chunk i in

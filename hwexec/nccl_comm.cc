@@ -207,6 +207,23 @@ Status NcclComms::all_reduce(const std::vector<int>& group, float* data, std::si
   return {};
 }
 
+Status NcclComms::all_reduce_bf16(const std::vector<int>& group, void* data, std::size_t n,
+                                  Comm::Op op, void* stream) {
+  if (group.size() <= 1) return {};
+  const auto it = groups_.find(group);
+  if (it == groups_.end()) {
+    return Error(
+        fmt::format("rank {}: no NCCL communicator for group [{}]", rank_, members(group)));
+  }
+  if (ncclResult_t e =
+          ncclAllReduce(data, data, n, ncclBfloat16, op == Comm::Op::kMax ? ncclMax : ncclSum,
+                        static_cast<ncclComm_t>(it->second), static_cast<cudaStream_t>(stream));
+      e != ncclSuccess) {
+    return nccl_error(fmt::format("ncclAllReduce bf16 (group [{}])", members(group)), e);
+  }
+  return {};
+}
+
 Expected<void*> NcclComms::send_stream(int peer) const {
   const auto it = edges_.find({rank_, peer});
   if (it == edges_.end()) {

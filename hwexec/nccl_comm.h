@@ -68,6 +68,9 @@ class NcclComms {
   // In-place float32 all-reduce over `group` (one of the groups given to create) on `stream`.
   Status all_reduce(const std::vector<int>& group, float* data, std::size_t n, Comm::Op op,
                     void* stream);
+  // The same of n bf16 values (ncclBfloat16).
+  Status all_reduce_bf16(const std::vector<int>& group, void* data, std::size_t n, Comm::Op op,
+                         void* stream);
   // The stream that sends to `peer` run on (an edge given to create).
   Expected<void*> send_stream(int peer) const;
   // ncclSend of `bytes` to `peer` on its send stream (the caller orders it after the data's

@@ -33,27 +33,30 @@ Status check_runnable(const Plan& plan) {
   const ModelSpec& m = plan.model;
   auto refuse = [](const std::string& field, const std::string& why) {
     return Error(
-        fmt::format("{}: {} (nnexec run executes GPT-style models: LayerNorm, "
-                    "multi-head attention, GeLU MLP, learned positions; Megatron tensor "
+        fmt::format("{}: {} (nnexec run executes GPT- and Llama-style models: "
+                    "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU or SwiGLU "
+                    "MLP, learned or rotary positions; Megatron tensor "
                     "parallelism, pipelines of one segment per stage with F/B blocks, "
                     "data parallelism)",
                     field, why));
   };
-  if (m.mlp != MlpKind::kGelu) {
+  if (m.mlp != MlpKind::kGelu && m.mlp != MlpKind::kSwiglu) {
     return refuse("model.mlp",
-                  fmt::format("'{}' is not supported yet (gelu only)", to_string(m.mlp)));
+                  fmt::format("'{}' is not supported yet (gelu or swiglu)", to_string(m.mlp)));
   }
-  if (m.kv_heads != m.heads) {
-    return refuse("model.kv_heads", fmt::format("{} key/value heads for {} heads (GQA/MQA) is not "
-                                                "supported yet",
+  if (m.kv_heads < 1 || m.heads % m.kv_heads != 0) {
+    return refuse("model.kv_heads", fmt::format("{} key/value heads do not divide {} heads; set "
+                                                "kv_heads to a divisor of heads",
                                                 m.kv_heads, m.heads));
   }
-  if (m.norm != NormKind::kLayerNorm) {
-    return refuse("model.norm", fmt::format("'{}' is not supported yet", to_string(m.norm)));
+  if (m.position != PositionKind::kLearned && m.position != PositionKind::kRope) {
+    return refuse("model.position", fmt::format("'{}' is not supported yet (learned or rope)",
+                                                to_string(m.position)));
   }
-  if (m.position != PositionKind::kLearned) {
+  if (m.position == PositionKind::kRope && m.head_dim() % 2 != 0) {
     return refuse("model.position",
-                  fmt::format("'{}' is not supported yet (learned only)", to_string(m.position)));
+                  fmt::format("rope needs an even head dimension; hidden {} / heads {} is {}",
+                              m.hidden, m.heads, m.head_dim()));
   }
   if (m.dropout) {
     return refuse("model.dropout",
@@ -158,6 +161,13 @@ Status check_runnable(const Plan& plan) {
                                            "ffn_hidden {} and vocab {}",
                                            tp, m.heads, m.ffn_hidden, m.vocab));
   }
+  if (split_of.count("attn.qkv") && m.kv_heads % tp != 0) {
+    return refuse("model.kv_heads",
+                  fmt::format("{} key/value heads cannot be split over a tensor-parallel degree "
+                              "of {} (each rank holds whole key/value heads and their query "
+                              "groups); use a tensor-parallel degree dividing {}",
+                              m.kv_heads, tp, m.kv_heads));
+  }
   for (const MeshAxis& a : plan.mesh.axes) {
     if (a.size == 1 || a.name == kDataParallelAxis || pp_axes.count(a.name)) continue;
     if (std::find(tp_axes.begin(), tp_axes.end(), a.name) != tp_axes.end()) continue;
@@ -224,6 +234,20 @@ Status check_runnable(const Plan& plan) {
     }
   }
   return {};
+}
+
+std::string run_dtype(const Plan& plan) {
+  return plan.precision == Precision::kBf16 ? "bf16" : "fp32";
+}
+
+void set_check_tolerance(const std::string& dtype, RunOptions* options) {
+  if (dtype == "bf16") {
+    options->rtol = kBf16CheckRtol;
+    options->atol = kBf16CheckAtol;
+  } else {
+    options->rtol = 1e-4;
+    options->atol = 1e-6;
+  }
 }
 
 // ---------------------------------------------------------------- per-rank result text

@@ -99,8 +99,18 @@ struct RunResults {
 };
 
 // Whether `nnexec run` can execute `plan` faithfully; the error names the field (and the value)
-// it cannot run, e.g. "model.mlp: 'swiglu' ...". No LibTorch needed.
+// it cannot run, e.g. "model.position: 'alibi' ...". No LibTorch needed.
 Status check_runnable(const Plan& plan);
+
+// What `nnexec run` computes a plan in: "bf16" when the plan's precision is bf16 (bf16 weights
+// and activations, fp32 master weights, gradients and Adam), else "fp32".
+std::string run_dtype(const Plan& plan);
+
+// The --check tolerance for a run computing in `dtype`: fp32, rtol 1e-4 and atol 1e-6; bf16,
+// against the fp32 unpartitioned reference, kBf16CheckRtol and kBf16CheckAtol (docs/hwexec.md).
+inline constexpr double kBf16CheckRtol = 1.0 / 16;  // 16 units of bf16 rounding (2^-8)
+inline constexpr double kBf16CheckAtol = 1e-5;
+void set_check_tolerance(const std::string& dtype, RunOptions* options);
 
 // Runs this process's rank (comm.rank()) of the plan. Needs LibTorch.
 Expected<RankResult> run_rank(const Plan& plan, const RunOptions& options, Comm& comm);

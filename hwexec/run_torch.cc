@@ -1,8 +1,10 @@
-// The LibTorch side of `nnexec run` (docs/hwexec.md): builds this rank's part of a GPT-style
-// model and runs the plan's blocks. ATen only (no torch::nn): every operator of the operator
-// graph (attn.qkv, attn.core, ...) runs as its own small autograd graph, from detached inputs,
-// so that its forward and its backward are timed alone and the collectives between operators
-// are explicit, as in Megatron-LM:
+// The LibTorch side of `nnexec run` (docs/hwexec.md): builds this rank's part of a GPT- or
+// Llama-style model (LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU or SwiGLU,
+// learned or rotary positions, with or without biases) and runs the plan's blocks, in fp32 or,
+// for bf16 plans, in bf16 with fp32 master weights, gradients and Adam. ATen only (no torch::nn):
+// every operator of the operator graph (attn.qkv, attn.core, ...) runs as its own small autograd
+// graph, from detached inputs, so that its forward and its backward are timed alone and the
+// collectives between operators are explicit, as in Megatron-LM:
 //   attn.qkv / mlp.fc1: columns split over tp; their input gradient is all-reduced (f).
 //   attn.proj / mlp.fc2: rows split; their output (partial sums) is all-reduced (g), the bias
 //     added after it (timed in the residual).
@@ -180,6 +182,23 @@ struct Ctx {
                   const std::string& label, Comm::Op op = Comm::Op::kSum) {
     if (group.size() <= 1) return;
     t = t.contiguous();
+    if (t.scalar_type() == at::kBFloat16) {  // 2 bytes an element on the wire
+      const Mark a = stats->mark();
+#ifdef NNSIM_TORCH_HAS_CUDA
+      if (nccl) {
+        ok_or_throw(nccl->all_reduce_bf16(group, t.data_ptr(), t.numel(), op, stats->stream));
+        stats->coll("all_reduce", axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
+        return;
+      }
+#endif
+      ok_or_throw(
+          comm->all_reduce_bf16(group, static_cast<std::uint16_t*>(t.data_ptr()), t.numel(), op));
+      stats->coll("all_reduce", axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
+      return;
+    }
+    if (t.scalar_type() != at::kFloat) {
+      throw Failure{fmt::format("all-reduce of {}: only fp32 and bf16 tensors are reduced", label)};
+    }
     const Mark a = stats->mark();
 #ifdef NNSIM_TORCH_HAS_CUDA
     if (nccl) {
@@ -202,28 +221,28 @@ struct Ctx {
       if (!s) throw Failure{s.error().message()};
       ok_or_throw(stats->events->order(*s, stats->stream));
       const Mark a = stats->mark(*s);
-      ok_or_throw(nccl->send(peer, c.data_ptr<float>(), c.numel() * 4));
-      stats->coll("send", pp_axes, label, c.numel() * 4.0, a, stats->mark(*s));
+      ok_or_throw(nccl->send(peer, c.data_ptr(), c.nbytes()));
+      stats->coll("send", pp_axes, label, static_cast<double>(c.nbytes()), a, stats->mark(*s));
       in_flight.push_back(c);
       return;
     }
 #endif
     const Mark a = stats->mark();
-    ok_or_throw(comm->send(peer, c.data_ptr<float>(), c.numel() * 4));
-    stats->coll("send", pp_axes, label, c.numel() * 4.0, a, stats->mark());
+    ok_or_throw(comm->send(peer, c.data_ptr(), c.nbytes()));
+    stats->coll("send", pp_axes, label, static_cast<double>(c.nbytes()), a, stats->mark());
   }
   at::Tensor recv(int peer, at::IntArrayRef shape, const std::string& label) {
     at::Tensor t = at::empty(shape, options);
     const Mark a = stats->mark();
 #ifdef NNSIM_TORCH_HAS_CUDA
     if (nccl) {
-      ok_or_throw(nccl->recv(peer, t.data_ptr<float>(), t.numel() * 4, stats->stream));
-      stats->coll("recv", pp_axes, label, t.numel() * 4.0, a, stats->mark());
+      ok_or_throw(nccl->recv(peer, t.data_ptr(), t.nbytes(), stats->stream));
+      stats->coll("recv", pp_axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
       return t;
     }
 #endif
-    ok_or_throw(comm->recv(peer, t.data_ptr<float>(), t.numel() * 4));
-    stats->coll("recv", pp_axes, label, t.numel() * 4.0, a, stats->mark());
+    ok_or_throw(comm->recv(peer, t.data_ptr(), t.nbytes()));
+    stats->coll("recv", pp_axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
     return t;
   }
 };
@@ -239,6 +258,9 @@ struct Param {
   at::Tensor w;                                      // this rank's shard, requires grad
   std::function<at::Tensor(const at::Tensor&)> cut;  // full tensor -> this rank's shard
   at::Tensor m, v;                                   // Adam moments
+  // What the operators use: w itself in fp32; in bf16, its copy made once per iteration inside
+  // autograd, so the weight gradients of every micro-batch reach w's fp32 gradient.
+  at::Tensor c;
 };
 
 // Tensor-parallel degrees of the three operator groups (1 = replicated on every tp rank).
@@ -276,8 +298,9 @@ struct MicroBatchTape {
 class Model {
  public:
   Model(const ModelSpec& spec, int first, int end, bool embedding, bool head, Split split,
-        int tp_index, unsigned long long seed, at::Device device)
+        int tp_index, unsigned long long seed, at::Device device, at::ScalarType dtype)
       : device_(device),
+        dtype_(dtype),
         spec_(spec),
         first_(first),
         end_(end),
@@ -286,9 +309,14 @@ class Model {
         split_(split),
         t_(tp_index),
         seed_(seed) {
-    const int64_t h = spec.hidden, a = spec.heads, d = spec.head_dim(), f = spec.ffn_hidden,
-                  V = spec.vocab, s = spec.seq_len;
-    const int64_t al = a / split.heads, fl = f / split.ffn;
+    const int64_t h = spec.hidden, a = spec.heads, k = spec.kv_heads, d = spec.head_dim(),
+                  f = spec.ffn_hidden, V = spec.vocab, s = spec.seq_len;
+    // attn.qkv's columns: per key/value head, its group of a / k query heads, then its key and
+    // its value head (Megatron's layout), so a tensor-parallel rank holds whole groups.
+    const int64_t g = a / k, kl = k / split.heads, fl = f / split.ffn;
+    // mlp.fc1's columns for SwiGLU: the gate's f, then the up projection's f; a rank holds the
+    // same slice of each.
+    const int64_t branches = spec.gated_mlp() ? 2 : 1;
     const int ta = split.heads > 1 ? t_ : 0, tf = split.ffn > 1 ? t_ : 0;
     auto whole = [](const at::Tensor& x) { return x; };
     if (embedding_) {
@@ -296,31 +324,35 @@ class Model {
       const int tv = split.embed_vocab > 1 ? t_ : 0;
       word_ = add("embed.word.weight", {V, h}, 0.1, 0,
                   [=](const at::Tensor& x) { return x.narrow(0, tv * vl, vl); });
-      pos_ = add("embed.position.weight", {s, h}, 0.1, 0, whole);
+      if (spec.position == PositionKind::kLearned) {
+        pos_ = add("embed.position.weight", {s, h}, 0.1, 0, whole);
+      }
     }
     for (int l = first_; l < end_; ++l) {
       const std::string p = fmt::format("layers.{}.", l);
       LayerParams L;
       L.ln1g = add(p + "attn.norm.weight", {h}, 0.1, 1, whole);
       if (spec.bias) L.ln1b = add(p + "attn.norm.bias", {h}, 0.1, 0, whole);
-      L.qkv_w = add(p + "attn.qkv.weight", {h, 3 * h}, 0.05, 0, [=](const at::Tensor& x) {
-        return x.view({h, 3, a, d}).narrow(2, ta * al, al).reshape({h, 3 * al * d});
+      L.qkv_w = add(p + "attn.qkv.weight", {h, k * (g + 2) * d}, 0.05, 0, [=](const at::Tensor& x) {
+        return x.view({h, k, g + 2, d}).narrow(1, ta * kl, kl).reshape({h, kl * (g + 2) * d});
       });
       if (spec.bias) {
-        L.qkv_b = add(p + "attn.qkv.bias", {3 * h}, 0.05, 0, [=](const at::Tensor& x) {
-          return x.view({3, a, d}).narrow(1, ta * al, al).reshape({3 * al * d});
+        L.qkv_b = add(p + "attn.qkv.bias", {k * (g + 2) * d}, 0.05, 0, [=](const at::Tensor& x) {
+          return x.view({k, g + 2, d}).narrow(0, ta * kl, kl).reshape({kl * (g + 2) * d});
         });
       }
-      L.proj_w = add(p + "attn.proj.weight", {h, h}, 0.05, 0,
-                     [=](const at::Tensor& x) { return x.narrow(0, ta * al * d, al * d); });
+      L.proj_w = add(p + "attn.proj.weight", {a * d, h}, 0.05, 0,
+                     [=](const at::Tensor& x) { return x.narrow(0, ta * kl * g * d, kl * g * d); });
       if (spec.bias) L.proj_b = add(p + "attn.proj.bias", {h}, 0.05, 0, whole);
       L.ln2g = add(p + "mlp.norm.weight", {h}, 0.1, 1, whole);
       if (spec.bias) L.ln2b = add(p + "mlp.norm.bias", {h}, 0.1, 0, whole);
-      L.fc1_w = add(p + "mlp.fc1.weight", {h, f}, 0.05, 0,
-                    [=](const at::Tensor& x) { return x.narrow(1, tf * fl, fl); });
+      L.fc1_w = add(p + "mlp.fc1.weight", {h, branches * f}, 0.05, 0, [=](const at::Tensor& x) {
+        return x.view({h, branches, f}).narrow(2, tf * fl, fl).reshape({h, branches * fl});
+      });
       if (spec.bias) {
-        L.fc1_b = add(p + "mlp.fc1.bias", {f}, 0.05, 0,
-                      [=](const at::Tensor& x) { return x.narrow(0, tf * fl, fl); });
+        L.fc1_b = add(p + "mlp.fc1.bias", {branches * f}, 0.05, 0, [=](const at::Tensor& x) {
+          return x.view({branches, f}).narrow(1, tf * fl, fl).reshape({branches * fl});
+        });
       }
       L.fc2_w = add(p + "mlp.fc2.weight", {f, h}, 0.05, 0,
                     [=](const at::Tensor& x) { return x.narrow(0, tf * fl, fl); });
@@ -337,6 +369,13 @@ class Model {
                       [=](const at::Tensor& x) { return x.narrow(1, tv * vl, vl); });
       }
     }
+    cast_weights();
+  }
+
+  // The operators' copies of the (updated) master weights: bf16 casts, recorded by autograd (as
+  // Megatron copies its fp32 master weights to the bf16 model after each optimizer step).
+  void cast_weights() {
+    for (Param& p : params_) p.c = dtype_ == at::kFloat ? p.w : p.w.to(dtype_);
   }
 
   std::deque<Param>& params() { return params_; }
@@ -353,35 +392,40 @@ class Model {
       const int64_t vl = spec_.vocab / split_.embed_vocab;
       const int64_t start = split_.embed_vocab > 1 ? t_ * vl : 0;
       tape.word = fwd(st, "embed.word", {}, [&](const std::vector<at::Tensor>&) {
-        if (split_.embed_vocab == 1) return at::embedding(word_->w, tokens);
+        // The rows looked up in fp32, then cast: the same values as a lookup in a bf16 copy of
+        // the table, without casting the whole table.
+        if (split_.embed_vocab == 1) return at::embedding(word_->w, tokens).to(dtype_);
         at::Tensor local = tokens - start;
         at::Tensor mask = (local >= 0).logical_and(local < vl);
-        return at::embedding(word_->w, local.clamp(0, vl - 1)) * mask.unsqueeze(-1).to(at::kFloat);
+        return (at::embedding(word_->w, local.clamp(0, vl - 1)) * mask.unsqueeze(-1).to(at::kFloat))
+            .to(dtype_);
       });
       at::Tensor e = tape.word.out.detach().clone();
       if (split_.embed_vocab > 1) c.tp_all_reduce(e, "embed.word");
-      tape.pos = fwd(st, "embed.position", {leaf(e)}, [&](const std::vector<at::Tensor>& in) {
-        return in[0] + pos_->w.narrow(0, 0, tokens.size(1));
-      });
-      x = tape.pos.out.detach();
+      if (pos_) {
+        tape.pos = fwd(st, "embed.position", {leaf(e)}, [&](const std::vector<at::Tensor>& in) {
+          return in[0] + W(pos_).narrow(0, 0, tokens.size(1));
+        });
+        x = tape.pos.out.detach();
+      } else {
+        x = e;  // rotary positions: applied to queries and keys in attn.core
+      }
     }
     tape.layers.resize(layers_.size());
     for (std::size_t l = 0; l < layers_.size(); ++l)
       x = layer_forward(c, layers_[l], x, tape.layers[l]);
     if (!head_) return x;
-    const int64_t h = spec_.hidden;
-    tape.hnorm = fwd(st, "head.norm", {leaf(x)}, [&](const std::vector<at::Tensor>& in) {
-      return at::layer_norm(in[0], {h}, hn_g_->w, hn_b_ ? hn_b_->w : at::Tensor(), 1e-5);
-    });
+    tape.hnorm = fwd(st, "head.norm", {leaf(x)},
+                     [&](const std::vector<at::Tensor>& in) { return norm(in[0], hn_g_, hn_b_); });
     const bool tied = spec_.tied_embeddings;
     const int vsplit = tied ? split_.embed_vocab : split_.head_vocab;
     tape.hproj =
         fwd(st, "head.proj", {leaf(tape.hnorm.out)}, [&](const std::vector<at::Tensor>& in) {
-          return at::matmul(in[0], tied ? word_->w.t() : head_w_->w);
+          return at::matmul(in[0], tied ? W(word_).t() : W(head_w_));
         });
     // Vocab-parallel cross-entropy, mean over the micro-batch's tokens.
     const Mark t0 = st.mark();
-    at::Tensor logits = tape.hproj.out.detach();
+    at::Tensor logits = tape.hproj.out.detach().to(at::kFloat);  // cross-entropy in fp32
     const int64_t vl = logits.size(-1);
     const int64_t start = vsplit > 1 ? t_ * vl : 0;
     at::Tensor lmax = std::get<0>(logits.max(-1));
@@ -412,13 +456,13 @@ class Model {
       st.op("loss", "bwd", t0, st.mark());
       tape.ez = tape.se = tape.onehot = at::Tensor();
       const int vsplit = spec_.tied_embeddings ? split_.embed_vocab : split_.head_vocab;
-      at::Tensor dn = bwd(st, "head.proj", tape.hproj, dlogits)[0];
+      at::Tensor dn = bwd(st, "head.proj", tape.hproj, dlogits.to(dtype_))[0];
       if (vsplit > 1) c.tp_all_reduce(dn, "head.proj");
       dy = bwd(st, "head.norm", tape.hnorm, dn)[0];
     }
     for (std::size_t l = layers_.size(); l-- > 0;) dy = layer_backward(c, tape.layers[l], dy);
     if (embedding_) {
-      at::Tensor de = bwd(st, "embed.position", tape.pos, dy)[0];
+      at::Tensor de = pos_ ? bwd(st, "embed.position", tape.pos, dy)[0] : dy;
       bwd(st, "embed.word", tape.word, de);
       return at::Tensor();
     }
@@ -452,7 +496,8 @@ class Model {
 
   std::vector<at::Tensor> bwd(Stats& st, const char* name, Unit& u, const at::Tensor& dy) {
     const Mark t0 = st.mark();
-    u.out.backward(dy);
+    // bf16: the weights' casts are shared by every micro-batch's graphs; keep them.
+    u.out.backward(dy, /*retain_graph=*/dtype_ != at::kFloat);
     std::vector<at::Tensor> g;
     for (const at::Tensor& i : u.in) g.push_back(i.grad());
     st.op(name, "bwd", t0, st.mark());
@@ -460,49 +505,99 @@ class Model {
     return g;
   }
 
+  // A parameter in the compute dtype: the fp32 master weight itself, or this iteration's bf16
+  // copy (its gradient arrives in fp32 on the master).
+  at::Tensor W(const Param* p) const { return p ? p->c : at::Tensor(); }
+
+  // LayerNorm or RMSNorm (no bias), with fp32 statistics whatever the input's dtype (as
+  // Megatron's fused kernels), the output in the input's dtype.
+  at::Tensor norm(const at::Tensor& x, const Param* g, const Param* b) const {
+    const at::Tensor xf = x.to(at::kFloat);
+    at::Tensor y;
+    if (spec_.norm == NormKind::kLayerNorm) {
+      y = at::layer_norm(xf, {spec_.hidden}, g->w, b ? b->w : at::Tensor(), 1e-5);
+    } else {
+      y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + 1e-5) * g->w;
+    }
+    return y.to(x.scalar_type());
+  }
+
+  // Rotary position embedding (rotate-half form, base 10000) of x [b, s, heads, d], positions
+  // 0 .. s-1, angles in fp32.
+  at::Tensor rope(const at::Tensor& x) const {
+    const int64_t s = x.size(1), d = x.size(3);
+    const auto f32 = x.options().dtype(at::kFloat);
+    const at::Tensor inv = at::pow(10000.0, -at::arange(0, d, 2, f32) / static_cast<double>(d));
+    const at::Tensor ang = at::outer(at::arange(s, f32), inv);  // [s, d/2]
+    const at::Tensor cos = at::cat({ang.cos(), ang.cos()}, -1).view({s, 1, d}).to(x.dtype());
+    const at::Tensor sin = at::cat({ang.sin(), ang.sin()}, -1).view({s, 1, d}).to(x.dtype());
+    const at::Tensor rotated = at::cat({-x.narrow(3, d / 2, d / 2), x.narrow(3, 0, d / 2)}, -1);
+    return x * cos + rotated * sin;
+  }
+
   at::Tensor layer_forward(Ctx& c, const LayerParams& L, const at::Tensor& x, LayerTape& t) {
     Stats& st = *c.stats;
-    const int64_t h = spec_.hidden, d = spec_.head_dim(), al = spec_.heads / split_.heads;
-    auto opt = [](Param* p) { return p ? p->w : at::Tensor(); };
-    t.n1 = fwd(st, "attn.norm", {leaf(x)}, [&](const std::vector<at::Tensor>& in) {
-      return at::layer_norm(in[0], {h}, L.ln1g->w, opt(L.ln1b), 1e-5);
-    });
+    const int64_t d = spec_.head_dim(), g = spec_.heads / spec_.kv_heads,
+                  kl = spec_.kv_heads / split_.heads, al = kl * g;
+    t.n1 = fwd(st, "attn.norm", {leaf(x)},
+               [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.ln1g, L.ln1b); });
     t.qkv = fwd(st, "attn.qkv", {leaf(t.n1.out)}, [&](const std::vector<at::Tensor>& in) {
-      at::Tensor y = at::matmul(in[0], L.qkv_w->w);
-      return L.qkv_b ? y + L.qkv_b->w : y;
+      at::Tensor y = at::matmul(in[0], W(L.qkv_w));
+      return L.qkv_b ? y + W(L.qkv_b) : y;
     });
     t.core = fwd(st, "attn.core", {leaf(t.qkv.out)}, [&](const std::vector<at::Tensor>& in) {
       const int64_t b = in[0].size(0), s = in[0].size(1);
-      at::Tensor v5 = in[0].view({b, s, 3, al, d}).permute({2, 0, 3, 1, 4});
-      at::Tensor scores = at::matmul(v5[0], v5[1].transpose(-2, -1)) / std::sqrt(double(d));
+      // [b, s, kv heads, group + 2, d]: the group's queries, then its key and value.
+      at::Tensor v5 = in[0].view({b, s, kl, g + 2, d});
+      at::Tensor q = v5.narrow(3, 0, g).reshape({b, s, al, d});
+      at::Tensor k = v5.select(3, g), v = v5.select(3, g + 1);
+      if (spec_.position == PositionKind::kRope) {
+        q = rope(q);
+        k = rope(k);
+      }
+      if (g > 1) {  // grouped-query attention: each key/value head serves its g query heads
+        k = k.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
+        v = v.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
+      }
+      q = q.permute({0, 2, 1, 3});
+      k = k.permute({0, 2, 1, 3});
+      v = v.permute({0, 2, 1, 3});
+      at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(d));
       at::Tensor causal = at::ones({s, s}, in[0].options().dtype(at::kBool)).triu(1);
+      // The softmax in fp32 (Megatron's fused scaled-masked softmax), its output in the
+      // compute dtype.
       at::Tensor p =
-          at::softmax(scores.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1);
-      return at::matmul(p, v5[2]).permute({0, 2, 1, 3}).reshape({b, s, al * d});
+          at::softmax(scores.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1,
+                      at::kFloat)
+              .to(q.scalar_type());
+      return at::matmul(p, v).permute({0, 2, 1, 3}).reshape({b, s, al * d});
     });
     t.proj = fwd(st, "attn.proj", {leaf(t.core.out)},
-                 [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], L.proj_w->w); });
+                 [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], W(L.proj_w)); });
     at::Tensor y = t.proj.out.detach().clone();
     if (split_.heads > 1) c.tp_all_reduce(y, "attn.proj");
     t.res1 = fwd(st, "attn.residual", {leaf(y), leaf(x)}, [&](const std::vector<at::Tensor>& in) {
-      return L.proj_b ? in[0] + L.proj_b->w + in[1] : in[0] + in[1];
+      return L.proj_b ? in[0] + W(L.proj_b) + in[1] : in[0] + in[1];
     });
     const at::Tensor x1 = t.res1.out.detach();
-    t.n2 = fwd(st, "mlp.norm", {leaf(x1)}, [&](const std::vector<at::Tensor>& in) {
-      return at::layer_norm(in[0], {h}, L.ln2g->w, opt(L.ln2b), 1e-5);
-    });
+    t.n2 = fwd(st, "mlp.norm", {leaf(x1)},
+               [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.ln2g, L.ln2b); });
     t.fc1 = fwd(st, "mlp.fc1", {leaf(t.n2.out)}, [&](const std::vector<at::Tensor>& in) {
-      at::Tensor z = at::matmul(in[0], L.fc1_w->w);
-      return L.fc1_b ? z + L.fc1_b->w : z;
+      at::Tensor z = at::matmul(in[0], W(L.fc1_w));
+      return L.fc1_b ? z + W(L.fc1_b) : z;
     });
-    t.act = fwd(st, "mlp.act", {leaf(t.fc1.out)},
-                [&](const std::vector<at::Tensor>& in) { return at::gelu(in[0]); });
+    t.act = fwd(st, "mlp.act", {leaf(t.fc1.out)}, [&](const std::vector<at::Tensor>& in) {
+      if (!spec_.gated_mlp()) return at::gelu(in[0]);
+      // SwiGLU: silu(gate) * up, the halves of this rank's fc1 output.
+      const int64_t fl = in[0].size(-1) / 2;
+      return at::silu(in[0].narrow(-1, 0, fl)) * in[0].narrow(-1, fl, fl);
+    });
     t.fc2 = fwd(st, "mlp.fc2", {leaf(t.act.out)},
-                [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], L.fc2_w->w); });
+                [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], W(L.fc2_w)); });
     at::Tensor y2 = t.fc2.out.detach().clone();
     if (split_.ffn > 1) c.tp_all_reduce(y2, "mlp.fc2");
     t.res2 = fwd(st, "mlp.residual", {leaf(y2), leaf(x1)}, [&](const std::vector<at::Tensor>& in) {
-      return L.fc2_b ? in[0] + L.fc2_b->w + in[1] : in[0] + in[1];
+      return L.fc2_b ? in[0] + W(L.fc2_b) + in[1] : in[0] + in[1];
     });
     return t.res2.out.detach();
   }
@@ -524,6 +619,7 @@ class Model {
   }
 
   at::Device device_;
+  at::ScalarType dtype_;  // what the operators compute in; the parameters stay fp32
   ModelSpec spec_;
   int first_, end_;
   bool embedding_, head_;
@@ -683,7 +779,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   Ctx ctx;
   ctx.comm = &comm;
   ctx.stats = &stats;
-  ctx.options = at::TensorOptions().dtype(at::kFloat).device(device);
+  const at::ScalarType dtype = run_dtype(plan) == "bf16" ? at::kBFloat16 : at::kFloat;
+  ctx.options = at::TensorOptions().dtype(dtype).device(device);
   ctx.tp_axes = join(L.tp_axes);
   ctx.pp_axes = join(L.pp_axes);
   ctx.tp_group = L.tp_axes.empty() ? std::vector<int>{rank} : group_along(mesh, rank, L.tp_axes);
@@ -724,7 +821,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   }
 #endif
   Model model(plan.model, seg.first_layer, seg.end_layer, seg.embedding, seg.head, L.split,
-              ctx.tp_index, opt.seed, device);
+              ctx.tp_index, opt.seed, device, dtype);
 
   RankResult out;
   out.rank = rank;
@@ -738,9 +835,11 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     Ctx ref;
     ref.comm = &comm;
     ref.stats = &ref_stats;
-    ref.options = ctx.options;
+    ref.options = at::TensorOptions().dtype(at::kFloat).device(device);
     ref.tp_group = ref.dp_group = {rank};
-    Model whole(plan.model, 0, plan.model.layers, true, true, Split{}, 0, opt.seed, device);
+    // Always fp32: a bf16 run is checked against the full-precision model.
+    Model whole(plan.model, 0, plan.model.layers, true, true, Split{}, 0, opt.seed, device,
+                at::kFloat);
     const at::Tensor data = batch(plan, opt.seed, 0, device);
     MicroBatchTape tape;
     whole.forward(ref, data.narrow(1, 0, s), at::Tensor(), data.narrow(1, 1, s), tape);
@@ -757,7 +856,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     const auto t0 = Clock::now();
     const at::Tensor data = batch(plan, opt.seed, it, device);
     std::map<int, MicroBatchTape> tapes;
-    at::Tensor loss_sum = at::zeros({1}, ctx.options);
+    at::Tensor loss_sum = at::zeros({1}, ctx.options.dtype(at::kFloat));
     for (const Block& blk : L.order->blocks) {
       const int m = blk.micro_batch;
       const int64_t row = (static_cast<int64_t>(dp_index) * M + m) * b;
@@ -779,6 +878,13 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         at::Tensor dx = model.backward(ctx, tape, dy, 1.0 / (M * dp));
         if (!model.has_embedding()) ctx.send(prev, dx, "gradient");
         tapes.erase(m);
+      }
+    }
+    for (const Param& p : model.params()) {
+      // Every parameter of the rank's part is used by every micro-batch (through its bf16 copy
+      // in a bf16 run): one without a gradient means the copy lost its link to the master.
+      if (!p.w.grad().defined()) {
+        throw Failure{fmt::format("iteration {}: no gradient reached {}", it, p.name)};
       }
     }
     // Data parallel: one all-reduce of every gradient, flattened.
@@ -820,19 +926,23 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     // Adam.
     {
       const Mark o0 = stats.mark();
-      at::NoGradGuard no_grad;
-      const double k = it + 1;
-      for (Param& p : model.params()) {
-        const at::Tensor g = p.w.grad();
-        if (!p.m.defined()) {
-          p.m = at::zeros_like(p.w);
-          p.v = at::zeros_like(p.w);
+      {
+        at::NoGradGuard no_grad;
+        const double k = it + 1;
+        for (Param& p : model.params()) {
+          const at::Tensor g = p.w.grad();
+          if (!p.m.defined()) {
+            p.m = at::zeros_like(p.w);
+            p.v = at::zeros_like(p.w);
+          }
+          p.m.mul_(beta1).add_(g, 1 - beta1);
+          p.v.mul_(beta2).addcmul_(g, g, 1 - beta2);
+          at::Tensor denom = (p.v / (1 - std::pow(beta2, k))).sqrt_().add_(eps);
+          p.w.addcdiv_(p.m, denom, -lr / (1 - std::pow(beta1, k)));
         }
-        p.m.mul_(beta1).add_(g, 1 - beta1);
-        p.v.mul_(beta2).addcmul_(g, g, 1 - beta2);
-        at::Tensor denom = (p.v / (1 - std::pow(beta2, k))).sqrt_().add_(eps);
-        p.w.addcdiv_(p.m, denom, -lr / (1 - std::pow(beta1, k)));
       }
+      // bf16: the next iteration's weight copies (with autograd), timed with the step.
+      model.cast_weights();
       stats.op("optimizer", "step", o0, stats.mark());
     }
 #ifdef NNSIM_TORCH_HAS_CUDA

@@ -70,7 +70,9 @@ int run_worker(const RunArgs& a) {
   if (!plan) return fail_rank(plan.error().message());
   auto comm = Comm::connect(a.rendezvous, a.worker_rank, a.launch);
   if (!comm) return fail_rank(comm.error().message());
-  nnsim::Expected<RankResult> r = run_rank(*plan, a.options, **comm);
+  RunOptions options = a.options;
+  set_check_tolerance(run_dtype(*plan), &options);
+  nnsim::Expected<RankResult> r = run_rank(*plan, options, **comm);
   if (!r) return fail_rank(r.error().message());
   const std::string path = fmt::format("{}/rank-{}.txt", a.rendezvous, a.worker_rank);
   {
@@ -96,6 +98,7 @@ int run_launcher(RunArgs a) {
   if (nnsim::Status s = check_runnable(*plan); !s) {
     return fail(fmt::format("{}: cannot run this plan: {}", a.plan, s.error().message()));
   }
+  set_check_tolerance(run_dtype(*plan), &a.options);
   const int ranks = plan->mesh.num_ranks();
   if (a.launch == 0) a.launch = ranks;
   if (a.launch != ranks) {
@@ -204,6 +207,7 @@ int run_launcher(RunArgs a) {
   results.world = a.launch;
   results.torch_version = build_info().torch_version;
   results.device = a.options.device;
+  results.dtype = run_dtype(*plan);
   results.device_name = device_name;
   if (a.options.device == "cuda") results.nccl_version = build_info().nccl_version;
   for (const auto& ax : plan->mesh.axes) results.mesh_axes.push_back(ax.name);
@@ -222,12 +226,13 @@ int run_launcher(RunArgs a) {
   std::vector<double> t = results.iteration_seconds();
   std::sort(t.begin(), t.end());
   if (a.options.device == "cuda") {
-    std::printf("%s: %s on %d GPU(s) (%s, LibTorch %s, NCCL %s)\n", a.out.c_str(),
-                plan->name.c_str(), a.launch, device_name.c_str(), results.torch_version.c_str(),
-                results.nccl_version.c_str());
+    std::printf("%s: %s on %d GPU(s) (%s, %s, LibTorch %s, NCCL %s)\n", a.out.c_str(),
+                plan->name.c_str(), a.launch, device_name.c_str(), results.dtype.c_str(),
+                results.torch_version.c_str(), results.nccl_version.c_str());
   } else {
-    std::printf("%s: %s on %d processes (CPU, LibTorch %s, %d thread(s) each)\n", a.out.c_str(),
-                plan->name.c_str(), a.launch, results.torch_version.c_str(), a.options.threads);
+    std::printf("%s: %s on %d processes (CPU, %s, LibTorch %s, %d thread(s) each)\n", a.out.c_str(),
+                plan->name.c_str(), a.launch, results.dtype.c_str(), results.torch_version.c_str(),
+                a.options.threads);
   }
   if (!t.empty()) {
     std::printf("  iteration time  median %.3f ms (min %.3f, max %.3f over %zu iterations)\n",

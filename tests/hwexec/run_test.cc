@@ -7,8 +7,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <optional>
@@ -16,6 +19,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "core/model.h"
 #include "core/plan.h"
 #include "hwexec/bench.h"
 #include "hwexec/comm.h"
@@ -34,15 +38,18 @@ using testing::RunResult;
 using testing::slurp;
 
 const std::string kModel = std::string(NNSIM_TEST_DATA) + "/tiny-gpt.yaml";
+// RMSNorm, GQA (2 key/value heads for 4), SwiGLU, rotary positions, no biases.
+const std::string kLlama = std::string(NNSIM_TEST_DATA) + "/tiny-llama.yaml";
 const std::string kTopo = std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml";
 const std::string kTopo1 = std::string(NNSIM_TEST_DATA) + "/tiny-node1.yaml";
 
 // `nnsim plan` for the tiny model on nodes of two ranks.
 RunResult make_plan(const TempDir& dir, int tp, int pp, int dp, const std::string& schedule,
-                    int global_batch, std::vector<std::string> extra = {}) {
+                    int global_batch, std::vector<std::string> extra = {},
+                    const std::string& model = kModel, const std::string& precision = "fp32") {
   std::vector<std::string> args = {"plan",
                                    "--model",
-                                   kModel,
+                                   model,
                                    "--topo",
                                    tp * pp * dp == 1 ? kTopo1 : kTopo,
                                    "--nodes",
@@ -58,7 +65,7 @@ RunResult make_plan(const TempDir& dir, int tp, int pp, int dp, const std::strin
                                    "--micro-batch",
                                    "1",
                                    "--precision",
-                                   "fp32",
+                                   precision,
                                    "--schedule",
                                    schedule,
                                    "-o",
@@ -127,6 +134,43 @@ TEST(Comm, CollectivesOverGroupsAndPointToPoint) {
   }));
 }
 
+// The bit pattern of a float that bf16 represents exactly, and back.
+uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float bf16_value(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+TEST(Comm, Bf16AllReduceSumsAndRoundsToNearestEven) {
+  EXPECT_TRUE(in_processes(4, [](Comm& c) {
+    const int r = c.rank();
+    // Small integers: exact in bf16; 10 elements over 4 ranks (uneven chunks).
+    std::vector<uint16_t> v(10);
+    for (int i = 0; i < 10; ++i) v[i] = bf16_bits(static_cast<float>(r * 10 + i));
+    if (!c.all_reduce_bf16({0, 1, 2, 3}, v.data(), v.size()).ok()) return false;
+    for (int i = 0; i < 10; ++i) {
+      if (bf16_value(v[i]) != 60 + 4 * i) return false;
+    }
+    uint16_t m = bf16_bits(static_cast<float>(-r));
+    if (!c.all_reduce_bf16({0, 1, 2, 3}, &m, 1, Comm::Op::kMax).ok() || bf16_value(m) != 0) {
+      return false;
+    }
+    // 256 + 1 = 257 lies halfway between bf16's 256 and 258: rounds to the even 256; 258 + 1
+    // to 260 (also halfway; 260 is even).
+    const std::vector<int> g = r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
+    std::vector<uint16_t> h = {bf16_bits(r < 2 ? 256.0f : 1.0f), bf16_bits(r < 2 ? 258.0f : 1.0f)};
+    if (!c.all_reduce_bf16(g, h.data(), h.size()).ok()) return false;
+    return bf16_value(h[0]) == 256 && bf16_value(h[1]) == 260;
+  }));
+}
+
 TEST(Comm, MismatchedMessageSizesFailLoudly) {
   EXPECT_FALSE(in_processes(2, [](Comm& c) {
     std::vector<float> v(c.rank() == 0 ? 4 : 8, 1.0f);
@@ -141,6 +185,8 @@ struct Case {
   int tp, pp, dp;
   const char* schedule;
   int global_batch;
+  const std::string* model = &kModel;
+  const char* precision = "fp32";
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
@@ -153,7 +199,8 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const Case c = GetParam();
   TempDir dir;
-  RunResult p = make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch);
+  RunResult p =
+      make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, {}, *c.model, c.precision);
   ASSERT_EQ(p.status, 0) << p;
   const int n = c.tp * c.pp * c.dp;
   RunResult r = run(dir, NNEXEC_BINARY,
@@ -162,16 +209,49 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   ASSERT_EQ(r.status, 0) << r;
   EXPECT_TRUE(contains(r.out, "check           passed")) << r;
   EXPECT_TRUE(contains(r.out, "iteration time")) << r;
-  EXPECT_TRUE(std::ifstream(dir.file("run.h5")).good());
+  Expected<RunResults> file = read_run(dir.file("run.h5"));
+  ASSERT_TRUE(file.ok()) << file.error().message();
+  EXPECT_EQ(file->dtype, c.precision);
+  EXPECT_TRUE(file->check_passed());
+  if (c.tp == 1 && c.dp == 1) {
+    // Without replicas, the ranks' parameters are the model's as the simulator counts them
+    // (the operator graph's shapes: GQA's narrower qkv, SwiGLU's two fc1 branches, no biases,
+    // no position table with rope).
+    Expected<ModelSpec> m = load_model(*c.model);
+    ASSERT_TRUE(m.ok()) << m.error().message();
+    double held = 0;
+    for (const RankResult& k : file->ranks) held += k.parameters;
+    EXPECT_EQ(held, static_cast<double>(m->parameters()));
+  }
+  // The worst shard's error relative to its reference: fp32 runs agree to rounding; bf16 runs
+  // must show bf16's rounding (they really computed in bf16) and stay within its tolerance.
+  double worst = 0;
+  for (const RankResult& k : file->ranks) {
+    for (const ParamCheck& pc : k.checks) {
+      worst = std::max(worst, pc.max_abs_error / std::max(pc.ref_max_abs, 1e-30));
+    }
+  }
+  if (std::string(c.precision) == "bf16") {
+    EXPECT_EQ(file->options.rtol, kBf16CheckRtol);
+    EXPECT_GT(worst, 1e-3) << "a bf16 run as accurate as fp32";
+    EXPECT_LT(worst, kBf16CheckRtol);
+  } else {
+    EXPECT_LT(worst, 1e-4);
+  }
+  std::printf("%s: worst relative gradient error %.3g\n", c.name, worst);
 }
 
-INSTANTIATE_TEST_SUITE_P(Plans, NnexecRun,
-                         ::testing::Values(Case{"tp2", 2, 1, 1, "1f1b", 2},
-                                           Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4},
-                                           Case{"pp2_gpipe", 1, 2, 1, "gpipe", 4},
-                                           Case{"dp2", 1, 1, 2, "1f1b", 4},
-                                           Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8}),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    Plans, NnexecRun,
+    ::testing::Values(Case{"tp2", 2, 1, 1, "1f1b", 2}, Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4},
+                      Case{"pp2_gpipe", 1, 2, 1, "gpipe", 4}, Case{"dp2", 1, 1, 2, "1f1b", 4},
+                      Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8},
+                      Case{"llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama},
+                      Case{"llama_pp2", 1, 2, 1, "1f1b", 4, &kLlama},
+                      Case{"llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama},
+                      Case{"bf16_tp2", 2, 1, 1, "1f1b", 2, &kModel, "bf16"},
+                      Case{"bf16_llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "bf16"}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
   // The check is not vacuous: --inject-fault scales one gradient shard of the last rank by 1.01
@@ -212,31 +292,55 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
   EXPECT_TRUE(contains(r.err, "--launch 3 but the plan's mesh has 2 ranks")) << r;
 }
 
-TEST(NnexecRunRefuses, SwigluModel) {
+TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   Expected<Plan> base = [] {
     TempDir dir;
-    EXPECT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2).status, 0);
+    EXPECT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {}, kLlama).status, 0);
     return load_plan(dir.file("plan.json"));
   }();
   ASSERT_TRUE(base.ok()) << base.error().message();
+  EXPECT_TRUE(check_runnable(*base).ok()) << check_runnable(*base).error().message();
   Plan p = *base;
-  p.model.mlp = MlpKind::kSwiglu;
+  p.model.position = PositionKind::kAlibi;
   Status s = check_runnable(p);
   ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(contains(s.error().message(), "model.mlp: 'swiglu' is not supported"))
+  EXPECT_TRUE(contains(s.error().message(), "model.position: 'alibi' is not supported"))
       << s.error().message();
   p = *base;
-  p.model.kv_heads = 2;
+  p.model.mlp = MlpKind::kSquaredRelu;
   s = check_runnable(p);
   ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(contains(s.error().message(), "model.kv_heads")) << s.error().message();
+  EXPECT_TRUE(contains(s.error().message(), "model.mlp: 'squared_relu' is not supported"))
+      << s.error().message();
+  p = *base;
+  p.model.kv_heads = 1;  // MQA: runs unsplit, but one key/value head cannot be split over tp 2
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(),
+                       "model.kv_heads: 1 key/value heads cannot be split over a tensor-parallel "
+                       "degree of 2"))
+      << s.error().message();
+  p = *base;
+  p.model.kv_heads = 3;
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(), "model.kv_heads: 3 key/value heads do not divide 4"))
+      << s.error().message();
   p = *base;
   p.schedule[0].blocks[1].kind = BlockKind::kBackwardInput;
   s = check_runnable(p);
   ASSERT_FALSE(s.ok());
   EXPECT_TRUE(contains(s.error().message(), "schedule.orders[0].blocks: block 'BI0@0'"))
       << s.error().message();
-  EXPECT_TRUE(check_runnable(*base).ok());
+  // MQA without tensor parallelism runs.
+  Expected<Plan> one = [] {
+    TempDir dir;
+    EXPECT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2, {}, kLlama).status, 0);
+    return load_plan(dir.file("plan.json"));
+  }();
+  ASSERT_TRUE(one.ok()) << one.error().message();
+  one->model.kv_heads = 1;
+  EXPECT_TRUE(check_runnable(*one).ok()) << check_runnable(*one).error().message();
 }
 
 std::optional<std::string> python_with_h5py(const TempDir& dir) {
@@ -338,7 +442,9 @@ TEST_P(NnexecRunGpu, MatchesTheUnpartitionedLossAndGradients) {
   const int n = c.tp * c.pp * c.dp;
   if (auto why = gpu_unavailable(n)) GTEST_SKIP() << *why;
   TempDir dir;
-  ASSERT_EQ(make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch).status, 0);
+  ASSERT_EQ(make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, {}, *c.model, c.precision)
+                .status,
+            0);
   RunResult r = run(dir, NNEXEC_BINARY,
                     {"run", "--plan", "plan.json", "--device", "cuda", "--out", "run.h5",
                      "--iterations", "2", "--warmup", "1", "--check"});
@@ -366,13 +472,14 @@ with h5py.File(sys.argv[1], "r") as f:
   EXPECT_EQ(check.status, 0) << check;
 }
 
-INSTANTIATE_TEST_SUITE_P(Plans, NnexecRunGpu,
-                         ::testing::Values(Case{"one_gpu", 1, 1, 1, "1f1b", 2},
-                                           Case{"tp2", 2, 1, 1, "1f1b", 2},
-                                           Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4},
-                                           Case{"dp2", 1, 1, 2, "1f1b", 4},
-                                           Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8}),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    Plans, NnexecRunGpu,
+    ::testing::Values(Case{"one_gpu", 1, 1, 1, "1f1b", 2}, Case{"tp2", 2, 1, 1, "1f1b", 2},
+                      Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4}, Case{"dp2", 1, 1, 2, "1f1b", 4},
+                      Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8},
+                      Case{"llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama},
+                      Case{"bf16_llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16"}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace nnsim::hwexec
