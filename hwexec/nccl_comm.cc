@@ -190,8 +190,8 @@ NcclComms::~NcclComms() {
   }
 }
 
-Status NcclComms::all_reduce(const std::vector<int>& group, float* data, std::size_t n, Comm::Op op,
-                             void* stream) {
+Status NcclComms::all_reduce_as(const std::vector<int>& group, void* data, std::size_t n,
+                                Comm::Op op, void* stream, int dtype, const char* what) {
   if (group.size() <= 1) return {};
   const auto it = groups_.find(group);
   if (it == groups_.end()) {
@@ -199,29 +199,23 @@ Status NcclComms::all_reduce(const std::vector<int>& group, float* data, std::si
         fmt::format("rank {}: no NCCL communicator for group [{}]", rank_, members(group)));
   }
   if (ncclResult_t e =
-          ncclAllReduce(data, data, n, ncclFloat, op == Comm::Op::kMax ? ncclMax : ncclSum,
+          ncclAllReduce(data, data, n, static_cast<ncclDataType_t>(dtype),
+                        op == Comm::Op::kMax ? ncclMax : ncclSum,
                         static_cast<ncclComm_t>(it->second), static_cast<cudaStream_t>(stream));
       e != ncclSuccess) {
-    return nccl_error(fmt::format("ncclAllReduce (group [{}])", members(group)), e);
+    return nccl_error(fmt::format("{} (group [{}])", what, members(group)), e);
   }
   return {};
 }
 
+Status NcclComms::all_reduce(const std::vector<int>& group, float* data, std::size_t n, Comm::Op op,
+                             void* stream) {
+  return all_reduce_as(group, data, n, op, stream, ncclFloat, "ncclAllReduce");
+}
+
 Status NcclComms::all_reduce_bf16(const std::vector<int>& group, void* data, std::size_t n,
                                   Comm::Op op, void* stream) {
-  if (group.size() <= 1) return {};
-  const auto it = groups_.find(group);
-  if (it == groups_.end()) {
-    return Error(
-        fmt::format("rank {}: no NCCL communicator for group [{}]", rank_, members(group)));
-  }
-  if (ncclResult_t e =
-          ncclAllReduce(data, data, n, ncclBfloat16, op == Comm::Op::kMax ? ncclMax : ncclSum,
-                        static_cast<ncclComm_t>(it->second), static_cast<cudaStream_t>(stream));
-      e != ncclSuccess) {
-    return nccl_error(fmt::format("ncclAllReduce bf16 (group [{}])", members(group)), e);
-  }
-  return {};
+  return all_reduce_as(group, data, n, op, stream, ncclBfloat16, "ncclAllReduce bf16");
 }
 
 Expected<void*> NcclComms::send_stream(int peer) const {

@@ -82,6 +82,9 @@ class NcclComms {
 
  private:
   NcclComms() = default;
+  // An in-place all-reduce of n elements of NCCL data type `dtype` (an ncclDataType_t).
+  Status all_reduce_as(const std::vector<int>& group, void* data, std::size_t n, Comm::Op op,
+                       void* stream, int dtype, const char* what);
   struct Edge {
     void* comm = nullptr;    // ncclComm_t
     void* stream = nullptr;  // cudaStream_t, sender only
