@@ -398,8 +398,8 @@ Expected<TesselProblem> tessel_problem(const Program& prog, bool split,
       return Error(fmt::format("segment '{}' is on no schedule order", plan.segments[s].name));
     }
     forward[s] = static_cast<int>(p.blocks.size());
-    TesselBlock f{BlockKind::kForward,  s, devices, costs[s].forward, costs[s].kept, {},
-                  costs[s].forward_peak};
+    TesselBlock f{BlockKind::kForward,   s, devices, costs[s].forward, costs[s].kept, {},
+                  costs[s].forward_peak, {}};
     if (prev >= 0) {
       f.after = {forward[prev]};
       f.transfer = {costs[prev].forward_send(s)};

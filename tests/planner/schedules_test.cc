@@ -293,7 +293,9 @@ TEST(Schedules, SearchNoWorseThanOneFOneBAcrossNodes) {
   ASSERT_TRUE(s.ok()) << s.error().message();
   EXPECT_LE(s->tessel.makespan, s->input_makespan);
   for (const TesselBlock& b : s->problem.blocks) {
-    if (b.kind == BlockKind::kForward && !b.after.empty()) EXPECT_GT(b.transfer.at(0), 0.0);
+    if (b.kind == BlockKind::kForward && !b.after.empty()) {
+      EXPECT_GT(b.transfer.at(0), 0.0);
+    }
   }
   auto before = compile_plan(*plan, *topo);
   auto after = compile_plan(s->plan, *topo);

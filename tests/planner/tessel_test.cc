@@ -16,7 +16,7 @@ TesselProblem pipeline(int p, int m, bool split = false) {
   std::vector<int> forward(p), backward(p);
   for (int s = 0; s < p; ++s) {
     forward[s] = static_cast<int>(q.blocks.size());
-    q.blocks.push_back({BlockKind::kForward, s, {s}, 1.0, 1.0, {}});
+    q.blocks.push_back({BlockKind::kForward, s, {s}, 1.0, 1.0, {}, 0.0, {}});
     if (s > 0) q.blocks.back().after = {forward[s - 1]};
   }
   for (int s = p - 1; s >= 0; --s) {
@@ -24,10 +24,10 @@ TesselProblem pipeline(int p, int m, bool split = false) {
     const std::vector<int> after =
         s == p - 1 ? std::vector<int>{forward[s]} : std::vector<int>{backward[s + 1], forward[s]};
     if (split) {
-      q.blocks.push_back({BlockKind::kBackwardInput, s, {s}, 1.0, -0.5, after});
-      q.blocks.push_back({BlockKind::kBackwardWeight, s, {s}, 1.0, -0.5, {backward[s]}});
+      q.blocks.push_back({BlockKind::kBackwardInput, s, {s}, 1.0, -0.5, after, 0.0, {}});
+      q.blocks.push_back({BlockKind::kBackwardWeight, s, {s}, 1.0, -0.5, {backward[s]}, 0.0, {}});
     } else {
-      q.blocks.push_back({BlockKind::kBackward, s, {s}, 2.0, -1.0, after});
+      q.blocks.push_back({BlockKind::kBackward, s, {s}, 2.0, -1.0, after, 0.0, {}});
     }
   }
   return q;
@@ -84,8 +84,8 @@ TesselProblem sharded_head(int p, int m) {
   for (int d = 0; d < p; ++d) all[d] = d;
   const int last_forward = p - 1, last_backward = p;
   const int head_f = static_cast<int>(q.blocks.size());
-  q.blocks.push_back({BlockKind::kForward, p, all, 1.0, 0.5, {last_forward}});
-  q.blocks.push_back({BlockKind::kBackward, p, all, 1.0, -0.5, {head_f}});
+  q.blocks.push_back({BlockKind::kForward, p, all, 1.0, 0.5, {last_forward}, 0.0, {}});
+  q.blocks.push_back({BlockKind::kBackward, p, all, 1.0, -0.5, {head_f}, 0.0, {}});
   q.blocks[last_backward].after.push_back(head_f + 1);
   return q;
 }
