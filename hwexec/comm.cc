@@ -32,11 +32,12 @@ Status set_nonblocking(int fd) {
   return {};
 }
 
-// Blocking full read / write during the handshake (before the sockets become non-blocking).
-bool read_all(int fd, void* p, std::size_t n) {
-  char* c = static_cast<char*>(p);
+// Blocking full read / write during the handshake (before the sockets become non-blocking):
+// `io` is ::read or ::write, repeated until n bytes have moved.
+template <typename Byte, typename Io>
+bool move_all(Io io, int fd, Byte* c, std::size_t n) {
   while (n > 0) {
-    const ssize_t r = ::read(fd, c, n);
+    const ssize_t r = io(fd, c, n);
     if (r <= 0) {
       if (r < 0 && errno == EINTR) continue;
       return false;
@@ -47,18 +48,12 @@ bool read_all(int fd, void* p, std::size_t n) {
   return true;
 }
 
+bool read_all(int fd, void* p, std::size_t n) {
+  return move_all(::read, fd, static_cast<char*>(p), n);
+}
+
 bool write_all(int fd, const void* p, std::size_t n) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    const ssize_t r = ::write(fd, c, n);
-    if (r <= 0) {
-      if (r < 0 && errno == EINTR) continue;
-      return false;
-    }
-    c += r;
-    n -= static_cast<std::size_t>(r);
-  }
-  return true;
+  return move_all(::write, fd, static_cast<const char*>(p), n);
 }
 
 sockaddr_un address(const std::string& path) {
