@@ -62,6 +62,15 @@ Expected<Plan> case_plan(const ValidationCase& c, const Topology& topology) {
   // (torchtitan), except llm-foundry, whose MPT models use flash-attn's fused cross-entropy.
   ModelSpec model = c.model;
   if (o->framework == "fsdp" && model.family != "mpt") model.loss = LossKernel::kUnfused;
+  // fp16 Megatron and DeepSpeed runs are the GPT-3-era configuration (2021-22, before
+  // FlashAttention reached Megatron): the fused scale-mask-softmax materializes the scores, and
+  // dropout follows the embedding, the attention scores and both sub-blocks.
+  const bool gpt3_era = (o->framework == "megatron" || o->framework == "deepspeed") &&
+                        o->precision.value_or(c.model.precision) == Precision::kFp16;
+  if (gpt3_era) {
+    model.attention = AttentionKernel::kUnfused;
+    model.dropout = true;
+  }
   Expected<Plan> plan = build_megatron_plan(model, topology, *o);
   if (!plan) return plan.error().with_context(fmt::format("case {}", c.id));
   return plan;

@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
+#include <vector>
 
 #include "validate/case_builder.h"
 
@@ -85,6 +87,31 @@ TEST(Validate, CaseLossKernelFollowsTheTrainingCode) {
   EXPECT_EQ(loss_of("mpt", "fsdp"), LossKernel::kFused);
 }
 
+// fp16 Megatron and DeepSpeed runs are GPT-3-era (2021-22): Megatron's fused scale-mask-softmax
+// (scores materialized) with dropout; bf16 and fp8 runs use FlashAttention without dropout.
+TEST(Validate, CaseAttentionFollowsTheTrainingCodesEra) {
+  auto model_of = [](const std::string& precision, const std::string& framework) {
+    std::string text = kOneCase;
+    text.replace(text.find("precision: bf16"), 15, "precision: " + precision);
+    text.replace(text.find("framework: megatron"), 19, "framework: " + framework);
+    auto set = parse_validation_set(text, "one.yaml");
+    EXPECT_TRUE(set.ok()) << set.error().message();
+    auto topo = case_topology(set->front());
+    EXPECT_TRUE(topo.ok()) << topo.error().message();
+    auto plan = case_plan(set->front(), *topo);
+    EXPECT_TRUE(plan.ok()) << plan.error().message();
+    return plan.ok() ? plan->model : ModelSpec{};
+  };
+  const ModelSpec fp16 = model_of("fp16", "megatron");
+  EXPECT_EQ(fp16.attention, AttentionKernel::kUnfused);
+  EXPECT_TRUE(fp16.dropout);
+  EXPECT_EQ(model_of("fp16", "deepspeed").attention, AttentionKernel::kUnfused);
+  const ModelSpec bf16 = model_of("bf16", "megatron");
+  EXPECT_EQ(bf16.attention, AttentionKernel::kFlash);
+  EXPECT_FALSE(bf16.dropout);
+  EXPECT_EQ(model_of("fp16", "fsdp").attention, AttentionKernel::kFlash);
+}
+
 TEST(Validate, ACaseThatCannotBeSimulatedIsAFailureWithItsReason) {
   std::string bad = kOneCase;
   bad.replace(bad.find("tp: 2, pp: 2, dp: 2"), 19, "tp: 3, pp: 2, dp: 2");
@@ -124,6 +151,16 @@ TEST(Validate, DevSetAccuracyRegressionBound) {
   EXPECT_LE(s.time_stated.p90, 15.0);
   EXPECT_LE(s.memory.median, 14.0);
   EXPECT_LE(s.memory.max, 25.0);
+  // Korthikanti et al. 2022: the best public analytical model (Calculon) reaches 3.65 % mean and
+  // 8.9 % worst absolute error on these runs; nnsim must stay below both.
+  std::vector<double> korthikanti;
+  for (const auto& c : out) {
+    if (c.ok() && c.id.rfind("korthikanti-", 0) == 0) korthikanti.push_back(std::abs(c.error_pct));
+  }
+  ASSERT_EQ(korthikanti.size(), 8u);
+  const ErrorStats k = error_stats(korthikanti);
+  EXPECT_LT(k.mean, 3.65);
+  EXPECT_LT(k.max, 8.9);
 }
 
 }  // namespace
