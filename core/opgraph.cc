@@ -184,7 +184,9 @@ Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
   op.kind = OpKind::kAttention;
   op.dims = {Dim::kBatch, Dim::kSeq, Dim::kHeads};
   op.inputs = {qkv};
-  op.causal = true;
+  // A fused causal kernel skips the masked half of the scores; the unfused chain (batched
+  // matmul, masked softmax, batched matmul) computes all of them.
+  op.causal = m.attention == AttentionKernel::kFlash;
   const double tokens = x.b * x.s;
   const DimSet bsn{Dim::kBatch, Dim::kSeq, Dim::kHeads};
   op.output = tensor(out(self), tokens * x.a * x.dh, bsn, x.p);
@@ -198,8 +200,16 @@ Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
       op.saved.push_back(tensor(TensorRef{self, 3}, scores, bsn, x.p));  // dropout output
     }
     op.transient_bytes = 2 * scores * x.p;  // raw scores and their gradient
-    op.fwd_bytes = tokens * (x.qkv_width() + x.a * x.dh) * x.p + 3 * scores * x.p;
-    op.bwd_bytes = 2 * op.fwd_bytes;
+    // Every kernel of the chain passes over the scores. Forward: the matmul writes them, the
+    // softmax reads and writes, dropout reads, writes and writes its mask, the matmul with V
+    // reads. Backward: the probabilities' gradient written and the probabilities read (for
+    // dV), dropout's backward (two reads, the mask, a write), softmax's (three), and the
+    // scores' gradient read for dQ and for dK.
+    const double io = tokens * (x.qkv_width() + x.a * x.dh) * x.p;
+    const double fwd_passes = m.dropout ? 6 * x.p + 1 : 4 * x.p;
+    const double bwd_passes = m.dropout ? 9 * x.p + 1 : 7 * x.p;
+    op.fwd_bytes = io + scores * fwd_passes;
+    op.bwd_bytes = 2 * io + scores * bwd_passes;
   } else {
     // FlashAttention keeps its output and the log-sum-exp of each row (fp32).
     op.saved.push_back(tensor(out(self), tokens * x.a * x.dh, bsn, x.p));

@@ -119,7 +119,7 @@ struct Op {
   double fwd_bytes = 0;           // HBM bytes read + written (memory-bound cost)
   double bwd_bytes = 0;
   double transient_bytes = 0;      // temporaries freed when the operator ends (fwd or bwd)
-  bool causal = false;             // attention with a causal mask
+  bool causal = false;             // causal attention that skips the masked half (fused)
   bool tied_to_embedding = false;  // the head projection sharing the word embedding matrix
   GemmShape gemm;                  // kLinear only
   double head_dim = 0;             // kAttention: per-head width

@@ -1238,20 +1238,27 @@ PieceShape linear_piece_shape(const Op& op, const OpPartition& p, const Mesh& me
   return shape;
 }
 
+ComputeModel default_compute_model(const Plan& plan, const GpuSpec& gpu) {
+  // Megatron-Core / NeMo run Transformer Engine's cuDNN fused attention on Hopper; elsewhere
+  // FlashAttention-2 (docs/cost-model.md).
+  const bool megatron = plan.framework == "megatron";
+  const AttentionLibrary attention = megatron && gpu.name.rfind("a100", 0) != 0
+                                         ? AttentionLibrary::kFused3
+                                         : AttentionLibrary::kFlash2;
+  ComputeModel m = ComputeModel::defaults_for(gpu, attention);
+  // Megatron fuses its elementwise kernels (bias-GeLU, bias-dropout-add, LayerNorm, the masked
+  // softmax): they move the operator graph's minimal traffic.
+  if (megatron) m.elementwise_traffic = 1.0;
+  return m;
+}
+
 Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
                                const CompileOptions& options) {
   Program prog;
   prog.plan = plan;
   prog.topology = topology;
-  // The framework's attention kernels: Megatron-Core / NeMo run Transformer Engine's cuDNN
-  // fused attention on Hopper; elsewhere FlashAttention-2 (docs/cost-model.md).
-  const AttentionLibrary attention =
-      plan.framework == "megatron" && topology.gpu.name.rfind("a100", 0) != 0
-          ? AttentionLibrary::kFused3
-          : AttentionLibrary::kFlash2;
-  prog.compute_model = options.use_default_compute_model
-                           ? ComputeModel::defaults_for(topology.gpu, attention)
-                           : options.compute_model;
+  prog.compute_model = options.use_default_compute_model ? default_compute_model(plan, topology.gpu)
+                                                         : options.compute_model;
   prog.comm_model =
       options.use_default_comm_model ? CommModel::defaults_for(topology.gpu) : options.comm_model;
   if (options.calibration) {

@@ -126,9 +126,13 @@ struct Program {
   int rank_in_replica(int rank, int replica) const;
 };
 
+// The compute model a plan runs with on `gpu` by default: the GPU's constants with the plan's
+// framework's kernels (its attention library; Megatron's fused elementwise kernels).
+ComputeModel default_compute_model(const Plan& plan, const GpuSpec& gpu);
+
 struct CompileOptions {
   ComputeModel compute_model;
-  bool use_default_compute_model = true;  // ComputeModel::defaults_for(topology GPU)
+  bool use_default_compute_model = true;  // default_compute_model(plan, topology GPU)
   CommModel comm_model;
   bool use_default_comm_model = true;  // CommModel::defaults_for(topology GPU)
   // Applied on top of the default models when set (its entry for the topology's GPU).

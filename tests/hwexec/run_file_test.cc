@@ -187,7 +187,7 @@ RunResults synthetic_run(const Plan& plan, const GpuSpec& gpu, const RunTruth& t
   ComputeModel ideal = ComputeModel::defaults_for(gpu);
   ideal.gemm_efficiency = {{Precision::kFp32, 1.0}};
   ideal.sustained = 1;
-  const double traffic = ComputeModel::defaults_for(gpu).elementwise_traffic;
+  const double traffic = default_compute_model(plan, gpu).elementwise_traffic;
   const double bw = truth.memory_efficiency * gpu.hbm_bandwidth;
   ModelSpec model = plan.model;
   model.precision = plan.precision;
