@@ -452,7 +452,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     for (int stage = 0; stage < o.pp; ++stage)
       plan.schedule.push_back({{{"pp", stage}}, seq[stage]});
     Expected<SearchedSchedule> s =
-        search_schedule(plan, topo, topo.gpu.hbm_bytes * (1 - o.memory_headroom));
+        search_schedule(plan, topo, topo.gpu.hbm_bytes * (1 - o.memory_headroom), o.costs);
     if (!s) return s.error();
     return s->plan;
   }
@@ -468,10 +468,10 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (o.schedule == ScheduleKind::kZbH1 || o.schedule == ScheduleKind::kZbH2 ||
       o.schedule == ScheduleKind::kZbV || o.schedule == ScheduleKind::kMerak) {
     // List-scheduled: re-timed with the plan's own compiled costs.
-    return generate_schedule(plan, topo, o.schedule);
+    return generate_schedule(plan, topo, o.schedule, std::nullopt, o.costs);
   }
   if (o.schedule == ScheduleKind::kTessel) {
-    Expected<SearchedSchedule> s = search_schedule(plan, topo);
+    Expected<SearchedSchedule> s = search_schedule(plan, topo, std::nullopt, o.costs);
     if (!s) return s.error();
     return s->plan;
   }

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/model.h"
 #include "core/plan.h"
+#include "core/program.h"
 #include "core/topology.h"
 #include "planner/schedules.h"
 
@@ -69,6 +70,9 @@ struct MegatronOptions {
   // the GPUs' memory less `memory_headroom`.
   bool shard_embedding = false;
   double memory_headroom = 0.1;
+  // The cost model the list-scheduled and searched schedules time blocks with: the one the plan
+  // will be compiled and simulated with.
+  CompileOptions costs;
 };
 
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,

@@ -115,9 +115,10 @@ bool holds_within(const ListScheduleProblem& p, const std::vector<std::vector<Bl
 }  // namespace
 
 Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleKind kind,
-                                 std::optional<double> memory_limit) {
+                                 std::optional<double> memory_limit,
+                                 const CompileOptions& compile) {
   if (kind == ScheduleKind::kTessel) {
-    Expected<SearchedSchedule> s = search_schedule(in, topo, memory_limit);
+    Expected<SearchedSchedule> s = search_schedule(in, topo, memory_limit, compile);
     if (!s) return s.error();
     return s->plan;
   }
@@ -202,7 +203,7 @@ Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleK
   if (!list_scheduled(kind)) return plan;
 
   // Time the list schedule with the plan's own costs.
-  Expected<Program> prog = compile_plan(plan, topo);
+  Expected<Program> prog = compile_plan(plan, topo, compile);
   if (!prog) return prog.error();
   const std::vector<SegmentCosts> costs = segment_costs(*prog);
   ListScheduleProblem p;
@@ -465,8 +466,9 @@ Expected<TesselProblem> tessel_problem(const Program& prog, bool split,
 }  // namespace
 
 Expected<SearchedSchedule> search_schedule(const Plan& in, const Topology& topo,
-                                           std::optional<double> memory_limit) {
-  Expected<Program> input = compile_plan(in, topo);
+                                           std::optional<double> memory_limit,
+                                           const CompileOptions& compile) {
+  Expected<Program> input = compile_plan(in, topo, compile);
   if (!input) return input.error();
   // Activation room per order: what the limit leaves beside static memory (each block's own
   // workspace is in its peak); without a limit, what the current orders hold at most.
@@ -486,7 +488,7 @@ Expected<SearchedSchedule> search_schedule(const Plan& in, const Topology& topo,
     std::optional<Program> rewritten;
     const Program* prog = &*input;
     if (split && !has_split_backward(in)) {
-      Expected<Program> c = compile_plan(with_split_backward(in), topo);
+      Expected<Program> c = compile_plan(with_split_backward(in), topo, compile);
       if (!c) return c.error();
       rewritten = std::move(*c);
       prog = &*rewritten;

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/plan.h"
+#include "core/program.h"
 #include "core/topology.h"
 #include "planner/schedules.h"
 #include "planner/tessel.h"
@@ -17,9 +18,12 @@
 namespace nnsim {
 
 // `memory_limit`: bytes per GPU the schedule may use (static memory included); by default each
-// generator's own (1F1B's peak for ZB-H1 and ZB-V, about twice it for ZB-H2).
+// generator's own (1F1B's peak for ZB-H1 and ZB-V, about twice it for ZB-H2). `compile`: the
+// cost model the blocks are timed with; give the one the plan will be simulated with, or the
+// orders fit other costs (a list schedule tight in one model can idle a block in another).
 Expected<Plan> generate_schedule(const Plan& plan, const Topology& topo, ScheduleKind kind,
-                                 std::optional<double> memory_limit = std::nullopt);
+                                 std::optional<double> memory_limit = std::nullopt,
+                                 const CompileOptions& compile = {});
 
 // Tessel's search (`nnsim schedule --search`) for the plan's own placement of segments on
 // schedule orders, whatever it is (segments on any orders, several segments per order, a
@@ -42,6 +46,7 @@ struct SearchedSchedule {
   bool kept_input = false;
 };
 Expected<SearchedSchedule> search_schedule(const Plan& plan, const Topology& topo,
-                                           std::optional<double> memory_limit = std::nullopt);
+                                           std::optional<double> memory_limit = std::nullopt,
+                                           const CompileOptions& compile = {});
 
 }  // namespace nnsim
