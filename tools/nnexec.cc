@@ -379,14 +379,16 @@ int main(int argc, char** argv) {
   RunArgs run;
   CLI::App* run_cmd = app.add_subcommand(
       "run",
-      "run a plan on this machine's CPU or GPUs, one process per mesh rank, into an HDF5 run file");
+      "run a plan on CPUs or GPUs, one process per mesh rank (started here with --launch, or by "
+      "mpirun, srun or torchrun-style variables), into an HDF5 run file");
   run_cmd->add_option("--plan", run.plan, "plan.json (nnsim plan)")->required();
   run_cmd
       ->add_option("--device", run.options.device,
                    "cpu (socket collectives) or cuda (one GPU a rank, NCCL); default cpu")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   run_cmd->add_option("--launch", run.launch,
-                      "processes to start, one per mesh rank (default: the plan's ranks)");
+                      "processes to start on this machine, one per mesh rank (default: the "
+                      "plan's ranks, unless a launcher's variables make this process one rank)");
   run_cmd->add_option("-o,--out", run.out, "the HDF5 run file to write (format nnexec-run)");
   run_cmd->add_option("--iterations", run.options.iterations, "measured iterations (default 3)")
       ->check(CLI::PositiveNumber);
