@@ -198,7 +198,10 @@ int finish(const RunArgs& a, const nnsim::Plan& plan, const nnsim::hwexec::RunOp
 int run_as_rank(const RunArgs& a, const Role& role) {
   using namespace nnsim::hwexec;
   const int rank = role.who.rank;
-  auto fail_rank = [&](const std::string& m) {
+  auto fail_rank = [&](std::string m) {
+    // The library's errors name the rank too; say it once.
+    const std::string self = fmt::format("rank {}: ", rank);
+    if (m.rfind(self, 0) == 0) m.erase(0, self.size());
     std::fprintf(stderr, "nnexec: rank %d: error: %s\n", rank, m.c_str());
     return 1;
   };
@@ -457,6 +460,7 @@ int main(int argc, char** argv) {
     Role role;
     role.who = **env;
     nnsim::Expected<MasterAddress> m = master_address(run.master, get, role.who);
+    if (!m && role.who.world == 1) m = MasterAddress{};  // alone: nobody to meet
     if (!m) {
       std::fprintf(stderr, "nnexec: rank %d: error: %s\n", role.who.rank,
                    m.error().message().c_str());

@@ -537,6 +537,48 @@ TEST(NnexecRunRanksRefuse, MissingMasterAddress) {
       << r;
 }
 
+TEST(NnexecRunOneRank, NeedsNoMasterAndCudaSaysWhyNot) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  TempDir dir;
+  RunResult p = run(dir, NNSIM_BINARY,
+                    {"plan",
+                     "--model",
+                     kModel,
+                     "--topo",
+                     std::string(NNSIM_TEST_DATA) + "/tiny-node1.yaml",
+                     "--nodes",
+                     "1",
+                     "--tp",
+                     "1",
+                     "--pp",
+                     "1",
+                     "--dp",
+                     "1",
+                     "--global-batch",
+                     "2",
+                     "--micro-batch",
+                     "1",
+                     "--precision",
+                     "fp32",
+                     "-o",
+                     "plan.json"});
+  ASSERT_EQ(p.status, 0) << p;
+  const Env one = {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}};
+  RunResult r = run(dir, NNEXEC_BINARY, run_args({"--out", "one.h5"}), one);
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "on 1 processes")) << r;
+  Expected<RunResults> file = read_run(dir.file("one.h5"));
+  ASSERT_TRUE(file.ok()) << file.error().message();
+  EXPECT_TRUE(file->check_passed());
+  // --device cuda where it cannot run: the same reasons as under --launch, from the rank.
+  const CudaProbe probe = probe_cuda();
+  if (build_info().torch_cuda && probe.usable) GTEST_SKIP() << "this machine can run cuda";
+  r = run(dir, NNEXEC_BINARY, run_args({"--out", "gpu.h5", "--device", "cuda"}), one);
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "nnexec: rank 0: error: --device cuda: ")) << r;
+  EXPECT_FALSE(std::ifstream(dir.file("gpu.h5")).good());
+}
+
 TEST(NnexecRunRanksRefuse, UnreachableMaster) {
   if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   TempDir dir;
@@ -548,7 +590,7 @@ TEST(NnexecRunRanksRefuse, UnreachableMaster) {
                      {"MASTER_ADDR", "127.0.0.1"},
                      {"MASTER_PORT", std::to_string(port)}});
   EXPECT_EQ(r.status, 1) << r;
-  EXPECT_EQ(r.err, fmt::format("nnexec: rank 1: error: rank 1: could not reach rank 0's "
+  EXPECT_EQ(r.err, fmt::format("nnexec: rank 1: error: could not reach rank 0's "
                                "rendezvous at 127.0.0.1:{} (MASTER_ADDR/MASTER_PORT) within 0.5 "
                                "s: Connection refused (is rank 0 running on that host, and the "
                                "port open?)\n",
@@ -568,7 +610,7 @@ TEST(NnexecRunRanksRefuse, ARankThatNeverComesIsNamed) {
                      {"MASTER_ADDR", "127.0.0.1"},
                      {"MASTER_PORT", std::to_string(port)}});
   EXPECT_EQ(r.status, 1) << r;
-  EXPECT_TRUE(contains(r.err, fmt::format("nnexec: rank 0: error: rank 0: 1 of 2 ranks reached "
+  EXPECT_TRUE(contains(r.err, fmt::format("nnexec: rank 0: error: 1 of 2 ranks reached "
                                           "the rendezvous at port {} (MASTER_ADDR/MASTER_PORT) "
                                           "within 0.5 s; missing rank(s) 1",
                                           port)))
