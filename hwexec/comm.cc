@@ -1,16 +1,21 @@
 #include "hwexec/comm.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <sstream>
 #include <thread>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -24,43 +29,181 @@ double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-Status set_nonblocking(int fd) {
-  const int flags = ::fcntl(fd, F_GETFL, 0);
-  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
-    return Error(fmt::format("fcntl: {}", std::strerror(errno)));
+// ---- TCP helpers for the rendezvous. Every socket is non-blocking; waits poll until a deadline.
+
+std::string errno_text(int e) {
+  return std::strerror(e);
+}
+
+int ms_until(Clock::time_point deadline) {
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  return ms <= 0 ? 0 : static_cast<int>(std::min<long long>(ms, 1 << 30));
+}
+
+// "10.0.0.2:4242", "[fe80::1]:4242"; IPv4 clients of a dual-stack listener as plain IPv4.
+struct Address {
+  sockaddr_storage sa{};
+  socklen_t len = 0;
+};
+
+Address normalized(const sockaddr_storage& sa, socklen_t len) {
+  Address a;
+  const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&sa);
+  if (sa.ss_family == AF_INET6 && IN6_IS_ADDR_V4MAPPED(&in6->sin6_addr)) {
+    auto* in = reinterpret_cast<sockaddr_in*>(&a.sa);
+    in->sin_family = AF_INET;
+    in->sin_port = in6->sin6_port;
+    std::memcpy(&in->sin_addr, in6->sin6_addr.s6_addr + 12, 4);
+    a.len = sizeof(sockaddr_in);
+    return a;
+  }
+  std::memcpy(&a.sa, &sa, len);
+  a.len = len;
+  return a;
+}
+
+std::string host_of(const Address& a) {
+  char host[NI_MAXHOST] = "?";
+  ::getnameinfo(reinterpret_cast<const sockaddr*>(&a.sa), a.len, host, sizeof(host), nullptr, 0,
+                NI_NUMERICHOST);
+  return host;
+}
+
+std::string host_port(const std::string& host, int port) {
+  return host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port)
+                                             : fmt::format("{}:{}", host, port);
+}
+
+// This end's (or the other end's) address of a connected socket.
+Expected<Address> socket_address(int fd, bool peer) {
+  sockaddr_storage sa{};
+  socklen_t len = sizeof(sa);
+  const int r = peer ? ::getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &len)
+                     : ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  if (r < 0) return Error(fmt::format("getsockname: {}", errno_text(errno)));
+  return normalized(sa, len);
+}
+
+Expected<std::vector<Address>> resolve(const std::string& host, int port, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  const int r =
+      ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &found);
+  if (r != 0) {
+    return Error(fmt::format("cannot resolve host '{}': {}", host, ::gai_strerror(r)));
+  }
+  std::vector<Address> out;
+  for (addrinfo* i = found; i != nullptr; i = i->ai_next) {
+    Address a;
+    std::memcpy(&a.sa, i->ai_addr, i->ai_addrlen);
+    a.len = i->ai_addrlen;
+    out.push_back(a);
+  }
+  ::freeaddrinfo(found);
+  // Passive: IPv6 first, so that a dual-stack wildcard socket takes IPv4 clients as well.
+  if (passive) {
+    std::stable_sort(out.begin(), out.end(), [](const Address& a, const Address& b) {
+      return a.sa.ss_family == AF_INET6 && b.sa.ss_family != AF_INET6;
+    });
+  }
+  return out;
+}
+
+void tune(int fd) {
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));  // small ring steps
+}
+
+// One non-blocking connect to `a`, waiting at most until `deadline`: the socket, or -1 with
+// `*err` set.
+int connect_once(const Address& a, Clock::time_point deadline, int* err) {
+  const int fd = ::socket(a.sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    *err = errno;
+    return -1;
+  }
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&a.sa), a.len) == 0) return fd;
+  if (errno != EINPROGRESS) {
+    *err = errno;
+    ::close(fd);
+    return -1;
+  }
+  pollfd p{fd, POLLOUT, 0};
+  const int r = ::poll(&p, 1, ms_until(deadline));
+  int so = ETIMEDOUT;
+  socklen_t len = sizeof(so);
+  if (r > 0) ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &so, &len);
+  if (r > 0 && so == 0) return fd;
+  *err = so;
+  ::close(fd);
+  return -1;
+}
+
+// Connects to host:port, retrying (the other side may not listen yet) until `deadline`.
+Expected<int> connect_until(const std::string& host, int port, Clock::time_point deadline) {
+  int err = ETIMEDOUT;
+  std::string why;
+  for (;;) {
+    Expected<std::vector<Address>> addrs = resolve(host, port, false);
+    if (addrs) {
+      for (const Address& a : *addrs) {
+        // At most a few seconds an attempt, so that a refused address is retried.
+        const auto attempt = std::min(deadline, Clock::now() + std::chrono::seconds(2));
+        const int fd = connect_once(a, attempt, &err);
+        if (fd >= 0) {
+          tune(fd);
+          return fd;
+        }
+        why = errno_text(err);
+      }
+    } else {
+      why = addrs.error().message();  // DNS may come up late; retried like a refusal
+    }
+    if (Clock::now() >= deadline) return Error(why);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+// Moves exactly n bytes over a non-blocking socket before `deadline`. Errors: "timed out",
+// "the connection closed", or the system's.
+Status move_until(int fd, void* buf, std::size_t n, bool write, Clock::time_point deadline) {
+  char* c = static_cast<char*>(buf);
+  while (n > 0) {
+    const ssize_t r = write ? ::send(fd, c, n, MSG_NOSIGNAL) : ::recv(fd, c, n, 0);
+    if (r > 0) {
+      c += r;
+      n -= static_cast<std::size_t>(r);
+      continue;
+    }
+    if (r == 0) return Error("the connection closed");
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return Error(errno_text(errno));
+    pollfd p{fd, static_cast<short>(write ? POLLOUT : POLLIN), 0};
+    const int left = ms_until(deadline);
+    if (left == 0 || ::poll(&p, 1, left) == 0) return Error("timed out");
   }
   return {};
 }
 
-// Blocking full read / write during the handshake (before the sockets become non-blocking):
-// `io` is ::read or ::write, repeated until n bytes have moved.
-template <typename Byte, typename Io>
-bool move_all(Io io, int fd, Byte* c, std::size_t n) {
-  while (n > 0) {
-    const ssize_t r = io(fd, c, n);
-    if (r <= 0) {
-      if (r < 0 && errno == EINTR) continue;
-      return false;
-    }
-    c += r;
-    n -= static_cast<std::size_t>(r);
-  }
-  return true;
+// The rendezvous's messages: a hello to rank 0 {magic, rank, world, listening port}, rank 0's
+// table (its length, then one "host port" line a rank), a hello between peers {magic, rank}.
+constexpr std::uint32_t kMagic = 0x6e6e7831;  // "nnx1"
+
+Status send_words(int fd, std::vector<std::uint32_t> w, Clock::time_point deadline) {
+  for (auto& x : w) x = htonl(x);
+  return move_until(fd, w.data(), w.size() * 4, true, deadline);
 }
 
-bool read_all(int fd, void* p, std::size_t n) {
-  return move_all(::read, fd, static_cast<char*>(p), n);
-}
-
-bool write_all(int fd, const void* p, std::size_t n) {
-  return move_all(::write, fd, static_cast<const char*>(p), n);
-}
-
-sockaddr_un address(const std::string& path) {
-  sockaddr_un a{};
-  a.sun_family = AF_UNIX;
-  std::strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
-  return a;
+Expected<std::vector<std::uint32_t>> recv_words(int fd, std::size_t n, Clock::time_point deadline) {
+  std::vector<std::uint32_t> w(n);
+  if (Status s = move_until(fd, w.data(), n * 4, false, deadline); !s) return s.error();
+  for (auto& x : w) x = ntohl(x);
+  return w;
 }
 
 // Chunk boundaries of n elements over `parts` members: offsets[i]..offsets[i+1].
@@ -92,78 +235,219 @@ std::uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
 
 }  // namespace
 
-Expected<std::unique_ptr<Comm>> Comm::connect(const std::string& dir, int rank, int world,
-                                              double timeout_s) {
+Expected<Comm::Listener> Comm::listen(const std::string& host, int port) {
+  Expected<std::vector<Address>> addrs = resolve(host, port, true);
+  if (!addrs) return addrs.error();
+  std::string why = "no address";
+  for (const Address& a : *addrs) {
+    const int fd = ::socket(a.sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      why = errno_text(errno);
+      continue;
+    }
+    const int one = 1, zero = 0;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // restarts after TIME_WAIT
+    if (a.sa.ss_family == AF_INET6) {
+      ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+    }
+    // The backlog holds every rank's connection before it is accepted (SOMAXCONN caps it).
+    if (::bind(fd, reinterpret_cast<const sockaddr*>(&a.sa), a.len) == 0 &&
+        ::listen(fd, 4096) == 0) {
+      Expected<Address> bound = socket_address(fd, false);
+      if (!bound) {
+        ::close(fd);
+        return bound.error();
+      }
+      const int p = bound->sa.ss_family == AF_INET6
+                        ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound->sa)->sin6_port)
+                        : ntohs(reinterpret_cast<const sockaddr_in*>(&bound->sa)->sin_port);
+      return Listener{fd, p};
+    }
+    why = errno_text(errno);
+    ::close(fd);
+  }
+  return Error(
+      fmt::format("cannot listen at {}: {}", host_port(host.empty() ? "*" : host, port), why));
+}
+
+Expected<std::unique_ptr<Comm>> Comm::connect(const Rendezvous& at, int rank, int world,
+                                              double wait_timeout_s) {
   if (world < 1 || rank < 0 || rank >= world) {
+    if (at.listen_fd >= 0) ::close(at.listen_fd);
     return Error(fmt::format("rank {} is outside a world of {}", rank, world));
   }
   std::unique_ptr<Comm> c(new Comm(rank, world));
-  c->timeout_s_ = timeout_s;
+  c->timeout_s_ = wait_timeout_s;
   c->fds_.assign(world, -1);
   c->out_.resize(world);
-  if (world == 1) return c;
-  const std::string mine = fmt::format("{}/{}.sock", dir, rank);
-  if (mine.size() >= sizeof(sockaddr_un{}.sun_path)) {
-    return Error(fmt::format("socket path '{}' is too long; use a shorter directory", mine));
+  if (world == 1) {
+    if (at.listen_fd >= 0) ::close(at.listen_fd);
+    return c;
   }
-  const int listener = ::socket(AF_UNIX, SOCK_STREAM, 0);
-  if (listener < 0) return Error(fmt::format("socket: {}", std::strerror(errno)));
-  ::unlink(mine.c_str());
-  sockaddr_un a = address(mine);
-  if (::bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a)) < 0 ||
-      ::listen(listener, world) < 0) {
-    const std::string why = std::strerror(errno);
-    ::close(listener);
-    return Error(fmt::format("cannot listen on {}: {}", mine, why));
-  }
-  c->listen_path_ = mine;
-  const auto t0 = Clock::now();
-  // Connect to every lower rank (retrying until it listens), then accept every higher one.
-  for (int peer = 0; peer < rank; ++peer) {
-    const std::string path = fmt::format("{}/{}.sock", dir, peer);
-    for (;;) {
-      const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
-      sockaddr_un pa = address(path);
-      if (::connect(fd, reinterpret_cast<sockaddr*>(&pa), sizeof(pa)) == 0) {
-        const int32_t me = rank;
-        if (!write_all(fd, &me, sizeof(me))) {
-          ::close(fd);
-          ::close(listener);
-          return Error(fmt::format("rank {}: handshake with rank {} failed", rank, peer));
+  const auto deadline =
+      Clock::now() + std::chrono::milliseconds(static_cast<long long>(at.timeout_s * 1000));
+  const std::string master = host_port(at.host, at.port);
+  // Closes a socket when it goes out of scope unless released.
+  struct Fd {
+    int fd = -1;
+    ~Fd() {
+      if (fd >= 0) ::close(fd);
+    }
+    int release() { return std::exchange(fd, -1); }
+  };
+
+  if (rank == 0) {
+    Fd listener;
+    if (at.listen_fd >= 0) {
+      listener.fd = at.listen_fd;
+    } else {
+      Expected<Listener> l = listen("", at.port);
+      if (!l) {
+        return Error(fmt::format("rank 0: {} ({}; is another job using port {}? choose another)",
+                                 l.error().message(), at.source, at.port));
+      }
+      listener.fd = l->fd;
+    }
+    std::vector<std::string> hosts(world);
+    std::vector<int> ports(world, 0);
+    int reported = 1;
+    while (reported < world) {
+      pollfd p{listener.fd, POLLIN, 0};
+      const int left = ms_until(deadline);
+      if (left == 0 || ::poll(&p, 1, left) <= 0) {
+        std::string missing;
+        for (int r = 1; r < world; ++r) {
+          if (c->fds_[r] < 0) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
         }
-        c->fds_[peer] = fd;
-        break;
+        return Error(fmt::format(
+            "rank 0: {} of {} ranks reached the rendezvous at port {} ({}) within {} s; missing "
+            "rank(s) {} (were they started, with the same {} and a world of {}?)",
+            reported, world, at.port, at.source, at.timeout_s, missing, at.source, world));
       }
-      ::close(fd);
-      if (since(t0) > timeout_s) {
-        ::close(listener);
-        return Error(fmt::format("rank {}: rank {} did not start listening on {} within {} s", rank,
-                                 peer, path, timeout_s));
+      Fd fd;
+      fd.fd = ::accept4(listener.fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd.fd < 0) continue;
+      // A connection that says nothing sensible (a port scanner, another program) is dropped.
+      Expected<std::vector<std::uint32_t>> hello =
+          recv_words(fd.fd, 4, std::min(deadline, Clock::now() + std::chrono::seconds(10)));
+      if (!hello || (*hello)[0] != kMagic) continue;
+      const int peer = static_cast<int>((*hello)[1]), peer_world = static_cast<int>((*hello)[2]);
+      if (peer_world != world) {
+        return Error(fmt::format(
+            "rank 0: rank {} says the world has {} ranks but rank 0's has {} (every rank must "
+            "be started with the same world size)",
+            peer, peer_world, world));
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      if (peer <= 0 || peer >= world || c->fds_[peer] >= 0) {
+        return Error(fmt::format(
+            "rank 0: two processes say they are rank {} of {} (each rank must be started "
+            "once; is another job using the rendezvous at port {}?)",
+            peer, world, at.port));
+      }
+      Expected<Address> from = socket_address(fd.fd, true);
+      if (!from) return from.error();
+      hosts[peer] = host_of(*from);
+      ports[peer] = static_cast<int>((*hello)[3]);
+      tune(fd.fd);
+      c->fds_[peer] = fd.release();
+      ++reported;
+    }
+    std::string table;
+    for (int r = 0; r < world; ++r) {
+      table += fmt::format("{} {}\n", r == 0 ? "-" : hosts[r], ports[r]);
+    }
+    for (int r = 1; r < world; ++r) {
+      Status s = send_words(c->fds_[r], {static_cast<std::uint32_t>(table.size())}, deadline);
+      if (s) s = move_until(c->fds_[r], table.data(), table.size(), true, deadline);
+      if (!s) {
+        return Error(fmt::format("rank 0: sending the address table to rank {} at {}: {}", r,
+                                 host_port(hosts[r], ports[r]), s.error().message()));
+      }
+    }
+    return c;
+  }
+
+  // Every other rank: connect to rank 0 at the master address; that connection stays theirs.
+  Expected<int> fd0 = connect_until(at.host, at.port, deadline);
+  if (!fd0) {
+    return Error(fmt::format(
+        "rank {}: could not reach rank 0's rendezvous at {} ({}) within {} s: {} (is rank 0 "
+        "running on that host, and the port open?)",
+        rank, master, at.source, at.timeout_s, fd0.error().message()));
+  }
+  c->fds_[0] = *fd0;
+  auto lost_master = [&](const Status& s) {
+    return Error(fmt::format(
+        "rank {}: the rendezvous with rank 0 at {} ({}) failed: {} (did rank 0 fail? its error "
+        "says why)",
+        rank, master, at.source, s.error().message()));
+  };
+  // Listen on the interface that reaches rank 0: the one other ranks can reach too.
+  Expected<Address> mine = socket_address(*fd0, false);
+  if (!mine) return mine.error();
+  Expected<Listener> l = listen(host_of(*mine), 0);
+  if (!l) return Error(fmt::format("rank {}: {}", rank, l.error().message()));
+  Fd listener;
+  listener.fd = l->fd;
+  if (Status s =
+          send_words(*fd0,
+                     {kMagic, static_cast<std::uint32_t>(rank), static_cast<std::uint32_t>(world),
+                      static_cast<std::uint32_t>(l->port)},
+                     deadline);
+      !s) {
+    return lost_master(s);
+  }
+  Expected<std::vector<std::uint32_t>> size = recv_words(*fd0, 1, deadline);
+  if (!size) return lost_master(size.error());
+  std::string table((*size)[0], '\0');
+  if (Status s = move_until(*fd0, table.data(), table.size(), false, deadline); !s) {
+    return lost_master(s);
+  }
+  std::vector<std::string> hosts(world);
+  std::vector<int> ports(world, 0);
+  {
+    std::istringstream in(table);
+    for (int r = 0; r < world; ++r) in >> hosts[r] >> ports[r];
+    if (!in) return Error(fmt::format("rank {}: rank 0 sent a malformed address table", rank));
+  }
+  for (int peer = 1; peer < rank; ++peer) {
+    Expected<int> fd = connect_until(hosts[peer], ports[peer], deadline);
+    if (!fd) {
+      return Error(fmt::format("rank {}: could not reach rank {} at {} within {} s: {}", rank, peer,
+                               host_port(hosts[peer], ports[peer]), at.timeout_s,
+                               fd.error().message()));
+    }
+    c->fds_[peer] = *fd;
+    if (Status s = send_words(*fd, {kMagic, static_cast<std::uint32_t>(rank)}, deadline); !s) {
+      return Error(fmt::format("rank {}: handshake with rank {} at {}: {}", rank, peer,
+                               host_port(hosts[peer], ports[peer]), s.error().message()));
     }
   }
   for (int n = rank + 1; n < world; ++n) {
-    pollfd p{listener, POLLIN, 0};
-    const double left = timeout_s - since(t0);
-    if (left <= 0 || ::poll(&p, 1, static_cast<int>(left * 1000)) <= 0) {
-      ::close(listener);
-      return Error(
-          fmt::format("rank {}: not every higher rank connected within {} s", rank, timeout_s));
+    pollfd p{listener.fd, POLLIN, 0};
+    const int left = ms_until(deadline);
+    if (left == 0 || ::poll(&p, 1, left) <= 0) {
+      std::string missing;
+      for (int r = rank + 1; r < world; ++r) {
+        if (c->fds_[r] < 0) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
+      }
+      return Error(fmt::format("rank {}: rank(s) {} did not connect to {} within {} s", rank,
+                               missing, host_port(host_of(*mine), l->port), at.timeout_s));
     }
-    const int fd = ::accept(listener, nullptr, nullptr);
-    int32_t peer = -1;
-    if (fd < 0 || !read_all(fd, &peer, sizeof(peer)) || peer <= rank || peer >= world ||
-        c->fds_[peer] >= 0) {
-      ::close(listener);
-      return Error(fmt::format("rank {}: bad handshake from a peer", rank));
+    Fd fd;
+    fd.fd = ::accept4(listener.fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd.fd < 0) {
+      --n;
+      continue;
     }
-    c->fds_[peer] = fd;
-  }
-  ::close(listener);
-  for (int fd : c->fds_) {
-    if (fd < 0) continue;
-    if (Status s = set_nonblocking(fd); !s) return s.error();
+    Expected<std::vector<std::uint32_t>> hello = recv_words(fd.fd, 2, deadline);
+    const int peer = hello ? static_cast<int>((*hello)[1]) : -1;
+    if (!hello || (*hello)[0] != kMagic || peer <= rank || peer >= world || c->fds_[peer] >= 0) {
+      --n;  // not one of ours
+      continue;
+    }
+    tune(fd.fd);
+    c->fds_[peer] = fd.release();
   }
   return c;
 }
@@ -172,7 +456,6 @@ Comm::~Comm() {
   for (int fd : fds_) {
     if (fd >= 0) ::close(fd);
   }
-  if (!listen_path_.empty()) ::unlink(listen_path_.c_str());
 }
 
 Status Comm::progress(int reading, bool block) {

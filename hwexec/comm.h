@@ -1,8 +1,14 @@
-// A small CPU collective backend for `nnexec run` (docs/hwexec.md): the processes of one machine
-// connected pairwise by Unix-domain stream sockets, with ring all-reduce, all-gather and
+// A small CPU collective backend for `nnexec run` (docs/hwexec.md): the ranks of a job, on one
+// machine or several, connected pairwise by TCP sockets, with ring all-reduce, all-gather and
 // reduce-scatter over any group of ranks and point-to-point send / receive of float buffers.
 // Debian's LibTorch has Gloo compiled in but ships no Gloo headers, so c10d's ProcessGroupGloo
-// cannot be used from C++ here; this needs nothing but POSIX.
+// cannot be used from C++ here; this needs nothing but POSIX sockets (no MPI library).
+//
+// Rendezvous: rank 0 listens at the master address (MASTER_ADDR:MASTER_PORT); every other rank
+// connects to it, opens a listening socket of its own and reports its port; rank 0 answers with
+// every rank's address; then each rank connects to the lower ranks and accepts the higher ones
+// (connections complete in the listeners' backlogs, so the order cannot deadlock). Rank 0's
+// connection to each rank is the one made to the master address.
 //
 // Sends are queued and never block; every blocking call (a receive, a collective, flush) keeps
 // writing the queued sends to all peers while it waits, so two ranks that send to each other
@@ -25,10 +31,34 @@ class Comm {
  public:
   enum class Op { kSum, kMax };
 
-  // Connects rank `rank` of `world` to every other rank through sockets `<dir>/<rank>.sock`.
-  // Every rank calls it at about the same time; it fails after `timeout_s` seconds.
-  static Expected<std::unique_ptr<Comm>> connect(const std::string& dir, int rank, int world,
-                                                 double timeout_s = 120);
+  // Where the ranks meet.
+  struct Rendezvous {
+    std::string host;  // rank 0's host name or address (MASTER_ADDR)
+    int port = 0;      // MASTER_PORT
+    // Rank 0 only: a socket already listening at `port` (from listen()), which connect() takes
+    // over; -1: rank 0 opens it. A launcher that starts rank 0 itself passes one, so no other
+    // process can take the port between choosing it and rank 0 listening.
+    int listen_fd = -1;
+    // Connecting: how long a rank keeps trying to reach the master or a peer, and how long
+    // rank 0 waits for every rank to report.
+    double timeout_s = 120;
+    // In error messages, where the address came from ("MASTER_ADDR/MASTER_PORT", "--master").
+    std::string source = "the master address";
+  };
+
+  // Connects rank `rank` of `world` to every other rank (see the top of this file). Every rank
+  // calls it at about the same time. Errors name the rank and the address it could not reach.
+  // Once connected, a wait for a peer fails after `wait_timeout_s`.
+  static Expected<std::unique_ptr<Comm>> connect(const Rendezvous& at, int rank, int world,
+                                                 double wait_timeout_s = 120);
+
+  // A TCP socket listening on `host` (an address; "" for every interface) at `port` (0: a free
+  // one the system picks); returns the socket and its port. For launchers (see listen_fd).
+  struct Listener {
+    int fd = -1;
+    int port = 0;
+  };
+  static Expected<Listener> listen(const std::string& host, int port);
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
@@ -76,7 +106,6 @@ class Comm {
   std::vector<int> fds_;
   std::vector<std::deque<Pending>> out_;
   double timeout_s_ = 120;
-  std::string listen_path_;
 };
 
 }  // namespace nnsim::hwexec

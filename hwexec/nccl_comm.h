@@ -1,5 +1,5 @@
 // The GPU side of `nnexec run --device cuda` that needs only the CUDA runtime and NCCL (no
-// LibTorch; docs/hwexec.md): one rank's NCCL communicators, bootstrapped over the Unix-socket
+// LibTorch; docs/hwexec.md): one rank's NCCL communicators, bootstrapped over the TCP-socket
 // Comm (the ncclUniqueId of every communicator travels through it; NCCL then connects its ranks
 // over TCP), a send stream per pipeline peer, and a pool of CUDA events for timing spans on
 // streams. Streams and device pointers are passed as void* so that callers need no CUDA headers.

@@ -380,7 +380,7 @@ Status write_run(const std::string& path, const RunResults& r) {
   const bool gpu = r.device == "cuda";
   ok &= h5::write_attr(f, "device", r.device);
   ok &= h5::write_attr(f, "device_name", r.device_name);
-  ok &= h5::write_attr(f, "backend", std::string(gpu ? "nccl" : "unix-sockets"));
+  ok &= h5::write_attr(f, "backend", std::string(gpu ? "nccl" : "tcp-sockets"));
   ok &= h5::write_attr(f, "nccl_version", r.nccl_version);
   ok &= h5::write_attr(f, "timing", std::string(gpu ? "cuda-events" : "steady-clock"));
   ok &= h5::write_attr(f, "dtype", r.dtype);

@@ -28,6 +28,9 @@ struct RunOptions {
   double rtol = 1e-4;  // check: |g - g_ref| <= rtol * max|g_ref| + atol, per parameter
   double atol = 1e-6;
   bool inject_fault = false;  // tests: the last rank perturbs one gradient before the check
+  // --device cuda: the CUDA device this rank drives (from its local rank); -1: the rank modulo
+  // the GPUs visible.
+  int gpu = -1;
 };
 
 // Time of one operator (the operator graph's name) in one direction, per measured iteration:
@@ -115,7 +118,7 @@ void set_check_tolerance(const std::string& dtype, RunOptions* options);
 // Runs this process's rank (comm.rank()) of the plan. Needs LibTorch.
 Expected<RankResult> run_rank(const Plan& plan, const RunOptions& options, Comm& comm);
 
-// A rank's result as text, for the launcher to collect, and back.
+// A rank's result as text, for rank 0 to collect, and back.
 std::string rank_to_text(const RankResult& r);
 Expected<RankResult> rank_from_text(const std::string& text);
 

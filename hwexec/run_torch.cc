@@ -11,7 +11,7 @@
 //   embed.word: rows (vocabulary) split, looked up with a mask, output all-reduced.
 //   head.proj + loss: columns (vocabulary) split, vocab-parallel cross-entropy (all-reduces of
 //     the row maximum, the sum of exponentials and the target logit).
-// On the CPU (--device cpu) the collectives go over the Unix-socket Comm and spans are timed with
+// On the CPU (--device cpu) the collectives go over the TCP-socket Comm and spans are timed with
 // the steady clock. On a GPU (--device cuda, only in a build whose LibTorch has CUDA) every rank
 // owns one GPU, the collectives and pipeline transfers are NCCL calls in the same order
 // (hwexec/nccl_comm.h), and every span is a pair of CUDA events, resolved after the iteration's
@@ -760,7 +760,11 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   if (gpu) {
     const int gpus = at::hasCUDA() ? static_cast<int>(c10::cuda::device_count()) : 0;
     if (gpus == 0) return Error("--device cuda: LibTorch sees no CUDA device");
-    gpu_index = rank % gpus;
+    gpu_index = opt.gpu >= 0 ? opt.gpu : rank % gpus;
+    if (gpu_index >= gpus) {
+      return Error(fmt::format("--device cuda: rank {} should drive GPU {} but LibTorch sees {}",
+                               rank, gpu_index, gpus));
+    }
     ok_or_throw(cuda_set_device(gpu_index));
     c10::cuda::set_device(static_cast<c10::DeviceIndex>(gpu_index));
   }

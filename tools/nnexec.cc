@@ -4,7 +4,10 @@
 //   nnexec bench --out micro.h5 [--device cpu|cuda] [--quick]
 //   nnexec run --plan plan.json --launch N --out run.h5 [--device cpu|cuda] [--iterations K
 //              --warmup W --check]
+//   mpirun -np N nnexec run --plan plan.json --out run.h5 --master HOST:PORT  (or srun,
+//              torchrun-style RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT: one rank each)
 //   nnexec info
+#include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -12,10 +15,8 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,7 @@
 #include "core/plan.h"
 #include "hwexec/bench.h"
 #include "hwexec/comm.h"
+#include "hwexec/launch.h"
 #include "hwexec/micro.h"
 #include "hwexec/run.h"
 
@@ -52,187 +54,91 @@ int run_info() {
 }
 
 struct RunArgs {
-  std::string plan, out, rendezvous;
+  std::string plan, out, master;
   int launch = 0;
-  int worker_rank = -1;
+  int worker_rank = -1;  // internal: started by --launch
+  int master_fd = -1;    // internal: rank 0's inherited rendezvous socket
+  double connect_timeout = 120;
   nnsim::hwexec::RunOptions options;
 };
 
-// One rank, started by the launcher: connects to the others, runs, and leaves its result in
-// <rendezvous>/rank-<r>.txt.
-int run_worker(const RunArgs& a) {
+// This process as one rank of a job: who it is, where the ranks meet.
+struct Role {
+  nnsim::hwexec::LaunchEnv who;
+  nnsim::hwexec::MasterAddress master;
+  int listen_fd = -1;
+};
+
+// Why --device cuda cannot run here, or "" when it can; `ranks_here`: the processes that need
+// a GPU each on this machine (0: only check that there is one).
+std::string cuda_refusal(int ranks_here) {
   using namespace nnsim::hwexec;
-  auto fail_rank = [&](const std::string& m) {
-    std::fprintf(stderr, "nnexec: rank %d: error: %s\n", a.worker_rank, m.c_str());
-    return 1;
-  };
-  nnsim::Expected<nnsim::Plan> plan = nnsim::load_plan(a.plan);
-  if (!plan) return fail_rank(plan.error().message());
-  auto comm = Comm::connect(a.rendezvous, a.worker_rank, a.launch);
-  if (!comm) return fail_rank(comm.error().message());
-  RunOptions options = a.options;
-  set_check_tolerance(run_dtype(*plan), &options);
-  nnsim::Expected<RankResult> r = run_rank(*plan, options, **comm);
-  if (!r) return fail_rank(r.error().message());
-  const std::string path = fmt::format("{}/rank-{}.txt", a.rendezvous, a.worker_rank);
-  {
-    std::ofstream f(path + ".tmp");
-    f << rank_to_text(*r);
-    if (!f) return fail_rank("cannot write " + path);
+  const BuildInfo b = build_info();
+  std::vector<std::string> why;
+  const CudaProbe p = probe_cuda();
+  if (!b.cuda) {
+    why.push_back(
+        "this nnexec was built without hwexec's CUDA part (NNSIM_WITH_CUDA: the CUDA toolkit "
+        "and NCCL)");
+  } else if (!p.usable) {
+    why.push_back("no usable GPU: " + p.reason);
+  } else if (p.devices < ranks_here) {
+    why.push_back(
+        fmt::format("the plan has {} ranks but this machine has {} GPU(s) (one GPU a "
+                    "process; CUDA_VISIBLE_DEVICES?)",
+                    ranks_here, p.devices));
   }
-  std::filesystem::rename(path + ".tmp", path);
-  return 0;
+  if (!b.torch_cuda) {
+    why.push_back(fmt::format(
+        "this build's LibTorch ({}) has no CUDA (Debian's libtorch is CPU-only); configure "
+        "with -DNNSIM_TORCH_PYTHON=<python with a CUDA torch>",
+        b.torch_version));
+  }
+  std::string m;
+  for (std::size_t i = 0; i < why.size(); ++i) m += (i ? "; and " : "") + why[i];
+  return m.empty() ? m : "--device cuda: " + m;
 }
 
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-// Starts one process per rank (this executable again, with --worker-rank), waits for all, and
-// writes the run file.
-int run_launcher(RunArgs a) {
+// The plan, if nnexec can run it.
+nnsim::Expected<nnsim::Plan> runnable_plan(const std::string& path) {
   using namespace nnsim::hwexec;
-  nnsim::Expected<nnsim::Plan> plan = nnsim::load_plan(a.plan);
-  if (!plan) return fail(plan.error().message());
+  nnsim::Expected<nnsim::Plan> plan = nnsim::load_plan(path);
+  if (!plan) return plan;
   if (nnsim::Status s = check_runnable(*plan); !s) {
-    return fail(fmt::format("{}: cannot run this plan: {}", a.plan, s.error().message()));
+    return nnsim::Error(fmt::format("{}: cannot run this plan: {}", path, s.error().message()));
   }
-  set_check_tolerance(run_dtype(*plan), &a.options);
-  const int ranks = plan->mesh.num_ranks();
-  if (a.launch == 0) a.launch = ranks;
-  if (a.launch != ranks) {
-    return fail(fmt::format("--launch {} but the plan's mesh has {} ranks; launch {}", a.launch,
-                            ranks, ranks));
-  }
-  if (!build_info().torch) {
-    return fail("this nnexec was built without LibTorch (NNSIM_WITH_TORCH); it cannot run plans");
-  }
-  std::string device_name = "cpu";
-  if (a.options.device == "cuda") {
-    // Everything that stops a GPU run, in one message.
-    const BuildInfo b = build_info();
-    std::vector<std::string> why;
-    const CudaProbe p = probe_cuda();
-    if (!b.cuda) {
-      why.push_back(
-          "this nnexec was built without hwexec's CUDA part (NNSIM_WITH_CUDA: the CUDA toolkit "
-          "and NCCL)");
-    } else if (!p.usable) {
-      why.push_back("no usable GPU: " + p.reason);
-    } else if (p.devices < ranks) {
-      why.push_back(
-          fmt::format("the plan has {} ranks but this machine has {} GPU(s) (one GPU a "
-                      "process; CUDA_VISIBLE_DEVICES?)",
-                      ranks, p.devices));
-    }
-    if (!b.torch_cuda) {
-      why.push_back(fmt::format(
-          "this build's LibTorch ({}) has no CUDA (Debian's libtorch is CPU-only); configure "
-          "with -DNNSIM_TORCH_PYTHON=<python with a CUDA torch>",
-          b.torch_version));
-    }
-    if (!why.empty()) {
-      std::string m = "--device cuda: ";
-      for (std::size_t i = 0; i < why.size(); ++i) m += (i ? "; and " : "") + why[i];
-      return fail(m);
-    }
-    device_name = p.name;
-    // All ranks are on this machine: NCCL's bootstrap can always use the loopback interface.
-    ::setenv("NCCL_SOCKET_IFNAME", "lo", /*overwrite=*/0);
-  }
-  char dir_template[] = "/tmp/nnexec-XXXXXX";
-  if (::mkdtemp(dir_template) == nullptr) return fail("cannot create a rendezvous directory");
-  const std::string dir = dir_template;
-  char self[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n <= 0) return fail("cannot find this executable (/proc/self/exe)");
-  self[n] = '\0';
-  std::map<pid_t, int> children;
-  for (int r = 0; r < a.launch; ++r) {
-    std::vector<std::string> args = {self,
-                                     "run",
-                                     "--plan",
-                                     a.plan,
-                                     "--launch",
-                                     std::to_string(a.launch),
-                                     "--worker-rank",
-                                     std::to_string(r),
-                                     "--rendezvous",
-                                     dir,
-                                     "--iterations",
-                                     std::to_string(a.options.iterations),
-                                     "--warmup",
-                                     std::to_string(a.options.warmup),
-                                     "--threads",
-                                     std::to_string(a.options.threads),
-                                     "--seed",
-                                     std::to_string(a.options.seed),
-                                     "--device",
-                                     a.options.device};
-    if (a.options.check) args.push_back("--check");
-    if (a.options.inject_fault) args.push_back("--inject-fault");
-    std::vector<char*> argv;
-    for (auto& s : args) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    const pid_t pid = ::fork();
-    if (pid < 0) return fail("fork failed");
-    if (pid == 0) {
-      ::execv(self, argv.data());
-      ::_exit(127);
-    }
-    children[pid] = r;
-  }
-  std::string failure;
-  while (!children.empty()) {
-    int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, 0);
-    if (pid < 0) break;
-    auto it = children.find(pid);
-    if (it == children.end()) continue;
-    const int r = it->second;
-    children.erase(it);
-    const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    if (!ok && failure.empty()) {
-      failure = WIFEXITED(status)
-                    ? fmt::format("rank {} failed (exit status {})", r, WEXITSTATUS(status))
-                    : fmt::format("rank {} was killed by signal {}", r, WTERMSIG(status));
-      for (const auto& [other, _] : children) ::kill(other, SIGTERM);  // ours only
-    }
-  }
+  return plan;
+}
+
+// Rank 0, with every rank's result: writes the run file and tells the user how it went.
+int finish(const RunArgs& a, const nnsim::Plan& plan, const nnsim::hwexec::RunOptions& options,
+           std::vector<nnsim::hwexec::RankResult> ranks) {
+  using namespace nnsim::hwexec;
   RunResults results;
-  results.plan_json = nnsim::plan_to_json(*plan);
-  results.plan_name = plan->name;
-  results.options = a.options;
-  results.world = a.launch;
+  results.plan_json = nnsim::plan_to_json(plan);
+  results.plan_name = plan.name;
+  results.options = options;
+  results.world = static_cast<int>(ranks.size());
   results.torch_version = build_info().torch_version;
-  results.device = a.options.device;
-  results.dtype = run_dtype(*plan);
-  results.device_name = device_name;
-  if (a.options.device == "cuda") results.nccl_version = build_info().nccl_version;
-  for (const auto& ax : plan->mesh.axes) results.mesh_axes.push_back(ax.name);
-  for (int r = 0; failure.empty() && r < a.launch; ++r) {
-    auto k = rank_from_text(slurp(fmt::format("{}/rank-{}.txt", dir, r)));
-    if (!k)
-      failure = fmt::format("rank {}: {}", r, k.error().message());
-    else
-      results.ranks.push_back(*k);
-  }
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
-  if (!failure.empty()) return fail(failure);
+  results.device = options.device;
+  results.dtype = run_dtype(plan);
+  results.device_name = options.device == "cuda" ? probe_cuda().name : "cpu";
+  if (options.device == "cuda") results.nccl_version = build_info().nccl_version;
+  for (const auto& ax : plan.mesh.axes) results.mesh_axes.push_back(ax.name);
+  results.ranks = std::move(ranks);
   if (nnsim::Status s = write_run(a.out, results); !s) return fail(s.error().message());
 
+  const int world = results.world;
   std::vector<double> t = results.iteration_seconds();
   std::sort(t.begin(), t.end());
-  if (a.options.device == "cuda") {
+  if (options.device == "cuda") {
     std::printf("%s: %s on %d GPU(s) (%s, %s, LibTorch %s, NCCL %s)\n", a.out.c_str(),
-                plan->name.c_str(), a.launch, device_name.c_str(), results.dtype.c_str(),
+                plan.name.c_str(), world, results.device_name.c_str(), results.dtype.c_str(),
                 results.torch_version.c_str(), results.nccl_version.c_str());
   } else {
     std::printf("%s: %s on %d processes (CPU, %s, LibTorch %s, %d thread(s) each)\n", a.out.c_str(),
-                plan->name.c_str(), a.launch, results.dtype.c_str(), results.torch_version.c_str(),
-                a.options.threads);
+                plan.name.c_str(), world, results.dtype.c_str(), results.torch_version.c_str(),
+                options.threads);
   }
   if (!t.empty()) {
     std::printf("  iteration time  median %.3f ms (min %.3f, max %.3f over %zu iterations)\n",
@@ -248,11 +154,11 @@ int run_launcher(RunArgs a) {
   for (const RankResult& k : results.ranks) peak = std::max(peak, k.peak_allocated_bytes);
   if (peak >= 0)
     std::printf("  GPU memory      peak %.3f GiB allocated (largest rank)\n", peak / (1 << 30));
-  if (!a.options.check) return 0;
+  if (!options.check) return 0;
   double worst = 0;
   std::string worst_name;
   int shards = 0;
-  bool ok = true, printed_loss = false;
+  bool printed_loss = false;
   for (const RankResult& k : results.ranks) {
     for (const ParamCheck& c : k.checks) {
       ++shards;
@@ -262,7 +168,6 @@ int run_launcher(RunArgs a) {
         worst_name = fmt::format("{} on rank {}", c.name, k.rank);
       }
       if (!c.ok) {
-        ok = false;
         std::fprintf(stderr,
                      "nnexec: check: gradient of %s on rank %d differs from the unpartitioned "
                      "run: max |error| %.3g, max |reference| %.3g\n",
@@ -279,14 +184,177 @@ int run_launcher(RunArgs a) {
     return fail(
         fmt::format("check failed: the partitioned run's loss or gradients differ from "
                     "the unpartitioned run (see above; rtol {}, atol {})",
-                    a.options.rtol, a.options.atol));
+                    options.rtol, options.atol));
   }
   std::printf(
       "  check           passed: loss and %d parameter shards match the unpartitioned "
       "run (worst relative error %.2g, %s)\n",
       shards, worst, worst_name.c_str());
-  (void)ok;
   return 0;
+}
+
+// One rank: connects to the others, runs its part, and sends its result to rank 0 (ranks may
+// be on other machines), which writes the run file.
+int run_as_rank(const RunArgs& a, const Role& role) {
+  using namespace nnsim::hwexec;
+  const int rank = role.who.rank;
+  auto fail_rank = [&](std::string m) {
+    // The library's errors name the rank too; say it once.
+    const std::string self = fmt::format("rank {}: ", rank);
+    if (m.rfind(self, 0) == 0) m.erase(0, self.size());
+    std::fprintf(stderr, "nnexec: rank %d: error: %s\n", rank, m.c_str());
+    return 1;
+  };
+  nnsim::Expected<nnsim::Plan> plan = runnable_plan(a.plan);
+  if (!plan) return fail_rank(plan.error().message());
+  const int ranks = plan->mesh.num_ranks();
+  if (role.who.world != ranks) {
+    return fail_rank(fmt::format(
+        "{}={} ({}) but the plan's mesh has {} ranks: start {} processes (mpirun -np {}, srun "
+        "-n {}, or WORLD_SIZE={} over all machines), or all on this machine with `nnexec run "
+        "--launch {}`",
+        role.who.world_variable, role.who.world, role.who.launcher, ranks, ranks, ranks, ranks,
+        ranks, ranks));
+  }
+  if (!build_info().torch) {
+    return fail_rank(
+        "this nnexec was built without LibTorch (NNSIM_WITH_TORCH); it cannot run plans");
+  }
+  RunOptions options = a.options;
+  set_check_tolerance(run_dtype(*plan), &options);
+  if (options.device == "cuda") {
+    if (std::string why = cuda_refusal(0); !why.empty()) return fail_rank(why);
+    nnsim::Expected<int> gpu = gpu_for_local_rank(role.who, probe_cuda().devices);
+    if (!gpu) return fail_rank(gpu.error().message());
+    options.gpu = *gpu;
+  }
+  Comm::Rendezvous at;
+  at.host = role.master.host;
+  at.port = role.master.port;
+  at.source = role.master.source;
+  at.listen_fd = role.listen_fd;
+  at.timeout_s = a.connect_timeout;
+  auto comm = Comm::connect(at, rank, role.who.world);
+  if (!comm) return fail_rank(comm.error().message());
+  nnsim::Expected<RankResult> r = run_rank(*plan, options, **comm);
+  if (!r) return fail_rank(r.error().message());
+  Comm& c = **comm;
+  if (rank != 0) {
+    const std::string text = rank_to_text(*r);
+    const std::uint64_t n = text.size();
+    nnsim::Status s = c.send(0, &n, sizeof(n));
+    if (s) s = c.send(0, text.data(), text.size());
+    if (s) s = c.flush();
+    if (!s) return fail_rank("sending the result to rank 0: " + s.error().message());
+    return 0;
+  }
+  std::vector<RankResult> results = {*r};
+  for (int peer = 1; peer < role.who.world; ++peer) {
+    std::uint64_t n = 0;
+    nnsim::Status s = c.recv(peer, &n, sizeof(n));
+    std::string text(s ? n : 0, '\0');
+    if (s) s = c.recv(peer, text.data(), text.size());
+    if (!s) return fail_rank(s.error().message());
+    nnsim::Expected<RankResult> k = rank_from_text(text);
+    if (!k) return fail_rank(fmt::format("the result of rank {}: {}", peer, k.error().message()));
+    results.push_back(*k);
+  }
+  return finish(a, *plan, options, std::move(results));
+}
+
+// Starts one process per rank on this machine (this executable again, with --worker-rank),
+// connected over TCP on the loopback interface, and waits for all; rank 0 writes the file.
+int run_launcher(RunArgs a) {
+  using namespace nnsim::hwexec;
+  nnsim::Expected<nnsim::Plan> plan = runnable_plan(a.plan);
+  if (!plan) return fail(plan.error().message());
+  const int ranks = plan->mesh.num_ranks();
+  if (a.launch == 0) a.launch = ranks;
+  if (a.launch != ranks) {
+    return fail(fmt::format("--launch {} but the plan's mesh has {} ranks; launch {}", a.launch,
+                            ranks, ranks));
+  }
+  if (!build_info().torch) {
+    return fail("this nnexec was built without LibTorch (NNSIM_WITH_TORCH); it cannot run plans");
+  }
+  if (a.options.device == "cuda") {
+    if (std::string why = cuda_refusal(ranks); !why.empty()) return fail(why);
+    // All ranks are on this machine: NCCL's bootstrap can always use the loopback interface.
+    ::setenv("NCCL_SOCKET_IFNAME", "lo", /*overwrite=*/0);
+  }
+  // Rank 0 inherits the listening socket, so no other process can take its port meanwhile.
+  nnsim::Expected<Comm::Listener> listener = Comm::listen("127.0.0.1", 0);
+  if (!listener) return fail(listener.error().message());
+  char self[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) return fail("cannot find this executable (/proc/self/exe)");
+  self[n] = '\0';
+  std::map<pid_t, int> children;
+  for (int r = 0; r < a.launch; ++r) {
+    std::vector<std::string> args = {self,
+                                     "run",
+                                     "--plan",
+                                     a.plan,
+                                     "--launch",
+                                     std::to_string(a.launch),
+                                     "--worker-rank",
+                                     std::to_string(r),
+                                     "--master",
+                                     fmt::format("127.0.0.1:{}", listener->port),
+                                     "--connect-timeout",
+                                     fmt::format("{}", a.connect_timeout),
+                                     "--iterations",
+                                     std::to_string(a.options.iterations),
+                                     "--warmup",
+                                     std::to_string(a.options.warmup),
+                                     "--threads",
+                                     std::to_string(a.options.threads),
+                                     "--seed",
+                                     std::to_string(a.options.seed),
+                                     "--device",
+                                     a.options.device};
+    if (r == 0) {
+      args.insert(args.end(), {"--out", a.out, "--master-fd", std::to_string(listener->fd)});
+    }
+    if (a.options.check) args.push_back("--check");
+    if (a.options.inject_fault) args.push_back("--inject-fault");
+    std::vector<char*> argv;
+    for (auto& s : args) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    const pid_t pid = ::fork();
+    if (pid < 0) return fail("fork failed");
+    if (pid == 0) {
+      if (r == 0) ::fcntl(listener->fd, F_SETFD, 0);  // keep it open across exec
+      ::execv(self, argv.data());
+      ::_exit(127);
+    }
+    children[pid] = r;
+  }
+  ::close(listener->fd);
+  // A rank that fails says why itself (exit status 1); the first failure stops the others.
+  std::string failure;
+  bool failed = false;
+  while (!children.empty()) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, 0);
+    if (pid < 0) break;
+    auto it = children.find(pid);
+    if (it == children.end()) continue;
+    const int r = it->second;
+    children.erase(it);
+    const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (!ok && !failed) {
+      failed = true;
+      if (!WIFEXITED(status)) {
+        failure = fmt::format("rank {} was killed by signal {}", r, WTERMSIG(status));
+      } else if (WEXITSTATUS(status) != 1) {
+        failure = fmt::format("rank {} failed (exit status {})", r, WEXITSTATUS(status));
+      }
+      for (const auto& [other, _] : children) ::kill(other, SIGTERM);  // ours only
+    }
+  }
+  if (!failure.empty()) return fail(failure);
+  return failed ? 1 : 0;
 }
 
 }  // namespace
@@ -314,14 +382,16 @@ int main(int argc, char** argv) {
   RunArgs run;
   CLI::App* run_cmd = app.add_subcommand(
       "run",
-      "run a plan on this machine's CPU or GPUs, one process per mesh rank, into an HDF5 run file");
+      "run a plan on CPUs or GPUs, one process per mesh rank (started here with --launch, or by "
+      "mpirun, srun or torchrun-style variables), into an HDF5 run file");
   run_cmd->add_option("--plan", run.plan, "plan.json (nnsim plan)")->required();
   run_cmd
       ->add_option("--device", run.options.device,
                    "cpu (socket collectives) or cuda (one GPU a rank, NCCL); default cpu")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   run_cmd->add_option("--launch", run.launch,
-                      "processes to start, one per mesh rank (default: the plan's ranks)");
+                      "processes to start on this machine, one per mesh rank (default: the "
+                      "plan's ranks, unless a launcher's variables make this process one rank)");
   run_cmd->add_option("-o,--out", run.out, "the HDF5 run file to write (format nnexec-run)");
   run_cmd->add_option("--iterations", run.options.iterations, "measured iterations (default 3)")
       ->check(CLI::PositiveNumber);
@@ -332,9 +402,17 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--threads", run.options.threads, "LibTorch threads per process (default 1)")
       ->check(CLI::PositiveNumber);
   run_cmd->add_option("--seed", run.options.seed, "weights and data seed (default 1234)");
+  run_cmd->add_option("--master", run.master,
+                      "HOST:PORT where the ranks meet (rank 0's host, a free port) when a "
+                      "launcher (mpirun, srun, torchrun) starts them; default MASTER_ADDR and "
+                      "MASTER_PORT");
+  run_cmd
+      ->add_option("--connect-timeout", run.connect_timeout,
+                   "seconds to wait for the other ranks at the start (default 120)")
+      ->check(CLI::PositiveNumber);
   run_cmd->add_flag("--inject-fault", run.options.inject_fault)->group("");  // tests
   run_cmd->add_option("--worker-rank", run.worker_rank)->group("");          // internal
-  run_cmd->add_option("--rendezvous", run.rendezvous)->group("");            // internal
+  run_cmd->add_option("--master-fd", run.master_fd)->group("");              // internal
 
   try {
     app.parse(argc, argv);
@@ -350,9 +428,46 @@ int main(int argc, char** argv) {
   }
   if (info_cmd->parsed()) return run_info();
   if (run_cmd->parsed()) {
-    if (run.worker_rank >= 0) return run_worker(run);
-    if (run.out.empty()) return fail("run: --out is required");
-    return run_launcher(run);
+    if (run.out.empty() && run.worker_rank < 0) return fail("run: --out is required");
+    if (run.worker_rank >= 0) {  // started by --launch
+      Role role;
+      role.who.launcher = "nnexec run --launch";
+      role.who.rank = run.worker_rank;
+      role.who.world = run.launch;
+      role.who.local_rank = run.worker_rank;
+      role.who.rank_variable = "--worker-rank";
+      role.who.world_variable = "--launch";
+      role.who.local_variable = "--worker-rank";
+      role.listen_fd = run.master_fd;
+      nnsim::Expected<MasterAddress> m = parse_host_port(run.master, "--master");
+      if (!m) return fail(m.error().message());
+      role.master = *m;
+      return run_as_rank(run, role);
+    }
+    if (run.launch > 0) return run_launcher(run);
+    const Getenv get = [](const char* name) -> const char* { return std::getenv(name); };
+    nnsim::Expected<std::optional<LaunchEnv>> env = launch_from_env(get);
+    if (!env) return fail(env.error().message());
+    if (!*env) {
+      if (!run.master.empty()) {
+        return fail(
+            "--master is for ranks started by a launcher, but none of OMPI_COMM_WORLD_RANK, "
+            "PMI_RANK, RANK or SLURM_PROCID is set; start nnexec with mpirun, srun or torchrun "
+            "(or set RANK, WORLD_SIZE and LOCAL_RANK), or use --launch N on one machine");
+      }
+      return run_launcher(run);
+    }
+    Role role;
+    role.who = **env;
+    nnsim::Expected<MasterAddress> m = master_address(run.master, get, role.who);
+    if (!m && role.who.world == 1) m = MasterAddress{};  // alone: nobody to meet
+    if (!m) {
+      std::fprintf(stderr, "nnexec: rank %d: error: %s\n", role.who.rank,
+                   m.error().message().c_str());
+      return 1;
+    }
+    role.master = *m;
+    return run_as_rank(run, role);
   }
 
   auto progress = [&](const std::string& line) {

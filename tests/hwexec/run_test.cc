@@ -1,4 +1,4 @@
-// nnexec run: the socket collective backend, the plan checks, and whole plans (TP, PP, DP and
+// nnexec run: the socket collective backend (TCP), the plan checks, and whole plans (TP, PP, DP and
 // all three) run as processes on this CPU whose loss and gradients must equal an unpartitioned
 // run's; `--device cuda` refusing with the reason where it cannot run, and the same plans on
 // GPUs where it can. Plans come from `nnsim plan` on a tiny model (tests/data/tiny-gpt.yaml).
@@ -76,22 +76,37 @@ RunResult make_plan(const TempDir& dir, int tp, int pp, int dp, const std::strin
 
 // ---------------------------------------------------------------- the collective backend
 
-// Runs `body(comm)` in `world` forked processes; true when every one returns true.
+// Runs `body(comm)` in `world` forked processes connected over TCP on the loopback interface
+// (rank 0 inherits the listening socket, as under `nnexec run --launch`); true when every one
+// returns true.
 template <class F>
 bool in_processes(int world, F body) {
-  TempDir dir;
-  const std::string rendezvous = dir.file("");
+  Expected<Comm::Listener> l = Comm::listen("127.0.0.1", 0);
+  if (!l) {
+    ADD_FAILURE() << l.error().message();
+    return false;
+  }
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
     pid_t pid = ::fork();
     if (pid == 0) {
-      auto c = Comm::connect(rendezvous, r, world, 30);
+      Comm::Rendezvous at;
+      at.host = "127.0.0.1";
+      at.port = l->port;
+      at.timeout_s = 30;
+      if (r == 0) {
+        at.listen_fd = l->fd;
+      } else {
+        ::close(l->fd);
+      }
+      auto c = Comm::connect(at, r, world, 30);
       bool ok = c.ok() && body(**c) && (*c)->flush().ok() && (*c)->barrier().ok();
       if (!c.ok()) std::fprintf(stderr, "rank %d: %s\n", r, c.error().message().c_str());
       ::_exit(ok ? 0 : 1);
     }
     pids.push_back(pid);
   }
+  ::close(l->fd);
   bool ok = true;
   for (pid_t p : pids) {
     int status = 0;

@@ -1,0 +1,621 @@
+// Ranks started by someone else (docs/hwexec.md#several-machines-mpirun-srun-torchrun): the
+// launchers' variables, the TCP rendezvous and its errors, and `nnexec run` started as one
+// process per rank with torchrun-style variables, with Open MPI's, and by a real `mpirun`,
+// whose run file must match what `nnexec run --launch` writes for the same plan.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "hwexec/bench.h"
+#include "hwexec/comm.h"
+#include "hwexec/launch.h"
+#include "hwexec/run.h"
+#include "process.h"
+#include "synthetic.h"
+
+namespace nnsim::hwexec {
+namespace {
+
+using testing::Child;
+using testing::contains;
+using testing::run;
+using testing::RunResult;
+using testing::TempDir;
+using Env = std::vector<std::pair<std::string, std::string>>;
+
+const std::string kModel = std::string(NNSIM_TEST_DATA) + "/tiny-gpt.yaml";
+const std::string kTopo = std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml";
+
+Getenv lookup(const std::map<std::string, std::string>& vars) {
+  return [vars](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  };
+}
+
+// A TCP port nobody listens on (just now).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// ---------------------------------------------------------------- the launchers' variables
+
+TEST(LaunchEnv, NoneSetMeansNotLaunched) {
+  Expected<std::optional<LaunchEnv>> e = launch_from_env(lookup({{"MASTER_ADDR", "x"}}));
+  ASSERT_TRUE(e.ok()) << e.error().message();
+  EXPECT_FALSE(e->has_value());
+}
+
+TEST(LaunchEnv, EachLauncherAndTheInnerOneFirst) {
+  struct Case {
+    std::map<std::string, std::string> vars;
+    std::string launcher;
+    int rank, world, local;
+  };
+  const std::vector<Case> cases = {
+      {{{"OMPI_COMM_WORLD_RANK", "3"},
+        {"OMPI_COMM_WORLD_SIZE", "8"},
+        {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}},
+       "Open MPI",
+       3,
+       8,
+       1},
+      {{{"PMI_RANK", "2"}, {"PMI_SIZE", "4"}, {"MPI_LOCALRANKID", "0"}}, "MPICH/Hydra", 2, 4, 0},
+      {{{"RANK", "5"}, {"WORLD_SIZE", "6"}, {"LOCAL_RANK", "1"}}, "torchrun-style", 5, 6, 1},
+      {{{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}}, "Slurm", 1, 2, -1},
+      // `srun torchrun`: Slurm's task is the node; torchrun's variables are the rank's.
+      {{{"SLURM_PROCID", "1"},
+        {"SLURM_NTASKS", "2"},
+        {"SLURM_LOCALID", "0"},
+        {"RANK", "7"},
+        {"WORLD_SIZE", "8"},
+        {"LOCAL_RANK", "3"}},
+       "torchrun-style",
+       7,
+       8,
+       3},
+      // mpirun inside a Slurm allocation.
+      {{{"SLURM_PROCID", "0"},
+        {"SLURM_NTASKS", "1"},
+        {"OMPI_COMM_WORLD_RANK", "2"},
+        {"OMPI_COMM_WORLD_SIZE", "4"}},
+       "Open MPI",
+       2,
+       4,
+       -1},
+  };
+  for (const Case& c : cases) {
+    Expected<std::optional<LaunchEnv>> e = launch_from_env(lookup(c.vars));
+    ASSERT_TRUE(e.ok()) << e.error().message();
+    ASSERT_TRUE(e->has_value());
+    const LaunchEnv& l = **e;
+    EXPECT_EQ(l.launcher, c.launcher);
+    EXPECT_EQ(l.rank, c.rank);
+    EXPECT_EQ(l.world, c.world);
+    EXPECT_EQ(l.local_rank, c.local);
+  }
+}
+
+std::string launch_error(const std::map<std::string, std::string>& vars) {
+  Expected<std::optional<LaunchEnv>> e = launch_from_env(lookup(vars));
+  return e.ok() ? "(no error)" : e.error().message();
+}
+
+TEST(LaunchEnv, BadVariablesNameTheVariable) {
+  EXPECT_EQ(launch_error({{"RANK", "0"}}),
+            "RANK is set (0) but WORLD_SIZE is not: torchrun-style sets both (the rank and the "
+            "number of ranks); set WORLD_SIZE to the plan's number of ranks");
+  EXPECT_EQ(launch_error({{"PMI_RANK", "x"}, {"PMI_SIZE", "4"}}),
+            "PMI_RANK='x' is not a rank (a whole number from 0)");
+  EXPECT_EQ(launch_error({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "0"}}),
+            "SLURM_NTASKS='0' is not a number of ranks (a whole number from 1)");
+  EXPECT_EQ(launch_error({{"OMPI_COMM_WORLD_RANK", "4"}, {"OMPI_COMM_WORLD_SIZE", "4"}}),
+            "OMPI_COMM_WORLD_RANK=4 is not below OMPI_COMM_WORLD_SIZE=4 (ranks count from 0)");
+  EXPECT_EQ(launch_error({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "-1"}}),
+            "LOCAL_RANK='-1' is not a local rank (a whole number from 0)");
+}
+
+TEST(LaunchEnv, MasterAddress) {
+  LaunchEnv who;
+  who.launcher = "Open MPI";
+  who.rank = 3;
+  who.world = 8;
+  who.rank_variable = "OMPI_COMM_WORLD_RANK";
+  who.world_variable = "OMPI_COMM_WORLD_SIZE";
+  Expected<MasterAddress> m = master_address("node1:29500", lookup({}), who);
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_EQ(m->host, "node1");
+  EXPECT_EQ(m->port, 29500);
+  EXPECT_EQ(m->source, "--master");
+  m = master_address("[fe80::1]:7", lookup({}), who);
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_EQ(m->host, "fe80::1");
+  EXPECT_EQ(m->port, 7);
+  // The flag wins over the variables.
+  m = master_address("", lookup({{"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "1234"}}), who);
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_EQ(m->host, "10.0.0.1");
+  EXPECT_EQ(m->port, 1234);
+  EXPECT_EQ(m->source, "MASTER_ADDR/MASTER_PORT");
+
+  auto error = [&](const std::string& flag, const std::map<std::string, std::string>& vars) {
+    Expected<MasterAddress> e = master_address(flag, lookup(vars), who);
+    return e.ok() ? "(no error)" : e.error().message();
+  };
+  EXPECT_EQ(error("", {}),
+            "rank 3 of 8 (Open MPI from OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE) needs the "
+            "rendezvous address: pass --master HOST:PORT or set MASTER_ADDR and MASTER_PORT "
+            "(rank 0's host and a free TCP port on it, the same for every rank)");
+  EXPECT_TRUE(contains(error("", {{"MASTER_ADDR", "a"}}),
+                       "MASTER_ADDR is set but MASTER_PORT is not: pass --master"));
+  EXPECT_TRUE(contains(error("", {{"MASTER_PORT", "1"}}),
+                       "MASTER_PORT is set but MASTER_ADDR is not: pass --master"));
+  EXPECT_EQ(error("", {{"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}}),
+            "MASTER_PORT='70000' is not a TCP port (1 to 65535)");
+  EXPECT_EQ(error("node1", {}),
+            "--master 'node1': no port; expected HOST:PORT (rank 0's host and a free TCP port "
+            "on it, e.g. node1:29500)");
+  EXPECT_TRUE(contains(error(":80", {}), "--master ':80': no host"));
+  EXPECT_TRUE(contains(error("h:0", {}), "--master 'h:0': '0' is not a TCP port"));
+}
+
+TEST(LaunchEnv, GpuForLocalRank) {
+  LaunchEnv who;
+  who.launcher = "torchrun-style";
+  who.local_variable = "LOCAL_RANK";
+  who.local_rank = 2;
+  EXPECT_EQ(*gpu_for_local_rank(who, 4), 2);
+  EXPECT_EQ(*gpu_for_local_rank(who, 1), 0);  // one GPU a process (CUDA_VISIBLE_DEVICES)
+  Expected<int> g = gpu_for_local_rank(who, 2);
+  ASSERT_FALSE(g.ok());
+  EXPECT_TRUE(
+      contains(g.error().message(), "--device cuda: LOCAL_RANK=2 but this machine shows 2 GPU(s)"))
+      << g.error().message();
+  who.local_rank = -1;
+  g = gpu_for_local_rank(who, 8);
+  ASSERT_FALSE(g.ok());
+  EXPECT_TRUE(contains(g.error().message(), "torchrun-style sets no local rank (LOCAL_RANK)"))
+      << g.error().message();
+}
+
+// ---------------------------------------------------------------- the TCP rendezvous
+
+Comm::Rendezvous at(int port, double timeout_s) {
+  Comm::Rendezvous r;
+  r.host = "127.0.0.1";
+  r.port = port;
+  r.timeout_s = timeout_s;
+  r.source = "MASTER_ADDR/MASTER_PORT";
+  return r;
+}
+
+TEST(Rendezvous, RanksStartedInAnyOrderConnectAndTalk) {
+  // Rank 0 opens the master port itself (no socket handed in), after the others started
+  // trying to reach it.
+  const int port = free_port();
+  const int world = 3;
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(world);
+  std::vector<float> sums(world, 0);
+  for (int r = world - 1; r >= 0; --r) {
+    threads.emplace_back([&, r] {
+      if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      auto c = Comm::connect(at(port, 10), r, world, 10);
+      if (!c) {
+        errors[r] = c.error().message();
+        return;
+      }
+      float x = static_cast<float>(r + 1);
+      if (Status s = (*c)->all_reduce({0, 1, 2}, &x, 1); !s) {
+        errors[r] = s.error().message();
+        return;
+      }
+      sums[r] = x;
+      if (Status s = (*c)->barrier(); !s) errors[r] = s.error().message();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(sums[r], 6.0f) << "rank " << r;
+  }
+}
+
+TEST(Rendezvous, UnreachableMasterNamesTheRankAndTheAddress) {
+  const int port = free_port();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto c = Comm::connect(at(port, 0.5), 2, 4);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.error().message(),
+            fmt::format("rank 2: could not reach rank 0's rendezvous at 127.0.0.1:{} "
+                        "(MASTER_ADDR/MASTER_PORT) within 0.5 s: Connection refused (is rank 0 "
+                        "running on that host, and the port open?)",
+                        port));
+  EXPECT_LT(took, 3.0);
+}
+
+TEST(Rendezvous, MissingRanksAreNamed) {
+  const int port = free_port();
+  std::string error;
+  std::thread one([&] {
+    auto c = Comm::connect(at(port, 1), 1, 4);
+    if (!c) error = c.error().message();
+  });
+  auto c = Comm::connect(at(port, 1), 0, 4);
+  one.join();
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.error().message(),
+            fmt::format("rank 0: 2 of 4 ranks reached the rendezvous at port {} "
+                        "(MASTER_ADDR/MASTER_PORT) within 1 s; missing rank(s) 2, 3 (were they "
+                        "started, with the same MASTER_ADDR/MASTER_PORT and a world of 4?)",
+                        port));
+  // Rank 1 learns that rank 0 gave up.
+  EXPECT_TRUE(contains(error, "rank 1: the rendezvous with rank 0 at 127.0.0.1:")) << error;
+}
+
+TEST(Rendezvous, DisagreeingWorldSizesFail) {
+  const int port = free_port();
+  std::thread one([&] { (void)Comm::connect(at(port, 2), 1, 3); });
+  auto c = Comm::connect(at(port, 2), 0, 2);
+  one.join();
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.error().message(),
+            "rank 0: rank 1 says the world has 3 ranks but rank 0's has 2 (every rank must be "
+            "started with the same world size)");
+}
+
+TEST(Rendezvous, BusyMasterPortIsNamed) {
+  Expected<Comm::Listener> taken = Comm::listen("", 0);
+  ASSERT_TRUE(taken.ok()) << taken.error().message();
+  std::thread one([&] { (void)Comm::connect(at(taken->port, 0.5), 1, 2); });
+  auto c = Comm::connect(at(taken->port, 0.5), 0, 2);
+  one.join();
+  ::close(taken->fd);
+  ASSERT_FALSE(c.ok());
+  EXPECT_TRUE(contains(c.error().message(),
+                       fmt::format("rank 0: cannot listen at *:{}: Address already in use "
+                                   "(MASTER_ADDR/MASTER_PORT; is another job using port {}? "
+                                   "choose another)",
+                                   taken->port, taken->port)))
+      << c.error().message();
+}
+
+// ---------------------------------------------------------------- nnexec run, one rank a process
+
+// `nnsim plan` for the tiny model, tp x pp x dp ranks on nodes of two.
+void make_plan(const TempDir& dir, int tp, int pp, int dp, int global_batch) {
+  RunResult p = run(dir, NNSIM_BINARY,
+                    {"plan",
+                     "--model",
+                     kModel,
+                     "--topo",
+                     kTopo,
+                     "--nodes",
+                     std::to_string(tp * pp * dp / 2),
+                     "--tp",
+                     std::to_string(tp),
+                     "--pp",
+                     std::to_string(pp),
+                     "--dp",
+                     std::to_string(dp),
+                     "--global-batch",
+                     std::to_string(global_batch),
+                     "--micro-batch",
+                     "1",
+                     "--precision",
+                     "fp32",
+                     "-o",
+                     "plan.json"});
+  ASSERT_EQ(p.status, 0) << p;
+}
+
+const std::vector<std::string> kRunArgs = {"run", "--plan",   "plan.json", "--iterations",
+                                           "1",   "--warmup", "0",         "--check"};
+
+std::vector<std::string> run_args(std::vector<std::string> extra) {
+  std::vector<std::string> a = kRunArgs;
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+// Starts `world` processes of `nnexec run`, each with `env(rank)`; rank 0's result and every
+// other rank's.
+std::vector<RunResult> run_ranks(const TempDir& dir, int world, const std::function<Env(int)>& env,
+                                 const std::vector<std::string>& extra) {
+  std::vector<Child> children;
+  for (int r = 0; r < world; ++r) {
+    children.push_back(
+        testing::start(dir, NNEXEC_BINARY, run_args(extra), env(r), fmt::format("-rank{}", r)));
+  }
+  std::vector<RunResult> results;
+  for (const Child& c : children) results.push_back(testing::finish(c));
+  return results;
+}
+
+// The same job: ranks, their coordinates and parameters, operators and collectives (with
+// calls and bytes), checked shards; and, computed in the same order, the same losses.
+void expect_same_run(const RunResults& a, const RunResults& b) {
+  EXPECT_EQ(a.world, b.world);
+  EXPECT_EQ(a.mesh_axes, b.mesh_axes);
+  EXPECT_EQ(a.plan_json, b.plan_json);
+  EXPECT_EQ(a.device, b.device);
+  EXPECT_EQ(a.dtype, b.dtype);
+  ASSERT_EQ(a.ranks.size(), b.ranks.size());
+  for (std::size_t i = 0; i < a.ranks.size(); ++i) {
+    const RankResult &x = a.ranks[i], &y = b.ranks[i];
+    SCOPED_TRACE(fmt::format("rank {}", i));
+    EXPECT_EQ(x.rank, static_cast<int>(i));
+    EXPECT_EQ(y.rank, static_cast<int>(i));
+    EXPECT_EQ(x.coordinates, y.coordinates);
+    EXPECT_EQ(x.parameters, y.parameters);
+    EXPECT_EQ(x.iteration_seconds.size(), y.iteration_seconds.size());
+    EXPECT_EQ(x.losses, y.losses);
+    ASSERT_EQ(x.ops.size(), y.ops.size());
+    for (std::size_t k = 0; k < x.ops.size(); ++k) {
+      EXPECT_EQ(x.ops[k].name + " " + x.ops[k].phase, y.ops[k].name + " " + y.ops[k].phase);
+      EXPECT_EQ(x.ops[k].calls, y.ops[k].calls);
+    }
+    ASSERT_EQ(x.collectives.size(), y.collectives.size());
+    for (std::size_t k = 0; k < x.collectives.size(); ++k) {
+      const CollTime &p = x.collectives[k], &q = y.collectives[k];
+      EXPECT_EQ(p.kind + " " + p.axes + " " + p.label, q.kind + " " + q.axes + " " + q.label);
+      EXPECT_EQ(p.bytes, q.bytes);
+      EXPECT_EQ(p.calls, q.calls);
+    }
+    ASSERT_EQ(x.checks.size(), y.checks.size());
+    for (std::size_t k = 0; k < x.checks.size(); ++k) {
+      EXPECT_EQ(x.checks[k].name, y.checks[k].name);
+      EXPECT_EQ(x.checks[k].max_abs_error, y.checks[k].max_abs_error);
+    }
+  }
+}
+
+// Rank 0 printed the summary and the check; the others nothing.
+void expect_rank0_reports(const std::vector<RunResult>& ranks) {
+  ASSERT_FALSE(ranks.empty());
+  for (std::size_t r = 0; r < ranks.size(); ++r) EXPECT_EQ(ranks[r].status, 0) << ranks[r];
+  EXPECT_TRUE(contains(ranks[0].out, "check           passed")) << ranks[0];
+  EXPECT_TRUE(contains(ranks[0].out, fmt::format("on {} processes", ranks.size()))) << ranks[0];
+  for (std::size_t r = 1; r < ranks.size(); ++r) EXPECT_EQ(ranks[r].out, "") << ranks[r];
+}
+
+// One plan (tp2 pp2: 4 ranks, tensor-parallel all-reduces and pipeline transfers) and what
+// `nnexec run --launch 4` makes of it, shared by the tests that start the ranks otherwise.
+class NnexecRunRanks : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!build_info().torch) return;
+    dir_ = new TempDir;
+    make_plan(*dir_, 2, 2, 1, 4);
+    RunResult r = run(*dir_, NNEXEC_BINARY, run_args({"--launch", "4", "--out", "launch.h5"}));
+    ASSERT_EQ(r.status, 0) << r;
+    Expected<RunResults> file = read_run(dir_->file("launch.h5"));
+    ASSERT_TRUE(file.ok()) << file.error().message();
+    reference_ = new RunResults(*file);
+  }
+  static void TearDownTestSuite() {
+    delete reference_;
+    delete dir_;
+    reference_ = nullptr;
+    dir_ = nullptr;
+  }
+  void SetUp() override {
+    if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+    ASSERT_NE(reference_, nullptr) << "nnexec run --launch 4 failed";
+  }
+  // `out` (in the shared directory), read back, checked and compared with --launch's.
+  static void expect_like_launch(const std::string& out) {
+    Expected<RunResults> file = read_run(dir_->file(out));
+    ASSERT_TRUE(file.ok()) << file.error().message();
+    EXPECT_TRUE(file->check_passed());
+    expect_same_run(*file, *reference_);
+  }
+  static TempDir* dir_;
+  static RunResults* reference_;
+};
+
+TempDir* NnexecRunRanks::dir_ = nullptr;
+RunResults* NnexecRunRanks::reference_ = nullptr;
+
+TEST_F(NnexecRunRanks, TorchrunStyleVariablesMatchLaunch) {
+  const int port = free_port();
+  std::vector<RunResult> ranks = run_ranks(*dir_, 4,
+                                           [&](int r) {
+                                             return Env{{"RANK", std::to_string(r)},
+                                                        {"WORLD_SIZE", "4"},
+                                                        {"LOCAL_RANK", std::to_string(r)},
+                                                        {"MASTER_ADDR", "127.0.0.1"},
+                                                        {"MASTER_PORT", std::to_string(port)}};
+                                           },
+                                           {"--out", "torchrun.h5"});
+  expect_rank0_reports(ranks);
+  expect_like_launch("torchrun.h5");
+}
+
+TEST_F(NnexecRunRanks, OpenMpiVariablesAndMasterFlag) {
+  const int port = free_port();
+  std::vector<RunResult> ranks =
+      run_ranks(*dir_, 4,
+                [&](int r) {
+                  return Env{{"OMPI_COMM_WORLD_RANK", std::to_string(r)},
+                             {"OMPI_COMM_WORLD_SIZE", "4"},
+                             {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r)}};
+                },
+                {"--out", "ompi.h5", "--master", fmt::format("localhost:{}", port)});
+  expect_rank0_reports(ranks);
+  expect_like_launch("ompi.h5");
+}
+
+// mpirun on PATH (scripts/setup installs Debian's openmpi-bin), or nullopt.
+std::optional<std::string> find_mpirun() {
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "";
+  for (std::size_t start = 0; start <= dirs.size();) {
+    std::size_t end = dirs.find(':', start);
+    if (end == std::string::npos) end = dirs.size();
+    const std::string candidate = dirs.substr(start, end - start) + "/mpirun";
+    if (end > start && ::access(candidate.c_str(), X_OK) == 0) return candidate;
+    start = end + 1;
+  }
+  return std::nullopt;
+}
+
+TEST_F(NnexecRunRanks, UnderMpirun) {
+  const std::optional<std::string> mpirun = find_mpirun();
+  if (!mpirun) GTEST_SKIP() << "no mpirun on PATH (scripts/setup installs openmpi-bin)";
+  const int port = free_port();
+  // Open MPI refuses root without --allow-run-as-root, and more ranks than cores without
+  // --oversubscribe.
+  std::vector<std::string> args = {"--oversubscribe", "-np", "4"};
+  if (::getuid() == 0) args.insert(args.begin(), "--allow-run-as-root");
+  args.push_back(NNEXEC_BINARY);
+  for (const std::string& a :
+       run_args({"--out", "mpi.h5", "--master", fmt::format("127.0.0.1:{}", port)})) {
+    args.push_back(a);
+  }
+  RunResult r = run(*dir_, *mpirun, args);
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "check           passed")) << r;
+  EXPECT_TRUE(contains(r.out, "on 4 processes")) << r;
+  expect_like_launch("mpi.h5");
+}
+
+// ---------------------------------------------------------------- nnexec run: bad launches
+
+TEST(NnexecRunRanksRefuse, WorldSizeOtherThanThePlans) {
+  TempDir dir;
+  make_plan(dir, 2, 2, 1, 4);
+  RunResult r = run(
+      dir, NNEXEC_BINARY, run_args({"--out", "run.h5"}),
+      {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_EQ(r.err,
+            "nnexec: rank 1: error: WORLD_SIZE=2 (torchrun-style) but the plan's mesh has 4 "
+            "ranks: start 4 processes (mpirun -np 4, srun -n 4, or WORLD_SIZE=4 over all "
+            "machines), or all on this machine with `nnexec run --launch 4`\n");
+}
+
+TEST(NnexecRunRanksRefuse, MissingMasterAddress) {
+  TempDir dir;
+  make_plan(dir, 2, 1, 1, 2);
+  RunResult r = run(dir, NNEXEC_BINARY, run_args({"--out", "run.h5"}),
+                    {{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_EQ(r.err,
+            "nnexec: rank 0: error: rank 0 of 2 (Open MPI from "
+            "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE) needs the rendezvous address: pass "
+            "--master HOST:PORT or set MASTER_ADDR and MASTER_PORT (rank 0's host and a free TCP "
+            "port on it, the same for every rank)\n");
+  // --master without a launcher's variables.
+  r = run(dir, NNEXEC_BINARY, run_args({"--out", "run.h5", "--master", "127.0.0.1:29500"}));
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err,
+                       "--master is for ranks started by a launcher, but none of "
+                       "OMPI_COMM_WORLD_RANK, PMI_RANK, RANK or SLURM_PROCID is set"))
+      << r;
+}
+
+TEST(NnexecRunOneRank, NeedsNoMasterAndCudaSaysWhyNot) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  TempDir dir;
+  RunResult p = run(dir, NNSIM_BINARY,
+                    {"plan",
+                     "--model",
+                     kModel,
+                     "--topo",
+                     std::string(NNSIM_TEST_DATA) + "/tiny-node1.yaml",
+                     "--nodes",
+                     "1",
+                     "--tp",
+                     "1",
+                     "--pp",
+                     "1",
+                     "--dp",
+                     "1",
+                     "--global-batch",
+                     "2",
+                     "--micro-batch",
+                     "1",
+                     "--precision",
+                     "fp32",
+                     "-o",
+                     "plan.json"});
+  ASSERT_EQ(p.status, 0) << p;
+  const Env one = {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}};
+  RunResult r = run(dir, NNEXEC_BINARY, run_args({"--out", "one.h5"}), one);
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "on 1 processes")) << r;
+  Expected<RunResults> file = read_run(dir.file("one.h5"));
+  ASSERT_TRUE(file.ok()) << file.error().message();
+  EXPECT_TRUE(file->check_passed());
+  // --device cuda where it cannot run: the same reasons as under --launch, from the rank.
+  const CudaProbe probe = probe_cuda();
+  if (build_info().torch_cuda && probe.usable) GTEST_SKIP() << "this machine can run cuda";
+  r = run(dir, NNEXEC_BINARY, run_args({"--out", "gpu.h5", "--device", "cuda"}), one);
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "nnexec: rank 0: error: --device cuda: ")) << r;
+  EXPECT_FALSE(std::ifstream(dir.file("gpu.h5")).good());
+}
+
+TEST(NnexecRunRanksRefuse, UnreachableMaster) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  TempDir dir;
+  make_plan(dir, 2, 1, 1, 2);
+  const int port = free_port();
+  RunResult r = run(dir, NNEXEC_BINARY, run_args({"--out", "run.h5", "--connect-timeout", "0.5"}),
+                    {{"RANK", "1"},
+                     {"WORLD_SIZE", "2"},
+                     {"MASTER_ADDR", "127.0.0.1"},
+                     {"MASTER_PORT", std::to_string(port)}});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_EQ(r.err, fmt::format("nnexec: rank 1: error: could not reach rank 0's "
+                               "rendezvous at 127.0.0.1:{} (MASTER_ADDR/MASTER_PORT) within 0.5 "
+                               "s: Connection refused (is rank 0 running on that host, and the "
+                               "port open?)\n",
+                               port));
+  EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
+}
+
+TEST(NnexecRunRanksRefuse, ARankThatNeverComesIsNamed) {
+  // Rank 1 of 2 never comes: rank 0 says which rank is missing.
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  TempDir dir;
+  make_plan(dir, 2, 1, 1, 2);
+  const int port = free_port();
+  RunResult r = run(dir, NNEXEC_BINARY, run_args({"--out", "run.h5", "--connect-timeout", "0.5"}),
+                    {{"RANK", "0"},
+                     {"WORLD_SIZE", "2"},
+                     {"MASTER_ADDR", "127.0.0.1"},
+                     {"MASTER_PORT", std::to_string(port)}});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, fmt::format("nnexec: rank 0: error: 1 of 2 ranks reached "
+                                          "the rendezvous at port {} (MASTER_ADDR/MASTER_PORT) "
+                                          "within 0.5 s; missing rank(s) 1",
+                                          port)))
+      << r;
+}
+
+}  // namespace
+}  // namespace nnsim::hwexec
