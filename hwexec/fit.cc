@@ -353,6 +353,11 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
   if (f.memory) {
     f.calibration.compute["memory_efficiency"] = f.memory->efficiency;
     f.calibration.compute["kernel_overhead"] = f.memory->overhead;
+    // Fitted to nnexec's unfused kernels: the bandwidth holds with their traffic factor, which
+    // goes into the file with it (it replaces a fused framework's 1.0).
+    if (memory_from != micro_path && !runs.empty()) {
+      f.calibration.compute["elementwise_traffic"] = runs.front().elementwise_traffic;
+    }
   }
   if (f.nvlink) f.calibration.nvlink = f.nvlink->link;
   return f;

@@ -52,6 +52,7 @@ struct RunPoints {
   Precision precision = Precision::kFp32;  // what its operators computed in
   std::vector<GemmPoint> gemm;             // linear operators
   std::vector<TrafficSeries> memory;       // norms, activations, residual and position adds
+  double elementwise_traffic = 0;          // the traffic factor `memory`'s bytes include
   std::vector<std::string> notes;
 };
 

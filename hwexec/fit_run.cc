@@ -52,7 +52,10 @@ Expected<RunPoints> run_points(const RunResults& run, const Plan& plan, const Gp
     }
   }
   const ComputeModel ideal = ideal_compute(gpu, out.precision);
-  const double traffic = default_compute_model(plan, gpu).elementwise_traffic;
+  // nnexec runs every elementwise operator as its own unfused LibTorch kernels, whatever
+  // framework the plan names: the unfused frameworks' traffic factor describes them.
+  const double traffic = ComputeModel::defaults_for(gpu).elementwise_traffic;
+  out.elementwise_traffic = traffic;
   std::map<std::string, size_t> series;  // "name phase" -> index into out.memory
   for (const RankResult& r : run.ranks) {
     for (const OpTime& t : r.ops) {

@@ -187,7 +187,7 @@ RunResults synthetic_run(const Plan& plan, const GpuSpec& gpu, const RunTruth& t
   ComputeModel ideal = ComputeModel::defaults_for(gpu);
   ideal.gemm_efficiency = {{Precision::kFp32, 1.0}};
   ideal.sustained = 1;
-  const double traffic = default_compute_model(plan, gpu).elementwise_traffic;
+  const double traffic = ComputeModel::defaults_for(gpu).elementwise_traffic;
   const double bw = truth.memory_efficiency * gpu.hbm_bandwidth;
   ModelSpec model = plan.model;
   model.precision = plan.precision;
@@ -253,6 +253,11 @@ TEST(HwexecFitRun, RecoversTheParametersTheOperatorTimesWereMadeWith) {
   EXPECT_NEAR(f->gemm[0].max_error, 1 - truth.bwd_efficiency / truth.fwd_efficiency, 1e-9);
   EXPECT_NEAR(c.compute.at("memory_efficiency"), truth.memory_efficiency, 1e-9);
   EXPECT_NEAR(c.compute.at("kernel_overhead"), truth.kernel_overhead, 1e-12);
+  // The bandwidth holds with nnexec's unfused traffic, which the file carries with it (a
+  // Megatron plan's default is the fused 1.0).
+  EXPECT_EQ(c.compute.at("elementwise_traffic"),
+            ComputeModel::defaults_for(gpu).elementwise_traffic);
+  EXPECT_EQ(default_compute_model(plan, gpu).elementwise_traffic, 1.0);
   ASSERT_TRUE(f->memory.has_value());
   EXPECT_EQ(f->memory->from, "run.h5");
   EXPECT_LT(f->memory->max_error, 1e-9);
