@@ -171,7 +171,7 @@ Expected<Program> compile_options(const ModelSpec& model, const Topology& topo,
                                   const MegatronOptions& options) {
   Expected<Plan> plan = build_megatron_plan(model, topo, options);
   if (!plan) return plan.error();
-  return compile_plan(*plan, topo);
+  return compile_plan(*plan, topo, options.costs);
 }
 
 // Merak-style stage partitioning with stage-aware recomputation for one chain's degrees: stage
@@ -234,7 +234,7 @@ std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& t
       if (uniform && !any) return std::nullopt;  // already evaluated
       Expected<Plan> plan = build_megatron_plan(model, topo, cand.options);
       if (!plan) return std::nullopt;
-      Expected<Program> prog = compile_plan(*plan, topo);
+      Expected<Program> prog = compile_plan(*plan, topo, cand.options.costs);
       if (!prog) return std::nullopt;
       ++evaluated;
       cand.estimate = estimate_program(*prog);
@@ -410,6 +410,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   b.framework = o.framework;
                   b.avoid_gpus = avoid;
                   b.tp_comm_overlap = o.tp_comm_overlap;
+                  b.costs = o.compile;
                   b.placement = pl.order;
                   if (fixed_layers) b.stage_layers = *fixed_layers;
                   std::vector<RecomputeMode> recs = {
@@ -461,7 +462,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
           Candidate c = tries[i];
           Expected<Plan> plan = build_megatron_plan(model, topo, c.options);
           if (!plan) return;
-          Expected<Program> prog = compile_plan(*plan, topo);
+          Expected<Program> prog = compile_plan(*plan, topo, c.options.costs);
           if (!prog) return;
           ++evaluated;
           c.estimate = estimate_program(*prog);
@@ -502,7 +503,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
           reject("invalid");
           break;
         }
-        Expected<Program> prog = compile_plan(*plan, topo);
+        Expected<Program> prog = compile_plan(*plan, topo, cand.options.costs);
         if (!prog) {
           reject("invalid");
           break;
@@ -672,6 +673,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     MegatronOptions b;
     b.global_batch = o.global_batch;
     b.framework = o.framework;
+    b.costs = o.compile;
     b.avoid_gpus = avoid;
     if (pin.tp) b.tp = *pin.tp;
     if (pin.pp) b.pp = *pin.pp;
@@ -727,7 +729,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     for (size_t i = 0; i < n; ++i) {
       Candidate& c = feasible[i];
       Expected<Plan> plan = build_megatron_plan(model, topo, c.options);
-      Expected<Program> prog = compile_plan(*plan, topo);
+      Expected<Program> prog = compile_plan(*plan, topo, c.options.costs);
       Expected<double> t = o.simulate(*prog);
       if (t) c.simulated = *t;
       if (o.progress) o.progress("simulating", i + 1, n);

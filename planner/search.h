@@ -38,8 +38,10 @@ struct SearchOptions {
   SearchPins pins;
   Constraints constraints;
   double memory_headroom = 0.1;  // fraction of GPU memory left free (without memory_cap)
-  int top = 10;                  // plans in the ranked table
-  int confirm = 5;               // best estimates confirmed by simulation (0: none)
+  // The cost model candidates are compiled, estimated and scheduled with (a calibration file).
+  CompileOptions compile;
+  int top = 10;     // plans in the ranked table
+  int confirm = 5;  // best estimates confirmed by simulation (0: none)
   int jobs = 1;
   // Called as work progresses: (phase, done, total). Phases: "estimating", "simulating".
   std::function<void(const std::string&, size_t, size_t)> progress;

@@ -246,6 +246,8 @@ struct PlanArgs {
   int jobs = 0;
   std::string csv;
   SearchPins pins;  // what was given on the command line
+  std::string calib;
+  Calibration calibration;  // loaded from `calib`; a.o.costs points at it
 };
 
 std::string csv_escape(const std::string& s) {
@@ -258,6 +260,7 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   so.precision = a.o.precision;
   so.framework = a.o.framework;
   so.tp_comm_overlap = a.o.tp_comm_overlap;
+  so.compile = a.o.costs;
   so.pins = a.pins;
   so.top = a.top;
   so.confirm = a.confirm;
@@ -382,6 +385,7 @@ struct ScheduleArgs {
   bool search = false;  // Tessel's repetend search instead of a generator
   std::string memory_limit;
   std::string output;
+  std::string calib;
 };
 
 int run_schedule(const ScheduleArgs& a) {
@@ -410,24 +414,32 @@ int run_schedule(const ScheduleArgs& a) {
     }
     limit = *bytes;
   }
-  Expected<Program> before = compile_plan(*plan, *topo);
+  // The blocks are timed with the cost model the plan will be simulated with.
+  CompileOptions compile;
+  Expected<Calibration> calib = Calibration{};
+  if (!a.calib.empty()) {
+    calib = load_calibration(a.calib);
+    if (!calib) return fail(calib.error().message());
+    compile.calibration = &*calib;
+  }
+  Expected<Program> before = compile_plan(*plan, *topo, compile);
   if (!before) return fail(fmt::format("{}: {}", a.plan, before.error().message()));
   Expected<Plan> out = Error("");
   std::optional<SearchedSchedule> searched;
   if (a.search) {
-    Expected<SearchedSchedule> s = search_schedule(*plan, *topo, limit);
+    Expected<SearchedSchedule> s = search_schedule(*plan, *topo, limit, compile);
     if (!s) return fail(fmt::format("{}: {}", a.plan, s.error().message()));
     out = s->plan;
     searched = std::move(*s);
   } else {
     Expected<ScheduleKind> kind = parse_schedule_kind(a.generator);
     if (!kind) return fail("--generator: " + kind.error().message());
-    out = generate_schedule(*plan, *topo, *kind, limit);
+    out = generate_schedule(*plan, *topo, *kind, limit, compile);
   }
   if (!out) return fail(fmt::format("{}: {}", a.plan, out.error().message()));
   const std::string name = a.search ? "tessel" : a.generator;
   // The new orders go through the same checks as any plan (dependencies, deadlock).
-  Expected<Program> after = compile_plan(*out, *topo);
+  Expected<Program> after = compile_plan(*out, *topo, compile);
   if (!after) return fail(after.error().message());
   const Estimate e0 = estimate_program(*before), e1 = estimate_program(*after);
   if (limit && e1.peak_memory > *limit) {
@@ -489,11 +501,17 @@ int run_plan(PlanArgs& a) {
     }
     if (!found) return fail("--precision: expected one of fp32, tf32, bf16, fp16, fp8");
   }
+  if (!a.calib.empty()) {
+    Expected<Calibration> calib = load_calibration(a.calib);
+    if (!calib) return fail(calib.error().message());
+    a.calibration = std::move(*calib);
+    a.o.costs.calibration = &a.calibration;
+  }
   if (a.search) return run_search(a, *model, *topo);
   Expected<Plan> plan = build_megatron_plan(*model, *topo, a.o);
   if (!plan) return fail(plan.error().message());
   // The plan must compile on its topology: check now rather than at simulation time.
-  Expected<Program> prog = compile_plan(*plan, *topo);
+  Expected<Program> prog = compile_plan(*plan, *topo, a.o.costs);
   if (!prog) return fail(prog.error().message());
   std::string error;
   if (!write_file(a.output, plan_to_json(*plan), &error)) return fail(error);
@@ -885,6 +903,9 @@ int main(int argc, char** argv) {
                        "best estimates confirmed by simulation (default 5)");
   plan_cmd->add_option("--jobs", plan.jobs, "candidates evaluated at once (default: cores)");
   plan_cmd->add_option("--csv", plan.csv, "write the ranked and rejected plans as CSV");
+  plan_cmd->add_option("--calib", plan.calib,
+                       "calibration file (HDF5): estimate, schedule and simulate with its cost "
+                       "model");
 
   ScheduleArgs sched;
   CLI::App* schedule_cmd = app.add_subcommand(
@@ -901,6 +922,8 @@ int main(int argc, char** argv) {
       "--memory-limit", sched.memory_limit,
       "bytes per GPU the schedule may use (e.g. 60GB); zb-h1, zb-h2, zb-v, merak, --search "
       "(default: the plan's current peak)");
+  schedule_cmd->add_option("--calib", sched.calib,
+                           "calibration file (HDF5): time the blocks with its cost model");
   schedule_cmd->add_option("-o,--output", sched.output, "where to write the plan")->required();
 
   ValidateArgs validate;
@@ -917,13 +940,19 @@ int main(int argc, char** argv) {
                            "calibration file (HDF5) replacing the cost model's constants");
 
   std::vector<std::string> export_gpus;
-  std::string export_out, export_attention = "flash2";
+  std::string export_out, export_attention, export_framework;
   CLI::App* calib_cmd = app.add_subcommand("calibration", "calibration files");
   CLI::App* export_cmd =
       calib_cmd->add_subcommand("export", "write the built-in cost model as a calibration file");
   export_cmd->add_option("--gpu", export_gpus, "catalog GPU (repeatable)")->required();
   export_cmd->add_option("--attention", export_attention, "attention kernels: flash2 or fused3")
       ->check(CLI::IsMember({"flash2", "fused3"}));
+  export_cmd
+      ->add_option("--framework", export_framework,
+                   "the model a plan of this framework gets (its attention library and "
+                   "elementwise fusion): megatron, fsdp, deepspeed or other")
+      ->check(CLI::IsMember({"megatron", "fsdp", "deepspeed", "other"}))
+      ->excludes("--attention");
   export_cmd->add_option("-o,--output", export_out, "the HDF5 file to write")->required();
   calib_cmd->require_subcommand(1);
 
@@ -1017,9 +1046,14 @@ int main(int argc, char** argv) {
       if (!gpu) return fail("--gpu: " + gpu.error().message());
       const AttentionLibrary lib =
           export_attention == "fused3" ? AttentionLibrary::kFused3 : AttentionLibrary::kFlash2;
-      c.gpus[name] =
-          describe_models(ComputeModel::defaults_for(*gpu, lib), CommModel::defaults_for(*gpu),
-                          "nnsim built-in defaults (docs/cost-model.md)");
+      ComputeModel compute = ComputeModel::defaults_for(*gpu, lib);
+      if (!export_framework.empty()) {
+        Plan plan;
+        plan.framework = export_framework;
+        compute = default_compute_model(plan, *gpu);
+      }
+      c.gpus[name] = describe_models(compute, CommModel::defaults_for(*gpu),
+                                     "nnsim built-in defaults (docs/cost-model.md)");
     }
     if (Status s = save_calibration(export_out, c); !s) return fail(s.error().message());
     std::printf("wrote %s\n", export_out.c_str());

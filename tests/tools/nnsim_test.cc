@@ -302,6 +302,58 @@ std::optional<std::string> python_with_h5py(const Sandbox& box, std::string* why
   return std::nullopt;
 }
 
+// `nnsim schedule --calib` and `nnsim plan --calib` time the generators' blocks with the file's
+// cost model: the schedule's estimate is the calibrated simulation's, not the built-in one's.
+TEST(NnsimTool, ScheduleAndPlanTimeTheBlocksWithTheCalibration) {
+  Sandbox box;
+  std::string why;
+  std::optional<std::string> python = python_with_h5py(box, &why);
+  if (!python) GTEST_SKIP() << "no python3 with h5py (apt-get install python3-h5py): " << why;
+  RunResult r = box.nnsim({"calibration", "export", "--gpu", "a100-sxm4-80gb", "--framework",
+                           "megatron", "-o", "c.h5"});
+  ASSERT_EQ(r.status, 0) << r;
+  // Half the sustained tensor throughput: every GEMM and attention kernel takes twice as long
+  // (communication and memory-bound kernels do not).
+  box.write("slow.py", R"(import h5py
+with h5py.File("c.h5", "r+") as f:
+    a = f["a100-sxm4-80gb/compute"].attrs
+    a["sustained"] = a["sustained"] / 2
+)");
+  ASSERT_EQ(box.exec(*python, {"slow.py"}).status, 0);
+  r = box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--tp", "8", "--pp", "4",
+                 "--global-batch", "32", "-o", "p.json"});
+  ASSERT_EQ(r.status, 0) << r;
+  auto estimate = [](const std::string& out) {
+    std::smatch m;
+    static const std::regex re(R"(estimated iteration ([0-9.]+) (s|ms))");
+    if (!std::regex_search(out, m, re)) return 0.0;
+    return std::stod(m[1].str()) * (m[2] == "s" ? 1 : 1e-3);
+  };
+  RunResult plain =
+      box.nnsim({"schedule", "--plan", "p.json", "--generator", "zb-h1", "-o", "z0.json"});
+  ASSERT_EQ(plain.status, 0) << plain;
+  RunResult slow = box.nnsim(
+      {"schedule", "--plan", "p.json", "--generator", "zb-h1", "--calib", "c.h5", "-o", "z.json"});
+  ASSERT_EQ(slow.status, 0) << slow;
+  RunResult sim =
+      box.nnsim({"--topo", "dgx-a100x4", "z.json", "--calib", "c.h5", "--json", "r.json"});
+  ASSERT_EQ(sim.status, 0) << sim;
+  const double simulated = json::parse(box.read("r.json"))["iteration_time_s"].get<double>();
+  EXPECT_GT(estimate(slow.out), 1.2 * estimate(plain.out)) << plain << slow;
+  EXPECT_NEAR(estimate(slow.out), simulated, 0.05 * simulated) << slow;
+
+  r = box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--tp", "8", "--pp", "4",
+                 "--global-batch", "32", "--schedule", "zb-h1", "--calib", "c.h5", "-o", "q.json"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_EQ(json::parse(box.read("q.json"))["schedule"]["name"], "zb-h1");
+  expect_error(box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--tp", "8",
+                          "--global-batch", "32", "--calib", "none.h5", "-o", "x.json"}),
+               {"none.h5"});
+  expect_error(box.nnsim({"schedule", "--plan", "p.json", "--generator", "zb-h1", "--calib",
+                          "none.h5", "-o", "x.json"}),
+               {"none.h5"});
+}
+
 TEST(NnsimTool, Hdf5TimelineIsReadableWithH5py) {
   Sandbox box;
   std::string why;
