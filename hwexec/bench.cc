@@ -228,8 +228,8 @@ Expected<MicroResults> run_bench(const BenchOptions& o,
       // Executed FLOPs: a causal kernel does about half the counted square.
       const double executed = 0.5 * sample.flops();
       say(fmt::format(
-          "attention {:>4} {} {}x{}x{:>5}x{:>3}  fwd {:>9.3f} ms {:>7.2f} TFLOP/s  bwd {:>9.3f} ms "
-          "{:>7.2f} TFLOP/s (executed)",
+          "attention {:>4} {} {}x{}x{:>5}x{:>3}  fwd {:>9.3f} ms {:>8.4g} TFLOP/s  bwd {:>9.3f} ms "
+          "{:>8.4g} TFLOP/s (executed)",
           s.dtype, s.kernel, x.b, x.h, x.s, x.d, sample.fwd.seconds * 1e3,
           executed / sample.fwd.seconds / 1e12, sample.bwd.seconds * 1e3,
           2 * executed / sample.bwd.seconds / 1e12));

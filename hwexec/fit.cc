@@ -278,14 +278,26 @@ Expected<std::optional<AttentionFit>> fit_attention(const MicroResults& micro, c
   }
   f.fwd_efficiency = 1 / a;
   f.bwd_efficiency = 1 / scale(growth(f.seq_half), yb);
+  // A GPU sample that ran faster than the 16-bit peak allows (1/y > 1) means another GPU. The
+  // fitted e is an extrapolation to long sequences: above 1 it is capped, with a note.
+  if (micro.device != "cpu") {
+    for (size_t i = 0; i < x.size(); ++i) {
+      for (auto [name, y] : {std::pair{"forward", yf[i]}, std::pair{"backward", yb[i]}}) {
+        if (1 / y <= kSlack) continue;
+        const AttentionSample& a = series.samples[i];
+        return Error(fmt::format(
+            "attention {} {}x{}x{}x{} ran at {:.2f} times what {}'s 16-bit peak ({:.4g} FLOP/s) "
+            "allows; is the file from another GPU (--gpu)?",
+            name, a.batch, a.heads, a.seq, a.head_dim, 1 / y, gpu.name, f.peak));
+      }
+    }
+  }
   for (auto [name, e] :
        {std::pair{"forward", &f.fwd_efficiency}, std::pair{"backward", &f.bwd_efficiency}}) {
-    if (*e <= kSlack) continue;
-    const std::string what =
-        fmt::format("attention {}: efficiency {:.4g} is above {}'s 16-bit peak ({:.4g} FLOP/s)",
-                    name, *e, gpu.name, f.peak);
-    if (micro.device != "cpu") return Error(what + "; is the file from another GPU (--gpu)?");
-    notes.push_back(what + "; capped at 1 (measured on a CPU)");
+    if (*e <= 1) continue;
+    notes.push_back(fmt::format(
+        "attention {}: the fitted long-sequence efficiency {:.4g} is above 1; capped at 1{}", name,
+        *e, micro.device == "cpu" ? " (measured on a CPU)" : ""));
   }
   f.fwd_efficiency = std::min(f.fwd_efficiency, 1.0);
   f.bwd_efficiency = std::min(f.bwd_efficiency, 1.0);

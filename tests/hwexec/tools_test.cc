@@ -154,9 +154,16 @@ TEST(NnexecBench, CudaQuickOnAGpu) {
     EXPECT_GT(best, 1e12);  // any tensor-core GPU: > 1 TFLOP/s in bf16
   }
   EXPECT_TRUE(bf16);
+  ASSERT_EQ(m->attention.size(), 1u);
+  EXPECT_EQ(m->attention[0].dtype, "bf16");
+  for (const AttentionSample& x : m->attention[0].samples) {
+    EXPECT_GT(x.fwd.seconds, 0);
+    EXPECT_GT(x.bwd.seconds, 0);
+  }
   RunResult c = run(dir, NNSIM_BINARY, {"calibrate", "m.h5", "-o", "cal.h5"});
   if (contains(c.err, "is not a catalog GPU")) GTEST_SKIP() << c.err;
   EXPECT_EQ(c.status, 0) << c;
+  EXPECT_TRUE(contains(c.out, "attention_fwd_efficiency ")) << c;
 }
 
 TEST(NnsimCalibrate, SyntheticFileRoundTripsIntoACalibrationFile) {
