@@ -257,17 +257,27 @@ Expected<std::optional<AttentionFit>> fit_attention(const MicroResults& micro, c
     const double det = s0 * s2 - s1 * s1;
     a = (s2 * sy - s1 * sxy) / det;
     b = (s0 * sxy - s1 * sy) / det;
-    if (b < 0 || a <= 0) {
-      // Shorter sequences no slower: no fill-up term (seq_half 0), a flat line.
+    if (a <= 0) {
+      // Falls faster with the length than s / (s + seq_half) can: no asymptote to fit.
+      f.seq_half = model.attention_seq_half;
+      a = scale(growth(f.seq_half), yf);
+      notes.push_back(fmt::format(
+          "attention: the forward's time per FLOP falls faster with the sequence length than "
+          "the model's s / (s + seq_half); kept the built-in attention_seq_half {:.4g}",
+          f.seq_half));
+    } else if (b < 0) {
+      // Shorter sequences no slower: no fill-up term, a flat line.
       notes.push_back(
           fmt::format("attention: the forward's time per FLOP does not fall with the sequence "
-                      "length (slope {:.4g}); attention_seq_half set to 0",
-                      a > 0 ? b / a : b));
+                      "length (seq_half {:.4g}); attention_seq_half set to 0",
+                      b / a));
       a = scale(growth(0), yf);
-      b = 0;
+      f.seq_half = 0;
+      f.seq_half_fitted = true;
+    } else {
+      f.seq_half = b / a;
+      f.seq_half_fitted = true;
     }
-    f.seq_half = b / a;
-    f.seq_half_fitted = true;
   } else {
     f.seq_half = model.attention_seq_half;
     a = scale(growth(f.seq_half), yf);

@@ -155,6 +155,36 @@ TEST(HwexecFit, AttentionFromOneLengthKeepsTheBuiltInSeqHalf) {
   EXPECT_TRUE(noted);
 }
 
+bool has_note(const Fit& f, const char* text) {
+  for (const std::string& n : f.notes) {
+    if (n.find(text) != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST(HwexecFit, AttentionOutsideTheModelsFormFallsBackWithANote) {
+  const GpuSpec gpu = h100();
+  // Longer sequences slower per FLOP: a negative slope, seq_half 0.
+  MicroResults flat = synthetic_micro(gpu);
+  for (AttentionSample& x : flat.attention[0].samples) x.fwd.seconds *= 1 + x.seq / 1024;
+  Expected<Fit> f = fit_micro(flat, gpu, "x");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  EXPECT_TRUE(f->attention->seq_half_fitted);
+  EXPECT_EQ(f->calibration.compute.at("attention_seq_half"), 0);
+  EXPECT_TRUE(has_note(*f, "does not fall with the sequence length"));
+  // Time per FLOP falling like 1/s^2: the line's intercept is negative; built-in seq_half kept.
+  MicroResults steep = synthetic_micro(gpu);
+  for (AttentionSample& x : steep.attention[0].samples) {
+    x.fwd.seconds *= (16384 / x.seq) * (16384 / x.seq);
+  }
+  f = fit_micro(steep, gpu, "x");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  EXPECT_FALSE(f->attention->seq_half_fitted);
+  EXPECT_EQ(f->calibration.compute.count("attention_seq_half"), 0u);
+  EXPECT_GT(f->calibration.compute.at("attention_fwd_efficiency"), 0);
+  EXPECT_TRUE(has_note(*f, "falls faster"));
+}
+
 TEST(HwexecFit, AttentionFasterThanThePeakOnAGpuIsAnError) {
   const GpuSpec gpu = h100();
   Truth truth;
