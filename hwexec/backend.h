@@ -32,6 +32,13 @@ Expected<Timing> time_gemm(const std::string& device, Precision p, std::int64_t 
 // Returns the timing; *traffic_elements is how many elements it reads and writes per element.
 Expected<Timing> time_memory_op(const std::string& device, const std::string& op, Precision dtype,
                                 std::int64_t elements, const Repeat& r, double* traffic_elements);
+// Causal attention over q, k, v of [b, h, s, d] in `dtype`: `fwd` is the forward alone, `bwd`
+// the backward of its output with a fixed upstream gradient (retained graph, so the forward is
+// not in it). *kernel says what ran: "sdpa" (at::scaled_dot_product_attention, LibTorch >= 2)
+// or "math" (matmul, causal mask, softmax, matmul).
+Status time_attention(const std::string& device, Precision dtype, std::int64_t b, std::int64_t h,
+                      std::int64_t s, std::int64_t d, const Repeat& r, Timing* fwd, Timing* bwd,
+                      std::string* kernel);
 
 // cuda.cc
 CudaProbe cuda_probe();

@@ -46,6 +46,28 @@ struct Shape {
   return {1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28};
 }
 
+struct AttentionShape {
+  std::int64_t b, h, s, d;
+};
+
+// Causal attention: sequence lengths at one head width, plus the narrower head at one length
+// (the head-width factor). On a GPU the tokens per call stay at 16384, a training micro-batch.
+[[maybe_unused]] std::vector<AttentionShape> attention_shapes(const BenchOptions& o) {
+  std::vector<AttentionShape> v;
+  if (o.device == "cpu") {
+    if (o.quick) return {{1, 4, 128, 64}, {1, 4, 256, 64}, {1, 4, 512, 64}};
+    for (std::int64_t d : {64, 128}) {
+      for (std::int64_t s = 256; s <= 2048; s *= 2) v.push_back({1, 8, s, d});
+    }
+    return v;
+  }
+  const std::int64_t tokens = 16384;
+  if (o.quick) return {{tokens / 1024, 16, 1024, 128}, {tokens / 4096, 16, 4096, 128}};
+  for (std::int64_t s = 512; s <= 16384; s *= 2) v.push_back({tokens / s, 16, s, 128});
+  v.push_back({tokens / 4096, 16, 4096, 64});
+  return v;
+}
+
 [[maybe_unused]] std::vector<double> collective_sizes(const BenchOptions& o) {
   std::vector<double> v;
   const double top = o.quick ? 64.0 * (1 << 20) : 1024.0 * (1 << 20);
@@ -184,6 +206,35 @@ Expected<MicroResults> run_bench(const BenchOptions& o,
                       t->seconds * 1e3, sample.bytes / t->seconds / 1e9));
     }
     r.memory.push_back(std::move(s));
+  }
+
+  {
+    AttentionSeries s;
+    s.dtype = std::string(to_string(dtype));
+    for (const AttentionShape& x : attention_shapes(o)) {
+      AttentionSample sample{static_cast<double>(x.b),
+                             static_cast<double>(x.h),
+                             static_cast<double>(x.s),
+                             static_cast<double>(x.d),
+                             {},
+                             {}};
+      Status st = detail::time_attention(o.device, dtype, x.b, x.h, x.s, x.d, rep, &sample.fwd,
+                                         &sample.bwd, &s.kernel);
+      if (!st) {
+        return st.error().with_context(
+            fmt::format("attention {} {}x{}x{}x{}", s.dtype, x.b, x.h, x.s, x.d));
+      }
+      s.samples.push_back(sample);
+      // Executed FLOPs: a causal kernel does about half the counted square.
+      const double executed = 0.5 * sample.flops();
+      say(fmt::format(
+          "attention {:>4} {} {}x{}x{:>5}x{:>3}  fwd {:>9.3f} ms {:>8.4g} TFLOP/s  bwd {:>9.3f} ms "
+          "{:>8.4g} TFLOP/s (executed)",
+          s.dtype, s.kernel, x.b, x.h, x.s, x.d, sample.fwd.seconds * 1e3,
+          executed / sample.fwd.seconds / 1e12, sample.bwd.seconds * 1e3,
+          2 * executed / sample.bwd.seconds / 1e12));
+    }
+    r.attention.push_back(std::move(s));
   }
 
   if (o.device == "cuda") {

@@ -190,6 +190,141 @@ std::optional<MemoryFit> fit_memory(const std::vector<TrafficSeries>& series, co
   return f;
 }
 
+// The attention efficiencies and seq_half. With x = 1/s, each pass's
+// y = t * peak16 * head_factor / executed = (1 + seq_half x) / e: a line in x, fitted to the
+// forwards by relative least squares; the backward's e with that seq_half.
+Expected<std::optional<AttentionFit>> fit_attention(const MicroResults& micro, const GpuSpec& gpu,
+                                                    std::vector<std::string>& notes) {
+  if (micro.attention.empty() || micro.attention.front().samples.empty()) {
+    notes.push_back("attention: none measured; attention_* not fitted");
+    return std::optional<AttentionFit>{};
+  }
+  const AttentionSeries& series = micro.attention.front();
+  for (size_t i = 1; i < micro.attention.size(); ++i) {
+    notes.push_back(fmt::format("attention {} ({}): not used; fitted to {} ({})",
+                                micro.attention[i].dtype, micro.attention[i].kernel, series.dtype,
+                                series.kernel));
+  }
+  const ComputeModel model = ComputeModel::defaults_for(gpu);
+  AttentionFit f;
+  f.dtype = series.dtype;
+  f.kernel = series.kernel;
+  f.peak = gpu.peak_flops(Precision::kBf16);  // attention runs in 16-bit
+  f.samples = static_cast<int>(series.samples.size());
+  if (f.peak <= 0) {
+    notes.push_back(fmt::format("attention: {} has no bf16 peak; not fitted", gpu.name));
+    return std::optional<AttentionFit>{};
+  }
+  // y per sample and pass: the inverse efficiency it ran at, head width factor included.
+  std::vector<double> x, yf, yb;
+  std::vector<double> lengths;
+  for (const AttentionSample& a : series.samples) {
+    const double head =
+        std::pow(std::min(1.0, a.head_dim / 128), model.attention_head_dim_exponent);
+    const double executed = model.causal_fraction * a.flops();
+    x.push_back(1 / a.seq);
+    yf.push_back(a.fwd.seconds * f.peak * head / executed);
+    yb.push_back(a.bwd.seconds * f.peak * head / (2 * executed));
+    if (std::find(lengths.begin(), lengths.end(), a.seq) == lengths.end()) {
+      lengths.push_back(a.seq);
+    }
+  }
+  // Relative least squares through the origin: min sum ((c g_i - y_i) / y_i)^2.
+  auto scale = [](const std::vector<double>& g, const std::vector<double>& y) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < y.size(); ++i) {
+      num += g[i] / y[i];
+      den += g[i] * g[i] / (y[i] * y[i]);
+    }
+    return num / den;
+  };
+  auto growth = [&](double seq_half) {
+    std::vector<double> g;
+    for (double xi : x) g.push_back(1 + seq_half * xi);
+    return g;
+  };
+  double a = 0, b = 0;  // y = a + b x
+  if (lengths.size() >= 2) {
+    double s0 = 0, s1 = 0, s2 = 0, sy = 0, sxy = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double w = 1 / (yf[i] * yf[i]);
+      s0 += w;
+      s1 += w * x[i];
+      s2 += w * x[i] * x[i];
+      sy += w * yf[i];
+      sxy += w * x[i] * yf[i];
+    }
+    const double det = s0 * s2 - s1 * s1;
+    a = (s2 * sy - s1 * sxy) / det;
+    b = (s0 * sxy - s1 * sy) / det;
+    if (a <= 0) {
+      // Falls faster with the length than s / (s + seq_half) can: no asymptote to fit.
+      f.seq_half = model.attention_seq_half;
+      a = scale(growth(f.seq_half), yf);
+      notes.push_back(fmt::format(
+          "attention: the forward's time per FLOP falls faster with the sequence length than "
+          "the model's s / (s + seq_half); kept the built-in attention_seq_half {:.4g}",
+          f.seq_half));
+    } else if (b < 0) {
+      // Shorter sequences no slower: no fill-up term, a flat line.
+      notes.push_back(
+          fmt::format("attention: the forward's time per FLOP does not fall with the sequence "
+                      "length (seq_half {:.4g}); attention_seq_half set to 0",
+                      b / a));
+      a = scale(growth(0), yf);
+      f.seq_half = 0;
+      f.seq_half_fitted = true;
+    } else {
+      f.seq_half = b / a;
+      f.seq_half_fitted = true;
+    }
+  } else {
+    f.seq_half = model.attention_seq_half;
+    a = scale(growth(f.seq_half), yf);
+    notes.push_back(fmt::format(
+        "attention: one sequence length ({}) cannot separate the efficiency from "
+        "attention_seq_half; kept the built-in {:.4g} and fitted the efficiencies with it",
+        series.samples.front().seq, f.seq_half));
+  }
+  f.fwd_efficiency = 1 / a;
+  f.bwd_efficiency = 1 / scale(growth(f.seq_half), yb);
+  // A GPU sample that ran faster than the 16-bit peak allows (1/y > 1) means another GPU. The
+  // fitted e is an extrapolation to long sequences: above 1 it is capped, with a note.
+  if (micro.device != "cpu") {
+    for (size_t i = 0; i < x.size(); ++i) {
+      for (auto [name, y] : {std::pair{"forward", yf[i]}, std::pair{"backward", yb[i]}}) {
+        if (1 / y <= kSlack) continue;
+        const AttentionSample& a = series.samples[i];
+        return Error(fmt::format(
+            "attention {} {}x{}x{}x{} ran at {:.2f} times what {}'s 16-bit peak ({:.4g} FLOP/s) "
+            "allows; is the file from another GPU (--gpu)?",
+            name, a.batch, a.heads, a.seq, a.head_dim, 1 / y, gpu.name, f.peak));
+      }
+    }
+  }
+  for (auto [name, e] :
+       {std::pair{"forward", &f.fwd_efficiency}, std::pair{"backward", &f.bwd_efficiency}}) {
+    if (*e <= 1) continue;
+    notes.push_back(fmt::format(
+        "attention {}: the fitted long-sequence efficiency {:.4g} is above 1; capped at 1{}", name,
+        *e, micro.device == "cpu" ? " (measured on a CPU)" : ""));
+  }
+  f.fwd_efficiency = std::min(f.fwd_efficiency, 1.0);
+  f.bwd_efficiency = std::min(f.bwd_efficiency, 1.0);
+  // Model times against the measured ones, forwards and backwards.
+  std::vector<double> model_t, measured;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double g = 1 + f.seq_half * x[i];
+    const AttentionSample& s = series.samples[i];
+    model_t.push_back(s.fwd.seconds / yf[i] * g / f.fwd_efficiency);
+    measured.push_back(s.fwd.seconds);
+    model_t.push_back(s.bwd.seconds / yb[i] * g / f.bwd_efficiency);
+    measured.push_back(s.bwd.seconds);
+  }
+  std::tie(f.median_error, f.max_error) = error_stats(model_t, measured);
+  return std::optional<AttentionFit>{f};
+}
+
 std::optional<LinkFit> fit_link(const MicroResults& micro, const GpuSpec& gpu,
                                 std::vector<std::string>& notes) {
   if (micro.collectives.empty()) {
@@ -340,13 +475,17 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
   f.memory = fit_memory(memory, gpu, f.notes);
   if (f.memory) f.memory->from = memory_from;
   if (micro) {
+    Expected<std::optional<AttentionFit>> attention = fit_attention(*micro, gpu, f.notes);
+    if (!attention) return attention.error();
+    f.attention = *attention;
     f.nvlink = fit_link(*micro, gpu, f.notes);
   } else {
+    f.notes.push_back("attention: attention_* come from a microbenchmark file (nnexec bench) only");
     f.notes.push_back(
         "collectives: link parameters come from a microbenchmark file (nnexec bench) only");
   }
-  if (f.gemm.empty() && !f.memory && !f.nvlink) {
-    return Error("nothing to fit: no GEMM, memory-bound or collective measurements");
+  if (f.gemm.empty() && !f.memory && !f.attention && !f.nvlink) {
+    return Error("nothing to fit: no GEMM, memory-bound, attention or collective measurements");
   }
   f.calibration.source = source;
   for (const GemmFit& g : f.gemm) f.calibration.gemm_efficiency[g.precision] = g.efficiency;
@@ -357,6 +496,13 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
     // goes into the file with it (it replaces a fused framework's 1.0).
     if (memory_from != micro_path && !runs.empty()) {
       f.calibration.compute["elementwise_traffic"] = runs.front().elementwise_traffic;
+    }
+  }
+  if (f.attention) {
+    f.calibration.compute["attention_fwd_efficiency"] = f.attention->fwd_efficiency;
+    f.calibration.compute["attention_bwd_efficiency"] = f.attention->bwd_efficiency;
+    if (f.attention->seq_half_fitted) {
+      f.calibration.compute["attention_seq_half"] = f.attention->seq_half;
     }
   }
   if (f.nvlink) f.calibration.nvlink = f.nvlink->link;

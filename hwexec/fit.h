@@ -90,6 +90,20 @@ struct MemoryFit {
   std::string from;  // the files it was fitted to
 };
 
+// Causal attention (docs/hwexec.md): the simulator's time with sustained 1 is
+// t = executed / (peak16 * e * s / (s + seq_half) * min(1, d / 128)^exponent), executed =
+// causal_fraction x the counted FLOPs; e per pass, seq_half shared.
+struct AttentionFit {
+  std::string dtype, kernel;  // the series fitted
+  double peak = 0;            // the GPU's 16-bit peak, FLOP/s
+  double fwd_efficiency = 0, bwd_efficiency = 0;
+  double seq_half = 0;
+  bool seq_half_fitted = false;  // false: fewer than 2 lengths, the built-in value kept
+  // The model's relative time error over forwards and backwards with the fitted values.
+  double median_error = 0, max_error = 0;
+  int samples = 0;
+};
+
 struct LinkFit {
   int ranks = 0;
   double link_bandwidth = 0;      // bytes/s per direction the efficiencies are relative to
@@ -101,6 +115,7 @@ struct Fit {
   std::string gpu;  // catalog name
   std::vector<GemmFit> gemm;
   std::optional<MemoryFit> memory;
+  std::optional<AttentionFit> attention;
   std::optional<LinkFit> nvlink;
   std::vector<std::string> notes;  // what could not be fitted and why
   GpuCalibration calibration;      // only the fitted values; the rest keep the built-ins
@@ -114,7 +129,7 @@ Expected<Fit> fit_micro(const MicroResults& micro, const GpuSpec& gpu, const std
 // together (docs/hwexec.md, "Calibrating from run files"): each precision's GEMM efficiency is
 // the largest e_i over the GEMMs of both; the memory line is fitted to the runs' memory-bound
 // operators when they have any (the traffic the simulator charges, in the framework that ran
-// them), else to micro.h5's kernels; link parameters come from micro.h5 only.
+// them), else to micro.h5's kernels; attention and link parameters come from micro.h5 only.
 Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
                       const std::vector<RunPoints>& runs, const GpuSpec& gpu,
                       const std::string& source);

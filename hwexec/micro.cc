@@ -155,6 +155,37 @@ Status write_micro(const std::string& path, const MicroResults& r) {
       return fail("/memory/" + s.op);
     }
   }
+  Handle attention(make_group(file.id, "attention"), H5Gclose);
+  for (const AttentionSeries& s : r.attention) {
+    Handle g(make_group(attention.id, s.dtype), H5Gclose);
+    if (g.id < 0) return fail("/attention/" + s.dtype);
+    std::vector<double> b, h, seq, d, flops, fwd, fwd_min, bwd, bwd_min, fwd_rate, bwd_rate;
+    for (const AttentionSample& x : s.samples) {
+      b.push_back(x.batch);
+      h.push_back(x.heads);
+      seq.push_back(x.seq);
+      d.push_back(x.head_dim);
+      flops.push_back(x.flops());
+      fwd.push_back(x.fwd.seconds);
+      fwd_min.push_back(x.fwd.seconds_min);
+      bwd.push_back(x.bwd.seconds);
+      bwd_min.push_back(x.bwd.seconds_min);
+      fwd_rate.push_back(x.flops() / x.fwd.seconds);
+      bwd_rate.push_back(2 * x.flops() / x.bwd.seconds);
+    }
+    if (!write_attr(g.id, "dtype", s.dtype) || !write_attr(g.id, "kernel", s.kernel) ||
+        !write_attr(g.id, "causal", 1LL) || !write_vector(g.id, "batch", b) ||
+        !write_vector(g.id, "heads", h) || !write_vector(g.id, "seq", seq) ||
+        !write_vector(g.id, "head_dim", d) || !write_vector(g.id, "flops", flops) ||
+        !write_vector(g.id, "fwd_seconds", fwd) ||
+        !write_vector(g.id, "fwd_seconds_min", fwd_min) ||
+        !write_vector(g.id, "bwd_seconds", bwd) ||
+        !write_vector(g.id, "bwd_seconds_min", bwd_min) ||
+        !write_vector(g.id, "fwd_flop_per_s", fwd_rate) ||
+        !write_vector(g.id, "bwd_flop_per_s", bwd_rate)) {
+      return fail("/attention/" + s.dtype);
+    }
+  }
   Handle coll(make_group(file.id, "collectives"), H5Gclose);
   for (const CollectiveSeries& s : r.collectives) {
     Handle g(make_group(coll.id, s.kind), H5Gclose);
@@ -195,10 +226,10 @@ Expected<MicroResults> read_micro(const std::string& path) {
                              kMicroFormat));
   }
   auto version = read_number(file.id, "version");
-  if (!version || *version != kMicroVersion) {
-    return Error(fmt::format("{}: attribute 'version' of / is {} (this nnsim reads version {})",
-                             path, version ? fmt::format("{}", *version) : "missing",
-                             kMicroVersion));
+  if (!version || *version < kMicroOldestVersion || *version > kMicroVersion) {
+    return Error(fmt::format(
+        "{}: attribute 'version' of / is {} (this nnsim reads versions {} to {})", path,
+        version ? fmt::format("{}", *version) : "missing", kMicroOldestVersion, kMicroVersion));
   }
   MicroResults r;
   auto device = read_string(file.id, "device");
@@ -268,6 +299,33 @@ Expected<MicroResults> read_micro(const std::string& path) {
         s.samples.push_back({(*elements)[i], (*bytes)[i], (*t)[i]});
       }
       r.memory.push_back(std::move(s));
+    }
+  }
+  // Version 1 files have no attention group.
+  if (*version >= 2 && H5Lexists(file.id, "attention", H5P_DEFAULT) > 0) {
+    Handle attention(H5Gopen2(file.id, "attention", H5P_DEFAULT), H5Gclose);
+    for (const std::string& name : children(attention.id)) {
+      const std::string where = fmt::format("{}: /attention/{}", path, name);
+      Handle g(H5Gopen2(attention.id, name.c_str(), H5P_DEFAULT), H5Gclose);
+      SeriesReader in(g.id, where);
+      std::vector<std::vector<double>> c;
+      for (const char* column : {"batch", "heads", "seq", "head_dim", "fwd_seconds",
+                                 "fwd_seconds_min", "bwd_seconds", "bwd_seconds_min"}) {
+        auto v = in.column(column);
+        if (!v) return v.error();
+        c.push_back(std::move(*v));
+      }
+      AttentionSeries s;
+      s.dtype = name;
+      s.kernel = read_string(g.id, "kernel").value_or("");
+      if (s.kernel != "sdpa" && s.kernel != "math") {
+        return Error(fmt::format("{}: attribute 'kernel' must be \"sdpa\" or \"math\"", where));
+      }
+      for (size_t i = 0; i < c[0].size(); ++i) {
+        s.samples.push_back(
+            {c[0][i], c[1][i], c[2][i], c[3][i], {c[4][i], c[5][i]}, {c[6][i], c[7][i]}});
+      }
+      r.attention.push_back(std::move(s));
     }
   }
   if (H5Lexists(file.id, "collectives", H5P_DEFAULT) > 0) {

@@ -1,4 +1,4 @@
-// Microbenchmark results (`nnexec bench`) and their HDF5 file: format "nnexec-micro", version 1,
+// Microbenchmark results (`nnexec bench`) and their HDF5 file: format "nnexec-micro", version 2,
 // layout in docs/hwexec.md. Times are seconds, sizes bytes, rates FLOP/s or bytes/s.
 #pragma once
 
@@ -11,7 +11,9 @@
 namespace nnsim::hwexec {
 
 inline constexpr const char* kMicroFormat = "nnexec-micro";
-inline constexpr int kMicroVersion = 1;
+inline constexpr int kMicroVersion = 2;
+// Version 1 files (before the attention series) are still read; they have no attention.
+inline constexpr int kMicroOldestVersion = 1;
 
 // One timed configuration: the median and the fastest of `repetitions` runs after warm-up.
 struct Timing {
@@ -46,6 +48,23 @@ struct MemorySeries {
   std::vector<MemorySample> samples;
 };
 
+// Causal attention over q, k, v of [batch, heads, seq, head_dim]: the forward alone, and the
+// backward of the forward's output with a fixed upstream gradient.
+struct AttentionSample {
+  double batch = 0, heads = 0, seq = 0, head_dim = 0;
+  Timing fwd, bwd;
+  // Forward FLOPs as the simulator counts them (QK^T and PV over the full s x s square); the
+  // backward counts twice that. A causal kernel executes about half (causal_fraction).
+  double flops() const { return 4 * batch * seq * seq * heads * head_dim; }
+};
+
+struct AttentionSeries {
+  std::string dtype;   // "fp32", "bf16"
+  std::string kernel;  // "sdpa" (at::scaled_dot_product_attention) or "math" (matmul, mask,
+                       // softmax, matmul)
+  std::vector<AttentionSample> samples;
+};
+
 // A collective over `ranks` GPUs, `bytes` in nccl-tests' convention (the all-reduce buffer, the
 // all-gather output, the reduce-scatter input, per GPU).
 struct CollectiveSample {
@@ -76,13 +95,14 @@ struct MicroResults {
   bool quick = false;
   std::vector<GemmSeries> gemm;
   std::vector<MemorySeries> memory;
+  std::vector<AttentionSeries> attention;
   std::vector<CollectiveSeries> collectives;
   std::vector<std::string> notes;  // what was skipped and why
 };
 
 Status write_micro(const std::string& path, const MicroResults& r);
-// Checks the format name and version, and that every series is complete and positive; errors
-// name the file and the object.
+// Checks the format name and version (1 or 2), and that every series is complete and positive;
+// errors name the file and the object.
 Expected<MicroResults> read_micro(const std::string& path);
 
 // "fp32" -> kFp32, ...

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <optional>
 
 #include <fmt/format.h>
@@ -232,6 +234,47 @@ Expected<Timing> time_memory_op(const std::string& device, const std::string& op
                      [&] { at::native_layer_norm_out(out, mean, rstd, a, {width}, w, b, 1e-5); });
     }
     return Error(fmt::format("unknown memory-bound operator '{}'", op));
+  } catch (const c10::Error& e) {
+    return Error(std::string("LibTorch: ") + e.what_without_backtrace());
+  }
+}
+
+Status time_attention(const std::string& device, Precision dtype, std::int64_t b, std::int64_t h,
+                      std::int64_t s, std::int64_t d, const Repeat& r, Timing* fwd, Timing* bwd,
+                      std::string* kernel) {
+  try {
+    at::manual_seed(0);
+    auto o = options(device, scalar_type(dtype));
+    at::Tensor q = at::randn({b, h, s, d}, o).requires_grad_(true);
+    at::Tensor k = at::randn({b, h, s, d}, o).requires_grad_(true);
+    at::Tensor v = at::randn({b, h, s, d}, o).requires_grad_(true);
+#if TORCH_VERSION_MAJOR >= 2
+    *kernel = "sdpa";
+    // FlashAttention (or memory-efficient attention) on a GPU in 16-bit; math on a CPU.
+    auto attend = [&] { return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true); };
+#else
+    *kernel = "math";
+    // What SDPA's math fallback does: scaled scores, causal mask, softmax, weighted values.
+    const at::Tensor causal = at::ones({s, s}, o.dtype(at::kBool)).triu(1);
+    const double scale = 1 / std::sqrt(static_cast<double>(d));
+    auto attend = [&] {
+      at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
+      scores = scores.masked_fill(causal, -std::numeric_limits<double>::infinity());
+      return at::matmul(at::softmax(scores, -1), v);
+    };
+#endif
+    // The training forward: it records the graph and saves what the backward needs.
+    Expected<Timing> f = measure(device, r, [&] { attend(); });
+    if (!f) return f.error();
+    // One graph kept for every backward; the gradients accumulate into q, k and v (3 b h s d
+    // additions, small next to the s^2 work).
+    at::Tensor out = attend();
+    const at::Tensor dout = at::randn_like(out);
+    Expected<Timing> g = measure(device, r, [&] { out.backward(dout, /*retain_graph=*/true); });
+    if (!g) return g.error();
+    *fwd = *f;
+    *bwd = *g;
+    return Status::Ok();
   } catch (const c10::Error& e) {
     return Error(std::string("LibTorch: ") + e.what_without_backtrace());
   }

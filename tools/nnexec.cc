@@ -492,6 +492,15 @@ int main(int argc, char** argv) {
     std::printf("  %-10s %-4s best %8.2f GB/s over %zu sizes\n", s.op.c_str(), s.dtype.c_str(),
                 best / 1e9, s.samples.size());
   }
+  for (const AttentionSeries& s : r->attention) {
+    double fwd = 0, bwd = 0;  // executed: half the counted FLOPs for a causal kernel
+    for (const AttentionSample& x : s.samples) {
+      fwd = std::max(fwd, 0.5 * x.flops() / x.fwd.seconds);
+      bwd = std::max(bwd, x.flops() / x.bwd.seconds);
+    }
+    std::printf("  attention  %-4s %s best fwd %8.2f GFLOP/s, bwd %8.2f GFLOP/s over %zu shapes\n",
+                s.dtype.c_str(), s.kernel.c_str(), fwd / 1e9, bwd / 1e9, s.samples.size());
+  }
   for (const CollectiveSeries& s : r->collectives) {
     double best = 0;
     for (const CollectiveSample& x : s.samples) {

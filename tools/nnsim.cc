@@ -728,6 +728,17 @@ int run_calibrate(const CalibrateArgs& a) {
                   op.overhead);
     }
   }
+  if (fit->attention) {
+    const hwexec::AttentionFit& at = *fit->attention;
+    std::printf("  attention_fwd_efficiency %.4g  (%s %s, %d shapes, of %.4g 16-bit peak)\n",
+                at.fwd_efficiency, at.dtype.c_str(), at.kernel.c_str(), at.samples, at.peak);
+    std::printf("  attention_bwd_efficiency %.4g\n", at.bwd_efficiency);
+    std::printf(
+        "  attention_seq_half   %.4g%s  (model error over %d forwards and backwards: "
+        "median %.1f%%, max %.1f%%)\n",
+        at.seq_half, at.seq_half_fitted ? "" : " (built-in, kept)", 2 * at.samples,
+        100 * at.median_error, 100 * at.max_error);
+  }
   if (fit->nvlink) {
     const hwexec::LinkFit& l = *fit->nvlink;
     std::printf(

@@ -1,6 +1,7 @@
 // The microbenchmark file and the calibration fit, on synthetic results with known answers.
 #include <hdf5.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include <gtest/gtest.h>
@@ -46,6 +47,49 @@ TEST(HwexecMicro, WriteReadRoundTripKeepsEverySeries) {
   EXPECT_EQ(r->memory[0].samples.size(), m.memory[0].samples.size());
   EXPECT_DOUBLE_EQ(r->memory[0].bytes_per_element, 6.0);
   EXPECT_EQ(r->collectives[1].ranks, 8);
+  ASSERT_EQ(r->attention.size(), 1u);
+  EXPECT_EQ(r->attention[0].dtype, "bf16");
+  EXPECT_EQ(r->attention[0].kernel, "sdpa");
+  ASSERT_EQ(r->attention[0].samples.size(), m.attention[0].samples.size());
+  for (size_t i = 0; i < m.attention[0].samples.size(); ++i) {
+    const AttentionSample& a = r->attention[0].samples[i];
+    const AttentionSample& b = m.attention[0].samples[i];
+    EXPECT_EQ(a.batch, b.batch);
+    EXPECT_EQ(a.heads, b.heads);
+    EXPECT_EQ(a.seq, b.seq);
+    EXPECT_EQ(a.head_dim, b.head_dim);
+    EXPECT_DOUBLE_EQ(a.fwd.seconds, b.fwd.seconds);
+    EXPECT_DOUBLE_EQ(a.bwd.seconds_min, b.bwd.seconds_min);
+  }
+}
+
+TEST(HwexecMicro, VersionOneFilesWithoutAttentionStillRead) {
+  TempDir dir;
+  MicroResults m = synthetic_micro(h100());
+  m.attention.clear();
+  ASSERT_TRUE(write_micro(dir.file("v1.h5"), m).ok());
+  // What version 1 wrote: no attention group, version 1.
+  hid_t f = H5Fopen(dir.file("v1.h5").c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  ASSERT_GE(H5Ldelete(f, "attention", H5P_DEFAULT), 0);
+  hid_t a = H5Aopen(f, "version", H5P_DEFAULT);
+  long long v = 1;
+  H5Awrite(a, H5T_NATIVE_LLONG, &v);
+  H5Aclose(a);
+  H5Fclose(f);
+  Expected<MicroResults> r = read_micro(dir.file("v1.h5"));
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  EXPECT_TRUE(r->attention.empty());
+  EXPECT_EQ(r->gemm.size(), 2u);
+  EXPECT_EQ(r->collectives.size(), 2u);
+  // It still fits, without attention, and says so.
+  Expected<Fit> fit = fit_micro(*r, h100(), "v1");
+  ASSERT_TRUE(fit.ok()) << fit.error().message();
+  EXPECT_FALSE(fit->attention.has_value());
+  EXPECT_EQ(fit->calibration.compute.count("attention_fwd_efficiency"), 0u);
+  bool noted = false;
+  for (const std::string& n : fit->notes) noted = noted || n.find("attention: none") == 0;
+  EXPECT_TRUE(noted);
 }
 
 TEST(HwexecFit, RecoversTheParametersTheTimesWereMadeWith) {
@@ -77,6 +121,78 @@ TEST(HwexecFit, RecoversTheParametersTheTimesWereMadeWith) {
   EXPECT_NEAR(*l.all_reduce_max_efficiency, 1.05, 1e-9);
   EXPECT_NEAR(*l.max_efficiency, truth.all_gather_efficiency, 1e-9);
   EXPECT_FALSE(c.network.has_value());  // one node: nothing about the network
+
+  ASSERT_TRUE(f->attention.has_value());
+  EXPECT_TRUE(f->attention->seq_half_fitted);
+  auto rel = [](double got, double want) { return std::abs(got / want - 1); };
+  EXPECT_LT(rel(c.compute.at("attention_fwd_efficiency"), truth.attention_fwd_efficiency), 1e-6);
+  EXPECT_LT(rel(c.compute.at("attention_bwd_efficiency"), truth.attention_bwd_efficiency), 1e-6);
+  EXPECT_LT(rel(c.compute.at("attention_seq_half"), truth.attention_seq_half), 1e-6);
+  EXPECT_LT(f->attention->max_error, 1e-9);
+}
+
+TEST(HwexecFit, AttentionFromOneLengthKeepsTheBuiltInSeqHalf) {
+  const GpuSpec gpu = h100();
+  Truth truth;
+  truth.attention_seq_half = ComputeModel::defaults_for(gpu).attention_seq_half;
+  MicroResults micro = synthetic_micro(gpu, truth);
+  auto& samples = micro.attention[0].samples;
+  samples.erase(std::remove_if(samples.begin(), samples.end(),
+                               [](const AttentionSample& x) { return x.seq != 4096; }),
+                samples.end());
+  ASSERT_EQ(samples.size(), 2u);  // head widths 128 and 64
+  Expected<Fit> f = fit_micro(micro, gpu, "x");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  ASSERT_TRUE(f->attention.has_value());
+  EXPECT_FALSE(f->attention->seq_half_fitted);
+  EXPECT_EQ(f->calibration.compute.count("attention_seq_half"), 0u);
+  EXPECT_NEAR(f->calibration.compute.at("attention_fwd_efficiency"), truth.attention_fwd_efficiency,
+              1e-9);
+  EXPECT_NEAR(f->calibration.compute.at("attention_bwd_efficiency"), truth.attention_bwd_efficiency,
+              1e-9);
+  bool noted = false;
+  for (const std::string& n : f->notes) noted = noted || n.find("one sequence length") != n.npos;
+  EXPECT_TRUE(noted);
+}
+
+bool has_note(const Fit& f, const char* text) {
+  for (const std::string& n : f.notes) {
+    if (n.find(text) != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST(HwexecFit, AttentionOutsideTheModelsFormFallsBackWithANote) {
+  const GpuSpec gpu = h100();
+  // Longer sequences slower per FLOP: a negative slope, seq_half 0.
+  MicroResults flat = synthetic_micro(gpu);
+  for (AttentionSample& x : flat.attention[0].samples) x.fwd.seconds *= 1 + x.seq / 1024;
+  Expected<Fit> f = fit_micro(flat, gpu, "x");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  EXPECT_TRUE(f->attention->seq_half_fitted);
+  EXPECT_EQ(f->calibration.compute.at("attention_seq_half"), 0);
+  EXPECT_TRUE(has_note(*f, "does not fall with the sequence length"));
+  // Time per FLOP falling like 1/s^2: the line's intercept is negative; built-in seq_half kept.
+  MicroResults steep = synthetic_micro(gpu);
+  for (AttentionSample& x : steep.attention[0].samples) {
+    x.fwd.seconds *= (16384 / x.seq) * (16384 / x.seq);
+  }
+  f = fit_micro(steep, gpu, "x");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  EXPECT_FALSE(f->attention->seq_half_fitted);
+  EXPECT_EQ(f->calibration.compute.count("attention_seq_half"), 0u);
+  EXPECT_GT(f->calibration.compute.at("attention_fwd_efficiency"), 0);
+  EXPECT_TRUE(has_note(*f, "falls faster"));
+}
+
+TEST(HwexecFit, AttentionFasterThanThePeakOnAGpuIsAnError) {
+  const GpuSpec gpu = h100();
+  Truth truth;
+  truth.attention_fwd_efficiency = 1.5;
+  Expected<Fit> f = fit_micro(synthetic_micro(gpu, truth), gpu, "x");
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.error().message().find("attention forward"), std::string::npos)
+      << f.error().message();
 }
 
 TEST(HwexecFit, CalibratedModelReproducesTheMeasuredTimes) {
@@ -101,6 +217,21 @@ TEST(HwexecFit, CalibratedModelReproducesTheMeasuredTimes) {
   const double t = 14 * comm.nvlink.step_latency +
                    volume / (gpu.nvlink_bandwidth * comm.nvlink.efficiency(y.bytes, true));
   EXPECT_NEAR(t, y.t.seconds, 1e-9 * y.t.seconds);
+  // Causal attention at 1024 tokens, forward and backward, without the per-kernel overhead the
+  // benchmark's times leave out.
+  compute.kernel_overhead = 0;
+  const AttentionSample& a = micro.attention[0].samples[1];
+  Op op;
+  op.kind = OpKind::kAttention;
+  op.causal = true;
+  PieceShape shape;
+  shape.seq = a.seq;
+  shape.head_dim = a.head_dim;
+  EXPECT_NEAR(op_seconds(op, Pass::kForward, a.flops(), 0, shape, Precision::kBf16, gpu, compute),
+              a.fwd.seconds, 1e-6 * a.fwd.seconds);
+  EXPECT_NEAR(
+      op_seconds(op, Pass::kBackwardInput, 2 * a.flops(), 0, shape, Precision::kBf16, gpu, compute),
+      a.bwd.seconds, 1e-6 * a.bwd.seconds);
 }
 
 TEST(HwexecFit, FasterThanTheDatasheetMeansTheWrongGpu) {
@@ -123,6 +254,7 @@ TEST(HwexecFit, OneGpuHasNoLinkParametersAndSaysWhy) {
   EXPECT_NE(f->notes[0].find("collectives"), std::string::npos);
   micro.gemm.clear();
   micro.memory.clear();
+  micro.attention.clear();
   EXPECT_FALSE(fit_micro(micro, h100(), "x").ok());
 }
 
@@ -198,6 +330,15 @@ TEST_F(HwexecBadFile, MissingDatasetAndNonPositiveTime) {
   H5Fclose(f);
   e = error();
   EXPECT_NE(e.find("/memory/add/seconds: entry 2 is 0"), std::string::npos) << e;
+}
+
+TEST_F(HwexecBadFile, AttentionErrorsNameTheGroup) {
+  hid_t f = open();
+  H5Ldelete(f, "attention/bf16/bwd_seconds", H5P_DEFAULT);
+  H5Fclose(f);
+  const std::string e = error();
+  EXPECT_NE(e.find("m.h5: /attention/bf16: dataset 'bwd_seconds' is missing"), std::string::npos)
+      << e;
 }
 
 }  // namespace

@@ -23,6 +23,9 @@ struct Truth {
   // all-reduce efficiency for sizes of 1 MiB and up, by size index; all-gather constant
   std::vector<double> all_reduce_efficiency = {0.3, 0.5, 0.7, 0.9, 1.05};
   double all_gather_efficiency = 0.8;
+  double attention_fwd_efficiency = 0.55;
+  double attention_bwd_efficiency = 0.4;
+  double attention_seq_half = 300;
   int ranks = 8;
 };
 
@@ -64,6 +67,33 @@ inline MicroResults synthetic_micro(const GpuSpec& gpu, const Truth& truth = {})
     }
     r.memory.push_back(s);
   }
+  // Causal bf16 attention priced by op_seconds itself (sustained 1, no kernel overhead).
+  ComputeModel attn = ComputeModel::defaults_for(gpu);
+  attn.sustained = 1;
+  attn.kernel_overhead = 0;
+  attn.attention_fwd_efficiency = truth.attention_fwd_efficiency;
+  attn.attention_bwd_efficiency = truth.attention_bwd_efficiency;
+  attn.attention_seq_half = truth.attention_seq_half;
+  Op op;
+  op.kind = OpKind::kAttention;
+  op.causal = true;
+  AttentionSeries as{"bf16", "sdpa", {}};
+  for (auto [s, d] :
+       {std::pair{512.0, 128.0}, std::pair{1024.0, 128.0}, std::pair{2048.0, 128.0},
+        std::pair{4096.0, 128.0}, std::pair{8192.0, 128.0}, std::pair{4096.0, 64.0}}) {
+    AttentionSample x{16384 / s, 16, s, d, {}, {}};
+    PieceShape shape;
+    shape.seq = s;
+    shape.head_dim = d;
+    const double fwd =
+        op_seconds(op, Pass::kForward, x.flops(), 0, shape, Precision::kBf16, gpu, attn);
+    const double bwd =
+        op_seconds(op, Pass::kBackwardInput, 2 * x.flops(), 0, shape, Precision::kBf16, gpu, attn);
+    x.fwd = {fwd, fwd};
+    x.bwd = {bwd, bwd};
+    as.samples.push_back(x);
+  }
+  r.attention = {as};
   const int n = truth.ranks;
   CollectiveSeries ar{"all_reduce", n, "fp32", {}};
   CollectiveSeries ag{"all_gather", n, "fp32", {}};

@@ -68,6 +68,32 @@ TEST(NnexecBench, CpuQuickWritesPlausibleFiguresReadableWithH5py) {
     }
   }
   EXPECT_TRUE(m->collectives.empty());
+  ASSERT_EQ(m->attention.size(), 1u);
+  const AttentionSeries& at = m->attention[0];
+  EXPECT_EQ(at.dtype, "fp32");
+  EXPECT_TRUE(at.kernel == "sdpa" || at.kernel == "math") << at.kernel;
+  ASSERT_EQ(at.samples.size(), 3u);
+  for (const AttentionSample& x : at.samples) {
+    EXPECT_GT(x.fwd.seconds, 0);
+    EXPECT_GT(x.bwd.seconds, 0);
+    EXPECT_LE(x.fwd.seconds_min, x.fwd.seconds);
+    EXPECT_LT(x.flops() / x.fwd.seconds, 1e14) << x.seq;
+  }
+  EXPECT_TRUE(contains(r.out, "attention  fp32")) << r;
+
+  // The CPU file calibrates (relative to a GPU's datasheet) and sets the attention values.
+  RunResult c =
+      run(dir, NNSIM_BINARY, {"calibrate", "micro.h5", "--gpu", "h100-sxm5-80gb", "-o", "cal.h5"});
+  ASSERT_EQ(c.status, 0) << c;
+  EXPECT_TRUE(contains(c.out, "attention_fwd_efficiency ")) << c;
+  Expected<Calibration> cal = load_calibration(dir.file("cal.h5"));
+  ASSERT_TRUE(cal.ok()) << cal.error().message();
+  const GpuCalibration& g = cal->gpus.at("h100-sxm5-80gb");
+  ASSERT_EQ(g.compute.count("attention_fwd_efficiency"), 1u);
+  EXPECT_GT(g.compute.at("attention_fwd_efficiency"), 0);
+  EXPECT_LE(g.compute.at("attention_fwd_efficiency"), 1);
+  ASSERT_EQ(g.compute.count("attention_bwd_efficiency"), 1u);
+  EXPECT_GT(g.compute.at("attention_bwd_efficiency"), 0);
 
   std::optional<std::string> python = python_with_h5py(dir);
   if (!python) GTEST_SKIP() << "no python3 with h5py (apt-get install python3-h5py)";
@@ -77,12 +103,16 @@ with h5py.File(sys.argv[1], "r") as f:
     fmt = f.attrs["format"]
     fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
     assert fmt == "nnexec-micro", fmt
-    assert int(f.attrs["version"]) == 1
+    assert int(f.attrs["version"]) == 2
     g = f["gemm/fp32"]
     rate = 2 * g["m"][()] * g["n"][()] * g["k"][()] / g["seconds"][()]
     assert abs(rate / g["flop_per_s"][()] - 1).max() < 1e-9, rate
     a = f["memory/add"]
     assert (a["bytes"][()] == 12 * a["elements"][()]).all()
+    t = f["attention/fp32"]
+    flops = 4 * t["batch"][()] * t["heads"][()] * t["seq"][()] ** 2 * t["head_dim"][()]
+    assert abs(flops / t["flops"][()] - 1).max() < 1e-9
+    assert (t["bwd_seconds"][()] > 0).all()
     print("ok %.1f GFLOP/s" % (rate.max() / 1e9))
 )";
   RunResult check = run(dir, *python, {"check.py", "micro.h5"});
@@ -124,9 +154,16 @@ TEST(NnexecBench, CudaQuickOnAGpu) {
     EXPECT_GT(best, 1e12);  // any tensor-core GPU: > 1 TFLOP/s in bf16
   }
   EXPECT_TRUE(bf16);
+  ASSERT_EQ(m->attention.size(), 1u);
+  EXPECT_EQ(m->attention[0].dtype, "bf16");
+  for (const AttentionSample& x : m->attention[0].samples) {
+    EXPECT_GT(x.fwd.seconds, 0);
+    EXPECT_GT(x.bwd.seconds, 0);
+  }
   RunResult c = run(dir, NNSIM_BINARY, {"calibrate", "m.h5", "-o", "cal.h5"});
   if (contains(c.err, "is not a catalog GPU")) GTEST_SKIP() << c.err;
   EXPECT_EQ(c.status, 0) << c;
+  EXPECT_TRUE(contains(c.out, "attention_fwd_efficiency ")) << c;
 }
 
 TEST(NnsimCalibrate, SyntheticFileRoundTripsIntoACalibrationFile) {
@@ -138,6 +175,8 @@ TEST(NnsimCalibrate, SyntheticFileRoundTripsIntoACalibrationFile) {
   EXPECT_TRUE(contains(r.out, "(h100-sxm5-80gb)")) << r;  // matched from the device name
   EXPECT_TRUE(contains(r.out, "gemm_efficiency_bf16 0.7 ")) << r;
   EXPECT_TRUE(contains(r.out, "memory_efficiency    0.85 ")) << r;
+  EXPECT_TRUE(contains(r.out, "attention_fwd_efficiency 0.55 ")) << r;
+  EXPECT_TRUE(contains(r.out, "attention_seq_half   300 ")) << r;
   Expected<Calibration> c = load_calibration(dir.file("cal.h5"));
   ASSERT_TRUE(c.ok()) << c.error().message();
   ASSERT_EQ(c->gpus.count("h100-sxm5-80gb"), 1u);
@@ -145,6 +184,7 @@ TEST(NnsimCalibrate, SyntheticFileRoundTripsIntoACalibrationFile) {
   EXPECT_TRUE(contains(g.source, "micro.h5")) << g.source;
   EXPECT_NEAR(g.gemm_efficiency.at(Precision::kBf16), 0.7, 1e-9);
   EXPECT_NEAR(g.compute.at("kernel_overhead"), 5e-6, 1e-12);
+  EXPECT_NEAR(g.compute.at("attention_bwd_efficiency"), 0.4, 1e-9);
   ASSERT_TRUE(g.nvlink.has_value());
   EXPECT_EQ(g.nvlink->curve.size(), 5u);
   // The file drives a simulation: nnsim accepts it.
