@@ -44,6 +44,16 @@ int fail(const std::string& message) {
   return 1;
 }
 
+// Loads the calibration file `path` into `storage` when one is given; the pointer the compile
+// options take (null without a file).
+Expected<const Calibration*> optional_calibration(const std::string& path, Calibration& storage) {
+  if (path.empty()) return static_cast<const Calibration*>(nullptr);
+  Expected<Calibration> c = load_calibration(path);
+  if (!c) return c.error();
+  storage = std::move(*c);
+  return static_cast<const Calibration*>(&storage);
+}
+
 bool write_file(const std::string& path, const std::string& text, std::string* error) {
   std::ofstream out(path, std::ios::binary);
   if (!out) {
@@ -191,12 +201,10 @@ int run_simulate(const SimulateArgs& a) {
   Expected<Plan> plan = load_plan(a.plan);
   if (!plan) return fail(plan.error().message());
   CompileOptions compile;
-  Expected<Calibration> calib = Calibration{};
-  if (!a.calib.empty()) {
-    calib = load_calibration(a.calib);
-    if (!calib) return fail(calib.error().message());
-    compile.calibration = &*calib;
-  }
+  Calibration storage;
+  Expected<const Calibration*> calib = optional_calibration(a.calib, storage);
+  if (!calib) return fail(calib.error().message());
+  compile.calibration = *calib;
   Expected<Program> prog = compile_plan(*plan, *topo, compile);
   if (!prog) return fail(fmt::format("{}: {}", a.plan, prog.error().message()));
   Status fits = check_memory_fits(*prog);
@@ -416,12 +424,10 @@ int run_schedule(const ScheduleArgs& a) {
   }
   // The blocks are timed with the cost model the plan will be simulated with.
   CompileOptions compile;
-  Expected<Calibration> calib = Calibration{};
-  if (!a.calib.empty()) {
-    calib = load_calibration(a.calib);
-    if (!calib) return fail(calib.error().message());
-    compile.calibration = &*calib;
-  }
+  Calibration storage;
+  Expected<const Calibration*> calib = optional_calibration(a.calib, storage);
+  if (!calib) return fail(calib.error().message());
+  compile.calibration = *calib;
   Expected<Program> before = compile_plan(*plan, *topo, compile);
   if (!before) return fail(fmt::format("{}: {}", a.plan, before.error().message()));
   Expected<Plan> out = Error("");
@@ -501,12 +507,9 @@ int run_plan(PlanArgs& a) {
     }
     if (!found) return fail("--precision: expected one of fp32, tf32, bf16, fp16, fp8");
   }
-  if (!a.calib.empty()) {
-    Expected<Calibration> calib = load_calibration(a.calib);
-    if (!calib) return fail(calib.error().message());
-    a.calibration = std::move(*calib);
-    a.o.costs.calibration = &a.calibration;
-  }
+  Expected<const Calibration*> calib = optional_calibration(a.calib, a.calibration);
+  if (!calib) return fail(calib.error().message());
+  a.o.costs.calibration = *calib;
   if (a.search) return run_search(a, *model, *topo);
   Expected<Plan> plan = build_megatron_plan(*model, *topo, a.o);
   if (!plan) return fail(plan.error().message());
@@ -561,12 +564,10 @@ int run_validate(const ValidateArgs& a) {
     }
   }
   ValidateOptions opts;
-  Expected<Calibration> calib = Calibration{};
-  if (!a.calib.empty()) {
-    calib = load_calibration(a.calib);
-    if (!calib) return fail(calib.error().message());
-    opts.compile.calibration = &*calib;
-  }
+  Calibration storage;
+  Expected<const Calibration*> calib = optional_calibration(a.calib, storage);
+  if (!calib) return fail(calib.error().message());
+  opts.compile.calibration = *calib;
   opts.jobs =
       a.jobs > 0 ? a.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   Progress progress("validating");
@@ -777,14 +778,12 @@ int run_compare(const CompareArgs& a) {
   if (!plan) return fail(plan.error().message());
   Expected<Topology> topo = load_topology_sized(a.topo, a.nodes);
   if (!topo) return fail(topo.error().message());
-  Expected<Calibration> calib = Calibration{};
   hwexec::CompareOptions options;
-  if (!a.calib.empty()) {
-    calib = load_calibration(a.calib);
-    if (!calib) return fail(calib.error().message());
-    options.calibration = &*calib;
-    options.calibration_path = a.calib;
-  }
+  Calibration storage;
+  Expected<const Calibration*> calib = optional_calibration(a.calib, storage);
+  if (!calib) return fail(calib.error().message());
+  options.calibration = *calib;
+  if (*calib) options.calibration_path = a.calib;
   Expected<hwexec::Comparison> c = hwexec::compare_run(*run, *plan, *topo, options);
   if (!c) return fail(fmt::format("{}: {}", a.run, c.error().message()));
 

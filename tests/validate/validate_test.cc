@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <utility>
 #include <vector>
 
 #include "validate/case_builder.h"
@@ -67,20 +68,28 @@ TEST(Validate, SimulatesACaseAndReportsItsError) {
   ASSERT_TRUE(out[0].memory_error_pct.has_value());
 }
 
+// The model the builder gives kOneCase with each `from` text replaced by its `to`.
+ModelSpec case_model(const std::vector<std::pair<std::string, std::string>>& edits) {
+  std::string text = kOneCase;
+  for (const auto& [from, to] : edits) text.replace(text.find(from), from.size(), to);
+  auto set = parse_validation_set(text, "one.yaml");
+  EXPECT_TRUE(set.ok()) << set.error().message();
+  if (!set.ok()) return {};
+  auto topo = case_topology(set->front());
+  EXPECT_TRUE(topo.ok()) << topo.error().message();
+  if (!topo.ok()) return {};
+  auto plan = case_plan(set->front(), *topo);
+  EXPECT_TRUE(plan.ok()) << plan.error().message();
+  return plan.ok() ? plan->model : ModelSpec{};
+}
+
 // The loss kernel is the training code's: PyTorch FSDP loops call F.cross_entropy (unfused),
 // llm-foundry's MPT and Megatron fuse it.
 TEST(Validate, CaseLossKernelFollowsTheTrainingCode) {
   auto loss_of = [](const std::string& family, const std::string& framework) {
-    std::string text = kOneCase;
-    text.replace(text.find("family: gpt"), 11, "family: " + family);
-    text.replace(text.find("framework: megatron"), 19, "framework: " + framework);
-    auto set = parse_validation_set(text, "one.yaml");
-    EXPECT_TRUE(set.ok()) << set.error().message();
-    auto topo = case_topology(set->front());
-    EXPECT_TRUE(topo.ok()) << topo.error().message();
-    auto plan = case_plan(set->front(), *topo);
-    EXPECT_TRUE(plan.ok()) << plan.error().message();
-    return plan.ok() ? plan->model.loss : LossKernel::kFused;
+    return case_model({{"family: gpt", "family: " + family},
+                       {"framework: megatron", "framework: " + framework}})
+        .loss;
   };
   EXPECT_EQ(loss_of("gpt", "megatron"), LossKernel::kFused);
   EXPECT_EQ(loss_of("llama", "fsdp"), LossKernel::kUnfused);
@@ -91,16 +100,8 @@ TEST(Validate, CaseLossKernelFollowsTheTrainingCode) {
 // (scores materialized) with dropout; bf16 and fp8 runs use FlashAttention without dropout.
 TEST(Validate, CaseAttentionFollowsTheTrainingCodesEra) {
   auto model_of = [](const std::string& precision, const std::string& framework) {
-    std::string text = kOneCase;
-    text.replace(text.find("precision: bf16"), 15, "precision: " + precision);
-    text.replace(text.find("framework: megatron"), 19, "framework: " + framework);
-    auto set = parse_validation_set(text, "one.yaml");
-    EXPECT_TRUE(set.ok()) << set.error().message();
-    auto topo = case_topology(set->front());
-    EXPECT_TRUE(topo.ok()) << topo.error().message();
-    auto plan = case_plan(set->front(), *topo);
-    EXPECT_TRUE(plan.ok()) << plan.error().message();
-    return plan.ok() ? plan->model : ModelSpec{};
+    return case_model({{"precision: bf16", "precision: " + precision},
+                       {"framework: megatron", "framework: " + framework}});
   };
   const ModelSpec fp16 = model_of("fp16", "megatron");
   EXPECT_EQ(fp16.attention, AttentionKernel::kUnfused);
