@@ -58,6 +58,8 @@ struct TesselProblem {
   // repetend found): at most about 15 s on this project's 2-core machine.
   unsigned solver_rlimit = 4'000'000;
   uint64_t search_rlimit = 8'000'000;
+  // The same for the second pass (warm-up and cool-down around the repetend).
+  uint64_t ends_rlimit = 3'000'000;
   // Relative precision of the period bisection.
   double precision = 0.01;
 };
@@ -74,7 +76,23 @@ struct TesselSchedule {
   // The orders are the blocks list-scheduled (earliest start first under the memory limit),
   // which filled the warm-up and cool-down better than unrolling the repetend.
   bool ends_list_scheduled = false;
+  // The orders' warm-up and cool-down came from the solver's second pass (below), which beat
+  // `ends_incumbent`: the better of the unrolled repetend and the list schedules.
+  bool ends_searched = false;
+  double ends_incumbent = 0;
 };
+
+// Repeated forwards (AlphaFold's recycling, Tessel's 3F1B case): one micro-batch's `base` blocks
+// with their forward blocks run `passes` times before the backward. Pass i + 1's first blocks
+// (forwards that need no other forward) need pass i's last ones (forwards no other forward
+// needs), `recycle_seconds` after they end. Only the last pass keeps activations; the earlier
+// ones hold theirs while they run (their peak) and free them at once. The last pass keeps the
+// base blocks' segment ids, so the backward still pairs with its forward; pass i < passes - 1 of
+// segment s is named segment s + (i + 1) S, S the largest segment id plus one (plans have no
+// pass field: such orders exist in this block model only). Blocks: the passes' forwards in pass
+// order, then the base's other blocks.
+std::vector<TesselBlock> recycled_blocks(const std::vector<TesselBlock>& base, int passes,
+                                         double recycle_seconds = 0);
 
 // Fails when the blocks' dependencies form a cycle, a block needs a device that does not exist,
 // or no repetend fits the memory limit.
