@@ -473,12 +473,16 @@ std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& 
       }
     }
     auto t = [&](int id) { return ctx.int_val(d.ticks[blk[id]]); };
-    std::vector<z3::expr> base;  // every constraint but the makespan bound
-    base.push_back(W >= 0);
+    // Every constraint with the ends it involves: 1 the warm-up, 2 the cool-down. When none
+    // involves both, the two are solved apart (much smaller problems): the warm-up for the
+    // earliest W, the cool-down for the shortest tail after W.
+    std::vector<std::pair<z3::expr, int>> base;
+    auto side = [&](int id) { return zone[id] == 0 ? 1 : zone[id] == 4 ? 2 : 0; };
+    base.emplace_back(W >= 0, 0);
     int64_t fixed_end = 0;
     for (int id = 0; id < total; ++id) {
       if (is_free(id)) {
-        base.push_back(*start[id] >= 0);
+        base.emplace_back(*start[id] >= 0, side(id));
       } else {
         fixed_end = std::max(fixed_end, offset[id] + d.ticks[blk[id]]);
       }
@@ -487,7 +491,9 @@ std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& 
     for (int b = 0; b < n; ++b) {
       for (int64_t m = 0; m + 1 < M; ++m) {
         const int i = b * static_cast<int>(M) + static_cast<int>(m);
-        if (is_free(i) || is_free(i + 1)) base.push_back(*start[i] + t(i) <= *start[i + 1]);
+        if (is_free(i) || is_free(i + 1)) {
+          base.emplace_back(*start[i] + t(i) <= *start[i + 1], side(i) | side(i + 1));
+        }
       }
     }
     for (int c = 0; c < n; ++c) {
@@ -497,7 +503,8 @@ std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& 
           const int i = b * static_cast<int>(M) + static_cast<int>(m);
           const int j = c * static_cast<int>(M) + static_cast<int>(m);
           if (!is_free(i) && !is_free(j)) continue;
-          base.push_back(*start[j] >= *start[i] + t(i) + ctx.int_val(d.transfer[c][k]));
+          base.emplace_back(*start[j] >= *start[i] + t(i) + ctx.int_val(d.transfer[c][k]),
+                            side(i) | side(j));
         }
       }
     }
@@ -511,8 +518,11 @@ std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& 
       auto it = order.find(key);
       if (it == order.end()) {
         const z3::expr o = ctx.bool_const(fmt::format("o{}_{}", key.first, key.second).c_str());
-        base.push_back(z3::implies(o, *start[key.first] + t(key.first) <= *start[key.second]));
-        base.push_back(z3::implies(!o, *start[key.second] + t(key.second) <= *start[key.first]));
+        const int sides = side(key.first) | side(key.second);
+        base.emplace_back(z3::implies(o, *start[key.first] + t(key.first) <= *start[key.second]),
+                          sides);
+        base.emplace_back(z3::implies(!o, *start[key.second] + t(key.second) <= *start[key.first]),
+                          sides);
         it = order.emplace(key, o).first;
       }
       return i == key.first ? it->second : !it->second;
@@ -528,64 +538,154 @@ std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& 
       for (int i : ids) {
         if (zone[i] == 2) continue;
         z3::expr level = ctx.int_val(zone[i] >= 3 ? middle_bytes[dev] : 0);
+        int sides = zone[i] == 1 ? 1 : zone[i] == 3 ? 2 : side(i);
         for (int j : ids) {
           if (j == i || d.bytes[blk[j]] == 0) continue;
+          if (known(j, i) < 0) sides |= side(i) | side(j);
           level = level + z3::ite(before(j, i), ctx.int_val(d.bytes[blk[j]]), ctx.int_val(0));
         }
-        base.push_back(level + ctx.int_val(d.peak[blk[i]]) <= ctx.int_val(d.limit[dev]));
+        base.emplace_back(level + ctx.int_val(d.peak[blk[i]]) <= ctx.int_val(d.limit[dev]), sides);
       }
     }
-    auto makespan_of = [&](const z3::model& model) {
-      int64_t z = has_fixed ? model.eval(W, true).get_numeral_int64() + fixed_end : 0;
-      for (int id = 0; id < total; ++id) {
-        if (is_free(id)) {
-          z = std::max(z, model.eval(*start[id], true).get_numeral_int64() + d.ticks[blk[id]]);
-        }
-      }
-      return z;
-    };
-    // Bisection on the makespan bound: strictly below the incumbent, down to the busiest
-    // device's total work.
-    int64_t hi = static_cast<int64_t>(std::ceil(incumbent / d.seconds_per_tick - 1e-9)) - 1;
-    int64_t lo = d.lower_bound * M;
+    bool apart = has_fixed;
+    for (const auto& [e, sides] : base) apart = apart && sides != 3;
     const int64_t tolerance = std::max<int64_t>(
         1, static_cast<int64_t>(p.precision * static_cast<double>(d.lower_bound)));
-    uint64_t budget = p.ends_rlimit;
-    std::optional<std::vector<int64_t>> best;  // free and W starts of the best model
-    while (lo <= hi && budget > 0 && (!best || hi - lo >= tolerance)) {
-      const int64_t bound = best ? lo + (hi - lo) / 2 : hi;
-      z3::solver solver(ctx);
-      z3::params params(ctx);
-      params.set("rlimit", static_cast<unsigned>(std::min<uint64_t>(p.solver_rlimit, budget)));
-      solver.set(params);
-      for (const z3::expr& e : base) solver.add(e);
-      const z3::expr Z = ctx.int_val(bound);
-      if (has_fixed) solver.add(W + ctx.int_val(fixed_end) <= Z);
-      for (int id = 0; id < total; ++id) {
-        if (is_free(id)) solver.add(*start[id] + t(id) <= Z);
-      }
-      ++calls;
-      const z3::check_result result = solver.check();
-      const z3::stats stats = solver.statistics();
-      uint64_t used = 0;
-      for (unsigned i = 0; i < stats.size(); ++i) {
-        if (stats.key(i) == "rlimit count") {
-          used =
-              stats.is_uint(i) ? stats.uint_value(i) : static_cast<uint64_t>(stats.double_value(i));
+    // The smallest `value` of a model of the constraints of `sides` (and `extra`) under the
+    // bound constraints, bisected in [lo, hi]; nullopt when none is found within `budget`.
+    uint64_t counted = 0;
+    auto minimize = [&](int sides, const std::vector<z3::expr>& extra,
+                        const std::function<std::vector<z3::expr>(int64_t)>& bounded,
+                        const std::function<int64_t(const z3::model&)>& value, int64_t lo,
+                        int64_t hi, uint64_t budget) -> std::optional<z3::model> {
+      std::optional<z3::model> best;
+      while (lo <= hi && budget > 0 && (!best || hi - lo >= tolerance)) {
+        const int64_t bound = best ? lo + (hi - lo) / 2 : hi;
+        z3::solver solver(ctx);
+        z3::params params(ctx);
+        params.set("rlimit", static_cast<unsigned>(std::min<uint64_t>(p.solver_rlimit, budget)));
+        solver.set(params);
+        for (const auto& [e, s] : base) {
+          if ((s & ~sides) == 0) solver.add(e);
+        }
+        for (const z3::expr& e : extra) solver.add(e);
+        for (const z3::expr& e : bounded(bound)) solver.add(e);
+        ++calls;
+        const z3::check_result result = solver.check();
+        const z3::stats stats = solver.statistics();
+        uint64_t used = 0;
+        for (unsigned i = 0; i < stats.size(); ++i) {
+          if (stats.key(i) == "rlimit count") {
+            used = stats.is_uint(i) ? stats.uint_value(i)
+                                    : static_cast<uint64_t>(stats.double_value(i));
+          }
+        }
+        // The count is the context's, over every check so far.
+        const uint64_t spent = used >= counted ? used - counted : used;
+        counted = std::max(counted, used);
+        budget -= std::min(budget, std::max<uint64_t>(spent, 1));
+        fprintf(
+            stderr,
+            "ends: sides %d free %d pairs %zu K %ld M %ld bound %ld lo %ld result %d used %lu\n",
+            sides, free_count, order.size(), (long)K, (long)M, (long)bound, (long)lo, (int)result,
+            (unsigned long)used);
+        if (result == z3::sat) {
+          best = solver.get_model();
+          hi = value(*best) - 1;
+        } else if (!best) {
+          break;
+        } else {
+          lo = bound + 1;
         }
       }
-      budget -= std::min(budget, std::max<uint64_t>(used, 1));
-      if (result == z3::sat) {
-        const z3::model model = solver.get_model();
+      return best;
+    };
+    auto eval = [&](const z3::model& model, const z3::expr& e) {
+      return model.eval(e, true).get_numeral_int64();
+    };
+    std::optional<std::vector<int64_t>> best;  // every instance's start
+    if (apart) {
+      // The unrolled repetend is one solution of each: W = K P, the natural starts.
+      std::vector<int64_t> starts(total);
+      for (int id = 0; id < total; ++id) {
+        starts[id] = (mb[id] + r.lag[blk[id]]) * P + r.start[blk[id]];
+      }
+      int64_t w = K * P, tail = fixed_end;
+      std::vector<int64_t> work(p.devices, 0), cool(p.devices, 0);
+      for (int id = 0; id < total; ++id) {
+        if (zone[id] == 4) tail = std::max(tail, starts[id] - w + d.ticks[blk[id]]);
+        for (int dev : p.blocks[blk[id]].devices) {
+          if (zone[id] == 0) work[dev] += d.ticks[blk[id]];
+          if (zone[id] == 4) cool[dev] += d.ticks[blk[id]];
+        }
+      }
+      // The warm-up ends by W + P; the cool-down starts after W + (M - 1 - K) P.
+      int64_t w_lo = 0, tail_lo = fixed_end;
+      for (int dev = 0; dev < p.devices; ++dev) {
+        w_lo = std::max(w_lo, work[dev] - P);
+        tail_lo = std::max(tail_lo, (M - 1 - K) * P + cool[dev]);
+      }
+      bool improved = false;
+      std::optional<z3::model> warm = minimize(
+          1, {}, [&](int64_t bound) { return std::vector<z3::expr>{W <= ctx.int_val(bound)}; },
+          [&](const z3::model& m) { return eval(m, W); }, w_lo, w - 1, p.ends_rlimit / 2);
+      if (warm) {
+        improved = true;
+        w = eval(*warm, W);
+        for (int id = 0; id < total; ++id) {
+          if (zone[id] == 0) starts[id] = eval(*warm, *start[id]);
+        }
+      }
+      auto tail_of = [&](const z3::model& m) {
+        int64_t z = fixed_end;
+        for (int id = 0; id < total; ++id) {
+          if (zone[id] == 4) z = std::max(z, eval(m, *start[id]) + d.ticks[blk[id]]);
+        }
+        return z;
+      };
+      std::optional<z3::model> cold = minimize(
+          2, {W == 0},
+          [&](int64_t bound) {
+            std::vector<z3::expr> out = {ctx.int_val(fixed_end) <= ctx.int_val(bound)};
+            for (int id = 0; id < total; ++id) {
+              if (zone[id] == 4) out.push_back(*start[id] + t(id) <= ctx.int_val(bound));
+            }
+            return out;
+          },
+          tail_of, tail_lo, tail - 1, p.ends_rlimit - p.ends_rlimit / 2);
+      for (int id = 0; id < total; ++id) {
+        if (zone[id] == 4) {
+          starts[id] = cold ? eval(*cold, *start[id]) + w : starts[id] - K * P + w;
+        } else if (!is_free(id)) {
+          starts[id] = w + offset[id];
+        }
+      }
+      if (improved || cold) best = std::move(starts);
+    } else {
+      auto makespan_of = [&](const z3::model& model) {
+        int64_t z = has_fixed ? eval(model, W) + fixed_end : 0;
+        for (int id = 0; id < total; ++id) {
+          if (is_free(id)) z = std::max(z, eval(model, *start[id]) + d.ticks[blk[id]]);
+        }
+        return z;
+      };
+      // Strictly below the incumbent, down to the busiest device's total work.
+      const int64_t hi = static_cast<int64_t>(std::ceil(incumbent / d.seconds_per_tick - 1e-9)) - 1;
+      std::optional<z3::model> model = minimize(
+          3, {},
+          [&](int64_t bound) {
+            std::vector<z3::expr> out;
+            if (has_fixed) out.push_back(W + ctx.int_val(fixed_end) <= ctx.int_val(bound));
+            for (int id = 0; id < total; ++id) {
+              if (is_free(id)) out.push_back(*start[id] + t(id) <= ctx.int_val(bound));
+            }
+            return out;
+          },
+          makespan_of, d.lower_bound * M, hi, p.ends_rlimit);
+      if (model) {
         std::vector<int64_t> starts(total);
-        for (int id = 0; id < total; ++id)
-          starts[id] = model.eval(*start[id], true).get_numeral_int64();
+        for (int id = 0; id < total; ++id) starts[id] = eval(*model, *start[id]);
         best = std::move(starts);
-        hi = makespan_of(model) - 1;
-      } else if (!best) {
-        break;  // nothing shorter than the incumbent within the budget
-      } else {
-        lo = bound + 1;
       }
     }
     if (!best) return std::nullopt;

@@ -59,7 +59,7 @@ struct TesselProblem {
   unsigned solver_rlimit = 4'000'000;
   uint64_t search_rlimit = 8'000'000;
   // The same for the second pass (warm-up and cool-down around the repetend).
-  uint64_t ends_rlimit = 3'000'000;
+  uint64_t ends_rlimit = 1'000'000;
   // Relative precision of the period bisection.
   double precision = 0.01;
 };

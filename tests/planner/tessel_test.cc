@@ -452,7 +452,6 @@ TEST(Tessel, SolverEndsNeverWorse) {
     Expected<OrdersRun> again = run_orders(q, s->orders);
     ASSERT_TRUE(again.ok()) << what << ": " << again.error().message();
     EXPECT_DOUBLE_EQ(again->makespan, s->makespan) << what;
-    fmt::print("{}: list {} searched {}\n", what, listed->makespan, s->makespan);
   }
 }
 
