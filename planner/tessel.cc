@@ -422,7 +422,8 @@ std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& 
   }
   if (free_count == 0) return std::nullopt;
   // Larger ends are beyond what the solver settles within its budget.
-  constexpr int kMaxFree = 400;
+  constexpr int kMaxFree = 400, kFreeInFull = 100;
+  constexpr int64_t kWindowPeriods = 2;
   if (free_count > kMaxFree) return std::nullopt;
   std::vector<std::vector<bool>> reach(n, std::vector<bool>(n, false));
   for (int b : topological_order(p)) {
@@ -433,7 +434,7 @@ std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& 
   }
   auto is_free = [&](int id) { return zone[id] == 0 || zone[id] == 4; };
   // 1: i runs before j, 0: after, -1: the solver decides.
-  auto known = [&](int i, int j) -> int {
+  auto derived = [&](int i, int j) -> int {
     if (blk[i] == blk[j]) return mb[i] < mb[j] ? 1 : 0;
     if (mb[i] == mb[j] && reach[blk[i]][blk[j]]) return 1;
     if (mb[i] == mb[j] && reach[blk[j]][blk[i]]) return 0;
@@ -449,6 +450,16 @@ std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& 
     if (lo == 2) ordered = true;
     if (!ordered) return -1;
     return zi < zj ? 1 : 0;
+  };
+  // Large ends are too many orders for the solver to settle within its budget: there two
+  // instances whose unrolled starts are `window` or more apart keep the unrolled order (a
+  // neighbourhood of the unrolled repetend; the list schedule stays the incumbent).
+  const int64_t window = free_count > kFreeInFull ? kWindowPeriods * P : 0;
+  auto natural = [&](int id) { return (mb[id] + r.lag[blk[id]]) * P + r.start[blk[id]]; };
+  auto known = [&](int i, int j) -> int {
+    const int k = derived(i, j);
+    if (k >= 0 || window == 0 || std::abs(natural(i) - natural(j)) < window) return k;
+    return natural(i) < natural(j) ? 1 : 0;
   };
   std::vector<std::vector<int>> on_device(p.devices);  // instances the ends can touch
   std::vector<int64_t> middle_bytes(p.devices, 0);
@@ -531,7 +542,15 @@ std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& 
       const std::vector<int>& ids = on_device[dev];
       for (size_t a = 0; a < ids.size(); ++a) {
         for (size_t b = a + 1; b < ids.size(); ++b) {
-          if (known(ids[a], ids[b]) < 0) before(ids[a], ids[b]);
+          const int i = ids[a], j = ids[b];
+          if (derived(i, j) >= 0) continue;
+          if (known(i, j) < 0) {
+            before(i, j);
+          } else {
+            const int first = known(i, j) == 1 ? i : j, second = first == i ? j : i;
+            base.emplace_back(*start[first] + t(first) <= *start[second],
+                              side(first) | side(second));
+          }
         }
       }
       if (d.limit[dev] < 0) continue;
@@ -584,11 +603,6 @@ std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& 
         const uint64_t spent = used >= counted ? used - counted : used;
         counted = std::max(counted, used);
         budget -= std::min(budget, std::max<uint64_t>(spent, 1));
-        fprintf(
-            stderr,
-            "ends: sides %d free %d pairs %zu K %ld M %ld bound %ld lo %ld result %d used %lu\n",
-            sides, free_count, order.size(), (long)K, (long)M, (long)bound, (long)lo, (int)result,
-            (unsigned long)used);
         if (result == z3::sat) {
           best = solver.get_model();
           hi = value(*best) - 1;
