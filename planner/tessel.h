@@ -18,6 +18,10 @@
 // are ready this compacts warm-up and cool-down. Those ends still keep the repetend's order, so
 // every micro-batch's blocks are also list-scheduled (earliest start first under the memory
 // limit, ties by the repetend's order or backward first) and the orders that finish first kept.
+// Then Tessel's second Z3 pass: the repetend's full periods fixed (shifted together), the
+// warm-up and cool-down instances get their own starts under the same dependency, overlap and
+// memory constraints, and the shortest makespan found (bisection) replaces the incumbent only
+// when shorter.
 #pragma once
 
 #include <vector>
