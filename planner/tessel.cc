@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -379,6 +380,41 @@ std::vector<std::vector<Block>> list_orders(const TesselProblem& p,
     }
   }
   return orders;
+}
+
+// No schedule of every micro-batch is shorter: on some device, the earliest any of its blocks
+// can start (the longest chain of blocks and transfers before it in one micro-batch), plus its
+// work for every micro-batch, plus the shortest chain that must follow its last block.
+double makespan_lower_bound(const TesselProblem& p) {
+  const std::vector<int> topo = topological_order(p);
+  const int n = static_cast<int>(p.blocks.size());
+  std::vector<double> head(n, 0), tail(n, 0);
+  for (int c : topo) {
+    for (size_t i = 0; i < p.blocks[c].after.size(); ++i) {
+      const int b = p.blocks[c].after[i];
+      head[c] = std::max(head[c], head[b] + p.blocks[b].seconds + p.blocks[c].transfer_after(i));
+    }
+  }
+  for (auto it = topo.rbegin(); it != topo.rend(); ++it) {
+    const int c = *it;
+    for (size_t i = 0; i < p.blocks[c].after.size(); ++i) {
+      const int b = p.blocks[c].after[i];
+      tail[b] = std::max(tail[b], tail[c] + p.blocks[c].seconds + p.blocks[c].transfer_after(i));
+    }
+  }
+  double bound = 0;
+  for (int dev = 0; dev < p.devices; ++dev) {
+    double first = std::numeric_limits<double>::infinity(), last = first, work = 0;
+    for (int b = 0; b < n; ++b) {
+      const std::vector<int>& on = p.blocks[b].devices;
+      if (std::find(on.begin(), on.end(), dev) == on.end()) continue;
+      first = std::min(first, head[b]);
+      last = std::min(last, tail[b]);
+      work += p.blocks[b].seconds;
+    }
+    if (work > 0) bound = std::max(bound, first + p.micro_batches * work + last);
+  }
+  return bound;
 }
 
 // Tessel's second pass: warm-up and cool-down by the solver. The repetend stays fixed: with K
@@ -985,7 +1021,10 @@ Expected<TesselSchedule> tessel_search(const TesselProblem& p) {
   // Tessel's second pass: the ends searched around the fixed repetend, kept only when shorter
   // and within the memory limit (the solver's bytes are rounded).
   out.ends_incumbent = chosen_run->makespan;
-  if (auto orders = search_ends(p, d, r, chosen_run->makespan, out.solver_calls, failure)) {
+  const bool optimal = chosen_run->makespan <= makespan_lower_bound(p) * (1 + 1e-9);
+  if (auto orders = optimal
+                        ? std::nullopt
+                        : search_ends(p, d, r, chosen_run->makespan, out.solver_calls, failure)) {
     Expected<OrdersRun> run = run_orders(p, *orders);
     if (!run) return run.error();
     bool fits = true;
