@@ -424,8 +424,9 @@ double makespan_lower_bound(const TesselProblem& p) {
 // (also against the full periods' instances that can border the ends), each block's instances
 // in micro-batch order (Tessel's rule; it also keeps the warm-up before period K + 1 and the
 // cool-down after period M - 2, so only those periods' fixed instances need checking), and
-// the memory limit at the start of every instance whose level the ends can change. Makespan
-// bisected below `incumbent` (seconds); returns the orders of the shortest schedule found.
+// the memory limit at the start of every instance whose level the ends can change. The bound
+// bisected is the makespan (below `incumbent`, seconds), or W and the tail after it when the
+// two ends are solved apart; returns the orders of the shortest schedule found, if any.
 std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& p,
                                                            const Discrete& d, const Repetend& r,
                                                            double incumbent, int& calls,
