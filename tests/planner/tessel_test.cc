@@ -461,6 +461,15 @@ TEST(Tessel, SolverEndsNeverWorse) {
   TesselProblem two = two_stages_with_transfer(8, 0.5);
   two.memory_limit = {2.0, 1.0};
   cases.emplace_back("two stages, transfers", two);
+  // Fewer micro-batches than the largest lag: no full period, every instance is the solver's.
+  TesselProblem few = sharded_head(4, 2);
+  few.memory_limit.assign(4, 3.0);
+  cases.emplace_back("sharded head, 2 micro-batches", few);
+  for (const int m : {1, 2}) {
+    TesselProblem folded = folded_pipeline();
+    folded.micro_batches = m;
+    cases.emplace_back(fmt::format("folded, {} micro-batches", m), folded);
+  }
   for (auto& [what, q] : cases) {
     Expected<TesselSchedule> s = tessel_search(q);
     ASSERT_TRUE(s.ok()) << what << ": " << s.error().message();
