@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -381,6 +382,385 @@ std::vector<std::vector<Block>> list_orders(const TesselProblem& p,
   return orders;
 }
 
+// No schedule of every micro-batch is shorter: on some device, the earliest any of its blocks
+// can start (the longest chain of blocks and transfers before it in one micro-batch), plus its
+// work for every micro-batch, plus the shortest chain that must follow its last block.
+double makespan_lower_bound(const TesselProblem& p) {
+  const std::vector<int> topo = topological_order(p);
+  const int n = static_cast<int>(p.blocks.size());
+  std::vector<double> head(n, 0), tail(n, 0);
+  for (int c : topo) {
+    for (size_t i = 0; i < p.blocks[c].after.size(); ++i) {
+      const int b = p.blocks[c].after[i];
+      head[c] = std::max(head[c], head[b] + p.blocks[b].seconds + p.blocks[c].transfer_after(i));
+    }
+  }
+  for (auto it = topo.rbegin(); it != topo.rend(); ++it) {
+    const int c = *it;
+    for (size_t i = 0; i < p.blocks[c].after.size(); ++i) {
+      const int b = p.blocks[c].after[i];
+      tail[b] = std::max(tail[b], tail[c] + p.blocks[c].seconds + p.blocks[c].transfer_after(i));
+    }
+  }
+  double bound = 0;
+  for (int dev = 0; dev < p.devices; ++dev) {
+    double first = std::numeric_limits<double>::infinity(), last = first, work = 0;
+    for (int b = 0; b < n; ++b) {
+      const std::vector<int>& on = p.blocks[b].devices;
+      if (std::find(on.begin(), on.end(), dev) == on.end()) continue;
+      first = std::min(first, head[b]);
+      last = std::min(last, tail[b]);
+      work += p.blocks[b].seconds;
+    }
+    if (work > 0) bound = std::max(bound, first + p.micro_batches * work + last);
+  }
+  return bound;
+}
+
+// Tessel's second pass: warm-up and cool-down by the solver. The repetend stays fixed: with K
+// its largest lag, periods K..M-1 are full and run as unrolled, shifted together by W (an
+// integer variable: where period K starts). Every other (block, micro-batch) instance gets its
+// own start. Constraints: dependencies with their transfers, one block at a time per device
+// (also against the full periods' instances that can border the ends), each block's instances
+// in micro-batch order (Tessel's rule; it also keeps the warm-up before period K + 1 and the
+// cool-down after period M - 2, so only those periods' fixed instances need checking), and
+// the memory limit at the start of every instance whose level the ends can change. The bound
+// bisected is the makespan (below `incumbent`, seconds), or W and the tail after it when the
+// two ends are solved apart; returns the orders of the shortest schedule found, if any.
+std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& p,
+                                                           const Discrete& d, const Repetend& r,
+                                                           double incumbent, int& calls,
+                                                           std::string& failure) {
+  const int n = static_cast<int>(p.blocks.size());
+  const int64_t M = p.micro_batches;
+  const int64_t K = *std::max_element(r.lag.begin(), r.lag.end());
+  const int64_t P = r.period;
+  const bool has_fixed = M > K;
+  // Zones: 0 warm-up (free), 1 period K, 2 periods strictly between the borders, 3 the last
+  // two periods (fixed), 4 cool-down (free). Without a full period every instance is free (0).
+  const int total = n * static_cast<int>(M);
+  std::vector<int> zone(total), blk(total), mb(total);
+  std::vector<int64_t> offset(total, 0);  // fixed: start - W
+  int free_count = 0;
+  for (int b = 0; b < n; ++b) {
+    for (int64_t m = 0; m < M; ++m) {
+      const int id = b * static_cast<int>(M) + static_cast<int>(m);
+      blk[id] = b;
+      mb[id] = static_cast<int>(m);
+      const int64_t j = m + r.lag[b];
+      int z = 0;
+      if (has_fixed) {
+        z = j < K ? 0 : j == K ? 1 : j > M - 1 ? 4 : j >= M - 2 ? 3 : 2;
+        offset[id] = (j - K) * P + r.start[b];
+      }
+      zone[id] = z;
+      free_count += (z == 0 || z == 4);
+    }
+  }
+  if (free_count == 0) return std::nullopt;
+  // Larger ends are beyond what the solver settles within its budget.
+  constexpr int kMaxFree = 400, kFreeInFull = 100;
+  constexpr int64_t kWindowPeriods = 2;
+  if (free_count > kMaxFree) return std::nullopt;
+  std::vector<std::vector<bool>> reach(n, std::vector<bool>(n, false));
+  for (int b : topological_order(p)) {
+    for (int a : p.blocks[b].after) {
+      reach[a][b] = true;
+      for (int x = 0; x < n; ++x) reach[x][b] = reach[x][b] || reach[x][a];
+    }
+  }
+  auto is_free = [&](int id) { return zone[id] == 0 || zone[id] == 4; };
+  // 1: i runs before j, 0: after, -1: the solver decides.
+  auto derived = [&](int i, int j) -> int {
+    if (blk[i] == blk[j]) return mb[i] < mb[j] ? 1 : 0;
+    if (mb[i] == mb[j] && reach[blk[i]][blk[j]]) return 1;
+    if (mb[i] == mb[j] && reach[blk[j]][blk[i]]) return 0;
+    if (!is_free(i) && !is_free(j)) {
+      return std::make_pair(offset[i], blk[i]) < std::make_pair(offset[j], blk[j]) ? 1 : 0;
+    }
+    const int zi = zone[i], zj = zone[j];
+    if (zi == zj) return -1;
+    const int lo = std::min(zi, zj), hi = std::max(zi, zj);
+    bool ordered = false;
+    if (lo == 0) ordered = hi == 2 || hi == 3 || (hi == 4 && M - 1 - K >= 1);
+    if (lo == 1) ordered = hi == 4 && M - 1 - K >= 2;
+    if (lo == 2) ordered = true;
+    if (!ordered) return -1;
+    return zi < zj ? 1 : 0;
+  };
+  // Large ends are too many orders for the solver to settle within its budget: there two
+  // instances whose unrolled starts are `window` or more apart keep the unrolled order (a
+  // neighbourhood of the unrolled repetend; the list schedule stays the incumbent).
+  const int64_t window = free_count > kFreeInFull ? kWindowPeriods * P : 0;
+  auto natural = [&](int id) { return (mb[id] + r.lag[blk[id]]) * P + r.start[blk[id]]; };
+  auto known = [&](int i, int j) -> int {
+    const int k = derived(i, j);
+    if (k >= 0 || window == 0 || std::abs(natural(i) - natural(j)) < window) return k;
+    return natural(i) < natural(j) ? 1 : 0;
+  };
+  std::vector<std::vector<int>> on_device(p.devices);  // instances the ends can touch
+  std::vector<int64_t> middle_bytes(p.devices, 0);
+  for (int id = 0; id < total; ++id) {
+    for (int dev : p.blocks[blk[id]].devices) {
+      if (zone[id] == 2) {
+        middle_bytes[dev] += d.bytes[blk[id]];
+      } else {
+        on_device[dev].push_back(id);
+      }
+    }
+  }
+  try {
+    z3::context ctx;
+    std::vector<std::optional<z3::expr>> start(total);
+    const z3::expr W = ctx.int_const("W");
+    for (int id = 0; id < total; ++id) {
+      if (is_free(id)) {
+        start[id] = ctx.int_const(fmt::format("x{}_{}", blk[id], mb[id]).c_str());
+      } else {
+        start[id] = W + ctx.int_val(offset[id]);
+      }
+    }
+    auto t = [&](int id) { return ctx.int_val(d.ticks[blk[id]]); };
+    // Every constraint with the ends it involves: 1 the warm-up, 2 the cool-down. When none
+    // involves both, the two are solved apart (much smaller problems): the warm-up for the
+    // earliest W, the cool-down for the shortest tail after W.
+    std::vector<std::pair<z3::expr, int>> base;
+    auto side = [&](int id) { return zone[id] == 0 ? 1 : zone[id] == 4 ? 2 : 0; };
+    base.emplace_back(W >= 0, 0);
+    int64_t fixed_end = 0;
+    for (int id = 0; id < total; ++id) {
+      if (is_free(id)) {
+        base.emplace_back(*start[id] >= 0, side(id));
+      } else {
+        fixed_end = std::max(fixed_end, offset[id] + d.ticks[blk[id]]);
+      }
+    }
+    // Micro-batch order of each block's instances.
+    for (int b = 0; b < n; ++b) {
+      for (int64_t m = 0; m + 1 < M; ++m) {
+        const int i = b * static_cast<int>(M) + static_cast<int>(m);
+        if (is_free(i) || is_free(i + 1)) {
+          base.emplace_back(*start[i] + t(i) <= *start[i + 1], side(i) | side(i + 1));
+        }
+      }
+    }
+    for (int c = 0; c < n; ++c) {
+      for (size_t k = 0; k < p.blocks[c].after.size(); ++k) {
+        const int b = p.blocks[c].after[k];
+        for (int64_t m = 0; m < M; ++m) {
+          const int i = b * static_cast<int>(M) + static_cast<int>(m);
+          const int j = c * static_cast<int>(M) + static_cast<int>(m);
+          if (!is_free(i) && !is_free(j)) continue;
+          base.emplace_back(*start[j] >= *start[i] + t(i) + ctx.int_val(d.transfer[c][k]),
+                            side(i) | side(j));
+        }
+      }
+    }
+    // One Boolean per unordered pair the solver decides: true when the first runs first. Shared
+    // by the devices a block spans, so they meet their blocks in the same order.
+    std::map<std::pair<int, int>, z3::expr> order;
+    auto before = [&](int i, int j) -> z3::expr {  // i ends before j starts
+      const int k = known(i, j);
+      if (k >= 0) return ctx.bool_val(k == 1);
+      const std::pair<int, int> key = std::minmax(i, j);
+      auto it = order.find(key);
+      if (it == order.end()) {
+        const z3::expr o = ctx.bool_const(fmt::format("o{}_{}", key.first, key.second).c_str());
+        const int sides = side(key.first) | side(key.second);
+        base.emplace_back(z3::implies(o, *start[key.first] + t(key.first) <= *start[key.second]),
+                          sides);
+        base.emplace_back(z3::implies(!o, *start[key.second] + t(key.second) <= *start[key.first]),
+                          sides);
+        it = order.emplace(key, o).first;
+      }
+      return i == key.first ? it->second : !it->second;
+    };
+    for (int dev = 0; dev < p.devices; ++dev) {
+      const std::vector<int>& ids = on_device[dev];
+      for (size_t a = 0; a < ids.size(); ++a) {
+        for (size_t b = a + 1; b < ids.size(); ++b) {
+          const int i = ids[a], j = ids[b];
+          if (derived(i, j) >= 0) continue;
+          if (known(i, j) < 0) {
+            before(i, j);
+          } else {
+            const int first = known(i, j) == 1 ? i : j, second = first == i ? j : i;
+            base.emplace_back(*start[first] + t(first) <= *start[second],
+                              side(first) | side(second));
+          }
+        }
+      }
+      if (d.limit[dev] < 0) continue;
+      for (int i : ids) {
+        if (zone[i] == 2) continue;
+        z3::expr level = ctx.int_val(zone[i] >= 3 ? middle_bytes[dev] : 0);
+        int sides = zone[i] == 1 ? 1 : zone[i] == 3 ? 2 : side(i);
+        for (int j : ids) {
+          if (j == i || d.bytes[blk[j]] == 0) continue;
+          if (known(j, i) < 0) sides |= side(i) | side(j);
+          level = level + z3::ite(before(j, i), ctx.int_val(d.bytes[blk[j]]), ctx.int_val(0));
+        }
+        base.emplace_back(level + ctx.int_val(d.peak[blk[i]]) <= ctx.int_val(d.limit[dev]), sides);
+      }
+    }
+    bool apart = has_fixed;
+    for (const auto& [e, sides] : base) apart = apart && sides != 3;
+    const int64_t tolerance = std::max<int64_t>(
+        1, static_cast<int64_t>(p.precision * static_cast<double>(d.lower_bound)));
+    // The smallest `value` of a model of the constraints of `sides` (and `extra`) under the
+    // bound constraints, bisected in [lo, hi]; nullopt when none is found within `budget`.
+    uint64_t counted = 0;
+    auto minimize = [&](int sides, const std::vector<z3::expr>& extra,
+                        const std::function<std::vector<z3::expr>(int64_t)>& bounded,
+                        const std::function<int64_t(const z3::model&)>& value, int64_t lo,
+                        int64_t hi, uint64_t budget) -> std::optional<z3::model> {
+      std::optional<z3::model> best;
+      while (lo <= hi && budget > 0 && (!best || hi - lo >= tolerance)) {
+        const int64_t bound = best ? lo + (hi - lo) / 2 : hi;
+        z3::solver solver(ctx);
+        z3::params params(ctx);
+        params.set("rlimit", static_cast<unsigned>(std::min<uint64_t>(p.solver_rlimit, budget)));
+        solver.set(params);
+        for (const auto& [e, s] : base) {
+          if ((s & ~sides) == 0) solver.add(e);
+        }
+        for (const z3::expr& e : extra) solver.add(e);
+        for (const z3::expr& e : bounded(bound)) solver.add(e);
+        ++calls;
+        const z3::check_result result = solver.check();
+        const z3::stats stats = solver.statistics();
+        uint64_t used = 0;
+        for (unsigned i = 0; i < stats.size(); ++i) {
+          if (stats.key(i) == "rlimit count") {
+            used = stats.is_uint(i) ? stats.uint_value(i)
+                                    : static_cast<uint64_t>(stats.double_value(i));
+          }
+        }
+        // The count is the context's, over every check so far.
+        const uint64_t spent = used >= counted ? used - counted : used;
+        counted = std::max(counted, used);
+        budget -= std::min(budget, std::max<uint64_t>(spent, 1));
+        if (result == z3::sat) {
+          best = solver.get_model();
+          hi = value(*best) - 1;
+        } else if (!best) {
+          break;
+        } else {
+          lo = bound + 1;
+        }
+      }
+      return best;
+    };
+    auto eval = [&](const z3::model& model, const z3::expr& e) {
+      return model.eval(e, true).get_numeral_int64();
+    };
+    std::optional<std::vector<int64_t>> best;  // every instance's start
+    if (apart) {
+      // The unrolled repetend is one solution of each: W = K P, the natural starts.
+      std::vector<int64_t> starts(total);
+      for (int id = 0; id < total; ++id) {
+        starts[id] = (mb[id] + r.lag[blk[id]]) * P + r.start[blk[id]];
+      }
+      int64_t w = K * P, tail = fixed_end;
+      std::vector<int64_t> work(p.devices, 0), cool(p.devices, 0);
+      for (int id = 0; id < total; ++id) {
+        if (zone[id] == 4) tail = std::max(tail, starts[id] - w + d.ticks[blk[id]]);
+        for (int dev : p.blocks[blk[id]].devices) {
+          if (zone[id] == 0) work[dev] += d.ticks[blk[id]];
+          if (zone[id] == 4) cool[dev] += d.ticks[blk[id]];
+        }
+      }
+      // The warm-up ends by W + P; the cool-down starts after W + (M - 1 - K) P.
+      int64_t w_lo = 0, tail_lo = fixed_end;
+      for (int dev = 0; dev < p.devices; ++dev) {
+        w_lo = std::max(w_lo, work[dev] - P);
+        tail_lo = std::max(tail_lo, (M - 1 - K) * P + cool[dev]);
+      }
+      bool improved = false;
+      std::optional<z3::model> warm = minimize(
+          1, {}, [&](int64_t bound) { return std::vector<z3::expr>{W <= ctx.int_val(bound)}; },
+          [&](const z3::model& m) { return eval(m, W); }, w_lo, w - 1, p.ends_rlimit / 2);
+      if (warm) {
+        improved = true;
+        w = eval(*warm, W);
+        for (int id = 0; id < total; ++id) {
+          if (zone[id] == 0) starts[id] = eval(*warm, *start[id]);
+        }
+      }
+      auto tail_of = [&](const z3::model& m) {
+        int64_t z = fixed_end;
+        for (int id = 0; id < total; ++id) {
+          if (zone[id] == 4) z = std::max(z, eval(m, *start[id]) + d.ticks[blk[id]]);
+        }
+        return z;
+      };
+      std::optional<z3::model> cold = minimize(
+          2, {W == 0},
+          [&](int64_t bound) {
+            std::vector<z3::expr> out = {ctx.int_val(fixed_end) <= ctx.int_val(bound)};
+            for (int id = 0; id < total; ++id) {
+              if (zone[id] == 4) out.push_back(*start[id] + t(id) <= ctx.int_val(bound));
+            }
+            return out;
+          },
+          tail_of, tail_lo, tail - 1, p.ends_rlimit - p.ends_rlimit / 2);
+      for (int id = 0; id < total; ++id) {
+        if (zone[id] == 4) {
+          starts[id] = cold ? eval(*cold, *start[id]) + w : starts[id] - K * P + w;
+        } else if (!is_free(id)) {
+          starts[id] = w + offset[id];
+        }
+      }
+      if (improved || cold) best = std::move(starts);
+    } else {
+      auto makespan_of = [&](const z3::model& model) {
+        int64_t z = has_fixed ? eval(model, W) + fixed_end : 0;
+        for (int id = 0; id < total; ++id) {
+          if (is_free(id)) z = std::max(z, eval(model, *start[id]) + d.ticks[blk[id]]);
+        }
+        return z;
+      };
+      // Strictly below the incumbent, down to the busiest device's total work.
+      const int64_t hi = static_cast<int64_t>(std::ceil(incumbent / d.seconds_per_tick - 1e-9)) - 1;
+      std::optional<z3::model> model = minimize(
+          3, {},
+          [&](int64_t bound) {
+            std::vector<z3::expr> out;
+            if (has_fixed) out.push_back(W + ctx.int_val(fixed_end) <= ctx.int_val(bound));
+            for (int id = 0; id < total; ++id) {
+              if (is_free(id)) out.push_back(*start[id] + t(id) <= ctx.int_val(bound));
+            }
+            return out;
+          },
+          makespan_of, d.lower_bound * M, hi, p.ends_rlimit);
+      if (model) {
+        std::vector<int64_t> starts(total);
+        for (int id = 0; id < total; ++id) starts[id] = eval(*model, *start[id]);
+        best = std::move(starts);
+      }
+    }
+    if (!best) return std::nullopt;
+    // Every device runs its instances by start, ties by dependency order then micro-batch, the
+    // same on every device a block spans.
+    const std::vector<int> topo = topological_order(p);
+    std::vector<int> rank(n);
+    for (int i = 0; i < n; ++i) rank[topo[i]] = i;
+    std::vector<std::tuple<int64_t, int, int, int>> events;
+    for (int id = 0; id < total; ++id) events.emplace_back((*best)[id], rank[blk[id]], mb[id], id);
+    std::sort(events.begin(), events.end());
+    std::vector<std::vector<Block>> orders(p.devices);
+    for (const auto& [time, rk, m, id] : events) {
+      for (int dev : p.blocks[blk[id]].devices) {
+        orders[dev].push_back(Block{p.blocks[blk[id]].kind, m, p.blocks[blk[id]].segment});
+      }
+    }
+    return orders;
+  } catch (const z3::exception& e) {
+    failure = e.msg();
+    return std::nullopt;
+  }
+}
+
 }  // namespace
 
 Expected<OrdersRun> run_orders(const TesselProblem& p,
@@ -477,6 +857,65 @@ Expected<OrdersRun> run_orders(const TesselProblem& p,
     }
   }
   return run;
+}
+
+std::vector<TesselBlock> recycled_blocks(const std::vector<TesselBlock>& base, int passes,
+                                         double recycle_seconds) {
+  const int n = static_cast<int>(base.size());
+  int segments = 0;
+  for (const TesselBlock& b : base) segments = std::max(segments, b.segment + 1);
+  std::vector<int> forwards, others;
+  for (int b = 0; b < n; ++b) {
+    (base[b].kind == BlockKind::kForward ? forwards : others).push_back(b);
+  }
+  // Forwards that need no forward (a pass's first) and that no forward needs (its last).
+  std::vector<bool> first(n, true), last(n, true);
+  for (int b : forwards) {
+    for (int a : base[b].after) {
+      if (base[a].kind == BlockKind::kForward) {
+        first[b] = false;
+        last[a] = false;
+      }
+    }
+  }
+  passes = std::max(passes, 1);
+  const int f = static_cast<int>(forwards.size());
+  std::vector<int> index(n, -1);  // base block -> its block in the output (last pass)
+  for (int i = 0; i < f; ++i) index[forwards[i]] = (passes - 1) * f + i;
+  for (size_t i = 0; i < others.size(); ++i) index[others[i]] = passes * f + static_cast<int>(i);
+  std::vector<TesselBlock> out;
+  for (int pass = 0; pass < passes; ++pass) {
+    for (int i = 0; i < f; ++i) {
+      TesselBlock blk = base[forwards[i]];
+      const int shift = pass * f - (passes - 1) * f;  // from the last pass's indices to this one's
+      blk.transfer.resize(blk.after.size(), 0.0);
+      for (int& a : blk.after) a = index[a] + (base[a].kind == BlockKind::kForward ? shift : 0);
+      if (pass > 0 && first[forwards[i]]) {
+        for (int j = 0; j < f; ++j) {
+          if (!last[forwards[j]]) continue;
+          blk.after.push_back((pass - 1) * f + j);
+          blk.transfer.push_back(recycle_seconds);
+        }
+      }
+      if (pass < passes - 1) {
+        blk.peak = std::max({blk.peak, blk.bytes, 0.0});
+        blk.bytes = 0;
+        blk.segment += (pass + 1) * segments;
+      }
+      out.push_back(std::move(blk));
+    }
+  }
+  for (int b : others) {
+    TesselBlock blk = base[b];
+    for (int& a : blk.after) a = index[a];
+    out.push_back(std::move(blk));
+  }
+  for (TesselBlock& blk : out) {
+    bool any = false;
+    for (double x : blk.transfer) any = any || x != 0;
+    if (!any) blk.transfer.clear();
+  }
+  return out;
 }
 
 Expected<TesselSchedule> tessel_search(const TesselProblem& p) {
@@ -580,6 +1019,28 @@ Expected<TesselSchedule> tessel_search(const TesselProblem& p) {
       out.ends_list_scheduled = true;
     }
   }
+  // Tessel's second pass: the ends searched around the fixed repetend, kept only when shorter
+  // and within the memory limit (the solver's bytes are rounded).
+  out.ends_incumbent = chosen_run->makespan;
+  const bool optimal = chosen_run->makespan <= makespan_lower_bound(p) * (1 + 1e-9);
+  if (auto orders = optimal
+                        ? std::nullopt
+                        : search_ends(p, d, r, chosen_run->makespan, out.solver_calls, failure)) {
+    Expected<OrdersRun> run = run_orders(p, *orders);
+    if (!run) return run.error();
+    bool fits = true;
+    for (int dev = 0; dev < p.devices && !p.memory_limit.empty(); ++dev) {
+      const double limit = p.memory_limit[dev];
+      fits = fits && run->peak_bytes[dev] <= limit + 1e-9 * std::max(1.0, std::abs(limit));
+    }
+    if (fits && run->makespan < chosen_run->makespan) {
+      chosen_run = *run;
+      chosen_orders = std::move(*orders);
+      out.ends_searched = true;
+      out.ends_list_scheduled = false;
+    }
+  }
+  if (!failure.empty()) return Error("the Z3 solver failed: " + failure);
   out.period = static_cast<double>(chosen->period) * d.seconds_per_tick;
   out.lower_bound = d.busiest_seconds;
   out.lag.assign(chosen->lag.begin(), chosen->lag.end());

@@ -18,6 +18,10 @@
 // are ready this compacts warm-up and cool-down. Those ends still keep the repetend's order, so
 // every micro-batch's blocks are also list-scheduled (earliest start first under the memory
 // limit, ties by the repetend's order or backward first) and the orders that finish first kept.
+// Then Tessel's second Z3 pass: the repetend's full periods fixed (shifted together), the
+// warm-up and cool-down instances get their own starts under the same dependency, overlap and
+// memory constraints, and the shortest makespan found (bisection) replaces the incumbent only
+// when shorter.
 #pragma once
 
 #include <vector>
@@ -58,6 +62,8 @@ struct TesselProblem {
   // repetend found): at most about 15 s on this project's 2-core machine.
   unsigned solver_rlimit = 4'000'000;
   uint64_t search_rlimit = 8'000'000;
+  // The same for the second pass (warm-up and cool-down around the repetend).
+  uint64_t ends_rlimit = 1'000'000;
   // Relative precision of the period bisection.
   double precision = 0.01;
 };
@@ -74,7 +80,23 @@ struct TesselSchedule {
   // The orders are the blocks list-scheduled (earliest start first under the memory limit),
   // which filled the warm-up and cool-down better than unrolling the repetend.
   bool ends_list_scheduled = false;
+  // The orders' warm-up and cool-down came from the solver's second pass (below), which beat
+  // `ends_incumbent`: the better of the unrolled repetend and the list schedules.
+  bool ends_searched = false;
+  double ends_incumbent = 0;
 };
+
+// Repeated forwards (AlphaFold's recycling, Tessel's 3F1B case): one micro-batch's `base` blocks
+// with their forward blocks run `passes` times before the backward. Pass i + 1's first blocks
+// (forwards that need no other forward) need pass i's last ones (forwards no other forward
+// needs), `recycle_seconds` after they end. Only the last pass keeps activations; the earlier
+// ones hold theirs while they run (their peak) and free them at once. The last pass keeps the
+// base blocks' segment ids, so the backward still pairs with its forward; pass i < passes - 1 of
+// segment s is named segment s + (i + 1) S, S the largest segment id plus one (plans have no
+// pass field: such orders exist in this block model only). Blocks: the passes' forwards in pass
+// order, then the base's other blocks.
+std::vector<TesselBlock> recycled_blocks(const std::vector<TesselBlock>& base, int passes,
+                                         double recycle_seconds = 0);
 
 // Fails when the blocks' dependencies form a cycle, a block needs a device that does not exist,
 // or no repetend fits the memory limit.

@@ -469,7 +469,9 @@ int run_schedule(const ScheduleArgs& a) {
         format_seconds(t.period).c_str(), format_seconds(t.lower_bound).c_str(),
         searched->split_backward ? "split" : "whole", t.solver_calls,
         format_seconds(t.makespan).c_str(), format_seconds(searched->input_makespan).c_str(),
-        t.ends_list_scheduled ? ", warm-up and cool-down list-scheduled" : "");
+        t.ends_searched         ? ", warm-up and cool-down searched"
+        : t.ends_list_scheduled ? ", warm-up and cool-down list-scheduled"
+                                : "");
     if (searched->kept_input) {
       std::printf("  no faster schedule than the plan's own orders: kept them\n");
     }

@@ -295,6 +295,201 @@ TEST(Tessel, DeterministicWithTransfers) {
   EXPECT_EQ(a->period, b->period);
 }
 
+// AlphaFold's recycling (Tessel's 3F1B case): the forward runs through the pipeline three times,
+// then the backward once.
+TEST(Tessel, RecycledBlocksChainThePasses) {
+  const int p = 3;
+  const std::vector<TesselBlock> base = pipeline(p, 1).blocks;
+  const std::vector<TesselBlock> blocks = recycled_blocks(base, 3, 0.25);
+  ASSERT_EQ(blocks.size(), 4u * p);  // three passes of p forwards, p backwards
+  for (int pass = 0; pass < 3; ++pass) {
+    for (int s = 0; s < p; ++s) {
+      const TesselBlock& f = blocks[pass * p + s];
+      EXPECT_EQ(f.kind, BlockKind::kForward);
+      EXPECT_EQ(f.devices, std::vector<int>{s});
+      // Earlier passes are named past the plan's segments and keep nothing.
+      EXPECT_EQ(f.segment, pass == 2 ? s : s + (pass + 1) * p);
+      EXPECT_DOUBLE_EQ(f.bytes, pass == 2 ? 1.0 : 0.0);
+      EXPECT_DOUBLE_EQ(std::max(f.peak, f.bytes), 1.0);
+      if (s > 0) {
+        EXPECT_EQ(f.after, std::vector<int>{pass * p + s - 1});
+      } else if (pass > 0) {
+        // The next pass starts from the last stage's output, after the recycling transfer.
+        EXPECT_EQ(f.after, std::vector<int>{(pass - 1) * p + p - 1});
+        EXPECT_DOUBLE_EQ(f.transfer_after(0), 0.25);
+      } else {
+        EXPECT_TRUE(f.after.empty());
+      }
+    }
+  }
+  // The backward needs the last pass's forwards.
+  EXPECT_EQ(blocks[3 * p].kind, BlockKind::kBackward);
+  EXPECT_EQ(blocks[3 * p].segment, p - 1);
+  EXPECT_EQ(blocks[3 * p].after, std::vector<int>{3 * p - 1});
+  EXPECT_EQ(recycled_blocks(base, 1).size(), base.size());
+}
+
+TEST(Tessel, RecycledForwardsHaveNoBubble) {
+  for (const int p : {2, 4}) {
+    const int m = 2 * p, r = 3;
+    TesselProblem q = pipeline(p, m);
+    q.blocks = recycled_blocks(q.blocks, r);
+    // 1F1B's first stage's, plus the earlier pass running: every device may hold p + 1.
+    q.memory_limit.assign(p, p + 1);
+    Expected<TesselSchedule> s = tessel_search(q);
+    ASSERT_TRUE(s.ok()) << s.error().message();
+    // The busiest device's work per micro-batch: 3F + B = 3 + 2.
+    EXPECT_DOUBLE_EQ(s->lower_bound, 5.0);
+    EXPECT_NEAR(s->period, 5.0, 5.0 * q.precision + 1e-9) << p;
+    for (int d = 0; d < p; ++d) EXPECT_LE(s->peak_bytes[d], q.memory_limit[d] + 1e-9) << d;
+    // Every device runs every pass of every micro-batch once.
+    for (int d = 0; d < p; ++d) EXPECT_EQ(s->orders[d].size(), static_cast<size_t>(4 * m)) << d;
+    Expected<OrdersRun> again = run_orders(q, s->orders);
+    ASSERT_TRUE(again.ok()) << again.error().message();
+    EXPECT_DOUBLE_EQ(again->makespan, s->makespan);
+    // No faster than the busiest device's work.
+    EXPECT_GE(s->makespan, m * 5.0 - 1e-9);
+    EXPECT_LE(s->makespan, s->ends_incumbent);
+    Expected<TesselSchedule> a = tessel_search(q);
+    ASSERT_TRUE(a.ok());
+    EXPECT_EQ(a->orders, s->orders);
+    EXPECT_EQ(a->lag, s->lag);
+    EXPECT_EQ(a->start, s->start);
+    EXPECT_EQ(a->makespan, s->makespan);
+  }
+}
+
+// Three devices, four segments (device 0 runs the first and the last), the last device's memory
+// for two micro-batches: the repetend needs a period of 13 against 8 of work, and the warm-up
+// and cool-down are a large part of 3 micro-batches. Unrolled, and list-scheduled either way,
+// they take 50; searched with the repetend fixed, 42.
+TesselProblem folded_pipeline() {
+  TesselProblem q;
+  q.devices = 3;
+  q.micro_batches = 3;
+  const std::vector<int> device = {0, 1, 2, 0};
+  const std::vector<double> forward = {2, 3, 3, 1}, backward = {2, 4, 4, 3};
+  const std::vector<double> send = {1, 0, 0};  // F0 -> F1 and B1 -> B0 take 1
+  for (int s = 0; s < 4; ++s) {
+    q.blocks.push_back({BlockKind::kForward, s, {device[s]}, forward[s], 1.0, {}, 0.0, {}});
+    if (s > 0) {
+      q.blocks.back().after = {s - 1};
+      q.blocks.back().transfer = {send[s - 1]};
+    }
+  }
+  for (int s = 3; s >= 0; --s) {
+    std::vector<int> after = {s};
+    std::vector<double> transfer = {0.0};
+    if (s < 3) {
+      after.push_back(static_cast<int>(q.blocks.size()) - 1);
+      transfer.push_back(send[s]);
+    }
+    q.blocks.push_back(
+        {BlockKind::kBackward, s, {device[s]}, backward[s], -1.0, after, 0.0, transfer});
+  }
+  q.memory_limit = {3, 3, 2};
+  return q;
+}
+
+// Recycling through a pipeline whose head spans every device: each pass ends with the head's
+// forward on all devices at once.
+TEST(Tessel, RecycledForwardsWithAShardedHead) {
+  const int p = 4, m = 6, r = 3;
+  TesselProblem q = sharded_head(p, m);
+  const size_t base = q.blocks.size();
+  q.blocks = recycled_blocks(q.blocks, r);
+  ASSERT_EQ(q.blocks.size(), base + (r - 1) * (p + 1));
+  q.memory_limit.assign(p, p + 2.0);
+  Expected<TesselSchedule> s = tessel_search(q);
+  ASSERT_TRUE(s.ok()) << s.error().message();
+  // Per device and micro-batch: three forwards of its stage and of the head, a backward of each.
+  EXPECT_DOUBLE_EQ(s->lower_bound, 3 * 1.0 + 2.0 + 3 * 1.0 + 1.0);
+  // No bubble: the head's blocks interleave with the stages' on every device.
+  EXPECT_NEAR(s->period, s->lower_bound, s->lower_bound * q.precision);
+  for (int d = 0; d < p; ++d) EXPECT_LE(s->peak_bytes[d], q.memory_limit[d] + 1e-9) << d;
+  Expected<OrdersRun> again = run_orders(q, s->orders);
+  ASSERT_TRUE(again.ok()) << again.error().message();
+  EXPECT_DOUBLE_EQ(again->makespan, s->makespan);
+  EXPECT_GE(s->makespan, m * s->lower_bound - 1e-9);
+}
+
+TEST(Tessel, SolverEndsBeatTheListSchedule) {
+  TesselProblem q = folded_pipeline();
+  Expected<TesselSchedule> s = tessel_search(q);
+  ASSERT_TRUE(s.ok()) << s.error().message();
+  EXPECT_TRUE(s->ends_searched);
+  EXPECT_FALSE(s->ends_list_scheduled);
+  EXPECT_DOUBLE_EQ(s->lower_bound, 8.0);
+  EXPECT_NEAR(s->period, 13.0, 13.0 * q.precision);
+  EXPECT_DOUBLE_EQ(s->ends_incumbent, 50.0);
+  EXPECT_LT(s->makespan, s->ends_incumbent);
+  EXPECT_DOUBLE_EQ(s->makespan, 42.0);
+  for (int d = 0; d < q.devices; ++d) EXPECT_LE(s->peak_bytes[d], q.memory_limit[d] + 1e-9) << d;
+  // The orders respect every dependency (they run without deadlock) and give the same makespan.
+  Expected<OrdersRun> again = run_orders(q, s->orders);
+  ASSERT_TRUE(again.ok()) << again.error().message();
+  EXPECT_DOUBLE_EQ(again->makespan, s->makespan);
+  EXPECT_EQ(again->peak_bytes, s->peak_bytes);
+  // Without the second pass the list schedule stands.
+  q.ends_rlimit = 0;
+  Expected<TesselSchedule> listed = tessel_search(q);
+  ASSERT_TRUE(listed.ok());
+  EXPECT_FALSE(listed->ends_searched);
+  EXPECT_DOUBLE_EQ(listed->makespan, 50.0);
+  Expected<TesselSchedule> a = tessel_search(folded_pipeline());
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->orders, s->orders);
+}
+
+// The second pass never makes a schedule longer than the list schedule (or the unrolled
+// repetend) it starts from, stays within the memory limit, and is skipped when that schedule
+// is as short as any can be.
+TEST(Tessel, SolverEndsNeverWorse) {
+  std::vector<std::pair<std::string, TesselProblem>> cases;
+  for (const int p : {2, 4}) {
+    for (const bool split : {false, true}) {
+      TesselProblem q = pipeline(p, 2 * p, split);
+      q.memory_limit.assign(p, p);
+      cases.emplace_back(fmt::format("pipeline p {} split {}", p, split), q);
+    }
+  }
+  TesselProblem head = sharded_head(4, 6);
+  head.memory_limit.assign(4, 3.0);
+  cases.emplace_back("sharded head", head);
+  for (TesselBlock& b : head.blocks) b.transfer.assign(b.after.size(), 0.3);
+  cases.emplace_back("sharded head, transfers", head);
+  TesselProblem two = two_stages_with_transfer(8, 0.5);
+  two.memory_limit = {2.0, 1.0};
+  cases.emplace_back("two stages, transfers", two);
+  // Fewer micro-batches than the largest lag: no full period, every instance is the solver's.
+  TesselProblem few = sharded_head(4, 2);
+  few.memory_limit.assign(4, 3.0);
+  cases.emplace_back("sharded head, 2 micro-batches", few);
+  for (const int m : {1, 2}) {
+    TesselProblem folded = folded_pipeline();
+    folded.micro_batches = m;
+    cases.emplace_back(fmt::format("folded, {} micro-batches", m), folded);
+  }
+  for (auto& [what, q] : cases) {
+    Expected<TesselSchedule> s = tessel_search(q);
+    ASSERT_TRUE(s.ok()) << what << ": " << s.error().message();
+    TesselProblem without = q;
+    without.ends_rlimit = 0;
+    Expected<TesselSchedule> listed = tessel_search(without);
+    ASSERT_TRUE(listed.ok()) << what;
+    EXPECT_LE(s->makespan, listed->makespan) << what;
+    EXPECT_DOUBLE_EQ(s->ends_incumbent, listed->makespan) << what;
+    EXPECT_EQ(s->ends_searched, s->makespan < listed->makespan) << what;
+    // 1F1B's and ZB-H1's makespans meet the lower bound (the last stage's first forward, its
+    // work, the backward chain after it): no second pass is run.
+    if (what.starts_with("pipeline")) EXPECT_EQ(s->solver_calls, listed->solver_calls) << what;
+    for (int d = 0; d < q.devices; ++d) EXPECT_LE(s->peak_bytes[d], q.memory_limit[d] + 1e-9);
+    Expected<OrdersRun> again = run_orders(q, s->orders);
+    ASSERT_TRUE(again.ok()) << what << ": " << again.error().message();
+    EXPECT_DOUBLE_EQ(again->makespan, s->makespan) << what;
+  }
+}
+
 TEST(Tessel, BadProblemsAndOrdersAreNamed) {
   {
     TesselProblem q = pipeline(2, 2);
