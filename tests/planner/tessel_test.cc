@@ -482,7 +482,9 @@ TEST(Tessel, SolverEndsNeverWorse) {
     EXPECT_EQ(s->ends_searched, s->makespan < listed->makespan) << what;
     // 1F1B's and ZB-H1's makespans meet the lower bound (the last stage's first forward, its
     // work, the backward chain after it): no second pass is run.
-    if (what.starts_with("pipeline")) EXPECT_EQ(s->solver_calls, listed->solver_calls) << what;
+    if (what.starts_with("pipeline")) {
+      EXPECT_EQ(s->solver_calls, listed->solver_calls) << what;
+    }
     for (int d = 0; d < q.devices; ++d) EXPECT_LE(s->peak_bytes[d], q.memory_limit[d] + 1e-9);
     Expected<OrdersRun> again = run_orders(q, s->orders);
     ASSERT_TRUE(again.ok()) << what << ": " << again.error().message();
