@@ -302,6 +302,32 @@ std::optional<std::string> python_with_h5py(const Sandbox& box, std::string* why
   return std::nullopt;
 }
 
+// `calibration export --framework` writes the model a plan of that framework gets: simulating
+// with it reproduces the built-in figures exactly; the framework-free export (unfused
+// elementwise kernels) does not for a Megatron plan.
+TEST(NnsimTool, ExportedFrameworkDefaultsReproduceTheBuiltInModel) {
+  Sandbox box;
+  make_plan(box);
+  for (const char* f : {"megatron", ""}) {
+    std::vector<std::string> args = {"calibration", "export",
+                                     "--gpu",       "a100-sxm4-80gb",
+                                     "-o",          std::string(*f ? f : "plain") + ".h5"};
+    if (*f) args.insert(args.end(), {"--framework", f});
+    RunResult r = box.nnsim(args);
+    ASSERT_EQ(r.status, 0) << r;
+  }
+  auto simulated = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {"--topo", "dgx-a100x4", "p.json", "--json", "r.json"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    RunResult r = box.nnsim(args);
+    EXPECT_EQ(r.status, 0) << r;
+    return json::parse(box.read("r.json"))["iteration_time_s"].get<double>();
+  };
+  const double built_in = simulated({});
+  EXPECT_EQ(simulated({"--calib", "megatron.h5"}), built_in);
+  EXPECT_GT(simulated({"--calib", "plain.h5"}), built_in);
+}
+
 // `nnsim schedule --calib` and `nnsim plan --calib` time the generators' blocks with the file's
 // cost model: the schedule's estimate is the calibrated simulation's, not the built-in one's.
 TEST(NnsimTool, ScheduleAndPlanTimeTheBlocksWithTheCalibration) {
