@@ -19,6 +19,9 @@ namespace nnsim::hwexec {
 
 namespace {
 
+const std::set<std::string> kSequenceParallelOps = {
+    "attn.norm", "attn.residual", "mlp.norm", "mlp.residual", "head.norm", "embed.position"};
+
 std::string join(const std::vector<std::string>& v, const char* sep) {
   std::string s;
   for (std::size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + v[i];
@@ -35,9 +38,9 @@ Status check_runnable(const Plan& plan) {
     return Error(
         fmt::format("{}: {} (nnexec run executes GPT- and Llama-style models: "
                     "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU or SwiGLU "
-                    "MLP, learned or rotary positions; Megatron tensor "
+                    "MLP, learned or rotary positions; Megatron tensor and sequence "
                     "parallelism, pipelines of one segment per stage with F/B blocks, "
-                    "data parallelism)",
+                    "data parallelism with ZeRO 0-3, recompute rules over layers)",
                     field, why));
   };
   if (m.mlp != MlpKind::kGelu && m.mlp != MlpKind::kSwiglu) {
@@ -63,13 +66,32 @@ Status check_runnable(const Plan& plan) {
                   "dropout would make the partitioned run differ from the unpartitioned one; set "
                   "dropout: false");
   }
-  if (!plan.recompute.empty()) {
-    return refuse("recompute", fmt::format("recomputation ('{}') is not supported yet",
-                                           plan.recompute.front().match));
+  for (std::size_t i = 0; i < plan.recompute.size(); ++i) {
+    if (plan.recompute[i].end_layer < 0) {
+      return refuse(fmt::format("recompute[{}]", i),
+                    fmt::format("rule '{}' has no layers, so it also recomputes the embedding and "
+                                "the head, which is not supported yet (give it layers)",
+                                plan.recompute[i].match));
+    }
   }
-  if (plan.optimizer.zero != 0) {
+  if (plan.optimizer.zero < 0 || plan.optimizer.zero > 3) {
     return refuse("optimizer.zero",
-                  fmt::format("ZeRO stage {} is not supported yet (0 only)", plan.optimizer.zero));
+                  fmt::format("ZeRO stage {} does not exist (0 to 3)", plan.optimizer.zero));
+  }
+  if (plan.optimizer.zero == 3 && plan.precision == Precision::kBf16) {
+    // The bf16 copies are cast once per step from whole master weights, which ZeRO-3 never holds.
+    return refuse("optimizer.zero", "ZeRO stage 3 runs fp32 plans only (the plan is bf16)");
+  }
+  if (plan.optimizer.zero == 3 && plan.comm.zero3_per_tensor) {
+    return refuse("comm.zero3_per_tensor",
+                  "ZeRO-3 gathers a layer's parameters at once "
+                  "(FSDP's units); per-tensor gathers are not supported "
+                  "yet (false only)");
+  }
+  if (plan.optimizer.zero >= 1 && plan.optimizer.keep_gathered) {
+    return refuse("optimizer.keep_gathered",
+                  "keeping ZeRO's gathered parameters across "
+                  "micro-batches is not supported yet (false only)");
   }
   if (plan.optimizer.kind != "adam") {
     return refuse("optimizer.kind",
@@ -87,6 +109,7 @@ Status check_runnable(const Plan& plan) {
   std::vector<std::string> tp_axes;
   bool tp_set = false;
   std::map<std::string, std::vector<std::string>> split_of;  // op -> axes of its allowed dim
+  std::set<std::string> seq_split;                           // sequence-parallel operators
   for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
     for (const Op& op : part->ops) {
       std::map<Dim, std::vector<std::string>> splits;
@@ -107,11 +130,14 @@ Status check_runnable(const Plan& plan) {
       }
       for (const auto& [dim, axes] : splits) {
         if (axes.empty()) continue;
-        if (!has_allowed || dim != allowed) {
-          const std::string what = dim == Dim::kSeq && op.kind == OpKind::kAttention
-                                       ? " (context parallelism)"
-                                   : dim == Dim::kSeq ? " (sequence parallelism)"
-                                                      : "";
+        // Megatron's sequence parallelism: the norms, residuals and position add on sequence
+        // shards of the tensor-parallel group.
+        const bool sequence_parallel = dim == Dim::kSeq && kSequenceParallelOps.count(op.name);
+        if (sequence_parallel) seq_split.insert(op.name);
+        if (!sequence_parallel && (!has_allowed || dim != allowed)) {
+          // Sequence parallelism splits only the operators above; a sequence split of any
+          // other is context parallelism.
+          const std::string what = dim == Dim::kSeq ? " (context parallelism)" : "";
           return refuse("partition",
                         fmt::format("operator '{}' is split along '{}' over {}{}, which is not "
                                     "supported yet",
@@ -134,7 +160,7 @@ Status check_runnable(const Plan& plan) {
         }
         tp_axes = axes;
         tp_set = true;
-        split_of[op.name] = axes;
+        if (!sequence_parallel) split_of[op.name] = axes;
       }
     }
   }
@@ -167,6 +193,39 @@ Status check_runnable(const Plan& plan) {
                               "of {} (each rank holds whole key/value heads and their query "
                               "groups); use a tensor-parallel degree dividing {}",
                               m.kv_heads, tp, m.kv_heads));
+  }
+  if (!seq_split.empty()) {
+    for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
+      for (const Op& op : part->ops) {
+        if (kSequenceParallelOps.count(op.name) && !seq_split.count(op.name)) {
+          return refuse("partition",
+                        fmt::format("operator '{}' is not split along 'seq' but {} is "
+                                    "(sequence parallelism splits every norm, residual and the "
+                                    "position add alike)",
+                                    op.name, *seq_split.begin()));
+        }
+      }
+    }
+    if (!split_of.count("attn.qkv") || !split_of.count("mlp.fc1")) {
+      return refuse("partition",
+                    "sequence parallelism needs tensor-parallel attention and MLP "
+                    "(the sequence is gathered for their column-parallel linears)");
+    }
+    if (m.seq_len % tp != 0) {
+      return refuse("partition", fmt::format("seq_len {} is not divisible by the "
+                                             "tensor-parallel degree {} (sequence parallelism)",
+                                             m.seq_len, tp));
+    }
+    if (plan.precision == Precision::kBf16) {
+      return refuse("precision",
+                    "sequence parallelism runs fp32 plans only (the socket "
+                    "backend's all-gather and reduce-scatter carry fp32)");
+    }
+    if (plan.optimizer.zero != 0) {
+      return refuse("optimizer.zero", fmt::format("ZeRO stage {} with sequence parallelism is "
+                                                  "not supported yet (0 only)",
+                                                  plan.optimizer.zero));
+    }
   }
   for (const MeshAxis& a : plan.mesh.axes) {
     if (a.size == 1 || a.name == kDataParallelAxis || pp_axes.count(a.name)) continue;
@@ -294,8 +353,9 @@ std::string rank_to_text(const RankResult& r) {
     s += fmt::format("op {} {} {:.17g} {:.17g}\n", o.name, o.phase, o.calls, o.seconds);
   }
   for (const CollTime& c : r.collectives) {
-    s += fmt::format("coll {} {} {} {:.17g} {:.17g} {:.17g}\n", c.kind, c.axes, c.label, c.bytes,
-                     c.calls, c.seconds);
+    // The label last: it may hold spaces ("param gather", as the compiled program names it).
+    s += fmt::format("coll {} {} {:.17g} {:.17g} {:.17g} {}\n", c.kind, c.axes, c.bytes, c.calls,
+                     c.seconds, c.label);
   }
   for (const ParamCheck& c : r.checks) {
     s += fmt::format("param {} {:.17g} {:.17g} {:.17g} {}\n", c.name, c.elements, c.max_abs_error,
@@ -345,7 +405,8 @@ Expected<RankResult> rank_from_text(const std::string& text) {
       r.ops.push_back(o);
     } else if (key == "coll") {
       CollTime c;
-      l >> c.kind >> c.axes >> c.label >> c.bytes >> c.calls >> c.seconds;
+      l >> c.kind >> c.axes >> c.bytes >> c.calls >> c.seconds >> std::ws;
+      std::getline(l, c.label);
       r.collectives.push_back(c);
     } else if (key == "param") {
       ParamCheck c;

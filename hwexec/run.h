@@ -37,7 +37,7 @@ struct RunOptions {
 // the sum over its calls (every layer, every micro-batch) averaged over the iterations.
 struct OpTime {
   std::string name;   // "attn.qkv", ...
-  std::string phase;  // "fwd" or "bwd"
+  std::string phase;  // "fwd", "recompute" (forward run again before its backward) or "bwd"
   double calls = 0;   // per iteration
   double seconds = 0;
 };

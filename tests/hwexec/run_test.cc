@@ -18,6 +18,7 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "core/model.h"
 #include "core/plan.h"
@@ -202,6 +203,7 @@ struct Case {
   int global_batch;
   const std::string* model = &kModel;
   const char* precision = "fp32";
+  std::vector<std::string> plan_flags = {};  // more `nnsim plan` options
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
@@ -214,8 +216,8 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const Case c = GetParam();
   TempDir dir;
-  RunResult p =
-      make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, {}, *c.model, c.precision);
+  RunResult p = make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, c.plan_flags, *c.model,
+                          c.precision);
   ASSERT_EQ(p.status, 0) << p;
   const int n = c.tp * c.pp * c.dp;
   RunResult r = run(dir, NNEXEC_BINARY,
@@ -254,18 +256,71 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
     EXPECT_LT(worst, 1e-4);
   }
   std::printf("%s: worst relative gradient error %.3g\n", c.name, worst);
+  if (c.plan_flags.empty()) return;
+
+  // ZeRO, sequence parallelism and recomputation: the run's all-gathers and reduce-scatters
+  // (per kind and axes) and its recomputed operators are the compiled program's, call for call.
+  RunResult cmp = run(dir, NNSIM_BINARY,
+                      {"compare", "run.h5", "--topo", n == 1 ? kTopo1 : kTopo, "--nodes",
+                       std::to_string(n / 2 > 0 ? n / 2 : 1), "--json", "c.json"});
+  ASSERT_EQ(cmp.status, 0) << cmp;
+  const nlohmann::json j = nlohmann::json::parse(slurp(dir.file("c.json")));
+  int checked = 0;
+  for (const nlohmann::json& t : j["traffic"]) {
+    const std::string kind = t["kind"];
+    if (kind != "all_gather" && kind != "reduce_scatter") continue;
+    ++checked;
+    EXPECT_DOUBLE_EQ(t["measured_calls"].get<double>(), t["simulated_calls"].get<double>())
+        << kind << " " << t["axes"] << "\n"
+        << t.dump(1);
+  }
+  for (const nlohmann::json& o : j["operators"]) {
+    if (o["phase"] != "recompute") continue;
+    ++checked;
+    EXPECT_DOUBLE_EQ(o["measured_calls"].get<double>(), o["simulated_calls"].get<double>())
+        << o["name"] << "\n"
+        << o.dump(1);
+  }
+  EXPECT_GT(checked, 0) << "no all-gather, reduce-scatter or recomputation in " << c.name;
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Plans, NnexecRun,
-    ::testing::Values(Case{"tp2", 2, 1, 1, "1f1b", 2}, Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4},
-                      Case{"pp2_gpipe", 1, 2, 1, "gpipe", 4}, Case{"dp2", 1, 1, 2, "1f1b", 4},
-                      Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8},
-                      Case{"llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama},
-                      Case{"llama_pp2", 1, 2, 1, "1f1b", 4, &kLlama},
-                      Case{"llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama},
-                      Case{"bf16_tp2", 2, 1, 1, "1f1b", 2, &kModel, "bf16"},
-                      Case{"bf16_llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "bf16"}),
+    ::testing::Values(
+        Case{"tp2", 2, 1, 1, "1f1b", 2}, Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4},
+        Case{"pp2_gpipe", 1, 2, 1, "gpipe", 4}, Case{"dp2", 1, 1, 2, "1f1b", 4},
+        Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8}, Case{"llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama},
+        Case{"llama_pp2", 1, 2, 1, "1f1b", 4, &kLlama},
+        Case{"llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama},
+        Case{"bf16_tp2", 2, 1, 1, "1f1b", 2, &kModel, "bf16"},
+        Case{"bf16_llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "bf16"},
+        Case{"zero1_dp2", 1, 1, 2, "1f1b", 4, &kModel, "fp32", {"--zero", "1"}},
+        Case{"zero2_tp2_dp2", 2, 1, 2, "1f1b", 4, &kModel, "fp32", {"--zero", "2"}},
+        Case{"zero3_dp2", 1, 1, 2, "1f1b", 4, &kModel, "fp32", {"--zero", "3"}},
+        Case{"zero3_pp2_dp2", 1, 2, 2, "1f1b", 8, &kLlama, "fp32", {"--zero", "3"}},
+        Case{"bf16_zero1_dp2", 1, 1, 2, "1f1b", 4, &kModel, "bf16", {"--zero", "1"}},
+        Case{"sp_tp2", 2, 1, 1, "1f1b", 2, &kModel, "fp32", {"--sequence-parallel"}},
+        Case{"tp2_sp_pp2", 2, 2, 1, "1f1b", 4, &kModel, "fp32", {"--sequence-parallel"}},
+        Case{"llama_sp_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "fp32", {"--sequence-parallel"}},
+        Case{"recompute_full_pp2", 1, 2, 1, "1f1b", 4, &kModel, "fp32", {"--recompute", "full"}},
+        Case{"recompute_selective_tp2",
+             2,
+             1,
+             1,
+             "1f1b",
+             2,
+             &kModel,
+             "fp32",
+             {"--recompute", "selective"}},
+        Case{"sp_recompute_full_tp2",
+             2,
+             1,
+             1,
+             "1f1b",
+             2,
+             &kModel,
+             "fp32",
+             {"--sequence-parallel", "--recompute", "full"}}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
@@ -284,25 +339,65 @@ TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
 
 TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
   TempDir dir;
-  ASSERT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {"--recompute", "selective"}).status, 0);
-  RunResult r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5"});
-  EXPECT_EQ(r.status, 1) << r;
-  EXPECT_TRUE(contains(r.err, "cannot run this plan: recompute: recomputation ('attn.core')")) << r;
-  EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
-
-  ASSERT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {"--sequence-parallel"}).status, 0);
-  r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5"});
-  EXPECT_EQ(r.status, 1) << r;
-  EXPECT_TRUE(contains(r.err, "partition: operator")) << r;
-  EXPECT_TRUE(contains(r.err, "(sequence parallelism)")) << r;
-
-  ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 2, {"--zero", "1"}).status, 0);
-  r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5"});
-  EXPECT_EQ(r.status, 1) << r;
-  EXPECT_TRUE(contains(r.err, "optimizer.zero: ZeRO stage 1")) << r;
+  auto plan = [&](std::vector<std::string> args) {
+    // Every caller names tp, pp, dp (or cp) and the precision.
+    std::vector<std::string> a = {"plan",    "--model", kModel,           "--topo", kTopo,
+                                  "--nodes", "1",       "--global-batch", "4",      "--micro-batch",
+                                  "1",       "-o",      "plan.json"};
+    a.insert(a.end(), args.begin(), args.end());
+    return run(dir, NNSIM_BINARY, a);
+  };
+  auto refused = [&](const std::vector<std::string>& expected) {
+    RunResult r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5"});
+    EXPECT_EQ(r.status, 1) << r;
+    for (const std::string& e : expected) EXPECT_TRUE(contains(r.err, e)) << e << "\n" << r;
+    // The error says what runs.
+    EXPECT_TRUE(contains(r.err, "data parallelism with ZeRO 0-3, recompute rules over layers"))
+        << r;
+    EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
+  };
+  // Context parallelism: the sequence split of every operator.
+  ASSERT_EQ(
+      plan({"--tp", "1", "--pp", "1", "--cp", "2", "--dp", "1", "--precision", "fp32"}).status, 0);
+  refused(
+      {"cannot run this plan: partition: operator 'embed.word' is split along 'seq' over cp "
+       "(context parallelism)"});
+  // Interleaved pipelines.
+  ASSERT_EQ(plan({"--tp", "1", "--pp", "2", "--vpp", "2", "--schedule", "interleaved", "--dp", "1",
+                  "--precision", "fp32"})
+                .status,
+            0);
+  refused(
+      {"schedule.orders[0].blocks: the order runs several segments (an interleaved "
+       "pipeline)"});
+  // ZeRO-3 in bf16; sequence parallelism with ZeRO.
+  ASSERT_EQ(
+      plan({"--tp", "1", "--pp", "1", "--dp", "2", "--zero", "3", "--precision", "bf16"}).status,
+      0);
+  refused({"optimizer.zero: ZeRO stage 3 runs fp32 plans only"});
+  ASSERT_EQ(plan({"--tp", "2", "--pp", "1", "--dp", "1", "--zero", "1", "--sequence-parallel",
+                  "--precision", "fp32"})
+                .status,
+            0);
+  refused({"optimizer.zero: ZeRO stage 1 with sequence parallelism is not supported yet"});
+  // A recompute rule without layers also covers the embedding and the head.
+  ASSERT_EQ(
+      plan({"--tp", "2", "--pp", "1", "--dp", "1", "--recompute", "full", "--precision", "fp32"})
+          .status,
+      0);
+  {
+    std::string text = slurp(dir.file("plan.json"));
+    const std::string rule = "{\"match\": \"*\", \"layers\": [0, 4]}";
+    const std::size_t at = text.find(rule);
+    ASSERT_NE(at, std::string::npos) << text;
+    text.replace(at, rule.size(), "{\"match\": \"*\"}");
+    std::ofstream(dir.file("plan.json")) << text;
+  }
+  refused({"recompute[0]: rule '*' has no layers"});
 
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
-  r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--launch", "3", "--out", "run.h5"});
+  RunResult r =
+      run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--launch", "3", "--out", "run.h5"});
   EXPECT_EQ(r.status, 1) << r;
   EXPECT_TRUE(contains(r.err, "--launch 3 but the plan's mesh has 2 ranks")) << r;
 }
