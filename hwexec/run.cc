@@ -88,6 +88,12 @@ Status check_runnable(const Plan& plan) {
                   "(FSDP's units); per-tensor gathers are not supported "
                   "yet (false only)");
   }
+  if (plan.optimizer.zero == 3 && plan.comm.zero3_regather_for_recompute &&
+      !plan.recompute.empty()) {
+    return refuse("comm.zero3_regather_for_recompute",
+                  "gathering a recomputed layer twice in its backward is not supported yet (false "
+                  "only: one gather serves the recomputation and the backward)");
+  }
   if (plan.optimizer.zero >= 1 && plan.optimizer.keep_gathered) {
     return refuse("optimizer.keep_gathered",
                   "keeping ZeRO's gathered parameters across "

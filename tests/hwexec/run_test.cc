@@ -210,6 +210,13 @@ void PrintTo(const Case& c, std::ostream* os) {
   *os << c.name;
 }
 
+// A 1F1B case with more `nnsim plan` options.
+Case with(const char* name, int tp, int pp, int dp, int global_batch,
+          std::vector<std::string> flags, const std::string* model = &kModel,
+          const char* precision = "fp32") {
+  return Case{name, tp, pp, dp, "1f1b", global_batch, model, precision, std::move(flags)};
+}
+
 class NnexecRun : public ::testing::TestWithParam<Case> {};
 
 TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
@@ -294,33 +301,18 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama},
         Case{"bf16_tp2", 2, 1, 1, "1f1b", 2, &kModel, "bf16"},
         Case{"bf16_llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "bf16"},
-        Case{"zero1_dp2", 1, 1, 2, "1f1b", 4, &kModel, "fp32", {"--zero", "1"}},
-        Case{"zero2_tp2_dp2", 2, 1, 2, "1f1b", 4, &kModel, "fp32", {"--zero", "2"}},
-        Case{"zero3_dp2", 1, 1, 2, "1f1b", 4, &kModel, "fp32", {"--zero", "3"}},
-        Case{"zero3_pp2_dp2", 1, 2, 2, "1f1b", 8, &kLlama, "fp32", {"--zero", "3"}},
-        Case{"bf16_zero1_dp2", 1, 1, 2, "1f1b", 4, &kModel, "bf16", {"--zero", "1"}},
-        Case{"sp_tp2", 2, 1, 1, "1f1b", 2, &kModel, "fp32", {"--sequence-parallel"}},
-        Case{"tp2_sp_pp2", 2, 2, 1, "1f1b", 4, &kModel, "fp32", {"--sequence-parallel"}},
-        Case{"llama_sp_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "fp32", {"--sequence-parallel"}},
-        Case{"recompute_full_pp2", 1, 2, 1, "1f1b", 4, &kModel, "fp32", {"--recompute", "full"}},
-        Case{"recompute_selective_tp2",
-             2,
-             1,
-             1,
-             "1f1b",
-             2,
-             &kModel,
-             "fp32",
-             {"--recompute", "selective"}},
-        Case{"sp_recompute_full_tp2",
-             2,
-             1,
-             1,
-             "1f1b",
-             2,
-             &kModel,
-             "fp32",
-             {"--sequence-parallel", "--recompute", "full"}}),
+        with("zero1_dp2", 1, 1, 2, 4, {"--zero", "1"}),
+        with("zero2_tp2_dp2", 2, 1, 2, 4, {"--zero", "2"}),
+        with("zero3_dp2", 1, 1, 2, 4, {"--zero", "3"}),
+        with("zero3_pp2_dp2", 1, 2, 2, 8, {"--zero", "3"}, &kLlama),
+        with("bf16_zero1_dp2", 1, 1, 2, 4, {"--zero", "1"}, &kModel, "bf16"),
+        with("sp_tp2", 2, 1, 1, 2, {"--sequence-parallel"}),
+        with("tp2_sp_pp2", 2, 2, 1, 4, {"--sequence-parallel"}),
+        with("llama_sp_tp2", 2, 1, 1, 2, {"--sequence-parallel"}, &kLlama),
+        with("recompute_full_pp2", 1, 2, 1, 4, {"--recompute", "full"}),
+        with("recompute_selective_tp2", 2, 1, 1, 2, {"--recompute", "selective"}),
+        with("sp_recompute_full_tp2", 2, 1, 1, 2, {"--sequence-parallel", "--recompute", "full"}),
+        with("zero3_recompute_full_dp2", 1, 1, 2, 4, {"--zero", "3", "--recompute", "full"})),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
@@ -552,7 +544,8 @@ TEST_P(NnexecRunGpu, MatchesTheUnpartitionedLossAndGradients) {
   const int n = c.tp * c.pp * c.dp;
   if (auto why = gpu_unavailable(n)) GTEST_SKIP() << *why;
   TempDir dir;
-  ASSERT_EQ(make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, {}, *c.model, c.precision)
+  ASSERT_EQ(make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, c.plan_flags, *c.model,
+                      c.precision)
                 .status,
             0);
   RunResult r = run(dir, NNEXEC_BINARY,
@@ -588,7 +581,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4}, Case{"dp2", 1, 1, 2, "1f1b", 4},
                       Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8},
                       Case{"llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama},
-                      Case{"bf16_llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16"}),
+                      Case{"bf16_llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16"},
+                      with("zero1_dp2", 1, 1, 2, 4, {"--zero", "1"}),
+                      with("zero3_dp2", 1, 1, 2, 4, {"--zero", "3"}),
+                      with("sp_recompute_full_tp2", 2, 1, 1, 2,
+                           {"--sequence-parallel", "--recompute", "full"}),
+                      with("tp2_sp_pp2", 2, 2, 1, 4, {"--sequence-parallel"})),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
