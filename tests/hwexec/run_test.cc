@@ -327,6 +327,13 @@ TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
   EXPECT_EQ(r.status, 1) << r;
   EXPECT_TRUE(contains(r.err, "differs from the unpartitioned run")) << r;
   EXPECT_TRUE(contains(r.err, "check failed")) << r;
+  // ZeRO checks each rank's gradient chunk, which the fault reaches too.
+  ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 2, {"--zero", "1"}).status, 0);
+  r = run(dir, NNEXEC_BINARY,
+          {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "1", "--check",
+           "--inject-fault"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "on rank 1 differs from the unpartitioned run")) << r;
 }
 
 TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
