@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -39,7 +40,7 @@ Status check_runnable(const Plan& plan) {
         fmt::format("{}: {} (nnexec run executes GPT- and Llama-style models: "
                     "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU or SwiGLU "
                     "MLP, learned or rotary positions; Megatron tensor and sequence "
-                    "parallelism, pipelines of one segment per stage with F/B blocks, "
+                    "parallelism, pipelines (interleaved too) with F/B blocks, "
                     "data parallelism with ZeRO 0-3, recompute rules over layers)",
                     field, why));
   };
@@ -258,7 +259,7 @@ Status check_runnable(const Plan& plan) {
   for (std::size_t oi = 0; oi < plan.schedule.size(); ++oi) {
     const DeviceOrder& o = plan.schedule[oi];
     std::set<int> segs;
-    std::map<std::pair<int, int>, int> count;  // (kind F=0/B=1, micro-batch)
+    std::map<std::tuple<int, int, int>, int> count;  // (segment, kind F=0/B=1, micro-batch)
     const std::string field = fmt::format("schedule.orders[{}].blocks", oi);
     for (const Block& b : o.blocks) {
       if (b.kind != BlockKind::kForward && b.kind != BlockKind::kBackward) {
@@ -271,20 +272,17 @@ Status check_runnable(const Plan& plan) {
         return refuse(field, fmt::format("block '{}' names no segment", to_string(b)));
       }
       segs.insert(b.segment);
-      ++count[{b.kind == BlockKind::kForward ? 0 : 1, b.micro_batch}];
+      ++count[{b.segment, b.kind == BlockKind::kForward ? 0 : 1, b.micro_batch}];
     }
-    if (segs.size() > 1) {
-      return refuse(field,
-                    "the order runs several segments (an interleaved pipeline), which is "
-                    "not supported yet");
-    }
-    for (int k = 0; k < 2; ++k) {
-      for (int i = 0; i < mb; ++i) {
-        const int n = count.count({k, i}) ? count[{k, i}] : 0;
-        if (n != 1) {
-          return refuse(field, fmt::format("the {} of micro-batch {} appears {} times (once "
-                                           "expected)",
-                                           k == 0 ? "forward" : "backward", i, n));
+    for (int sg : segs) {  // several: an interleaved pipeline
+      for (int k = 0; k < 2; ++k) {
+        for (int i = 0; i < mb; ++i) {
+          const int n = count.count({sg, k, i}) ? count[{sg, k, i}] : 0;
+          if (n != 1) {
+            return refuse(field, fmt::format("the {} of micro-batch {} through segment {} "
+                                             "appears {} times (once expected)",
+                                             k == 0 ? "forward" : "backward", i, sg, n));
+          }
         }
       }
     }

@@ -276,7 +276,8 @@ struct Ctx {
   void tp_all_reduce(at::Tensor& t, const std::string& label, Comm::Op op = Comm::Op::kSum) {
     all_reduce(t, tp_group, tp_axes, label, op);
   }
-  void send(int peer, const at::Tensor& t, const std::string& label) {
+  // `record` false: not a transfer of the plan (an interleaved transfer's header).
+  void send(int peer, const at::Tensor& t, const std::string& label, bool record = true) {
     at::Tensor c = t.contiguous();
 #ifdef NNSIM_TORCH_HAS_CUDA
     if (nccl) {
@@ -285,28 +286,62 @@ struct Ctx {
       ok_or_throw(stats->events->order(*s, stats->stream));
       const Mark a = stats->mark(*s);
       ok_or_throw(nccl->send(peer, c.data_ptr(), c.nbytes()));
-      stats->coll("send", pp_axes, label, static_cast<double>(c.nbytes()), a, stats->mark(*s));
+      if (record) {
+        stats->coll("send", pp_axes, label, static_cast<double>(c.nbytes()), a, stats->mark(*s));
+      }
       in_flight.push_back(c);
       return;
     }
 #endif
     const Mark a = stats->mark();
     ok_or_throw(comm->send(peer, c.data_ptr(), c.nbytes()));
-    stats->coll("send", pp_axes, label, static_cast<double>(c.nbytes()), a, stats->mark());
+    if (record) {
+      stats->coll("send", pp_axes, label, static_cast<double>(c.nbytes()), a, stats->mark());
+    }
   }
-  at::Tensor recv(int peer, at::IntArrayRef shape, const std::string& label) {
-    at::Tensor t = at::empty(shape, options);
+  at::Tensor recv(int peer, at::IntArrayRef shape, const std::string& label, bool record = true,
+                  at::ScalarType dtype = at::kFloat, bool compute_dtype = true) {
+    at::Tensor t = at::empty(shape, compute_dtype ? options : options.dtype(dtype));
     const Mark a = stats->mark();
 #ifdef NNSIM_TORCH_HAS_CUDA
     if (nccl) {
       ok_or_throw(nccl->recv(peer, t.data_ptr(), t.nbytes(), stats->stream));
-      stats->coll("recv", pp_axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
+      if (record) {
+        stats->coll("recv", pp_axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
+      }
       return t;
     }
 #endif
     ok_or_throw(comm->recv(peer, t.data_ptr(), t.nbytes()));
-    stats->coll("recv", pp_axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
+    if (record) {
+      stats->coll("recv", pp_axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
+    }
     return t;
+  }
+  // Interleaved pipelines: two ranks exchange the transfers of several segments, and one may
+  // send them in another order than the other receives them. Each transfer follows a header
+  // holding its tag; a receive keeps the transfers that arrive before the one it waits for.
+  std::map<std::pair<int, int64_t>, at::Tensor> early;  // (peer, tag) -> transfer
+  void send_tagged(int peer, const at::Tensor& t, const std::string& label, int64_t tag) {
+    send(peer, at::full({1}, tag, options.dtype(at::kLong)), "", /*record=*/false);
+    send(peer, t, label);
+  }
+  at::Tensor recv_tagged(int peer, at::IntArrayRef shape, const std::string& label, int64_t tag) {
+    if (auto it = early.find({peer, tag}); it != early.end()) {
+      at::Tensor t = it->second;
+      early.erase(it);
+      return t;
+    }
+    for (;;) {
+      const int64_t got =
+          recv(peer, {1}, "", /*record=*/false, at::kLong, /*compute_dtype=*/false).item<int64_t>();
+      at::Tensor t = recv(peer, shape, label);
+      if (got == tag) return t;
+      if (!early.emplace(std::make_pair(peer, got), t).second) {
+        throw Failure{fmt::format("rank {}: transfer {} from rank {} arrived twice", comm->rank(),
+                                  got, peer)};
+      }
+    }
   }
 };
 
@@ -922,9 +957,10 @@ class Model {
 struct Layout {
   Split split;
   std::vector<std::string> tp_axes, pp_axes;
-  int segment = -1;       // the one segment this rank's order runs
-  int prev_segment = -1;  // in pipeline order
-  int next_segment = -1;
+  // The segments this rank's order runs (several: an interleaved pipeline), in the order they
+  // first appear, and each one's neighbours in pipeline order (-1: none).
+  std::vector<int> segments;
+  std::map<int, std::pair<int, int>> neighbours;
   const DeviceOrder* order = nullptr;
 };
 
@@ -990,7 +1026,11 @@ Layout layout_of(const Plan& plan, int rank) {
     }
   }
   if (L.order == nullptr || L.order->blocks.empty()) return L;
-  L.segment = L.order->blocks.front().segment;
+  for (const Block& b : L.order->blocks) {
+    if (std::find(L.segments.begin(), L.segments.end(), b.segment) == L.segments.end()) {
+      L.segments.push_back(b.segment);
+    }
+  }
   // Pipeline order: embedding first, then by first layer, head last.
   std::vector<int> seq(plan.segments.size());
   for (std::size_t i = 0; i < seq.size(); ++i) seq[i] = static_cast<int>(i);
@@ -1000,9 +1040,7 @@ Layout layout_of(const Plan& plan, int rank) {
   };
   std::sort(seq.begin(), seq.end(), [&](int a, int b) { return key(a) < key(b); });
   for (std::size_t i = 0; i < seq.size(); ++i) {
-    if (seq[i] != L.segment) continue;
-    if (i > 0) L.prev_segment = seq[i - 1];
-    if (i + 1 < seq.size()) L.next_segment = seq[i + 1];
+    L.neighbours[seq[i]] = {i > 0 ? seq[i - 1] : -1, i + 1 < seq.size() ? seq[i + 1] : -1};
   }
   return L;
 }
@@ -1019,10 +1057,6 @@ at::Tensor batch(const Plan& plan, unsigned long long seed, int it, at::Device d
   at::Tensor t =
       at::randint(plan.model.vocab, {plan.global_batch, plan.model.seq_len + 1}, at::kLong);
   return device.is_cpu() ? t : t.to(device);
-}
-
-void zero_grads(std::deque<Param>& ps) {
-  for (Param& p : ps) p.w.mutable_grad() = at::Tensor();
 }
 
 at::Tensor grad_or_zeros(const Param& p) {
@@ -1091,7 +1125,6 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
 #endif
   Layout L = layout_of(plan, rank);
   if (L.order == nullptr) return Error(fmt::format("no schedule order holds rank {}", rank));
-  const Segment& seg = plan.segments[L.segment];
   const int tp_size = [&] {
     int n = 1;
     for (const std::string& a : L.tp_axes) n *= mesh.axis_size(a);
@@ -1117,8 +1150,19 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   const int b = plan.micro_batch;
   const int64_t s = plan.model.seq_len, h = plan.model.hidden;
 
-  const int prev = L.prev_segment >= 0 ? peer_in(mesh, rank, plan.segments[L.prev_segment]) : -1;
-  const int next = L.next_segment >= 0 ? peer_in(mesh, rank, plan.segments[L.next_segment]) : -1;
+  // Per segment of the rank: the ranks its input comes from and its output goes to.
+  std::map<int, std::pair<int, int>> peers;
+  for (int sg : L.segments) {
+    const auto [p, q] = L.neighbours.at(sg);
+    peers[sg] = {p >= 0 ? peer_in(mesh, rank, plan.segments[p]) : -1,
+                 q >= 0 ? peer_in(mesh, rank, plan.segments[q]) : -1};
+  }
+  // Several segments on a rank (interleaved): transfers between two ranks are matched by
+  // (direction, segment, micro-batch), not by their order (see Ctx::send_tagged).
+  bool tagged = false;
+  for (const DeviceOrder& o : plan.schedule) {
+    for (const Block& blk : o.blocks) tagged = tagged || blk.segment != o.blocks.front().segment;
+  }
 #ifdef NNSIM_TORCH_HAS_CUDA
   // One NCCL communicator per tensor- and data-parallel group and per pipeline direction; the
   // compute stream is a non-blocking one of LibTorch's pool (NCCL kernels waiting for a peer
@@ -1126,12 +1170,15 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   std::unique_ptr<NcclComms> nccl;
   CudaEvents events;
   if (gpu) {
-    std::vector<std::pair<int, int>> edges;
-    for (int peer : {prev, next}) {
-      if (peer < 0) continue;
-      edges.push_back({rank, peer});
-      edges.push_back({peer, rank});
+    std::set<std::pair<int, int>> edge_set;
+    for (const auto& [sg, pq] : peers) {
+      for (int peer : {pq.first, pq.second}) {
+        if (peer < 0) continue;
+        edge_set.insert({rank, peer});
+        edge_set.insert({peer, rank});
+      }
     }
+    const std::vector<std::pair<int, int>> edges(edge_set.begin(), edge_set.end());
     auto made = NcclComms::create(comm, gpu_index, {ctx.tp_group, ctx.dp_group}, edges);
     if (!made) return made.error();
     nccl = std::move(*made);
@@ -1142,24 +1189,34 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     stats.stream = compute.stream();
   }
 #endif
-  Model model(plan.model, seg.first_layer, seg.end_layer, seg.embedding, seg.head, L.split,
-              ctx.tp_index, opt.seed, device, dtype);
-  model.set_recompute(plan.recompute);
+  // One part of the model per segment.
+  std::map<int, std::unique_ptr<Model>> models;
+  std::vector<Param*> params;  // all of the rank's, segment by segment
+  bool has_head = false;
+  for (int sg : L.segments) {
+    const Segment& seg = plan.segments[sg];
+    models[sg] = std::make_unique<Model>(plan.model, seg.first_layer, seg.end_layer, seg.embedding,
+                                         seg.head, L.split, ctx.tp_index, opt.seed, device, dtype);
+    models[sg]->set_recompute(plan.recompute);
+    for (Param& p : models[sg]->params()) params.push_back(&p);
+    has_head = has_head || seg.head;
+  }
 
   // ZeRO: every rank of the dp group starts from the same weights; each keeps its chunk.
   const int zero = plan.optimizer.zero;
   const int dpn = static_cast<int>(ctx.dp_group.size());
   const int dp_pos = static_cast<int>(std::find(ctx.dp_group.begin(), ctx.dp_group.end(), rank) -
                                       ctx.dp_group.begin());
-  std::vector<ZeroUnit> zunits;
-  if (zero >= 1) {
+  std::map<int, std::vector<ZeroUnit>> zunits_of;  // per segment
+  for (int sg : zero >= 1 ? L.segments : std::vector<int>{}) {
     std::vector<std::vector<Param*>> groups;
     if (zero == 3) {
-      groups = model.units();
+      groups = models[sg]->units();
     } else {
       groups.emplace_back();
-      for (Param& p : model.params()) groups.back().push_back(&p);
+      for (Param& p : models[sg]->params()) groups.back().push_back(&p);
     }
+    std::vector<ZeroUnit>& zunits = zunits_of[sg];
     for (std::vector<Param*>& g : groups) {
       ZeroUnit u;
       u.params = std::move(g);
@@ -1174,11 +1231,17 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       zunits.push_back(std::move(u));
     }
   }
+  std::vector<ZeroUnit*> zunits;  // all of them
+  for (auto& [sg, us] : zunits_of) {
+    for (ZeroUnit& u : us) zunits.push_back(&u);
+  }
   // The compiled program's labels: gradients reduced in the backward blocks (overlapped, and
   // always for ZeRO-3) carry the segment's name.
-  const std::string grad_sync_label = zero == 3 || plan.comm.overlap_grad_reduce
-                                          ? fmt::format("grad sync {}", seg.name)
-                                          : std::string("grad sync");
+  auto grad_sync_label = [&](int sg) {
+    return zero == 3 || plan.comm.overlap_grad_reduce
+               ? fmt::format("grad sync {}", plan.segments[sg].name)
+               : std::string("grad sync");
+  };
   // The master chunks all-gathered into the parameters the operators use.
   auto gather_unit = [&](ZeroUnit& u) {
     const at::Tensor full =
@@ -1193,34 +1256,39 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     }
   };
   // The unit's gradients so far reduce-scattered over dp into its chunk, then dropped.
-  auto reduce_unit = [&](ZeroUnit& u) {
+  auto reduce_unit = [&](ZeroUnit& u, const std::string& label) {
     for (Param* p : u.params) {
       if (!p->w.grad().defined()) throw Failure{fmt::format("no gradient reached {}", p->name)};
     }
     const at::Tensor mine = ctx.reduce_scatter(
         padded_flat(u.params, u.chunk * dpn, [](const Param& p) { return p.w.grad(); }),
-        ctx.dp_group, kDataParallelAxis, grad_sync_label);
+        ctx.dp_group, kDataParallelAxis, label);
     at::NoGradGuard no_grad;
     u.grad.add_(mine);
     for (Param* p : u.params) p->w.mutable_grad() = at::Tensor();
   };
-  if (zero == 3) {
-    // The program's order: the first unit's gather, then each unit's gather launched before the
-    // previous unit runs (one unit of prefetch); gradients reduced as each unit's backward ends.
-    ctx.before_unit = [&](int u, bool backward) {
-      const int n = static_cast<int>(zunits.size());
+  // ZeRO-3, for the blocks of segment `sg`. The program's order: the first unit's gather, then
+  // each unit's gather launched before the previous unit runs (one unit of prefetch);
+  // gradients reduced as each unit's backward ends.
+  auto zero3_for = [&](int sg) {
+    if (zero != 3) return;
+    ctx.before_unit = [&, sg](int u, bool backward) {
+      std::vector<ZeroUnit>& us = zunits_of.at(sg);
+      const int n = static_cast<int>(us.size());
       const int pos = backward ? n - 1 - u : u;
-      auto unit_at = [&](int q) -> ZeroUnit& { return zunits[backward ? n - 1 - q : q]; };
+      auto unit_at = [&](int q) -> ZeroUnit& { return us[backward ? n - 1 - q : q]; };
       if (pos == 0) gather_unit(unit_at(0));
       if (pos + 1 < n) gather_unit(unit_at(pos + 1));
     };
-    ctx.after_unit_backward = [&](int u) { reduce_unit(zunits[u]); };
-  }
+    ctx.after_unit_backward = [&, sg](int u) {
+      reduce_unit(zunits_of.at(sg)[u], grad_sync_label(sg));
+    };
+  };
 
   RankResult out;
   out.rank = rank;
   out.coordinates = coords;
-  for (const Param& p : model.params()) out.parameters += static_cast<double>(p.w.numel());
+  for (const Param* p : params) out.parameters += static_cast<double>(p->w.numel());
 
   // The unpartitioned reference: the whole model, the whole batch, one micro-batch.
   std::map<std::string, at::Tensor> ref_grads;
@@ -1246,41 +1314,61 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   for (int it = 0; it < opt.warmup + opt.iterations; ++it) {
     ok_or_throw(comm.barrier());
     stats.recording = it >= opt.warmup;
-    zero_grads(model.params());
+    for (Param* p : params) p->w.mutable_grad() = at::Tensor();
     const auto t0 = Clock::now();
     const at::Tensor data = batch(plan, opt.seed, it, device);
-    std::map<int, MicroBatchTape> tapes;
+    std::map<std::pair<int, int>, MicroBatchTape> tapes;  // (segment, micro-batch)
     at::Tensor loss_sum = at::zeros({1}, ctx.options.dtype(at::kFloat));
     for (const Block& blk : L.order->blocks) {
-      const int m = blk.micro_batch;
+      const int m = blk.micro_batch, sg = blk.segment;
       const int64_t row = (static_cast<int64_t>(dp_index) * M + m) * b;
+      Model& model = *models.at(sg);
+      const auto [prev, next] = peers.at(sg);
+      const std::vector<int64_t> shape = {b, s / L.split.seq, h};
+      // The tag of a transfer into segment `to`: its direction, the segment, the micro-batch.
+      auto tag = [&](bool gradient, int to) { return (gradient ? 1 : 0) + 2 * (to + 1000 * m); };
+      zero3_for(sg);
+      MicroBatchTape& tape = tapes[{sg, m}];
       if (blk.kind == BlockKind::kForward) {
-        MicroBatchTape& tape = tapes[m];
         at::Tensor x;
-        if (!model.has_embedding()) x = ctx.recv(prev, {b, s / L.split.seq, h}, "activation");
+        if (!model.has_embedding()) {
+          x = tagged ? ctx.recv_tagged(prev, shape, "activation", tag(false, sg))
+                     : ctx.recv(prev, shape, "activation");
+        }
         at::Tensor y = model.forward(ctx, data.narrow(0, row, b).narrow(1, 0, s), x,
                                      data.narrow(0, row, b).narrow(1, 1, s), tape);
         if (model.has_head()) {
           loss_sum.add_(tape.loss, 1.0 / (M * dp));
+        } else if (tagged) {
+          ctx.send_tagged(next, y, "activation", tag(false, L.neighbours.at(sg).second));
         } else {
           ctx.send(next, y, "activation");
         }
       } else {
-        MicroBatchTape& tape = tapes[m];
         at::Tensor dy;
-        if (!model.has_head()) dy = ctx.recv(next, {b, s / L.split.seq, h}, "gradient");
+        if (!model.has_head()) {
+          dy = tagged ? ctx.recv_tagged(next, shape, "gradient", tag(true, sg))
+                      : ctx.recv(next, shape, "gradient");
+        }
         at::Tensor dx = model.backward(ctx, tape, dy, 1.0 / (M * dp));
-        if (!model.has_embedding()) ctx.send(prev, dx, "gradient");
-        tapes.erase(m);
+        if (!model.has_embedding()) {
+          if (tagged) {
+            ctx.send_tagged(prev, dx, "gradient", tag(true, L.neighbours.at(sg).first));
+          } else {
+            ctx.send(prev, dx, "gradient");
+          }
+        }
+        tapes.erase({sg, m});
         // ZeRO-2 reduces after every backward, ZeRO-1 after the last micro-batch's (the
-        // program's grad sync blocks); ZeRO-3 did unit by unit inside the backward.
+        // program's grad sync blocks, per segment); ZeRO-3 did unit by unit inside the backward.
         if (zero == 2 || (zero == 1 && m == M - 1)) {
-          for (ZeroUnit& u : zunits) reduce_unit(u);
+          for (ZeroUnit& u : zunits_of.at(sg)) reduce_unit(u, grad_sync_label(sg));
         }
       }
     }
     if (zero >= 1) {
-      for (const Param& p : model.params()) {
+      for (const Param* pp : params) {
+        const Param& p = *pp;
         if (p.w.grad().defined()) {
           throw Failure{
               fmt::format("iteration {}: a gradient of {} arrived after its ZeRO "
@@ -1289,7 +1377,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         }
       }
     }
-    for (const Param& p : model.params()) {
+    for (const Param* pp : params) {
+      const Param& p = *pp;
       if (zero >= 1) break;
       // Every parameter of the rank's part is used by every micro-batch (through its bf16 copy
       // in a bf16 run): one without a gradient means the copy lost its link to the master.
@@ -1300,21 +1389,25 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     // Data parallel without ZeRO: one all-reduce of every gradient, flattened.
     if (zero == 0) {
       std::vector<at::Tensor> flat;
-      for (Param& p : model.params()) flat.push_back(grad_or_zeros(p).reshape({-1}));
+      for (Param* p : params) flat.push_back(grad_or_zeros(*p).reshape({-1}));
       at::Tensor all = at::cat(flat);
       ctx.all_reduce(all, ctx.dp_group, kDataParallelAxis, "grad");
       at::NoGradGuard no_grad;
       int64_t offset = 0;
-      for (Param& p : model.params()) {
-        const int64_t n = p.w.numel();
-        p.w.mutable_grad() = all.narrow(0, offset, n).view(p.w.sizes()).clone();
+      for (Param* p : params) {
+        const int64_t n = p->w.numel();
+        p->w.mutable_grad() = all.narrow(0, offset, n).view(p->w.sizes()).clone();
         offset += n;
       }
     }
     // Sequence parallelism: the gradients of the parameters applied to sequence slices summed
     // over the tensor-parallel group, in one buffer, after the data-parallel sums (the program's
     // epilogue: "norm grad sync").
-    if (const std::vector<Param*> sp = model.sequence_parallel_params(); !sp.empty()) {
+    std::vector<Param*> sp;
+    for (const auto& [sg, model] : models) {
+      for (Param* p : model->sequence_parallel_params()) sp.push_back(p);
+    }
+    if (!sp.empty()) {
       std::vector<at::Tensor> flat;
       for (Param* p : sp) flat.push_back(grad_or_zeros(*p).reshape({-1}));
       at::Tensor all = at::cat(flat);
@@ -1328,17 +1421,18 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       }
     }
     double loss = 0;
-    if (model.has_head()) {
+    if (has_head) {
       ctx.all_reduce(loss_sum, ctx.dp_group, kDataParallelAxis, "loss");
       loss = loss_sum.item<double>();
     }
     if (it == 0 && opt.check) {
       out.checked = true;
-      out.has_loss = model.has_head();
+      out.has_loss = has_head;
       out.check_loss = loss;
       // ZeRO: the rank's chunk of each unit against the same chunk of the reference, per
       // parameter it overlaps (the dp group's chunks together cover every parameter).
-      for (ZeroUnit& u : zunits) {
+      for (ZeroUnit* zu : zunits) {
+        ZeroUnit& u = *zu;
         const at::Tensor want = padded_flat(u.params, u.chunk * dpn, [&](const Param& p) {
                                   return p.cut(ref_grads.at(p.name));
                                 }).narrow(0, dp_pos * u.chunk, u.chunk);
@@ -1360,7 +1454,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
           out.checks.push_back(c);
         }
       }
-      for (Param& p : model.params()) {
+      for (Param* pp : params) {
+        Param& p = *pp;
         if (zero >= 1) break;
         at::Tensor mine = grad_or_zeros(p);
         if (opt.inject_fault && rank == comm.world() - 1 && out.checks.empty()) mine = mine * 1.01;
@@ -1380,14 +1475,16 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       {
         at::NoGradGuard no_grad;
         const double k = it + 1;
-        for (ZeroUnit& u : zunits) {  // ZeRO: the rank's chunk only
+        for (ZeroUnit* zu : zunits) {  // ZeRO: the rank's chunk only
+          ZeroUnit& u = *zu;
           u.m.mul_(beta1).add_(u.grad, 1 - beta1);
           u.v.mul_(beta2).addcmul_(u.grad, u.grad, 1 - beta2);
           at::Tensor denom = (u.v / (1 - std::pow(beta2, k))).sqrt_().add_(eps);
           u.master.addcdiv_(u.m, denom, -lr / (1 - std::pow(beta1, k)));
           u.grad.zero_();
         }
-        for (Param& p : model.params()) {
+        for (Param* pp : params) {
+          Param& p = *pp;
           if (zero >= 1) break;
           const at::Tensor g = p.w.grad();
           if (!p.m.defined()) {
@@ -1404,10 +1501,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       // gather after the step and waits for it before each unit's first forward); ZeRO-3
       // gathers unit by unit in the next iteration's blocks.
       if (zero == 1 || zero == 2) {
-        for (ZeroUnit& u : zunits) gather_unit(u);
+        for (ZeroUnit* u : zunits) gather_unit(*u);
       }
       // bf16: the next iteration's weight copies (with autograd), timed with the step.
-      model.cast_weights();
+      for (auto& [sg, model] : models) model->cast_weights();
       stats.op("optimizer", "step", o0, stats.mark(), /*minus_collectives=*/true);
     }
 #ifdef NNSIM_TORCH_HAS_CUDA
@@ -1415,7 +1512,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
 #endif
     if (stats.recording) {
       out.iteration_seconds.push_back(seconds_since(t0));
-      if (model.has_head()) out.losses.push_back(loss);
+      if (has_head) out.losses.push_back(loss);
     }
     stats.resolve();
     ctx.in_flight.clear();

@@ -217,6 +217,13 @@ Case with(const char* name, int tp, int pp, int dp, int global_batch,
   return Case{name, tp, pp, dp, "1f1b", global_batch, model, precision, std::move(flags)};
 }
 
+// An interleaved pipeline of two model chunks per stage.
+Case interleaved(const char* name, int tp, int pp, int dp, int global_batch,
+                 std::vector<std::string> flags = {}, const std::string* model = &kModel) {
+  flags.insert(flags.begin(), {"--vpp", "2"});
+  return Case{name, tp, pp, dp, "interleaved", global_batch, model, "fp32", std::move(flags)};
+}
+
 class NnexecRun : public ::testing::TestWithParam<Case> {};
 
 TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
@@ -265,8 +272,9 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   std::printf("%s: worst relative gradient error %.3g\n", c.name, worst);
   if (c.plan_flags.empty()) return;
 
-  // ZeRO, sequence parallelism and recomputation: the run's all-gathers and reduce-scatters
-  // (per kind and axes) and its recomputed operators are the compiled program's, call for call.
+  // ZeRO, sequence parallelism, recomputation and interleaved pipelines: the run's all-gathers,
+  // reduce-scatters and pipeline transfers (per kind and axes) and its recomputed operators are
+  // the compiled program's, call for call.
   RunResult cmp = run(dir, NNSIM_BINARY,
                       {"compare", "run.h5", "--topo", n == 1 ? kTopo1 : kTopo, "--nodes",
                        std::to_string(n / 2 > 0 ? n / 2 : 1), "--json", "c.json"});
@@ -275,7 +283,9 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   int checked = 0;
   for (const nlohmann::json& t : j["traffic"]) {
     const std::string kind = t["kind"];
-    if (kind != "all_gather" && kind != "reduce_scatter") continue;
+    if (kind != "all_gather" && kind != "reduce_scatter" && kind != "send" && kind != "recv") {
+      continue;
+    }
     ++checked;
     EXPECT_DOUBLE_EQ(t["measured_calls"].get<double>(), t["simulated_calls"].get<double>())
         << kind << " " << t["axes"] << "\n"
@@ -312,7 +322,11 @@ INSTANTIATE_TEST_SUITE_P(
         with("recompute_full_pp2", 1, 2, 1, 4, {"--recompute", "full"}),
         with("recompute_selective_tp2", 2, 1, 1, 2, {"--recompute", "selective"}),
         with("sp_recompute_full_tp2", 2, 1, 1, 2, {"--sequence-parallel", "--recompute", "full"}),
-        with("zero3_recompute_full_dp2", 1, 1, 2, 4, {"--zero", "3", "--recompute", "full"})),
+        with("zero3_recompute_full_dp2", 1, 1, 2, 4, {"--zero", "3", "--recompute", "full"}),
+        interleaved("interleaved_pp2", 1, 2, 1, 4),
+        interleaved("interleaved_zero3_pp2_dp2", 1, 2, 2, 8, {"--zero", "3"}),
+        interleaved("llama_interleaved_tp2_sp_pp2", 2, 2, 1, 4,
+                    {"--sequence-parallel", "--recompute", "selective"}, &kLlama)),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
@@ -361,14 +375,6 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
   refused(
       {"cannot run this plan: partition: operator 'embed.word' is split along 'seq' over cp "
        "(context parallelism)"});
-  // Interleaved pipelines.
-  ASSERT_EQ(plan({"--tp", "1", "--pp", "2", "--vpp", "2", "--schedule", "interleaved", "--dp", "1",
-                  "--precision", "fp32"})
-                .status,
-            0);
-  refused(
-      {"schedule.orders[0].blocks: the order runs several segments (an interleaved "
-       "pipeline)"});
   // ZeRO-3 in bf16; sequence parallelism with ZeRO.
   ASSERT_EQ(
       plan({"--tp", "1", "--pp", "1", "--dp", "2", "--zero", "3", "--precision", "bf16"}).status,
