@@ -223,16 +223,6 @@ Status check_runnable(const Plan& plan) {
                                              "tensor-parallel degree {} (sequence parallelism)",
                                              m.seq_len, tp));
     }
-    if (plan.precision == Precision::kBf16) {
-      return refuse("precision",
-                    "sequence parallelism runs fp32 plans only (the socket "
-                    "backend's all-gather and reduce-scatter carry fp32)");
-    }
-    if (plan.optimizer.zero != 0) {
-      return refuse("optimizer.zero", fmt::format("ZeRO stage {} with sequence parallelism is "
-                                                  "not supported yet (0 only)",
-                                                  plan.optimizer.zero));
-    }
   }
   for (const MeshAxis& a : plan.mesh.axes) {
     if (a.size == 1 || a.name == kDataParallelAxis || pp_axes.count(a.name)) continue;

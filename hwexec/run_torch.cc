@@ -216,51 +216,64 @@ struct Ctx {
     ok_or_throw(comm->all_reduce(group, t.data_ptr<float>(), t.numel(), op));
     stats->coll("all_reduce", axes, label, t.numel() * 4.0, a, stats->mark());
   }
-  // fp32 all-gather: `in` (n elements) from each member of `group`, in group order; bytes
-  // recorded as the gathered output (nccl-tests' convention, the program's).
+  // All-gather (fp32 or bf16): `in` (n elements) from each member of `group`, in group
+  // order; bytes recorded as the gathered output (nccl-tests' convention, the program's).
   at::Tensor all_gather(const at::Tensor& in, const std::vector<int>& group,
                         const std::string& axes, const std::string& label) {
     if (group.size() <= 1) return in.clone();
     const at::Tensor x = in.contiguous();
-    if (x.scalar_type() != at::kFloat) {
-      throw Failure{fmt::format("all-gather of {}: only fp32 tensors are gathered", label)};
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    if (!bf16 && x.scalar_type() != at::kFloat) {
+      throw Failure{fmt::format("all-gather of {}: only fp32 and bf16 tensors", label)};
     }
     at::Tensor out = at::empty({static_cast<int64_t>(group.size()) * x.numel()}, x.options());
     const Mark a = stats->mark();
 #ifdef NNSIM_TORCH_HAS_CUDA
     if (nccl) {
-      ok_or_throw(nccl->all_gather(group, x.data_ptr<float>(), x.numel(), out.data_ptr<float>(),
-                                   stats->stream));
-      stats->coll("all_gather", axes, label, out.numel() * 4.0, a, stats->mark());
+      ok_or_throw(bf16 ? nccl->all_gather_bf16(group, x.data_ptr(), x.numel(), out.data_ptr(),
+                                               stats->stream)
+                       : nccl->all_gather(group, x.data_ptr<float>(), x.numel(),
+                                          out.data_ptr<float>(), stats->stream));
+      stats->coll("all_gather", axes, label, static_cast<double>(out.nbytes()), a, stats->mark());
       return out;
     }
 #endif
-    ok_or_throw(comm->all_gather(group, x.data_ptr<float>(), x.numel(), out.data_ptr<float>()));
-    stats->coll("all_gather", axes, label, out.numel() * 4.0, a, stats->mark());
+    ok_or_throw(
+        bf16 ? comm->all_gather_bf16(group, static_cast<const std::uint16_t*>(x.data_ptr()),
+                                     x.numel(), static_cast<std::uint16_t*>(out.data_ptr()))
+             : comm->all_gather(group, x.data_ptr<float>(), x.numel(), out.data_ptr<float>()));
+    stats->coll("all_gather", axes, label, static_cast<double>(out.nbytes()), a, stats->mark());
     return out;
   }
-  // fp32 reduce-scatter of `in` (group size x n elements): this rank's n-element chunk of the
-  // sum; bytes recorded as the input.
+  // Reduce-scatter (sum; fp32 or bf16) of `in` (group size x n elements): this rank's n-element
+  // chunk of the sum; bytes recorded as the input.
   at::Tensor reduce_scatter(const at::Tensor& in, const std::vector<int>& group,
                             const std::string& axes, const std::string& label) {
     if (group.size() <= 1) return in.clone();
     const at::Tensor x = in.contiguous();
-    if (x.scalar_type() != at::kFloat || x.numel() % static_cast<int64_t>(group.size()) != 0) {
-      throw Failure{fmt::format("reduce-scatter of {}: needs fp32 in equal chunks", label)};
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    if ((!bf16 && x.scalar_type() != at::kFloat) ||
+        x.numel() % static_cast<int64_t>(group.size()) != 0) {
+      throw Failure{fmt::format("reduce-scatter of {}: needs fp32 or bf16 in equal chunks", label)};
     }
     const int64_t n = x.numel() / static_cast<int64_t>(group.size());
     at::Tensor out = at::empty({n}, x.options());
     const Mark a = stats->mark();
 #ifdef NNSIM_TORCH_HAS_CUDA
     if (nccl) {
-      ok_or_throw(nccl->reduce_scatter(group, x.data_ptr<float>(), n, out.data_ptr<float>(),
-                                       stats->stream));
-      stats->coll("reduce_scatter", axes, label, x.numel() * 4.0, a, stats->mark());
+      ok_or_throw(
+          bf16 ? nccl->reduce_scatter_bf16(group, x.data_ptr(), n, out.data_ptr(), stats->stream)
+               : nccl->reduce_scatter(group, x.data_ptr<float>(), n, out.data_ptr<float>(),
+                                      stats->stream));
+      stats->coll("reduce_scatter", axes, label, static_cast<double>(x.nbytes()), a, stats->mark());
       return out;
     }
 #endif
-    ok_or_throw(comm->reduce_scatter(group, x.data_ptr<float>(), n, out.data_ptr<float>()));
-    stats->coll("reduce_scatter", axes, label, x.numel() * 4.0, a, stats->mark());
+    ok_or_throw(bf16 ? comm->reduce_scatter_bf16(group,
+                                                 static_cast<const std::uint16_t*>(x.data_ptr()), n,
+                                                 static_cast<std::uint16_t*>(out.data_ptr()))
+                     : comm->reduce_scatter(group, x.data_ptr<float>(), n, out.data_ptr<float>()));
+    stats->coll("reduce_scatter", axes, label, static_cast<double>(x.nbytes()), a, stats->mark());
     return out;
   }
   // ZeRO-3: before parameter unit `u` (forward order: the embedding, each layer, the head) runs
@@ -1407,7 +1420,31 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     for (const auto& [sg, model] : models) {
       for (Param* p : model->sequence_parallel_params()) sp.push_back(p);
     }
-    if (!sp.empty()) {
+    if (!sp.empty() && zero >= 1) {
+      // With ZeRO the gradients are in the reduced chunks: their slices of those parameters,
+      // which sit at the same offsets on every rank of the tensor-parallel group.
+      const std::set<const Param*> spset(sp.begin(), sp.end());
+      std::vector<at::Tensor> slices;
+      for (ZeroUnit* u : zunits) {
+        const int64_t lo = dp_pos * u->chunk, hi = lo + u->chunk;
+        int64_t offset = 0;
+        for (Param* p : u->params) {
+          const int64_t a = std::max(lo, offset), e = std::min(hi, offset + p->w.numel());
+          offset += p->w.numel();
+          if (a < e && spset.count(p)) slices.push_back(u->grad.narrow(0, a - lo, e - a));
+        }
+      }
+      if (!slices.empty()) {
+        at::Tensor all = at::cat(slices);
+        ctx.tp_all_reduce(all, "norm grad sync");
+        at::NoGradGuard no_grad;
+        int64_t offset = 0;
+        for (at::Tensor& slice : slices) {  // views into the chunks
+          slice.copy_(all.narrow(0, offset, slice.numel()));
+          offset += slice.numel();
+        }
+      }
+    } else if (!sp.empty()) {
       std::vector<at::Tensor> flat;
       for (Param* p : sp) flat.push_back(grad_or_zeros(*p).reshape({-1}));
       at::Tensor all = at::cat(flat);

@@ -183,7 +183,23 @@ TEST(Comm, Bf16AllReduceSumsAndRoundsToNearestEven) {
     const std::vector<int> g = r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
     std::vector<uint16_t> h = {bf16_bits(r < 2 ? 256.0f : 1.0f), bf16_bits(r < 2 ? 258.0f : 1.0f)};
     if (!c.all_reduce_bf16(g, h.data(), h.size()).ok()) return false;
-    return bf16_value(h[0]) == 256 && bf16_value(h[1]) == 260;
+    if (bf16_value(h[0]) != 256 || bf16_value(h[1]) != 260) return false;
+    // Reduce-scatter over everyone: member i gets chunk i's sum (2 elements each), rounded the
+    // same way; all-gather puts member i's 2 elements at 2 i.
+    std::vector<uint16_t> rs(8), mine(2), all(8);
+    for (int i = 0; i < 8; ++i) rs[i] = bf16_bits(i == 0 && r == 0 ? 255.0f : float(i + r));
+    if (!c.reduce_scatter_bf16({0, 1, 2, 3}, rs.data(), 2, mine.data()).ok()) return false;
+    // Chunk 0's first element: 255 + 1 + 2 + 3 = 261 is not a bf16 (258 or 262 are): the ring
+    // adds in bf16 steps, so the result is 260 or 262, never 261.
+    const float first = bf16_value(mine[0]);
+    if (r == 0 ? (first != 260 && first != 262) : first != float(4 * (2 * r) + 6)) return false;
+    if (bf16_value(mine[1]) != float(4 * (2 * r + 1) + 6)) return false;
+    const std::vector<uint16_t> in = {bf16_bits(float(r)), bf16_bits(float(r + 10))};
+    if (!c.all_gather_bf16({0, 1, 2, 3}, in.data(), 2, all.data()).ok()) return false;
+    for (int i = 0; i < 4; ++i) {
+      if (bf16_value(all[2 * i]) != i || bf16_value(all[2 * i + 1]) != i + 10) return false;
+    }
+    return true;
   }));
 }
 
@@ -323,6 +339,9 @@ INSTANTIATE_TEST_SUITE_P(
         with("recompute_selective_tp2", 2, 1, 1, 2, {"--recompute", "selective"}),
         with("sp_recompute_full_tp2", 2, 1, 1, 2, {"--sequence-parallel", "--recompute", "full"}),
         with("zero3_recompute_full_dp2", 1, 1, 2, 4, {"--zero", "3", "--recompute", "full"}),
+        with("sp_zero1_tp2_dp2", 2, 1, 2, 4, {"--sequence-parallel", "--zero", "1"}),
+        with("sp_zero3_tp2_dp2", 2, 1, 2, 4, {"--sequence-parallel", "--zero", "3"}),
+        with("bf16_llama_sp_tp2_pp2", 2, 2, 1, 4, {"--sequence-parallel"}, &kLlama, "bf16"),
         interleaved("interleaved_pp2", 1, 2, 1, 4),
         interleaved("interleaved_zero3_pp2_dp2", 1, 2, 2, 8, {"--zero", "3"}),
         interleaved("llama_interleaved_tp2_sp_pp2", 2, 2, 1, 4,
@@ -375,16 +394,11 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
   refused(
       {"cannot run this plan: partition: operator 'embed.word' is split along 'seq' over cp "
        "(context parallelism)"});
-  // ZeRO-3 in bf16; sequence parallelism with ZeRO.
+  // ZeRO-3 in bf16.
   ASSERT_EQ(
       plan({"--tp", "1", "--pp", "1", "--dp", "2", "--zero", "3", "--precision", "bf16"}).status,
       0);
   refused({"optimizer.zero: ZeRO stage 3 runs fp32 plans only"});
-  ASSERT_EQ(plan({"--tp", "2", "--pp", "1", "--dp", "1", "--zero", "1", "--sequence-parallel",
-                  "--precision", "fp32"})
-                .status,
-            0);
-  refused({"optimizer.zero: ZeRO stage 1 with sequence parallelism is not supported yet"});
   // A recompute rule without layers also covers the embedding and the head.
   ASSERT_EQ(
       plan({"--tp", "2", "--pp", "1", "--dp", "1", "--recompute", "full", "--precision", "fp32"})
