@@ -249,20 +249,30 @@ Status check_runnable(const Plan& plan) {
   for (std::size_t oi = 0; oi < plan.schedule.size(); ++oi) {
     const DeviceOrder& o = plan.schedule[oi];
     std::set<int> segs;
-    std::map<std::tuple<int, int, int>, int> count;  // (segment, kind F=0/B=1, micro-batch)
+    std::map<std::tuple<int, int, int>, int> count;  // (segment, kind F=0/B=1/R=2, micro-batch)
     const std::string field = fmt::format("schedule.orders[{}].blocks", oi);
     for (const Block& b : o.blocks) {
-      if (b.kind != BlockKind::kForward && b.kind != BlockKind::kBackward) {
-        return refuse(
-            field, fmt::format("block '{}' ({}) is not supported yet (F and B only)", to_string(b),
-                               b.kind == BlockKind::kRecompute ? "recompute"
-                                                               : "zero-bubble split backward"));
+      if (b.kind != BlockKind::kForward && b.kind != BlockKind::kBackward &&
+          b.kind != BlockKind::kRecompute) {
+        return refuse(field, fmt::format("block '{}' (zero-bubble split backward) is not "
+                                         "supported yet (F, B and R only)",
+                                         to_string(b)));
       }
       if (b.segment < 0 || b.segment >= static_cast<int>(plan.segments.size())) {
         return refuse(field, fmt::format("block '{}' names no segment", to_string(b)));
       }
       segs.insert(b.segment);
-      ++count[{b.segment, b.kind == BlockKind::kForward ? 0 : 1, b.micro_batch}];
+      const int kind = b.kind == BlockKind::kForward ? 0 : b.kind == BlockKind::kBackward ? 1 : 2;
+      // An R block recomputes what its forward dropped, for its backward.
+      if (kind == 2 && (!count.count({b.segment, 0, b.micro_batch}) ||
+                        count.count({b.segment, 1, b.micro_batch}))) {
+        return refuse(field, fmt::format("block '{}' is not between the forward and the "
+                                         "backward of its micro-batch",
+                                         to_string(b)));
+      }
+      if (++count[{b.segment, kind, b.micro_batch}] > 1 && kind == 2) {
+        return refuse(field, fmt::format("block '{}' appears twice", to_string(b)));
+      }
     }
     for (int sg : segs) {  // several: an interleaved pipeline
       for (int k = 0; k < 2; ++k) {

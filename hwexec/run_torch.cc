@@ -413,7 +413,8 @@ at::Tensor leaf(const at::Tensor& t) {
 
 struct LayerTape {
   Unit n1, qkv, core, proj, res1, n2, fc1, act, fc2, res2;
-  at::Tensor x;  // the layer's input, kept when the layer recomputes operators
+  at::Tensor x;             // the layer's input, kept when the layer recomputes operators
+  bool recomputed = false;  // an R block has run the recomputation already
   std::vector<std::pair<const char*, Unit*>> units() {
     return {{"attn.norm", &n1},     {"attn.qkv", &qkv},       {"attn.core", &core},
             {"attn.proj", &proj},   {"attn.residual", &res1}, {"mlp.norm", &n2},
@@ -689,6 +690,16 @@ class Model {
     return dy;
   }
 
+  // An explicit R block: the recomputation of every layer ahead of the backward (which then
+  // skips it), as the program's recompute template.
+  void recompute(Ctx& c, MicroBatchTape& tape) {
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      if (recompute_[l].empty()) continue;
+      layer_forward(c, static_cast<int>(l), at::Tensor(), tape.layers[l], /*again=*/true);
+      tape.layers[l].recomputed = true;
+    }
+  }
+
  private:
   Param* add(const std::string& name, std::vector<int64_t> shape, double scale, double offset,
              std::function<at::Tensor(const at::Tensor&)> cut) {
@@ -921,7 +932,7 @@ class Model {
   at::Tensor layer_backward(Ctx& c, int l, LayerTape& t, const at::Tensor& dy) {
     Stats& st = *c.stats;
     const std::set<std::string>& rc = recompute_[l];
-    if (!rc.empty()) layer_forward(c, l, at::Tensor(), t, /*again=*/true);
+    if (!rc.empty() && !t.recomputed) layer_forward(c, l, at::Tensor(), t, /*again=*/true);
     // Sequence parallelism (the program's order): the residual's gradient gathered before the
     // row-parallel linear; the column-parallel linear's dropped input gathered again before its
     // backward (a recomputed one has it), and its input gradient (partial sums)
@@ -1342,7 +1353,9 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       auto tag = [&](bool gradient, int to) { return (gradient ? 1 : 0) + 2 * (to + 1000 * m); };
       zero3_for(sg);
       MicroBatchTape& tape = tapes[{sg, m}];
-      if (blk.kind == BlockKind::kForward) {
+      if (blk.kind == BlockKind::kRecompute) {
+        model.recompute(ctx, tape);
+      } else if (blk.kind == BlockKind::kForward) {
         at::Tensor x;
         if (!model.has_embedding()) {
           x = tagged ? ctx.recv_tagged(prev, shape, "activation", tag(false, sg))
