@@ -696,6 +696,51 @@ Status Comm::reduce_scatter(const std::vector<int>& group, const float* in, std:
   return {};
 }
 
+Status Comm::all_gather_bf16(const std::vector<int>& group, const std::uint16_t* in, std::size_t n,
+                             std::uint16_t* out) {
+  const int pos = position_in(group, rank_);
+  if (pos < 0) return Error(fmt::format("rank {} is not in its all-gather group", rank_));
+  const int g = static_cast<int>(group.size());
+  std::copy(in, in + n, out + pos * n);
+  const int next = group[(pos + 1) % g], prev = group[(pos + g - 1) % g];
+  for (int s = 0; s < g - 1; ++s) {  // all_gather's steps on 2-byte elements
+    const int send_chunk = ((pos - s) % g + g) % g;
+    const int recv_chunk = ((pos - s - 1) % g + g) % g;
+    if (Status st = this->send(next, out + send_chunk * n, n * 2); !st) return st;
+    if (Status st = recv(prev, out + recv_chunk * n, n * 2); !st) return st;
+  }
+  return {};
+}
+
+Status Comm::reduce_scatter_bf16(const std::vector<int>& group, const std::uint16_t* in,
+                                 std::size_t n, std::uint16_t* out) {
+  const int pos = position_in(group, rank_);
+  if (pos < 0) return Error(fmt::format("rank {} is not in its reduce-scatter group", rank_));
+  const int g = static_cast<int>(group.size());
+  if (g == 1) {
+    std::copy(in, in + n, out);
+    return {};
+  }
+  // As reduce_scatter: chunk c goes in as ring chunk (c + 1), whose sum the ring leaves at
+  // member c.
+  std::vector<std::uint16_t> work(n * g), tmp(n);
+  for (int c = 0; c < g; ++c)
+    std::copy(in + c * n, in + (c + 1) * n, work.begin() + ((c + 1) % g) * n);
+  const int next = group[(pos + 1) % g], prev = group[(pos + g - 1) % g];
+  for (int s = 0; s < g - 1; ++s) {  // all_reduce_bf16's reduce-scatter steps
+    const int send_chunk = ((pos - s) % g + g) % g;
+    const int recv_chunk = ((pos - s - 1) % g + g) % g;
+    if (Status st = this->send(next, work.data() + send_chunk * n, n * 2); !st) return st;
+    if (Status st = recv(prev, tmp.data(), n * 2); !st) return st;
+    std::uint16_t* d = work.data() + recv_chunk * n;
+    for (std::size_t i = 0; i < n; ++i)
+      d[i] = float_to_bf16(bf16_to_float(d[i]) + bf16_to_float(tmp[i]));
+  }
+  const int mine = (pos + 1) % g;
+  std::copy(work.begin() + mine * n, work.begin() + (mine + 1) * n, out);
+  return {};
+}
+
 Status Comm::barrier() {
   std::vector<int> all(world_);
   for (int i = 0; i < world_; ++i) all[i] = i;

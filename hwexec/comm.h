@@ -86,6 +86,12 @@ class Comm {
   // reduce_scatter: `in` holds n * size floats; member i gets the sum of everyone's chunk i in
   // out (n floats).
   Status reduce_scatter(const std::vector<int>& group, const float* in, std::size_t n, float* out);
+  // The same of bf16 values (bit patterns), 2 bytes an element on the wire; the reduce-scatter's
+  // ring steps combine in fp32 and round to bf16 (to nearest even), as all_reduce_bf16's.
+  Status all_gather_bf16(const std::vector<int>& group, const std::uint16_t* in, std::size_t n,
+                         std::uint16_t* out);
+  Status reduce_scatter_bf16(const std::vector<int>& group, const std::uint16_t* in, std::size_t n,
+                             std::uint16_t* out);
   Status barrier();
 
  private:

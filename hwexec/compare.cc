@@ -132,7 +132,13 @@ SimulatedRank simulate_rank(const Program& prog, int rank, Pricer& pricer,
       switch (s.kind) {
         case StepKind::kCompute: {
           const bool opt = s.compute_class == ComputeClass::kOptimizer;
-          auto& [calls, seconds] = out.ops[{opt ? "optimizer" : label, opt ? "step" : phase}];
+          // Recomputation, inside a backward block or an R block, is its own phase (as
+          // nnexec run records it).
+          const char* recompute =
+              s.compute_class == ComputeClass::kRecompute ? "recompute" : nullptr;
+          auto& [calls, seconds] = out.ops[{opt ? "optimizer" : label, opt         ? "step"
+                                                                       : recompute ? recompute
+                                                                                   : phase}];
           calls += 1;
           seconds += s.seconds;
           break;
@@ -239,7 +245,7 @@ GraphIndex index_graph(const OpGraph& g) {
 }
 
 int phase_order(const std::string& p) {
-  return p == "fwd" ? 0 : p == "bwd" ? 1 : 2;
+  return p == "fwd" ? 0 : p == "recompute" ? 1 : p == "bwd" ? 2 : 3;
 }
 
 }  // namespace

@@ -27,7 +27,7 @@ Expected<Plan> plan_of_run(const RunResults& run, const std::string& run_path,
 // measured).
 struct OpRow {
   std::string name;   // the operator graph's name ("attn.qkv"), or "optimizer"
-  std::string phase;  // "fwd", "bwd", "step"
+  std::string phase;  // "fwd", "recompute", "bwd", "step"
   std::string kind;   // the operator's kind ("linear", "norm", ...), "optimizer"
   int ranks = 0;
   double measured_calls = 0, simulated_calls = 0;

@@ -218,6 +218,63 @@ Status NcclComms::all_reduce_bf16(const std::vector<int>& group, void* data, std
   return all_reduce_as(group, data, n, op, stream, ncclBfloat16, "ncclAllReduce bf16");
 }
 
+Expected<void*> NcclComms::group_comm(const std::vector<int>& group) const {
+  const auto it = groups_.find(group);
+  if (it == groups_.end()) {
+    return Error(
+        fmt::format("rank {}: no NCCL communicator for group [{}]", rank_, members(group)));
+  }
+  return it->second;
+}
+
+Status NcclComms::all_gather_as(const std::vector<int>& group, const void* in, std::size_t n,
+                                void* out, void* stream, int dtype) {
+  if (group.size() <= 1) return {};
+  Expected<void*> c = group_comm(group);
+  if (!c) return c.error();
+  if (ncclResult_t e =
+          ncclAllGather(in, out, n, static_cast<ncclDataType_t>(dtype), static_cast<ncclComm_t>(*c),
+                        static_cast<cudaStream_t>(stream));
+      e != ncclSuccess) {
+    return nccl_error(fmt::format("ncclAllGather (group [{}])", members(group)), e);
+  }
+  return {};
+}
+
+Status NcclComms::reduce_scatter_as(const std::vector<int>& group, const void* in, std::size_t n,
+                                    void* out, void* stream, int dtype) {
+  if (group.size() <= 1) return {};
+  Expected<void*> c = group_comm(group);
+  if (!c) return c.error();
+  if (ncclResult_t e =
+          ncclReduceScatter(in, out, n, static_cast<ncclDataType_t>(dtype), ncclSum,
+                            static_cast<ncclComm_t>(*c), static_cast<cudaStream_t>(stream));
+      e != ncclSuccess) {
+    return nccl_error(fmt::format("ncclReduceScatter (group [{}])", members(group)), e);
+  }
+  return {};
+}
+
+Status NcclComms::all_gather(const std::vector<int>& group, const float* in, std::size_t n,
+                             float* out, void* stream) {
+  return all_gather_as(group, in, n, out, stream, ncclFloat);
+}
+
+Status NcclComms::reduce_scatter(const std::vector<int>& group, const float* in, std::size_t n,
+                                 float* out, void* stream) {
+  return reduce_scatter_as(group, in, n, out, stream, ncclFloat);
+}
+
+Status NcclComms::all_gather_bf16(const std::vector<int>& group, const void* in, std::size_t n,
+                                  void* out, void* stream) {
+  return all_gather_as(group, in, n, out, stream, ncclBfloat16);
+}
+
+Status NcclComms::reduce_scatter_bf16(const std::vector<int>& group, const void* in, std::size_t n,
+                                      void* out, void* stream) {
+  return reduce_scatter_as(group, in, n, out, stream, ncclBfloat16);
+}
+
 Expected<void*> NcclComms::send_stream(int peer) const {
   const auto it = edges_.find({rank_, peer});
   if (it == edges_.end()) {

@@ -71,6 +71,17 @@ class NcclComms {
   // The same of n bf16 values (ncclBfloat16).
   Status all_reduce_bf16(const std::vector<int>& group, void* data, std::size_t n, Comm::Op op,
                          void* stream);
+  // float32 all-gather (n from each member into out, member i's at out + i n) and
+  // reduce-scatter (in holds n per member; out gets the sum of everyone's chunk of this rank).
+  Status all_gather(const std::vector<int>& group, const float* in, std::size_t n, float* out,
+                    void* stream);
+  Status reduce_scatter(const std::vector<int>& group, const float* in, std::size_t n, float* out,
+                        void* stream);
+  // The same of bf16 values (ncclBfloat16).
+  Status all_gather_bf16(const std::vector<int>& group, const void* in, std::size_t n, void* out,
+                         void* stream);
+  Status reduce_scatter_bf16(const std::vector<int>& group, const void* in, std::size_t n,
+                             void* out, void* stream);
   // The stream that sends to `peer` run on (an edge given to create).
   Expected<void*> send_stream(int peer) const;
   // ncclSend of `bytes` to `peer` on its send stream (the caller orders it after the data's
@@ -82,6 +93,11 @@ class NcclComms {
 
  private:
   NcclComms() = default;
+  Expected<void*> group_comm(const std::vector<int>& group) const;
+  Status all_gather_as(const std::vector<int>& group, const void* in, std::size_t n, void* out,
+                       void* stream, int dtype);
+  Status reduce_scatter_as(const std::vector<int>& group, const void* in, std::size_t n, void* out,
+                           void* stream, int dtype);
   // An in-place all-reduce of n elements of NCCL data type `dtype` (an ncclDataType_t).
   Status all_reduce_as(const std::vector<int>& group, void* data, std::size_t n, Comm::Op op,
                        void* stream, int dtype, const char* what);

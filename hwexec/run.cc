@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -18,6 +19,9 @@
 namespace nnsim::hwexec {
 
 namespace {
+
+const std::set<std::string> kSequenceParallelOps = {
+    "attn.norm", "attn.residual", "mlp.norm", "mlp.residual", "head.norm", "embed.position"};
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
   std::string s;
@@ -35,9 +39,9 @@ Status check_runnable(const Plan& plan) {
     return Error(
         fmt::format("{}: {} (nnexec run executes GPT- and Llama-style models: "
                     "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU or SwiGLU "
-                    "MLP, learned or rotary positions; Megatron tensor "
-                    "parallelism, pipelines of one segment per stage with F/B blocks, "
-                    "data parallelism)",
+                    "MLP, learned or rotary positions; Megatron tensor and sequence "
+                    "parallelism, pipelines (interleaved too) with F/B blocks, "
+                    "data parallelism with ZeRO 0-3, recompute rules over layers)",
                     field, why));
   };
   if (m.mlp != MlpKind::kGelu && m.mlp != MlpKind::kSwiglu) {
@@ -63,13 +67,38 @@ Status check_runnable(const Plan& plan) {
                   "dropout would make the partitioned run differ from the unpartitioned one; set "
                   "dropout: false");
   }
-  if (!plan.recompute.empty()) {
-    return refuse("recompute", fmt::format("recomputation ('{}') is not supported yet",
-                                           plan.recompute.front().match));
+  for (std::size_t i = 0; i < plan.recompute.size(); ++i) {
+    if (plan.recompute[i].end_layer < 0) {
+      return refuse(fmt::format("recompute[{}]", i),
+                    fmt::format("rule '{}' has no layers, so it also recomputes the embedding and "
+                                "the head, which is not supported yet (give it layers)",
+                                plan.recompute[i].match));
+    }
   }
-  if (plan.optimizer.zero != 0) {
+  if (plan.optimizer.zero < 0 || plan.optimizer.zero > 3) {
     return refuse("optimizer.zero",
-                  fmt::format("ZeRO stage {} is not supported yet (0 only)", plan.optimizer.zero));
+                  fmt::format("ZeRO stage {} does not exist (0 to 3)", plan.optimizer.zero));
+  }
+  if (plan.optimizer.zero == 3 && plan.precision == Precision::kBf16) {
+    // The bf16 copies are cast once per step from whole master weights, which ZeRO-3 never holds.
+    return refuse("optimizer.zero", "ZeRO stage 3 runs fp32 plans only (the plan is bf16)");
+  }
+  if (plan.optimizer.zero == 3 && plan.comm.zero3_per_tensor) {
+    return refuse("comm.zero3_per_tensor",
+                  "ZeRO-3 gathers a layer's parameters at once "
+                  "(FSDP's units); per-tensor gathers are not supported "
+                  "yet (false only)");
+  }
+  if (plan.optimizer.zero == 3 && plan.comm.zero3_regather_for_recompute &&
+      !plan.recompute.empty()) {
+    return refuse("comm.zero3_regather_for_recompute",
+                  "gathering a recomputed layer twice in its backward is not supported yet (false "
+                  "only: one gather serves the recomputation and the backward)");
+  }
+  if (plan.optimizer.zero >= 1 && plan.optimizer.keep_gathered) {
+    return refuse("optimizer.keep_gathered",
+                  "keeping ZeRO's gathered parameters across "
+                  "micro-batches is not supported yet (false only)");
   }
   if (plan.optimizer.kind != "adam") {
     return refuse("optimizer.kind",
@@ -87,6 +116,7 @@ Status check_runnable(const Plan& plan) {
   std::vector<std::string> tp_axes;
   bool tp_set = false;
   std::map<std::string, std::vector<std::string>> split_of;  // op -> axes of its allowed dim
+  std::set<std::string> seq_split;                           // sequence-parallel operators
   for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
     for (const Op& op : part->ops) {
       std::map<Dim, std::vector<std::string>> splits;
@@ -107,11 +137,14 @@ Status check_runnable(const Plan& plan) {
       }
       for (const auto& [dim, axes] : splits) {
         if (axes.empty()) continue;
-        if (!has_allowed || dim != allowed) {
-          const std::string what = dim == Dim::kSeq && op.kind == OpKind::kAttention
-                                       ? " (context parallelism)"
-                                   : dim == Dim::kSeq ? " (sequence parallelism)"
-                                                      : "";
+        // Megatron's sequence parallelism: the norms, residuals and position add on sequence
+        // shards of the tensor-parallel group.
+        const bool sequence_parallel = dim == Dim::kSeq && kSequenceParallelOps.count(op.name);
+        if (sequence_parallel) seq_split.insert(op.name);
+        if (!sequence_parallel && (!has_allowed || dim != allowed)) {
+          // Sequence parallelism splits only the operators above; a sequence split of any
+          // other is context parallelism.
+          const std::string what = dim == Dim::kSeq ? " (context parallelism)" : "";
           return refuse("partition",
                         fmt::format("operator '{}' is split along '{}' over {}{}, which is not "
                                     "supported yet",
@@ -134,7 +167,7 @@ Status check_runnable(const Plan& plan) {
         }
         tp_axes = axes;
         tp_set = true;
-        split_of[op.name] = axes;
+        if (!sequence_parallel) split_of[op.name] = axes;
       }
     }
   }
@@ -168,6 +201,29 @@ Status check_runnable(const Plan& plan) {
                               "groups); use a tensor-parallel degree dividing {}",
                               m.kv_heads, tp, m.kv_heads));
   }
+  if (!seq_split.empty()) {
+    for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
+      for (const Op& op : part->ops) {
+        if (kSequenceParallelOps.count(op.name) && !seq_split.count(op.name)) {
+          return refuse("partition",
+                        fmt::format("operator '{}' is not split along 'seq' but {} is "
+                                    "(sequence parallelism splits every norm, residual and the "
+                                    "position add alike)",
+                                    op.name, *seq_split.begin()));
+        }
+      }
+    }
+    if (!split_of.count("attn.qkv") || !split_of.count("mlp.fc1")) {
+      return refuse("partition",
+                    "sequence parallelism needs tensor-parallel attention and MLP "
+                    "(the sequence is gathered for their column-parallel linears)");
+    }
+    if (m.seq_len % tp != 0) {
+      return refuse("partition", fmt::format("seq_len {} is not divisible by the "
+                                             "tensor-parallel degree {} (sequence parallelism)",
+                                             m.seq_len, tp));
+    }
+  }
   for (const MeshAxis& a : plan.mesh.axes) {
     if (a.size == 1 || a.name == kDataParallelAxis || pp_axes.count(a.name)) continue;
     if (std::find(tp_axes.begin(), tp_axes.end(), a.name) != tp_axes.end()) continue;
@@ -193,33 +249,40 @@ Status check_runnable(const Plan& plan) {
   for (std::size_t oi = 0; oi < plan.schedule.size(); ++oi) {
     const DeviceOrder& o = plan.schedule[oi];
     std::set<int> segs;
-    std::map<std::pair<int, int>, int> count;  // (kind F=0/B=1, micro-batch)
+    std::map<std::tuple<int, int, int>, int> count;  // (segment, kind F=0/B=1/R=2, micro-batch)
     const std::string field = fmt::format("schedule.orders[{}].blocks", oi);
     for (const Block& b : o.blocks) {
-      if (b.kind != BlockKind::kForward && b.kind != BlockKind::kBackward) {
-        return refuse(
-            field, fmt::format("block '{}' ({}) is not supported yet (F and B only)", to_string(b),
-                               b.kind == BlockKind::kRecompute ? "recompute"
-                                                               : "zero-bubble split backward"));
+      if (b.kind != BlockKind::kForward && b.kind != BlockKind::kBackward &&
+          b.kind != BlockKind::kRecompute) {
+        return refuse(field, fmt::format("block '{}' (zero-bubble split backward) is not "
+                                         "supported yet (F, B and R only)",
+                                         to_string(b)));
       }
       if (b.segment < 0 || b.segment >= static_cast<int>(plan.segments.size())) {
         return refuse(field, fmt::format("block '{}' names no segment", to_string(b)));
       }
       segs.insert(b.segment);
-      ++count[{b.kind == BlockKind::kForward ? 0 : 1, b.micro_batch}];
+      const int kind = b.kind == BlockKind::kForward ? 0 : b.kind == BlockKind::kBackward ? 1 : 2;
+      // An R block recomputes what its forward dropped, for its backward.
+      if (kind == 2 && (!count.count({b.segment, 0, b.micro_batch}) ||
+                        count.count({b.segment, 1, b.micro_batch}))) {
+        return refuse(field, fmt::format("block '{}' is not between the forward and the "
+                                         "backward of its micro-batch",
+                                         to_string(b)));
+      }
+      if (++count[{b.segment, kind, b.micro_batch}] > 1 && kind == 2) {
+        return refuse(field, fmt::format("block '{}' appears twice", to_string(b)));
+      }
     }
-    if (segs.size() > 1) {
-      return refuse(field,
-                    "the order runs several segments (an interleaved pipeline), which is "
-                    "not supported yet");
-    }
-    for (int k = 0; k < 2; ++k) {
-      for (int i = 0; i < mb; ++i) {
-        const int n = count.count({k, i}) ? count[{k, i}] : 0;
-        if (n != 1) {
-          return refuse(field, fmt::format("the {} of micro-batch {} appears {} times (once "
-                                           "expected)",
-                                           k == 0 ? "forward" : "backward", i, n));
+    for (int sg : segs) {  // several: an interleaved pipeline
+      for (int k = 0; k < 2; ++k) {
+        for (int i = 0; i < mb; ++i) {
+          const int n = count.count({sg, k, i}) ? count[{sg, k, i}] : 0;
+          if (n != 1) {
+            return refuse(field, fmt::format("the {} of micro-batch {} through segment {} "
+                                             "appears {} times (once expected)",
+                                             k == 0 ? "forward" : "backward", i, sg, n));
+          }
         }
       }
     }
@@ -294,8 +357,9 @@ std::string rank_to_text(const RankResult& r) {
     s += fmt::format("op {} {} {:.17g} {:.17g}\n", o.name, o.phase, o.calls, o.seconds);
   }
   for (const CollTime& c : r.collectives) {
-    s += fmt::format("coll {} {} {} {:.17g} {:.17g} {:.17g}\n", c.kind, c.axes, c.label, c.bytes,
-                     c.calls, c.seconds);
+    // The label last: it may hold spaces ("param gather", as the compiled program names it).
+    s += fmt::format("coll {} {} {:.17g} {:.17g} {:.17g} {}\n", c.kind, c.axes, c.bytes, c.calls,
+                     c.seconds, c.label);
   }
   for (const ParamCheck& c : r.checks) {
     s += fmt::format("param {} {:.17g} {:.17g} {:.17g} {}\n", c.name, c.elements, c.max_abs_error,
@@ -345,7 +409,8 @@ Expected<RankResult> rank_from_text(const std::string& text) {
       r.ops.push_back(o);
     } else if (key == "coll") {
       CollTime c;
-      l >> c.kind >> c.axes >> c.label >> c.bytes >> c.calls >> c.seconds;
+      l >> c.kind >> c.axes >> c.bytes >> c.calls >> c.seconds >> std::ws;
+      std::getline(l, c.label);
       r.collectives.push_back(c);
     } else if (key == "param") {
       ParamCheck c;

@@ -1,6 +1,7 @@
 // Running a plan on this machine's CPU (`nnexec run`, docs/hwexec.md): one process per mesh rank,
-// each building with LibTorch the part of the model its rank owns (Megatron tensor parallelism,
-// the plan's pipeline segments and block orders, data parallelism), timing every operator and
+// each building with LibTorch the part of the model its rank owns (Megatron tensor and sequence
+// parallelism, the plan's pipeline segments and block orders, interleaved too, data parallelism
+// with ZeRO 0-3, recompute rules), timing every operator and
 // collective, and optionally checking its loss and gradients against an unpartitioned run of
 // the same model and batch. Results go into an HDF5 run file (format "nnexec-run", version 1).
 #pragma once
@@ -37,7 +38,7 @@ struct RunOptions {
 // the sum over its calls (every layer, every micro-batch) averaged over the iterations.
 struct OpTime {
   std::string name;   // "attn.qkv", ...
-  std::string phase;  // "fwd" or "bwd"
+  std::string phase;  // "fwd", "recompute" (forward run again before its backward) or "bwd"
   double calls = 0;   // per iteration
   double seconds = 0;
 };

@@ -11,6 +11,10 @@
 //   embed.word: rows (vocabulary) split, looked up with a mask, output all-reduced.
 //   head.proj + loss: columns (vocabulary) split, vocab-parallel cross-entropy (all-reduces of
 //     the row maximum, the sum of exponentials and the target logit).
+// Sequence parallelism turns the tp all-reduces into all-gathers before the column-parallel
+// linears and reduce-scatters after the row-parallel ones; ZeRO reduce-scatters gradients and
+// all-gathers parameters over dp; recompute rules re-run operators' forwards before the
+// backward. Collectives follow the compiled program's order and labels (core/program.cc).
 // On the CPU (--device cpu) the collectives go over the TCP-socket Comm and spans are timed with
 // the steady clock. On a GPU (--device cuda, only in a build whose LibTorch has CUDA) every rank
 // owns one GPU, the collectives and pipeline transfers are NCCL calls in the same order
@@ -18,6 +22,7 @@
 // synchronize.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/Resize.h>
 #include <sys/resource.h>
 #include <torch/version.h>
 
@@ -37,6 +42,7 @@
 
 #ifdef NNSIM_TORCH_HAS_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/native/cuda/Resize.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 
@@ -210,10 +216,81 @@ struct Ctx {
     ok_or_throw(comm->all_reduce(group, t.data_ptr<float>(), t.numel(), op));
     stats->coll("all_reduce", axes, label, t.numel() * 4.0, a, stats->mark());
   }
+  // All-gather (fp32 or bf16): `in` (n elements) from each member of `group`, in group
+  // order; bytes recorded as the gathered output (nccl-tests' convention, the program's).
+  at::Tensor all_gather(const at::Tensor& in, const std::vector<int>& group,
+                        const std::string& axes, const std::string& label) {
+    if (group.size() <= 1) return in.clone();
+    const at::Tensor x = in.contiguous();
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    if (!bf16 && x.scalar_type() != at::kFloat) {
+      throw Failure{fmt::format("all-gather of {}: only fp32 and bf16 tensors", label)};
+    }
+    at::Tensor out = at::empty({static_cast<int64_t>(group.size()) * x.numel()}, x.options());
+    const Mark a = stats->mark();
+#ifdef NNSIM_TORCH_HAS_CUDA
+    if (nccl) {
+      ok_or_throw(bf16 ? nccl->all_gather_bf16(group, x.data_ptr(), x.numel(), out.data_ptr(),
+                                               stats->stream)
+                       : nccl->all_gather(group, x.data_ptr<float>(), x.numel(),
+                                          out.data_ptr<float>(), stats->stream));
+      stats->coll("all_gather", axes, label, static_cast<double>(out.nbytes()), a, stats->mark());
+      return out;
+    }
+#endif
+    ok_or_throw(
+        bf16 ? comm->all_gather_bf16(group, static_cast<const std::uint16_t*>(x.data_ptr()),
+                                     x.numel(), static_cast<std::uint16_t*>(out.data_ptr()))
+             : comm->all_gather(group, x.data_ptr<float>(), x.numel(), out.data_ptr<float>()));
+    stats->coll("all_gather", axes, label, static_cast<double>(out.nbytes()), a, stats->mark());
+    return out;
+  }
+  // Reduce-scatter (sum; fp32 or bf16) of `in` (group size x n elements): this rank's n-element
+  // chunk of the sum; bytes recorded as the input.
+  at::Tensor reduce_scatter(const at::Tensor& in, const std::vector<int>& group,
+                            const std::string& axes, const std::string& label) {
+    if (group.size() <= 1) return in.clone();
+    const at::Tensor x = in.contiguous();
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    if ((!bf16 && x.scalar_type() != at::kFloat) ||
+        x.numel() % static_cast<int64_t>(group.size()) != 0) {
+      throw Failure{fmt::format("reduce-scatter of {}: needs fp32 or bf16 in equal chunks", label)};
+    }
+    const int64_t n = x.numel() / static_cast<int64_t>(group.size());
+    at::Tensor out = at::empty({n}, x.options());
+    const Mark a = stats->mark();
+#ifdef NNSIM_TORCH_HAS_CUDA
+    if (nccl) {
+      ok_or_throw(
+          bf16 ? nccl->reduce_scatter_bf16(group, x.data_ptr(), n, out.data_ptr(), stats->stream)
+               : nccl->reduce_scatter(group, x.data_ptr<float>(), n, out.data_ptr<float>(),
+                                      stats->stream));
+      stats->coll("reduce_scatter", axes, label, static_cast<double>(x.nbytes()), a, stats->mark());
+      return out;
+    }
+#endif
+    ok_or_throw(bf16 ? comm->reduce_scatter_bf16(group,
+                                                 static_cast<const std::uint16_t*>(x.data_ptr()), n,
+                                                 static_cast<std::uint16_t*>(out.data_ptr()))
+                     : comm->reduce_scatter(group, x.data_ptr<float>(), n, out.data_ptr<float>()));
+    stats->coll("reduce_scatter", axes, label, static_cast<double>(x.nbytes()), a, stats->mark());
+    return out;
+  }
+  // ZeRO-3: before parameter unit `u` (forward order: the embedding, each layer, the head) runs
+  // its forward or its backward, and after its backward. Unset: nothing to do.
+  std::function<void(int, bool)> before_unit;
+  std::function<void(int)> after_unit_backward;
+  void unit_before(int u, bool backward) {
+    if (before_unit) before_unit(u, backward);
+  }
+  void unit_after_backward(int u) {
+    if (after_unit_backward) after_unit_backward(u);
+  }
   void tp_all_reduce(at::Tensor& t, const std::string& label, Comm::Op op = Comm::Op::kSum) {
     all_reduce(t, tp_group, tp_axes, label, op);
   }
-  void send(int peer, const at::Tensor& t, const std::string& label) {
+  // `record` false: not a transfer of the plan (an interleaved transfer's header).
+  void send(int peer, const at::Tensor& t, const std::string& label, bool record = true) {
     at::Tensor c = t.contiguous();
 #ifdef NNSIM_TORCH_HAS_CUDA
     if (nccl) {
@@ -222,28 +299,62 @@ struct Ctx {
       ok_or_throw(stats->events->order(*s, stats->stream));
       const Mark a = stats->mark(*s);
       ok_or_throw(nccl->send(peer, c.data_ptr(), c.nbytes()));
-      stats->coll("send", pp_axes, label, static_cast<double>(c.nbytes()), a, stats->mark(*s));
+      if (record) {
+        stats->coll("send", pp_axes, label, static_cast<double>(c.nbytes()), a, stats->mark(*s));
+      }
       in_flight.push_back(c);
       return;
     }
 #endif
     const Mark a = stats->mark();
     ok_or_throw(comm->send(peer, c.data_ptr(), c.nbytes()));
-    stats->coll("send", pp_axes, label, static_cast<double>(c.nbytes()), a, stats->mark());
+    if (record) {
+      stats->coll("send", pp_axes, label, static_cast<double>(c.nbytes()), a, stats->mark());
+    }
   }
-  at::Tensor recv(int peer, at::IntArrayRef shape, const std::string& label) {
-    at::Tensor t = at::empty(shape, options);
+  at::Tensor recv(int peer, at::IntArrayRef shape, const std::string& label, bool record = true,
+                  at::ScalarType dtype = at::kFloat, bool compute_dtype = true) {
+    at::Tensor t = at::empty(shape, compute_dtype ? options : options.dtype(dtype));
     const Mark a = stats->mark();
 #ifdef NNSIM_TORCH_HAS_CUDA
     if (nccl) {
       ok_or_throw(nccl->recv(peer, t.data_ptr(), t.nbytes(), stats->stream));
-      stats->coll("recv", pp_axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
+      if (record) {
+        stats->coll("recv", pp_axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
+      }
       return t;
     }
 #endif
     ok_or_throw(comm->recv(peer, t.data_ptr(), t.nbytes()));
-    stats->coll("recv", pp_axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
+    if (record) {
+      stats->coll("recv", pp_axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
+    }
     return t;
+  }
+  // Interleaved pipelines: two ranks exchange the transfers of several segments, and one may
+  // send them in another order than the other receives them. Each transfer follows a header
+  // holding its tag; a receive keeps the transfers that arrive before the one it waits for.
+  std::map<std::pair<int, int64_t>, at::Tensor> early;  // (peer, tag) -> transfer
+  void send_tagged(int peer, const at::Tensor& t, const std::string& label, int64_t tag) {
+    send(peer, at::full({1}, tag, options.dtype(at::kLong)), "", /*record=*/false);
+    send(peer, t, label);
+  }
+  at::Tensor recv_tagged(int peer, at::IntArrayRef shape, const std::string& label, int64_t tag) {
+    if (auto it = early.find({peer, tag}); it != early.end()) {
+      at::Tensor t = it->second;
+      early.erase(it);
+      return t;
+    }
+    for (;;) {
+      const int64_t got =
+          recv(peer, {1}, "", /*record=*/false, at::kLong, /*compute_dtype=*/false).item<int64_t>();
+      at::Tensor t = recv(peer, shape, label);
+      if (got == tag) return t;
+      if (!early.emplace(std::make_pair(peer, got), t).second) {
+        throw Failure{fmt::format("rank {}: transfer {} from rank {} arrived twice", comm->rank(),
+                                  got, peer)};
+      }
+    }
   }
 };
 
@@ -266,7 +377,24 @@ struct Param {
 // Tensor-parallel degrees of the three operator groups (1 = replicated on every tp rank).
 struct Split {
   int heads = 1, ffn = 1, embed_vocab = 1, head_vocab = 1;
+  // Sequence parallelism: `seq` ranks (the tensor-parallel group) each hold a slice of the
+  // sequence between the column- and row-parallel linears (Megatron-LM's).
+  int seq = 1;
 };
+
+// Frees or reallocates a tensor's storage in place (FSDP's trick): autograd's saved references
+// stay valid, so a sequence-parallel linear's gathered input can be dropped after the forward
+// and gathered again into the same storage before the backward.
+void resize_storage(const at::Tensor& t, std::size_t bytes) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+#ifdef NNSIM_TORCH_HAS_CUDA
+  if (t.is_cuda()) {
+    at::native::resize_bytes_cuda(s, bytes);
+    return;
+  }
+#endif
+  at::native::resize_bytes_cpu(s, bytes);
+}
 
 struct LayerParams {
   Param *ln1g, *ln1b = nullptr, *qkv_w, *qkv_b = nullptr, *proj_w, *proj_b = nullptr, *ln2g,
@@ -285,6 +413,14 @@ at::Tensor leaf(const at::Tensor& t) {
 
 struct LayerTape {
   Unit n1, qkv, core, proj, res1, n2, fc1, act, fc2, res2;
+  at::Tensor x;             // the layer's input, kept when the layer recomputes operators
+  bool recomputed = false;  // an R block has run the recomputation already
+  std::vector<std::pair<const char*, Unit*>> units() {
+    return {{"attn.norm", &n1},     {"attn.qkv", &qkv},       {"attn.core", &core},
+            {"attn.proj", &proj},   {"attn.residual", &res1}, {"mlp.norm", &n2},
+            {"mlp.fc1", &fc1},      {"mlp.act", &act},        {"mlp.fc2", &fc2},
+            {"mlp.residual", &res2}};
+  }
 };
 
 struct MicroBatchTape {
@@ -358,6 +494,7 @@ class Model {
                     [=](const at::Tensor& x) { return x.narrow(0, tf * fl, fl); });
       if (spec.bias) L.fc2_b = add(p + "mlp.fc2.bias", {h}, 0.05, 0, whole);
       layers_.push_back(L);
+      recompute_.emplace_back();
     }
     if (head_) {
       hn_g_ = add("head.norm.weight", {h}, 0.1, 1, whole);
@@ -379,6 +516,55 @@ class Model {
   }
 
   std::deque<Param>& params() { return params_; }
+  // The operators the plan's recompute rules name in each layer of this part.
+  void set_recompute(const std::vector<RecomputeRule>& rules) {
+    for (int l = first_; l < end_; ++l) {
+      std::set<std::string>& r = recompute_[l - first_];
+      for (const RecomputeRule& rule : rules) {
+        if (l < rule.first_layer || (rule.end_layer >= 0 && l >= rule.end_layer)) continue;
+        for (const char* op : {"attn.norm", "attn.qkv", "attn.core", "attn.proj", "attn.residual",
+                               "mlp.norm", "mlp.fc1", "mlp.act", "mlp.fc2", "mlp.residual"}) {
+          if (match_pattern(rule.match, op)) r.insert(op);
+        }
+      }
+    }
+  }
+  // Parameter units, forward order: the embedding's, each layer's, the head's (ZeRO-3 gathers
+  // and reduces unit by unit, as the compiled program does).
+  std::vector<std::vector<Param*>> units() {
+    std::vector<std::vector<Param*>> u;
+    auto some = [](std::initializer_list<Param*> ps) {
+      std::vector<Param*> v;
+      for (Param* p : ps) {
+        if (p) v.push_back(p);
+      }
+      return v;
+    };
+    if (embedding_) u.push_back(some({word_, pos_}));
+    for (const LayerParams& L : layers_) {
+      u.push_back(some({L.ln1g, L.ln1b, L.qkv_w, L.qkv_b, L.proj_w, L.proj_b, L.ln2g, L.ln2b,
+                        L.fc1_w, L.fc1_b, L.fc2_w, L.fc2_b}));
+    }
+    if (head_) u.push_back(some({hn_g_, hn_b_, head_w_}));
+    return u;
+  }
+  // Parameters whose gradients sequence parallelism leaves as partial sums over the
+  // tensor-parallel group (applied to a slice of the sequence): the norms', the biases added in
+  // the residuals, the position table.
+  std::vector<Param*> sequence_parallel_params() {
+    std::vector<Param*> v;
+    auto add = [&](std::initializer_list<Param*> ps) {
+      for (Param* p : ps) {
+        if (p) v.push_back(p);
+      }
+    };
+    if (split_.seq <= 1) return v;
+    add({pos_});
+    for (const LayerParams& L : layers_) add({L.ln1g, L.ln1b, L.proj_b, L.ln2g, L.ln2b, L.fc2_b});
+    add({hn_g_, hn_b_});
+    return v;
+  }
+  int head_unit() const { return (embedding_ ? 1 : 0) + static_cast<int>(layers_.size()); }
   bool has_embedding() const { return embedding_; }
   bool has_head() const { return head_; }
 
@@ -389,6 +575,7 @@ class Model {
                      MicroBatchTape& tape) {
     Stats& st = *c.stats;
     if (embedding_) {
+      c.unit_before(0, false);
       const int64_t vl = spec_.vocab / split_.embed_vocab;
       const int64_t start = split_.embed_vocab > 1 ? t_ * vl : 0;
       tape.word = fwd(st, "embed.word", {}, [&](const std::vector<at::Tensor>&) {
@@ -400,11 +587,21 @@ class Model {
         return (at::embedding(word_->w, local.clamp(0, vl - 1)) * mask.unsqueeze(-1).to(at::kFloat))
             .to(dtype_);
       });
-      at::Tensor e = tape.word.out.detach().clone();
-      if (split_.embed_vocab > 1) c.tp_all_reduce(e, "embed.word");
+      at::Tensor e;
+      if (split_.seq > 1) {
+        // Sequence parallelism: the partial sums reduce-scattered to this rank's slice, which
+        // the program names after the operator that reads it.
+        e = split_.embed_vocab > 1
+                ? scatter_seq(c, tape.word.out.detach(), pos_ ? "embed.position" : "attn.norm")
+                : my_seq(tape.word.out.detach());
+      } else {
+        e = tape.word.out.detach().clone();
+        if (split_.embed_vocab > 1) c.tp_all_reduce(e, "embed.word");
+      }
       if (pos_) {
+        const int64_t sl = e.size(1), first = split_.seq > 1 ? t_ * sl : 0;
         tape.pos = fwd(st, "embed.position", {leaf(e)}, [&](const std::vector<at::Tensor>& in) {
-          return in[0] + W(pos_).narrow(0, 0, tokens.size(1));
+          return in[0] + W(pos_).narrow(0, first, sl);
         });
         x = tape.pos.out.detach();
       } else {
@@ -412,17 +609,25 @@ class Model {
       }
     }
     tape.layers.resize(layers_.size());
-    for (std::size_t l = 0; l < layers_.size(); ++l)
-      x = layer_forward(c, layers_[l], x, tape.layers[l]);
+    const int first_unit = embedding_ ? 1 : 0;
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      c.unit_before(first_unit + static_cast<int>(l), false);
+      x = layer_forward(c, static_cast<int>(l), x, tape.layers[l]);
+    }
     if (!head_) return x;
+    c.unit_before(head_unit(), false);
     tape.hnorm = fwd(st, "head.norm", {leaf(x)},
                      [&](const std::vector<at::Tensor>& in) { return norm(in[0], hn_g_, hn_b_); });
     const bool tied = spec_.tied_embeddings;
     const int vsplit = tied ? split_.embed_vocab : split_.head_vocab;
+    const bool sp = split_.seq > 1;
     tape.hproj =
-        fwd(st, "head.proj", {leaf(tape.hnorm.out)}, [&](const std::vector<at::Tensor>& in) {
-          return at::matmul(in[0], tied ? W(word_).t() : W(head_w_));
-        });
+        fwd(st, "head.proj",
+            {leaf(sp ? gather_seq(c, tape.hnorm.out.detach(), "head.proj") : tape.hnorm.out)},
+            [&](const std::vector<at::Tensor>& in) {
+              return at::matmul(in[0], tied ? W(word_).t() : W(head_w_));
+            });
+    if (sp) dropped(tape.hproj.in[0]);
     // Vocab-parallel cross-entropy, mean over the micro-batch's tokens.
     const Mark t0 = st.mark();
     at::Tensor logits = tape.hproj.out.detach().to(at::kFloat);  // cross-entropy in fp32
@@ -450,23 +655,49 @@ class Model {
   at::Tensor backward(Ctx& c, MicroBatchTape& tape, at::Tensor dy, double loss_scale) {
     Stats& st = *c.stats;
     if (head_) {
+      c.unit_before(head_unit(), true);
       const Mark t0 = st.mark();
       const double n = static_cast<double>(tape.ez.size(0) * tape.ez.size(1));
       at::Tensor dlogits = (tape.ez / tape.se.unsqueeze(-1) - tape.onehot) * (loss_scale / n);
       st.op("loss", "bwd", t0, st.mark());
       tape.ez = tape.se = tape.onehot = at::Tensor();
       const int vsplit = spec_.tied_embeddings ? split_.embed_vocab : split_.head_vocab;
+      const bool sp = split_.seq > 1;
+      if (sp) regather(c, tape.hnorm.out.detach(), tape.hproj, "head.proj");
       at::Tensor dn = bwd(st, "head.proj", tape.hproj, dlogits.to(dtype_))[0];
-      if (vsplit > 1) c.tp_all_reduce(dn, "head.proj");
+      if (sp) {
+        dn = vsplit > 1 ? scatter_seq(c, dn, "head.proj") : my_seq(dn);
+      } else if (vsplit > 1) {
+        c.tp_all_reduce(dn, "head.proj");
+      }
       dy = bwd(st, "head.norm", tape.hnorm, dn)[0];
+      c.unit_after_backward(head_unit());
     }
-    for (std::size_t l = layers_.size(); l-- > 0;) dy = layer_backward(c, tape.layers[l], dy);
+    const int first_unit = embedding_ ? 1 : 0;
+    for (std::size_t l = layers_.size(); l-- > 0;) {
+      c.unit_before(first_unit + static_cast<int>(l), true);
+      dy = layer_backward(c, static_cast<int>(l), tape.layers[l], dy);
+      c.unit_after_backward(first_unit + static_cast<int>(l));
+    }
     if (embedding_) {
+      c.unit_before(0, true);
       at::Tensor de = pos_ ? bwd(st, "embed.position", tape.pos, dy)[0] : dy;
+      if (split_.seq > 1) de = gather_seq(c, de, pos_ ? "embed.position" : "attn.residual");
       bwd(st, "embed.word", tape.word, de);
+      c.unit_after_backward(0);
       return at::Tensor();
     }
     return dy;
+  }
+
+  // An explicit R block: the recomputation of every layer ahead of the backward (which then
+  // skips it), as the program's recompute template.
+  void recompute(Ctx& c, MicroBatchTape& tape) {
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      if (recompute_[l].empty()) continue;
+      layer_forward(c, static_cast<int>(l), at::Tensor(), tape.layers[l], /*again=*/true);
+      tape.layers[l].recomputed = true;
+    }
   }
 
  private:
@@ -486,11 +717,15 @@ class Model {
 
   template <class F>
   Unit fwd(Stats& st, const char* name, std::vector<at::Tensor> in, F&& f) {
+    return fwd(st, name, "fwd", std::move(in), std::forward<F>(f));
+  }
+  template <class F>
+  Unit fwd(Stats& st, const char* name, const char* phase, std::vector<at::Tensor> in, F&& f) {
     const Mark t0 = st.mark();
     Unit u;
     u.out = f(in);
     u.in = std::move(in);
-    st.op(name, "fwd", t0, st.mark());
+    st.op(name, phase, t0, st.mark());
     return u;
   }
 
@@ -535,86 +770,196 @@ class Model {
     return x * cos + rotated * sin;
   }
 
-  at::Tensor layer_forward(Ctx& c, const LayerParams& L, const at::Tensor& x, LayerTape& t) {
-    Stats& st = *c.stats;
-    const int64_t d = spec_.head_dim(), g = spec_.heads / spec_.kv_heads,
-                  kl = spec_.kv_heads / split_.heads, al = kl * g;
-    t.n1 = fwd(st, "attn.norm", {leaf(x)},
-               [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.ln1g, L.ln1b); });
-    t.qkv = fwd(st, "attn.qkv", {leaf(t.n1.out)}, [&](const std::vector<at::Tensor>& in) {
-      at::Tensor y = at::matmul(in[0], W(L.qkv_w));
-      return L.qkv_b ? y + W(L.qkv_b) : y;
-    });
-    t.core = fwd(st, "attn.core", {leaf(t.qkv.out)}, [&](const std::vector<at::Tensor>& in) {
-      const int64_t b = in[0].size(0), s = in[0].size(1);
-      // [b, s, kv heads, group + 2, d]: the group's queries, then its key and value.
-      at::Tensor v5 = in[0].view({b, s, kl, g + 2, d});
-      at::Tensor q = v5.narrow(3, 0, g).reshape({b, s, al, d});
-      at::Tensor k = v5.select(3, g), v = v5.select(3, g + 1);
-      if (spec_.position == PositionKind::kRope) {
-        q = rope(q);
-        k = rope(k);
-      }
-      if (g > 1) {  // grouped-query attention: each key/value head serves its g query heads
-        k = k.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
-        v = v.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
-      }
-      q = q.permute({0, 2, 1, 3});
-      k = k.permute({0, 2, 1, 3});
-      v = v.permute({0, 2, 1, 3});
-      at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(d));
-      at::Tensor causal = at::ones({s, s}, in[0].options().dtype(at::kBool)).triu(1);
-      // The softmax in fp32 (Megatron's fused scaled-masked softmax), its output in the
-      // compute dtype.
-      at::Tensor p =
-          at::softmax(scores.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1,
-                      at::kFloat)
-              .to(q.scalar_type());
-      return at::matmul(p, v).permute({0, 2, 1, 3}).reshape({b, s, al * d});
-    });
-    t.proj = fwd(st, "attn.proj", {leaf(t.core.out)},
-                 [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], W(L.proj_w)); });
-    at::Tensor y = t.proj.out.detach().clone();
-    if (split_.heads > 1) c.tp_all_reduce(y, "attn.proj");
-    t.res1 = fwd(st, "attn.residual", {leaf(y), leaf(x)}, [&](const std::vector<at::Tensor>& in) {
-      return L.proj_b ? in[0] + W(L.proj_b) + in[1] : in[0] + in[1];
-    });
-    const at::Tensor x1 = t.res1.out.detach();
-    t.n2 = fwd(st, "mlp.norm", {leaf(x1)},
-               [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.ln2g, L.ln2b); });
-    t.fc1 = fwd(st, "mlp.fc1", {leaf(t.n2.out)}, [&](const std::vector<at::Tensor>& in) {
-      at::Tensor z = at::matmul(in[0], W(L.fc1_w));
-      return L.fc1_b ? z + W(L.fc1_b) : z;
-    });
-    t.act = fwd(st, "mlp.act", {leaf(t.fc1.out)}, [&](const std::vector<at::Tensor>& in) {
-      if (!spec_.gated_mlp()) return at::gelu(in[0]);
-      // SwiGLU: silu(gate) * up, the halves of this rank's fc1 output.
-      const int64_t fl = in[0].size(-1) / 2;
-      return at::silu(in[0].narrow(-1, 0, fl)) * in[0].narrow(-1, fl, fl);
-    });
-    t.fc2 = fwd(st, "mlp.fc2", {leaf(t.act.out)},
-                [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], W(L.fc2_w)); });
-    at::Tensor y2 = t.fc2.out.detach().clone();
-    if (split_.ffn > 1) c.tp_all_reduce(y2, "mlp.fc2");
-    t.res2 = fwd(st, "mlp.residual", {leaf(y2), leaf(x1)}, [&](const std::vector<at::Tensor>& in) {
-      return L.fc2_b ? in[0] + W(L.fc2_b) + in[1] : in[0] + in[1];
-    });
-    return t.res2.out.detach();
+  // Sequence parallelism: rank t of the tensor-parallel group holds positions [t s/tp, (t+1)
+  // s/tp) of every sequence, [b, s/tp, h]. The all-gather before a column-parallel linear:
+  at::Tensor gather_seq(Ctx& c, const at::Tensor& x, const std::string& label) {
+    const int64_t n = split_.seq, b = x.size(0), sl = x.size(1), h = x.size(2);
+    const at::Tensor all = c.all_gather(x.reshape({-1}), c.tp_group, c.tp_axes, label);
+    return all.view({n, b, sl, h}).permute({1, 0, 2, 3}).reshape({b, n * sl, h});
+  }
+  // The reduce-scatter after a row-parallel one (partial sums in, this rank's summed slice out).
+  at::Tensor scatter_seq(Ctx& c, const at::Tensor& x, const std::string& label) {
+    const int64_t n = split_.seq, b = x.size(0), sl = x.size(1) / n, h = x.size(2);
+    const at::Tensor chunks = x.reshape({b, n, sl, h}).permute({1, 0, 2, 3}).reshape({-1});
+    return c.reduce_scatter(chunks, c.tp_group, c.tp_axes, label).view({b, sl, h});
+  }
+  // A replicated tensor's slice (no communication).
+  at::Tensor my_seq(const at::Tensor& x) const {
+    const int64_t sl = x.size(1) / split_.seq;
+    return x.narrow(1, t_ * sl, sl).contiguous();
+  }
+  // A column-parallel linear's input under sequence parallelism: the gathered sequence, whose
+  // storage `dropped` frees after the forward (Megatron keeps only the shard) and `regather`
+  // fills again from the shard (the norm's output, kept for its own backward).
+  void dropped(const at::Tensor& gathered) { resize_storage(gathered, 0); }
+  void regather(Ctx& c, const at::Tensor& shard, Unit& u, const std::string& label) {
+    const at::Tensor full = gather_seq(c, shard, label);
+    resize_storage(u.in[0], full.nbytes());
+    at::NoGradGuard no_grad;
+    u.in[0].variable_data().copy_(full);
   }
 
-  at::Tensor layer_backward(Ctx& c, LayerTape& t, const at::Tensor& dy) {
+  // A layer's forward. Recomputed operators (`recompute_` of the layer, the plan's rules) drop
+  // their pieces after it: what they read from outside the recomputed region stays with the
+  // operators that keep it, the layer's input in the tape. `again` (just before the layer's
+  // backward) runs only the recomputed operators, with the collectives that feed them, timed
+  // as phase "recompute".
+  at::Tensor layer_forward(Ctx& c, int l, const at::Tensor& x, LayerTape& t, bool again = false) {
     Stats& st = *c.stats;
+    const LayerParams& L = layers_[l];
+    const std::set<std::string>& rc = recompute_[l];
+    auto runs = [&](const char* op) { return !again || rc.count(op) > 0; };
+    const char* phase = again ? "recompute" : "fwd";
+    const at::Tensor& in_x = again ? t.x : x;
+    const int64_t d = spec_.head_dim(), g = spec_.heads / spec_.kv_heads,
+                  kl = spec_.kv_heads / split_.heads, al = kl * g;
+    const bool sp = split_.seq > 1;
+    // Sequence parallelism: a linear's gathered input is dropped unless the linear is
+    // recomputed (then the recomputation gathers it, just before the backward).
+    auto drop_gathered = [&](const char* op, Unit& u) {
+      if (sp && !again && !rc.count(op)) dropped(u.in[0]);
+    };
+    if (runs("attn.norm")) {
+      t.n1 = fwd(st, "attn.norm", phase, {leaf(in_x)},
+                 [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.ln1g, L.ln1b); });
+    }
+    if (runs("attn.qkv")) {
+      t.qkv = fwd(st, "attn.qkv", phase,
+                  {leaf(sp ? gather_seq(c, t.n1.out.detach(), "attn.qkv") : t.n1.out)},
+                  [&](const std::vector<at::Tensor>& in) {
+                    at::Tensor y = at::matmul(in[0], W(L.qkv_w));
+                    return L.qkv_b ? y + W(L.qkv_b) : y;
+                  });
+      drop_gathered("attn.qkv", t.qkv);
+    }
+    if (runs("attn.core")) {
+      t.core =
+          fwd(st, "attn.core", phase, {leaf(t.qkv.out)}, [&](const std::vector<at::Tensor>& in) {
+            const int64_t b = in[0].size(0), s = in[0].size(1);
+            // [b, s, kv heads, group + 2, d]: the group's queries, then its key and value.
+            at::Tensor v5 = in[0].view({b, s, kl, g + 2, d});
+            at::Tensor q = v5.narrow(3, 0, g).reshape({b, s, al, d});
+            at::Tensor k = v5.select(3, g), v = v5.select(3, g + 1);
+            if (spec_.position == PositionKind::kRope) {
+              q = rope(q);
+              k = rope(k);
+            }
+            if (g > 1) {  // grouped-query attention: each key/value head serves its g query heads
+              k = k.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
+              v = v.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
+            }
+            q = q.permute({0, 2, 1, 3});
+            k = k.permute({0, 2, 1, 3});
+            v = v.permute({0, 2, 1, 3});
+            at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(d));
+            at::Tensor causal = at::ones({s, s}, in[0].options().dtype(at::kBool)).triu(1);
+            // The softmax in fp32 (Megatron's fused scaled-masked softmax), its output in the
+            // compute dtype.
+            at::Tensor p =
+                at::softmax(scores.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1,
+                            at::kFloat)
+                    .to(q.scalar_type());
+            return at::matmul(p, v).permute({0, 2, 1, 3}).reshape({b, s, al * d});
+          });
+    }
+    if (runs("attn.proj")) {
+      t.proj =
+          fwd(st, "attn.proj", phase, {leaf(t.core.out)},
+              [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], W(L.proj_w)); });
+    }
+    // The row-parallel sums feed the residual (the program's conversion for its input).
+    if (runs("attn.residual")) {
+      at::Tensor y;
+      if (sp) {
+        y = scatter_seq(c, t.proj.out.detach(), "attn.residual");
+      } else {
+        y = t.proj.out.detach().clone();
+        if (split_.heads > 1) c.tp_all_reduce(y, "attn.proj");
+      }
+      t.res1 = fwd(st, "attn.residual", phase, {leaf(y), leaf(in_x)},
+                   [&](const std::vector<at::Tensor>& in) {
+                     return L.proj_b ? in[0] + W(L.proj_b) + in[1] : in[0] + in[1];
+                   });
+    }
+    if (runs("mlp.norm")) {
+      t.n2 = fwd(st, "mlp.norm", phase, {leaf(t.res1.out)},
+                 [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.ln2g, L.ln2b); });
+    }
+    if (runs("mlp.fc1")) {
+      t.fc1 = fwd(st, "mlp.fc1", phase,
+                  {leaf(sp ? gather_seq(c, t.n2.out.detach(), "mlp.fc1") : t.n2.out)},
+                  [&](const std::vector<at::Tensor>& in) {
+                    at::Tensor z = at::matmul(in[0], W(L.fc1_w));
+                    return L.fc1_b ? z + W(L.fc1_b) : z;
+                  });
+      drop_gathered("mlp.fc1", t.fc1);
+    }
+    if (runs("mlp.act")) {
+      t.act = fwd(st, "mlp.act", phase, {leaf(t.fc1.out)}, [&](const std::vector<at::Tensor>& in) {
+        if (!spec_.gated_mlp()) return at::gelu(in[0]);
+        // SwiGLU: silu(gate) * up, the halves of this rank's fc1 output.
+        const int64_t fl = in[0].size(-1) / 2;
+        return at::silu(in[0].narrow(-1, 0, fl)) * in[0].narrow(-1, fl, fl);
+      });
+    }
+    if (runs("mlp.fc2")) {
+      t.fc2 = fwd(st, "mlp.fc2", phase, {leaf(t.act.out)},
+                  [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], W(L.fc2_w)); });
+    }
+    if (runs("mlp.residual")) {
+      at::Tensor y2;
+      if (sp) {
+        y2 = scatter_seq(c, t.fc2.out.detach(), "mlp.residual");
+      } else {
+        y2 = t.fc2.out.detach().clone();
+        if (split_.ffn > 1) c.tp_all_reduce(y2, "mlp.fc2");
+      }
+      t.res2 = fwd(st, "mlp.residual", phase, {leaf(y2), leaf(t.res1.out)},
+                   [&](const std::vector<at::Tensor>& in) {
+                     return L.fc2_b ? in[0] + W(L.fc2_b) + in[1] : in[0] + in[1];
+                   });
+    }
+    const at::Tensor out = t.res2.out.detach();
+    if (!again && !rc.empty()) {
+      t.x = x;  // the checkpoint
+      for (const auto& [name, u] : t.units()) {
+        if (rc.count(name)) *u = Unit{};
+      }
+    }
+    return out;
+  }
+
+  at::Tensor layer_backward(Ctx& c, int l, LayerTape& t, const at::Tensor& dy) {
+    Stats& st = *c.stats;
+    const std::set<std::string>& rc = recompute_[l];
+    if (!rc.empty() && !t.recomputed) layer_forward(c, l, at::Tensor(), t, /*again=*/true);
+    // Sequence parallelism (the program's order): the residual's gradient gathered before the
+    // row-parallel linear; the column-parallel linear's dropped input gathered again before its
+    // backward (a recomputed one has it), and its input gradient (partial sums)
+    // reduce-scattered.
+    const bool sp = split_.seq > 1;
     std::vector<at::Tensor> g = bwd(st, "mlp.residual", t.res2, dy);
-    at::Tensor d = bwd(st, "mlp.fc2", t.fc2, g[0])[0];
+    at::Tensor d = bwd(st, "mlp.fc2", t.fc2, sp ? gather_seq(c, g[0], "mlp.residual") : g[0])[0];
     d = bwd(st, "mlp.act", t.act, d)[0];
+    if (sp && !rc.count("mlp.fc1")) regather(c, t.n2.out.detach(), t.fc1, "mlp.fc1");
     d = bwd(st, "mlp.fc1", t.fc1, d)[0];
-    if (split_.ffn > 1) c.tp_all_reduce(d, "mlp.fc1");
+    if (sp) {
+      d = scatter_seq(c, d, "mlp.fc1");
+    } else if (split_.ffn > 1) {
+      c.tp_all_reduce(d, "mlp.fc1");
+    }
     at::Tensor dx1 = bwd(st, "mlp.norm", t.n2, d)[0] + g[1];
     g = bwd(st, "attn.residual", t.res1, dx1);
-    d = bwd(st, "attn.proj", t.proj, g[0])[0];
+    d = bwd(st, "attn.proj", t.proj, sp ? gather_seq(c, g[0], "attn.residual") : g[0])[0];
     d = bwd(st, "attn.core", t.core, d)[0];
+    if (sp && !rc.count("attn.qkv")) regather(c, t.n1.out.detach(), t.qkv, "attn.qkv");
     d = bwd(st, "attn.qkv", t.qkv, d)[0];
-    if (split_.heads > 1) c.tp_all_reduce(d, "attn.qkv");
+    if (sp) {
+      d = scatter_seq(c, d, "attn.qkv");
+    } else if (split_.heads > 1) {
+      c.tp_all_reduce(d, "attn.qkv");
+    }
+    t.x = at::Tensor();
     return bwd(st, "attn.norm", t.n1, d)[0] + g[1];
   }
 
@@ -628,6 +973,7 @@ class Model {
   unsigned long long seed_;
   std::deque<Param> params_;
   std::vector<LayerParams> layers_;
+  std::vector<std::set<std::string>> recompute_;  // per layer of the segment
   Param *word_ = nullptr, *pos_ = nullptr, *hn_g_ = nullptr, *hn_b_ = nullptr, *head_w_ = nullptr;
 };
 
@@ -635,9 +981,10 @@ class Model {
 struct Layout {
   Split split;
   std::vector<std::string> tp_axes, pp_axes;
-  int segment = -1;       // the one segment this rank's order runs
-  int prev_segment = -1;  // in pipeline order
-  int next_segment = -1;
+  // The segments this rank's order runs (several: an interleaved pipeline), in the order they
+  // first appear, and each one's neighbours in pipeline order (-1: none).
+  std::vector<int> segments;
+  std::map<int, std::pair<int, int>> neighbours;
   const DeviceOrder* order = nullptr;
 };
 
@@ -694,8 +1041,20 @@ Layout layout_of(const Plan& plan, int rank) {
   L.split.ffn = degree("mlp.fc1");
   L.split.embed_vocab = degree("embed.word");
   L.split.head_vocab = degree("head.proj");
+  for (const PartitionRule& r : plan.partition) {
+    if (!match_pattern(r.match, "attn.norm")) continue;
+    for (const DimSplit& sp : r.splits) {
+      if (sp.dim != Dim::kSeq) continue;
+      L.split.seq = 1;
+      for (const std::string& a : sp.axes) L.split.seq *= plan.mesh.axis_size(a);
+    }
+  }
   if (L.order == nullptr || L.order->blocks.empty()) return L;
-  L.segment = L.order->blocks.front().segment;
+  for (const Block& b : L.order->blocks) {
+    if (std::find(L.segments.begin(), L.segments.end(), b.segment) == L.segments.end()) {
+      L.segments.push_back(b.segment);
+    }
+  }
   // Pipeline order: embedding first, then by first layer, head last.
   std::vector<int> seq(plan.segments.size());
   for (std::size_t i = 0; i < seq.size(); ++i) seq[i] = static_cast<int>(i);
@@ -705,9 +1064,7 @@ Layout layout_of(const Plan& plan, int rank) {
   };
   std::sort(seq.begin(), seq.end(), [&](int a, int b) { return key(a) < key(b); });
   for (std::size_t i = 0; i < seq.size(); ++i) {
-    if (seq[i] != L.segment) continue;
-    if (i > 0) L.prev_segment = seq[i - 1];
-    if (i + 1 < seq.size()) L.next_segment = seq[i + 1];
+    L.neighbours[seq[i]] = {i > 0 ? seq[i - 1] : -1, i + 1 < seq.size() ? seq[i + 1] : -1};
   }
   return L;
 }
@@ -726,12 +1083,31 @@ at::Tensor batch(const Plan& plan, unsigned long long seed, int it, at::Device d
   return device.is_cpu() ? t : t.to(device);
 }
 
-void zero_grads(std::deque<Param>& ps) {
-  for (Param& p : ps) p.w.mutable_grad() = at::Tensor();
-}
-
 at::Tensor grad_or_zeros(const Param& p) {
   return p.w.grad().defined() ? p.w.grad() : at::zeros_like(p.w);
+}
+
+// ZeRO (optimizer.zero >= 1): a unit of parameters (ZeRO-1/2: all of the rank's; ZeRO-3: the
+// embedding's, each layer's, the head's) flattened in order and padded to `chunk` x dp; this
+// rank owns chunk number (its place in the dp group): the fp32 master values, Adam's moments
+// and the reduce-scattered gradient sum.
+struct ZeroUnit {
+  std::vector<Param*> params;
+  int64_t numel = 0, chunk = 0;
+  at::Tensor master, m, v, grad;
+};
+
+// The unit's tensors (`get` of each parameter) flattened and zero-padded to `size` elements.
+template <class F>
+at::Tensor padded_flat(const std::vector<Param*>& ps, int64_t size, F get) {
+  std::vector<at::Tensor> flat;
+  int64_t n = 0;
+  for (Param* p : ps) {
+    flat.push_back(get(*p).reshape({-1}));
+    n += flat.back().numel();
+  }
+  if (size > n) flat.push_back(at::zeros({size - n}, flat.front().options()));
+  return at::cat(flat);
 }
 
 Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
@@ -773,7 +1149,6 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
 #endif
   Layout L = layout_of(plan, rank);
   if (L.order == nullptr) return Error(fmt::format("no schedule order holds rank {}", rank));
-  const Segment& seg = plan.segments[L.segment];
   const int tp_size = [&] {
     int n = 1;
     for (const std::string& a : L.tp_axes) n *= mesh.axis_size(a);
@@ -799,8 +1174,19 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   const int b = plan.micro_batch;
   const int64_t s = plan.model.seq_len, h = plan.model.hidden;
 
-  const int prev = L.prev_segment >= 0 ? peer_in(mesh, rank, plan.segments[L.prev_segment]) : -1;
-  const int next = L.next_segment >= 0 ? peer_in(mesh, rank, plan.segments[L.next_segment]) : -1;
+  // Per segment of the rank: the ranks its input comes from and its output goes to.
+  std::map<int, std::pair<int, int>> peers;
+  for (int sg : L.segments) {
+    const auto [p, q] = L.neighbours.at(sg);
+    peers[sg] = {p >= 0 ? peer_in(mesh, rank, plan.segments[p]) : -1,
+                 q >= 0 ? peer_in(mesh, rank, plan.segments[q]) : -1};
+  }
+  // Several segments on a rank (interleaved): transfers between two ranks are matched by
+  // (direction, segment, micro-batch), not by their order (see Ctx::send_tagged).
+  bool tagged = false;
+  for (const DeviceOrder& o : plan.schedule) {
+    for (const Block& blk : o.blocks) tagged = tagged || blk.segment != o.blocks.front().segment;
+  }
 #ifdef NNSIM_TORCH_HAS_CUDA
   // One NCCL communicator per tensor- and data-parallel group and per pipeline direction; the
   // compute stream is a non-blocking one of LibTorch's pool (NCCL kernels waiting for a peer
@@ -808,12 +1194,15 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   std::unique_ptr<NcclComms> nccl;
   CudaEvents events;
   if (gpu) {
-    std::vector<std::pair<int, int>> edges;
-    for (int peer : {prev, next}) {
-      if (peer < 0) continue;
-      edges.push_back({rank, peer});
-      edges.push_back({peer, rank});
+    std::set<std::pair<int, int>> edge_set;
+    for (const auto& [sg, pq] : peers) {
+      for (int peer : {pq.first, pq.second}) {
+        if (peer < 0) continue;
+        edge_set.insert({rank, peer});
+        edge_set.insert({peer, rank});
+      }
     }
+    const std::vector<std::pair<int, int>> edges(edge_set.begin(), edge_set.end());
     auto made = NcclComms::create(comm, gpu_index, {ctx.tp_group, ctx.dp_group}, edges);
     if (!made) return made.error();
     nccl = std::move(*made);
@@ -824,13 +1213,106 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     stats.stream = compute.stream();
   }
 #endif
-  Model model(plan.model, seg.first_layer, seg.end_layer, seg.embedding, seg.head, L.split,
-              ctx.tp_index, opt.seed, device, dtype);
+  // One part of the model per segment.
+  std::map<int, std::unique_ptr<Model>> models;
+  std::vector<Param*> params;  // all of the rank's, segment by segment
+  bool has_head = false;
+  for (int sg : L.segments) {
+    const Segment& seg = plan.segments[sg];
+    models[sg] = std::make_unique<Model>(plan.model, seg.first_layer, seg.end_layer, seg.embedding,
+                                         seg.head, L.split, ctx.tp_index, opt.seed, device, dtype);
+    models[sg]->set_recompute(plan.recompute);
+    for (Param& p : models[sg]->params()) params.push_back(&p);
+    has_head = has_head || seg.head;
+  }
+
+  // ZeRO: every rank of the dp group starts from the same weights; each keeps its chunk.
+  const int zero = plan.optimizer.zero;
+  const int dpn = static_cast<int>(ctx.dp_group.size());
+  const int dp_pos = static_cast<int>(std::find(ctx.dp_group.begin(), ctx.dp_group.end(), rank) -
+                                      ctx.dp_group.begin());
+  std::map<int, std::vector<ZeroUnit>> zunits_of;  // per segment
+  for (int sg : zero >= 1 ? L.segments : std::vector<int>{}) {
+    std::vector<std::vector<Param*>> groups;
+    if (zero == 3) {
+      groups = models[sg]->units();
+    } else {
+      groups.emplace_back();
+      for (Param& p : models[sg]->params()) groups.back().push_back(&p);
+    }
+    std::vector<ZeroUnit>& zunits = zunits_of[sg];
+    for (std::vector<Param*>& g : groups) {
+      ZeroUnit u;
+      u.params = std::move(g);
+      for (Param* p : u.params) u.numel += p->w.numel();
+      u.chunk = (u.numel + dpn - 1) / dpn;
+      const at::Tensor flat =
+          padded_flat(u.params, u.chunk * dpn, [](const Param& p) { return p.w.detach(); });
+      u.master = flat.narrow(0, dp_pos * u.chunk, u.chunk).clone();
+      u.m = at::zeros_like(u.master);
+      u.v = at::zeros_like(u.master);
+      u.grad = at::zeros_like(u.master);
+      zunits.push_back(std::move(u));
+    }
+  }
+  std::vector<ZeroUnit*> zunits;  // all of them
+  for (auto& [sg, us] : zunits_of) {
+    for (ZeroUnit& u : us) zunits.push_back(&u);
+  }
+  // The compiled program's labels: gradients reduced in the backward blocks (overlapped, and
+  // always for ZeRO-3) carry the segment's name.
+  auto grad_sync_label = [&](int sg) {
+    return zero == 3 || plan.comm.overlap_grad_reduce
+               ? fmt::format("grad sync {}", plan.segments[sg].name)
+               : std::string("grad sync");
+  };
+  // The master chunks all-gathered into the parameters the operators use.
+  auto gather_unit = [&](ZeroUnit& u) {
+    const at::Tensor full =
+        ctx.all_gather(u.master, ctx.dp_group, kDataParallelAxis, "param gather");
+    at::NoGradGuard no_grad;
+    int64_t offset = 0;
+    for (Param* p : u.params) {
+      const int64_t n = p->w.numel();
+      // Not a version bump: ZeRO-3's backward gather writes weights its saved graphs hold.
+      p->w.variable_data().copy_(full.narrow(0, offset, n).view(p->w.sizes()));
+      offset += n;
+    }
+  };
+  // The unit's gradients so far reduce-scattered over dp into its chunk, then dropped.
+  auto reduce_unit = [&](ZeroUnit& u, const std::string& label) {
+    for (Param* p : u.params) {
+      if (!p->w.grad().defined()) throw Failure{fmt::format("no gradient reached {}", p->name)};
+    }
+    const at::Tensor mine = ctx.reduce_scatter(
+        padded_flat(u.params, u.chunk * dpn, [](const Param& p) { return p.w.grad(); }),
+        ctx.dp_group, kDataParallelAxis, label);
+    at::NoGradGuard no_grad;
+    u.grad.add_(mine);
+    for (Param* p : u.params) p->w.mutable_grad() = at::Tensor();
+  };
+  // ZeRO-3, for the blocks of segment `sg`. The program's order: the first unit's gather, then
+  // each unit's gather launched before the previous unit runs (one unit of prefetch);
+  // gradients reduced as each unit's backward ends.
+  auto zero3_for = [&](int sg) {
+    if (zero != 3) return;
+    ctx.before_unit = [&, sg](int u, bool backward) {
+      std::vector<ZeroUnit>& us = zunits_of.at(sg);
+      const int n = static_cast<int>(us.size());
+      const int pos = backward ? n - 1 - u : u;
+      auto unit_at = [&](int q) -> ZeroUnit& { return us[backward ? n - 1 - q : q]; };
+      if (pos == 0) gather_unit(unit_at(0));
+      if (pos + 1 < n) gather_unit(unit_at(pos + 1));
+    };
+    ctx.after_unit_backward = [&, sg](int u) {
+      reduce_unit(zunits_of.at(sg)[u], grad_sync_label(sg));
+    };
+  };
 
   RankResult out;
   out.rank = rank;
   out.coordinates = coords;
-  for (const Param& p : model.params()) out.parameters += static_cast<double>(p.w.numel());
+  for (const Param* p : params) out.parameters += static_cast<double>(p->w.numel());
 
   // The unpartitioned reference: the whole model, the whole batch, one micro-batch.
   std::map<std::string, at::Tensor> ref_grads;
@@ -856,65 +1338,175 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   for (int it = 0; it < opt.warmup + opt.iterations; ++it) {
     ok_or_throw(comm.barrier());
     stats.recording = it >= opt.warmup;
-    zero_grads(model.params());
+    for (Param* p : params) p->w.mutable_grad() = at::Tensor();
     const auto t0 = Clock::now();
     const at::Tensor data = batch(plan, opt.seed, it, device);
-    std::map<int, MicroBatchTape> tapes;
+    std::map<std::pair<int, int>, MicroBatchTape> tapes;  // (segment, micro-batch)
     at::Tensor loss_sum = at::zeros({1}, ctx.options.dtype(at::kFloat));
     for (const Block& blk : L.order->blocks) {
-      const int m = blk.micro_batch;
+      const int m = blk.micro_batch, sg = blk.segment;
       const int64_t row = (static_cast<int64_t>(dp_index) * M + m) * b;
-      if (blk.kind == BlockKind::kForward) {
-        MicroBatchTape& tape = tapes[m];
+      Model& model = *models.at(sg);
+      const auto [prev, next] = peers.at(sg);
+      const std::vector<int64_t> shape = {b, s / L.split.seq, h};
+      // The tag of a transfer into segment `to`: its direction, the segment, the micro-batch.
+      auto tag = [&](bool gradient, int to) { return (gradient ? 1 : 0) + 2 * (to + 1000 * m); };
+      zero3_for(sg);
+      MicroBatchTape& tape = tapes[{sg, m}];
+      if (blk.kind == BlockKind::kRecompute) {
+        model.recompute(ctx, tape);
+      } else if (blk.kind == BlockKind::kForward) {
         at::Tensor x;
-        if (!model.has_embedding()) x = ctx.recv(prev, {b, s, h}, "activation");
+        if (!model.has_embedding()) {
+          x = tagged ? ctx.recv_tagged(prev, shape, "activation", tag(false, sg))
+                     : ctx.recv(prev, shape, "activation");
+        }
         at::Tensor y = model.forward(ctx, data.narrow(0, row, b).narrow(1, 0, s), x,
                                      data.narrow(0, row, b).narrow(1, 1, s), tape);
         if (model.has_head()) {
           loss_sum.add_(tape.loss, 1.0 / (M * dp));
+        } else if (tagged) {
+          ctx.send_tagged(next, y, "activation", tag(false, L.neighbours.at(sg).second));
         } else {
           ctx.send(next, y, "activation");
         }
       } else {
-        MicroBatchTape& tape = tapes[m];
         at::Tensor dy;
-        if (!model.has_head()) dy = ctx.recv(next, {b, s, h}, "gradient");
+        if (!model.has_head()) {
+          dy = tagged ? ctx.recv_tagged(next, shape, "gradient", tag(true, sg))
+                      : ctx.recv(next, shape, "gradient");
+        }
         at::Tensor dx = model.backward(ctx, tape, dy, 1.0 / (M * dp));
-        if (!model.has_embedding()) ctx.send(prev, dx, "gradient");
-        tapes.erase(m);
+        if (!model.has_embedding()) {
+          if (tagged) {
+            ctx.send_tagged(prev, dx, "gradient", tag(true, L.neighbours.at(sg).first));
+          } else {
+            ctx.send(prev, dx, "gradient");
+          }
+        }
+        tapes.erase({sg, m});
+        // ZeRO-2 reduces after every backward, ZeRO-1 after the last micro-batch's (the
+        // program's grad sync blocks, per segment); ZeRO-3 did unit by unit inside the backward.
+        if (zero == 2 || (zero == 1 && m == M - 1)) {
+          for (ZeroUnit& u : zunits_of.at(sg)) reduce_unit(u, grad_sync_label(sg));
+        }
       }
     }
-    for (const Param& p : model.params()) {
+    if (zero >= 1) {
+      for (const Param* pp : params) {
+        const Param& p = *pp;
+        if (p.w.grad().defined()) {
+          throw Failure{
+              fmt::format("iteration {}: a gradient of {} arrived after its ZeRO "
+                          "reduce-scatter (a backward after micro-batch {}'s)",
+                          it, p.name, M - 1)};
+        }
+      }
+    }
+    for (const Param* pp : params) {
+      const Param& p = *pp;
+      if (zero >= 1) break;
       // Every parameter of the rank's part is used by every micro-batch (through its bf16 copy
       // in a bf16 run): one without a gradient means the copy lost its link to the master.
       if (!p.w.grad().defined()) {
         throw Failure{fmt::format("iteration {}: no gradient reached {}", it, p.name)};
       }
     }
-    // Data parallel: one all-reduce of every gradient, flattened.
-    std::vector<at::Tensor> flat;
-    for (Param& p : model.params()) flat.push_back(grad_or_zeros(p).reshape({-1}));
-    at::Tensor all = at::cat(flat);
-    ctx.all_reduce(all, ctx.dp_group, kDataParallelAxis, "grad");
-    {
+    // Data parallel without ZeRO: one all-reduce of every gradient, flattened.
+    if (zero == 0) {
+      std::vector<at::Tensor> flat;
+      for (Param* p : params) flat.push_back(grad_or_zeros(*p).reshape({-1}));
+      at::Tensor all = at::cat(flat);
+      ctx.all_reduce(all, ctx.dp_group, kDataParallelAxis, "grad");
       at::NoGradGuard no_grad;
       int64_t offset = 0;
-      for (Param& p : model.params()) {
-        const int64_t n = p.w.numel();
-        p.w.mutable_grad() = all.narrow(0, offset, n).view(p.w.sizes()).clone();
+      for (Param* p : params) {
+        const int64_t n = p->w.numel();
+        p->w.mutable_grad() = all.narrow(0, offset, n).view(p->w.sizes()).clone();
+        offset += n;
+      }
+    }
+    // Sequence parallelism: the gradients of the parameters applied to sequence slices summed
+    // over the tensor-parallel group, in one buffer, after the data-parallel sums (the program's
+    // epilogue: "norm grad sync").
+    std::vector<Param*> sp;
+    for (const auto& [sg, model] : models) {
+      for (Param* p : model->sequence_parallel_params()) sp.push_back(p);
+    }
+    if (!sp.empty() && zero >= 1) {
+      // With ZeRO the gradients are in the reduced chunks: their slices of those parameters,
+      // which sit at the same offsets on every rank of the tensor-parallel group.
+      const std::set<const Param*> spset(sp.begin(), sp.end());
+      std::vector<at::Tensor> slices;
+      for (ZeroUnit* u : zunits) {
+        const int64_t lo = dp_pos * u->chunk, hi = lo + u->chunk;
+        int64_t offset = 0;
+        for (Param* p : u->params) {
+          const int64_t a = std::max(lo, offset), e = std::min(hi, offset + p->w.numel());
+          offset += p->w.numel();
+          if (a < e && spset.count(p)) slices.push_back(u->grad.narrow(0, a - lo, e - a));
+        }
+      }
+      if (!slices.empty()) {
+        at::Tensor all = at::cat(slices);
+        ctx.tp_all_reduce(all, "norm grad sync");
+        at::NoGradGuard no_grad;
+        int64_t offset = 0;
+        for (at::Tensor& slice : slices) {  // views into the chunks
+          slice.copy_(all.narrow(0, offset, slice.numel()));
+          offset += slice.numel();
+        }
+      }
+    } else if (!sp.empty()) {
+      std::vector<at::Tensor> flat;
+      for (Param* p : sp) flat.push_back(grad_or_zeros(*p).reshape({-1}));
+      at::Tensor all = at::cat(flat);
+      ctx.tp_all_reduce(all, "norm grad sync");
+      at::NoGradGuard no_grad;
+      int64_t offset = 0;
+      for (Param* p : sp) {
+        const int64_t n = p->w.numel();
+        p->w.mutable_grad() = all.narrow(0, offset, n).view(p->w.sizes()).clone();
         offset += n;
       }
     }
     double loss = 0;
-    if (model.has_head()) {
+    if (has_head) {
       ctx.all_reduce(loss_sum, ctx.dp_group, kDataParallelAxis, "loss");
       loss = loss_sum.item<double>();
     }
     if (it == 0 && opt.check) {
       out.checked = true;
-      out.has_loss = model.has_head();
+      out.has_loss = has_head;
       out.check_loss = loss;
-      for (Param& p : model.params()) {
+      // ZeRO: the rank's chunk of each unit against the same chunk of the reference, per
+      // parameter it overlaps (the dp group's chunks together cover every parameter).
+      for (ZeroUnit* zu : zunits) {
+        ZeroUnit& u = *zu;
+        const at::Tensor want = padded_flat(u.params, u.chunk * dpn, [&](const Param& p) {
+                                  return p.cut(ref_grads.at(p.name));
+                                }).narrow(0, dp_pos * u.chunk, u.chunk);
+        at::Tensor mine = u.grad;
+        int64_t offset = 0;
+        const int64_t lo = dp_pos * u.chunk, hi = lo + u.chunk;
+        for (Param* p : u.params) {
+          const int64_t a = std::max(lo, offset), e = std::min(hi, offset + p->w.numel());
+          offset += p->w.numel();
+          if (a >= e) continue;
+          at::Tensor g = mine.narrow(0, a - lo, e - a), w = want.narrow(0, a - lo, e - a);
+          if (opt.inject_fault && rank == comm.world() - 1 && out.checks.empty()) g = g * 1.01;
+          ParamCheck c;
+          c.name = p->name;
+          c.elements = static_cast<double>(e - a);
+          c.max_abs_error = (g - w).abs().max().item<double>();
+          c.ref_max_abs = w.abs().max().item<double>();
+          c.ok = c.max_abs_error <= opt.rtol * c.ref_max_abs + opt.atol;
+          out.checks.push_back(c);
+        }
+      }
+      for (Param* pp : params) {
+        Param& p = *pp;
+        if (zero >= 1) break;
         at::Tensor mine = grad_or_zeros(p);
         if (opt.inject_fault && rank == comm.world() - 1 && out.checks.empty()) mine = mine * 1.01;
         const at::Tensor want = p.cut(ref_grads.at(p.name));
@@ -933,7 +1525,17 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       {
         at::NoGradGuard no_grad;
         const double k = it + 1;
-        for (Param& p : model.params()) {
+        for (ZeroUnit* zu : zunits) {  // ZeRO: the rank's chunk only
+          ZeroUnit& u = *zu;
+          u.m.mul_(beta1).add_(u.grad, 1 - beta1);
+          u.v.mul_(beta2).addcmul_(u.grad, u.grad, 1 - beta2);
+          at::Tensor denom = (u.v / (1 - std::pow(beta2, k))).sqrt_().add_(eps);
+          u.master.addcdiv_(u.m, denom, -lr / (1 - std::pow(beta1, k)));
+          u.grad.zero_();
+        }
+        for (Param* pp : params) {
+          Param& p = *pp;
+          if (zero >= 1) break;
           const at::Tensor g = p.w.grad();
           if (!p.m.defined()) {
             p.m = at::zeros_like(p.w);
@@ -945,16 +1547,22 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
           p.w.addcdiv_(p.m, denom, -lr / (1 - std::pow(beta1, k)));
         }
       }
+      // ZeRO-1/2: the updated chunks gathered into whole weights (the program launches this
+      // gather after the step and waits for it before each unit's first forward); ZeRO-3
+      // gathers unit by unit in the next iteration's blocks.
+      if (zero == 1 || zero == 2) {
+        for (ZeroUnit* u : zunits) gather_unit(*u);
+      }
       // bf16: the next iteration's weight copies (with autograd), timed with the step.
-      model.cast_weights();
-      stats.op("optimizer", "step", o0, stats.mark());
+      for (auto& [sg, model] : models) model->cast_weights();
+      stats.op("optimizer", "step", o0, stats.mark(), /*minus_collectives=*/true);
     }
 #ifdef NNSIM_TORCH_HAS_CUDA
     if (gpu) ok_or_throw(cuda_synchronize());  // the iteration ends when its GPU work does
 #endif
     if (stats.recording) {
       out.iteration_seconds.push_back(seconds_since(t0));
-      if (model.has_head()) out.losses.push_back(loss);
+      if (has_head) out.losses.push_back(loss);
     }
     stats.resolve();
     ctx.in_flight.clear();

@@ -18,6 +18,7 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "core/model.h"
 #include "core/plan.h"
@@ -182,7 +183,23 @@ TEST(Comm, Bf16AllReduceSumsAndRoundsToNearestEven) {
     const std::vector<int> g = r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
     std::vector<uint16_t> h = {bf16_bits(r < 2 ? 256.0f : 1.0f), bf16_bits(r < 2 ? 258.0f : 1.0f)};
     if (!c.all_reduce_bf16(g, h.data(), h.size()).ok()) return false;
-    return bf16_value(h[0]) == 256 && bf16_value(h[1]) == 260;
+    if (bf16_value(h[0]) != 256 || bf16_value(h[1]) != 260) return false;
+    // Reduce-scatter over everyone: member i gets chunk i's sum (2 elements each), rounded the
+    // same way; all-gather puts member i's 2 elements at 2 i.
+    std::vector<uint16_t> rs(8), mine(2), all(8);
+    for (int i = 0; i < 8; ++i) rs[i] = bf16_bits(i == 0 && r == 0 ? 255.0f : float(i + r));
+    if (!c.reduce_scatter_bf16({0, 1, 2, 3}, rs.data(), 2, mine.data()).ok()) return false;
+    // Chunk 0's first element: 255 + 1 + 2 + 3 = 261 is not a bf16 (258 or 262 are): the ring
+    // adds in bf16 steps, so the result is 260 or 262, never 261.
+    const float first = bf16_value(mine[0]);
+    if (r == 0 ? (first != 260 && first != 262) : first != float(4 * (2 * r) + 6)) return false;
+    if (bf16_value(mine[1]) != float(4 * (2 * r + 1) + 6)) return false;
+    const std::vector<uint16_t> in = {bf16_bits(float(r)), bf16_bits(float(r + 10))};
+    if (!c.all_gather_bf16({0, 1, 2, 3}, in.data(), 2, all.data()).ok()) return false;
+    for (int i = 0; i < 4; ++i) {
+      if (bf16_value(all[2 * i]) != i || bf16_value(all[2 * i + 1]) != i + 10) return false;
+    }
+    return true;
   }));
 }
 
@@ -202,10 +219,25 @@ struct Case {
   int global_batch;
   const std::string* model = &kModel;
   const char* precision = "fp32";
+  std::vector<std::string> plan_flags = {};  // more `nnsim plan` options
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
   *os << c.name;
+}
+
+// A 1F1B case with more `nnsim plan` options.
+Case with(const char* name, int tp, int pp, int dp, int global_batch,
+          std::vector<std::string> flags, const std::string* model = &kModel,
+          const char* precision = "fp32") {
+  return Case{name, tp, pp, dp, "1f1b", global_batch, model, precision, std::move(flags)};
+}
+
+// An interleaved pipeline of two model chunks per stage.
+Case interleaved(const char* name, int tp, int pp, int dp, int global_batch,
+                 std::vector<std::string> flags = {}, const std::string* model = &kModel) {
+  flags.insert(flags.begin(), {"--vpp", "2"});
+  return Case{name, tp, pp, dp, "interleaved", global_batch, model, "fp32", std::move(flags)};
 }
 
 class NnexecRun : public ::testing::TestWithParam<Case> {};
@@ -214,8 +246,8 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const Case c = GetParam();
   TempDir dir;
-  RunResult p =
-      make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, {}, *c.model, c.precision);
+  RunResult p = make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, c.plan_flags, *c.model,
+                          c.precision);
   ASSERT_EQ(p.status, 0) << p;
   const int n = c.tp * c.pp * c.dp;
   RunResult r = run(dir, NNEXEC_BINARY,
@@ -254,18 +286,84 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
     EXPECT_LT(worst, 1e-4);
   }
   std::printf("%s: worst relative gradient error %.3g\n", c.name, worst);
+  if (c.plan_flags.empty()) return;
+
+  // ZeRO, sequence parallelism, recomputation and interleaved pipelines: the run's all-gathers,
+  // reduce-scatters and pipeline transfers (per kind and axes) and its recomputed operators are
+  // the compiled program's, call for call.
+  RunResult cmp = run(dir, NNSIM_BINARY,
+                      {"compare", "run.h5", "--topo", n == 1 ? kTopo1 : kTopo, "--nodes",
+                       std::to_string(n / 2 > 0 ? n / 2 : 1), "--json", "c.json"});
+  ASSERT_EQ(cmp.status, 0) << cmp;
+  const nlohmann::json j = nlohmann::json::parse(slurp(dir.file("c.json")));
+  int checked = 0;
+  for (const nlohmann::json& t : j["traffic"]) {
+    const std::string kind = t["kind"];
+    if (kind != "all_gather" && kind != "reduce_scatter" && kind != "send" && kind != "recv") {
+      continue;
+    }
+    ++checked;
+    EXPECT_DOUBLE_EQ(t["measured_calls"].get<double>(), t["simulated_calls"].get<double>())
+        << kind << " " << t["axes"] << "\n"
+        << t.dump(1);
+  }
+  for (const nlohmann::json& o : j["operators"]) {
+    if (o["phase"] != "recompute") continue;
+    ++checked;
+    EXPECT_DOUBLE_EQ(o["measured_calls"].get<double>(), o["simulated_calls"].get<double>())
+        << o["name"] << "\n"
+        << o.dump(1);
+  }
+  EXPECT_GT(checked, 0) << "no all-gather, reduce-scatter or recomputation in " << c.name;
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Plans, NnexecRun,
-    ::testing::Values(Case{"tp2", 2, 1, 1, "1f1b", 2}, Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4},
-                      Case{"pp2_gpipe", 1, 2, 1, "gpipe", 4}, Case{"dp2", 1, 1, 2, "1f1b", 4},
-                      Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8},
-                      Case{"llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama},
-                      Case{"llama_pp2", 1, 2, 1, "1f1b", 4, &kLlama},
-                      Case{"llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama},
-                      Case{"bf16_tp2", 2, 1, 1, "1f1b", 2, &kModel, "bf16"},
-                      Case{"bf16_llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "bf16"}),
+    ::testing::Values(
+        Case{"tp2", 2, 1, 1, "1f1b", 2}, Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4},
+        Case{"pp2_gpipe", 1, 2, 1, "gpipe", 4}, Case{"dp2", 1, 1, 2, "1f1b", 4},
+        Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8}, Case{"llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama},
+        Case{"llama_pp2", 1, 2, 1, "1f1b", 4, &kLlama},
+        Case{"llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama},
+        Case{"bf16_tp2", 2, 1, 1, "1f1b", 2, &kModel, "bf16"},
+        Case{"bf16_llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "bf16"},
+        with("zero1_dp2", 1, 1, 2, 4, {"--zero", "1"}),
+        with("zero2_tp2_dp2", 2, 1, 2, 4, {"--zero", "2"}),
+        with("zero3_dp2", 1, 1, 2, 4, {"--zero", "3"}),
+        with("zero3_pp2_dp2", 1, 2, 2, 8, {"--zero", "3"}, &kLlama),
+        with("bf16_zero1_dp2", 1, 1, 2, 4, {"--zero", "1"}, &kModel, "bf16"),
+        with("sp_tp2", 2, 1, 1, 2, {"--sequence-parallel"}),
+        with("tp2_sp_pp2", 2, 2, 1, 4, {"--sequence-parallel"}),
+        with("llama_sp_tp2", 2, 1, 1, 2, {"--sequence-parallel"}, &kLlama),
+        with("recompute_full_pp2", 1, 2, 1, 4, {"--recompute", "full"}),
+        with("recompute_selective_tp2", 2, 1, 1, 2, {"--recompute", "selective"}),
+        with("sp_recompute_full_tp2", 2, 1, 1, 2, {"--sequence-parallel", "--recompute", "full"}),
+        with("zero3_recompute_full_dp2", 1, 1, 2, 4, {"--zero", "3", "--recompute", "full"}),
+        with("sp_zero1_tp2_dp2", 2, 1, 2, 4, {"--sequence-parallel", "--zero", "1"}),
+        with("sp_zero3_tp2_dp2", 2, 1, 2, 4, {"--sequence-parallel", "--zero", "3"}),
+        with("bf16_llama_sp_tp2_pp2", 2, 2, 1, 4, {"--sequence-parallel"}, &kLlama, "bf16"),
+        Case{"recompute_full_merak_pp2",
+             1,
+             2,
+             1,
+             "merak",
+             4,
+             &kModel,
+             "fp32",
+             {"--recompute", "full"}},
+        Case{"sp_recompute_selective_merak_tp2_pp2",
+             2,
+             2,
+             1,
+             "merak",
+             4,
+             &kModel,
+             "fp32",
+             {"--sequence-parallel", "--recompute", "selective"}},
+        interleaved("interleaved_pp2", 1, 2, 1, 4),
+        interleaved("interleaved_zero3_pp2_dp2", 1, 2, 2, 8, {"--zero", "3"}),
+        interleaved("llama_interleaved_tp2_sp_pp2", 2, 2, 1, 4,
+                    {"--sequence-parallel", "--recompute", "selective"}, &kLlama)),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
@@ -280,29 +378,63 @@ TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
   EXPECT_EQ(r.status, 1) << r;
   EXPECT_TRUE(contains(r.err, "differs from the unpartitioned run")) << r;
   EXPECT_TRUE(contains(r.err, "check failed")) << r;
+  // ZeRO checks each rank's gradient chunk, which the fault reaches too.
+  ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 2, {"--zero", "1"}).status, 0);
+  r = run(dir, NNEXEC_BINARY,
+          {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "1", "--check",
+           "--inject-fault"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "on rank 1 differs from the unpartitioned run")) << r;
 }
 
 TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
   TempDir dir;
-  ASSERT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {"--recompute", "selective"}).status, 0);
-  RunResult r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5"});
-  EXPECT_EQ(r.status, 1) << r;
-  EXPECT_TRUE(contains(r.err, "cannot run this plan: recompute: recomputation ('attn.core')")) << r;
-  EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
-
-  ASSERT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {"--sequence-parallel"}).status, 0);
-  r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5"});
-  EXPECT_EQ(r.status, 1) << r;
-  EXPECT_TRUE(contains(r.err, "partition: operator")) << r;
-  EXPECT_TRUE(contains(r.err, "(sequence parallelism)")) << r;
-
-  ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 2, {"--zero", "1"}).status, 0);
-  r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5"});
-  EXPECT_EQ(r.status, 1) << r;
-  EXPECT_TRUE(contains(r.err, "optimizer.zero: ZeRO stage 1")) << r;
+  auto plan = [&](std::vector<std::string> args) {
+    // Every caller names tp, pp, dp (or cp) and the precision.
+    std::vector<std::string> a = {"plan",    "--model", kModel,           "--topo", kTopo,
+                                  "--nodes", "1",       "--global-batch", "4",      "--micro-batch",
+                                  "1",       "-o",      "plan.json"};
+    a.insert(a.end(), args.begin(), args.end());
+    return run(dir, NNSIM_BINARY, a);
+  };
+  auto refused = [&](const std::vector<std::string>& expected) {
+    RunResult r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5"});
+    EXPECT_EQ(r.status, 1) << r;
+    for (const std::string& e : expected) EXPECT_TRUE(contains(r.err, e)) << e << "\n" << r;
+    // The error says what runs.
+    EXPECT_TRUE(contains(r.err, "data parallelism with ZeRO 0-3, recompute rules over layers"))
+        << r;
+    EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
+  };
+  // Context parallelism: the sequence split of every operator.
+  ASSERT_EQ(
+      plan({"--tp", "1", "--pp", "1", "--cp", "2", "--dp", "1", "--precision", "fp32"}).status, 0);
+  refused(
+      {"cannot run this plan: partition: operator 'embed.word' is split along 'seq' over cp "
+       "(context parallelism)"});
+  // ZeRO-3 in bf16.
+  ASSERT_EQ(
+      plan({"--tp", "1", "--pp", "1", "--dp", "2", "--zero", "3", "--precision", "bf16"}).status,
+      0);
+  refused({"optimizer.zero: ZeRO stage 3 runs fp32 plans only"});
+  // A recompute rule without layers also covers the embedding and the head.
+  ASSERT_EQ(
+      plan({"--tp", "2", "--pp", "1", "--dp", "1", "--recompute", "full", "--precision", "fp32"})
+          .status,
+      0);
+  {
+    std::string text = slurp(dir.file("plan.json"));
+    const std::string rule = "{\"match\": \"*\", \"layers\": [0, 4]}";
+    const std::size_t at = text.find(rule);
+    ASSERT_NE(at, std::string::npos) << text;
+    text.replace(at, rule.size(), "{\"match\": \"*\"}");
+    std::ofstream(dir.file("plan.json")) << text;
+  }
+  refused({"recompute[0]: rule '*' has no layers"});
 
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
-  r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--launch", "3", "--out", "run.h5"});
+  RunResult r =
+      run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--launch", "3", "--out", "run.h5"});
   EXPECT_EQ(r.status, 1) << r;
   EXPECT_TRUE(contains(r.err, "--launch 3 but the plan's mesh has 2 ranks")) << r;
 }
@@ -457,7 +589,8 @@ TEST_P(NnexecRunGpu, MatchesTheUnpartitionedLossAndGradients) {
   const int n = c.tp * c.pp * c.dp;
   if (auto why = gpu_unavailable(n)) GTEST_SKIP() << *why;
   TempDir dir;
-  ASSERT_EQ(make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, {}, *c.model, c.precision)
+  ASSERT_EQ(make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, c.plan_flags, *c.model,
+                      c.precision)
                 .status,
             0);
   RunResult r = run(dir, NNEXEC_BINARY,
@@ -493,7 +626,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4}, Case{"dp2", 1, 1, 2, "1f1b", 4},
                       Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8},
                       Case{"llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama},
-                      Case{"bf16_llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16"}),
+                      Case{"bf16_llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16"},
+                      with("zero1_dp2", 1, 1, 2, 4, {"--zero", "1"}),
+                      with("zero3_dp2", 1, 1, 2, 4, {"--zero", "3"}),
+                      with("sp_recompute_full_tp2", 2, 1, 1, 2,
+                           {"--sequence-parallel", "--recompute", "full"}),
+                      with("tp2_sp_pp2", 2, 2, 1, 4, {"--sequence-parallel"})),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
