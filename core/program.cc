@@ -53,6 +53,12 @@ int Program::rank_in_replica(int rank, int replica) const {
 
 namespace {
 
+// Bytes of a parameter as the forward reads it, what ZeRO gathers: fp8 training keeps 16-bit
+// weights and casts them per GEMM.
+double compute_weight_bytes(const Plan& plan) {
+  return bytes_per_element(plan.precision == Precision::kFp8 ? Precision::kBf16 : plan.precision);
+}
+
 // NCCL's Simple-protocol buffer per channel and peer (NCCL_BUFFSIZE default, 4 MiB) and the
 // channels a communicator opens; see docs/cost-model.md.
 constexpr double kNcclBufferBytes = 4.0 * 1024 * 1024;
@@ -744,7 +750,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       l.kind = StepKind::kDpLaunch;
       l.collective = CollectiveKind::kAllGather;
       l.axes = bucket_axes;
-      l.bytes = parts[k] * 2;
+      l.bytes = parts[k] * compute_weight_bytes(plan);
       l.tag = k + 1 == parts.size() ? u.tag : -1;  // the stream is FIFO: the last one tells
       l.label = label("param gather");
       steps->push_back(l);
@@ -1196,8 +1202,7 @@ void Compiler::build_memory(Lane& lane, const std::vector<int>& segments) {
   double params = 0;
   for (int s : segments) params += segment_params(s);
   lane.parameters = params;
-  const double weight_bytes =
-      bytes_per_element(plan.precision == Precision::kFp8 ? Precision::kBf16 : plan.precision);
+  const double weight_bytes = compute_weight_bytes(plan);
   StaticMemory m;
   m.weights = params * weight_bytes;
   m.gradients = params * plan.optimizer.grad_bytes;
@@ -1351,7 +1356,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
           l.kind = StepKind::kDpLaunch;
           l.collective = CollectiveKind::kAllGather;
           l.axes = c.bucket_axes;
-          l.bytes = buckets[k].second * 2;
+          l.bytes = buckets[k].second * compute_weight_bytes(plan);
           l.tag = gather_tag(b.segment, static_cast<int>(k));
           l.label = c.label("param gather");
           lane.prologue.push_back(l);
@@ -1417,7 +1422,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
         l.kind = StepKind::kDpLaunch;
         l.collective = CollectiveKind::kAllGather;
         l.axes = c.bucket_axes;
-        l.bytes = c.segment_params(s) * 2;
+        l.bytes = c.segment_params(s) * compute_weight_bytes(plan);
         l.label = c.label("param gather");
         lane.epilogue.push_back(l);
       }

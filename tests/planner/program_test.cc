@@ -346,6 +346,28 @@ TEST(Program, DeepSpeedRegathersRecomputedLayers) {
   EXPECT_FALSE(fsdp->comm.zero3_regather_for_recompute);
 }
 
+// ZeRO-3 gathers the weights the forward reads: 2 bytes a parameter in 16-bit and fp8 training,
+// 4 in fp32.
+TEST(Program, ZeroThreeGathersTheComputeWeights) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  for (Precision p : {Precision::kBf16, Precision::kFp8, Precision::kFp32}) {
+    MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
+    o.zero = 3;
+    o.framework = "fsdp";
+    o.precision = p;
+    auto plan = build_megatron_plan(m, dgx(), o);
+    ASSERT_TRUE(plan.ok()) << plan.error().message();
+    auto prog = compile_plan(*plan, dgx());
+    ASSERT_TRUE(prog.ok()) << prog.error().message();
+    const double P = prog->lanes[0].parameters;
+    const double tied = static_cast<double>(plan->model.vocab) * m.hidden;
+    const double w = p == Precision::kFp32 ? 4 : 2;
+    EXPECT_DOUBLE_EQ(dp_gathered_bytes(*prog, prog->lanes[0]),
+                     prog->micro_batches * 2 * w * (P + tied))
+        << to_string(p);
+  }
+}
+
 // Collective bytes of one layer under tensor parallelism: each all-reduce carries the whole
 // [b, s, h] activation; with sequence parallelism each all-gather outputs and each
 // reduce-scatter takes the whole activation.
