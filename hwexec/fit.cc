@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <map>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -117,9 +118,10 @@ std::map<Precision, std::vector<GemmPoint>> micro_gemm_points(const MicroResults
   return out;
 }
 
-// Weighted least squares of t = a + b x minimizing the relative residuals (a + b x_i - t_i)/t_i,
-// with a >= 0.
-std::pair<double, double> fit_line(const std::vector<double>& x, const std::vector<double>& t) {
+// Weighted least squares of t = a + b x minimizing the relative residuals (a + b x_i - t_i)/t_i.
+// {0, 0} with fewer than two distinct x.
+std::pair<double, double> relative_line(const std::vector<double>& x,
+                                        const std::vector<double>& t) {
   double s0 = 0, s1 = 0, s2 = 0, st = 0, sxt = 0;
   for (size_t i = 0; i < x.size(); ++i) {
     const double w = 1 / (t[i] * t[i]);
@@ -130,12 +132,19 @@ std::pair<double, double> fit_line(const std::vector<double>& x, const std::vect
     sxt += w * x[i] * t[i];
   }
   const double det = s0 * s2 - s1 * s1;
-  double a = 0, b = 0;
-  if (x.size() >= 2 && det > 0) {
-    a = (s2 * st - s1 * sxt) / det;
-    b = (s0 * sxt - s1 * st) / det;
-  }
+  if (x.size() < 2 || det <= 0) return {0, 0};
+  return {(s2 * st - s1 * sxt) / det, (s0 * sxt - s1 * st) / det};
+}
+
+// The same line with a >= 0 and b > 0: through the origin when the free line breaks either.
+std::pair<double, double> fit_line(const std::vector<double>& x, const std::vector<double>& t) {
+  auto [a, b] = relative_line(x, t);
   if (a < 0 || b <= 0) {
+    double s2 = 0, sxt = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      s2 += x[i] * x[i] / (t[i] * t[i]);
+      sxt += x[i] / t[i];
+    }
     a = 0;
     b = sxt / s2;
   }
@@ -245,18 +254,7 @@ Expected<std::optional<AttentionFit>> fit_attention(const MicroResults& micro, c
   };
   double a = 0, b = 0;  // y = a + b x
   if (lengths.size() >= 2) {
-    double s0 = 0, s1 = 0, s2 = 0, sy = 0, sxy = 0;
-    for (size_t i = 0; i < x.size(); ++i) {
-      const double w = 1 / (yf[i] * yf[i]);
-      s0 += w;
-      s1 += w * x[i];
-      s2 += w * x[i] * x[i];
-      sy += w * yf[i];
-      sxy += w * x[i] * yf[i];
-    }
-    const double det = s0 * s2 - s1 * s1;
-    a = (s2 * sy - s1 * sxy) / det;
-    b = (s0 * sxy - s1 * sy) / det;
+    std::tie(a, b) = relative_line(x, yf);
     if (a <= 0) {
       // Falls faster with the length than s / (s + seq_half) can: no asymptote to fit.
       f.seq_half = model.attention_seq_half;

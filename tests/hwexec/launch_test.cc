@@ -36,6 +36,14 @@ using testing::RunResult;
 using testing::TempDir;
 using Env = std::vector<std::pair<std::string, std::string>>;
 
+// The variables a torchrun-style launcher gives rank `rank` of `world`, rendezvous on this host.
+Env torchrun_env(int rank, int world, int port) {
+  return {{"RANK", std::to_string(rank)},
+          {"WORLD_SIZE", std::to_string(world)},
+          {"MASTER_ADDR", "127.0.0.1"},
+          {"MASTER_PORT", std::to_string(port)}};
+}
+
 const std::string kModel = std::string(NNSIM_TEST_DATA) + "/tiny-gpt.yaml";
 const std::string kTopo = std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml";
 
@@ -443,11 +451,9 @@ TEST_F(NnexecRunRanks, TorchrunStyleVariablesMatchLaunch) {
   const int port = free_port();
   std::vector<RunResult> ranks = run_ranks(*dir_, 4,
                                            [&](int r) {
-                                             return Env{{"RANK", std::to_string(r)},
-                                                        {"WORLD_SIZE", "4"},
-                                                        {"LOCAL_RANK", std::to_string(r)},
-                                                        {"MASTER_ADDR", "127.0.0.1"},
-                                                        {"MASTER_PORT", std::to_string(port)}};
+                                             Env env = torchrun_env(r, 4, port);
+                                             env.push_back({"LOCAL_RANK", std::to_string(r)});
+                                             return env;
                                            },
                                            {"--out", "torchrun.h5"});
   expect_rank0_reports(ranks);
@@ -507,9 +513,7 @@ TEST_F(NnexecRunRanks, UnderMpirun) {
 TEST(NnexecRunRanksRefuse, WorldSizeOtherThanThePlans) {
   TempDir dir;
   make_plan(dir, 2, 2, 1, 4);
-  RunResult r = run(
-      dir, NNEXEC_BINARY, run_args({"--out", "run.h5"}),
-      {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}});
+  RunResult r = run(dir, NNEXEC_BINARY, run_args({"--out", "run.h5"}), torchrun_env(1, 2, 29500));
   EXPECT_EQ(r.status, 1) << r;
   EXPECT_EQ(r.err,
             "nnexec: rank 1: error: WORLD_SIZE=2 (torchrun-style) but the plan's mesh has 4 "
@@ -585,10 +589,7 @@ TEST(NnexecRunRanksRefuse, UnreachableMaster) {
   make_plan(dir, 2, 1, 1, 2);
   const int port = free_port();
   RunResult r = run(dir, NNEXEC_BINARY, run_args({"--out", "run.h5", "--connect-timeout", "0.5"}),
-                    {{"RANK", "1"},
-                     {"WORLD_SIZE", "2"},
-                     {"MASTER_ADDR", "127.0.0.1"},
-                     {"MASTER_PORT", std::to_string(port)}});
+                    torchrun_env(1, 2, port));
   EXPECT_EQ(r.status, 1) << r;
   EXPECT_EQ(r.err, fmt::format("nnexec: rank 1: error: could not reach rank 0's "
                                "rendezvous at 127.0.0.1:{} (MASTER_ADDR/MASTER_PORT) within 0.5 "
@@ -605,10 +606,7 @@ TEST(NnexecRunRanksRefuse, ARankThatNeverComesIsNamed) {
   make_plan(dir, 2, 1, 1, 2);
   const int port = free_port();
   RunResult r = run(dir, NNEXEC_BINARY, run_args({"--out", "run.h5", "--connect-timeout", "0.5"}),
-                    {{"RANK", "0"},
-                     {"WORLD_SIZE", "2"},
-                     {"MASTER_ADDR", "127.0.0.1"},
-                     {"MASTER_PORT", std::to_string(port)}});
+                    torchrun_env(0, 2, port));
   EXPECT_EQ(r.status, 1) << r;
   EXPECT_TRUE(contains(r.err, fmt::format("nnexec: rank 0: error: 1 of 2 ranks reached "
                                           "the rendezvous at port {} (MASTER_ADDR/MASTER_PORT) "

@@ -90,18 +90,26 @@ TesselProblem sharded_head(int p, int m) {
   return q;
 }
 
-// 1F1B with the head's forward and backward of micro-batch i inserted on every device just
-// before that device's backward of i.
-std::vector<std::vector<Block>> one_f_one_b_with_head(int p, int m) {
+// 1F1B's orders for a p-stage pipeline of one segment per device (whole or split backward: BW
+// right after BI). With a head segment (on every device), its forward and backward of
+// micro-batch i go just before each device's backward of i.
+std::vector<std::vector<Block>> one_f_one_b(int p, int m, bool split = false, int head = -1) {
   std::vector<std::vector<Block>> orders(p);
   for (int d = 0; d < p; ++d) {
     const int warmup = std::min(m, p - d);
     int f = 0;
     for (; f < warmup; ++f) orders[d].push_back({BlockKind::kForward, f, d});
     for (int b = 0; b < m; ++b) {
-      orders[d].push_back({BlockKind::kForward, b, p});
-      orders[d].push_back({BlockKind::kBackward, b, p});
-      orders[d].push_back({BlockKind::kBackward, b, d});
+      if (head >= 0) {
+        orders[d].push_back({BlockKind::kForward, b, head});
+        orders[d].push_back({BlockKind::kBackward, b, head});
+      }
+      if (split) {
+        orders[d].push_back({BlockKind::kBackwardInput, b, d});
+        orders[d].push_back({BlockKind::kBackwardWeight, b, d});
+      } else {
+        orders[d].push_back({BlockKind::kBackward, b, d});
+      }
       if (f < m) orders[d].push_back({BlockKind::kForward, f++, d});
     }
   }
@@ -111,7 +119,7 @@ std::vector<std::vector<Block>> one_f_one_b_with_head(int p, int m) {
 TEST(Tessel, ShardedHeadBeatsOneFOneBAtItsMemory) {
   const int p = 4, m = 8;
   TesselProblem q = sharded_head(p, m);
-  Expected<OrdersRun> baseline = run_orders(q, one_f_one_b_with_head(p, m));
+  Expected<OrdersRun> baseline = run_orders(q, one_f_one_b(p, m, false, p));
   ASSERT_TRUE(baseline.ok()) << baseline.error().message();
   q.memory_limit = baseline->peak_bytes;
   Expected<TesselSchedule> s = tessel_search(q);
@@ -132,7 +140,7 @@ TEST(Tessel, ShardedHeadBeatsOneFOneBAtItsMemory) {
 TEST(Tessel, EightDevicesWithAShardedHead) {
   const int p = 8, m = 16;
   TesselProblem q = sharded_head(p, m);
-  Expected<OrdersRun> baseline = run_orders(q, one_f_one_b_with_head(p, m));
+  Expected<OrdersRun> baseline = run_orders(q, one_f_one_b(p, m, false, p));
   ASSERT_TRUE(baseline.ok()) << baseline.error().message();
   q.memory_limit = baseline->peak_bytes;
   Expected<TesselSchedule> s = tessel_search(q);
@@ -186,17 +194,7 @@ TEST(Tessel, TransfersAtOneFOneBMemoryAndWithout) {
   const int m = 8;
   const double d = 0.5;
   TesselProblem q = two_stages_with_transfer(m, d);
-  std::vector<std::vector<Block>> one_f_one_b(2);
-  for (int dev = 0; dev < 2; ++dev) {
-    const int warmup = 2 - dev;
-    int f = 0;
-    for (; f < warmup; ++f) one_f_one_b[dev].push_back({BlockKind::kForward, f, dev});
-    for (int b = 0; b < m; ++b) {
-      one_f_one_b[dev].push_back({BlockKind::kBackward, b, dev});
-      if (f < m) one_f_one_b[dev].push_back({BlockKind::kForward, f++, dev});
-    }
-  }
-  Expected<OrdersRun> baseline = run_orders(q, one_f_one_b);
+  Expected<OrdersRun> baseline = run_orders(q, one_f_one_b(2, m));
   ASSERT_TRUE(baseline.ok()) << baseline.error().message();
   EXPECT_DOUBLE_EQ(baseline->peak_bytes[0], 2.0);
   EXPECT_DOUBLE_EQ(baseline->peak_bytes[1], 1.0);
@@ -221,27 +219,6 @@ TEST(Tessel, TransfersAtOneFOneBMemoryAndWithout) {
   // Never faster than one micro-batch's round trip plus m - 1 periods of device 0's work.
   EXPECT_GE(free->makespan, 6.0 + 2 * d + (m - 1) * 3.0 - 1e-9);
   EXPECT_LT(free->makespan, s->makespan);
-}
-
-// 1F1B's orders for a p-stage pipeline of one segment per device (whole or split backward: BW
-// right after BI).
-std::vector<std::vector<Block>> one_f_one_b(int p, int m, bool split) {
-  std::vector<std::vector<Block>> orders(p);
-  for (int d = 0; d < p; ++d) {
-    const int warmup = std::min(m, p - d);
-    int f = 0;
-    for (; f < warmup; ++f) orders[d].push_back({BlockKind::kForward, f, d});
-    for (int b = 0; b < m; ++b) {
-      if (split) {
-        orders[d].push_back({BlockKind::kBackwardInput, b, d});
-        orders[d].push_back({BlockKind::kBackwardWeight, b, d});
-      } else {
-        orders[d].push_back({BlockKind::kBackward, b, d});
-      }
-      if (f < m) orders[d].push_back({BlockKind::kForward, f++, d});
-    }
-  }
-  return orders;
 }
 
 // On an ordinary pipeline the search's fill and drain are no worse than 1F1B's (list-scheduled
