@@ -10,6 +10,7 @@
 
 #include "core/comm_model.h"
 #include "core/cost_model.h"
+#include "core/units.h"
 
 namespace nnsim::hwexec {
 
@@ -323,6 +324,88 @@ Expected<std::optional<AttentionFit>> fit_attention(const MicroResults& micro, c
   return std::optional<AttentionFit>{f};
 }
 
+// Where a link's collectives come from and what their efficiencies are relative to.
+struct LinkSource {
+  std::string what;            // "micro.h5", "run files (inside one machine)"
+  double bandwidth = 0;        // bytes/s per direction; 0: fit the step latency alone
+  double min_curve_bytes = 0;  // smaller messages only set the latency
+  size_t min_sizes = 1;        // series with fewer message sizes are not used
+};
+
+// Link parameters from collective series of one link class (docs/hwexec.md): all latency at a
+// series' smallest size (the step latency is its time over the collective's latency steps), and
+// the efficiency curve over the larger sizes, relative to the source's bandwidth. A series whose
+// sizes give no curve point still gives the step latency.
+std::optional<LinkFit> fit_link_series(const std::vector<CollectiveSeries>& series,
+                                       const LinkSource& src, std::vector<std::string>& notes) {
+  LinkFit f;
+  f.link_bandwidth = src.bandwidth;
+  std::optional<double> all_reduce_cap, ring_cap, step_latency;
+  std::vector<EfficiencyPoint> all_reduce_curve, ring_curve;
+  for (const CollectiveSeries& s : series) {
+    const std::string name =
+        fmt::format("collectives {} over {} ranks ({})", s.kind, s.ranks, src.what);
+    if (s.ranks < 2 || s.samples.size() < src.min_sizes) {
+      notes.push_back(fmt::format("{}: {} size(s); not fitted", name, s.samples.size()));
+      continue;
+    }
+    if (f.ranks != 0 && f.ranks != s.ranks) {
+      notes.push_back(fmt::format("{}: the others have {} ranks; not fitted", name, f.ranks));
+      continue;
+    }
+    std::vector<CollectiveSample> samples = s.samples;
+    std::sort(samples.begin(), samples.end(),
+              [](const auto& x, const auto& y) { return x.bytes < y.bytes; });
+    const bool all_reduce = s.kind == "all_reduce";
+    const int steps = all_reduce ? 2 * (s.ranks - 1) : s.ranks - 1;
+    // All latency at the smallest size (as for the built-in curves, core/comm_model.cc).
+    const double alpha = samples.front().t.seconds;
+    if (alpha <= 0) {
+      notes.push_back(fmt::format("{}: no time measured; not fitted", name));
+      continue;
+    }
+    std::vector<EfficiencyPoint> curve;
+    for (const CollectiveSample& x : samples) {
+      if (src.bandwidth <= 0 || x.bytes < src.min_curve_bytes || x.t.seconds <= alpha) continue;
+      const double volume = bus_factor(s.kind, s.ranks) * x.bytes;
+      curve.push_back({x.bytes, volume / (src.bandwidth * (x.t.seconds - alpha))});
+    }
+    if (curve.empty()) {
+      notes.push_back(fmt::format(
+          "{}: {}; the step latency only", name,
+          src.bandwidth <= 0 ? "no bandwidth to relate an efficiency to"
+                             : fmt::format("no size of {} or more above the smallest size's time",
+                                           format_bytes(std::max(src.min_curve_bytes, 1.0)))));
+    }
+    f.ranks = s.ranks;
+    f.from.push_back(s.kind);
+    double top = 0;
+    for (const auto& p : curve) top = std::max(top, p.efficiency);
+    if (all_reduce) {
+      step_latency = alpha / steps;
+      if (!curve.empty()) {
+        all_reduce_curve = curve;
+        all_reduce_cap = top;
+      }
+    } else {
+      if (!step_latency) step_latency = alpha / steps;
+      if (!curve.empty()) {
+        ring_cap = std::max(ring_cap.value_or(0.0), top);
+        if (ring_curve.empty()) ring_curve = curve;
+      }
+    }
+  }
+  if (f.from.empty()) return std::nullopt;
+  // The curve is the all-reduce's (all-gather's or reduce-scatter's without one); the
+  // ring-only collectives are capped at their own best, the all-reduce at its own.
+  f.link.curve = all_reduce_curve.empty() ? ring_curve : all_reduce_curve;
+  f.link.step_latency = step_latency;
+  if (all_reduce_cap) f.link.all_reduce_max_efficiency = *all_reduce_cap;
+  if (ring_cap || all_reduce_cap) f.link.max_efficiency = ring_cap ? *ring_cap : *all_reduce_cap;
+  if (!all_reduce_cap && ring_cap) f.link.all_reduce_max_efficiency = *ring_cap;
+  return f;
+}
+
 std::optional<LinkFit> fit_link(const MicroResults& micro, const GpuSpec& gpu,
                                 std::vector<std::string>& notes) {
   if (micro.collectives.empty()) {
@@ -338,63 +421,8 @@ std::optional<LinkFit> fit_link(const MicroResults& micro, const GpuSpec& gpu,
         gpu.name));
     return std::nullopt;
   }
-  LinkFit f;
-  f.link_bandwidth = gpu.nvlink_bandwidth;
-  std::optional<double> all_reduce_cap, ring_cap, step_latency;
-  std::vector<EfficiencyPoint> all_reduce_curve, ring_curve;
-  for (const CollectiveSeries& s : micro.collectives) {
-    if (s.ranks < 2 || s.samples.size() < 2) {
-      notes.push_back(fmt::format("collectives {}: {} rank(s), {} size(s); not fitted", s.kind,
-                                  s.ranks, s.samples.size()));
-      continue;
-    }
-    if (f.ranks != 0 && f.ranks != s.ranks) {
-      notes.push_back(fmt::format("collectives {}: {} ranks, the others {}; not fitted", s.kind,
-                                  s.ranks, f.ranks));
-      continue;
-    }
-    std::vector<CollectiveSample> samples = s.samples;
-    std::sort(samples.begin(), samples.end(),
-              [](const auto& x, const auto& y) { return x.bytes < y.bytes; });
-    const bool all_reduce = s.kind == "all_reduce";
-    const int steps = all_reduce ? 2 * (s.ranks - 1) : s.ranks - 1;
-    // All latency at the smallest size (as for the built-in curves, core/comm_model.cc).
-    const double alpha = samples.front().t.seconds;
-    std::vector<EfficiencyPoint> curve;
-    for (const CollectiveSample& x : samples) {
-      if (x.bytes < 1024.0 * 1024 || x.t.seconds <= alpha) continue;
-      const double volume = bus_factor(s.kind, s.ranks) * x.bytes;
-      curve.push_back({x.bytes, volume / (gpu.nvlink_bandwidth * (x.t.seconds - alpha))});
-    }
-    if (curve.empty()) {
-      notes.push_back(fmt::format(
-          "collectives {}: no size of 1 MiB or more above the smallest size's time; not fitted",
-          s.kind));
-      continue;
-    }
-    f.ranks = s.ranks;
-    f.from.push_back(s.kind);
-    double top = 0;
-    for (const auto& p : curve) top = std::max(top, p.efficiency);
-    if (all_reduce) {
-      all_reduce_curve = curve;
-      all_reduce_cap = top;
-      step_latency = alpha / steps;
-    } else {
-      ring_cap = std::max(ring_cap.value_or(0.0), top);
-      if (ring_curve.empty()) ring_curve = curve;
-      if (!step_latency) step_latency = alpha / steps;
-    }
-  }
-  if (f.from.empty()) return std::nullopt;
-  // The curve is the all-reduce's (all-gather's or reduce-scatter's without one); the
-  // ring-only collectives are capped at their own best, the all-reduce at its own.
-  f.link.curve = all_reduce_curve.empty() ? ring_curve : all_reduce_curve;
-  f.link.step_latency = step_latency;
-  if (all_reduce_cap) f.link.all_reduce_max_efficiency = *all_reduce_cap;
-  f.link.max_efficiency = ring_cap ? *ring_cap : *all_reduce_cap;
-  if (!all_reduce_cap) f.link.all_reduce_max_efficiency = *ring_cap;
-  return f;
+  return fit_link_series(micro.collectives, {"micro.h5", gpu.nvlink_bandwidth, 1024.0 * 1024, 2},
+                         notes);
 }
 
 }  // namespace
@@ -479,10 +507,35 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
     f.nvlink = fit_link(*micro, gpu, f.notes);
   } else {
     f.notes.push_back("attention: attention_* come from a microbenchmark file (nnexec bench) only");
-    f.notes.push_back(
-        "collectives: link parameters come from a microbenchmark file (nnexec bench) only");
   }
-  if (f.gemm.empty() && !f.memory && !f.attention && !f.nvlink) {
+  // The runs' collectives: inside one machine for NVLink when micro.h5 gave none; across
+  // machines for the network's step latency (its bandwidth is the topology's, not the GPU's).
+  std::vector<CollectiveSeries> same_host, cross_host;
+  bool hosts_known = false;
+  for (const RunPoints& r : runs) {
+    hosts_known = hosts_known || r.hosts_known;
+    same_host.insert(same_host.end(), r.same_host.begin(), r.same_host.end());
+    cross_host.insert(cross_host.end(), r.cross_host.begin(), r.cross_host.end());
+  }
+  if (!runs.empty() && !hosts_known) {
+    f.notes.push_back(
+        "collectives: the run files do not say which machine each rank ran on (written before "
+        "nnexec recorded it); their collectives are not fitted");
+  }
+  if (!f.nvlink && !same_host.empty()) {
+    if (gpu.nvlink_bandwidth > 0) {
+      f.nvlink = fit_link_series(
+          same_host, {"run files, inside one machine", gpu.nvlink_bandwidth, 0, 1}, f.notes);
+    } else {
+      f.notes.push_back(fmt::format(
+          "collectives inside one machine: {} has no NVLink in the catalog; not fitted", gpu.name));
+    }
+  }
+  std::optional<LinkFit> network;
+  if (!cross_host.empty()) {
+    network = fit_link_series(cross_host, {"run files, across machines", 0, 0, 1}, f.notes);
+  }
+  if (f.gemm.empty() && !f.memory && !f.attention && !f.nvlink && !network) {
     return Error("nothing to fit: no GEMM, memory-bound, attention or collective measurements");
   }
   f.calibration.source = source;
@@ -504,6 +557,10 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
     }
   }
   if (f.nvlink) f.calibration.nvlink = f.nvlink->link;
+  if (network) {
+    f.network = network;
+    f.calibration.network = network->link;
+  }
   return f;
 }
 

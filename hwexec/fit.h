@@ -53,6 +53,12 @@ struct RunPoints {
   std::vector<GemmPoint> gemm;             // linear operators
   std::vector<TrafficSeries> memory;       // norms, activations, residual and position adds
   double elementwise_traffic = 0;          // the traffic factor `memory`'s bytes include
+  // All-reduces, all-gathers and reduce-scatters, one series per kind and group size, each
+  // sample a message size with its time per call (mean and fastest over the ranks that ran it),
+  // split by whether the group's ranks shared one machine. Empty when the file does not say
+  // where each rank ran (files written before nnexec recorded hosts).
+  std::vector<CollectiveSeries> same_host, cross_host;
+  bool hosts_known = false;
   std::vector<std::string> notes;
 };
 
@@ -117,6 +123,7 @@ struct Fit {
   std::optional<MemoryFit> memory;
   std::optional<AttentionFit> attention;
   std::optional<LinkFit> nvlink;
+  std::optional<LinkFit> network;  // the step latency across machines (runs only)
   std::vector<std::string> notes;  // what could not be fitted and why
   GpuCalibration calibration;      // only the fitted values; the rest keep the built-ins
 };
@@ -129,7 +136,9 @@ Expected<Fit> fit_micro(const MicroResults& micro, const GpuSpec& gpu, const std
 // together (docs/hwexec.md, "Calibrating from run files"): each precision's GEMM efficiency is
 // the largest e_i over the GEMMs of both; the memory line is fitted to the runs' memory-bound
 // operators when they have any (the traffic the simulator charges, in the framework that ran
-// them), else to micro.h5's kernels; attention and link parameters come from micro.h5 only.
+// them), else to micro.h5's kernels; attention comes from micro.h5 only; the NVLink link from
+// micro.h5's collectives, else from the runs' collectives inside one machine; the network's step
+// latency from the runs' collectives across machines.
 Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
                       const std::vector<RunPoints>& runs, const GpuSpec& gpu,
                       const std::string& source);

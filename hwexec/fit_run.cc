@@ -1,7 +1,10 @@
 // A run file's operator timings as points of the calibration fit (docs/hwexec.md, "Calibrating
 // from run files"): each operator priced the way the simulator's compiler prices it
 // (core/program.cc), from the plan's operator graph and partition.
+#include <algorithm>
 #include <map>
+#include <tuple>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -22,6 +25,68 @@ struct PricedOp {
 bool memory_bound(OpKind k) {
   return k == OpKind::kNorm || k == OpKind::kActivation || k == OpKind::kDropoutAdd ||
          k == OpKind::kAdd;
+}
+
+// The ranks of `rank`'s group along `axes` ("tp", "dp+cp"): those with its coordinates on every
+// other mesh axis.
+std::vector<const RankResult*> group_of(const RunResults& run, const RankResult& rank,
+                                        const std::string& axes) {
+  std::vector<bool> along(run.mesh_axes.size(), false);
+  size_t start = 0;
+  while (start <= axes.size()) {
+    const size_t end = std::min(axes.find('+', start), axes.size());
+    const std::string axis = axes.substr(start, end - start);
+    for (size_t a = 0; a < run.mesh_axes.size(); ++a)
+      along[a] = along[a] || run.mesh_axes[a] == axis;
+    start = end + 1;
+  }
+  std::vector<const RankResult*> out;
+  for (const RankResult& other : run.ranks) {
+    bool same = other.coordinates.size() == rank.coordinates.size();
+    for (size_t a = 0; same && a < rank.coordinates.size(); ++a) {
+      same = (a < along.size() && along[a]) || other.coordinates[a] == rank.coordinates[a];
+    }
+    if (same) out.push_back(&other);
+  }
+  return out;
+}
+
+// The run's all-reduces, all-gathers and reduce-scatters as microbenchmark-style series: per
+// link class (the group inside one machine or not), kind and group size, each message size's
+// time per call, mean and fastest over the ranks (each rank times its own call, waits
+// included, as nccl-tests does).
+void collect_collectives(const RunResults& run, RunPoints& out) {
+  out.hosts_known = !run.ranks.empty();
+  for (const RankResult& r : run.ranks) out.hosts_known = out.hosts_known && !r.host.empty();
+  if (!out.hosts_known) return;
+  // (crosses hosts, kind, ranks) -> bytes -> per-call seconds of each rank
+  std::map<std::tuple<bool, std::string, int>, std::map<double, std::vector<double>>> times;
+  for (const RankResult& r : run.ranks) {
+    for (const CollTime& c : r.collectives) {
+      if (c.kind != "all_reduce" && c.kind != "all_gather" && c.kind != "reduce_scatter") continue;
+      if (c.calls <= 0 || c.seconds <= 0 || c.bytes <= 0) continue;
+      const std::vector<const RankResult*> group = group_of(run, r, c.axes);
+      if (group.size() < 2) continue;
+      bool crosses = false;
+      for (const RankResult* g : group) crosses = crosses || g->host != r.host;
+      times[{crosses, c.kind, static_cast<int>(group.size())}][c.bytes].push_back(c.seconds /
+                                                                                  c.calls);
+    }
+  }
+  for (const auto& [key, by_bytes] : times) {
+    const auto& [crosses, kind, ranks] = key;
+    CollectiveSeries s;
+    s.kind = kind;
+    s.ranks = ranks;
+    s.dtype = run.dtype;
+    for (const auto& [bytes, per_rank] : by_bytes) {
+      double sum = 0;
+      for (double t : per_rank) sum += t;
+      const double fastest = *std::min_element(per_rank.begin(), per_rank.end());
+      s.samples.push_back({bytes, {sum / per_rank.size(), fastest}});
+    }
+    (crosses ? out.cross_host : out.same_host).push_back(s);
+  }
 }
 
 }  // namespace
@@ -91,6 +156,7 @@ Expected<RunPoints> run_points(const RunResults& run, const Plan& plan, const Gp
       }
     }
   }
+  collect_collectives(run, out);
   if (out.gemm.empty() && out.memory.empty()) {
     return Error(fmt::format(
         "{}: no operator of the run is a linear or memory-bound operator of the plan's graph "

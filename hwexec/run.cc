@@ -342,7 +342,7 @@ bool RunResults::check_passed() const {
 }
 
 std::string rank_to_text(const RankResult& r) {
-  std::string s = fmt::format("rank {}\ncoordinates", r.rank);
+  std::string s = fmt::format("rank {}\nhost {}\ncoordinates", r.rank, r.host);
   for (int c : r.coordinates) s += fmt::format(" {}", c);
   s += "\niterations";
   for (double x : r.iteration_seconds) s += fmt::format(" {:.17g}", x);
@@ -386,6 +386,9 @@ Expected<RankResult> rank_from_text(const std::string& text) {
     };
     if (key == "rank") {
       l >> r.rank;
+    } else if (key == "host") {
+      l >> std::ws;
+      std::getline(l, r.host);
     } else if (key == "coordinates") {
       for (double x : numbers()) r.coordinates.push_back(static_cast<int>(x));
     } else if (key == "iterations") {
@@ -477,6 +480,7 @@ Status write_run(const std::string& path, const RunResults& r) {
     for (std::size_t a = 0; a < k.coordinates.size() && a < r.mesh_axes.size(); ++a) {
       ok &= h5::write_attr(g.id, r.mesh_axes[a].c_str(), static_cast<long long>(k.coordinates[a]));
     }
+    if (!k.host.empty()) ok &= h5::write_attr(g.id, "host", k.host);
     ok &= h5::write_attr(g.id, "parameters", k.parameters);
     ok &= h5::write_attr(g.id, "peak_rss_bytes", k.peak_rss_bytes);
     if (k.gpu >= 0) {

@@ -64,6 +64,7 @@ struct ParamCheck {
 
 struct RankResult {
   int rank = 0;
+  std::string host;              // the machine it ran on (empty: not recorded, older files)
   std::vector<int> coordinates;  // along the mesh axes
   std::vector<double> iteration_seconds;
   std::vector<double> losses;  // whole-job loss per measured iteration (head ranks; else empty)

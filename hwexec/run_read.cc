@@ -100,6 +100,7 @@ Expected<RankResult> read_rank(hid_t ranks, const std::string& name, const std::
     }
     r.coordinates.push_back(static_cast<int>(*c));
   }
+  r.host = h5::read_string(g.id, "host").value_or("");
   r.parameters = h5::read_number(g.id, "parameters").value_or(0);
   r.peak_rss_bytes = h5::read_number(g.id, "peak_rss_bytes").value_or(-1);
   TableReader own(g.id, at);

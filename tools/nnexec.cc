@@ -37,6 +37,14 @@ int fail(const std::string& message) {
   return 1;
 }
 
+// This machine's name, recorded per rank: which ranks shared a machine tells the calibration
+// fit which collectives stayed inside one (docs/hwexec.md).
+std::string host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) return "";
+  return name;
+}
+
 int run_info() {
   using namespace nnsim::hwexec;
   const BuildInfo b = build_info();
@@ -238,6 +246,7 @@ int run_as_rank(const RunArgs& a, const Role& role) {
   if (!comm) return fail_rank(comm.error().message());
   nnsim::Expected<RankResult> r = run_rank(*plan, options, **comm);
   if (!r) return fail_rank(r.error().message());
+  r->host = host_name();
   Comm& c = **comm;
   if (rank != 0) {
     const std::string text = rank_to_text(*r);

@@ -742,14 +742,20 @@ int run_calibrate(const CalibrateArgs& a) {
         at.seq_half, at.seq_half_fitted ? "" : " (built-in, kept)", 2 * at.samples,
         100 * at.median_error, 100 * at.max_error);
   }
-  if (fit->nvlink) {
-    const hwexec::LinkFit& l = *fit->nvlink;
-    std::printf(
-        "  nvlink (%d GPUs, %s): step latency %.4g s, max efficiency %.3f, all-reduce %.3f, "
-        "%zu curve points\n",
-        l.ranks, fmt::format("{}", fmt::join(l.from, ", ")).c_str(),
-        l.link.step_latency.value_or(0), l.link.max_efficiency.value_or(0),
-        l.link.all_reduce_max_efficiency.value_or(0), l.link.curve.size());
+  for (const auto& [name, link] :
+       {std::pair{"nvlink", &fit->nvlink}, std::pair{"network", &fit->network}}) {
+    if (!*link) continue;
+    const hwexec::LinkFit& l = **link;
+    std::string what =
+        fmt::format("step latency {}", format_seconds(l.link.step_latency.value_or(0)));
+    if (l.link.max_efficiency)
+      what += fmt::format(", max efficiency {:.3g}", *l.link.max_efficiency);
+    if (l.link.all_reduce_max_efficiency) {
+      what += fmt::format(", all-reduce {:.3g}", *l.link.all_reduce_max_efficiency);
+    }
+    if (!l.link.curve.empty()) what += fmt::format(", {} curve points", l.link.curve.size());
+    std::printf("  %-20s %s  (%d GPUs, %s)\n", name, what.c_str(), l.ranks,
+                fmt::format("{}", fmt::join(l.from, ", ")).c_str());
   }
   for (const std::string& n : fit->notes) std::printf("  note: %s\n", n.c_str());
   return 0;

@@ -126,8 +126,11 @@ TEST(NnsimCompare, CalibratingFromTheRunBringsTheSimulatorToTheMeasurement) {
             raw["summary"]["median_abs_gemm_error"].get<double>());
   EXPECT_LT(std::abs(cal["compute"]["error"].get<double>()),
             std::abs(raw["compute"]["error"].get<double>()));
-  // The iteration: simulated in both and closer after (the collectives, which a run does not
-  // calibrate, keep it far: CPU sockets against NVLink).
+  // The collectives: the run's all-reduces inside this one machine set the NVLink link's step
+  // latency and curve (CPU sockets against NVLink before: 100x off).
+  EXPECT_GT(raw["summary"]["median_abs_collective_error"].get<double>(), 0.9) << raw.dump(1);
+  EXPECT_LT(cal["summary"]["median_abs_collective_error"].get<double>(), 0.5) << cal.dump(1);
+  // The iteration: simulated in both and closer after.
   EXPECT_GT(raw["iteration"]["simulated_s"].get<double>(), 0);
   EXPECT_LT(std::abs(cal["iteration"]["error"].get<double>()),
             std::abs(raw["iteration"]["error"].get<double>()));

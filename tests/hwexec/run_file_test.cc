@@ -37,6 +37,7 @@ RunResults two_ranks() {
   r.mesh_axes = {"dp", "tp"};
   RankResult a;
   a.rank = 0;
+  a.host = "node-a";
   a.coordinates = {0, 0};
   a.iteration_seconds = {0.25, 0.5};
   a.losses = {4.5, 4.25};
@@ -52,6 +53,7 @@ RunResults two_ranks() {
   a.checks = {{"layers.0.attn.qkv.weight", 6144, 1e-9, 0.5, true}};
   RankResult b = a;
   b.rank = 1;
+  b.host = "node b";  // names may hold spaces
   b.coordinates = {0, 1};
   b.iteration_seconds = {0.375, 0.25};
   b.losses = {};
@@ -85,6 +87,7 @@ TEST(RunFile, WriteReadRoundTripKeepsEveryTable) {
   for (size_t i = 0; i < 2; ++i) {
     const RankResult &got = r->ranks[i], &want = w.ranks[i];
     EXPECT_EQ(got.rank, want.rank);
+    EXPECT_EQ(got.host, want.host);
     EXPECT_EQ(got.coordinates, want.coordinates);
     EXPECT_EQ(got.iteration_seconds, want.iteration_seconds);
     EXPECT_EQ(got.losses, want.losses);
@@ -311,6 +314,93 @@ TEST(HwexecFitRun, FasterThanThePeakIsAnotherGpuOnAGpuAndCappedOnACpu) {
   bool said = false;
   for (const std::string& n : f->notes)
     said = said || contains(n, "capped at 1 (measured on a CPU");
+  EXPECT_TRUE(said);
+}
+
+// The link a synthetic run's collectives are made with: per latency step, and the efficiency of
+// the bandwidth term (docs/hwexec.md).
+struct LinkTruth {
+  double step_latency = 5e-6;
+  double efficiency = 0.5;
+  double network_step_latency = 20e-6;
+};
+
+// The tiny plan's ranks 0-1 on one machine and 2-3 on another (tp inside, pp across): tp
+// all-reduces at three sizes from the truth's link, and an all-reduce over pp (the tied
+// embedding's gradient) at one size, all latency.
+RunResults run_with_collectives(const Plan& plan, const GpuSpec& gpu, const LinkTruth& truth) {
+  RunResults r = synthetic_run(plan, gpu, RunTruth{});
+  for (RankResult& k : r.ranks) {
+    k.host = k.rank < 2 ? "node-a" : "node-b";
+    for (double bytes : {128.0, 1024.0 * 1024, 16.0 * 1024 * 1024}) {
+      // 2 ranks: 2 latency steps; the ring moves 2(n-1)/n of the buffer, here all of it.
+      const double t = 2 * truth.step_latency + bytes / (gpu.nvlink_bandwidth * truth.efficiency);
+      // The slower ranks wait for the faster: the mean is over the ranks' own times.
+      const double wait = k.rank % 2 == 0 ? 0 : 0.1 * t;
+      k.collectives.push_back({"all_reduce", "tp", "attn.proj", bytes, 4, 4 * (t + wait)});
+    }
+    k.collectives.push_back(
+        {"all_reduce", "pp", "embed.word", 64, 1, 2 * truth.network_step_latency});
+    k.collectives.push_back({"send", "pp", "activation", 1e6, 4, 1.0});  // not a collective fit
+  }
+  return r;
+}
+
+TEST(HwexecFitRun, CollectivesFitTheLinkInsideAMachineAndTheNetworkLatencyAcross) {
+  const Plan plan = tiny_plan();
+  const GpuSpec gpu = *find_gpu("a100-sxm4-80gb");
+  const LinkTruth truth;
+  Expected<RunPoints> points =
+      run_points(run_with_collectives(plan, gpu, truth), plan, gpu, "run.h5");
+  ASSERT_TRUE(points.ok()) << points.error().message();
+  EXPECT_TRUE(points->hosts_known);
+  ASSERT_EQ(points->same_host.size(), 1u);
+  ASSERT_EQ(points->cross_host.size(), 1u);
+  const CollectiveSeries& tp = points->same_host[0];
+  EXPECT_EQ(tp.kind, "all_reduce");
+  EXPECT_EQ(tp.ranks, 2);
+  ASSERT_EQ(tp.samples.size(), 3u);
+  // Mean over the two ranks' times (one waited 10 % longer), fastest the other's.
+  const double t128 = 2 * truth.step_latency + 128 / (gpu.nvlink_bandwidth * truth.efficiency);
+  EXPECT_NEAR(tp.samples[0].t.seconds, 1.05 * t128, 1e-12);
+  EXPECT_NEAR(tp.samples[0].t.seconds_min, t128, 1e-12);
+
+  Expected<Fit> f = fit_all(nullptr, "", {*points}, gpu, "run");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  ASSERT_TRUE(f->calibration.nvlink.has_value());
+  const GpuCalibration::Link& nv = *f->calibration.nvlink;
+  // The 128-byte all-reduce is all latency (its bandwidth term is under 1e-4 of it).
+  EXPECT_NEAR(*nv.step_latency, 1.05 * truth.step_latency, 1e-4 * truth.step_latency);
+  ASSERT_EQ(nv.curve.size(), 2u);
+  for (const EfficiencyPoint& p : nv.curve) {
+    // The mean time is 1.05 x the truth's; the latency taken off is the smallest size's.
+    const double t =
+        1.05 * (2 * truth.step_latency + p.bytes / (gpu.nvlink_bandwidth * truth.efficiency));
+    EXPECT_NEAR(p.efficiency, p.bytes / (gpu.nvlink_bandwidth * (t - 1.05 * t128)),
+                1e-9 * p.efficiency)
+        << p.bytes;
+    EXPECT_NEAR(p.efficiency, truth.efficiency / 1.05, 0.01 * truth.efficiency) << p.bytes;
+  }
+  // Across machines: one size, the step latency alone (the network's bandwidth is the
+  // topology's, which a run file does not name).
+  ASSERT_TRUE(f->calibration.network.has_value());
+  EXPECT_NEAR(*f->calibration.network->step_latency, truth.network_step_latency, 1e-15);
+  EXPECT_TRUE(f->calibration.network->curve.empty());
+  EXPECT_FALSE(f->calibration.network->max_efficiency.has_value());
+
+  // A file without hosts (written before nnexec recorded them): the collectives are not used,
+  // and the fit says so.
+  RunResults old = run_with_collectives(plan, gpu, truth);
+  for (RankResult& k : old.ranks) k.host.clear();
+  points = run_points(old, plan, gpu, "old.h5");
+  ASSERT_TRUE(points.ok()) << points.error().message();
+  EXPECT_FALSE(points->hosts_known);
+  f = fit_all(nullptr, "", {*points}, gpu, "old");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  EXPECT_FALSE(f->calibration.nvlink.has_value());
+  EXPECT_FALSE(f->calibration.network.has_value());
+  bool said = false;
+  for (const std::string& n : f->notes) said = said || contains(n, "which machine each rank");
   EXPECT_TRUE(said);
 }
 
