@@ -59,7 +59,7 @@ class CudaTimer {
   void* start_ = nullptr;
   void* stop_ = nullptr;
 };
-// nccl-tests style: one process drives all `devices` GPUs; float32; sum for reductions.
+// nccl-tests style: one process drives GPUs 0 to `devices` - 1; float32; sum for reductions.
 Expected<std::vector<CollectiveSeries>> bench_nccl(int devices, const std::vector<double>& sizes,
                                                    const Repeat& r);
 

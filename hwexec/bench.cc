@@ -68,6 +68,14 @@ struct AttentionShape {
   return v;
 }
 
+// Group sizes the collectives are timed over (the first n GPUs): 2, 4, 8, ... and all of them.
+[[maybe_unused]] std::vector<int> group_sizes(int devices) {
+  std::vector<int> v;
+  for (int n = 2; n < devices; n *= 2) v.push_back(n);
+  if (devices >= 2) v.push_back(devices);
+  return v;
+}
+
 [[maybe_unused]] std::vector<double> collective_sizes(const BenchOptions& o) {
   std::vector<double> v;
   const double top = o.quick ? 64.0 * (1 << 20) : 1024.0 * (1 << 20);
@@ -240,16 +248,20 @@ Expected<MicroResults> run_bench(const BenchOptions& o,
   if (o.device == "cuda") {
 #ifdef NNSIM_HAVE_CUDA
     if (r.device_count >= 2) {
-      auto series = detail::bench_nccl(r.device_count, collective_sizes(o), rep);
-      if (!series) return series.error().with_context("NCCL collectives");
-      for (const CollectiveSeries& s : *series) {
-        for (const CollectiveSample& x : s.samples) {
-          say(fmt::format("{:>14} {} GPUs {:>12.0f} B  {:>10.3f} us  busbw {:>7.2f} GB/s", s.kind,
-                          s.ranks, x.bytes, x.t.seconds * 1e6,
-                          x.bytes / x.t.seconds * bus_factor(s.kind, s.ranks) / 1e9));
+      for (int n : group_sizes(r.device_count)) {
+        auto series = detail::bench_nccl(n, collective_sizes(o), rep);
+        if (!series) {
+          return series.error().with_context(fmt::format("NCCL collectives over {} GPUs", n));
+        }
+        for (const CollectiveSeries& s : *series) {
+          for (const CollectiveSample& x : s.samples) {
+            say(fmt::format("{:>14} {} GPUs {:>12.0f} B  {:>10.3f} us  busbw {:>7.2f} GB/s", s.kind,
+                            s.ranks, x.bytes, x.t.seconds * 1e6,
+                            x.bytes / x.t.seconds * bus_factor(s.kind, s.ranks) / 1e9));
+          }
+          r.collectives.push_back(s);
         }
       }
-      r.collectives = std::move(*series);
     } else {
       r.notes.push_back("collectives: skipped: one GPU visible (NCCL collectives need two)");
     }

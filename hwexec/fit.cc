@@ -421,8 +421,41 @@ std::optional<LinkFit> fit_link(const MicroResults& micro, const GpuSpec& gpu,
         gpu.name));
     return std::nullopt;
   }
-  return fit_link_series(micro.collectives, {"micro.h5", gpu.nvlink_bandwidth, 1024.0 * 1024, 2},
-                         notes);
+  // The largest group (the whole node, what the simulator's NVLink class stands for) is
+  // fitted; every group checks the fitted model.
+  int largest = 0;
+  for (const CollectiveSeries& s : micro.collectives) largest = std::max(largest, s.ranks);
+  std::vector<CollectiveSeries> fitted;
+  for (const CollectiveSeries& s : micro.collectives) {
+    if (s.ranks == largest) fitted.push_back(s);
+  }
+  std::optional<LinkFit> f =
+      fit_link_series(fitted, {"micro.h5", gpu.nvlink_bandwidth, 1024.0 * 1024, 2}, notes);
+  if (!f) return f;
+  // The fitted link as the simulator applies it.
+  LinkClassModel model = CommModel::defaults_for(gpu).nvlink;
+  if (!f->link.curve.empty()) model.curve = f->link.curve;
+  if (f->link.max_efficiency) model.max_efficiency = *f->link.max_efficiency;
+  if (f->link.all_reduce_max_efficiency) {
+    model.all_reduce_max_efficiency = *f->link.all_reduce_max_efficiency;
+  }
+  if (f->link.step_latency) model.step_latency = *f->link.step_latency;
+  for (const CollectiveSeries& s : micro.collectives) {
+    if (s.ranks < 2 || s.samples.empty()) continue;
+    const bool all_reduce = s.kind == "all_reduce";
+    const int steps = all_reduce ? 2 * (s.ranks - 1) : s.ranks - 1;
+    std::vector<double> model_t, measured;
+    for (const CollectiveSample& x : s.samples) {
+      const double volume = bus_factor(s.kind, s.ranks) * x.bytes;
+      model_t.push_back(steps * model.step_latency +
+                        volume / (gpu.nvlink_bandwidth * model.efficiency(x.bytes, all_reduce)));
+      measured.push_back(x.t.seconds);
+    }
+    LinkFit::GroupCheck c{s.kind, s.ranks, static_cast<int>(s.samples.size()), 0, 0};
+    std::tie(c.median_error, c.max_error) = error_stats(model_t, measured);
+    f->checks.push_back(c);
+  }
+  return f;
 }
 
 }  // namespace

@@ -115,6 +115,16 @@ struct LinkFit {
   double link_bandwidth = 0;      // bytes/s per direction the efficiencies are relative to
   GpuCalibration::Link link;      // curve, caps and step latency
   std::vector<std::string> from;  // collectives used
+  // Every group size a microbenchmark measured (the fitted largest one too), against the fitted
+  // model: the relative time error of steps x step_latency + volume / (B x efficiency). One
+  // curve serves every kind, so a kind whose own curve differs shows here as well.
+  struct GroupCheck {
+    std::string kind;
+    int ranks = 0;
+    int samples = 0;
+    double median_error = 0, max_error = 0;
+  };
+  std::vector<GroupCheck> checks;
 };
 
 struct Fit {

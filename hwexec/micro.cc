@@ -2,6 +2,7 @@
 
 #include <hdf5.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 
@@ -186,24 +187,36 @@ Status write_micro(const std::string& path, const MicroResults& r) {
       return fail("/attention/" + s.dtype);
     }
   }
+  // One group per kind; each row a (group size, message size) measurement, group sizes in the
+  // order measured.
   Handle coll(make_group(file.id, "collectives"), H5Gclose);
+  std::vector<std::string> kinds;
   for (const CollectiveSeries& s : r.collectives) {
-    Handle g(make_group(coll.id, s.kind), H5Gclose);
-    if (g.id < 0) return fail("/collectives/" + s.kind);
-    std::vector<double> bytes, algbw, busbw;
+    if (std::find(kinds.begin(), kinds.end(), s.kind) == kinds.end()) kinds.push_back(s.kind);
+  }
+  for (const std::string& kind : kinds) {
+    Handle g(make_group(coll.id, kind), H5Gclose);
+    if (g.id < 0) return fail("/collectives/" + kind);
+    std::vector<double> ranks, bytes, algbw, busbw;
     std::vector<Timing> t;
-    const double factor = bus_factor(s.kind, s.ranks);
-    for (const CollectiveSample& x : s.samples) {
-      bytes.push_back(x.bytes);
-      t.push_back(x.t);
-      algbw.push_back(x.bytes / x.t.seconds);
-      busbw.push_back(x.bytes / x.t.seconds * factor);
+    std::string dtype;
+    for (const CollectiveSeries& s : r.collectives) {
+      if (s.kind != kind) continue;
+      dtype = s.dtype;
+      const double factor = bus_factor(s.kind, s.ranks);
+      for (const CollectiveSample& x : s.samples) {
+        ranks.push_back(s.ranks);
+        bytes.push_back(x.bytes);
+        t.push_back(x.t);
+        algbw.push_back(x.bytes / x.t.seconds);
+        busbw.push_back(x.bytes / x.t.seconds * factor);
+      }
     }
-    if (!write_attr(g.id, "ranks", static_cast<long long>(s.ranks)) ||
-        !write_attr(g.id, "dtype", s.dtype) || !write_vector(g.id, "bytes", bytes) ||
-        !write_timing(g.id, t) || !write_vector(g.id, "algbw_bytes_per_s", algbw) ||
+    if (!write_attr(g.id, "dtype", dtype) || !write_vector(g.id, "ranks", ranks) ||
+        !write_vector(g.id, "bytes", bytes) || !write_timing(g.id, t) ||
+        !write_vector(g.id, "algbw_bytes_per_s", algbw) ||
         !write_vector(g.id, "busbw_bytes_per_s", busbw)) {
-      return fail("/collectives/" + s.kind);
+      return fail("/collectives/" + kind);
     }
   }
   if (H5Fflush(file.id, H5F_SCOPE_GLOBAL) < 0) return fail("the data");
@@ -337,21 +350,38 @@ Expected<MicroResults> read_micro(const std::string& path) {
             "{}: unknown collective (all_reduce, all_gather or reduce_scatter)", where));
       }
       Handle g(H5Gopen2(coll.id, name.c_str(), H5P_DEFAULT), H5Gclose);
-      auto ranks = read_number(g.id, "ranks");
-      if (!ranks || *ranks < 1) {
-        return Error(fmt::format("{}: attribute 'ranks' is missing or below 1", where));
-      }
       SeriesReader in(g.id, where);
       auto bytes = in.column("bytes");
       if (!bytes) return bytes.error();
       auto t = timings(in);
       if (!t) return t.error();
-      CollectiveSeries s;
-      s.kind = name;
-      s.ranks = static_cast<int>(*ranks);
-      s.dtype = read_string(g.id, "dtype").value_or("");
-      for (size_t i = 0; i < bytes->size(); ++i) s.samples.push_back({(*bytes)[i], (*t)[i]});
-      r.collectives.push_back(std::move(s));
+      // The group size of each row: a column since version 3, one attribute before.
+      std::vector<double> ranks;
+      if (*version >= 3) {
+        auto column = in.column("ranks");
+        if (!column) return column.error();
+        ranks = *column;
+      } else {
+        auto attr = read_number(g.id, "ranks");
+        if (!attr) return Error(fmt::format("{}: attribute 'ranks' is missing", where));
+        ranks.assign(bytes->size(), *attr);
+      }
+      const std::string dtype = read_string(g.id, "dtype").value_or("");
+      const size_t first = r.collectives.size();
+      for (size_t i = 0; i < bytes->size(); ++i) {
+        if (ranks[i] < 1 || ranks[i] != std::floor(ranks[i])) {
+          return Error(fmt::format("{}: ranks[{}] is {}, not a whole number of 1 or more", where, i,
+                                   ranks[i]));
+        }
+        const int n = static_cast<int>(ranks[i]);
+        auto it = std::find_if(r.collectives.begin() + first, r.collectives.end(),
+                               [n](const CollectiveSeries& s) { return s.ranks == n; });
+        if (it == r.collectives.end()) {
+          r.collectives.push_back({name, n, dtype, {}});
+          it = r.collectives.end() - 1;
+        }
+        it->samples.push_back({(*bytes)[i], (*t)[i]});
+      }
     }
   }
   if (auto notes = read_string(file.id, "notes")) {

@@ -1,4 +1,4 @@
-// Microbenchmark results (`nnexec bench`) and their HDF5 file: format "nnexec-micro", version 2,
+// Microbenchmark results (`nnexec bench`) and their HDF5 file: format "nnexec-micro", version 3,
 // layout in docs/hwexec.md. Times are seconds, sizes bytes, rates FLOP/s or bytes/s.
 #pragma once
 
@@ -11,8 +11,9 @@
 namespace nnsim::hwexec {
 
 inline constexpr const char* kMicroFormat = "nnexec-micro";
-inline constexpr int kMicroVersion = 2;
-// Version 1 files (before the attention series) are still read; they have no attention.
+inline constexpr int kMicroVersion = 3;
+// Older files are still read: version 1 (before the attention series) has no attention; versions
+// 1 and 2 hold one group size per collective (an attribute, not a column).
 inline constexpr int kMicroOldestVersion = 1;
 
 // One timed configuration: the median and the fastest of `repetitions` runs after warm-up.

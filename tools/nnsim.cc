@@ -756,6 +756,10 @@ int run_calibrate(const CalibrateArgs& a) {
     if (!l.link.curve.empty()) what += fmt::format(", {} curve points", l.link.curve.size());
     std::printf("  %-20s %s  (%d GPUs, %s)\n", name, what.c_str(), l.ranks,
                 fmt::format("{}", fmt::join(l.from, ", ")).c_str());
+    for (const hwexec::LinkFit::GroupCheck& c : l.checks) {
+      std::printf("    %s over %d GPUs: model error median %.1f%%, max %.1f%% (%d sizes)\n",
+                  c.kind.c_str(), c.ranks, 100 * c.median_error, 100 * c.max_error, c.samples);
+    }
   }
   for (const std::string& n : fit->notes) std::printf("  note: %s\n", n.c_str());
   return 0;

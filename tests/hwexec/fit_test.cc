@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "core/calibration.h"
 #include "core/collective.h"
 #include "hwexec/fit.h"
@@ -30,6 +32,7 @@ TEST(HwexecMicro, WriteReadRoundTripKeepsEverySeries) {
   Expected<MicroResults> r = read_micro(dir.file("m.h5"));
   ASSERT_TRUE(r.ok()) << r.error().message();
   EXPECT_EQ(r->device, "cuda");
+  EXPECT_EQ(r->collectives.size(), m.collectives.size());
   EXPECT_EQ(r->device_name, m.device_name);
   EXPECT_EQ(r->device_count, 8);
   ASSERT_EQ(r->gemm.size(), 2u);
@@ -68,10 +71,23 @@ TEST(HwexecMicro, VersionOneFilesWithoutAttentionStillRead) {
   MicroResults m = synthetic_micro(h100());
   m.attention.clear();
   ASSERT_TRUE(write_micro(dir.file("v1.h5"), m).ok());
-  // What version 1 wrote: no attention group, version 1.
+  // What version 1 wrote: no attention group, one group size per collective as an attribute,
+  // version 1.
   hid_t f = H5Fopen(dir.file("v1.h5").c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
   ASSERT_GE(f, 0);
   ASSERT_GE(H5Ldelete(f, "attention", H5P_DEFAULT), 0);
+  for (const char* kind : {"all_reduce", "all_gather"}) {
+    hid_t g = H5Gopen2(f, (std::string("collectives/") + kind).c_str(), H5P_DEFAULT);
+    ASSERT_GE(g, 0) << kind;
+    ASSERT_GE(H5Ldelete(g, "ranks", H5P_DEFAULT), 0);
+    hid_t space = H5Screate(H5S_SCALAR);
+    hid_t attr = H5Acreate2(g, "ranks", H5T_NATIVE_LLONG, space, H5P_DEFAULT, H5P_DEFAULT);
+    const long long ranks = m.collectives[0].ranks;
+    H5Awrite(attr, H5T_NATIVE_LLONG, &ranks);
+    H5Aclose(attr);
+    H5Sclose(space);
+    H5Gclose(g);
+  }
   hid_t a = H5Aopen(f, "version", H5P_DEFAULT);
   long long v = 1;
   H5Awrite(a, H5T_NATIVE_LLONG, &v);
@@ -81,7 +97,9 @@ TEST(HwexecMicro, VersionOneFilesWithoutAttentionStillRead) {
   ASSERT_TRUE(r.ok()) << r.error().message();
   EXPECT_TRUE(r->attention.empty());
   EXPECT_EQ(r->gemm.size(), 2u);
-  EXPECT_EQ(r->collectives.size(), 2u);
+  ASSERT_EQ(r->collectives.size(), 2u);
+  EXPECT_EQ(r->collectives[0].ranks, m.collectives[0].ranks);
+  EXPECT_EQ(r->collectives[0].samples.size(), m.collectives[0].samples.size());
   // It still fits, without attention, and says so.
   Expected<Fit> fit = fit_micro(*r, h100(), "v1");
   ASSERT_TRUE(fit.ok()) << fit.error().message();
@@ -339,6 +357,75 @@ TEST_F(HwexecBadFile, AttentionErrorsNameTheGroup) {
   const std::string e = error();
   EXPECT_NE(e.find("m.h5: /attention/bf16: dataset 'bwd_seconds' is missing"), std::string::npos)
       << e;
+}
+
+TEST(HwexecFit, TheLargestGroupSetsTheLinkAndTheSmallerOnesCheckIt) {
+  const GpuSpec gpu = h100();
+  Truth truth;
+  truth.smaller_groups = {2, 4};
+  const MicroResults m = synthetic_micro(gpu, truth);
+  ASSERT_EQ(m.collectives.size(), 6u);
+  // The file keeps every group size, in the order measured.
+  TempDir dir;
+  ASSERT_TRUE(write_micro(dir.file("m.h5"), m).ok());
+  Expected<MicroResults> r = read_micro(dir.file("m.h5"));
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  ASSERT_EQ(r->collectives.size(), 6u);
+  std::vector<std::pair<std::string, int>> series;
+  for (const CollectiveSeries& s : r->collectives) series.push_back({s.kind, s.ranks});
+  EXPECT_EQ(series, (std::vector<std::pair<std::string, int>>{{"all_gather", 8},
+                                                              {"all_gather", 2},
+                                                              {"all_gather", 4},
+                                                              {"all_reduce", 8},
+                                                              {"all_reduce", 2},
+                                                              {"all_reduce", 4}}));
+
+  Expected<Fit> f = fit_micro(*r, gpu, "groups");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  ASSERT_TRUE(f->nvlink.has_value());
+  EXPECT_EQ(f->nvlink->ranks, 8);
+  // The same parameters as from the 8-GPU group alone.
+  Expected<Fit> alone = fit_micro(synthetic_micro(gpu, Truth{}), gpu, "8");
+  ASSERT_TRUE(alone.ok());
+  EXPECT_EQ(f->calibration.nvlink->step_latency, alone->calibration.nvlink->step_latency);
+  ASSERT_EQ(f->calibration.nvlink->curve.size(), alone->calibration.nvlink->curve.size());
+  // Every group against the fitted model. The all-reduces of 2 and 4 GPUs come from the same
+  // link, so the model times them exactly at the curve's sizes, and within the smallest
+  // message's bandwidth term below them. The all-gathers show the one-curve model's error (their
+  // own efficiency is flat), for every group size alike.
+  ASSERT_EQ(f->nvlink->checks.size(), 6u);
+  std::map<int, double> all_gather_error;
+  for (const LinkFit::GroupCheck& c : f->nvlink->checks) {
+    EXPECT_EQ(c.samples, 6);
+    if (c.kind == "all_reduce") {
+      EXPECT_LT(c.median_error, 1e-9) << c.ranks;
+      EXPECT_LT(c.max_error, 0.01) << c.ranks;
+    } else {
+      all_gather_error[c.ranks] = c.median_error;
+    }
+  }
+  ASSERT_EQ(all_gather_error.size(), 3u);
+  for (const auto& [ranks, error] : all_gather_error) {
+    EXPECT_GT(error, 0.01) << ranks;
+    EXPECT_LT(error, 0.1) << ranks;
+  }
+
+  // A group that is not the model (its collectives 1.5 times as long) shows in the check.
+  MicroResults skewed = m;
+  for (CollectiveSeries& s : skewed.collectives) {
+    if (s.ranks == 2) {
+      for (CollectiveSample& x : s.samples) x.t.seconds *= 1.5;
+    }
+  }
+  f = fit_micro(skewed, gpu, "skewed");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  bool checked = false;
+  for (const LinkFit::GroupCheck& c : f->nvlink->checks) {
+    if (c.ranks != 2 || c.kind != "all_reduce") continue;
+    checked = true;
+    EXPECT_NEAR(c.median_error, 1.0 / 3, 1e-6);
+  }
+  EXPECT_TRUE(checked);
 }
 
 }  // namespace

@@ -27,6 +27,9 @@ struct Truth {
   double attention_bwd_efficiency = 0.4;
   double attention_seq_half = 300;
   int ranks = 8;
+  // Smaller groups timed too (nnexec bench's 2, 4, ... GPUs), from the same link: the smallest
+  // message's time scales with the latency steps.
+  std::vector<int> smaller_groups;
 };
 
 inline MicroResults synthetic_micro(const GpuSpec& gpu, const Truth& truth = {}) {
@@ -94,22 +97,28 @@ inline MicroResults synthetic_micro(const GpuSpec& gpu, const Truth& truth = {})
     as.samples.push_back(x);
   }
   r.attention = {as};
-  const int n = truth.ranks;
-  CollectiveSeries ar{"all_reduce", n, "fp32", {}};
-  CollectiveSeries ag{"all_gather", n, "fp32", {}};
-  ar.samples.push_back({1024, {truth.alpha, truth.alpha}});
-  const double ag_alpha = truth.alpha / 2;  // half the steps
-  ag.samples.push_back({1024, {ag_alpha, ag_alpha}});
-  double size = 1 << 20;
-  for (double e : truth.all_reduce_efficiency) {
-    const double t = truth.alpha + 2.0 * (n - 1) / n * size / (gpu.nvlink_bandwidth * e);
-    ar.samples.push_back({size, {t, t}});
-    const double tg =
-        ag_alpha + 1.0 * (n - 1) / n * size / (gpu.nvlink_bandwidth * truth.all_gather_efficiency);
-    ag.samples.push_back({size, {tg, tg}});
-    size *= 4;
+  const double step = truth.alpha / (2 * (truth.ranks - 1));
+  std::vector<int> groups = {truth.ranks};
+  groups.insert(groups.end(), truth.smaller_groups.begin(), truth.smaller_groups.end());
+  for (int n : groups) {
+    CollectiveSeries ar{"all_reduce", n, "fp32", {}};
+    CollectiveSeries ag{"all_gather", n, "fp32", {}};
+    const double alpha = 2 * (n - 1) * step;
+    ar.samples.push_back({1024, {alpha, alpha}});
+    const double ag_alpha = alpha / 2;  // half the steps
+    ag.samples.push_back({1024, {ag_alpha, ag_alpha}});
+    double size = 1 << 20;
+    for (double e : truth.all_reduce_efficiency) {
+      const double t = alpha + 2.0 * (n - 1) / n * size / (gpu.nvlink_bandwidth * e);
+      ar.samples.push_back({size, {t, t}});
+      const double tg = ag_alpha + 1.0 * (n - 1) / n * size /
+                                       (gpu.nvlink_bandwidth * truth.all_gather_efficiency);
+      ag.samples.push_back({size, {tg, tg}});
+      size *= 4;
+    }
+    r.collectives.push_back(ar);
+    r.collectives.push_back(ag);
   }
-  r.collectives = {ar, ag};
   return r;
 }
 

@@ -103,7 +103,7 @@ with h5py.File(sys.argv[1], "r") as f:
     fmt = f.attrs["format"]
     fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
     assert fmt == "nnexec-micro", fmt
-    assert int(f.attrs["version"]) == 2
+    assert int(f.attrs["version"]) == 3
     g = f["gemm/fp32"]
     rate = 2 * g["m"][()] * g["n"][()] * g["k"][()] / g["seconds"][()]
     assert abs(rate / g["flop_per_s"][()] - 1).max() < 1e-9, rate
