@@ -1,6 +1,7 @@
 #include "planner/schedules.h"
 
 #include <algorithm>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -190,6 +191,54 @@ Status add_spanning_blocks(ScheduleKind kind, int segment,
         out.push_back({BlockKind::kBackward, b.micro_batch, segment});
       }
       out.push_back(b);
+    }
+    order = std::move(out);
+  }
+  return Status::Ok();
+}
+
+Status add_forward_passes(ScheduleKind kind, int passes, std::vector<std::vector<Block>>& orders) {
+  if (passes <= 1) return Status::Ok();
+  if (kind != ScheduleKind::kGpipe && kind != ScheduleKind::kOneFOneB &&
+      kind != ScheduleKind::kTessel) {
+    return Error(fmt::format(
+        "the {} schedule does not place repeated forwards (training.recycle = {}); use gpipe or "
+        "1f1b, or nnsim schedule --search",
+        to_string(kind), passes));
+  }
+  std::map<int, size_t> order_of_segment;
+  for (size_t o = 0; o < orders.size(); ++o) {
+    for (const Block& b : orders[o]) {
+      auto it = order_of_segment.emplace(b.segment, o).first;
+      if (it->second != o || b.segment != orders[o].front().segment) {
+        return Error(fmt::format(
+            "repeated forwards (training.recycle = {}) are placed by the gpipe and 1f1b "
+            "schedules on one segment per pipeline stage; this placement (segment {}) needs "
+            "nnsim schedule --search",
+            passes, b.segment));
+      }
+    }
+  }
+  for (auto& order : orders) {
+    std::vector<Block> out, rest;
+    out.reserve(order.size() + order.size() / 2 * (passes - 1));
+    if (kind == ScheduleKind::kGpipe) {
+      std::vector<Block> forwards;
+      for (const Block& b : order) (b.kind == BlockKind::kForward ? forwards : rest).push_back(b);
+      for (int pass = 0; pass < passes; ++pass) {
+        for (Block f : forwards) {
+          f.pass = pass;
+          out.push_back(f);
+        }
+      }
+      out.insert(out.end(), rest.begin(), rest.end());
+    } else {
+      for (const Block& b : order) {
+        for (int pass = 0; pass < (b.kind == BlockKind::kForward ? passes : 1); ++pass) {
+          out.push_back(b);
+          out.back().pass = pass;
+        }
+      }
     }
     order = std::move(out);
   }

@@ -45,8 +45,13 @@ double peak_of(const TesselBlock& b) {
   return std::max({b.peak, b.bytes, 0.0});
 }
 
+// The plan block that runs `b` for `micro_batch`.
+Block block_of(const TesselBlock& b, int micro_batch) {
+  return Block{b.kind, micro_batch, b.segment, b.pass};
+}
+
 std::string block_name(const TesselBlock& b, int micro_batch) {
-  return to_string(Block{b.kind, micro_batch, b.segment});
+  return to_string(block_of(b, micro_batch));
 }
 
 Status check_problem(const TesselProblem& p) {
@@ -54,11 +59,11 @@ Status check_problem(const TesselProblem& p) {
     return Error("the schedule search needs at least one device and one micro-batch");
   }
   if (p.blocks.empty()) return Error("the schedule search got no blocks to place");
-  std::map<std::pair<BlockKind, int>, int> seen;
+  std::map<std::tuple<BlockKind, int, int>, int> seen;
   std::vector<double> balance(p.devices, 0);
   for (size_t i = 0; i < p.blocks.size(); ++i) {
     const TesselBlock& b = p.blocks[i];
-    if (!seen.emplace(std::make_pair(b.kind, b.segment), static_cast<int>(i)).second) {
+    if (!seen.emplace(std::make_tuple(b.kind, b.segment, b.pass), static_cast<int>(i)).second) {
       return Error(fmt::format("block {} appears twice in one micro-batch", block_name(b, 0)));
     }
     if (b.devices.empty()) return Error(fmt::format("block {} has no device", block_name(b, 0)));
@@ -298,7 +303,7 @@ std::vector<std::vector<Block>> unroll(const TesselProblem& p, const Repetend& r
   std::vector<std::vector<Block>> orders(p.devices);
   for (const auto& [time, order, m, b] : events) {
     for (int dev : p.blocks[b].devices) {
-      orders[dev].push_back(Block{p.blocks[b].kind, m, p.blocks[b].segment});
+      orders[dev].push_back(block_of(p.blocks[b], m));
     }
   }
   return orders;
@@ -373,7 +378,7 @@ std::vector<std::vector<Block>> list_orders(const TesselProblem& p,
     for (int dev : blk.devices) {
       free_at[dev] = end[best];
       level[dev] += blk.bytes;
-      orders[dev].push_back(Block{blk.kind, m, blk.segment});
+      orders[dev].push_back(block_of(blk, m));
     }
     for (int c : users[b]) {
       if (--waiting[c * mb + m] == 0) ready.push_back(c * mb + m);
@@ -751,7 +756,7 @@ std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& 
     std::vector<std::vector<Block>> orders(p.devices);
     for (const auto& [time, rk, m, id] : events) {
       for (int dev : p.blocks[blk[id]].devices) {
-        orders[dev].push_back(Block{p.blocks[blk[id]].kind, m, p.blocks[blk[id]].segment});
+        orders[dev].push_back(block_of(p.blocks[blk[id]], m));
       }
     }
     return orders;
@@ -769,9 +774,9 @@ Expected<OrdersRun> run_orders(const TesselProblem& p,
   if (static_cast<int>(orders.size()) != p.devices) {
     return Error(fmt::format("{} orders for {} devices", orders.size(), p.devices));
   }
-  std::map<std::pair<BlockKind, int>, int> index;
+  std::map<std::tuple<BlockKind, int, int>, int> index;
   for (size_t i = 0; i < p.blocks.size(); ++i) {
-    index[{p.blocks[i].kind, p.blocks[i].segment}] = static_cast<int>(i);
+    index[{p.blocks[i].kind, p.blocks[i].segment, p.blocks[i].pass}] = static_cast<int>(i);
   }
   const int n = static_cast<int>(p.blocks.size());
   // Which positions of which orders each (block, micro-batch) holds.
@@ -779,7 +784,7 @@ Expected<OrdersRun> run_orders(const TesselProblem& p,
   std::vector<int> seen(static_cast<size_t>(n) * p.micro_batches, 0);
   for (size_t dev = 0; dev < orders.size(); ++dev) {
     for (const Block& b : orders[dev]) {
-      auto it = index.find({b.kind, b.segment});
+      auto it = index.find({b.kind, b.segment, b.pass});
       const bool on_device =
           it != index.end() && std::count(p.blocks[it->second].devices.begin(),
                                           p.blocks[it->second].devices.end(), dev) > 0;
@@ -799,8 +804,8 @@ Expected<OrdersRun> run_orders(const TesselProblem& p,
       if (seen[static_cast<size_t>(b) * p.micro_batches + m] !=
           static_cast<int>(p.blocks[b].devices.size())) {
         for (int dev : p.blocks[b].devices) {
-          if (std::find(orders[dev].begin(), orders[dev].end(),
-                        Block{p.blocks[b].kind, m, p.blocks[b].segment}) == orders[dev].end()) {
+          if (std::find(orders[dev].begin(), orders[dev].end(), block_of(p.blocks[b], m)) ==
+              orders[dev].end()) {
             return Error(fmt::format("device {} never runs {}", dev, block_name(p.blocks[b], m)));
           }
         }
@@ -862,8 +867,6 @@ Expected<OrdersRun> run_orders(const TesselProblem& p,
 std::vector<TesselBlock> recycled_blocks(const std::vector<TesselBlock>& base, int passes,
                                          double recycle_seconds) {
   const int n = static_cast<int>(base.size());
-  int segments = 0;
-  for (const TesselBlock& b : base) segments = std::max(segments, b.segment + 1);
   std::vector<int> forwards, others;
   for (int b = 0; b < n; ++b) {
     (base[b].kind == BlockKind::kForward ? forwards : others).push_back(b);
@@ -897,10 +900,10 @@ std::vector<TesselBlock> recycled_blocks(const std::vector<TesselBlock>& base, i
           blk.transfer.push_back(recycle_seconds);
         }
       }
+      blk.pass = pass;
       if (pass < passes - 1) {
         blk.peak = std::max({blk.peak, blk.bytes, 0.0});
         blk.bytes = 0;
-        blk.segment += (pass + 1) * segments;
       }
       out.push_back(std::move(blk));
     }
