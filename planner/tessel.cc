@@ -242,7 +242,26 @@ std::optional<Repetend> find_repetend(const TesselProblem& p, const Discrete& d,
       const z3::expr highest = ctx.int_const(fmt::format("L{}", dev).c_str());
       const z3::expr limit = ctx.int_val(d.limit[dev]);
       int64_t other_peak = 0;
+      // The level at phase tau: what the device's blocks have kept and freed by then.
+      auto level_at = [&](const z3::expr& tau, const std::string& name) {
+        z3::expr level = ctx.int_val(0);
+        for (int b : on_device[dev]) {
+          if (d.bytes[b] == 0) continue;
+          const z3::expr f = ctx.int_const(fmt::format("{}_{}", name, b).c_str());
+          solver.add(f * P <= tau - (s[b] + t(b)) && tau - (s[b] + t(b)) < (f + 1) * P);
+          level = level + ctx.int_val(d.bytes[b]) * (f - k[b]);
+        }
+        return level;
+      };
       for (int a : on_device[dev]) {
+        if (d.bytes[a] == 0 && p.blocks[a].kind == BlockKind::kForward && d.peak[a] > 0) {
+          // A forward that keeps nothing (an earlier pass of repeated forwards) holds its whole
+          // activations while it runs: bounding it by the highest level would forbid running
+          // it anywhere near a full device, so its start is checked exactly.
+          solver.add(level_at(s[a], fmt::format("g{}_{}", dev, a)) + ctx.int_val(d.peak[a]) <=
+                     limit);
+          continue;
+        }
         if (d.bytes[a] <= 0) {
           other_peak = std::max(other_peak, d.peak[a]);
           continue;
@@ -250,13 +269,7 @@ std::optional<Repetend> find_repetend(const TesselProblem& p, const Discrete& d,
         const z3::expr wrap = ctx.bool_const(fmt::format("w{}_{}", dev, a).c_str());
         const z3::expr tau = s[a] + t(a) - z3::ite(wrap, P, ctx.int_val(0));
         solver.add(tau >= 0 && tau < P);
-        z3::expr level = ctx.int_val(0);
-        for (int b : on_device[dev]) {
-          if (d.bytes[b] == 0) continue;
-          const z3::expr f = ctx.int_const(fmt::format("f{}_{}_{}", dev, a, b).c_str());
-          solver.add(f * P <= tau - (s[b] + t(b)) && tau - (s[b] + t(b)) < (f + 1) * P);
-          level = level + ctx.int_val(d.bytes[b]) * (f - k[b]);
-        }
+        const z3::expr level = level_at(tau, fmt::format("f{}_{}", dev, a));
         solver.add(level <= highest);
         solver.add(level - ctx.int_val(d.bytes[a]) + ctx.int_val(d.peak[a]) <= limit);
       }

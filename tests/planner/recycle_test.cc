@@ -121,7 +121,9 @@ TEST(Recycle, ProgramTransfersAndMemory) {
       EXPECT_EQ(recycled(t, StepKind::kRecv), l == 0 && pass > 0 ? 1 : 0) << to_string(b.block);
       EXPECT_EQ(recycled(t, StepKind::kSend), l == 3 && pass < 2 ? 1 : 0) << to_string(b.block);
       for (const Step& s : t.steps) {
-        if (s.recycle) EXPECT_EQ(s.peer_segment, l == 0 ? 3 : 0);
+        if (s.recycle) {
+          EXPECT_EQ(s.peer_segment, l == 0 ? 3 : 0);
+        }
       }
     }
   }
@@ -148,8 +150,8 @@ TEST(Recycle, ScheduleCheckNamesTheDeviceAndTheBlock) {
   EXPECT_TRUE(contains(e, "block F1@0#2 appears twice")) << e;
   e = with(0, "F0@0 F1@0 F0@0#1 F1@0#1 F1@0#2 B1@0 B0@0");
   EXPECT_TRUE(contains(e,
-                       "schedule of pp=0 (GPU 0) never runs the forward F0@0#2; add it (pass 2 "
-                       "of training.recycle = 3)"))
+                       "schedule of pp=0 (GPU 0) never runs the forward F0@0#2 (pass 2 of "
+                       "training.recycle = 3); add it"))
       << e;
   e = with(0, "F0@0 F1@0 F0@0#2 F1@0#1 F0@0#1 F1@0#2 B1@0 B0@0");
   EXPECT_TRUE(contains(e,

@@ -44,20 +44,20 @@ CompileOptions matmul_only(const Topology& t) {
   return co;
 }
 
-struct Run {
+struct SimRun {
   double iteration = 0;
   double compute = 0;  // the first stage's
   double peak = 0;     // the worst stage's
 };
 
-Run simulate_plan(const Plan& plan, const Topology& t) {
+SimRun simulate_plan(const Plan& plan, const Topology& t) {
   Expected<Program> prog = compile_plan(plan, t, matmul_only(t));
   EXPECT_TRUE(prog.ok()) << (prog.ok() ? "" : prog.error().message());
   if (!prog) return {};
   Expected<SimResult> r = simulate(*prog, {});
   EXPECT_TRUE(r.ok()) << (r.ok() ? "" : r.error().message());
   if (!r) return {};
-  Run out;
+  SimRun out;
   out.iteration = r->iteration_time;
   out.compute = r->lanes.front().breakdown.compute;
   for (const LaneReport& l : r->lanes) out.peak = std::max(out.peak, l.peak_memory);
@@ -83,8 +83,8 @@ Plan build(ScheduleKind kind, int recycle, const Topology& t, int stages = 4, in
 // (2 m F per stage), no bubble; earlier passes keep nothing, so the peak is unchanged.
 TEST(RecycleSim, GpipePassesAddOnlyTheirCompute) {
   const Topology t = ideal(4);
-  const Run one = simulate_plan(build(ScheduleKind::kGpipe, 1, t), t);
-  const Run three = simulate_plan(build(ScheduleKind::kGpipe, 3, t), t);
+  const SimRun one = simulate_plan(build(ScheduleKind::kGpipe, 1, t), t);
+  const SimRun three = simulate_plan(build(ScheduleKind::kGpipe, 3, t), t);
   ASSERT_GT(one.iteration, 0);
   const double extra = three.compute - one.compute;
   EXPECT_GT(extra, 0.5 * one.compute);  // two more forwards per micro-batch (B = 2F: 2/3 more)
@@ -101,9 +101,9 @@ TEST(RecycleSim, TesselSearchBeatsBackToBackPasses) {
   Expected<SearchedSchedule> s = search_schedule(naive, t, std::nullopt, matmul_only(t));
   ASSERT_TRUE(s.ok()) << s.error().message();
   ASSERT_FALSE(s->kept_input);
-  const Run before = simulate_plan(naive, t);
-  const Run after = simulate_plan(s->plan, t);
-  const Run gpipe = simulate_plan(build(ScheduleKind::kGpipe, 3, t), t);
+  const SimRun before = simulate_plan(naive, t);
+  const SimRun after = simulate_plan(s->plan, t);
+  const SimRun gpipe = simulate_plan(build(ScheduleKind::kGpipe, 3, t), t);
   std::printf(
       "recycle 3, pp 4, 16 micro-batches: 1f1b back to back %.4f s (peak %.2f GiB), "
       "tessel %.4f s (%.2f GiB; search's makespan %.4f s), gpipe %.4f s (%.2f GiB)\n",
@@ -111,7 +111,10 @@ TEST(RecycleSim, TesselSearchBeatsBackToBackPasses) {
       s->tessel.makespan, gpipe.iteration, gpipe.peak / (1 << 30));
   EXPECT_LT(after.iteration, 0.8 * before.iteration);
   EXPECT_LE(after.peak, before.peak * 1.001);
-  EXPECT_LT(after.peak, gpipe.peak);
+  // As fast as GPipe's pass-by-pass order (which has no bubble but the fill and drain) at half
+  // its memory.
+  EXPECT_LE(after.iteration, 1.01 * gpipe.iteration);
+  EXPECT_LT(after.peak, 0.6 * gpipe.peak);
   // The search's own makespan (its block costs, no communication here) is what simulates.
   EXPECT_NEAR(after.iteration, s->tessel.makespan, 0.03 * after.iteration);
 }
