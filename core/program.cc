@@ -204,6 +204,11 @@ Status Compiler::check_basics() {
         "change the global batch or the micro-batch",
         plan.global_batch, dp, plan.micro_batch, dp * plan.micro_batch));
   }
+  if (plan.recycle < 1) {
+    return Error(
+        fmt::format("training.recycle is {}; it counts forward passes per micro-batch: at least 1",
+                    plan.recycle));
+  }
   return Status::Ok();
 }
 
@@ -1499,10 +1504,10 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
         c.kept_bytes(c.layer, in, c.recomputed_ops(c.layer, l), false));
   }
 
-  // Throughput bookkeeping.
+  // Throughput bookkeeping. Every forward pass of repeated forwards is the model's work.
   const OpGraph& g = prog.graph;
   prog.model_flops_per_iteration =
-      (g.forward_flops() + g.backward_flops()) * prog.micro_batches * prog.replicas;
+      (g.forward_flops() * plan.recycle + g.backward_flops()) * prog.micro_batches * prog.replicas;
   prog.tokens_per_iteration = static_cast<double>(plan.global_batch) * plan.model.seq_len;
   return prog;
 }

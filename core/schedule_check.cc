@@ -23,6 +23,7 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
 Status check_schedule(const std::vector<OrderView>& orders, int num_segments, int micro_batches,
                       const std::vector<int>& next_segment,
                       const std::vector<std::vector<int>>& lanes_of_segment, int passes) {
+  if (passes < 1) return Error(fmt::format("{} forward passes per micro-batch", passes));
   std::vector<int> prev_segment(num_segments, -1);
   for (int s = 0; s < num_segments; ++s) {
     if (next_segment[s] >= 0) prev_segment[next_segment[s]] = s;
@@ -134,9 +135,8 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
           if (pass > 0 &&
               at < position[pkey(forward_kind(pass - 1), mb, s, static_cast<int>(slot))]) {
             return Error(fmt::format(
-                "schedule of {} runs {} before {}; a pass reads the one "
-                "before it",
-                name, to_string(fb), to_string(Block{BlockKind::kForward, mb, s, pass - 1})));
+                "schedule of {} runs {} before {}; a pass reads the one before it", name,
+                to_string(fb), to_string(Block{BlockKind::kForward, mb, s, pass - 1})));
           }
         }
         if (b < 0 && (bi < 0 || bw < 0)) {

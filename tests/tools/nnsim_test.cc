@@ -903,7 +903,8 @@ TEST(NnsimTool, ScheduleSearchPlacesRepeatedForwards) {
   expect_error(box.nnsim({"--topo", "dgx-a100x4", "bad.json"}),
                {"block F0@0#3 names forward pass 3, but training.recycle is 3 (passes 0-2"});
   text = box.read("p.json");
-  text.replace(text.find("\"recycle\": 3"), 13, "\"recycle\": -1");
+  const std::string three = "\"recycle\": 3";
+  text.replace(text.find(three), three.size(), "\"recycle\": -1");
   box.write("neg.json", text);
   expect_error(box.nnsim({"--topo", "dgx-a100x4", "neg.json"}),
                {"field 'training.recycle'", "must be at least 1"});
