@@ -18,7 +18,8 @@ std::vector<LaneMemoryPeak> lane_memory_peaks(const Program& program) {
     p.peak = base;
     for (size_t b = 0; b < lane.blocks.size(); ++b) {
       const BlockTemplate& t = program.templates[lane.blocks[b].template_index];
-      if (t.kind == BlockKind::kForward) ++in_flight;
+      // A micro-batch enters with its first forward pass (repeated forwards: pass 0).
+      if (t.kind == BlockKind::kForward && lane.blocks[b].block.pass == 0) ++in_flight;
       if (base + level + t.peak_bytes > p.peak) {
         p.peak = base + level + t.peak_bytes;
         p.activations = level + t.peak_bytes;

@@ -89,6 +89,8 @@ std::string_view to_string(BlockKind k) {
 }
 
 std::string to_string(const Block& b) {
+  if (b.pass != 0)
+    return fmt::format("{}{}@{}#{}", to_string(b.kind), b.micro_batch, b.segment, b.pass);
   return fmt::format("{}{}@{}", to_string(b.kind), b.micro_batch, b.segment);
 }
 
@@ -96,7 +98,8 @@ Expected<Block> parse_block(const std::string& text) {
   auto bad = [&] {
     return Error(fmt::format(
         "'{}' is not a block (expected KIND<micro-batch>@<segment> with KIND one of F, B, BI, "
-        "BW, R, e.g. 'F3@1')",
+        "BW, R, e.g. 'F3@1', or a forward's pass F<micro-batch>@<segment>#<pass>, e.g. "
+        "'F3@1#2')",
         text));
   };
   size_t i = 0;
@@ -119,11 +122,23 @@ Expected<Block> parse_block(const std::string& text) {
   size_t at = text.find('@', i);
   if (at == std::string::npos) return bad();
   const char* begin = text.data();
+  const size_t hash = text.find('#', at);
+  const size_t seg_end = hash == std::string::npos ? text.size() : hash;
   auto r1 = std::from_chars(begin + i, begin + at, b.micro_batch);
-  auto r2 = std::from_chars(begin + at + 1, begin + text.size(), b.segment);
+  auto r2 = std::from_chars(begin + at + 1, begin + seg_end, b.segment);
   if (r1.ec != std::errc() || r1.ptr != begin + at || r2.ec != std::errc() ||
-      r2.ptr != begin + text.size() || b.micro_batch < 0 || b.segment < 0) {
+      r2.ptr != begin + seg_end || b.micro_batch < 0 || b.segment < 0) {
     return bad();
+  }
+  if (hash != std::string::npos) {
+    auto r3 = std::from_chars(begin + hash + 1, begin + text.size(), b.pass);
+    if (r3.ec != std::errc() || r3.ptr != begin + text.size() || b.pass < 0) return bad();
+    if (b.kind != BlockKind::kForward) {
+      return Error(fmt::format(
+          "'{}': only forward blocks have a pass (repeated forwards, training.recycle); the "
+          "backward and recompute blocks read the last pass: write '{}{}@{}'",
+          text, kind, b.micro_batch, b.segment));
+    }
   }
   return b;
 }
@@ -259,11 +274,19 @@ Plan parse_plan_node(const InputNode& root) {
   plan.model = parse_model_node(root["model"]);
 
   auto training = root["training"];
-  training.check_keys({"global_batch", "micro_batch", "precision", "framework"});
+  training.check_keys({"global_batch", "micro_batch", "precision", "framework", "recycle"});
   plan.global_batch = static_cast<int>(training["global_batch"].as_int());
   plan.micro_batch = static_cast<int>(training["micro_batch"].as_int());
   if (plan.global_batch < 1) training["global_batch"].fail("must be at least 1");
   if (plan.micro_batch < 1) training["micro_batch"].fail("must be at least 1");
+  if (training.has("recycle")) {
+    plan.recycle = static_cast<int>(training["recycle"].as_int());
+    if (plan.recycle < 1) {
+      training["recycle"].fail(fmt::format(
+          "must be at least 1 (forward passes per micro-batch; 1 = no repeated forwards), not {}",
+          plan.recycle));
+    }
+  }
   plan.precision =
       training.has("precision") ? parse_precision(training["precision"]) : plan.model.precision;
   plan.framework = training.get_string("framework", "megatron");
@@ -417,7 +440,8 @@ std::string plan_to_json(const Plan& plan) {
   j["training"] = {{"global_batch", plan.global_batch},
                    {"micro_batch", plan.micro_batch},
                    {"precision", std::string(to_string(plan.precision))},
-                   {"framework", plan.framework}};
+                   {"framework", plan.framework},
+                   {"recycle", plan.recycle}};
   json mesh = json::array();
   for (const auto& a : plan.mesh.axes) mesh.push_back(json::array({a.name, a.size}));
   j["mesh"] = mesh;

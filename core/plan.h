@@ -104,9 +104,13 @@ struct Block {
   BlockKind kind = BlockKind::kForward;
   int micro_batch = 0;
   int segment = 0;
+  // Forward blocks of a plan with repeated forwards (Plan::recycle > 1): which pass, 0 to
+  // recycle - 1; the last keeps the activations its backward reads. 0 for every other block.
+  int pass = 0;
   bool operator==(const Block&) const = default;
 };
-std::string to_string(const Block& b);  // "F3@1": forward of micro-batch 3 through segment 1
+// "F3@1": forward of micro-batch 3 through segment 1; "F3@1#2": its pass 2 (repeated forwards).
+std::string to_string(const Block& b);
 Expected<Block> parse_block(const std::string& text);
 
 // The block order of every device in a slice.
@@ -173,6 +177,10 @@ struct Plan {
   ModelSpec model;
   int global_batch = 0;  // sequences per optimizer step, whole job
   int micro_batch = 1;   // sequences per micro-batch per replica
+  // Repeated forwards (AlphaFold's recycling): every micro-batch's forward runs `recycle` times
+  // before its backward, pass i + 1 reading pass i's output; only the last pass keeps
+  // activations for the backward, the earlier ones hold theirs only while they run.
+  int recycle = 1;
   Precision precision = Precision::kBf16;
   // The training framework whose kernels and conventions the plan runs with: megatron, fsdp,
   // deepspeed or other (it picks kernel efficiencies; docs/cost-model.md).

@@ -136,9 +136,19 @@ struct Compiler {
   std::vector<bool> recomputed_ops(const PartInfo& p, int layer_index) const;
   bool has_recompute(int segment) const;
   int template_for(int segment, int lane, BlockKind kind, bool grad_sync, bool explicit_recompute,
-                   bool first_forward);
+                   bool first_forward, int pass = 0);
   void build_template(BlockTemplate& t, bool grad_sync, bool explicit_recompute,
                       bool first_forward);
+  // What a forward's pass changes in its template under repeated forwards: an earlier pass
+  // keeps nothing; the first segment receives, the last segment sends, the recycled tensor.
+  // Passes with the same role share a template.
+  int pass_role(int segment, int pass) const {
+    if (plan.recycle <= 1) return 0;
+    const bool earlier = pass < plan.recycle - 1;
+    const bool recv = pass > 0 && prev_segment[segment] < 0;
+    const bool send = earlier && next_segment[segment] < 0;
+    return (earlier ? 1 : 0) | (recv ? 2 : 0) | (send ? 4 : 0);
+  }
   void emit_grad_buckets(double bytes, double& pending, std::vector<Step>& steps, int segment);
   double segment_params(int segment) const;
   // Devices the optimizer state is sharded over (the size of the bucket group).
@@ -154,7 +164,7 @@ struct Compiler {
   // the data-parallel bucket size of parameters.
   std::vector<std::pair<int, double>> gather_buckets(int segment) const;
   void build_memory(Lane& lane, const std::vector<int>& segments);
-  std::map<std::tuple<int, int, int, bool, bool, bool>, int> template_cache;
+  std::map<std::tuple<int, int, int, bool, bool, bool, int>, int> template_cache;
 };
 
 Status Compiler::check_basics() {
@@ -193,6 +203,11 @@ Status Compiler::check_basics() {
         "global batch {} is not divisible by data-parallel degree x micro-batch = {} x {} = {}; "
         "change the global batch or the micro-batch",
         plan.global_batch, dp, plan.micro_batch, dp * plan.micro_batch));
+  }
+  if (plan.recycle < 1) {
+    return Error(
+        fmt::format("training.recycle is {}; it counts forward passes per micro-batch: at least 1",
+                    plan.recycle));
   }
   return Status::Ok();
 }
@@ -581,15 +596,17 @@ void Compiler::emit_grad_buckets(double bytes, double& pending, std::vector<Step
 }
 
 int Compiler::template_for(int segment, int lane, BlockKind kind, bool grad_sync,
-                           bool explicit_recompute, bool first_forward) {
+                           bool explicit_recompute, bool first_forward, int pass) {
+  const int role = pass_role(segment, pass);
   auto k = std::make_tuple(segment, lane, static_cast<int>(kind), grad_sync, explicit_recompute,
-                           first_forward);
+                           first_forward, role);
   auto it = template_cache.find(k);
   if (it != template_cache.end()) return it->second;
   BlockTemplate t;
   t.segment = segment;
   t.lane = lane;
   t.kind = kind;
+  t.pass = pass;
   build_template(t, grad_sync, explicit_recompute, first_forward);
   prog.templates.push_back(std::move(t));
   int index = static_cast<int>(prog.templates.size()) - 1;
@@ -693,15 +710,17 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     }
     return b;
   };
-  auto recv = [&](int peer, int peer_lane, bool gradient, const TensorLayout& layout) {
+  auto recv = [&](int peer, int peer_lane, bool gradient, const TensorLayout& layout,
+                  bool recycled = false) {
     uint32_t gather = 0;
     Step r;
     r.kind = StepKind::kRecv;
     r.peer_segment = peer;
     r.peer_lane = peer_lane;
     r.gradient = gradient;
+    r.recycle = recycled;
     r.bytes = transfer_bytes(layout, &gather);
-    r.label = label(gradient ? "recv gradient" : "recv activation");
+    r.label = label(gradient ? "recv gradient" : recycled ? "recv recycled" : "recv activation");
     steps->push_back(r);
     for (size_t a = 0; a < mesh.axes.size(); ++a) {
       if (!(gather & (1u << a))) continue;
@@ -714,15 +733,17 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       steps->push_back(g);
     }
   };
-  auto send = [&](int peer, int peer_lane, bool gradient, const TensorLayout& layout) {
+  auto send = [&](int peer, int peer_lane, bool gradient, const TensorLayout& layout,
+                  bool recycled = false) {
     uint32_t gather = 0;
     Step x;
     x.kind = StepKind::kSend;
     x.peer_segment = peer;
     x.peer_lane = peer_lane;
     x.gradient = gradient;
+    x.recycle = recycled;
     x.bytes = transfer_bytes(layout, &gather);
-    x.label = label(gradient ? "send gradient" : "send activation");
+    x.label = label(gradient ? "send gradient" : recycled ? "send recycled" : "send activation");
     steps->push_back(x);
   };
   auto memory = [&](double bytes) {
@@ -843,6 +864,14 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       if (recv_prev_lane >= 0) {
         recv(prev, recv_prev_lane, false, s.embedding ? embed_out : layer_out);
       }
+      // Repeated forwards: a later pass's first segment reads the last segment's output of the
+      // pass before (the final hidden state, [b, s, h]); an earlier pass's last segment sends it.
+      const int role = pass_role(seg, t.pass);
+      const int last_seg = segment_order.back(), first_seg = segment_order.front();
+      if (role & 2) {
+        const int from = source_lane(last_seg, t.lane);
+        if (from >= 0) recv(last_seg, from, false, layer_out, true);
+      }
       if (s.embedding) {
         wait_gather(unit);
         zero3_before(units, unit++);
@@ -871,8 +900,14 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
                      t.steps);
       }
       for (int l : send_next_lanes) send(next, l, false, segment_out);
-      t.kept_bytes = kept;
+      if (role & 4) {
+        for (int l : lanes_of_segment[first_seg]) {
+          if (source_lane(seg, l) == t.lane) send(first_seg, l, false, layer_out, true);
+        }
+      }
       t.peak_bytes = kept + transient;
+      if (role & 1) break;  // an earlier pass holds its activations only while it runs
+      t.kept_bytes = kept;
       memory(kept);
       break;
     }
@@ -1317,7 +1352,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
                      plan.schedule[o].blocks});
   }
   if (Status s = check_schedule(views, static_cast<int>(plan.segments.size()), prog.micro_batches,
-                                c.next_segment, c.lanes_of_segment);
+                                c.next_segment, c.lanes_of_segment, plan.recycle);
       !s) {
     return s.error();
   }
@@ -1342,14 +1377,14 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
       const bool sync_block =
           b.kind == BlockKind::kBackward || b.kind == BlockKind::kBackwardWeight;
       int t = c.template_for(b.segment, static_cast<int>(o), b.kind, sync_block && sync,
-                             explicit_recompute.count(b.segment) > 0, first_fwd);
+                             explicit_recompute.count(b.segment) > 0, first_fwd, b.pass);
       lane.blocks.push_back({b, t});
     }
     // Prologue: ZeRO-1/2 gather the parameters updated by the last step, overlapped with the
     // first forwards.
     if ((zero == 1 || zero == 2) && plan.comm.overlap_param_gather && prog.replicas > 1) {
       for (const Block& b : plan.schedule[o].blocks) {
-        if (b.kind != BlockKind::kForward || b.micro_batch != 0) continue;
+        if (b.kind != BlockKind::kForward || b.micro_batch != 0 || b.pass != 0) continue;
         const auto buckets = c.gather_buckets(b.segment);
         for (size_t k = 0; k < buckets.size(); ++k) {
           Step l;
@@ -1469,10 +1504,10 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
         c.kept_bytes(c.layer, in, c.recomputed_ops(c.layer, l), false));
   }
 
-  // Throughput bookkeeping.
+  // Throughput bookkeeping. Every forward pass of repeated forwards is the model's work.
   const OpGraph& g = prog.graph;
   prog.model_flops_per_iteration =
-      (g.forward_flops() + g.backward_flops()) * prog.micro_batches * prog.replicas;
+      (g.forward_flops() * plan.recycle + g.backward_flops()) * prog.micro_batches * prog.replicas;
   prog.tokens_per_iteration = static_cast<double>(plan.global_batch) * plan.model.seq_len;
   return prog;
 }

@@ -48,10 +48,13 @@ struct Step {
   int peer_segment = -1;  // kSend / kRecv: the other segment
   int peer_lane = -1;     // kSend: the receiving lane; kRecv: the sending lane
   bool gradient = false;  // kSend / kRecv: a backward transfer
-  int tag = -1;           // kDpLaunch / kDpWait: what to wait for (-1: everything)
-  int group = -1;         // kCollective over an explicit group (Program::explicit_groups)
-  int label = -1;         // index into Program::labels ("attn.qkv", "grad bucket 3", ...)
-  bool matmul = false;    // kCompute of a linear operator (a GEMM)
+  // kSend / kRecv: repeated forwards' transfer of a pass's output from the last segment to the
+  // first segment of the next pass (the receiving block's pass is the sender's plus one).
+  bool recycle = false;
+  int tag = -1;         // kDpLaunch / kDpWait: what to wait for (-1: everything)
+  int group = -1;       // kCollective over an explicit group (Program::explicit_groups)
+  int label = -1;       // index into Program::labels ("attn.qkv", "grad bucket 3", ...)
+  bool matmul = false;  // kCompute of a linear operator (a GEMM)
 };
 
 // The steps of one kind of block (one segment, one block kind, one variant), shared by every
@@ -61,6 +64,9 @@ struct BlockTemplate {
   int lane = 0;  // a segment spanning several lanes has templates per lane (transfers differ)
   BlockKind kind = BlockKind::kForward;
   std::vector<Step> steps;
+  // Repeated forwards: the pass of the first forward made with this template (passes with the
+  // same role, Compiler::pass_role, share it: earlier passes keep nothing).
+  int pass = 0;
   double kept_bytes = 0;  // activation bytes the block leaves allocated (negative: frees)
   double peak_bytes = 0;  // extra bytes above the level at the block's start, at its peak
 };

@@ -13,19 +13,25 @@ constexpr int kBlockKinds = 5;
 }  // namespace
 
 Status check_schedule(const std::vector<OrderView>& orders, int num_segments, int micro_batches,
-                      const std::vector<int>& next_segment,
-                      const std::vector<int>& lane_of_segment) {
+                      const std::vector<int>& next_segment, const std::vector<int>& lane_of_segment,
+                      int passes) {
   std::vector<std::vector<int>> lanes;
   for (int l : lane_of_segment) lanes.push_back({l});
-  return check_schedule(orders, num_segments, micro_batches, next_segment, lanes);
+  return check_schedule(orders, num_segments, micro_batches, next_segment, lanes, passes);
 }
 
 Status check_schedule(const std::vector<OrderView>& orders, int num_segments, int micro_batches,
                       const std::vector<int>& next_segment,
-                      const std::vector<std::vector<int>>& lanes_of_segment) {
+                      const std::vector<std::vector<int>>& lanes_of_segment, int passes) {
+  if (passes < 1) return Error(fmt::format("{} forward passes per micro-batch", passes));
   std::vector<int> prev_segment(num_segments, -1);
   for (int s = 0; s < num_segments; ++s) {
     if (next_segment[s] >= 0) prev_segment[next_segment[s]] = s;
+  }
+  // With repeated forwards, pass i + 1 of the first segment reads pass i's output of the last.
+  int last_segment = -1;
+  for (int s = 0; s < num_segments; ++s) {
+    if (next_segment[s] < 0) last_segment = s;
   }
   // Where order o sits among the orders of segment s (-1: not one of them).
   auto slot_of = [&](int s, int o) {
@@ -33,19 +39,33 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
     auto it = std::find(l.begin(), l.end(), o);
     return it == l.end() ? -1 : static_cast<int>(it - l.begin());
   };
+  // Blocks are told apart by kind and, for the forwards before the last pass, by pass: the last
+  // pass's forward has the kind's own index (the one its backward reads), pass i < passes - 1
+  // index kBlockKinds + i.
+  const int kinds = kBlockKinds + passes - 1;
+  auto kind_of = [&](const Block& b) {
+    return b.kind == BlockKind::kForward && b.pass < passes - 1 ? kBlockKinds + b.pass
+                                                                : static_cast<int>(b.kind);
+  };
+  auto forward_kind = [&](int pass) {
+    return pass == passes - 1 ? static_cast<int>(BlockKind::kForward) : kBlockKinds + pass;
+  };
   // Dense tables: `done` by (kind, micro-batch, segment): whether the block has run (a block of
   // a spanning segment runs once, jointly); `position` by (segment, its order, kind,
   // micro-batch): where the block sits in that order.
-  auto key = [&](BlockKind k, int mb, int seg) {
+  auto key = [&](int k, int mb, int seg) {
     return (static_cast<size_t>(k) * micro_batches + mb) * num_segments + seg;
   };
-  const size_t table = static_cast<size_t>(kBlockKinds) * micro_batches * num_segments;
+  const size_t table = static_cast<size_t>(kinds) * micro_batches * num_segments;
   std::vector<size_t> base(num_segments + 1, 0);
   for (int s = 0; s < num_segments; ++s) base[s + 1] = base[s] + lanes_of_segment[s].size();
-  auto pkey = [&](BlockKind k, int mb, int seg, int slot) {
-    return ((base[seg] + slot) * kBlockKinds + static_cast<size_t>(k)) * micro_batches + mb;
+  auto pkey = [&](int k, int mb, int seg, int slot) {
+    return ((base[seg] + slot) * kinds + static_cast<size_t>(k)) * micro_batches + mb;
   };
-  std::vector<int> position(base.back() * kBlockKinds * micro_batches, -1);
+  auto pkey_kind = [&](BlockKind k, int mb, int seg, int slot) {
+    return pkey(static_cast<int>(k), mb, seg, slot);
+  };
+  std::vector<int> position(base.back() * kinds * micro_batches, -1);
   for (size_t o = 0; o < orders.size(); ++o) {
     const auto& ord = orders[o];
     for (size_t i = 0; i < ord.blocks.size(); ++i) {
@@ -62,6 +82,12 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
                         "micro-batches per replica (0-{}): global_batch / (dp x micro_batch)",
                         ord.name, to_string(b), b.micro_batch, micro_batches, micro_batches - 1));
       }
+      if (b.pass < 0 || b.pass >= passes || (b.pass != 0 && b.kind != BlockKind::kForward)) {
+        return Error(fmt::format(
+            "schedule of {}: block {} names forward pass {}, but training.recycle is {} "
+            "(passes 0-{}; only forward blocks have a pass)",
+            ord.name, to_string(b), b.pass, passes, passes - 1));
+      }
       const int slot = slot_of(b.segment, static_cast<int>(o));
       if (slot < 0) {
         return Error(
@@ -69,7 +95,7 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
                         "not this order's devices",
                         ord.name, to_string(b), b.segment));
       }
-      int& at = position[pkey(b.kind, b.micro_batch, b.segment, slot)];
+      int& at = position[pkey(kind_of(b), b.micro_batch, b.segment, slot)];
       if (at >= 0) {
         return Error(fmt::format("schedule of {}: block {} appears twice (positions {} and {})",
                                  ord.name, to_string(b), at, i));
@@ -87,7 +113,7 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
     for (size_t slot = 0; slot < lanes_of_segment[s].size(); ++slot) {
       const auto& name = orders[lanes_of_segment[s][slot]].name;
       auto find = [&](BlockKind k, int mb) {
-        return position[pkey(k, mb, s, static_cast<int>(slot))];
+        return position[pkey_kind(k, mb, s, static_cast<int>(slot))];
       };
       for (int mb = 0; mb < micro_batches; ++mb) {
         int f = find(BlockKind::kForward, mb);
@@ -95,9 +121,23 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
         int bi = find(BlockKind::kBackwardInput, mb);
         int bw = find(BlockKind::kBackwardWeight, mb);
         int r = find(BlockKind::kRecompute, mb);
-        if (f < 0) {
-          return Error(fmt::format("schedule of {} never runs the forward F{}@{}; add it{}", name,
-                                   mb, s, note));
+        // Every pass's forward, in pass order; the last one's is `f`.
+        for (int pass = 0; pass < passes; ++pass) {
+          const Block fb{BlockKind::kForward, mb, s, pass};
+          const int at = position[pkey(forward_kind(pass), mb, s, static_cast<int>(slot))];
+          if (at < 0) {
+            return Error(fmt::format(
+                "schedule of {} never runs the forward {}{}; add it{}", name, to_string(fb),
+                passes > 1 ? fmt::format(" (pass {} of training.recycle = {})", pass, passes)
+                           : std::string(),
+                note));
+          }
+          if (pass > 0 &&
+              at < position[pkey(forward_kind(pass - 1), mb, s, static_cast<int>(slot))]) {
+            return Error(fmt::format(
+                "schedule of {} runs {} before {}; a pass reads the one before it", name,
+                to_string(fb), to_string(Block{BlockKind::kForward, mb, s, pass - 1})));
+          }
         }
         if (b < 0 && (bi < 0 || bw < 0)) {
           return Error(fmt::format(
@@ -137,8 +177,8 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
       const int slot = slot_of(s, static_cast<int>(o));
       if (slot < 0) continue;
       for (int mb = 0; mb < micro_batches; ++mb) {
-        expected += 1 + (position[pkey(BlockKind::kBackward, mb, s, slot)] >= 0 ? 1 : 2) +
-                    (position[pkey(BlockKind::kRecompute, mb, s, slot)] >= 0 ? 1 : 0);
+        expected += passes + (position[pkey_kind(BlockKind::kBackward, mb, s, slot)] >= 0 ? 1 : 2) +
+                    (position[pkey_kind(BlockKind::kRecompute, mb, s, slot)] >= 0 ? 1 : 0);
       }
     }
     if (orders[o].blocks.size() != expected) {
@@ -152,7 +192,9 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
   // order can make progress before all are done, report what each waits for.
   std::vector<size_t> next(orders.size(), 0);
   std::vector<char> done(table, 0);
-  auto is_done = [&](BlockKind k, int mb, int seg) { return done[key(k, mb, seg)] != 0; };
+  auto is_done = [&](BlockKind k, int mb, int seg) {
+    return done[key(static_cast<int>(k), mb, seg)] != 0;
+  };
   auto backward_done = [&](int mb, int seg) {
     return is_done(BlockKind::kBackward, mb, seg) || is_done(BlockKind::kBackwardInput, mb, seg);
   };
@@ -165,8 +207,17 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
   auto waits_for = [&](const Block& b) -> std::string {
     if (b.kind == BlockKind::kForward) {
       int p = prev_segment[b.segment];
-      if (p >= 0 && !is_done(BlockKind::kForward, b.micro_batch, p)) {
-        return fmt::format("the activation of F{}@{} from {}", b.micro_batch, p, order_names(p));
+      if (p >= 0 && !done[key(forward_kind(b.pass), b.micro_batch, p)]) {
+        return fmt::format("the activation of {} from {}",
+                           to_string(Block{BlockKind::kForward, b.micro_batch, p, b.pass}),
+                           order_names(p));
+      }
+      if (p < 0 && b.pass > 0 &&
+          !done[key(forward_kind(b.pass - 1), b.micro_batch, last_segment)]) {
+        return fmt::format(
+            "the recycled output of {} from {}",
+            to_string(Block{BlockKind::kForward, b.micro_batch, last_segment, b.pass - 1}),
+            order_names(last_segment));
       }
     } else if (b.kind == BlockKind::kBackward || b.kind == BlockKind::kBackwardInput) {
       int n = next_segment[b.segment];
@@ -201,7 +252,7 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
       while (next[o] < orders[o].blocks.size()) {
         const Block b = orders[o].blocks[next[o]];
         if (!waits_for(b).empty()) break;
-        done[key(b.kind, b.micro_batch, b.segment)] = 1;
+        done[key(kind_of(b), b.micro_batch, b.segment)] = 1;
         for (int x : lanes_of_segment[b.segment]) {
           ++next[x];
           ++finished;

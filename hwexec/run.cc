@@ -236,6 +236,12 @@ Status check_runnable(const Plan& plan) {
   // One segment per order, not spanning orders; F and B blocks only, each once.
   const int mb = plan.num_micro_batches();
   if (mb < 1) return refuse("training", "no micro-batches per replica");
+  if (plan.recycle != 1) {
+    return refuse("training.recycle",
+                  fmt::format("repeated forwards ({} passes per micro-batch) are simulated but "
+                              "not executed yet; set it to 1",
+                              plan.recycle));
+  }
   for (std::size_t si = 0; si < plan.segments.size(); ++si) {
     for (const std::string& a : pp_axes) {
       if (!plan.segments[si].devices.count(a)) {

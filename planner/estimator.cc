@@ -22,9 +22,10 @@ struct Op {
   int peer = -1;       // kRecv / kSend: the other segment
   int peer_lane = -1;  // kRecv / kSend: the sending / receiving lane
   bool gradient = false;
-  int tag = -1;      // kDpLaunch / kDpWait
-  int lanes = 1;     // kJoin: lanes that meet
-  int sequence = 0;  // kJoin: rank among the block's joint collectives
+  bool recycle = false;  // kSend: to the next forward pass (repeated forwards)
+  int tag = -1;          // kDpLaunch / kDpWait
+  int lanes = 1;         // kJoin: lanes that meet
+  int sequence = 0;      // kJoin: rank among the block's joint collectives
 };
 
 class Estimator {
@@ -124,6 +125,7 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
         o.peer = s.peer_segment;
         o.peer_lane = s.peer_lane;
         o.gradient = s.gradient;
+        o.recycle = s.recycle;
         o.seconds = transfer_seconds(lane, s);
         out.push_back(o);
         break;
@@ -220,10 +222,11 @@ Estimate Estimator::run() {
     int phase = 0;                   // 0 prologue, 1 blocks, 2 epilogue, 3 done
   };
   std::vector<LaneState> st(lanes);
-  // Arrival time of transfers by (from, to, gradient, micro-batch, receiving lane).
-  std::map<std::tuple<int, int, bool, int, int>, double> arrival;
-  // Joint collectives of spanning segments by (segment, kind, micro-batch, sequence): the lanes
-  // that have arrived and the latest arrival.
+  // Arrival time of transfers by (from, to, gradient, micro-batch, receiving lane, receiving
+  // block's forward pass).
+  std::map<std::tuple<int, int, bool, int, int, int>, double> arrival;
+  // Joint collectives of spanning segments by (segment, kind and forward pass, micro-batch,
+  // sequence): the lanes that have arrived and the latest arrival.
   struct Join {
     std::set<int> arrived;
     double last = 0;
@@ -262,7 +265,9 @@ Estimate Estimator::run() {
         const std::vector<Op>& list = *current_ops(l);
         const int segment = s.phase == 1 ? lane.blocks[s.block].block.segment : -1;
         const int mb = s.phase == 1 ? lane.blocks[s.block].block.micro_batch : 0;
-        const int kind = s.phase == 1 ? static_cast<int>(lane.blocks[s.block].block.kind) : -1;
+        const int pass = s.phase == 1 ? lane.blocks[s.block].block.pass : 0;
+        const int kind =
+            s.phase == 1 ? static_cast<int>(lane.blocks[s.block].block.kind) + 8 * pass : -1;
         bool blocked = false;
         const size_t op_before = s.op;
         for (; s.op < list.size(); ++s.op) {
@@ -275,14 +280,15 @@ Estimate Estimator::run() {
             s.time += o.seconds + slowdown;
             s.compute += o.compute + slowdown;
           } else if (o.kind == Op::kRecv) {
-            auto it = arrival.find({o.peer, segment, o.gradient, mb, static_cast<int>(l)});
+            auto it = arrival.find({o.peer, segment, o.gradient, mb, static_cast<int>(l), pass});
             if (it == arrival.end()) {
               blocked = true;
               break;
             }
             s.time = std::max(s.time, it->second);
           } else if (o.kind == Op::kSend) {
-            arrival[{segment, o.peer, o.gradient, mb, o.peer_lane}] = s.time + o.seconds;
+            arrival[{segment, o.peer, o.gradient, mb, o.peer_lane, pass + (o.recycle ? 1 : 0)}] =
+                s.time + o.seconds;
           } else if (o.kind == Op::kJoin) {
             // Starts when the last lane arrives (the simulator's rendezvous).
             Join& j = joins[{segment, kind, mb, o.sequence}];

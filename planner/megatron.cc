@@ -208,6 +208,15 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "pipeline stages: the embedding's blocks join every stage, which only the schedule "
         "search places without stalling the pipeline");
   }
+  if (o.recycle < 1) {
+    return Error(fmt::format(
+        "--recycle must be at least 1 (forward passes per micro-batch), not {}", o.recycle));
+  }
+  if (o.recycle > 1 && (o.shard_head || o.shard_embedding)) {
+    return Error(
+        "--recycle with --shard-head or --shard-embedding is not built yet; build the plan "
+        "without the sharded segment, or write the orders and run nnsim schedule --search");
+  }
   const int segments = o.pp * o.vpp;
   if (segments > model.layers) {
     return Error(fmt::format("pp x vpp = {} segments, but the model has only {} layers", segments,
@@ -236,6 +245,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   plan.model.vocab = (model.vocab + pad - 1) / pad * pad;
   plan.global_batch = o.global_batch;
   plan.micro_batch = o.micro_batch;
+  plan.recycle = o.recycle;
   plan.precision = o.precision.value_or(model.precision);
   plan.framework = o.framework;
   plan.topology_gpus = topo.num_gpus();
@@ -261,6 +271,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   }
   if (o.shard_head) plan.name += " shard-head";
   if (o.shard_embedding) plan.name += " shard-embedding";
+  if (o.recycle > 1) plan.name += fmt::format(" recycle{}", o.recycle);
   plan.mesh.axes = {{"dp", dp}, {"pp", o.pp}, {"cp", o.cp}, {"tp", o.tp}};
   // Megatron's rank order tp-cp-dp-pp: tensor parallel fastest, pipeline slowest.
   Expected<Placement> placement = placement_from_order(plan.mesh, o.placement);
@@ -459,6 +470,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   Expected<std::vector<std::vector<Block>>> orders =
       pipeline_orders(o.schedule, o.pp, o.vpp, micro_batches, recompute_segments);
   if (!orders) return orders.error();
+  if (Status s = add_forward_passes(o.schedule, o.recycle, *orders); !s) return s.error();
   if (o.shard_head) {
     if (Status s = add_spanning_blocks(o.schedule, segments, *orders); !s) return s.error();
   }

@@ -70,6 +70,9 @@ struct MegatronOptions {
   // the GPUs' memory less `memory_headroom`.
   bool shard_embedding = false;
   double memory_headroom = 0.1;
+  // Repeated forwards (training.recycle): forward passes per micro-batch before its backward
+  // (gpipe, 1f1b and tessel; add_forward_passes).
+  int recycle = 1;
   // The cost model the list-scheduled and searched schedules time blocks with: the one the plan
   // will be compiled and simulated with.
   CompileOptions costs;

@@ -198,6 +198,7 @@ Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleK
   Expected<std::vector<std::vector<Block>>> provisional =
       pipeline_orders(kind, stages, chunks, micro_batches, recompute_segments);
   if (!provisional) return provisional.error();
+  if (Status s = add_forward_passes(kind, plan.recycle, *provisional); !s) return s.error();
   assign(*provisional);
   plan.schedule_name = std::string(to_string(kind));
   if (!list_scheduled(kind)) return plan;
@@ -408,6 +409,9 @@ Expected<TesselProblem> tessel_problem(const Program& prog, bool split,
     p.blocks.push_back(f);
     prev = s;
   }
+  // Repeated forwards: every pass's forwards, each later pass after the recycled output's
+  // transfer from the last segment to the first (the last segment's only forward send).
+  const double recycle_seconds = costs[flow.back()].forward_send(flow.front());
   // Segments whose recomputation the input orders run as its own block (Merak's) keep it.
   std::vector<bool> explicit_recompute(plan.segments.size(), false);
   for (const DeviceOrder& o : plan.schedule) {
@@ -459,6 +463,7 @@ Expected<TesselProblem> tessel_problem(const Program& prog, bool split,
     }
     next = s;
   }
+  if (plan.recycle > 1) p.blocks = recycled_blocks(p.blocks, plan.recycle, recycle_seconds);
   p.memory_limit = limit;
   return p;
 }

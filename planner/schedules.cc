@@ -1,6 +1,7 @@
 #include "planner/schedules.h"
 
 #include <algorithm>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -190,6 +191,93 @@ Status add_spanning_blocks(ScheduleKind kind, int segment,
         out.push_back({BlockKind::kBackward, b.micro_batch, segment});
       }
       out.push_back(b);
+    }
+    order = std::move(out);
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+// One micro-batch at a time, every pass through every segment in flow order (ascending
+// segment ids, Megatron's virtual stages), then the backward: deadlock-free on any placement
+// without spanning segments; Tessel's search replaces it.
+std::vector<std::vector<Block>> sequential_passes(const std::vector<std::vector<Block>>& orders,
+                                                  const std::map<int, size_t>& order_of_segment,
+                                                  int passes) {
+  int micro_batches = 0;
+  for (const auto& order : orders) {
+    for (const Block& b : order) micro_batches = std::max(micro_batches, b.micro_batch + 1);
+  }
+  std::vector<std::vector<Block>> out(orders.size());
+  for (int m = 0; m < micro_batches; ++m) {
+    for (int pass = 0; pass < passes; ++pass) {
+      for (const auto& [segment, o] : order_of_segment) {
+        out[o].push_back({BlockKind::kForward, m, segment, pass});
+      }
+    }
+    for (auto it = order_of_segment.rbegin(); it != order_of_segment.rend(); ++it) {
+      out[it->second].push_back({BlockKind::kBackward, m, it->first});
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+Status add_forward_passes(ScheduleKind kind, int passes, std::vector<std::vector<Block>>& orders) {
+  if (passes <= 1) return Status::Ok();
+  if (kind != ScheduleKind::kGpipe && kind != ScheduleKind::kOneFOneB &&
+      kind != ScheduleKind::kTessel) {
+    return Error(fmt::format(
+        "the {} schedule does not place repeated forwards (training.recycle = {}); use gpipe, "
+        "1f1b or tessel",
+        to_string(kind), passes));
+  }
+  std::map<int, size_t> order_of_segment;
+  bool one_segment_per_order = true;
+  for (size_t o = 0; o < orders.size(); ++o) {
+    for (const Block& b : orders[o]) {
+      auto it = order_of_segment.emplace(b.segment, o).first;
+      if (it->second != o) {
+        return Error(fmt::format(
+            "repeated forwards (training.recycle = {}): segment {} spans several pipeline "
+            "stages, which the hand-built orders do not place with repeated forwards",
+            passes, b.segment));
+      }
+      one_segment_per_order = one_segment_per_order && b.segment == orders[o].front().segment;
+    }
+  }
+  if (!one_segment_per_order) {
+    if (kind != ScheduleKind::kTessel) {
+      return Error(fmt::format(
+          "repeated forwards (training.recycle = {}) are placed by the gpipe and 1f1b schedules "
+          "on one segment per pipeline stage; use tessel for several segments per stage",
+          passes));
+    }
+    orders = sequential_passes(orders, order_of_segment, passes);
+    return Status::Ok();
+  }
+  for (auto& order : orders) {
+    std::vector<Block> out, rest;
+    out.reserve(order.size() + order.size() / 2 * (passes - 1));
+    if (kind == ScheduleKind::kGpipe) {
+      std::vector<Block> forwards;
+      for (const Block& b : order) (b.kind == BlockKind::kForward ? forwards : rest).push_back(b);
+      for (int pass = 0; pass < passes; ++pass) {
+        for (Block f : forwards) {
+          f.pass = pass;
+          out.push_back(f);
+        }
+      }
+      out.insert(out.end(), rest.begin(), rest.end());
+    } else {
+      for (const Block& b : order) {
+        for (int pass = 0; pass < (b.kind == BlockKind::kForward ? passes : 1); ++pass) {
+          out.push_back(b);
+          out.back().pass = pass;
+        }
+      }
     }
     order = std::move(out);
   }

@@ -52,6 +52,17 @@ Expected<std::vector<std::vector<Block>>> pipeline_orders(
 // order of its backwards, which is the same on every rank, so the joint blocks cannot deadlock.
 Status add_spanning_blocks(ScheduleKind kind, int segment, std::vector<std::vector<Block>>& orders);
 
+// Repeated forwards (training.recycle = `passes`, AlphaFold's recycling) in GPipe or 1F1B orders
+// of one segment per pipeline rank. GPipe runs pass 0 of every micro-batch, then pass 1, ...,
+// then the backwards: pass i + 1 of micro-batch m starts once pass i has left the last stage,
+// while the first stage runs the other micro-batches' pass i. 1F1B runs each micro-batch's passes
+// back to back where its forward was (the naive order: the first stage waits while each pass
+// circles the pipeline; Tessel's search does better). Tessel's provisional order is 1F1B's, or
+// with several segments per rank (interleaved) one micro-batch at a time, every pass through the
+// segments in ascending order, then its backward. Other schedules, and segments spanning several
+// ranks, are refused.
+Status add_forward_passes(ScheduleKind kind, int passes, std::vector<std::vector<Block>>& orders);
+
 Expected<ScheduleKind> parse_schedule_kind(const std::string& name);
 std::string_view to_string(ScheduleKind kind);
 

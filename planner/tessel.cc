@@ -45,8 +45,13 @@ double peak_of(const TesselBlock& b) {
   return std::max({b.peak, b.bytes, 0.0});
 }
 
+// The plan block that runs `b` for `micro_batch`.
+Block block_of(const TesselBlock& b, int micro_batch) {
+  return Block{b.kind, micro_batch, b.segment, b.pass};
+}
+
 std::string block_name(const TesselBlock& b, int micro_batch) {
-  return to_string(Block{b.kind, micro_batch, b.segment});
+  return to_string(block_of(b, micro_batch));
 }
 
 Status check_problem(const TesselProblem& p) {
@@ -54,11 +59,11 @@ Status check_problem(const TesselProblem& p) {
     return Error("the schedule search needs at least one device and one micro-batch");
   }
   if (p.blocks.empty()) return Error("the schedule search got no blocks to place");
-  std::map<std::pair<BlockKind, int>, int> seen;
+  std::map<std::tuple<BlockKind, int, int>, int> seen;
   std::vector<double> balance(p.devices, 0);
   for (size_t i = 0; i < p.blocks.size(); ++i) {
     const TesselBlock& b = p.blocks[i];
-    if (!seen.emplace(std::make_pair(b.kind, b.segment), static_cast<int>(i)).second) {
+    if (!seen.emplace(std::make_tuple(b.kind, b.segment, b.pass), static_cast<int>(i)).second) {
       return Error(fmt::format("block {} appears twice in one micro-batch", block_name(b, 0)));
     }
     if (b.devices.empty()) return Error(fmt::format("block {} has no device", block_name(b, 0)));
@@ -237,7 +242,26 @@ std::optional<Repetend> find_repetend(const TesselProblem& p, const Discrete& d,
       const z3::expr highest = ctx.int_const(fmt::format("L{}", dev).c_str());
       const z3::expr limit = ctx.int_val(d.limit[dev]);
       int64_t other_peak = 0;
+      // The level at phase tau: what the device's blocks have kept and freed by then.
+      auto level_at = [&](const z3::expr& tau, const std::string& name) {
+        z3::expr level = ctx.int_val(0);
+        for (int b : on_device[dev]) {
+          if (d.bytes[b] == 0) continue;
+          const z3::expr f = ctx.int_const(fmt::format("{}_{}", name, b).c_str());
+          solver.add(f * P <= tau - (s[b] + t(b)) && tau - (s[b] + t(b)) < (f + 1) * P);
+          level = level + ctx.int_val(d.bytes[b]) * (f - k[b]);
+        }
+        return level;
+      };
       for (int a : on_device[dev]) {
+        if (d.bytes[a] == 0 && p.blocks[a].kind == BlockKind::kForward && d.peak[a] > 0) {
+          // A forward that keeps nothing (an earlier pass of repeated forwards) holds its whole
+          // activations while it runs: bounding it by the highest level would forbid running
+          // it anywhere near a full device, so its start is checked exactly.
+          solver.add(level_at(s[a], fmt::format("g{}_{}", dev, a)) + ctx.int_val(d.peak[a]) <=
+                     limit);
+          continue;
+        }
         if (d.bytes[a] <= 0) {
           other_peak = std::max(other_peak, d.peak[a]);
           continue;
@@ -245,13 +269,7 @@ std::optional<Repetend> find_repetend(const TesselProblem& p, const Discrete& d,
         const z3::expr wrap = ctx.bool_const(fmt::format("w{}_{}", dev, a).c_str());
         const z3::expr tau = s[a] + t(a) - z3::ite(wrap, P, ctx.int_val(0));
         solver.add(tau >= 0 && tau < P);
-        z3::expr level = ctx.int_val(0);
-        for (int b : on_device[dev]) {
-          if (d.bytes[b] == 0) continue;
-          const z3::expr f = ctx.int_const(fmt::format("f{}_{}_{}", dev, a, b).c_str());
-          solver.add(f * P <= tau - (s[b] + t(b)) && tau - (s[b] + t(b)) < (f + 1) * P);
-          level = level + ctx.int_val(d.bytes[b]) * (f - k[b]);
-        }
+        const z3::expr level = level_at(tau, fmt::format("f{}_{}", dev, a));
         solver.add(level <= highest);
         solver.add(level - ctx.int_val(d.bytes[a]) + ctx.int_val(d.peak[a]) <= limit);
       }
@@ -298,7 +316,7 @@ std::vector<std::vector<Block>> unroll(const TesselProblem& p, const Repetend& r
   std::vector<std::vector<Block>> orders(p.devices);
   for (const auto& [time, order, m, b] : events) {
     for (int dev : p.blocks[b].devices) {
-      orders[dev].push_back(Block{p.blocks[b].kind, m, p.blocks[b].segment});
+      orders[dev].push_back(block_of(p.blocks[b], m));
     }
   }
   return orders;
@@ -373,7 +391,7 @@ std::vector<std::vector<Block>> list_orders(const TesselProblem& p,
     for (int dev : blk.devices) {
       free_at[dev] = end[best];
       level[dev] += blk.bytes;
-      orders[dev].push_back(Block{blk.kind, m, blk.segment});
+      orders[dev].push_back(block_of(blk, m));
     }
     for (int c : users[b]) {
       if (--waiting[c * mb + m] == 0) ready.push_back(c * mb + m);
@@ -751,7 +769,7 @@ std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& 
     std::vector<std::vector<Block>> orders(p.devices);
     for (const auto& [time, rk, m, id] : events) {
       for (int dev : p.blocks[blk[id]].devices) {
-        orders[dev].push_back(Block{p.blocks[blk[id]].kind, m, p.blocks[blk[id]].segment});
+        orders[dev].push_back(block_of(p.blocks[blk[id]], m));
       }
     }
     return orders;
@@ -769,9 +787,9 @@ Expected<OrdersRun> run_orders(const TesselProblem& p,
   if (static_cast<int>(orders.size()) != p.devices) {
     return Error(fmt::format("{} orders for {} devices", orders.size(), p.devices));
   }
-  std::map<std::pair<BlockKind, int>, int> index;
+  std::map<std::tuple<BlockKind, int, int>, int> index;
   for (size_t i = 0; i < p.blocks.size(); ++i) {
-    index[{p.blocks[i].kind, p.blocks[i].segment}] = static_cast<int>(i);
+    index[{p.blocks[i].kind, p.blocks[i].segment, p.blocks[i].pass}] = static_cast<int>(i);
   }
   const int n = static_cast<int>(p.blocks.size());
   // Which positions of which orders each (block, micro-batch) holds.
@@ -779,7 +797,7 @@ Expected<OrdersRun> run_orders(const TesselProblem& p,
   std::vector<int> seen(static_cast<size_t>(n) * p.micro_batches, 0);
   for (size_t dev = 0; dev < orders.size(); ++dev) {
     for (const Block& b : orders[dev]) {
-      auto it = index.find({b.kind, b.segment});
+      auto it = index.find({b.kind, b.segment, b.pass});
       const bool on_device =
           it != index.end() && std::count(p.blocks[it->second].devices.begin(),
                                           p.blocks[it->second].devices.end(), dev) > 0;
@@ -799,8 +817,8 @@ Expected<OrdersRun> run_orders(const TesselProblem& p,
       if (seen[static_cast<size_t>(b) * p.micro_batches + m] !=
           static_cast<int>(p.blocks[b].devices.size())) {
         for (int dev : p.blocks[b].devices) {
-          if (std::find(orders[dev].begin(), orders[dev].end(),
-                        Block{p.blocks[b].kind, m, p.blocks[b].segment}) == orders[dev].end()) {
+          if (std::find(orders[dev].begin(), orders[dev].end(), block_of(p.blocks[b], m)) ==
+              orders[dev].end()) {
             return Error(fmt::format("device {} never runs {}", dev, block_name(p.blocks[b], m)));
           }
         }
@@ -862,8 +880,6 @@ Expected<OrdersRun> run_orders(const TesselProblem& p,
 std::vector<TesselBlock> recycled_blocks(const std::vector<TesselBlock>& base, int passes,
                                          double recycle_seconds) {
   const int n = static_cast<int>(base.size());
-  int segments = 0;
-  for (const TesselBlock& b : base) segments = std::max(segments, b.segment + 1);
   std::vector<int> forwards, others;
   for (int b = 0; b < n; ++b) {
     (base[b].kind == BlockKind::kForward ? forwards : others).push_back(b);
@@ -897,10 +913,10 @@ std::vector<TesselBlock> recycled_blocks(const std::vector<TesselBlock>& base, i
           blk.transfer.push_back(recycle_seconds);
         }
       }
+      blk.pass = pass;
       if (pass < passes - 1) {
         blk.peak = std::max({blk.peak, blk.bytes, 0.0});
         blk.bytes = 0;
-        blk.segment += (pass + 1) * segments;
       }
       out.push_back(std::move(blk));
     }

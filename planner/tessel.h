@@ -48,6 +48,8 @@ struct TesselBlock {
   // Empty: none.
   std::vector<double> transfer;
   double transfer_after(size_t i) const { return i < transfer.size() ? transfer[i] : 0.0; }
+  // Repeated forwards: the forward pass it runs (Block::pass); 0 for every other block.
+  int pass = 0;
 };
 
 struct TesselProblem {
@@ -90,11 +92,10 @@ struct TesselSchedule {
 // with their forward blocks run `passes` times before the backward. Pass i + 1's first blocks
 // (forwards that need no other forward) need pass i's last ones (forwards no other forward
 // needs), `recycle_seconds` after they end. Only the last pass keeps activations; the earlier
-// ones hold theirs while they run (their peak) and free them at once. The last pass keeps the
-// base blocks' segment ids, so the backward still pairs with its forward; pass i < passes - 1 of
-// segment s is named segment s + (i + 1) S, S the largest segment id plus one (plans have no
-// pass field: such orders exist in this block model only). Blocks: the passes' forwards in pass
-// order, then the base's other blocks.
+// ones hold theirs while they run (their peak) and free them at once. Each forward's `pass` is
+// its pass (0 to passes - 1), the plan's Block::pass, so the orders are a plan's with
+// training.recycle = passes. Blocks: the passes' forwards in pass order, then the base's other
+// blocks.
 std::vector<TesselBlock> recycled_blocks(const std::vector<TesselBlock>& base, int passes,
                                          double recycle_seconds = 0);
 

@@ -255,7 +255,7 @@ void Simulation::run_collective(Instance& inst, const Step& step, int block) {
       : (step.axes & cross_axes_)
           ? RendezvousKey{-(1 << 24) - inst.block_segment,
                           inst.block_kind * (1 << 20) + inst.block_micro_batch,
-                          inst.cross_sequence++, inst.replica, 1}
+                          inst.cross_sequence++, inst.replica, 1 + inst.block_pass}
           : RendezvousKey{inst.lane, 2 << 20, inst.joint_sequence++, 0, 0};
   // Time spent waiting for the other participants to arrive is not communication.
   const double t0 = joint_collective(inst, comm, key, n, step.seconds);
@@ -292,8 +292,14 @@ const PreparedComm& Simulation::prepared_transfer(Instance& inst, const Step& st
 
 void Simulation::send(Instance& inst, const Step& step, int block, int micro_batch, int segment) {
   flush_compute(inst, block);
-  TransferKey key{segment,     step.peer_segment, step.gradient,
-                  micro_batch, inst.replica,      step.peer_lane};
+  // A recycled output goes to the next pass's forward.
+  TransferKey key{segment,
+                  step.peer_segment,
+                  step.gradient,
+                  micro_batch,
+                  inst.replica,
+                  step.peer_lane,
+                  inst.block_pass + (step.recycle ? 1 : 0)};
   Transfer& t = transfers_[key];
   if (!t.arrived) t.arrived = sg4::Semaphore::create(0);
   const double now = sg4::Engine::get_clock();
@@ -322,7 +328,8 @@ void Simulation::send_stream_actor(Instance& inst, int direction) {
 
 void Simulation::recv(Instance& inst, const Step& step, int block, int micro_batch, int segment) {
   flush_compute(inst, block);
-  TransferKey key{step.peer_segment, segment, step.gradient, micro_batch, inst.replica, inst.lane};
+  TransferKey key{step.peer_segment, segment,   step.gradient,  micro_batch,
+                  inst.replica,      inst.lane, inst.block_pass};
   Transfer& t = transfers_[key];
   if (!t.arrived) t.arrived = sg4::Semaphore::create(0);
   sg4::SemaphorePtr arrived = t.arrived;
@@ -431,6 +438,7 @@ void Simulation::compute_actor(Instance& inst) {
     inst.block_segment = bi.block.segment;
     inst.block_kind = static_cast<int>(bi.block.kind);
     inst.block_micro_batch = bi.block.micro_batch;
+    inst.block_pass = bi.block.pass;
     inst.cross_sequence = 0;
     run_steps(inst, t.steps, static_cast<int>(b), bi.block.micro_batch, bi.block.segment);
     if (inst.replica == 0) block_done();

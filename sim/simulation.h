@@ -63,6 +63,7 @@ class Simulation {
     int block_segment = -1;
     int block_kind = -1;
     int block_micro_batch = -1;
+    int block_pass = 0;
     int cross_sequence = 0;
     int sends_in_flight = 0;
     // Accounting.
@@ -85,12 +86,12 @@ class Simulation {
   };
 
   // A pipeline transfer, keyed by (from segment, to segment, gradient, micro-batch, replica,
-  // receiving lane).
+  // receiving lane, the receiving block's forward pass).
   struct Transfer {
     simgrid::s4u::SemaphorePtr arrived;
     double posted = -1;
   };
-  using TransferKey = std::tuple<int, int, bool, int, int, int>;
+  using TransferKey = std::tuple<int, int, bool, int, int, int, int>;
   // Identifies one joint collective the same way on every participant.
   using RendezvousKey = std::tuple<int, int, int, int, int>;
 

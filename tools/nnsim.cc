@@ -888,6 +888,9 @@ int main(int argc, char** argv) {
                      "the embedding as a segment spanning every pipeline stage, vocabulary "
                      "split over pp (--schedule tessel; builder only)");
   plan_cmd->add_option("--micro-batch", plan.o.micro_batch, "sequences per micro-batch");
+  plan_cmd->add_option("--recycle", plan.o.recycle,
+                       "forward passes per micro-batch before its backward (AlphaFold's "
+                       "recycling; gpipe, 1f1b or tessel; builder only)");
   plan_cmd->add_option("--global-batch", plan.o.global_batch, "sequences per optimizer step")
       ->required();
   plan_cmd->add_option("--recompute", plan.recompute, "none, selective or full");
@@ -1049,6 +1052,11 @@ int main(int argc, char** argv) {
       return fail(
           "--shard-head and --shard-embedding are for the builder: give --tp and --pp (the "
           "search does not shard the head or the embedding)");
+    }
+    if (plan.search && given("--recycle")) {
+      return fail(
+          "--recycle is for the builder: give --tp and --pp (the plan search does not place "
+          "repeated forwards)");
     }
     if (plan.search && given("--recompute-layers")) {
       return fail(

@@ -257,6 +257,44 @@ TEST(Plan, OtherFieldChecks) {
                "must be at least 1");
 }
 
+// Repeated forwards: training.recycle, and forward blocks naming their pass ("F0@0#1").
+TEST(Plan, RecycleFieldAndForwardPasses) {
+  std::string text = replace(kPlan, "{\"global_batch\": 8, \"micro_batch\": 2}",
+                             "{\"global_batch\": 8, \"micro_batch\": 2, \"recycle\": 2}");
+  text = replace(text, "\"F0@0 F1@0 B0@0 B1@0\"", "\"F0@0 F0@0#1 F1@0 F1@0#1 B0@0 B1@0\"");
+  auto p = parse_plan(text, "plan.json");
+  ASSERT_TRUE(p.ok()) << p.error().message();
+  EXPECT_EQ(p->recycle, 2);
+  EXPECT_EQ(p->schedule[0].blocks[1], (Block{BlockKind::kForward, 0, 0, 1}));
+  EXPECT_EQ(p->schedule[0].blocks[2], (Block{BlockKind::kForward, 1, 0, 0}));
+  // Written back byte-stably, the pass included.
+  const std::string once = plan_to_json(*p);
+  EXPECT_TRUE(contains(once, "\"recycle\": 2")) << once;
+  EXPECT_TRUE(contains(once, "F0@0 F0@0#1 F1@0 F1@0#1 B0@0 B1@0")) << once;
+  auto q = parse_plan(once, "once.json");
+  ASSERT_TRUE(q.ok()) << q.error().message();
+  EXPECT_EQ(plan_to_json(*q), once);
+  // Absent: one pass.
+  auto plain = parse_plan(kPlan, "plan.json");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->recycle, 1);
+}
+
+TEST(Plan, BadRecycleAndPasses) {
+  for (const char* bad : {"0", "-2"}) {
+    expect_error("{\"global_batch\": 8, \"micro_batch\": 2}",
+                 fmt::format("{{\"global_batch\": 8, \"micro_batch\": 2, \"recycle\": {}}}", bad),
+                 "training.recycle", "must be at least 1 (forward passes per micro-batch");
+  }
+  expect_error("{\"global_batch\": 8, \"micro_batch\": 2}",
+               "{\"global_batch\": 8, \"micro_batch\": 2, \"recycles\": 2}", "training.recycles",
+               "unknown field 'recycles' (did you mean 'recycle'?)");
+  expect_error("F0@0 F1@0 B0@0 B1@0", "F0@0 F1@0 B0@0#1 B1@0", "schedule.orders[0].blocks",
+               "'B0@0#1': only forward blocks have a pass");
+  expect_error("F0@0 F1@0 B0@0 B1@0", "F0@0#x F1@0 B0@0 B1@0", "schedule.orders[0].blocks",
+               "'F0@0#x' is not a block");
+}
+
 TEST(Plan, LoadPlanNamesAMissingFile) {
   auto p = load_plan("/nonexistent/plan.json");
   ASSERT_FALSE(p.ok());
@@ -279,8 +317,13 @@ TEST(Plan, Blocks) {
     EXPECT_EQ(*b, (Block{c.kind, c.mb, c.seg})) << c.text;
     EXPECT_EQ(to_string(*b), c.text);
   }
-  for (const char* bad :
-       {"X3@1", "F3", "F@1", "F3@", "F-1@0", "F3@1x", "f3@1", "", "@1", "F3@-1", "FB3@1"}) {
+  auto pass = parse_block("F3@1#2");
+  ASSERT_TRUE(pass.ok()) << pass.error().message();
+  EXPECT_EQ(*pass, (Block{BlockKind::kForward, 3, 1, 2}));
+  EXPECT_EQ(to_string(*pass), "F3@1#2");
+  EXPECT_EQ(to_string(Block{BlockKind::kForward, 3, 1, 0}), "F3@1");
+  for (const char* bad : {"X3@1", "F3", "F@1", "F3@", "F-1@0", "F3@1x", "f3@1", "", "@1", "F3@-1",
+                          "FB3@1", "F3@1#", "F3@1#-1", "F3@#1", "F3@1#1#2"}) {
     auto b = parse_block(bad);
     EXPECT_FALSE(b.ok()) << bad;
     if (!b.ok()) {

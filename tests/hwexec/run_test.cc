@@ -448,8 +448,16 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   ASSERT_TRUE(base.ok()) << base.error().message();
   EXPECT_TRUE(check_runnable(*base).ok()) << check_runnable(*base).error().message();
   Plan p = *base;
-  p.model.position = PositionKind::kAlibi;
+  p.recycle = 3;  // repeated forwards: simulated only
   Status s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(),
+                       "training.recycle: repeated forwards (3 passes per micro-batch) are "
+                       "simulated but not executed yet; set it to 1"))
+      << s.error().message();
+  p = *base;
+  p.model.position = PositionKind::kAlibi;
+  s = check_runnable(p);
   ASSERT_FALSE(s.ok());
   EXPECT_TRUE(contains(s.error().message(), "model.position: 'alibi' is not supported"))
       << s.error().message();

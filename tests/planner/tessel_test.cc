@@ -284,8 +284,9 @@ TEST(Tessel, RecycledBlocksChainThePasses) {
       const TesselBlock& f = blocks[pass * p + s];
       EXPECT_EQ(f.kind, BlockKind::kForward);
       EXPECT_EQ(f.devices, std::vector<int>{s});
-      // Earlier passes are named past the plan's segments and keep nothing.
-      EXPECT_EQ(f.segment, pass == 2 ? s : s + (pass + 1) * p);
+      // Every pass runs the plan's segment, named by its pass; earlier passes keep nothing.
+      EXPECT_EQ(f.segment, s);
+      EXPECT_EQ(f.pass, pass);
       EXPECT_DOUBLE_EQ(f.bytes, pass == 2 ? 1.0 : 0.0);
       EXPECT_DOUBLE_EQ(std::max(f.peak, f.bytes), 1.0);
       if (s > 0) {

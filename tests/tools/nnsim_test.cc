@@ -859,6 +859,57 @@ TEST(NnsimTool, ScheduleSearchOnAShardedHead) {
                {"leaves no room for activations on schedule order 0"});
 }
 
+// Repeated forwards: `nnsim plan --recycle 3` writes 1F1B with each micro-batch's three passes
+// back to back; `nnsim schedule --search` (and --generator tessel) rewrites them into orders
+// that pass the schedule check and simulate faster, within the same memory.
+TEST(NnsimTool, ScheduleSearchPlacesRepeatedForwards) {
+  Sandbox box;
+  RunResult r = box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--tp", "8",
+                           "--pp", "4", "--global-batch", "8", "--recycle", "3", "-o", "p.json"});
+  ASSERT_EQ(r.status, 0) << r;
+  json plan = box.read_json("p.json");
+  EXPECT_EQ(plan["training"]["recycle"], 3);
+  const std::string naive = plan["schedule"]["orders"][0]["blocks"];
+  EXPECT_TRUE(contains(naive, "F0@0 F0@0#1 F0@0#2 F1@0 F1@0#1 F1@0#2")) << naive;
+  RunResult s = box.nnsim({"schedule", "--plan", "p.json", "--search", "-o", "t.json"});
+  ASSERT_EQ(s.status, 0) << s;
+  EXPECT_TRUE(contains(s.out, "tessel schedule, 4 schedule orders, 8 micro-batches")) << s;
+  EXPECT_FALSE(contains(s.out, "kept them")) << s;
+  json searched = box.read_json("t.json");
+  EXPECT_EQ(searched["training"]["recycle"], 3);
+  const std::string blocks = searched["schedule"]["orders"][0]["blocks"];
+  EXPECT_TRUE(contains(blocks, "F7@0#2")) << blocks;
+  RunResult g =
+      box.nnsim({"schedule", "--plan", "p.json", "--generator", "tessel", "-o", "g.json"});
+  ASSERT_EQ(g.status, 0) << g;
+  EXPECT_EQ(box.read("g.json"), box.read("t.json"));
+  RunResult a = box.nnsim({"--topo", "dgx-a100x4", "p.json", "--json", "a.json"});
+  ASSERT_EQ(a.status, 0) << a;
+  RunResult b = box.nnsim({"--topo", "dgx-a100x4", "t.json", "--json", "b.json"});
+  ASSERT_EQ(b.status, 0) << b;
+  const double before = box.read_json("a.json")["iteration_time_s"];
+  const double after = box.read_json("b.json")["iteration_time_s"];
+  EXPECT_LT(after, 0.9 * before) << before << " s -> " << after << " s";
+
+  expect_error(box.nnsim({"schedule", "--plan", "p.json", "--generator", "zb-h1", "-o", "x.json"}),
+               {"the zb-h1 schedule does not place repeated forwards (training.recycle = 3)"});
+  expect_error(box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--tp", "8",
+                          "--pp", "4", "--global-batch", "8", "--recycle", "0", "-o", "x.json"}),
+               {"--recycle must be at least 1"});
+  // A pass outside training.recycle, written by hand.
+  std::string text = box.read("p.json");
+  text.replace(text.find("F0@0#2"), 6, "F0@0#3");
+  box.write("bad.json", text);
+  expect_error(box.nnsim({"--topo", "dgx-a100x4", "bad.json"}),
+               {"block F0@0#3 names forward pass 3, but training.recycle is 3 (passes 0-2"});
+  text = box.read("p.json");
+  const std::string three = "\"recycle\": 3";
+  text.replace(text.find(three), three.size(), "\"recycle\": -1");
+  box.write("neg.json", text);
+  expect_error(box.nnsim({"--topo", "dgx-a100x4", "neg.json"}),
+               {"field 'training.recycle'", "must be at least 1"});
+}
+
 TEST(NnsimTool, Version) {
   Sandbox box;
   RunResult r = box.nnsim({"--version"});
