@@ -1385,7 +1385,9 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       edge_set.insert({peer, rank});
     }
     const std::vector<std::pair<int, int>> edges(edge_set.begin(), edge_set.end());
-    auto made = NcclComms::create(comm, gpu_index, {ctx.tp_group, ctx.dp_group}, edges);
+    std::vector<std::vector<int>> groups = {ctx.tp_group, ctx.dp_group};
+    if (L.split.cp > 1) groups.push_back(ctx.cp_group);  // the keys' and values' all-gather
+    auto made = NcclComms::create(comm, gpu_index, groups, edges);
     if (!made) return made.error();
     nccl = std::move(*made);
     ctx.nccl = nccl.get();

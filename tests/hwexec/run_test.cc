@@ -404,7 +404,10 @@ INSTANTIATE_TEST_SUITE_P(
              &kModel,
              "fp32",
              {"--recompute", "selective"},
-             2}),
+             2},
+        Case{"zero1_cp2_dp2", 1, 1, 2, "1f1b", 4, &kModel, "fp32", {"--zero", "1"}, 2},
+        Case{"zero3_cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {"--zero", "3"}, 2},
+        Case{"bf16_llama_cp2_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16", {}, 2}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
