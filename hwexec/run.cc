@@ -300,8 +300,9 @@ Status check_runnable(const Plan& plan) {
       }
     }
   }
-  // Zero-bubble split backwards (BI, BW) run with ZeRO 0 only: ZeRO reduces gradients after a
-  // segment's backward, which a split backward spreads over two blocks.
+  // Zero-bubble split backwards (BI, BW) run with ZeRO 0-2 (gradients reduced after BW): ZeRO-3
+  // gathers and reduces unit by unit inside the backward, which a split backward spreads over
+  // two blocks.
   bool split_backward = false;
   for (const DeviceOrder& o : plan.schedule) {
     for (const Block& b : o.blocks) {
@@ -309,11 +310,10 @@ Status check_runnable(const Plan& plan) {
                        b.kind == BlockKind::kBackwardWeight;
     }
   }
-  if (split_backward && plan.optimizer.zero >= 1) {
+  if (split_backward && plan.optimizer.zero == 3) {
     return refuse("optimizer.zero",
-                  fmt::format("ZeRO stage {} with zero-bubble split backwards (BI/BW blocks) is "
-                              "not supported yet (ZeRO 0 only)",
-                              plan.optimizer.zero));
+                  "ZeRO stage 3 with zero-bubble split backwards (BI/BW blocks) is not "
+                  "supported yet (ZeRO 0-2 only)");
   }
   enum Kind { kF, kB, kR, kBI, kBW };
   for (std::size_t oi = 0; oi < plan.schedule.size(); ++oi) {

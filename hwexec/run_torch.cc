@@ -1463,12 +1463,20 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     }
   };
   // The unit's gradients so far reduce-scattered over dp into its chunk, then dropped.
+  // With split backwards, ZeRO-2's reduce after a BW may find no new gradient of a parameter
+  // whose gradient BI computes (a norm's, when no BI ran since the last reduce): zeros.
+  bool split_backward = false;
+  for (const Block& blk : L.order->blocks) {
+    split_backward = split_backward || blk.kind == BlockKind::kBackwardWeight;
+  }
   auto reduce_unit = [&](ZeroUnit& u, const std::string& label) {
     for (Param* p : u.params) {
-      if (!p->w.grad().defined()) throw Failure{fmt::format("no gradient reached {}", p->name)};
+      if (!p->w.grad().defined() && !split_backward) {
+        throw Failure{fmt::format("no gradient reached {}", p->name)};
+      }
     }
     const at::Tensor mine = ctx.reduce_scatter(
-        padded_flat(u.params, u.chunk * dpn, [](const Param& p) { return p.w.grad(); }),
+        padded_flat(u.params, u.chunk * dpn, [](const Param& p) { return grad_or_zeros(p); }),
         ctx.dp_group, ctx.dp_axes, label);
     at::NoGradGuard no_grad;
     u.grad.add_(mine);
@@ -1517,6 +1525,21 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     for (Param& p : whole.params()) ref_grads[p.name] = grad_or_zeros(p);
   }
 
+  // ZeRO-2 reduces a segment's gradients after every block that computes weight gradients (B,
+  // or a split backward's BW), ZeRO-1 after the segment's last such block (the program's grad
+  // sync blocks, per segment); ZeRO-3 unit by unit inside the backward.
+  std::map<int, int> last_weights;  // segment -> the micro-batch of its last B or BW
+  for (const Block& blk : L.order->blocks) {
+    if (blk.kind == BlockKind::kBackward || blk.kind == BlockKind::kBackwardWeight) {
+      last_weights[blk.segment] = blk.micro_batch;
+    }
+  }
+  auto reduce_after = [&](int sg, int m) {
+    if (zero == 2 || (zero == 1 && m == last_weights.at(sg))) {
+      for (ZeroUnit& u : zunits_of.at(sg)) reduce_unit(u, grad_sync_label(sg));
+    }
+  };
+
   const double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, lr = 1e-4;
   for (int it = 0; it < opt.warmup + opt.iterations; ++it) {
     ok_or_throw(comm.barrier());
@@ -1541,6 +1564,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       } else if (blk.kind == BlockKind::kBackwardWeight) {
         model.backward_weights(ctx, tape);
         tapes.erase({sg, m});
+        reduce_after(sg, m);
       } else if (blk.kind == BlockKind::kForward) {
         at::Tensor x;
         if (!model.has_embedding()) {
@@ -1572,11 +1596,9 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
             ctx.send(prev, dx, "gradient");
           }
         }
-        if (!input_only) tapes.erase({sg, m});
-        // ZeRO-2 reduces after every backward, ZeRO-1 after the last micro-batch's (the
-        // program's grad sync blocks, per segment); ZeRO-3 did unit by unit inside the backward.
-        if (zero == 2 || (zero == 1 && m == M - 1)) {
-          for (ZeroUnit& u : zunits_of.at(sg)) reduce_unit(u, grad_sync_label(sg));
+        if (!input_only) {
+          tapes.erase({sg, m});
+          reduce_after(sg, m);
         }
       }
     }
@@ -1586,8 +1608,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         if (p.w.grad().defined()) {
           throw Failure{
               fmt::format("iteration {}: a gradient of {} arrived after its ZeRO "
-                          "reduce-scatter (a backward after micro-batch {}'s)",
-                          it, p.name, M - 1)};
+                          "reduce-scatter",
+                          it, p.name)};
         }
       }
     }

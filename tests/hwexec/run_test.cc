@@ -389,6 +389,8 @@ INSTANTIATE_TEST_SUITE_P(
              &kLlama,
              "fp32",
              {"--sequence-parallel", "--recompute", "selective"}},
+        Case{"zb_h1_zero1_pp2_dp2", 1, 2, 2, "zb-h1", 8, &kModel, "fp32", {"--zero", "1"}},
+        Case{"zb_h2_zero2_pp2_dp2", 1, 2, 2, "zb-h2", 8, &kModel, "fp32", {"--zero", "2"}},
         // Context parallelism (the sequence over cp: the keys and values all-gathered, the
         // backward's ring recorded as the program's all-gather).
         Case{"cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {}, 2},
@@ -456,10 +458,10 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
   refused(
       {"cannot run this plan: partition: sequence parallelism together with context "
        "parallelism over cp is not supported yet"});
-  // ZeRO with zero-bubble split backwards.
-  ASSERT_EQ(make_plan(dir, 1, 2, 2, "zb-h1", 4, {"--zero", "1"}).status, 0);
+  // ZeRO-3 with zero-bubble split backwards.
+  ASSERT_EQ(make_plan(dir, 1, 2, 2, "zb-h1", 4, {"--zero", "3"}).status, 0);
   refused(
-      {"optimizer.zero: ZeRO stage 1 with zero-bubble split backwards (BI/BW blocks) is not "
+      {"optimizer.zero: ZeRO stage 3 with zero-bubble split backwards (BI/BW blocks) is not "
        "supported yet"});
   // ZeRO-3 in bf16.
   ASSERT_EQ(
