@@ -391,6 +391,7 @@ INSTANTIATE_TEST_SUITE_P(
              {"--sequence-parallel", "--recompute", "selective"}},
         Case{"zb_h1_zero1_pp2_dp2", 1, 2, 2, "zb-h1", 8, &kModel, "fp32", {"--zero", "1"}},
         Case{"zb_h2_zero2_pp2_dp2", 1, 2, 2, "zb-h2", 8, &kModel, "fp32", {"--zero", "2"}},
+        Case{"zb_h1_cp2_pp2", 1, 2, 1, "zb-h1", 4, &kModel, "fp32", {}, 2},
         // Context parallelism (the sequence over cp: the keys and values all-gathered, the
         // backward's ring recorded as the program's all-gather).
         Case{"cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {}, 2},
@@ -651,11 +652,11 @@ class NnexecRunGpu : public ::testing::TestWithParam<Case> {};
 
 TEST_P(NnexecRunGpu, MatchesTheUnpartitionedLossAndGradients) {
   const Case c = GetParam();
-  const int n = c.tp * c.pp * c.dp;
+  const int n = c.tp * c.pp * c.dp * c.cp;
   if (auto why = gpu_unavailable(n)) GTEST_SKIP() << *why;
   TempDir dir;
   ASSERT_EQ(make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, c.plan_flags, *c.model,
-                      c.precision)
+                      c.precision, c.cp)
                 .status,
             0);
   RunResult r = run(dir, NNEXEC_BINARY,
@@ -696,7 +697,10 @@ INSTANTIATE_TEST_SUITE_P(
                       with("zero3_dp2", 1, 1, 2, 4, {"--zero", "3"}),
                       with("sp_recompute_full_tp2", 2, 1, 1, 2,
                            {"--sequence-parallel", "--recompute", "full"}),
-                      with("tp2_sp_pp2", 2, 2, 1, 4, {"--sequence-parallel"})),
+                      with("tp2_sp_pp2", 2, 2, 1, 4, {"--sequence-parallel"}),
+                      // NCCL point-to-point inside a stage's order and the cp ring.
+                      Case{"zb_h1_pp2", 1, 2, 1, "zb-h1", 4},
+                      Case{"cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {}, 2}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
