@@ -68,8 +68,19 @@ std::optional<CollectiveKind> parse_collective(const std::string& name) {
   return std::nullopt;
 }
 
+// As nnexec run names them: a zero-bubble split backward's halves are phases of their own.
 std::string phase_of(BlockKind k) {
-  return k == BlockKind::kForward || k == BlockKind::kRecompute ? "fwd" : "bwd";
+  switch (k) {
+    case BlockKind::kForward:
+    case BlockKind::kRecompute:
+      return "fwd";
+    case BlockKind::kBackwardInput:
+      return "bwd_input";
+    case BlockKind::kBackwardWeight:
+      return "bwd_weight";
+    default:
+      return "bwd";
+  }
 }
 
 // What one rank does per iteration in the compiled program.
@@ -146,8 +157,9 @@ SimulatedRank simulate_rank(const Program& prog, int rank, Pricer& pricer,
         case StepKind::kCollective:
         case StepKind::kDpLaunch: {
           if (s.kind == StepKind::kCollective && s.seconds > 0) {
-            // Compute running alongside the collective (ring attention).
-            auto& [calls, seconds] = out.ops[{label, phase}];
+            // Compute running alongside the collective (ring attention), recomputed too.
+            const bool again = s.compute_class == ComputeClass::kRecompute;
+            auto& [calls, seconds] = out.ops[{label, again ? "recompute" : phase}];
             calls += 1;
             seconds += s.seconds;
           }
@@ -245,7 +257,12 @@ GraphIndex index_graph(const OpGraph& g) {
 }
 
 int phase_order(const std::string& p) {
-  return p == "fwd" ? 0 : p == "recompute" ? 1 : p == "bwd" ? 2 : 3;
+  return p == "fwd"          ? 0
+         : p == "recompute"  ? 1
+         : p == "bwd"        ? 2
+         : p == "bwd_input"  ? 3
+         : p == "bwd_weight" ? 4
+                             : 5;
 }
 
 }  // namespace

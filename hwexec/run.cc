@@ -40,7 +40,8 @@ Status check_runnable(const Plan& plan) {
         fmt::format("{}: {} (nnexec run executes GPT- and Llama-style models: "
                     "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU or SwiGLU "
                     "MLP, learned or rotary positions; Megatron tensor and sequence "
-                    "parallelism, pipelines (interleaved too) with F/B blocks, "
+                    "parallelism, context parallelism, pipelines (interleaved too) with F, B, R "
+                    "and zero-bubble BI/BW blocks, "
                     "data parallelism with ZeRO 0-3, recompute rules over layers)",
                     field, why));
   };
@@ -113,6 +114,15 @@ Status check_runnable(const Plan& plan) {
 
   // Effective splits per operator (every matching rule, in file order).
   const OpGraph graph = lower_model(m, 1);
+  // Context parallelism: attn.core's sequence split, which every operator must share.
+  std::vector<std::string> cp_axes;
+  for (const PartitionRule& r : plan.partition) {
+    if (!match_pattern(r.match, "attn.core")) continue;
+    for (const DimSplit& s : r.splits) {
+      if (s.dim == Dim::kSeq) cp_axes = s.axes;
+    }
+  }
+  std::set<std::string> cp_split;  // operators split along the sequence over cp_axes
   std::vector<std::string> tp_axes;
   bool tp_set = false;
   std::map<std::string, std::vector<std::string>> split_of;  // op -> axes of its allowed dim
@@ -137,6 +147,19 @@ Status check_runnable(const Plan& plan) {
       }
       for (const auto& [dim, axes] : splits) {
         if (axes.empty()) continue;
+        if (dim == Dim::kSeq && !cp_axes.empty() && axes == cp_axes) {
+          cp_split.insert(op.name);
+          continue;
+        }
+        if (dim == Dim::kSeq && !cp_axes.empty()) {
+          // Megatron's sequence parallelism inside context parallelism: the norms' sequence
+          // over cp and tp.
+          return refuse("partition",
+                        fmt::format("sequence parallelism together with context parallelism over "
+                                    "{} is not supported yet (operator '{}' is split along 'seq' "
+                                    "over {})",
+                                    join(cp_axes, "+"), op.name, join(axes, "+")));
+        }
         // Megatron's sequence parallelism: the norms, residuals and position add on sequence
         // shards of the tensor-parallel group.
         const bool sequence_parallel = dim == Dim::kSeq && kSequenceParallelOps.count(op.name);
@@ -224,13 +247,44 @@ Status check_runnable(const Plan& plan) {
                                              m.seq_len, tp));
     }
   }
+  if (!cp_axes.empty()) {
+    const std::string cp = join(cp_axes, "+");
+    for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
+      for (const Op& op : part->ops) {
+        if (!cp_split.count(op.name)) {
+          return refuse("partition",
+                        fmt::format("operator '{}' is not split along 'seq' over {} but attn.core "
+                                    "is (context parallelism splits every operator's sequence "
+                                    "alike)",
+                                    op.name, cp));
+        }
+      }
+    }
+    for (const std::string& a : cp_axes) {
+      if (pp_axes.count(a) || a == kDataParallelAxis ||
+          std::find(tp_axes.begin(), tp_axes.end(), a) != tp_axes.end()) {
+        return refuse("partition",
+                      fmt::format("context parallelism over '{}', which is also a tensor-, "
+                                  "pipeline- or data-parallel axis, is not supported",
+                                  a));
+      }
+    }
+    int ways = 1;
+    for (const std::string& a : cp_axes) ways *= plan.mesh.axis_size(a);
+    if (ways > 1 && m.seq_len % (2 * ways) != 0) {
+      return refuse("model.seq_len",
+                    fmt::format("{} is not divisible by 2 x the context-parallel degree {} (each "
+                                "cp rank holds two chunks of the sequence: Megatron's "
+                                "load-balanced layout)",
+                                m.seq_len, ways));
+    }
+  }
   for (const MeshAxis& a : plan.mesh.axes) {
     if (a.size == 1 || a.name == kDataParallelAxis || pp_axes.count(a.name)) continue;
     if (std::find(tp_axes.begin(), tp_axes.end(), a.name) != tp_axes.end()) continue;
-    return refuse(
-        "mesh",
-        fmt::format("axis '{}' has size {} but no operator is split along it{}", a.name, a.size,
-                    a.name == "cp" ? " (context parallelism is not supported)" : ""));
+    if (std::find(cp_axes.begin(), cp_axes.end(), a.name) != cp_axes.end()) continue;
+    return refuse("mesh", fmt::format("axis '{}' has size {} but no operator is split along it",
+                                      a.name, a.size));
   }
 
   // One segment per order, not spanning orders; F and B blocks only, each once.
@@ -252,43 +306,72 @@ Status check_runnable(const Plan& plan) {
       }
     }
   }
+  // Zero-bubble split backwards (BI, BW) run with ZeRO 0-2 (gradients reduced after BW): ZeRO-3
+  // gathers and reduces unit by unit inside the backward, which a split backward spreads over
+  // two blocks.
+  bool split_backward = false;
+  for (const DeviceOrder& o : plan.schedule) {
+    for (const Block& b : o.blocks) {
+      split_backward = split_backward || b.kind == BlockKind::kBackwardInput ||
+                       b.kind == BlockKind::kBackwardWeight;
+    }
+  }
+  if (split_backward && plan.optimizer.zero == 3) {
+    return refuse("optimizer.zero",
+                  "ZeRO stage 3 with zero-bubble split backwards (BI/BW blocks) is not "
+                  "supported yet (ZeRO 0-2 only)");
+  }
+  enum Kind { kF, kB, kR, kBI, kBW };
   for (std::size_t oi = 0; oi < plan.schedule.size(); ++oi) {
     const DeviceOrder& o = plan.schedule[oi];
     std::set<int> segs;
-    std::map<std::tuple<int, int, int>, int> count;  // (segment, kind F=0/B=1/R=2, micro-batch)
+    std::map<std::tuple<int, int, int>, int> count;  // (segment, Kind, micro-batch)
     const std::string field = fmt::format("schedule.orders[{}].blocks", oi);
+    auto seen = [&](int sg, Kind k, int mb_) { return count.count({sg, k, mb_}) > 0; };
     for (const Block& b : o.blocks) {
-      if (b.kind != BlockKind::kForward && b.kind != BlockKind::kBackward &&
-          b.kind != BlockKind::kRecompute) {
-        return refuse(field, fmt::format("block '{}' (zero-bubble split backward) is not "
-                                         "supported yet (F, B and R only)",
-                                         to_string(b)));
-      }
       if (b.segment < 0 || b.segment >= static_cast<int>(plan.segments.size())) {
         return refuse(field, fmt::format("block '{}' names no segment", to_string(b)));
       }
       segs.insert(b.segment);
-      const int kind = b.kind == BlockKind::kForward ? 0 : b.kind == BlockKind::kBackward ? 1 : 2;
-      // An R block recomputes what its forward dropped, for its backward.
-      if (kind == 2 && (!count.count({b.segment, 0, b.micro_batch}) ||
-                        count.count({b.segment, 1, b.micro_batch}))) {
+      const Kind kind = b.kind == BlockKind::kForward         ? kF
+                        : b.kind == BlockKind::kBackward      ? kB
+                        : b.kind == BlockKind::kRecompute     ? kR
+                        : b.kind == BlockKind::kBackwardInput ? kBI
+                                                              : kBW;
+      const int sg = b.segment, i = b.micro_batch;
+      // An R block recomputes what its forward dropped, for its backward (B or BI).
+      if (kind == kR && (!seen(sg, kF, i) || seen(sg, kB, i) || seen(sg, kBI, i))) {
         return refuse(field, fmt::format("block '{}' is not between the forward and the "
                                          "backward of its micro-batch",
                                          to_string(b)));
       }
-      if (++count[{b.segment, kind, b.micro_batch}] > 1 && kind == 2) {
+      // BW computes the weight gradients of what its BI kept.
+      if (kind == kBW && !seen(sg, kBI, i)) {
+        return refuse(field, fmt::format("block '{}' comes before the BI block of its "
+                                         "micro-batch",
+                                         to_string(b)));
+      }
+      if (++count[{sg, kind, i}] > 1 && kind == kR) {
         return refuse(field, fmt::format("block '{}' appears twice", to_string(b)));
       }
     }
     for (int sg : segs) {  // several: an interleaved pipeline
-      for (int k = 0; k < 2; ++k) {
-        for (int i = 0; i < mb; ++i) {
-          const int n = count.count({sg, k, i}) ? count[{sg, k, i}] : 0;
-          if (n != 1) {
-            return refuse(field, fmt::format("the {} of micro-batch {} through segment {} "
-                                             "appears {} times (once expected)",
-                                             k == 0 ? "forward" : "backward", i, sg, n));
-          }
+      for (int i = 0; i < mb; ++i) {
+        auto n = [&](Kind k) { return count.count({sg, k, i}) ? count[{sg, k, i}] : 0; };
+        const char* what = nullptr;
+        int times = 0;
+        if (n(kF) != 1) {
+          what = "forward";
+          times = n(kF);
+        } else if (!(n(kB) == 1 && n(kBI) == 0 && n(kBW) == 0) &&
+                   !(n(kB) == 0 && n(kBI) == 1 && n(kBW) == 1)) {
+          what = "backward (one B, or one BI and one BW)";
+          times = n(kB) + n(kBI) + n(kBW);
+        }
+        if (what) {
+          return refuse(field, fmt::format("the {} of micro-batch {} through segment {} "
+                                           "appears {} times (once expected)",
+                                           what, i, sg, times));
         }
       }
     }

@@ -14,7 +14,10 @@
 // Sequence parallelism turns the tp all-reduces into all-gathers before the column-parallel
 // linears and reduce-scatters after the row-parallel ones; ZeRO reduce-scatters gradients and
 // all-gathers parameters over dp; recompute rules re-run operators' forwards before the
-// backward. Collectives follow the compiled program's order and labels (core/program.cc).
+// backward; zero-bubble BI blocks defer the linear layers' weight gradients to BW
+// (run_split_backward.h); context parallelism splits every sequence over cp, attn.core
+// exchanging keys and values (run_context_parallel.h). Collectives follow the compiled
+// program's order and labels (core/program.cc).
 // On the CPU (--device cpu) the collectives go over the TCP-socket Comm and spans are timed with
 // the steady clock. On a GPU (--device cuda, only in a build whose LibTorch has CUDA) every rank
 // owns one GPU, the collectives and pipeline transfers are NCCL calls in the same order
@@ -32,6 +35,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <set>
 #include <tuple>
 
@@ -39,6 +43,8 @@
 
 #include "hwexec/comm.h"
 #include "hwexec/run.h"
+#include "hwexec/run_context_parallel.h"
+#include "hwexec/run_split_backward.h"
 
 #ifdef NNSIM_TORCH_HAS_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -178,6 +184,12 @@ struct Ctx {
   at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
   std::vector<int> tp_group{0}, dp_group{0};
   std::string tp_axes = "tp", pp_axes = "pp";
+  // The gradient sums' group is dp's, and cp's with context parallelism (`dp_axes`); the cp
+  // ring's group and this rank's neighbours in it.
+  std::string dp_axes = kDataParallelAxis;
+  std::vector<int> cp_group{0};
+  std::string cp_axes = "cp";
+  int cp_next = -1, cp_prev = -1;
   int tp_index = 0;
 #ifdef NNSIM_TORCH_HAS_CUDA
   NcclComms* nccl = nullptr;
@@ -336,6 +348,11 @@ struct Ctx {
   // holding its tag; a receive keeps the transfers that arrive before the one it waits for.
   std::map<std::pair<int, int64_t>, at::Tensor> early;  // (peer, tag) -> transfer
   void send_tagged(int peer, const at::Tensor& t, const std::string& label, int64_t tag) {
+    if (peer == comm->rank()) {
+      // Two segments of one rank next to each other (ZB-V's turn): no transfer.
+      early.emplace(std::make_pair(peer, tag), t.clone());
+      return;
+    }
     send(peer, at::full({1}, tag, options.dtype(at::kLong)), "", /*record=*/false);
     send(peer, t, label);
   }
@@ -344,6 +361,12 @@ struct Ctx {
       at::Tensor t = it->second;
       early.erase(it);
       return t;
+    }
+    if (peer == comm->rank()) {
+      throw Failure{
+          fmt::format("rank {}: transfer {} from its own segment is not ready (its "
+                      "block comes later in the order)",
+                      peer, tag)};
     }
     for (;;) {
       const int64_t got =
@@ -380,6 +403,9 @@ struct Split {
   // Sequence parallelism: `seq` ranks (the tensor-parallel group) each hold a slice of the
   // sequence between the column- and row-parallel linears (Megatron-LM's).
   int seq = 1;
+  // Context parallelism: `cp` ranks each hold the tokens at cp_positions(seq_len, cp, cp_index)
+  // of every sequence, through every operator.
+  int cp = 1, cp_index = 0;
 };
 
 // Frees or reallocates a tensor's storage in place (FSDP's trick): autograd's saved references
@@ -405,6 +431,8 @@ struct LayerParams {
 struct Unit {
   at::Tensor out;
   std::vector<at::Tensor> in;
+  std::vector<at::Tensor> weights;       // a linear layer's master weights (a BI block defers them)
+  std::shared_ptr<CpAttentionSaved> cp;  // context-parallel attn.core: its ring backward's state
 };
 
 at::Tensor leaf(const at::Tensor& t) {
@@ -429,6 +457,7 @@ struct MicroBatchTape {
   Unit hnorm, hproj;
   at::Tensor ez, se, onehot;  // the loss's saved softmax pieces
   at::Tensor loss;            // 0-dimensional, on the device (read after the iteration)
+  std::vector<DeferredWeightGrad> deferred;  // a BI block's weight gradients, for its BW
 };
 
 class Model {
@@ -455,6 +484,9 @@ class Model {
     const int64_t branches = spec.gated_mlp() ? 2 : 1;
     const int ta = split.heads > 1 ? t_ : 0, tf = split.ffn > 1 ? t_ : 0;
     auto whole = [](const at::Tensor& x) { return x; };
+    positions_ =
+        (split.cp > 1 ? cp_positions(s, split.cp, split.cp_index) : at::arange(s, at::kLong))
+            .to(device);
     if (embedding_) {
       const int64_t vl = V / split.embed_vocab;
       const int tv = split.embed_vocab > 1 ? t_ : 0;
@@ -601,7 +633,9 @@ class Model {
       if (pos_) {
         const int64_t sl = e.size(1), first = split_.seq > 1 ? t_ * sl : 0;
         tape.pos = fwd(st, "embed.position", {leaf(e)}, [&](const std::vector<at::Tensor>& in) {
-          return in[0] + W(pos_).narrow(0, first, sl);
+          // Context parallelism: the rows of this rank's positions.
+          return in[0] + (split_.cp > 1 ? W(pos_).index_select(0, positions_)
+                                        : W(pos_).narrow(0, first, sl));
         });
         x = tape.pos.out.detach();
       } else {
@@ -627,6 +661,7 @@ class Model {
             [&](const std::vector<at::Tensor>& in) {
               return at::matmul(in[0], tied ? W(word_).t() : W(head_w_));
             });
+    tape.hproj.weights = weights_of({tied ? word_ : head_w_});
     if (sp) dropped(tape.hproj.in[0]);
     // Vocab-parallel cross-entropy, mean over the micro-batch's tokens.
     const Mark t0 = st.mark();
@@ -652,14 +687,19 @@ class Model {
 
   // Backward: dy is the gradient of the segment's output (layers only) or, for the head, the
   // scale of the loss. Returns the gradient of the segment's input (none for the embedding).
-  at::Tensor backward(Ctx& c, MicroBatchTape& tape, at::Tensor dy, double loss_scale) {
+  // `input_only`: a zero-bubble BI block; the linear layers' weight gradients are left in the
+  // tape for backward_weights (the BW block).
+  at::Tensor backward(Ctx& c, MicroBatchTape& tape, at::Tensor dy, double loss_scale,
+                      bool input_only = false) {
     Stats& st = *c.stats;
+    bwd_phase_ = input_only ? "bwd_input" : "bwd";
+    deferred_ = input_only ? &tape.deferred : nullptr;
     if (head_) {
       c.unit_before(head_unit(), true);
       const Mark t0 = st.mark();
       const double n = static_cast<double>(tape.ez.size(0) * tape.ez.size(1));
       at::Tensor dlogits = (tape.ez / tape.se.unsqueeze(-1) - tape.onehot) * (loss_scale / n);
-      st.op("loss", "bwd", t0, st.mark());
+      st.op("loss", bwd_phase_, t0, st.mark());
       tape.ez = tape.se = tape.onehot = at::Tensor();
       const int vsplit = spec_.tied_embeddings ? split_.embed_vocab : split_.head_vocab;
       const bool sp = split_.seq > 1;
@@ -688,6 +728,17 @@ class Model {
       return at::Tensor();
     }
     return dy;
+  }
+
+  // A zero-bubble BW block: the weight gradients its BI left, in the BI's (backward) order.
+  void backward_weights(Ctx& c, MicroBatchTape& tape) {
+    Stats& st = *c.stats;
+    for (const DeferredWeightGrad& d : tape.deferred) {
+      const Mark t0 = st.mark();
+      weight_gradients(d, /*keep_graph=*/dtype_ != at::kFloat);
+      st.op(d.op, "bwd_weight", t0, st.mark());
+    }
+    tape.deferred.clear();
   }
 
   // An explicit R block: the recomputation of every layer ahead of the backward (which then
@@ -731,13 +782,29 @@ class Model {
 
   std::vector<at::Tensor> bwd(Stats& st, const char* name, Unit& u, const at::Tensor& dy) {
     const Mark t0 = st.mark();
-    // bf16: the weights' casts are shared by every micro-batch's graphs; keep them.
-    u.out.backward(dy, /*retain_graph=*/dtype_ != at::kFloat);
+    // A BI block defers the linear layers' weight gradients (the GEMMs the program's BW block
+    // holds); every other operator's backward, parameter gradients included, runs whole.
+    const bool defer = deferred_ != nullptr && !u.weights.empty();
+    if (defer) {
+      input_gradients(u.out, dy, u.in);
+      deferred_->push_back({name, u.out, dy, u.weights});
+    } else {
+      // bf16: the weights' casts are shared by every micro-batch's graphs; keep them.
+      u.out.backward(dy, /*retain_graph=*/dtype_ != at::kFloat);
+    }
     std::vector<at::Tensor> g;
     for (const at::Tensor& i : u.in) g.push_back(i.grad());
-    st.op(name, "bwd", t0, st.mark());
+    st.op(name, bwd_phase_, t0, st.mark());
     u = Unit{};
     return g;
+  }
+  // A linear layer's master weights (what its deferred weight gradient accumulates into).
+  static std::vector<at::Tensor> weights_of(std::initializer_list<const Param*> ps) {
+    std::vector<at::Tensor> w;
+    for (const Param* p : ps) {
+      if (p) w.push_back(p->w);
+    }
+    return w;
   }
 
   // A parameter in the compute dtype: the fp32 master weight itself, or this iteration's bf16
@@ -757,13 +824,13 @@ class Model {
     return y.to(x.scalar_type());
   }
 
-  // Rotary position embedding (rotate-half form, base 10000) of x [b, s, heads, d], positions
-  // 0 .. s-1, angles in fp32.
+  // Rotary position embedding (rotate-half form, base 10000) of x [b, s, heads, d] at the
+  // rank's positions (0 .. s-1; under context parallelism, its share), angles in fp32.
   at::Tensor rope(const at::Tensor& x) const {
     const int64_t s = x.size(1), d = x.size(3);
     const auto f32 = x.options().dtype(at::kFloat);
     const at::Tensor inv = at::pow(10000.0, -at::arange(0, d, 2, f32) / static_cast<double>(d));
-    const at::Tensor ang = at::outer(at::arange(s, f32), inv);  // [s, d/2]
+    const at::Tensor ang = at::outer(positions_.to(at::kFloat), inv);  // [s, d/2]
     const at::Tensor cos = at::cat({ang.cos(), ang.cos()}, -1).view({s, 1, d}).to(x.dtype());
     const at::Tensor sin = at::cat({ang.sin(), ang.sin()}, -1).view({s, 1, d}).to(x.dtype());
     const at::Tensor rotated = at::cat({-x.narrow(3, d / 2, d / 2), x.narrow(3, 0, d / 2)}, -1);
@@ -830,9 +897,12 @@ class Model {
                     at::Tensor y = at::matmul(in[0], W(L.qkv_w));
                     return L.qkv_b ? y + W(L.qkv_b) : y;
                   });
+      t.qkv.weights = weights_of({L.qkv_w, L.qkv_b});
       drop_gathered("attn.qkv", t.qkv);
     }
-    if (runs("attn.core")) {
+    if (runs("attn.core") && split_.cp > 1) {
+      t.core = cp_core_forward(c, t.qkv.out, phase);
+    } else if (runs("attn.core")) {
       t.core =
           fwd(st, "attn.core", phase, {leaf(t.qkv.out)}, [&](const std::vector<at::Tensor>& in) {
             const int64_t b = in[0].size(0), s = in[0].size(1);
@@ -866,6 +936,7 @@ class Model {
       t.proj =
           fwd(st, "attn.proj", phase, {leaf(t.core.out)},
               [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], W(L.proj_w)); });
+      t.proj.weights = weights_of({L.proj_w});
     }
     // The row-parallel sums feed the residual (the program's conversion for its input).
     if (runs("attn.residual")) {
@@ -892,6 +963,7 @@ class Model {
                     at::Tensor z = at::matmul(in[0], W(L.fc1_w));
                     return L.fc1_b ? z + W(L.fc1_b) : z;
                   });
+      t.fc1.weights = weights_of({L.fc1_w, L.fc1_b});
       drop_gathered("mlp.fc1", t.fc1);
     }
     if (runs("mlp.act")) {
@@ -905,6 +977,7 @@ class Model {
     if (runs("mlp.fc2")) {
       t.fc2 = fwd(st, "mlp.fc2", phase, {leaf(t.act.out)},
                   [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], W(L.fc2_w)); });
+      t.fc2.weights = weights_of({L.fc2_w});
     }
     if (runs("mlp.residual")) {
       at::Tensor y2;
@@ -929,6 +1002,70 @@ class Model {
     return out;
   }
 
+  // Context parallelism: attn.core of this rank's queries over every cp rank's keys and values
+  // (run_context_parallel.h). The split into heads and the rotary embedding run under autograd
+  // from the detached qkv input, the attention itself by hand: its forward all-gathers the keys
+  // and values over cp, its backward passes them around the cp ring with their gradients (the
+  // program's overlapped ring: one all-gather of twice the bytes, recorded as one all-gather
+  // spanning the whole backward, the attention's backward inside it).
+  Unit cp_core_forward(Ctx& c, const at::Tensor& qkv, const char* phase) {
+    Stats& st = *c.stats;
+    const Mark t0 = st.mark();
+    const int64_t d = spec_.head_dim(), g = spec_.heads / spec_.kv_heads,
+                  kl = spec_.kv_heads / split_.heads, al = kl * g, b = qkv.size(0),
+                  sl = qkv.size(1);
+    Unit u;
+    u.in = {leaf(qkv)};
+    at::Tensor v5 = u.in[0].view({b, sl, kl, g + 2, d});
+    at::Tensor q = v5.narrow(3, 0, g).reshape({b, sl, al, d});
+    at::Tensor k = v5.select(3, g), v = v5.select(3, g + 1);
+    if (spec_.position == PositionKind::kRope) {
+      q = rope(q);
+      k = rope(k);
+    }
+    // [b, heads, sl, d], flattened into one tensor whose backward takes all three gradients.
+    u.cp = std::make_shared<CpAttentionSaved>();
+    CpAttentionSaved& cs = *u.cp;
+    cs.graph =
+        at::cat({q.permute({0, 2, 1, 3}).reshape({-1}), k.permute({0, 2, 1, 3}).reshape({-1}),
+                 v.permute({0, 2, 1, 3}).reshape({-1})});
+    const at::Tensor flat = cs.graph.detach();
+    const int64_t nq = b * al * sl * d, nk = b * kl * sl * d;
+    const at::Tensor local =
+        at::stack({flat.narrow(0, nq, nk), flat.narrow(0, nq + nk, nk)}).contiguous();
+    const at::Tensor all = c.all_gather(local.reshape({-1}), c.cp_group, c.cp_axes, "attn.core")
+                               .view({split_.cp, 2, b, kl, sl, d});
+    const at::Tensor out = cp_attention_forward(flat.narrow(0, 0, nq).view({b, al, sl, d}), all,
+                                                split_.cp_index, spec_.seq_len, &cs);
+    u.out = out.to(dtype_).permute({0, 2, 1, 3}).reshape({b, sl, al * d});
+    st.op("attn.core", phase, t0, st.mark(), /*minus_collectives=*/true);
+    return u;
+  }
+  at::Tensor cp_core_backward(Ctx& c, Unit& u, const at::Tensor& dy) {
+    Stats& st = *c.stats;
+    const Mark t0 = st.mark();
+    CpAttentionSaved& cs = *u.cp;
+    const int64_t b = dy.size(0), sl = dy.size(1), al = cs.q.size(1), d = cs.q.size(3);
+    auto step = [&](const at::Tensor& t) {
+      c.send(c.cp_next, t, "", /*record=*/false);
+      return c.recv(c.cp_prev, t.sizes(), "", /*record=*/false, t.scalar_type(),
+                    /*compute_dtype=*/false);
+    };
+    const auto [dq, dk, dv] =
+        cp_attention_backward(cs, dy.reshape({b, sl, al, d}).permute({0, 2, 1, 3}), step);
+    const Mark t1 = st.mark();
+    // The program's convention: the ring moves what an all-gather of (k, v, dk, dv) moves.
+    st.coll("all_gather", c.cp_axes, "attn.core",
+            static_cast<double>(split_.cp) * 2 * static_cast<double>(cs.k.nbytes() + cs.v.nbytes()),
+            t0, t1);
+    cs.graph.backward(
+        at::cat({dq.reshape({-1}), dk.reshape({-1}), dv.reshape({-1})}).to(cs.graph.scalar_type()));
+    at::Tensor dx = u.in[0].grad();
+    st.op("attn.core", bwd_phase_, t0, st.mark());
+    u = Unit{};
+    return dx;
+  }
+
   at::Tensor layer_backward(Ctx& c, int l, LayerTape& t, const at::Tensor& dy) {
     Stats& st = *c.stats;
     const std::set<std::string>& rc = recompute_[l];
@@ -951,7 +1088,7 @@ class Model {
     at::Tensor dx1 = bwd(st, "mlp.norm", t.n2, d)[0] + g[1];
     g = bwd(st, "attn.residual", t.res1, dx1);
     d = bwd(st, "attn.proj", t.proj, sp ? gather_seq(c, g[0], "attn.residual") : g[0])[0];
-    d = bwd(st, "attn.core", t.core, d)[0];
+    d = split_.cp > 1 ? cp_core_backward(c, t.core, d) : bwd(st, "attn.core", t.core, d)[0];
     if (sp && !rc.count("attn.qkv")) regather(c, t.n1.out.detach(), t.qkv, "attn.qkv");
     d = bwd(st, "attn.qkv", t.qkv, d)[0];
     if (sp) {
@@ -974,13 +1111,18 @@ class Model {
   std::deque<Param> params_;
   std::vector<LayerParams> layers_;
   std::vector<std::set<std::string>> recompute_;  // per layer of the segment
+  // The backward being run: its phase ("bwd", or a BI block's "bwd_input") and, in a BI block,
+  // where the deferred weight gradients go.
+  const char* bwd_phase_ = "bwd";
+  std::vector<DeferredWeightGrad>* deferred_ = nullptr;
   Param *word_ = nullptr, *pos_ = nullptr, *hn_g_ = nullptr, *hn_b_ = nullptr, *head_w_ = nullptr;
+  at::Tensor positions_;  // the sequence positions of the rank's tokens (long)
 };
 
 // The plan as this rank sees it.
 struct Layout {
   Split split;
-  std::vector<std::string> tp_axes, pp_axes;
+  std::vector<std::string> tp_axes, pp_axes, cp_axes;
   // The segments this rank's order runs (several: an interleaved pipeline), in the order they
   // first appear, and each one's neighbours in pipeline order (-1: none).
   std::vector<int> segments;
@@ -1026,11 +1168,25 @@ Layout layout_of(const Plan& plan, int rank) {
     if (in_slice(plan.mesh, o.devices, coords)) L.order = &o;
   }
   L.pp_axes.assign(pp.begin(), pp.end());
+  // Context parallelism: attn.core's sequence split (check_runnable: every operator's alike).
+  for (const PartitionRule& r : plan.partition) {
+    if (!match_pattern(r.match, "attn.core")) continue;
+    for (const DimSplit& sp : r.splits) {
+      if (sp.dim == Dim::kSeq) L.cp_axes = sp.axes;
+    }
+  }
+  for (const std::string& a : L.cp_axes) L.split.cp *= plan.mesh.axis_size(a);
+  if (L.split.cp > 1) {
+    const std::vector<int> g = group_along(plan.mesh, rank, L.cp_axes);
+    L.split.cp_index = static_cast<int>(std::find(g.begin(), g.end(), rank) - g.begin());
+  }
   auto degree = [&](const char* op) {
     std::vector<std::string> axes;
     for (const PartitionRule& r : plan.partition) {
       if (!match_pattern(r.match, op)) continue;
-      for (const DimSplit& s : r.splits) axes = s.axes;
+      for (const DimSplit& s : r.splits) {
+        if (s.dim != Dim::kSeq) axes = s.axes;
+      }
     }
     int n = 1;
     for (const std::string& a : axes) n *= plan.mesh.axis_size(a);
@@ -1044,7 +1200,7 @@ Layout layout_of(const Plan& plan, int rank) {
   for (const PartitionRule& r : plan.partition) {
     if (!match_pattern(r.match, "attn.norm")) continue;
     for (const DimSplit& sp : r.splits) {
-      if (sp.dim != Dim::kSeq) continue;
+      if (sp.dim != Dim::kSeq || sp.axes == L.cp_axes) continue;
       L.split.seq = 1;
       for (const std::string& a : sp.axes) L.split.seq *= plan.mesh.axis_size(a);
     }
@@ -1166,6 +1322,22 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   ctx.dp_group = group_along(mesh, rank, {kDataParallelAxis});
   ctx.tp_index = static_cast<int>(std::find(ctx.tp_group.begin(), ctx.tp_group.end(), rank) -
                                   ctx.tp_group.begin());
+  if (L.split.cp > 1) {
+    // Context parallelism: the cp ring, and the gradients summed over dp and cp (the program's
+    // gradient buckets when every weighted operator is split along the sequence).
+    ctx.cp_group = group_along(mesh, rank, L.cp_axes);
+    ctx.cp_axes = join(L.cp_axes);
+    const int n = static_cast<int>(ctx.cp_group.size()), i = L.split.cp_index;
+    ctx.cp_next = ctx.cp_group[(i + 1) % n];
+    ctx.cp_prev = ctx.cp_group[(i + n - 1) % n];
+    std::vector<std::string> grad_axes;
+    for (const MeshAxis& a : mesh.axes) {
+      const bool cp_axis = std::find(L.cp_axes.begin(), L.cp_axes.end(), a.name) != L.cp_axes.end();
+      if (a.name == kDataParallelAxis || cp_axis) grad_axes.push_back(a.name);
+    }
+    ctx.dp_group = group_along(mesh, rank, grad_axes);
+    ctx.dp_axes = join(grad_axes);
+  }
   (void)tp_size;
   const std::vector<int> coords = mesh.coordinates(rank);
   const int dp = plan.data_parallel();
@@ -1173,6 +1345,14 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   const int M = plan.num_micro_batches();
   const int b = plan.micro_batch;
   const int64_t s = plan.model.seq_len, h = plan.model.hidden;
+  // The loss of a micro-batch is its tokens' mean (under context parallelism, of the rank's
+  // share of them): scaled so that the sum over replicas, micro-batches and cp ranks is the
+  // global batch's mean.
+  const double loss_scale = 1.0 / (M * dp * L.split.cp);
+  // The sequence positions of the rank's tokens (all of them without context parallelism).
+  const at::Tensor positions =
+      (L.split.cp > 1 ? cp_positions(s, L.split.cp, L.split.cp_index) : at::arange(s, at::kLong))
+          .to(device);
 
   // Per segment of the rank: the ranks its input comes from and its output goes to.
   std::map<int, std::pair<int, int>> peers;
@@ -1197,13 +1377,20 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     std::set<std::pair<int, int>> edge_set;
     for (const auto& [sg, pq] : peers) {
       for (int peer : {pq.first, pq.second}) {
-        if (peer < 0) continue;
+        if (peer < 0 || peer == rank) continue;
         edge_set.insert({rank, peer});
         edge_set.insert({peer, rank});
       }
     }
+    for (int peer : {ctx.cp_next, ctx.cp_prev}) {  // the context-parallel ring
+      if (peer < 0 || peer == rank) continue;
+      edge_set.insert({rank, peer});
+      edge_set.insert({peer, rank});
+    }
     const std::vector<std::pair<int, int>> edges(edge_set.begin(), edge_set.end());
-    auto made = NcclComms::create(comm, gpu_index, {ctx.tp_group, ctx.dp_group}, edges);
+    std::vector<std::vector<int>> groups = {ctx.tp_group, ctx.dp_group};
+    if (L.split.cp > 1) groups.push_back(ctx.cp_group);  // the keys' and values' all-gather
+    auto made = NcclComms::create(comm, gpu_index, groups, edges);
     if (!made) return made.error();
     nccl = std::move(*made);
     ctx.nccl = nccl.get();
@@ -1268,8 +1455,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   };
   // The master chunks all-gathered into the parameters the operators use.
   auto gather_unit = [&](ZeroUnit& u) {
-    const at::Tensor full =
-        ctx.all_gather(u.master, ctx.dp_group, kDataParallelAxis, "param gather");
+    const at::Tensor full = ctx.all_gather(u.master, ctx.dp_group, ctx.dp_axes, "param gather");
     at::NoGradGuard no_grad;
     int64_t offset = 0;
     for (Param* p : u.params) {
@@ -1280,13 +1466,21 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     }
   };
   // The unit's gradients so far reduce-scattered over dp into its chunk, then dropped.
+  // With split backwards, ZeRO-2's reduce after a BW may find no new gradient of a parameter
+  // whose gradient BI computes (a norm's, when no BI ran since the last reduce): zeros.
+  bool split_backward = false;
+  for (const Block& blk : L.order->blocks) {
+    split_backward = split_backward || blk.kind == BlockKind::kBackwardWeight;
+  }
   auto reduce_unit = [&](ZeroUnit& u, const std::string& label) {
     for (Param* p : u.params) {
-      if (!p->w.grad().defined()) throw Failure{fmt::format("no gradient reached {}", p->name)};
+      if (!p->w.grad().defined() && !split_backward) {
+        throw Failure{fmt::format("no gradient reached {}", p->name)};
+      }
     }
     const at::Tensor mine = ctx.reduce_scatter(
-        padded_flat(u.params, u.chunk * dpn, [](const Param& p) { return p.w.grad(); }),
-        ctx.dp_group, kDataParallelAxis, label);
+        padded_flat(u.params, u.chunk * dpn, [](const Param& p) { return grad_or_zeros(p); }),
+        ctx.dp_group, ctx.dp_axes, label);
     at::NoGradGuard no_grad;
     u.grad.add_(mine);
     for (Param* p : u.params) p->w.mutable_grad() = at::Tensor();
@@ -1334,6 +1528,21 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     for (Param& p : whole.params()) ref_grads[p.name] = grad_or_zeros(p);
   }
 
+  // ZeRO-2 reduces a segment's gradients after every block that computes weight gradients (B,
+  // or a split backward's BW), ZeRO-1 after the segment's last such block (the program's grad
+  // sync blocks, per segment); ZeRO-3 unit by unit inside the backward.
+  std::map<int, int> last_weights;  // segment -> the micro-batch of its last B or BW
+  for (const Block& blk : L.order->blocks) {
+    if (blk.kind == BlockKind::kBackward || blk.kind == BlockKind::kBackwardWeight) {
+      last_weights[blk.segment] = blk.micro_batch;
+    }
+  }
+  auto reduce_after = [&](int sg, int m) {
+    if (zero == 2 || (zero == 1 && m == last_weights.at(sg))) {
+      for (ZeroUnit& u : zunits_of.at(sg)) reduce_unit(u, grad_sync_label(sg));
+    }
+  };
+
   const double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, lr = 1e-4;
   for (int it = 0; it < opt.warmup + opt.iterations; ++it) {
     ok_or_throw(comm.barrier());
@@ -1348,23 +1557,28 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       const int64_t row = (static_cast<int64_t>(dp_index) * M + m) * b;
       Model& model = *models.at(sg);
       const auto [prev, next] = peers.at(sg);
-      const std::vector<int64_t> shape = {b, s / L.split.seq, h};
+      const std::vector<int64_t> shape = {b, s / L.split.seq / L.split.cp, h};
       // The tag of a transfer into segment `to`: its direction, the segment, the micro-batch.
       auto tag = [&](bool gradient, int to) { return (gradient ? 1 : 0) + 2 * (to + 1000 * m); };
       zero3_for(sg);
       MicroBatchTape& tape = tapes[{sg, m}];
       if (blk.kind == BlockKind::kRecompute) {
         model.recompute(ctx, tape);
+      } else if (blk.kind == BlockKind::kBackwardWeight) {
+        model.backward_weights(ctx, tape);
+        tapes.erase({sg, m});
+        reduce_after(sg, m);
       } else if (blk.kind == BlockKind::kForward) {
         at::Tensor x;
         if (!model.has_embedding()) {
           x = tagged ? ctx.recv_tagged(prev, shape, "activation", tag(false, sg))
                      : ctx.recv(prev, shape, "activation");
         }
-        at::Tensor y = model.forward(ctx, data.narrow(0, row, b).narrow(1, 0, s), x,
-                                     data.narrow(0, row, b).narrow(1, 1, s), tape);
+        const at::Tensor rows = data.narrow(0, row, b);
+        at::Tensor y = model.forward(ctx, rows.narrow(1, 0, s).index_select(1, positions), x,
+                                     rows.narrow(1, 1, s).index_select(1, positions), tape);
         if (model.has_head()) {
-          loss_sum.add_(tape.loss, 1.0 / (M * dp));
+          loss_sum.add_(tape.loss, loss_scale);
         } else if (tagged) {
           ctx.send_tagged(next, y, "activation", tag(false, L.neighbours.at(sg).second));
         } else {
@@ -1376,7 +1590,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
           dy = tagged ? ctx.recv_tagged(next, shape, "gradient", tag(true, sg))
                       : ctx.recv(next, shape, "gradient");
         }
-        at::Tensor dx = model.backward(ctx, tape, dy, 1.0 / (M * dp));
+        const bool input_only = blk.kind == BlockKind::kBackwardInput;
+        at::Tensor dx = model.backward(ctx, tape, dy, loss_scale, input_only);
         if (!model.has_embedding()) {
           if (tagged) {
             ctx.send_tagged(prev, dx, "gradient", tag(true, L.neighbours.at(sg).first));
@@ -1384,11 +1599,9 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
             ctx.send(prev, dx, "gradient");
           }
         }
-        tapes.erase({sg, m});
-        // ZeRO-2 reduces after every backward, ZeRO-1 after the last micro-batch's (the
-        // program's grad sync blocks, per segment); ZeRO-3 did unit by unit inside the backward.
-        if (zero == 2 || (zero == 1 && m == M - 1)) {
-          for (ZeroUnit& u : zunits_of.at(sg)) reduce_unit(u, grad_sync_label(sg));
+        if (!input_only) {
+          tapes.erase({sg, m});
+          reduce_after(sg, m);
         }
       }
     }
@@ -1398,8 +1611,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         if (p.w.grad().defined()) {
           throw Failure{
               fmt::format("iteration {}: a gradient of {} arrived after its ZeRO "
-                          "reduce-scatter (a backward after micro-batch {}'s)",
-                          it, p.name, M - 1)};
+                          "reduce-scatter",
+                          it, p.name)};
         }
       }
     }
@@ -1417,7 +1630,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       std::vector<at::Tensor> flat;
       for (Param* p : params) flat.push_back(grad_or_zeros(*p).reshape({-1}));
       at::Tensor all = at::cat(flat);
-      ctx.all_reduce(all, ctx.dp_group, kDataParallelAxis, "grad");
+      ctx.all_reduce(all, ctx.dp_group, ctx.dp_axes, "grad");
       at::NoGradGuard no_grad;
       int64_t offset = 0;
       for (Param* p : params) {
@@ -1472,7 +1685,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     }
     double loss = 0;
     if (has_head) {
-      ctx.all_reduce(loss_sum, ctx.dp_group, kDataParallelAxis, "loss");
+      ctx.all_reduce(loss_sum, ctx.dp_group, ctx.dp_axes, "loss");
       loss = loss_sum.item<double>();
     }
     if (it == 0 && opt.check) {

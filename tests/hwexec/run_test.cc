@@ -47,14 +47,16 @@ const std::string kTopo1 = std::string(NNSIM_TEST_DATA) + "/tiny-node1.yaml";
 // `nnsim plan` for the tiny model on nodes of two ranks.
 RunResult make_plan(const TempDir& dir, int tp, int pp, int dp, const std::string& schedule,
                     int global_batch, std::vector<std::string> extra = {},
-                    const std::string& model = kModel, const std::string& precision = "fp32") {
+                    const std::string& model = kModel, const std::string& precision = "fp32",
+                    int cp = 1) {
+  const int n = tp * pp * dp * cp;
   std::vector<std::string> args = {"plan",
                                    "--model",
                                    model,
                                    "--topo",
-                                   tp * pp * dp == 1 ? kTopo1 : kTopo,
+                                   n == 1 ? kTopo1 : kTopo,
                                    "--nodes",
-                                   std::to_string(tp * pp * dp / 2 > 0 ? tp * pp * dp / 2 : 1),
+                                   std::to_string(n / 2 > 0 ? n / 2 : 1),
                                    "--tp",
                                    std::to_string(tp),
                                    "--pp",
@@ -71,6 +73,7 @@ RunResult make_plan(const TempDir& dir, int tp, int pp, int dp, const std::strin
                                    schedule,
                                    "-o",
                                    "plan.json"};
+  if (cp > 1) args.insert(args.end(), {"--cp", std::to_string(cp)});
   args.insert(args.end(), extra.begin(), extra.end());
   return run(dir, NNSIM_BINARY, args);
 }
@@ -220,6 +223,7 @@ struct Case {
   const std::string* model = &kModel;
   const char* precision = "fp32";
   std::vector<std::string> plan_flags = {};  // more `nnsim plan` options
+  int cp = 1;                                // context-parallel degree
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
@@ -247,9 +251,9 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   const Case c = GetParam();
   TempDir dir;
   RunResult p = make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, c.plan_flags, *c.model,
-                          c.precision);
+                          c.precision, c.cp);
   ASSERT_EQ(p.status, 0) << p;
-  const int n = c.tp * c.pp * c.dp;
+  const int n = c.tp * c.pp * c.dp * c.cp;
   RunResult r = run(dir, NNEXEC_BINARY,
                     {"run", "--plan", "plan.json", "--launch", std::to_string(n), "--out", "run.h5",
                      "--iterations", "2", "--warmup", "1", "--check"});
@@ -260,7 +264,7 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   ASSERT_TRUE(file.ok()) << file.error().message();
   EXPECT_EQ(file->dtype, c.precision);
   EXPECT_TRUE(file->check_passed());
-  if (c.tp == 1 && c.dp == 1) {
+  if (c.tp == 1 && c.dp == 1 && c.cp == 1) {
     // Without replicas, the ranks' parameters are the model's as the simulator counts them
     // (the operator graph's shapes: GQA's narrower qkv, SwiGLU's two fc1 branches, no biases,
     // no position table with rope).
@@ -286,11 +290,13 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
     EXPECT_LT(worst, 1e-4);
   }
   std::printf("%s: worst relative gradient error %.3g\n", c.name, worst);
-  if (c.plan_flags.empty()) return;
+  const bool split_backward = std::string(c.schedule).rfind("zb-", 0) == 0;
+  if (c.plan_flags.empty() && c.cp == 1 && !split_backward) return;
 
-  // ZeRO, sequence parallelism, recomputation and interleaved pipelines: the run's all-gathers,
-  // reduce-scatters and pipeline transfers (per kind and axes) and its recomputed operators are
-  // the compiled program's, call for call.
+  // ZeRO, sequence and context parallelism, recomputation, interleaved pipelines and split
+  // backwards: the run's all-gathers, reduce-scatters and pipeline transfers (per kind and
+  // axes) and its recomputed operators and split backwards' halves are the compiled
+  // program's, call for call.
   RunResult cmp = run(dir, NNSIM_BINARY,
                       {"compare", "run.h5", "--topo", n == 1 ? kTopo1 : kTopo, "--nodes",
                        std::to_string(n / 2 > 0 ? n / 2 : 1), "--json", "c.json"});
@@ -307,14 +313,21 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
         << kind << " " << t["axes"] << "\n"
         << t.dump(1);
   }
+  int halves = 0;
   for (const nlohmann::json& o : j["operators"]) {
-    if (o["phase"] != "recompute") continue;
+    const std::string phase = o["phase"];
+    if (phase == "bwd_input" || phase == "bwd_weight") ++halves;
+    if (phase != "recompute" && phase != "bwd_input" && phase != "bwd_weight") continue;
     ++checked;
     EXPECT_DOUBLE_EQ(o["measured_calls"].get<double>(), o["simulated_calls"].get<double>())
         << o["name"] << "\n"
         << o.dump(1);
   }
   EXPECT_GT(checked, 0) << "no all-gather, reduce-scatter or recomputation in " << c.name;
+  // A zero-bubble schedule's BI and BW blocks are timed as phases of their own.
+  if (split_backward) {
+    EXPECT_GT(halves, 0) << "no bwd_input or bwd_weight operators";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -363,7 +376,41 @@ INSTANTIATE_TEST_SUITE_P(
         interleaved("interleaved_pp2", 1, 2, 1, 4),
         interleaved("interleaved_zero3_pp2_dp2", 1, 2, 2, 8, {"--zero", "3"}),
         interleaved("llama_interleaved_tp2_sp_pp2", 2, 2, 1, 4,
-                    {"--sequence-parallel", "--recompute", "selective"}, &kLlama)),
+                    {"--sequence-parallel", "--recompute", "selective"}, &kLlama),
+        // Zero-bubble split backwards (BI, BW blocks).
+        Case{"zb_h1_pp2", 1, 2, 1, "zb-h1", 4},
+        Case{"zb_v_pp2", 1, 2, 1, "zb-v", 4, &kModel, "fp32", {"--vpp", "2"}},
+        Case{"zb_h1_llama_tp2_sp_pp2",
+             2,
+             2,
+             1,
+             "zb-h1",
+             4,
+             &kLlama,
+             "fp32",
+             {"--sequence-parallel", "--recompute", "selective"}},
+        Case{"zb_h1_zero1_pp2_dp2", 1, 2, 2, "zb-h1", 8, &kModel, "fp32", {"--zero", "1"}},
+        Case{"zb_h2_zero2_pp2_dp2", 1, 2, 2, "zb-h2", 8, &kModel, "fp32", {"--zero", "2"}},
+        Case{"zb_h1_cp2_pp2", 1, 2, 1, "zb-h1", 4, &kModel, "fp32", {}, 2},
+        // Context parallelism (the sequence over cp: the keys and values all-gathered, the
+        // backward's ring recorded as the program's all-gather).
+        Case{"cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {}, 2},
+        Case{"cp2_tp2", 2, 1, 1, "1f1b", 2, &kModel, "fp32", {}, 2},
+        Case{"cp2_dp2", 1, 1, 2, "1f1b", 4, &kModel, "fp32", {}, 2},
+        Case{"llama_cp2_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "fp32", {}, 2},
+        Case{"cp2_pp2_recompute",
+             1,
+             2,
+             1,
+             "1f1b",
+             4,
+             &kModel,
+             "fp32",
+             {"--recompute", "selective"},
+             2},
+        Case{"zero1_cp2_dp2", 1, 1, 2, "1f1b", 4, &kModel, "fp32", {"--zero", "1"}, 2},
+        Case{"zero3_cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {"--zero", "3"}, 2},
+        Case{"bf16_llama_cp2_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16", {}, 2}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
@@ -406,12 +453,17 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
         << r;
     EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
   };
-  // Context parallelism: the sequence split of every operator.
-  ASSERT_EQ(
-      plan({"--tp", "1", "--pp", "1", "--cp", "2", "--dp", "1", "--precision", "fp32"}).status, 0);
+  // Context parallelism with sequence parallelism.
+  ASSERT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {"--sequence-parallel"}, kModel, "fp32", 2).status,
+            0);
   refused(
-      {"cannot run this plan: partition: operator 'embed.word' is split along 'seq' over cp "
-       "(context parallelism)"});
+      {"cannot run this plan: partition: sequence parallelism together with context "
+       "parallelism over cp is not supported yet"});
+  // ZeRO-3 with zero-bubble split backwards.
+  ASSERT_EQ(make_plan(dir, 1, 2, 2, "zb-h1", 4, {"--zero", "3"}).status, 0);
+  refused(
+      {"optimizer.zero: ZeRO stage 3 with zero-bubble split backwards (BI/BW blocks) is not "
+       "supported yet"});
   // ZeRO-3 in bf16.
   ASSERT_EQ(
       plan({"--tp", "1", "--pp", "1", "--dp", "2", "--zero", "3", "--precision", "bf16"}).status,
@@ -482,10 +534,24 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   EXPECT_TRUE(contains(s.error().message(), "model.kv_heads: 3 key/value heads do not divide 4"))
       << s.error().message();
   p = *base;
-  p.schedule[0].blocks[1].kind = BlockKind::kBackwardInput;
+  // A split backward's BW needs its BI first, and a B is not split.
+  p.schedule[0].blocks.insert(p.schedule[0].blocks.begin(),
+                              Block{BlockKind::kBackwardWeight, 0, 0});
   s = check_runnable(p);
   ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(contains(s.error().message(), "schedule.orders[0].blocks: block 'BI0@0'"))
+  EXPECT_TRUE(contains(s.error().message(),
+                       "schedule.orders[0].blocks: block 'BW0@0' comes "
+                       "before the BI block of its micro-batch"))
+      << s.error().message();
+  p = *base;
+  for (Block& b : p.schedule[0].blocks) {
+    if (b.kind == BlockKind::kBackward && b.micro_batch == 0) b.kind = BlockKind::kBackwardInput;
+  }
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(),
+                       "schedule.orders[0].blocks: the backward (one B, or one BI and one BW) "
+                       "of micro-batch 0 through segment 0 appears 1 times"))
       << s.error().message();
   // MQA without tensor parallelism runs.
   Expected<Plan> one = [] {
@@ -594,11 +660,11 @@ class NnexecRunGpu : public ::testing::TestWithParam<Case> {};
 
 TEST_P(NnexecRunGpu, MatchesTheUnpartitionedLossAndGradients) {
   const Case c = GetParam();
-  const int n = c.tp * c.pp * c.dp;
+  const int n = c.tp * c.pp * c.dp * c.cp;
   if (auto why = gpu_unavailable(n)) GTEST_SKIP() << *why;
   TempDir dir;
   ASSERT_EQ(make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, c.plan_flags, *c.model,
-                      c.precision)
+                      c.precision, c.cp)
                 .status,
             0);
   RunResult r = run(dir, NNEXEC_BINARY,
@@ -639,7 +705,10 @@ INSTANTIATE_TEST_SUITE_P(
                       with("zero3_dp2", 1, 1, 2, 4, {"--zero", "3"}),
                       with("sp_recompute_full_tp2", 2, 1, 1, 2,
                            {"--sequence-parallel", "--recompute", "full"}),
-                      with("tp2_sp_pp2", 2, 2, 1, 4, {"--sequence-parallel"})),
+                      with("tp2_sp_pp2", 2, 2, 1, 4, {"--sequence-parallel"}),
+                      // NCCL point-to-point inside a stage's order and the cp ring.
+                      Case{"zb_h1_pp2", 1, 2, 1, "zb-h1", 4},
+                      Case{"cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {}, 2}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

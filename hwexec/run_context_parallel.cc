@@ -1,0 +1,113 @@
+// Context-parallel causal attention (run_context_parallel.h).
+#include "hwexec/run_context_parallel.h"
+
+#include <cmath>
+#include <limits>
+
+namespace nnsim::hwexec {
+
+namespace {
+
+// Key/value heads [b, kv_heads, n, d] repeated for their groups of query heads [b, heads, n, d]
+// (head h of the queries uses key/value head h / group, as run_torch.cc lays attn.qkv out).
+at::Tensor expand_heads(const at::Tensor& x, int64_t heads) {
+  const int64_t b = x.size(0), kh = x.size(1), n = x.size(2), d = x.size(3), g = heads / kh;
+  if (g == 1) return x;
+  return x.unsqueeze(2).expand({b, kh, g, n, d}).reshape({b, heads, n, d});
+}
+
+// The gradient of expand_heads: each key/value head's group summed.
+at::Tensor sum_groups(const at::Tensor& x, int64_t kv_heads) {
+  const int64_t b = x.size(0), heads = x.size(1), n = x.size(2), d = x.size(3);
+  if (heads == kv_heads) return x;
+  return x.view({b, kv_heads, heads / kv_heads, n, d}).sum(2);
+}
+
+// True where query position i may not see key position j (j after i): [sl, n].
+at::Tensor future(const at::Tensor& q_pos, const at::Tensor& k_pos) {
+  return q_pos.unsqueeze(1) < k_pos.unsqueeze(0);
+}
+
+}  // namespace
+
+at::Tensor cp_positions(int64_t seq, int ways, int index) {
+  const int64_t c = seq / (2 * ways);
+  return at::cat({at::arange(index * c, (index + 1) * c, at::kLong),
+                  at::arange((2 * ways - 1 - index) * c, (2 * ways - index) * c, at::kLong)});
+}
+
+at::Tensor cp_attention_forward(const at::Tensor& q, const at::Tensor& kv_all, int index,
+                                int64_t seq, CpAttentionSaved* s) {
+  s->index = index;
+  s->seq = seq;
+  const int64_t ways = kv_all.size(0), b = kv_all.size(2), kh = kv_all.size(3), sl = kv_all.size(4),
+                d = kv_all.size(5), heads = q.size(1);
+  const auto dev = q.device();
+  // Every rank's keys and values side by side along the sequence, with their positions.
+  auto side_by_side = [&](int which) {
+    return kv_all.select(1, which).permute({1, 2, 0, 3, 4}).reshape({b, kh, ways * sl, d});
+  };
+  const at::Tensor k = expand_heads(side_by_side(0).to(at::kFloat), heads);
+  const at::Tensor v = expand_heads(side_by_side(1).to(at::kFloat), heads);
+  std::vector<at::Tensor> pos;
+  for (int64_t j = 0; j < ways; ++j) {
+    pos.push_back(cp_positions(s->seq, static_cast<int>(ways), static_cast<int>(j)));
+  }
+  const at::Tensor k_pos = at::cat(pos).to(dev), q_pos = pos[s->index].to(dev);
+  const at::Tensor qf = q.to(at::kFloat);
+  const at::Tensor scores =
+      (at::matmul(qf, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d)))
+          .masked_fill(future(q_pos, k_pos), -std::numeric_limits<float>::infinity());
+  s->lse = at::logsumexp(scores, -1);
+  s->out = at::matmul(at::exp(scores - s->lse.unsqueeze(-1)), v);
+  s->q = qf;
+  // Copies: a view would keep every rank's keys and values alive until the backward.
+  s->k = kv_all.select(0, s->index).select(0, 0).clone();
+  s->v = kv_all.select(0, s->index).select(0, 1).clone();
+  s->ways = static_cast<int>(ways);
+  return s->out;
+}
+
+std::array<at::Tensor, 3> cp_attention_backward(const CpAttentionSaved& s, const at::Tensor& dout,
+                                                const RingStep& step) {
+  const int f = s.ways;
+  const int64_t heads = s.q.size(1), kh = s.k.size(1), d = s.q.size(3);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const auto dev = s.q.device();
+  const at::ScalarType wire = s.k.scalar_type();  // what travels: the compute dtype
+  const at::Tensor q_pos = cp_positions(s.seq, f, s.index).to(dev);
+  const at::Tensor dO = dout.to(at::kFloat);
+  // D_i = sum_d dO_i O_i: softmax's backward term of each query.
+  const at::Tensor D = (dO * s.out).sum(-1, /*keepdim=*/true);
+  at::Tensor dq = at::zeros_like(s.q);
+  // The chunk held: rank j's keys and values and the gradients collected for them so far.
+  at::Tensor k = s.k.to(at::kFloat), v = s.v.to(at::kFloat);
+  at::Tensor dk = at::zeros_like(k), dv = at::zeros_like(v);
+  for (int i = 0; i < f; ++i) {
+    const int j = ((s.index - i) % f + f) % f;
+    const at::Tensor ke = expand_heads(k, heads), ve = expand_heads(v, heads);
+    const at::Tensor k_pos = cp_positions(s.seq, f, j).to(dev);
+    // The probabilities of this rank's queries over chunk j (0 where masked).
+    const at::Tensor p =
+        at::exp((at::matmul(s.q, ke.transpose(-2, -1)) * scale)
+                    .masked_fill(future(q_pos, k_pos), -std::numeric_limits<float>::infinity()) -
+                s.lse.unsqueeze(-1));
+    dv += sum_groups(at::matmul(p.transpose(-2, -1), dO), kh);
+    const at::Tensor ds = p * (at::matmul(dO, ve.transpose(-2, -1)) - D);
+    dq += at::matmul(ds, ke) * scale;
+    dk += sum_groups(at::matmul(ds.transpose(-2, -1), s.q), kh) * scale;
+    if (i + 1 < f) {
+      // Pass the chunk on; take the previous rank's (chunk j - 1).
+      const at::Tensor got = step(at::stack({k, v, dk, dv}).to(wire)).to(at::kFloat);
+      k = got[0];
+      v = got[1];
+      dk = got[2];
+      dv = got[3];
+    }
+  }
+  // Every rank has added to the chunk held now (rank index + 1's): its owner is next.
+  const at::Tensor mine = step(at::stack({dk, dv}).to(wire)).to(at::kFloat);
+  return {dq, mine[0], mine[1]};
+}
+
+}  // namespace nnsim::hwexec
