@@ -596,7 +596,7 @@ class Model {
                 : my_seq(tape.word.out.detach());
       } else {
         e = tape.word.out.detach().clone();
-        if (split_.embed_vocab > 1) c.tp_all_reduce(e, "embed.word");
+        if (split_.embed_vocab > 1) c.tp_all_reduce(e, pos_ ? "embed.position" : "attn.norm");
       }
       if (pos_) {
         const int64_t sl = e.size(1), first = split_.seq > 1 ? t_ * sl : 0;
@@ -874,7 +874,7 @@ class Model {
         y = scatter_seq(c, t.proj.out.detach(), "attn.residual");
       } else {
         y = t.proj.out.detach().clone();
-        if (split_.heads > 1) c.tp_all_reduce(y, "attn.proj");
+        if (split_.heads > 1) c.tp_all_reduce(y, "attn.residual");
       }
       t.res1 = fwd(st, "attn.residual", phase, {leaf(y), leaf(in_x)},
                    [&](const std::vector<at::Tensor>& in) {
@@ -912,7 +912,7 @@ class Model {
         y2 = scatter_seq(c, t.fc2.out.detach(), "mlp.residual");
       } else {
         y2 = t.fc2.out.detach().clone();
-        if (split_.ffn > 1) c.tp_all_reduce(y2, "mlp.fc2");
+        if (split_.ffn > 1) c.tp_all_reduce(y2, "mlp.residual");
       }
       t.res2 = fwd(st, "mlp.residual", phase, {leaf(y2), leaf(t.res1.out)},
                    [&](const std::vector<at::Tensor>& in) {
@@ -1334,6 +1334,27 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     for (Param& p : whole.params()) ref_grads[p.name] = grad_or_zeros(p);
   }
 
+  // Pipeline transfers of a tensor replicated over tp go as this rank's 1/tp slice, all-gathered
+  // on arrival (Megatron's scatter-gather; the program's comm.pp_scatter_gather).
+  const int64_t tpn = static_cast<int64_t>(ctx.tp_group.size());
+  const bool sliced_transfers =
+      plan.comm.pp_scatter_gather && tpn > 1 && L.split.seq == 1 && (b * s * h) % tpn == 0;
+  auto pp_send = [&](int peer, const at::Tensor& t, const char* label, int64_t tag) {
+    const at::Tensor x =
+        sliced_transfers ? t.reshape({-1}).chunk(tpn)[ctx.tp_index].contiguous() : t;
+    if (tagged) {
+      ctx.send_tagged(peer, x, label, tag);
+    } else {
+      ctx.send(peer, x, label);
+    }
+  };
+  auto pp_recv = [&](int peer, const std::vector<int64_t>& shape, const char* label, int64_t tag) {
+    std::vector<int64_t> piece = shape;
+    if (sliced_transfers) piece = {b * s * h / tpn};
+    at::Tensor x = tagged ? ctx.recv_tagged(peer, piece, label, tag) : ctx.recv(peer, piece, label);
+    if (!sliced_transfers) return x;
+    return ctx.all_gather(x, ctx.tp_group, ctx.tp_axes, label).view(shape);
+  };
   const double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, lr = 1e-4;
   for (int it = 0; it < opt.warmup + opt.iterations; ++it) {
     ok_or_throw(comm.barrier());
@@ -1358,31 +1379,23 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       } else if (blk.kind == BlockKind::kForward) {
         at::Tensor x;
         if (!model.has_embedding()) {
-          x = tagged ? ctx.recv_tagged(prev, shape, "activation", tag(false, sg))
-                     : ctx.recv(prev, shape, "activation");
+          x = pp_recv(prev, shape, "activation", tag(false, sg));
         }
         at::Tensor y = model.forward(ctx, data.narrow(0, row, b).narrow(1, 0, s), x,
                                      data.narrow(0, row, b).narrow(1, 1, s), tape);
         if (model.has_head()) {
           loss_sum.add_(tape.loss, 1.0 / (M * dp));
-        } else if (tagged) {
-          ctx.send_tagged(next, y, "activation", tag(false, L.neighbours.at(sg).second));
         } else {
-          ctx.send(next, y, "activation");
+          pp_send(next, y, "activation", tagged ? tag(false, L.neighbours.at(sg).second) : 0);
         }
       } else {
         at::Tensor dy;
         if (!model.has_head()) {
-          dy = tagged ? ctx.recv_tagged(next, shape, "gradient", tag(true, sg))
-                      : ctx.recv(next, shape, "gradient");
+          dy = pp_recv(next, shape, "gradient", tag(true, sg));
         }
         at::Tensor dx = model.backward(ctx, tape, dy, 1.0 / (M * dp));
         if (!model.has_embedding()) {
-          if (tagged) {
-            ctx.send_tagged(prev, dx, "gradient", tag(true, L.neighbours.at(sg).first));
-          } else {
-            ctx.send(prev, dx, "gradient");
-          }
+          pp_send(prev, dx, "gradient", tagged ? tag(true, L.neighbours.at(sg).first) : 0);
         }
         tapes.erase({sg, m});
         // ZeRO-2 reduces after every backward, ZeRO-1 after the last micro-batch's (the
@@ -1412,15 +1425,18 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         throw Failure{fmt::format("iteration {}: no gradient reached {}", it, p.name)};
       }
     }
-    // Data parallel without ZeRO: one all-reduce of every gradient, flattened.
-    if (zero == 0) {
+    // Data parallel without ZeRO: one all-reduce of each segment's gradients, flattened.
+    for (const auto& [sg, model] : models) {
+      if (zero != 0) break;
+      std::vector<Param*> mine;
+      for (Param& p : model->params()) mine.push_back(&p);
       std::vector<at::Tensor> flat;
-      for (Param* p : params) flat.push_back(grad_or_zeros(*p).reshape({-1}));
+      for (Param* p : mine) flat.push_back(grad_or_zeros(*p).reshape({-1}));
       at::Tensor all = at::cat(flat);
-      ctx.all_reduce(all, ctx.dp_group, kDataParallelAxis, "grad");
+      ctx.all_reduce(all, ctx.dp_group, kDataParallelAxis, grad_sync_label(sg));
       at::NoGradGuard no_grad;
       int64_t offset = 0;
-      for (Param* p : params) {
+      for (Param* p : mine) {
         const int64_t n = p->w.numel();
         p->w.mutable_grad() = all.narrow(0, offset, n).view(p->w.sizes()).clone();
         offset += n;
