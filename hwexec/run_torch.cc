@@ -1267,9 +1267,12 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
                : std::string("grad sync");
   };
   // The master chunks all-gathered into the parameters the operators use.
+  // In bf16 plans the gather carries the bf16 weights the operators compute with (Megatron's
+  // distributed optimizer gathers the 16-bit model parameters; the program's bytes): the fp32
+  // master values stay in the chunks, and the operators' bf16 copies come out the same.
   auto gather_unit = [&](ZeroUnit& u) {
-    const at::Tensor full =
-        ctx.all_gather(u.master, ctx.dp_group, kDataParallelAxis, "param gather");
+    const at::Tensor full = ctx.all_gather(dtype == at::kBFloat16 ? u.master.to(dtype) : u.master,
+                                           ctx.dp_group, kDataParallelAxis, "param gather");
     at::NoGradGuard no_grad;
     int64_t offset = 0;
     for (Param* p : u.params) {
