@@ -203,48 +203,6 @@ Status Compiler::check_basics() {
   return Status::Ok();
 }
 
-// An operator split along a dimension it sums over (a row-parallel linear) leaves a partial sum;
-// a weight that does not span that dimension (the bias) is added once the sum is reduced. Where
-// the reduced output is split along a dimension the bias does not span (sequence parallelism's
-// reduce-scatter), each rank adds it to its slice only, so its gradient is a partial sum over that
-// axis (Megatron all-reduces these biases' gradients over tp with the norms'). Returns those axes
-// and adds the bias's local parameters to `*params`.
-uint32_t late_bias_sync(const GraphPart& part, const std::vector<OpPartition>& parts, size_t i,
-                        const Mesh& mesh, double* params) {
-  const Op& op = part.ops[i];
-  const TensorLayout out = output_layout(op, parts[i]);
-  // The first operator reading the output decides the layout it is reduced into.
-  int consumer = -1;
-  for (size_t j = i + 1; j < part.ops.size() && consumer < 0; ++j) {
-    for (const TensorRef& r : part.ops[j].inputs) {
-      if (r.op == static_cast<int>(i) && r.slot == 0) consumer = static_cast<int>(j);
-    }
-  }
-  if (consumer < 0) return 0;
-  const TensorLayout want = input_layout(part.ops[consumer], parts[consumer], op.output.dims);
-  uint32_t axes = 0;
-  double local = 0;
-  for (size_t a = 0; a < mesh.axes.size(); ++a) {
-    if (out[a].kind != AxisLayoutKind::kPartial || want[a].kind != AxisLayoutKind::kSplit ||
-        mesh.axes[a].size == 1) {
-      continue;
-    }
-    const Dim summed = parts[i].dim_on(static_cast<int>(a));
-    double n = 0;
-    for (const auto& w : op.weights) {
-      if (!w.dims.contains(summed) && !w.dims.contains(want[a].dim)) {
-        n += w.elements / parts[i].factor(w.dims, mesh);
-      }
-    }
-    if (n > 0) {
-      axes |= 1u << a;
-      local = n;
-    }
-  }
-  *params += local;
-  return axes;
-}
-
 Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
   info.part = &part;
   Expected<std::vector<OpPartition>> parts = resolve_partitions(part, plan);
