@@ -185,4 +185,40 @@ Expected<std::vector<OpPartition>> resolve_partitions(const GraphPart& part, con
   return out;
 }
 
+uint32_t late_bias_sync(const GraphPart& part, const std::vector<OpPartition>& parts, size_t i,
+                        const Mesh& mesh, double* params) {
+  const Op& op = part.ops[i];
+  const TensorLayout out = output_layout(op, parts[i]);
+  // The first operator reading the output decides the layout it is reduced into.
+  int consumer = -1;
+  for (size_t j = i + 1; j < part.ops.size() && consumer < 0; ++j) {
+    for (const TensorRef& r : part.ops[j].inputs) {
+      if (r.op == static_cast<int>(i) && r.slot == 0) consumer = static_cast<int>(j);
+    }
+  }
+  if (consumer < 0) return 0;
+  const TensorLayout want = input_layout(part.ops[consumer], parts[consumer], op.output.dims);
+  uint32_t axes = 0;
+  double local = 0;
+  for (size_t a = 0; a < mesh.axes.size(); ++a) {
+    if (out[a].kind != AxisLayoutKind::kPartial || want[a].kind != AxisLayoutKind::kSplit ||
+        mesh.axes[a].size == 1) {
+      continue;
+    }
+    const Dim summed = parts[i].dim_on(static_cast<int>(a));
+    double n = 0;
+    for (const auto& w : op.weights) {
+      if (!w.dims.contains(summed) && !w.dims.contains(want[a].dim)) {
+        n += w.elements / parts[i].factor(w.dims, mesh);
+      }
+    }
+    if (n > 0) {
+      axes |= 1u << a;
+      local = n;
+    }
+  }
+  *params += local;
+  return axes;
+}
+
 }  // namespace nnsim

@@ -80,4 +80,14 @@ std::vector<Conversion> conversions(const TensorSpec& t, TensorLayout have,
 // divide the dimension, or when one axis would split two dimensions of one operator.
 Expected<std::vector<OpPartition>> resolve_partitions(const GraphPart& part, const Plan& plan);
 
+// An operator split along a dimension it sums over (a row-parallel linear) leaves a partial sum;
+// a weight that does not span that dimension (the bias) is added once the sum is reduced. Where
+// the reduced output is split along a dimension the bias does not span (sequence parallelism's
+// reduce-scatter), each rank adds it to its slice only, so its gradient is a partial sum over that
+// axis (Megatron all-reduces these biases' gradients over tp with the norms'). Returns those axes
+// of operator `i` of `part` (the first operator reading its output decides the layout it is
+// reduced into) and adds the bias's local parameters to `*params`.
+uint32_t late_bias_sync(const GraphPart& part, const std::vector<OpPartition>& parts, size_t i,
+                        const Mesh& mesh, double* params);
+
 }  // namespace nnsim

@@ -66,6 +66,8 @@ constexpr int kNcclChannels = 8;
 // CUDA context, cuBLAS workspaces and allocator slack outside the tensors (assumption,
 // docs/cost-model.md; calibrated by hwexec measurements).
 constexpr double kRuntimeBytes = 512.0 * 1024 * 1024;
+// The loss summed over the replicas each iteration: one fp32 scalar.
+constexpr double kLossBytes = 4;
 
 // Tag of a ZeRO-1/2 parameter-gather bucket (disjoint from ZeRO-3's per-unit tags).
 int gather_tag(int segment, int bucket) {
@@ -82,6 +84,10 @@ struct PartInfo {
   std::vector<double> local_params;    // parameters of each op's piece
   std::vector<double> weight_tensors;  // local size of every weight tensor, in op order
   std::vector<uint32_t> sync_axes;     // axes (besides dp) each op's weight gradients sum over
+  // Biases added after a partial sum is reduce-scattered (sequence parallelism's row-parallel
+  // biases): the axes their gradients sum over and their local parameters.
+  std::vector<uint32_t> bias_sync_axes;
+  std::vector<double> bias_sync_params;
   std::vector<int> labels;
 };
 
@@ -278,6 +284,9 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
       info.weight_tensors.push_back(w.elements / p.factor(w.dims, mesh));
     }
     info.sync_axes.push_back(sync);
+    double bias_params = 0;
+    info.bias_sync_axes.push_back(late_bias_sync(part, info.partitions, i, mesh, &bias_params));
+    info.bias_sync_params.push_back(bias_params);
     info.labels.push_back(label(op.name));
   }
   return Status::Ok();
@@ -720,7 +729,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     r.gradient = gradient;
     r.recycle = recycled;
     r.bytes = transfer_bytes(layout, &gather);
-    r.label = label(gradient ? "recv gradient" : recycled ? "recv recycled" : "recv activation");
+    r.label = label(gradient ? "gradient" : recycled ? "recycled" : "activation");
     steps->push_back(r);
     for (size_t a = 0; a < mesh.axes.size(); ++a) {
       if (!(gather & (1u << a))) continue;
@@ -743,7 +752,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     x.gradient = gradient;
     x.recycle = recycled;
     x.bytes = transfer_bytes(layout, &gather);
-    x.label = label(gradient ? "send gradient" : recycled ? "send recycled" : "send activation");
+    x.label = label(gradient ? "gradient" : recycled ? "recycled" : "activation");
     steps->push_back(x);
   };
   auto memory = [&](double bytes) {
@@ -1412,6 +1421,20 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
         lane.epilogue.push_back(l);
       }
     }
+    // The head's ranks sum the micro-batches' losses over the replicas to report the global
+    // batch's loss: one fp32 scalar, latency-bound (Megatron averages it the same way). On the
+    // data-parallel stream, after the gradients, so it shares their links instead of contending.
+    bool holds_head = false;
+    for (int s : segs) holds_head = holds_head || plan.segments[s].head;
+    if (holds_head && prog.replicas > 1) {
+      Step l;
+      l.kind = StepKind::kDpLaunch;
+      l.collective = CollectiveKind::kAllReduce;
+      l.axes = c.bucket_axes;
+      l.bytes = kLossBytes;
+      l.label = c.label("loss");
+      lane.epilogue.push_back(l);
+    }
     Step wait;
     wait.kind = StepKind::kDpWait;
     wait.label = c.label("grad sync wait");
@@ -1426,6 +1449,11 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
           if (rest && p.local_params[i] > 0) {
             extra_sync[rest] += times * p.local_params[i] * grad_bytes;
           }
+          // Biases summed over axes the whole operator's weights are not.
+          const uint32_t bias = p.bias_sync_axes[i] & ~c.bucket_axes & ~rest;
+          if (bias && p.bias_sync_params[i] > 0) {
+            extra_sync[bias] += times * p.bias_sync_params[i] * grad_bytes;
+          }
         }
       };
       add(c.layer, seg.end_layer - seg.first_layer);
@@ -1437,7 +1465,9 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
       a.kind = StepKind::kCollective;
       a.collective = CollectiveKind::kAllReduce;
       a.axes = axes;
-      a.bytes = bytes;
+      // With ZeRO each rank needs the sum only for the shard its optimizer updates (the same
+      // offsets on every rank of the group), which is what it sums.
+      a.bytes = zero >= 1 ? bytes / c.shard_degree() : bytes;
       a.label = c.label("norm grad sync");
       lane.epilogue.push_back(a);
     }

@@ -88,6 +88,17 @@ struct SimulatedRank {
   std::map<std::pair<std::string, std::string>, std::pair<double, double>> ops;  // calls, seconds
   // (kind, axes) -> calls, bytes, seconds
   std::map<std::pair<std::string, std::string>, std::array<double, 3>> traffic;
+  // (kind, axes, label) -> calls, bytes, seconds
+  std::map<std::tuple<std::string, std::string, std::string>, std::array<double, 3>> colls;
+
+  void add(const std::string& kind, const std::string& axes, const std::string& label, double bytes,
+           double seconds) {
+    for (std::array<double, 3>* v : {&traffic[{kind, axes}], &colls[{kind, axes, label}]}) {
+      (*v)[0] += 1;
+      (*v)[1] += bytes;
+      (*v)[2] += seconds;
+    }
+  }
 };
 
 class Pricer {
@@ -174,11 +185,8 @@ SimulatedRank simulate_rank(const Program& prog, int rank, Pricer& pricer,
           } else {
             t = pricer.collective(s.collective, rank, s.axes, s.bytes);
           }
-          auto& v = out.traffic[{collective_name(s.collective),
-                                 s.group >= 0 ? "explicit" : prog.axes_name(s.axes)}];
-          v[0] += 1;
-          v[1] += s.bytes;
-          v[2] += t;
+          out.add(collective_name(s.collective), s.group >= 0 ? "explicit" : prog.axes_name(s.axes),
+                  label, s.bytes, t);
           break;
         }
         case StepKind::kSend:
@@ -187,10 +195,7 @@ SimulatedRank simulate_rank(const Program& prog, int rank, Pricer& pricer,
               s.peer_lane >= 0 ? s.peer_lane : prog.lanes_of_segment[s.peer_segment].front();
           const double t =
               pricer.transfer(lane->gpus.front(), prog.lanes[peer_lane].gpus.front(), s.bytes);
-          auto& v = out.traffic[{s.kind == StepKind::kSend ? "send" : "recv", pp_axes}];
-          v[0] += 1;
-          v[1] += s.bytes;
-          v[2] += t;
+          out.add(s.kind == StepKind::kSend ? "send" : "recv", pp_axes, label, s.bytes, t);
           break;
         }
         default:
@@ -275,6 +280,10 @@ double KindRow::error() const {
 }
 double CollectiveRow::error() const {
   return relative(simulated, measured);
+}
+double CollectiveRow::bytes_per_call() const {
+  if (measured_calls > 0) return measured_bytes / measured_calls;
+  return simulated_calls > 0 ? simulated_bytes / simulated_calls : 0;
 }
 double TrafficRow::error() const {
   return relative(simulated, measured);
@@ -379,7 +388,11 @@ Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const 
   };
   std::map<std::pair<std::string, std::string>, Acc> ops;
   std::map<std::pair<std::string, std::string>, std::array<double, 6>> traffic;
-  std::map<std::tuple<std::string, std::string, std::string, double>, Acc> colls;
+  struct CollAcc {
+    int ranks = 0;
+    double mc = 0, sc = 0, mb = 0, sb = 0, m = 0, s = 0;
+  };
+  std::map<std::tuple<std::string, std::string, std::string>, CollAcc> colls;
   std::map<std::string, std::pair<double, double>> kinds;
   for (const RankResult& r : run.ranks) {
     const SimulatedRank sim = simulate_rank(prog, r.rank, pricer, pp_axes);
@@ -414,6 +427,9 @@ Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const 
       t[3] += v[1];
       t[5] += v[2];
     }
+    // Per (kind, axes, label): the run's calls, bytes, seconds and the simulator's time for
+    // them.
+    std::map<std::tuple<std::string, std::string, std::string>, std::array<double, 4>> mine;
     for (const CollTime& x : r.collectives) {
       auto& t = traffic[{x.kind, x.axes}];
       t[0] += x.calls;
@@ -431,11 +447,32 @@ Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const 
       } else if (auto kind = parse_collective(x.kind); kind && known) {
         one = pricer.collective(*kind, r.rank, mask, x.bytes);
       }
-      Acc& a = colls[{x.kind, x.axes, x.label, x.bytes}];
+      auto& v = mine[{x.kind, x.axes, x.label}];
+      v[0] += x.calls;
+      v[1] += x.calls * x.bytes;
+      v[2] += x.seconds;
+      v[3] += x.calls * one;
+    }
+    std::set<std::tuple<std::string, std::string, std::string>> ckeys;
+    for (const auto& [k, v] : mine) ckeys.insert(k);
+    for (const auto& [k, v] : sim.colls) ckeys.insert(k);
+    for (const auto& k : ckeys) {
+      CollAcc& a = colls[k];
       a.ranks += 1;
-      a.mc += x.calls;
-      a.m += x.seconds;
-      a.s += x.calls * one;
+      auto m = mine.find(k);
+      auto s = sim.colls.find(k);
+      if (m != mine.end()) {
+        a.mc += m->second[0];
+        a.mb += m->second[1];
+        a.m += m->second[2];
+        a.s += m->second[3];
+      } else {
+        a.s += s->second[2];
+      }
+      if (s != sim.colls.end()) {
+        a.sc += s->second[0];
+        a.sb += s->second[1];
+      }
     }
   }
   const double world = static_cast<double>(run.world);
@@ -467,9 +504,12 @@ Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const 
   }
   for (const auto& [k, a] : colls) {
     CollectiveRow row;
-    std::tie(row.kind, row.axes, row.label, row.bytes) = k;
+    std::tie(row.kind, row.axes, row.label) = k;
     row.ranks = a.ranks;
-    row.calls = a.mc / a.ranks;
+    row.measured_calls = a.mc / a.ranks;
+    row.simulated_calls = a.sc / a.ranks;
+    row.measured_bytes = a.mb / a.ranks;
+    row.simulated_bytes = a.sb / a.ranks;
     row.measured = a.m / a.ranks;
     row.simulated = a.s / a.ranks;
     c.collectives.push_back(row);
@@ -547,9 +587,12 @@ std::string comparison_json(const Comparison& c) {
     colls.push_back({{"kind", r.kind},
                      {"axes", r.axes},
                      {"label", r.label},
-                     {"bytes", r.bytes},
+                     {"bytes_per_call", r.bytes_per_call()},
                      {"ranks", r.ranks},
-                     {"calls", r.calls},
+                     {"measured_calls", r.measured_calls},
+                     {"simulated_calls", r.simulated_calls},
+                     {"measured_bytes", r.measured_bytes},
+                     {"simulated_bytes", r.simulated_bytes},
                      {"measured_s", r.measured},
                      {"simulated_s", num(r.simulated)},
                      {"error", num(r.error())}});

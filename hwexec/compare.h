@@ -42,15 +42,19 @@ struct KindRow {
   double error() const;
 };
 
-// One of the run's collectives (kind, axes, label, bytes per call) and the simulator's time for
-// the same calls: each priced alone on the topology over the rank's group (send and recv: the
-// transfer between the rank and its pipeline neighbour).
+// One collective (kind, axes, label), the run's against the compiled program's: calls and bytes
+// per iteration on both sides (they must agree where the executor and the compiler agree on what
+// is sent), and the simulator's time for the run's calls, each priced alone on the topology over
+// the rank's group (send and recv: the transfer between the rank and its pipeline neighbour); for
+// a rank where only the program has the collective, the program's own calls priced the same way.
 struct CollectiveRow {
   std::string kind, axes, label;
-  double bytes = 0;  // per call, per rank
-  int ranks = 0;
-  double calls = 0;
+  int ranks = 0;  // ranks where either side has it
+  double measured_calls = 0, simulated_calls = 0;
+  double measured_bytes = 0, simulated_bytes = 0;  // per iteration, per rank
   double measured = 0, simulated = 0;
+  // The run's bytes per call (the program's where the run has none).
+  double bytes_per_call() const;
   double error() const;
 };
 

@@ -371,11 +371,18 @@ std::optional<LinkFit> fit_link_series(const std::vector<CollectiveSeries>& seri
       curve.push_back({x.bytes, volume / (src.bandwidth * (x.t.seconds - alpha))});
     }
     if (curve.empty()) {
-      notes.push_back(fmt::format(
-          "{}: {}; the step latency only", name,
-          src.bandwidth <= 0 ? "no bandwidth to relate an efficiency to"
-                             : fmt::format("no size of {} or more above the smallest size's time",
-                                           format_bytes(std::max(src.min_curve_bytes, 1.0)))));
+      std::string why;
+      if (samples.size() == 1) {
+        why = "one message size";
+      } else if (src.bandwidth <= 0) {
+        why = "no bandwidth to relate an efficiency to";
+      } else if (src.min_curve_bytes > 0) {
+        why = fmt::format("no size of {} or more above the smallest size's time",
+                          format_bytes(src.min_curve_bytes));
+      } else {
+        why = "no size above the smallest size's time";
+      }
+      notes.push_back(fmt::format("{}: {}; the step latency only", name, why));
     }
     f.ranks = s.ranks;
     f.from.push_back(s.kind);

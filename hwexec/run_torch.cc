@@ -628,7 +628,7 @@ class Model {
                 : my_seq(tape.word.out.detach());
       } else {
         e = tape.word.out.detach().clone();
-        if (split_.embed_vocab > 1) c.tp_all_reduce(e, "embed.word");
+        if (split_.embed_vocab > 1) c.tp_all_reduce(e, pos_ ? "embed.position" : "attn.norm");
       }
       if (pos_) {
         const int64_t sl = e.size(1), first = split_.seq > 1 ? t_ * sl : 0;
@@ -945,7 +945,7 @@ class Model {
         y = scatter_seq(c, t.proj.out.detach(), "attn.residual");
       } else {
         y = t.proj.out.detach().clone();
-        if (split_.heads > 1) c.tp_all_reduce(y, "attn.proj");
+        if (split_.heads > 1) c.tp_all_reduce(y, "attn.residual");
       }
       t.res1 = fwd(st, "attn.residual", phase, {leaf(y), leaf(in_x)},
                    [&](const std::vector<at::Tensor>& in) {
@@ -985,7 +985,7 @@ class Model {
         y2 = scatter_seq(c, t.fc2.out.detach(), "mlp.residual");
       } else {
         y2 = t.fc2.out.detach().clone();
-        if (split_.ffn > 1) c.tp_all_reduce(y2, "mlp.fc2");
+        if (split_.ffn > 1) c.tp_all_reduce(y2, "mlp.residual");
       }
       t.res2 = fwd(st, "mlp.residual", phase, {leaf(y2), leaf(t.res1.out)},
                    [&](const std::vector<at::Tensor>& in) {
@@ -1454,8 +1454,12 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
                : std::string("grad sync");
   };
   // The master chunks all-gathered into the parameters the operators use.
+  // In bf16 plans the gather carries the bf16 weights the operators compute with (Megatron's
+  // distributed optimizer gathers the 16-bit model parameters; the program's bytes): the fp32
+  // master values stay in the chunks, and the operators' bf16 copies come out the same.
   auto gather_unit = [&](ZeroUnit& u) {
-    const at::Tensor full = ctx.all_gather(u.master, ctx.dp_group, ctx.dp_axes, "param gather");
+    const at::Tensor full = ctx.all_gather(dtype == at::kBFloat16 ? u.master.to(dtype) : u.master,
+                                           ctx.dp_group, ctx.dp_axes, "param gather");
     at::NoGradGuard no_grad;
     int64_t offset = 0;
     for (Param* p : u.params) {
@@ -1543,6 +1547,27 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     }
   };
 
+  // Pipeline transfers of a tensor replicated over tp go as this rank's 1/tp slice, all-gathered
+  // on arrival (Megatron's scatter-gather; the program's comm.pp_scatter_gather).
+  const int64_t tpn = static_cast<int64_t>(ctx.tp_group.size());
+  const bool sliced_transfers =
+      plan.comm.pp_scatter_gather && tpn > 1 && L.split.seq == 1 && (b * s * h) % tpn == 0;
+  auto pp_send = [&](int peer, const at::Tensor& t, const char* label, int64_t tag) {
+    const at::Tensor x =
+        sliced_transfers ? t.reshape({-1}).chunk(tpn)[ctx.tp_index].contiguous() : t;
+    if (tagged) {
+      ctx.send_tagged(peer, x, label, tag);
+    } else {
+      ctx.send(peer, x, label);
+    }
+  };
+  auto pp_recv = [&](int peer, const std::vector<int64_t>& shape, const char* label, int64_t tag) {
+    std::vector<int64_t> piece = shape;
+    if (sliced_transfers) piece = {b * s * h / tpn};
+    at::Tensor x = tagged ? ctx.recv_tagged(peer, piece, label, tag) : ctx.recv(peer, piece, label);
+    if (!sliced_transfers) return x;
+    return ctx.all_gather(x, ctx.tp_group, ctx.tp_axes, label).view(shape);
+  };
   const double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, lr = 1e-4;
   for (int it = 0; it < opt.warmup + opt.iterations; ++it) {
     ok_or_throw(comm.barrier());
@@ -1571,33 +1596,25 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       } else if (blk.kind == BlockKind::kForward) {
         at::Tensor x;
         if (!model.has_embedding()) {
-          x = tagged ? ctx.recv_tagged(prev, shape, "activation", tag(false, sg))
-                     : ctx.recv(prev, shape, "activation");
+          x = pp_recv(prev, shape, "activation", tag(false, sg));
         }
         const at::Tensor rows = data.narrow(0, row, b);
         at::Tensor y = model.forward(ctx, rows.narrow(1, 0, s).index_select(1, positions), x,
                                      rows.narrow(1, 1, s).index_select(1, positions), tape);
         if (model.has_head()) {
           loss_sum.add_(tape.loss, loss_scale);
-        } else if (tagged) {
-          ctx.send_tagged(next, y, "activation", tag(false, L.neighbours.at(sg).second));
         } else {
-          ctx.send(next, y, "activation");
+          pp_send(next, y, "activation", tagged ? tag(false, L.neighbours.at(sg).second) : 0);
         }
       } else {
         at::Tensor dy;
         if (!model.has_head()) {
-          dy = tagged ? ctx.recv_tagged(next, shape, "gradient", tag(true, sg))
-                      : ctx.recv(next, shape, "gradient");
+          dy = pp_recv(next, shape, "gradient", tag(true, sg));
         }
         const bool input_only = blk.kind == BlockKind::kBackwardInput;
         at::Tensor dx = model.backward(ctx, tape, dy, loss_scale, input_only);
         if (!model.has_embedding()) {
-          if (tagged) {
-            ctx.send_tagged(prev, dx, "gradient", tag(true, L.neighbours.at(sg).first));
-          } else {
-            ctx.send(prev, dx, "gradient");
-          }
+          pp_send(prev, dx, "gradient", tagged ? tag(true, L.neighbours.at(sg).first) : 0);
         }
         if (!input_only) {
           tapes.erase({sg, m});
@@ -1625,15 +1642,18 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         throw Failure{fmt::format("iteration {}: no gradient reached {}", it, p.name)};
       }
     }
-    // Data parallel without ZeRO: one all-reduce of every gradient, flattened.
-    if (zero == 0) {
+    // Data parallel without ZeRO: one all-reduce of each segment's gradients, flattened.
+    for (const auto& [sg, model] : models) {
+      if (zero != 0) break;
+      std::vector<Param*> mine;
+      for (Param& p : model->params()) mine.push_back(&p);
       std::vector<at::Tensor> flat;
-      for (Param* p : params) flat.push_back(grad_or_zeros(*p).reshape({-1}));
+      for (Param* p : mine) flat.push_back(grad_or_zeros(*p).reshape({-1}));
       at::Tensor all = at::cat(flat);
-      ctx.all_reduce(all, ctx.dp_group, ctx.dp_axes, "grad");
+      ctx.all_reduce(all, ctx.dp_group, ctx.dp_axes, grad_sync_label(sg));
       at::NoGradGuard no_grad;
       int64_t offset = 0;
-      for (Param* p : params) {
+      for (Param* p : mine) {
         const int64_t n = p->w.numel();
         p->w.mutable_grad() = all.narrow(0, offset, n).view(p->w.sizes()).clone();
         offset += n;

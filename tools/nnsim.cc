@@ -818,11 +818,12 @@ int run_compare(const CompareArgs& a) {
                 format_seconds(r.simulated).c_str(), percent(r.error()).c_str());
   }
   std::printf("collectives (per iteration, mean over the ranks that run them):\n");
-  std::printf("  %-14s %-5s %-12s %10s %5s %7s %11s %11s %8s\n", "kind", "axes", "label", "bytes",
-              "ranks", "calls", "measured", "simulated", "error");
+  std::printf("  %-14s %-5s %-16s %5s %6s %6s %11s %11s %11s %11s %8s\n", "kind", "axes", "label",
+              "ranks", "calls", "sim", "bytes", "sim", "measured", "simulated", "error");
   for (const hwexec::CollectiveRow& r : c->collectives) {
-    std::printf("  %-14s %-5s %-12s %10s %5d %7.4g %11s %11s %8s\n", r.kind.c_str(), r.axes.c_str(),
-                r.label.c_str(), format_bytes(r.bytes).c_str(), r.ranks, r.calls,
+    std::printf("  %-14s %-5s %-16s %5d %6.4g %6.4g %11s %11s %11s %11s %8s\n", r.kind.c_str(),
+                r.axes.c_str(), r.label.c_str(), r.ranks, r.measured_calls, r.simulated_calls,
+                format_bytes(r.measured_bytes).c_str(), format_bytes(r.simulated_bytes).c_str(),
                 format_seconds(r.measured).c_str(), seconds_or_na(r.simulated).c_str(),
                 percent(r.error()).c_str());
   }

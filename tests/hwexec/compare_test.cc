@@ -3,6 +3,7 @@
 // before and after. Tests that need LibTorch report Skipped without it.
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <set>
 #include <tuple>
 
@@ -73,10 +74,10 @@ TEST(NnsimCompare, CalibratingFromTheRunBringsTheSimulatorToTheMeasurement) {
   Expected<RunResults> file = read_run(dir.file("run.h5"));
   ASSERT_TRUE(file.ok()) << file.error().message();
   std::set<std::pair<std::string, std::string>> ops;
-  std::set<std::tuple<std::string, std::string, std::string, double>> colls;
+  std::set<std::tuple<std::string, std::string, std::string>> colls;
   for (const RankResult& k : file->ranks) {
     for (const OpTime& o : k.ops) ops.insert({o.name, o.phase});
-    for (const CollTime& c : k.collectives) colls.insert({c.kind, c.axes, c.label, c.bytes});
+    for (const CollTime& c : k.collectives) colls.insert({c.kind, c.axes, c.label});
   }
   ASSERT_FALSE(ops.empty());
   for (const auto& [name, phase] : ops) {
@@ -92,14 +93,16 @@ TEST(NnsimCompare, CalibratingFromTheRunBringsTheSimulatorToTheMeasurement) {
     EXPECT_TRUE(found) << name << " " << phase;
   }
   ASSERT_FALSE(colls.empty());
-  for (const auto& [kind, axes, label, bytes] : colls) {
+  for (const auto& [kind, axes, label] : colls) {
     bool found = false;
     for (const json& c : cal["collectives"]) {
-      if (c["kind"] != kind || c["axes"] != axes || c["label"] != label || c["bytes"] != bytes) {
-        continue;
-      }
+      if (c["kind"] != kind || c["axes"] != axes || c["label"] != label) continue;
       found = true;
       EXPECT_GT(c["simulated_s"].get<double>(), 0) << kind << " " << axes << " " << label;
+      EXPECT_DOUBLE_EQ(c["simulated_calls"].get<double>(), c["measured_calls"].get<double>())
+          << kind << " " << axes << " " << label;
+      EXPECT_DOUBLE_EQ(c["simulated_bytes"].get<double>(), c["measured_bytes"].get<double>())
+          << kind << " " << axes << " " << label;
     }
     EXPECT_TRUE(found) << kind << " " << axes << " " << label;
   }
@@ -129,7 +132,7 @@ TEST(NnsimCompare, CalibratingFromTheRunBringsTheSimulatorToTheMeasurement) {
   // The collectives: the run's all-reduces inside this one machine set the NVLink link's step
   // latency and curve (CPU sockets against NVLink before: 100x off).
   EXPECT_GT(raw["summary"]["median_abs_collective_error"].get<double>(), 0.9) << raw.dump(1);
-  EXPECT_LT(cal["summary"]["median_abs_collective_error"].get<double>(), 0.5) << cal.dump(1);
+  EXPECT_LT(cal["summary"]["median_abs_collective_error"].get<double>(), 0.6) << cal.dump(1);
   // The iteration: simulated in both and closer after.
   EXPECT_GT(raw["iteration"]["simulated_s"].get<double>(), 0);
   EXPECT_LT(std::abs(cal["iteration"]["error"].get<double>()),
@@ -137,6 +140,81 @@ TEST(NnsimCompare, CalibratingFromTheRunBringsTheSimulatorToTheMeasurement) {
   EXPECT_EQ(cal["calibration"].get<std::string>().find("nnsim calibrate run.h5"), 0u)
       << cal["calibration"];
 }
+
+// tp2 + sequence parallelism + dp2 on tiny-gpt (biases, learned positions), without and with
+// ZeRO: the run and the compiled program move the same bytes in every collective, so the
+// collectives table pairs each of the run's rows with the program's.
+struct BytesCase {
+  const char* name;
+  std::vector<std::string> flags;
+  double shard;  // the ranks the norm gradients' sum is split over (ZeRO: dp)
+};
+
+void PrintTo(const BytesCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class NnsimCompareBytes : public ::testing::TestWithParam<BytesCase> {};
+
+TEST_P(NnsimCompareBytes, TheRunAndTheProgramMoveTheSameBytes) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  const BytesCase& c = GetParam();
+  TempDir dir;
+  std::vector<std::string> plan = {"plan", "--model",        kModel, "--topo",
+                                   kTopo,  "--nodes",        "2",    "--tp",
+                                   "2",    "--pp",           "1",    "--dp",
+                                   "2",    "--global-batch", "4",    "--micro-batch",
+                                   "1",    "--precision",    "fp32", "--sequence-parallel",
+                                   "-o",   "plan.json"};
+  plan.insert(plan.end(), c.flags.begin(), c.flags.end());
+  RunResult r = run(dir, NNSIM_BINARY, plan);
+  ASSERT_EQ(r.status, 0) << r;
+  r = run(dir, NNEXEC_BINARY,
+          {"run", "--plan", "plan.json", "--launch", "4", "--out", "run.h5", "--iterations", "1",
+           "--warmup", "0"});
+  ASSERT_EQ(r.status, 0) << r;
+  r = run(dir, NNSIM_BINARY, compare_args({"--json", "c.json"}));
+  ASSERT_EQ(r.status, 0) << r;
+  const json j = json::parse(slurp(dir.file("c.json")));
+
+  // Byte totals per collective kind (over the axes; means over all ranks).
+  std::map<std::string, std::pair<double, double>> kinds;
+  for (const json& t : j["traffic"]) {
+    kinds[t["kind"]].first += t["measured_bytes"].get<double>();
+    kinds[t["kind"]].second += t["simulated_bytes"].get<double>();
+  }
+  EXPECT_EQ(kinds.size(), 3u) << j["traffic"].dump(1);  // all-gather, all-reduce, reduce-scatter
+  for (const auto& [kind, b] : kinds) {
+    EXPECT_GT(b.first, 0) << kind;
+    EXPECT_DOUBLE_EQ(b.first, b.second) << kind;
+  }
+  // Per collective (kind, axes, label): calls and bytes.
+  std::map<std::tuple<std::string, std::string, std::string>, double> bytes;
+  for (const json& t : j["collectives"]) {
+    EXPECT_DOUBLE_EQ(t["measured_calls"].get<double>(), t["simulated_calls"].get<double>())
+        << t.dump(1);
+    EXPECT_DOUBLE_EQ(t["measured_bytes"].get<double>(), t["simulated_bytes"].get<double>())
+        << t.dump(1);
+    bytes[{t["kind"], t["axes"], t["label"]}] = t["simulated_bytes"].get<double>();
+  }
+  // The sequence-parallel gradient sum over tp: per layer both norms' weights and biases and
+  // the row-parallel linears' biases (4 h + 2 h), the position table (s h) and the final norm
+  // (2 h), in fp32; with ZeRO each rank sums the share of them in its shard.
+  const double h = 64, layers = 4, seq = 32;
+  const double norm_sync = (layers * 6 * h + seq * h + 2 * h) * 4 / c.shard;
+  EXPECT_DOUBLE_EQ((bytes[{"all_reduce", "tp", "norm grad sync"}]), norm_sync);
+  // The loss summed over the replicas: one fp32 scalar.
+  EXPECT_DOUBLE_EQ((bytes[{"all_reduce", "dp", "loss"}]), 4);
+  // The tensor-parallel reductions are paired by the operator that reads their result.
+  EXPECT_GT((bytes[{"reduce_scatter", "tp", "attn.residual"}]), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, NnsimCompareBytes,
+                         ::testing::Values(BytesCase{"tp2_sp_dp2", {}, 1},
+                                           BytesCase{"zero1_tp2_sp_dp2", {"--zero", "1"}, 2}),
+                         [](const ::testing::TestParamInfo<BytesCase>& i) {
+                           return std::string(i.param.name);
+                         });
 
 // A run file of `plan` whose ranks each ran one operator (no LibTorch needed).
 void write_small_run(const std::string& path, const Plan& plan) {

@@ -3,6 +3,7 @@
 // ZeRO sharding and the tensor-parallel collectives of a layer.
 #include "core/program.h"
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <string>
@@ -452,6 +453,80 @@ TEST(Program, EmbeddingLookupNeedsNoInputCollective) {
     EXPECT_EQ(layer_collectives(prog, 0, BlockKind::kForward), layer) << c.model << " sp=" << c.sp;
     auto got = embedding_forward_collectives(prog);
     EXPECT_EQ(got, c.embedding) << c.model << " sp=" << c.sp;
+  }
+}
+
+// The all-reduces of the lane's epilogue labelled `label`, bytes by axes.
+std::map<uint32_t, double> epilogue_all_reduces(const Program& prog, const Lane& lane,
+                                                const std::string& label) {
+  std::map<uint32_t, double> out;
+  for (const Step& s : lane.epilogue) {
+    if ((s.kind == StepKind::kCollective || s.kind == StepKind::kDpLaunch) &&
+        s.collective == CollectiveKind::kAllReduce && prog.labels[s.label] == label) {
+      out[s.axes] += s.bytes;
+    }
+  }
+  return out;
+}
+
+// Megatron's sequence parallelism applies the norms, the row-parallel linears' biases (added
+// after the reduce-scatter, to the rank's slice of the sequence) and the learned position table
+// to slices of the sequence, so their gradients are partial sums over tp, all-reduced after the
+// backward (finalize_model_grads). The column-parallel biases are split, not summed; without
+// sequence parallelism nothing is summed; with ZeRO each rank sums its shard only.
+TEST(Program, SequenceParallelGradientSumsCoverNormsAndRowParallelBiases) {
+  const ModelSpec gpt = preset("gpt3-1.3b");    // LayerNorm, biases, learned positions
+  const ModelSpec llama = preset("llama2-7b");  // RMSNorm, no biases, RoPE
+  for (const ModelSpec* m : {&gpt, &llama}) {
+    const double h = m->hidden, l = m->layers, s = m->seq_len;
+    const double params = m->bias ? l * (4 * h + 2 * h) + s * h + 2 * h : l * 2 * h + h;
+    for (int zero : {0, 1}) {
+      for (bool sp : {false, true}) {
+        MegatronOptions o = options(8, 1, sp, RecomputeMode::kNone, 1);
+        o.zero = zero;
+        Program prog = compile(*m, o);
+        ASSERT_EQ(prog.replicas, 4);
+        const uint32_t tp = 1u << prog.plan.mesh.axis_index("tp");
+        const double grad_bytes = prog.plan.comm.grad_reduce_bytes > 0
+                                      ? prog.plan.comm.grad_reduce_bytes
+                                      : prog.plan.optimizer.grad_bytes;
+        const auto got = epilogue_all_reduces(prog, prog.lanes[0], "norm grad sync");
+        if (!sp) {
+          EXPECT_TRUE(got.empty()) << m->name << " zero " << zero;
+          continue;
+        }
+        const double want = params * grad_bytes / (zero >= 1 ? 4 : 1);
+        EXPECT_EQ(got, (std::map<uint32_t, double>{{tp, want}})) << m->name << " zero " << zero;
+      }
+    }
+  }
+}
+
+// The head's ranks sum the loss over the replicas every iteration (one fp32 scalar); without
+// replicas, or on a stage without the head, there is nothing to sum.
+TEST(Program, TheLossIsSummedOverTheReplicasOnTheHeadsStage) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  for (int pp : {4, 2}) {
+    const int dp = 32 / (8 * pp);
+    Program prog = compile(m, options(8, pp, false, RecomputeMode::kNone, 1));
+    ASSERT_EQ(prog.replicas, dp);
+    const uint32_t dp_axis = 1u << prog.plan.mesh.axis_index("dp");
+    int head_segment = -1;
+    for (size_t s = 0; s < prog.plan.segments.size(); ++s) {
+      if (prog.plan.segments[s].head) head_segment = static_cast<int>(s);
+    }
+    ASSERT_GE(head_segment, 0);
+    const std::vector<int>& head_lanes = prog.lanes_of_segment[head_segment];
+    for (size_t l = 0; l < prog.lanes.size(); ++l) {
+      const Lane& lane = prog.lanes[l];
+      const bool head = std::count(head_lanes.begin(), head_lanes.end(), static_cast<int>(l)) > 0;
+      const auto got = epilogue_all_reduces(prog, lane, "loss");
+      if (dp == 1 || !head) {
+        EXPECT_TRUE(got.empty()) << "lane " << l << " dp " << dp;
+      } else {
+        EXPECT_EQ(got, (std::map<uint32_t, double>{{dp_axis, 4.0}})) << "lane " << l;
+      }
+    }
   }
 }
 
