@@ -1421,12 +1421,14 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
         lane.epilogue.push_back(l);
       }
     }
-    // The head's ranks sum the micro-batches' losses over the replicas to report the global
-    // batch's loss: one fp32 scalar, latency-bound (Megatron averages it the same way). On the
-    // data-parallel stream, after the gradients, so it shares their links instead of contending.
+    // The head's ranks sum the micro-batches' losses over the replicas (and the context-parallel
+    // ranks, which each hold part of every sequence) to report the global batch's loss: one fp32
+    // scalar, latency-bound (Megatron averages it the same way). On the data-parallel stream,
+    // after the gradients, so it shares their links instead of contending.
     bool holds_head = false;
     for (int s : segs) holds_head = holds_head || plan.segments[s].head;
-    if (holds_head && prog.replicas > 1) {
+    if (holds_head && !lane.ranks.empty() &&
+        prog.group_of(lane.ranks[0], c.bucket_axes).size() > 1) {
       Step l;
       l.kind = StepKind::kDpLaunch;
       l.collective = CollectiveKind::kAllReduce;
