@@ -13,25 +13,17 @@
 #include "planner/megatron.h"
 #include "planner/schedule_gen.h"
 #include "planner/schedules.h"
+#include "tests/support/communication_free.h"
 
 namespace nnsim {
 namespace {
+
+using testing::communication_free_node;
 
 const std::string kData = NNSIM_TEST_DATA;
 
 bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
-}
-
-// A topology with `gpus` GPUs of the communication-free node.
-Topology ideal(int gpus) {
-  Expected<Topology> t = load_topology(kData + "/ideal.yaml");
-  EXPECT_TRUE(t.ok()) << (t.ok() ? "" : t.error().message());
-  t->gpus_per_node = gpus;
-  t->nics.resize(1);
-  t->nics[0].gpus.clear();
-  for (int g = 0; g < gpus; ++g) t->nics[0].gpus.push_back(g);
-  return *t;
 }
 
 Expected<Plan> recycled_plan(int stages, int micro_batches, int recycle, ScheduleKind kind) {
@@ -42,11 +34,12 @@ Expected<Plan> recycled_plan(int stages, int micro_batches, int recycle, Schedul
   o.global_batch = micro_batches;
   o.schedule = kind;
   o.recycle = recycle;
-  return build_megatron_plan(*m, ideal(stages), o);
+  return build_megatron_plan(*m, communication_free_node(stages), o);
 }
 
 std::string compile_error(const Plan& plan) {
-  Expected<Program> p = compile_plan(plan, ideal(static_cast<int>(plan.schedule.size())));
+  Expected<Program> p =
+      compile_plan(plan, communication_free_node(static_cast<int>(plan.schedule.size())));
   EXPECT_FALSE(p.ok());
   return p.ok() ? "" : p.error().message();
 }
@@ -77,7 +70,7 @@ TEST(Recycle, GpipeAndOneFOneBOrdersCompile) {
         for (const DeviceOrder& o : plan->schedule) {
           EXPECT_EQ(o.blocks.size(), static_cast<size_t>(4 * m));  // 3 forwards, 1 backward
         }
-        Expected<Program> prog = compile_plan(*plan, ideal(p));
+        Expected<Program> prog = compile_plan(*plan, communication_free_node(p));
         EXPECT_TRUE(prog.ok()) << to_string(kind) << " p " << p << " m " << m << ": "
                                << (prog.ok() ? "" : prog.error().message());
       }
@@ -98,7 +91,7 @@ TEST(Recycle, GpipeAndOneFOneBOrdersCompile) {
 TEST(Recycle, ProgramTransfersAndMemory) {
   Expected<Plan> plan = recycled_plan(4, 4, 3, ScheduleKind::kOneFOneB);
   ASSERT_TRUE(plan.ok()) << plan.error().message();
-  Expected<Program> prog = compile_plan(*plan, ideal(4));
+  Expected<Program> prog = compile_plan(*plan, communication_free_node(4));
   ASSERT_TRUE(prog.ok()) << prog.error().message();
   auto recycled = [](const BlockTemplate& t, StepKind kind) {
     int n = 0;
@@ -176,15 +169,15 @@ TEST(Recycle, ScheduleCheckNamesTheDeviceAndTheBlock) {
 TEST(Recycle, GeneratorsThatCannotPlacePassesSayWhat) {
   Expected<Plan> plan = recycled_plan(4, 8, 3, ScheduleKind::kOneFOneB);
   ASSERT_TRUE(plan.ok()) << plan.error().message();
-  Expected<Plan> zb = generate_schedule(*plan, ideal(4), ScheduleKind::kZbH1);
+  Expected<Plan> zb = generate_schedule(*plan, communication_free_node(4), ScheduleKind::kZbH1);
   ASSERT_FALSE(zb.ok());
   EXPECT_TRUE(contains(zb.error().message(),
                        "the zb-h1 schedule does not place repeated forwards "
                        "(training.recycle = 3)"))
       << zb.error().message();
-  Expected<Plan> g = generate_schedule(*plan, ideal(4), ScheduleKind::kGpipe);
+  Expected<Plan> g = generate_schedule(*plan, communication_free_node(4), ScheduleKind::kGpipe);
   ASSERT_TRUE(g.ok()) << g.error().message();
-  EXPECT_TRUE(compile_plan(*g, ideal(4)).ok());
+  EXPECT_TRUE(compile_plan(*g, communication_free_node(4)).ok());
   Expected<ModelSpec> m = load_model(kData + "/uniform-model.yaml");
   ASSERT_TRUE(m.ok());
   MegatronOptions o;
@@ -193,14 +186,14 @@ TEST(Recycle, GeneratorsThatCannotPlacePassesSayWhat) {
   o.global_batch = 4;
   o.schedule = ScheduleKind::kInterleaved;
   o.recycle = 2;
-  Expected<Plan> inter = build_megatron_plan(*m, ideal(2), o);
+  Expected<Plan> inter = build_megatron_plan(*m, communication_free_node(2), o);
   ASSERT_FALSE(inter.ok());
   EXPECT_TRUE(contains(inter.error().message(), "interleaved schedule does not place repeated"))
       << inter.error().message();
   o.vpp = 1;
   o.schedule = ScheduleKind::kOneFOneB;
   o.recycle = 0;
-  Expected<Plan> zero = build_megatron_plan(*m, ideal(2), o);
+  Expected<Plan> zero = build_megatron_plan(*m, communication_free_node(2), o);
   ASSERT_FALSE(zero.ok());
   EXPECT_TRUE(contains(zero.error().message(), "--recycle must be at least 1"));
 }
@@ -216,7 +209,7 @@ TEST(Recycle, TesselFromAnInterleavedPlacement) {
   o.global_batch = 4;
   o.schedule = ScheduleKind::kTessel;
   o.recycle = 2;
-  Expected<Plan> plan = build_megatron_plan(*m, ideal(2), o);
+  Expected<Plan> plan = build_megatron_plan(*m, communication_free_node(2), o);
   ASSERT_TRUE(plan.ok()) << plan.error().message();
   EXPECT_EQ(plan->schedule_name, "tessel");
   for (const DeviceOrder& d : plan->schedule) {
@@ -225,7 +218,7 @@ TEST(Recycle, TesselFromAnInterleavedPlacement) {
                             [](const Block& b) { return b.kind == BlockKind::kForward; }),
               2 * 4 * 2);
   }
-  Expected<Program> prog = compile_plan(*plan, ideal(2));
+  Expected<Program> prog = compile_plan(*plan, communication_free_node(2));
   ASSERT_TRUE(prog.ok()) << prog.error().message();
   // Faster than one micro-batch at a time.
   std::vector<std::vector<Block>> orders;
@@ -236,7 +229,7 @@ TEST(Recycle, TesselFromAnInterleavedPlacement) {
   Plan sequential = *plan;
   for (size_t i = 0; i < sequential.schedule.size(); ++i)
     sequential.schedule[i].blocks = (*base)[i];
-  Expected<Program> seq = compile_plan(sequential, ideal(2));
+  Expected<Program> seq = compile_plan(sequential, communication_free_node(2));
   ASSERT_TRUE(seq.ok()) << seq.error().message();
   EXPECT_EQ((*base)[0].front(), (Block{BlockKind::kForward, 0, 0, 0}));
   EXPECT_EQ((*base)[0][1], (Block{BlockKind::kForward, 0, 2, 0}));
@@ -249,7 +242,7 @@ TEST(Recycle, TesselFromAnInterleavedPlacement) {
 TEST(Recycle, SearchBeatsBackToBackPasses) {
   Expected<Plan> plan = recycled_plan(4, 8, 3, ScheduleKind::kOneFOneB);
   ASSERT_TRUE(plan.ok()) << plan.error().message();
-  const Topology topo = ideal(4);
+  const Topology topo = communication_free_node(4);
   Expected<SearchedSchedule> s = search_schedule(*plan, topo);
   ASSERT_TRUE(s.ok()) << s.error().message();
   EXPECT_FALSE(s->kept_input);

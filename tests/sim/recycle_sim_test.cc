@@ -13,36 +13,15 @@
 #include "planner/megatron.h"
 #include "planner/schedule_gen.h"
 #include "sim/simulator.h"
+#include "tests/support/communication_free.h"
 
 namespace nnsim {
 namespace {
 
+using testing::communication_free_node;
+using testing::matmul_only;
+
 const std::string kData = NNSIM_TEST_DATA;
-
-Topology ideal(int gpus) {
-  Expected<Topology> t = load_topology(kData + "/ideal.yaml");
-  EXPECT_TRUE(t.ok()) << (t.ok() ? "" : t.error().message());
-  t->gpus_per_node = gpus;
-  t->nics.resize(1);
-  t->nics[0].gpus.clear();
-  for (int g = 0; g < gpus; ++g) t->nics[0].gpus.push_back(g);
-  return *t;
-}
-
-// Only matmuls cost time (the embedding and the tiny head next to nothing): balanced stages.
-CompileOptions matmul_only(const Topology& t) {
-  CompileOptions co;
-  co.use_default_compute_model = false;
-  co.compute_model = ComputeModel::defaults_for(t.gpu);
-  co.compute_model.kernel_overhead = 0;
-  co.compute_model.memory_efficiency = 1e12;
-  co.compute_model.comm_interference = 0;
-  co.compute_model.tiles = {{1, 1, 1.0}};
-  co.compute_model.gemm_k_half = 0;
-  co.use_default_comm_model = false;
-  co.comm_model = CommModel::ideal();
-  return co;
-}
 
 struct SimRun {
   double iteration = 0;
@@ -82,7 +61,7 @@ Plan build(ScheduleKind kind, int recycle, const Topology& t, int stages = 4, in
 // stage still runs pass i of later micro-batches: with m >= p the passes add only their compute
 // (2 m F per stage), no bubble; earlier passes keep nothing, so the peak is unchanged.
 TEST(RecycleSim, GpipePassesAddOnlyTheirCompute) {
-  const Topology t = ideal(4);
+  const Topology t = communication_free_node(4);
   const SimRun one = simulate_plan(build(ScheduleKind::kGpipe, 1, t), t);
   const SimRun three = simulate_plan(build(ScheduleKind::kGpipe, 3, t), t);
   ASSERT_GT(one.iteration, 0);
@@ -96,7 +75,7 @@ TEST(RecycleSim, GpipePassesAddOnlyTheirCompute) {
 // check (they compile), and the simulated iteration beats 1F1B with each micro-batch's passes
 // back to back (the first stage idles while each pass circles the pipeline), within its memory.
 TEST(RecycleSim, TesselSearchBeatsBackToBackPasses) {
-  const Topology t = ideal(4);
+  const Topology t = communication_free_node(4);
   const Plan naive = build(ScheduleKind::kOneFOneB, 3, t);
   Expected<SearchedSchedule> s = search_schedule(naive, t, std::nullopt, matmul_only(t));
   ASSERT_TRUE(s.ok()) << s.error().message();

@@ -15,36 +15,15 @@
 #include "core/topology.h"
 #include "planner/megatron.h"
 #include "sim/simulator.h"
+#include "tests/support/communication_free.h"
 
 namespace nnsim {
 namespace {
 
+using testing::communication_free_node;
+using testing::matmul_only;
+
 const std::string kData = NNSIM_TEST_DATA;
-
-Topology ideal(int gpus) {
-  Expected<Topology> t = load_topology(kData + "/ideal.yaml");
-  EXPECT_TRUE(t.ok()) << (t.ok() ? "" : t.error().message());
-  t->gpus_per_node = gpus;
-  t->nics.resize(1);
-  t->nics[0].gpus.clear();
-  for (int g = 0; g < gpus; ++g) t->nics[0].gpus.push_back(g);
-  return *t;
-}
-
-// Matmuls only, at one efficiency: stages are balanced and the orders are the textbook ones.
-CompileOptions matmul_only(const Topology& t) {
-  CompileOptions co;
-  co.use_default_compute_model = false;
-  co.compute_model = ComputeModel::defaults_for(t.gpu);
-  co.compute_model.kernel_overhead = 0;
-  co.compute_model.memory_efficiency = 1e12;
-  co.compute_model.comm_interference = 0;
-  co.compute_model.tiles = {{1, 1, 1.0}};
-  co.compute_model.gemm_k_half = 0;
-  co.use_default_comm_model = false;
-  co.comm_model = CommModel::ideal();
-  return co;
-}
 
 struct StageMemory {
   double peak = 0;         // peak activation bytes of the stage
@@ -64,7 +43,7 @@ std::vector<StageMemory> simulate_stages(ScheduleKind kind, int chunks) {
   o.vpp = chunks;
   o.global_batch = kMicroBatches;
   o.schedule = kind;
-  const Topology t = ideal(kStages);
+  const Topology t = communication_free_node(kStages);
   o.costs = matmul_only(t);
   // Any failure returns no stages, which the tests' size checks report.
   Expected<ModelSpec> m = load_model(kData + "/uniform-model.yaml");

@@ -12,9 +12,13 @@
 #include "core/topology.h"
 #include "planner/megatron.h"
 #include "sim/report.h"
+#include "tests/support/communication_free.h"
 
 namespace nnsim {
 namespace {
+
+using testing::communication_free_node;
+using testing::matmul_only;
 
 const std::string kData = NNSIM_TEST_DATA;
 
@@ -50,35 +54,6 @@ SimResult run(const Program& p, SimOptions o = {}) {
   return *r;
 }
 
-// Memory-bound operators and kernel launches free: only matmuls cost time, so the embedding and
-// head (with a tiny vocabulary) cost next to nothing and pipeline stages are balanced.
-CompileOptions matmul_only(const Topology& t) {
-  CompileOptions co;
-  co.use_default_compute_model = false;
-  co.compute_model = ComputeModel::defaults_for(t.gpu);
-  co.compute_model.kernel_overhead = 0;
-  co.compute_model.memory_efficiency = 1e12;
-  co.compute_model.comm_interference = 0;
-  // Matmuls at one efficiency whatever their shape: the head's tiny vocabulary would otherwise
-  // leave most of the GPU idle and unbalance the last stage.
-  co.compute_model.tiles = {{1, 1, 1.0}};
-  co.compute_model.gemm_k_half = 0;
-  co.use_default_comm_model = false;
-  co.comm_model = CommModel::ideal();
-  return co;
-}
-
-// A topology with `gpus` GPUs of the communication-free node.
-Topology ideal(int gpus) {
-  Topology t = load(kData + "/ideal.yaml");
-  t.gpus_per_node = gpus;
-  t.nics.resize(1);
-  t.nics[0].gpus.clear();
-  for (int g = 0; g < gpus; ++g) t.nics[0].gpus.push_back(g);
-  EXPECT_TRUE(validate_topology(t).ok());
-  return t;
-}
-
 class BubbleTest : public ::testing::TestWithParam<std::tuple<ScheduleKind, int, int>> {};
 
 TEST_P(BubbleTest, BubbleFractionIsClosedForm) {
@@ -87,7 +62,7 @@ TEST_P(BubbleTest, BubbleFractionIsClosedForm) {
   o.pp = stages;
   o.global_batch = micro_batches;
   o.schedule = kind;
-  const Topology t = ideal(stages);
+  const Topology t = communication_free_node(stages);
   Program p = compile(model(kData + "/uniform-model.yaml"), t, o, matmul_only(t));
   SimResult r = run(p);
   const double expected = static_cast<double>(stages - 1) / (micro_batches + stages - 1);
@@ -114,7 +89,7 @@ TEST(Simulator, InterleavedBubbleShrinksByTheChunkCount) {
   o.vpp = v;
   o.global_batch = m;
   o.schedule = ScheduleKind::kInterleaved;
-  const Topology t = ideal(p);
+  const Topology t = communication_free_node(p);
   Program prog = compile(model(kData + "/uniform-model.yaml"), t, o, matmul_only(t));
   SimResult r = run(prog);
   const double expected = static_cast<double>(p - 1) / (v * m + p - 1);
@@ -162,7 +137,7 @@ PipelineRun run_pipeline(ScheduleKind kind, int vpp, RecomputeMode recompute = R
   o.global_batch = 16;
   o.schedule = kind;
   o.recompute = recompute;
-  const Topology t = ideal(stages);
+  const Topology t = communication_free_node(stages);
   // The list-scheduled generators time blocks with the costs the simulation uses.
   o.costs = matmul_only(t);
   Program p = compile(model(kData + "/" + model_file), t, o, matmul_only(t));
@@ -240,7 +215,8 @@ TEST(Simulator, LoneRingAllReduceMatchesTheRingFormula) {
   std::vector<int> node0 = {0, 1, 2, 3, 4, 5, 6, 7};
   CommRequest ar{CommRequest::Kind::kCollective, CollectiveKind::kAllReduce, Algorithm::kRing,
                  node0, S};
-  Expected<std::vector<double>> r = simulate_communication(t, CommModel::ideal(), {ar});
+  Expected<std::vector<double>> r =
+      simulate_communication(t, CommModel::ideal(), {ar});
   ASSERT_TRUE(r.ok()) << r.error().message();
   const double n = 8, B = t.intra.bandwidth, alpha = t.intra.latency;
   const double expected = 2 * (n - 1) / n * S / B + 2 * (n - 1) * alpha;
@@ -291,10 +267,12 @@ TEST(Simulator, TwoFlowsSharingALinkGetHalfEach) {
       CommRequest::Kind::kTransfer, CollectiveKind::kAllReduce, Algorithm::kRing, {0, 1}, S};
   CommRequest b = a;
   b.gpus = {2, 1};  // into the same GPU: both cross its NVSwitch port
-  Expected<std::vector<double>> shared = simulate_communication(t, CommModel::ideal(), {a, b});
+  Expected<std::vector<double>> shared =
+      simulate_communication(t, CommModel::ideal(), {a, b});
   ASSERT_TRUE(shared.ok()) << shared.error().message();
   b.gpus = {2, 3};  // disjoint ports
-  Expected<std::vector<double>> apart = simulate_communication(t, CommModel::ideal(), {a, b});
+  Expected<std::vector<double>> apart =
+      simulate_communication(t, CommModel::ideal(), {a, b});
   ASSERT_TRUE(apart.ok()) << apart.error().message();
   const double alone = S / B + t.intra.latency;
   EXPECT_NEAR((*apart)[0], alone, 1e-6 * alone);
