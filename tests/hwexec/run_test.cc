@@ -339,6 +339,11 @@ INSTANTIATE_TEST_SUITE_P(
         with("zero3_dp2", 1, 1, 2, 4, {"--zero", "3"}),
         with("zero3_pp2_dp2", 1, 2, 2, 8, {"--zero", "3"}, &kLlama),
         with("bf16_zero1_dp2", 1, 1, 2, 4, {"--zero", "1"}, &kModel, "bf16"),
+        with("bf16_zero3_dp2", 1, 1, 2, 4, {"--zero", "3"}, &kModel, "bf16"),
+        with("bf16_llama_zero3_pp2_dp2", 1, 2, 2, 8, {"--zero", "3"}, &kLlama, "bf16"),
+        // 16-bit gradients (optimizer.grad_bytes 2): reduce-scattered in bf16.
+        with("bf16_zero3_bf16_grads_dp2", 1, 1, 2, 4, {"--zero", "3", "--framework", "other"},
+             &kModel, "bf16"),
         with("sp_tp2", 2, 1, 1, 2, {"--sequence-parallel"}),
         with("tp2_sp_pp2", 2, 2, 1, 4, {"--sequence-parallel"}),
         with("llama_sp_tp2", 2, 1, 1, 2, {"--sequence-parallel"}, &kLlama),
@@ -458,11 +463,6 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
   refused(
       {"optimizer.zero: ZeRO stage 3 with zero-bubble split backwards (BI/BW blocks) is not "
        "supported yet"});
-  // ZeRO-3 in bf16.
-  ASSERT_EQ(
-      plan({"--tp", "1", "--pp", "1", "--dp", "2", "--zero", "3", "--precision", "bf16"}).status,
-      0);
-  refused({"optimizer.zero: ZeRO stage 3 runs fp32 plans only"});
   // A recompute rule without layers also covers the embedding and the head.
   ASSERT_EQ(
       plan({"--tp", "2", "--pp", "1", "--dp", "1", "--recompute", "full", "--precision", "fp32"})
