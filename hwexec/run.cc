@@ -80,10 +80,6 @@ Status check_runnable(const Plan& plan) {
     return refuse("optimizer.zero",
                   fmt::format("ZeRO stage {} does not exist (0 to 3)", plan.optimizer.zero));
   }
-  if (plan.optimizer.zero == 3 && plan.precision == Precision::kBf16) {
-    // The bf16 copies are cast once per step from whole master weights, which ZeRO-3 never holds.
-    return refuse("optimizer.zero", "ZeRO stage 3 runs fp32 plans only (the plan is bf16)");
-  }
   if (plan.optimizer.zero == 3 && plan.comm.zero3_per_tensor) {
     return refuse("comm.zero3_per_tensor",
                   "ZeRO-3 gathers a layer's parameters at once "

@@ -1457,6 +1457,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // In bf16 plans the gather carries the bf16 weights the operators compute with (Megatron's
   // distributed optimizer gathers the 16-bit model parameters; the program's bytes): the fp32
   // master values stay in the chunks, and the operators' bf16 copies come out the same.
+  // ZeRO-3 in bf16 also writes the gathered values into the operators' bf16 copies, which keep
+  // their autograd link to the fp32 weights (no per-iteration cast: the cast is the chunk's).
   auto gather_unit = [&](ZeroUnit& u) {
     const at::Tensor full = ctx.all_gather(dtype == at::kBFloat16 ? u.master.to(dtype) : u.master,
                                            ctx.dp_group, ctx.dp_axes, "param gather");
@@ -1464,8 +1466,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     int64_t offset = 0;
     for (Param* p : u.params) {
       const int64_t n = p->w.numel();
+      const at::Tensor mine = full.narrow(0, offset, n).view(p->w.sizes());
       // Not a version bump: ZeRO-3's backward gather writes weights its saved graphs hold.
-      p->w.variable_data().copy_(full.narrow(0, offset, n).view(p->w.sizes()));
+      p->w.variable_data().copy_(mine);
+      if (zero == 3 && dtype != at::kFloat) p->c.variable_data().copy_(mine);
       offset += n;
     }
   };
@@ -1476,6 +1480,12 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   for (const Block& blk : L.order->blocks) {
     split_backward = split_backward || blk.kind == BlockKind::kBackwardWeight;
   }
+  // The gradients' reduction carries what the program prices (comm.grad_reduce_bytes, else
+  // optimizer.grad_bytes): bf16 at 2 bytes in a bf16 plan, else the fp32 gradients.
+  const double reduce_bytes =
+      plan.comm.grad_reduce_bytes > 0 ? plan.comm.grad_reduce_bytes : plan.optimizer.grad_bytes;
+  const at::ScalarType reduce_dtype =
+      dtype == at::kBFloat16 && reduce_bytes == 2 ? at::kBFloat16 : at::kFloat;
   auto reduce_unit = [&](ZeroUnit& u, const std::string& label) {
     for (Param* p : u.params) {
       if (!p->w.grad().defined() && !split_backward) {
@@ -1483,7 +1493,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       }
     }
     const at::Tensor mine = ctx.reduce_scatter(
-        padded_flat(u.params, u.chunk * dpn, [](const Param& p) { return grad_or_zeros(p); }),
+        padded_flat(u.params, u.chunk * dpn, [](const Param& p) { return grad_or_zeros(p); })
+            .to(reduce_dtype),
         ctx.dp_group, ctx.dp_axes, label);
     at::NoGradGuard no_grad;
     u.grad.add_(mine);
@@ -1649,8 +1660,9 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       for (Param& p : model->params()) mine.push_back(&p);
       std::vector<at::Tensor> flat;
       for (Param* p : mine) flat.push_back(grad_or_zeros(*p).reshape({-1}));
-      at::Tensor all = at::cat(flat);
+      at::Tensor all = at::cat(flat).to(reduce_dtype);
       ctx.all_reduce(all, ctx.dp_group, ctx.dp_axes, grad_sync_label(sg));
+      all = all.to(at::kFloat);
       at::NoGradGuard no_grad;
       int64_t offset = 0;
       for (Param* p : mine) {
@@ -1786,8 +1798,11 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       if (zero == 1 || zero == 2) {
         for (ZeroUnit* u : zunits) gather_unit(*u);
       }
-      // bf16: the next iteration's weight copies (with autograd), timed with the step.
-      for (auto& [sg, model] : models) model->cast_weights();
+      // bf16: the next iteration's weight copies (with autograd), timed with the step; ZeRO-3's
+      // come with each gather.
+      if (zero != 3) {
+        for (auto& [sg, model] : models) model->cast_weights();
+      }
       stats.op("optimizer", "step", o0, stats.mark(), /*minus_collectives=*/true);
     }
 #ifdef NNSIM_TORCH_HAS_CUDA
