@@ -215,8 +215,7 @@ TEST(Simulator, LoneRingAllReduceMatchesTheRingFormula) {
   std::vector<int> node0 = {0, 1, 2, 3, 4, 5, 6, 7};
   CommRequest ar{CommRequest::Kind::kCollective, CollectiveKind::kAllReduce, Algorithm::kRing,
                  node0, S};
-  Expected<std::vector<double>> r =
-      simulate_communication(t, CommModel::ideal(), {ar});
+  Expected<std::vector<double>> r = simulate_communication(t, CommModel::ideal(), {ar});
   ASSERT_TRUE(r.ok()) << r.error().message();
   const double n = 8, B = t.intra.bandwidth, alpha = t.intra.latency;
   const double expected = 2 * (n - 1) / n * S / B + 2 * (n - 1) * alpha;
@@ -267,12 +266,10 @@ TEST(Simulator, TwoFlowsSharingALinkGetHalfEach) {
       CommRequest::Kind::kTransfer, CollectiveKind::kAllReduce, Algorithm::kRing, {0, 1}, S};
   CommRequest b = a;
   b.gpus = {2, 1};  // into the same GPU: both cross its NVSwitch port
-  Expected<std::vector<double>> shared =
-      simulate_communication(t, CommModel::ideal(), {a, b});
+  Expected<std::vector<double>> shared = simulate_communication(t, CommModel::ideal(), {a, b});
   ASSERT_TRUE(shared.ok()) << shared.error().message();
   b.gpus = {2, 3};  // disjoint ports
-  Expected<std::vector<double>> apart =
-      simulate_communication(t, CommModel::ideal(), {a, b});
+  Expected<std::vector<double>> apart = simulate_communication(t, CommModel::ideal(), {a, b});
   ASSERT_TRUE(apart.ok()) << apart.error().message();
   const double alone = S / B + t.intra.latency;
   EXPECT_NEAR((*apart)[0], alone, 1e-6 * alone);
