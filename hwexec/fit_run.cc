@@ -128,19 +128,27 @@ Expected<RunPoints> run_points(const RunResults& run, const Plan& plan, const Gp
       if (it == ops.end() || t.calls <= 0 || t.seconds <= 0) continue;
       const Op& op = *it->second.op;
       const OpPartition& p = it->second.partition;
+      // A zero-bubble split backward times a linear's input-gradient GEMM (bwd_input) apart
+      // from its weight-gradient GEMM (bwd_weight); every other operator's backward runs whole
+      // in bwd_input.
       const bool fwd = t.phase == "fwd";
-      if (!fwd && t.phase != "bwd") continue;
+      const bool input_only = t.phase == "bwd_input";
+      const bool weight_only = t.phase == "bwd_weight";
+      if (!fwd && t.phase != "bwd" && !input_only && !weight_only) continue;
       const double per_call = t.seconds / t.calls;
       const std::string what = fmt::format("{} {}, rank {} ({})", t.name, t.phase, r.rank, path);
       if (op.kind == OpKind::kLinear) {
         const PieceShape s = linear_piece_shape(op, p, plan.mesh);
         const Precision pr = out.precision;
-        const double ideal_s = fwd ? gemm_seconds(s.m, s.n, s.k, pr, gpu, ideal)
-                                   : gemm_seconds(s.m, s.k, s.n, pr, gpu, ideal) +
-                                         gemm_seconds(s.k, s.n, s.m, pr, gpu, ideal);
-        const double flops = (fwd ? 2 : 4) * s.m * s.n * s.k;
+        const double input_grad = gemm_seconds(s.m, s.k, s.n, pr, gpu, ideal);
+        const double weight_grad = gemm_seconds(s.k, s.n, s.m, pr, gpu, ideal);
+        const double ideal_s = fwd           ? gemm_seconds(s.m, s.n, s.k, pr, gpu, ideal)
+                               : input_only  ? input_grad
+                               : weight_only ? weight_grad
+                                             : input_grad + weight_grad;
+        const double flops = (t.phase == "bwd" ? 4 : 2) * s.m * s.n * s.k;
         out.gemm.push_back({what, 0, 0, 0, flops, ideal_s, per_call, run.device == "cpu"});
-      } else if (memory_bound(op.kind)) {
+      } else if (memory_bound(op.kind) && !weight_only) {
         // The compiler prices a backward with weight gradients as two kernels, half the traffic
         // each; everything else as one.
         const double f = p.factor(op.dims, plan.mesh);

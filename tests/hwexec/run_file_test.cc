@@ -267,6 +267,56 @@ TEST(HwexecFitRun, RecoversTheParametersTheOperatorTimesWereMadeWith) {
   EXPECT_FALSE(c.nvlink.has_value());
 }
 
+TEST(HwexecFitRun, SplitBackwardPhasesAreTheirTwoGemms) {
+  // A zero-bubble run times a linear's input-gradient GEMM (bwd_input) apart from its
+  // weight-gradient GEMM (bwd_weight): made here from the same truth, each is a point of its own
+  // GEMM, and the fit is the unsplit run's.
+  const Plan plan = tiny_plan();
+  const GpuSpec gpu = *find_gpu("a100-sxm4-80gb");
+  const RunTruth truth;
+  RunResults run = synthetic_run(plan, gpu, truth);
+  ComputeModel ideal = ComputeModel::defaults_for(gpu);
+  ideal.gemm_efficiency = {{Precision::kFp32, 1.0}};
+  ideal.sustained = 1;
+  ModelSpec model = plan.model;
+  model.precision = plan.precision;
+  const OpGraph graph = lower_model(model, plan.micro_batch);
+  std::map<std::string, PieceShape> linear;
+  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
+    const std::vector<OpPartition> parts = *resolve_partitions(*part, plan);
+    for (size_t i = 0; i < part->ops.size(); ++i) {
+      if (part->ops[i].kind == OpKind::kLinear) {
+        linear[part->ops[i].name] = linear_piece_shape(part->ops[i], parts[i], plan.mesh);
+      }
+    }
+  }
+  ASSERT_EQ(linear.size(), 5u);
+  for (RankResult& k : run.ranks) {
+    std::vector<OpTime> ops;
+    for (const OpTime& o : k.ops) {
+      auto it = linear.find(o.name);
+      if (o.phase != "bwd" || it == linear.end()) {
+        ops.push_back(o);
+        continue;
+      }
+      const PieceShape& s = it->second;
+      const double input = gemm_seconds(s.m, s.k, s.n, Precision::kFp32, gpu, ideal);
+      const double weight = gemm_seconds(s.k, s.n, s.m, Precision::kFp32, gpu, ideal);
+      ops.push_back({o.name, "bwd_input", o.calls, o.calls * input / truth.bwd_efficiency});
+      ops.push_back({o.name, "bwd_weight", o.calls, o.calls * weight / truth.bwd_efficiency});
+    }
+    k.ops = ops;
+  }
+  Expected<RunPoints> points = run_points(run, plan, gpu, "zb.h5");
+  ASSERT_TRUE(points.ok()) << points.error().message();
+  // Five linear operators x 3 phases x 4 ranks.
+  EXPECT_EQ(points->gemm.size(), 5u * 3 * 4);
+  Expected<Fit> f = fit_all(nullptr, "", {*points}, gpu, "zb");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  EXPECT_NEAR(f->calibration.gemm_efficiency.at(Precision::kFp32), truth.fwd_efficiency, 1e-9);
+  EXPECT_NEAR(f->gemm[0].max_error, 1 - truth.bwd_efficiency / truth.fwd_efficiency, 1e-9);
+}
+
 TEST(HwexecFitRun, WithAMicrobenchmarkFileGemmsPoolAndTheRunSetsTheMemoryLine) {
   const Plan plan = tiny_plan();
   const GpuSpec gpu = *find_gpu("h100-sxm5-80gb");
