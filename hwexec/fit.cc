@@ -439,14 +439,13 @@ std::optional<LinkFit> fit_link(const MicroResults& micro, const GpuSpec& gpu,
   std::optional<LinkFit> f =
       fit_link_series(fitted, {"micro.h5", gpu.nvlink_bandwidth, 1024.0 * 1024, 2}, notes);
   if (!f) return f;
-  // The fitted link as the simulator applies it.
-  LinkClassModel model = CommModel::defaults_for(gpu).nvlink;
-  if (!f->link.curve.empty()) model.curve = f->link.curve;
-  if (f->link.max_efficiency) model.max_efficiency = *f->link.max_efficiency;
-  if (f->link.all_reduce_max_efficiency) {
-    model.all_reduce_max_efficiency = *f->link.all_reduce_max_efficiency;
-  }
-  if (f->link.step_latency) model.step_latency = *f->link.step_latency;
+  // The fitted link as the simulator applies it (a calibration holding only that link).
+  Calibration as_file;
+  as_file.gpus[gpu.name].nvlink = f->link;
+  ComputeModel compute = ComputeModel::defaults_for(gpu);
+  CommModel comm = CommModel::defaults_for(gpu);
+  apply_calibration(as_file, gpu.name, compute, comm);
+  const LinkClassModel& model = comm.nvlink;
   for (const CollectiveSeries& s : micro.collectives) {
     if (s.ranks < 2 || s.samples.empty()) continue;
     const bool all_reduce = s.kind == "all_reduce";
