@@ -146,10 +146,10 @@ TEST(Validate, DevSetAccuracyRegressionBound) {
   ValidationSummary s = summarize(out);
   for (const auto& c : out) EXPECT_TRUE(c.ok()) << c.id << ": " << c.status;
   EXPECT_EQ(s.failures, 0);
-  EXPECT_LE(s.time.median, 7.0);
-  EXPECT_LE(s.time.p90, 25.0);
-  EXPECT_LE(s.time_stated.median, 7.0);
-  EXPECT_LE(s.time_stated.p90, 15.0);
+  EXPECT_LE(s.time.median, 5.0);
+  EXPECT_LE(s.time.p90, 23.0);
+  EXPECT_LE(s.time_stated.median, 5.0);
+  EXPECT_LE(s.time_stated.p90, 12.0);
   EXPECT_LE(s.memory.median, 14.0);
   EXPECT_LE(s.memory.max, 25.0);
   // Korthikanti et al. 2022: the best public analytical model (Calculon) reaches 3.65 % mean and
