@@ -368,7 +368,7 @@ Plan parse_plan_node(const InputNode& root) {
   if (auto c = root.get("communication")) {
     c->check_keys({"dp_bucket_bytes", "overlap_grad_reduce", "overlap_param_gather",
                    "pp_scatter_gather", "algorithm", "grad_reduce_bytes", "tp_overlap",
-                   "zero3_per_tensor", "zero3_regather_for_recompute"});
+                   "zero3_per_tensor", "zero3_regather_for_recompute", "save_gathered_inputs"});
     plan.comm.dp_bucket_bytes =
         c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
     plan.comm.overlap_grad_reduce = c->get_bool("overlap_grad_reduce", true);
@@ -379,6 +379,7 @@ Plan parse_plan_node(const InputNode& root) {
     plan.comm.tp_overlap = c->get_bool("tp_overlap", false);
     plan.comm.zero3_per_tensor = c->get_bool("zero3_per_tensor", false);
     plan.comm.zero3_regather_for_recompute = c->get_bool("zero3_regather_for_recompute", false);
+    plan.comm.save_gathered_inputs = c->get_bool("save_gathered_inputs", false);
     if (plan.comm.algorithm != "auto" && plan.comm.algorithm != "ring" &&
         plan.comm.algorithm != "tree") {
       (*c)["algorithm"].fail_unknown(plan.comm.algorithm, {"auto", "ring", "tree"});
@@ -491,7 +492,8 @@ std::string plan_to_json(const Plan& plan) {
                         {"grad_reduce_bytes", plan.comm.grad_reduce_bytes},
                         {"tp_overlap", plan.comm.tp_overlap},
                         {"zero3_per_tensor", plan.comm.zero3_per_tensor},
-                        {"zero3_regather_for_recompute", plan.comm.zero3_regather_for_recompute}};
+                        {"zero3_regather_for_recompute", plan.comm.zero3_regather_for_recompute},
+                        {"save_gathered_inputs", plan.comm.save_gathered_inputs}};
   json orders = json::array();
   for (const auto& o : plan.schedule) {
     std::string blocks;

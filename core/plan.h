@@ -166,6 +166,11 @@ struct CommSettings {
   // recomputation and again for its backward (DeepSpeed: the recomputed forward's hooks fetch
   // and release the parameters before the backward's hooks fetch them again).
   bool zero3_regather_for_recompute = false;
+  // Sequence parallelism: an input that arrives by all-gather (a norm's output, gathered for the
+  // column-parallel linears) is saved for the backward as gathered, which then does not gather
+  // it again (PyTorch's DTensor tensor parallelism, as torchtitan runs it); false: saved split
+  // and gathered again in the backward (Megatron).
+  bool save_gathered_inputs = false;
   // Bytes per element of gradient reduce-scatters / all-reduces (0: the gradient buffer's,
   // grad_bytes; frameworks may reduce in another precision than they accumulate).
   double grad_reduce_bytes = 0;

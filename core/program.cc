@@ -407,7 +407,7 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
   for (int i = static_cast<int>(ops.size()) - 1; i >= 0; --i) {
     const Op& op = ops[i];
     const OpPartition& part = p.partitions[i];
-    if (input_grads) {
+    if (input_grads && !plan.comm.save_gathered_inputs) {
       // Inputs kept split instead of gathered (Megatron's sequence parallelism keeps the
       // sequence-split norm output) are gathered again before the backward matmuls.
       for (const TensorRef& r : op.inputs) {
@@ -518,8 +518,9 @@ double Compiler::kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
       if (is_input) {
         const TensorLayout& have = t.ref.op < 0 ? in_layout : p.out_layouts[t.ref.op];
         layout = input_layout(op, part, t.dims);
-        // Inputs that arrive by all-gather are kept in their split form.
-        for (size_t a = 0; a < layout.size(); ++a) {
+        // Inputs that arrive by all-gather are kept in their split form (unless the framework
+        // saves them gathered).
+        for (size_t a = 0; a < layout.size() && !plan.comm.save_gathered_inputs; ++a) {
           if (have[a].kind == AxisLayoutKind::kSplit &&
               layout[a].kind == AxisLayoutKind::kReplicated) {
             layout[a] = have[a];

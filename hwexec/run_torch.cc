@@ -403,6 +403,9 @@ struct Split {
   // Sequence parallelism: `seq` ranks (the tensor-parallel group) each hold a slice of the
   // sequence between the column- and row-parallel linears (Megatron-LM's).
   int seq = 1;
+  // The column-parallel linears keep their gathered input for the backward instead of dropping
+  // it and gathering it again (communication.save_gathered_inputs: PyTorch's DTensor).
+  bool save_gathered = false;
   // Context parallelism: `cp` ranks each hold the tokens at cp_positions(seq_len, cp, cp_index)
   // of every sequence, through every operator.
   int cp = 1, cp_index = 0;
@@ -858,8 +861,11 @@ class Model {
   // A column-parallel linear's input under sequence parallelism: the gathered sequence, whose
   // storage `dropped` frees after the forward (Megatron keeps only the shard) and `regather`
   // fills again from the shard (the norm's output, kept for its own backward).
-  void dropped(const at::Tensor& gathered) { resize_storage(gathered, 0); }
+  void dropped(const at::Tensor& gathered) {
+    if (!split_.save_gathered) resize_storage(gathered, 0);
+  }
   void regather(Ctx& c, const at::Tensor& shard, Unit& u, const std::string& label) {
+    if (split_.save_gathered) return;
     const at::Tensor full = gather_seq(c, shard, label);
     resize_storage(u.in[0], full.nbytes());
     at::NoGradGuard no_grad;
@@ -1205,6 +1211,7 @@ Layout layout_of(const Plan& plan, int rank) {
       for (const std::string& a : sp.axes) L.split.seq *= plan.mesh.axis_size(a);
     }
   }
+  L.split.save_gathered = plan.comm.save_gathered_inputs;
   if (L.order == nullptr || L.order->blocks.empty()) return L;
   for (const Block& b : L.order->blocks) {
     if (std::find(L.segments.begin(), L.segments.end(), b.segment) == L.segments.end()) {

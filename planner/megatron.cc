@@ -415,6 +415,9 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     // pipeline schedules skip resharding and gradient reduction after all but the last
     // micro-batch's backward: parameters stay gathered for the iteration.
     plan.optimizer.keep_gathered = o.zero == 3 && o.pp > 1;
+    // PyTorch's tensor parallelism (DTensor) saves a sequence-parallel linear's gathered input
+    // for the backward instead of gathering it again.
+    plan.comm.save_gathered_inputs = true;
   } else if (o.framework == "deepspeed" || o.framework == "other") {
     // DeepSpeed ZeRO and plain mixed precision: 16-bit weights and gradients, fp32 master copy
     // and moments (the 16 bytes per parameter of the ZeRO paper).

@@ -144,6 +144,7 @@ TEST(Plan, HandBuiltPlanRoundTrips) {
   p.comm.overlap_grad_reduce = false;
   p.comm.pp_scatter_gather = false;
   p.comm.algorithm = "ring";
+  p.comm.save_gathered_inputs = true;
   p.topology_gpus = 8;
   p.topology_name = "h200x8";
   p.schedule_name = "custom";
@@ -164,6 +165,7 @@ TEST(Plan, HandBuiltPlanRoundTrips) {
   EXPECT_TRUE(q->partition[1].splits[1].axes.empty());  // an explicit un-split survives
   EXPECT_EQ(q->comm.algorithm, "ring");
   EXPECT_FALSE(q->comm.overlap_grad_reduce);
+  EXPECT_TRUE(q->comm.save_gathered_inputs);
   EXPECT_EQ(q->schedule[0].blocks, p.schedule[0].blocks);
   EXPECT_EQ(q->model.mlp, MlpKind::kSwiglu);
   EXPECT_EQ(q->model.kv_heads, 2);
@@ -255,6 +257,9 @@ TEST(Plan, OtherFieldChecks) {
                "it needs \"zero\": 3");
   expect_error("\"global_batch\": 8", "\"global_batch\": 0", "training.global_batch",
                "must be at least 1");
+  expect_error("\"optimizer\": {\"zero\": 1},",
+               "\"optimizer\": {\"zero\": 1}, \"communication\": {\"save_gathered_inputs\": 1},",
+               "communication.save_gathered_inputs", "true or false");
 }
 
 // Repeated forwards: training.recycle, and forward blocks naming their pass ("F0@0#1").

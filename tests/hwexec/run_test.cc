@@ -347,6 +347,9 @@ INSTANTIATE_TEST_SUITE_P(
         with("sp_tp2", 2, 1, 1, 2, {"--sequence-parallel"}),
         with("tp2_sp_pp2", 2, 2, 1, 4, {"--sequence-parallel"}),
         with("llama_sp_tp2", 2, 1, 1, 2, {"--sequence-parallel"}, &kLlama),
+        // PyTorch's tensor parallelism (FSDP plans): the gathered input saved, not regathered.
+        with("fsdp_llama_sp_tp2_dp2", 2, 1, 2, 4, {"--sequence-parallel", "--framework", "fsdp"},
+             &kLlama),
         with("recompute_full_pp2", 1, 2, 1, 4, {"--recompute", "full"}),
         with("recompute_selective_tp2", 2, 1, 1, 2, {"--recompute", "selective"}),
         with("sp_recompute_full_tp2", 2, 1, 1, 2, {"--sequence-parallel", "--recompute", "full"}),

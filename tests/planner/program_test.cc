@@ -237,6 +237,36 @@ TEST(Program, SequenceParallelLayerCollectives) {
   }
 }
 
+// PyTorch's tensor parallelism saves the two gathered norm outputs (the inputs of the QKV and
+// first MLP linears) whole instead of gathering them again in the backward: Korthikanti et
+// al.'s tp+sp bytes plus (1 - 1/t) of two 2-byte s b h tensors, and no backward all-gathers.
+TEST(Program, SavedGatheredInputsCostMemoryAndSaveTheBackwardGathers) {
+  const ModelSpec m = korthikanti("gpt3-1.3b");
+  const double s = m.seq_len, h = m.hidden, a = m.heads, t = 8, b = 1;
+  const double sbh = s * b * h;
+  auto plan = build_megatron_plan(m, dgx(), options(8, 1, true, RecomputeMode::kNone, 1));
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  EXPECT_FALSE(plan->comm.save_gathered_inputs);  // Megatron
+  plan->comm.save_gathered_inputs = true;
+  auto prog = compile_plan(*plan, dgx());
+  ASSERT_TRUE(prog.ok()) << prog.error().message();
+  for (int l = 0; l < m.layers; ++l) {
+    EXPECT_DOUBLE_EQ(prog->layer_activation_bytes[l],
+                     sbh / t * (34 + 5 * a * s / h) + 2 * 2 * sbh * (1 - 1 / t))
+        << "layer " << l;
+  }
+  const int n = m.layers;
+  EXPECT_EQ(layer_collectives(*prog, 0, BlockKind::kForward), (Counts{{kAG, 2 * n}, {kRS, 2 * n}}));
+  EXPECT_EQ(layer_collectives(*prog, 0, BlockKind::kBackward),
+            (Counts{{kAG, 2 * n}, {kRS, 2 * n}}));
+
+  MegatronOptions o = options(8, 1, true, RecomputeMode::kNone, 1);
+  o.framework = "fsdp";
+  auto fsdp = build_megatron_plan(m, dgx(), o);
+  ASSERT_TRUE(fsdp.ok()) << fsdp.error().message();
+  EXPECT_TRUE(fsdp->comm.save_gathered_inputs);
+}
+
 // Full recompute replays the forward (with its collectives) inside the backward block.
 TEST(Program, FullRecomputeRepeatsTheForwardCollectives) {
   const ModelSpec m = korthikanti("gpt3-1.3b");
