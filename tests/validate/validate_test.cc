@@ -150,8 +150,8 @@ TEST(Validate, DevSetAccuracyRegressionBound) {
   EXPECT_LE(s.time.p90, 23.0);
   EXPECT_LE(s.time_stated.median, 5.0);
   EXPECT_LE(s.time_stated.p90, 12.0);
-  EXPECT_LE(s.memory.median, 14.0);
-  EXPECT_LE(s.memory.max, 25.0);
+  EXPECT_LE(s.memory.median, 11.0);
+  EXPECT_LE(s.memory.max, 16.0);
   // Korthikanti et al. 2022: the best public analytical model (Calculon) reaches 3.65 % mean and
   // 8.9 % worst absolute error on these runs; nnsim must stay below both.
   std::vector<double> korthikanti;
