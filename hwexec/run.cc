@@ -42,7 +42,7 @@ Status check_runnable(const Plan& plan) {
                     "MLP, learned or rotary positions; Megatron tensor and sequence "
                     "parallelism, context parallelism, pipelines (interleaved too) with F, B, R "
                     "and zero-bubble BI/BW blocks, "
-                    "data parallelism with ZeRO 0-3, recompute rules over layers)",
+                    "data parallelism with ZeRO 0-3, recompute rules, repeated forwards)",
                     field, why));
   };
   if (m.mlp != MlpKind::kGelu && m.mlp != MlpKind::kSwiglu) {
@@ -67,14 +67,6 @@ Status check_runnable(const Plan& plan) {
     return refuse("model.dropout",
                   "dropout would make the partitioned run differ from the unpartitioned one; set "
                   "dropout: false");
-  }
-  for (std::size_t i = 0; i < plan.recompute.size(); ++i) {
-    if (plan.recompute[i].end_layer < 0) {
-      return refuse(fmt::format("recompute[{}]", i),
-                    fmt::format("rule '{}' has no layers, so it also recomputes the embedding and "
-                                "the head, which is not supported yet (give it layers)",
-                                plan.recompute[i].match));
-    }
   }
   if (plan.optimizer.zero < 0 || plan.optimizer.zero > 3) {
     return refuse("optimizer.zero",
@@ -286,11 +278,9 @@ Status check_runnable(const Plan& plan) {
   // One segment per order, not spanning orders; F and B blocks only, each once.
   const int mb = plan.num_micro_batches();
   if (mb < 1) return refuse("training", "no micro-batches per replica");
-  if (plan.recycle != 1) {
+  if (plan.recycle < 1) {
     return refuse("training.recycle",
-                  fmt::format("repeated forwards ({} passes per micro-batch) are simulated but "
-                              "not executed yet; set it to 1",
-                              plan.recycle));
+                  fmt::format("{} forward passes per micro-batch; at least 1", plan.recycle));
   }
   for (std::size_t si = 0; si < plan.segments.size(); ++si) {
     for (const std::string& a : pp_axes) {
@@ -335,6 +325,19 @@ Status check_runnable(const Plan& plan) {
                         : b.kind == BlockKind::kBackwardInput ? kBI
                                                               : kBW;
       const int sg = b.segment, i = b.micro_batch;
+      // Repeated forwards: a micro-batch's passes in order, its backward after the last one
+      // (whose activations it reads).
+      if (kind == kF && b.pass != (count.count({sg, kF, i}) ? count[{sg, kF, i}] : 0)) {
+        return refuse(field, fmt::format("block '{}' is not the next forward pass of its "
+                                         "micro-batch (training.recycle = {})",
+                                         to_string(b), plan.recycle));
+      }
+      const bool forwarded = count.count({sg, kF, i}) && count[{sg, kF, i}] == plan.recycle;
+      if ((kind == kB || kind == kBI || kind == kR) && !forwarded) {
+        return refuse(field, fmt::format("block '{}' comes before the last forward pass of its "
+                                         "micro-batch",
+                                         to_string(b)));
+      }
       // An R block recomputes what its forward dropped, for its backward (B or BI).
       if (kind == kR && (!seen(sg, kF, i) || seen(sg, kB, i) || seen(sg, kBI, i))) {
         return refuse(field, fmt::format("block '{}' is not between the forward and the "
@@ -356,8 +359,8 @@ Status check_runnable(const Plan& plan) {
         auto n = [&](Kind k) { return count.count({sg, k, i}) ? count[{sg, k, i}] : 0; };
         const char* what = nullptr;
         int times = 0;
-        if (n(kF) != 1) {
-          what = "forward";
+        if (n(kF) != plan.recycle) {
+          what = plan.recycle > 1 ? "forward passes" : "forward";
           times = n(kF);
         } else if (!(n(kB) == 1 && n(kBI) == 0 && n(kBW) == 0) &&
                    !(n(kB) == 0 && n(kBI) == 1 && n(kBW) == 1)) {
@@ -366,8 +369,11 @@ Status check_runnable(const Plan& plan) {
         }
         if (what) {
           return refuse(field, fmt::format("the {} of micro-batch {} through segment {} "
-                                           "appears {} times (once expected)",
-                                           what, i, sg, times));
+                                           "appears {} times ({} expected)",
+                                           what, i, sg, times,
+                                           n(kF) != plan.recycle && plan.recycle > 1
+                                               ? fmt::format("{}", plan.recycle)
+                                               : std::string("once")));
         }
       }
     }
