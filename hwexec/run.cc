@@ -39,9 +39,9 @@ Status check_runnable(const Plan& plan) {
     return Error(
         fmt::format("{}: {} (nnexec run executes GPT- and Llama-style models: "
                     "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU or SwiGLU "
-                    "MLP, learned or rotary positions; Megatron tensor and sequence "
-                    "parallelism, context parallelism, pipelines (interleaved too) with F, B, R "
-                    "and zero-bubble BI/BW blocks, "
+                    "MLP, learned or rotary positions; Megatron tensor, sequence and context "
+                    "parallelism (together too), pipelines (interleaved too, each segment on one "
+                    "stage) with F, B, R and zero-bubble BI/BW blocks, "
                     "data parallelism with ZeRO 0-3, recompute rules, repeated forwards)",
                     field, why));
   };
@@ -133,20 +133,30 @@ Status check_runnable(const Plan& plan) {
       } else {
         has_allowed = false;
       }
-      for (const auto& [dim, axes] : splits) {
+      for (auto [dim, axes] : splits) {
         if (axes.empty()) continue;
         if (dim == Dim::kSeq && !cp_axes.empty() && axes == cp_axes) {
           cp_split.insert(op.name);
           continue;
         }
         if (dim == Dim::kSeq && !cp_axes.empty()) {
-          // Megatron's sequence parallelism inside context parallelism: the norms' sequence
-          // over cp and tp.
-          return refuse("partition",
-                        fmt::format("sequence parallelism together with context parallelism over "
-                                    "{} is not supported yet (operator '{}' is split along 'seq' "
-                                    "over {})",
-                                    join(cp_axes, "+"), op.name, join(axes, "+")));
+          // Megatron's sequence parallelism inside context parallelism: the norms', residuals'
+          // and position add's sequence over cp, then over the tensor-parallel axes (each cp
+          // rank's tokens cut in tp slices).
+          const bool cp_first = axes.size() > cp_axes.size() &&
+                                std::equal(cp_axes.begin(), cp_axes.end(), axes.begin());
+          if (!cp_first || !kSequenceParallelOps.count(op.name)) {
+            return refuse("partition",
+                          fmt::format("operator '{}' is split along 'seq' over {} but attn.core "
+                                      "over {} (context parallelism splits every operator's "
+                                      "sequence over {}; sequence parallelism splits the norms', "
+                                      "residuals' and position add's further, over {} then the "
+                                      "tensor-parallel axes)",
+                                      op.name, join(axes, "+"), join(cp_axes, "+"),
+                                      join(cp_axes, "+"), join(cp_axes, "+")));
+          }
+          cp_split.insert(op.name);
+          axes.erase(axes.begin(), axes.begin() + static_cast<std::ptrdiff_t>(cp_axes.size()));
         }
         // Megatron's sequence parallelism: the norms, residuals and position add on sequence
         // shards of the tensor-parallel group.
@@ -166,7 +176,10 @@ Status check_runnable(const Plan& plan) {
             return refuse("partition",
                           fmt::format("operator '{}' is split along the pipeline axis '{}' "
                                       "(--shard-head / --shard-embedding), which is not supported "
-                                      "yet",
+                                      "yet: its segment spans every pipeline stage, and the "
+                                      "executor builds one pipeline stage's part of the model per "
+                                      "segment, with its vocabulary-parallel collectives over the "
+                                      "tensor-parallel axes only",
                                       op.name, a));
           }
         }
@@ -229,10 +242,17 @@ Status check_runnable(const Plan& plan) {
                     "sequence parallelism needs tensor-parallel attention and MLP "
                     "(the sequence is gathered for their column-parallel linears)");
     }
-    if (m.seq_len % tp != 0) {
-      return refuse("partition", fmt::format("seq_len {} is not divisible by the "
-                                             "tensor-parallel degree {} (sequence parallelism)",
-                                             m.seq_len, tp));
+    // With context parallelism each cp rank's tokens are cut in tp slices.
+    int cp_ways = 1;
+    for (const std::string& a : cp_axes) cp_ways *= plan.mesh.axis_size(a);
+    if (m.seq_len % (cp_ways * tp) != 0) {
+      return refuse(
+          "partition",
+          fmt::format("seq_len {} is not divisible by the tensor-parallel degree {}{} "
+                      "(sequence parallelism)",
+                      m.seq_len, tp,
+                      cp_ways > 1 ? fmt::format(" x the context-parallel degree {}", cp_ways)
+                                  : std::string()));
     }
   }
   if (!cp_axes.empty()) {
@@ -287,7 +307,9 @@ Status check_runnable(const Plan& plan) {
       if (!plan.segments[si].devices.count(a)) {
         return refuse(fmt::format("segments[{}].devices", si),
                       fmt::format("segment '{}' spans several pipeline stages (--shard-head / "
-                                  "--shard-embedding), which is not supported yet",
+                                  "--shard-embedding), which is not supported yet: the executor "
+                                  "runs each segment on one rank of the pipeline axes, receiving "
+                                  "from and sending to one neighbour",
                                   plan.segments[si].name));
       }
     }

@@ -896,8 +896,9 @@ class Model {
       const int64_t sl = x.size(1), first = split_.seq > 1 ? t_ * sl : 0;
       tape.pos =
           fwd(st, "embed.position", phase, {leaf(x)}, [&](const std::vector<at::Tensor>& in) {
-            // Context parallelism: the rows of this rank's positions.
-            return in[0] + (split_.cp > 1 ? W(pos_).index_select(0, positions_)
+            // Context parallelism: the rows of this rank's positions (under sequence
+            // parallelism, of its slice of them).
+            return in[0] + (split_.cp > 1 ? W(pos_).index_select(0, positions_.narrow(0, first, sl))
                                           : W(pos_).narrow(0, first, sl));
           });
       x = tape.pos.out.detach();
@@ -1308,8 +1309,13 @@ Layout layout_of(const Plan& plan, int rank) {
     if (!match_pattern(r.match, "attn.norm")) continue;
     for (const DimSplit& sp : r.splits) {
       if (sp.dim != Dim::kSeq || sp.axes == L.cp_axes) continue;
+      // Sequence parallelism (with context parallelism: the axes after cp's, over which each cp
+      // rank's tokens are cut).
       L.split.seq = 1;
-      for (const std::string& a : sp.axes) L.split.seq *= plan.mesh.axis_size(a);
+      for (const std::string& a : sp.axes) {
+        const bool cp = std::find(L.cp_axes.begin(), L.cp_axes.end(), a) != L.cp_axes.end();
+        if (!cp) L.split.seq *= plan.mesh.axis_size(a);
+      }
     }
   }
   if (L.order == nullptr || L.order->blocks.empty()) return L;

@@ -422,6 +422,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"zero1_cp2_dp2", 1, 1, 2, "1f1b", 4, &kModel, "fp32", {"--zero", "1"}, 2},
         Case{"zero3_cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {"--zero", "3"}, 2},
         Case{"bf16_llama_cp2_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16", {}, 2},
+        // Sequence parallelism inside context parallelism: each cp rank's tokens cut in tp
+        // slices for the norms, residuals and the position add.
+        Case{"sp_cp2_tp2", 2, 1, 1, "1f1b", 2, &kModel, "fp32", {"--sequence-parallel"}, 2},
+        Case{"llama_sp_cp2_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "fp32", {"--sequence-parallel"}, 2},
         // Repeated forwards (training.recycle): every pass but the last without gradients, the
         // last segment's output recycled into the first segment (a transfer; in memory when
         // one rank holds both).
@@ -531,12 +535,12 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
         << r;
     EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
   };
-  // Context parallelism with sequence parallelism.
-  ASSERT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {"--sequence-parallel"}, kModel, "fp32", 2).status,
-            0);
+  // The head sharded over the pipeline stages (its segment spans them).
+  ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 4, {"--shard-head"}).status, 0);
   refused(
-      {"cannot run this plan: partition: sequence parallelism together with context "
-       "parallelism over cp is not supported yet"});
+      {"cannot run this plan: partition: operator 'head.proj' is split along the pipeline axis "
+       "'pp' (--shard-head / --shard-embedding), which is not supported yet: its segment spans "
+       "every pipeline stage"});
   // ZeRO-3 with zero-bubble split backwards.
   ASSERT_EQ(make_plan(dir, 1, 2, 2, "zb-h1", 4, {"--zero", "3"}).status, 0);
   refused(
@@ -618,6 +622,26 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   EXPECT_TRUE(contains(s.error().message(),
                        "schedule.orders[0].blocks: the backward (one B, or one BI and one BW) "
                        "of micro-batch 0 through segment 0 appears 1 times"))
+      << s.error().message();
+  // Sequence parallelism inside context parallelism cuts each cp rank's tokens over tp: the
+  // norms' sequence split over cp, then tp; the other order is refused.
+  Expected<Plan> spcp = [] {
+    TempDir dir;
+    EXPECT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {"--sequence-parallel"}, kModel, "fp32", 2).status,
+              0);
+    return load_plan(dir.file("plan.json"));
+  }();
+  ASSERT_TRUE(spcp.ok()) << spcp.error().message();
+  EXPECT_TRUE(check_runnable(*spcp).ok()) << check_runnable(*spcp).error().message();
+  for (PartitionRule& r : spcp->partition) {
+    for (DimSplit& d : r.splits) {
+      if (d.axes == std::vector<std::string>{"cp", "tp"}) d.axes = {"tp", "cp"};
+    }
+  }
+  s = check_runnable(*spcp);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(
+      contains(s.error().message(), "is split along 'seq' over tp+cp but attn.core over cp"))
       << s.error().message();
   // MQA without tensor parallelism runs.
   Expected<Plan> one = [] {
