@@ -14,9 +14,11 @@
 // Sequence parallelism turns the tp all-reduces into all-gathers before the column-parallel
 // linears and reduce-scatters after the row-parallel ones; ZeRO reduce-scatters gradients and
 // all-gathers parameters over dp; recompute rules re-run operators' forwards before the
-// backward; zero-bubble BI blocks defer the linear layers' weight gradients to BW
-// (run_split_backward.h); context parallelism splits every sequence over cp, attn.core
-// exchanging keys and values (run_context_parallel.h). Collectives follow the compiled
+// backward (the embedding's and the head's too for rules without layers); repeated forwards
+// (training.recycle) run earlier passes without autograd, recycling the last segment's output
+// into the first segment's embedding; zero-bubble BI blocks defer the linear layers' weight
+// gradients to BW (run_split_backward.h); context parallelism splits every sequence over cp,
+// attn.core exchanging keys and values (run_context_parallel.h). Collectives follow the compiled
 // program's order and labels (core/program.cc).
 // On the CPU (--device cpu) the collectives go over the TCP-socket Comm and spans are timed with
 // the steady clock. On a GPU (--device cuda, only in a build whose LibTorch has CUDA) every rank
