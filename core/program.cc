@@ -923,12 +923,22 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     }
     case BlockKind::kRecompute: {
       double extra = 0;
+      // Recompute rules without layers: the embedding's and the head's operators too.
+      auto recompute_part = [&](const PartInfo& p, const TensorLayout& in_layout) {
+        const auto r = recomputed_ops(p, -1);
+        if (std::find(r.begin(), r.end(), true) == r.end()) return;
+        emit_forward(p, in_layout, r, true, ComputeClass::kRecompute, t.steps);
+        extra += kept_bytes(p, in_layout, std::vector<bool>(r.size(), false), false) -
+                 kept_bytes(p, in_layout, r, false);
+      };
+      if (s.embedding) recompute_part(embed, embed_out);
       for (int l = s.first_layer; l < s.end_layer; ++l) {
         auto r = recomputed_ops(layer, l);
         emit_forward(layer, layer_in(l), r, true, ComputeClass::kRecompute, t.steps);
         extra += kept_bytes(layer, layer_in(l), std::vector<bool>(r.size(), false), false) -
                  kept_bytes(layer, layer_in(l), r, false);
       }
+      if (s.head) recompute_part(head, layer_out);
       t.kept_bytes = extra;
       t.peak_bytes = extra + transient;
       memory(extra);
@@ -960,8 +970,17 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
           emit_grad_buckets(u.params * grad_bytes, pending, t.steps, seg);
         }
       };
+      // Recompute rules without layers also recompute the embedding's and the head's operators
+      // (what they dropped) before their backward.
+      auto recompute_part = [&](const PartInfo& p, const TensorLayout& in_layout) {
+        const auto r = recomputed_ops(p, -1);
+        if (input_grads && !explicit_recompute && std::find(r.begin(), r.end(), true) != r.end()) {
+          emit_forward(p, in_layout, r, true, ComputeClass::kRecompute, t.steps);
+        }
+      };
       if (s.head) {
         zero3_before(backward_units, unit++);
+        recompute_part(head, layer_out);
         emit_backward(head, layer_out, layer_out_grad, recomputed_ops(head, -1), input_grads,
                       weight_grads, t.steps);
         grads_ready(backward_units[unit - 1]);
@@ -977,6 +996,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       }
       if (s.embedding) {
         zero3_before(backward_units, unit++);
+        recompute_part(embed, embed_out);
         emit_backward(embed, embed_out, embed_out_grad, recomputed_ops(embed, -1), input_grads,
                       weight_grads, t.steps);
         grads_ready(backward_units[unit - 1]);
@@ -1006,6 +1026,14 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
             freed += kept_bytes(layer, layer_in(l), std::vector<bool>(r.size(), false), false) -
                      kept_bytes(layer, layer_in(l), r, false);
           }
+          // And what the R block recomputed of the embedding and the head.
+          auto freed_part = [&](const PartInfo& p, const TensorLayout& in_layout) {
+            auto r = recomputed_ops(p, -1);
+            freed += kept_bytes(p, in_layout, std::vector<bool>(r.size(), false), false) -
+                     kept_bytes(p, in_layout, r, false);
+          };
+          if (s.embedding) freed_part(embed, embed_out);
+          if (s.head) freed_part(head, layer_out);
         }
       } else if (t.kind == BlockKind::kBackwardInput) {
         freed = kept - kept_weight_inputs;

@@ -39,10 +39,10 @@ Status check_runnable(const Plan& plan) {
     return Error(
         fmt::format("{}: {} (nnexec run executes GPT- and Llama-style models: "
                     "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU or SwiGLU "
-                    "MLP, learned or rotary positions; Megatron tensor and sequence "
-                    "parallelism, context parallelism, pipelines (interleaved too) with F, B, R "
-                    "and zero-bubble BI/BW blocks, "
-                    "data parallelism with ZeRO 0-3, recompute rules over layers)",
+                    "MLP, learned or rotary positions; Megatron tensor, sequence and context "
+                    "parallelism (together too), pipelines (interleaved too, each segment on one "
+                    "stage) with F, B, R and zero-bubble BI/BW blocks, "
+                    "data parallelism with ZeRO 0-3, recompute rules, repeated forwards)",
                     field, why));
   };
   if (m.mlp != MlpKind::kGelu && m.mlp != MlpKind::kSwiglu) {
@@ -67,14 +67,6 @@ Status check_runnable(const Plan& plan) {
     return refuse("model.dropout",
                   "dropout would make the partitioned run differ from the unpartitioned one; set "
                   "dropout: false");
-  }
-  for (std::size_t i = 0; i < plan.recompute.size(); ++i) {
-    if (plan.recompute[i].end_layer < 0) {
-      return refuse(fmt::format("recompute[{}]", i),
-                    fmt::format("rule '{}' has no layers, so it also recomputes the embedding and "
-                                "the head, which is not supported yet (give it layers)",
-                                plan.recompute[i].match));
-    }
   }
   if (plan.optimizer.zero < 0 || plan.optimizer.zero > 3) {
     return refuse("optimizer.zero",
@@ -141,20 +133,30 @@ Status check_runnable(const Plan& plan) {
       } else {
         has_allowed = false;
       }
-      for (const auto& [dim, axes] : splits) {
+      for (auto [dim, axes] : splits) {
         if (axes.empty()) continue;
         if (dim == Dim::kSeq && !cp_axes.empty() && axes == cp_axes) {
           cp_split.insert(op.name);
           continue;
         }
         if (dim == Dim::kSeq && !cp_axes.empty()) {
-          // Megatron's sequence parallelism inside context parallelism: the norms' sequence
-          // over cp and tp.
-          return refuse("partition",
-                        fmt::format("sequence parallelism together with context parallelism over "
-                                    "{} is not supported yet (operator '{}' is split along 'seq' "
-                                    "over {})",
-                                    join(cp_axes, "+"), op.name, join(axes, "+")));
+          // Megatron's sequence parallelism inside context parallelism: the norms', residuals'
+          // and position add's sequence over cp, then over the tensor-parallel axes (each cp
+          // rank's tokens cut in tp slices).
+          const bool cp_first = axes.size() > cp_axes.size() &&
+                                std::equal(cp_axes.begin(), cp_axes.end(), axes.begin());
+          if (!cp_first || !kSequenceParallelOps.count(op.name)) {
+            return refuse("partition",
+                          fmt::format("operator '{}' is split along 'seq' over {} but attn.core "
+                                      "over {} (context parallelism splits every operator's "
+                                      "sequence over {}; sequence parallelism splits the norms', "
+                                      "residuals' and position add's further, over {} then the "
+                                      "tensor-parallel axes)",
+                                      op.name, join(axes, "+"), join(cp_axes, "+"),
+                                      join(cp_axes, "+"), join(cp_axes, "+")));
+          }
+          cp_split.insert(op.name);
+          axes.erase(axes.begin(), axes.begin() + static_cast<std::ptrdiff_t>(cp_axes.size()));
         }
         // Megatron's sequence parallelism: the norms, residuals and position add on sequence
         // shards of the tensor-parallel group.
@@ -174,7 +176,10 @@ Status check_runnable(const Plan& plan) {
             return refuse("partition",
                           fmt::format("operator '{}' is split along the pipeline axis '{}' "
                                       "(--shard-head / --shard-embedding), which is not supported "
-                                      "yet",
+                                      "yet: its segment spans every pipeline stage, and the "
+                                      "executor builds one pipeline stage's part of the model per "
+                                      "segment, with its vocabulary-parallel collectives over the "
+                                      "tensor-parallel axes only",
                                       op.name, a));
           }
         }
@@ -237,10 +242,17 @@ Status check_runnable(const Plan& plan) {
                     "sequence parallelism needs tensor-parallel attention and MLP "
                     "(the sequence is gathered for their column-parallel linears)");
     }
-    if (m.seq_len % tp != 0) {
-      return refuse("partition", fmt::format("seq_len {} is not divisible by the "
-                                             "tensor-parallel degree {} (sequence parallelism)",
-                                             m.seq_len, tp));
+    // With context parallelism each cp rank's tokens are cut in tp slices.
+    int cp_ways = 1;
+    for (const std::string& a : cp_axes) cp_ways *= plan.mesh.axis_size(a);
+    if (m.seq_len % (cp_ways * tp) != 0) {
+      return refuse(
+          "partition",
+          fmt::format("seq_len {} is not divisible by the tensor-parallel degree {}{} "
+                      "(sequence parallelism)",
+                      m.seq_len, tp,
+                      cp_ways > 1 ? fmt::format(" x the context-parallel degree {}", cp_ways)
+                                  : std::string()));
     }
   }
   if (!cp_axes.empty()) {
@@ -286,18 +298,18 @@ Status check_runnable(const Plan& plan) {
   // One segment per order, not spanning orders; F and B blocks only, each once.
   const int mb = plan.num_micro_batches();
   if (mb < 1) return refuse("training", "no micro-batches per replica");
-  if (plan.recycle != 1) {
+  if (plan.recycle < 1) {
     return refuse("training.recycle",
-                  fmt::format("repeated forwards ({} passes per micro-batch) are simulated but "
-                              "not executed yet; set it to 1",
-                              plan.recycle));
+                  fmt::format("{} forward passes per micro-batch; at least 1", plan.recycle));
   }
   for (std::size_t si = 0; si < plan.segments.size(); ++si) {
     for (const std::string& a : pp_axes) {
       if (!plan.segments[si].devices.count(a)) {
         return refuse(fmt::format("segments[{}].devices", si),
                       fmt::format("segment '{}' spans several pipeline stages (--shard-head / "
-                                  "--shard-embedding), which is not supported yet",
+                                  "--shard-embedding), which is not supported yet: the executor "
+                                  "runs each segment on one rank of the pipeline axes, receiving "
+                                  "from and sending to one neighbour",
                                   plan.segments[si].name));
       }
     }
@@ -335,6 +347,19 @@ Status check_runnable(const Plan& plan) {
                         : b.kind == BlockKind::kBackwardInput ? kBI
                                                               : kBW;
       const int sg = b.segment, i = b.micro_batch;
+      // Repeated forwards: a micro-batch's passes in order, its backward after the last one
+      // (whose activations it reads).
+      if (kind == kF && b.pass != (count.count({sg, kF, i}) ? count[{sg, kF, i}] : 0)) {
+        return refuse(field, fmt::format("block '{}' is not the next forward pass of its "
+                                         "micro-batch (training.recycle = {})",
+                                         to_string(b), plan.recycle));
+      }
+      const bool forwarded = count.count({sg, kF, i}) && count[{sg, kF, i}] == plan.recycle;
+      if ((kind == kB || kind == kBI || kind == kR) && !forwarded) {
+        return refuse(field, fmt::format("block '{}' comes before the last forward pass of its "
+                                         "micro-batch",
+                                         to_string(b)));
+      }
       // An R block recomputes what its forward dropped, for its backward (B or BI).
       if (kind == kR && (!seen(sg, kF, i) || seen(sg, kB, i) || seen(sg, kBI, i))) {
         return refuse(field, fmt::format("block '{}' is not between the forward and the "
@@ -356,8 +381,8 @@ Status check_runnable(const Plan& plan) {
         auto n = [&](Kind k) { return count.count({sg, k, i}) ? count[{sg, k, i}] : 0; };
         const char* what = nullptr;
         int times = 0;
-        if (n(kF) != 1) {
-          what = "forward";
+        if (n(kF) != plan.recycle) {
+          what = plan.recycle > 1 ? "forward passes" : "forward";
           times = n(kF);
         } else if (!(n(kB) == 1 && n(kBI) == 0 && n(kBW) == 0) &&
                    !(n(kB) == 0 && n(kBI) == 1 && n(kBW) == 1)) {
@@ -366,8 +391,11 @@ Status check_runnable(const Plan& plan) {
         }
         if (what) {
           return refuse(field, fmt::format("the {} of micro-batch {} through segment {} "
-                                           "appears {} times (once expected)",
-                                           what, i, sg, times));
+                                           "appears {} times ({} expected)",
+                                           what, i, sg, times,
+                                           n(kF) != plan.recycle && plan.recycle > 1
+                                               ? fmt::format("{}", plan.recycle)
+                                               : std::string("once")));
         }
       }
     }

@@ -1,7 +1,7 @@
 // Running a plan on this machine's CPU (`nnexec run`, docs/hwexec.md): one process per mesh rank,
 // each building with LibTorch the part of the model its rank owns (Megatron tensor and sequence
 // parallelism, the plan's pipeline segments and block orders, interleaved too, data parallelism
-// with ZeRO 0-3, recompute rules), timing every operator and
+// with ZeRO 0-3, recompute rules, repeated forwards), timing every operator and
 // collective, and optionally checking its loss and gradients against an unpartitioned run of
 // the same model and batch. Results go into an HDF5 run file (format "nnexec-run", version 1).
 #pragma once

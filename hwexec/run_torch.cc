@@ -14,9 +14,11 @@
 // Sequence parallelism turns the tp all-reduces into all-gathers before the column-parallel
 // linears and reduce-scatters after the row-parallel ones; ZeRO reduce-scatters gradients and
 // all-gathers parameters over dp; recompute rules re-run operators' forwards before the
-// backward; zero-bubble BI blocks defer the linear layers' weight gradients to BW
-// (run_split_backward.h); context parallelism splits every sequence over cp, attn.core
-// exchanging keys and values (run_context_parallel.h). Collectives follow the compiled
+// backward (the embedding's and the head's too for rules without layers); repeated forwards
+// (training.recycle) run earlier passes without autograd, recycling the last segment's output
+// into the first segment's embedding; zero-bubble BI blocks defer the linear layers' weight
+// gradients to BW (run_split_backward.h); context parallelism splits every sequence over cp,
+// attn.core exchanging keys and values (run_context_parallel.h). Collectives follow the compiled
 // program's order and labels (core/program.cc).
 // On the CPU (--device cpu) the collectives go over the TCP-socket Comm and spans are timed with
 // the steady clock. On a GPU (--device cuda, only in a build whose LibTorch has CUDA) every rank
@@ -36,6 +38,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <tuple>
 
@@ -347,6 +350,16 @@ struct Ctx {
   // send them in another order than the other receives them. Each transfer follows a header
   // holding its tag; a receive keeps the transfers that arrive before the one it waits for.
   std::map<std::pair<int, int64_t>, at::Tensor> early;  // (peer, tag) -> transfer
+  // A transfer's tag: bit 0 a gradient, bit 1 a recycled output (repeated forwards), then the
+  // segment it goes into, the micro-batch and the receiving forward's pass. A transfer that
+  // arrives early is recorded under its own label (from its tag).
+  static int64_t transfer_tag(bool gradient, bool recycled, int to, int micro_batch, int pass) {
+    return (gradient ? 1 : 0) + (recycled ? 2 : 0) + 4 * (to + 1000 * int64_t{micro_batch}) +
+           (int64_t{pass} << 40);
+  }
+  static const char* tag_label(int64_t tag) {
+    return (tag & 1) ? "gradient" : (tag & 2) ? "recycled" : "activation";
+  }
   void send_tagged(int peer, const at::Tensor& t, const std::string& label, int64_t tag) {
     if (peer == comm->rank()) {
       // Two segments of one rank next to each other (ZB-V's turn): no transfer.
@@ -356,7 +369,7 @@ struct Ctx {
     send(peer, at::full({1}, tag, options.dtype(at::kLong)), "", /*record=*/false);
     send(peer, t, label);
   }
-  at::Tensor recv_tagged(int peer, at::IntArrayRef shape, const std::string& label, int64_t tag) {
+  at::Tensor recv_tagged(int peer, at::IntArrayRef shape, int64_t tag) {
     if (auto it = early.find({peer, tag}); it != early.end()) {
       at::Tensor t = it->second;
       early.erase(it);
@@ -371,7 +384,7 @@ struct Ctx {
     for (;;) {
       const int64_t got =
           recv(peer, {1}, "", /*record=*/false, at::kLong, /*compute_dtype=*/false).item<int64_t>();
-      at::Tensor t = recv(peer, shape, label);
+      at::Tensor t = recv(peer, shape, tag_label(got));
       if (got == tag) return t;
       if (!early.emplace(std::make_pair(peer, got), t).second) {
         throw Failure{fmt::format("rank {}: transfer {} from rank {} arrived twice", comm->rank(),
@@ -461,6 +474,10 @@ struct MicroBatchTape {
   at::Tensor ez, se, onehot;  // the loss's saved softmax pieces
   at::Tensor loss;            // 0-dimensional, on the device (read after the iteration)
   std::vector<DeferredWeightGrad> deferred;  // a BI block's weight gradients, for its BW
+  // Recompute rules without layers: what the embedding's and the head's recomputation reads,
+  // and whether an R block has run it.
+  at::Tensor tokens, recycled, head_x, targets;
+  bool embed_recomputed = false, head_recomputed = false;
 };
 
 class Model {
@@ -553,6 +570,20 @@ class Model {
   std::deque<Param>& params() { return params_; }
   // The operators the plan's recompute rules name in each layer of this part.
   void set_recompute(const std::vector<RecomputeRule>& rules) {
+    // Rules without layers also recompute the embedding and the head (the program's
+    // recomputed_ops of those parts).
+    for (const RecomputeRule& rule : rules) {
+      if (rule.end_layer >= 0) continue;
+      for (const char* op : {"embed.word", "embed.position"}) {
+        if (embedding_ && match_pattern(rule.match, op) &&
+            (pos_ || std::string(op) == "embed.word")) {
+          recompute_embed_.insert(op);
+        }
+      }
+      for (const char* op : {"head.norm", "head.proj", "loss"}) {
+        if (head_ && match_pattern(rule.match, op)) recompute_head_.insert(op);
+      }
+    }
     for (int l = first_; l < end_; ++l) {
       std::set<std::string>& r = recompute_[l - first_];
       for (const RecomputeRule& rule : rules) {
@@ -604,46 +635,15 @@ class Model {
   bool has_head() const { return head_; }
 
   // Forward of a micro-batch through this segment: tokens [b, s] (embedding) or the previous
-  // segment's output x [b, s, h]; targets [b, s] for the head. Returns the output (layers
-  // only), and fills the tape.
+  // segment's output x [b, s, h]; targets [b, s] for the head. With the embedding, a defined x
+  // is the recycled final hidden state of the pass before (repeated forwards), added to the
+  // embedding's output as a constant (no gradient flows into earlier passes). Returns the
+  // output: the last layer's (the head's input, with the head), and fills the tape.
   at::Tensor forward(Ctx& c, const at::Tensor& tokens, at::Tensor x, const at::Tensor& targets,
                      MicroBatchTape& tape) {
-    Stats& st = *c.stats;
     if (embedding_) {
       c.unit_before(0, false);
-      const int64_t vl = spec_.vocab / split_.embed_vocab;
-      const int64_t start = split_.embed_vocab > 1 ? t_ * vl : 0;
-      tape.word = fwd(st, "embed.word", {}, [&](const std::vector<at::Tensor>&) {
-        // The rows looked up in fp32, then cast: the same values as a lookup in a bf16 copy of
-        // the table, without casting the whole table.
-        if (split_.embed_vocab == 1) return at::embedding(word_->w, tokens).to(dtype_);
-        at::Tensor local = tokens - start;
-        at::Tensor mask = (local >= 0).logical_and(local < vl);
-        return (at::embedding(word_->w, local.clamp(0, vl - 1)) * mask.unsqueeze(-1).to(at::kFloat))
-            .to(dtype_);
-      });
-      at::Tensor e;
-      if (split_.seq > 1) {
-        // Sequence parallelism: the partial sums reduce-scattered to this rank's slice, which
-        // the program names after the operator that reads it.
-        e = split_.embed_vocab > 1
-                ? scatter_seq(c, tape.word.out.detach(), pos_ ? "embed.position" : "attn.norm")
-                : my_seq(tape.word.out.detach());
-      } else {
-        e = tape.word.out.detach().clone();
-        if (split_.embed_vocab > 1) c.tp_all_reduce(e, pos_ ? "embed.position" : "attn.norm");
-      }
-      if (pos_) {
-        const int64_t sl = e.size(1), first = split_.seq > 1 ? t_ * sl : 0;
-        tape.pos = fwd(st, "embed.position", {leaf(e)}, [&](const std::vector<at::Tensor>& in) {
-          // Context parallelism: the rows of this rank's positions.
-          return in[0] + (split_.cp > 1 ? W(pos_).index_select(0, positions_)
-                                        : W(pos_).narrow(0, first, sl));
-        });
-        x = tape.pos.out.detach();
-      } else {
-        x = e;  // rotary positions: applied to queries and keys in attn.core
-      }
+      x = embed_forward(c, tokens, x, tape);
     }
     tape.layers.resize(layers_.size());
     const int first_unit = embedding_ ? 1 : 0;
@@ -653,39 +653,8 @@ class Model {
     }
     if (!head_) return x;
     c.unit_before(head_unit(), false);
-    tape.hnorm = fwd(st, "head.norm", {leaf(x)},
-                     [&](const std::vector<at::Tensor>& in) { return norm(in[0], hn_g_, hn_b_); });
-    const bool tied = spec_.tied_embeddings;
-    const int vsplit = tied ? split_.embed_vocab : split_.head_vocab;
-    const bool sp = split_.seq > 1;
-    tape.hproj =
-        fwd(st, "head.proj",
-            {leaf(sp ? gather_seq(c, tape.hnorm.out.detach(), "head.proj") : tape.hnorm.out)},
-            [&](const std::vector<at::Tensor>& in) {
-              return at::matmul(in[0], tied ? W(word_).t() : W(head_w_));
-            });
-    tape.hproj.weights = weights_of({tied ? word_ : head_w_});
-    if (sp) dropped(tape.hproj.in[0]);
-    // Vocab-parallel cross-entropy, mean over the micro-batch's tokens.
-    const Mark t0 = st.mark();
-    at::Tensor logits = tape.hproj.out.detach().to(at::kFloat);  // cross-entropy in fp32
-    const int64_t vl = logits.size(-1);
-    const int64_t start = vsplit > 1 ? t_ * vl : 0;
-    at::Tensor lmax = std::get<0>(logits.max(-1));
-    if (vsplit > 1) c.tp_all_reduce(lmax, "loss", Comm::Op::kMax);
-    at::Tensor z = logits - lmax.unsqueeze(-1);
-    tape.ez = z.exp();
-    tape.se = tape.ez.sum(-1);
-    if (vsplit > 1) c.tp_all_reduce(tape.se, "loss");
-    at::Tensor local = targets - start;
-    at::Tensor mask = (local >= 0).logical_and(local < vl).to(at::kFloat);
-    at::Tensor idx = local.clamp(0, vl - 1).unsqueeze(-1);
-    at::Tensor target_logit = z.gather(-1, idx).squeeze(-1) * mask;
-    if (vsplit > 1) c.tp_all_reduce(target_logit, "loss");
-    tape.loss = (tape.se.log() - target_logit).mean();
-    tape.onehot = at::zeros_like(z).scatter_(-1, idx, mask.unsqueeze(-1));
-    st.op("loss", "fwd", t0, st.mark(), /*minus_collectives=*/true);
-    return at::Tensor();
+    head_forward(c, x, targets, tape);
+    return x;
   }
 
   // Backward: dy is the gradient of the segment's output (layers only) or, for the head, the
@@ -699,6 +668,9 @@ class Model {
     deferred_ = input_only ? &tape.deferred : nullptr;
     if (head_) {
       c.unit_before(head_unit(), true);
+      if (!recompute_head_.empty() && !tape.head_recomputed) {
+        head_forward(c, at::Tensor(), at::Tensor(), tape, /*again=*/true);
+      }
       const Mark t0 = st.mark();
       const double n = static_cast<double>(tape.ez.size(0) * tape.ez.size(1));
       at::Tensor dlogits = (tape.ez / tape.se.unsqueeze(-1) - tape.onehot) * (loss_scale / n);
@@ -706,7 +678,9 @@ class Model {
       tape.ez = tape.se = tape.onehot = at::Tensor();
       const int vsplit = spec_.tied_embeddings ? split_.embed_vocab : split_.head_vocab;
       const bool sp = split_.seq > 1;
-      if (sp) regather(c, tape.hnorm.out.detach(), tape.hproj, "head.proj");
+      if (sp && !recompute_head_.count("head.proj")) {
+        regather(c, tape.hnorm.out.detach(), tape.hproj, "head.proj");
+      }
       at::Tensor dn = bwd(st, "head.proj", tape.hproj, dlogits.to(dtype_))[0];
       if (sp) {
         dn = vsplit > 1 ? scatter_seq(c, dn, "head.proj") : my_seq(dn);
@@ -724,6 +698,9 @@ class Model {
     }
     if (embedding_) {
       c.unit_before(0, true);
+      if (!recompute_embed_.empty() && !tape.embed_recomputed) {
+        embed_forward(c, at::Tensor(), at::Tensor(), tape, /*again=*/true);
+      }
       at::Tensor de = pos_ ? bwd(st, "embed.position", tape.pos, dy)[0] : dy;
       if (split_.seq > 1) de = gather_seq(c, de, pos_ ? "embed.position" : "attn.residual");
       bwd(st, "embed.word", tape.word, de);
@@ -747,10 +724,18 @@ class Model {
   // An explicit R block: the recomputation of every layer ahead of the backward (which then
   // skips it), as the program's recompute template.
   void recompute(Ctx& c, MicroBatchTape& tape) {
+    if (embedding_ && !recompute_embed_.empty()) {
+      embed_forward(c, at::Tensor(), at::Tensor(), tape, /*again=*/true);
+      tape.embed_recomputed = true;
+    }
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       if (recompute_[l].empty()) continue;
       layer_forward(c, static_cast<int>(l), at::Tensor(), tape.layers[l], /*again=*/true);
       tape.layers[l].recomputed = true;
+    }
+    if (head_ && !recompute_head_.empty()) {
+      head_forward(c, at::Tensor(), at::Tensor(), tape, /*again=*/true);
+      tape.head_recomputed = true;
     }
   }
 
@@ -870,6 +855,130 @@ class Model {
     resize_storage(u.in[0], full.nbytes());
     at::NoGradGuard no_grad;
     u.in[0].variable_data().copy_(full);
+  }
+
+  // The embedding's forward (tokens, and the recycled hidden state of the pass before or
+  // undefined); returns what the first layer reads. Recomputed operators (recompute rules
+  // without layers) drop their pieces after it, the tokens and the recycled state stay in the
+  // tape; `again` (just before the embedding's backward, or in an R block) runs only those, with
+  // the collectives that feed them, as phase "recompute".
+  at::Tensor embed_forward(Ctx& c, const at::Tensor& tokens, const at::Tensor& recycled,
+                           MicroBatchTape& tape, bool again = false) {
+    Stats& st = *c.stats;
+    const std::set<std::string>& rc = recompute_embed_;
+    auto runs = [&](const char* op) { return !again || rc.count(op) > 0; };
+    const char* phase = again ? "recompute" : "fwd";
+    const at::Tensor& toks = again ? tape.tokens : tokens;
+    const at::Tensor& rec = again ? tape.recycled : recycled;
+    if (runs("embed.word")) {
+      const int64_t vl = spec_.vocab / split_.embed_vocab;
+      const int64_t start = split_.embed_vocab > 1 ? t_ * vl : 0;
+      tape.word = fwd(st, "embed.word", phase, {}, [&](const std::vector<at::Tensor>&) {
+        // The rows looked up in fp32, then cast: the same values as a lookup in a bf16 copy of
+        // the table, without casting the whole table.
+        if (split_.embed_vocab == 1) return at::embedding(word_->w, toks).to(dtype_);
+        at::Tensor local = toks - start;
+        at::Tensor mask = (local >= 0).logical_and(local < vl);
+        return (at::embedding(word_->w, local.clamp(0, vl - 1)) * mask.unsqueeze(-1).to(at::kFloat))
+            .to(dtype_);
+      });
+    }
+    at::Tensor x;
+    if (!again || (pos_ && runs("embed.position"))) {
+      // The word embeddings' partial sums (vocab-parallel) reduced for the operator that reads
+      // them, which the program names the conversion after.
+      const char* reader = pos_ ? "embed.position" : "attn.norm";
+      at::Tensor e;
+      if (split_.seq > 1) {
+        // Sequence parallelism: reduce-scattered to this rank's slice.
+        e = split_.embed_vocab > 1 ? scatter_seq(c, tape.word.out.detach(), reader)
+                                   : my_seq(tape.word.out.detach());
+      } else {
+        e = tape.word.out.detach().clone();
+        if (split_.embed_vocab > 1) c.tp_all_reduce(e, reader);
+      }
+      if (rec.defined()) e = e + rec.to(e.scalar_type());
+      x = e;  // rotary positions: applied to queries and keys in attn.core
+    }
+    if (pos_ && runs("embed.position")) {
+      const int64_t sl = x.size(1), first = split_.seq > 1 ? t_ * sl : 0;
+      tape.pos =
+          fwd(st, "embed.position", phase, {leaf(x)}, [&](const std::vector<at::Tensor>& in) {
+            // Context parallelism: the rows of this rank's positions (under sequence
+            // parallelism, of its slice of them).
+            return in[0] + (split_.cp > 1 ? W(pos_).index_select(0, positions_.narrow(0, first, sl))
+                                          : W(pos_).narrow(0, first, sl));
+          });
+      x = tape.pos.out.detach();
+    }
+    if (!again && !rc.empty()) {
+      tape.tokens = tokens;
+      tape.recycled = recycled;
+      if (rc.count("embed.word")) tape.word = Unit{};
+      if (rc.count("embed.position")) tape.pos = Unit{};
+    }
+    return x;
+  }
+
+  // The head's forward from its input x: head.norm, head.proj and the vocab-parallel
+  // cross-entropy (mean over the micro-batch's tokens). Recomputed operators as in
+  // embed_forward: their pieces dropped, the head's input and the targets kept; `again` runs
+  // them before the head's backward.
+  void head_forward(Ctx& c, const at::Tensor& x, const at::Tensor& targets, MicroBatchTape& tape,
+                    bool again = false) {
+    Stats& st = *c.stats;
+    const std::set<std::string>& rc = recompute_head_;
+    auto runs = [&](const char* op) { return !again || rc.count(op) > 0; };
+    const char* phase = again ? "recompute" : "fwd";
+    const at::Tensor& in_x = again ? tape.head_x : x;
+    const at::Tensor& tgt = again ? tape.targets : targets;
+    if (runs("head.norm")) {
+      tape.hnorm =
+          fwd(st, "head.norm", phase, {leaf(in_x)},
+              [&](const std::vector<at::Tensor>& in) { return norm(in[0], hn_g_, hn_b_); });
+    }
+    const bool tied = spec_.tied_embeddings;
+    const int vsplit = tied ? split_.embed_vocab : split_.head_vocab;
+    const bool sp = split_.seq > 1;
+    if (runs("head.proj")) {
+      tape.hproj =
+          fwd(st, "head.proj", phase,
+              {leaf(sp ? gather_seq(c, tape.hnorm.out.detach(), "head.proj") : tape.hnorm.out)},
+              [&](const std::vector<at::Tensor>& in) {
+                return at::matmul(in[0], tied ? W(word_).t() : W(head_w_));
+              });
+      tape.hproj.weights = weights_of({tied ? word_ : head_w_});
+      // Sequence parallelism: the gathered input is dropped unless the recomputation gathers it.
+      if (sp && !again && !rc.count("head.proj")) dropped(tape.hproj.in[0]);
+    }
+    if (runs("loss")) {
+      // Vocab-parallel cross-entropy, mean over the micro-batch's tokens.
+      const Mark t0 = st.mark();
+      at::Tensor logits = tape.hproj.out.detach().to(at::kFloat);  // cross-entropy in fp32
+      const int64_t vl = logits.size(-1);
+      const int64_t start = vsplit > 1 ? t_ * vl : 0;
+      at::Tensor lmax = std::get<0>(logits.max(-1));
+      if (vsplit > 1) c.tp_all_reduce(lmax, "loss", Comm::Op::kMax);
+      at::Tensor z = logits - lmax.unsqueeze(-1);
+      tape.ez = z.exp();
+      tape.se = tape.ez.sum(-1);
+      if (vsplit > 1) c.tp_all_reduce(tape.se, "loss");
+      at::Tensor local = tgt - start;
+      at::Tensor mask = (local >= 0).logical_and(local < vl).to(at::kFloat);
+      at::Tensor idx = local.clamp(0, vl - 1).unsqueeze(-1);
+      at::Tensor target_logit = z.gather(-1, idx).squeeze(-1) * mask;
+      if (vsplit > 1) c.tp_all_reduce(target_logit, "loss");
+      if (!again) tape.loss = (tape.se.log() - target_logit).mean();
+      tape.onehot = at::zeros_like(z).scatter_(-1, idx, mask.unsqueeze(-1));
+      st.op("loss", phase, t0, st.mark(), /*minus_collectives=*/true);
+    }
+    if (!again && !rc.empty()) {
+      tape.head_x = x;
+      tape.targets = targets;
+      if (rc.count("head.norm")) tape.hnorm = Unit{};
+      if (rc.count("head.proj")) tape.hproj = Unit{};
+      if (rc.count("loss")) tape.ez = tape.se = tape.onehot = at::Tensor();
+    }
   }
 
   // A layer's forward. Recomputed operators (`recompute_` of the layer, the plan's rules) drop
@@ -1117,6 +1226,7 @@ class Model {
   std::deque<Param> params_;
   std::vector<LayerParams> layers_;
   std::vector<std::set<std::string>> recompute_;  // per layer of the segment
+  std::set<std::string> recompute_embed_, recompute_head_;
   // The backward being run: its phase ("bwd", or a BI block's "bwd_input") and, in a BI block,
   // where the deferred weight gradients go.
   const char* bwd_phase_ = "bwd";
@@ -1207,8 +1317,13 @@ Layout layout_of(const Plan& plan, int rank) {
     if (!match_pattern(r.match, "attn.norm")) continue;
     for (const DimSplit& sp : r.splits) {
       if (sp.dim != Dim::kSeq || sp.axes == L.cp_axes) continue;
+      // Sequence parallelism (with context parallelism: the axes after cp's, over which each cp
+      // rank's tokens are cut).
       L.split.seq = 1;
-      for (const std::string& a : sp.axes) L.split.seq *= plan.mesh.axis_size(a);
+      for (const std::string& a : sp.axes) {
+        const bool cp = std::find(L.cp_axes.begin(), L.cp_axes.end(), a) != L.cp_axes.end();
+        if (!cp) L.split.seq *= plan.mesh.axis_size(a);
+      }
     }
   }
   L.split.save_gathered = plan.comm.save_gathered_inputs;
@@ -1370,10 +1485,25 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   }
   // Several segments on a rank (interleaved): transfers between two ranks are matched by
   // (direction, segment, micro-batch), not by their order (see Ctx::send_tagged).
-  bool tagged = false;
+  // Repeated forwards tag them too: the recycled outputs and the gradients travel the same way
+  // with the same shape, in orders the schedule may interleave differently on the two ranks.
+  bool tagged = plan.recycle > 1;
   for (const DeviceOrder& o : plan.schedule) {
     for (const Block& blk : o.blocks) tagged = tagged || blk.segment != o.blocks.front().segment;
   }
+  // Repeated forwards: the first segment's ranks read the last segment's output of the pass
+  // before (the `recycled` transfer; in memory when one rank holds both, as in the program).
+  int first_segment = -1, last_segment = -1;
+  for (const auto& [sg, pq] : L.neighbours) {
+    if (pq.first < 0) first_segment = sg;
+    if (pq.second < 0) last_segment = sg;
+  }
+  const int recycle_from = plan.recycle > 1 && first_segment >= 0
+                               ? peer_in(mesh, rank, plan.segments[last_segment])
+                               : -1;
+  const int recycle_to = plan.recycle > 1 && last_segment >= 0
+                             ? peer_in(mesh, rank, plan.segments[first_segment])
+                             : -1;
 #ifdef NNSIM_TORCH_HAS_CUDA
   // One NCCL communicator per tensor- and data-parallel group and per pipeline direction; the
   // compute stream is a non-blocking one of LibTorch's pool (NCCL kernels waiting for a peer
@@ -1389,7 +1519,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         edge_set.insert({peer, rank});
       }
     }
-    for (int peer : {ctx.cp_next, ctx.cp_prev}) {  // the context-parallel ring
+    for (int peer : {ctx.cp_next, ctx.cp_prev, recycle_from, recycle_to}) {  // cp ring, recycling
       if (peer < 0 || peer == rank) continue;
       edge_set.insert({rank, peer});
       edge_set.insert({peer, rank});
@@ -1543,8 +1673,16 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     Model whole(plan.model, 0, plan.model.layers, true, true, Split{}, 0, opt.seed, device,
                 at::kFloat);
     const at::Tensor data = batch(plan, opt.seed, 0, device);
+    // Repeated forwards: the earlier passes without autograd, each feeding its final hidden
+    // state to the next; the last one is differentiated.
     MicroBatchTape tape;
-    whole.forward(ref, data.narrow(1, 0, s), at::Tensor(), data.narrow(1, 1, s), tape);
+    at::Tensor recycled;
+    for (int pass = 0; pass + 1 < plan.recycle; ++pass) {
+      at::NoGradGuard no_grad;
+      MicroBatchTape scratch;
+      recycled = whole.forward(ref, data.narrow(1, 0, s), recycled, data.narrow(1, 1, s), scratch);
+    }
+    whole.forward(ref, data.narrow(1, 0, s), recycled, data.narrow(1, 1, s), tape);
     out.reference_loss = tape.loss.item<double>();
     whole.backward(ref, tape, at::Tensor(), 1.0);
     for (Param& p : whole.params()) ref_grads[p.name] = grad_or_zeros(p);
@@ -1582,7 +1720,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   auto pp_recv = [&](int peer, const std::vector<int64_t>& shape, const char* label, int64_t tag) {
     std::vector<int64_t> piece = shape;
     if (sliced_transfers) piece = {b * s * h / tpn};
-    at::Tensor x = tagged ? ctx.recv_tagged(peer, piece, label, tag) : ctx.recv(peer, piece, label);
+    at::Tensor x = tagged ? ctx.recv_tagged(peer, piece, tag) : ctx.recv(peer, piece, label);
     if (!sliced_transfers) return x;
     return ctx.all_gather(x, ctx.tp_group, ctx.tp_axes, label).view(shape);
   };
@@ -1594,6 +1732,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     const auto t0 = Clock::now();
     const at::Tensor data = batch(plan, opt.seed, it, device);
     std::map<std::pair<int, int>, MicroBatchTape> tapes;  // (segment, micro-batch)
+    std::map<int, at::Tensor> recycled;  // micro-batch -> its last pass's output, on this rank
     at::Tensor loss_sum = at::zeros({1}, ctx.options.dtype(at::kFloat));
     for (const Block& blk : L.order->blocks) {
       const int m = blk.micro_batch, sg = blk.segment;
@@ -1601,8 +1740,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       Model& model = *models.at(sg);
       const auto [prev, next] = peers.at(sg);
       const std::vector<int64_t> shape = {b, s / L.split.seq / L.split.cp, h};
-      // The tag of a transfer into segment `to`: its direction, the segment, the micro-batch.
-      auto tag = [&](bool gradient, int to) { return (gradient ? 1 : 0) + 2 * (to + 1000 * m); };
+      // The tag of a transfer into segment `to` (Ctx::transfer_tag).
+      auto tag = [&](bool gradient, int to) {
+        return Ctx::transfer_tag(gradient, false, to, m, blk.pass);
+      };
       zero3_for(sg);
       MicroBatchTape& tape = tapes[{sg, m}];
       if (blk.kind == BlockKind::kRecompute) {
@@ -1612,14 +1753,34 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         tapes.erase({sg, m});
         reduce_after(sg, m);
       } else if (blk.kind == BlockKind::kForward) {
+        // Repeated forwards: a pass before the last keeps nothing and has no gradient.
+        const bool earlier = blk.pass + 1 < plan.recycle;
+        std::optional<at::NoGradGuard> no_grad;
+        if (earlier) no_grad.emplace();
+        MicroBatchTape scratch;
+        MicroBatchTape& ftape = earlier ? scratch : tape;
         at::Tensor x;
         if (!model.has_embedding()) {
           x = pp_recv(prev, shape, "activation", tag(false, sg));
+        } else if (blk.pass > 0 && recycle_from == rank) {
+          x = recycled.at(m);
+          recycled.erase(m);
+        } else if (blk.pass > 0) {
+          x = pp_recv(recycle_from, shape, "recycled",
+                      Ctx::transfer_tag(false, true, sg, m, blk.pass));
         }
         const at::Tensor rows = data.narrow(0, row, b);
         at::Tensor y = model.forward(ctx, rows.narrow(1, 0, s).index_select(1, positions), x,
-                                     rows.narrow(1, 1, s).index_select(1, positions), tape);
-        if (model.has_head()) {
+                                     rows.narrow(1, 1, s).index_select(1, positions), ftape);
+        if (model.has_head() && earlier) {
+          if (recycle_to == rank) {
+            recycled[m] = y;
+          } else {
+            // Into the next pass's forward of the first segment.
+            pp_send(recycle_to, y, "recycled",
+                    Ctx::transfer_tag(false, true, first_segment, m, blk.pass + 1));
+          }
+        } else if (model.has_head()) {
           loss_sum.add_(tape.loss, loss_scale);
         } else {
           pp_send(next, y, "activation", tagged ? tag(false, L.neighbours.at(sg).second) : 0);

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <iterator>
 #include <optional>
+#include <regex>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -224,6 +225,9 @@ struct Case {
   const char* precision = "fp32";
   std::vector<std::string> plan_flags = {};  // more `nnsim plan` options
   int cp = 1;                                // context-parallel degree
+  // The plan's recompute rules without their layers (so they recompute the embedding and the
+  // head too; `nnsim plan` always writes layers).
+  bool unranged_recompute = false;
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
@@ -253,6 +257,13 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   RunResult p = make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, c.plan_flags, *c.model,
                           c.precision, c.cp);
   ASSERT_EQ(p.status, 0) << p;
+  if (c.unranged_recompute) {
+    const std::string text = slurp(dir.file("plan.json"));
+    const std::string edited = std::regex_replace(
+        text, std::regex(R"((\{"match": "[^"]*"), "layers": \[\d+, \d+\]\})"), "$1}");
+    ASSERT_NE(edited, text) << text;
+    std::ofstream(dir.file("plan.json")) << edited;
+  }
   const int n = c.tp * c.pp * c.dp * c.cp;
   RunResult r = run(dir, NNEXEC_BINARY,
                     {"run", "--plan", "plan.json", "--launch", std::to_string(n), "--out", "run.h5",
@@ -290,7 +301,8 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
     EXPECT_LT(worst, 1e-4);
   }
   std::printf("%s: worst relative gradient error %.3g\n", c.name, worst);
-  const bool split_backward = std::string(c.schedule).rfind("zb-", 0) == 0;
+  const bool split_backward =
+      std::string(c.schedule).rfind("zb-", 0) == 0 || std::string(c.schedule) == "tessel";
 
   // Every collective and pipeline transfer of the run (per kind, axes and label) is the
   // compiled program's, call for call and byte for byte, and so are the recomputed operators
@@ -412,7 +424,50 @@ INSTANTIATE_TEST_SUITE_P(
              2},
         Case{"zero1_cp2_dp2", 1, 1, 2, "1f1b", 4, &kModel, "fp32", {"--zero", "1"}, 2},
         Case{"zero3_cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {"--zero", "3"}, 2},
-        Case{"bf16_llama_cp2_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16", {}, 2}),
+        Case{"bf16_llama_cp2_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16", {}, 2},
+        // Sequence parallelism inside context parallelism: each cp rank's tokens cut in tp
+        // slices for the norms, residuals and the position add.
+        Case{"sp_cp2_tp2", 2, 1, 1, "1f1b", 2, &kModel, "fp32", {"--sequence-parallel"}, 2},
+        Case{"llama_sp_cp2_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "fp32", {"--sequence-parallel"}, 2},
+        // Repeated forwards (training.recycle): every pass but the last without gradients, the
+        // last segment's output recycled into the first segment (a transfer; in memory when
+        // one rank holds both).
+        with("recycle3_tp2_pp2", 2, 2, 1, 4, {"--recycle", "3"}),
+        // The search's orders interleave recycled outputs with gradients (tagged transfers),
+        // with zero-bubble split backwards.
+        Case{"recycle3_tessel_pp2", 1, 2, 1, "tessel", 4, &kModel, "fp32", {"--recycle", "3"}},
+        Case{"recycle2_gpipe_llama_sp_tp2",
+             2,
+             1,
+             1,
+             "gpipe",
+             2,
+             &kLlama,
+             "fp32",
+             {"--recycle", "2", "--sequence-parallel"}},
+        // Recompute rules without layers: the embedding and the head recomputed too.
+        Case{"recompute_unranged_sp_tp2_pp2",
+             2,
+             2,
+             1,
+             "1f1b",
+             4,
+             &kModel,
+             "fp32",
+             {"--sequence-parallel", "--recompute", "full"},
+             1,
+             true},
+        Case{"recompute_unranged_merak_tp2_pp2",
+             2,
+             2,
+             1,
+             "merak",
+             4,
+             &kModel,
+             "fp32",
+             {"--recompute", "full"},
+             1,
+             true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // --check compares the first iteration only; the later ones show that ZeRO-3's bf16 gathers
@@ -477,35 +532,23 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
     EXPECT_EQ(r.status, 1) << r;
     for (const std::string& e : expected) EXPECT_TRUE(contains(r.err, e)) << e << "\n" << r;
     // The error says what runs.
-    EXPECT_TRUE(contains(r.err, "data parallelism with ZeRO 0-3, recompute rules over layers"))
+    EXPECT_TRUE(contains(r.err,
+                         "data parallelism with ZeRO 0-3, recompute rules, repeated "
+                         "forwards"))
         << r;
     EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
   };
-  // Context parallelism with sequence parallelism.
-  ASSERT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {"--sequence-parallel"}, kModel, "fp32", 2).status,
-            0);
+  // The head sharded over the pipeline stages (its segment spans them).
+  ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 4, {"--shard-head"}).status, 0);
   refused(
-      {"cannot run this plan: partition: sequence parallelism together with context "
-       "parallelism over cp is not supported yet"});
+      {"cannot run this plan: partition: operator 'head.proj' is split along the pipeline axis "
+       "'pp' (--shard-head / --shard-embedding), which is not supported yet: its segment spans "
+       "every pipeline stage"});
   // ZeRO-3 with zero-bubble split backwards.
   ASSERT_EQ(make_plan(dir, 1, 2, 2, "zb-h1", 4, {"--zero", "3"}).status, 0);
   refused(
       {"optimizer.zero: ZeRO stage 3 with zero-bubble split backwards (BI/BW blocks) is not "
        "supported yet"});
-  // A recompute rule without layers also covers the embedding and the head.
-  ASSERT_EQ(
-      plan({"--tp", "2", "--pp", "1", "--dp", "1", "--recompute", "full", "--precision", "fp32"})
-          .status,
-      0);
-  {
-    std::string text = slurp(dir.file("plan.json"));
-    const std::string rule = "{\"match\": \"*\", \"layers\": [0, 4]}";
-    const std::size_t at = text.find(rule);
-    ASSERT_NE(at, std::string::npos) << text;
-    text.replace(at, rule.size(), "{\"match\": \"*\"}");
-    std::ofstream(dir.file("plan.json")) << text;
-  }
-  refused({"recompute[0]: rule '*' has no layers"});
 
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
   RunResult r =
@@ -523,12 +566,19 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   ASSERT_TRUE(base.ok()) << base.error().message();
   EXPECT_TRUE(check_runnable(*base).ok()) << check_runnable(*base).error().message();
   Plan p = *base;
-  p.recycle = 3;  // repeated forwards: simulated only
+  p.recycle = 3;  // repeated forwards: the orders must name every pass
   Status s = check_runnable(p);
   ASSERT_FALSE(s.ok());
   EXPECT_TRUE(contains(s.error().message(),
-                       "training.recycle: repeated forwards (3 passes per micro-batch) are "
-                       "simulated but not executed yet; set it to 1"))
+                       "schedule.orders[0].blocks: block 'B0@0' comes before the last forward "
+                       "pass of its micro-batch"))
+      << s.error().message();
+  p.schedule[0].blocks.insert(p.schedule[0].blocks.begin(), Block{BlockKind::kForward, 0, 0, 2});
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(),
+                       "schedule.orders[0].blocks: block 'F0@0#2' is not the next forward pass "
+                       "of its micro-batch (training.recycle = 3)"))
       << s.error().message();
   p = *base;
   p.model.position = PositionKind::kAlibi;
@@ -575,6 +625,26 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   EXPECT_TRUE(contains(s.error().message(),
                        "schedule.orders[0].blocks: the backward (one B, or one BI and one BW) "
                        "of micro-batch 0 through segment 0 appears 1 times"))
+      << s.error().message();
+  // Sequence parallelism inside context parallelism cuts each cp rank's tokens over tp: the
+  // norms' sequence split over cp, then tp; the other order is refused.
+  Expected<Plan> spcp = [] {
+    TempDir dir;
+    EXPECT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {"--sequence-parallel"}, kModel, "fp32", 2).status,
+              0);
+    return load_plan(dir.file("plan.json"));
+  }();
+  ASSERT_TRUE(spcp.ok()) << spcp.error().message();
+  EXPECT_TRUE(check_runnable(*spcp).ok()) << check_runnable(*spcp).error().message();
+  for (PartitionRule& r : spcp->partition) {
+    for (DimSplit& d : r.splits) {
+      if (d.axes == std::vector<std::string>{"cp", "tp"}) d.axes = {"tp", "cp"};
+    }
+  }
+  s = check_runnable(*spcp);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(
+      contains(s.error().message(), "is split along 'seq' over tp+cp but attn.core over cp"))
       << s.error().message();
   // MQA without tensor parallelism runs.
   Expected<Plan> one = [] {

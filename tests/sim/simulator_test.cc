@@ -423,5 +423,51 @@ TEST(Simulator, RecordsTasksOnRequest) {
   EXPECT_TRUE(run(p).tasks.empty());
 }
 
+// A recompute rule without layers also drops the embedding's and the head's activations
+// (recomputed_ops of those parts); the program recomputes them before their backward (inside
+// the backward block, or in an explicit R block), as it does a layer's.
+TEST(Program, RecomputeRulesWithoutLayersRecomputeTheEmbeddingAndTheHead) {
+  for (ScheduleKind kind : {ScheduleKind::kOneFOneB, ScheduleKind::kMerak}) {
+    MegatronOptions o;
+    o.tp = 2;
+    o.pp = 2;
+    o.global_batch = 4;
+    o.micro_batch = 1;
+    o.schedule = kind;
+    o.recompute = RecomputeMode::kFull;
+    const Topology t = load(kData + "/tiny-node2.yaml", 2);
+    Expected<Plan> plan = build_megatron_plan(model(kData + "/tiny-gpt.yaml"), t, o);
+    ASSERT_TRUE(plan.ok()) << plan.error().message();
+    // Recomputed operators per label, over the backward (or R) blocks of every template.
+    auto recomputed = [&](const Plan& pl) {
+      Expected<Program> prog = compile_plan(pl, t, {});
+      EXPECT_TRUE(prog.ok()) << (prog.ok() ? "" : prog.error().message());
+      std::map<std::string, int> n;
+      for (const BlockTemplate& bt : prog->templates) {
+        for (const Step& st : bt.steps) {
+          if (st.kind == StepKind::kCompute && st.compute_class == ComputeClass::kRecompute) {
+            ++n[prog->labels[st.label]];
+          }
+        }
+      }
+      return n;
+    };
+    std::map<std::string, int> ranged = recomputed(*plan);
+    EXPECT_GT(ranged["attn.qkv"], 0);
+    EXPECT_EQ(ranged.count("head.proj"), 0u);
+    EXPECT_EQ(ranged.count("embed.word"), 0u);
+    Plan unranged = *plan;
+    for (RecomputeRule& r : unranged.recompute) {
+      r.first_layer = 0;
+      r.end_layer = -1;
+    }
+    std::map<std::string, int> all = recomputed(unranged);
+    for (const char* op : {"embed.word", "embed.position", "head.norm", "head.proj", "loss"}) {
+      EXPECT_GT(all[op], 0) << op;
+    }
+    EXPECT_GT(all["attn.qkv"], 0);
+  }
+}
+
 }  // namespace
 }  // namespace nnsim
