@@ -335,6 +335,13 @@ void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
       if (op.kind == OpKind::kEmbedding && r.op < 0) continue;  // token ids: every rank has them
       const TensorSpec& t = r.op < 0 ? boundary : ops[r.op].output;
       const TensorLayout& have = r.op < 0 ? in_layout : p.out_layouts[r.op];
+      // Partial sums arriving from the previous part (a vocabulary-parallel embedding's output
+      // with rotary positions) are reduced once, and the reduced tensor is what the part keeps
+      // as its input (Megatron reduces inside the embedding): a recomputation starts from it.
+      const bool partial = std::any_of(have.begin(), have.end(), [](const AxisLayout& a) {
+        return a.kind == AxisLayoutKind::kPartial;
+      });
+      if (only_recomputed && r.op < 0 && partial) continue;
       TensorLayout want = input_layout(op, part, t.dims);
       bool seen = false;
       for (const auto& [ref, lay] : converted) seen = seen || (ref == r && lay == want);

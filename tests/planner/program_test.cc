@@ -280,6 +280,19 @@ TEST(Program, FullRecomputeRepeatsTheForwardCollectives) {
   EXPECT_EQ(layer_collectives(prog, 0, BlockKind::kBackward), (Counts{{kAG, 4 * n}, {kRS, 4 * n}}));
 }
 
+// With rotary positions the first layer receives the vocabulary-parallel embedding's partial
+// sums and reduces them at its first norm (layer 0's forward has one all-reduce more). The
+// reduced tensor is the layer's saved input, so its recomputation starts from it: the backward
+// repeats the 2 n layer all-reduces of the forward plus its own 2 n, not the embedding's.
+TEST(Program, RecomputationDoesNotReduceTheEmbeddingAgain) {
+  const ModelSpec m = preset("llama3-8b");
+  ASSERT_EQ(m.position, PositionKind::kRope);
+  const int n = m.layers;
+  Program prog = compile(m, options(8, 1, false, RecomputeMode::kFull, 1));
+  EXPECT_EQ(layer_collectives(prog, 0, BlockKind::kForward), (Counts{{kAR, 2 * n + 1}}));
+  EXPECT_EQ(layer_collectives(prog, 0, BlockKind::kBackward), (Counts{{kAR, 4 * n}}));
+}
+
 // Data-parallel launches of one kind over a lane's iteration.
 int dp_launches(const Program& prog, const Lane& lane, CollectiveKind kind) {
   int n = 0;
