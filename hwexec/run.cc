@@ -302,21 +302,6 @@ Status check_runnable(const Plan& plan) {
       }
     }
   }
-  // Zero-bubble split backwards (BI, BW) run with ZeRO 0-2 (gradients reduced after BW): ZeRO-3
-  // gathers and reduces unit by unit inside the backward, which a split backward spreads over
-  // two blocks.
-  bool split_backward = false;
-  for (const DeviceOrder& o : plan.schedule) {
-    for (const Block& b : o.blocks) {
-      split_backward = split_backward || b.kind == BlockKind::kBackwardInput ||
-                       b.kind == BlockKind::kBackwardWeight;
-    }
-  }
-  if (split_backward && plan.optimizer.zero == 3) {
-    return refuse("optimizer.zero",
-                  "ZeRO stage 3 with zero-bubble split backwards (BI/BW blocks) is not "
-                  "supported yet (ZeRO 0-2 only)");
-  }
   enum Kind { kF, kB, kR, kBI, kBW };
   for (std::size_t oi = 0; oi < plan.schedule.size(); ++oi) {
     const DeviceOrder& o = plan.schedule[oi];

@@ -391,6 +391,17 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"zb_h1_zero1_pp2_dp2", 1, 2, 2, "zb-h1", 8, &kModel, "fp32", {"--zero", "1"}},
         Case{"zb_h2_zero2_pp2_dp2", 1, 2, 2, "zb-h2", 8, &kModel, "fp32", {"--zero", "2"}},
         Case{"zb_h1_cp2_pp2", 1, 2, 1, "zb-h1", 4, &kModel, "fp32", {}, 2},
+        // ZeRO-3 with split backwards: BI and BW each gather every unit, BW reduce-scatters.
+        Case{"zb_h1_zero3_pp2_dp2", 1, 2, 2, "zb-h1", 8, &kModel, "fp32", {"--zero", "3"}},
+        Case{"bf16_zb_v_zero3_pp2_dp2",
+             1,
+             2,
+             2,
+             "zb-v",
+             8,
+             &kLlama,
+             "bf16",
+             {"--zero", "3", "--vpp", "2"}},
         // Context parallelism (the sequence over cp: the keys and values all-gathered, the
         // backward's ring recorded as the program's all-gather).
         Case{"cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {}, 2},
@@ -484,11 +495,6 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
   refused(
       {"cannot run this plan: partition: sequence parallelism together with context "
        "parallelism over cp is not supported yet"});
-  // ZeRO-3 with zero-bubble split backwards.
-  ASSERT_EQ(make_plan(dir, 1, 2, 2, "zb-h1", 4, {"--zero", "3"}).status, 0);
-  refused(
-      {"optimizer.zero: ZeRO stage 3 with zero-bubble split backwards (BI/BW blocks) is not "
-       "supported yet"});
   // A recompute rule without layers also covers the embedding and the head.
   ASSERT_EQ(
       plan({"--tp", "2", "--pp", "1", "--dp", "1", "--recompute", "full", "--precision", "fp32"})
