@@ -92,11 +92,6 @@ Status check_runnable(const Plan& plan) {
                   "gathering a recomputed layer twice in its backward is not supported yet (false "
                   "only: one gather serves the recomputation and the backward)");
   }
-  if (plan.optimizer.zero >= 1 && plan.optimizer.keep_gathered) {
-    return refuse("optimizer.keep_gathered",
-                  "keeping ZeRO's gathered parameters across "
-                  "micro-batches is not supported yet (false only)");
-  }
   if (plan.optimizer.kind != "adam") {
     return refuse("optimizer.kind",
                   fmt::format("'{}' is not supported (adam only)", plan.optimizer.kind));

@@ -402,6 +402,19 @@ INSTANTIATE_TEST_SUITE_P(
              &kLlama,
              "bf16",
              {"--zero", "3", "--vpp", "2"}},
+        // FSDP under a pipeline (optimizer.keep_gathered): each unit gathered in its segment's
+        // first forward, its gradients reduce-scattered after the last micro-batch's B or BW.
+        with("fsdp_zero3_keep_gathered_pp2_dp2", 1, 2, 2, 8,
+             {"--zero", "3", "--framework", "fsdp"}),
+        Case{"bf16_fsdp_zb_h2_zero3_keep_gathered_pp2_dp2",
+             1,
+             2,
+             2,
+             "zb-h2",
+             8,
+             &kLlama,
+             "bf16",
+             {"--zero", "3", "--framework", "fsdp"}},
         // Context parallelism (the sequence over cp: the keys and values all-gathered, the
         // backward's ring recorded as the program's all-gather).
         Case{"cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {}, 2},
