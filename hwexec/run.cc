@@ -80,12 +80,6 @@ Status check_runnable(const Plan& plan) {
     return refuse("optimizer.zero",
                   fmt::format("ZeRO stage {} does not exist (0 to 3)", plan.optimizer.zero));
   }
-  if (plan.optimizer.zero == 3 && plan.comm.zero3_per_tensor) {
-    return refuse("comm.zero3_per_tensor",
-                  "ZeRO-3 gathers a layer's parameters at once "
-                  "(FSDP's units); per-tensor gathers are not supported "
-                  "yet (false only)");
-  }
   if (plan.optimizer.zero == 3 && plan.comm.zero3_regather_for_recompute &&
       !plan.recompute.empty()) {
     return refuse("comm.zero3_regather_for_recompute",

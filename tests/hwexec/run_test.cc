@@ -402,6 +402,10 @@ INSTANTIATE_TEST_SUITE_P(
              &kLlama,
              "bf16",
              {"--zero", "3", "--vpp", "2"}},
+        // DeepSpeed's ZeRO-3 (comm.zero3_per_tensor): each tensor gathered and reduced on its
+        // own (LayerNorm's scale and shift are two).
+        with("deepspeed_zero3_per_tensor_dp2", 1, 1, 2, 4,
+             {"--zero", "3", "--framework", "deepspeed"}),
         // FSDP under a pipeline (optimizer.keep_gathered): each unit gathered in its segment's
         // first forward, its gradients reduce-scattered after the last micro-batch's B or BW.
         with("fsdp_zero3_keep_gathered_pp2_dp2", 1, 2, 2, 8,
