@@ -42,7 +42,9 @@ Status check_runnable(const Plan& plan) {
                     "MLP, learned or rotary positions; Megatron tensor and sequence "
                     "parallelism, context parallelism, pipelines (interleaved too) with F, B, R "
                     "and zero-bubble BI/BW blocks, "
-                    "data parallelism with ZeRO 0-3, recompute rules over layers)",
+                    "data parallelism with ZeRO 0-3, recompute rules over layers; ZeRO-3 also "
+                    "as FSDP keeps it gathered under pipelines and as DeepSpeed gathers per "
+                    "tensor and again for recompute)",
                     field, why));
   };
   if (m.mlp != MlpKind::kGelu && m.mlp != MlpKind::kSwiglu) {
@@ -79,12 +81,6 @@ Status check_runnable(const Plan& plan) {
   if (plan.optimizer.zero < 0 || plan.optimizer.zero > 3) {
     return refuse("optimizer.zero",
                   fmt::format("ZeRO stage {} does not exist (0 to 3)", plan.optimizer.zero));
-  }
-  if (plan.optimizer.zero == 3 && plan.comm.zero3_regather_for_recompute &&
-      !plan.recompute.empty()) {
-    return refuse("comm.zero3_regather_for_recompute",
-                  "gathering a recomputed layer twice in its backward is not supported yet (false "
-                  "only: one gather serves the recomputation and the backward)");
   }
   if (plan.optimizer.kind != "adam") {
     return refuse("optimizer.kind",

@@ -406,6 +406,18 @@ INSTANTIATE_TEST_SUITE_P(
         // own (LayerNorm's scale and shift are two).
         with("deepspeed_zero3_per_tensor_dp2", 1, 1, 2, 4,
              {"--zero", "3", "--framework", "deepspeed"}),
+        // ... and its second gather of a layer recomputed inside the backward (B, or BI).
+        with("deepspeed_zero3_recompute_full_dp2", 1, 1, 2, 4,
+             {"--zero", "3", "--framework", "deepspeed", "--recompute", "full"}),
+        Case{"zb_h1_deepspeed_zero3_recompute_selective_pp2_dp2",
+             1,
+             2,
+             2,
+             "zb-h1",
+             8,
+             &kModel,
+             "fp32",
+             {"--zero", "3", "--framework", "deepspeed", "--recompute", "selective"}},
         // FSDP under a pipeline (optimizer.keep_gathered): each unit gathered in its segment's
         // first forward, its gradients reduce-scattered after the last micro-batch's B or BW.
         with("fsdp_zero3_keep_gathered_pp2_dp2", 1, 2, 2, 8,
