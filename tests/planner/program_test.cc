@@ -379,6 +379,28 @@ TEST(Program, DeepSpeedGathersTensorByTensor) {
                    dp_gathered_bytes(*per_unit, unit_lane));
 }
 
+// ZeRO-3 reduce-scatters each unit's gradients in the backward also when overlap_grad_reduce is
+// off (that setting moves only ZeRO 0-2's buckets after the backward): never unreduced.
+TEST(Program, ZeroThreeReducesInTheBackwardWithoutOverlap) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
+  o.zero = 3;
+  auto plan = build_megatron_plan(m, dgx(), o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  auto overlapped = compile_plan(*plan, dgx());
+  ASSERT_TRUE(overlapped.ok()) << overlapped.error().message();
+  plan->comm.overlap_grad_reduce = false;
+  auto after = compile_plan(*plan, dgx());
+  ASSERT_TRUE(after.ok()) << after.error().message();
+  const int units = m.layers + 2;  // the embedding, each layer, the head
+  const int mb = after->micro_batches;
+  EXPECT_EQ(dp_launches(*overlapped, overlapped->lanes[0], kRS), units * mb);
+  EXPECT_EQ(dp_launches(*after, after->lanes[0], kRS), units * mb);
+  for (const Step& s : after->lanes[0].epilogue) {
+    EXPECT_FALSE(s.kind == StepKind::kDpLaunch && s.collective == kRS) << "reduced twice";
+  }
+}
+
 // ZeRO-3 gathers the weights the forward reads: 2 bytes a parameter in 16-bit and fp8 training,
 // 4 in fp32.
 TEST(Program, ZeroThreeGathersTheComputeWeights) {
