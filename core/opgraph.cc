@@ -126,8 +126,12 @@ Op norm_op(const std::string& name, int self, TensorRef input, const ModelSpec& 
   op.inputs = {input};
   const double bsh = x.b * x.s * x.h;
   op.output = tensor(out(self), bsh, {Dim::kBatch, Dim::kSeq, Dim::kHidden}, x.p);
-  double norm_params = m.norm == NormKind::kLayerNorm && m.bias ? 2 * x.h : x.h;
-  op.weights = {tensor(TensorRef{self, 1}, norm_params, {Dim::kHidden}, x.p)};
+  // Its scale and, for LayerNorm with biases, its shift: two tensors (two parameters in every
+  // framework; DeepSpeed's ZeRO-3 gathers each on its own).
+  op.weights = {tensor(TensorRef{self, 1}, x.h, {Dim::kHidden}, x.p)};
+  if (m.norm == NormKind::kLayerNorm && m.bias) {
+    op.weights.push_back(tensor(TensorRef{self, 2}, x.h, {Dim::kHidden}, x.p));
+  }
   op.saved = {tensor(input, bsh, {Dim::kBatch, Dim::kSeq, Dim::kHidden}, x.p)};
   op.fwd_bytes = 2 * bsh * x.p;  // read x, write y
   op.bwd_bytes = 3 * bsh * x.p;  // read x and dy, write dx

@@ -958,8 +958,10 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       const bool weight_grads = t.kind != BlockKind::kBackwardInput;
       if (input_grads && recv_next_lane >= 0) recv(next, recv_next_lane, true, layer_out);
       double pending = 0;
+      // ZeRO-3 reduces unit by unit in the backward whatever overlap_grad_reduce says (the
+      // unit's unsharded gradients are freed after; the epilogue reduces ZeRO 0-2 only).
       const bool sync_here =
-          weight_grads && grad_sync && plan.comm.overlap_grad_reduce &&
+          weight_grads && grad_sync && (plan.comm.overlap_grad_reduce || zero == 3) &&
           (plan.data_parallel() > 1 || bucket_axes != (1u << mesh.axis_index(kDataParallelAxis)));
       auto grads_ready = [&](const ParamUnit& u) {
         if (!sync_here) return;

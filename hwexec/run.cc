@@ -42,7 +42,9 @@ Status check_runnable(const Plan& plan) {
                     "MLP, learned or rotary positions; Megatron tensor, sequence and context "
                     "parallelism (together too), pipelines (interleaved too, each segment on one "
                     "stage) with F, B, R and zero-bubble BI/BW blocks, "
-                    "data parallelism with ZeRO 0-3, recompute rules, repeated forwards)",
+                    "data parallelism with ZeRO 0-3, recompute rules, repeated forwards; ZeRO-3 "
+                    "also as FSDP keeps it gathered under pipelines and as DeepSpeed gathers per "
+                    "tensor and again for recompute)",
                     field, why));
   };
   if (m.mlp != MlpKind::kGelu && m.mlp != MlpKind::kSwiglu) {
@@ -71,23 +73,6 @@ Status check_runnable(const Plan& plan) {
   if (plan.optimizer.zero < 0 || plan.optimizer.zero > 3) {
     return refuse("optimizer.zero",
                   fmt::format("ZeRO stage {} does not exist (0 to 3)", plan.optimizer.zero));
-  }
-  if (plan.optimizer.zero == 3 && plan.comm.zero3_per_tensor) {
-    return refuse("comm.zero3_per_tensor",
-                  "ZeRO-3 gathers a layer's parameters at once "
-                  "(FSDP's units); per-tensor gathers are not supported "
-                  "yet (false only)");
-  }
-  if (plan.optimizer.zero == 3 && plan.comm.zero3_regather_for_recompute &&
-      !plan.recompute.empty()) {
-    return refuse("comm.zero3_regather_for_recompute",
-                  "gathering a recomputed layer twice in its backward is not supported yet (false "
-                  "only: one gather serves the recomputation and the backward)");
-  }
-  if (plan.optimizer.zero >= 1 && plan.optimizer.keep_gathered) {
-    return refuse("optimizer.keep_gathered",
-                  "keeping ZeRO's gathered parameters across "
-                  "micro-batches is not supported yet (false only)");
   }
   if (plan.optimizer.kind != "adam") {
     return refuse("optimizer.kind",
@@ -313,21 +298,6 @@ Status check_runnable(const Plan& plan) {
                                   plan.segments[si].name));
       }
     }
-  }
-  // Zero-bubble split backwards (BI, BW) run with ZeRO 0-2 (gradients reduced after BW): ZeRO-3
-  // gathers and reduces unit by unit inside the backward, which a split backward spreads over
-  // two blocks.
-  bool split_backward = false;
-  for (const DeviceOrder& o : plan.schedule) {
-    for (const Block& b : o.blocks) {
-      split_backward = split_backward || b.kind == BlockKind::kBackwardInput ||
-                       b.kind == BlockKind::kBackwardWeight;
-    }
-  }
-  if (split_backward && plan.optimizer.zero == 3) {
-    return refuse("optimizer.zero",
-                  "ZeRO stage 3 with zero-bubble split backwards (BI/BW blocks) is not "
-                  "supported yet (ZeRO 0-2 only)");
   }
   enum Kind { kF, kB, kR, kBI, kBW };
   for (std::size_t oi = 0; oi < plan.schedule.size(); ++oi) {

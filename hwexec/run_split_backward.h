@@ -11,11 +11,12 @@
 namespace nnsim::hwexec {
 
 // A linear layer's weight gradient left for the BW block: its output (whose graph BI kept), the
-// output's gradient, and the master weights (leaves) the gradient accumulates into.
+// output's gradient, the master weights (leaves) the gradient accumulates into, and its unit.
 struct DeferredWeightGrad {
   std::string op;
   at::Tensor out, dout;
   std::vector<at::Tensor> weights;
+  int unit = -1;  // the parameter unit the operator belongs to (ZeRO-3 gathers it for BW)
 };
 
 // BI: the gradients of `inputs` (the operator's detached inputs) only; autograd computes no

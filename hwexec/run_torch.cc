@@ -48,6 +48,7 @@
 #include "hwexec/run.h"
 #include "hwexec/run_context_parallel.h"
 #include "hwexec/run_split_backward.h"
+#include "hwexec/run_zero3.h"
 
 #ifdef NNSIM_TORCH_HAS_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -667,6 +668,7 @@ class Model {
     bwd_phase_ = input_only ? "bwd_input" : "bwd";
     deferred_ = input_only ? &tape.deferred : nullptr;
     if (head_) {
+      unit_ = head_unit();
       c.unit_before(head_unit(), true);
       if (!recompute_head_.empty() && !tape.head_recomputed) {
         head_forward(c, at::Tensor(), at::Tensor(), tape, /*again=*/true);
@@ -692,11 +694,13 @@ class Model {
     }
     const int first_unit = embedding_ ? 1 : 0;
     for (std::size_t l = layers_.size(); l-- > 0;) {
-      c.unit_before(first_unit + static_cast<int>(l), true);
+      unit_ = first_unit + static_cast<int>(l);
+      c.unit_before(unit_, true);
       dy = layer_backward(c, static_cast<int>(l), tape.layers[l], dy);
       c.unit_after_backward(first_unit + static_cast<int>(l));
     }
     if (embedding_) {
+      unit_ = 0;
       c.unit_before(0, true);
       if (!recompute_embed_.empty() && !tape.embed_recomputed) {
         embed_forward(c, at::Tensor(), at::Tensor(), tape, /*again=*/true);
@@ -710,13 +714,27 @@ class Model {
     return dy;
   }
 
-  // A zero-bubble BW block: the weight gradients its BI left, in the BI's (backward) order.
+  // A zero-bubble BW block: the weight gradients its BI left, in the BI's (backward) order,
+  // unit by unit (ZeRO-3 gathers each unit before and reduces its gradients after, as the
+  // program's BW block; those of its operators that BI computed whole included).
   void backward_weights(Ctx& c, MicroBatchTape& tape) {
     Stats& st = *c.stats;
-    for (const DeferredWeightGrad& d : tape.deferred) {
-      const Mark t0 = st.mark();
-      weight_gradients(d, /*keep_graph=*/dtype_ != at::kFloat);
-      st.op(d.op, "bwd_weight", t0, st.mark());
+    std::size_t next = 0;
+    for (int u = head_unit() + (head_ ? 0 : -1); u >= 0; --u) {
+      c.unit_before(u, true);
+      for (; next < tape.deferred.size() && tape.deferred[next].unit == u; ++next) {
+        const DeferredWeightGrad& d = tape.deferred[next];
+        const Mark t0 = st.mark();
+        weight_gradients(d, /*keep_graph=*/dtype_ != at::kFloat);
+        st.op(d.op, "bwd_weight", t0, st.mark());
+      }
+      c.unit_after_backward(u);
+    }
+    if (next != tape.deferred.size()) {
+      throw Failure{
+          fmt::format("BW: the weight gradient of {} (unit {}) is out of the units' "
+                      "backward order",
+                      tape.deferred[next].op, tape.deferred[next].unit)};
     }
     tape.deferred.clear();
   }
@@ -775,7 +793,7 @@ class Model {
     const bool defer = deferred_ != nullptr && !u.weights.empty();
     if (defer) {
       input_gradients(u.out, dy, u.in);
-      deferred_->push_back({name, u.out, dy, u.weights});
+      deferred_->push_back({name, u.out, dy, u.weights, unit_});
     } else {
       // bf16: the weights' casts are shared by every micro-batch's graphs; keep them.
       u.out.backward(dy, /*retain_graph=*/dtype_ != at::kFloat);
@@ -1231,6 +1249,7 @@ class Model {
   // where the deferred weight gradients go.
   const char* bwd_phase_ = "bwd";
   std::vector<DeferredWeightGrad>* deferred_ = nullptr;
+  int unit_ = -1;  // the parameter unit whose backward runs (a deferred gradient's unit)
   Param *word_ = nullptr, *pos_ = nullptr, *hn_g_ = nullptr, *hn_b_ = nullptr, *head_w_ = nullptr;
   at::Tensor positions_;  // the sequence positions of the rank's tokens (long)
 };
@@ -1556,10 +1575,21 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   const int dp_pos = static_cast<int>(std::find(ctx.dp_group.begin(), ctx.dp_group.end(), rank) -
                                       ctx.dp_group.begin());
   std::map<int, std::vector<ZeroUnit>> zunits_of;  // per segment
+  // ZeRO-3: parameter unit u of a segment is its ZeroUnits [first, end) (one, or one a tensor).
+  std::map<int, std::vector<std::pair<std::size_t, std::size_t>>> zranges_of;
   for (int sg : zero >= 1 ? L.segments : std::vector<int>{}) {
     std::vector<std::vector<Param*>> groups;
     if (zero == 3) {
-      groups = models[sg]->units();
+      // DeepSpeed (comm.zero3_per_tensor) gathers and reduces each tensor of a unit on its own.
+      for (std::vector<Param*>& g : models[sg]->units()) {
+        zranges_of[sg].emplace_back(groups.size(), 0);
+        if (plan.comm.zero3_per_tensor) {
+          for (Param* p : g) groups.push_back({p});
+        } else {
+          groups.push_back(std::move(g));
+        }
+        zranges_of[sg].back().second = groups.size();
+      }
     } else {
       groups.emplace_back();
       for (Param& p : models[sg]->params()) groups.back().push_back(&p);
@@ -1637,21 +1667,34 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     u.grad.add_(mine);
     for (Param* p : u.params) p->w.mutable_grad() = at::Tensor();
   };
-  // ZeRO-3, for the blocks of segment `sg`. The program's order: the first unit's gather, then
-  // each unit's gather launched before the previous unit runs (one unit of prefetch);
+  // ZeRO-3, for block `i` of the order (segment `sg`), as the program does (run_zero3.h): the
+  // first unit's gather, then each unit's gather launched before the previous unit runs (one
+  // unit of prefetch), twice for a unit recomputed inside the backward when DeepSpeed regathers;
   // gradients reduced as each unit's backward ends.
-  auto zero3_for = [&](int sg) {
+  const std::vector<Zero3Block> z3 =
+      zero == 3 ? zero3_blocks(plan, L.order->blocks, M) : std::vector<Zero3Block>{};
+  auto zero3_for = [&](std::size_t i, int sg) {
     if (zero != 3) return;
-    ctx.before_unit = [&, sg](int u, bool backward) {
-      std::vector<ZeroUnit>& us = zunits_of.at(sg);
-      const int n = static_cast<int>(us.size());
-      const int pos = backward ? n - 1 - u : u;
-      auto unit_at = [&](int q) -> ZeroUnit& { return us[backward ? n - 1 - q : q]; };
-      if (pos == 0) gather_unit(unit_at(0));
-      if (pos + 1 < n) gather_unit(unit_at(pos + 1));
+    const Zero3Block* zb = &z3.at(i);
+    auto each = [&, sg](int u, auto f) {
+      const auto [first, end] = zranges_of.at(sg).at(u);
+      for (std::size_t k = first; k < end; ++k) f(zunits_of.at(sg)[k]);
     };
-    ctx.after_unit_backward = [&, sg](int u) {
-      reduce_unit(zunits_of.at(sg)[u], grad_sync_label(sg));
+    ctx.before_unit = [&, sg, zb, each](int u, bool backward) {
+      if (!zb->gather) return;
+      const int n = static_cast<int>(zranges_of.at(sg).size());
+      const int pos = backward ? n - 1 - u : u;
+      auto fetch = [&](int q) {
+        const int unit = backward ? n - 1 - q : q;
+        const int times = zb->regather.count(unit) ? 2 : 1;
+        for (int t = 0; t < times; ++t) each(unit, gather_unit);
+      };
+      if (pos == 0) fetch(0);
+      if (pos + 1 < n) fetch(pos + 1);
+    };
+    ctx.after_unit_backward = [&, sg, zb, each](int u) {
+      if (!zb->reduce) return;
+      each(u, [&](ZeroUnit& zu) { reduce_unit(zu, grad_sync_label(sg)); });
     };
   };
 
@@ -1744,7 +1787,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       auto tag = [&](bool gradient, int to) {
         return Ctx::transfer_tag(gradient, false, to, m, blk.pass);
       };
-      zero3_for(sg);
+      zero3_for(static_cast<std::size_t>(&blk - L.order->blocks.data()), sg);
       MicroBatchTape& tape = tapes[{sg, m}];
       if (blk.kind == BlockKind::kRecompute) {
         model.recompute(ctx, tape);

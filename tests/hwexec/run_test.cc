@@ -406,6 +406,46 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"zb_h1_zero1_pp2_dp2", 1, 2, 2, "zb-h1", 8, &kModel, "fp32", {"--zero", "1"}},
         Case{"zb_h2_zero2_pp2_dp2", 1, 2, 2, "zb-h2", 8, &kModel, "fp32", {"--zero", "2"}},
         Case{"zb_h1_cp2_pp2", 1, 2, 1, "zb-h1", 4, &kModel, "fp32", {}, 2},
+        // ZeRO-3 with split backwards: BI and BW each gather every unit, BW reduce-scatters.
+        Case{"zb_h1_zero3_pp2_dp2", 1, 2, 2, "zb-h1", 8, &kModel, "fp32", {"--zero", "3"}},
+        Case{"bf16_zb_v_zero3_pp2_dp2",
+             1,
+             2,
+             2,
+             "zb-v",
+             8,
+             &kLlama,
+             "bf16",
+             {"--zero", "3", "--vpp", "2"}},
+        // DeepSpeed's ZeRO-3 (comm.zero3_per_tensor): each tensor gathered and reduced on its
+        // own (LayerNorm's scale and shift are two).
+        with("deepspeed_zero3_per_tensor_dp2", 1, 1, 2, 4,
+             {"--zero", "3", "--framework", "deepspeed"}),
+        // ... and its second gather of a layer recomputed inside the backward (B, or BI).
+        with("deepspeed_zero3_recompute_full_dp2", 1, 1, 2, 4,
+             {"--zero", "3", "--framework", "deepspeed", "--recompute", "full"}),
+        Case{"zb_h1_deepspeed_zero3_recompute_selective_pp2_dp2",
+             1,
+             2,
+             2,
+             "zb-h1",
+             8,
+             &kModel,
+             "fp32",
+             {"--zero", "3", "--framework", "deepspeed", "--recompute", "selective"}},
+        // FSDP under a pipeline (optimizer.keep_gathered): each unit gathered in its segment's
+        // first forward, its gradients reduce-scattered after the last micro-batch's B or BW.
+        with("fsdp_zero3_keep_gathered_pp2_dp2", 1, 2, 2, 8,
+             {"--zero", "3", "--framework", "fsdp"}),
+        Case{"bf16_fsdp_zb_h2_zero3_keep_gathered_pp2_dp2",
+             1,
+             2,
+             2,
+             "zb-h2",
+             8,
+             &kLlama,
+             "bf16",
+             {"--zero", "3", "--framework", "fsdp"}},
         // Context parallelism (the sequence over cp: the keys and values all-gathered, the
         // backward's ring recorded as the program's all-gather).
         Case{"cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {}, 2},
@@ -544,11 +584,6 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
       {"cannot run this plan: partition: operator 'head.proj' is split along the pipeline axis "
        "'pp' (--shard-head / --shard-embedding), which is not supported yet: its segment spans "
        "every pipeline stage"});
-  // ZeRO-3 with zero-bubble split backwards.
-  ASSERT_EQ(make_plan(dir, 1, 2, 2, "zb-h1", 4, {"--zero", "3"}).status, 0);
-  refused(
-      {"optimizer.zero: ZeRO stage 3 with zero-bubble split backwards (BI/BW blocks) is not "
-       "supported yet"});
 
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
   RunResult r =

@@ -390,6 +390,60 @@ TEST(Program, DeepSpeedRegathersRecomputedLayers) {
   EXPECT_FALSE(fsdp->comm.zero3_regather_for_recompute);
 }
 
+// DeepSpeed's ZeRO-3 gathers and reduces each parameter tensor on its own: a GPT layer's twelve
+// (LayerNorm's scale and shift are two parameters), the same bytes as FSDP's gather of the
+// whole layer at once.
+TEST(Program, DeepSpeedGathersTensorByTensor) {
+  const ModelSpec m = preset("gpt3-1.3b");  // LayerNorm with biases, learned positions, tied
+  MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
+  o.zero = 3;
+  o.framework = "deepspeed";
+  auto plan = build_megatron_plan(m, dgx(), o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  EXPECT_TRUE(plan->comm.zero3_per_tensor);
+  auto per_tensor = compile_plan(*plan, dgx());
+  ASSERT_TRUE(per_tensor.ok()) << per_tensor.error().message();
+  plan->comm.zero3_per_tensor = false;
+  auto per_unit = compile_plan(*plan, dgx());
+  ASSERT_TRUE(per_unit.ok()) << per_unit.error().message();
+
+  const int mb = per_unit->micro_batches;
+  const Lane& unit_lane = per_unit->lanes[0];
+  const Lane& tensor_lane = per_tensor->lanes[0];
+  // Units: the embedding, each layer, the head. Tensors: the word and position tables; per
+  // layer two norms of two, qkv, proj, fc1 and fc2 with their biases; the head's norm (two) and
+  // its projection (the tied embedding matrix, gathered again).
+  const int units = m.layers + 2, tensors = 2 + 12 * m.layers + 3;
+  EXPECT_EQ(dp_launches(*per_unit, unit_lane, kAG), 2 * units * mb);
+  EXPECT_EQ(dp_launches(*per_unit, unit_lane, kRS), units * mb);
+  EXPECT_EQ(dp_launches(*per_tensor, tensor_lane, kAG), 2 * tensors * mb);
+  EXPECT_EQ(dp_launches(*per_tensor, tensor_lane, kRS), tensors * mb);
+  EXPECT_DOUBLE_EQ(dp_gathered_bytes(*per_tensor, tensor_lane),
+                   dp_gathered_bytes(*per_unit, unit_lane));
+}
+
+// ZeRO-3 reduce-scatters each unit's gradients in the backward also when overlap_grad_reduce is
+// off (that setting moves only ZeRO 0-2's buckets after the backward): never unreduced.
+TEST(Program, ZeroThreeReducesInTheBackwardWithoutOverlap) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
+  o.zero = 3;
+  auto plan = build_megatron_plan(m, dgx(), o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  auto overlapped = compile_plan(*plan, dgx());
+  ASSERT_TRUE(overlapped.ok()) << overlapped.error().message();
+  plan->comm.overlap_grad_reduce = false;
+  auto after = compile_plan(*plan, dgx());
+  ASSERT_TRUE(after.ok()) << after.error().message();
+  const int units = m.layers + 2;  // the embedding, each layer, the head
+  const int mb = after->micro_batches;
+  EXPECT_EQ(dp_launches(*overlapped, overlapped->lanes[0], kRS), units * mb);
+  EXPECT_EQ(dp_launches(*after, after->lanes[0], kRS), units * mb);
+  for (const Step& s : after->lanes[0].epilogue) {
+    EXPECT_FALSE(s.kind == StepKind::kDpLaunch && s.collective == kRS) << "reduced twice";
+  }
+}
+
 // ZeRO-3 gathers the weights the forward reads: 2 bytes a parameter in 16-bit and fp8 training,
 // 4 in fp32.
 TEST(Program, ZeroThreeGathersTheComputeWeights) {
