@@ -559,14 +559,6 @@ TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
 
 TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
   TempDir dir;
-  auto plan = [&](std::vector<std::string> args) {
-    // Every caller names tp, pp, dp (or cp) and the precision.
-    std::vector<std::string> a = {"plan",    "--model", kModel,           "--topo", kTopo,
-                                  "--nodes", "1",       "--global-batch", "4",      "--micro-batch",
-                                  "1",       "-o",      "plan.json"};
-    a.insert(a.end(), args.begin(), args.end());
-    return run(dir, NNSIM_BINARY, a);
-  };
   auto refused = [&](const std::vector<std::string>& expected) {
     RunResult r = run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5"});
     EXPECT_EQ(r.status, 1) << r;
