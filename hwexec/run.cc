@@ -36,19 +36,15 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 Status check_runnable(const Plan& plan) {
   const ModelSpec& m = plan.model;
   auto refuse = [](const std::string& field, const std::string& why) {
-    return Error(
-        fmt::format("{}: {} (nnexec run executes GPT- and Llama-style models: "
-                    "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU or SwiGLU "
-                    "MLP, learned or rotary positions; Megatron tensor and sequence "
-                    "parallelism, context parallelism, pipelines (interleaved too) with F, B, R "
-                    "and zero-bubble BI/BW blocks, "
-                    "data parallelism with ZeRO 0-3, recompute rules over layers)",
-                    field, why));
+    return Error(fmt::format(
+        "{}: {} (nnexec run executes GPT- and Llama-style models: "
+        "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
+        "ReLU or squared-ReLU MLP, learned or rotary positions; Megatron tensor and sequence "
+        "parallelism, context parallelism, pipelines (interleaved too) with F, B, R "
+        "and zero-bubble BI/BW blocks, "
+        "data parallelism with ZeRO 0-3, recompute rules over layers)",
+        field, why));
   };
-  if (m.mlp != MlpKind::kGelu && m.mlp != MlpKind::kSwiglu) {
-    return refuse("model.mlp",
-                  fmt::format("'{}' is not supported yet (gelu or swiglu)", to_string(m.mlp)));
-  }
   if (m.kv_heads < 1 || m.heads % m.kv_heads != 0) {
     return refuse("model.kv_heads", fmt::format("{} key/value heads do not divide {} heads; set "
                                                 "kv_heads to a divisor of heads",

@@ -1,10 +1,10 @@
 // The LibTorch side of `nnexec run` (docs/hwexec.md): builds this rank's part of a GPT- or
-// Llama-style model (LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU or SwiGLU,
-// learned or rotary positions, with or without biases) and runs the plan's blocks, in fp32 or,
-// for bf16 plans, in bf16 with fp32 master weights, gradients and Adam. ATen only (no torch::nn):
-// every operator of the operator graph (attn.qkv, attn.core, ...) runs as its own small autograd
-// graph, from detached inputs, so that its forward and its backward are timed alone and the
-// collectives between operators are explicit, as in Megatron-LM:
+// Llama-style model (LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU,
+// ReLU or squared ReLU, learned or rotary positions, with or without biases) and runs the plan's
+// blocks, in fp32 or, for bf16 plans, in bf16 with fp32 master weights, gradients and Adam. ATen
+// only (no torch::nn): every operator of the operator graph (attn.qkv, attn.core, ...) runs as its
+// own small autograd graph, from detached inputs, so that its forward and its backward are timed
+// alone and the collectives between operators are explicit, as in Megatron-LM:
 //   attn.qkv / mlp.fc1: columns split over tp; their input gradient is all-reduced (f).
 //   attn.proj / mlp.fc2: rows split; their output (partial sums) is all-reduced (g), the bias
 //     added after it (timed in the residual).
@@ -968,10 +968,20 @@ class Model {
     }
     if (runs("mlp.act")) {
       t.act = fwd(st, "mlp.act", phase, {leaf(t.fc1.out)}, [&](const std::vector<at::Tensor>& in) {
-        if (!spec_.gated_mlp()) return at::gelu(in[0]);
-        // SwiGLU: silu(gate) * up, the halves of this rank's fc1 output.
-        const int64_t fl = in[0].size(-1) / 2;
-        return at::silu(in[0].narrow(-1, 0, fl)) * in[0].narrow(-1, fl, fl);
+        switch (spec_.mlp) {
+          case MlpKind::kRelu:
+            return at::relu(in[0]);
+          case MlpKind::kSquaredRelu:  // Primer's (So et al. 2021): relu(x)^2
+            return at::relu(in[0]).square();
+          case MlpKind::kSwiglu: {
+            // SwiGLU: silu(gate) * up, the halves of this rank's fc1 output.
+            const int64_t fl = in[0].size(-1) / 2;
+            return at::silu(in[0].narrow(-1, 0, fl)) * in[0].narrow(-1, fl, fl);
+          }
+          case MlpKind::kGelu:
+            break;
+        }
+        return at::gelu(in[0]);
       });
     }
     if (runs("mlp.fc2")) {

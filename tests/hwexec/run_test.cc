@@ -41,6 +41,9 @@ using testing::slurp;
 const std::string kModel = std::string(NNSIM_TEST_DATA) + "/tiny-gpt.yaml";
 // RMSNorm, GQA (2 key/value heads for 4), SwiGLU, rotary positions, no biases.
 const std::string kLlama = std::string(NNSIM_TEST_DATA) + "/tiny-llama.yaml";
+// ReLU MLP (OPT), and squared ReLU with rope and GQA (Nemotron).
+const std::string kOpt = std::string(NNSIM_TEST_DATA) + "/tiny-opt.yaml";
+const std::string kNemotron = std::string(NNSIM_TEST_DATA) + "/tiny-nemotron.yaml";
 const std::string kTopo = std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml";
 const std::string kTopo1 = std::string(NNSIM_TEST_DATA) + "/tiny-node1.yaml";
 
@@ -409,7 +412,10 @@ INSTANTIATE_TEST_SUITE_P(
              2},
         Case{"zero1_cp2_dp2", 1, 1, 2, "1f1b", 4, &kModel, "fp32", {"--zero", "1"}, 2},
         Case{"zero3_cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {"--zero", "3"}, 2},
-        Case{"bf16_llama_cp2_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16", {}, 2}),
+        Case{"bf16_llama_cp2_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16", {}, 2},
+        // ReLU and squared-ReLU MLPs, their fc1 columns split over tp.
+        Case{"opt_relu_tp2", 2, 1, 1, "1f1b", 2, &kOpt},
+        with("nemotron_squared_relu_sp_tp2", 2, 1, 1, 2, {"--sequence-parallel"}, &kNemotron)),
     [](const auto& info) { return std::string(info.param.name); });
 
 // --check compares the first iteration only; the later ones show that ZeRO-3's bf16 gathers
@@ -533,12 +539,12 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   ASSERT_FALSE(s.ok());
   EXPECT_TRUE(contains(s.error().message(), "model.position: 'alibi' is not supported"))
       << s.error().message();
-  p = *base;
-  p.model.mlp = MlpKind::kSquaredRelu;
-  s = check_runnable(p);
-  ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(contains(s.error().message(), "model.mlp: 'squared_relu' is not supported"))
-      << s.error().message();
+  for (MlpKind k : {MlpKind::kGelu, MlpKind::kSwiglu, MlpKind::kRelu, MlpKind::kSquaredRelu}) {
+    p = *base;
+    p.model.mlp = k;  // every MLP of the operator graph runs
+    EXPECT_TRUE(check_runnable(p).ok())
+        << to_string(k) << ": " << check_runnable(p).error().message();
+  }
   p = *base;
   p.model.kv_heads = 1;  // MQA: runs unsplit, but one key/value head cannot be split over tp 2
   s = check_runnable(p);
