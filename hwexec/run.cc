@@ -21,7 +21,8 @@ namespace nnsim::hwexec {
 namespace {
 
 const std::set<std::string> kSequenceParallelOps = {
-    "attn.norm", "attn.residual", "mlp.norm", "mlp.residual", "head.norm", "embed.position"};
+    "attn.norm", "attn.residual",  "mlp.norm",     "mlp.residual",
+    "head.norm", "embed.position", "embed.dropout"};
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
   std::string s;
@@ -36,33 +37,25 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 Status check_runnable(const Plan& plan) {
   const ModelSpec& m = plan.model;
   auto refuse = [](const std::string& field, const std::string& why) {
-    return Error(fmt::format(
-        "{}: {} (nnexec run executes GPT- and Llama-style models: "
-        "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
-        "ReLU or squared-ReLU MLP, learned or rotary positions; Megatron tensor and sequence "
-        "parallelism, context parallelism, pipelines (interleaved too) with F, B, R "
-        "and zero-bubble BI/BW blocks, "
-        "data parallelism with ZeRO 0-3, recompute rules over layers)",
-        field, why));
+    return Error(
+        fmt::format("{}: {} (nnexec run executes GPT- and Llama-style models: "
+                    "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
+                    "ReLU or squared-ReLU MLP, learned, rotary or ALiBi positions, dropout with "
+                    "deterministic masks; Megatron tensor and sequence "
+                    "parallelism, context parallelism, pipelines (interleaved too) with F, B, R "
+                    "and zero-bubble BI/BW blocks, "
+                    "data parallelism with ZeRO 0-3, recompute rules over layers)",
+                    field, why));
   };
   if (m.kv_heads < 1 || m.heads % m.kv_heads != 0) {
     return refuse("model.kv_heads", fmt::format("{} key/value heads do not divide {} heads; set "
                                                 "kv_heads to a divisor of heads",
                                                 m.kv_heads, m.heads));
   }
-  if (m.position != PositionKind::kLearned && m.position != PositionKind::kRope) {
-    return refuse("model.position", fmt::format("'{}' is not supported yet (learned or rope)",
-                                                to_string(m.position)));
-  }
   if (m.position == PositionKind::kRope && m.head_dim() % 2 != 0) {
     return refuse("model.position",
                   fmt::format("rope needs an even head dimension; hidden {} / heads {} is {}",
                               m.hidden, m.heads, m.head_dim()));
-  }
-  if (m.dropout) {
-    return refuse("model.dropout",
-                  "dropout would make the partitioned run differ from the unpartitioned one; set "
-                  "dropout: false");
   }
   for (std::size_t i = 0; i < plan.recompute.size(); ++i) {
     if (plan.recompute[i].end_layer < 0) {

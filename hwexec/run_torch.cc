@@ -44,6 +44,7 @@
 #include "hwexec/comm.h"
 #include "hwexec/run.h"
 #include "hwexec/run_context_parallel.h"
+#include "hwexec/run_model_masks.h"
 #include "hwexec/run_split_backward.h"
 
 #ifdef NNSIM_TORCH_HAS_CUDA
@@ -441,6 +442,7 @@ at::Tensor leaf(const at::Tensor& t) {
 
 struct LayerTape {
   Unit n1, qkv, core, proj, res1, n2, fc1, act, fc2, res2;
+  DropoutKey key;           // the micro-batch's dropout masks (a recomputation draws them again)
   at::Tensor x;             // the layer's input, kept when the layer recomputes operators
   bool recomputed = false;  // an R block has run the recomputation already
   std::vector<std::pair<const char*, Unit*>> units() {
@@ -452,7 +454,8 @@ struct LayerTape {
 };
 
 struct MicroBatchTape {
-  Unit word, pos;
+  DropoutKey key;  // which masks model.dropout applies: the iteration and the samples' rows
+  Unit word, pos, drop;
   std::vector<LayerTape> layers;
   Unit hnorm, hproj;
   at::Tensor ez, se, onehot;  // the loss's saved softmax pieces
@@ -487,6 +490,11 @@ class Model {
     positions_ =
         (split.cp > 1 ? cp_positions(s, split.cp, split.cp_index) : at::arange(s, at::kLong))
             .to(device);
+    // The rank's query heads are the global heads [ta kl g, (ta + 1) kl g) (whole key/value
+    // groups): ALiBi's slopes and the attention's dropout masks are those heads'.
+    first_head_ = ta * kl * g;
+    if (spec.position == PositionKind::kAlibi)
+      alibi_ = alibi_slopes_of(a, first_head_, kl * g, device);
     if (embedding_) {
       const int64_t vl = V / split.embed_vocab;
       const int tv = split.embed_vocab > 1 ? t_ : 0;
@@ -619,16 +627,17 @@ class Model {
         return (at::embedding(word_->w, local.clamp(0, vl - 1)) * mask.unsqueeze(-1).to(at::kFloat))
             .to(dtype_);
       });
+      // The operator reading the lookup's sums (the program names their collective after it).
+      const char* reader = pos_ ? "embed.position" : spec_.dropout ? "embed.dropout" : "attn.norm";
       at::Tensor e;
       if (split_.seq > 1) {
         // Sequence parallelism: the partial sums reduce-scattered to this rank's slice, which
         // the program names after the operator that reads it.
-        e = split_.embed_vocab > 1
-                ? scatter_seq(c, tape.word.out.detach(), pos_ ? "embed.position" : "attn.norm")
-                : my_seq(tape.word.out.detach());
+        e = split_.embed_vocab > 1 ? scatter_seq(c, tape.word.out.detach(), reader)
+                                   : my_seq(tape.word.out.detach());
       } else {
         e = tape.word.out.detach().clone();
-        if (split_.embed_vocab > 1) c.tp_all_reduce(e, pos_ ? "embed.position" : "attn.norm");
+        if (split_.embed_vocab > 1) c.tp_all_reduce(e, reader);
       }
       if (pos_) {
         const int64_t sl = e.size(1), first = split_.seq > 1 ? t_ * sl : 0;
@@ -639,13 +648,20 @@ class Model {
         });
         x = tape.pos.out.detach();
       } else {
-        x = e;  // rotary positions: applied to queries and keys in attn.core
+        x = e;  // rotary or ALiBi positions: applied in attn.core
+      }
+      if (spec_.dropout) {
+        tape.drop = fwd(st, "embed.dropout", {leaf(x)}, [&](const std::vector<at::Tensor>& in) {
+          return in[0] * hidden_dropout(tape.key, -1, DropoutSite::kEmbedding, in[0]);
+        });
+        x = tape.drop.out.detach();
       }
     }
     tape.layers.resize(layers_.size());
     const int first_unit = embedding_ ? 1 : 0;
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       c.unit_before(first_unit + static_cast<int>(l), false);
+      tape.layers[l].key = tape.key;
       x = layer_forward(c, static_cast<int>(l), x, tape.layers[l]);
     }
     if (!head_) return x;
@@ -721,8 +737,14 @@ class Model {
     }
     if (embedding_) {
       c.unit_before(0, true);
+      if (spec_.dropout) dy = bwd(st, "embed.dropout", tape.drop, dy)[0];
       at::Tensor de = pos_ ? bwd(st, "embed.position", tape.pos, dy)[0] : dy;
-      if (split_.seq > 1) de = gather_seq(c, de, pos_ ? "embed.position" : "attn.residual");
+      if (split_.seq > 1) {
+        de = gather_seq(c, de,
+                        pos_            ? "embed.position"
+                        : spec_.dropout ? "embed.dropout"
+                                        : "attn.residual");
+      }
       bwd(st, "embed.word", tape.word, de);
       c.unit_after_backward(0);
       return at::Tensor();
@@ -824,6 +846,19 @@ class Model {
     return y.to(x.scalar_type());
   }
 
+  // Dropout's multipliers for x [b, sl, h] at a hidden site (the embedding's, a residual's) of
+  // `layer` (global; -1: the embedding): the whole model's masks at the rank's sequence
+  // positions (context parallelism's share; sequence parallelism's slice of it).
+  at::Tensor hidden_dropout(const DropoutKey& key, int layer, DropoutSite site,
+                            const at::Tensor& x) const {
+    const int64_t sl = x.size(1);
+    at::Tensor pos = positions_;
+    if (split_.seq > 1) pos = pos.narrow(0, t_ * sl, sl);
+    return dropout_multipliers(key, layer, site, x.size(0), spec_.seq_len, spec_.hidden, pos, 0, 0,
+                               device_)
+        .to(x.scalar_type());
+  }
+
   // Rotary position embedding (rotate-half form, base 10000) of x [b, s, heads, d] at the
   // rank's positions (0 .. s-1; under context parallelism, its share), angles in fp32.
   at::Tensor rope(const at::Tensor& x) const {
@@ -901,7 +936,7 @@ class Model {
       drop_gathered("attn.qkv", t.qkv);
     }
     if (runs("attn.core") && split_.cp > 1) {
-      t.core = cp_core_forward(c, t.qkv.out, phase);
+      t.core = cp_core_forward(c, t.qkv.out, phase, t.key, first_ + l);
     } else if (runs("attn.core")) {
       t.core =
           fwd(st, "attn.core", phase, {leaf(t.qkv.out)}, [&](const std::vector<at::Tensor>& in) {
@@ -922,6 +957,9 @@ class Model {
             k = k.permute({0, 2, 1, 3});
             v = v.permute({0, 2, 1, 3});
             at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(d));
+            if (alibi_.defined()) {  // ALiBi: in fp32, at the tokens' positions
+              scores = scores.to(at::kFloat) + alibi_bias(alibi_, positions_, positions_);
+            }
             at::Tensor causal = at::ones({s, s}, in[0].options().dtype(at::kBool)).triu(1);
             // The softmax in fp32 (Megatron's fused scaled-masked softmax), its output in the
             // compute dtype.
@@ -929,6 +967,12 @@ class Model {
                 at::softmax(scores.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1,
                             at::kFloat)
                     .to(q.scalar_type());
+            if (spec_.dropout) {  // the probabilities' dropout
+              p = p * dropout_multipliers(t.key, first_ + l, DropoutSite::kAttention, b,
+                                          spec_.seq_len, spec_.heads, positions_, first_head_, al,
+                                          device_)
+                          .to(p.scalar_type());
+            }
             return at::matmul(p, v).permute({0, 2, 1, 3}).reshape({b, s, al * d});
           });
     }
@@ -949,7 +993,12 @@ class Model {
       }
       t.res1 = fwd(st, "attn.residual", phase, {leaf(y), leaf(in_x)},
                    [&](const std::vector<at::Tensor>& in) {
-                     return L.proj_b ? in[0] + W(L.proj_b) + in[1] : in[0] + in[1];
+                     at::Tensor z = L.proj_b ? in[0] + W(L.proj_b) : in[0];
+                     // Bias, dropout, add (Megatron's fused bias-dropout-add).
+                     if (spec_.dropout) {
+                       z = z * hidden_dropout(t.key, first_ + l, DropoutSite::kAttnResidual, z);
+                     }
+                     return z + in[1];
                    });
     }
     if (runs("mlp.norm")) {
@@ -999,7 +1048,11 @@ class Model {
       }
       t.res2 = fwd(st, "mlp.residual", phase, {leaf(y2), leaf(t.res1.out)},
                    [&](const std::vector<at::Tensor>& in) {
-                     return L.fc2_b ? in[0] + W(L.fc2_b) + in[1] : in[0] + in[1];
+                     at::Tensor z = L.fc2_b ? in[0] + W(L.fc2_b) : in[0];
+                     if (spec_.dropout) {
+                       z = z * hidden_dropout(t.key, first_ + l, DropoutSite::kMlpResidual, z);
+                     }
+                     return z + in[1];
                    });
     }
     const at::Tensor out = t.res2.out.detach();
@@ -1018,7 +1071,8 @@ class Model {
   // and values over cp, its backward passes them around the cp ring with their gradients (the
   // program's overlapped ring: one all-gather of twice the bytes, recorded as one all-gather
   // spanning the whole backward, the attention's backward inside it).
-  Unit cp_core_forward(Ctx& c, const at::Tensor& qkv, const char* phase) {
+  Unit cp_core_forward(Ctx& c, const at::Tensor& qkv, const char* phase, const DropoutKey& key,
+                       int layer) {
     Stats& st = *c.stats;
     const Mark t0 = st.mark();
     const int64_t d = spec_.head_dim(), g = spec_.heads / spec_.kv_heads,
@@ -1036,6 +1090,11 @@ class Model {
     // [b, heads, sl, d], flattened into one tensor whose backward takes all three gradients.
     u.cp = std::make_shared<CpAttentionSaved>();
     CpAttentionSaved& cs = *u.cp;
+    cs.slopes = alibi_;
+    if (spec_.dropout) {
+      cs.drop = dropout_multipliers(key, layer, DropoutSite::kAttention, b, spec_.seq_len,
+                                    spec_.heads, positions_, first_head_, al, device_);
+    }
     cs.graph =
         at::cat({q.permute({0, 2, 1, 3}).reshape({-1}), k.permute({0, 2, 1, 3}).reshape({-1}),
                  v.permute({0, 2, 1, 3}).reshape({-1})});
@@ -1126,7 +1185,9 @@ class Model {
   const char* bwd_phase_ = "bwd";
   std::vector<DeferredWeightGrad>* deferred_ = nullptr;
   Param *word_ = nullptr, *pos_ = nullptr, *hn_g_ = nullptr, *hn_b_ = nullptr, *head_w_ = nullptr;
-  at::Tensor positions_;  // the sequence positions of the rank's tokens (long)
+  at::Tensor positions_;    // the sequence positions of the rank's tokens (long)
+  int64_t first_head_ = 0;  // the global index of the rank's first query head
+  at::Tensor alibi_;        // ALiBi: the slopes of the rank's heads (fp32); else undefined
 };
 
 // The plan as this rank sees it.
@@ -1547,6 +1608,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
                 at::kFloat);
     const at::Tensor data = batch(plan, opt.seed, 0, device);
     MicroBatchTape tape;
+    tape.key = DropoutKey{opt.seed, 0, 0};  // iteration 0, every row of the global batch
     whole.forward(ref, data.narrow(1, 0, s), at::Tensor(), data.narrow(1, 1, s), tape);
     out.reference_loss = tape.loss.item<double>();
     whole.backward(ref, tape, at::Tensor(), 1.0);
@@ -1608,6 +1670,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       auto tag = [&](bool gradient, int to) { return (gradient ? 1 : 0) + 2 * (to + 1000 * m); };
       zero3_for(sg);
       MicroBatchTape& tape = tapes[{sg, m}];
+      tape.key = DropoutKey{opt.seed, it, row};
       if (blk.kind == BlockKind::kRecompute) {
         model.recompute(ctx, tape);
       } else if (blk.kind == BlockKind::kBackwardWeight) {

@@ -25,6 +25,7 @@
 #include "hwexec/bench.h"
 #include "hwexec/comm.h"
 #include "hwexec/run.h"
+#include "hwexec/run_model_ops.h"
 #include "process.h"
 #include "synthetic.h"
 
@@ -44,6 +45,9 @@ const std::string kLlama = std::string(NNSIM_TEST_DATA) + "/tiny-llama.yaml";
 // ReLU MLP (OPT), and squared ReLU with rope and GQA (Nemotron).
 const std::string kOpt = std::string(NNSIM_TEST_DATA) + "/tiny-opt.yaml";
 const std::string kNemotron = std::string(NNSIM_TEST_DATA) + "/tiny-nemotron.yaml";
+// ALiBi over 6 heads (MPT); tiny-gpt with dropout.
+const std::string kMpt = std::string(NNSIM_TEST_DATA) + "/tiny-mpt.yaml";
+const std::string kDropout = std::string(NNSIM_TEST_DATA) + "/tiny-gpt-dropout.yaml";
 const std::string kTopo = std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml";
 const std::string kTopo1 = std::string(NNSIM_TEST_DATA) + "/tiny-node1.yaml";
 
@@ -415,7 +419,16 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"bf16_llama_cp2_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16", {}, 2},
         // ReLU and squared-ReLU MLPs, their fc1 columns split over tp.
         Case{"opt_relu_tp2", 2, 1, 1, "1f1b", 2, &kOpt},
-        with("nemotron_squared_relu_sp_tp2", 2, 1, 1, 2, {"--sequence-parallel"}, &kNemotron)),
+        with("nemotron_squared_relu_sp_tp2", 2, 1, 1, 2, {"--sequence-parallel"}, &kNemotron),
+        // ALiBi: each tp rank's heads use their global heads' slopes; each cp rank's tokens
+        // their global positions.
+        Case{"mpt_alibi_tp2", 2, 1, 1, "1f1b", 2, &kMpt},
+        Case{"mpt_alibi_cp2", 1, 1, 1, "1f1b", 2, &kMpt, "fp32", {}, 2},
+        // Dropout: the masks of the whole model, sliced by heads, sequence (sp, cp), micro-batch
+        // and pipeline stage (global layer index), drawn again by the recomputation.
+        with("dropout_sp_recompute_tp2_pp2", 2, 2, 1, 4,
+             {"--sequence-parallel", "--recompute", "selective"}, &kDropout),
+        Case{"dropout_cp2_tp2", 2, 1, 1, "1f1b", 2, &kDropout, "fp32", {}, 2}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // --check compares the first iteration only; the later ones show that ZeRO-3's bf16 gathers
@@ -535,10 +548,8 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
       << s.error().message();
   p = *base;
   p.model.position = PositionKind::kAlibi;
-  s = check_runnable(p);
-  ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(contains(s.error().message(), "model.position: 'alibi' is not supported"))
-      << s.error().message();
+  p.model.dropout = true;
+  EXPECT_TRUE(check_runnable(p).ok()) << check_runnable(p).error().message();
   for (MlpKind k : {MlpKind::kGelu, MlpKind::kSwiglu, MlpKind::kRelu, MlpKind::kSquaredRelu}) {
     p = *base;
     p.model.mlp = k;  // every MLP of the operator graph runs
@@ -588,6 +599,49 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   ASSERT_TRUE(one.ok()) << one.error().message();
   one->model.kv_heads = 1;
   EXPECT_TRUE(check_runnable(*one).ok()) << check_runnable(*one).error().message();
+}
+
+// Press et al.'s slopes: 2^(-8 i / n) for a power of two n heads; otherwise the largest power of
+// two m's, then every other one of 2m's.
+TEST(NnexecRunAlibi, SlopesArePressEtAls) {
+  const std::vector<double> eight = alibi_slopes(8);
+  ASSERT_EQ(eight.size(), 8u);
+  for (int i = 0; i < 8; ++i) EXPECT_DOUBLE_EQ(eight[i], std::exp2(-(i + 1))) << i;
+  const std::vector<double> six = alibi_slopes(6);  // 4's (2^-2, 2^-4, 2^-6, 2^-8), 8's 1st, 3rd
+  const std::vector<double> want = {0.25, 1.0 / 16, 1.0 / 64, 1.0 / 256, 0.5, 0.125};
+  ASSERT_EQ(six.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_DOUBLE_EQ(six[i], want[i]) << i;
+  EXPECT_TRUE(alibi_slopes(0).empty());
+}
+
+// Dropout really applies (the check alone would pass with none): the model with dropout has
+// another loss than the same model without, and the masks are a function of the seed, the
+// iteration, the layer, the site and the sample only (dropout_seed).
+TEST(NnexecRunDropout, MasksChangeTheLoss) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  auto first_loss = [](const std::string& model) {
+    TempDir dir;
+    EXPECT_EQ(make_plan(dir, 1, 1, 1, "1f1b", 2, {}, model).status, 0);
+    RunResult r = run(
+        dir, NNEXEC_BINARY,
+        {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "1", "--warmup", "0"});
+    EXPECT_EQ(r.status, 0) << r;
+    Expected<RunResults> file = read_run(dir.file("run.h5"));
+    EXPECT_TRUE(file.ok()) << (file.ok() ? "" : file.error().message());
+    return file.ok() && !file->ranks.empty() && !file->ranks[0].losses.empty()
+               ? file->ranks[0].losses[0]
+               : 0.0;
+  };
+  const double with = first_loss(kDropout), without = first_loss(kModel);
+  EXPECT_GT(std::abs(with - without), 1e-4) << with << " vs " << without;
+  EXPECT_NE(dropout_seed(1, 0, 0, DropoutSite::kAttention, 0),
+            dropout_seed(1, 0, 0, DropoutSite::kAttention, 1));
+  EXPECT_NE(dropout_seed(1, 0, 0, DropoutSite::kAttention, 0),
+            dropout_seed(1, 1, 0, DropoutSite::kAttention, 0));
+  EXPECT_NE(dropout_seed(1, 0, 0, DropoutSite::kAttention, 0),
+            dropout_seed(1, 0, 1, DropoutSite::kAttention, 0));
+  EXPECT_NE(dropout_seed(1, 0, 0, DropoutSite::kAttention, 0),
+            dropout_seed(1, 0, 0, DropoutSite::kMlpResidual, 0));
 }
 
 std::optional<std::string> python_with_h5py(const TempDir& dir) {
