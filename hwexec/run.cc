@@ -374,13 +374,23 @@ Status check_runnable(const Plan& plan) {
 }
 
 std::string run_dtype(const Plan& plan) {
-  return plan.precision == Precision::kBf16 ? "bf16" : "fp32";
+  switch (plan.precision) {
+    case Precision::kBf16:
+      return "bf16";
+    case Precision::kFp16:
+      return "fp16";
+    default:
+      return "fp32";
+  }
 }
 
 void set_check_tolerance(const std::string& dtype, RunOptions* options) {
   if (dtype == "bf16") {
     options->rtol = kBf16CheckRtol;
     options->atol = kBf16CheckAtol;
+  } else if (dtype == "fp16") {
+    options->rtol = kFp16CheckRtol;
+    options->atol = kFp16CheckAtol;
   } else {
     options->rtol = 1e-4;
     options->atol = 1e-6;

@@ -176,6 +176,11 @@ struct Stats {
   }
 };
 
+// The 16-bit format of a bf16 or fp16 tensor, for the collectives.
+Comm::Float16 float16_of(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf ? Comm::Float16::kFp16 : Comm::Float16::kBf16;
+}
+
 // Groups and collectives of one rank. Groups of one rank (the unpartitioned reference) do
 // nothing. With `nccl` set (a GPU), NCCL carries them, on the compute stream (sends: on the
 // peer's send stream, after the compute stream's work so far).
@@ -201,22 +206,24 @@ struct Ctx {
                   const std::string& label, Comm::Op op = Comm::Op::kSum) {
     if (group.size() <= 1) return;
     t = t.contiguous();
-    if (t.scalar_type() == at::kBFloat16) {  // 2 bytes an element on the wire
+    if (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf) {  // 2 bytes on the wire
+      const Comm::Float16 f16 = float16_of(t);
       const Mark a = stats->mark();
 #ifdef NNSIM_TORCH_HAS_CUDA
       if (nccl) {
-        ok_or_throw(nccl->all_reduce_bf16(group, t.data_ptr(), t.numel(), op, stats->stream));
+        ok_or_throw(nccl->all_reduce_bf16(group, t.data_ptr(), t.numel(), op, stats->stream, f16));
         stats->coll("all_reduce", axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
         return;
       }
 #endif
-      ok_or_throw(
-          comm->all_reduce_bf16(group, static_cast<std::uint16_t*>(t.data_ptr()), t.numel(), op));
+      ok_or_throw(comm->all_reduce_bf16(group, static_cast<std::uint16_t*>(t.data_ptr()), t.numel(),
+                                        op, f16));
       stats->coll("all_reduce", axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
       return;
     }
     if (t.scalar_type() != at::kFloat) {
-      throw Failure{fmt::format("all-reduce of {}: only fp32 and bf16 tensors are reduced", label)};
+      throw Failure{
+          fmt::format("all-reduce of {}: only fp32, bf16 and fp16 tensors are reduced", label)};
     }
     const Mark a = stats->mark();
 #ifdef NNSIM_TORCH_HAS_CUDA
@@ -235,9 +242,10 @@ struct Ctx {
                         const std::string& axes, const std::string& label) {
     if (group.size() <= 1) return in.clone();
     const at::Tensor x = in.contiguous();
-    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    // 16-bit values (bf16 or fp16) move as their bit patterns.
+    const bool bf16 = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
     if (!bf16 && x.scalar_type() != at::kFloat) {
-      throw Failure{fmt::format("all-gather of {}: only fp32 and bf16 tensors", label)};
+      throw Failure{fmt::format("all-gather of {}: only fp32, bf16 and fp16 tensors", label)};
     }
     at::Tensor out = at::empty({static_cast<int64_t>(group.size()) * x.numel()}, x.options());
     const Mark a = stats->mark();
@@ -264,27 +272,29 @@ struct Ctx {
                             const std::string& axes, const std::string& label) {
     if (group.size() <= 1) return in.clone();
     const at::Tensor x = in.contiguous();
-    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const bool bf16 = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+    const Comm::Float16 f16 = float16_of(x);
     if ((!bf16 && x.scalar_type() != at::kFloat) ||
         x.numel() % static_cast<int64_t>(group.size()) != 0) {
-      throw Failure{fmt::format("reduce-scatter of {}: needs fp32 or bf16 in equal chunks", label)};
+      throw Failure{
+          fmt::format("reduce-scatter of {}: needs fp32, bf16 or fp16 in equal chunks", label)};
     }
     const int64_t n = x.numel() / static_cast<int64_t>(group.size());
     at::Tensor out = at::empty({n}, x.options());
     const Mark a = stats->mark();
 #ifdef NNSIM_TORCH_HAS_CUDA
     if (nccl) {
-      ok_or_throw(
-          bf16 ? nccl->reduce_scatter_bf16(group, x.data_ptr(), n, out.data_ptr(), stats->stream)
-               : nccl->reduce_scatter(group, x.data_ptr<float>(), n, out.data_ptr<float>(),
-                                      stats->stream));
+      ok_or_throw(bf16 ? nccl->reduce_scatter_bf16(group, x.data_ptr(), n, out.data_ptr(),
+                                                   stats->stream, f16)
+                       : nccl->reduce_scatter(group, x.data_ptr<float>(), n, out.data_ptr<float>(),
+                                              stats->stream));
       stats->coll("reduce_scatter", axes, label, static_cast<double>(x.nbytes()), a, stats->mark());
       return out;
     }
 #endif
     ok_or_throw(bf16 ? comm->reduce_scatter_bf16(group,
                                                  static_cast<const std::uint16_t*>(x.data_ptr()), n,
-                                                 static_cast<std::uint16_t*>(out.data_ptr()))
+                                                 static_cast<std::uint16_t*>(out.data_ptr()), f16)
                      : comm->reduce_scatter(group, x.data_ptr<float>(), n, out.data_ptr<float>()));
     stats->coll("reduce_scatter", axes, label, static_cast<double>(x.nbytes()), a, stats->mark());
     return out;
@@ -675,7 +685,7 @@ class Model {
         fwd(st, "head.proj",
             {leaf(sp ? gather_seq(c, tape.hnorm.out.detach(), "head.proj") : tape.hnorm.out)},
             [&](const std::vector<at::Tensor>& in) {
-              return at::matmul(in[0], tied ? W(word_).t() : W(head_w_));
+              return mm(in[0], tied ? W(word_).t() : W(head_w_));
             });
     tape.hproj.weights = weights_of({tied ? word_ : head_w_});
     if (sp) dropped(tape.hproj.in[0]);
@@ -846,6 +856,32 @@ class Model {
     return y.to(x.scalar_type());
   }
 
+  // fp16 on the CPU: LibTorch 1.13 has no CPU kernels for fp16 matrix products and activations.
+  // They run as a GPU's fp16 kernels do: in fp32 on the fp16 values (a GEMM accumulating in
+  // fp32), the result rounded to fp16 once.
+  bool cpu_fp16() const { return dtype_ == at::kHalf && device_.is_cpu(); }
+  at::Tensor mm(const at::Tensor& a, const at::Tensor& b) const {
+    if (!cpu_fp16()) return at::matmul(a, b);
+    return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(at::kHalf);
+  }
+  // The MLP's activation of fc1's output (this rank's columns).
+  at::Tensor activation(const at::Tensor& x) const {
+    switch (spec_.mlp) {
+      case MlpKind::kRelu:
+        return at::relu(x);
+      case MlpKind::kSquaredRelu:  // Primer's (So et al. 2021): relu(x)^2
+        return at::relu(x).square();
+      case MlpKind::kSwiglu: {
+        // SwiGLU: silu(gate) * up, the halves of this rank's fc1 output.
+        const int64_t fl = x.size(-1) / 2;
+        return at::silu(x.narrow(-1, 0, fl)) * x.narrow(-1, fl, fl);
+      }
+      case MlpKind::kGelu:
+        break;
+    }
+    return at::gelu(x);
+  }
+
   // Dropout's multipliers for x [b, sl, h] at a hidden site (the embedding's, a residual's) of
   // `layer` (global; -1: the embedding): the whole model's masks at the rank's sequence
   // positions (context parallelism's share; sequence parallelism's slice of it).
@@ -929,7 +965,7 @@ class Model {
       t.qkv = fwd(st, "attn.qkv", phase,
                   {leaf(sp ? gather_seq(c, t.n1.out.detach(), "attn.qkv") : t.n1.out)},
                   [&](const std::vector<at::Tensor>& in) {
-                    at::Tensor y = at::matmul(in[0], W(L.qkv_w));
+                    at::Tensor y = mm(in[0], W(L.qkv_w));
                     return L.qkv_b ? y + W(L.qkv_b) : y;
                   });
       t.qkv.weights = weights_of({L.qkv_w, L.qkv_b});
@@ -956,7 +992,7 @@ class Model {
             q = q.permute({0, 2, 1, 3});
             k = k.permute({0, 2, 1, 3});
             v = v.permute({0, 2, 1, 3});
-            at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(d));
+            at::Tensor scores = mm(q, k.transpose(-2, -1)) / std::sqrt(double(d));
             if (alibi_.defined()) {  // ALiBi: in fp32, at the tokens' positions
               scores = scores.to(at::kFloat) + alibi_bias(alibi_, positions_, positions_);
             }
@@ -973,13 +1009,12 @@ class Model {
                                           device_)
                           .to(p.scalar_type());
             }
-            return at::matmul(p, v).permute({0, 2, 1, 3}).reshape({b, s, al * d});
+            return mm(p, v).permute({0, 2, 1, 3}).reshape({b, s, al * d});
           });
     }
     if (runs("attn.proj")) {
-      t.proj =
-          fwd(st, "attn.proj", phase, {leaf(t.core.out)},
-              [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], W(L.proj_w)); });
+      t.proj = fwd(st, "attn.proj", phase, {leaf(t.core.out)},
+                   [&](const std::vector<at::Tensor>& in) { return mm(in[0], W(L.proj_w)); });
       t.proj.weights = weights_of({L.proj_w});
     }
     // The row-parallel sums feed the residual (the program's conversion for its input).
@@ -1009,7 +1044,7 @@ class Model {
       t.fc1 = fwd(st, "mlp.fc1", phase,
                   {leaf(sp ? gather_seq(c, t.n2.out.detach(), "mlp.fc1") : t.n2.out)},
                   [&](const std::vector<at::Tensor>& in) {
-                    at::Tensor z = at::matmul(in[0], W(L.fc1_w));
+                    at::Tensor z = mm(in[0], W(L.fc1_w));
                     return L.fc1_b ? z + W(L.fc1_b) : z;
                   });
       t.fc1.weights = weights_of({L.fc1_w, L.fc1_b});
@@ -1017,25 +1052,13 @@ class Model {
     }
     if (runs("mlp.act")) {
       t.act = fwd(st, "mlp.act", phase, {leaf(t.fc1.out)}, [&](const std::vector<at::Tensor>& in) {
-        switch (spec_.mlp) {
-          case MlpKind::kRelu:
-            return at::relu(in[0]);
-          case MlpKind::kSquaredRelu:  // Primer's (So et al. 2021): relu(x)^2
-            return at::relu(in[0]).square();
-          case MlpKind::kSwiglu: {
-            // SwiGLU: silu(gate) * up, the halves of this rank's fc1 output.
-            const int64_t fl = in[0].size(-1) / 2;
-            return at::silu(in[0].narrow(-1, 0, fl)) * in[0].narrow(-1, fl, fl);
-          }
-          case MlpKind::kGelu:
-            break;
-        }
-        return at::gelu(in[0]);
+        if (cpu_fp16()) return activation(in[0].to(at::kFloat)).to(at::kHalf);
+        return activation(in[0]);
       });
     }
     if (runs("mlp.fc2")) {
       t.fc2 = fwd(st, "mlp.fc2", phase, {leaf(t.act.out)},
-                  [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], W(L.fc2_w)); });
+                  [&](const std::vector<at::Tensor>& in) { return mm(in[0], W(L.fc2_w)); });
       t.fc2.weights = weights_of({L.fc2_w});
     }
     if (runs("mlp.residual")) {
@@ -1385,7 +1408,13 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   Ctx ctx;
   ctx.comm = &comm;
   ctx.stats = &stats;
-  const at::ScalarType dtype = run_dtype(plan) == "bf16" ? at::kBFloat16 : at::kFloat;
+  const std::string run_type = run_dtype(plan);
+  const at::ScalarType dtype = run_type == "bf16"   ? at::kBFloat16
+                               : run_type == "fp16" ? at::kHalf
+                                                    : at::kFloat;
+  // fp16: a static loss scale (Megatron's --loss-scale), so that small gradients stay above
+  // fp16's smallest values; the fp32 gradients are unscaled before the optimizer (and --check).
+  const double fp16_scale = dtype == at::kHalf ? kFp16LossScale : 1.0;
   ctx.options = at::TensorOptions().dtype(dtype).device(device);
   ctx.tp_axes = join(L.tp_axes);
   ctx.pp_axes = join(L.pp_axes);
@@ -1531,7 +1560,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // ZeRO-3 in bf16 also writes the gathered values into the operators' bf16 copies, which keep
   // their autograd link to the fp32 weights (no per-iteration cast: the cast is the chunk's).
   auto gather_unit = [&](ZeroUnit& u) {
-    const at::Tensor full = ctx.all_gather(dtype == at::kBFloat16 ? u.master.to(dtype) : u.master,
+    const at::Tensor full = ctx.all_gather(dtype != at::kFloat ? u.master.to(dtype) : u.master,
                                            ctx.dp_group, ctx.dp_axes, "param gather");
     at::NoGradGuard no_grad;
     int64_t offset = 0;
@@ -1555,8 +1584,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // optimizer.grad_bytes): bf16 at 2 bytes in a bf16 plan, else the fp32 gradients.
   const double reduce_bytes =
       plan.comm.grad_reduce_bytes > 0 ? plan.comm.grad_reduce_bytes : plan.optimizer.grad_bytes;
-  const at::ScalarType reduce_dtype =
-      dtype == at::kBFloat16 && reduce_bytes == 2 ? at::kBFloat16 : at::kFloat;
+  const at::ScalarType reduce_dtype = dtype != at::kFloat && reduce_bytes == 2 ? dtype : at::kFloat;
   auto reduce_unit = [&](ZeroUnit& u, const std::string& label) {
     for (Param* p : u.params) {
       if (!p->w.grad().defined() && !split_backward) {
@@ -1696,7 +1724,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
           dy = pp_recv(next, shape, "gradient", tag(true, sg));
         }
         const bool input_only = blk.kind == BlockKind::kBackwardInput;
-        at::Tensor dx = model.backward(ctx, tape, dy, loss_scale, input_only);
+        at::Tensor dx = model.backward(ctx, tape, dy, loss_scale * fp16_scale, input_only);
         if (!model.has_embedding()) {
           pp_send(prev, dx, "gradient", tagged ? tag(true, L.neighbours.at(sg).first) : 0);
         }
@@ -1766,8 +1794,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         }
       }
       if (!slices.empty()) {
-        at::Tensor all = at::cat(slices);
+        // In the dtype of the gradients' reductions (the program's grad_bytes).
+        at::Tensor all = at::cat(slices).to(reduce_dtype);
         ctx.tp_all_reduce(all, "norm grad sync");
+        all = all.to(at::kFloat);
         at::NoGradGuard no_grad;
         int64_t offset = 0;
         for (at::Tensor& slice : slices) {  // views into the chunks
@@ -1778,14 +1808,34 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     } else if (!sp.empty()) {
       std::vector<at::Tensor> flat;
       for (Param* p : sp) flat.push_back(grad_or_zeros(*p).reshape({-1}));
-      at::Tensor all = at::cat(flat);
+      at::Tensor all = at::cat(flat).to(reduce_dtype);
       ctx.tp_all_reduce(all, "norm grad sync");
+      all = all.to(at::kFloat);
       at::NoGradGuard no_grad;
       int64_t offset = 0;
       for (Param* p : sp) {
         const int64_t n = p->w.numel();
         p->w.mutable_grad() = all.narrow(0, offset, n).view(p->w.sizes()).clone();
         offset += n;
+      }
+    }
+    if (fp16_scale != 1.0) {
+      // The gradients (summed in fp32) unscaled; an overflow of the fp16 backward fails the run
+      // (a static scale does not adapt).
+      at::NoGradGuard no_grad;
+      std::vector<at::Tensor> gs;
+      for (ZeroUnit* u : zunits) gs.push_back(u->grad);
+      for (Param* p : params) {
+        if (zero == 0) gs.push_back(p->w.grad());
+      }
+      for (at::Tensor& g : gs) {
+        if (!g.isfinite().all().item<bool>()) {
+          throw Failure{fmt::format(
+              "training.precision: fp16 gradients overflowed in iteration {} at the static loss "
+              "scale {} (use bf16)",
+              it, fp16_scale)};
+        }
+        g.div_(fp16_scale);
       }
     }
     double loss = 0;

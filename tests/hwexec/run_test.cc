@@ -213,6 +213,26 @@ TEST(Comm, Bf16AllReduceSumsAndRoundsToNearestEven) {
   }));
 }
 
+// IEEE fp16 (the bit patterns): each ring step adds in fp32 and rounds to fp16, to nearest
+// even, overflowing to infinity; subnormals add exactly.
+TEST(Comm, Fp16AllReduceSumsRoundsAndOverflows) {
+  EXPECT_TRUE(in_processes(2, [](Comm& c) {
+    const int r = c.rank();
+    const auto f16 = Comm::Float16::kFp16;
+    // 2048 + 1 is halfway between fp16's 2048 and 2050: the even 2048; 2050 + 1 goes to 2052;
+    // 60000 + 60000 overflows; 2^-24 + 2^-24 = 2^-23.
+    std::vector<uint16_t> v = {uint16_t(r == 0 ? 0x6800 : 0x3c00),
+                               uint16_t(r == 0 ? 0x6801 : 0x3c00), 0x7b53, 0x0001};
+    if (!c.all_reduce_bf16({0, 1}, v.data(), v.size(), Comm::Op::kSum, f16).ok()) return false;
+    if (v != std::vector<uint16_t>{0x6800, 0x6802, 0x7c00, 0x0002}) return false;
+    // Reduce-scatter: member i gets the sum of chunk i (1 + 1, 2 + 2).
+    const std::vector<uint16_t> rs = {0x3c00, 0x4000};
+    uint16_t mine = 0;
+    if (!c.reduce_scatter_bf16({0, 1}, rs.data(), 1, &mine, f16).ok()) return false;
+    return mine == (r == 0 ? 0x4000 : 0x4400);
+  }));
+}
+
 TEST(Comm, MismatchedMessageSizesFailLoudly) {
   EXPECT_FALSE(in_processes(2, [](Comm& c) {
     std::vector<float> v(c.rank() == 0 ? 4 : 8, 1.0f);
@@ -293,6 +313,11 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
     EXPECT_EQ(file->options.rtol, kBf16CheckRtol);
     EXPECT_GT(worst, 1e-3) << "a bf16 run as accurate as fp32";
     EXPECT_LT(worst, kBf16CheckRtol);
+  } else if (std::string(c.precision) == "fp16") {
+    // fp16's 11-bit significand: errors well above fp32's, well below bf16's.
+    EXPECT_EQ(file->options.rtol, kFp16CheckRtol);
+    EXPECT_GT(worst, 1e-4) << "an fp16 run as accurate as fp32";
+    EXPECT_LT(worst, kFp16CheckRtol);
   } else {
     EXPECT_LT(worst, 1e-4);
   }
@@ -428,7 +453,13 @@ INSTANTIATE_TEST_SUITE_P(
         // and pipeline stage (global layer index), drawn again by the recomputation.
         with("dropout_sp_recompute_tp2_pp2", 2, 2, 1, 4,
              {"--sequence-parallel", "--recompute", "selective"}, &kDropout),
-        Case{"dropout_cp2_tp2", 2, 1, 1, "1f1b", 2, &kDropout, "fp32", {}, 2}),
+        Case{"dropout_cp2_tp2", 2, 1, 1, "1f1b", 2, &kDropout, "fp32", {}, 2},
+        // fp16: 16-bit operators with fp32 master weights and a static loss scale; the
+        // tensor-parallel collectives, pipeline transfers and 16-bit gradient reduce-scatters
+        // carry fp16.
+        Case{"fp16_llama_sp_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "fp16", {"--sequence-parallel"}},
+        with("fp16_zero3_fp16_grads_dp2", 1, 1, 2, 4, {"--zero", "3", "--framework", "other"},
+             &kModel, "fp16")),
     [](const auto& info) { return std::string(info.param.name); });
 
 // --check compares the first iteration only; the later ones show that ZeRO-3's bf16 gathers
