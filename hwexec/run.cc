@@ -37,15 +37,16 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 Status check_runnable(const Plan& plan) {
   const ModelSpec& m = plan.model;
   auto refuse = [](const std::string& field, const std::string& why) {
-    return Error(
-        fmt::format("{}: {} (nnexec run executes GPT- and Llama-style models: "
-                    "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
-                    "ReLU or squared-ReLU MLP, learned, rotary or ALiBi positions, dropout with "
-                    "deterministic masks; Megatron tensor and sequence "
-                    "parallelism, context parallelism, pipelines (interleaved too) with F, B, R "
-                    "and zero-bubble BI/BW blocks, "
-                    "data parallelism with ZeRO 0-3, recompute rules over layers)",
-                    field, why));
+    return Error(fmt::format(
+        "{}: {} (nnexec run executes GPT- and Llama-style models: "
+        "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
+        "ReLU or squared-ReLU MLP, learned, rotary or ALiBi positions, dropout with "
+        "deterministic masks; Megatron tensor and sequence "
+        "parallelism, context parallelism, pipelines (interleaved too) with F, B, R "
+        "and zero-bubble BI/BW blocks, "
+        "data parallelism with ZeRO 0-3, recompute rules over layers; in fp32, bf16, fp16 "
+        "or emulated fp8)",
+        field, why));
   };
   if (m.kv_heads < 1 || m.heads % m.kv_heads != 0) {
     return refuse("model.kv_heads", fmt::format("{} key/value heads do not divide {} heads; set "
@@ -379,6 +380,8 @@ std::string run_dtype(const Plan& plan) {
       return "bf16";
     case Precision::kFp16:
       return "fp16";
+    case Precision::kFp8:
+      return "fp8";
     default:
       return "fp32";
   }
@@ -391,6 +394,9 @@ void set_check_tolerance(const std::string& dtype, RunOptions* options) {
   } else if (dtype == "fp16") {
     options->rtol = kFp16CheckRtol;
     options->atol = kFp16CheckAtol;
+  } else if (dtype == "fp8") {
+    options->rtol = kFp8CheckRtol;
+    options->atol = kFp8CheckAtol;
   } else {
     options->rtol = 1e-4;
     options->atol = 1e-6;

@@ -31,4 +31,8 @@ enum class DropoutSite { kEmbedding = 0, kAttention = 1, kAttnResidual = 2, kMlp
 std::uint64_t dropout_seed(unsigned long long run_seed, int iteration, int layer, DropoutSite site,
                            int64_t row);
 
+// x rounded to fp8 as `nnexec run`'s fp8 emulation rounds (run_precision.h: to nearest even,
+// saturating): e4m3, or e5m2 when `e5m2`. Needs LibTorch (NaN in a build without).
+double fp8_round(double x, bool e5m2);
+
 }  // namespace nnsim::hwexec

@@ -45,6 +45,7 @@
 #include "hwexec/run.h"
 #include "hwexec/run_context_parallel.h"
 #include "hwexec/run_model_masks.h"
+#include "hwexec/run_precision.h"
 #include "hwexec/run_split_backward.h"
 
 #ifdef NNSIM_TORCH_HAS_CUDA
@@ -566,6 +567,9 @@ class Model {
   }
 
   std::deque<Param>& params() { return params_; }
+  // fp8 training: the blocks' linear layers with fp8 GEMM inputs, the rest in the compute dtype
+  // (bf16).
+  void set_fp8(bool on) { fp8_ = on; }
   // The operators the plan's recompute rules name in each layer of this part.
   void set_recompute(const std::vector<RecomputeRule>& rules) {
     for (int l = first_; l < end_; ++l) {
@@ -864,6 +868,11 @@ class Model {
     if (!cpu_fp16()) return at::matmul(a, b);
     return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(at::kHalf);
   }
+  // A transformer block's linear layer (attn.qkv, attn.proj, mlp.fc1, mlp.fc2): with fp8, fp8
+  // GEMM inputs (run_precision.h); the head's projection stays in the compute dtype.
+  at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w) const {
+    return fp8_ ? fp8_linear(x, w) : mm(x, w);
+  }
   // The MLP's activation of fc1's output (this rank's columns).
   at::Tensor activation(const at::Tensor& x) const {
     switch (spec_.mlp) {
@@ -965,7 +974,7 @@ class Model {
       t.qkv = fwd(st, "attn.qkv", phase,
                   {leaf(sp ? gather_seq(c, t.n1.out.detach(), "attn.qkv") : t.n1.out)},
                   [&](const std::vector<at::Tensor>& in) {
-                    at::Tensor y = mm(in[0], W(L.qkv_w));
+                    at::Tensor y = block_linear(in[0], W(L.qkv_w));
                     return L.qkv_b ? y + W(L.qkv_b) : y;
                   });
       t.qkv.weights = weights_of({L.qkv_w, L.qkv_b});
@@ -1013,8 +1022,9 @@ class Model {
           });
     }
     if (runs("attn.proj")) {
-      t.proj = fwd(st, "attn.proj", phase, {leaf(t.core.out)},
-                   [&](const std::vector<at::Tensor>& in) { return mm(in[0], W(L.proj_w)); });
+      t.proj =
+          fwd(st, "attn.proj", phase, {leaf(t.core.out)},
+              [&](const std::vector<at::Tensor>& in) { return block_linear(in[0], W(L.proj_w)); });
       t.proj.weights = weights_of({L.proj_w});
     }
     // The row-parallel sums feed the residual (the program's conversion for its input).
@@ -1044,7 +1054,7 @@ class Model {
       t.fc1 = fwd(st, "mlp.fc1", phase,
                   {leaf(sp ? gather_seq(c, t.n2.out.detach(), "mlp.fc1") : t.n2.out)},
                   [&](const std::vector<at::Tensor>& in) {
-                    at::Tensor z = mm(in[0], W(L.fc1_w));
+                    at::Tensor z = block_linear(in[0], W(L.fc1_w));
                     return L.fc1_b ? z + W(L.fc1_b) : z;
                   });
       t.fc1.weights = weights_of({L.fc1_w, L.fc1_b});
@@ -1057,8 +1067,9 @@ class Model {
       });
     }
     if (runs("mlp.fc2")) {
-      t.fc2 = fwd(st, "mlp.fc2", phase, {leaf(t.act.out)},
-                  [&](const std::vector<at::Tensor>& in) { return mm(in[0], W(L.fc2_w)); });
+      t.fc2 = fwd(st, "mlp.fc2", phase, {leaf(t.act.out)}, [&](const std::vector<at::Tensor>& in) {
+        return block_linear(in[0], W(L.fc2_w));
+      });
       t.fc2.weights = weights_of({L.fc2_w});
     }
     if (runs("mlp.residual")) {
@@ -1210,6 +1221,7 @@ class Model {
   Param *word_ = nullptr, *pos_ = nullptr, *hn_g_ = nullptr, *hn_b_ = nullptr, *head_w_ = nullptr;
   at::Tensor positions_;    // the sequence positions of the rank's tokens (long)
   int64_t first_head_ = 0;  // the global index of the rank's first query head
+  bool fp8_ = false;        // the blocks' linear layers take fp8 inputs (set_fp8)
   at::Tensor alibi_;        // ALiBi: the slopes of the rank's heads (fp32); else undefined
 };
 
@@ -1409,9 +1421,9 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   ctx.comm = &comm;
   ctx.stats = &stats;
   const std::string run_type = run_dtype(plan);
-  const at::ScalarType dtype = run_type == "bf16"   ? at::kBFloat16
-                               : run_type == "fp16" ? at::kHalf
-                                                    : at::kFloat;
+  const at::ScalarType dtype = run_type == "bf16" || run_type == "fp8" ? at::kBFloat16
+                               : run_type == "fp16"                    ? at::kHalf
+                                                                       : at::kFloat;
   // fp16: a static loss scale (Megatron's --loss-scale), so that small gradients stay above
   // fp16's smallest values; the fp32 gradients are unscaled before the optimizer (and --check).
   const double fp16_scale = dtype == at::kHalf ? kFp16LossScale : 1.0;
@@ -1509,6 +1521,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     models[sg] = std::make_unique<Model>(plan.model, seg.first_layer, seg.end_layer, seg.embedding,
                                          seg.head, L.split, ctx.tp_index, opt.seed, device, dtype);
     models[sg]->set_recompute(plan.recompute);
+    models[sg]->set_fp8(run_type == "fp8");
     for (Param& p : models[sg]->params()) params.push_back(&p);
     has_head = has_head || seg.head;
   }

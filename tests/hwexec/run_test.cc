@@ -313,6 +313,11 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
     EXPECT_EQ(file->options.rtol, kBf16CheckRtol);
     EXPECT_GT(worst, 1e-3) << "a bf16 run as accurate as fp32";
     EXPECT_LT(worst, kBf16CheckRtol);
+  } else if (std::string(c.precision) == "fp8") {
+    // fp8's 3- and 2-bit significands: far coarser than bf16's, yet within kFp8CheckRtol.
+    EXPECT_EQ(file->options.rtol, kFp8CheckRtol);
+    EXPECT_GT(worst, kBf16CheckRtol / 4) << "an fp8 run as accurate as bf16";
+    EXPECT_LT(worst, kFp8CheckRtol);
   } else if (std::string(c.precision) == "fp16") {
     // fp16's 11-bit significand: errors well above fp32's, well below bf16's.
     EXPECT_EQ(file->options.rtol, kFp16CheckRtol);
@@ -459,7 +464,11 @@ INSTANTIATE_TEST_SUITE_P(
         // carry fp16.
         Case{"fp16_llama_sp_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "fp16", {"--sequence-parallel"}},
         with("fp16_zero3_fp16_grads_dp2", 1, 1, 2, 4, {"--zero", "3", "--framework", "other"},
-             &kModel, "fp16")),
+             &kModel, "fp16"),
+        // fp8: the blocks' linear layers with e4m3 inputs and e5m2 output gradients (per-tensor
+        // scales), the rest bf16, every collective bf16 as the program prices it.
+        Case{"fp8_tp2", 2, 1, 1, "1f1b", 2, &kModel, "fp8"},
+        Case{"fp8_llama_sp_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "fp8", {"--sequence-parallel"}}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // --check compares the first iteration only; the later ones show that ZeRO-3's bf16 gathers
@@ -630,6 +639,38 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   ASSERT_TRUE(one.ok()) << one.error().message();
   one->model.kv_heads = 1;
   EXPECT_TRUE(check_runnable(*one).ok()) << check_runnable(*one).error().message();
+}
+
+// fp8 as Transformer Engine rounds: e4m3 (3 significand bits, normals from 2^-6, subnormals
+// 2^-9 apart, largest 448) and e5m2 (2 bits, normals from 2^-14, subnormals 2^-16 apart,
+// largest 57344), to nearest even, saturating.
+TEST(NnexecRunFp8, RoundsAsTheFormats) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  struct Example {
+    bool e5m2;
+    double x, want;
+  };
+  const double p = std::exp2(-9), q = std::exp2(-16);
+  const std::vector<Example> examples = {
+      {false, 1.0, 1.0},
+      {false, 1.0625, 1.0},  // halfway: to the even 1.0
+      {false, 1.1875, 1.25},
+      {false, 0.3, 0.3125},  // spacing 2^-5 in [0.25, 0.5)
+      {false, -0.3, -0.3125},
+      {false, 500, 448},  // saturates
+      {false, p, p},
+      {false, p / 2, 0},  // the smallest subnormal; half of it
+      {false, 1.5 * p, 2 * p},
+      {true, 1.125, 1.0},  // halfway: even
+      {true, 1.375, 1.5},
+      {true, 0.3, 0.3125},  // spacing 2^-4 in [0.25, 0.5)
+      {true, 100, 96},
+      {true, 60000, 57344},  // spacing 16 in [64, 128); saturates
+      {true, q, q},
+      {true, q / 2, 0}};
+  for (const Example& e : examples) {
+    EXPECT_EQ(fp8_round(e.x, e.e5m2), e.want) << (e.e5m2 ? "e5m2" : "e4m3") << " of " << e.x;
+  }
 }
 
 // Press et al.'s slopes: 2^(-8 i / n) for a power of two n heads; otherwise the largest power of
