@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <sstream>
 #include <thread>
@@ -231,6 +232,50 @@ std::uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<std::uint16_t>(u >> 16);
+}
+
+std::uint16_t float_to_fp16(float f) {  // round to nearest even; overflow to infinity
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const std::uint16_t sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
+  const std::uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (a >= 0x47800000u) return sign | 0x7c00u;  // 2^16 and above (infinity too)
+  if (a < 0x38800000u) {
+    // Below fp16's smallest normal (2^-14): multiples of 2^-24 (the scaling is exact; the
+    // default rounding mode rounds to nearest even). 2^-14 itself encodes as 0x0400.
+    float m;
+    std::memcpy(&m, &a, sizeof(m));
+    return sign | static_cast<std::uint16_t>(std::nearbyint(m * 16777216.0f));
+  }
+  std::uint32_t r = a - 0x38000000u;  // exponent bias 127 -> 15
+  r = (r + 0xfffu + ((r >> 13) & 1u)) >> 13;
+  return sign | static_cast<std::uint16_t>(r >= 0x7c00u ? 0x7c00u : r);
+}
+
+float fp16_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  std::uint32_t u;
+  if (e == 0) {  // zero or subnormal: m 2^-24
+    const float v = std::ldexp(static_cast<float>(m), -24);
+    std::memcpy(&u, &v, sizeof(u));
+    u |= sign;
+  } else if (e == 31) {
+    u = sign | 0x7f800000u | (m << 13);
+  } else {
+    u = sign | ((e + 112) << 23) | (m << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+float to_float(Comm::Float16 f, std::uint16_t x) {
+  return f == Comm::Float16::kFp16 ? fp16_to_float(x) : bf16_to_float(x);
+}
+std::uint16_t from_float(Comm::Float16 f, float x) {
+  return f == Comm::Float16::kFp16 ? float_to_fp16(x) : float_to_bf16(x);
 }
 
 }  // namespace
@@ -623,7 +668,7 @@ Status Comm::all_reduce(const std::vector<int>& group, float* data, std::size_t 
 }
 
 Status Comm::all_reduce_bf16(const std::vector<int>& group, std::uint16_t* data, std::size_t n,
-                             Op op) {
+                             Op op, Float16 format) {
   const int pos = position_in(group, rank_);
   if (pos < 0) return Error(fmt::format("rank {} is not in its all-reduce group", rank_));
   const int g = static_cast<int>(group.size());
@@ -641,8 +686,8 @@ Status Comm::all_reduce_bf16(const std::vector<int>& group, std::uint16_t* data,
     if (Status st = recv(prev, tmp.data(), bytes(recv_chunk)); !st) return st;
     std::uint16_t* d = data + o[recv_chunk];
     for (std::size_t i = 0; i < tmp.size(); ++i) {
-      const float a = bf16_to_float(d[i]), b = bf16_to_float(tmp[i]);
-      d[i] = float_to_bf16(op == Op::kSum ? a + b : std::max(a, b));
+      const float a = to_float(format, d[i]), b = to_float(format, tmp[i]);
+      d[i] = from_float(format, op == Op::kSum ? a + b : std::max(a, b));
     }
   }
   for (int s = 0; s < g - 1; ++s) {
@@ -713,7 +758,7 @@ Status Comm::all_gather_bf16(const std::vector<int>& group, const std::uint16_t*
 }
 
 Status Comm::reduce_scatter_bf16(const std::vector<int>& group, const std::uint16_t* in,
-                                 std::size_t n, std::uint16_t* out) {
+                                 std::size_t n, std::uint16_t* out, Float16 format) {
   const int pos = position_in(group, rank_);
   if (pos < 0) return Error(fmt::format("rank {} is not in its reduce-scatter group", rank_));
   const int g = static_cast<int>(group.size());
@@ -734,7 +779,7 @@ Status Comm::reduce_scatter_bf16(const std::vector<int>& group, const std::uint1
     if (Status st = recv(prev, tmp.data(), n * 2); !st) return st;
     std::uint16_t* d = work.data() + recv_chunk * n;
     for (std::size_t i = 0; i < n; ++i)
-      d[i] = float_to_bf16(bf16_to_float(d[i]) + bf16_to_float(tmp[i]));
+      d[i] = from_float(format, to_float(format, d[i]) + to_float(format, tmp[i]));
   }
   const int mine = (pos + 1) % g;
   std::copy(work.begin() + mine * n, work.begin() + (mine + 1) * n, out);

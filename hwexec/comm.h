@@ -30,6 +30,8 @@ namespace nnsim::hwexec {
 class Comm {
  public:
   enum class Op { kSum, kMax };
+  // A 16-bit float format: bf16 (8 exponent bits) or IEEE fp16 (5 exponent bits).
+  enum class Float16 { kBf16, kFp16 };
 
   // Where the ranks meet.
   struct Rendezvous {
@@ -79,19 +81,22 @@ class Comm {
   // all_reduce_bf16: n bf16 values (their bit patterns) in place, 2 bytes an element on the
   // wire; each ring step combines in fp32 and rounds to bf16 (to nearest even), as NCCL's bf16
   // ring does.
+  // `format` kFp16: the same of IEEE fp16 values (rounded to nearest even, overflowing to
+  // infinity), as NCCL's half ring.
   Status all_reduce_bf16(const std::vector<int>& group, std::uint16_t* data, std::size_t n,
-                         Op op = Op::kSum);
+                         Op op = Op::kSum, Float16 format = Float16::kBf16);
   // all_gather: `n` floats from each member into out[position * n ...] (out holds n * size).
   Status all_gather(const std::vector<int>& group, const float* in, std::size_t n, float* out);
   // reduce_scatter: `in` holds n * size floats; member i gets the sum of everyone's chunk i in
   // out (n floats).
   Status reduce_scatter(const std::vector<int>& group, const float* in, std::size_t n, float* out);
   // The same of bf16 values (bit patterns), 2 bytes an element on the wire; the reduce-scatter's
-  // ring steps combine in fp32 and round to bf16 (to nearest even), as all_reduce_bf16's.
+  // ring steps combine in fp32 and round to bf16 (to nearest even), as all_reduce_bf16's (fp16
+  // with `format` kFp16; the all-gather moves any 2-byte values).
   Status all_gather_bf16(const std::vector<int>& group, const std::uint16_t* in, std::size_t n,
                          std::uint16_t* out);
   Status reduce_scatter_bf16(const std::vector<int>& group, const std::uint16_t* in, std::size_t n,
-                             std::uint16_t* out);
+                             std::uint16_t* out, Float16 format = Float16::kBf16);
   Status barrier();
 
  private:

@@ -98,6 +98,14 @@ Expected<RunPoints> run_points(const RunResults& run, const Plan& plan, const Gp
   Expected<Precision> precision = parse_precision(run.dtype);
   if (!precision) return precision.error().with_context(path + ": attribute 'dtype' of /");
   out.precision = *precision;
+  if (out.precision == Precision::kFp8) {
+    // nnexec run emulates fp8 (run_precision.h): its linear layers' times are those of 16-bit
+    // GEMMs with the rounding around them, not of fp8 GEMMs.
+    return Error(fmt::format(
+        "{}: the run computed in fp8, which nnexec run emulates (bf16 GEMMs on values rounded "
+        "to fp8): its GEMM times are not fp8's; calibrate fp8 GEMMs from nnexec bench",
+        path));
+  }
   if (plan.precision != out.precision) {
     out.notes.push_back(fmt::format(
         "{}: the plan trains in {} but the run computed in {}: gemm_efficiency_{} is fitted, "

@@ -214,8 +214,10 @@ Status NcclComms::all_reduce(const std::vector<int>& group, float* data, std::si
 }
 
 Status NcclComms::all_reduce_bf16(const std::vector<int>& group, void* data, std::size_t n,
-                                  Comm::Op op, void* stream) {
-  return all_reduce_as(group, data, n, op, stream, ncclBfloat16, "ncclAllReduce bf16");
+                                  Comm::Op op, void* stream, Comm::Float16 format) {
+  return format == Comm::Float16::kFp16
+             ? all_reduce_as(group, data, n, op, stream, ncclHalf, "ncclAllReduce fp16")
+             : all_reduce_as(group, data, n, op, stream, ncclBfloat16, "ncclAllReduce bf16");
 }
 
 Expected<void*> NcclComms::group_comm(const std::vector<int>& group) const {
@@ -271,8 +273,9 @@ Status NcclComms::all_gather_bf16(const std::vector<int>& group, const void* in,
 }
 
 Status NcclComms::reduce_scatter_bf16(const std::vector<int>& group, const void* in, std::size_t n,
-                                      void* out, void* stream) {
-  return reduce_scatter_as(group, in, n, out, stream, ncclBfloat16);
+                                      void* out, void* stream, Comm::Float16 format) {
+  return reduce_scatter_as(group, in, n, out, stream,
+                           format == Comm::Float16::kFp16 ? ncclHalf : ncclBfloat16);
 }
 
 Expected<void*> NcclComms::send_stream(int peer) const {

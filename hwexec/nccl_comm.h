@@ -68,9 +68,9 @@ class NcclComms {
   // In-place float32 all-reduce over `group` (one of the groups given to create) on `stream`.
   Status all_reduce(const std::vector<int>& group, float* data, std::size_t n, Comm::Op op,
                     void* stream);
-  // The same of n bf16 values (ncclBfloat16).
+  // The same of n bf16 values (ncclBfloat16; ncclHalf with `format` kFp16).
   Status all_reduce_bf16(const std::vector<int>& group, void* data, std::size_t n, Comm::Op op,
-                         void* stream);
+                         void* stream, Comm::Float16 format = Comm::Float16::kBf16);
   // float32 all-gather (n from each member into out, member i's at out + i n) and
   // reduce-scatter (in holds n per member; out gets the sum of everyone's chunk of this rank).
   Status all_gather(const std::vector<int>& group, const float* in, std::size_t n, float* out,
@@ -81,7 +81,7 @@ class NcclComms {
   Status all_gather_bf16(const std::vector<int>& group, const void* in, std::size_t n, void* out,
                          void* stream);
   Status reduce_scatter_bf16(const std::vector<int>& group, const void* in, std::size_t n,
-                             void* out, void* stream);
+                             void* out, void* stream, Comm::Float16 format = Comm::Float16::kBf16);
   // The stream that sends to `peer` run on (an edge given to create).
   Expected<void*> send_stream(int peer) const;
   // ncclSend of `bytes` to `peer` on its send stream (the caller orders it after the data's

@@ -21,7 +21,8 @@ namespace nnsim::hwexec {
 namespace {
 
 const std::set<std::string> kSequenceParallelOps = {
-    "attn.norm", "attn.residual", "mlp.norm", "mlp.residual", "head.norm", "embed.position"};
+    "attn.norm", "attn.residual",  "mlp.norm",     "mlp.residual",
+    "head.norm", "embed.position", "embed.dropout"};
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
   std::string s;
@@ -36,39 +37,40 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 Status check_runnable(const Plan& plan) {
   const ModelSpec& m = plan.model;
   auto refuse = [](const std::string& field, const std::string& why) {
-    return Error(
-        fmt::format("{}: {} (nnexec run executes GPT- and Llama-style models: "
-                    "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU or SwiGLU "
-                    "MLP, learned or rotary positions; Megatron tensor, sequence and context "
-                    "parallelism (together too), pipelines (interleaved too, each segment on one "
-                    "stage) with F, B, R and zero-bubble BI/BW blocks, "
-                    "data parallelism with ZeRO 0-3, recompute rules, repeated forwards; ZeRO-3 "
-                    "also as FSDP keeps it gathered under pipelines and as DeepSpeed gathers per "
-                    "tensor and again for recompute)",
-                    field, why));
+    return Error(fmt::format(
+        "{}: {} (nnexec run executes GPT- and Llama-style models: "
+        "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
+        "ReLU or squared-ReLU MLP, learned, rotary or ALiBi positions, dropout with "
+        "deterministic masks; Megatron tensor, sequence and context parallelism (together "
+        "too), pipelines (interleaved too, each segment on one stage) with F, B, R and "
+        "zero-bubble BI/BW blocks, data parallelism with ZeRO 0-3, recompute rules, repeated "
+        "forwards; ZeRO-3 also as FSDP keeps it gathered under pipelines and as DeepSpeed "
+        "gathers per tensor and again for recompute; in fp32, bf16, fp16 or emulated fp8)",
+        field, why));
   };
-  if (m.mlp != MlpKind::kGelu && m.mlp != MlpKind::kSwiglu) {
-    return refuse("model.mlp",
-                  fmt::format("'{}' is not supported yet (gelu or swiglu)", to_string(m.mlp)));
-  }
   if (m.kv_heads < 1 || m.heads % m.kv_heads != 0) {
     return refuse("model.kv_heads", fmt::format("{} key/value heads do not divide {} heads; set "
                                                 "kv_heads to a divisor of heads",
                                                 m.kv_heads, m.heads));
-  }
-  if (m.position != PositionKind::kLearned && m.position != PositionKind::kRope) {
-    return refuse("model.position", fmt::format("'{}' is not supported yet (learned or rope)",
-                                                to_string(m.position)));
   }
   if (m.position == PositionKind::kRope && m.head_dim() % 2 != 0) {
     return refuse("model.position",
                   fmt::format("rope needs an even head dimension; hidden {} / heads {} is {}",
                               m.hidden, m.heads, m.head_dim()));
   }
-  if (m.dropout) {
+  // Dropout masks are drawn per micro-batch's tape; repeated passes and recomputed embeddings
+  // would need theirs drawn again alike.
+  if (m.dropout && plan.recycle > 1) {
     return refuse("model.dropout",
-                  "dropout would make the partitioned run differ from the unpartitioned one; set "
-                  "dropout: false");
+                  "dropout with repeated forwards (training.recycle > 1) is not supported yet; "
+                  "set dropout: false or recycle: 1");
+  }
+  for (std::size_t i = 0; i < plan.recompute.size() && m.dropout; ++i) {
+    if (plan.recompute[i].end_layer < 0) {
+      return refuse(fmt::format("recompute[{}]", i),
+                    "dropout with a recompute rule without layers (it would recompute the "
+                    "embedding's dropout) is not supported yet; give the rule layers");
+    }
   }
   if (plan.optimizer.zero < 0 || plan.optimizer.zero > 3) {
     return refuse("optimizer.zero",
@@ -383,13 +385,28 @@ Status check_runnable(const Plan& plan) {
 }
 
 std::string run_dtype(const Plan& plan) {
-  return plan.precision == Precision::kBf16 ? "bf16" : "fp32";
+  switch (plan.precision) {
+    case Precision::kBf16:
+      return "bf16";
+    case Precision::kFp16:
+      return "fp16";
+    case Precision::kFp8:
+      return "fp8";
+    default:
+      return "fp32";
+  }
 }
 
 void set_check_tolerance(const std::string& dtype, RunOptions* options) {
   if (dtype == "bf16") {
     options->rtol = kBf16CheckRtol;
     options->atol = kBf16CheckAtol;
+  } else if (dtype == "fp16") {
+    options->rtol = kFp16CheckRtol;
+    options->atol = kFp16CheckAtol;
+  } else if (dtype == "fp8") {
+    options->rtol = kFp8CheckRtol;
+    options->atol = kFp8CheckAtol;
   } else {
     options->rtol = 1e-4;
     options->atol = 1e-6;

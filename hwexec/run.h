@@ -108,13 +108,25 @@ struct RunResults {
 Status check_runnable(const Plan& plan);
 
 // What `nnexec run` computes a plan in: "bf16" when the plan's precision is bf16 (bf16 weights
-// and activations, fp32 master weights, gradients and Adam), else "fp32".
+// and activations, fp32 master weights, gradients and Adam), "fp16" when fp16 (the same in fp16,
+// with a static loss scale), "fp8" when fp8 (bf16 with the blocks' linear layers' inputs rounded
+// to fp8), else "fp32".
 std::string run_dtype(const Plan& plan);
 
 // The --check tolerance for a run computing in `dtype`: fp32, rtol 1e-4 and atol 1e-6; bf16,
 // against the fp32 unpartitioned reference, kBf16CheckRtol and kBf16CheckAtol (docs/hwexec.md).
 inline constexpr double kBf16CheckRtol = 1.0 / 16;  // 16 units of bf16 rounding (2^-8)
 inline constexpr double kBf16CheckAtol = 1e-5;
+// fp16, by the same rule: 16 units of fp16 rounding (2^-11). fp16 runs scale the loss by
+// kFp16LossScale (static, Megatron's --loss-scale) and unscale the fp32 gradients before the
+// optimizer.
+inline constexpr double kFp16CheckRtol = 1.0 / 128;
+inline constexpr double kFp16CheckAtol = 1e-6;
+inline constexpr double kFp16LossScale = 1024;
+// fp8 (emulated: the blocks' linear layers with e4m3 inputs and e5m2 output gradients,
+// run_precision.h; the rest bf16): see docs/hwexec.md for the rule.
+inline constexpr double kFp8CheckRtol = 0.5;
+inline constexpr double kFp8CheckAtol = 1e-5;
 void set_check_tolerance(const std::string& dtype, RunOptions* options);
 
 // Runs this process's rank (comm.rank()) of the plan. Needs LibTorch.

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <limits>
 
+#include "hwexec/run_model_masks.h"
+
 namespace nnsim::hwexec {
 
 namespace {
@@ -55,11 +57,13 @@ at::Tensor cp_attention_forward(const at::Tensor& q, const at::Tensor& kv_all, i
   }
   const at::Tensor k_pos = at::cat(pos).to(dev), q_pos = pos[s->index].to(dev);
   const at::Tensor qf = q.to(at::kFloat);
-  const at::Tensor scores =
-      (at::matmul(qf, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d)))
-          .masked_fill(future(q_pos, k_pos), -std::numeric_limits<float>::infinity());
+  at::Tensor scores = at::matmul(qf, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
+  if (s->slopes.defined()) scores = scores + alibi_bias(s->slopes, q_pos, k_pos);
+  scores = scores.masked_fill(future(q_pos, k_pos), -std::numeric_limits<float>::infinity());
   s->lse = at::logsumexp(scores, -1);
-  s->out = at::matmul(at::exp(scores - s->lse.unsqueeze(-1)), v);
+  at::Tensor p = at::exp(scores - s->lse.unsqueeze(-1));
+  if (s->drop.defined()) p = p * s->drop.index_select(-1, k_pos);
+  s->out = at::matmul(p, v);
   s->q = qf;
   // Copies: a view would keep every rank's keys and values alive until the backward.
   s->k = kv_all.select(0, s->index).select(0, 0).clone();
@@ -88,12 +92,18 @@ std::array<at::Tensor, 3> cp_attention_backward(const CpAttentionSaved& s, const
     const at::Tensor ke = expand_heads(k, heads), ve = expand_heads(v, heads);
     const at::Tensor k_pos = cp_positions(s.seq, f, j).to(dev);
     // The probabilities of this rank's queries over chunk j (0 where masked).
+    at::Tensor logits = at::matmul(s.q, ke.transpose(-2, -1)) * scale;
+    if (s.slopes.defined()) logits = logits + alibi_bias(s.slopes, q_pos, k_pos);
     const at::Tensor p =
-        at::exp((at::matmul(s.q, ke.transpose(-2, -1)) * scale)
-                    .masked_fill(future(q_pos, k_pos), -std::numeric_limits<float>::infinity()) -
+        at::exp(logits.masked_fill(future(q_pos, k_pos), -std::numeric_limits<float>::infinity()) -
                 s.lse.unsqueeze(-1));
-    dv += sum_groups(at::matmul(p.transpose(-2, -1), dO), kh);
-    const at::Tensor ds = p * (at::matmul(dO, ve.transpose(-2, -1)) - D);
+    // Dropout: the output used the kept probabilities (p m); D = sum dO O is still the sum of
+    // p times the kept gradient dP m.
+    const at::Tensor m = s.drop.defined() ? s.drop.index_select(-1, k_pos) : at::Tensor();
+    dv += sum_groups(at::matmul((m.defined() ? p * m : p).transpose(-2, -1), dO), kh);
+    at::Tensor dp = at::matmul(dO, ve.transpose(-2, -1));
+    if (m.defined()) dp = dp * m;
+    const at::Tensor ds = p * (dp - D);
     dq += at::matmul(ds, ke) * scale;
     dk += sum_groups(at::matmul(ds.transpose(-2, -1), s.q), kh) * scale;
     if (i + 1 < f) {

@@ -30,6 +30,10 @@ struct CpAttentionSaved {
   int ways = 1, index = 0;
   int64_t seq = 0;   // the whole sequence
   at::Tensor graph;  // the queries, keys and values flattened, with their autograd graph
+  // Set before the forward, or undefined: ALiBi's slopes of the rank's heads [heads] (fp32), and
+  // dropout's multipliers of the attention probabilities [b, heads, sl, seq] (fp32; the rank's
+  // queries against every key, in sequence order; run_model_masks.h).
+  at::Tensor slopes, drop;
 };
 
 // Forward: the queries q [b, heads, sl, d] of cp rank `index` (of a sequence of `seq`) against
@@ -37,7 +41,8 @@ struct CpAttentionSaved {
 // `kv_all` [ways, 2, b, kv_heads, sl, d] (all-gathered, rank order), under the causal mask of
 // the tokens' positions (cp_positions). Each key/value head serves heads / kv_heads query heads.
 // Computes in fp32; returns the output [b, heads, sl, d] in fp32 and fills `saved` (q, out, lse,
-// and this rank's k and v from kv_all).
+// and this rank's k and v from kv_all). With saved->slopes, ALiBi's bias is added to the scores
+// at the tokens' global positions; with saved->drop, the probabilities are multiplied by it.
 at::Tensor cp_attention_forward(const at::Tensor& q, const at::Tensor& kv_all, int index,
                                 int64_t seq, CpAttentionSaved* saved);
 

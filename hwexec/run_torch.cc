@@ -1,10 +1,10 @@
 // The LibTorch side of `nnexec run` (docs/hwexec.md): builds this rank's part of a GPT- or
-// Llama-style model (LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU or SwiGLU,
-// learned or rotary positions, with or without biases) and runs the plan's blocks, in fp32 or,
-// for bf16 plans, in bf16 with fp32 master weights, gradients and Adam. ATen only (no torch::nn):
-// every operator of the operator graph (attn.qkv, attn.core, ...) runs as its own small autograd
-// graph, from detached inputs, so that its forward and its backward are timed alone and the
-// collectives between operators are explicit, as in Megatron-LM:
+// Llama-style model (LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU,
+// ReLU or squared ReLU, learned or rotary positions, with or without biases) and runs the plan's
+// blocks, in fp32 or, for bf16 plans, in bf16 with fp32 master weights, gradients and Adam. ATen
+// only (no torch::nn): every operator of the operator graph (attn.qkv, attn.core, ...) runs as its
+// own small autograd graph, from detached inputs, so that its forward and its backward are timed
+// alone and the collectives between operators are explicit, as in Megatron-LM:
 //   attn.qkv / mlp.fc1: columns split over tp; their input gradient is all-reduced (f).
 //   attn.proj / mlp.fc2: rows split; their output (partial sums) is all-reduced (g), the bias
 //     added after it (timed in the residual).
@@ -47,6 +47,8 @@
 #include "hwexec/comm.h"
 #include "hwexec/run.h"
 #include "hwexec/run_context_parallel.h"
+#include "hwexec/run_model_masks.h"
+#include "hwexec/run_precision.h"
 #include "hwexec/run_split_backward.h"
 #include "hwexec/run_zero3.h"
 
@@ -179,6 +181,11 @@ struct Stats {
   }
 };
 
+// The 16-bit format of a bf16 or fp16 tensor, for the collectives.
+Comm::Float16 float16_of(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf ? Comm::Float16::kFp16 : Comm::Float16::kBf16;
+}
+
 // Groups and collectives of one rank. Groups of one rank (the unpartitioned reference) do
 // nothing. With `nccl` set (a GPU), NCCL carries them, on the compute stream (sends: on the
 // peer's send stream, after the compute stream's work so far).
@@ -204,22 +211,24 @@ struct Ctx {
                   const std::string& label, Comm::Op op = Comm::Op::kSum) {
     if (group.size() <= 1) return;
     t = t.contiguous();
-    if (t.scalar_type() == at::kBFloat16) {  // 2 bytes an element on the wire
+    if (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf) {  // 2 bytes on the wire
+      const Comm::Float16 f16 = float16_of(t);
       const Mark a = stats->mark();
 #ifdef NNSIM_TORCH_HAS_CUDA
       if (nccl) {
-        ok_or_throw(nccl->all_reduce_bf16(group, t.data_ptr(), t.numel(), op, stats->stream));
+        ok_or_throw(nccl->all_reduce_bf16(group, t.data_ptr(), t.numel(), op, stats->stream, f16));
         stats->coll("all_reduce", axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
         return;
       }
 #endif
-      ok_or_throw(
-          comm->all_reduce_bf16(group, static_cast<std::uint16_t*>(t.data_ptr()), t.numel(), op));
+      ok_or_throw(comm->all_reduce_bf16(group, static_cast<std::uint16_t*>(t.data_ptr()), t.numel(),
+                                        op, f16));
       stats->coll("all_reduce", axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
       return;
     }
     if (t.scalar_type() != at::kFloat) {
-      throw Failure{fmt::format("all-reduce of {}: only fp32 and bf16 tensors are reduced", label)};
+      throw Failure{
+          fmt::format("all-reduce of {}: only fp32, bf16 and fp16 tensors are reduced", label)};
     }
     const Mark a = stats->mark();
 #ifdef NNSIM_TORCH_HAS_CUDA
@@ -238,9 +247,10 @@ struct Ctx {
                         const std::string& axes, const std::string& label) {
     if (group.size() <= 1) return in.clone();
     const at::Tensor x = in.contiguous();
-    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    // 16-bit values (bf16 or fp16) move as their bit patterns.
+    const bool bf16 = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
     if (!bf16 && x.scalar_type() != at::kFloat) {
-      throw Failure{fmt::format("all-gather of {}: only fp32 and bf16 tensors", label)};
+      throw Failure{fmt::format("all-gather of {}: only fp32, bf16 and fp16 tensors", label)};
     }
     at::Tensor out = at::empty({static_cast<int64_t>(group.size()) * x.numel()}, x.options());
     const Mark a = stats->mark();
@@ -267,27 +277,29 @@ struct Ctx {
                             const std::string& axes, const std::string& label) {
     if (group.size() <= 1) return in.clone();
     const at::Tensor x = in.contiguous();
-    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const bool bf16 = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+    const Comm::Float16 f16 = float16_of(x);
     if ((!bf16 && x.scalar_type() != at::kFloat) ||
         x.numel() % static_cast<int64_t>(group.size()) != 0) {
-      throw Failure{fmt::format("reduce-scatter of {}: needs fp32 or bf16 in equal chunks", label)};
+      throw Failure{
+          fmt::format("reduce-scatter of {}: needs fp32, bf16 or fp16 in equal chunks", label)};
     }
     const int64_t n = x.numel() / static_cast<int64_t>(group.size());
     at::Tensor out = at::empty({n}, x.options());
     const Mark a = stats->mark();
 #ifdef NNSIM_TORCH_HAS_CUDA
     if (nccl) {
-      ok_or_throw(
-          bf16 ? nccl->reduce_scatter_bf16(group, x.data_ptr(), n, out.data_ptr(), stats->stream)
-               : nccl->reduce_scatter(group, x.data_ptr<float>(), n, out.data_ptr<float>(),
-                                      stats->stream));
+      ok_or_throw(bf16 ? nccl->reduce_scatter_bf16(group, x.data_ptr(), n, out.data_ptr(),
+                                                   stats->stream, f16)
+                       : nccl->reduce_scatter(group, x.data_ptr<float>(), n, out.data_ptr<float>(),
+                                              stats->stream));
       stats->coll("reduce_scatter", axes, label, static_cast<double>(x.nbytes()), a, stats->mark());
       return out;
     }
 #endif
     ok_or_throw(bf16 ? comm->reduce_scatter_bf16(group,
                                                  static_cast<const std::uint16_t*>(x.data_ptr()), n,
-                                                 static_cast<std::uint16_t*>(out.data_ptr()))
+                                                 static_cast<std::uint16_t*>(out.data_ptr()), f16)
                      : comm->reduce_scatter(group, x.data_ptr<float>(), n, out.data_ptr<float>()));
     stats->coll("reduce_scatter", axes, label, static_cast<double>(x.nbytes()), a, stats->mark());
     return out;
@@ -458,6 +470,7 @@ at::Tensor leaf(const at::Tensor& t) {
 
 struct LayerTape {
   Unit n1, qkv, core, proj, res1, n2, fc1, act, fc2, res2;
+  DropoutKey key;           // the micro-batch's dropout masks (a recomputation draws them again)
   at::Tensor x;             // the layer's input, kept when the layer recomputes operators
   bool recomputed = false;  // an R block has run the recomputation already
   std::vector<std::pair<const char*, Unit*>> units() {
@@ -469,7 +482,8 @@ struct LayerTape {
 };
 
 struct MicroBatchTape {
-  Unit word, pos;
+  DropoutKey key;  // which masks model.dropout applies: the iteration and the samples' rows
+  Unit word, pos, drop;
   std::vector<LayerTape> layers;
   Unit hnorm, hproj;
   at::Tensor ez, se, onehot;  // the loss's saved softmax pieces
@@ -508,6 +522,11 @@ class Model {
     positions_ =
         (split.cp > 1 ? cp_positions(s, split.cp, split.cp_index) : at::arange(s, at::kLong))
             .to(device);
+    // The rank's query heads are the global heads [ta kl g, (ta + 1) kl g) (whole key/value
+    // groups): ALiBi's slopes and the attention's dropout masks are those heads'.
+    first_head_ = ta * kl * g;
+    if (spec.position == PositionKind::kAlibi)
+      alibi_ = alibi_slopes_of(a, first_head_, kl * g, device);
     if (embedding_) {
       const int64_t vl = V / split.embed_vocab;
       const int tv = split.embed_vocab > 1 ? t_ : 0;
@@ -569,6 +588,9 @@ class Model {
   }
 
   std::deque<Param>& params() { return params_; }
+  // fp8 training: the blocks' linear layers with fp8 GEMM inputs, the rest in the compute dtype
+  // (bf16).
+  void set_fp8(bool on) { fp8_ = on; }
   // The operators the plan's recompute rules name in each layer of this part.
   void set_recompute(const std::vector<RecomputeRule>& rules) {
     // Rules without layers also recompute the embedding and the head (the program's
@@ -650,6 +672,7 @@ class Model {
     const int first_unit = embedding_ ? 1 : 0;
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       c.unit_before(first_unit + static_cast<int>(l), false);
+      tape.layers[l].key = tape.key;
       x = layer_forward(c, static_cast<int>(l), x, tape.layers[l]);
     }
     if (!head_) return x;
@@ -705,8 +728,14 @@ class Model {
       if (!recompute_embed_.empty() && !tape.embed_recomputed) {
         embed_forward(c, at::Tensor(), at::Tensor(), tape, /*again=*/true);
       }
+      if (spec_.dropout) dy = bwd(st, "embed.dropout", tape.drop, dy)[0];
       at::Tensor de = pos_ ? bwd(st, "embed.position", tape.pos, dy)[0] : dy;
-      if (split_.seq > 1) de = gather_seq(c, de, pos_ ? "embed.position" : "attn.residual");
+      if (split_.seq > 1) {
+        de = gather_seq(c, de,
+                        pos_            ? "embed.position"
+                        : spec_.dropout ? "embed.dropout"
+                                        : "attn.residual");
+      }
       bwd(st, "embed.word", tape.word, de);
       c.unit_after_backward(0);
       return at::Tensor();
@@ -830,6 +859,50 @@ class Model {
     return y.to(x.scalar_type());
   }
 
+  // fp16 on the CPU: LibTorch 1.13 has no CPU kernels for fp16 matrix products and activations.
+  // They run as a GPU's fp16 kernels do: in fp32 on the fp16 values (a GEMM accumulating in
+  // fp32), the result rounded to fp16 once.
+  bool cpu_fp16() const { return dtype_ == at::kHalf && device_.is_cpu(); }
+  at::Tensor mm(const at::Tensor& a, const at::Tensor& b) const {
+    if (!cpu_fp16()) return at::matmul(a, b);
+    return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(at::kHalf);
+  }
+  // A transformer block's linear layer (attn.qkv, attn.proj, mlp.fc1, mlp.fc2): with fp8, fp8
+  // GEMM inputs (run_precision.h); the head's projection stays in the compute dtype.
+  at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w) const {
+    return fp8_ ? fp8_linear(x, w) : mm(x, w);
+  }
+  // The MLP's activation of fc1's output (this rank's columns).
+  at::Tensor activation(const at::Tensor& x) const {
+    switch (spec_.mlp) {
+      case MlpKind::kRelu:
+        return at::relu(x);
+      case MlpKind::kSquaredRelu:  // Primer's (So et al. 2021): relu(x)^2
+        return at::relu(x).square();
+      case MlpKind::kSwiglu: {
+        // SwiGLU: silu(gate) * up, the halves of this rank's fc1 output.
+        const int64_t fl = x.size(-1) / 2;
+        return at::silu(x.narrow(-1, 0, fl)) * x.narrow(-1, fl, fl);
+      }
+      case MlpKind::kGelu:
+        break;
+    }
+    return at::gelu(x);
+  }
+
+  // Dropout's multipliers for x [b, sl, h] at a hidden site (the embedding's, a residual's) of
+  // `layer` (global; -1: the embedding): the whole model's masks at the rank's sequence
+  // positions (context parallelism's share; sequence parallelism's slice of it).
+  at::Tensor hidden_dropout(const DropoutKey& key, int layer, DropoutSite site,
+                            const at::Tensor& x) const {
+    const int64_t sl = x.size(1);
+    at::Tensor pos = positions_;
+    if (split_.seq > 1) pos = pos.narrow(0, t_ * sl, sl);
+    return dropout_multipliers(key, layer, site, x.size(0), spec_.seq_len, spec_.hidden, pos, 0, 0,
+                               device_)
+        .to(x.scalar_type());
+  }
+
   // Rotary position embedding (rotate-half form, base 10000) of x [b, s, heads, d] at the
   // rank's positions (0 .. s-1; under context parallelism, its share), angles in fp32.
   at::Tensor rope(const at::Tensor& x) const {
@@ -905,7 +978,7 @@ class Model {
     if (!again || (pos_ && runs("embed.position"))) {
       // The word embeddings' partial sums (vocab-parallel) reduced for the operator that reads
       // them, which the program names the conversion after.
-      const char* reader = pos_ ? "embed.position" : "attn.norm";
+      const char* reader = pos_ ? "embed.position" : spec_.dropout ? "embed.dropout" : "attn.norm";
       at::Tensor e;
       if (split_.seq > 1) {
         // Sequence parallelism: reduce-scattered to this rank's slice.
@@ -916,7 +989,7 @@ class Model {
         if (split_.embed_vocab > 1) c.tp_all_reduce(e, reader);
       }
       if (rec.defined()) e = e + rec.to(e.scalar_type());
-      x = e;  // rotary positions: applied to queries and keys in attn.core
+      x = e;  // rotary or ALiBi positions: applied in attn.core
     }
     if (pos_ && runs("embed.position")) {
       const int64_t sl = x.size(1), first = split_.seq > 1 ? t_ * sl : 0;
@@ -928,6 +1001,15 @@ class Model {
                                           : W(pos_).narrow(0, first, sl));
           });
       x = tape.pos.out.detach();
+    }
+    // Dropout with recompute rules over the embedding is refused (check_runnable), so it runs
+    // in the forward only.
+    if (spec_.dropout && !again) {
+      tape.drop =
+          fwd(st, "embed.dropout", phase, {leaf(x)}, [&](const std::vector<at::Tensor>& in) {
+            return in[0] * hidden_dropout(tape.key, -1, DropoutSite::kEmbedding, in[0]);
+          });
+      x = tape.drop.out.detach();
     }
     if (!again && !rc.empty()) {
       tape.tokens = tokens;
@@ -963,7 +1045,7 @@ class Model {
           fwd(st, "head.proj", phase,
               {leaf(sp ? gather_seq(c, tape.hnorm.out.detach(), "head.proj") : tape.hnorm.out)},
               [&](const std::vector<at::Tensor>& in) {
-                return at::matmul(in[0], tied ? W(word_).t() : W(head_w_));
+                return mm(in[0], tied ? W(word_).t() : W(head_w_));
               });
       tape.hproj.weights = weights_of({tied ? word_ : head_w_});
       // Sequence parallelism: the gathered input is dropped unless the recomputation gathers it.
@@ -1027,14 +1109,14 @@ class Model {
       t.qkv = fwd(st, "attn.qkv", phase,
                   {leaf(sp ? gather_seq(c, t.n1.out.detach(), "attn.qkv") : t.n1.out)},
                   [&](const std::vector<at::Tensor>& in) {
-                    at::Tensor y = at::matmul(in[0], W(L.qkv_w));
+                    at::Tensor y = block_linear(in[0], W(L.qkv_w));
                     return L.qkv_b ? y + W(L.qkv_b) : y;
                   });
       t.qkv.weights = weights_of({L.qkv_w, L.qkv_b});
       drop_gathered("attn.qkv", t.qkv);
     }
     if (runs("attn.core") && split_.cp > 1) {
-      t.core = cp_core_forward(c, t.qkv.out, phase);
+      t.core = cp_core_forward(c, t.qkv.out, phase, t.key, first_ + l);
     } else if (runs("attn.core")) {
       t.core =
           fwd(st, "attn.core", phase, {leaf(t.qkv.out)}, [&](const std::vector<at::Tensor>& in) {
@@ -1054,7 +1136,10 @@ class Model {
             q = q.permute({0, 2, 1, 3});
             k = k.permute({0, 2, 1, 3});
             v = v.permute({0, 2, 1, 3});
-            at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(d));
+            at::Tensor scores = mm(q, k.transpose(-2, -1)) / std::sqrt(double(d));
+            if (alibi_.defined()) {  // ALiBi: in fp32, at the tokens' positions
+              scores = scores.to(at::kFloat) + alibi_bias(alibi_, positions_, positions_);
+            }
             at::Tensor causal = at::ones({s, s}, in[0].options().dtype(at::kBool)).triu(1);
             // The softmax in fp32 (Megatron's fused scaled-masked softmax), its output in the
             // compute dtype.
@@ -1062,13 +1147,19 @@ class Model {
                 at::softmax(scores.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1,
                             at::kFloat)
                     .to(q.scalar_type());
-            return at::matmul(p, v).permute({0, 2, 1, 3}).reshape({b, s, al * d});
+            if (spec_.dropout) {  // the probabilities' dropout
+              p = p * dropout_multipliers(t.key, first_ + l, DropoutSite::kAttention, b,
+                                          spec_.seq_len, spec_.heads, positions_, first_head_, al,
+                                          device_)
+                          .to(p.scalar_type());
+            }
+            return mm(p, v).permute({0, 2, 1, 3}).reshape({b, s, al * d});
           });
     }
     if (runs("attn.proj")) {
       t.proj =
           fwd(st, "attn.proj", phase, {leaf(t.core.out)},
-              [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], W(L.proj_w)); });
+              [&](const std::vector<at::Tensor>& in) { return block_linear(in[0], W(L.proj_w)); });
       t.proj.weights = weights_of({L.proj_w});
     }
     // The row-parallel sums feed the residual (the program's conversion for its input).
@@ -1082,7 +1173,12 @@ class Model {
       }
       t.res1 = fwd(st, "attn.residual", phase, {leaf(y), leaf(in_x)},
                    [&](const std::vector<at::Tensor>& in) {
-                     return L.proj_b ? in[0] + W(L.proj_b) + in[1] : in[0] + in[1];
+                     at::Tensor z = L.proj_b ? in[0] + W(L.proj_b) : in[0];
+                     // Bias, dropout, add (Megatron's fused bias-dropout-add).
+                     if (spec_.dropout) {
+                       z = z * hidden_dropout(t.key, first_ + l, DropoutSite::kAttnResidual, z);
+                     }
+                     return z + in[1];
                    });
     }
     if (runs("mlp.norm")) {
@@ -1093,7 +1189,7 @@ class Model {
       t.fc1 = fwd(st, "mlp.fc1", phase,
                   {leaf(sp ? gather_seq(c, t.n2.out.detach(), "mlp.fc1") : t.n2.out)},
                   [&](const std::vector<at::Tensor>& in) {
-                    at::Tensor z = at::matmul(in[0], W(L.fc1_w));
+                    at::Tensor z = block_linear(in[0], W(L.fc1_w));
                     return L.fc1_b ? z + W(L.fc1_b) : z;
                   });
       t.fc1.weights = weights_of({L.fc1_w, L.fc1_b});
@@ -1101,15 +1197,14 @@ class Model {
     }
     if (runs("mlp.act")) {
       t.act = fwd(st, "mlp.act", phase, {leaf(t.fc1.out)}, [&](const std::vector<at::Tensor>& in) {
-        if (!spec_.gated_mlp()) return at::gelu(in[0]);
-        // SwiGLU: silu(gate) * up, the halves of this rank's fc1 output.
-        const int64_t fl = in[0].size(-1) / 2;
-        return at::silu(in[0].narrow(-1, 0, fl)) * in[0].narrow(-1, fl, fl);
+        if (cpu_fp16()) return activation(in[0].to(at::kFloat)).to(at::kHalf);
+        return activation(in[0]);
       });
     }
     if (runs("mlp.fc2")) {
-      t.fc2 = fwd(st, "mlp.fc2", phase, {leaf(t.act.out)},
-                  [&](const std::vector<at::Tensor>& in) { return at::matmul(in[0], W(L.fc2_w)); });
+      t.fc2 = fwd(st, "mlp.fc2", phase, {leaf(t.act.out)}, [&](const std::vector<at::Tensor>& in) {
+        return block_linear(in[0], W(L.fc2_w));
+      });
       t.fc2.weights = weights_of({L.fc2_w});
     }
     if (runs("mlp.residual")) {
@@ -1122,7 +1217,11 @@ class Model {
       }
       t.res2 = fwd(st, "mlp.residual", phase, {leaf(y2), leaf(t.res1.out)},
                    [&](const std::vector<at::Tensor>& in) {
-                     return L.fc2_b ? in[0] + W(L.fc2_b) + in[1] : in[0] + in[1];
+                     at::Tensor z = L.fc2_b ? in[0] + W(L.fc2_b) : in[0];
+                     if (spec_.dropout) {
+                       z = z * hidden_dropout(t.key, first_ + l, DropoutSite::kMlpResidual, z);
+                     }
+                     return z + in[1];
                    });
     }
     const at::Tensor out = t.res2.out.detach();
@@ -1141,7 +1240,8 @@ class Model {
   // and values over cp, its backward passes them around the cp ring with their gradients (the
   // program's overlapped ring: one all-gather of twice the bytes, recorded as one all-gather
   // spanning the whole backward, the attention's backward inside it).
-  Unit cp_core_forward(Ctx& c, const at::Tensor& qkv, const char* phase) {
+  Unit cp_core_forward(Ctx& c, const at::Tensor& qkv, const char* phase, const DropoutKey& key,
+                       int layer) {
     Stats& st = *c.stats;
     const Mark t0 = st.mark();
     const int64_t d = spec_.head_dim(), g = spec_.heads / spec_.kv_heads,
@@ -1159,6 +1259,11 @@ class Model {
     // [b, heads, sl, d], flattened into one tensor whose backward takes all three gradients.
     u.cp = std::make_shared<CpAttentionSaved>();
     CpAttentionSaved& cs = *u.cp;
+    cs.slopes = alibi_;
+    if (spec_.dropout) {
+      cs.drop = dropout_multipliers(key, layer, DropoutSite::kAttention, b, spec_.seq_len,
+                                    spec_.heads, positions_, first_head_, al, device_);
+    }
     cs.graph =
         at::cat({q.permute({0, 2, 1, 3}).reshape({-1}), k.permute({0, 2, 1, 3}).reshape({-1}),
                  v.permute({0, 2, 1, 3}).reshape({-1})});
@@ -1251,7 +1356,10 @@ class Model {
   std::vector<DeferredWeightGrad>* deferred_ = nullptr;
   int unit_ = -1;  // the parameter unit whose backward runs (a deferred gradient's unit)
   Param *word_ = nullptr, *pos_ = nullptr, *hn_g_ = nullptr, *hn_b_ = nullptr, *head_w_ = nullptr;
-  at::Tensor positions_;  // the sequence positions of the rank's tokens (long)
+  at::Tensor positions_;    // the sequence positions of the rank's tokens (long)
+  int64_t first_head_ = 0;  // the global index of the rank's first query head
+  bool fp8_ = false;        // the blocks' linear layers take fp8 inputs (set_fp8)
+  at::Tensor alibi_;        // ALiBi: the slopes of the rank's heads (fp32); else undefined
 };
 
 // The plan as this rank sees it.
@@ -1455,7 +1563,13 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   Ctx ctx;
   ctx.comm = &comm;
   ctx.stats = &stats;
-  const at::ScalarType dtype = run_dtype(plan) == "bf16" ? at::kBFloat16 : at::kFloat;
+  const std::string run_type = run_dtype(plan);
+  const at::ScalarType dtype = run_type == "bf16" || run_type == "fp8" ? at::kBFloat16
+                               : run_type == "fp16"                    ? at::kHalf
+                                                                       : at::kFloat;
+  // fp16: a static loss scale (Megatron's --loss-scale), so that small gradients stay above
+  // fp16's smallest values; the fp32 gradients are unscaled before the optimizer (and --check).
+  const double fp16_scale = dtype == at::kHalf ? kFp16LossScale : 1.0;
   ctx.options = at::TensorOptions().dtype(dtype).device(device);
   ctx.tp_axes = join(L.tp_axes);
   ctx.pp_axes = join(L.pp_axes);
@@ -1565,6 +1679,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     models[sg] = std::make_unique<Model>(plan.model, seg.first_layer, seg.end_layer, seg.embedding,
                                          seg.head, L.split, ctx.tp_index, opt.seed, device, dtype);
     models[sg]->set_recompute(plan.recompute);
+    models[sg]->set_fp8(run_type == "fp8");
     for (Param& p : models[sg]->params()) params.push_back(&p);
     has_head = has_head || seg.head;
   }
@@ -1627,7 +1742,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // ZeRO-3 in bf16 also writes the gathered values into the operators' bf16 copies, which keep
   // their autograd link to the fp32 weights (no per-iteration cast: the cast is the chunk's).
   auto gather_unit = [&](ZeroUnit& u) {
-    const at::Tensor full = ctx.all_gather(dtype == at::kBFloat16 ? u.master.to(dtype) : u.master,
+    const at::Tensor full = ctx.all_gather(dtype != at::kFloat ? u.master.to(dtype) : u.master,
                                            ctx.dp_group, ctx.dp_axes, "param gather");
     at::NoGradGuard no_grad;
     int64_t offset = 0;
@@ -1651,8 +1766,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // optimizer.grad_bytes): bf16 at 2 bytes in a bf16 plan, else the fp32 gradients.
   const double reduce_bytes =
       plan.comm.grad_reduce_bytes > 0 ? plan.comm.grad_reduce_bytes : plan.optimizer.grad_bytes;
-  const at::ScalarType reduce_dtype =
-      dtype == at::kBFloat16 && reduce_bytes == 2 ? at::kBFloat16 : at::kFloat;
+  const at::ScalarType reduce_dtype = dtype != at::kFloat && reduce_bytes == 2 ? dtype : at::kFloat;
   auto reduce_unit = [&](ZeroUnit& u, const std::string& label) {
     for (Param* p : u.params) {
       if (!p->w.grad().defined() && !split_backward) {
@@ -1719,6 +1833,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     // Repeated forwards: the earlier passes without autograd, each feeding its final hidden
     // state to the next; the last one is differentiated.
     MicroBatchTape tape;
+    tape.key = DropoutKey{opt.seed, 0, 0};  // iteration 0, every row of the global batch
     at::Tensor recycled;
     for (int pass = 0; pass + 1 < plan.recycle; ++pass) {
       at::NoGradGuard no_grad;
@@ -1789,6 +1904,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       };
       zero3_for(static_cast<std::size_t>(&blk - L.order->blocks.data()), sg);
       MicroBatchTape& tape = tapes[{sg, m}];
+      tape.key = DropoutKey{opt.seed, it, row};
       if (blk.kind == BlockKind::kRecompute) {
         model.recompute(ctx, tape);
       } else if (blk.kind == BlockKind::kBackwardWeight) {
@@ -1834,7 +1950,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
           dy = pp_recv(next, shape, "gradient", tag(true, sg));
         }
         const bool input_only = blk.kind == BlockKind::kBackwardInput;
-        at::Tensor dx = model.backward(ctx, tape, dy, loss_scale, input_only);
+        at::Tensor dx = model.backward(ctx, tape, dy, loss_scale * fp16_scale, input_only);
         if (!model.has_embedding()) {
           pp_send(prev, dx, "gradient", tagged ? tag(true, L.neighbours.at(sg).first) : 0);
         }
@@ -1904,8 +2020,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         }
       }
       if (!slices.empty()) {
-        at::Tensor all = at::cat(slices);
+        // In the dtype of the gradients' reductions (the program's grad_bytes).
+        at::Tensor all = at::cat(slices).to(reduce_dtype);
         ctx.tp_all_reduce(all, "norm grad sync");
+        all = all.to(at::kFloat);
         at::NoGradGuard no_grad;
         int64_t offset = 0;
         for (at::Tensor& slice : slices) {  // views into the chunks
@@ -1916,14 +2034,34 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     } else if (!sp.empty()) {
       std::vector<at::Tensor> flat;
       for (Param* p : sp) flat.push_back(grad_or_zeros(*p).reshape({-1}));
-      at::Tensor all = at::cat(flat);
+      at::Tensor all = at::cat(flat).to(reduce_dtype);
       ctx.tp_all_reduce(all, "norm grad sync");
+      all = all.to(at::kFloat);
       at::NoGradGuard no_grad;
       int64_t offset = 0;
       for (Param* p : sp) {
         const int64_t n = p->w.numel();
         p->w.mutable_grad() = all.narrow(0, offset, n).view(p->w.sizes()).clone();
         offset += n;
+      }
+    }
+    if (fp16_scale != 1.0) {
+      // The gradients (summed in fp32) unscaled; an overflow of the fp16 backward fails the run
+      // (a static scale does not adapt).
+      at::NoGradGuard no_grad;
+      std::vector<at::Tensor> gs;
+      for (ZeroUnit* u : zunits) gs.push_back(u->grad);
+      for (Param* p : params) {
+        if (zero == 0) gs.push_back(p->w.grad());
+      }
+      for (at::Tensor& g : gs) {
+        if (!g.isfinite().all().item<bool>()) {
+          throw Failure{fmt::format(
+              "training.precision: fp16 gradients overflowed in iteration {} at the static loss "
+              "scale {} (use bf16)",
+              it, fp16_scale)};
+        }
+        g.div_(fp16_scale);
       }
     }
     double loss = 0;

@@ -317,6 +317,20 @@ TEST(HwexecFitRun, SplitBackwardPhasesAreTheirTwoGemms) {
   EXPECT_NEAR(f->gemm[0].max_error, 1 - truth.bwd_efficiency / truth.fwd_efficiency, 1e-9);
 }
 
+// nnexec run emulates fp8 (bf16 GEMMs on fp8-rounded values): its GEMM times are not fp8's.
+TEST(HwexecFitRun, RefusesAnEmulatedFp8Run) {
+  const Plan plan = tiny_plan();
+  const GpuSpec gpu = *find_gpu("a100-sxm4-80gb");
+  RunResults run = synthetic_run(plan, gpu, RunTruth{});
+  run.dtype = "fp8";
+  Expected<RunPoints> points = run_points(run, plan, gpu, "fp8.h5");
+  ASSERT_FALSE(points.ok());
+  EXPECT_NE(points.error().message().find("fp8.h5: the run computed in fp8, which nnexec run "
+                                          "emulates"),
+            std::string::npos)
+      << points.error().message();
+}
+
 TEST(HwexecFitRun, WithAMicrobenchmarkFileGemmsPoolAndTheRunSetsTheMemoryLine) {
   const Plan plan = tiny_plan();
   const GpuSpec gpu = *find_gpu("h100-sxm5-80gb");

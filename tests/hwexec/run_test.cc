@@ -26,6 +26,7 @@
 #include "hwexec/bench.h"
 #include "hwexec/comm.h"
 #include "hwexec/run.h"
+#include "hwexec/run_model_ops.h"
 #include "process.h"
 #include "synthetic.h"
 
@@ -42,6 +43,12 @@ using testing::slurp;
 const std::string kModel = std::string(NNSIM_TEST_DATA) + "/tiny-gpt.yaml";
 // RMSNorm, GQA (2 key/value heads for 4), SwiGLU, rotary positions, no biases.
 const std::string kLlama = std::string(NNSIM_TEST_DATA) + "/tiny-llama.yaml";
+// ReLU MLP (OPT), and squared ReLU with rope and GQA (Nemotron).
+const std::string kOpt = std::string(NNSIM_TEST_DATA) + "/tiny-opt.yaml";
+const std::string kNemotron = std::string(NNSIM_TEST_DATA) + "/tiny-nemotron.yaml";
+// ALiBi over 6 heads (MPT); tiny-gpt with dropout.
+const std::string kMpt = std::string(NNSIM_TEST_DATA) + "/tiny-mpt.yaml";
+const std::string kDropout = std::string(NNSIM_TEST_DATA) + "/tiny-gpt-dropout.yaml";
 const std::string kTopo = std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml";
 const std::string kTopo1 = std::string(NNSIM_TEST_DATA) + "/tiny-node1.yaml";
 
@@ -207,6 +214,26 @@ TEST(Comm, Bf16AllReduceSumsAndRoundsToNearestEven) {
   }));
 }
 
+// IEEE fp16 (the bit patterns): each ring step adds in fp32 and rounds to fp16, to nearest
+// even, overflowing to infinity; subnormals add exactly.
+TEST(Comm, Fp16AllReduceSumsRoundsAndOverflows) {
+  EXPECT_TRUE(in_processes(2, [](Comm& c) {
+    const int r = c.rank();
+    const auto f16 = Comm::Float16::kFp16;
+    // 2048 + 1 is halfway between fp16's 2048 and 2050: the even 2048; 2050 + 1 goes to 2052;
+    // 60000 + 60000 overflows; 2^-24 + 2^-24 = 2^-23.
+    std::vector<uint16_t> v = {uint16_t(r == 0 ? 0x6800 : 0x3c00),
+                               uint16_t(r == 0 ? 0x6801 : 0x3c00), 0x7b53, 0x0001};
+    if (!c.all_reduce_bf16({0, 1}, v.data(), v.size(), Comm::Op::kSum, f16).ok()) return false;
+    if (v != std::vector<uint16_t>{0x6800, 0x6802, 0x7c00, 0x0002}) return false;
+    // Reduce-scatter: member i gets the sum of chunk i (1 + 1, 2 + 2).
+    const std::vector<uint16_t> rs = {0x3c00, 0x4000};
+    uint16_t mine = 0;
+    if (!c.reduce_scatter_bf16({0, 1}, rs.data(), 1, &mine, f16).ok()) return false;
+    return mine == (r == 0 ? 0x4000 : 0x4400);
+  }));
+}
+
 TEST(Comm, MismatchedMessageSizesFailLoudly) {
   EXPECT_FALSE(in_processes(2, [](Comm& c) {
     std::vector<float> v(c.rank() == 0 ? 4 : 8, 1.0f);
@@ -297,6 +324,16 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
     EXPECT_EQ(file->options.rtol, kBf16CheckRtol);
     EXPECT_GT(worst, 1e-3) << "a bf16 run as accurate as fp32";
     EXPECT_LT(worst, kBf16CheckRtol);
+  } else if (std::string(c.precision) == "fp8") {
+    // fp8's 3- and 2-bit significands: far coarser than bf16's, yet within kFp8CheckRtol.
+    EXPECT_EQ(file->options.rtol, kFp8CheckRtol);
+    EXPECT_GT(worst, kBf16CheckRtol / 4) << "an fp8 run as accurate as bf16";
+    EXPECT_LT(worst, kFp8CheckRtol);
+  } else if (std::string(c.precision) == "fp16") {
+    // fp16's 11-bit significand: errors well above fp32's, well below bf16's.
+    EXPECT_EQ(file->options.rtol, kFp16CheckRtol);
+    EXPECT_GT(worst, 1e-4) << "an fp16 run as accurate as fp32";
+    EXPECT_LT(worst, kFp16CheckRtol);
   } else {
     EXPECT_LT(worst, 1e-4);
   }
@@ -507,7 +544,29 @@ INSTANTIATE_TEST_SUITE_P(
              "fp32",
              {"--recompute", "full"},
              1,
-             true}),
+             true},
+        // ReLU and squared-ReLU MLPs, their fc1 columns split over tp.
+        Case{"opt_relu_tp2", 2, 1, 1, "1f1b", 2, &kOpt},
+        with("nemotron_squared_relu_sp_tp2", 2, 1, 1, 2, {"--sequence-parallel"}, &kNemotron),
+        // ALiBi: each tp rank's heads use their global heads' slopes; each cp rank's tokens
+        // their global positions.
+        Case{"mpt_alibi_tp2", 2, 1, 1, "1f1b", 2, &kMpt},
+        Case{"mpt_alibi_cp2", 1, 1, 1, "1f1b", 2, &kMpt, "fp32", {}, 2},
+        // Dropout: the masks of the whole model, sliced by heads, sequence (sp, cp), micro-batch
+        // and pipeline stage (global layer index), drawn again by the recomputation.
+        with("dropout_sp_recompute_tp2_pp2", 2, 2, 1, 4,
+             {"--sequence-parallel", "--recompute", "selective"}, &kDropout),
+        Case{"dropout_cp2_tp2", 2, 1, 1, "1f1b", 2, &kDropout, "fp32", {}, 2},
+        // fp16: 16-bit operators with fp32 master weights and a static loss scale; the
+        // tensor-parallel collectives, pipeline transfers and 16-bit gradient reduce-scatters
+        // carry fp16.
+        Case{"fp16_llama_sp_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "fp16", {"--sequence-parallel"}},
+        with("fp16_zero3_fp16_grads_dp2", 1, 1, 2, 4, {"--zero", "3", "--framework", "other"},
+             &kModel, "fp16"),
+        // fp8: the blocks' linear layers with e4m3 inputs and e5m2 output gradients (per-tensor
+        // scales), the rest bf16, every collective bf16 as the program prices it.
+        Case{"fp8_tp2", 2, 1, 1, "1f1b", 2, &kModel, "fp8"},
+        Case{"fp8_llama_sp_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "fp8", {"--sequence-parallel"}}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // --check compares the first iteration only; the later ones show that ZeRO-3's bf16 gathers
@@ -609,16 +668,14 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
       << s.error().message();
   p = *base;
   p.model.position = PositionKind::kAlibi;
-  s = check_runnable(p);
-  ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(contains(s.error().message(), "model.position: 'alibi' is not supported"))
-      << s.error().message();
-  p = *base;
-  p.model.mlp = MlpKind::kSquaredRelu;
-  s = check_runnable(p);
-  ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(contains(s.error().message(), "model.mlp: 'squared_relu' is not supported"))
-      << s.error().message();
+  p.model.dropout = true;
+  EXPECT_TRUE(check_runnable(p).ok()) << check_runnable(p).error().message();
+  for (MlpKind k : {MlpKind::kGelu, MlpKind::kSwiglu, MlpKind::kRelu, MlpKind::kSquaredRelu}) {
+    p = *base;
+    p.model.mlp = k;  // every MLP of the operator graph runs
+    EXPECT_TRUE(check_runnable(p).ok())
+        << to_string(k) << ": " << check_runnable(p).error().message();
+  }
   p = *base;
   p.model.kv_heads = 1;  // MQA: runs unsplit, but one key/value head cannot be split over tp 2
   s = check_runnable(p);
@@ -682,6 +739,81 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   ASSERT_TRUE(one.ok()) << one.error().message();
   one->model.kv_heads = 1;
   EXPECT_TRUE(check_runnable(*one).ok()) << check_runnable(*one).error().message();
+}
+
+// fp8 as Transformer Engine rounds: e4m3 (3 significand bits, normals from 2^-6, subnormals
+// 2^-9 apart, largest 448) and e5m2 (2 bits, normals from 2^-14, subnormals 2^-16 apart,
+// largest 57344), to nearest even, saturating.
+TEST(NnexecRunFp8, RoundsAsTheFormats) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  struct Example {
+    bool e5m2;
+    double x, want;
+  };
+  const double p = std::exp2(-9), q = std::exp2(-16);
+  const std::vector<Example> examples = {
+      {false, 1.0, 1.0},
+      {false, 1.0625, 1.0},  // halfway: to the even 1.0
+      {false, 1.1875, 1.25},
+      {false, 0.3, 0.3125},  // spacing 2^-5 in [0.25, 0.5)
+      {false, -0.3, -0.3125},
+      {false, 500, 448},  // saturates
+      {false, p, p},
+      {false, p / 2, 0},  // the smallest subnormal; half of it
+      {false, 1.5 * p, 2 * p},
+      {true, 1.125, 1.0},  // halfway: even
+      {true, 1.375, 1.5},
+      {true, 0.3, 0.3125},  // spacing 2^-4 in [0.25, 0.5)
+      {true, 100, 96},
+      {true, 60000, 57344},  // spacing 16 in [64, 128); saturates
+      {true, q, q},
+      {true, q / 2, 0}};
+  for (const Example& e : examples) {
+    EXPECT_EQ(fp8_round(e.x, e.e5m2), e.want) << (e.e5m2 ? "e5m2" : "e4m3") << " of " << e.x;
+  }
+}
+
+// Press et al.'s slopes: 2^(-8 i / n) for a power of two n heads; otherwise the largest power of
+// two m's, then every other one of 2m's.
+TEST(NnexecRunAlibi, SlopesArePressEtAls) {
+  const std::vector<double> eight = alibi_slopes(8);
+  ASSERT_EQ(eight.size(), 8u);
+  for (int i = 0; i < 8; ++i) EXPECT_DOUBLE_EQ(eight[i], std::exp2(-(i + 1))) << i;
+  const std::vector<double> six = alibi_slopes(6);  // 4's (2^-2, 2^-4, 2^-6, 2^-8), 8's 1st, 3rd
+  const std::vector<double> want = {0.25, 1.0 / 16, 1.0 / 64, 1.0 / 256, 0.5, 0.125};
+  ASSERT_EQ(six.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_DOUBLE_EQ(six[i], want[i]) << i;
+  EXPECT_TRUE(alibi_slopes(0).empty());
+}
+
+// Dropout really applies (the check alone would pass with none): the model with dropout has
+// another loss than the same model without, and the masks are a function of the seed, the
+// iteration, the layer, the site and the sample only (dropout_seed).
+TEST(NnexecRunDropout, MasksChangeTheLoss) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  auto first_loss = [](const std::string& model) {
+    TempDir dir;
+    EXPECT_EQ(make_plan(dir, 1, 1, 1, "1f1b", 2, {}, model).status, 0);
+    RunResult r = run(
+        dir, NNEXEC_BINARY,
+        {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "1", "--warmup", "0"});
+    EXPECT_EQ(r.status, 0) << r;
+    Expected<RunResults> file = read_run(dir.file("run.h5"));
+    EXPECT_TRUE(file.ok()) << (file.ok() ? "" : file.error().message());
+    return file.ok() && !file->ranks.empty() && !file->ranks[0].losses.empty()
+               ? file->ranks[0].losses[0]
+               : 0.0;
+  };
+  const double with = first_loss(kDropout), without = first_loss(kModel);
+  EXPECT_GT(std::abs(with - without), 1e-4) << with << " vs " << without;
+  EXPECT_NE(dropout_seed(1, 0, 0, DropoutSite::kAttention, 0),
+            dropout_seed(1, 0, 0, DropoutSite::kAttention, 1));
+  EXPECT_NE(dropout_seed(1, 0, 0, DropoutSite::kAttention, 0),
+            dropout_seed(1, 1, 0, DropoutSite::kAttention, 0));
+  EXPECT_NE(dropout_seed(1, 0, 0, DropoutSite::kAttention, 0),
+            dropout_seed(1, 0, 1, DropoutSite::kAttention, 0));
+  EXPECT_NE(dropout_seed(1, 0, 0, DropoutSite::kAttention, 0),
+            dropout_seed(1, 0, 0, DropoutSite::kMlpResidual, 0));
 }
 
 std::optional<std::string> python_with_h5py(const TempDir& dir) {
