@@ -670,6 +670,19 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   p.model.position = PositionKind::kAlibi;
   p.model.dropout = true;
   EXPECT_TRUE(check_runnable(p).ok()) << check_runnable(p).error().message();
+  p.recycle = 2;  // dropout masks are drawn per micro-batch, not per pass
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(), "model.dropout: dropout with repeated forwards"))
+      << s.error().message();
+  p.recycle = 1;
+  p.recompute = {{"*", 0, -1}};  // no layers: the embedding's dropout would be recomputed
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(),
+                       "recompute[0]: dropout with a recompute rule without "
+                       "layers"))
+      << s.error().message();
   for (MlpKind k : {MlpKind::kGelu, MlpKind::kSwiglu, MlpKind::kRelu, MlpKind::kSquaredRelu}) {
     p = *base;
     p.model.mlp = k;  // every MLP of the operator graph runs
