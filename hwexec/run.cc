@@ -385,16 +385,9 @@ Status check_runnable(const Plan& plan) {
 }
 
 std::string run_dtype(const Plan& plan) {
-  switch (plan.precision) {
-    case Precision::kBf16:
-      return "bf16";
-    case Precision::kFp16:
-      return "fp16";
-    case Precision::kFp8:
-      return "fp8";
-    default:
-      return "fp32";
-  }
+  // tf32 is an fp32 run whose GEMMs may round (the executor keeps fp32).
+  if (plan.precision == Precision::kTf32) return "fp32";
+  return std::string(to_string(plan.precision));
 }
 
 void set_check_tolerance(const std::string& dtype, RunOptions* options) {
