@@ -53,7 +53,10 @@ CaseOutcome run_case_timed(const ValidationCase& c, const ValidateOptions& optio
   if (!r) return fail(r.error());
   out.predicted_s = r->iteration_time;
   out.error_pct = 100 * (out.predicted_s - out.measured_s) / out.measured_s;
-  out.predicted_memory_gib = worst_memory_lane(*r).peak_memory / (1024.0 * 1024 * 1024);
+  const LaneReport& fullest = worst_memory_lane(*r);
+  out.predicted_memory_gib = fullest.peak_memory / (1024.0 * 1024 * 1024);
+  out.memory = fullest.static_memory;
+  out.peak_activations_bytes = fullest.peak_activations;
   const LaneReport* last = &r->lanes.front();
   for (const auto& l : r->lanes) {
     if (l.finish_time > last->finish_time) last = &l;
@@ -161,6 +164,14 @@ std::string validation_json(const std::vector<CaseOutcome>& outcomes, const Vali
     }
     c["predicted_peak_memory_gib"] =
         o.predicted_memory_gib ? json(*o.predicted_memory_gib) : json(nullptr);
+    if (o.ok()) {
+      c["memory"] = {{"weights_bytes", o.memory.weights},
+                     {"gradients_bytes", o.memory.gradients},
+                     {"optimizer_bytes", o.memory.optimizer},
+                     {"comm_buffers_bytes", o.memory.comm_buffers},
+                     {"runtime_bytes", o.memory.runtime},
+                     {"peak_activations_bytes", o.peak_activations_bytes}};
+    }
     if (o.measured_memory_gib) {
       c["measured_peak_memory_gib"] = *o.measured_memory_gib;
       c["memory_error_pct"] = o.memory_error_pct ? json(*o.memory_error_pct) : json(nullptr);

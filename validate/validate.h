@@ -28,6 +28,9 @@ struct CaseOutcome {
   // Where the predicted time went, on the lane that finished last.
   double compute_s = 0, recompute_s = 0, optimizer_s = 0, exposed_comm_s = 0, bubble_s = 0;
   std::map<std::string, double> exposed_by_group;
+  // What the predicted peak holds, bytes per GPU, on the lane with the highest peak.
+  StaticMemory memory;
+  double peak_activations_bytes = 0;
   bool ok() const { return status == "ok"; }
 };
 

@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "validate/case_builder.h"
 
 namespace nnsim {
@@ -66,6 +68,18 @@ TEST(Validate, SimulatesACaseAndReportsItsError) {
   EXPECT_GT(out[0].predicted_s, 0);
   EXPECT_NEAR(out[0].error_pct, 100 * (out[0].predicted_s - 0.1) / 0.1, 1e-9);
   ASSERT_TRUE(out[0].memory_error_pct.has_value());
+  // The JSON's memory parts (bytes) add up to the predicted peak (GiB).
+  const auto j = nlohmann::json::parse(validation_json(out, summarize(out)));
+  const auto& mem = j["cases"][0]["memory"];
+  double bytes = 0;
+  for (const char* part : {"weights_bytes", "gradients_bytes", "optimizer_bytes",
+                           "comm_buffers_bytes", "runtime_bytes", "peak_activations_bytes"}) {
+    ASSERT_TRUE(mem.contains(part)) << part;
+    EXPECT_GT(mem[part].get<double>(), 0) << part;
+    bytes += mem[part].get<double>();
+  }
+  EXPECT_NEAR(bytes / (1024.0 * 1024 * 1024),
+              j["cases"][0]["predicted_peak_memory_gib"].get<double>(), 1e-9);
 }
 
 // The model the builder gives kOneCase with each `from` text replaced by its `to`.
