@@ -525,12 +525,14 @@ double Compiler::kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
       if (is_input) {
         const TensorLayout& have = t.ref.op < 0 ? in_layout : p.out_layouts[t.ref.op];
         layout = input_layout(op, part, t.dims);
-        // Inputs that arrive by all-gather are kept in their split form (unless the framework
-        // saves them gathered).
-        for (size_t a = 0; a < layout.size() && !plan.comm.save_gathered_inputs; ++a) {
-          if (have[a].kind == AxisLayoutKind::kSplit &&
-              layout[a].kind == AxisLayoutKind::kReplicated) {
-            layout[a] = have[a];
+        // Inputs that arrive by all-gather are kept in their split form, unless the framework
+        // saves them gathered (communication.save_gathered_inputs).
+        if (!plan.comm.save_gathered_inputs) {
+          for (size_t a = 0; a < layout.size(); ++a) {
+            if (have[a].kind == AxisLayoutKind::kSplit &&
+                layout[a].kind == AxisLayoutKind::kReplicated) {
+              layout[a] = have[a];
+            }
           }
         }
       } else {
