@@ -271,8 +271,56 @@ int run_as_rank(const RunArgs& a, const Role& role) {
   return finish(a, *plan, options, std::move(results));
 }
 
-// Starts one process per rank on this machine (this executable again, with --worker-rank),
-// connected over TCP on the loopback interface, and waits for all; rank 0 writes the file.
+// Rank `rank` of `world` started by `nnexec run --launch` on this machine.
+Role launched_role(int rank, int world) {
+  Role role;
+  role.who.launcher = "nnexec run --launch";
+  role.who.rank = rank;
+  role.who.world = world;
+  role.who.local_rank = rank;
+  role.who.rank_variable = "--worker-rank";
+  role.who.world_variable = "--launch";
+  role.who.local_variable = "--worker-rank";
+  role.master.source = "--master";
+  return role;
+}
+
+// The command line of rank `rank` started as this executable again (--device cuda).
+std::vector<std::string> worker_args(const RunArgs& a, const char* self, int rank, int port,
+                                     int listen_fd) {
+  std::vector<std::string> args = {self,
+                                   "run",
+                                   "--plan",
+                                   a.plan,
+                                   "--launch",
+                                   std::to_string(a.launch),
+                                   "--worker-rank",
+                                   std::to_string(rank),
+                                   "--master",
+                                   fmt::format("127.0.0.1:{}", port),
+                                   "--connect-timeout",
+                                   fmt::format("{}", a.connect_timeout),
+                                   "--iterations",
+                                   std::to_string(a.options.iterations),
+                                   "--warmup",
+                                   std::to_string(a.options.warmup),
+                                   "--threads",
+                                   std::to_string(a.options.threads),
+                                   "--seed",
+                                   std::to_string(a.options.seed),
+                                   "--device",
+                                   a.options.device};
+  if (rank == 0) {
+    args.insert(args.end(), {"--out", a.out, "--master-fd", std::to_string(listen_fd)});
+  }
+  if (a.options.check) args.push_back("--check");
+  if (a.options.inject_fault) args.push_back("--inject-fault");
+  return args;
+}
+
+// Starts one process per rank on this machine (forked; on GPUs this executable again, with
+// --worker-rank), connected over TCP on the loopback interface, and waits for all; rank 0 writes
+// the file.
 int run_launcher(RunArgs a) {
   using namespace nnsim::hwexec;
   nnsim::Expected<nnsim::Plan> plan = runnable_plan(a.plan);
@@ -299,43 +347,40 @@ int run_launcher(RunArgs a) {
   if (n <= 0) return fail("cannot find this executable (/proc/self/exe)");
   self[n] = '\0';
   std::map<pid_t, int> children;
+  // On the CPU a rank is this process forked: it skips loading LibTorch again (about half a
+  // second a rank). CUDA cannot be used in a process forked after CUDA was touched
+  // (cuda_refusal probed it), so for --device cuda each rank is this executable again.
+  const bool exec_ranks = a.options.device == "cuda";
+  std::fflush(stdout);
+  std::fflush(stderr);
   for (int r = 0; r < a.launch; ++r) {
-    std::vector<std::string> args = {self,
-                                     "run",
-                                     "--plan",
-                                     a.plan,
-                                     "--launch",
-                                     std::to_string(a.launch),
-                                     "--worker-rank",
-                                     std::to_string(r),
-                                     "--master",
-                                     fmt::format("127.0.0.1:{}", listener->port),
-                                     "--connect-timeout",
-                                     fmt::format("{}", a.connect_timeout),
-                                     "--iterations",
-                                     std::to_string(a.options.iterations),
-                                     "--warmup",
-                                     std::to_string(a.options.warmup),
-                                     "--threads",
-                                     std::to_string(a.options.threads),
-                                     "--seed",
-                                     std::to_string(a.options.seed),
-                                     "--device",
-                                     a.options.device};
-    if (r == 0) {
-      args.insert(args.end(), {"--out", a.out, "--master-fd", std::to_string(listener->fd)});
-    }
-    if (a.options.check) args.push_back("--check");
-    if (a.options.inject_fault) args.push_back("--inject-fault");
-    std::vector<char*> argv;
-    for (auto& s : args) argv.push_back(s.data());
-    argv.push_back(nullptr);
     const pid_t pid = ::fork();
     if (pid < 0) return fail("fork failed");
     if (pid == 0) {
-      if (r == 0) ::fcntl(listener->fd, F_SETFD, 0);  // keep it open across exec
-      ::execv(self, argv.data());
-      ::_exit(127);
+      if (exec_ranks) {
+        if (r == 0) ::fcntl(listener->fd, F_SETFD, 0);  // keep it open across exec
+        std::vector<std::string> args = worker_args(a, self, r, listener->port, listener->fd);
+        std::vector<char*> argv;
+        for (auto& s : args) argv.push_back(s.data());
+        argv.push_back(nullptr);
+        ::execv(self, argv.data());
+        ::_exit(127);
+      }
+      Role role = launched_role(r, a.launch);
+      role.master.host = "127.0.0.1";
+      role.master.port = listener->port;
+      if (r == 0) {
+        role.listen_fd = listener->fd;
+      } else {
+        ::close(listener->fd);
+      }
+      RunArgs mine = a;
+      mine.worker_rank = r;
+      if (r != 0) mine.out.clear();
+      const int status = run_as_rank(mine, role);
+      std::fflush(stdout);
+      std::fflush(stderr);
+      ::_exit(status);
     }
     children[pid] = r;
   }
@@ -439,14 +484,7 @@ int main(int argc, char** argv) {
   if (run_cmd->parsed()) {
     if (run.out.empty() && run.worker_rank < 0) return fail("run: --out is required");
     if (run.worker_rank >= 0) {  // started by --launch
-      Role role;
-      role.who.launcher = "nnexec run --launch";
-      role.who.rank = run.worker_rank;
-      role.who.world = run.launch;
-      role.who.local_rank = run.worker_rank;
-      role.who.rank_variable = "--worker-rank";
-      role.who.world_variable = "--launch";
-      role.who.local_variable = "--worker-rank";
+      Role role = launched_role(run.worker_rank, run.launch);
       role.listen_fd = run.master_fd;
       nnsim::Expected<MasterAddress> m = parse_host_port(run.master, "--master");
       if (!m) return fail(m.error().message());
