@@ -127,6 +127,20 @@ TEST(Validate, CaseAttentionFollowsTheTrainingCodesEra) {
   EXPECT_EQ(model_of("fp16", "fsdp").attention, AttentionKernel::kFlash);
 }
 
+// Megatron-style ALiBi (BLOOM's Megatron-DeepSpeed) adds the bias to materialized scores;
+// llm-foundry's MPT runs ALiBi in its flash kernels.
+TEST(Validate, CaseAttentionWithAlibiIsUnfusedUnderMegatron) {
+  auto model_of = [](const std::string& framework) {
+    return case_model({{"position: learned", "position: alibi"},
+                       {"framework: megatron", "framework: " + framework}});
+  };
+  const ModelSpec megatron = model_of("megatron");
+  EXPECT_EQ(megatron.position, PositionKind::kAlibi);
+  EXPECT_EQ(megatron.attention, AttentionKernel::kUnfused);
+  EXPECT_FALSE(megatron.dropout);
+  EXPECT_EQ(model_of("fsdp").attention, AttentionKernel::kFlash);
+}
+
 TEST(Validate, ACaseThatCannotBeSimulatedIsAFailureWithItsReason) {
   std::string bad = kOneCase;
   bad.replace(bad.find("tp: 2, pp: 2, dp: 2"), 19, "tp: 3, pp: 2, dp: 2");
