@@ -313,8 +313,8 @@ std::vector<std::string> worker_args(const RunArgs& a, const char* self, int ran
   if (rank == 0) {
     args.insert(args.end(), {"--out", a.out, "--master-fd", std::to_string(listen_fd)});
   }
-  if (a.options.check) args.push_back("--check");
-  if (a.options.inject_fault) args.push_back("--inject-fault");
+  if (a.options.check) args.emplace_back("--check");
+  if (a.options.inject_fault) args.emplace_back("--inject-fault");
   return args;
 }
 
