@@ -588,6 +588,13 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
       topology = r.topology;
     }
   }
+  for (const RunPoints& r : runs) {
+    if (cross_host.empty() && !r.topology.empty()) topology = r.topology;
+  }
+  if (cross_host.empty() && !topology.empty()) {
+    f.notes.push_back(fmt::format(
+        "network: no collective of the run files spans machines (on {}); not fitted", topology));
+  }
   const bool priced = !cross_host.empty() && routes.size() == cross_host.size();
   std::optional<LinkFit> network;
   if (!cross_host.empty()) {

@@ -4,6 +4,7 @@
 #include <hdf5.h>
 
 #include <cmath>
+#include <cstdio>
 #include <map>
 
 #include <nlohmann/json.hpp>
@@ -604,6 +605,7 @@ TEST(HwexecFitRun, CalibrateWithATopologyIsWhatCompareUses) {
   auto cal = run(dir, NNSIM_BINARY,
                  {"calibrate", "run.h5", "--topo", topo, "--nodes", "2", "-o", "calib.h5"});
   ASSERT_EQ(cal.status, 0) << cal;
+  std::printf("%s", cal.out.c_str());  // the summary docs/hwexec.md shows
   EXPECT_TRUE(contains(cal.out, "network")) << cal;
   EXPECT_TRUE(contains(cal.out, "all_reduce (ring over 23.28 GiB/s at efficiency 1)")) << cal;
   Expected<Calibration> c = load_calibration(dir.file("calib.h5"));
