@@ -163,7 +163,8 @@ Expected<Fit> fit_micro(const MicroResults& micro, const GpuSpec& gpu, const std
 // operators when they have any (the traffic the simulator charges, in the framework that ran
 // them), else to micro.h5's kernels; attention comes from micro.h5 only; the NVLink link from
 // micro.h5's collectives, else from the runs' collectives inside one machine; the network's step
-// latency from the runs' collectives across machines.
+// latency from the runs' collectives across machines, and its efficiency too when every run
+// was priced on a topology (price_cross_host, hwexec/fit_network.h).
 Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
                       const std::vector<RunPoints>& runs, const GpuSpec& gpu,
                       const std::string& source);
