@@ -561,8 +561,15 @@ double Compiler::transient_bytes(const PartInfo& p) const {
 
 std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment) const {
   const Segment& s = plan.segments[segment];
-  auto sum = [](const PartInfo& p) {
-    return std::accumulate(p.local_params.begin(), p.local_params.end(), 0.0);
+  // A tied output projection in the embedding's segment is the embedding's matrix (one
+  // parameter, gathered with the embedding).
+  const bool tied_here = plan.model.tied_embeddings && s.embedding && s.head;
+  auto sum = [&](const PartInfo& p) {
+    double n = 0;
+    for (size_t i = 0; i < p.local_params.size(); ++i) {
+      if (!(tied_here && p.part->ops[i].tied_to_embedding)) n += p.local_params[i];
+    }
+    return n;
   };
   std::vector<double> units;
   if (s.embedding) units.push_back(sum(embed));
@@ -775,13 +782,20 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   // next unit's gather is launched before waiting for the current one, so it overlaps this
   // unit's compute (FSDP's and DeepSpeed's prefetch of one unit ahead).
   // DeepSpeed gathers and reduces tensor by tensor, FSDP a whole unit at once.
+  // A unit's gradients are reduced as `reduce_params` (`reduce_tensors`), which leave out a tied
+  // output projection's matrix when the embedding of the same segment owns it (below).
   struct ParamUnit {
     int tag;
     double params;
     const std::vector<double>* tensors;
+    double reduce_params;
+    const std::vector<double>* reduce_tensors;
   };
   auto pieces = [&](const ParamUnit& u) {
     return plan.comm.zero3_per_tensor ? *u.tensors : std::vector<double>{u.params};
+  };
+  auto reduce_pieces = [&](const ParamUnit& u) {
+    return plan.comm.zero3_per_tensor ? *u.reduce_tensors : std::vector<double>{u.reduce_params};
   };
   auto gather = [&](const ParamUnit& u) {
     const auto parts = pieces(u);
@@ -830,14 +844,42 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   auto layer_params = std::accumulate(layer.local_params.begin(), layer.local_params.end(), 0.0);
   auto embed_params = std::accumulate(embed.local_params.begin(), embed.local_params.end(), 0.0);
   auto head_params = std::accumulate(head.local_params.begin(), head.local_params.end(), 0.0);
+  // Tied embeddings with the embedding and the head in this segment: the head projects with the
+  // embedding's own matrix, one parameter. Its gradient (both uses' sum: autograd accumulates it
+  // once) is reduced once, with the embedding's unit. ZeRO-3 gathers it for each module that
+  // uses it under DeepSpeed (comm.zero3_per_tensor: its hooks fetch a module's parameters at its
+  // forward and backward and release them after), and once per pass with the embedding's unit
+  // under FSDP (the unit holding both).
+  double head_untied_params = head_params;
+  std::vector<double> head_untied_tensors;
+  if (plan.model.tied_embeddings && s.embedding && s.head) {
+    size_t w = 0;
+    for (size_t i = 0; i < head.part->ops.size(); ++i) {
+      const bool tied = head.part->ops[i].tied_to_embedding;
+      if (tied) head_untied_params -= head.local_params[i];
+      for (size_t k = 0; k < head.part->ops[i].weights.size(); ++k, ++w) {
+        if (!tied) head_untied_tensors.push_back(head.weight_tensors[w]);
+      }
+    }
+  } else {
+    head_untied_tensors = head.weight_tensors;
+  }
   const double grad_bytes =
       plan.comm.grad_reduce_bytes > 0 ? plan.comm.grad_reduce_bytes : plan.optimizer.grad_bytes;
   std::vector<ParamUnit> units;  // forward order
-  if (s.embedding) units.push_back({seg * 10000 + 9999, embed_params, &embed.weight_tensors});
-  for (int l = s.first_layer; l < s.end_layer; ++l) {
-    units.push_back({seg * 10000 + l, layer_params, &layer.weight_tensors});
+  if (s.embedding) {
+    units.push_back({seg * 10000 + 9999, embed_params, &embed.weight_tensors, embed_params,
+                     &embed.weight_tensors});
   }
-  if (s.head) units.push_back({seg * 10000 + 9998, head_params, &head.weight_tensors});
+  for (int l = s.first_layer; l < s.end_layer; ++l) {
+    units.push_back({seg * 10000 + l, layer_params, &layer.weight_tensors, layer_params,
+                     &layer.weight_tensors});
+  }
+  if (s.head) {
+    units.push_back({seg * 10000 + 9998,
+                     plan.comm.zero3_per_tensor ? head_params : head_untied_params,
+                     &head.weight_tensors, head_untied_params, &head_untied_tensors});
+  }
   const std::vector<ParamUnit> backward_units(units.rbegin(), units.rend());
   size_t unit = 0;
 
@@ -968,7 +1010,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       auto grads_ready = [&](const ParamUnit& u) {
         if (!sync_here) return;
         if (zero == 3) {
-          for (double part : pieces(u)) {
+          for (double part : reduce_pieces(u)) {
             Step rs;
             rs.kind = StepKind::kDpLaunch;
             rs.collective = CollectiveKind::kReduceScatter;
@@ -978,7 +1020,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
             steps->push_back(rs);
           }
         } else {
-          emit_grad_buckets(u.params * grad_bytes, pending, t.steps, seg);
+          emit_grad_buckets(u.reduce_params * grad_bytes, pending, t.steps, seg);
         }
       };
       // Recompute rules without layers also recompute the embedding's and the head's operators

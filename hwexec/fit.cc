@@ -336,13 +336,19 @@ struct LinkSource {
 // series' smallest size (the step latency is its time over the collective's latency steps), and
 // the efficiency curve over the larger sizes, relative to the source's bandwidth. A series whose
 // sizes give no curve point still gives the step latency.
+// With `routes` (one per series: across machines on a topology), each series' own latency steps
+// and bandwidth replace the ring's steps and the source's bandwidth.
 std::optional<LinkFit> fit_link_series(const std::vector<CollectiveSeries>& series,
-                                       const LinkSource& src, std::vector<std::string>& notes) {
+                                       const LinkSource& src, std::vector<std::string>& notes,
+                                       const std::vector<CollectiveRoute>* routes = nullptr) {
   LinkFit f;
   f.link_bandwidth = src.bandwidth;
   std::optional<double> all_reduce_cap, ring_cap, step_latency;
   std::vector<EfficiencyPoint> all_reduce_curve, ring_curve;
-  for (const CollectiveSeries& s : series) {
+  for (size_t si = 0; si < series.size(); ++si) {
+    const CollectiveSeries& s = series[si];
+    const CollectiveRoute* route = routes ? &(*routes)[si] : nullptr;
+    const double bandwidth = route ? route->bandwidth : src.bandwidth;
     const std::string name =
         fmt::format("collectives {} over {} ranks ({})", s.kind, s.ranks, src.what);
     if (s.ranks < 2 || s.samples.size() < src.min_sizes) {
@@ -357,24 +363,24 @@ std::optional<LinkFit> fit_link_series(const std::vector<CollectiveSeries>& seri
     std::sort(samples.begin(), samples.end(),
               [](const auto& x, const auto& y) { return x.bytes < y.bytes; });
     const bool all_reduce = s.kind == "all_reduce";
-    const int steps = all_reduce ? 2 * (s.ranks - 1) : s.ranks - 1;
+    const int steps = route ? route->steps : all_reduce ? 2 * (s.ranks - 1) : s.ranks - 1;
     // All latency at the smallest size (as for the built-in curves, core/comm_model.cc).
     const double alpha = samples.front().t.seconds;
-    if (alpha <= 0) {
+    if (alpha <= 0 || steps <= 0) {
       notes.push_back(fmt::format("{}: no time measured; not fitted", name));
       continue;
     }
     std::vector<EfficiencyPoint> curve;
     for (const CollectiveSample& x : samples) {
-      if (src.bandwidth <= 0 || x.bytes < src.min_curve_bytes || x.t.seconds <= alpha) continue;
+      if (bandwidth <= 0 || x.bytes < src.min_curve_bytes || x.t.seconds <= alpha) continue;
       const double volume = bus_factor(s.kind, s.ranks) * x.bytes;
-      curve.push_back({x.bytes, volume / (src.bandwidth * (x.t.seconds - alpha))});
+      curve.push_back({x.bytes, volume / (bandwidth * (x.t.seconds - alpha))});
     }
     if (curve.empty()) {
       std::string why;
       if (samples.size() == 1) {
         why = "one message size";
-      } else if (src.bandwidth <= 0) {
+      } else if (bandwidth <= 0) {
         why = "no bandwidth to relate an efficiency to";
       } else if (src.min_curve_bytes > 0) {
         why = fmt::format("no size of {} or more above the smallest size's time",
@@ -385,7 +391,9 @@ std::optional<LinkFit> fit_link_series(const std::vector<CollectiveSeries>& seri
       notes.push_back(fmt::format("{}: {}; the step latency only", name, why));
     }
     f.ranks = s.ranks;
-    f.from.push_back(s.kind);
+    f.from.push_back(route ? fmt::format("{} ({} over {}/s at efficiency 1)", s.kind,
+                                         route->algorithm, format_bytes(route->bandwidth))
+                           : s.kind);
     double top = 0;
     for (const auto& p : curve) top = std::max(top, p.efficiency);
     if (all_reduce) {
@@ -570,9 +578,37 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
           "collectives inside one machine: {} has no NVLink in the catalog; not fitted", gpu.name));
     }
   }
+  // Across machines with a topology: each series relative to its route's bottleneck bandwidth
+  // (every run file must then have been priced on one, fit_network.h); without, the latency.
+  std::vector<CollectiveRoute> routes;
+  std::string topology;
+  for (const RunPoints& r : runs) {
+    if (r.cross_host_routes.size() == r.cross_host.size() && !r.topology.empty()) {
+      routes.insert(routes.end(), r.cross_host_routes.begin(), r.cross_host_routes.end());
+      topology = r.topology;
+    }
+  }
+  for (const RunPoints& r : runs) {
+    if (cross_host.empty() && !r.topology.empty()) topology = r.topology;
+  }
+  if (cross_host.empty() && !topology.empty()) {
+    f.notes.push_back(fmt::format(
+        "network: no collective of the run files spans machines (on {}); not fitted", topology));
+  }
+  const bool priced = !cross_host.empty() && routes.size() == cross_host.size();
   std::optional<LinkFit> network;
   if (!cross_host.empty()) {
-    network = fit_link_series(cross_host, {"run files, across machines", 0, 0, 1}, f.notes);
+    network = fit_link_series(cross_host,
+                              {priced ? fmt::format("run files, across machines on {}", topology)
+                                      : std::string("run files, across machines"),
+                               0, 0, 1},
+                              f.notes, priced ? &routes : nullptr);
+    if (!priced) {
+      f.notes.push_back(
+          "network: the step latency only; an efficiency is relative to the route's bandwidth "
+          "on a topology, which a run file does not name: give the topology the run's "
+          "machines stand for (--topo T.yaml [--nodes N]) to fit it");
+    }
   }
   if (f.gemm.empty() && !f.memory && !f.attention && !f.nvlink && !network) {
     return Error("nothing to fit: no GEMM, memory-bound, attention or collective measurements");

@@ -46,6 +46,15 @@ struct TrafficSeries {
   std::vector<TrafficPoint> points;
 };
 
+// How the simulator runs a collective series on a topology's links (hwexec/fit_network.h): its
+// latency steps and the bandwidth its bus volume (bus_factor x bytes) crosses the bottleneck
+// link at, with efficiency 1.
+struct CollectiveRoute {
+  int steps = 0;
+  double bandwidth = 0;   // bytes/s
+  std::string algorithm;  // "ring", "tree"
+};
+
 // What a run file offers the fit, already in the simulator's terms (see docs/hwexec.md).
 struct RunPoints {
   std::string path;
@@ -59,6 +68,10 @@ struct RunPoints {
   // where each rank ran (files written before nnexec recorded hosts).
   std::vector<CollectiveSeries> same_host, cross_host;
   bool hosts_known = false;
+  // With a topology (nnsim calibrate --topo, hwexec/fit_network.h): each cross_host series'
+  // route on it, in the same order; empty without one (only the step latency is then fitted).
+  std::vector<CollectiveRoute> cross_host_routes;
+  std::string topology;  // the topology's name the routes are on
   std::vector<std::string> notes;
 };
 
@@ -133,7 +146,9 @@ struct Fit {
   std::optional<MemoryFit> memory;
   std::optional<AttentionFit> attention;
   std::optional<LinkFit> nvlink;
-  std::optional<LinkFit> network;  // the step latency across machines (runs only)
+  // Across machines (runs only): the step latency, and with a topology (--topo) the
+  // efficiency curve relative to each route's bottleneck bandwidth on it.
+  std::optional<LinkFit> network;
   std::vector<std::string> notes;  // what could not be fitted and why
   GpuCalibration calibration;      // only the fitted values; the rest keep the built-ins
 };
@@ -148,7 +163,8 @@ Expected<Fit> fit_micro(const MicroResults& micro, const GpuSpec& gpu, const std
 // operators when they have any (the traffic the simulator charges, in the framework that ran
 // them), else to micro.h5's kernels; attention comes from micro.h5 only; the NVLink link from
 // micro.h5's collectives, else from the runs' collectives inside one machine; the network's step
-// latency from the runs' collectives across machines.
+// latency from the runs' collectives across machines, and its efficiency too when every run
+// was priced on a topology (price_cross_host, hwexec/fit_network.h).
 Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
                       const std::vector<RunPoints>& runs, const GpuSpec& gpu,
                       const std::string& source);

@@ -1692,6 +1692,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   std::map<int, std::vector<ZeroUnit>> zunits_of;  // per segment
   // ZeRO-3: parameter unit u of a segment is its ZeroUnits [first, end) (one, or one a tensor).
   std::map<int, std::vector<std::pair<std::size_t, std::size_t>>> zranges_of;
+  std::map<int, std::size_t> ztied_of;  // the word matrix's ZeroUnit, gathered by the head too
   for (int sg : zero >= 1 ? L.segments : std::vector<int>{}) {
     std::vector<std::vector<Param*>> groups;
     if (zero == 3) {
@@ -1704,6 +1705,12 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
           groups.push_back(std::move(g));
         }
         zranges_of[sg].back().second = groups.size();
+      }
+      // DeepSpeed fetches a tied head's matrix (the embedding's, one ZeroUnit of its own) for
+      // the head's forward and backward too; reduced once, with the embedding.
+      if (plan.comm.zero3_per_tensor && plan.model.tied_embeddings && models[sg]->has_embedding() &&
+          models[sg]->has_head()) {
+        ztied_of[sg] = zranges_of[sg].front().first;
       }
     } else {
       groups.emplace_back();
@@ -1801,7 +1808,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       auto fetch = [&](int q) {
         const int unit = backward ? n - 1 - q : q;
         const int times = zb->regather.count(unit) ? 2 : 1;
-        for (int t = 0; t < times; ++t) each(unit, gather_unit);
+        for (int t = 0; t < times; ++t) {
+          each(unit, gather_unit);
+          if (unit == n - 1 && ztied_of.count(sg)) gather_unit(zunits_of.at(sg)[ztied_of[sg]]);
+        }
       };
       if (pos == 0) fetch(0);
       if (pos + 1 < n) fetch(pos + 1);

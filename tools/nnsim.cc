@@ -25,6 +25,7 @@
 #include "core/units.h"
 #include "hwexec/compare.h"
 #include "hwexec/fit.h"
+#include "hwexec/fit_network.h"
 #include "hwexec/run.h"
 #include "planner/estimator.h"
 #include "planner/megatron.h"
@@ -620,6 +621,8 @@ struct CalibrateArgs {
   std::vector<std::string> inputs;  // at most one nnexec bench file, any number of run files
   std::string gpu;
   std::string output;
+  std::string topo;  // the machines' topology: the network's bandwidth (run files)
+  int nodes = 0;
 };
 
 // nnsim calibrate: fits the cost model to an `nnexec bench` file and/or `nnexec run` files
@@ -651,8 +654,29 @@ int run_calibrate(const CalibrateArgs& a) {
       micro_path = path;
     }
   }
-  // The GPU: --gpu, else the one the CUDA microbenchmark file names. CPU files need --gpu.
-  std::string gpu_name = a.gpu;
+  std::optional<Topology> topo;
+  if (!a.topo.empty()) {
+    Expected<Topology> t = load_topology_sized(a.topo, a.nodes);
+    if (!t) return fail("--topo: " + t.error().message());
+    if (runs.empty()) {
+      return fail(fmt::format(
+          "--topo {}: only run files (nnexec run) have collectives across machines to fit the "
+          "network with; give one, or leave --topo out",
+          a.topo));
+    }
+    if (!a.gpu.empty() && a.gpu != t->gpu.name) {
+      return fail(
+          fmt::format("--gpu {} and --topo {} (GPU {}) differ: nnsim compare and simulate read the "
+                      "calibration of the topology's GPU; leave --gpu out or give the same GPU",
+                      a.gpu, a.topo, t->gpu.name));
+    }
+    topo = std::move(*t);
+  } else if (a.nodes > 0) {
+    return fail("--nodes resizes the topology: give --topo too");
+  }
+  // The GPU: --gpu, else the topology's, else the one the CUDA microbenchmark file names. CPU
+  // files need one of the first two.
+  std::string gpu_name = a.gpu.empty() && topo ? topo->gpu.name : a.gpu;
   if (gpu_name.empty()) {
     if (micro && micro->device == "cpu") {
       return fail(fmt::format(
@@ -692,12 +716,18 @@ int run_calibrate(const CalibrateArgs& a) {
     if (!plan) return fail(plan.error().message());
     Expected<hwexec::RunPoints> p = hwexec::run_points(run, *plan, *gpu, path);
     if (!p) return fail(p.error().message());
+    if (topo) {
+      if (Status s = hwexec::price_cross_host(run, *plan, *topo, path, *p); !s) {
+        return fail(s.error().message());
+      }
+    }
     points.push_back(std::move(*p));
     source += fmt::format(" {} (nnexec run of '{}' on {}, {} ranks, LibTorch {})", path,
                           run.plan_name, run.device, run.world, run.torch_version);
     cpu = cpu || run.device == "cpu";
   }
   if (cpu) source += fmt::format("; relative to {}'s datasheet", gpu->name);
+  if (topo) source += fmt::format("; network relative to {}'s links", topo->name);
   const std::string inputs = fmt::format("{}", fmt::join(a.inputs, " "));
   Expected<hwexec::Fit> fit =
       hwexec::fit_all(micro ? &*micro : nullptr, micro_path, points, *gpu, source);
@@ -996,6 +1026,11 @@ int main(int argc, char** argv) {
                             "device; required for CPU files and run files)");
   calibrate_cmd->add_option("-o,--output", calibrate.output, "the calibration file to write")
       ->required();
+  calibrate_cmd->add_option("--topo", calibrate.topo,
+                            "topology YAML file or preset name whose nodes are the run files' "
+                            "machines: fits the network's efficiency relative to its links "
+                            "(default GPU: its GPU)");
+  calibrate_cmd->add_option("--nodes", calibrate.nodes, "resize the topology to this many nodes");
 
   CompareArgs compare;
   CLI::App* compare_cmd = app.add_subcommand(

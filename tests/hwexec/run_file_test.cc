@@ -4,7 +4,10 @@
 #include <hdf5.h>
 
 #include <cmath>
+#include <cstdio>
 #include <map>
+
+#include <nlohmann/json.hpp>
 
 #include <gtest/gtest.h>
 
@@ -12,6 +15,7 @@
 #include "core/opgraph.h"
 #include "core/program.h"
 #include "hwexec/fit.h"
+#include "hwexec/fit_network.h"
 #include "hwexec/run.h"
 #include "process.h"
 #include "synthetic.h"
@@ -466,6 +470,186 @@ TEST(HwexecFitRun, CollectivesFitTheLinkInsideAMachineAndTheNetworkLatencyAcross
   bool said = false;
   for (const std::string& n : f->notes) said = said || contains(n, "which machine each rank");
   EXPECT_TRUE(said);
+}
+
+// The network's bandwidth from collectives across machines, on the topology the machines stand
+// for (nnsim calibrate --topo). tiny-node2's nodes join through NICs of 200 Gb/s (25e9 bytes/s):
+// a pipeline all-reduce over 2 ranks on 2 machines is NCCL's ring of 2, whose 2 (n - 1) / n S =
+// S bytes cross one NIC each way, in 2 latency steps. Its times are made from that alpha-beta
+// model with a chosen step latency and efficiency, which the fit must recover.
+struct NetworkTruth {
+  double step_latency = 40e-6;
+  double efficiency = 0.3;
+  double nic_bandwidth = 200e9 / 8;
+};
+
+RunResults run_across_machines(const Plan& plan, const GpuSpec& gpu, const NetworkTruth& truth) {
+  RunResults r = synthetic_run(plan, gpu, RunTruth{});
+  for (RankResult& k : r.ranks) {
+    k.host = k.rank < 2 ? "node-a" : "node-b";
+    for (double bytes : {256.0, 1024.0 * 1024, 16.0 * 1024 * 1024, 64.0 * 1024 * 1024}) {
+      const double t = 2 * truth.step_latency + bytes / (truth.nic_bandwidth * truth.efficiency);
+      k.collectives.push_back({"all_reduce", "pp", "embed.word", bytes, 2, 2 * t});
+    }
+  }
+  return r;
+}
+
+Topology tiny_topology(int nodes) {
+  Expected<Topology> t = load_topology(std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml");
+  EXPECT_TRUE(t.ok()) << t.error().message();
+  Expected<Topology> sized = resize_topology(*t, nodes);
+  EXPECT_TRUE(sized.ok()) << sized.error().message();
+  return *sized;
+}
+
+TEST(HwexecFitRun, NetworkEfficiencyAndLatencyFromCollectivesAcrossMachinesOnATopology) {
+  const Plan plan = tiny_plan();
+  const GpuSpec gpu = *find_gpu("a100-sxm4-80gb");
+  const NetworkTruth truth;
+  const RunResults run = run_across_machines(plan, gpu, truth);
+  Expected<RunPoints> points = run_points(run, plan, gpu, "run.h5");
+  ASSERT_TRUE(points.ok()) << points.error().message();
+  ASSERT_TRUE(price_cross_host(run, plan, tiny_topology(2), "run.h5", *points).ok());
+  ASSERT_EQ(points->cross_host.size(), 1u);
+  ASSERT_EQ(points->cross_host_routes.size(), 1u);
+  EXPECT_EQ(points->cross_host_routes[0].algorithm, "ring");
+  EXPECT_EQ(points->cross_host_routes[0].steps, 2);
+  EXPECT_NEAR(points->cross_host_routes[0].bandwidth, truth.nic_bandwidth,
+              1e-9 * truth.nic_bandwidth);
+
+  Expected<Fit> f = fit_all(nullptr, "", {*points}, gpu, "run");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  ASSERT_TRUE(f->calibration.network.has_value());
+  const GpuCalibration::Link& net = *f->calibration.network;
+  // The smallest size's time is taken as all latency: its bandwidth term (256 bytes at 7.5 GB/s,
+  // 34 ns of 80 us) biases the step latency and the efficiencies by under 1e-3.
+  EXPECT_NEAR(*net.step_latency, truth.step_latency, 1e-3 * truth.step_latency);
+  ASSERT_EQ(net.curve.size(), 3u);
+  for (const EfficiencyPoint& p : net.curve) {
+    EXPECT_NEAR(p.efficiency, truth.efficiency, 1e-3 * truth.efficiency) << p.bytes;
+  }
+  EXPECT_NEAR(*net.all_reduce_max_efficiency, truth.efficiency, 1e-3 * truth.efficiency);
+  EXPECT_NEAR(*net.max_efficiency, truth.efficiency, 1e-3 * truth.efficiency);
+
+  // Without the topology: the step latency alone, and the fit says why.
+  points = run_points(run, plan, gpu, "run.h5");
+  ASSERT_TRUE(points.ok()) << points.error().message();
+  f = fit_all(nullptr, "", {*points}, gpu, "run");
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  ASSERT_TRUE(f->calibration.network.has_value());
+  EXPECT_TRUE(f->calibration.network->curve.empty());
+  bool said = false;
+  for (const std::string& n : f->notes) said = said || contains(n, "give the topology");
+  EXPECT_TRUE(said);
+}
+
+TEST(HwexecFitRun, NetworkFitRefusesATopologyThatDoesNotHoldTheRunsMachines) {
+  const Plan plan = tiny_plan();
+  const GpuSpec gpu = *find_gpu("a100-sxm4-80gb");
+  RunResults run = run_across_machines(plan, gpu, NetworkTruth{});
+  Expected<RunPoints> points = run_points(run, plan, gpu, "run.h5");
+  ASSERT_TRUE(points.ok()) << points.error().message();
+  // One node of 2 GPUs for 4 ranks.
+  Status s = price_cross_host(run, plan, tiny_topology(1), "run.h5", *points);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(),
+                       "--topo tiny-node2: its 1 node(s) of 2 GPUs (2 GPUs) "
+                       "cannot hold the 4 ranks of run.h5; give --nodes 2"))
+      << s.error().message();
+  // The plan puts ranks 0-1 on node 0 and 2-3 on node 1: a run on one machine (pipeline
+  // stages on one machine), or with tensor-parallel ranks 0 and 1 on two, is not of this
+  // topology.
+  for (RankResult& k : run.ranks) k.host = "solo";
+  points = run_points(run, plan, gpu, "run.h5");
+  ASSERT_TRUE(points.ok()) << points.error().message();
+  s = price_cross_host(run, plan, tiny_topology(2), "run.h5", *points);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(),
+                       "run.h5: ranks 0 and 2 ran on one machine ('solo') but the plan places "
+                       "them on nodes 0 and 1 of tiny-node2 (2 GPUs a node)"))
+      << s.error().message();
+  EXPECT_TRUE(contains(s.error().message(), "hosts disagree with the topology's nodes"))
+      << s.error().message();
+  for (RankResult& k : run.ranks) k.host = k.rank % 2 == 0 ? "node-a" : "node-b";
+  points = run_points(run, plan, gpu, "run.h5");
+  ASSERT_TRUE(points.ok()) << points.error().message();
+  s = price_cross_host(run, plan, tiny_topology(2), "run.h5", *points);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(),
+                       "run.h5: ranks 0 and 1 ran on different machines ('node-a' and 'node-b') "
+                       "but the plan places both on node 0 of tiny-node2"))
+      << s.error().message();
+  // Three machines for two nodes.
+  for (RankResult& k : run.ranks) k.host = k.rank < 2 ? "node-a" : k.rank == 2 ? "b" : "c";
+  points = run_points(run, plan, gpu, "run.h5");
+  ASSERT_TRUE(points.ok()) << points.error().message();
+  s = price_cross_host(run, plan, tiny_topology(2), "run.h5", *points);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(),
+                       "ranks 2 and 3 ran on different machines ('b' and 'c') but the plan "
+                       "places both on node 1"))
+      << s.error().message();
+}
+
+// nnsim calibrate --topo writes the network's efficiency into the calibration file, and nnsim
+// compare --calib prices the run's collectives across machines with it: the simulated times of
+// the synthetic run's pipeline all-reduces are the generating model's.
+TEST(HwexecFitRun, CalibrateWithATopologyIsWhatCompareUses) {
+  const Plan plan = tiny_plan();
+  const GpuSpec gpu = *find_gpu("a100-sxm4-80gb");
+  const NetworkTruth truth;
+  TempDir dir;
+  ASSERT_TRUE(write_run(dir.file("run.h5"), run_across_machines(plan, gpu, truth)).ok());
+  const std::string topo = std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml";
+  auto cal = run(dir, NNSIM_BINARY,
+                 {"calibrate", "run.h5", "--topo", topo, "--nodes", "2", "-o", "calib.h5"});
+  ASSERT_EQ(cal.status, 0) << cal;
+  std::printf("%s", cal.out.c_str());  // the summary docs/hwexec.md shows
+  EXPECT_TRUE(contains(cal.out, "network")) << cal;
+  EXPECT_TRUE(contains(cal.out, "all_reduce (ring over 23.28 GiB/s at efficiency 1)")) << cal;
+  Expected<Calibration> c = load_calibration(dir.file("calib.h5"));
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  ASSERT_TRUE(c->gpus.count(gpu.name));
+  ASSERT_TRUE(c->gpus.at(gpu.name).network.has_value());
+  EXPECT_EQ(c->gpus.at(gpu.name).network->curve.size(), 3u);
+
+  auto cmp = run(dir, NNSIM_BINARY,
+                 {"compare", "run.h5", "--topo", topo, "--nodes", "2", "--calib", "calib.h5",
+                  "--json", "c.json"});
+  ASSERT_EQ(cmp.status, 0) << cmp;
+  const nlohmann::json j = nlohmann::json::parse(testing::slurp(dir.file("c.json")));
+  int rows = 0;
+  for (const nlohmann::json& t : j["collectives"]) {
+    if (t["kind"] != "all_reduce" || t["axes"] != "pp" || t["label"] != "embed.word") continue;
+    ++rows;
+    // Four sizes a call each per iteration (2 calls over 2 iterations), all priced with the
+    // fitted latency and curve: within the fit's 1e-3.
+    EXPECT_NEAR(t["simulated_s"].get<double>(), t["measured_s"].get<double>(),
+                1e-3 * t["measured_s"].get<double>())
+        << t.dump(1);
+  }
+  EXPECT_EQ(rows, 1);
+  // The built-in network (efficiency up to 0.9, 6 us a step) is far from those times: the
+  // match above is the calibration's.
+  auto builtin = run(dir, NNSIM_BINARY,
+                     {"compare", "run.h5", "--topo", topo, "--nodes", "2", "--json", "b.json"});
+  ASSERT_EQ(builtin.status, 0) << builtin;
+  const nlohmann::json b = nlohmann::json::parse(testing::slurp(dir.file("b.json")));
+  for (const nlohmann::json& t : b["collectives"]) {
+    if (t["kind"] != "all_reduce" || t["axes"] != "pp" || t["label"] != "embed.word") continue;
+    EXPECT_LT(t["simulated_s"].get<double>(), 0.5 * t["measured_s"].get<double>()) << t.dump(1);
+  }
+
+  // A topology that cannot hold the run's ranks, and a GPU other than the topology's.
+  auto small = run(dir, NNSIM_BINARY, {"calibrate", "run.h5", "--topo", topo, "-o", "x.h5"});
+  EXPECT_NE(small.status, 0);
+  EXPECT_TRUE(contains(small.err, "cannot hold the 4 ranks of run.h5; give --nodes 2")) << small;
+  auto other = run(dir, NNSIM_BINARY,
+                   {"calibrate", "run.h5", "--topo", topo, "--nodes", "2", "--gpu",
+                    "h100-sxm5-80gb", "-o", "x.h5"});
+  EXPECT_NE(other.status, 0);
+  EXPECT_TRUE(contains(other.err, "--gpu h100-sxm5-80gb and --topo")) << other;
 }
 
 }  // namespace

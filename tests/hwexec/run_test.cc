@@ -49,6 +49,8 @@ const std::string kNemotron = std::string(NNSIM_TEST_DATA) + "/tiny-nemotron.yam
 // ALiBi over 6 heads (MPT); tiny-gpt with dropout.
 const std::string kMpt = std::string(NNSIM_TEST_DATA) + "/tiny-mpt.yaml";
 const std::string kDropout = std::string(NNSIM_TEST_DATA) + "/tiny-gpt-dropout.yaml";
+// tiny-gpt with tied embeddings: the head projects with the word embedding matrix.
+const std::string kTied = std::string(NNSIM_TEST_DATA) + "/tiny-gpt-tied.yaml";
 const std::string kTopo = std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml";
 const std::string kTopo1 = std::string(NNSIM_TEST_DATA) + "/tiny-node1.yaml";
 
@@ -383,9 +385,12 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama},
         Case{"bf16_tp2", 2, 1, 1, "1f1b", 2, &kModel, "bf16"},
         Case{"bf16_llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "bf16"},
-        with("zero1_dp2", 1, 1, 2, 4, {"--zero", "1"}),
+        // Tied embeddings in one segment: ZeRO-1's gather and reduction count the matrix once.
+        with("tied_zero1_dp2", 1, 1, 2, 4, {"--zero", "1"}, &kTied),
         with("zero2_tp2_dp2", 2, 1, 2, 4, {"--zero", "2"}),
-        with("zero3_dp2", 1, 1, 2, 4, {"--zero", "3"}),
+        // Tied embeddings in one segment: the matrix gathered once per pass with the embedding's
+        // unit (FSDP's unit holding both) and reduced once.
+        with("tied_zero3_dp2", 1, 1, 2, 4, {"--zero", "3"}, &kTied),
         with("zero3_pp2_dp2", 1, 2, 2, 8, {"--zero", "3"}, &kLlama),
         with("bf16_zero1_dp2", 1, 1, 2, 4, {"--zero", "1"}, &kModel, "bf16"),
         with("bf16_zero3_dp2", 1, 1, 2, 4, {"--zero", "3"}, &kModel, "bf16"),
@@ -455,9 +460,10 @@ INSTANTIATE_TEST_SUITE_P(
              "bf16",
              {"--zero", "3", "--vpp", "2"}},
         // DeepSpeed's ZeRO-3 (comm.zero3_per_tensor): each tensor gathered and reduced on its
-        // own (LayerNorm's scale and shift are two).
-        with("deepspeed_zero3_per_tensor_dp2", 1, 1, 2, 4,
-             {"--zero", "3", "--framework", "deepspeed"}),
+        // own (LayerNorm's scale and shift are two); a tied matrix gathered again by the head's
+        // hooks, reduced once.
+        with("tied_deepspeed_zero3_per_tensor_dp2", 1, 1, 2, 4,
+             {"--zero", "3", "--framework", "deepspeed"}, &kTied),
         // ... and its second gather of a layer recomputed inside the backward (B, or BI).
         with("deepspeed_zero3_recompute_full_dp2", 1, 1, 2, 4,
              {"--zero", "3", "--framework", "deepspeed", "--recompute", "full"}),

@@ -412,14 +412,74 @@ TEST(Program, DeepSpeedGathersTensorByTensor) {
   const Lane& tensor_lane = per_tensor->lanes[0];
   // Units: the embedding, each layer, the head. Tensors: the word and position tables; per
   // layer two norms of two, qkv, proj, fc1 and fc2 with their biases; the head's norm (two) and
-  // its projection (the tied embedding matrix, gathered again).
+  // its projection (the tied embedding matrix: gathered again by the head, whose hooks fetch
+  // it, but its gradient reduced once, with the embedding's).
   const int units = m.layers + 2, tensors = 2 + 12 * m.layers + 3;
   EXPECT_EQ(dp_launches(*per_unit, unit_lane, kAG), 2 * units * mb);
   EXPECT_EQ(dp_launches(*per_unit, unit_lane, kRS), units * mb);
   EXPECT_EQ(dp_launches(*per_tensor, tensor_lane, kAG), 2 * tensors * mb);
-  EXPECT_EQ(dp_launches(*per_tensor, tensor_lane, kRS), tensors * mb);
+  EXPECT_EQ(dp_launches(*per_tensor, tensor_lane, kRS), (tensors - 1) * mb);
+  // The same bytes as a whole unit's gather but for the head's gathers of the tied matrix
+  // (16-bit weights, a forward and a backward per micro-batch).
+  const double tied = static_cast<double>(plan->model.vocab) * m.hidden;
   EXPECT_DOUBLE_EQ(dp_gathered_bytes(*per_tensor, tensor_lane),
-                   dp_gathered_bytes(*per_unit, unit_lane));
+                   dp_gathered_bytes(*per_unit, unit_lane) + mb * 2 * 2 * tied);
+}
+
+// Data-parallel bytes of one collective kind launched over a lane's iteration (blocks and
+// epilogue).
+double dp_bytes(const Program& prog, const Lane& lane, CollectiveKind kind) {
+  double bytes = 0;
+  auto add = [&](const Step& s) {
+    if (s.kind == StepKind::kDpLaunch && s.collective == kind) bytes += s.bytes;
+  };
+  for (const BlockInstance& b : lane.blocks) {
+    for (const Step& s : prog.templates[b.template_index].steps) add(s);
+  }
+  for (const Step& s : lane.epilogue) add(s);
+  return bytes;
+}
+
+// Tied embeddings with the embedding and the head in one segment: the head's projection is the
+// embedding's matrix, one parameter of V h. Its gradient (the sum of both uses, which autograd
+// accumulates before any hook sees it) is reduced once; ZeRO-3 gathers it with the embedding's
+// unit under FSDP (the unit holding both, once per pass) and again for the head under DeepSpeed
+// (its hooks fetch a module's parameters at the module's forward and backward).
+TEST(Program, ATiedHeadInTheEmbeddingsSegmentIsOneParameter) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  ASSERT_TRUE(m.tied_embeddings);
+  const double V = m.vocab, h = m.hidden, s = m.seq_len, L = m.layers;
+  // The model's parameters by hand: the word and position tables, L layers of two LayerNorms
+  // (2 h each) and qkv, proj, fc1, fc2 with biases, the final LayerNorm; the head's matrix is
+  // the word table.
+  const double f = m.ffn_hidden;
+  const double P =
+      V * h + s * h + L * (4 * h + 3 * h * h + 3 * h + h * h + h + 2 * h * f + f + h) + 2 * h;
+  for (const char* framework : {"fsdp", "deepspeed", "megatron"}) {
+    SCOPED_TRACE(framework);
+    MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
+    o.framework = framework;
+    o.zero = std::string(framework) == "megatron" ? 0 : 3;
+    auto plan = build_megatron_plan(m, dgx(), o);
+    ASSERT_TRUE(plan.ok()) << plan.error().message();
+    auto prog = compile_plan(*plan, dgx());
+    ASSERT_TRUE(prog.ok()) << prog.error().message();
+    const Lane& lane = prog->lanes[0];
+    EXPECT_DOUBLE_EQ(lane.parameters, P);
+    const double mb = prog->micro_batches;
+    const double grad = plan->comm.grad_reduce_bytes > 0 ? plan->comm.grad_reduce_bytes
+                                                         : plan->optimizer.grad_bytes;
+    if (o.zero == 0) {
+      // One all-reduce of every gradient per iteration, and the loss's (one fp32 scalar).
+      EXPECT_DOUBLE_EQ(dp_bytes(*prog, lane, kAR), grad * P + 4);
+      continue;
+    }
+    // ZeRO-3: every micro-batch reduce-scatters each gradient once, and gathers the 16-bit
+    // weights for its forward and its backward.
+    EXPECT_DOUBLE_EQ(dp_bytes(*prog, lane, kRS), mb * grad * P);
+    const double gathered = std::string(framework) == "deepspeed" ? P + V * h : P;
+    EXPECT_DOUBLE_EQ(dp_bytes(*prog, lane, kAG), mb * 2 * 2 * gathered);
+  }
 }
 
 // ZeRO-3 reduce-scatters each unit's gradients in the backward also when overlap_grad_reduce is
@@ -457,11 +517,9 @@ TEST(Program, ZeroThreeGathersTheComputeWeights) {
     ASSERT_TRUE(plan.ok()) << plan.error().message();
     auto prog = compile_plan(*plan, dgx());
     ASSERT_TRUE(prog.ok()) << prog.error().message();
-    const double P = prog->lanes[0].parameters;
-    const double tied = static_cast<double>(plan->model.vocab) * m.hidden;
+    const double P = prog->lanes[0].parameters;  // the tied head's matrix is the embedding's
     const double w = p == Precision::kFp32 ? 4 : 2;
-    EXPECT_DOUBLE_EQ(dp_gathered_bytes(*prog, prog->lanes[0]),
-                     prog->micro_batches * 2 * w * (P + tied))
+    EXPECT_DOUBLE_EQ(dp_gathered_bytes(*prog, prog->lanes[0]), prog->micro_batches * 2 * w * P)
         << to_string(p);
   }
 }
