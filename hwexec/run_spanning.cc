@@ -137,6 +137,7 @@ VocabSplit vocab_split(const Plan& plan, int rank, const std::string& op,
     v.axes = tp_axes;
     return v;
   }
+  v.pipeline = true;
   const Mesh& mesh = plan.mesh;
   const std::vector<int> coords = mesh.coordinates(rank);
   // The shard: the coordinates along the split's axes, the first one outermost.
@@ -154,13 +155,6 @@ VocabSplit vocab_split(const Plan& plan, int rank, const std::string& op,
 }
 
 std::optional<Refusal> check_spanning_runnable(const Plan& plan) {
-  const std::vector<std::string> pp = pipeline_axes_of(plan);
-  std::string vocab_tp;  // embed.word's split axes besides the pipeline's
-  for (const std::string& a : split_axes(plan, "embed.word", Dim::kVocab)) {
-    if (std::find(pp.begin(), pp.end(), a) == pp.end() && plan.mesh.axis_size(a) > 1) {
-      vocab_tp += (vocab_tp.empty() ? "" : "+") + a;
-    }
-  }
   for (std::size_t si = 0; si < plan.segments.size(); ++si) {
     const Segment& s = plan.segments[si];
     if (!spans_orders(plan, static_cast<int>(si))) continue;
@@ -173,19 +167,6 @@ std::optional<Refusal> check_spanning_runnable(const Plan& plan) {
                       "without layers, as --shard-embedding and --shard-head write them, may "
                       "span them); give it a pipeline coordinate",
                       s.name, s.first_layer, s.end_layer)};
-    }
-    // A spanning embedding's tensor-parallel partial sums without an operator of its own
-    // reading them (rotary or ALiBi positions, no dropout) are reduced by the first layer's
-    // stage, which the executor's embedding does itself.
-    if (s.embedding && !vocab_tp.empty() && plan.model.position != PositionKind::kLearned &&
-        !plan.model.dropout) {
-      return Refusal{
-          "model.position",
-          fmt::format("the embedding's segment '{}' spans the pipeline stages with embed.word "
-                      "split over {} too, and {} positions leave its tensor-parallel partial "
-                      "sums for the first layer's stage to reduce, which is not supported yet; "
-                      "split embed.word over the pipeline axes only, or do not span the embedding",
-                      s.name, vocab_tp, to_string(plan.model.position))};
     }
   }
   if (plan.recycle > 1) {

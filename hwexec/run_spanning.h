@@ -54,8 +54,9 @@ struct VocabSplit {
   // All the axes together (the loss's statistics: the program's internal all-reduces).
   std::vector<int> group;
   std::string axes;
-  int ways = 1;    // vocabulary shards
-  int index = -1;  // this rank's shard; -1: the rank's place in the tensor-parallel group
+  bool pipeline = false;  // split along a pipeline axis too
+  int ways = 1;           // vocabulary shards
+  int index = -1;         // this rank's shard; -1: the rank's place in the tensor-parallel group
 };
 // `tp_group` and `tp_axes`: the executor's tensor-parallel group and its name, for splits
 // without a pipeline axis.

@@ -612,6 +612,9 @@ class Model {
   // fp8 training: the blocks' linear layers with fp8 GEMM inputs, the rest in the compute dtype
   // (bf16).
   void set_fp8(bool on) { fp8_ = on; }
+  // The segment's first layer (layer 0) reads a spanning embedding's tensor-parallel partial
+  // sums and reduces them first (run_spanning.h).
+  void set_reduce_input(bool on) { reduce_input_ = on; }
   // The operators the plan's recompute rules name in each layer of this part.
   void set_recompute(const std::vector<RecomputeRule>& rules) {
     // Rules without layers also recompute the embedding and the head (the program's
@@ -694,6 +697,14 @@ class Model {
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       c.unit_before(first_unit + static_cast<int>(l), false);
       tape.layers[l].key = tape.key;
+      if (l == 0 && reduce_input_) {
+        // The spanning embedding's tensor-parallel partial sums, reduced for attn.norm (the
+        // program's conversion of the first layer's input); the layer keeps the sums.
+        x = x.clone();
+        for (const VocabSplit::Axis& a : c.embed_vocab.per_axis) {
+          if (!a.pipeline) c.all_reduce(x, a.group, a.name, "attn.norm");
+        }
+      }
       x = layer_forward(c, static_cast<int>(l), x, tape.layers[l]);
     }
     if (!head_) return x;
@@ -1018,10 +1029,19 @@ class Model {
         e = tape.word.out.detach().clone();
         // Over a spanning embedding's pipeline axes without an operator of its own reading
         // them, the program names the reduction after the embedding's partial sums.
+        // Its other axes' (tensor-parallel) partial sums then go on to the first layer's
+        // segment, which reduces them (reduce_input_).
         if (split_.embed_vocab > 1) {
-          c.vocab_reduce(c.embed_vocab, e, [&](const VocabSplit::Axis& a) {
-            return a.pipeline && !pos_ && !spec_.dropout ? std::string("embed.partial-sums")
-                                                         : std::string(reader);
+          const bool own_reader = pos_ || spec_.dropout;
+          VocabSplit v = c.embed_vocab;
+          if (!own_reader && v.pipeline) {
+            v.per_axis.erase(std::remove_if(v.per_axis.begin(), v.per_axis.end(),
+                                            [](const VocabSplit::Axis& a) { return !a.pipeline; }),
+                             v.per_axis.end());
+          }
+          c.vocab_reduce(v, e, [&](const VocabSplit::Axis& a) {
+            return a.pipeline && !own_reader ? std::string("embed.partial-sums")
+                                             : std::string(reader);
           });
         }
       }
@@ -1395,10 +1415,11 @@ class Model {
   std::vector<DeferredWeightGrad>* deferred_ = nullptr;
   int unit_ = -1;  // the parameter unit whose backward runs (a deferred gradient's unit)
   Param *word_ = nullptr, *pos_ = nullptr, *hn_g_ = nullptr, *hn_b_ = nullptr, *head_w_ = nullptr;
-  at::Tensor positions_;    // the sequence positions of the rank's tokens (long)
-  int64_t first_head_ = 0;  // the global index of the rank's first query head
-  bool fp8_ = false;        // the blocks' linear layers take fp8 inputs (set_fp8)
-  at::Tensor alibi_;        // ALiBi: the slopes of the rank's heads (fp32); else undefined
+  at::Tensor positions_;       // the sequence positions of the rank's tokens (long)
+  int64_t first_head_ = 0;     // the global index of the rank's first query head
+  bool fp8_ = false;           // the blocks' linear layers take fp8 inputs (set_fp8)
+  bool reduce_input_ = false;  // set_reduce_input
+  at::Tensor alibi_;           // ALiBi: the slopes of the rank's heads (fp32); else undefined
 };
 
 // The plan as this rank sees it.
@@ -1754,6 +1775,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
                                          seg.head, L.split, ctx.tp_index, opt.seed, device, dtype);
     models[sg]->set_recompute(plan.recompute);
     models[sg]->set_fp8(run_type == "fp8");
+    models[sg]->set_reduce_input(!seg.embedding && seg.first_layer == 0 &&
+                                 seg.end_layer > seg.first_layer && ctx.embed_vocab.pipeline &&
+                                 plan.model.position != PositionKind::kLearned &&
+                                 !plan.model.dropout);
     for (Param& p : models[sg]->params()) params.push_back(&p);
     has_head = has_head || seg.head;
   }

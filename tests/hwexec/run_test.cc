@@ -605,10 +605,11 @@ INSTANTIATE_TEST_SUITE_P(
         // other stage, kept by its own.
         with("shard_head_tp2_pp2", 2, 2, 1, 4, {"--shard-head"}),
         // ... and the embedding too (Tessel's M shape; rotary positions: the word embeddings'
-        // partial sums all-reduced over pp as embed.partial-sums), with split backwards; the
-        // first stage's input gradient sent back to the other stage's embedding.
-        Case{"shard_embedding_head_tessel_llama_pp2",
-             1,
+        // partial sums all-reduced over pp as embed.partial-sums, over tp by the first layer's
+        // stage), with split backwards; the first stage's input gradient sent back to the other
+        // stage's embedding.
+        Case{"shard_embedding_head_tessel_llama_tp2_pp2",
+             2,
              2,
              1,
              "tessel",
