@@ -45,8 +45,8 @@ Status check_runnable(const Plan& plan) {
         "deterministic masks; Megatron tensor, sequence and context parallelism (together "
         "too), pipelines (interleaved too; the head and the embedding also sharded over the "
         "stages) with F, B, R and zero-bubble BI/BW blocks, data parallelism with ZeRO 0-3, "
-        "recompute rules, repeated "
-        "forwards; ZeRO-3 also as FSDP keeps it gathered under pipelines and as DeepSpeed "
+        "recompute rules, repeated forwards; ZeRO-3 also as FSDP keeps it gathered under pipelines "
+        "and as DeepSpeed "
         "gathers per tensor and again for recompute; in fp32, bf16, fp16 or emulated fp8)",
         field, why));
   };
@@ -322,7 +322,7 @@ Status check_runnable(const Plan& plan) {
     return refuse("training.recycle",
                   fmt::format("{} forward passes per micro-batch; at least 1", plan.recycle));
   }
-  if (embedding_spans || head_spans || any_spanning(plan)) {
+  if (any_spanning(plan)) {
     if (const std::optional<Refusal> r = check_spanning_runnable(plan)) {
       return refuse(r->field, r->why);
     }

@@ -18,8 +18,9 @@
 // (training.recycle) run earlier passes without autograd, recycling the last segment's output
 // into the first segment's embedding; zero-bubble BI blocks defer the linear layers' weight
 // gradients to BW (run_split_backward.h); context parallelism splits every sequence over cp,
-// attn.core exchanging keys and values (run_context_parallel.h). Collectives follow the compiled
-// program's order and labels (core/program.cc).
+// attn.core exchanging keys and values (run_context_parallel.h); the head's and the embedding's
+// segments may span the pipeline stages, their vocabulary split over pp too (run_spanning.h).
+// Collectives follow the compiled program's order and labels (core/program.cc).
 // On the CPU (--device cpu) the collectives go over the TCP-socket Comm and spans are timed with
 // the steady clock. On a GPU (--device cuda, only in a build whose LibTorch has CUDA) every rank
 // owns one GPU, the collectives and pipeline transfers are NCCL calls in the same order
@@ -1027,10 +1028,10 @@ class Model {
                                    : my_seq(tape.word.out.detach());
       } else {
         e = tape.word.out.detach().clone();
-        // Over a spanning embedding's pipeline axes without an operator of its own reading
-        // them, the program names the reduction after the embedding's partial sums.
-        // Its other axes' (tensor-parallel) partial sums then go on to the first layer's
-        // segment, which reduces them (reduce_input_).
+        // A spanning embedding without an operator of its own reading them (no position
+        // table, no dropout) reduces them over its pipeline axes only, labelled as its partial
+        // sums, and leaves the other (tensor-parallel) axes to the first layer's segment
+        // (reduce_input_), as the program's conversions.
         if (split_.embed_vocab > 1) {
           const bool own_reader = pos_ || spec_.dropout;
           VocabSplit v = c.embed_vocab;
@@ -1684,10 +1685,6 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     peers[sg] = {p >= 0 ? peer_in(mesh, rank, plan.segments[p]) : -1,
                  q >= 0 ? peer_in(mesh, rank, plan.segments[q]) : -1};
   }
-  // Several segments on a rank (interleaved): transfers between two ranks are matched by
-  // (direction, segment, micro-batch), not by their order (see Ctx::send_tagged).
-  // Repeated forwards tag them too: the recycled outputs and the gradients travel the same way
-  // with the same shape, in orders the schedule may interleave differently on the two ranks.
   // Segments spanning the pipeline stages (--shard-head, --shard-embedding): every transfer
   // between neighbouring segments as the program moves it (run_spanning.h), in memory where
   // this rank holds both; per (segment, is a gradient), into the segment and out of it.
@@ -1704,6 +1701,11 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       ends_in[{sg, true}] = transfer_ends(plan, rank, q, sg);
     }
   }
+  // Several segments on a rank (interleaved): transfers between two ranks are matched by
+  // (direction, segment, micro-batch), not by their order (see Ctx::send_tagged).
+  // Repeated forwards tag them too: the recycled outputs and the gradients travel the same way
+  // with the same shape, in orders the schedule may interleave differently on the two ranks;
+  // and so do spanning segments, whose blocks interleave the two directions alike.
   bool tagged = plan.recycle > 1 || spanning;
   for (const DeviceOrder& o : plan.schedule) {
     for (const Block& blk : o.blocks) tagged = tagged || blk.segment != o.blocks.front().segment;
