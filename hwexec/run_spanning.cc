@@ -169,16 +169,43 @@ std::optional<Refusal> check_spanning_runnable(const Plan& plan) {
                       s.name, s.first_layer, s.end_layer)};
     }
   }
+  // Sequence parallelism with a spanning embedding whose partial sums no operator of its own
+  // reads (rotary or ALiBi positions, no dropout): the first stage's input gradient, a
+  // sequence slice, goes to the embedding's other stages, which the compiled program prices as
+  // the slice with no all-gather after it (core/program.cc sends the layers' layout there, not
+  // the embedding's), while the embedding's backward needs it whole.
+  bool sequence_parallel = false;
+  for (const PartitionRule& r : plan.partition) {
+    if (!match_pattern(r.match, "attn.norm")) continue;
+    for (const DimSplit& d : r.splits) sequence_parallel = d.dim == Dim::kSeq && !d.axes.empty();
+  }
+  for (std::size_t si = 0; si < plan.segments.size() && sequence_parallel; ++si) {
+    const Segment& s = plan.segments[si];
+    if (s.embedding && spans_orders(plan, static_cast<int>(si)) &&
+        plan.model.position != PositionKind::kLearned && !plan.model.dropout) {
+      return Refusal{
+          "model.position",
+          fmt::format("sequence parallelism with the embedding's segment '{}' spanning the "
+                      "pipeline stages and {} positions (no operator of the embedding reads its "
+                      "partial sums) is not supported yet: the program prices the first stage's "
+                      "input gradient sent to the embedding's other stages as a sequence slice "
+                      "they do not gather; use learned positions, or do not span the embedding",
+                      s.name, to_string(plan.model.position))};
+    }
+  }
   if (plan.recycle > 1) {
     return Refusal{"training.recycle",
                    "repeated forwards with a segment spanning the pipeline stages "
                    "(--shard-head / --shard-embedding) are not supported yet; set recycle: 1"};
   }
+  // Context parallelism: attn.core's sequence split (sequence parallelism splits the norms',
+  // residuals' and position add's only).
   for (std::size_t i = 0; i < plan.partition.size(); ++i) {
+    if (!match_pattern(plan.partition[i].match, "attn.core")) continue;
     for (const DimSplit& d : plan.partition[i].splits) {
       if (d.dim != Dim::kSeq || d.axes.empty()) continue;
       return Refusal{fmt::format("partition[{}]", i),
-                     fmt::format("'{}' is split along 'seq' (sequence or context parallelism), "
+                     fmt::format("'{}' splits attn.core along 'seq' (context parallelism), "
                                  "which is not supported yet together with a segment spanning "
                                  "the pipeline stages (--shard-head / --shard-embedding); drop "
                                  "one of the two",

@@ -700,10 +700,18 @@ class Model {
       tape.layers[l].key = tape.key;
       if (l == 0 && reduce_input_) {
         // The spanning embedding's tensor-parallel partial sums, reduced for attn.norm (the
-        // program's conversion of the first layer's input); the layer keeps the sums.
-        x = x.clone();
-        for (const VocabSplit::Axis& a : c.embed_vocab.per_axis) {
-          if (!a.pipeline) c.all_reduce(x, a.group, a.name, "attn.norm");
+        // program's conversion of the first layer's input; under sequence parallelism
+        // reduce-scattered, or sliced when the vocabulary is split over the pipeline axes
+        // only); the layer keeps the sums.
+        bool partial = false;
+        for (const VocabSplit::Axis& a : c.embed_vocab.per_axis) partial = partial || !a.pipeline;
+        if (split_.seq > 1) {
+          x = partial ? scatter_seq(c, x, "attn.norm") : my_seq(x);
+        } else if (partial) {
+          x = x.clone();
+          for (const VocabSplit::Axis& a : c.embed_vocab.per_axis) {
+            if (!a.pipeline) c.all_reduce(x, a.group, a.name, "attn.norm");
+          }
         }
       }
       x = layer_forward(c, static_cast<int>(l), x, tape.layers[l]);
@@ -741,7 +749,17 @@ class Model {
       }
       at::Tensor dn = bwd(st, "head.proj", tape.hproj, dlogits.to(dtype_))[0];
       if (sp) {
-        dn = vsplit > 1 ? scatter_seq(c, dn, "head.proj") : my_seq(dn);
+        // A spanning head's partial sums over the pipeline axes first (the program's order).
+        const VocabSplit& v = spec_.tied_embeddings ? c.embed_vocab : c.head_vocab;
+        bool tensor_partial = vsplit > 1;
+        if (vsplit > 1 && v.pipeline) {
+          tensor_partial = false;
+          for (const VocabSplit::Axis& a : v.per_axis) {
+            if (a.pipeline) c.all_reduce(dn, a.group, a.name, "head.proj");
+            tensor_partial = tensor_partial || !a.pipeline;
+          }
+        }
+        dn = tensor_partial ? scatter_seq(c, dn, "head.proj") : my_seq(dn);
       } else if (vsplit > 1) {
         c.vocab_reduce(spec_.tied_embeddings ? c.embed_vocab : c.head_vocab, dn,
                        [](const VocabSplit::Axis&) { return std::string("head.proj"); });
@@ -1021,29 +1039,29 @@ class Model {
       // The word embeddings' partial sums (vocab-parallel) reduced for the operator that reads
       // them, which the program names the conversion after.
       const char* reader = pos_ ? "embed.position" : spec_.dropout ? "embed.dropout" : "attn.norm";
-      at::Tensor e;
-      if (split_.seq > 1) {
-        // Sequence parallelism: reduce-scattered to this rank's slice.
-        e = split_.embed_vocab > 1 ? scatter_seq(c, tape.word.out.detach(), reader)
-                                   : my_seq(tape.word.out.detach());
-      } else {
-        e = tape.word.out.detach().clone();
-        // A spanning embedding without an operator of its own reading them (no position
-        // table, no dropout) reduces them over its pipeline axes only, labelled as its partial
-        // sums, and leaves the other (tensor-parallel) axes to the first layer's segment
-        // (reduce_input_), as the program's conversions.
-        if (split_.embed_vocab > 1) {
-          const bool own_reader = pos_ || spec_.dropout;
-          VocabSplit v = c.embed_vocab;
-          if (!own_reader && v.pipeline) {
-            v.per_axis.erase(std::remove_if(v.per_axis.begin(), v.per_axis.end(),
-                                            [](const VocabSplit::Axis& a) { return !a.pipeline; }),
-                             v.per_axis.end());
+      at::Tensor e = tape.word.out.detach().clone();
+      // A spanning embedding's partial sums over the pipeline axes first, as the program
+      // converts one axis at a time (labelled as its partial sums without an operator of its
+      // own reading them: no position table, no dropout); then the tensor-parallel ones, but
+      // without such an operator those go on to the first layer's segment (reduce_input_).
+      const bool own_reader = pos_ || spec_.dropout;
+      bool tensor_partial = split_.embed_vocab > 1;
+      if (split_.embed_vocab > 1 && c.embed_vocab.pipeline) {
+        tensor_partial = false;
+        for (const VocabSplit::Axis& a : c.embed_vocab.per_axis) {
+          if (a.pipeline) {
+            c.all_reduce(e, a.group, a.name, own_reader ? reader : "embed.partial-sums");
           }
-          c.vocab_reduce(v, e, [&](const VocabSplit::Axis& a) {
-            return a.pipeline && !own_reader ? std::string("embed.partial-sums")
-                                             : std::string(reader);
-          });
+          tensor_partial = tensor_partial || !a.pipeline;
+        }
+        if (!own_reader) tensor_partial = false;
+      }
+      if (split_.seq > 1 && (own_reader || !c.embed_vocab.pipeline)) {
+        // Sequence parallelism: reduce-scattered to this rank's slice.
+        e = tensor_partial ? scatter_seq(c, e, reader) : my_seq(e);
+      } else if (tensor_partial) {
+        for (const VocabSplit::Axis& a : c.embed_vocab.per_axis) {
+          if (!a.pipeline) c.all_reduce(e, a.group, a.name, reader);
         }
       }
       if (rec.defined()) e = e + rec.to(e.scalar_type());

@@ -601,9 +601,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"fp8_llama_sp_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "fp8", {"--sequence-parallel"}},
         // The head sharded over the pipeline stages (its segment spans them): head.proj's and
         // the loss's vocabulary over pp and tp, the loss's statistics all-reduced over both,
-        // the projection's input gradient over pp then tp; the last stage's output sent to the
-        // other stage, kept by its own.
-        with("shard_head_tp2_pp2", 2, 2, 1, 4, {"--shard-head"}),
+        // the projection's input gradient all-reduced over pp then (sequence parallelism)
+        // reduce-scattered over tp; the last stage's output sent to the other stage, kept by
+        // its own.
+        with("shard_head_sp_tp2_pp2", 2, 2, 1, 4, {"--shard-head", "--sequence-parallel"}),
         // ... and the embedding too (Tessel's M shape; rotary positions: the word embeddings'
         // partial sums all-reduced over pp as embed.partial-sums, over tp by the first layer's
         // stage), with split backwards; the first stage's input gradient sent back to the other
@@ -679,13 +680,13 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
         << r;
     EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
   };
-  // The head sharded over the pipeline stages (its segment spans them) with sequence
+  // The head sharded over the pipeline stages (its segment spans them) with context
   // parallelism.
-  ASSERT_EQ(make_plan(dir, 2, 2, 1, "1f1b", 4, {"--shard-head", "--sequence-parallel"}).status, 0);
+  ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 4, {"--shard-head"}, kModel, "fp32", 2).status, 0);
   refused(
-      {"cannot run this plan: partition[11]: '*.norm' is split along 'seq' (sequence or "
-       "context parallelism), which is not supported yet together with a segment spanning "
-       "the pipeline stages"});
+      {"cannot run this plan: partition[0]: '*' splits attn.core along 'seq' (context "
+       "parallelism), which is not supported yet together with a segment spanning the "
+       "pipeline stages"});
 
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
   RunResult r =
@@ -880,6 +881,25 @@ TEST(NnexecRunSpanning, TransfersAndVocabularyShardsAsTheProgram) {
   EXPECT_TRUE(contains(refusal(p),
                        "partition: operator 'mlp.fc1' is split along the pipeline axis 'pp', "
                        "which only the vocabulary of embed.word, head.proj and loss may be"))
+      << refusal(p);
+  // Sequence parallelism with a spanning embedding that has no operator reading its partial
+  // sums (rotary positions): the embedding made a segment of its own on every stage.
+  {
+    TempDir dir;
+    ASSERT_EQ(make_plan(dir, 2, 2, 1, "1f1b", 4, {"--shard-head", "--sequence-parallel"}).status,
+              0);
+    Expected<Plan> sp = load_plan(dir.file("plan.json"));
+    ASSERT_TRUE(sp.ok()) << sp.error().message();
+    EXPECT_TRUE(check_runnable(*sp).ok()) << check_runnable(*sp).error().message();
+    p = *sp;
+  }
+  p.model.position = PositionKind::kRope;
+  p.segments[0].embedding = false;
+  p.segments.push_back({"embedding", 0, 0, true, false, {}});
+  p.partition.push_back({"embed.word", {{Dim::kVocab, {"pp", "tp"}}}});
+  EXPECT_TRUE(contains(refusal(p),
+                       "model.position: sequence parallelism with the embedding's segment "
+                       "'embedding' spanning the pipeline stages and rope positions"))
       << refusal(p);
   p = *plan;
   p.model.vocab = 130;  // divisible by tp 2, not by the head's 4 shards
