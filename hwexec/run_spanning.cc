@@ -170,10 +170,9 @@ std::optional<Refusal> check_spanning_runnable(const Plan& plan) {
     }
   }
   // Sequence parallelism with a spanning embedding whose partial sums no operator of its own
-  // reads (rotary or ALiBi positions, no dropout): the first stage's input gradient, a
-  // sequence slice, goes to the embedding's other stages, which the compiled program prices as
-  // the slice with no all-gather after it (core/program.cc sends the layers' layout there, not
-  // the embedding's), while the embedding's backward needs it whole.
+  // reads (rotary or ALiBi positions, no dropout): the first stage's input gradient goes whole
+  // to the embedding's other stages, which the executor does as a scatter-gather (each tp rank
+  // sends its slice, the receivers all-gather), as the program does with it on.
   bool sequence_parallel = false;
   for (const PartitionRule& r : plan.partition) {
     if (!match_pattern(r.match, "attn.norm")) continue;
@@ -182,15 +181,15 @@ std::optional<Refusal> check_spanning_runnable(const Plan& plan) {
   for (std::size_t si = 0; si < plan.segments.size() && sequence_parallel; ++si) {
     const Segment& s = plan.segments[si];
     if (s.embedding && spans_orders(plan, static_cast<int>(si)) &&
-        plan.model.position != PositionKind::kLearned && !plan.model.dropout) {
+        plan.model.position != PositionKind::kLearned && !plan.model.dropout &&
+        !plan.comm.pp_scatter_gather) {
       return Refusal{
-          "model.position",
-          fmt::format("sequence parallelism with the embedding's segment '{}' spanning the "
-                      "pipeline stages and {} positions (no operator of the embedding reads its "
-                      "partial sums) is not supported yet: the program prices the first stage's "
-                      "input gradient sent to the embedding's other stages as a sequence slice "
-                      "they do not gather; use learned positions, or do not span the embedding",
-                      s.name, to_string(plan.model.position))};
+          "communication.pp_scatter_gather",
+          fmt::format("false with sequence parallelism, {} positions and the embedding's "
+                      "segment '{}' spanning the pipeline stages is not supported yet (the "
+                      "first stage would send the embedding's other stages its whole input "
+                      "gradient); set it true",
+                      to_string(plan.model.position), s.name)};
     }
   }
   if (plan.recycle > 1) {

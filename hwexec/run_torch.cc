@@ -782,7 +782,9 @@ class Model {
       }
       if (spec_.dropout) dy = bwd(st, "embed.dropout", tape.drop, dy)[0];
       at::Tensor de = pos_ ? bwd(st, "embed.position", tape.pos, dy)[0] : dy;
-      if (split_.seq > 1) {
+      // Under sequence parallelism the sequence slices gathered (unless a spanning embedding's
+      // gradient arrived whole: run() gathers it as it arrives, as the program's transfer).
+      if (split_.seq > 1 && de.size(1) != positions_.size(0)) {
         de = gather_seq(c, de,
                         pos_            ? "embed.position"
                         : spec_.dropout ? "embed.dropout"
@@ -2005,9 +2007,25 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // or taken from this rank's own neighbouring segment; one out of `sg` into `to`, sent to the
   // ranks that need it and kept where this rank runs `to` too.
   std::map<std::tuple<bool, int, int>, at::Tensor> handoff;  // (gradient, segment, micro-batch)
+  // Sequence parallelism without a position table or dropout: the first stage hands a spanning
+  // embedding the gradient of its whole sequence (its layer 0 gathers it), which the other
+  // stages' embeddings receive as a slice and all-gather over tp (the program's scatter-gather).
+  const bool whole_embedding_grad = spanning && L.split.seq > 1 && ctx.embed_vocab.pipeline &&
+                                    plan.model.position != PositionKind::kLearned &&
+                                    !plan.model.dropout;
   auto span_recv = [&](int sg, bool gradient, int m, const std::vector<int64_t>& shape,
                        int64_t tg) {
     const TransferEnds& e = ends_in.at({sg, gradient});
+    const Segment& into = plan.segments[sg];
+    if (!e.local && gradient && whole_embedding_grad && into.embedding &&
+        into.end_layer == into.first_layer) {
+      const at::Tensor slice = pp_recv(e.recv_from, shape, "gradient", tg);
+      const int64_t n = L.split.seq;
+      return ctx.all_gather(slice.reshape({-1}), ctx.tp_group, ctx.tp_axes, "gradient")
+          .view({n, shape[0], shape[1], shape[2]})
+          .permute({1, 0, 2, 3})
+          .reshape({shape[0], n * shape[1], shape[2]});
+    }
     if (!e.local) return pp_recv(e.recv_from, shape, gradient ? "gradient" : "activation", tg);
     const auto it = handoff.find({gradient, sg, m});
     if (it == handoff.end()) {

@@ -601,15 +601,16 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"fp8_llama_sp_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "fp8", {"--sequence-parallel"}},
         // The head sharded over the pipeline stages (its segment spans them): head.proj's and
         // the loss's vocabulary over pp and tp, the loss's statistics all-reduced over both,
-        // the projection's input gradient all-reduced over pp then (sequence parallelism)
-        // reduce-scattered over tp; the last stage's output sent to the other stage, kept by
-        // its own.
-        with("shard_head_sp_tp2_pp2", 2, 2, 1, 4, {"--shard-head", "--sequence-parallel"}),
-        // ... and the embedding too (Tessel's M shape; rotary positions: the word embeddings'
-        // partial sums all-reduced over pp as embed.partial-sums, over tp by the first layer's
-        // stage), with split backwards; the first stage's input gradient sent back to the other
-        // stage's embedding.
-        Case{"shard_embedding_head_tessel_llama_tp2_pp2",
+        // the projection's input gradient over pp then tp; the last stage's output sent to the
+        // other stage, kept by its own.
+        with("shard_head_tp2_pp2", 2, 2, 1, 4, {"--shard-head"}),
+        // ... and the embedding too (Tessel's M shape), with sequence parallelism and split
+        // backwards: rotary positions, so the word embeddings' partial sums are all-reduced
+        // over pp as embed.partial-sums and reduce-scattered over tp by the first layer's
+        // stage, whose input gradient goes whole to the other stage's embedding (a tp slice
+        // each, all-gathered on arrival); the head's input gradient all-reduced over pp, then
+        // reduce-scattered over tp.
+        Case{"shard_embedding_head_tessel_llama_sp_tp2_pp2",
              2,
              2,
              1,
@@ -617,7 +618,7 @@ INSTANTIATE_TEST_SUITE_P(
              4,
              &kLlama,
              "fp32",
-             {"--shard-embedding", "--shard-head"}}),
+             {"--shard-embedding", "--shard-head", "--sequence-parallel"}}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // --check compares the first iteration only; the later ones show that ZeRO-3's bf16 gathers
@@ -883,7 +884,8 @@ TEST(NnexecRunSpanning, TransfersAndVocabularyShardsAsTheProgram) {
                        "which only the vocabulary of embed.word, head.proj and loss may be"))
       << refusal(p);
   // Sequence parallelism with a spanning embedding that has no operator reading its partial
-  // sums (rotary positions): the embedding made a segment of its own on every stage.
+  // sums (rotary positions), without scatter-gather transfers: the embedding made a segment of
+  // its own on every stage.
   {
     TempDir dir;
     ASSERT_EQ(make_plan(dir, 2, 2, 1, "1f1b", 4, {"--shard-head", "--sequence-parallel"}).status,
@@ -897,9 +899,11 @@ TEST(NnexecRunSpanning, TransfersAndVocabularyShardsAsTheProgram) {
   p.segments[0].embedding = false;
   p.segments.push_back({"embedding", 0, 0, true, false, {}});
   p.partition.push_back({"embed.word", {{Dim::kVocab, {"pp", "tp"}}}});
+  p.comm.pp_scatter_gather = false;
   EXPECT_TRUE(contains(refusal(p),
-                       "model.position: sequence parallelism with the embedding's segment "
-                       "'embedding' spanning the pipeline stages and rope positions"))
+                       "communication.pp_scatter_gather: false with sequence parallelism, rope "
+                       "positions and the embedding's segment 'embedding' spanning the pipeline "
+                       "stages is not supported yet"))
       << refusal(p);
   p = *plan;
   p.model.vocab = 130;  // divisible by tp 2, not by the head's 4 shards
