@@ -702,6 +702,14 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   const TensorLayout layer_out_grad =
       output_grad_layout(layer.part->ops.back(), layer.partitions.back());
   auto layer_in_grad = [&](int l) { return l == 0 ? embed_out_grad : layer_out_grad; };
+  // The input gradient a segment hands back to the previous one: the layers' layout, or, from a
+  // segment starting at layer 0 without the embedding, the layout the embedding's backward needs
+  // (its first layer's backward converts to it: under sequence parallelism without a position
+  // table, the whole sequence, which the embedding's other lanes must receive whole too).
+  auto handed_back = [&](int segment) {
+    const Segment& q = plan.segments[segment];
+    return !q.embedding && q.first_layer == 0 && q.end_layer > 0 ? embed_out_grad : layer_out;
+  };
   auto steps = &t.steps;
   const int prev = prev_segment[seg];
   const int next = next_segment[seg];
@@ -1000,7 +1008,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     case BlockKind::kBackwardWeight: {
       const bool input_grads = t.kind != BlockKind::kBackwardWeight;
       const bool weight_grads = t.kind != BlockKind::kBackwardInput;
-      if (input_grads && recv_next_lane >= 0) recv(next, recv_next_lane, true, layer_out);
+      if (input_grads && recv_next_lane >= 0) {
+        recv(next, recv_next_lane, true, handed_back(next));
+      }
       double pending = 0;
       // ZeRO-3 reduces unit by unit in the backward whatever overlap_grad_reduce says (the
       // unit's unsharded gradients are freed after; the epilogue reduces ZeRO 0-2 only).
@@ -1055,7 +1065,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         grads_ready(backward_units[unit - 1]);
       }
       if (input_grads) {
-        for (int l : send_prev_lanes) send(prev, l, true, s.embedding ? embed_out : layer_out);
+        for (int l : send_prev_lanes) {
+          send(prev, l, true, s.embedding ? embed_out : handed_back(seg));
+        }
       }
       if (sync_here && pending > 0) {
         Step f;

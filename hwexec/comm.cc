@@ -325,6 +325,7 @@ Expected<std::unique_ptr<Comm>> Comm::connect(const Rendezvous& at, int rank, in
   c->timeout_s_ = wait_timeout_s;
   c->fds_.assign(world, -1);
   c->out_.resize(world);
+  c->early_.assign(world, std::vector<std::deque<std::vector<char>>>(kChannels));
   if (world == 1) {
     if (at.listen_fd >= 0) ::close(at.listen_fd);
     return c;
@@ -556,12 +557,18 @@ Status Comm::progress(int reading, bool block) {
   }
 }
 
-Status Comm::send(int peer, const void* data, std::size_t bytes) {
+// A message's header: its length, its channel in the top byte.
+constexpr int kChannelShift = 56;
+
+Status Comm::send(int peer, const void* data, std::size_t bytes, int channel) {
   if (peer < 0 || peer >= world_ || peer == rank_) {
     return Error(fmt::format("rank {}: cannot send to rank {}", rank_, peer));
   }
+  if (channel < 0 || channel >= kChannels || (uint64_t{bytes} >> kChannelShift) != 0) {
+    return Error(fmt::format("rank {}: cannot send {} bytes on channel {}", rank_, bytes, channel));
+  }
   Pending m;
-  const uint64_t n = bytes;
+  const uint64_t n = uint64_t{bytes} | (uint64_t(channel) << kChannelShift);
   m.bytes.resize(sizeof(n) + bytes);
   std::memcpy(m.bytes.data(), &n, sizeof(n));
   if (bytes > 0) std::memcpy(m.bytes.data() + sizeof(n), data, bytes);
@@ -569,9 +576,24 @@ Status Comm::send(int peer, const void* data, std::size_t bytes) {
   return progress(-1, false);
 }
 
-Status Comm::recv(int peer, void* data, std::size_t bytes) {
+Status Comm::recv(int peer, void* data, std::size_t bytes, int channel) {
   if (peer < 0 || peer >= world_ || peer == rank_) {
     return Error(fmt::format("rank {}: cannot receive from rank {}", rank_, peer));
+  }
+  if (channel < 0 || channel >= kChannels) {
+    return Error(fmt::format("rank {}: cannot receive on channel {}", rank_, channel));
+  }
+  auto mismatch = [&](uint64_t got) {
+    return Error(fmt::format(
+        "rank {}: expected a message of {} bytes from rank {} but it sent {} (the ranks disagree "
+        "about the order of their communication)",
+        rank_, bytes, peer, got));
+  };
+  if (std::deque<std::vector<char>>& q = early_[peer][channel]; !q.empty()) {
+    if (q.front().size() != bytes) return mismatch(q.front().size());
+    if (bytes > 0) std::memcpy(data, q.front().data(), bytes);
+    q.pop_front();
+    return {};
   }
   uint64_t header = 0;
   auto read_exact = [&](void* p, std::size_t n) -> Status {
@@ -595,14 +617,20 @@ Status Comm::recv(int peer, void* data, std::size_t bytes) {
     }
     return {};
   };
-  if (Status s = read_exact(&header, sizeof(header)); !s) return s;
-  if (header != bytes) {
-    return Error(fmt::format(
-        "rank {}: expected a message of {} bytes from rank {} but it sent {} (the ranks disagree "
-        "about the order of their communication)",
-        rank_, bytes, peer, header));
+  for (;;) {
+    if (Status s = read_exact(&header, sizeof(header)); !s) return s;
+    const int got_channel = static_cast<int>(header >> kChannelShift);
+    const uint64_t n = header & ((uint64_t{1} << kChannelShift) - 1);
+    if (got_channel == channel) {
+      if (n != bytes) return mismatch(n);
+      return read_exact(data, bytes);
+    }
+    if (got_channel >= kChannels) return mismatch(n);
+    // Another channel's message: kept for the receive that wants it.
+    std::vector<char> body(n);
+    if (Status s = read_exact(body.data(), n); !s) return s;
+    early_[peer][got_channel].push_back(std::move(body));
   }
-  return read_exact(data, bytes);
 }
 
 Status Comm::flush() {

@@ -14,6 +14,9 @@
 // writing the queued sends to all peers while it waits, so two ranks that send to each other
 // before receiving never deadlock. Each message carries its length; a receive of another length
 // is an error (ranks disagreeing about what comes next fail loudly instead of reading garbage).
+// Each message also carries its channel: the collectives use channel 0, and point-to-point
+// messages may use others (the executor's pipeline transfers), which keep their own order
+// between two ranks: a receive on one channel keeps the messages of others that arrive first.
 #pragma once
 
 #include <cstddef>
@@ -68,9 +71,10 @@ class Comm {
   int rank() const { return rank_; }
   int world() const { return world_; }
 
-  // Point to point. send() queues a copy and returns at once.
-  Status send(int peer, const void* data, std::size_t bytes);
-  Status recv(int peer, void* data, std::size_t bytes);
+  // Point to point, on `channel` (0 to kChannels - 1). send() queues a copy and returns at once.
+  static constexpr int kChannels = 4;
+  Status send(int peer, const void* data, std::size_t bytes, int channel = 0);
+  Status recv(int peer, void* data, std::size_t bytes, int channel = 0);
   // Waits until every queued send has been written.
   Status flush();
 
@@ -116,6 +120,8 @@ class Comm {
   int world_ = 1;
   std::vector<int> fds_;
   std::vector<std::deque<Pending>> out_;
+  // Per peer and channel: messages that arrived while a receive waited on another channel.
+  std::vector<std::vector<std::deque<std::vector<char>>>> early_;
   double timeout_s_ = 120;
 };
 

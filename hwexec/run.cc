@@ -15,6 +15,7 @@
 
 #include "core/hdf5_io.h"
 #include "core/opgraph.h"
+#include "hwexec/run_spanning.h"
 
 namespace nnsim::hwexec {
 
@@ -42,9 +43,10 @@ Status check_runnable(const Plan& plan) {
         "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
         "ReLU or squared-ReLU MLP, learned, rotary or ALiBi positions, dropout with "
         "deterministic masks; Megatron tensor, sequence and context parallelism (together "
-        "too), pipelines (interleaved too, each segment on one stage) with F, B, R and "
-        "zero-bubble BI/BW blocks, data parallelism with ZeRO 0-3, recompute rules, repeated "
-        "forwards; ZeRO-3 also as FSDP keeps it gathered under pipelines and as DeepSpeed "
+        "too), pipelines (interleaved too; the head and the embedding also sharded over the "
+        "stages) with F, B, R and zero-bubble BI/BW blocks, data parallelism with ZeRO 0-3, "
+        "recompute rules, repeated forwards; ZeRO-3 also as FSDP keeps it gathered under pipelines "
+        "and as DeepSpeed "
         "gathers per tensor and again for recompute; in fp32, bf16, fp16 or emulated fp8)",
         field, why));
   };
@@ -85,6 +87,16 @@ Status check_runnable(const Plan& plan) {
   std::set<std::string> pp_axes;
   for (const DeviceOrder& o : plan.schedule) {
     for (const auto& [axis, c] : o.devices) pp_axes.insert(axis);
+  }
+
+  // The head's and the embedding's segments may span the pipeline stages (--shard-head,
+  // --shard-embedding; run_spanning.h): their vocabulary-parallel operators may then be split
+  // along the pipeline axes too.
+  bool embedding_spans = false, head_spans = false;
+  for (std::size_t si = 0; si < plan.segments.size(); ++si) {
+    const bool spans = spans_orders(plan, static_cast<int>(si));
+    embedding_spans = embedding_spans || (spans && plan.segments[si].embedding);
+    head_spans = head_spans || (spans && plan.segments[si].head);
   }
 
   // Effective splits per operator (every matching rule, in file order).
@@ -158,27 +170,36 @@ Status check_runnable(const Plan& plan) {
                                     "supported yet",
                                     op.name, to_string(dim), join(axes, "+"), what));
         }
+        // Along a pipeline axis: only the vocabulary of a segment spanning the stages.
+        std::vector<std::string> tensor_axes;
         for (const std::string& a : axes) {
-          if (pp_axes.count(a)) {
+          if (!pp_axes.count(a)) {
+            tensor_axes.push_back(a);
+            continue;
+          }
+          const bool spans = op.name == "embed.word"                       ? embedding_spans
+                             : op.name == "head.proj" || op.name == "loss" ? head_spans
+                                                                           : false;
+          if (!spans || dim != Dim::kVocab) {
             return refuse("partition",
-                          fmt::format("operator '{}' is split along the pipeline axis '{}' "
-                                      "(--shard-head / --shard-embedding), which is not supported "
-                                      "yet: its segment spans every pipeline stage, and the "
-                                      "executor builds one pipeline stage's part of the model per "
-                                      "segment, with its vocabulary-parallel collectives over the "
-                                      "tensor-parallel axes only",
+                          fmt::format("operator '{}' is split along the pipeline axis '{}', "
+                                      "which only the vocabulary of embed.word, head.proj and "
+                                      "loss may be, in an embedding's or head's segment "
+                                      "spanning the pipeline stages (--shard-embedding, "
+                                      "--shard-head: \"devices\": {{}})",
                                       op.name, a));
           }
         }
-        if (tp_set && axes != tp_axes) {
+        if (!sequence_parallel) split_of[op.name] = axes;
+        if (tensor_axes.empty()) continue;  // the pipeline axes only
+        if (tp_set && tensor_axes != tp_axes) {
           return refuse("partition",
                         fmt::format("operator '{}' is split over {} but others over {}; all "
                                     "tensor-parallel splits must use the same axes",
-                                    op.name, join(axes, "+"), join(tp_axes, "+")));
+                                    op.name, join(tensor_axes, "+"), join(tp_axes, "+")));
         }
-        tp_axes = axes;
+        tp_axes = tensor_axes;
         tp_set = true;
-        if (!sequence_parallel) split_of[op.name] = axes;
       }
     }
   }
@@ -204,6 +225,18 @@ Status check_runnable(const Plan& plan) {
     return refuse("partition", fmt::format("tensor-parallel degree {} does not divide heads {}, "
                                            "ffn_hidden {} and vocab {}",
                                            tp, m.heads, m.ffn_hidden, m.vocab));
+  }
+  for (const char* op : {"embed.word", "head.proj"}) {
+    int ways = 1;
+    for (const std::string& a : split_of.count(op) ? split_of[op] : std::vector<std::string>{}) {
+      ways *= plan.mesh.axis_size(a);
+    }
+    if (m.vocab % ways != 0) {
+      return refuse("model.vocab", fmt::format("{} is not divisible by the {} shards of {}'s "
+                                               "vocabulary; pad it (nnsim plan pads it to 128 "
+                                               "tp pp with --shard-head or --shard-embedding)",
+                                               m.vocab, ways, op));
+    }
   }
   if (split_of.count("attn.qkv") && m.kv_heads % tp != 0) {
     return refuse("model.kv_heads",
@@ -282,23 +315,16 @@ Status check_runnable(const Plan& plan) {
                                       a.name, a.size));
   }
 
-  // One segment per order, not spanning orders; F and B blocks only, each once.
+  // F, B, R, BI and BW blocks, each micro-batch's once (a spanning segment's in every order).
   const int mb = plan.num_micro_batches();
   if (mb < 1) return refuse("training", "no micro-batches per replica");
   if (plan.recycle < 1) {
     return refuse("training.recycle",
                   fmt::format("{} forward passes per micro-batch; at least 1", plan.recycle));
   }
-  for (std::size_t si = 0; si < plan.segments.size(); ++si) {
-    for (const std::string& a : pp_axes) {
-      if (!plan.segments[si].devices.count(a)) {
-        return refuse(fmt::format("segments[{}].devices", si),
-                      fmt::format("segment '{}' spans several pipeline stages (--shard-head / "
-                                  "--shard-embedding), which is not supported yet: the executor "
-                                  "runs each segment on one rank of the pipeline axes, receiving "
-                                  "from and sending to one neighbour",
-                                  plan.segments[si].name));
-      }
+  if (any_spanning(plan)) {
+    if (const std::optional<Refusal> r = check_spanning_runnable(plan)) {
+      return refuse(r->field, r->why);
     }
   }
   enum Kind { kF, kB, kR, kBI, kBW };

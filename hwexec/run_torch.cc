@@ -18,8 +18,9 @@
 // (training.recycle) run earlier passes without autograd, recycling the last segment's output
 // into the first segment's embedding; zero-bubble BI blocks defer the linear layers' weight
 // gradients to BW (run_split_backward.h); context parallelism splits every sequence over cp,
-// attn.core exchanging keys and values (run_context_parallel.h). Collectives follow the compiled
-// program's order and labels (core/program.cc).
+// attn.core exchanging keys and values (run_context_parallel.h); the head's and the embedding's
+// segments may span the pipeline stages, their vocabulary split over pp too (run_spanning.h).
+// Collectives follow the compiled program's order and labels (core/program.cc).
 // On the CPU (--device cpu) the collectives go over the TCP-socket Comm and spans are timed with
 // the steady clock. On a GPU (--device cuda, only in a build whose LibTorch has CUDA) every rank
 // owns one GPU, the collectives and pipeline transfers are NCCL calls in the same order
@@ -49,6 +50,7 @@
 #include "hwexec/run_context_parallel.h"
 #include "hwexec/run_model_masks.h"
 #include "hwexec/run_precision.h"
+#include "hwexec/run_spanning.h"
 #include "hwexec/run_split_backward.h"
 #include "hwexec/run_zero3.h"
 
@@ -206,6 +208,10 @@ struct Ctx {
   NcclComms* nccl = nullptr;
 #endif
   std::vector<at::Tensor> in_flight;  // sent tensors, kept until the iteration's synchronize
+  // The socket Comm's channel of point-to-point transfers (pipeline, cp ring): apart from the
+  // collectives', whose messages may pass between the same two ranks in between (a segment
+  // spanning the pipeline stages all-reduces over pp).
+  static constexpr int kPointToPoint = 1;
 
   void all_reduce(at::Tensor& t, const std::vector<int>& group, const std::string& axes,
                   const std::string& label, Comm::Op op = Comm::Op::kSum) {
@@ -317,6 +323,19 @@ struct Ctx {
   void tp_all_reduce(at::Tensor& t, const std::string& label, Comm::Op op = Comm::Op::kSum) {
     all_reduce(t, tp_group, tp_axes, label, op);
   }
+  // The vocabulary-parallel operators' groups (embed.word's, head.proj's and the loss's): the
+  // tensor-parallel group, or with the pipeline axes too where their segment spans the stages
+  // (run_spanning.h). Partial sums are reduced axis by axis (`label_of` names each reduction),
+  // the loss's statistics over the whole group.
+  VocabSplit embed_vocab, head_vocab;
+  void vocab_reduce(const VocabSplit& v, at::Tensor& t,
+                    const std::function<std::string(const VocabSplit::Axis&)>& label_of) {
+    for (const VocabSplit::Axis& a : v.per_axis) all_reduce(t, a.group, a.name, label_of(a));
+  }
+  void vocab_all_reduce(const VocabSplit& v, at::Tensor& t, const std::string& label,
+                        Comm::Op op = Comm::Op::kSum) {
+    all_reduce(t, v.group, v.axes, label, op);
+  }
   // `record` false: not a transfer of the plan (an interleaved transfer's header).
   void send(int peer, const at::Tensor& t, const std::string& label, bool record = true) {
     at::Tensor c = t.contiguous();
@@ -335,7 +354,7 @@ struct Ctx {
     }
 #endif
     const Mark a = stats->mark();
-    ok_or_throw(comm->send(peer, c.data_ptr(), c.nbytes()));
+    ok_or_throw(comm->send(peer, c.data_ptr(), c.nbytes(), kPointToPoint));
     if (record) {
       stats->coll("send", pp_axes, label, static_cast<double>(c.nbytes()), a, stats->mark());
     }
@@ -353,7 +372,7 @@ struct Ctx {
       return t;
     }
 #endif
-    ok_or_throw(comm->recv(peer, t.data_ptr(), t.nbytes()));
+    ok_or_throw(comm->recv(peer, t.data_ptr(), t.nbytes(), kPointToPoint));
     if (record) {
       stats->coll("recv", pp_axes, label, static_cast<double>(t.nbytes()), a, stats->mark());
     }
@@ -435,6 +454,9 @@ struct Split {
   // Context parallelism: `cp` ranks each hold the tokens at cp_positions(seq_len, cp, cp_index)
   // of every sequence, through every operator.
   int cp = 1, cp_index = 0;
+  // The rank's vocabulary shard of embed.word and head.proj when they are split along the
+  // pipeline axes too (run_spanning.h); -1: its place in the tensor-parallel group.
+  int embed_vocab_index = -1, head_vocab_index = -1;
 };
 
 // Frees or reallocates a tensor's storage in place (FSDP's trick): autograd's saved references
@@ -529,7 +551,7 @@ class Model {
       alibi_ = alibi_slopes_of(a, first_head_, kl * g, device);
     if (embedding_) {
       const int64_t vl = V / split.embed_vocab;
-      const int tv = split.embed_vocab > 1 ? t_ : 0;
+      const int tv = vocab_index(/*head=*/false);
       word_ = add("embed.word.weight", {V, h}, 0.1, 0,
                   [=](const at::Tensor& x) { return x.narrow(0, tv * vl, vl); });
       if (spec.position == PositionKind::kLearned) {
@@ -573,7 +595,7 @@ class Model {
       if (spec.bias) hn_b_ = add("head.norm.bias", {h}, 0.1, 0, whole);
       if (!spec.tied_embeddings) {
         const int64_t vl = V / split.head_vocab;
-        const int tv = split.head_vocab > 1 ? t_ : 0;
+        const int tv = vocab_index(/*head=*/true);
         head_w_ = add("head.proj.weight", {h, V}, 0.1, 0,
                       [=](const at::Tensor& x) { return x.narrow(1, tv * vl, vl); });
       }
@@ -591,6 +613,9 @@ class Model {
   // fp8 training: the blocks' linear layers with fp8 GEMM inputs, the rest in the compute dtype
   // (bf16).
   void set_fp8(bool on) { fp8_ = on; }
+  // The segment's first layer (layer 0) reads a spanning embedding's tensor-parallel partial
+  // sums and reduces them first (run_spanning.h).
+  void set_reduce_input(bool on) { reduce_input_ = on; }
   // The operators the plan's recompute rules name in each layer of this part.
   void set_recompute(const std::vector<RecomputeRule>& rules) {
     // Rules without layers also recompute the embedding and the head (the program's
@@ -673,6 +698,22 @@ class Model {
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       c.unit_before(first_unit + static_cast<int>(l), false);
       tape.layers[l].key = tape.key;
+      if (l == 0 && reduce_input_) {
+        // The spanning embedding's tensor-parallel partial sums, reduced for attn.norm (the
+        // program's conversion of the first layer's input; under sequence parallelism
+        // reduce-scattered, or sliced when the vocabulary is split over the pipeline axes
+        // only); the layer keeps the sums.
+        bool partial = false;
+        for (const VocabSplit::Axis& a : c.embed_vocab.per_axis) partial = partial || !a.pipeline;
+        if (split_.seq > 1) {
+          x = partial ? scatter_seq(c, x, "attn.norm") : my_seq(x);
+        } else if (partial) {
+          x = x.clone();
+          for (const VocabSplit::Axis& a : c.embed_vocab.per_axis) {
+            if (!a.pipeline) c.all_reduce(x, a.group, a.name, "attn.norm");
+          }
+        }
+      }
       x = layer_forward(c, static_cast<int>(l), x, tape.layers[l]);
     }
     if (!head_) return x;
@@ -708,9 +749,20 @@ class Model {
       }
       at::Tensor dn = bwd(st, "head.proj", tape.hproj, dlogits.to(dtype_))[0];
       if (sp) {
-        dn = vsplit > 1 ? scatter_seq(c, dn, "head.proj") : my_seq(dn);
+        // A spanning head's partial sums over the pipeline axes first (the program's order).
+        const VocabSplit& v = spec_.tied_embeddings ? c.embed_vocab : c.head_vocab;
+        bool tensor_partial = vsplit > 1;
+        if (vsplit > 1 && v.pipeline) {
+          tensor_partial = false;
+          for (const VocabSplit::Axis& a : v.per_axis) {
+            if (a.pipeline) c.all_reduce(dn, a.group, a.name, "head.proj");
+            tensor_partial = tensor_partial || !a.pipeline;
+          }
+        }
+        dn = tensor_partial ? scatter_seq(c, dn, "head.proj") : my_seq(dn);
       } else if (vsplit > 1) {
-        c.tp_all_reduce(dn, "head.proj");
+        c.vocab_reduce(spec_.tied_embeddings ? c.embed_vocab : c.head_vocab, dn,
+                       [](const VocabSplit::Axis&) { return std::string("head.proj"); });
       }
       dy = bwd(st, "head.norm", tape.hnorm, dn)[0];
       c.unit_after_backward(head_unit());
@@ -730,7 +782,9 @@ class Model {
       }
       if (spec_.dropout) dy = bwd(st, "embed.dropout", tape.drop, dy)[0];
       at::Tensor de = pos_ ? bwd(st, "embed.position", tape.pos, dy)[0] : dy;
-      if (split_.seq > 1) {
+      // Under sequence parallelism the sequence slices gathered (unless a spanning embedding's
+      // gradient arrived whole: run() gathers it as it arrives, as the program's transfer).
+      if (split_.seq > 1 && de.size(1) != positions_.size(0)) {
         de = gather_seq(c, de,
                         pos_            ? "embed.position"
                         : spec_.dropout ? "embed.dropout"
@@ -787,6 +841,14 @@ class Model {
   }
 
  private:
+  // The rank's shard of the vocabulary: embed.word's, or the head's (the embedding's when tied).
+  int vocab_index(bool head) const {
+    const bool own = head && !spec_.tied_embeddings;
+    const int ways = own ? split_.head_vocab : split_.embed_vocab;
+    const int index = own ? split_.head_vocab_index : split_.embed_vocab_index;
+    return ways <= 1 ? 0 : index >= 0 ? index : t_;
+  }
+
   Param* add(const std::string& name, std::vector<int64_t> shape, double scale, double offset,
              std::function<at::Tensor(const at::Tensor&)> cut) {
     // Drawn on the CPU on every device, so that a GPU run starts from the CPU run's weights.
@@ -963,7 +1025,7 @@ class Model {
     const at::Tensor& rec = again ? tape.recycled : recycled;
     if (runs("embed.word")) {
       const int64_t vl = spec_.vocab / split_.embed_vocab;
-      const int64_t start = split_.embed_vocab > 1 ? t_ * vl : 0;
+      const int64_t start = vocab_index(/*head=*/false) * vl;
       tape.word = fwd(st, "embed.word", phase, {}, [&](const std::vector<at::Tensor>&) {
         // The rows looked up in fp32, then cast: the same values as a lookup in a bf16 copy of
         // the table, without casting the whole table.
@@ -979,14 +1041,30 @@ class Model {
       // The word embeddings' partial sums (vocab-parallel) reduced for the operator that reads
       // them, which the program names the conversion after.
       const char* reader = pos_ ? "embed.position" : spec_.dropout ? "embed.dropout" : "attn.norm";
-      at::Tensor e;
-      if (split_.seq > 1) {
+      at::Tensor e = tape.word.out.detach().clone();
+      // A spanning embedding's partial sums over the pipeline axes first, as the program
+      // converts one axis at a time (labelled as its partial sums without an operator of its
+      // own reading them: no position table, no dropout); then the tensor-parallel ones, but
+      // without such an operator those go on to the first layer's segment (reduce_input_).
+      const bool own_reader = pos_ || spec_.dropout;
+      bool tensor_partial = split_.embed_vocab > 1;
+      if (split_.embed_vocab > 1 && c.embed_vocab.pipeline) {
+        tensor_partial = false;
+        for (const VocabSplit::Axis& a : c.embed_vocab.per_axis) {
+          if (a.pipeline) {
+            c.all_reduce(e, a.group, a.name, own_reader ? reader : "embed.partial-sums");
+          }
+          tensor_partial = tensor_partial || !a.pipeline;
+        }
+        if (!own_reader) tensor_partial = false;
+      }
+      if (split_.seq > 1 && (own_reader || !c.embed_vocab.pipeline)) {
         // Sequence parallelism: reduce-scattered to this rank's slice.
-        e = split_.embed_vocab > 1 ? scatter_seq(c, tape.word.out.detach(), reader)
-                                   : my_seq(tape.word.out.detach());
-      } else {
-        e = tape.word.out.detach().clone();
-        if (split_.embed_vocab > 1) c.tp_all_reduce(e, reader);
+        e = tensor_partial ? scatter_seq(c, e, reader) : my_seq(e);
+      } else if (tensor_partial) {
+        for (const VocabSplit::Axis& a : c.embed_vocab.per_axis) {
+          if (!a.pipeline) c.all_reduce(e, a.group, a.name, reader);
+        }
       }
       if (rec.defined()) e = e + rec.to(e.scalar_type());
       x = e;  // rotary or ALiBi positions: applied in attn.core
@@ -1056,18 +1134,20 @@ class Model {
       const Mark t0 = st.mark();
       at::Tensor logits = tape.hproj.out.detach().to(at::kFloat);  // cross-entropy in fp32
       const int64_t vl = logits.size(-1);
-      const int64_t start = vsplit > 1 ? t_ * vl : 0;
+      const int64_t start = vocab_index(/*head=*/true) * vl;
+      // The vocabulary's group: the embedding's when tied.
+      const VocabSplit& vg = tied ? c.embed_vocab : c.head_vocab;
       at::Tensor lmax = std::get<0>(logits.max(-1));
-      if (vsplit > 1) c.tp_all_reduce(lmax, "loss", Comm::Op::kMax);
+      if (vsplit > 1) c.vocab_all_reduce(vg, lmax, "loss", Comm::Op::kMax);
       at::Tensor z = logits - lmax.unsqueeze(-1);
       tape.ez = z.exp();
       tape.se = tape.ez.sum(-1);
-      if (vsplit > 1) c.tp_all_reduce(tape.se, "loss");
+      if (vsplit > 1) c.vocab_all_reduce(vg, tape.se, "loss");
       at::Tensor local = tgt - start;
       at::Tensor mask = (local >= 0).logical_and(local < vl).to(at::kFloat);
       at::Tensor idx = local.clamp(0, vl - 1).unsqueeze(-1);
       at::Tensor target_logit = z.gather(-1, idx).squeeze(-1) * mask;
-      if (vsplit > 1) c.tp_all_reduce(target_logit, "loss");
+      if (vsplit > 1) c.vocab_all_reduce(vg, target_logit, "loss");
       if (!again) tape.loss = (tape.se.log() - target_logit).mean();
       tape.onehot = at::zeros_like(z).scatter_(-1, idx, mask.unsqueeze(-1));
       st.op("loss", phase, t0, st.mark(), /*minus_collectives=*/true);
@@ -1356,10 +1436,11 @@ class Model {
   std::vector<DeferredWeightGrad>* deferred_ = nullptr;
   int unit_ = -1;  // the parameter unit whose backward runs (a deferred gradient's unit)
   Param *word_ = nullptr, *pos_ = nullptr, *hn_g_ = nullptr, *hn_b_ = nullptr, *head_w_ = nullptr;
-  at::Tensor positions_;    // the sequence positions of the rank's tokens (long)
-  int64_t first_head_ = 0;  // the global index of the rank's first query head
-  bool fp8_ = false;        // the blocks' linear layers take fp8 inputs (set_fp8)
-  at::Tensor alibi_;        // ALiBi: the slopes of the rank's heads (fp32); else undefined
+  at::Tensor positions_;       // the sequence positions of the rank's tokens (long)
+  int64_t first_head_ = 0;     // the global index of the rank's first query head
+  bool fp8_ = false;           // the blocks' linear layers take fp8 inputs (set_fp8)
+  bool reduce_input_ = false;  // set_reduce_input
+  at::Tensor alibi_;           // ALiBi: the slopes of the rank's heads (fp32); else undefined
 };
 
 // The plan as this rank sees it.
@@ -1432,8 +1513,12 @@ Layout layout_of(const Plan& plan, int rank) {
       }
     }
     int n = 1;
-    for (const std::string& a : axes) n *= plan.mesh.axis_size(a);
-    if (!axes.empty()) L.tp_axes = axes;
+    std::vector<std::string> tensor;  // the pipeline axes (a spanning segment's) left out
+    for (const std::string& a : axes) {
+      n *= plan.mesh.axis_size(a);
+      if (!pp.count(a)) tensor.push_back(a);
+    }
+    if (!tensor.empty()) L.tp_axes = tensor;
     return n;
   };
   L.split.heads = degree("attn.qkv");
@@ -1577,6 +1662,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   ctx.dp_group = group_along(mesh, rank, {kDataParallelAxis});
   ctx.tp_index = static_cast<int>(std::find(ctx.tp_group.begin(), ctx.tp_group.end(), rank) -
                                   ctx.tp_group.begin());
+  ctx.embed_vocab = vocab_split(plan, rank, "embed.word", ctx.tp_group, ctx.tp_axes);
+  ctx.head_vocab = vocab_split(plan, rank, "head.proj", ctx.tp_group, ctx.tp_axes);
+  L.split.embed_vocab_index = ctx.embed_vocab.index;
+  L.split.head_vocab_index = ctx.head_vocab.index;
   if (L.split.cp > 1) {
     // Context parallelism: the cp ring, and the gradients summed over dp and cp (the program's
     // gradient buckets when every weighted operator is split along the sequence).
@@ -1616,11 +1705,28 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     peers[sg] = {p >= 0 ? peer_in(mesh, rank, plan.segments[p]) : -1,
                  q >= 0 ? peer_in(mesh, rank, plan.segments[q]) : -1};
   }
+  // Segments spanning the pipeline stages (--shard-head, --shard-embedding): every transfer
+  // between neighbouring segments as the program moves it (run_spanning.h), in memory where
+  // this rank holds both; per (segment, is a gradient), into the segment and out of it.
+  const bool spanning = any_spanning(plan);
+  std::map<std::pair<int, bool>, TransferEnds> ends_in, ends_out;
+  for (int sg : spanning ? L.segments : std::vector<int>{}) {
+    const auto [p, q] = L.neighbours.at(sg);
+    if (p >= 0) {
+      ends_in[{sg, false}] = transfer_ends(plan, rank, p, sg);
+      ends_out[{sg, true}] = transfer_ends(plan, rank, sg, p);
+    }
+    if (q >= 0) {
+      ends_out[{sg, false}] = transfer_ends(plan, rank, sg, q);
+      ends_in[{sg, true}] = transfer_ends(plan, rank, q, sg);
+    }
+  }
   // Several segments on a rank (interleaved): transfers between two ranks are matched by
   // (direction, segment, micro-batch), not by their order (see Ctx::send_tagged).
   // Repeated forwards tag them too: the recycled outputs and the gradients travel the same way
-  // with the same shape, in orders the schedule may interleave differently on the two ranks.
-  bool tagged = plan.recycle > 1;
+  // with the same shape, in orders the schedule may interleave differently on the two ranks;
+  // and so do spanning segments, whose blocks interleave the two directions alike.
+  bool tagged = plan.recycle > 1 || spanning;
   for (const DeviceOrder& o : plan.schedule) {
     for (const Block& blk : o.blocks) tagged = tagged || blk.segment != o.blocks.front().segment;
   }
@@ -1652,13 +1758,24 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         edge_set.insert({peer, rank});
       }
     }
-    for (int peer : {ctx.cp_next, ctx.cp_prev, recycle_from, recycle_to}) {  // cp ring, recycling
+    std::vector<int> others = {ctx.cp_next, ctx.cp_prev, recycle_from, recycle_to};
+    for (const auto* ends : {&ends_in, &ends_out}) {  // spanning segments' transfers
+      for (const auto& [k, e] : *ends) {
+        others.push_back(e.recv_from);
+        others.insert(others.end(), e.send_to.begin(), e.send_to.end());
+      }
+    }
+    for (int peer : others) {  // cp ring, recycling, spanning segments
       if (peer < 0 || peer == rank) continue;
       edge_set.insert({rank, peer});
       edge_set.insert({peer, rank});
     }
     const std::vector<std::pair<int, int>> edges(edge_set.begin(), edge_set.end());
     std::vector<std::vector<int>> groups = {ctx.tp_group, ctx.dp_group};
+    for (const VocabSplit* v : {&ctx.embed_vocab, &ctx.head_vocab}) {  // NcclComms dedupes
+      groups.push_back(v->group);
+      for (const VocabSplit::Axis& a : v->per_axis) groups.push_back(a.group);
+    }
     if (L.split.cp > 1) groups.push_back(ctx.cp_group);  // the keys' and values' all-gather
     auto made = NcclComms::create(comm, gpu_index, groups, edges);
     if (!made) return made.error();
@@ -1680,6 +1797,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
                                          seg.head, L.split, ctx.tp_index, opt.seed, device, dtype);
     models[sg]->set_recompute(plan.recompute);
     models[sg]->set_fp8(run_type == "fp8");
+    models[sg]->set_reduce_input(!seg.embedding && seg.first_layer == 0 &&
+                                 seg.end_layer > seg.first_layer && ctx.embed_vocab.pipeline &&
+                                 plan.model.position != PositionKind::kLearned &&
+                                 !plan.model.dropout);
     for (Param& p : models[sg]->params()) params.push_back(&p);
     has_head = has_head || seg.head;
   }
@@ -1892,11 +2013,52 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     if (!sliced_transfers) return x;
     return ctx.all_gather(x, ctx.tp_group, ctx.tp_axes, label).view(shape);
   };
+  // Spanning segments: a transfer into segment `sg` (is a `gradient`) of micro-batch `m`, received
+  // or taken from this rank's own neighbouring segment; one out of `sg` into `to`, sent to the
+  // ranks that need it and kept where this rank runs `to` too.
+  std::map<std::tuple<bool, int, int>, at::Tensor> handoff;  // (gradient, segment, micro-batch)
+  // Sequence parallelism without a position table or dropout: the first stage hands a spanning
+  // embedding the gradient of its whole sequence (its layer 0 gathers it), which the other
+  // stages' embeddings receive as a slice and all-gather over tp (the program's scatter-gather).
+  const bool whole_embedding_grad = spanning && L.split.seq > 1 && ctx.embed_vocab.pipeline &&
+                                    plan.model.position != PositionKind::kLearned &&
+                                    !plan.model.dropout;
+  auto span_recv = [&](int sg, bool gradient, int m, const std::vector<int64_t>& shape,
+                       int64_t tg) {
+    const TransferEnds& e = ends_in.at({sg, gradient});
+    const Segment& into = plan.segments[sg];
+    if (!e.local && gradient && whole_embedding_grad && into.embedding &&
+        into.end_layer == into.first_layer) {
+      const at::Tensor slice = pp_recv(e.recv_from, shape, "gradient", tg);
+      const int64_t n = L.split.seq;
+      return ctx.all_gather(slice.reshape({-1}), ctx.tp_group, ctx.tp_axes, "gradient")
+          .view({n, shape[0], shape[1], shape[2]})
+          .permute({1, 0, 2, 3})
+          .reshape({shape[0], n * shape[1], shape[2]});
+    }
+    if (!e.local) return pp_recv(e.recv_from, shape, gradient ? "gradient" : "activation", tg);
+    const auto it = handoff.find({gradient, sg, m});
+    if (it == handoff.end()) {
+      throw Failure{
+          fmt::format("rank {}: the {} of micro-batch {} into segment '{}' is not ready "
+                      "(the block producing it comes later in the order)",
+                      rank, gradient ? "gradient" : "activation", m, plan.segments[sg].name)};
+    }
+    const at::Tensor t = it->second;
+    handoff.erase(it);
+    return t;
+  };
+  auto span_send = [&](int sg, bool gradient, int m, const at::Tensor& t, int to, int64_t tg) {
+    const TransferEnds& e = ends_out.at({sg, gradient});
+    if (e.local) handoff[{gradient, to, m}] = t;
+    for (int peer : e.send_to) pp_send(peer, t, gradient ? "gradient" : "activation", tg);
+  };
   const double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, lr = 1e-4;
   for (int it = 0; it < opt.warmup + opt.iterations; ++it) {
     ok_or_throw(comm.barrier());
     stats.recording = it >= opt.warmup;
     for (Param* p : params) p->w.mutable_grad() = at::Tensor();
+    handoff.clear();
     const auto t0 = Clock::now();
     const at::Tensor data = batch(plan, opt.seed, it, device);
     std::map<std::pair<int, int>, MicroBatchTape> tapes;  // (segment, micro-batch)
@@ -1930,7 +2092,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         MicroBatchTape& ftape = earlier ? scratch : tape;
         at::Tensor x;
         if (!model.has_embedding()) {
-          x = pp_recv(prev, shape, "activation", tag(false, sg));
+          x = spanning ? span_recv(sg, false, m, shape, tag(false, sg))
+                       : pp_recv(prev, shape, "activation", tag(false, sg));
         } else if (blk.pass > 0 && recycle_from == rank) {
           x = recycled.at(m);
           recycled.erase(m);
@@ -1951,17 +2114,24 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
           }
         } else if (model.has_head()) {
           loss_sum.add_(tape.loss, loss_scale);
+        } else if (spanning) {
+          const int to = L.neighbours.at(sg).second;
+          span_send(sg, false, m, y, to, tag(false, to));
         } else {
           pp_send(next, y, "activation", tagged ? tag(false, L.neighbours.at(sg).second) : 0);
         }
       } else {
         at::Tensor dy;
         if (!model.has_head()) {
-          dy = pp_recv(next, shape, "gradient", tag(true, sg));
+          dy = spanning ? span_recv(sg, true, m, shape, tag(true, sg))
+                        : pp_recv(next, shape, "gradient", tag(true, sg));
         }
         const bool input_only = blk.kind == BlockKind::kBackwardInput;
         at::Tensor dx = model.backward(ctx, tape, dy, loss_scale * fp16_scale, input_only);
-        if (!model.has_embedding()) {
+        if (!model.has_embedding() && spanning) {
+          const int to = L.neighbours.at(sg).first;
+          span_send(sg, true, m, dx, to, tag(true, to));
+        } else if (!model.has_embedding()) {
           pp_send(prev, dx, "gradient", tagged ? tag(true, L.neighbours.at(sg).first) : 0);
         }
         if (!input_only) {

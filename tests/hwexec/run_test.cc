@@ -27,6 +27,7 @@
 #include "hwexec/comm.h"
 #include "hwexec/run.h"
 #include "hwexec/run_model_ops.h"
+#include "hwexec/run_spanning.h"
 #include "process.h"
 #include "synthetic.h"
 
@@ -243,6 +244,26 @@ TEST(Comm, MismatchedMessageSizesFailLoudly) {
   }));
 }
 
+// Channels: point-to-point messages on channel 1 keep their own order, and a receive on one
+// channel keeps what arrives first on another (a pipeline transfer queued before an all-reduce
+// of the same two ranks, as a segment spanning the pipeline stages has them).
+TEST(Comm, ChannelsKeepTheirOwnOrder) {
+  EXPECT_TRUE(in_processes(2, [](Comm& c) {
+    const int peer = c.rank() ^ 1;
+    std::vector<float> v = {float(c.rank() + 1)};
+    if (c.rank() == 0) {
+      const float a = 7, b = 8;
+      if (!c.send(peer, &a, 4, 1).ok() || !c.send(peer, &b, 4, 1).ok()) return false;
+      if (!c.all_reduce({0, 1}, v.data(), 1).ok()) return false;
+      return v[0] == 3;
+    }
+    if (!c.all_reduce({0, 1}, v.data(), 1).ok() || v[0] != 3) return false;
+    float a = 0, b = 0;
+    if (!c.recv(peer, &a, 4, 1).ok() || !c.recv(peer, &b, 4, 1).ok()) return false;
+    return a == 7 && b == 8 && !c.recv(peer, &a, 4, Comm::kChannels).ok();
+  }));
+}
+
 // ---------------------------------------------------------------- plans
 
 struct Case {
@@ -304,15 +325,26 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   ASSERT_TRUE(file.ok()) << file.error().message();
   EXPECT_EQ(file->dtype, c.precision);
   EXPECT_TRUE(file->check_passed());
+  const auto flag = [&](const char* f) {
+    return std::find(c.plan_flags.begin(), c.plan_flags.end(), f) != c.plan_flags.end();
+  };
   if (c.tp == 1 && c.dp == 1 && c.cp == 1) {
     // Without replicas, the ranks' parameters are the model's as the simulator counts them
     // (the operator graph's shapes: GQA's narrower qkv, SwiGLU's two fc1 branches, no biases,
-    // no position table with rope).
-    Expected<ModelSpec> m = load_model(*c.model);
-    ASSERT_TRUE(m.ok()) << m.error().message();
+    // no position table with rope), the plan's (--shard-head and --shard-embedding pad the
+    // vocabulary); a segment spanning the pipeline stages holds its unsplit parameters on
+    // every stage (the head's norm, the position table).
+    Expected<Plan> plan = load_plan(dir.file("plan.json"));
+    ASSERT_TRUE(plan.ok()) << plan.error().message();
+    const ModelSpec& m = plan->model;
+    double copies = 0;
+    if (flag("--shard-head")) copies += m.hidden * (m.bias ? 2 : 1);
+    if (flag("--shard-embedding") && m.position == PositionKind::kLearned) {
+      copies += static_cast<double>(m.seq_len) * m.hidden;
+    }
     double held = 0;
     for (const RankResult& k : file->ranks) held += k.parameters;
-    EXPECT_EQ(held, static_cast<double>(m->parameters()));
+    EXPECT_EQ(held, static_cast<double>(m.parameters()) + (c.pp - 1) * copies);
   }
   // The worst shard's error relative to its reference: fp32 runs agree to rounding; bf16 runs
   // must show bf16's rounding (they really computed in bf16) and stay within its tolerance.
@@ -572,7 +604,27 @@ INSTANTIATE_TEST_SUITE_P(
         // fp8: the blocks' linear layers with e4m3 inputs and e5m2 output gradients (per-tensor
         // scales), the rest bf16, every collective bf16 as the program prices it.
         Case{"fp8_tp2", 2, 1, 1, "1f1b", 2, &kModel, "fp8"},
-        Case{"fp8_llama_sp_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "fp8", {"--sequence-parallel"}}),
+        Case{"fp8_llama_sp_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "fp8", {"--sequence-parallel"}},
+        // The head sharded over the pipeline stages (its segment spans them): head.proj's and
+        // the loss's vocabulary over pp and tp, the loss's statistics all-reduced over both,
+        // the projection's input gradient over pp then tp; the last stage's output sent to the
+        // other stage, kept by its own.
+        with("shard_head_tp2_pp2", 2, 2, 1, 4, {"--shard-head"}),
+        // ... and the embedding too (Tessel's M shape), with sequence parallelism and split
+        // backwards: rotary positions, so the word embeddings' partial sums are all-reduced
+        // over pp as embed.partial-sums and reduce-scattered over tp by the first layer's
+        // stage, whose input gradient goes whole to the other stage's embedding (a tp slice
+        // each, all-gathered on arrival); the head's input gradient all-reduced over pp, then
+        // reduce-scattered over tp.
+        Case{"shard_embedding_head_tessel_llama_sp_tp2_pp2",
+             2,
+             2,
+             1,
+             "tessel",
+             4,
+             &kLlama,
+             "fp32",
+             {"--shard-embedding", "--shard-head", "--sequence-parallel"}}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // --check compares the first iteration only; the later ones show that ZeRO-3's bf16 gathers
@@ -635,12 +687,13 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
         << r;
     EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
   };
-  // The head sharded over the pipeline stages (its segment spans them).
-  ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 4, {"--shard-head"}).status, 0);
+  // The head sharded over the pipeline stages (its segment spans them) with context
+  // parallelism.
+  ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 4, {"--shard-head"}, kModel, "fp32", 2).status, 0);
   refused(
-      {"cannot run this plan: partition: operator 'head.proj' is split along the pipeline axis "
-       "'pp' (--shard-head / --shard-embedding), which is not supported yet: its segment spans "
-       "every pipeline stage"});
+      {"cannot run this plan: partition[0]: '*' splits attn.core along 'seq' (context "
+       "parallelism), which is not supported yet together with a segment spanning the "
+       "pipeline stages"});
 
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
   RunResult r =
@@ -758,6 +811,112 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   ASSERT_TRUE(one.ok()) << one.error().message();
   one->model.kv_heads = 1;
   EXPECT_TRUE(check_runnable(*one).ok()) << check_runnable(*one).error().message();
+}
+
+// Segments spanning the pipeline stages (--shard-head, --shard-embedding): what runs, where the
+// tensors between segments go (as the compiled program's source_lane), and what is refused.
+TEST(NnexecRunSpanning, TransfersAndVocabularyShardsAsTheProgram) {
+  Expected<Plan> plan = [] {
+    TempDir dir;
+    EXPECT_EQ(make_plan(dir, 2, 2, 1, "1f1b", 4, {"--shard-head"}).status, 0);
+    return load_plan(dir.file("plan.json"));
+  }();
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  EXPECT_TRUE(check_runnable(*plan).ok()) << check_runnable(*plan).error().message();
+  ASSERT_TRUE(any_spanning(*plan));
+  // Mesh dp1 pp2 cp1 tp2: rank = 2 pp + tp. Segments: stage0 (pp 0), stage1 (pp 1), head (all).
+  EXPECT_FALSE(spans_orders(*plan, 1));
+  EXPECT_TRUE(spans_orders(*plan, 2));
+  // Forward: stage1's output goes from pp 1 to the head's other order, kept on its own.
+  TransferEnds e = transfer_ends(*plan, 3, 1, 2);
+  EXPECT_TRUE(e.local);
+  EXPECT_EQ(e.send_to, std::vector<int>{1});
+  e = transfer_ends(*plan, 1, 1, 2);
+  EXPECT_FALSE(e.local);
+  EXPECT_EQ(e.recv_from, 3);
+  EXPECT_TRUE(e.send_to.empty());
+  // Backward: the head's input gradient stays on pp 1, and pp 0 sends none.
+  e = transfer_ends(*plan, 3, 2, 1);
+  EXPECT_TRUE(e.local);
+  EXPECT_TRUE(e.send_to.empty());
+  e = transfer_ends(*plan, 0, 2, 1);
+  EXPECT_FALSE(e.local);
+  EXPECT_EQ(e.recv_from, -1);
+  EXPECT_TRUE(e.send_to.empty());
+  // Between two stages: the ordinary pipeline transfer.
+  e = transfer_ends(*plan, 0, 0, 1);
+  EXPECT_EQ(e.send_to, std::vector<int>{2});
+  EXPECT_EQ(transfer_ends(*plan, 2, 0, 1).recv_from, 0);
+  // head.proj's vocabulary over pp then tp: shard 2 pp + tp of 4; partial sums reduced over pp,
+  // then over tp; the loss's statistics over all four ranks.
+  const VocabSplit v = vocab_split(*plan, 1, "head.proj", {0, 1}, "tp");
+  EXPECT_EQ(v.ways, 4);
+  EXPECT_EQ(v.index, 1);
+  EXPECT_EQ(vocab_split(*plan, 2, "head.proj", {2, 3}, "tp").index, 2);
+  ASSERT_EQ(v.per_axis.size(), 2u);
+  EXPECT_EQ(v.per_axis[0].name, "pp");
+  EXPECT_EQ(v.per_axis[0].group, (std::vector<int>{1, 3}));
+  EXPECT_TRUE(v.per_axis[0].pipeline);
+  EXPECT_EQ(v.per_axis[1].name, "tp");
+  EXPECT_EQ(v.per_axis[1].group, (std::vector<int>{0, 1}));
+  EXPECT_EQ(v.group, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(v.axes, "pp+tp");
+  // embed.word (in stage0) over tp only: the tensor-parallel group, as before.
+  const VocabSplit w = vocab_split(*plan, 1, "embed.word", {0, 1}, "tp");
+  EXPECT_EQ(w.index, -1);
+  EXPECT_EQ(w.axes, "tp");
+
+  auto refusal = [](const Plan& p) {
+    const Status s = check_runnable(p);
+    return s.ok() ? std::string("runs") : s.error().message();
+  };
+  Plan p = *plan;
+  p.recycle = 2;
+  EXPECT_TRUE(contains(refusal(p),
+                       "training.recycle: repeated forwards with a segment spanning the pipeline "
+                       "stages (--shard-head / --shard-embedding) are not supported yet"))
+      << refusal(p);
+  p = *plan;
+  p.segments[1].end_layer = 3;  // the head's segment with a layer
+  p.segments[2].first_layer = 3;
+  EXPECT_TRUE(contains(refusal(p),
+                       "segments[2].devices: segment 'head' spans several pipeline stages with "
+                       "layers [3, 4), which is not supported yet"))
+      << refusal(p);
+  p = *plan;
+  p.partition.push_back({"mlp.fc1", {{Dim::kFfn, {"pp", "tp"}}}});
+  EXPECT_TRUE(contains(refusal(p),
+                       "partition: operator 'mlp.fc1' is split along the pipeline axis 'pp', "
+                       "which only the vocabulary of embed.word, head.proj and loss may be"))
+      << refusal(p);
+  // Sequence parallelism with a spanning embedding that has no operator reading its partial
+  // sums (rotary positions), without scatter-gather transfers: the embedding made a segment of
+  // its own on every stage.
+  {
+    TempDir dir;
+    ASSERT_EQ(make_plan(dir, 2, 2, 1, "1f1b", 4, {"--shard-head", "--sequence-parallel"}).status,
+              0);
+    Expected<Plan> sp = load_plan(dir.file("plan.json"));
+    ASSERT_TRUE(sp.ok()) << sp.error().message();
+    EXPECT_TRUE(check_runnable(*sp).ok()) << check_runnable(*sp).error().message();
+    p = *sp;
+  }
+  p.model.position = PositionKind::kRope;
+  p.segments[0].embedding = false;
+  p.segments.push_back({"embedding", 0, 0, true, false, {}});
+  p.partition.push_back({"embed.word", {{Dim::kVocab, {"pp", "tp"}}}});
+  p.comm.pp_scatter_gather = false;
+  EXPECT_TRUE(contains(refusal(p),
+                       "communication.pp_scatter_gather: false with sequence parallelism, rope "
+                       "positions and the embedding's segment 'embedding' spanning the pipeline "
+                       "stages is not supported yet"))
+      << refusal(p);
+  p = *plan;
+  p.model.vocab = 130;  // divisible by tp 2, not by the head's 4 shards
+  EXPECT_TRUE(contains(refusal(p),
+                       "model.vocab: 130 is not divisible by the 4 shards of "
+                       "head.proj's vocabulary"))
+      << refusal(p);
 }
 
 // fp8 as Transformer Engine rounds: e4m3 (3 significand bits, normals from 2^-6, subnormals

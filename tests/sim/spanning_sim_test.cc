@@ -175,5 +175,61 @@ TEST(SpanningSim, ShardedEmbeddingAndHeadUnderTheSearch) {
   }
 }
 
+// The embedding sharded over the stages under sequence parallelism with rotary positions: the
+// first stage's layer 0 all-gathers its input gradient (the embedding needs the whole sequence),
+// so the gradient it hands the embedding's other lane is whole too: a 1/tp slice of it sent
+// (scatter-gather) and all-gathered over tp on arrival, as for any replicated transfer. It used
+// to be priced as the layers' sequence slice, with no gather before the embedding's backward.
+TEST(SpanningSim, ShardedEmbeddingGetsTheWholeGradientUnderSequenceParallelism) {
+  Expected<ModelSpec> m = load_model("llama3-8b");
+  ASSERT_TRUE(m.ok());
+  MegatronOptions o;
+  o.tp = 2;
+  o.pp = 2;
+  o.avoid_gpus = {4, 5, 6, 7};
+  o.global_batch = 4;
+  o.sequence_parallel = true;
+  o.shard_head = true;
+  o.shard_embedding = true;
+  o.schedule = ScheduleKind::kTessel;
+  Expected<Plan> p = build_megatron_plan(*m, one_node(), o);
+  ASSERT_TRUE(p.ok()) << p.error().message();
+  Expected<Program> prog = compile_plan(*p, one_node());
+  ASSERT_TRUE(prog.ok()) << prog.error().message();
+  int embedding = -1;
+  for (size_t s = 0; s < p->segments.size(); ++s) {
+    if (p->segments[s].embedding) embedding = static_cast<int>(s);
+  }
+  ASSERT_GE(embedding, 0);
+  ASSERT_EQ(p->segments[embedding].end_layer, 0);                    // a segment of its own
+  const double whole = prog->graph.layer.ops.back().output.bytes();  // [b, s, h]
+  const uint32_t tp = 1u << p->mesh.axis_index("tp");
+  int checked = 0;
+  for (const BlockTemplate& t : prog->templates) {
+    if (t.segment != embedding || t.kind == BlockKind::kForward ||
+        t.kind == BlockKind::kBackwardWeight) {
+      continue;
+    }
+    bool received = false, gathered = false;
+    for (const Step& st : t.steps) {
+      if (st.kind == StepKind::kRecv && st.gradient) {
+        received = true;
+        EXPECT_DOUBLE_EQ(st.bytes, whole / 2);
+      }
+      if (received && st.kind == StepKind::kCollective &&
+          st.collective == CollectiveKind::kAllGather && st.axes == tp &&
+          prog->labels[st.label] == "gradient") {
+        gathered = true;
+        EXPECT_DOUBLE_EQ(st.bytes, whole);
+      }
+    }
+    // The lane that runs the first stage has the gradient in memory; the other receives it.
+    EXPECT_EQ(received, t.lane != 0) << "lane " << t.lane;
+    EXPECT_EQ(gathered, t.lane != 0) << "lane " << t.lane;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 2);
+}
+
 }  // namespace
 }  // namespace nnsim
