@@ -1995,8 +1995,9 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // Pipeline transfers of a tensor replicated over tp go as this rank's 1/tp slice, all-gathered
   // on arrival (Megatron's scatter-gather; the program's comm.pp_scatter_gather).
   const int64_t tpn = static_cast<int64_t>(ctx.tp_group.size());
+  const int64_t transfer_numel = b * (s / L.split.cp) * h;  // a cp rank's share of the sequence
   const bool sliced_transfers =
-      plan.comm.pp_scatter_gather && tpn > 1 && L.split.seq == 1 && (b * s * h) % tpn == 0;
+      plan.comm.pp_scatter_gather && tpn > 1 && L.split.seq == 1 && transfer_numel % tpn == 0;
   auto pp_send = [&](int peer, const at::Tensor& t, const char* label, int64_t tag) {
     const at::Tensor x =
         sliced_transfers ? t.reshape({-1}).chunk(tpn)[ctx.tp_index].contiguous() : t;
@@ -2008,7 +2009,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   };
   auto pp_recv = [&](int peer, const std::vector<int64_t>& shape, const char* label, int64_t tag) {
     std::vector<int64_t> piece = shape;
-    if (sliced_transfers) piece = {b * s * h / tpn};
+    if (sliced_transfers) piece = {transfer_numel / tpn};
     at::Tensor x = tagged ? ctx.recv_tagged(peer, piece, tag) : ctx.recv(peer, piece, label);
     if (!sliced_transfers) return x;
     return ctx.all_gather(x, ctx.tp_group, ctx.tp_axes, label).view(shape);

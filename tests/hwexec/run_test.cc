@@ -624,7 +624,21 @@ INSTANTIATE_TEST_SUITE_P(
              4,
              &kLlama,
              "fp32",
-             {"--shard-embedding", "--shard-head", "--sequence-parallel"}}),
+             {"--shard-embedding", "--shard-head", "--sequence-parallel"}},
+        // ... with context parallelism (attn.core's all-gathers over cp inside the stages; the
+        // spanning segments' collectives over pp and tp, each cp rank its share of the
+        // sequence) and tp2 without sequence parallelism: the pipeline transfers go as a tp
+        // slice of the cp rank's sequence, all-gathered on arrival.
+        Case{"shard_embedding_head_tessel_cp2_tp2_pp2",
+             2,
+             2,
+             1,
+             "tessel",
+             4,
+             &kModel,
+             "fp32",
+             {"--shard-embedding", "--shard-head"},
+             2}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // --check compares the first iteration only; the later ones show that ZeRO-3's bf16 gathers
