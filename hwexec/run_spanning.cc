@@ -192,11 +192,6 @@ std::optional<Refusal> check_spanning_runnable(const Plan& plan) {
                       to_string(plan.model.position), s.name)};
     }
   }
-  if (plan.recycle > 1) {
-    return Refusal{"training.recycle",
-                   "repeated forwards with a segment spanning the pipeline stages "
-                   "(--shard-head / --shard-embedding) are not supported yet; set recycle: 1"};
-  }
   return std::nullopt;
 }
 

@@ -1737,12 +1737,21 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     if (pq.first < 0) first_segment = sg;
     if (pq.second < 0) last_segment = sg;
   }
-  const int recycle_from = plan.recycle > 1 && first_segment >= 0
-                               ? peer_in(mesh, rank, plan.segments[last_segment])
-                               : -1;
-  const int recycle_to = plan.recycle > 1 && last_segment >= 0
-                             ? peer_in(mesh, rank, plan.segments[first_segment])
-                             : -1;
+  int recycle_from = plan.recycle > 1 && first_segment >= 0
+                         ? peer_in(mesh, rank, plan.segments[last_segment])
+                         : -1;
+  std::vector<int> recycle_to;  // where this rank's last-segment output goes (itself: kept)
+  if (plan.recycle > 1 && last_segment >= 0) {
+    recycle_to = {peer_in(mesh, rank, plan.segments[first_segment])};
+  }
+  if (plan.recycle > 1 && spanning) {
+    // A spanning first or last segment: the last segment's first order hands its output to the
+    // first segment's ranks that do not hold the last segment (the program's source_lane).
+    const TransferEnds e = transfer_ends(plan, rank, last_segment, first_segment);
+    recycle_from = e.local ? rank : e.recv_from;
+    recycle_to = e.send_to;
+    if (e.local) recycle_to.push_back(rank);
+  }
 #ifdef NNSIM_TORCH_HAS_CUDA
   // One NCCL communicator per tensor- and data-parallel group and per pipeline direction; the
   // compute stream is a non-blocking one of LibTorch's pool (NCCL kernels waiting for a peer
@@ -1758,7 +1767,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         edge_set.insert({peer, rank});
       }
     }
-    std::vector<int> others = {ctx.cp_next, ctx.cp_prev, recycle_from, recycle_to};
+    std::vector<int> others = {ctx.cp_next, ctx.cp_prev, recycle_from};
+    others.insert(others.end(), recycle_to.begin(), recycle_to.end());
     for (const auto* ends : {&ends_in, &ends_out}) {  // spanning segments' transfers
       for (const auto& [k, e] : *ends) {
         others.push_back(e.recv_from);
@@ -2106,12 +2116,14 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         at::Tensor y = model.forward(ctx, rows.narrow(1, 0, s).index_select(1, positions), x,
                                      rows.narrow(1, 1, s).index_select(1, positions), ftape);
         if (model.has_head() && earlier) {
-          if (recycle_to == rank) {
-            recycled[m] = y;
-          } else {
-            // Into the next pass's forward of the first segment.
-            pp_send(recycle_to, y, "recycled",
-                    Ctx::transfer_tag(false, true, first_segment, m, blk.pass + 1));
+          for (int peer : recycle_to) {
+            if (peer == rank) {
+              recycled[m] = y;
+            } else {
+              // Into the next pass's forward of the first segment.
+              pp_send(peer, y, "recycled",
+                      Ctx::transfer_tag(false, true, first_segment, m, blk.pass + 1));
+            }
           }
         } else if (model.has_head()) {
           loss_sum.add_(tape.loss, loss_scale);

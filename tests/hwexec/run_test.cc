@@ -14,8 +14,10 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <optional>
 #include <regex>
+#include <sstream>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -278,7 +280,42 @@ struct Case {
   // The plan's recompute rules without their layers (so they recompute the embedding and the
   // head too; `nnsim plan` always writes layers).
   bool unranged_recompute = false;
+  // Forward passes per micro-batch written into the plan (training.recycle) where `nnsim plan`
+  // refuses --recycle (with --shard-head): see with_passes.
+  int hand_recycle = 1;
 };
+
+// A plan with `passes` forward passes per micro-batch (docs/plan.md "Repeated forwards"): each
+// order runs a micro-batch's forward blocks pass after pass, then its other blocks, micro-batch
+// after micro-batch in the order's own sequence.
+std::string with_passes(const std::string& text, int passes) {
+  nlohmann::json j = nlohmann::json::parse(text);
+  j["training"]["recycle"] = passes;
+  const std::regex block(R"(([A-Z]+)(\d+)@\d+)");
+  for (auto& o : j["schedule"]["orders"]) {
+    std::istringstream in(o["blocks"].get<std::string>());
+    std::vector<int> seen;
+    std::map<int, std::vector<std::string>> forwards, others;
+    for (std::string b; in >> b;) {
+      std::smatch mt;
+      EXPECT_TRUE(std::regex_match(b, mt, block)) << b;
+      const int m = std::stoi(mt[2]);
+      if (std::find(seen.begin(), seen.end(), m) == seen.end()) seen.push_back(m);
+      (mt[1] == "F" ? forwards : others)[m].push_back(b);
+    }
+    std::string out;
+    for (int m : seen) {
+      for (int pass = 0; pass < passes; ++pass) {
+        for (const std::string& f : forwards[m]) {
+          out += (out.empty() ? "" : " ") + f + (pass ? fmt::format("#{}", pass) : "");
+        }
+      }
+      for (const std::string& b : others[m]) out += " " + b;
+    }
+    o["blocks"] = out;
+  }
+  return j.dump(1);
+}
 
 void PrintTo(const Case& c, std::ostream* os) {
   *os << c.name;
@@ -312,6 +349,10 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
     const std::string edited = std::regex_replace(
         text, std::regex(R"((\{"match": "[^"]*"), "layers": \[\d+, \d+\]\})"), "$1}");
     ASSERT_NE(edited, text) << text;
+    std::ofstream(dir.file("plan.json")) << edited;
+  }
+  if (c.hand_recycle > 1) {
+    const std::string edited = with_passes(slurp(dir.file("plan.json")), c.hand_recycle);
     std::ofstream(dir.file("plan.json")) << edited;
   }
   const int n = c.tp * c.pp * c.dp * c.cp;
@@ -629,6 +670,22 @@ INSTANTIATE_TEST_SUITE_P(
         // spanning segments' collectives over pp and tp, each cp rank its share of the
         // sequence) and tp2 without sequence parallelism: the pipeline transfers go as a tp
         // slice of the cp rank's sequence, all-gathered on arrival.
+        // Repeated forwards with the head spanning the stages (a plan edited as `nnsim plan`
+        // refuses --recycle with --shard-head): the head's earlier passes hand their input to
+        // the next pass's first segment on the stage that runs both, and the other stage's
+        // head sends nothing (the program's source lane).
+        Case{"shard_head_recycle2_tp2_pp2",
+             2,
+             2,
+             1,
+             "1f1b",
+             4,
+             &kModel,
+             "fp32",
+             {"--shard-head"},
+             1,
+             false,
+             2},
         Case{"shard_embedding_head_tessel_cp2_tp2_pp2",
              2,
              2,
@@ -885,12 +942,6 @@ TEST(NnexecRunSpanning, TransfersAndVocabularyShardsAsTheProgram) {
     return s.ok() ? std::string("runs") : s.error().message();
   };
   Plan p = *plan;
-  p.recycle = 2;
-  EXPECT_TRUE(contains(refusal(p),
-                       "training.recycle: repeated forwards with a segment spanning the pipeline "
-                       "stages (--shard-head / --shard-embedding) are not supported yet"))
-      << refusal(p);
-  p = *plan;
   p.segments[1].end_layer = 3;  // the head's segment with a layer
   p.segments[2].first_layer = 3;
   EXPECT_TRUE(contains(refusal(p),
