@@ -60,20 +60,6 @@ Status check_runnable(const Plan& plan) {
                   fmt::format("rope needs an even head dimension; hidden {} / heads {} is {}",
                               m.hidden, m.heads, m.head_dim()));
   }
-  // Dropout masks are drawn per micro-batch's tape; repeated passes and recomputed embeddings
-  // would need theirs drawn again alike.
-  if (m.dropout && plan.recycle > 1) {
-    return refuse("model.dropout",
-                  "dropout with repeated forwards (training.recycle > 1) is not supported yet; "
-                  "set dropout: false or recycle: 1");
-  }
-  for (std::size_t i = 0; i < plan.recompute.size() && m.dropout; ++i) {
-    if (plan.recompute[i].end_layer < 0) {
-      return refuse(fmt::format("recompute[{}]", i),
-                    "dropout with a recompute rule without layers (it would recompute the "
-                    "embedding's dropout) is not supported yet; give the rule layers");
-    }
-  }
   if (plan.optimizer.zero < 0 || plan.optimizer.zero > 3) {
     return refuse("optimizer.zero",
                   fmt::format("ZeRO stage {} does not exist (0 to 3)", plan.optimizer.zero));

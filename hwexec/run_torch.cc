@@ -622,9 +622,10 @@ class Model {
     // recomputed_ops of those parts).
     for (const RecomputeRule& rule : rules) {
       if (rule.end_layer >= 0) continue;
-      for (const char* op : {"embed.word", "embed.position"}) {
+      for (const char* op : {"embed.word", "embed.position", "embed.dropout"}) {
+        const std::string o = op;
         if (embedding_ && match_pattern(rule.match, op) &&
-            (pos_ || std::string(op) == "embed.word")) {
+            (o == "embed.word" || (o == "embed.position" ? pos_ != nullptr : spec_.dropout))) {
           recompute_embed_.insert(op);
         }
       }
@@ -1037,7 +1038,9 @@ class Model {
       });
     }
     at::Tensor x;
-    if (!again || (pos_ && runs("embed.position"))) {
+    // Again: the operator reading the word embeddings (the position table's add, or dropout
+    // without one) recomputed, so the conversions feeding it run again.
+    if (!again || (pos_ ? runs("embed.position") : spec_.dropout && runs("embed.dropout"))) {
       // The word embeddings' partial sums (vocab-parallel) reduced for the operator that reads
       // them, which the program names the conversion after.
       const char* reader = pos_ ? "embed.position" : spec_.dropout ? "embed.dropout" : "attn.norm";
@@ -1080,9 +1083,9 @@ class Model {
           });
       x = tape.pos.out.detach();
     }
-    // Dropout with recompute rules over the embedding is refused (check_runnable), so it runs
-    // in the forward only.
-    if (spec_.dropout && !again) {
+    if (again && pos_ && !runs("embed.position")) x = tape.pos.out.detach();  // kept
+    // Dropout recomputed draws its masks again from the tape's key: the same ones.
+    if (spec_.dropout && runs("embed.dropout")) {
       tape.drop =
           fwd(st, "embed.dropout", phase, {leaf(x)}, [&](const std::vector<at::Tensor>& in) {
             return in[0] * hidden_dropout(tape.key, -1, DropoutSite::kEmbedding, in[0]);
@@ -1094,6 +1097,7 @@ class Model {
       tape.recycled = recycled;
       if (rc.count("embed.word")) tape.word = Unit{};
       if (rc.count("embed.position")) tape.pos = Unit{};
+      if (rc.count("embed.dropout")) tape.drop = Unit{};
     }
     return x;
   }
@@ -1974,11 +1978,12 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     // Repeated forwards: the earlier passes without autograd, each feeding its final hidden
     // state to the next; the last one is differentiated.
     MicroBatchTape tape;
-    tape.key = DropoutKey{opt.seed, 0, 0};  // iteration 0, every row of the global batch
+    tape.key = DropoutKey{opt.seed, 0, 0, plan.recycle - 1};  // iteration 0, every row
     at::Tensor recycled;
     for (int pass = 0; pass + 1 < plan.recycle; ++pass) {
       at::NoGradGuard no_grad;
       MicroBatchTape scratch;
+      scratch.key = DropoutKey{opt.seed, 0, 0, pass};
       recycled = whole.forward(ref, data.narrow(1, 0, s), recycled, data.narrow(1, 1, s), scratch);
     }
     whole.forward(ref, data.narrow(1, 0, s), recycled, data.narrow(1, 1, s), tape);
@@ -2087,7 +2092,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       };
       zero3_for(static_cast<std::size_t>(&blk - L.order->blocks.data()), sg);
       MicroBatchTape& tape = tapes[{sg, m}];
-      tape.key = DropoutKey{opt.seed, it, row};
+      tape.key = DropoutKey{opt.seed, it, row, plan.recycle - 1};  // the last pass's masks
       if (blk.kind == BlockKind::kRecompute) {
         model.recompute(ctx, tape);
       } else if (blk.kind == BlockKind::kBackwardWeight) {
@@ -2100,6 +2105,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         std::optional<at::NoGradGuard> no_grad;
         if (earlier) no_grad.emplace();
         MicroBatchTape scratch;
+        scratch.key = DropoutKey{opt.seed, it, row, blk.pass};  // the pass's own masks
         MicroBatchTape& ftape = earlier ? scratch : tape;
         at::Tensor x;
         if (!model.has_embedding()) {

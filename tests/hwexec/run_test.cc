@@ -636,6 +636,19 @@ INSTANTIATE_TEST_SUITE_P(
         with("dropout_sp_recompute_tp2_pp2", 2, 2, 1, 4,
              {"--sequence-parallel", "--recompute", "selective"}, &kDropout),
         Case{"dropout_cp2_tp2", 2, 1, 1, "1f1b", 2, &kDropout, "fp32", {}, 2},
+        // ... with repeated forwards (each pass draws masks of its own) and a recompute rule
+        // without layers: the embedding's dropout recomputed draws its masks again alike.
+        Case{"dropout_recycle2_unranged_recompute_sp_tp2_pp2",
+             2,
+             2,
+             1,
+             "1f1b",
+             4,
+             &kDropout,
+             "fp32",
+             {"--recycle", "2", "--sequence-parallel", "--recompute", "full"},
+             1,
+             true},
         // fp16: 16-bit operators with fp32 master weights and a static loss scale; the
         // tensor-parallel collectives, pipeline transfers and 16-bit gradient reduce-scatters
         // carry fp16.
@@ -758,13 +771,21 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
         << r;
     EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
   };
-  // The head sharded over the pipeline stages (its segment spans them) with context
-  // parallelism.
-  ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 4, {"--shard-head"}, kModel, "fp32", 2).status, 0);
+  // The embedding sharded over the pipeline stages (its segment spans them) under sequence
+  // parallelism with rotary positions, its transfers edited to go whole.
+  ASSERT_EQ(
+      make_plan(dir, 2, 2, 1, "tessel", 4, {"--shard-embedding", "--sequence-parallel"}, kLlama)
+          .status,
+      0);
+  const std::string text = slurp(dir.file("plan.json"));
+  const std::string edited = std::regex_replace(text, std::regex(R"("pp_scatter_gather": true)"),
+                                                R"("pp_scatter_gather": false)");
+  ASSERT_NE(edited, text);
+  std::ofstream(dir.file("plan.json")) << edited;
   refused(
-      {"cannot run this plan: partition[0]: '*' splits attn.core along 'seq' (context "
-       "parallelism), which is not supported yet together with a segment spanning the "
-       "pipeline stages"});
+      {"cannot run this plan: communication.pp_scatter_gather: false with sequence "
+       "parallelism, rope positions and the embedding's segment 'embedding' spanning the "
+       "pipeline stages is not supported yet"});
 
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
   RunResult r =
@@ -800,19 +821,8 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   p.model.position = PositionKind::kAlibi;
   p.model.dropout = true;
   EXPECT_TRUE(check_runnable(p).ok()) << check_runnable(p).error().message();
-  p.recycle = 2;  // dropout masks are drawn per micro-batch, not per pass
-  s = check_runnable(p);
-  ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(contains(s.error().message(), "model.dropout: dropout with repeated forwards"))
-      << s.error().message();
-  p.recycle = 1;
-  p.recompute = {{"*", 0, -1}};  // no layers: the embedding's dropout would be recomputed
-  s = check_runnable(p);
-  ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(contains(s.error().message(),
-                       "recompute[0]: dropout with a recompute rule without "
-                       "layers"))
-      << s.error().message();
+  p.recompute = {{"*", 0, -1}};  // no layers: the embedding's dropout recomputed
+  EXPECT_TRUE(check_runnable(p).ok()) << check_runnable(p).error().message();
   for (MlpKind k : {MlpKind::kGelu, MlpKind::kSwiglu, MlpKind::kRelu, MlpKind::kSquaredRelu}) {
     p = *base;
     p.model.mlp = k;  // every MLP of the operator graph runs
@@ -1031,7 +1041,7 @@ TEST(NnexecRunAlibi, SlopesArePressEtAls) {
 
 // Dropout really applies (the check alone would pass with none): the model with dropout has
 // another loss than the same model without, and the masks are a function of the seed, the
-// iteration, the layer, the site and the sample only (dropout_seed).
+// iteration, the layer, the site, the sample and the forward pass only (dropout_seed).
 TEST(NnexecRunDropout, MasksChangeTheLoss) {
   if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   auto first_loss = [](const std::string& model) {
@@ -1057,6 +1067,9 @@ TEST(NnexecRunDropout, MasksChangeTheLoss) {
             dropout_seed(1, 0, 1, DropoutSite::kAttention, 0));
   EXPECT_NE(dropout_seed(1, 0, 0, DropoutSite::kAttention, 0),
             dropout_seed(1, 0, 0, DropoutSite::kMlpResidual, 0));
+  // Repeated forwards: each pass its own masks.
+  EXPECT_NE(dropout_seed(1, 0, 0, DropoutSite::kAttention, 0, 0),
+            dropout_seed(1, 0, 0, DropoutSite::kAttention, 0, 1));
 }
 
 std::optional<std::string> python_with_h5py(const TempDir& dir) {
