@@ -42,12 +42,13 @@ Status check_runnable(const Plan& plan) {
         "{}: {} (nnexec run executes GPT- and Llama-style models: "
         "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
         "ReLU or squared-ReLU MLP, learned, rotary or ALiBi positions, dropout with "
-        "deterministic masks; Megatron tensor, sequence and context parallelism (together "
-        "too), pipelines (interleaved too; the head and the embedding also sharded over the "
-        "stages) with F, B, R and zero-bubble BI/BW blocks, data parallelism with ZeRO 0-3, "
-        "recompute rules, repeated forwards; ZeRO-3 also as FSDP keeps it gathered under pipelines "
-        "and as DeepSpeed "
-        "gathers per tensor and again for recompute; in fp32, bf16, fp16 or emulated fp8)",
+        "deterministic masks (recomputed and repeated passes too); Megatron tensor, sequence "
+        "and context parallelism (together too), pipelines (interleaved too; the head and the "
+        "embedding also sharded over the stages, with context parallelism and repeated "
+        "forwards too) with F, B, R and zero-bubble BI/BW blocks, data parallelism with ZeRO "
+        "0-3, recompute rules, repeated forwards; ZeRO-3 also as FSDP keeps it gathered under "
+        "pipelines and as DeepSpeed gathers per tensor and again for recompute; in fp32, bf16, "
+        "fp16 or emulated fp8)",
         field, why));
   };
   if (m.kv_heads < 1 || m.heads % m.kv_heads != 0) {
