@@ -2218,9 +2218,12 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
           if (a < e && spset.count(p)) slices.push_back(u->grad.narrow(0, a - lo, e - a));
         }
       }
-      if (!slices.empty()) {
-        // In the dtype of the gradients' reductions (the program's grad_bytes).
-        at::Tensor all = at::cat(slices).to(reduce_dtype);
+      {
+        // In the dtype of the gradients' reductions (the program's grad_bytes). A rank whose
+        // chunks hold none of them takes part with nothing, as every rank of the program does
+        // (its share of the bytes averaged over the shards).
+        at::Tensor all = slices.empty() ? at::zeros({0}, ctx.options.dtype(reduce_dtype))
+                                        : at::cat(slices).to(reduce_dtype);
         ctx.tp_all_reduce(all, "norm grad sync");
         all = all.to(at::kFloat);
         at::NoGradGuard no_grad;

@@ -483,6 +483,9 @@ INSTANTIATE_TEST_SUITE_P(
         with("zero3_recompute_full_dp2", 1, 1, 2, 4, {"--zero", "3", "--recompute", "full"}),
         with("sp_zero1_tp2_dp2", 2, 1, 2, 4, {"--sequence-parallel", "--zero", "1"}),
         with("sp_zero3_tp2_dp2", 2, 1, 2, 4, {"--sequence-parallel", "--zero", "3"}),
+        // RMSNorm's few weights: one replica's chunks hold none of them, and it still takes part
+        // in norm grad sync (with nothing), as every rank of the program does.
+        with("llama_sp_zero3_tp2_dp2", 2, 1, 2, 4, {"--sequence-parallel", "--zero", "3"}, &kLlama),
         with("bf16_llama_sp_tp2_pp2", 2, 2, 1, 4, {"--sequence-parallel"}, &kLlama, "bf16"),
         Case{"recompute_full_merak_pp2",
              1,
