@@ -42,12 +42,13 @@ Status check_runnable(const Plan& plan) {
         "{}: {} (nnexec run executes GPT- and Llama-style models: "
         "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
         "ReLU or squared-ReLU MLP, learned, rotary or ALiBi positions, dropout with "
-        "deterministic masks; Megatron tensor, sequence and context parallelism (together "
-        "too), pipelines (interleaved too; the head and the embedding also sharded over the "
-        "stages) with F, B, R and zero-bubble BI/BW blocks, data parallelism with ZeRO 0-3, "
-        "recompute rules, repeated forwards; ZeRO-3 also as FSDP keeps it gathered under pipelines "
-        "and as DeepSpeed "
-        "gathers per tensor and again for recompute; in fp32, bf16, fp16 or emulated fp8)",
+        "deterministic masks (recomputed and repeated passes too); Megatron tensor, sequence "
+        "and context parallelism (together too), pipelines (interleaved too; the head and the "
+        "embedding also sharded over the stages, with context parallelism and repeated "
+        "forwards too) with F, B, R and zero-bubble BI/BW blocks, data parallelism with ZeRO "
+        "0-3, recompute rules, repeated forwards; ZeRO-3 also as FSDP keeps it gathered under "
+        "pipelines and as DeepSpeed gathers per tensor and again for recompute; in fp32, bf16, "
+        "fp16 or emulated fp8)",
         field, why));
   };
   if (m.kv_heads < 1 || m.heads % m.kv_heads != 0) {
@@ -59,20 +60,6 @@ Status check_runnable(const Plan& plan) {
     return refuse("model.position",
                   fmt::format("rope needs an even head dimension; hidden {} / heads {} is {}",
                               m.hidden, m.heads, m.head_dim()));
-  }
-  // Dropout masks are drawn per micro-batch's tape; repeated passes and recomputed embeddings
-  // would need theirs drawn again alike.
-  if (m.dropout && plan.recycle > 1) {
-    return refuse("model.dropout",
-                  "dropout with repeated forwards (training.recycle > 1) is not supported yet; "
-                  "set dropout: false or recycle: 1");
-  }
-  for (std::size_t i = 0; i < plan.recompute.size() && m.dropout; ++i) {
-    if (plan.recompute[i].end_layer < 0) {
-      return refuse(fmt::format("recompute[{}]", i),
-                    "dropout with a recompute rule without layers (it would recompute the "
-                    "embedding's dropout) is not supported yet; give the rule layers");
-    }
   }
   if (plan.optimizer.zero < 0 || plan.optimizer.zero > 3) {
     return refuse("optimizer.zero",

@@ -27,7 +27,7 @@ at::Tensor dropout_multipliers(const DropoutKey& key, int layer, DropoutSite sit
   for (int64_t r = 0; r < rows; ++r) {
     // Drawn on the CPU from a generator of its own, so every rank and device draws the same.
     at::Generator gen = at::detail::createCPUGenerator(
-        dropout_seed(key.seed, key.iteration, layer, site, key.first_row + r));
+        dropout_seed(key.seed, key.iteration, layer, site, key.first_row + r, key.pass));
     const std::vector<int64_t> shape =
         attention ? std::vector<int64_t>{width, seq, seq} : std::vector<int64_t>{seq, width};
     at::Tensor keep = at::empty(shape, at::kFloat).bernoulli_(1.0 - kDropoutProbability, gen);

@@ -26,6 +26,7 @@ struct DropoutKey {
   unsigned long long seed = 0;
   int iteration = 0;
   int64_t first_row = 0;  // the micro-batch's first sample in the global batch
+  int pass = 0;           // the forward pass (repeated forwards)
 };
 
 // Dropout's multipliers (0, or 1 / (1 - kDropoutProbability) for the kept elements), fp32 on

@@ -35,13 +35,13 @@ std::vector<double> alibi_slopes(int64_t heads) {
 }
 
 std::uint64_t dropout_seed(unsigned long long run_seed, int iteration, int layer, DropoutSite site,
-                           int64_t row) {
+                           int64_t row, int pass) {
   std::uint64_t h = mix(run_seed);
   for (std::uint64_t v : {static_cast<std::uint64_t>(iteration), static_cast<std::uint64_t>(layer),
                           static_cast<std::uint64_t>(site), static_cast<std::uint64_t>(row)}) {
     h = mix(h ^ v);
   }
-  return h;
+  return pass > 0 ? mix(h ^ (0x70617373ull << 32 | static_cast<std::uint64_t>(pass))) : h;
 }
 
 }  // namespace nnsim::hwexec

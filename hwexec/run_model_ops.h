@@ -25,11 +25,13 @@ inline constexpr double kDropoutProbability = 0.1;
 enum class DropoutSite { kEmbedding = 0, kAttention = 1, kAttnResidual = 2, kMlpResidual = 3 };
 
 // The seed of one sample's mask at one site: a hash of the run's seed, the iteration, the
-// layer (the model's global index; -1 for the embedding), the site and the sample's row in the
-// global batch. Any partitioning of a step (micro-batches, replicas, pipeline stages, ranks
-// holding slices of the heads or the sequence) draws the same whole mask from it and slices it.
+// layer (the model's global index; -1 for the embedding), the site, the sample's row in the
+// global batch and the forward pass (repeated forwards, training.recycle: each pass draws masks
+// of its own; pass 0's seed does not depend on it). Any partitioning of a step (micro-batches,
+// replicas, pipeline stages, ranks holding slices of the heads or the sequence) draws the same
+// whole mask from it and slices it; a recomputation draws it again.
 std::uint64_t dropout_seed(unsigned long long run_seed, int iteration, int layer, DropoutSite site,
-                           int64_t row);
+                           int64_t row, int pass = 0);
 
 // x rounded to fp8 as `nnexec run`'s fp8 emulation rounds (run_precision.h: to nearest even,
 // saturating): e4m3, or e5m2 when `e5m2`. Needs LibTorch (NaN in a build without).

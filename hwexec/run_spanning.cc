@@ -192,25 +192,6 @@ std::optional<Refusal> check_spanning_runnable(const Plan& plan) {
                       to_string(plan.model.position), s.name)};
     }
   }
-  if (plan.recycle > 1) {
-    return Refusal{"training.recycle",
-                   "repeated forwards with a segment spanning the pipeline stages "
-                   "(--shard-head / --shard-embedding) are not supported yet; set recycle: 1"};
-  }
-  // Context parallelism: attn.core's sequence split (sequence parallelism splits the norms',
-  // residuals' and position add's only).
-  for (std::size_t i = 0; i < plan.partition.size(); ++i) {
-    if (!match_pattern(plan.partition[i].match, "attn.core")) continue;
-    for (const DimSplit& d : plan.partition[i].splits) {
-      if (d.dim != Dim::kSeq || d.axes.empty()) continue;
-      return Refusal{fmt::format("partition[{}]", i),
-                     fmt::format("'{}' splits attn.core along 'seq' (context parallelism), "
-                                 "which is not supported yet together with a segment spanning "
-                                 "the pipeline stages (--shard-head / --shard-embedding); drop "
-                                 "one of the two",
-                                 plan.partition[i].match)};
-    }
-  }
   return std::nullopt;
 }
 

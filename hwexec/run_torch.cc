@@ -622,9 +622,10 @@ class Model {
     // recomputed_ops of those parts).
     for (const RecomputeRule& rule : rules) {
       if (rule.end_layer >= 0) continue;
-      for (const char* op : {"embed.word", "embed.position"}) {
+      for (const char* op : {"embed.word", "embed.position", "embed.dropout"}) {
+        const std::string o = op;
         if (embedding_ && match_pattern(rule.match, op) &&
-            (pos_ || std::string(op) == "embed.word")) {
+            (o == "embed.word" || (o == "embed.position" ? pos_ != nullptr : spec_.dropout))) {
           recompute_embed_.insert(op);
         }
       }
@@ -1037,7 +1038,9 @@ class Model {
       });
     }
     at::Tensor x;
-    if (!again || (pos_ && runs("embed.position"))) {
+    // Again: the operator reading the word embeddings (the position table's add, or dropout
+    // without one) recomputed, so the conversions feeding it run again.
+    if (!again || (pos_ ? runs("embed.position") : spec_.dropout && runs("embed.dropout"))) {
       // The word embeddings' partial sums (vocab-parallel) reduced for the operator that reads
       // them, which the program names the conversion after.
       const char* reader = pos_ ? "embed.position" : spec_.dropout ? "embed.dropout" : "attn.norm";
@@ -1080,9 +1083,9 @@ class Model {
           });
       x = tape.pos.out.detach();
     }
-    // Dropout with recompute rules over the embedding is refused (check_runnable), so it runs
-    // in the forward only.
-    if (spec_.dropout && !again) {
+    if (again && pos_ && !runs("embed.position")) x = tape.pos.out.detach();  // kept
+    // Dropout recomputed draws its masks again from the tape's key: the same ones.
+    if (spec_.dropout && runs("embed.dropout")) {
       tape.drop =
           fwd(st, "embed.dropout", phase, {leaf(x)}, [&](const std::vector<at::Tensor>& in) {
             return in[0] * hidden_dropout(tape.key, -1, DropoutSite::kEmbedding, in[0]);
@@ -1094,6 +1097,7 @@ class Model {
       tape.recycled = recycled;
       if (rc.count("embed.word")) tape.word = Unit{};
       if (rc.count("embed.position")) tape.pos = Unit{};
+      if (rc.count("embed.dropout")) tape.drop = Unit{};
     }
     return x;
   }
@@ -1737,12 +1741,21 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     if (pq.first < 0) first_segment = sg;
     if (pq.second < 0) last_segment = sg;
   }
-  const int recycle_from = plan.recycle > 1 && first_segment >= 0
-                               ? peer_in(mesh, rank, plan.segments[last_segment])
-                               : -1;
-  const int recycle_to = plan.recycle > 1 && last_segment >= 0
-                             ? peer_in(mesh, rank, plan.segments[first_segment])
-                             : -1;
+  int recycle_from = plan.recycle > 1 && first_segment >= 0
+                         ? peer_in(mesh, rank, plan.segments[last_segment])
+                         : -1;
+  std::vector<int> recycle_to;  // where this rank's last-segment output goes (itself: kept)
+  if (plan.recycle > 1 && last_segment >= 0) {
+    recycle_to = {peer_in(mesh, rank, plan.segments[first_segment])};
+  }
+  if (plan.recycle > 1 && spanning) {
+    // A spanning first or last segment: the last segment's first order hands its output to the
+    // first segment's ranks that do not hold the last segment (the program's source_lane).
+    const TransferEnds e = transfer_ends(plan, rank, last_segment, first_segment);
+    recycle_from = e.local ? rank : e.recv_from;
+    recycle_to = e.send_to;
+    if (e.local) recycle_to.push_back(rank);
+  }
 #ifdef NNSIM_TORCH_HAS_CUDA
   // One NCCL communicator per tensor- and data-parallel group and per pipeline direction; the
   // compute stream is a non-blocking one of LibTorch's pool (NCCL kernels waiting for a peer
@@ -1758,7 +1771,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         edge_set.insert({peer, rank});
       }
     }
-    std::vector<int> others = {ctx.cp_next, ctx.cp_prev, recycle_from, recycle_to};
+    std::vector<int> others = {ctx.cp_next, ctx.cp_prev, recycle_from};
+    others.insert(others.end(), recycle_to.begin(), recycle_to.end());
     for (const auto* ends : {&ends_in, &ends_out}) {  // spanning segments' transfers
       for (const auto& [k, e] : *ends) {
         others.push_back(e.recv_from);
@@ -1964,11 +1978,12 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     // Repeated forwards: the earlier passes without autograd, each feeding its final hidden
     // state to the next; the last one is differentiated.
     MicroBatchTape tape;
-    tape.key = DropoutKey{opt.seed, 0, 0};  // iteration 0, every row of the global batch
+    tape.key = DropoutKey{opt.seed, 0, 0, plan.recycle - 1};  // iteration 0, every row
     at::Tensor recycled;
     for (int pass = 0; pass + 1 < plan.recycle; ++pass) {
       at::NoGradGuard no_grad;
       MicroBatchTape scratch;
+      scratch.key = DropoutKey{opt.seed, 0, 0, pass};
       recycled = whole.forward(ref, data.narrow(1, 0, s), recycled, data.narrow(1, 1, s), scratch);
     }
     whole.forward(ref, data.narrow(1, 0, s), recycled, data.narrow(1, 1, s), tape);
@@ -1995,8 +2010,9 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // Pipeline transfers of a tensor replicated over tp go as this rank's 1/tp slice, all-gathered
   // on arrival (Megatron's scatter-gather; the program's comm.pp_scatter_gather).
   const int64_t tpn = static_cast<int64_t>(ctx.tp_group.size());
+  const int64_t transfer_numel = b * (s / L.split.cp) * h;  // a cp rank's share of the sequence
   const bool sliced_transfers =
-      plan.comm.pp_scatter_gather && tpn > 1 && L.split.seq == 1 && (b * s * h) % tpn == 0;
+      plan.comm.pp_scatter_gather && tpn > 1 && L.split.seq == 1 && transfer_numel % tpn == 0;
   auto pp_send = [&](int peer, const at::Tensor& t, const char* label, int64_t tag) {
     const at::Tensor x =
         sliced_transfers ? t.reshape({-1}).chunk(tpn)[ctx.tp_index].contiguous() : t;
@@ -2008,7 +2024,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   };
   auto pp_recv = [&](int peer, const std::vector<int64_t>& shape, const char* label, int64_t tag) {
     std::vector<int64_t> piece = shape;
-    if (sliced_transfers) piece = {b * s * h / tpn};
+    if (sliced_transfers) piece = {transfer_numel / tpn};
     at::Tensor x = tagged ? ctx.recv_tagged(peer, piece, tag) : ctx.recv(peer, piece, label);
     if (!sliced_transfers) return x;
     return ctx.all_gather(x, ctx.tp_group, ctx.tp_axes, label).view(shape);
@@ -2076,7 +2092,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       };
       zero3_for(static_cast<std::size_t>(&blk - L.order->blocks.data()), sg);
       MicroBatchTape& tape = tapes[{sg, m}];
-      tape.key = DropoutKey{opt.seed, it, row};
+      tape.key = DropoutKey{opt.seed, it, row, plan.recycle - 1};  // the last pass's masks
       if (blk.kind == BlockKind::kRecompute) {
         model.recompute(ctx, tape);
       } else if (blk.kind == BlockKind::kBackwardWeight) {
@@ -2089,6 +2105,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         std::optional<at::NoGradGuard> no_grad;
         if (earlier) no_grad.emplace();
         MicroBatchTape scratch;
+        scratch.key = DropoutKey{opt.seed, it, row, blk.pass};  // the pass's own masks
         MicroBatchTape& ftape = earlier ? scratch : tape;
         at::Tensor x;
         if (!model.has_embedding()) {
@@ -2105,12 +2122,14 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         at::Tensor y = model.forward(ctx, rows.narrow(1, 0, s).index_select(1, positions), x,
                                      rows.narrow(1, 1, s).index_select(1, positions), ftape);
         if (model.has_head() && earlier) {
-          if (recycle_to == rank) {
-            recycled[m] = y;
-          } else {
-            // Into the next pass's forward of the first segment.
-            pp_send(recycle_to, y, "recycled",
-                    Ctx::transfer_tag(false, true, first_segment, m, blk.pass + 1));
+          for (int peer : recycle_to) {
+            if (peer == rank) {
+              recycled[m] = y;
+            } else {
+              // Into the next pass's forward of the first segment.
+              pp_send(peer, y, "recycled",
+                      Ctx::transfer_tag(false, true, first_segment, m, blk.pass + 1));
+            }
           }
         } else if (model.has_head()) {
           loss_sum.add_(tape.loss, loss_scale);
@@ -2199,9 +2218,12 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
           if (a < e && spset.count(p)) slices.push_back(u->grad.narrow(0, a - lo, e - a));
         }
       }
-      if (!slices.empty()) {
-        // In the dtype of the gradients' reductions (the program's grad_bytes).
-        at::Tensor all = at::cat(slices).to(reduce_dtype);
+      {
+        // In the dtype of the gradients' reductions (the program's grad_bytes). A rank whose
+        // chunks hold none of them takes part with nothing, as every rank of the program does
+        // (its share of the bytes averaged over the shards).
+        at::Tensor all = slices.empty() ? at::zeros({0}, ctx.options.dtype(reduce_dtype))
+                                        : at::cat(slices).to(reduce_dtype);
         ctx.tp_all_reduce(all, "norm grad sync");
         all = all.to(at::kFloat);
         at::NoGradGuard no_grad;

@@ -14,8 +14,10 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <optional>
 #include <regex>
+#include <sstream>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -278,7 +280,42 @@ struct Case {
   // The plan's recompute rules without their layers (so they recompute the embedding and the
   // head too; `nnsim plan` always writes layers).
   bool unranged_recompute = false;
+  // Forward passes per micro-batch written into the plan (training.recycle) where `nnsim plan`
+  // refuses --recycle (with --shard-head): see with_passes.
+  int hand_recycle = 1;
 };
+
+// A plan with `passes` forward passes per micro-batch (docs/plan.md "Repeated forwards"): each
+// order runs a micro-batch's forward blocks pass after pass, then its other blocks, micro-batch
+// after micro-batch in the order's own sequence.
+std::string with_passes(const std::string& text, int passes) {
+  nlohmann::json j = nlohmann::json::parse(text);
+  j["training"]["recycle"] = passes;
+  const std::regex block(R"(([A-Z]+)(\d+)@\d+)");
+  for (auto& o : j["schedule"]["orders"]) {
+    std::istringstream in(o["blocks"].get<std::string>());
+    std::vector<int> seen;
+    std::map<int, std::vector<std::string>> forwards, others;
+    for (std::string b; in >> b;) {
+      std::smatch mt;
+      EXPECT_TRUE(std::regex_match(b, mt, block)) << b;
+      const int m = std::stoi(mt[2]);
+      if (std::find(seen.begin(), seen.end(), m) == seen.end()) seen.push_back(m);
+      (mt[1] == "F" ? forwards : others)[m].push_back(b);
+    }
+    std::string out;
+    for (int m : seen) {
+      for (int pass = 0; pass < passes; ++pass) {
+        for (const std::string& f : forwards[m]) {
+          out += (out.empty() ? "" : " ") + f + (pass ? fmt::format("#{}", pass) : "");
+        }
+      }
+      for (const std::string& b : others[m]) out += " " + b;
+    }
+    o["blocks"] = out;
+  }
+  return j.dump(1);
+}
 
 void PrintTo(const Case& c, std::ostream* os) {
   *os << c.name;
@@ -312,6 +349,10 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
     const std::string edited = std::regex_replace(
         text, std::regex(R"((\{"match": "[^"]*"), "layers": \[\d+, \d+\]\})"), "$1}");
     ASSERT_NE(edited, text) << text;
+    std::ofstream(dir.file("plan.json")) << edited;
+  }
+  if (c.hand_recycle > 1) {
+    const std::string edited = with_passes(slurp(dir.file("plan.json")), c.hand_recycle);
     std::ofstream(dir.file("plan.json")) << edited;
   }
   const int n = c.tp * c.pp * c.dp * c.cp;
@@ -442,6 +483,9 @@ INSTANTIATE_TEST_SUITE_P(
         with("zero3_recompute_full_dp2", 1, 1, 2, 4, {"--zero", "3", "--recompute", "full"}),
         with("sp_zero1_tp2_dp2", 2, 1, 2, 4, {"--sequence-parallel", "--zero", "1"}),
         with("sp_zero3_tp2_dp2", 2, 1, 2, 4, {"--sequence-parallel", "--zero", "3"}),
+        // RMSNorm's few weights: one replica's chunks hold none of them, and it still takes part
+        // in norm grad sync (with nothing), as every rank of the program does.
+        with("llama_sp_zero3_tp2_dp2", 2, 1, 2, 4, {"--sequence-parallel", "--zero", "3"}, &kLlama),
         with("bf16_llama_sp_tp2_pp2", 2, 2, 1, 4, {"--sequence-parallel"}, &kLlama, "bf16"),
         Case{"recompute_full_merak_pp2",
              1,
@@ -595,6 +639,19 @@ INSTANTIATE_TEST_SUITE_P(
         with("dropout_sp_recompute_tp2_pp2", 2, 2, 1, 4,
              {"--sequence-parallel", "--recompute", "selective"}, &kDropout),
         Case{"dropout_cp2_tp2", 2, 1, 1, "1f1b", 2, &kDropout, "fp32", {}, 2},
+        // ... with repeated forwards (each pass draws masks of its own) and a recompute rule
+        // without layers: the embedding's dropout recomputed draws its masks again alike.
+        Case{"dropout_recycle2_unranged_recompute_sp_tp2_pp2",
+             2,
+             2,
+             1,
+             "1f1b",
+             4,
+             &kDropout,
+             "fp32",
+             {"--recycle", "2", "--sequence-parallel", "--recompute", "full"},
+             1,
+             true},
         // fp16: 16-bit operators with fp32 master weights and a static loss scale; the
         // tensor-parallel collectives, pipeline transfers and 16-bit gradient reduce-scatters
         // carry fp16.
@@ -624,7 +681,37 @@ INSTANTIATE_TEST_SUITE_P(
              4,
              &kLlama,
              "fp32",
-             {"--shard-embedding", "--shard-head", "--sequence-parallel"}}),
+             {"--shard-embedding", "--shard-head", "--sequence-parallel"}},
+        // ... with context parallelism (attn.core's all-gathers over cp inside the stages; the
+        // spanning segments' collectives over pp and tp, each cp rank its share of the
+        // sequence) and tp2 without sequence parallelism: the pipeline transfers go as a tp
+        // slice of the cp rank's sequence, all-gathered on arrival.
+        // Repeated forwards with the head spanning the stages (a plan edited as `nnsim plan`
+        // refuses --recycle with --shard-head): the head's earlier passes hand their input to
+        // the next pass's first segment on the stage that runs both, and the other stage's
+        // head sends nothing (the program's source lane).
+        Case{"shard_head_recycle2_tp2_pp2",
+             2,
+             2,
+             1,
+             "1f1b",
+             4,
+             &kModel,
+             "fp32",
+             {"--shard-head"},
+             1,
+             false,
+             2},
+        Case{"shard_embedding_head_tessel_cp2_tp2_pp2",
+             2,
+             2,
+             1,
+             "tessel",
+             4,
+             &kModel,
+             "fp32",
+             {"--shard-embedding", "--shard-head"},
+             2}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // --check compares the first iteration only; the later ones show that ZeRO-3's bf16 gathers
@@ -687,13 +774,21 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
         << r;
     EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
   };
-  // The head sharded over the pipeline stages (its segment spans them) with context
-  // parallelism.
-  ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 4, {"--shard-head"}, kModel, "fp32", 2).status, 0);
+  // The embedding sharded over the pipeline stages (its segment spans them) under sequence
+  // parallelism with rotary positions, its transfers edited to go whole.
+  ASSERT_EQ(
+      make_plan(dir, 2, 2, 1, "tessel", 4, {"--shard-embedding", "--sequence-parallel"}, kLlama)
+          .status,
+      0);
+  const std::string text = slurp(dir.file("plan.json"));
+  const std::string edited = std::regex_replace(text, std::regex(R"("pp_scatter_gather": true)"),
+                                                R"("pp_scatter_gather": false)");
+  ASSERT_NE(edited, text);
+  std::ofstream(dir.file("plan.json")) << edited;
   refused(
-      {"cannot run this plan: partition[0]: '*' splits attn.core along 'seq' (context "
-       "parallelism), which is not supported yet together with a segment spanning the "
-       "pipeline stages"});
+      {"cannot run this plan: communication.pp_scatter_gather: false with sequence "
+       "parallelism, rope positions and the embedding's segment 'embedding' spanning the "
+       "pipeline stages is not supported yet"});
 
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
   RunResult r =
@@ -729,19 +824,8 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   p.model.position = PositionKind::kAlibi;
   p.model.dropout = true;
   EXPECT_TRUE(check_runnable(p).ok()) << check_runnable(p).error().message();
-  p.recycle = 2;  // dropout masks are drawn per micro-batch, not per pass
-  s = check_runnable(p);
-  ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(contains(s.error().message(), "model.dropout: dropout with repeated forwards"))
-      << s.error().message();
-  p.recycle = 1;
-  p.recompute = {{"*", 0, -1}};  // no layers: the embedding's dropout would be recomputed
-  s = check_runnable(p);
-  ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(contains(s.error().message(),
-                       "recompute[0]: dropout with a recompute rule without "
-                       "layers"))
-      << s.error().message();
+  p.recompute = {{"*", 0, -1}};  // no layers: the embedding's dropout recomputed
+  EXPECT_TRUE(check_runnable(p).ok()) << check_runnable(p).error().message();
   for (MlpKind k : {MlpKind::kGelu, MlpKind::kSwiglu, MlpKind::kRelu, MlpKind::kSquaredRelu}) {
     p = *base;
     p.model.mlp = k;  // every MLP of the operator graph runs
@@ -871,12 +955,6 @@ TEST(NnexecRunSpanning, TransfersAndVocabularyShardsAsTheProgram) {
     return s.ok() ? std::string("runs") : s.error().message();
   };
   Plan p = *plan;
-  p.recycle = 2;
-  EXPECT_TRUE(contains(refusal(p),
-                       "training.recycle: repeated forwards with a segment spanning the pipeline "
-                       "stages (--shard-head / --shard-embedding) are not supported yet"))
-      << refusal(p);
-  p = *plan;
   p.segments[1].end_layer = 3;  // the head's segment with a layer
   p.segments[2].first_layer = 3;
   EXPECT_TRUE(contains(refusal(p),
@@ -966,7 +1044,7 @@ TEST(NnexecRunAlibi, SlopesArePressEtAls) {
 
 // Dropout really applies (the check alone would pass with none): the model with dropout has
 // another loss than the same model without, and the masks are a function of the seed, the
-// iteration, the layer, the site and the sample only (dropout_seed).
+// iteration, the layer, the site, the sample and the forward pass only (dropout_seed).
 TEST(NnexecRunDropout, MasksChangeTheLoss) {
   if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   auto first_loss = [](const std::string& model) {
@@ -992,6 +1070,9 @@ TEST(NnexecRunDropout, MasksChangeTheLoss) {
             dropout_seed(1, 0, 1, DropoutSite::kAttention, 0));
   EXPECT_NE(dropout_seed(1, 0, 0, DropoutSite::kAttention, 0),
             dropout_seed(1, 0, 0, DropoutSite::kMlpResidual, 0));
+  // Repeated forwards: each pass its own masks.
+  EXPECT_NE(dropout_seed(1, 0, 0, DropoutSite::kAttention, 0, 0),
+            dropout_seed(1, 0, 0, DropoutSite::kAttention, 0, 1));
 }
 
 std::optional<std::string> python_with_h5py(const TempDir& dir) {
