@@ -1,5 +1,7 @@
 #include "core/plan.h"
 
+#include <algorithm>
+
 #include <charconv>
 #include <set>
 
@@ -43,6 +45,21 @@ int Mesh::rank_of(const std::vector<int>& coordinates) const {
   int r = 0;
   for (size_t i = 0; i < axes.size(); ++i) r = r * axes[i].size + coordinates[i];
   return r;
+}
+
+std::vector<int> Mesh::ranks_along(int rank, const std::vector<std::string>& along) const {
+  const std::vector<int> mine = coordinates(rank);
+  std::vector<int> group;
+  for (int r = 0; r < num_ranks(); ++r) {
+    const std::vector<int> c = coordinates(r);
+    bool same = true;
+    for (size_t i = 0; i < c.size() && same; ++i) {
+      const bool free = std::find(along.begin(), along.end(), axes[i].name) != along.end();
+      same = free || c[i] == mine[i];
+    }
+    if (same) group.push_back(r);
+  }
+  return group;
 }
 
 std::vector<int> Placement::gpu_of_rank(const Mesh& mesh) const {

@@ -46,6 +46,9 @@ struct Mesh {
   int axis_size(const std::string& name) const;   // 1 if absent
   std::vector<int> coordinates(int rank) const;
   int rank_of(const std::vector<int>& coordinates) const;
+  // The ranks whose coordinates differ from `rank`'s only along `axes`, in rank order (the
+  // group of a collective over those axes).
+  std::vector<int> ranks_along(int rank, const std::vector<std::string>& axes) const;
 };
 
 // Where mesh ranks sit on the cluster. GPU index = mixed-radix number over `factors`, outermost

@@ -47,22 +47,6 @@ int first_order(const Plan& plan, int segment, int rank) {
   return -1;
 }
 
-// The ranks that differ from `rank` only along `axes`, in rank order.
-std::vector<int> ranks_along(const Mesh& mesh, int rank, const std::vector<std::string>& axes) {
-  const std::vector<int> mine = mesh.coordinates(rank);
-  std::vector<int> g;
-  for (int r = 0; r < mesh.num_ranks(); ++r) {
-    const std::vector<int> c = mesh.coordinates(r);
-    bool same = true;
-    for (std::size_t i = 0; i < c.size() && same; ++i) {
-      const bool along = std::find(axes.begin(), axes.end(), mesh.axes[i].name) != axes.end();
-      same = along || c[i] == mine[i];
-    }
-    if (same) g.push_back(r);
-  }
-  return g;
-}
-
 // The axes of `op`'s `dim` split (the last matching rule's).
 std::vector<std::string> split_axes(const Plan& plan, const std::string& op, Dim dim) {
   std::vector<std::string> axes;
@@ -147,10 +131,10 @@ VocabSplit vocab_split(const Plan& plan, int rank, const std::string& op,
   }
   for (const MeshAxis& a : mesh.axes) {  // mesh order, as the program's conversions
     if (std::find(axes.begin(), axes.end(), a.name) == axes.end() || a.size == 1) continue;
-    v.per_axis.push_back({ranks_along(mesh, rank, {a.name}), a.name, pipeline(a.name)});
+    v.per_axis.push_back({mesh.ranks_along(rank, {a.name}), a.name, pipeline(a.name)});
     v.axes += (v.axes.empty() ? "" : "+") + a.name;
   }
-  v.group = ranks_along(mesh, rank, axes);
+  v.group = mesh.ranks_along(rank, axes);
   return v;
 }
 

@@ -1466,21 +1466,6 @@ bool in_slice(const Mesh& mesh, const MeshSlice& slice, const std::vector<int>& 
   return true;
 }
 
-std::vector<int> group_along(const Mesh& mesh, int rank, const std::vector<std::string>& axes) {
-  const std::vector<int> mine = mesh.coordinates(rank);
-  std::vector<int> g;
-  for (int r = 0; r < mesh.num_ranks(); ++r) {
-    const std::vector<int> c = mesh.coordinates(r);
-    bool same = true;
-    for (std::size_t i = 0; i < c.size(); ++i) {
-      const bool along = std::find(axes.begin(), axes.end(), mesh.axes[i].name) != axes.end();
-      if (!along && c[i] != mine[i]) same = false;
-    }
-    if (same) g.push_back(r);
-  }
-  return g;
-}
-
 int peer_in(const Mesh& mesh, int rank, const Segment& seg) {
   std::vector<int> c = mesh.coordinates(rank);
   for (const auto& [axis, v] : seg.devices) c[mesh.axis_index(axis)] = v;
@@ -1505,7 +1490,7 @@ Layout layout_of(const Plan& plan, int rank) {
   }
   for (const std::string& a : L.cp_axes) L.split.cp *= plan.mesh.axis_size(a);
   if (L.split.cp > 1) {
-    const std::vector<int> g = group_along(plan.mesh, rank, L.cp_axes);
+    const std::vector<int> g = plan.mesh.ranks_along(rank, L.cp_axes);
     L.split.cp_index = static_cast<int>(std::find(g.begin(), g.end(), rank) - g.begin());
   }
   auto degree = [&](const char* op) {
@@ -1662,8 +1647,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   ctx.options = at::TensorOptions().dtype(dtype).device(device);
   ctx.tp_axes = join(L.tp_axes);
   ctx.pp_axes = join(L.pp_axes);
-  ctx.tp_group = L.tp_axes.empty() ? std::vector<int>{rank} : group_along(mesh, rank, L.tp_axes);
-  ctx.dp_group = group_along(mesh, rank, {kDataParallelAxis});
+  ctx.tp_group = L.tp_axes.empty() ? std::vector<int>{rank} : mesh.ranks_along(rank, L.tp_axes);
+  ctx.dp_group = mesh.ranks_along(rank, {kDataParallelAxis});
   ctx.tp_index = static_cast<int>(std::find(ctx.tp_group.begin(), ctx.tp_group.end(), rank) -
                                   ctx.tp_group.begin());
   ctx.embed_vocab = vocab_split(plan, rank, "embed.word", ctx.tp_group, ctx.tp_axes);
@@ -1673,7 +1658,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   if (L.split.cp > 1) {
     // Context parallelism: the cp ring, and the gradients summed over dp and cp (the program's
     // gradient buckets when every weighted operator is split along the sequence).
-    ctx.cp_group = group_along(mesh, rank, L.cp_axes);
+    ctx.cp_group = mesh.ranks_along(rank, L.cp_axes);
     ctx.cp_axes = join(L.cp_axes);
     const int n = static_cast<int>(ctx.cp_group.size()), i = L.split.cp_index;
     ctx.cp_next = ctx.cp_group[(i + 1) % n];
@@ -1683,7 +1668,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       const bool cp_axis = std::find(L.cp_axes.begin(), L.cp_axes.end(), a.name) != L.cp_axes.end();
       if (a.name == kDataParallelAxis || cp_axis) grad_axes.push_back(a.name);
     }
-    ctx.dp_group = group_along(mesh, rank, grad_axes);
+    ctx.dp_group = mesh.ranks_along(rank, grad_axes);
     ctx.dp_axes = join(grad_axes);
   }
   (void)tp_size;

@@ -380,6 +380,12 @@ TEST(Plan, MeshCoordinates) {
   EXPECT_EQ(m.coordinates(23), (std::vector<int>{1, 2, 3}));
   EXPECT_EQ(m.coordinates(13), (std::vector<int>{1, 0, 1}));  // last axis innermost
   for (int r = 0; r < 24; ++r) EXPECT_EQ(m.rank_of(m.coordinates(r)), r);
+  // Groups of collectives: rank 13 = (1, 0, 1).
+  EXPECT_EQ(m.ranks_along(13, {"tp"}), (std::vector<int>{12, 13, 14, 15}));
+  EXPECT_EQ(m.ranks_along(13, {"dp"}), (std::vector<int>{1, 13}));
+  EXPECT_EQ(m.ranks_along(13, {"pp", "dp"}), (std::vector<int>{1, 5, 9, 13, 17, 21}));
+  EXPECT_EQ(m.ranks_along(13, {}), (std::vector<int>{13}));
+  EXPECT_EQ(m.ranks_along(13, {"cp"}), (std::vector<int>{13}));  // an absent axis
 }
 
 // Megatron's order: mesh [dp, pp, cp, tp], GPUs numbered pp-dp-cp-tp (tp fastest).
