@@ -1608,9 +1608,12 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     }
     prog.explicit_groups.push_back(groups);
     const int gid = static_cast<int>(prog.explicit_groups.size()) - 1;
-    const double bytes =
-        std::accumulate(c.embed.local_params.begin(), c.embed.local_params.end(), 0.0) *
-        plan.optimizer.grad_bytes;
+    // Only the word matrix is tied (a learned position table stays the embedding's own).
+    double tied_params = 0;
+    for (size_t i = 0; i < c.embed.part->ops.size(); ++i) {
+      if (c.embed.part->ops[i].name == "embed.word") tied_params += c.embed.local_params[i];
+    }
+    const double bytes = tied_params * plan.optimizer.grad_bytes;
     for (int l : {emb_lane, head_lane}) {
       Step s;
       s.kind = StepKind::kCollective;

@@ -46,7 +46,8 @@ Status check_runnable(const Plan& plan) {
         "and context parallelism (together too), pipelines (interleaved too; the head and the "
         "embedding also sharded over the stages, with context parallelism and repeated "
         "forwards too) with F, B, R and zero-bubble BI/BW blocks, data parallelism with ZeRO "
-        "0-3, recompute rules, repeated forwards; ZeRO-3 also as FSDP keeps it gathered under "
+        "0-3, recompute rules, repeated forwards; tied embeddings (on two pipeline stages with "
+        "ZeRO 0); ZeRO-3 also as FSDP keeps it gathered under "
         "pipelines and as DeepSpeed gathers per tensor and again for recompute; in fp32, bf16, "
         "fp16 or emulated fp8)",
         field, why));
@@ -386,11 +387,27 @@ Status check_runnable(const Plan& plan) {
     }
   }
   if (m.tied_embeddings) {
-    for (const Segment& s : plan.segments) {
-      if (s.embedding != s.head) {
+    int emb = -1, head = -1;
+    for (std::size_t i = 0; i < plan.segments.size(); ++i) {
+      if (plan.segments[i].embedding) emb = static_cast<int>(i);
+      if (plan.segments[i].head) head = static_cast<int>(i);
+    }
+    if (emb != head) {
+      // The head's copy of the matrix on another stage, its gradient summed with the
+      // embedding's after the data-parallel sums (the program's "tied embedding grad sync").
+      if (plan.segments[emb].devices == plan.segments[head].devices) {
         return refuse("model.tied_embeddings",
-                      "tied embeddings with the embedding and the head in different segments "
-                      "are not supported yet");
+                      "tied embeddings with the embedding and the head in different segments on "
+                      "the same devices (a V-shaped or hand-built placement) are not supported "
+                      "yet; untie them or put them in one segment");
+      }
+      if (plan.optimizer.zero >= 1) {
+        return refuse("optimizer.zero",
+                      fmt::format("ZeRO stage {} with tied embeddings on different pipeline "
+                                  "stages is not supported yet (the tied gradients are summed "
+                                  "whole, the ZeRO chunks of the two stages differ); use zero 0 "
+                                  "or untie them",
+                                  plan.optimizer.zero));
       }
     }
   }

@@ -598,6 +598,14 @@ class Model {
         const int tv = vocab_index(/*head=*/true);
         head_w_ = add("head.proj.weight", {h, V}, 0.1, 0,
                       [=](const at::Tensor& x) { return x.narrow(1, tv * vl, vl); });
+      } else if (!embedding_) {
+        // Tied, on another stage than the embedding: a copy of the embedding's matrix (drawn
+        // the same, by its name), whose gradient the epilogue sums with the embedding's
+        // (Megatron's "tied embedding grad sync").
+        const int64_t vl = V / split.embed_vocab;
+        const int tv = vocab_index(/*head=*/false);
+        word_ = add("embed.word.weight", {V, h}, 0.1, 0,
+                    [=](const at::Tensor& x) { return x.narrow(0, tv * vl, vl); });
       }
     }
     cast_weights();
@@ -660,7 +668,7 @@ class Model {
       u.push_back(some({L.ln1g, L.ln1b, L.qkv_w, L.qkv_b, L.proj_w, L.proj_b, L.ln2g, L.ln2b,
                         L.fc1_w, L.fc1_b, L.fc2_w, L.fc2_b}));
     }
-    if (head_) u.push_back(some({hn_g_, hn_b_, head_w_}));
+    if (head_) u.push_back(some({hn_g_, hn_b_, head_w_, embedding_ ? nullptr : word_}));
     return u;
   }
   // Parameters whose gradients sequence parallelism leaves as partial sums over the
@@ -681,6 +689,8 @@ class Model {
   }
   int head_unit() const { return (embedding_ ? 1 : 0) + static_cast<int>(layers_.size()); }
   bool has_embedding() const { return embedding_; }
+  // The word matrix this part holds: the embedding's, or a tied head's copy of it.
+  Param* word_matrix() const { return word_; }
   bool has_head() const { return head_; }
 
   // Forward of a micro-batch through this segment: tokens [b, s] (embedding) or the previous
@@ -2181,6 +2191,30 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         p->w.mutable_grad() = all.narrow(0, offset, n).view(p->w.sizes()).clone();
         offset += n;
       }
+    }
+    // Tied embeddings on two stages: the embedding's matrix and the head's copy hold the
+    // gradients of their own uses; summed between the first and the last stage (the same
+    // tensor- and data-parallel coordinates), after the data-parallel sums, so both copies take
+    // the same step (the program's epilogue: "tied embedding grad sync"; ZeRO-0 only, see
+    // check_runnable).
+    for (const auto& [sg, model] : models) {
+      const Segment& seg = plan.segments[sg];
+      if (!plan.model.tied_embeddings || seg.embedding == seg.head || !model->word_matrix()) {
+        continue;
+      }
+      int other = -1;
+      for (std::size_t j = 0; j < plan.segments.size(); ++j) {
+        if (seg.embedding ? plan.segments[j].head : plan.segments[j].embedding) {
+          other = static_cast<int>(j);
+        }
+      }
+      const int partner = peer_in(plan.mesh, rank, plan.segments[other]);
+      Param& w = *model->word_matrix();
+      at::Tensor g = grad_or_zeros(w).to(reduce_dtype);
+      ctx.all_reduce(g, {std::min(rank, partner), std::max(rank, partner)}, "explicit",
+                     "tied embedding grad sync");
+      at::NoGradGuard no_grad;
+      w.w.mutable_grad() = g.to(at::kFloat).view(w.w.sizes()).clone();
     }
     // Sequence parallelism: the gradients of the parameters applied to sequence slices summed
     // over the tensor-parallel group, in one buffer, after the data-parallel sums (the program's

@@ -460,6 +460,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"bf16_llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "bf16"},
         // Tied embeddings in one segment: ZeRO-1's gather and reduction count the matrix once.
         with("tied_zero1_dp2", 1, 1, 2, 4, {"--zero", "1"}, &kTied),
+        // Tied embeddings on two stages: the head's copy, its gradient summed with the
+        // embedding's ("tied embedding grad sync" over the explicit first/last-stage pairs).
+        with("tied_tp2_pp2_dp2", 2, 2, 2, 8, {}, &kTied),
         with("zero2_tp2_dp2", 2, 1, 2, 4, {"--zero", "2"}),
         // Tied embeddings in one segment: the matrix gathered once per pass with the embedding's
         // unit (FSDP's unit holding both) and reduced once.
@@ -789,6 +792,12 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
       {"cannot run this plan: communication.pp_scatter_gather: false with sequence "
        "parallelism, rope positions and the embedding's segment 'embedding' spanning the "
        "pipeline stages is not supported yet"});
+
+  // Tied embeddings on two stages under ZeRO-1: the two stages' chunks differ.
+  ASSERT_EQ(make_plan(dir, 1, 2, 2, "1f1b", 4, {"--zero", "1"}, kTied).status, 0);
+  refused(
+      {"cannot run this plan: optimizer.zero: ZeRO stage 1 with tied embeddings on "
+       "different pipeline stages is not supported yet"});
 
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
   RunResult r =

@@ -180,6 +180,16 @@ TEST(Program, PipelineStagesHoldTheModelOnce) {
   for (const Lane& lane : prog.lanes) total += lane.parameters;
   EXPECT_EQ(total, static_cast<double>(m.parameters() + m.vocab * m.hidden));
   ASSERT_EQ(prog.explicit_groups.size(), 1u);  // first and last stage sum the tied gradients
+  // ... of the word matrix only (the learned position table is the embedding's own): V h
+  // gradients, once per iteration on the first and on the last stage.
+  const double grad = prog.plan.optimizer.grad_bytes;
+  for (int l : {0, 3}) {
+    double bytes = 0;
+    for (const Step& st : prog.lanes[l].epilogue) {
+      if (st.kind == StepKind::kCollective && st.group == 0) bytes += st.bytes;
+    }
+    EXPECT_DOUBLE_EQ(bytes, static_cast<double>(m.vocab) * m.hidden * grad) << "lane " << l;
+  }
 }
 
 // Tensor-parallel collectives of the layers' operators in one block template, by kind.
