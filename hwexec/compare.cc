@@ -446,6 +446,18 @@ Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const 
         }
       } else if (auto kind = parse_collective(x.kind); kind && known) {
         one = pricer.collective(*kind, r.rank, mask, x.bytes);
+      } else if (kind && x.axes == "explicit") {
+        // The program's explicit groups (the tied embedding's first/last-stage pairs), as the
+        // simulator prices them: the group of the rank's counterpart in replica 0.
+        const int r0 = prog.rank_in_replica(r.rank, 0);
+        for (const auto& groups : prog.explicit_groups) {
+          for (const auto& members : groups) {
+            if (std::find(members.begin(), members.end(), r0) == members.end()) continue;
+            std::vector<int> gpus;
+            for (int g : members) gpus.push_back(prog.gpu_of_rank[g]);
+            one = pricer.collective_on(*kind, gpus, x.bytes);
+          }
+        }
       }
       auto& v = mine[{x.kind, x.axes, x.label}];
       v[0] += x.calls;

@@ -47,7 +47,7 @@ Status check_runnable(const Plan& plan) {
         "embedding also sharded over the stages, with context parallelism and repeated "
         "forwards too) with F, B, R and zero-bubble BI/BW blocks, data parallelism with ZeRO "
         "0-3, recompute rules, repeated forwards; tied embeddings (on two pipeline stages with "
-        "ZeRO 0); ZeRO-3 also as FSDP keeps it gathered under "
+        "ZeRO 0-1); ZeRO-3 also as FSDP keeps it gathered under "
         "pipelines and as DeepSpeed gathers per tensor and again for recompute; in fp32, bf16, "
         "fp16 or emulated fp8)",
         field, why));
@@ -401,12 +401,13 @@ Status check_runnable(const Plan& plan) {
                       "the same devices (a V-shaped or hand-built placement) are not supported "
                       "yet; untie them or put them in one segment");
       }
-      if (plan.optimizer.zero >= 1) {
+      if (plan.optimizer.zero >= 2) {
         return refuse("optimizer.zero",
                       fmt::format("ZeRO stage {} with tied embeddings on different pipeline "
                                   "stages is not supported yet (the tied gradients are summed "
-                                  "whole, the ZeRO chunks of the two stages differ); use zero 0 "
-                                  "or untie them",
+                                  "whole once an iteration, before ZeRO-1's reduce-scatter; "
+                                  "ZeRO-2 and 3 reduce every micro-batch); use zero 0 or 1, or "
+                                  "untie them",
                                   plan.optimizer.zero));
       }
     }

@@ -1996,8 +1996,40 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       last_weights[blk.segment] = blk.micro_batch;
     }
   }
+  // Tied embeddings on two stages: the embedding's matrix and the head's copy hold the
+  // gradients of their own uses, summed whole between the first and the last stage (the ranks
+  // of the same other coordinates), so both copies take the same step (the program's epilogue:
+  // "tied embedding grad sync"): after the data-parallel sums without ZeRO, before ZeRO-1's
+  // reduce-scatter at the iteration's end (the two stages' chunks differ); ZeRO 2-3 refused
+  // (check_runnable).
+  auto tied_sync = [&](int sg) {
+    const Segment& seg = plan.segments[sg];
+    Model& model = *models.at(sg);
+    if (!plan.model.tied_embeddings || seg.embedding == seg.head || !model.word_matrix()) return;
+    int other = -1;
+    for (std::size_t j = 0; j < plan.segments.size(); ++j) {
+      if (seg.embedding ? plan.segments[j].head : plan.segments[j].embedding) {
+        other = static_cast<int>(j);
+      }
+    }
+    const int partner = peer_in(plan.mesh, rank, plan.segments[other]);
+    Param& w = *model.word_matrix();
+    at::Tensor g = grad_or_zeros(w).to(reduce_dtype);
+    ctx.all_reduce(g, {std::min(rank, partner), std::max(rank, partner)}, "explicit",
+                   "tied embedding grad sync");
+    at::NoGradGuard no_grad;
+    w.w.mutable_grad() = g.to(at::kFloat).view(w.w.sizes()).clone();
+  };
+  // Under ZeRO-1 a segment holding a tied copy reduces at the end of the iteration instead:
+  // the summing partner (the first or last stage) reaches its own end only after this stage's
+  // later blocks, which must not wait for it.
+  auto tied_copy = [&](int sg) {
+    const Segment& seg = plan.segments[sg];
+    return plan.model.tied_embeddings && seg.embedding != seg.head &&
+           models.at(sg)->word_matrix() != nullptr;
+  };
   auto reduce_after = [&](int sg, int m) {
-    if (zero == 2 || (zero == 1 && m == last_weights.at(sg))) {
+    if (zero == 2 || (zero == 1 && m == last_weights.at(sg) && !tied_copy(sg))) {
       for (ZeroUnit& u : zunits_of.at(sg)) reduce_unit(u, grad_sync_label(sg));
     }
   };
@@ -2154,6 +2186,11 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         }
       }
     }
+    for (int sg : L.segments) {
+      if (zero != 1 || !tied_copy(sg)) continue;
+      tied_sync(sg);
+      for (ZeroUnit& u : zunits_of.at(sg)) reduce_unit(u, grad_sync_label(sg));
+    }
     if (zero >= 1) {
       for (const Param* pp : params) {
         const Param& p = *pp;
@@ -2192,29 +2229,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         offset += n;
       }
     }
-    // Tied embeddings on two stages: the embedding's matrix and the head's copy hold the
-    // gradients of their own uses; summed between the first and the last stage (the same
-    // tensor- and data-parallel coordinates), after the data-parallel sums, so both copies take
-    // the same step (the program's epilogue: "tied embedding grad sync"; ZeRO-0 only, see
-    // check_runnable).
-    for (const auto& [sg, model] : models) {
-      const Segment& seg = plan.segments[sg];
-      if (!plan.model.tied_embeddings || seg.embedding == seg.head || !model->word_matrix()) {
-        continue;
-      }
-      int other = -1;
-      for (std::size_t j = 0; j < plan.segments.size(); ++j) {
-        if (seg.embedding ? plan.segments[j].head : plan.segments[j].embedding) {
-          other = static_cast<int>(j);
-        }
-      }
-      const int partner = peer_in(plan.mesh, rank, plan.segments[other]);
-      Param& w = *model->word_matrix();
-      at::Tensor g = grad_or_zeros(w).to(reduce_dtype);
-      ctx.all_reduce(g, {std::min(rank, partner), std::max(rank, partner)}, "explicit",
-                     "tied embedding grad sync");
-      at::NoGradGuard no_grad;
-      w.w.mutable_grad() = g.to(at::kFloat).view(w.w.sizes()).clone();
+    if (zero == 0) {
+      for (int sg : L.segments) tied_sync(sg);
     }
     // Sequence parallelism: the gradients of the parameters applied to sequence slices summed
     // over the tensor-parallel group, in one buffer, after the data-parallel sums (the program's

@@ -429,6 +429,11 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
         << t.dump(1);
     EXPECT_DOUBLE_EQ(t["measured_bytes"].get<double>(), t["simulated_bytes"].get<double>())
         << t.dump(1);
+    // Priced by the simulator (pipeline transfers between a stage's chunks of interleaved,
+    // V-shaped and spanning placements are not yet: their peer is not looked up).
+    if (t["kind"] != "send" && t["kind"] != "recv") {
+      EXPECT_FALSE(t["simulated_s"].is_null()) << t.dump(1);
+    }
   }
   int halves = 0;
   for (const nlohmann::json& o : j["operators"]) {
@@ -463,6 +468,7 @@ INSTANTIATE_TEST_SUITE_P(
         // Tied embeddings on two stages: the head's copy, its gradient summed with the
         // embedding's ("tied embedding grad sync" over the explicit first/last-stage pairs).
         with("tied_tp2_pp2_dp2", 2, 2, 2, 8, {}, &kTied),
+        interleaved("tied_zero1_interleaved_pp2_dp2", 1, 2, 2, 8, {"--zero", "1"}, &kTied),
         with("zero2_tp2_dp2", 2, 1, 2, 4, {"--zero", "2"}),
         // Tied embeddings in one segment: the matrix gathered once per pass with the embedding's
         // unit (FSDP's unit holding both) and reduced once.
@@ -793,10 +799,10 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
        "parallelism, rope positions and the embedding's segment 'embedding' spanning the "
        "pipeline stages is not supported yet"});
 
-  // Tied embeddings on two stages under ZeRO-1: the two stages' chunks differ.
-  ASSERT_EQ(make_plan(dir, 1, 2, 2, "1f1b", 4, {"--zero", "1"}, kTied).status, 0);
+  // Tied embeddings on two stages under ZeRO-2: reduced every micro-batch.
+  ASSERT_EQ(make_plan(dir, 1, 2, 2, "1f1b", 4, {"--zero", "2"}, kTied).status, 0);
   refused(
-      {"cannot run this plan: optimizer.zero: ZeRO stage 1 with tied embeddings on "
+      {"cannot run this plan: optimizer.zero: ZeRO stage 2 with tied embeddings on "
        "different pipeline stages is not supported yet"});
 
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
