@@ -253,7 +253,7 @@ Status check_runnable(const Plan& plan) {
     // With context parallelism each cp rank's tokens are cut in tp slices.
     int cp_ways = 1;
     for (const std::string& a : cp_axes) cp_ways *= plan.mesh.axis_size(a);
-    if (m.seq_len % (cp_ways * tp) != 0) {
+    if (m.seq_len % (static_cast<int64_t>(cp_ways) * tp) != 0) {
       return refuse(
           "partition",
           fmt::format("seq_len {} is not divisible by the tensor-parallel degree {}{} "
@@ -287,7 +287,7 @@ Status check_runnable(const Plan& plan) {
     }
     int ways = 1;
     for (const std::string& a : cp_axes) ways *= plan.mesh.axis_size(a);
-    if (ways > 1 && m.seq_len % (2 * ways) != 0) {
+    if (ways > 1 && m.seq_len % (2 * static_cast<int64_t>(ways)) != 0) {
       return refuse("model.seq_len",
                     fmt::format("{} is not divisible by 2 x the context-parallel degree {} (each "
                                 "cp rank holds two chunks of the sequence: Megatron's "
