@@ -28,7 +28,6 @@
 // synchronize.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/native/Resize.h>
 #include <sys/resource.h>
 #include <torch/version.h>
 
@@ -56,7 +55,6 @@
 
 #ifdef NNSIM_TORCH_HAS_CUDA
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/native/cuda/Resize.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 
@@ -461,16 +459,14 @@ struct Split {
 
 // Frees or reallocates a tensor's storage in place (FSDP's trick): autograd's saved references
 // stay valid, so a sequence-parallel linear's gathered input can be dropped after the forward
-// and gathered again into the same storage before the backward.
+// and gathered again into the same storage before the backward. Only ever to 0 bytes and back
+// from 0, so there is nothing to copy: the storage's own allocator (the caching allocator on a
+// GPU) gives the new block, through StorageImpl's public interface rather than ATen's internal
+// per-device resize functions.
 void resize_storage(const at::Tensor& t, std::size_t bytes) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-#ifdef NNSIM_TORCH_HAS_CUDA
-  if (t.is_cuda()) {
-    at::native::resize_bytes_cuda(s, bytes);
-    return;
-  }
-#endif
-  at::native::resize_bytes_cpu(s, bytes);
+  s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
+  s->set_nbytes(bytes);
 }
 
 struct LayerParams {
