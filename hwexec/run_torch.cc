@@ -28,6 +28,7 @@
 // synchronize.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
 #include <sys/resource.h>
 #include <torch/version.h>
 
@@ -1013,7 +1014,7 @@ class Model {
     if (split_.save_gathered) return;
     const at::Tensor full = gather_seq(c, shard, label);
     resize_storage(u.in[0], full.nbytes());
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     u.in[0].variable_data().copy_(full);
   }
 
@@ -1877,7 +1878,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   auto gather_unit = [&](ZeroUnit& u) {
     const at::Tensor full = ctx.all_gather(dtype != at::kFloat ? u.master.to(dtype) : u.master,
                                            ctx.dp_group, ctx.dp_axes, "param gather");
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     int64_t offset = 0;
     for (Param* p : u.params) {
       const int64_t n = p->w.numel();
@@ -1910,7 +1911,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         padded_flat(u.params, u.chunk * dpn, [](const Param& p) { return grad_or_zeros(p); })
             .to(reduce_dtype),
         ctx.dp_group, ctx.dp_axes, label);
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     u.grad.add_(mine);
     for (Param* p : u.params) p->w.mutable_grad() = at::Tensor();
   };
@@ -1972,7 +1973,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     tape.key = DropoutKey{opt.seed, 0, 0, plan.recycle - 1};  // iteration 0, every row
     at::Tensor recycled;
     for (int pass = 0; pass + 1 < plan.recycle; ++pass) {
-      at::NoGradGuard no_grad;
+      c10::NoGradGuard no_grad;
       MicroBatchTape scratch;
       scratch.key = DropoutKey{opt.seed, 0, 0, pass};
       recycled = whole.forward(ref, data.narrow(1, 0, s), recycled, data.narrow(1, 1, s), scratch);
@@ -2013,7 +2014,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     at::Tensor g = grad_or_zeros(w).to(reduce_dtype);
     ctx.all_reduce(g, {std::min(rank, partner), std::max(rank, partner)}, "explicit",
                    "tied embedding grad sync");
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     w.w.mutable_grad() = g.to(at::kFloat).view(w.w.sizes()).clone();
   };
   // Under ZeRO-1 a segment holding a tied copy reduces at the end of the iteration instead:
@@ -2125,7 +2126,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       } else if (blk.kind == BlockKind::kForward) {
         // Repeated forwards: a pass before the last keeps nothing and has no gradient.
         const bool earlier = blk.pass + 1 < plan.recycle;
-        std::optional<at::NoGradGuard> no_grad;
+        std::optional<c10::NoGradGuard> no_grad;
         if (earlier) no_grad.emplace();
         MicroBatchTape scratch;
         scratch.key = DropoutKey{opt.seed, it, row, blk.pass};  // the pass's own masks
@@ -2217,7 +2218,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       at::Tensor all = at::cat(flat).to(reduce_dtype);
       ctx.all_reduce(all, ctx.dp_group, ctx.dp_axes, grad_sync_label(sg));
       all = all.to(at::kFloat);
-      at::NoGradGuard no_grad;
+      c10::NoGradGuard no_grad;
       int64_t offset = 0;
       for (Param* p : mine) {
         const int64_t n = p->w.numel();
@@ -2257,7 +2258,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
                                         : at::cat(slices).to(reduce_dtype);
         ctx.tp_all_reduce(all, "norm grad sync");
         all = all.to(at::kFloat);
-        at::NoGradGuard no_grad;
+        c10::NoGradGuard no_grad;
         int64_t offset = 0;
         for (at::Tensor& slice : slices) {  // views into the chunks
           slice.copy_(all.narrow(0, offset, slice.numel()));
@@ -2270,7 +2271,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       at::Tensor all = at::cat(flat).to(reduce_dtype);
       ctx.tp_all_reduce(all, "norm grad sync");
       all = all.to(at::kFloat);
-      at::NoGradGuard no_grad;
+      c10::NoGradGuard no_grad;
       int64_t offset = 0;
       for (Param* p : sp) {
         const int64_t n = p->w.numel();
@@ -2281,7 +2282,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     if (fp16_scale != 1.0) {
       // The gradients (summed in fp32) unscaled; an overflow of the fp16 backward fails the run
       // (a static scale does not adapt).
-      at::NoGradGuard no_grad;
+      c10::NoGradGuard no_grad;
       std::vector<at::Tensor> gs;
       for (ZeroUnit* u : zunits) gs.push_back(u->grad);
       for (Param* p : params) {
@@ -2350,7 +2351,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     {
       const Mark o0 = stats.mark();
       {
-        at::NoGradGuard no_grad;
+        c10::NoGradGuard no_grad;
         const double k = it + 1;
         for (ZeroUnit* zu : zunits) {  // ZeRO: the rank's chunk only
           ZeroUnit& u = *zu;
