@@ -47,6 +47,7 @@
 
 #include "hwexec/comm.h"
 #include "hwexec/run.h"
+#include "hwexec/run_adam.h"
 #include "hwexec/run_context_parallel.h"
 #include "hwexec/run_model_masks.h"
 #include "hwexec/run_precision.h"
@@ -505,8 +506,11 @@ struct MicroBatchTape {
   Unit word, pos, drop;
   std::vector<LayerTape> layers;
   Unit hnorm, hproj;
-  at::Tensor ez, se, onehot;  // the loss's saved softmax pieces
-  at::Tensor loss;            // 0-dimensional, on the device (read after the iteration)
+  // The loss's saved pieces: exp(logits - max), its sum, and each token's target column with a
+  // 1 where this rank's vocabulary shard holds it (Megatron's vocab-parallel cross-entropy
+  // keeps the same; no [tokens, vocab] one-hot).
+  at::Tensor ez, se, target_index, target_mask;
+  at::Tensor loss;  // 0-dimensional, on the device (read after the iteration)
   std::vector<DeferredWeightGrad> deferred;  // a BI block's weight gradients, for its BW
   // Recompute rules without layers: what the embedding's and the head's recomputation reads,
   // and whether an R block has run it.
@@ -747,9 +751,11 @@ class Model {
       }
       const Mark t0 = st.mark();
       const double n = static_cast<double>(tape.ez.size(0) * tape.ez.size(1));
-      at::Tensor dlogits = (tape.ez / tape.se.unsqueeze(-1) - tape.onehot) * (loss_scale / n);
+      at::Tensor dlogits = tape.ez / tape.se.unsqueeze(-1);
+      dlogits.scatter_add_(-1, tape.target_index, -tape.target_mask.unsqueeze(-1));
+      dlogits.mul_(loss_scale / n);
       st.op("loss", bwd_phase_, t0, st.mark());
-      tape.ez = tape.se = tape.onehot = at::Tensor();
+      tape.ez = tape.se = tape.target_index = tape.target_mask = at::Tensor();
       const int vsplit = spec_.tied_embeddings ? split_.embed_vocab : split_.head_vocab;
       const bool sp = split_.seq > 1;
       if (sp && !recompute_head_.count("head.proj")) {
@@ -975,6 +981,14 @@ class Model {
 
   // Rotary position embedding (rotate-half form, base 10000) of x [b, s, heads, d] at the
   // rank's positions (0 .. s-1; under context parallelism, its share), angles in fp32.
+  // The [s, s] causal mask (true where a query must not see a key), made once per length rather
+  // than once per layer and micro-batch.
+  const at::Tensor& causal_mask(int64_t s) {
+    if (!causal_.defined() || causal_.size(0) != s) {
+      causal_ = at::ones({s, s}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(1);
+    }
+    return causal_;
+  }
   at::Tensor rope(const at::Tensor& x) const {
     const int64_t s = x.size(1), d = x.size(3);
     const auto f32 = x.options().dtype(at::kFloat);
@@ -1160,7 +1174,8 @@ class Model {
       at::Tensor target_logit = z.gather(-1, idx).squeeze(-1) * mask;
       if (vsplit > 1) c.vocab_all_reduce(vg, target_logit, "loss");
       if (!again) tape.loss = (tape.se.log() - target_logit).mean();
-      tape.onehot = at::zeros_like(z).scatter_(-1, idx, mask.unsqueeze(-1));
+      tape.target_index = idx;
+      tape.target_mask = mask;
       st.op("loss", phase, t0, st.mark(), /*minus_collectives=*/true);
     }
     if (!again && !rc.empty()) {
@@ -1168,7 +1183,7 @@ class Model {
       tape.targets = targets;
       if (rc.count("head.norm")) tape.hnorm = Unit{};
       if (rc.count("head.proj")) tape.hproj = Unit{};
-      if (rc.count("loss")) tape.ez = tape.se = tape.onehot = at::Tensor();
+      if (rc.count("loss")) tape.ez = tape.se = tape.target_index = tape.target_mask = at::Tensor();
     }
   }
 
@@ -1227,17 +1242,30 @@ class Model {
             q = q.permute({0, 2, 1, 3});
             k = k.permute({0, 2, 1, 3});
             v = v.permute({0, 2, 1, 3});
-            at::Tensor scores = mm(q, k.transpose(-2, -1)) / std::sqrt(double(d));
+#if TORCH_VERSION_MAJOR >= 2
+            // The model's fused attention (FlashAttention or memory-efficient attention, as
+            // LibTorch picks), where it computes what the plan asks for: ALiBi and the
+            // probabilities' dropout need the explicit chain below.
+            if (spec_.attention == AttentionKernel::kFlash && !alibi_.defined() && !spec_.dropout) {
+              return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true)
+                  .permute({0, 2, 1, 3})
+                  .reshape({b, s, al * d});
+            }
+#endif
+            // Unfused, as Megatron without FlashAttention: the scale folded into q (a pass over
+            // b s h d rather than over the b h s^2 scores), the causal mask in place on the
+            // scores, the softmax in the compute dtype (LibTorch accumulates a 16-bit softmax in
+            // fp32, as Megatron's fused scaled-masked softmax does) and only its output kept for
+            // the backward.
+            at::Tensor scores = mm(q * (1 / std::sqrt(double(d))), k.transpose(-2, -1));
             if (alibi_.defined()) {  // ALiBi: in fp32, at the tokens' positions
               scores = scores.to(at::kFloat) + alibi_bias(alibi_, positions_, positions_);
             }
-            at::Tensor causal = at::ones({s, s}, in[0].options().dtype(at::kBool)).triu(1);
-            // The softmax in fp32 (Megatron's fused scaled-masked softmax), its output in the
-            // compute dtype.
-            at::Tensor p =
-                at::softmax(scores.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1,
-                            at::kFloat)
-                    .to(q.scalar_type());
+            scores.masked_fill_(causal_mask(s), -std::numeric_limits<float>::infinity());
+            // (LibTorch's CPU softmax has no fp16 kernel: there, in fp32, the same values.)
+            const bool widen = scores.is_cpu() && scores.scalar_type() == at::kHalf;
+            at::Tensor p = (widen ? at::softmax(scores, -1, at::kFloat) : at::softmax(scores, -1))
+                               .to(q.scalar_type());
             if (spec_.dropout) {  // the probabilities' dropout
               p = p * dropout_multipliers(t.key, first_ + l, DropoutSite::kAttention, b,
                                           spec_.seq_len, spec_.heads, positions_, first_head_, al,
@@ -1452,6 +1480,7 @@ class Model {
   bool fp8_ = false;           // the blocks' linear layers take fp8 inputs (set_fp8)
   bool reduce_input_ = false;  // set_reduce_input
   at::Tensor alibi_;           // ALiBi: the slopes of the rank's heads (fp32); else undefined
+  at::Tensor causal_;          // causal_mask's last mask (true above the diagonal)
 };
 
 // The plan as this rank sees it.
@@ -2353,27 +2382,20 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       {
         c10::NoGradGuard no_grad;
         const double k = it + 1;
-        for (ZeroUnit* zu : zunits) {  // ZeRO: the rank's chunk only
-          ZeroUnit& u = *zu;
-          u.m.mul_(beta1).add_(u.grad, 1 - beta1);
-          u.v.mul_(beta2).addcmul_(u.grad, u.grad, 1 - beta2);
-          at::Tensor denom = (u.v / (1 - std::pow(beta2, k))).sqrt_().add_(eps);
-          u.master.addcdiv_(u.m, denom, -lr / (1 - std::pow(beta1, k)));
-          u.grad.zero_();
-        }
-        for (Param* pp : params) {
-          Param& p = *pp;
+        AdamLists lists;
+        for (ZeroUnit* u : zunits) lists.add(u->master, u->grad, u->m, u->v);  // ZeRO: the chunk
+        for (Param* p : params) {
           if (zero >= 1) break;
-          const at::Tensor g = p.w.grad();
-          if (!p.m.defined()) {
-            p.m = at::zeros_like(p.w);
-            p.v = at::zeros_like(p.w);
+          if (!p->m.defined()) {
+            p->m = at::zeros_like(p->w);
+            p->v = at::zeros_like(p->w);
           }
-          p.m.mul_(beta1).add_(g, 1 - beta1);
-          p.v.mul_(beta2).addcmul_(g, g, 1 - beta2);
-          at::Tensor denom = (p.v / (1 - std::pow(beta2, k))).sqrt_().add_(eps);
-          p.w.addcdiv_(p.m, denom, -lr / (1 - std::pow(beta1, k)));
+          lists.add(p->w, p->w.grad(), p->m, p->v);
         }
+        lists.step(lr, beta1, beta2, eps, k);
+        std::vector<at::Tensor> zero_grads;
+        for (ZeroUnit* u : zunits) zero_grads.push_back(u->grad);
+        if (!zero_grads.empty()) at::_foreach_zero_(zero_grads);
       }
       // ZeRO-1/2: the updated chunks gathered into whole weights (the program launches this
       // gather after the step and waits for it before each unit's first forward); ZeRO-3
