@@ -1,4 +1,4 @@
-// The Adam step of `nnexec run`: foreach kernels over groups of tensors (run_adam.h).
+// The Adam step of `nnexec run`: fused on a GPU, foreach kernels on a CPU (run_adam.h).
 #include "hwexec/run_adam.h"
 
 #include <cmath>
@@ -13,16 +13,26 @@ void AdamLists::add(const at::Tensor& w, const at::Tensor& g, const at::Tensor& 
   v.push_back(m2);
 }
 
-void AdamLists::step(double lr, double beta1, double beta2, double eps, double k) const {
+void AdamLists::step(double lr, double beta1, double beta2, double eps, double k,
+                     int64_t group_elements) const {
+  if (weights.empty()) return;
+  if (weights.front().is_cuda()) {
+    // The step number as the kernel reads it (a float tensor per weight; one shared here).
+    const at::Tensor step = at::full({}, k, weights.front().options().dtype(at::kFloat));
+    const std::vector<at::Tensor> steps(weights.size(), step);
+    at::_fused_adam_(weights, grads, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, beta1, beta2,
+                     /*weight_decay=*/0.0, eps, /*amsgrad=*/false, /*maximize=*/false);
+    return;
+  }
   const double v_correction = 1 - std::pow(beta2, k);
   const double step_size = -lr / (1 - std::pow(beta1, k));
   size_t first = 0;
   while (first < weights.size()) {
-    // [first, last): tensors up to kGroupElements together (at least one).
+    // [first, last): tensors up to group_elements together (at least one).
     size_t last = first;
     int64_t elements = 0;
     while (last < weights.size() &&
-           (last == first || elements + weights[last].numel() <= kGroupElements)) {
+           (last == first || elements + weights[last].numel() <= group_elements)) {
       elements += weights[last].numel();
       ++last;
     }
