@@ -922,9 +922,16 @@ class Model {
   // copy (its gradient arrives in fp32 on the master).
   at::Tensor W(const Param* p) const { return p ? p->c : at::Tensor(); }
 
-  // LayerNorm or RMSNorm (no bias), with fp32 statistics whatever the input's dtype (as
-  // Megatron's fused kernels), the output in the input's dtype.
+  // LayerNorm or RMSNorm (no bias), with fp32 statistics whatever the input's dtype, the output
+  // in the input's dtype. LayerNorm is one kernel on the compute dtype and the weights' copies
+  // in it, as Megatron's fused LayerNorm (apex's or Transformer Engine's: fp32 statistics
+  // inside, 16-bit in and out, the weights in the model's dtype), so a bf16 norm reads and
+  // writes bf16 and keeps its bf16 input for the backward; on a CPU in fp16, which has no fp16
+  // LayerNorm kernel, in fp32.
   at::Tensor norm(const at::Tensor& x, const Param* g, const Param* b) const {
+    if (spec_.norm == NormKind::kLayerNorm && !cpu_fp16()) {
+      return at::layer_norm(x, {spec_.hidden}, W(g), b ? W(b) : at::Tensor(), 1e-5);
+    }
     const at::Tensor xf = x.to(at::kFloat);
     at::Tensor y;
     if (spec_.norm == NormKind::kLayerNorm) {
