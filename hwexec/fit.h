@@ -84,13 +84,20 @@ Expected<RunPoints> run_points(const RunResults& run, const Plan& plan, const Gp
 
 struct GemmFit {
   Precision precision = Precision::kFp32;
-  double peak = 0;             // the GPU's dense peak for it, FLOP/s
-  double best_flops = 0;       // fastest measured rate, FLOP/s
-  double efficiency = 0;       // the fitted gemm_efficiency
-  std::string best;            // the measurement that set it
-  double m = 0, n = 0, k = 0;  // its shape (micro.h5 GEMMs; 0 for run operators)
-  // Over all shapes: the model's relative time error |t_model - t| / t with the fitted value.
+  double peak = 0;  // the GPU's dense peak for it, FLOP/s
+  // The fitted gemm_efficiency: the relative least-squares e = sum e_i^2 / sum e_i over all
+  // points (docs/hwexec.md), at most 1.
+  double efficiency = 0;
+  // The best point, for the summary: its e_i, rate, name and shape (micro.h5 GEMMs; 0 for run
+  // operators).
+  double best_efficiency = 0;
+  double best_flops = 0;  // FLOP/s
+  std::string best;
+  double m = 0, n = 0, k = 0;
+  // Over all shapes: the model's relative time error |t_model - t| / t with the fitted value,
+  // and how many points the model prices slower and faster than measured.
   double median_error = 0, max_error = 0;
+  int slower = 0, faster = 0;
   int samples = 0;
 };
 
@@ -107,6 +114,12 @@ struct MemoryFit {
   double median_error = 0, max_error = 0;
   int samples = 0;
   std::string from;  // the files it was fitted to
+  // The free line (slope and intercept both fitted). When its bandwidth is above the GPU's HBM
+  // bandwidth, the slope is fixed at a physical bandwidth (bandwidth_from says which) and only
+  // the overhead is fitted.
+  double free_bandwidth = 0, free_overhead = 0;
+  bool fixed_bandwidth = false;
+  std::string bandwidth_from;
 };
 
 // Causal attention (docs/hwexec.md): the simulator's time with sustained 1 is
