@@ -172,9 +172,12 @@ Expected<Fit> fit_micro(const MicroResults& micro, const GpuSpec& gpu, const std
 
 // Fits a microbenchmark file (optional: `micro` may be null, `micro_path` names it) and run files
 // together (docs/hwexec.md, "Calibrating from run files"): each precision's GEMM efficiency is
-// the largest e_i over the GEMMs of both; the memory line is fitted to the runs' memory-bound
-// operators when they have any (the traffic the simulator charges, in the framework that ran
-// them), else to micro.h5's kernels; attention comes from micro.h5 only; the NVLink link from
+// the relative least squares sum e_i^2 / sum e_i over the GEMMs of both, and sustained is 1 when
+// a run gave GEMMs (their times hold the run's clock); the memory line is fitted to the runs'
+// memory-bound operators when they have any (the traffic the simulator charges, in the framework
+// that ran them), else to micro.h5's kernels, its bandwidth fixed at micro.h5's streaming
+// bandwidth (else the datasheet HBM) when the free line is above HBM; attention comes from
+// micro.h5 only; the NVLink link from
 // micro.h5's collectives, else from the runs' collectives inside one machine; the network's step
 // latency from the runs' collectives across machines, and its efficiency too when every run
 // was priced on a topology (price_cross_host, hwexec/fit_network.h).
