@@ -60,11 +60,13 @@ ComputeModel ideal_compute(const GpuSpec& gpu, Precision precision) {
 
 namespace {
 
-// The fit of one precision's GEMM efficiency: the largest e_i = ideal / measured, at most 1 (a
-// calibration file holds efficiencies in (0, 1]). Above the datasheet peak: an error for a GPU's
-// measurement (the file is from another GPU); for a CPU's, which the GPU's shape model does not
-// describe (tiny shapes the model quantizes heavily can run faster on a CPU than the model lets
-// the GPU run them), capped at 1 with a note.
+// The fit of one precision's GEMM efficiency: the e that minimizes the model's relative time
+// errors in squares (docs/hwexec.md): with e_i = ideal_i / t_i the relative error of ideal_i / e
+// is e_i / e - 1, and sum (e_i / e - 1)^2 is least at e = sum e_i^2 / sum e_i. At most 1 (a
+// calibration file holds efficiencies in (0, 1]). A point above the datasheet peak: an error for a
+// GPU's measurement (the file is from another GPU); for a CPU's, which the GPU's shape model does
+// not describe (tiny shapes the model quantizes heavily can run faster on a CPU than the model lets
+// the GPU run them), kept, and the fit capped at 1 with a note.
 Expected<GemmFit> fit_gemm(Precision precision, const std::vector<GemmPoint>& points,
                            const GpuSpec& gpu, std::vector<std::string>& notes) {
   GemmFit f;
@@ -72,13 +74,16 @@ Expected<GemmFit> fit_gemm(Precision precision, const std::vector<GemmPoint>& po
   f.peak = gpu.peak_flops(precision);
   f.samples = static_cast<int>(points.size());
   std::vector<double> ideal_t, measured;
+  double best = 0, sum_e = 0, sum_e2 = 0;
   bool best_on_cpu = false;
   for (const GemmPoint& x : points) {
     ideal_t.push_back(x.ideal_seconds);
     measured.push_back(x.seconds);
     const double e = x.ideal_seconds / x.seconds;
-    if (e > f.efficiency) {
-      f.efficiency = e;
+    sum_e += e;
+    sum_e2 += e * e;
+    if (e > best) {
+      best = e;
       f.best_flops = x.flops / x.seconds;
       f.best = x.what;
       f.m = x.m;
@@ -87,20 +92,32 @@ Expected<GemmFit> fit_gemm(Precision precision, const std::vector<GemmPoint>& po
       best_on_cpu = x.cpu;
     }
   }
-  if (f.efficiency > kSlack) {
+  f.best_efficiency = best;
+  f.efficiency = sum_e > 0 ? sum_e2 / sum_e : 0;
+  if (best > kSlack) {
     const std::string what = fmt::format(
         "gemm {}: {} ran at {:.4g} FLOP/s, {:.2f} times what {}'s datasheet peak ({:.4g} FLOP/s) "
         "allows for that shape",
-        to_string(precision), f.best, f.best_flops, f.efficiency, gpu.name, f.peak);
+        to_string(precision), f.best, f.best_flops, best, gpu.name, f.peak);
     if (!best_on_cpu) return Error(what + "; is the file from another GPU (--gpu)?");
-    notes.push_back(what + fmt::format("; capped at 1 (measured on a CPU, which {}'s GEMM shape "
-                                       "model does not describe)",
-                                       gpu.name));
+    notes.push_back(
+        what + (f.efficiency > 1
+                    ? fmt::format("; the fit ({:.3g}) capped at 1 (measured on a CPU, which {}'s "
+                                  "GEMM shape model does not describe)",
+                                  f.efficiency, gpu.name)
+                    : fmt::format("; kept (measured on a CPU, which {}'s GEMM shape model does "
+                                  "not describe)",
+                                  gpu.name)));
   }
   f.efficiency = std::min(f.efficiency, 1.0);
   std::vector<double> model;
   for (double t0 : ideal_t) model.push_back(t0 / f.efficiency);
   std::tie(f.median_error, f.max_error) = error_stats(model, measured);
+  for (size_t i = 0; i < model.size(); ++i) {
+    // Within rounding it is neither.
+    if (model[i] > measured[i] * (1 + 1e-9)) ++f.slower;
+    if (model[i] < measured[i] * (1 - 1e-9)) ++f.faster;
+  }
   return f;
 }
 
@@ -152,7 +169,47 @@ std::pair<double, double> fit_line(const std::vector<double>& x, const std::vect
   return {a, b};
 }
 
+// The intercept of t = a + b x with the slope b fixed, least squares on the relative residuals
+// (a + b x_i - t_i) / t_i: a = sum((t_i - b x_i) / t_i^2) / sum(1 / t_i^2), at least 0.
+double fixed_slope_intercept(const std::vector<double>& x, const std::vector<double>& t, double b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    num += (t[i] - b * x[i]) / (t[i] * t[i]);
+    den += 1 / (t[i] * t[i]);
+  }
+  return den > 0 ? std::max(0.0, num / den) : 0;
+}
+
+// A physical bandwidth to fix the memory line's slope at.
+struct PhysicalBandwidth {
+  double bandwidth = 0;  // bytes/s
+  std::string from;
+};
+
+// The microbenchmark's streaming bandwidth: the fastest of its kernels at their largest size (the
+// sizes past every cache), at most the HBM bandwidth; without one, the datasheet HBM bandwidth.
+PhysicalBandwidth physical_bandwidth(const MicroResults* micro, const std::string& micro_path,
+                                     const GpuSpec& gpu) {
+  PhysicalBandwidth p{gpu.hbm_bandwidth, fmt::format("{}'s datasheet HBM bandwidth", gpu.name)};
+  double best = 0;
+  std::string what;
+  for (const MemorySeries& s : micro ? micro->memory : std::vector<MemorySeries>{}) {
+    const MemorySample* largest = nullptr;
+    for (const MemorySample& x : s.samples) {
+      if (x.t.seconds > 0 && (!largest || x.bytes > largest->bytes)) largest = &x;
+    }
+    if (largest && largest->bytes / largest->t.seconds > best) {
+      best = largest->bytes / largest->t.seconds;
+      what = fmt::format("{}'s {} {} at {:.0f} elements", micro_path, s.op, s.dtype,
+                         largest->elements);
+    }
+  }
+  if (best > 0 && best <= gpu.hbm_bandwidth) p = {best, what};
+  return p;
+}
+
 std::optional<MemoryFit> fit_memory(const std::vector<TrafficSeries>& series, const GpuSpec& gpu,
+                                    const PhysicalBandwidth& physical,
                                     std::vector<std::string>& notes) {
   std::vector<double> bytes, seconds;
   for (const TrafficSeries& s : series) {
@@ -175,6 +232,23 @@ std::optional<MemoryFit> fit_memory(const std::vector<TrafficSeries>& series, co
   auto [a, b] = fit_line(bytes, seconds);
   MemoryFit f;
   f.samples = static_cast<int>(bytes.size());
+  f.free_overhead = a;
+  f.free_bandwidth = 1 / b;
+  // Above HBM the slope is not a bandwidth (the sizes fit in cache, or the operators' fixed
+  // costs differ in ways a line through few sizes takes for a slope): fix it at a physical
+  // bandwidth and fit the overhead alone.
+  if (f.free_bandwidth > gpu.hbm_bandwidth) {
+    b = 1 / physical.bandwidth;
+    a = fixed_slope_intercept(bytes, seconds, b);
+    f.fixed_bandwidth = true;
+    f.bandwidth_from = physical.from;
+    notes.push_back(fmt::format(
+        "memory-bound operators: the free line's {:.4g} bytes/s (overhead {:.4g} s) is above "
+        "{}'s HBM bandwidth ({:.4g} bytes/s); the bandwidth is fixed at {:.4g} bytes/s ({}) and "
+        "only the overhead fitted",
+        f.free_bandwidth, f.free_overhead, gpu.name, gpu.hbm_bandwidth, physical.bandwidth,
+        physical.from));
+  }
   f.overhead = a;
   f.bandwidth = 1 / b;
   f.efficiency = f.bandwidth / gpu.hbm_bandwidth;
@@ -191,12 +265,6 @@ std::optional<MemoryFit> fit_memory(const std::vector<TrafficSeries>& series, co
   std::vector<double> model;
   for (double x : bytes) model.push_back(a + b * x);
   std::tie(f.median_error, f.max_error) = error_stats(model, seconds);
-  if (f.efficiency > 1) {
-    notes.push_back(fmt::format(
-        "memory-bound operators: {:.4g} bytes/s is above {}'s HBM bandwidth ({:.4g} bytes/s); "
-        "the sizes probably fit in cache",
-        f.bandwidth, gpu.name, gpu.hbm_bandwidth));
-  }
   return f;
 }
 
@@ -501,24 +569,6 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
                       const std::string& source) {
   Fit f;
   f.gpu = gpu.name;
-  // GEMMs: every source's points of a precision together.
-  std::map<Precision, std::vector<GemmPoint>> gemm;
-  if (micro) gemm = micro_gemm_points(*micro, gpu);
-  for (const RunPoints& r : runs) {
-    for (const GemmPoint& p : r.gemm) gemm[r.precision].push_back(p);
-    for (const std::string& n : r.notes) f.notes.push_back(n);
-  }
-  for (const auto& [precision, points] : gemm) {
-    if (points.empty()) continue;
-    if (gpu.peak_flops(precision) <= 0) {
-      f.notes.push_back(fmt::format("gemm {}: {} has no peak for it; not fitted",
-                                    to_string(precision), gpu.name));
-      continue;
-    }
-    Expected<GemmFit> g = fit_gemm(precision, points, gpu, f.notes);
-    if (!g) return g.error();
-    f.gemm.push_back(*g);
-  }
   // Memory-bound: the runs' operators when there are any, else the microbenchmark's kernels.
   std::vector<TrafficSeries> memory;
   std::string memory_from;
@@ -540,13 +590,37 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
       }
       memory_from = micro_path;
     }
-  } else if (micro && !micro->memory.empty()) {
-    f.notes.push_back(fmt::format(
-        "memory-bound operators: fitted to the run files' operators; {}'s kernels are not used",
-        micro_path));
   }
-  f.memory = fit_memory(memory, gpu, f.notes);
+  f.memory = fit_memory(memory, gpu, physical_bandwidth(micro, micro_path, gpu), f.notes);
   if (f.memory) f.memory->from = memory_from;
+  if (f.memory && memory_from != micro_path && micro && !micro->memory.empty()) {
+    f.notes.push_back(
+        f.memory->fixed_bandwidth
+            ? fmt::format("memory-bound operators: the overhead fitted to the run files' "
+                          "operators; {}'s kernels set the bandwidth only",
+                          micro_path)
+            : fmt::format("memory-bound operators: fitted to the run files' operators; {}'s "
+                          "kernels are not used",
+                          micro_path));
+  }
+  // GEMMs: every source's points of a precision together.
+  std::map<Precision, std::vector<GemmPoint>> gemm;
+  if (micro) gemm = micro_gemm_points(*micro, gpu);
+  for (const RunPoints& r : runs) {
+    for (const GemmPoint& p : r.gemm) gemm[r.precision].push_back(p);
+    for (const std::string& n : r.notes) f.notes.push_back(n);
+  }
+  for (const auto& [precision, points] : gemm) {
+    if (points.empty()) continue;
+    if (gpu.peak_flops(precision) <= 0) {
+      f.notes.push_back(fmt::format("gemm {}: {} has no peak for it; not fitted",
+                                    to_string(precision), gpu.name));
+      continue;
+    }
+    Expected<GemmFit> g = fit_gemm(precision, points, gpu, f.notes);
+    if (!g) return g.error();
+    f.gemm.push_back(*g);
+  }
   if (micro) {
     Expected<std::optional<AttentionFit>> attention = fit_attention(*micro, gpu, f.notes);
     if (!attention) return attention.error();
@@ -615,6 +689,21 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
   }
   f.calibration.source = source;
   for (const GemmFit& g : f.gemm) f.calibration.gemm_efficiency[g.precision] = g.efficiency;
+  // A run's GEMM times are a training run's own, with whatever clock it held: the efficiency
+  // fitted to them at sustained 1 is what the run sustained, so the simulator must not apply
+  // the built-in clock drop on top (docs/hwexec.md).
+  bool run_gemms = false;
+  for (const RunPoints& r : runs) {
+    for (const GemmFit& g : f.gemm)
+      run_gemms = run_gemms || (g.precision == r.precision && !r.gemm.empty());
+  }
+  if (run_gemms) {
+    f.calibration.compute["sustained"] = 1.0;
+    f.notes.push_back(fmt::format(
+        "sustained: 1 (built-in {:.3g}): the GEMM efficiencies are fitted to the run files' "
+        "times, which hold the clock the runs ran at",
+        ComputeModel::defaults_for(gpu).sustained));
+  }
   if (f.memory) {
     f.calibration.compute["memory_efficiency"] = f.memory->efficiency;
     f.calibration.compute["kernel_overhead"] = f.memory->overhead;

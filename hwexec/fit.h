@@ -84,13 +84,20 @@ Expected<RunPoints> run_points(const RunResults& run, const Plan& plan, const Gp
 
 struct GemmFit {
   Precision precision = Precision::kFp32;
-  double peak = 0;             // the GPU's dense peak for it, FLOP/s
-  double best_flops = 0;       // fastest measured rate, FLOP/s
-  double efficiency = 0;       // the fitted gemm_efficiency
-  std::string best;            // the measurement that set it
-  double m = 0, n = 0, k = 0;  // its shape (micro.h5 GEMMs; 0 for run operators)
-  // Over all shapes: the model's relative time error |t_model - t| / t with the fitted value.
+  double peak = 0;  // the GPU's dense peak for it, FLOP/s
+  // The fitted gemm_efficiency: the relative least-squares e = sum e_i^2 / sum e_i over all
+  // points (docs/hwexec.md), at most 1.
+  double efficiency = 0;
+  // The best point, for the summary: its e_i, rate, name and shape (micro.h5 GEMMs; 0 for run
+  // operators).
+  double best_efficiency = 0;
+  double best_flops = 0;  // FLOP/s
+  std::string best;
+  double m = 0, n = 0, k = 0;
+  // Over all shapes: the model's relative time error |t_model - t| / t with the fitted value,
+  // and how many points the model prices slower and faster than measured.
   double median_error = 0, max_error = 0;
+  int slower = 0, faster = 0;
   int samples = 0;
 };
 
@@ -107,6 +114,12 @@ struct MemoryFit {
   double median_error = 0, max_error = 0;
   int samples = 0;
   std::string from;  // the files it was fitted to
+  // The free line (slope and intercept both fitted). When its bandwidth is above the GPU's HBM
+  // bandwidth, the slope is fixed at a physical bandwidth (bandwidth_from says which) and only
+  // the overhead is fitted.
+  double free_bandwidth = 0, free_overhead = 0;
+  bool fixed_bandwidth = false;
+  std::string bandwidth_from;
 };
 
 // Causal attention (docs/hwexec.md): the simulator's time with sustained 1 is
@@ -159,9 +172,12 @@ Expected<Fit> fit_micro(const MicroResults& micro, const GpuSpec& gpu, const std
 
 // Fits a microbenchmark file (optional: `micro` may be null, `micro_path` names it) and run files
 // together (docs/hwexec.md, "Calibrating from run files"): each precision's GEMM efficiency is
-// the largest e_i over the GEMMs of both; the memory line is fitted to the runs' memory-bound
-// operators when they have any (the traffic the simulator charges, in the framework that ran
-// them), else to micro.h5's kernels; attention comes from micro.h5 only; the NVLink link from
+// the relative least squares sum e_i^2 / sum e_i over the GEMMs of both, and sustained is 1 when
+// a run gave GEMMs (their times hold the run's clock); the memory line is fitted to the runs'
+// memory-bound operators when they have any (the traffic the simulator charges, in the framework
+// that ran them), else to micro.h5's kernels, its bandwidth fixed at micro.h5's streaming
+// bandwidth (else the datasheet HBM) when the free line is above HBM; attention comes from
+// micro.h5 only; the NVLink link from
 // micro.h5's collectives, else from the runs' collectives inside one machine; the network's step
 // latency from the runs' collectives across machines, and its efficiency too when every run
 // was priced on a topology (price_cross_host, hwexec/fit_network.h).

@@ -744,18 +744,27 @@ int run_calibrate(const CalibrateArgs& a) {
   for (const hwexec::GemmFit& g : fit->gemm) {
     const std::string at = g.m > 0 ? fmt::format("{:.0f}x{:.0f}x{:.0f}", g.m, g.n, g.k) : g.best;
     std::printf(
-        "  gemm_efficiency_%-4s %.4g  (best %.4g FLOP/s at %s of %.4g peak; "
-        "model error over %d GEMMs: median %.1f%%, max %.1f%%)\n",
-        std::string(to_string(g.precision)).c_str(), g.efficiency, g.best_flops, at.c_str(), g.peak,
-        g.samples, 100 * g.median_error, 100 * g.max_error);
+        "  gemm_efficiency_%-4s %.4g  (relative least squares over %d GEMMs: median error %.1f%%, "
+        "max %.1f%%, %d slower and %d faster than measured; best %.4g FLOP/s, e %.4g, at %s of "
+        "%.4g peak)\n",
+        std::string(to_string(g.precision)).c_str(), g.efficiency, g.samples, 100 * g.median_error,
+        100 * g.max_error, g.slower, g.faster, g.best_flops, g.best_efficiency, at.c_str(), g.peak);
   }
   if (fit->memory) {
     const hwexec::MemoryFit& m = *fit->memory;
-    std::printf("  memory_efficiency    %.4g  (%.4g bytes/s of %.4g; from %s)\n", m.efficiency,
-                m.bandwidth, gpu->hbm_bandwidth, m.from.c_str());
-    std::printf(
-        "  kernel_overhead      %.4g s  (line fit over %d kernels: median %.1f%%, max %.1f%%)\n",
-        m.overhead, m.samples, 100 * m.median_error, 100 * m.max_error);
+    if (m.fixed_bandwidth) {
+      std::printf(
+          "  memory_efficiency    %.4g  (%.4g bytes/s of %.4g, fixed: %s; the free line over %s "
+          "gave %.4g, above HBM)\n",
+          m.efficiency, m.bandwidth, gpu->hbm_bandwidth, m.bandwidth_from.c_str(), m.from.c_str(),
+          m.free_bandwidth);
+    } else {
+      std::printf("  memory_efficiency    %.4g  (%.4g bytes/s of %.4g; from %s)\n", m.efficiency,
+                  m.bandwidth, gpu->hbm_bandwidth, m.from.c_str());
+    }
+    std::printf("  kernel_overhead      %.4g s  (%s over %d kernels: median %.1f%%, max %.1f%%)\n",
+                m.overhead, m.fixed_bandwidth ? "fitted with the bandwidth fixed" : "line fit",
+                m.samples, 100 * m.median_error, 100 * m.max_error);
     for (const auto& op : m.per_op) {
       std::printf("    %-16s alone: %.4g bytes/s, %.4g s per kernel\n", op.op.c_str(), op.bandwidth,
                   op.overhead);

@@ -118,11 +118,21 @@ TEST(HwexecFit, RecoversTheParametersTheTimesWereMadeWith) {
   const GpuCalibration& c = f->calibration;
   EXPECT_EQ(c.source, "synthetic");
   ASSERT_EQ(c.gemm_efficiency.count(Precision::kBf16), 1u);
-  EXPECT_NEAR(c.gemm_efficiency.at(Precision::kBf16), truth.bf16_efficiency, 1e-9);
-  EXPECT_NEAR(c.gemm_efficiency.at(Precision::kFp8), truth.fp8_efficiency, 1e-9);
-  // Three of four shapes match the model exactly; the slow one is 1/3 faster in the model.
-  EXPECT_NEAR(f->gemm[0].median_error, 0, 1e-9);
-  EXPECT_NEAR(f->gemm[0].max_error, 1 - 1 / 1.5, 1e-9);
+  // The relative least squares over the four shapes (synthetic.h, gemm_fit_of): below the three
+  // that run at the truth's efficiency, pulled down by the slow one (the largest e_i, the old
+  // estimator, gave the truth exactly and priced the slow shape 33 % fast).
+  const double e_bf16 = testing::gemm_fit_of(truth.bf16_efficiency);
+  EXPECT_NEAR(c.gemm_efficiency.at(Precision::kBf16), e_bf16, 1e-9);
+  EXPECT_NEAR(c.gemm_efficiency.at(Precision::kFp8), testing::gemm_fit_of(truth.fp8_efficiency),
+              1e-9);
+  EXPECT_NEAR(f->gemm[0].best_efficiency, truth.bf16_efficiency, 1e-9);
+  // Three of four shapes are priced e / e_fit - 1 slow, the slow one 1 - e / (1.5 e_fit) fast.
+  EXPECT_NEAR(f->gemm[0].median_error, truth.bf16_efficiency / e_bf16 - 1, 1e-9);
+  EXPECT_NEAR(f->gemm[0].max_error, 1 - truth.bf16_efficiency / (1.5 * e_bf16), 1e-9);
+  EXPECT_EQ(f->gemm[0].slower, 3);
+  EXPECT_EQ(f->gemm[0].faster, 1);
+  // A microbenchmark file alone leaves sustained (the training run's clock drop) built in.
+  EXPECT_EQ(c.compute.count("sustained"), 0u);
   EXPECT_NEAR(c.compute.at("memory_efficiency"), truth.memory_efficiency, 1e-9);
   EXPECT_NEAR(c.compute.at("kernel_overhead"), truth.kernel_overhead, 1e-12);
   ASSERT_TRUE(f->memory.has_value());
@@ -225,10 +235,13 @@ TEST(HwexecFit, CalibratedModelReproducesTheMeasuredTimes) {
   ComputeModel compute = ComputeModel::defaults_for(gpu);
   CommModel comm = CommModel::defaults_for(gpu);
   apply_calibration(cal, gpu.name, compute, comm);
-  compute.sustained = 1;                           // a microbenchmark runs at its short-run clock
-  const GemmSample& x = micro.gemm[0].samples[1];  // 4096^3 bf16
-  EXPECT_NEAR(gemm_seconds(x.m, x.n, x.k, Precision::kBf16, gpu, compute), x.t.seconds,
-              1e-9 * x.t.seconds);
+  compute.sustained = 1;  // a microbenchmark runs at its short-run clock
+  // 4096^3 bf16 ran at the truth's efficiency; the fit is the least squares over it and the slow
+  // shape (synthetic.h), so the model prices it truth / fit times its measured time.
+  const GemmSample& x = micro.gemm[0].samples[1];
+  const double e = Truth{}.bf16_efficiency;
+  EXPECT_NEAR(gemm_seconds(x.m, x.n, x.k, Precision::kBf16, gpu, compute),
+              x.t.seconds * e / testing::gemm_fit_of(e), 1e-9 * x.t.seconds);
   // A ring all-reduce of 64 MiB over 8 GPUs: 14 steps + the volume at the fitted efficiency.
   const CollectiveSample& y = micro.collectives[0].samples[4];
   const double volume = 2.0 * 7 / 8 * y.bytes;

@@ -253,12 +253,22 @@ TEST(HwexecFitRun, RecoversTheParametersTheOperatorTimesWereMadeWith) {
   const GpuCalibration& c = f->calibration;
   EXPECT_EQ(c.source, "synthetic run");
   ASSERT_EQ(c.gemm_efficiency.size(), 1u);
-  // The largest e_i: the forwards'.
-  EXPECT_NEAR(c.gemm_efficiency.at(Precision::kFp32), truth.fwd_efficiency, 1e-9);
+  // The relative least squares sum e_i^2 / sum e_i over as many forwards (0.6) as backwards
+  // (0.45): 0.536, between them (the largest e_i, the old estimator, took the forwards' 0.6 and
+  // priced every backward 25 % fast).
+  const double f_e = truth.fwd_efficiency, b_e = truth.bwd_efficiency;
+  const double e = (f_e * f_e + b_e * b_e) / (f_e + b_e);
+  EXPECT_NEAR(c.gemm_efficiency.at(Precision::kFp32), e, 1e-9);
   ASSERT_EQ(f->gemm.size(), 1u);
   EXPECT_TRUE(contains(f->gemm[0].best, " fwd, rank ")) << f->gemm[0].best;
-  // The backwards are 0.6 / 0.45 - 1 = 33 % slower than the fitted model says.
-  EXPECT_NEAR(f->gemm[0].max_error, 1 - truth.bwd_efficiency / truth.fwd_efficiency, 1e-9);
+  EXPECT_NEAR(f->gemm[0].best_efficiency, f_e, 1e-9);
+  // The backwards are priced 1 - 0.45 / 0.536 = 16 % fast, the forwards 12 % slow.
+  EXPECT_NEAR(f->gemm[0].max_error, 1 - b_e / e, 1e-9);
+  EXPECT_NEAR(f->gemm[0].median_error, 0.5 * (f_e / e - 1 + 1 - b_e / e), 1e-9);
+  EXPECT_EQ(f->gemm[0].slower, 20);
+  EXPECT_EQ(f->gemm[0].faster, 20);
+  // The efficiency holds the run's own clock: sustained 1 in the file.
+  EXPECT_EQ(c.compute.at("sustained"), 1.0);
   EXPECT_NEAR(c.compute.at("memory_efficiency"), truth.memory_efficiency, 1e-9);
   EXPECT_NEAR(c.compute.at("kernel_overhead"), truth.kernel_overhead, 1e-12);
   // The bandwidth holds with nnexec's unfused traffic, which the file carries with it (a
@@ -318,8 +328,13 @@ TEST(HwexecFitRun, SplitBackwardPhasesAreTheirTwoGemms) {
   EXPECT_EQ(points->gemm.size(), 5u * 3 * 4);
   Expected<Fit> f = fit_all(nullptr, "", {*points}, gpu, "zb");
   ASSERT_TRUE(f.ok()) << f.error().message();
-  EXPECT_NEAR(f->calibration.gemm_efficiency.at(Precision::kFp32), truth.fwd_efficiency, 1e-9);
-  EXPECT_NEAR(f->gemm[0].max_error, 1 - truth.bwd_efficiency / truth.fwd_efficiency, 1e-9);
+  // Each backward is two points here (input and weight gradient, both at 0.45) against one
+  // forward (0.6): the least squares weighs the backwards twice, (f^2 + 2 b^2) / (f + 2 b) = 0.51,
+  // and the forwards are priced 0.6 / 0.51 - 1 = 18 % slow.
+  const double f_e = truth.fwd_efficiency, b_e = truth.bwd_efficiency;
+  const double e = (f_e * f_e + 2 * b_e * b_e) / (f_e + 2 * b_e);
+  EXPECT_NEAR(f->calibration.gemm_efficiency.at(Precision::kFp32), e, 1e-9);
+  EXPECT_NEAR(f->gemm[0].max_error, f_e / e - 1, 1e-9);
 }
 
 // nnexec run emulates fp8 (bf16 GEMMs on fp8-rounded values): its GEMM times are not fp8's.
@@ -348,8 +363,15 @@ TEST(HwexecFitRun, WithAMicrobenchmarkFileGemmsPoolAndTheRunSetsTheMemoryLine) {
   Expected<Fit> f = fit_all(&micro, "micro.h5", {*points}, gpu, "both");
   ASSERT_TRUE(f.ok()) << f.error().message();
   const GpuCalibration& c = f->calibration;
-  EXPECT_NEAR(c.gemm_efficiency.at(Precision::kBf16), micro_truth.bf16_efficiency, 1e-9);
-  EXPECT_NEAR(c.gemm_efficiency.at(Precision::kFp32), truth.fwd_efficiency, 1e-9);
+  // bf16 from the micro file's shapes, fp32 from the run's linears (each the relative least
+  // squares of its points: synthetic.h's gemm_fit_of, and forwards and backwards pooled).
+  EXPECT_NEAR(c.gemm_efficiency.at(Precision::kBf16),
+              testing::gemm_fit_of(micro_truth.bf16_efficiency), 1e-9);
+  const double f_e = truth.fwd_efficiency, b_e = truth.bwd_efficiency;
+  EXPECT_NEAR(c.gemm_efficiency.at(Precision::kFp32), (f_e * f_e + b_e * b_e) / (f_e + b_e), 1e-9);
+  // Free line below HBM: fitted as it is, the micro file's bandwidth not needed.
+  ASSERT_TRUE(f->memory.has_value());
+  EXPECT_FALSE(f->memory->fixed_bandwidth);
   EXPECT_NEAR(c.compute.at("memory_efficiency"), truth.memory_efficiency, 1e-9);
   EXPECT_NEAR(c.compute.at("kernel_overhead"), truth.kernel_overhead, 1e-12);
   EXPECT_TRUE(c.nvlink.has_value());  // links: from the microbenchmark file only
