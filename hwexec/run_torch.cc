@@ -863,8 +863,8 @@ class Model {
     return ways <= 1 ? 0 : index >= 0 ? index : t_;
   }
 
-  Param* add(const std::string& name, std::vector<int64_t> shape, double scale, double offset,
-             std::function<at::Tensor(const at::Tensor&)> cut) {
+  Param* add(const std::string& name, const std::vector<int64_t>& shape, double scale,
+             double offset, std::function<at::Tensor(const at::Tensor&)> cut) {
     // Drawn on the CPU on every device, so that a GPU run starts from the CPU run's weights.
     at::manual_seed(static_cast<uint64_t>(seed_ ^ fnv1a(name)));
     at::Tensor full = at::randn(shape, at::kFloat) * scale + offset;
@@ -1350,7 +1350,7 @@ class Model {
                      return z + in[1];
                    });
     }
-    const at::Tensor out = t.res2.out.detach();
+    at::Tensor out = t.res2.out.detach();
     if (!again && !rc.empty()) {
       t.x = x;  // the checkpoint
       for (const auto& [name, u] : t.units()) {
@@ -2120,7 +2120,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
                       "(the block producing it comes later in the order)",
                       rank, gradient ? "gradient" : "activation", m, plan.segments[sg].name)};
     }
-    const at::Tensor t = it->second;
+    at::Tensor t = it->second;
     handoff.erase(it);
     return t;
   };
