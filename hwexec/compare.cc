@@ -15,6 +15,7 @@
 #include "core/collective.h"
 #include "core/network.h"
 #include "core/program.h"
+#include "core/transfer_peer.h"
 #include "sim/simulator.h"
 
 namespace nnsim::hwexec {
@@ -90,6 +91,8 @@ struct SimulatedRank {
   std::map<std::pair<std::string, std::string>, std::array<double, 3>> traffic;
   // (kind, axes, label) -> calls, bytes, seconds
   std::map<std::tuple<std::string, std::string, std::string>, std::array<double, 3>> colls;
+  // (send or recv, label) -> each call's bytes and the rank at its other end.
+  std::map<std::pair<std::string, std::string>, std::vector<std::pair<double, int>>> transfers;
 
   void add(const std::string& kind, const std::string& axes, const std::string& label, double bytes,
            double seconds) {
@@ -143,11 +146,9 @@ SimulatedRank simulate_rank(const Program& prog, int rank, Pricer& pricer,
                             const std::string& pp_axes) {
   SimulatedRank out;
   const int r0 = prog.rank_in_replica(rank, 0);
-  const Lane* lane = nullptr;
-  for (const Lane& l : prog.lanes) {
-    if (std::find(l.ranks.begin(), l.ranks.end(), r0) != l.ranks.end()) lane = &l;
-  }
-  if (!lane) return out;
+  const int lane_index = lane_of(prog, rank);
+  if (lane_index < 0) return out;
+  const Lane* lane = &prog.lanes[lane_index];
   auto walk = [&](const std::vector<Step>& steps, const std::string& phase) {
     for (const Step& s : steps) {
       const std::string label = s.label >= 0 ? prog.labels[s.label] : "";
@@ -191,11 +192,12 @@ SimulatedRank simulate_rank(const Program& prog, int rank, Pricer& pricer,
         }
         case StepKind::kSend:
         case StepKind::kRecv: {
-          const int peer_lane =
-              s.peer_lane >= 0 ? s.peer_lane : prog.lanes_of_segment[s.peer_segment].front();
-          const double t =
-              pricer.transfer(lane->gpus.front(), prog.lanes[peer_lane].gpus.front(), s.bytes);
-          out.add(s.kind == StepKind::kSend ? "send" : "recv", pp_axes, label, s.bytes, t);
+          const int peer = transfer_peer(prog, rank, s);
+          if (peer < 0) break;
+          const double t = pricer.transfer(prog.gpu_of_rank[rank], prog.gpu_of_rank[peer], s.bytes);
+          const std::string kind = s.kind == StepKind::kSend ? "send" : "recv";
+          out.add(kind, pp_axes, label, s.bytes, t);
+          out.transfers[{kind, label}].push_back({s.bytes, peer});
           break;
         }
         default:
@@ -212,17 +214,25 @@ SimulatedRank simulate_rank(const Program& prog, int rank, Pricer& pricer,
   return out;
 }
 
-// The rank a pipeline transfer of `label` goes to (send) or comes from (recv): the next stage
-// for activations sent and gradients received, the previous one otherwise. -1 if none.
-int pipeline_peer(const Plan& plan, int rank, const CollTime& c) {
-  const int a = plan.mesh.axis_index(c.axes);
-  if (a < 0) return -1;
-  std::vector<int> coords = plan.mesh.coordinates(rank);
-  const bool forward = c.label == "activation";
-  const bool to_next = (c.kind == "send") == forward;
-  coords[a] += to_next ? 1 : -1;
-  if (coords[a] < 0 || coords[a] >= plan.mesh.axes[a].size) return -1;
-  return plan.mesh.rank_of(coords);
+// The simulator's time for one of `rank`'s measured point-to-point calls `x`: the program's
+// transfers of its kind and label (those of its size if any, else all) priced at the measured
+// size between `rank` and each one's peer, averaged (a rank of an interleaved or spanning
+// pipeline sends one label to several peers). NaN if the program makes none.
+double transfer_seconds(const Program& prog, const SimulatedRank& sim, int rank, const CollTime& x,
+                        Pricer& pricer) {
+  auto it = sim.transfers.find({x.kind, x.label});
+  if (it == sim.transfers.end()) return kNaN;
+  const std::vector<std::pair<double, int>>& calls = it->second;
+  const bool sized =
+      std::any_of(calls.begin(), calls.end(), [&](const auto& c) { return c.first == x.bytes; });
+  double sum = 0;
+  int n = 0;
+  for (const auto& [bytes, peer] : calls) {
+    if (sized && bytes != x.bytes) continue;
+    sum += pricer.transfer(prog.gpu_of_rank[rank], prog.gpu_of_rank[peer], x.bytes);
+    ++n;
+  }
+  return sum / n;
 }
 
 uint32_t axes_mask(const Plan& plan, const std::string& axes, bool* ok) {
@@ -440,10 +450,7 @@ Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const 
       bool known = false;
       const uint32_t mask = axes_mask(plan, x.axes, &known);
       if (x.kind == "send" || x.kind == "recv") {
-        const int peer = pipeline_peer(plan, r.rank, x);
-        if (peer >= 0) {
-          one = pricer.transfer(prog.gpu_of_rank[r.rank], prog.gpu_of_rank[peer], x.bytes);
-        }
+        one = transfer_seconds(prog, sim, r.rank, x, pricer);
       } else if (auto kind = parse_collective(x.kind); kind && known) {
         one = pricer.collective(*kind, r.rank, mask, x.bytes);
       } else if (kind && x.axes == "explicit") {

@@ -45,8 +45,9 @@ struct KindRow {
 // One collective (kind, axes, label), the run's against the compiled program's: calls and bytes
 // per iteration on both sides (they must agree where the executor and the compiler agree on what
 // is sent), and the simulator's time for the run's calls, each priced alone on the topology over
-// the rank's group (send and recv: the transfer between the rank and its pipeline neighbour); for
-// a rank where only the program has the collective, the program's own calls priced the same way.
+// the rank's group (send and recv: the transfer between the rank and the peer the program moves
+// it to or from, core/transfer_peer.h); for a rank where only the program has the collective,
+// the program's own calls priced the same way.
 struct CollectiveRow {
   std::string kind, axes, label;
   int ranks = 0;  // ranks where either side has it

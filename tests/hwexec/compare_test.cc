@@ -218,6 +218,81 @@ INSTANTIATE_TEST_SUITE_P(Plans, NnsimCompareBytes,
                            return std::string(i.param.name);
                          });
 
+// Pipelines whose transfers do not go to the next or previous stage: interleaved chunks (stage
+// 1's first chunk feeds stage 0's second) and a head spanning the stages (the last stage feeds
+// the other stages' shards). Every send and receive the run measured is priced by the simulator,
+// between the two ranks the program moves it, for the bytes the program moves.
+struct PipelineCase {
+  const char* name;
+  std::vector<std::string> flags;
+};
+
+void PrintTo(const PipelineCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class NnsimComparePipeline : public ::testing::TestWithParam<PipelineCase> {};
+
+TEST_P(NnsimComparePipeline, EverySendAndReceiveIsPriced) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  const PipelineCase& c = GetParam();
+  TempDir dir;
+  std::vector<std::string> plan = {
+      "plan", "--model",     kModel, "--topo", kTopo,      "--nodes",        "1", "--tp",
+      "1",    "--pp",        "2",    "--dp",   "1",        "--global-batch", "4", "--micro-batch",
+      "1",    "--precision", "fp32", "-o",     "plan.json"};
+  plan.insert(plan.end(), c.flags.begin(), c.flags.end());
+  RunResult r = run(dir, NNSIM_BINARY, plan);
+  ASSERT_EQ(r.status, 0) << r;
+  r = run(dir, NNEXEC_BINARY,
+          {"run", "--plan", "plan.json", "--launch", "2", "--out", "run.h5", "--iterations", "1",
+           "--warmup", "0"});
+  ASSERT_EQ(r.status, 0) << r;
+  r = run(dir, NNSIM_BINARY,
+          {"compare", "run.h5", "--topo", kTopo, "--nodes", "1", "--json", "c.json"});
+  ASSERT_EQ(r.status, 0) << r;
+  const size_t from = r.out.find("collectives ("), to = r.out.find("communication by kind");
+  ASSERT_NE(from, std::string::npos) << r;
+  ASSERT_NE(to, std::string::npos) << r;
+  EXPECT_FALSE(contains(r.out.substr(from, to - from), "n/a")) << r;
+
+  const json j = json::parse(slurp(dir.file("c.json")));
+  std::set<std::pair<std::string, std::string>> rows;
+  double priced = 0;  // the rows' simulated time summed over the ranks that run them
+  for (const json& t : j["collectives"]) {
+    if (t["kind"] != "send" && t["kind"] != "recv") continue;
+    rows.insert({t["kind"].get<std::string>(), t["label"].get<std::string>()});
+    ASSERT_FALSE(t["simulated_s"].is_null()) << t.dump(1);
+    EXPECT_GT(t["simulated_s"].get<double>(), 0) << t.dump(1);
+    EXPECT_GT(t["measured_bytes"].get<double>(), 0) << t.dump(1);
+    EXPECT_DOUBLE_EQ(t["measured_bytes"].get<double>(), t["simulated_bytes"].get<double>())
+        << t.dump(1);
+    EXPECT_DOUBLE_EQ(t["measured_calls"].get<double>(), t["simulated_calls"].get<double>())
+        << t.dump(1);
+    if (t["kind"] == "send") priced += t["simulated_s"].get<double>() * t["ranks"].get<int>();
+  }
+  // Activations and gradients both ways.
+  for (const char* kind : {"send", "recv"}) {
+    EXPECT_TRUE(rows.count({kind, "activation"})) << kind << "\n" << j["collectives"].dump(1);
+    EXPECT_TRUE(rows.count({kind, "gradient"})) << kind << "\n" << j["collectives"].dump(1);
+  }
+  // The measured calls priced add up to the program's own transfers (the traffic table's
+  // simulated time: every send step of every rank, between its lane's devices).
+  double program = 0;
+  for (const json& t : j["traffic"]) {
+    if (t["kind"] == "send") program += t["simulated_s"].get<double>() * j["ranks"].get<int>();
+  }
+  EXPECT_GT(program, 0);
+  EXPECT_NEAR(priced, program, 1e-9 * program) << j["traffic"].dump(1);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Plans, NnsimComparePipeline,
+    ::testing::Values(PipelineCase{"interleaved_vpp2_pp2",
+                                   {"--vpp", "2", "--schedule", "interleaved"}},
+                      PipelineCase{"shard_head_pp2", {"--shard-head"}}),
+    [](const ::testing::TestParamInfo<PipelineCase>& i) { return std::string(i.param.name); });
+
 // A run file of `plan` whose ranks each ran one operator (no LibTorch needed).
 void write_small_run(const std::string& path, const Plan& plan) {
   RunResults r;

@@ -1,13 +1,19 @@
 // Ranks started by someone else (docs/hwexec.md#several-machines-mpirun-srun-torchrun): the
 // launchers' variables, the TCP rendezvous and its errors, and `nnexec run` started as one
 // process per rank with torchrun-style variables, with Open MPI's, and by a real `mpirun`,
-// whose run file must match what `nnexec run --launch` writes for the same plan.
+// whose run file must match what `nnexec run --launch` writes for the same plan; and the ranks
+// `nnexec run --launch` forks on the CPU.
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -613,6 +619,108 @@ TEST(NnexecRunRanksRefuse, ARankThatNeverComesIsNamed) {
                                           "within 0.5 s; missing rank(s) 1",
                                           port)))
       << r;
+}
+
+// ---------------------------------------------------------------- nnexec run --launch on the CPU
+
+// The direct children of process `parent`, in pid order (/proc/PID/stat's fourth field).
+std::vector<pid_t> children_of(pid_t parent) {
+  std::vector<pid_t> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = e.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string stat = testing::slurp(e.path() / "stat");
+    const size_t close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    char state = 0;
+    int ppid = 0;
+    if (std::sscanf(stat.c_str() + close + 1, " %c %d", &state, &ppid) == 2 && ppid == parent) {
+      out.push_back(static_cast<pid_t>(std::stoi(name)));
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Whether `pid` has signal `sig` pending (sent to the process; /proc/PID/status, ShdPnd).
+bool pending(pid_t pid, int sig) {
+  const std::string status = testing::slurp(fmt::format("/proc/{}/status", pid));
+  const size_t at = status.find("ShdPnd:");
+  if (at == std::string::npos) return false;
+  return (std::stoull(status.substr(at + 7), nullptr, 16) >> (sig - 1)) & 1;
+}
+
+// Polls `done` every 20 ms for up to `seconds`; whether it came true.
+bool within(double seconds, const std::function<bool()>& done) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
+// On the CPU, `nnexec run --launch` forks its ranks (GPU ranks execute nnexec again with
+// --worker-rank): they are the launcher's own children, with its command line. A rank that dies
+// stops the run: the launcher names it, ends the others itself (SIGTERM) and exits non-zero.
+// Rank 0 is stopped while rank 1 is killed, so that it cannot notice the dead peer and fail
+// first; the launcher's SIGTERM is seen pending before rank 0 continues.
+TEST(NnexecRunLaunch, RanksAreForkedAndADeadRankStopsTheRun) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  TempDir dir;
+  make_plan(dir, 1, 2, 1, 4);
+  const std::vector<std::string> args = {"run",    "--plan",   "plan.json", "--launch",
+                                         "2",      "--out",    "run.h5",    "--iterations",
+                                         "100000", "--warmup", "0"};
+  const Child launcher = testing::start(dir, NNEXEC_BINARY, args);
+  std::vector<pid_t> ranks;
+  int status = 0;
+  bool exited = false;
+  // Whatever fails below, nothing of this run outlives the test.
+  struct Cleanup {
+    const Child& launcher;
+    std::vector<pid_t>& ranks;
+    bool& exited;
+    ~Cleanup() {
+      if (exited) return;
+      for (pid_t p : ranks) ::kill(p, SIGKILL);
+      ::kill(launcher.pid, SIGKILL);
+      ::waitpid(launcher.pid, nullptr, 0);
+    }
+  } cleanup{launcher, ranks, exited};
+
+  ASSERT_TRUE(within(60,
+                     [&] {
+                       ranks = children_of(launcher.pid);
+                       return ranks.size() >= 2;
+                     }))
+      << "the launcher started " << ranks.size() << " ranks";
+  ASSERT_EQ(ranks.size(), 2u);
+  // Well past the moment an executed rank would have replaced its command line.
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const std::string cmdline = testing::slurp(fmt::format("/proc/{}/cmdline", launcher.pid));
+  EXPECT_TRUE(contains(cmdline, "--launch")) << cmdline;
+  for (pid_t p : ranks) {
+    const std::string mine = testing::slurp(fmt::format("/proc/{}/cmdline", p));
+    EXPECT_EQ(mine, cmdline) << "rank pid " << p << " is not the launcher forked";
+    EXPECT_FALSE(contains(mine, "--worker-rank")) << mine;
+  }
+
+  // Forked in rank order: the higher pid is rank 1.
+  ASSERT_EQ(::kill(ranks[0], SIGSTOP), 0);
+  ASSERT_EQ(::kill(ranks[1], SIGKILL), 0);
+  EXPECT_TRUE(within(30, [&] { return pending(ranks[0], SIGTERM); }))
+      << "the launcher did not end rank 0 after rank 1 died";
+  ::kill(ranks[0], SIGCONT);
+  exited = within(30, [&] { return ::waitpid(launcher.pid, &status, WNOHANG) == launcher.pid; });
+  ASSERT_TRUE(exited) << "the launcher did not exit after its rank 1 died";
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << "status " << status;
+  const std::string err = testing::slurp(launcher.err);
+  EXPECT_TRUE(contains(err, "nnexec: error: rank 1 was killed by signal 9")) << err;
+  EXPECT_FALSE(contains(err, "rank 0: error")) << err;  // ended by the launcher, not by itself
+  // Both ranks reaped by the launcher; no run file.
+  for (pid_t p : ranks) EXPECT_FALSE(std::filesystem::exists(fmt::format("/proc/{}", p))) << p;
+  EXPECT_FALSE(std::filesystem::exists(dir.file("run.h5")));
 }
 
 }  // namespace
