@@ -474,6 +474,12 @@ INSTANTIATE_TEST_SUITE_P(
         with("tied_zero2_pp2_dp2", 1, 2, 2, 8, {"--zero", "2"}, &kTied),
         with("tied_zero3_pp2_dp2", 1, 2, 2, 8, {"--zero", "3"}, &kTied),
         with("bf16_tied_zero2_pp2_dp2", 1, 2, 2, 8, {"--zero", "2"}, &kTied, "bf16"),
+        with("tied_zero3_tp2_pp2_dp2", 2, 2, 2, 8, {"--zero", "3"}, &kTied),
+        // DeepSpeed's tensor by tensor (the copy a unit of its own) and FSDP's kept gathered
+        // (reduced once, in the last micro-batch).
+        with("tied_deepspeed_zero3_per_tensor_pp2_dp2", 1, 2, 2, 8,
+             {"--zero", "3", "--framework", "deepspeed"}, &kTied),
+        with("tied_fsdp_zero3_pp2_dp2", 1, 2, 2, 8, {"--zero", "3", "--framework", "fsdp"}, &kTied),
         with("zero2_tp2_dp2", 2, 1, 2, 4, {"--zero", "2"}),
         // Tied embeddings in one segment: the matrix gathered once per pass with the embedding's
         // unit (FSDP's unit holding both) and reduced once.
