@@ -1613,7 +1613,12 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     for (size_t i = 0; i < c.embed.part->ops.size(); ++i) {
       if (c.embed.part->ops[i].name == "embed.word") tied_params += c.embed.local_params[i];
     }
-    const double bytes = tied_params * plan.optimizer.grad_bytes;
+    // ZeRO 2-3 keep only each rank's reduced chunk of the gradients (reduce-scattered every
+    // micro-batch): the two stages' chunks of the matrix, chunked alike, are what is summed
+    // (Megatron sums its shared embedding's own bucket after the data-parallel reduce-scatter).
+    // Without ZeRO and under ZeRO-1 the whole gradients are.
+    const double bytes =
+        tied_params * plan.optimizer.grad_bytes / (zero >= 2 ? c.shard_degree() : 1.0);
     for (int l : {emb_lane, head_lane}) {
       Step s;
       s.kind = StepKind::kCollective;
@@ -1622,8 +1627,12 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
       s.bytes = bytes;
       s.label = c.label("tied embedding grad sync");
       auto& ep = prog.lanes[l].epilogue;
-      // After the data-parallel wait (second step onwards), before the optimizer step.
-      ep.insert(ep.end() - 1, s);
+      // After the data-parallel wait, just before the optimizer step (ZeRO-1/2's parameter
+      // gathers, when not overlapped with the next forwards, follow the step).
+      const auto step = std::find_if(ep.begin(), ep.end(), [](const Step& x) {
+        return x.kind == StepKind::kCompute && x.compute_class == ComputeClass::kOptimizer;
+      });
+      ep.insert(step, s);
     }
   }
 

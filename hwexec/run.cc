@@ -46,8 +46,8 @@ Status check_runnable(const Plan& plan) {
         "and context parallelism (together too), pipelines (interleaved too; the head and the "
         "embedding also sharded over the stages, with context parallelism and repeated "
         "forwards too) with F, B, R and zero-bubble BI/BW blocks, data parallelism with ZeRO "
-        "0-3, recompute rules, repeated forwards; tied embeddings (on two pipeline stages with "
-        "ZeRO 0-1); ZeRO-3 also as FSDP keeps it gathered under "
+        "0-3, recompute rules, repeated forwards; tied embeddings (on two pipeline stages too); "
+        "ZeRO-3 also as FSDP keeps it gathered under "
         "pipelines and as DeepSpeed gathers per tensor and again for recompute; in fp32, bf16, "
         "fp16 or emulated fp8)",
         field, why));
@@ -394,21 +394,14 @@ Status check_runnable(const Plan& plan) {
     }
     if (emb != head) {
       // The head's copy of the matrix on another stage, its gradient summed with the
-      // embedding's after the data-parallel sums (the program's "tied embedding grad sync").
+      // embedding's (the program's "tied embedding grad sync"). On the same devices the program's
+      // head uses the embedding's matrix itself (one parameter, no sum), which one segment's
+      // part cannot yet share with another's.
       if (plan.segments[emb].devices == plan.segments[head].devices) {
         return refuse("model.tied_embeddings",
                       "tied embeddings with the embedding and the head in different segments on "
                       "the same devices (a V-shaped or hand-built placement) are not supported "
                       "yet; untie them or put them in one segment");
-      }
-      if (plan.optimizer.zero >= 2) {
-        return refuse("optimizer.zero",
-                      fmt::format("ZeRO stage {} with tied embeddings on different pipeline "
-                                  "stages is not supported yet (the tied gradients are summed "
-                                  "whole once an iteration, before ZeRO-1's reduce-scatter; "
-                                  "ZeRO-2 and 3 reduce every micro-batch); use zero 0 or 1, or "
-                                  "untie them",
-                                  plan.optimizer.zero));
       }
     }
   }

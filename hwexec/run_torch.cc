@@ -54,6 +54,7 @@
 #include "hwexec/run_spanning.h"
 #include "hwexec/run_split_backward.h"
 #include "hwexec/run_zero3.h"
+#include "hwexec/run_zero_layout.h"
 
 #ifdef NNSIM_TORCH_HAS_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -1609,28 +1610,24 @@ at::Tensor grad_or_zeros(const Param& p) {
   return p.w.grad().defined() ? p.w.grad() : at::zeros_like(p.w);
 }
 
-// ZeRO (optimizer.zero >= 1): a unit of parameters (ZeRO-1/2: all of the rank's; ZeRO-3: the
-// embedding's, each layer's, the head's) flattened in order and padded to `chunk` x dp; this
-// rank owns chunk number (its place in the dp group): the fp32 master values, Adam's moments
+// ZeRO (optimizer.zero >= 1): a unit of parameters (ZeRO-1/2: all of the segment's; ZeRO-3:
+// the embedding's, each layer's, the head's) laid out over the dp group (run_zero_layout.h);
+// this rank owns one chunk (its place in the dp group): the fp32 master values, Adam's moments
 // and the reduce-scattered gradient sum.
 struct ZeroUnit {
   std::vector<Param*> params;
-  int64_t numel = 0, chunk = 0;
+  ZeroLayout layout;
+  int tied_part = -1;  // the layout's part of a tied word matrix copy on two stages (ZeRO 2-3)
   at::Tensor master, m, v, grad;
-};
 
-// The unit's tensors (`get` of each parameter) flattened and zero-padded to `size` elements.
-template <class F>
-at::Tensor padded_flat(const std::vector<Param*>& ps, int64_t size, F get) {
-  std::vector<at::Tensor> flat;
-  int64_t n = 0;
-  for (Param* p : ps) {
-    flat.push_back(get(*p).reshape({-1}));
-    n += flat.back().numel();
+  // `get` of each parameter in the layout's order: dp x chunk elements.
+  template <class F>
+  at::Tensor flat(F get) const {
+    std::vector<at::Tensor> ts;
+    for (const Param* p : params) ts.push_back(get(*p));
+    return layout.flatten(ts);
   }
-  if (size > n) flat.push_back(at::zeros({size - n}, flat.front().options()));
-  return at::cat(flat);
-}
+};
 
 Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   if (Status s = check_runnable(plan); !s) return s.error();
@@ -1856,6 +1853,13 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // ZeRO-3: parameter unit u of a segment is its ZeroUnits [first, end) (one, or one a tensor).
   std::map<int, std::vector<std::pair<std::size_t, std::size_t>>> zranges_of;
   std::map<int, std::size_t> ztied_of;  // the word matrix's ZeroUnit, gathered by the head too
+  // A segment holding one of two copies of a tied word matrix (the embedding's, or the head's on
+  // another stage).
+  auto tied_copy = [&](int sg) {
+    const Segment& seg = plan.segments[sg];
+    return plan.model.tied_embeddings && seg.embedding != seg.head &&
+           models.at(sg)->word_matrix() != nullptr;
+  };
   for (int sg : zero >= 1 ? L.segments : std::vector<int>{}) {
     std::vector<std::vector<Param*>> groups;
     if (zero == 3) {
@@ -1880,14 +1884,27 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       for (Param& p : models[sg]->params()) groups.back().push_back(&p);
     }
     std::vector<ZeroUnit>& zunits = zunits_of[sg];
+    // ZeRO 2-3 sum a tied matrix's two copies chunk by chunk once their gradients are reduced
+    // (tied_sync): the matrix is chunked on its own, alike on both stages.
+    const Param* word = zero >= 2 && tied_copy(sg) ? models[sg]->word_matrix() : nullptr;
     for (std::vector<Param*>& g : groups) {
       ZeroUnit u;
       u.params = std::move(g);
-      for (Param* p : u.params) u.numel += p->w.numel();
-      u.chunk = (u.numel + dpn - 1) / dpn;
-      const at::Tensor flat =
-          padded_flat(u.params, u.chunk * dpn, [](const Param& p) { return p.w.detach(); });
-      u.master = flat.narrow(0, dp_pos * u.chunk, u.chunk).clone();
+      std::vector<int64_t> numels;
+      std::vector<std::size_t> ends;
+      for (std::size_t i = 0; i < u.params.size(); ++i) {
+        numels.push_back(u.params[i]->w.numel());
+        if (u.params[i] != word) continue;
+        if (i > (ends.empty() ? 0 : ends.back())) ends.push_back(i);
+        u.tied_part = static_cast<int>(ends.size());
+        ends.push_back(i + 1);
+      }
+      if (ends.empty() || ends.back() < u.params.size()) ends.push_back(u.params.size());
+      u.layout = ZeroLayout(std::move(numels), std::move(ends), dpn);
+      const int64_t chunk = u.layout.chunk();
+      u.master = u.flat([](const Param& p) { return p.w.detach(); })
+                     .narrow(0, dp_pos * chunk, chunk)
+                     .clone();
       u.m = at::zeros_like(u.master);
       u.v = at::zeros_like(u.master);
       u.grad = at::zeros_like(u.master);
@@ -1915,14 +1932,13 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     const at::Tensor full = ctx.all_gather(dtype != at::kFloat ? u.master.to(dtype) : u.master,
                                            ctx.dp_group, ctx.dp_axes, "param gather");
     c10::NoGradGuard no_grad;
-    int64_t offset = 0;
-    for (Param* p : u.params) {
-      const int64_t n = p->w.numel();
-      const at::Tensor mine = full.narrow(0, offset, n).view(p->w.sizes());
+    const std::vector<at::Tensor> values = u.layout.unflatten(full);
+    for (std::size_t i = 0; i < u.params.size(); ++i) {
+      Param* p = u.params[i];
+      const at::Tensor mine = values[i].view(p->w.sizes());
       // Not a version bump: ZeRO-3's backward gather writes weights its saved graphs hold.
       p->w.variable_data().copy_(mine);
       if (zero == 3 && dtype != at::kFloat) p->c.variable_data().copy_(mine);
-      offset += n;
     }
   };
   // The unit's gradients so far reduce-scattered over dp into its chunk, then dropped.
@@ -1943,10 +1959,9 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         throw Failure{fmt::format("no gradient reached {}", p->name)};
       }
     }
-    const at::Tensor mine = ctx.reduce_scatter(
-        padded_flat(u.params, u.chunk * dpn, [](const Param& p) { return grad_or_zeros(p); })
-            .to(reduce_dtype),
-        ctx.dp_group, ctx.dp_axes, label);
+    const at::Tensor mine =
+        ctx.reduce_scatter(u.flat([](const Param& p) { return grad_or_zeros(p); }).to(reduce_dtype),
+                           ctx.dp_group, ctx.dp_axes, label);
     c10::NoGradGuard no_grad;
     u.grad.add_(mine);
     for (Param* p : u.params) p->w.mutable_grad() = at::Tensor();
@@ -2030,15 +2045,17 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     }
   }
   // Tied embeddings on two stages: the embedding's matrix and the head's copy hold the
-  // gradients of their own uses, summed whole between the first and the last stage (the ranks
-  // of the same other coordinates), so both copies take the same step (the program's epilogue:
-  // "tied embedding grad sync"): after the data-parallel sums without ZeRO, before ZeRO-1's
-  // reduce-scatter at the iteration's end (the two stages' chunks differ); ZeRO 2-3 refused
-  // (check_runnable).
+  // gradients of their own uses, summed between the first and the last stage (the ranks of the
+  // same other coordinates), so both copies take the same step (the program's epilogue: "tied
+  // embedding grad sync"). Without ZeRO the whole gradients, after the data-parallel sums; under
+  // ZeRO-1 the whole gradients before the reduce-scatter at the iteration's end (the summing
+  // partner reaches its own end only after this stage's later blocks, which must not wait for
+  // it); under ZeRO 2-3, whose reduce-scatters leave only this rank's chunk, the matrix's chunk
+  // (chunked alike on both stages) once every micro-batch is reduced, as Megatron sums its
+  // shared embedding's bucket after the data-parallel reduce-scatter.
   auto tied_sync = [&](int sg) {
+    if (!tied_copy(sg)) return;
     const Segment& seg = plan.segments[sg];
-    Model& model = *models.at(sg);
-    if (!plan.model.tied_embeddings || seg.embedding == seg.head || !model.word_matrix()) return;
     int other = -1;
     for (std::size_t j = 0; j < plan.segments.size(); ++j) {
       if (seg.embedding ? plan.segments[j].head : plan.segments[j].embedding) {
@@ -2046,20 +2063,24 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       }
     }
     const int partner = peer_in(plan.mesh, rank, plan.segments[other]);
-    Param& w = *model.word_matrix();
+    const std::vector<int> pair = {std::min(rank, partner), std::max(rank, partner)};
+    if (zero >= 2) {
+      for (ZeroUnit& u : zunits_of.at(sg)) {
+        if (u.tied_part < 0) continue;
+        at::Tensor mine =
+            u.grad.narrow(0, u.layout.part_offset(u.tied_part), u.layout.part_chunk(u.tied_part));
+        at::Tensor g = mine.to(reduce_dtype, /*non_blocking=*/false, /*copy=*/true);
+        ctx.all_reduce(g, pair, "explicit", "tied embedding grad sync");
+        c10::NoGradGuard no_grad;
+        mine.copy_(g);
+      }
+      return;
+    }
+    Param& w = *models.at(sg)->word_matrix();
     at::Tensor g = grad_or_zeros(w).to(reduce_dtype);
-    ctx.all_reduce(g, {std::min(rank, partner), std::max(rank, partner)}, "explicit",
-                   "tied embedding grad sync");
+    ctx.all_reduce(g, pair, "explicit", "tied embedding grad sync");
     c10::NoGradGuard no_grad;
     w.w.mutable_grad() = g.to(at::kFloat).view(w.w.sizes()).clone();
-  };
-  // Under ZeRO-1 a segment holding a tied copy reduces at the end of the iteration instead:
-  // the summing partner (the first or last stage) reaches its own end only after this stage's
-  // later blocks, which must not wait for it.
-  auto tied_copy = [&](int sg) {
-    const Segment& seg = plan.segments[sg];
-    return plan.model.tied_embeddings && seg.embedding != seg.head &&
-           models.at(sg)->word_matrix() != nullptr;
   };
   auto reduce_after = [&](int sg, int m) {
     if (zero == 2 || (zero == 1 && m == last_weights.at(sg) && !tied_copy(sg))) {
@@ -2262,7 +2283,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         offset += n;
       }
     }
-    if (zero == 0) {
+    if (zero != 1) {
       for (int sg : L.segments) tied_sync(sg);
     }
     // Sequence parallelism: the gradients of the parameters applied to sequence slices summed
@@ -2278,12 +2299,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       const std::set<const Param*> spset(sp.begin(), sp.end());
       std::vector<at::Tensor> slices;
       for (ZeroUnit* u : zunits) {
-        const int64_t lo = dp_pos * u->chunk, hi = lo + u->chunk;
-        int64_t offset = 0;
-        for (Param* p : u->params) {
-          const int64_t a = std::max(lo, offset), e = std::min(hi, offset + p->w.numel());
-          offset += p->w.numel();
-          if (a < e && spset.count(p)) slices.push_back(u->grad.narrow(0, a - lo, e - a));
+        for (const ZeroLayout::Piece& k : u->layout.pieces(dp_pos)) {
+          if (spset.count(u->params[k.tensor])) {
+            slices.push_back(u->grad.narrow(0, k.in_chunk, k.length));
+          }
         }
       }
       {
@@ -2347,21 +2366,15 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       // parameter it overlaps (the dp group's chunks together cover every parameter).
       for (ZeroUnit* zu : zunits) {
         ZeroUnit& u = *zu;
-        const at::Tensor want = padded_flat(u.params, u.chunk * dpn, [&](const Param& p) {
-                                  return p.cut(ref_grads.at(p.name));
-                                }).narrow(0, dp_pos * u.chunk, u.chunk);
-        at::Tensor mine = u.grad;
-        int64_t offset = 0;
-        const int64_t lo = dp_pos * u.chunk, hi = lo + u.chunk;
-        for (Param* p : u.params) {
-          const int64_t a = std::max(lo, offset), e = std::min(hi, offset + p->w.numel());
-          offset += p->w.numel();
-          if (a >= e) continue;
-          at::Tensor g = mine.narrow(0, a - lo, e - a), w = want.narrow(0, a - lo, e - a);
+        for (const ZeroLayout::Piece& k : u.layout.pieces(dp_pos)) {
+          const Param* p = u.params[k.tensor];
+          at::Tensor g = u.grad.narrow(0, k.in_chunk, k.length);
+          const at::Tensor w =
+              p->cut(ref_grads.at(p->name)).reshape({-1}).narrow(0, k.in_tensor, k.length);
           if (opt.inject_fault && rank == comm.world() - 1 && out.checks.empty()) g = g * 1.01;
           ParamCheck c;
           c.name = p->name;
-          c.elements = static_cast<double>(e - a);
+          c.elements = static_cast<double>(k.length);
           c.max_abs_error = (g - w).abs().max().item<double>();
           c.ref_max_abs = w.abs().max().item<double>();
           c.ok = c.max_abs_error <= opt.rtol * c.ref_max_abs + opt.atol;

@@ -467,6 +467,17 @@ INSTANTIATE_TEST_SUITE_P(
         // embedding's ("tied embedding grad sync" over the explicit first/last-stage pairs).
         with("tied_tp2_pp2_dp2", 2, 2, 2, 8, {}, &kTied),
         interleaved("tied_zero1_interleaved_pp2_dp2", 1, 2, 2, 8, {"--zero", "1"}, &kTied),
+        // Under ZeRO 2-3 the copies' reduced chunks (the matrix chunked alike on both stages),
+        // summed once the last micro-batch is reduced.
+        with("tied_zero2_pp2_dp2", 1, 2, 2, 8, {"--zero", "2"}, &kTied),
+        with("tied_zero3_pp2_dp2", 1, 2, 2, 8, {"--zero", "3"}, &kTied),
+        with("bf16_tied_zero2_pp2_dp2", 1, 2, 2, 8, {"--zero", "2"}, &kTied, "bf16"),
+        with("tied_zero3_tp2_pp2_dp2", 2, 2, 2, 8, {"--zero", "3"}, &kTied),
+        // DeepSpeed's tensor by tensor (the copy a unit of its own) and FSDP's kept gathered
+        // (reduced once, in the last micro-batch).
+        with("tied_deepspeed_zero3_per_tensor_pp2_dp2", 1, 2, 2, 8,
+             {"--zero", "3", "--framework", "deepspeed"}, &kTied),
+        with("tied_fsdp_zero3_pp2_dp2", 1, 2, 2, 8, {"--zero", "3", "--framework", "fsdp"}, &kTied),
         with("zero2_tp2_dp2", 2, 1, 2, 4, {"--zero", "2"}),
         // Tied embeddings in one segment: the matrix gathered once per pass with the embedding's
         // unit (FSDP's unit holding both) and reduced once.
@@ -796,12 +807,6 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
       {"cannot run this plan: communication.pp_scatter_gather: false with sequence "
        "parallelism, rope positions and the embedding's segment 'embedding' spanning the "
        "pipeline stages is not supported yet"});
-
-  // Tied embeddings on two stages under ZeRO-2: reduced every micro-batch.
-  ASSERT_EQ(make_plan(dir, 1, 2, 2, "1f1b", 4, {"--zero", "2"}, kTied).status, 0);
-  refused(
-      {"cannot run this plan: optimizer.zero: ZeRO stage 2 with tied embeddings on "
-       "different pipeline stages is not supported yet"});
 
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
   RunResult r =

@@ -192,6 +192,46 @@ TEST(Program, PipelineStagesHoldTheModelOnce) {
   }
 }
 
+// The tied word matrix's two copies summed once an iteration, after the data-parallel wait and
+// just before the optimizer step: whole gradients without ZeRO and under ZeRO-1; under ZeRO 2-3,
+// whose per-micro-batch reduce-scatters leave each rank only its chunk, the chunks (V h / dp).
+TEST(Program, TiedGradientsSummedBeforeTheStepAsWholeOrChunks) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  for (int zero = 0; zero <= 3; ++zero) {
+    for (bool overlap_gather : {true, false}) {
+      MegatronOptions o = options(1, 4, false, RecomputeMode::kNone, 1);
+      o.zero = zero;
+      auto plan = build_megatron_plan(m, dgx(), o);
+      ASSERT_TRUE(plan.ok()) << plan.error().message();
+      plan->comm.overlap_param_gather = overlap_gather;
+      auto prog = compile_plan(*plan, dgx());
+      ASSERT_TRUE(prog.ok()) << prog.error().message();
+      const int dp = plan->data_parallel();
+      ASSERT_EQ(dp, 8);  // 32 GPUs over 4 stages
+      const double whole = static_cast<double>(m.vocab) * m.hidden * plan->optimizer.grad_bytes;
+      for (int l : {0, 3}) {
+        const std::vector<Step>& ep = prog->lanes[l].epilogue;
+        int sync = -1, wait = -1, step = -1;
+        for (int i = 0; i < static_cast<int>(ep.size()); ++i) {
+          if (ep[i].kind == StepKind::kCollective && ep[i].group == 0) {
+            EXPECT_EQ(sync, -1) << "two tied syncs";
+            sync = i;
+            EXPECT_DOUBLE_EQ(ep[i].bytes, zero >= 2 ? whole / dp : whole)
+                << "zero " << zero << " lane " << l;
+          }
+          if (ep[i].kind == StepKind::kDpWait && wait < 0) wait = i;
+          if (ep[i].kind == StepKind::kCompute && ep[i].compute_class == ComputeClass::kOptimizer) {
+            step = i;
+          }
+        }
+        ASSERT_GE(sync, 0) << "zero " << zero;
+        EXPECT_LT(wait, sync) << "zero " << zero << " overlap " << overlap_gather;
+        EXPECT_EQ(sync + 1, step) << "zero " << zero << " overlap " << overlap_gather;
+      }
+    }
+  }
+}
+
 // Tensor-parallel collectives of the layers' operators in one block template, by kind.
 std::map<CollectiveKind, int> layer_collectives(const Program& prog, int segment, BlockKind kind) {
   std::set<std::string> layer_ops;
