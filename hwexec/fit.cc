@@ -219,7 +219,7 @@ std::optional<MemoryFit> fit_memory(const std::vector<TrafficSeries>& series, co
     }
   }
   if (bytes.empty()) {
-    notes.push_back(
+    notes.emplace_back(
         "memory-bound operators: none measured; memory_efficiency and "
         "kernel_overhead not fitted");
     return std::nullopt;
@@ -274,7 +274,7 @@ std::optional<MemoryFit> fit_memory(const std::vector<TrafficSeries>& series, co
 Expected<std::optional<AttentionFit>> fit_attention(const MicroResults& micro, const GpuSpec& gpu,
                                                     std::vector<std::string>& notes) {
   if (micro.attention.empty() || micro.attention.front().samples.empty()) {
-    notes.push_back("attention: none measured; attention_* not fitted");
+    notes.emplace_back("attention: none measured; attention_* not fitted");
     return std::optional<AttentionFit>{};
   }
   const AttentionSeries& series = micro.attention.front();
@@ -492,7 +492,7 @@ std::optional<LinkFit> fit_link_series(const std::vector<CollectiveSeries>& seri
 std::optional<LinkFit> fit_link(const MicroResults& micro, const GpuSpec& gpu,
                                 std::vector<std::string>& notes) {
   if (micro.collectives.empty()) {
-    notes.push_back(
+    notes.emplace_back(
         "collectives: none measured (NCCL needs 2 or more GPUs); link parameters "
         "not fitted");
     return std::nullopt;
@@ -627,7 +627,8 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
     f.attention = *attention;
     f.nvlink = fit_link(*micro, gpu, f.notes);
   } else {
-    f.notes.push_back("attention: attention_* come from a microbenchmark file (nnexec bench) only");
+    f.notes.emplace_back(
+        "attention: attention_* come from a microbenchmark file (nnexec bench) only");
   }
   // The runs' collectives: inside one machine for NVLink when micro.h5 gave none; across
   // machines for the network's step latency (its bandwidth is the topology's, not the GPU's).
@@ -639,7 +640,7 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
     cross_host.insert(cross_host.end(), r.cross_host.begin(), r.cross_host.end());
   }
   if (!runs.empty() && !hosts_known) {
-    f.notes.push_back(
+    f.notes.emplace_back(
         "collectives: the run files do not say which machine each rank ran on (written before "
         "nnexec recorded it); their collectives are not fitted");
   }
@@ -678,7 +679,7 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
                                0, 0, 1},
                               f.notes, priced ? &routes : nullptr);
     if (!priced) {
-      f.notes.push_back(
+      f.notes.emplace_back(
           "network: the step latency only; an efficiency is relative to the route's bandwidth "
           "on a topology, which a run file does not name: give the topology the run's "
           "machines stand for (--topo T.yaml [--nodes N]) to fit it");
