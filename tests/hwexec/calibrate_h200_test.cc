@@ -239,19 +239,26 @@ fabric: {kind: single_switch}
                         "h200x1");
 }
 
+// The calibration `nnsim calibrate micro.h5 run... ` writes for the H200, as compare reads it.
+Expected<Calibration> calibration_of(const H200& h) {
+  Expected<Fit> f = fit_all(&h.micro, "micro.h5", h.points, h.gpu, "h200");
+  if (!f) return f.error();
+  Calibration cal;
+  cal.gpus[h.gpu.name] = f->calibration;
+  return cal;
+}
+
 TEST(HwexecCalibrateH200, CalibratedCompareBeatsTheBuiltInOnTheRunsLinearsAndResiduals) {
   const H200 h = load_h200();
   ASSERT_EQ(h.points.size(), 2u);
-  Expected<Fit> f = fit_all(&h.micro, "micro.h5", h.points, h.gpu, "h200");
-  ASSERT_TRUE(f.ok()) << f.error().message();
-  Calibration cal;
-  cal.gpus[h.gpu.name] = f->calibration;
+  Expected<Calibration> cal = calibration_of(h);
+  ASSERT_TRUE(cal.ok()) << cal.error().message();
   Expected<Topology> topo = h200x1();
   ASSERT_TRUE(topo.ok()) << topo.error().message();
   Expected<Plan> plan = plan_of_run(h.runs[0], trace("run.h5"), "");
   ASSERT_TRUE(plan.ok()) << plan.error().message();
   CompareOptions with;
-  with.calibration = &cal;
+  with.calibration = &*cal;
   with.simulate_iteration = false;
   CompareOptions without;
   without.simulate_iteration = false;
@@ -279,14 +286,12 @@ TEST(HwexecCalibrateH200, CalibratedCompareBeatsTheBuiltInOnTheRunsLinearsAndRes
 TEST(HwexecCalibrateH200, TheOneGpuTableHolds) {
   const H200 h = load_h200("gpt-1.3b/", {"run.h5", "run-bf16.h5", "run-bf16-flash.h5"});
   ASSERT_EQ(h.points.size(), 3u);
-  Expected<Fit> f = fit_all(&h.micro, "micro.h5", h.points, h.gpu, "h200");
-  ASSERT_TRUE(f.ok()) << f.error().message();
-  Calibration cal;
-  cal.gpus[h.gpu.name] = f->calibration;
+  Expected<Calibration> cal = calibration_of(h);
+  ASSERT_TRUE(cal.ok()) << cal.error().message();
   Expected<Topology> topo = h200x1();
   ASSERT_TRUE(topo.ok()) << topo.error().message();
   CompareOptions with;
-  with.calibration = &cal;
+  with.calibration = &*cal;
   auto compare = [&](size_t i, const char* name) {
     Expected<Plan> plan = plan_of_run(h.runs[i], trace(std::string("gpt-1.3b/") + name), "");
     EXPECT_TRUE(plan.ok()) << plan.error().message();
