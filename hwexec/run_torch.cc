@@ -1271,9 +1271,9 @@ class Model {
             }
             scores.masked_fill_(causal_mask(s), -std::numeric_limits<float>::infinity());
             // (LibTorch's CPU softmax has no fp16 kernel: there, in fp32, the same values.)
-            const bool widen = scores.is_cpu() && scores.scalar_type() == at::kHalf;
-            at::Tensor p = (widen ? at::softmax(scores, -1, at::kFloat) : at::softmax(scores, -1))
-                               .to(q.scalar_type());
+            at::Tensor p =
+                (cpu_fp16() ? at::softmax(scores, -1, at::kFloat) : at::softmax(scores, -1))
+                    .to(q.scalar_type());
             if (spec_.dropout) {  // the probabilities' dropout
               p = p * dropout_multipliers(t.key, first_ + l, DropoutSite::kAttention, b,
                                           spec_.seq_len, spec_.heads, positions_, first_head_, al,
