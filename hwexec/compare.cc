@@ -304,6 +304,9 @@ double Comparison::iteration_error() const {
 double Comparison::compute_error() const {
   return relative(simulated_compute, measured_compute);
 }
+double Comparison::memory_error() const {
+  return measured_peak_memory < 0 ? kNaN : relative(simulated_peak_memory, measured_peak_memory);
+}
 
 Expected<Plan> plan_of_run(const RunResults& run, const std::string& run_path,
                            const std::string& given_path) {
@@ -551,10 +554,17 @@ Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const 
   c.measured_iterations = run.iteration_seconds();
   c.measured_iteration = median(c.measured_iterations);
   c.simulated_iteration = kNaN;
+  c.simulated_peak_memory = kNaN;
+  for (const RankResult& r : run.ranks) {
+    c.measured_peak_memory = std::max(c.measured_peak_memory, r.peak_allocated_bytes);
+  }
   if (options.simulate_iteration) {
     Expected<SimResult> sim = simulate(prog);
     if (!sim) return sim.error().with_context("simulating the plan");
     c.simulated_iteration = sim->iteration_time;
+    const LaneReport& worst = worst_memory_lane(*sim);
+    c.simulated_untracked_memory = worst.static_memory.runtime + worst.static_memory.comm_buffers;
+    c.simulated_peak_memory = worst.peak_memory - c.simulated_untracked_memory;
   }
   return c;
 }
@@ -574,6 +584,11 @@ std::string comparison_json(const Comparison& c) {
                     {"simulated_s", num(c.simulated_iteration)},
                     {"error", num(c.iteration_error())},
                     {"measured_each_s", c.measured_iterations}};
+  j["memory"] = {
+      {"measured_peak_bytes", num(c.measured_peak_memory < 0 ? kNaN : c.measured_peak_memory)},
+      {"simulated_peak_bytes", num(c.simulated_peak_memory)},
+      {"simulated_untracked_bytes", num(c.simulated_untracked_memory)},
+      {"error", num(c.memory_error())}};
   j["compute"] = {{"measured_s", num(c.measured_compute)},
                   {"simulated_s", num(c.simulated_compute)},
                   {"error", num(c.compute_error())}};

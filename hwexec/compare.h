@@ -86,6 +86,12 @@ struct Comparison {
   // Operator time per iteration summed over the operators, mean over ranks.
   double measured_compute = 0, simulated_compute = 0;
   double compute_error() const;
+  // Peak bytes of tensors on the rank that holds the most: the run's (LibTorch's allocator, or
+  // nnexec's CPU counter; -1 when the run did not measure it) against the simulator's lane peak
+  // without what LibTorch's allocators do not count: the runtime reserve (CUDA context and
+  // libraries) and NCCL's buffers (NaN without a simulation).
+  double measured_peak_memory = -1, simulated_peak_memory = 0, simulated_untracked_memory = 0;
+  double memory_error() const;
   // Medians of |error| over the rows that have one: every operator, the linear ones (GEMMs),
   // the collectives.
   double median_op_error = 0, median_gemm_error = 0, median_collective_error = 0;

@@ -478,6 +478,9 @@ std::string rank_to_text(const RankResult& r) {
     s += fmt::format("coll {} {} {:.17g} {:.17g} {:.17g} {}\n", c.kind, c.axes, c.bytes, c.calls,
                      c.seconds, c.label);
   }
+  for (const OpMemory& m : r.memory) {
+    s += fmt::format("mem {} {} {:.17g} {:.17g}\n", m.name, m.phase, m.live_bytes, m.peak_bytes);
+  }
   for (const ParamCheck& c : r.checks) {
     s += fmt::format("param {} {:.17g} {:.17g} {:.17g} {}\n", c.name, c.elements, c.max_abs_error,
                      c.ref_max_abs, c.ok ? 1 : 0);
@@ -532,6 +535,10 @@ Expected<RankResult> rank_from_text(const std::string& text) {
       l >> c.kind >> c.axes >> c.bytes >> c.calls >> c.seconds >> std::ws;
       std::getline(l, c.label);
       r.collectives.push_back(c);
+    } else if (key == "mem") {
+      OpMemory m;
+      l >> m.name >> m.phase >> m.live_bytes >> m.peak_bytes;
+      r.memory.push_back(m);
     } else if (key == "param") {
       ParamCheck c;
       int ok = 0;
@@ -600,9 +607,11 @@ Status write_run(const std::string& path, const RunResults& r) {
     if (!k.host.empty()) ok &= h5::write_attr(g.id, "host", k.host);
     ok &= h5::write_attr(g.id, "parameters", k.parameters);
     ok &= h5::write_attr(g.id, "peak_rss_bytes", k.peak_rss_bytes);
-    if (k.gpu >= 0) {
-      ok &= h5::write_attr(g.id, "gpu", static_cast<long long>(k.gpu));
+    if (k.gpu >= 0) ok &= h5::write_attr(g.id, "gpu", static_cast<long long>(k.gpu));
+    if (k.peak_allocated_bytes >= 0) {
       ok &= h5::write_attr(g.id, "peak_allocated_bytes", k.peak_allocated_bytes);
+    }
+    if (k.peak_reserved_bytes >= 0) {
       ok &= h5::write_attr(g.id, "peak_reserved_bytes", k.peak_reserved_bytes);
     }
     ok &= h5::write_vector(g.id, "iteration_seconds", k.iteration_seconds);
@@ -636,6 +645,20 @@ Status write_run(const std::string& path, const RunResults& r) {
       ok &= h5::write_strings(cs.id, "kind", kind) && h5::write_strings(cs.id, "axes", axes) &&
             h5::write_strings(cs.id, "label", label) && h5::write_vector(cs.id, "bytes", bytes) &&
             h5::write_vector(cs.id, "calls", calls) && h5::write_vector(cs.id, "seconds", seconds);
+    }
+    if (!k.memory.empty()) {
+      Handle mem(h5::make_group(g.id, "memory"), H5Gclose);
+      std::vector<std::string> name, phase;
+      std::vector<double> live, peak;
+      for (const OpMemory& m : k.memory) {
+        name.push_back(m.name);
+        phase.push_back(m.phase);
+        live.push_back(m.live_bytes);
+        peak.push_back(m.peak_bytes);
+      }
+      ok &= h5::write_strings(mem.id, "name", name) && h5::write_strings(mem.id, "phase", phase) &&
+            h5::write_vector(mem.id, "live_bytes", live) &&
+            h5::write_vector(mem.id, "peak_bytes", peak);
     }
   }
   if (r.options.check) {

@@ -29,6 +29,9 @@ struct RunOptions {
   double rtol = 1e-4;  // check: |g - g_ref| <= rtol * max|g_ref| + atol, per parameter
   double atol = 1e-6;
   bool inject_fault = false;  // tests: the last rank perturbs one gradient before the check
+  // Sample the bytes of live tensors at the end of every operator span of the last measured
+  // iteration (RankResult::memory); off by default, as on a GPU each sample is a host call.
+  bool memory_timeline = false;
   // --device cuda: the CUDA device this rank drives (from its local rank); -1: the rank modulo
   // the GPUs visible.
   int gpu = -1;
@@ -53,6 +56,15 @@ struct CollTime {
   double seconds = 0;
 };
 
+// The memory at one operator span of the last measured iteration (--memory-timeline): the bytes
+// of tensors live at its end, and the most live during it (since the previous span's end).
+struct OpMemory {
+  std::string name;   // "attn.qkv", "optimizer", ...
+  std::string phase;  // as OpTime's
+  double live_bytes = 0;
+  double peak_bytes = 0;
+};
+
 // One parameter shard's first-iteration gradient against its slice of the reference.
 struct ParamCheck {
   std::string name;  // "layers.3.attn.qkv.weight"
@@ -72,11 +84,13 @@ struct RankResult {
   std::vector<CollTime> collectives;
   double parameters = 0;       // parameters this rank holds
   double peak_rss_bytes = -1;  // the process's peak resident set (getrusage); -1 = unknown
-  // --device cuda: the GPU (CUDA device index) and LibTorch's CUDA caching allocator's peaks
-  // (bytes of tensors allocated, bytes reserved from the driver); -1 = not on a GPU.
+  // --device cuda: the GPU (CUDA device index); -1 = not on a GPU.
   int gpu = -1;
+  // The most bytes of tensors live at once over the measured iterations: LibTorch's CUDA caching
+  // allocator on a GPU, nnexec's counting CPU allocator on a CPU (cpu_memory.h); -1 = unknown.
   double peak_allocated_bytes = -1;
-  double peak_reserved_bytes = -1;
+  double peak_reserved_bytes = -1;  // the caching allocator's reserve (a GPU only); -1 = none
+  std::vector<OpMemory> memory;     // --memory-timeline, in execution order
   // --check
   bool checked = false;
   double check_loss = 0;  // this run's first-iteration loss (head ranks)

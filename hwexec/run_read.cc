@@ -103,6 +103,9 @@ Expected<RankResult> read_rank(hid_t ranks, const std::string& name, const std::
   r.host = h5::read_string(g.id, "host").value_or("");
   r.parameters = h5::read_number(g.id, "parameters").value_or(0);
   r.peak_rss_bytes = h5::read_number(g.id, "peak_rss_bytes").value_or(-1);
+  r.gpu = static_cast<int>(h5::read_number(g.id, "gpu").value_or(-1));
+  r.peak_allocated_bytes = h5::read_number(g.id, "peak_allocated_bytes").value_or(-1);
+  r.peak_reserved_bytes = h5::read_number(g.id, "peak_reserved_bytes").value_or(-1);
   TableReader own(g.id, at);
   auto it = own.numbers("iteration_seconds");
   if (!it) return it.error();
@@ -147,6 +150,25 @@ Expected<RankResult> read_rank(hid_t ranks, const std::string& name, const std::
   for (size_t i = 0; i < kind->size(); ++i) {
     r.collectives.push_back(
         {(*kind)[i], (*cax)[i], (*label)[i], (*bytes)[i], (*ccalls)[i], (*cseconds)[i]});
+  }
+
+  // /memory: only with --memory-timeline.
+  if (H5Lexists(g.id, "memory", H5P_DEFAULT) > 0) {
+    Expected<hid_t> mem_id = open_group(g.id, "memory", at);
+    if (!mem_id) return mem_id.error();
+    Handle mem(*mem_id, H5Gclose);
+    TableReader m(mem.id, at + "/memory");
+    auto m_name = m.strings("name");
+    if (!m_name) return m_name.error();
+    auto m_phase = m.strings("phase");
+    if (!m_phase) return m_phase.error();
+    auto live = m.numbers("live_bytes");
+    if (!live) return live.error();
+    auto peak = m.numbers("peak_bytes");
+    if (!peak) return peak.error();
+    for (size_t i = 0; i < m_name->size(); ++i) {
+      r.memory.push_back({(*m_name)[i], (*m_phase)[i], (*live)[i], (*peak)[i]});
+    }
   }
   return r;
 }

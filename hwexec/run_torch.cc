@@ -46,6 +46,7 @@
 #include <fmt/format.h>
 
 #include "hwexec/comm.h"
+#include "hwexec/cpu_memory.h"
 #include "hwexec/run.h"
 #include "hwexec/run_adam.h"
 #include "hwexec/run_context_parallel.h"
@@ -102,6 +103,74 @@ struct Events {
 };
 #endif
 
+// The bytes of tensors live on the rank's device: nnexec's CPU counter (cpu_memory.h) or LibTorch's
+// CUDA caching allocator, whose counts are kept on the host as tensors are made and freed.
+class MemoryProbe {
+ public:
+  // A CPU rank counts when LibTorch lets it; a GPU rank (`cuda_device` >= 0) always can.
+  explicit MemoryProbe(int cuda_device) : cuda_(cuda_device) {
+    counts_ = cuda_ >= 0 || count_cpu_memory();
+  }
+  bool counts() const { return counts_; }
+  // The measured peaks start from what is live now.
+  void reset() {
+    if (!counts_) return;
+    restart();
+    peak_ = live();
+    reserved_peak_ = -1;
+  }
+  // {live now, the most live since the last reset or sample}; starts the next window.
+  std::pair<double, double> sample() {
+    if (!counts_) return {-1, -1};
+    const double now = live(), window = window_peak();
+    restart();
+    peak_ = std::max(peak_, window);
+    return {now, window};
+  }
+  // The most live over all windows since reset(); -1 where nothing counts.
+  double peak() {
+    if (counts_) sample();
+    return peak_;
+  }
+  double reserved_peak() const { return reserved_peak_; }
+
+ private:
+  double live() const {
+#ifdef NNSIM_TORCH_HAS_CUDA
+    if (cuda_ >= 0) {
+      const auto st =
+          c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(cuda_));
+      return static_cast<double>(st.allocated_bytes[0].current);  // [0]: small and large pools
+    }
+#endif
+    return cpu_allocated_bytes();
+  }
+  double window_peak() {
+#ifdef NNSIM_TORCH_HAS_CUDA
+    if (cuda_ >= 0) {
+      const auto st =
+          c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(cuda_));
+      reserved_peak_ = std::max(reserved_peak_, static_cast<double>(st.reserved_bytes[0].peak));
+      return static_cast<double>(st.allocated_bytes[0].peak);
+    }
+#endif
+    return cpu_peak_bytes();
+  }
+  void restart() {
+#ifdef NNSIM_TORCH_HAS_CUDA
+    if (cuda_ >= 0) {
+      c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(cuda_));
+      return;
+    }
+#endif
+    reset_cpu_peak();
+  }
+
+  int cuda_ = -1;
+  bool counts_ = false;
+  double peak_ = -1, reserved_peak_ = -1;
+};
+
 // Spans of one iteration, resolved into per-operator and per-collective totals at its end (on a
 // GPU, after the synchronize, when the events have completed).
 struct Stats {
@@ -125,6 +194,10 @@ struct Stats {
   };
   std::vector<PendingOp> pending_ops;
   std::vector<PendingColl> pending_colls;
+  // --memory-timeline: the memory at every operator span's end, of the last measured iteration.
+  MemoryProbe* memory = nullptr;
+  bool memory_timeline = false;
+  std::vector<OpMemory> memory_samples;
 
   // Now, on `on` (a stream; the compute stream when null) on a GPU.
   Mark mark(void* on = nullptr) {
@@ -148,7 +221,12 @@ struct Stats {
   // An operator's span; `minus_collectives`: without the collectives recorded inside it.
   void op(const std::string& name, const char* phase, const Mark& a, const Mark& b,
           bool minus_collectives = false) {
-    if (recording) pending_ops.push_back({name, phase, a, b, minus_collectives});
+    if (!recording) return;
+    pending_ops.push_back({name, phase, a, b, minus_collectives});
+    if (memory_timeline && memory->counts()) {
+      const auto [live, peak] = memory->sample();
+      memory_samples.push_back({name, phase, live, peak});
+    }
   }
   void coll(const char* kind, const std::string& axes, const std::string& label, double bytes,
             const Mark& a, const Mark& b) {
@@ -1666,6 +1744,11 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   const at::Device device =
       gpu ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(gpu_index)) : at::Device(at::kCPU);
 #endif
+#ifdef NNSIM_TORCH_HAS_CUDA
+  MemoryProbe memory(gpu ? gpu_index : -1);
+#else
+  MemoryProbe memory(-1);
+#endif
   Layout L = layout_of(plan, rank);
   if (L.order == nullptr) return Error(fmt::format("no schedule order holds rank {}", rank));
   const int tp_size = [&] {
@@ -1674,6 +1757,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     return n;
   }();
   Stats stats;
+  stats.memory = &memory;
+  stats.memory_timeline = opt.memory_timeline;
   Ctx ctx;
   ctx.comm = &comm;
   ctx.stats = &stats;
@@ -2154,6 +2239,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   for (int it = 0; it < opt.warmup + opt.iterations; ++it) {
     ok_or_throw(comm.barrier());
     stats.recording = it >= opt.warmup;
+    // Memory over the measured iterations only: not the --check reference's forward, nor the
+    // first step's allocation of the optimizer's moments.
+    if (it == opt.warmup) memory.reset();
+    stats.memory_samples.clear();  // the last measured iteration's
     for (Param* p : params) p->w.mutable_grad() = at::Tensor();
     handoff.clear();
     const auto t0 = Clock::now();
@@ -2395,6 +2484,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         c.ok = c.max_abs_error <= opt.rtol * c.ref_max_abs + opt.atol;
         out.checks.push_back(c);
       }
+      ref_grads.clear();  // checked: their memory is not the plan's
     }
     // Adam.
     {
@@ -2455,15 +2545,11 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   }
   rusage u{};
   if (::getrusage(RUSAGE_SELF, &u) == 0) out.peak_rss_bytes = u.ru_maxrss * 1024.0;
+  out.peak_allocated_bytes = memory.peak();
+  out.peak_reserved_bytes = memory.reserved_peak();
+  out.memory = std::move(stats.memory_samples);
 #ifdef NNSIM_TORCH_HAS_CUDA
-  if (gpu) {
-    // LibTorch's caching allocator, since the process started (includes the --check reference).
-    // Index 0 of the stat arrays is the aggregate over small and large pools.
-    const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
-    out.gpu = gpu_index;
-    out.peak_allocated_bytes = static_cast<double>(st.allocated_bytes[0].peak);
-    out.peak_reserved_bytes = static_cast<double>(st.reserved_bytes[0].peak);
-  }
+  if (gpu) out.gpu = gpu_index;
 #endif
   return out;
 }

@@ -160,8 +160,9 @@ int finish(const RunArgs& a, const nnsim::Plan& plan, const nnsim::hwexec::RunOp
   }
   double peak = -1;
   for (const RankResult& k : results.ranks) peak = std::max(peak, k.peak_allocated_bytes);
-  if (peak >= 0)
-    std::printf("  GPU memory      peak %.3f GiB allocated (largest rank)\n", peak / (1 << 30));
+  if (peak >= 0) {
+    std::printf("  memory          peak %.3f GiB of tensors (largest rank)\n", peak / (1 << 30));
+  }
   if (!options.check) return 0;
   double worst = 0;
   std::string worst_name;
@@ -315,6 +316,7 @@ std::vector<std::string> worker_args(const RunArgs& a, const char* self, int ran
   }
   if (a.options.check) args.emplace_back("--check");
   if (a.options.inject_fault) args.emplace_back("--inject-fault");
+  if (a.options.memory_timeline) args.emplace_back("--memory-timeline");
   return args;
 }
 
@@ -464,6 +466,9 @@ int main(int argc, char** argv) {
       ->add_option("--connect-timeout", run.connect_timeout,
                    "seconds to wait for the other ranks at the start (default 120)")
       ->check(CLI::PositiveNumber);
+  run_cmd->add_flag("--memory-timeline", run.options.memory_timeline,
+                    "record the bytes of live tensors at every operator of the last measured "
+                    "iteration (/ranks/<r>/memory)");
   run_cmd->add_flag("--inject-fault", run.options.inject_fault)->group("");  // tests
   run_cmd->add_option("--worker-rank", run.worker_rank)->group("");          // internal
   run_cmd->add_option("--master-fd", run.master_fd)->group("");              // internal

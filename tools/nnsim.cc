@@ -878,6 +878,14 @@ int run_compare(const CompareArgs& a) {
   std::printf("iteration: measured %s (median of %zu, slowest rank), simulated %s, error %s\n",
               format_seconds(c->measured_iteration).c_str(), c->measured_iterations.size(),
               seconds_or_na(c->simulated_iteration).c_str(), percent(c->iteration_error()).c_str());
+  if (c->measured_peak_memory >= 0 && std::isfinite(c->simulated_peak_memory)) {
+    std::printf(
+        "peak memory of tensors (largest rank): measured %s, simulated %s (without "
+        "%s of runtime and NCCL buffers), error %s\n",
+        format_bytes(c->measured_peak_memory).c_str(),
+        format_bytes(c->simulated_peak_memory).c_str(),
+        format_bytes(c->simulated_untracked_memory).c_str(), percent(c->memory_error()).c_str());
+  }
   std::printf("operators summed: measured %s, simulated %s, error %s\n",
               format_seconds(c->measured_compute).c_str(),
               format_seconds(c->simulated_compute).c_str(), percent(c->compute_error()).c_str());

@@ -1,0 +1,137 @@
+// nnexec run's memory on a CPU (--memory-timeline, nnexec's CPU allocator counter) against the
+// simulator's for the same plan: what stays between iterations (weights, gradients, optimizer
+// state) must be the simulator's to the byte, up to the batch's token ids; the peak, which holds
+// the executor's own activations, within a bound (docs/hwexec.md, "Memory").
+#include <algorithm>
+#include <cstdio>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "hwexec/bench.h"
+#include "hwexec/run.h"
+#include "process.h"
+
+namespace nnsim::hwexec {
+namespace {
+
+using testing::run;
+using testing::RunResult;
+using testing::slurp;
+using testing::TempDir;
+
+const std::string kModel = std::string(NNSIM_TEST_DATA) + "/small-gpt-memory.yaml";
+
+struct MemoryCase {
+  const char* name;
+  int tp, pp, dp;
+  const char* precision;
+  std::vector<std::string> flags;
+};
+
+void PrintTo(const MemoryCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class NnexecRunMemory : public ::testing::TestWithParam<MemoryCase> {};
+
+TEST_P(NnexecRunMemory, StaticMemoryIsTheSimulatorsAndThePeakNearIt) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  const MemoryCase c = GetParam();
+  const int n = c.tp * c.pp * c.dp;
+  const std::string topo =
+      std::string(NNSIM_TEST_DATA) + (n == 1 ? "/tiny-node1.yaml" : "/tiny-node2.yaml");
+  const std::string nodes = std::to_string(std::max(1, n / 2));
+  TempDir dir;
+  std::vector<std::string> plan = {"plan",
+                                   "--model",
+                                   kModel,
+                                   "--topo",
+                                   topo,
+                                   "--nodes",
+                                   nodes,
+                                   "--tp",
+                                   std::to_string(c.tp),
+                                   "--pp",
+                                   std::to_string(c.pp),
+                                   "--dp",
+                                   std::to_string(c.dp),
+                                   "--micro-batch",
+                                   "4",
+                                   "--global-batch",
+                                   std::to_string(8 * c.dp),
+                                   "--precision",
+                                   c.precision,
+                                   "-o",
+                                   "plan.json"};
+  plan.insert(plan.end(), c.flags.begin(), c.flags.end());
+  RunResult p = run(dir, NNSIM_BINARY, plan);
+  ASSERT_EQ(p.status, 0) << p;
+  RunResult r = run(dir, NNEXEC_BINARY,
+                    {"run", "--plan", "plan.json", "--launch", std::to_string(n), "--out", "run.h5",
+                     "--iterations", "1", "--warmup", "1", "--memory-timeline"});
+  ASSERT_EQ(r.status, 0) << r;
+  Expected<RunResults> file = read_run(dir.file("run.h5"));
+  ASSERT_TRUE(file.ok()) << file.error().message();
+  RunResult s =
+      run(dir, NNSIM_BINARY,
+          {"simulate", "plan.json", "--topo", topo, "--nodes", nodes, "--json", "s.json"});
+  ASSERT_EQ(s.status, 0) << s;
+  const nlohmann::json sim = nlohmann::json::parse(slurp(dir.file("s.json")));
+
+  // Weights, gradients and optimizer state: after the optimizer step nothing else is live but
+  // the iteration's token ids (int64, a few KiB).
+  double measured_static = 0, simulated_static = 0, simulated_peak = 0;
+  for (const RankResult& k : file->ranks) {
+    ASSERT_FALSE(k.memory.empty()) << "rank " << k.rank << ": no memory timeline";
+    EXPECT_EQ(k.memory.back().name, "optimizer");
+    EXPECT_GT(k.peak_allocated_bytes, k.memory.back().live_bytes);
+    for (const OpMemory& m : k.memory) EXPECT_LE(m.live_bytes, k.peak_allocated_bytes);
+    measured_static = std::max(measured_static, k.memory.back().live_bytes);
+  }
+  for (const nlohmann::json& lane : sim["lanes"]) {
+    const nlohmann::json& m = lane["memory"];
+    simulated_static = std::max(simulated_static, m["weights_bytes"].get<double>() +
+                                                      m["gradients_bytes"].get<double>() +
+                                                      m["optimizer_bytes"].get<double>());
+    simulated_peak =
+        std::max(simulated_peak, m["peak_bytes"].get<double>() - m["runtime_bytes"].get<double>() -
+                                     m["comm_buffers_bytes"].get<double>());
+  }
+  EXPECT_NEAR(measured_static, simulated_static, 0.02 * simulated_static) << c.name;
+
+  // The peak: the executor keeps each operator's output for its backward (docs/hwexec.md), a few
+  // tensors of the layer's width more than Megatron, which the simulator models.
+  double measured_peak = 0;
+  for (const RankResult& k : file->ranks) {
+    measured_peak = std::max(measured_peak, k.peak_allocated_bytes);
+  }
+  EXPECT_NEAR(measured_peak, simulated_peak, 0.2 * simulated_peak) << c.name;
+
+  // nnsim compare reports the same two peaks.
+  RunResult cmp = run(dir, NNSIM_BINARY,
+                      {"compare", "run.h5", "--topo", topo, "--nodes", nodes, "--json", "c.json"});
+  ASSERT_EQ(cmp.status, 0) << cmp;
+  const nlohmann::json j = nlohmann::json::parse(slurp(dir.file("c.json")));
+  EXPECT_DOUBLE_EQ(j["memory"]["measured_peak_bytes"].get<double>(), measured_peak);
+  EXPECT_DOUBLE_EQ(j["memory"]["simulated_peak_bytes"].get<double>(), simulated_peak);
+  EXPECT_TRUE(testing::contains(cmp.out, "peak memory of tensors")) << cmp;
+  std::printf("%s: static %.3f / %.3f MiB, peak %.3f / %.3f MiB (measured / simulated)\n", c.name,
+              measured_static / (1 << 20), simulated_static / (1 << 20), measured_peak / (1 << 20),
+              simulated_peak / (1 << 20));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Plans, NnexecRunMemory,
+    ::testing::Values(MemoryCase{"fp32", 1, 1, 1, "fp32", {}},
+                      MemoryCase{"bf16", 1, 1, 1, "bf16", {}},
+                      MemoryCase{"tp2", 2, 1, 1, "fp32", {}},
+                      MemoryCase{"pp2", 1, 2, 1, "fp32", {}},
+                      MemoryCase{"dp2_zero1", 1, 1, 2, "fp32", {"--zero", "1"}}),
+    [](const ::testing::TestParamInfo<MemoryCase>& i) { return std::string(i.param.name); });
+
+}  // namespace
+}  // namespace nnsim::hwexec
