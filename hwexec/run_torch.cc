@@ -1288,6 +1288,14 @@ class Model {
     const int64_t d = spec_.head_dim(), g = spec_.heads / spec_.kv_heads,
                   kl = spec_.kv_heads / split_.heads, al = kl * g;
     const bool sp = split_.seq > 1;
+    // A residual add's backward reads neither summand, nor the linear's backward its output:
+    // both are freed once summed, as one autograd graph over the layer frees them (Megatron
+    // keeps the sum alone). Not when the add is recomputed, which reads the linear's output.
+    auto release_summands = [&](const char* op, Unit& add, Unit& linear) {
+      if (rc.count(op)) return;
+      resize_storage(add.in[0], 0);
+      if (linear.out.defined()) resize_storage(linear.out, 0);
+    };
     // Sequence parallelism: a linear's gathered input is dropped unless the linear is
     // recomputed (then the recomputation gathers it, just before the backward).
     auto drop_gathered = [&](const char* op, Unit& u) {
@@ -1385,6 +1393,7 @@ class Model {
                      }
                      return z + in[1];
                    });
+      release_summands("attn.residual", t.res1, t.proj);
     }
     if (runs("mlp.norm")) {
       t.n2 = fwd(st, "mlp.norm", phase, {leaf(t.res1.out)},
@@ -1428,6 +1437,7 @@ class Model {
                      }
                      return z + in[1];
                    });
+      release_summands("mlp.residual", t.res2, t.fc2);
     }
     at::Tensor out = t.res2.out.detach();
     if (!again && !rc.empty()) {
