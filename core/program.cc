@@ -157,6 +157,13 @@ struct Compiler {
   }
   void emit_grad_buckets(double bytes, double& pending, std::vector<Step>& steps, int segment);
   double segment_params(int segment) const;
+  // Whether the head in `segment` is on the embedding's devices (its segment, or a V-shaped
+  // placement's last segment on them): a tied projection there is the embedding's matrix.
+  bool head_shares_embedding(int segment) const {
+    const auto& emb_lanes = lanes_of_segment[segment_order.front()];
+    return plan.segments[segment].head && lanes_of_segment[segment].size() == 1 &&
+           emb_lanes.size() == 1 && lanes_of_segment[segment] == emb_lanes;
+  }
   // Devices the optimizer state is sharded over (the size of the bucket group).
   int shard_degree() const {
     int n = 1;
@@ -561,9 +568,9 @@ double Compiler::transient_bytes(const PartInfo& p) const {
 
 std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment) const {
   const Segment& s = plan.segments[segment];
-  // A tied output projection in the embedding's segment is the embedding's matrix (one
+  // A tied output projection on the embedding's devices is the embedding's matrix (one
   // parameter, gathered with the embedding).
-  const bool tied_here = plan.model.tied_embeddings && s.embedding && s.head;
+  const bool tied_here = plan.model.tied_embeddings && head_shares_embedding(segment);
   auto sum = [&](const PartInfo& p) {
     double n = 0;
     for (size_t i = 0; i < p.local_params.size(); ++i) {
@@ -587,9 +594,7 @@ std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment) const 
 double Compiler::segment_params(int segment) const {
   const Segment& s = plan.segments[segment];
   // A tied output projection on the embedding's own devices is the embedding matrix itself.
-  const auto& emb_lanes = lanes_of_segment[segment_order.front()];
-  const bool shares_embedding = s.head && lanes_of_segment[segment].size() == 1 &&
-                                emb_lanes.size() == 1 && lanes_of_segment[segment] == emb_lanes;
+  const bool shares_embedding = head_shares_embedding(segment);
   auto sum = [&](const PartInfo& p) {
     double n = 0;
     for (size_t i = 0; i < p.local_params.size(); ++i) {
@@ -791,7 +796,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   // unit's compute (FSDP's and DeepSpeed's prefetch of one unit ahead).
   // DeepSpeed gathers and reduces tensor by tensor, FSDP a whole unit at once.
   // A unit's gradients are reduced as `reduce_params` (`reduce_tensors`), which leave out a tied
-  // output projection's matrix when the embedding of the same segment owns it (below).
+  // output projection's matrix when the embedding on the same devices owns it (below).
   struct ParamUnit {
     int tag;
     double params;
@@ -852,15 +857,17 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   auto layer_params = std::accumulate(layer.local_params.begin(), layer.local_params.end(), 0.0);
   auto embed_params = std::accumulate(embed.local_params.begin(), embed.local_params.end(), 0.0);
   auto head_params = std::accumulate(head.local_params.begin(), head.local_params.end(), 0.0);
-  // Tied embeddings with the embedding and the head in this segment: the head projects with the
-  // embedding's own matrix, one parameter. Its gradient (both uses' sum: autograd accumulates it
-  // once) is reduced once, with the embedding's unit. ZeRO-3 gathers it for each module that
-  // uses it under DeepSpeed (comm.zero3_per_tensor: its hooks fetch a module's parameters at its
-  // forward and backward and release them after), and once per pass with the embedding's unit
-  // under FSDP (the unit holding both).
+  // Tied embeddings with the head on the embedding's devices (in its segment, or in another
+  // segment on them: a V-shaped placement): the head projects with the embedding's own matrix,
+  // one parameter. Its gradient (both uses' sum: autograd accumulates it) is reduced once, with
+  // the embedding's unit. ZeRO-3 gathers it for each module that uses it under DeepSpeed
+  // (comm.zero3_per_tensor: its hooks fetch a module's parameters at its forward and backward
+  // and release them after); under FSDP once per pass with the embedding's unit (the unit
+  // holding both) in one segment, and again with the head's unit when the head's segment is
+  // another (a block of its own, after the embedding's unit was resharded).
   double head_untied_params = head_params;
   std::vector<double> head_untied_tensors;
-  if (plan.model.tied_embeddings && s.embedding && s.head) {
+  if (plan.model.tied_embeddings && head_shares_embedding(seg)) {
     size_t w = 0;
     for (size_t i = 0; i < head.part->ops.size(); ++i) {
       const bool tied = head.part->ops[i].tied_to_embedding;
@@ -885,7 +892,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   }
   if (s.head) {
     units.push_back({seg * 10000 + 9998,
-                     plan.comm.zero3_per_tensor ? head_params : head_untied_params,
+                     plan.comm.zero3_per_tensor || !s.embedding ? head_params : head_untied_params,
                      &head.weight_tensors, head_untied_params, &head_untied_tensors});
   }
   const std::vector<ParamUnit> backward_units(units.rbegin(), units.rend());

@@ -46,7 +46,8 @@ Status check_runnable(const Plan& plan) {
         "and context parallelism (together too), pipelines (interleaved too; the head and the "
         "embedding also sharded over the stages, with context parallelism and repeated "
         "forwards too) with F, B, R and zero-bubble BI/BW blocks, data parallelism with ZeRO "
-        "0-3, recompute rules, repeated forwards; tied embeddings (on two pipeline stages too); "
+        "0-3, recompute rules, repeated forwards; tied embeddings (on two pipeline stages, and "
+        "in V-shaped placements, too); "
         "ZeRO-3 also as FSDP keeps it gathered under "
         "pipelines and as DeepSpeed gathers per tensor and again for recompute; in fp32, bf16, "
         "fp16 or emulated fp8)",
@@ -392,16 +393,37 @@ Status check_runnable(const Plan& plan) {
       if (plan.segments[i].embedding) emb = static_cast<int>(i);
       if (plan.segments[i].head) head = static_cast<int>(i);
     }
-    if (emb != head) {
-      // The head's copy of the matrix on another stage, its gradient summed with the
-      // embedding's (the program's "tied embedding grad sync"). On the same devices the program's
-      // head uses the embedding's matrix itself (one parameter, no sum), which one segment's
-      // part cannot yet share with another's.
-      if (plan.segments[emb].devices == plan.segments[head].devices) {
-        return refuse("model.tied_embeddings",
-                      "tied embeddings with the embedding and the head in different segments on "
-                      "the same devices (a V-shaped or hand-built placement) are not supported "
-                      "yet; untie them or put them in one segment");
+    // The head in another segment on the embedding's devices (a V-shaped or hand-built
+    // placement) projects with the embedding's matrix itself: one parameter whose gradient
+    // (both uses') ZeRO reduces with the embedding's unit, last after the embedding's last block
+    // computing weight gradients (B or BW; FSDP's kept-gathered ZeRO-3: its last micro-batch's).
+    // Every weight gradient of the head must be in the matrix by then.
+    if (emb != head && plan.optimizer.zero >= 1 &&
+        plan.segments[emb].devices == plan.segments[head].devices) {
+      const bool kept = plan.optimizer.zero == 3 && plan.optimizer.keep_gathered;
+      for (std::size_t oi = 0; oi < plan.schedule.size(); ++oi) {
+        const std::vector<Block>& blocks = plan.schedule[oi].blocks;
+        int head_last = -1, reduced = -1;
+        for (std::size_t k = 0; k < blocks.size(); ++k) {
+          const Block& b = blocks[k];
+          if (b.kind != BlockKind::kBackward && b.kind != BlockKind::kBackwardWeight) continue;
+          if (b.segment == head) head_last = static_cast<int>(k);
+          // The embedding's last reduction: after its last such block, or (kept gathered)
+          // after its last micro-batch's.
+          if (b.segment == emb && (!kept || b.micro_batch == mb - 1)) {
+            reduced = static_cast<int>(k);
+          }
+        }
+        if (head_last >= 0 && reduced >= 0 && head_last > reduced) {
+          return refuse(
+              fmt::format("schedule.orders[{}].blocks", oi),
+              fmt::format("block '{}' computes weight gradients of the head, whose tied "
+                          "projection is the embedding's matrix, after block '{}' reduced that "
+                          "matrix's gradients (ZeRO {}); order every B or BW block of segment "
+                          "{} before that block",
+                          to_string(blocks[head_last]), to_string(blocks[reduced]),
+                          plan.optimizer.zero, head));
+        }
       }
     }
   }

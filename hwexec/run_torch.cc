@@ -599,8 +599,12 @@ struct MicroBatchTape {
 
 class Model {
  public:
+  // `embedding_word`: for a tied head in a segment of its own on the embedding's ranks (a
+  // V-shaped placement), the embedding part's matrix, which the head projects with (one
+  // parameter, both uses' gradients accumulated in it; the program's head_shares_embedding).
   Model(const ModelSpec& spec, int first, int end, bool embedding, bool head, Split split,
-        int tp_index, unsigned long long seed, at::Device device, at::ScalarType dtype)
+        int tp_index, unsigned long long seed, at::Device device, at::ScalarType dtype,
+        Param* embedding_word = nullptr)
       : device_(device),
         dtype_(dtype),
         spec_(spec),
@@ -678,6 +682,9 @@ class Model {
         const int tv = vocab_index(/*head=*/true);
         head_w_ = add("head.proj.weight", {h, V}, 0.1, 0,
                       [=](const at::Tensor& x) { return x.narrow(1, tv * vl, vl); });
+      } else if (!embedding_ && embedding_word) {
+        word_ = embedding_word;
+        shared_word_ = true;
       } else if (!embedding_) {
         // Tied, on another stage than the embedding: a copy of the embedding's matrix (drawn
         // the same, by its name), whose gradient the epilogue sums with the embedding's
@@ -748,7 +755,9 @@ class Model {
       u.push_back(some({L.ln1g, L.ln1b, L.qkv_w, L.qkv_b, L.proj_w, L.proj_b, L.ln2g, L.ln2b,
                         L.fc1_w, L.fc1_b, L.fc2_w, L.fc2_b}));
     }
-    if (head_) u.push_back(some({hn_g_, hn_b_, head_w_, embedding_ ? nullptr : word_}));
+    if (head_) {
+      u.push_back(some({hn_g_, hn_b_, head_w_, embedding_ || shared_word_ ? nullptr : word_}));
+    }
     return u;
   }
   // Parameters whose gradients sequence parallelism leaves as partial sums over the
@@ -769,8 +778,10 @@ class Model {
   }
   int head_unit() const { return (embedding_ ? 1 : 0) + static_cast<int>(layers_.size()); }
   bool has_embedding() const { return embedding_; }
-  // The word matrix this part holds: the embedding's, or a tied head's copy of it.
+  // The word matrix this part uses: the embedding's, or a tied head's copy of it (or, with
+  // shares_word(), the embedding part's own).
   Param* word_matrix() const { return word_; }
+  bool shares_word() const { return shared_word_; }
   bool has_head() const { return head_; }
 
   // Forward of a micro-batch through this segment: tokens [b, s] (embedding) or the previous
@@ -1571,6 +1582,7 @@ class Model {
   std::vector<DeferredWeightGrad>* deferred_ = nullptr;
   int unit_ = -1;  // the parameter unit whose backward runs (a deferred gradient's unit)
   Param *word_ = nullptr, *pos_ = nullptr, *hn_g_ = nullptr, *hn_b_ = nullptr, *head_w_ = nullptr;
+  bool shared_word_ = false;   // word_ is the embedding part's (not in params_)
   at::Tensor positions_;       // the sequence positions of the rank's tokens (long)
   int64_t first_head_ = 0;     // the global index of the rank's first query head
   bool fp8_ = false;           // the blocks' linear layers take fp8 inputs (set_fp8)
@@ -1706,6 +1718,11 @@ struct ZeroUnit {
   std::vector<Param*> params;
   ZeroLayout layout;
   int tied_part = -1;  // the layout's part of a tied word matrix copy on two stages (ZeRO 2-3)
+  // ZeRO-3 (whole units) on a V-shaped placement: the embedding's unit whose tied_part, the word
+  // matrix `tied_word`, this head's unit gathers with its own values in one all-gather (the
+  // program's head unit gathers the tied matrix again, and reduces only its own).
+  const ZeroUnit* gathers_with = nullptr;
+  Param* tied_word = nullptr;
   at::Tensor master, m, v, grad;
 
   // `get` of each parameter in the layout's order: dp x chunk elements.
@@ -1921,22 +1938,32 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     stats.stream = compute.stream();
   }
 #endif
-  // One part of the model per segment.
+  // One part of the model per segment, the embedding's first: a tied head in another segment
+  // on this rank (a V-shaped placement) projects with the embedding part's matrix.
   std::map<int, std::unique_ptr<Model>> models;
   std::vector<Param*> params;  // all of the rank's, segment by segment
   bool has_head = false;
-  for (int sg : L.segments) {
+  std::vector<int> build_order = L.segments;
+  std::stable_partition(build_order.begin(), build_order.end(),
+                        [&](int sg) { return plan.segments[sg].embedding; });
+  Param* embedding_word = nullptr;
+  for (int sg : build_order) {
     const Segment& seg = plan.segments[sg];
-    models[sg] = std::make_unique<Model>(plan.model, seg.first_layer, seg.end_layer, seg.embedding,
-                                         seg.head, L.split, ctx.tp_index, opt.seed, device, dtype);
+    models[sg] = std::make_unique<Model>(
+        plan.model, seg.first_layer, seg.end_layer, seg.embedding, seg.head, L.split, ctx.tp_index,
+        opt.seed, device, dtype,
+        plan.model.tied_embeddings && seg.head && !seg.embedding ? embedding_word : nullptr);
+    if (seg.embedding) embedding_word = models[sg]->word_matrix();
     models[sg]->set_recompute(plan.recompute);
     models[sg]->set_fp8(run_type == "fp8");
     models[sg]->set_reduce_input(!seg.embedding && seg.first_layer == 0 &&
                                  seg.end_layer > seg.first_layer && ctx.embed_vocab.pipeline &&
                                  plan.model.position != PositionKind::kLearned &&
                                  !plan.model.dropout);
-    for (Param& p : models[sg]->params()) params.push_back(&p);
     has_head = has_head || seg.head;
+  }
+  for (int sg : L.segments) {
+    for (Param& p : models[sg]->params()) params.push_back(&p);
   }
 
   // ZeRO: every rank of the dp group starts from the same weights; each keeps its chunk.
@@ -1947,12 +1974,17 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   std::map<int, std::vector<ZeroUnit>> zunits_of;  // per segment
   // ZeRO-3: parameter unit u of a segment is its ZeroUnits [first, end) (one, or one a tensor).
   std::map<int, std::vector<std::pair<std::size_t, std::size_t>>> zranges_of;
-  std::map<int, std::size_t> ztied_of;  // the word matrix's ZeroUnit, gathered by the head too
+  // DeepSpeed's ZeRO-3: per segment holding a tied head on the embedding's ranks, the word
+  // matrix's ZeroUnit (the embedding's), which the head's hooks gather again.
+  std::map<int, const ZeroUnit*> ztied_of;
+  // A tied head in a segment of its own on this rank's embedding's ranks (V-shaped): one matrix.
+  bool word_shared = false;
+  for (const auto& [sg, model] : models) word_shared = word_shared || model->shares_word();
   // A segment holding one of two copies of a tied word matrix (the embedding's, or the head's on
   // another stage).
   auto tied_copy = [&](int sg) {
     const Segment& seg = plan.segments[sg];
-    return plan.model.tied_embeddings && seg.embedding != seg.head &&
+    return plan.model.tied_embeddings && seg.embedding != seg.head && !word_shared &&
            models.at(sg)->word_matrix() != nullptr;
   };
   for (int sg : zero >= 1 ? L.segments : std::vector<int>{}) {
@@ -1968,20 +2000,18 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         }
         zranges_of[sg].back().second = groups.size();
       }
-      // DeepSpeed fetches a tied head's matrix (the embedding's, one ZeroUnit of its own) for
-      // the head's forward and backward too; reduced once, with the embedding.
-      if (plan.comm.zero3_per_tensor && plan.model.tied_embeddings && models[sg]->has_embedding() &&
-          models[sg]->has_head()) {
-        ztied_of[sg] = zranges_of[sg].front().first;
-      }
     } else {
       groups.emplace_back();
       for (Param& p : models[sg]->params()) groups.back().push_back(&p);
     }
     std::vector<ZeroUnit>& zunits = zunits_of[sg];
     // ZeRO 2-3 sum a tied matrix's two copies chunk by chunk once their gradients are reduced
-    // (tied_sync): the matrix is chunked on its own, alike on both stages.
-    const Param* word = zero >= 2 && tied_copy(sg) ? models[sg]->word_matrix() : nullptr;
+    // (tied_sync): the matrix is chunked on its own, alike on both stages. Whole ZeRO-3 units
+    // on a V-shaped placement chunk it on its own too, for the head's unit to gather it.
+    const bool own_part =
+        (zero >= 2 && tied_copy(sg)) ||
+        (zero == 3 && !plan.comm.zero3_per_tensor && word_shared && models[sg]->has_embedding());
+    const Param* word = own_part ? models[sg]->word_matrix() : nullptr;
     for (std::vector<Param*>& g : groups) {
       ZeroUnit u;
       u.params = std::move(g);
@@ -2010,6 +2040,25 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   for (auto& [sg, us] : zunits_of) {
     for (ZeroUnit& u : us) zunits.push_back(&u);
   }
+  // ZeRO-3: a tied head on the embedding's ranks gathers the embedding's matrix again for its
+  // forward and backward (DeepSpeed's hooks fetch it for each module using it; FSDP's head unit
+  // of another segment holds it too); reduced once, with the embedding's unit.
+  for (int sg : zero == 3 && plan.model.tied_embeddings ? L.segments : std::vector<int>{}) {
+    Model& model = *models.at(sg);
+    if (!model.has_head() || !(model.has_embedding() || model.shares_word())) continue;
+    Param* word = model.word_matrix();
+    const ZeroUnit* holder = nullptr;
+    for (const ZeroUnit* u : zunits) {
+      if (std::find(u->params.begin(), u->params.end(), word) != u->params.end()) holder = u;
+    }
+    if (plan.comm.zero3_per_tensor) {
+      ztied_of[sg] = holder;
+    } else if (model.shares_word()) {
+      ZeroUnit& head_unit = zunits_of.at(sg)[zranges_of.at(sg).back().first];
+      head_unit.gathers_with = holder;
+      head_unit.tied_word = word;
+    }
+  }
   // The compiled program's labels: gradients reduced in the backward blocks (overlapped, and
   // always for ZeRO-3) carry the segment's name.
   auto grad_sync_label = [&](int sg) {
@@ -2023,13 +2072,29 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // master values stay in the chunks, and the operators' bf16 copies come out the same.
   // ZeRO-3 in bf16 also writes the gathered values into the operators' bf16 copies, which keep
   // their autograd link to the fp32 weights (no per-iteration cast: the cast is the chunk's).
-  auto gather_unit = [&](ZeroUnit& u) {
-    const at::Tensor full = ctx.all_gather(dtype != at::kFloat ? u.master.to(dtype) : u.master,
+  auto gather_unit = [&](const ZeroUnit& u) {
+    const ZeroUnit* with = u.gathers_with;
+    const int64_t own = u.layout.chunk();
+    const int64_t extra = with ? with->layout.part_chunk(with->tied_part) : 0;
+    const at::Tensor send =
+        with ? at::cat({u.master,
+                        with->master.narrow(0, with->layout.part_offset(with->tied_part), extra)})
+             : u.master;
+    const at::Tensor full = ctx.all_gather(dtype != at::kFloat ? send.to(dtype) : send,
                                            ctx.dp_group, ctx.dp_axes, "param gather");
     c10::NoGradGuard no_grad;
-    const std::vector<at::Tensor> values = u.layout.unflatten(full);
-    for (std::size_t i = 0; i < u.params.size(); ++i) {
-      Param* p = u.params[i];
+    const at::Tensor rows = full.view({dpn, own + extra});
+    std::vector<at::Tensor> values =
+        u.layout.unflatten(with ? rows.narrow(1, 0, own).reshape({-1}) : full);
+    std::vector<Param*> targets = u.params;
+    if (with) {
+      // The matrix's part: every rank's chunk of it, in rank order, then its padding.
+      values.push_back(
+          rows.narrow(1, own, extra).reshape({-1}).narrow(0, 0, u.tied_word->w.numel()));
+      targets.push_back(u.tied_word);
+    }
+    for (std::size_t i = 0; i < targets.size(); ++i) {
+      Param* p = targets[i];
       const at::Tensor mine = values[i].view(p->w.sizes());
       // Not a version bump: ZeRO-3's backward gather writes weights its saved graphs hold.
       p->w.variable_data().copy_(mine);
@@ -2083,7 +2148,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         const int times = zb->regather.count(unit) ? 2 : 1;
         for (int t = 0; t < times; ++t) {
           each(unit, gather_unit);
-          if (unit == n - 1 && ztied_of.count(sg)) gather_unit(zunits_of.at(sg)[ztied_of[sg]]);
+          if (unit == n - 1 && ztied_of.count(sg)) gather_unit(*ztied_of.at(sg));
         }
       };
       if (pos == 0) fetch(0);

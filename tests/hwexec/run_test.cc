@@ -283,7 +283,23 @@ struct Case {
   // Forward passes per micro-batch written into the plan (training.recycle) where `nnsim plan`
   // refuses --recycle (with --shard-head): see with_passes.
   int hand_recycle = 1;
+  // The plan's split backwards made whole, as a hand-built order would have them: each BI block
+  // a B, its BW dropped (see whole_backwards).
+  bool whole_backwards = false;
 };
+
+// A plan whose BI blocks are B blocks and whose BW blocks are gone: the same order of whole
+// backwards (a BI's place is after its micro-batch's gradient arrives, as a B's is).
+std::string whole_backwards(const std::string& text) {
+  nlohmann::json j = nlohmann::json::parse(text);
+  for (auto& o : j["schedule"]["orders"]) {
+    std::string b =
+        std::regex_replace(o["blocks"].get<std::string>(), std::regex(R"( ?BW\d+@\d+)"), "");
+    b = std::regex_replace(b, std::regex(R"(BI(\d+@\d+))"), "B$1");
+    o["blocks"] = std::regex_replace(b, std::regex("^ "), "");
+  }
+  return j.dump(1);
+}
 
 // A plan with `passes` forward passes per micro-batch (docs/plan.md "Repeated forwards"): each
 // order runs a micro-batch's forward blocks pass after pass, then its other blocks, micro-batch
@@ -335,6 +351,15 @@ Case interleaved(const char* name, int tp, int pp, int dp, int global_batch,
   return Case{name, tp, pp, dp, "interleaved", global_batch, model, "fp32", std::move(flags)};
 }
 
+// Tied embeddings (tiny-gpt-tied) on ZB-V's V-shaped placement of two chunks per stage.
+Case vshape(const char* name, int dp, int global_batch, std::vector<std::string> flags,
+            const char* precision = "fp32", bool whole = false) {
+  flags.insert(flags.begin(), {"--vpp", "2"});
+  Case c{name, 1, 2, dp, "zb-v", global_batch, &kTied, precision, std::move(flags)};
+  c.whole_backwards = whole;
+  return c;
+}
+
 class NnexecRun : public ::testing::TestWithParam<Case> {};
 
 TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
@@ -353,6 +378,12 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   }
   if (c.hand_recycle > 1) {
     const std::string edited = with_passes(slurp(dir.file("plan.json")), c.hand_recycle);
+    std::ofstream(dir.file("plan.json")) << edited;
+  }
+  if (c.whole_backwards) {
+    const std::string text = slurp(dir.file("plan.json"));
+    const std::string edited = whole_backwards(text);
+    ASSERT_EQ(edited.find("BW"), std::string::npos) << edited;
     std::ofstream(dir.file("plan.json")) << edited;
   }
   const int n = c.tp * c.pp * c.dp * c.cp;
@@ -414,7 +445,8 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   }
   std::printf("%s: worst relative gradient error %.3g\n", c.name, worst);
   const bool split_backward =
-      std::string(c.schedule).rfind("zb-", 0) == 0 || std::string(c.schedule) == "tessel";
+      (std::string(c.schedule).rfind("zb-", 0) == 0 || std::string(c.schedule) == "tessel") &&
+      !c.whole_backwards;
 
   // Every collective and pipeline transfer of the run (per kind, axes and label) is the
   // compiled program's, call for call and byte for byte, and so are the recomputed operators
@@ -553,6 +585,21 @@ INSTANTIATE_TEST_SUITE_P(
              &kLlama,
              "bf16",
              {"--zero", "3", "--vpp", "2"}},
+        // Tied embeddings on a V-shaped placement (ZB-V): the first stage's head, in a segment
+        // of its own, projects with its embedding's matrix (one parameter, no tied sync), whose
+        // gradient ZeRO reduces once with the embedding's unit; ZeRO-3 gathers it again for the
+        // head's unit (with it under FSDP's whole units, on its own under DeepSpeed's hooks).
+        vshape("tied_zb_v_pp2", 1, 4, {}), vshape("tied_zb_v_pp2_dp2", 2, 8, {}),
+        vshape("tied_zb_v_zero1_pp2_dp2", 2, 8, {"--zero", "1"}),
+        vshape("tied_zb_v_zero2_pp2_dp2", 2, 8, {"--zero", "2"}),
+        vshape("tied_zb_v_zero3_pp2_dp2", 2, 8, {"--zero", "3"}),
+        vshape("tied_zb_v_deepspeed_zero3_pp2_dp2", 2, 8,
+               {"--zero", "3", "--framework", "deepspeed"}),
+        vshape("tied_zb_v_fsdp_zero3_pp2_dp2", 2, 8, {"--zero", "3", "--framework", "fsdp"}),
+        vshape("bf16_tied_zb_v_zero2_pp2_dp2", 2, 8, {"--zero", "2"}, "bf16"),
+        // ... and with whole backwards (B blocks), as a hand-built V-shaped order has them.
+        vshape("tied_v_whole_backwards_zero3_pp2_dp2", 2, 8, {"--zero", "3"}, "fp32", true),
+        vshape("tied_v_whole_backwards_zero1_pp2_dp2", 2, 8, {"--zero", "1"}, "fp32", true),
         // DeepSpeed's ZeRO-3 (comm.zero3_per_tensor): each tensor gathered and reduced on its
         // own (LayerNorm's scale and shift are two); a tied matrix gathered again by the head's
         // hooks, reduced once.
@@ -813,6 +860,47 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
       run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--launch", "3", "--out", "run.h5"});
   EXPECT_EQ(r.status, 1) << r;
   EXPECT_TRUE(contains(r.err, "--launch 3 but the plan's mesh has 2 ranks")) << r;
+}
+
+// Tied embeddings on a V-shaped placement: ZeRO reduces the one matrix with the embedding's
+// unit, so an order computing a head's weight gradient after the embedding's last reduction is
+// refused (that gradient would be left out); without ZeRO the sum comes after every block.
+TEST(NnexecRunRefuses, AHeadWeightGradientAfterTheTiedMatrixIsReduced) {
+  TempDir dir;
+  ASSERT_EQ(make_plan(dir, 1, 2, 2, "zb-v", 8, {"--vpp", "2", "--zero", "2"}, kTied).status, 0);
+  Expected<Plan> base = load_plan(dir.file("plan.json"));
+  ASSERT_TRUE(base.ok()) << base.error().message();
+  EXPECT_TRUE(check_runnable(*base).ok()) << check_runnable(*base).error().message();
+  Plan p = *base;
+  int head = -1, order = -1;
+  for (std::size_t i = 0; i < p.segments.size(); ++i) {
+    if (p.segments[i].head) head = static_cast<int>(i);
+  }
+  for (std::size_t o = 0; o < p.schedule.size(); ++o) {
+    for (const Block& b : p.schedule[o].blocks) {
+      if (b.segment == head) order = static_cast<int>(o);
+    }
+  }
+  ASSERT_GE(order, 0);
+  // The head's last BW moved to the end of its order, after the embedding's last BW.
+  std::vector<Block>& blocks = p.schedule[order].blocks;
+  auto last = std::find_if(blocks.rbegin(), blocks.rend(), [&](const Block& b) {
+    return b.segment == head && b.kind == BlockKind::kBackwardWeight;
+  });
+  ASSERT_NE(last, blocks.rend());
+  const Block moved = *last;
+  blocks.erase(std::next(last).base());
+  blocks.push_back(moved);
+  Status s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(),
+                       fmt::format("schedule.orders[{}].blocks: block '{}' computes weight "
+                                   "gradients of the head",
+                                   order, to_string(moved))))
+      << s.error().message();
+  EXPECT_TRUE(contains(s.error().message(), "(ZeRO 2)")) << s.error().message();
+  p.optimizer.zero = 0;
+  EXPECT_TRUE(check_runnable(p).ok()) << check_runnable(p).error().message();
 }
 
 TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {

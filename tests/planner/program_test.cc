@@ -532,6 +532,77 @@ TEST(Program, ATiedHeadInTheEmbeddingsSegmentIsOneParameter) {
   }
 }
 
+// Data-parallel bytes of one collective kind over a lane's iteration: prologue, blocks, epilogue.
+double lane_dp_bytes(const Program& prog, const Lane& lane, CollectiveKind kind) {
+  double bytes = 0;
+  for (const Step& s : lane.prologue) {
+    if (s.kind == StepKind::kDpLaunch && s.collective == kind) bytes += s.bytes;
+  }
+  return bytes + dp_bytes(prog, lane, kind);
+}
+
+// Tied embeddings on a V-shaped placement (ZB-V): the first device holds the embedding's segment
+// and the head's, so the head projects with the embedding's matrix, one parameter (no copy, no
+// tied sync). Its gradient is reduced once, with the embedding's unit; ZeRO-1/2 gather it once
+// after the step; ZeRO-3 gathers it again for the head's unit (a block of its own).
+TEST(Program, ATiedHeadOnTheEmbeddingsDevicesInAVIsOneParameter) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  ASSERT_TRUE(m.tied_embeddings);
+  const double tied = static_cast<double>(m.vocab) * m.hidden;
+  for (auto [zero, framework] :
+       {std::pair{0, "megatron"}, std::pair{1, "megatron"}, std::pair{2, "megatron"},
+        std::pair{3, "fsdp"}, std::pair{3, "deepspeed"}}) {
+    SCOPED_TRACE(fmt::format("zero {} {}", zero, framework));
+    MegatronOptions o = options(1, 2, false, RecomputeMode::kNone, 1);
+    o.vpp = 2;
+    o.schedule = ScheduleKind::kZbV;
+    o.global_batch = 64;  // 16 replicas of 4 micro-batches
+    o.zero = zero;
+    o.framework = framework;
+    auto plan = build_megatron_plan(m, dgx(), o);
+    ASSERT_TRUE(plan.ok()) << plan.error().message();
+    ASSERT_EQ(plan->precision, Precision::kBf16);  // 2-byte compute weights
+    auto prog = compile_plan(*plan, dgx());
+    ASSERT_TRUE(prog.ok()) << prog.error().message();
+    ASSERT_EQ(prog->lanes.size(), 2u);
+    EXPECT_TRUE(prog->explicit_groups.empty()) << "a tied sync with itself";
+    double total = 0;
+    for (const Lane& lane : prog->lanes) total += lane.parameters;
+    EXPECT_EQ(total, static_cast<double>(m.parameters()));
+    // The lane holding the embedding's and the head's segments.
+    int emb = -1;
+    for (size_t i = 0; i < plan->segments.size(); ++i) {
+      if (plan->segments[i].embedding) emb = static_cast<int>(i);
+    }
+    const Lane* v = nullptr;
+    for (const Lane& lane : prog->lanes) {
+      for (const BlockInstance& b : lane.blocks) {
+        if (b.block.segment == emb) v = &lane;
+      }
+    }
+    ASSERT_NE(v, nullptr);
+    const double P = v->parameters, mb = prog->micro_batches, w = 2;
+    const double grad = plan->comm.grad_reduce_bytes > 0 ? plan->comm.grad_reduce_bytes
+                                                         : plan->optimizer.grad_bytes;
+    const bool kept = plan->optimizer.keep_gathered;
+    switch (zero) {
+      case 0:  // every gradient all-reduced once, and the loss (one fp32 scalar)
+        EXPECT_DOUBLE_EQ(lane_dp_bytes(*prog, *v, kAR), grad * P + 4);
+        break;
+      case 1:
+      case 2:
+        EXPECT_DOUBLE_EQ(lane_dp_bytes(*prog, *v, kRS), (zero == 2 ? mb : 1) * grad * P);
+        EXPECT_DOUBLE_EQ(lane_dp_bytes(*prog, *v, kAG), w * P);
+        break;
+      default:
+        // Reduced every micro-batch (FSDP kept gathered: once); gathered for every F, BI and BW
+        // block (kept: once), the head's unit with the matrix again.
+        EXPECT_DOUBLE_EQ(lane_dp_bytes(*prog, *v, kRS), (kept ? 1 : mb) * grad * P);
+        EXPECT_DOUBLE_EQ(lane_dp_bytes(*prog, *v, kAG), (kept ? 1 : 3 * mb) * w * (P + tied));
+    }
+  }
+}
+
 // ZeRO-3 reduce-scatters each unit's gradients in the backward also when overlap_grad_reduce is
 // off (that setting moves only ZeRO 0-2's buckets after the backward): never unreduced.
 TEST(Program, ZeroThreeReducesInTheBackwardWithoutOverlap) {
