@@ -581,6 +581,35 @@ namespace {
 
 using h5::Handle;
 
+// A table of the run file: a group of equally long datasets, string columns then number ones.
+class Table {
+ public:
+  void add(std::vector<std::string> texts, const std::vector<double>& numbers) {
+    texts_.resize(std::max(texts_.size(), texts.size()));
+    numbers_.resize(std::max(numbers_.size(), numbers.size()));
+    for (std::size_t i = 0; i < texts.size(); ++i) texts_[i].push_back(std::move(texts[i]));
+    for (std::size_t i = 0; i < numbers.size(); ++i) numbers_[i].push_back(numbers[i]);
+  }
+  bool write(hid_t parent, const char* group, const std::vector<const char*>& text_names,
+             const std::vector<const char*>& number_names) {
+    texts_.resize(text_names.size());
+    numbers_.resize(number_names.size());
+    Handle g(h5::make_group(parent, group), H5Gclose);
+    bool ok = g.id >= 0;
+    for (std::size_t i = 0; i < text_names.size(); ++i) {
+      ok = ok && h5::write_strings(g.id, text_names[i], texts_[i]);
+    }
+    for (std::size_t i = 0; i < number_names.size(); ++i) {
+      ok = ok && h5::write_vector(g.id, number_names[i], numbers_[i]);
+    }
+    return ok;
+  }
+
+ private:
+  std::vector<std::vector<std::string>> texts_;
+  std::vector<std::vector<double>> numbers_;
+};
+
 }  // namespace
 
 Status write_run(const std::string& path, const RunResults& r) {
@@ -638,49 +667,20 @@ Status write_run(const std::string& path, const RunResults& r) {
     }
     ok &= h5::write_vector(g.id, "iteration_seconds", k.iteration_seconds);
     ok &= h5::write_vector(g.id, "loss", k.losses);
-    {
-      Handle ops(h5::make_group(g.id, "ops"), H5Gclose);
-      std::vector<std::string> name, phase;
-      std::vector<double> calls, seconds;
-      for (const OpTime& o : k.ops) {
-        name.push_back(o.name);
-        phase.push_back(o.phase);
-        calls.push_back(o.calls);
-        seconds.push_back(o.seconds);
-      }
-      ok &= h5::write_strings(ops.id, "name", name) && h5::write_strings(ops.id, "phase", phase) &&
-            h5::write_vector(ops.id, "calls", calls) &&
-            h5::write_vector(ops.id, "seconds", seconds);
+    Table ops, cs, mem;
+    for (const OpTime& o : k.ops) {
+      ops.add({o.name, o.phase}, {o.calls, o.seconds});
     }
-    {
-      Handle cs(h5::make_group(g.id, "collectives"), H5Gclose);
-      std::vector<std::string> kind, axes, label;
-      std::vector<double> bytes, calls, seconds;
-      for (const CollTime& c : k.collectives) {
-        kind.push_back(c.kind);
-        axes.push_back(c.axes);
-        label.push_back(c.label);
-        bytes.push_back(c.bytes);
-        calls.push_back(c.calls);
-        seconds.push_back(c.seconds);
-      }
-      ok &= h5::write_strings(cs.id, "kind", kind) && h5::write_strings(cs.id, "axes", axes) &&
-            h5::write_strings(cs.id, "label", label) && h5::write_vector(cs.id, "bytes", bytes) &&
-            h5::write_vector(cs.id, "calls", calls) && h5::write_vector(cs.id, "seconds", seconds);
+    for (const CollTime& c : k.collectives) {
+      cs.add({c.kind, c.axes, c.label}, {c.bytes, c.calls, c.seconds});
     }
+    for (const OpMemory& m : k.memory) {
+      mem.add({m.name, m.phase}, {m.live_bytes, m.peak_bytes});
+    }
+    ok &= ops.write(g.id, "ops", {"name", "phase"}, {"calls", "seconds"});
+    ok &= cs.write(g.id, "collectives", {"kind", "axes", "label"}, {"bytes", "calls", "seconds"});
     if (!k.memory.empty()) {
-      Handle mem(h5::make_group(g.id, "memory"), H5Gclose);
-      std::vector<std::string> name, phase;
-      std::vector<double> live, peak;
-      for (const OpMemory& m : k.memory) {
-        name.push_back(m.name);
-        phase.push_back(m.phase);
-        live.push_back(m.live_bytes);
-        peak.push_back(m.peak_bytes);
-      }
-      ok &= h5::write_strings(mem.id, "name", name) && h5::write_strings(mem.id, "phase", phase) &&
-            h5::write_vector(mem.id, "live_bytes", live) &&
-            h5::write_vector(mem.id, "peak_bytes", peak);
+      ok &= mem.write(g.id, "memory", {"name", "phase"}, {"live_bytes", "peak_bytes"});
     }
   }
   if (r.options.check) {
