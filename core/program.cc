@@ -899,12 +899,13 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   size_t unit = 0;
 
   // Activation bytes of this segment per micro-batch (forward keeps), and the peak extra.
-  double kept = 0, kept_weight_inputs = 0, full_layer = 0;
+  double kept = 0, kept_weight_inputs = 0, full_layer = 0, kept_head = 0, kept_layers = 0;
   if (s.embedding) {
     kept += kept_bytes(embed, embed_out, recomputed_ops(embed, -1), false);
     kept_weight_inputs += kept_bytes(embed, embed_out, recomputed_ops(embed, -1), true);
   }
   for (int l = s.first_layer; l < s.end_layer; ++l) {
+    kept_layers += kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), false);
     kept += kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), false);
     kept_weight_inputs += kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), true);
     full_layer = std::max(
@@ -912,7 +913,8 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         kept_bytes(layer, layer_in(l), std::vector<bool>(layer.part->ops.size(), false), false));
   }
   if (s.head) {
-    kept += kept_bytes(head, layer_out, recomputed_ops(head, -1), false);
+    kept_head = kept_bytes(head, layer_out, recomputed_ops(head, -1), false);
+    kept += kept_head;
     kept_weight_inputs += kept_bytes(head, layer_out, recomputed_ops(head, -1), true);
   }
   double transient = transient_bytes(layer);
@@ -1114,6 +1116,30 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       }
       t.kept_bytes = -freed;
       t.peak_bytes = extra + transient + act_piece;
+      if (t.kind == BlockKind::kBackward && !explicit_recompute) {
+        // The parts' backwards run one after another, each freeing what its forward kept before
+        // the next begins: the head's (with the loss's transients) ends before the last layer is
+        // recomputed, and the layers' before the embedding's.
+        auto recomputed_extra = [&](const PartInfo& p, const TensorLayout& in_layout) {
+          const auto r = recomputed_ops(p, -1);
+          return kept_bytes(p, in_layout, std::vector<bool>(r.size(), false), false) -
+                 kept_bytes(p, in_layout, r, false);
+        };
+        double worst = 0, freed_before = 0;
+        if (s.head) {
+          worst = recomputed_extra(head, layer_out) + transient_bytes(head);
+          freed_before = kept_head;
+        }
+        if (s.end_layer > s.first_layer) {
+          worst = std::max(worst, extra + transient_bytes(layer) - freed_before);
+          freed_before += kept_layers;
+        }
+        if (s.embedding) {
+          worst = std::max(
+              worst, recomputed_extra(embed, embed_out) + transient_bytes(embed) - freed_before);
+        }
+        t.peak_bytes = worst + act_piece;
+      }
       memory(-freed);
       break;
     }

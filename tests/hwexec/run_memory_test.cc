@@ -131,7 +131,10 @@ INSTANTIATE_TEST_SUITE_P(
                       MemoryCase{"bf16", 1, 1, 1, "bf16", {}},
                       MemoryCase{"tp2", 2, 1, 1, "fp32", {}},
                       MemoryCase{"pp2", 1, 2, 1, "fp32", {}},
-                      MemoryCase{"dp2_zero1", 1, 1, 2, "fp32", {"--zero", "1"}}),
+                      MemoryCase{"dp2_zero1", 1, 1, 2, "fp32", {"--zero", "1"}},
+                      // Full recomputation: the loss's buffers are freed before the last layer
+                      // is recomputed (the program's backward peak, part by part).
+                      MemoryCase{"recompute_full", 1, 1, 1, "fp32", {"--recompute", "full"}}),
     [](const ::testing::TestParamInfo<MemoryCase>& i) { return std::string(i.param.name); });
 
 }  // namespace
