@@ -85,7 +85,7 @@ std::string cuda_refusal(int ranks_here) {
   std::vector<std::string> why;
   const CudaProbe p = probe_cuda();
   if (!b.cuda) {
-    why.push_back(
+    why.emplace_back(
         "this nnexec was built without hwexec's CUDA part (NNSIM_WITH_CUDA: the CUDA toolkit "
         "and NCCL)");
   } else if (!p.usable) {
