@@ -2254,9 +2254,12 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   const int64_t transfer_numel = b * (s / L.split.cp) * h;  // a cp rank's share of the sequence
   const bool sliced_transfers =
       plan.comm.pp_scatter_gather && tpn > 1 && L.split.seq == 1 && transfer_numel % tpn == 0;
+  // A hand-off between two segments of this rank (ZB-V's turn) stays whole in memory: the
+  // program has no transfer, so no slice and no gather either.
   auto pp_send = [&](int peer, const at::Tensor& t, const char* label, int64_t tag) {
-    const at::Tensor x =
-        sliced_transfers ? t.reshape({-1}).chunk(tpn)[ctx.tp_index].contiguous() : t;
+    const at::Tensor x = sliced_transfers && peer != rank
+                             ? t.reshape({-1}).chunk(tpn)[ctx.tp_index].contiguous()
+                             : t;
     if (tagged) {
       ctx.send_tagged(peer, x, label, tag);
     } else {
@@ -2264,10 +2267,11 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     }
   };
   auto pp_recv = [&](int peer, const std::vector<int64_t>& shape, const char* label, int64_t tag) {
+    const bool sliced = sliced_transfers && peer != rank;
     std::vector<int64_t> piece = shape;
-    if (sliced_transfers) piece = {transfer_numel / tpn};
+    if (sliced) piece = {transfer_numel / tpn};
     at::Tensor x = tagged ? ctx.recv_tagged(peer, piece, tag) : ctx.recv(peer, piece, label);
-    if (!sliced_transfers) return x;
+    if (!sliced) return x;
     return ctx.all_gather(x, ctx.tp_group, ctx.tp_axes, label).view(shape);
   };
   // Spanning segments: a transfer into segment `sg` (is a `gradient`) of micro-batch `m`, received

@@ -401,6 +401,8 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (plan.precision == Precision::kFp32 || plan.precision == Precision::kTf32) {
     plan.optimizer.grad_bytes = 4;
     plan.optimizer.state_bytes = 8;  // fp32 weights are the master copy: two moments only
+    // ... and so is ZeRO-3's shard of them: 4 bytes a parameter, not a 16-bit copy's 2.
+    plan.optimizer.weight_shard_bytes = 4;
   }
   // Other frameworks' precision conventions.
   if (o.framework == "fsdp") {

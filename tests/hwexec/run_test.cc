@@ -562,6 +562,10 @@ INSTANTIATE_TEST_SUITE_P(
         // Zero-bubble split backwards (BI, BW blocks).
         Case{"zb_h1_pp2", 1, 2, 1, "zb-h1", 4},
         Case{"zb_v_pp2", 1, 2, 1, "zb-v", 4, &kModel, "fp32", {"--vpp", "2"}},
+        // ZB-V with tensor parallelism: the last stage's turn (its two chunks back to back)
+        // hands the activation and the gradient over in memory, whole: no scatter-gather.
+        Case{"zb_v_tp2_pp2", 2, 2, 1, "zb-v", 4, &kModel, "fp32", {"--vpp", "2"}},
+        Case{"tied_zb_v_tp2_pp2", 2, 2, 1, "zb-v", 4, &kTied, "fp32", {"--vpp", "2"}},
         Case{"zb_h1_llama_tp2_sp_pp2",
              2,
              2,

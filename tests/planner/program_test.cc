@@ -158,6 +158,25 @@ TEST(Program, ZeroShardsOverDataParallelRanks) {
   }
 }
 
+// fp32 training: the fp32 weights are Adam's master copy (8 bytes of state, two moments), and
+// ZeRO-3's shard of them is that copy, 4 bytes a parameter (16 in all, sharded), not a 16-bit
+// copy's 2 (what FSDP and Megatron keep between iterations; tests/hwexec/run_memory_test.cc).
+TEST(Program, Fp32ZeroThreeShardIsTheMasterCopy) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  const double dp = 32;
+  MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
+  o.precision = Precision::kFp32;
+  o.zero = 3;
+  Program prog = compile(m, o);
+  ASSERT_EQ(prog.replicas, 32);
+  const Lane& lane = prog.lanes[0];
+  const double P = lane.parameters;
+  const double layer = static_cast<double>(m.layer_parameters());
+  EXPECT_DOUBLE_EQ(lane.memory.weights, 4 * P / dp + 2 * 4 * layer);
+  EXPECT_DOUBLE_EQ(lane.memory.gradients, 4 * P / dp + 4 * layer);
+  EXPECT_DOUBLE_EQ(lane.memory.optimizer, 8 * P / dp);
+}
+
 // Per device under Megatron tensor parallelism (no SP): column- and row-parallel weights and the
 // column-parallel biases divide by t; row-parallel biases, norms and learned positions do not.
 TEST(Program, TensorParallelParametersPerDevice) {
