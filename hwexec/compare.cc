@@ -556,7 +556,13 @@ Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const 
   c.simulated_iteration = kNaN;
   c.simulated_peak_memory = kNaN;
   for (const RankResult& r : run.ranks) {
-    c.measured_peak_memory = std::max(c.measured_peak_memory, r.peak_allocated_bytes);
+    if (r.peak_allocated_bytes <= c.measured_peak_memory) continue;
+    c.measured_peak_memory = r.peak_allocated_bytes;
+    const auto top = std::max_element(
+        r.memory.begin(), r.memory.end(),
+        [](const OpMemory& a, const OpMemory& b) { return a.peak_bytes < b.peak_bytes; });
+    c.measured_peak_operator = top == r.memory.end() ? "" : top->name;
+    c.measured_peak_phase = top == r.memory.end() ? "" : top->phase;
   }
   if (options.simulate_iteration) {
     Expected<SimResult> sim = simulate(prog);
@@ -588,6 +594,8 @@ std::string comparison_json(const Comparison& c) {
       {"measured_peak_bytes", num(c.measured_peak_memory < 0 ? kNaN : c.measured_peak_memory)},
       {"simulated_peak_bytes", num(c.simulated_peak_memory)},
       {"simulated_untracked_bytes", num(c.simulated_untracked_memory)},
+      {"measured_peak_operator", c.measured_peak_operator},
+      {"measured_peak_phase", c.measured_peak_phase},
       {"error", num(c.memory_error())}};
   j["compute"] = {{"measured_s", num(c.measured_compute)},
                   {"simulated_s", num(c.simulated_compute)},

@@ -91,6 +91,8 @@ struct Comparison {
   // without what LibTorch's allocators do not count: the runtime reserve (CUDA context and
   // libraries) and NCCL's buffers (NaN without a simulation).
   double measured_peak_memory = -1, simulated_peak_memory = 0, simulated_untracked_memory = 0;
+  // With --memory-timeline: the operator span during which that rank's peak fell ("" without).
+  std::string measured_peak_operator, measured_peak_phase;
   double memory_error() const;
   // Medians of |error| over the rows that have one: every operator, the linear ones (GEMMs),
   // the collectives.

@@ -886,6 +886,10 @@ int run_compare(const CompareArgs& a) {
         format_bytes(c->simulated_peak_memory).c_str(),
         format_bytes(c->simulated_untracked_memory).c_str(), percent(c->memory_error()).c_str());
   }
+  if (!c->measured_peak_operator.empty()) {
+    std::printf("  measured peak during %s %s (the run's memory timeline)\n",
+                c->measured_peak_operator.c_str(), c->measured_peak_phase.c_str());
+  }
   std::printf("operators summed: measured %s, simulated %s, error %s\n",
               format_seconds(c->measured_compute).c_str(),
               format_seconds(c->simulated_compute).c_str(), percent(c->compute_error()).c_str());

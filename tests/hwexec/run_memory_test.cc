@@ -120,6 +120,14 @@ TEST_P(NnexecRunMemory, StaticMemoryIsTheSimulatorsAndThePeakNearIt) {
   EXPECT_DOUBLE_EQ(j["memory"]["measured_peak_bytes"].get<double>(), measured_peak);
   EXPECT_DOUBLE_EQ(j["memory"]["simulated_peak_bytes"].get<double>(), simulated_peak);
   EXPECT_TRUE(testing::contains(cmp.out, "peak memory of tensors")) << cmp;
+  // ... and, from the timeline, the operator span the peak fell in: one of the run's.
+  const std::string where = j["memory"]["measured_peak_operator"];
+  bool known = false;
+  for (const RankResult& k : file->ranks) {
+    for (const OpMemory& m : k.memory) known |= m.name == where;
+  }
+  EXPECT_TRUE(known) << "'" << where << "'";
+  EXPECT_TRUE(testing::contains(cmp.out, "measured peak during " + where)) << cmp;
   std::printf("%s: static %.3f / %.3f MiB, peak %.3f / %.3f MiB (measured / simulated)\n", c.name,
               measured_static / (1 << 20), simulated_static / (1 << 20), measured_peak / (1 << 20),
               simulated_peak / (1 << 20));
