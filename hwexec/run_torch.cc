@@ -116,16 +116,16 @@ class MemoryProbe {
   void reset() {
     if (!counts_) return;
     restart();
-    peak_ = live();
+    peak_ = read().live;
     reserved_peak_ = -1;
   }
   // {live now, the most live since the last reset or sample}; starts the next window.
   std::pair<double, double> sample() {
     if (!counts_) return {-1, -1};
-    const double now = live(), window = window_peak();
+    const Reading r = read();
     restart();
-    peak_ = std::max(peak_, window);
-    return {now, window};
+    peak_ = std::max(peak_, r.window_peak);
+    return {r.live, r.window_peak};
   }
   // The most live over all windows since reset(); -1 where nothing counts.
   double peak() {
@@ -135,26 +135,22 @@ class MemoryProbe {
   double reserved_peak() const { return reserved_peak_; }
 
  private:
-  double live() const {
+  struct Reading {
+    double live, window_peak;
+  };
+  // One read of the counts (on a GPU, one copy of the caching allocator's statistics).
+  Reading read() {
 #ifdef NNSIM_TORCH_HAS_CUDA
     if (cuda_ >= 0) {
       const auto st =
           c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(cuda_));
-      return static_cast<double>(st.allocated_bytes[0].current);  // [0]: small and large pools
-    }
-#endif
-    return cpu_allocated_bytes();
-  }
-  double window_peak() {
-#ifdef NNSIM_TORCH_HAS_CUDA
-    if (cuda_ >= 0) {
-      const auto st =
-          c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(cuda_));
+      // [0]: the small and large pools together.
       reserved_peak_ = std::max(reserved_peak_, static_cast<double>(st.reserved_bytes[0].peak));
-      return static_cast<double>(st.allocated_bytes[0].peak);
+      return {static_cast<double>(st.allocated_bytes[0].current),
+              static_cast<double>(st.allocated_bytes[0].peak)};
     }
 #endif
-    return cpu_peak_bytes();
+    return {cpu_allocated_bytes(), cpu_peak_bytes()};
   }
   void restart() {
 #ifdef NNSIM_TORCH_HAS_CUDA
