@@ -139,6 +139,9 @@ struct Compiler {
   double kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
                     const std::vector<bool>& recomputed, bool weight_inputs_only) const;
   double transient_bytes(const PartInfo& p) const;
+  // What recomputing part `p` (layer `layer`, or -1: the embedding's or head's rules) brings
+  // back: its activations whole less what the forward kept.
+  double recomputed_bytes(const PartInfo& p, const TensorLayout& in, int layer) const;
   std::vector<bool> recomputed_ops(const PartInfo& p, int layer_index) const;
   bool has_recompute(int segment) const;
   int template_for(int segment, int lane, BlockKind kind, bool grad_sync, bool explicit_recompute,
@@ -553,6 +556,11 @@ double Compiler::kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
 
 // The largest temporary an operator of the part allocates: its own scratch plus its output and
 // the gradient of its output.
+double Compiler::recomputed_bytes(const PartInfo& p, const TensorLayout& in, int layer) const {
+  const std::vector<bool> r = recomputed_ops(p, layer);
+  return kept_bytes(p, in, std::vector<bool>(r.size(), false), false) - kept_bytes(p, in, r, false);
+}
+
 double Compiler::transient_bytes(const PartInfo& p) const {
   double worst = 0;
   const auto& ops = p.part->ops;
@@ -996,15 +1004,13 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         const auto r = recomputed_ops(p, -1);
         if (std::find(r.begin(), r.end(), true) == r.end()) return;
         emit_forward(p, in_layout, r, true, ComputeClass::kRecompute, t.steps);
-        extra += kept_bytes(p, in_layout, std::vector<bool>(r.size(), false), false) -
-                 kept_bytes(p, in_layout, r, false);
+        extra += recomputed_bytes(p, in_layout, -1);
       };
       if (s.embedding) recompute_part(embed, embed_out);
       for (int l = s.first_layer; l < s.end_layer; ++l) {
         auto r = recomputed_ops(layer, l);
         emit_forward(layer, layer_in(l), r, true, ComputeClass::kRecompute, t.steps);
-        extra += kept_bytes(layer, layer_in(l), std::vector<bool>(r.size(), false), false) -
-                 kept_bytes(layer, layer_in(l), r, false);
+        extra += recomputed_bytes(layer, layer_in(l), l);
       }
       if (s.head) recompute_part(head, layer_out);
       t.kept_bytes = extra;
@@ -1096,18 +1102,11 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         freed = kept;
         if (explicit_recompute) {
           for (int l = s.first_layer; l < s.end_layer; ++l) {
-            auto r = recomputed_ops(layer, l);
-            freed += kept_bytes(layer, layer_in(l), std::vector<bool>(r.size(), false), false) -
-                     kept_bytes(layer, layer_in(l), r, false);
+            freed += recomputed_bytes(layer, layer_in(l), l);
           }
           // And what the R block recomputed of the embedding and the head.
-          auto freed_part = [&](const PartInfo& p, const TensorLayout& in_layout) {
-            auto r = recomputed_ops(p, -1);
-            freed += kept_bytes(p, in_layout, std::vector<bool>(r.size(), false), false) -
-                     kept_bytes(p, in_layout, r, false);
-          };
-          if (s.embedding) freed_part(embed, embed_out);
-          if (s.head) freed_part(head, layer_out);
+          if (s.embedding) freed += recomputed_bytes(embed, embed_out, -1);
+          if (s.head) freed += recomputed_bytes(head, layer_out, -1);
         }
       } else if (t.kind == BlockKind::kBackwardInput) {
         freed = kept - kept_weight_inputs;
@@ -1120,14 +1119,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         // The parts' backwards run one after another, each freeing what its forward kept before
         // the next begins: the head's (with the loss's transients) ends before the last layer is
         // recomputed, and the layers' before the embedding's.
-        auto recomputed_extra = [&](const PartInfo& p, const TensorLayout& in_layout) {
-          const auto r = recomputed_ops(p, -1);
-          return kept_bytes(p, in_layout, std::vector<bool>(r.size(), false), false) -
-                 kept_bytes(p, in_layout, r, false);
-        };
         double worst = 0, freed_before = 0;
         if (s.head) {
-          worst = recomputed_extra(head, layer_out) + transient_bytes(head);
+          worst = recomputed_bytes(head, layer_out, -1) + transient_bytes(head);
           freed_before = kept_head;
         }
         if (s.end_layer > s.first_layer) {
@@ -1135,8 +1129,8 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
           freed_before += kept_layers;
         }
         if (s.embedding) {
-          worst = std::max(
-              worst, recomputed_extra(embed, embed_out) + transient_bytes(embed) - freed_before);
+          worst = std::max(worst, recomputed_bytes(embed, embed_out, -1) + transient_bytes(embed) -
+                                      freed_before);
         }
         t.peak_bytes = worst + act_piece;
       }
