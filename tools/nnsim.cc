@@ -1010,7 +1010,10 @@ int main(int argc, char** argv) {
       ->required();
   validate_cmd->add_option("--json", validate.json, "write per-case results and the summary");
   validate_cmd->add_option("--jobs", validate.jobs, "simulations run at once (default: cores)");
-  validate_cmd->add_option("--only", validate.only, "simulate only these case ids");
+  validate_cmd
+      ->add_option("--only", validate.only,
+                   "simulate only these case ids (space- or comma-separated)")
+      ->delimiter(',');
   validate_cmd->add_option("--write-plans", validate.plans_dir,
                            "write every case's plan (as simulated) into this folder");
   validate_cmd->add_option("--calib", validate.calib,

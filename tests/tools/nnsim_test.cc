@@ -910,6 +910,49 @@ TEST(NnsimTool, ScheduleSearchPlacesRepeatedForwards) {
                {"field 'training.recycle'", "must be at least 1"});
 }
 
+// Two small cases of the validation schema, for the driver's `validate` options.
+std::string two_case_set() {
+  std::string one = R"(- id: ID
+  source: a test
+  model: {family: gpt, layers: 2, hidden: 512, heads: 8, kv_heads: 8, ffn_hidden: 2048,
+          mlp: gelu, vocab: 32000, seq_len: 512, tied_embeddings: true, position: learned}
+  cluster: {gpu: a100-sxm4-80gb, nodes: 1, gpus_per_node: 8, nic_gbps: 200, nics_per_node: 8}
+  parallel: {tp: 2, pp: 1, dp: 4, cp: 1, ep: 1, vp: 1, micro_batch: 1, global_batch: 8,
+             recompute: none, sequence_parallel: false, zero: 1, precision: bf16,
+             framework: megatron}
+  measured: {iteration_time_s: 0.05}
+)";
+  std::string set = "schema: nnsim-validation/1\ncases:\n";
+  for (const char* id : {"first", "second", "third"}) {
+    std::string c = one;
+    c.replace(c.find("ID"), 2, id);
+    set += c;
+  }
+  return set;
+}
+
+TEST(NnsimTool, ValidateOnlyTakesCommaOrSpaceSeparatedIds) {
+  Sandbox box;
+  box.write("set.yaml", two_case_set());
+  auto ids_in = [&](const std::string& json_name) {
+    const json report = box.read_json(json_name);
+    std::set<std::string> ids;
+    for (const auto& c : report["cases"]) ids.insert(c["id"].get<std::string>());
+    return ids;
+  };
+  const std::set<std::string> want = {"first", "third"};
+  RunResult r = box.nnsim(
+      {"validate", "set.yaml", "--only", "first,third", "--jobs", "1", "--json", "comma.json"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_EQ(ids_in("comma.json"), want);
+  r = box.nnsim(
+      {"validate", "set.yaml", "--only", "first", "third", "--jobs", "1", "--json", "space.json"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_EQ(ids_in("space.json"), want);
+  expect_error(box.nnsim({"validate", "set.yaml", "--only", "first,fourth"}),
+               {"--only: no case 'fourth'", "known: first, second, third"});
+}
+
 TEST(NnsimTool, Version) {
   Sandbox box;
   RunResult r = box.nnsim({"--version"});
