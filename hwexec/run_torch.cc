@@ -837,7 +837,8 @@ class Model {
       }
       const Mark t0 = st.mark();
       const double n = static_cast<double>(tape.ez.size(0) * tape.ez.size(1));
-      at::Tensor dlogits = tape.ez / tape.se.unsqueeze(-1);
+      // The gradient in the softmax's buffer, as Megatron forms it.
+      at::Tensor dlogits = tape.ez.div_(tape.se.unsqueeze(-1));
       dlogits.scatter_add_(-1, tape.target_index, -tape.target_mask.unsqueeze(-1));
       dlogits.mul_(loss_scale / n);
       st.op("loss", bwd_phase_, t0, st.mark());
@@ -1248,23 +1249,26 @@ class Model {
       if (sp && !again && !rc.count("head.proj")) dropped(tape.hproj.in[0]);
     }
     if (runs("loss")) {
-      // Vocab-parallel cross-entropy, mean over the micro-batch's tokens.
+      // Vocab-parallel cross-entropy, mean over the micro-batch's tokens, in fp32 and, as
+      // Megatron's, in place on one fp32 copy of the logits (the logits themselves when they are
+      // fp32: the projection's backward does not read them): shifted by the row maximum, then
+      // exponentiated into the buffer the backward keeps.
       const Mark t0 = st.mark();
-      at::Tensor logits = tape.hproj.out.detach().to(at::kFloat);  // cross-entropy in fp32
-      const int64_t vl = logits.size(-1);
+      at::Tensor z = tape.hproj.out.detach().to(at::kFloat);
+      const int64_t vl = z.size(-1);
       const int64_t start = vocab_index(/*head=*/true) * vl;
       // The vocabulary's group: the embedding's when tied.
       const VocabSplit& vg = tied ? c.embed_vocab : c.head_vocab;
-      at::Tensor lmax = std::get<0>(logits.max(-1));
+      at::Tensor lmax = std::get<0>(z.max(-1));
       if (vsplit > 1) c.vocab_all_reduce(vg, lmax, "loss", Comm::Op::kMax);
-      at::Tensor z = logits - lmax.unsqueeze(-1);
-      tape.ez = z.exp();
-      tape.se = tape.ez.sum(-1);
-      if (vsplit > 1) c.vocab_all_reduce(vg, tape.se, "loss");
+      z.sub_(lmax.unsqueeze(-1));
       at::Tensor local = tgt - start;
       at::Tensor mask = (local >= 0).logical_and(local < vl).to(at::kFloat);
       at::Tensor idx = local.clamp(0, vl - 1).unsqueeze(-1);
       at::Tensor target_logit = z.gather(-1, idx).squeeze(-1) * mask;
+      tape.ez = z.exp_();
+      tape.se = tape.ez.sum(-1);
+      if (vsplit > 1) c.vocab_all_reduce(vg, tape.se, "loss");
       if (vsplit > 1) c.vocab_all_reduce(vg, target_logit, "loss");
       if (!again) tape.loss = (tape.se.log() - target_logit).mean();
       tape.target_index = idx;
