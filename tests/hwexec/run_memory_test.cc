@@ -103,14 +103,15 @@ TEST_P(NnexecRunMemory, StaticMemoryIsTheSimulatorsAndThePeakNearIt) {
   }
   EXPECT_NEAR(measured_static, simulated_static, 0.02 * simulated_static) << c.name;
 
-  // The peak: the executor keeps a few tensors of the layer's width Megatron does not (the scaled
-  // query, a linear's input gathered by value), and frees others where Megatron keeps them
-  // (docs/hwexec.md, "Memory").
+  // The peak: the executor keeps a few tensors of the layer's width Megatron does not (the
+  // copies of q, k and v its attention's batched products make, a linear's input gathered by
+  // value), and frees others where Megatron keeps them (docs/hwexec.md, "Memory"). All eight are
+  // within 5.3 % since the cross-entropy works in place; 7 % catches a regression of either side.
   double measured_peak = 0;
   for (const RankResult& k : file->ranks) {
     measured_peak = std::max(measured_peak, k.peak_allocated_bytes);
   }
-  EXPECT_NEAR(measured_peak, simulated_peak, 0.1 * simulated_peak) << c.name;
+  EXPECT_NEAR(measured_peak, simulated_peak, 0.07 * simulated_peak) << c.name;
 
   // nnsim compare reports the same two peaks.
   RunResult cmp = run(dir, NNSIM_BINARY,
