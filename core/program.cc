@@ -554,13 +554,13 @@ double Compiler::kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
   return bytes;
 }
 
-// The largest temporary an operator of the part allocates: its own scratch plus its output and
-// the gradient of its output.
 double Compiler::recomputed_bytes(const PartInfo& p, const TensorLayout& in, int layer) const {
   const std::vector<bool> r = recomputed_ops(p, layer);
   return kept_bytes(p, in, std::vector<bool>(r.size(), false), false) - kept_bytes(p, in, r, false);
 }
 
+// The largest temporary an operator of the part allocates: its own scratch plus its output and
+// the gradient of its output.
 double Compiler::transient_bytes(const PartInfo& p) const {
   double worst = 0;
   const auto& ops = p.part->ops;

@@ -1268,8 +1268,10 @@ class Model {
       at::Tensor target_logit = z.gather(-1, idx).squeeze(-1) * mask;
       tape.ez = z.exp_();
       tape.se = tape.ez.sum(-1);
-      if (vsplit > 1) c.vocab_all_reduce(vg, tape.se, "loss");
-      if (vsplit > 1) c.vocab_all_reduce(vg, target_logit, "loss");
+      if (vsplit > 1) {
+        c.vocab_all_reduce(vg, tape.se, "loss");
+        c.vocab_all_reduce(vg, target_logit, "loss");
+      }
       if (!again) tape.loss = (tape.se.log() - target_logit).mean();
       tape.target_index = idx;
       tape.target_mask = mask;
