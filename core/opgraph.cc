@@ -341,8 +341,11 @@ GraphPart build_head(const ModelSpec& m, const Shape& x) {
   loss.saved = {tensor(TensorRef{2, 1}, logits, bsv, 4)};
   if (m.loss == LossKernel::kFused) {
     // Megatron: the fp32 copy of the logits becomes the softmax in place; the backward pass
-    // forms the gradient in that buffer and casts it to the logits' precision.
-    loss.transient_bytes = logits * 4;  // the fp32 copy
+    // forms the gradient in that buffer and casts it to the logits' precision. Beside the buffer
+    // (saved) the logits in the compute dtype (forward) or their gradient (backward); with fp32
+    // logits the buffer is the logits themselves.
+    loss.transient_bytes = x.p < 4 ? logits * x.p : 0;
+    loss.in_place_input = true;
     loss.fwd_bytes = logits * (x.p + 4 + 4);
     loss.bwd_bytes = logits * (4 + x.p);
   } else {

@@ -118,7 +118,10 @@ struct Op {
   double bwd_weight_flops = 0;    // gradient with respect to the weights
   double fwd_bytes = 0;           // HBM bytes read + written (memory-bound cost)
   double bwd_bytes = 0;
-  double transient_bytes = 0;      // temporaries freed when the operator ends (fwd or bwd)
+  double transient_bytes = 0;  // temporaries freed when the operator ends (fwd or bwd)
+  // Works in place on its input and counts the input's copies in its own transient: the
+  // producer's output and output gradient are not held beside it.
+  bool in_place_input = false;
   bool causal = false;             // causal attention that skips the masked half (fused)
   bool tied_to_embedding = false;  // the head projection sharing the word embedding matrix
   GemmShape gemm;                  // kLinear only

@@ -136,9 +136,20 @@ struct Compiler {
   void emit_backward(const PartInfo& p, const TensorLayout& in_layout,
                      const TensorLayout& in_grad_layout, const std::vector<bool>& recomputed,
                      bool input_grads, bool weight_grads, std::vector<Step>& steps);
+  // `end_op`: only what the part's first `end_op` operators save (default: all of them).
   double kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
-                    const std::vector<bool>& recomputed, bool weight_inputs_only) const;
+                    const std::vector<bool>& recomputed, bool weight_inputs_only,
+                    size_t end_op = SIZE_MAX) const;
+  double op_transient_bytes(const PartInfo& p, size_t i) const;
   double transient_bytes(const PartInfo& p) const;
+  // The most a part holds above what it keeps while its operators run one after another: in
+  // the forward, operator i's transient sits on what operators 0..i have saved so far; in the
+  // backward too, as autograd frees what an operator saved once its backward has run.
+  // `keeps_weight_inputs`: a split backward's input half, which leaves the weight gradients'
+  // inputs for its weight half.
+  double running_transient_bytes(const PartInfo& p, const TensorLayout& in_layout,
+                                 const std::vector<bool>& recomputed,
+                                 bool keeps_weight_inputs = false) const;
   // What recomputing part `p` (layer `layer`, or -1: the embedding's or head's rules) brings
   // back: its activations whole less what the forward kept.
   double recomputed_bytes(const PartInfo& p, const TensorLayout& in, int layer) const;
@@ -509,7 +520,8 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
 // `weight_inputs_only`, only what the weight gradients still need after a split backward's
 // input-gradient half (the inputs of operators with weights).
 double Compiler::kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
-                            const std::vector<bool>& recomputed, bool weight_inputs_only) const {
+                            const std::vector<bool>& recomputed, bool weight_inputs_only,
+                            size_t end_op) const {
   const auto& ops = p.part->ops;
   std::vector<TensorRef> kept;
   double bytes = 0;
@@ -520,7 +532,7 @@ double Compiler::kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
     kept.push_back(t.ref);
     bytes += piece_bytes(t, layout, mesh);
   };
-  for (size_t i = 0; i < ops.size(); ++i) {
+  for (size_t i = 0; i < std::min(end_op, ops.size()); ++i) {
     const Op& op = ops[i];
     const OpPartition& part = p.partitions[i];
     if (weight_inputs_only && op.bwd_weight_flops <= 0) continue;
@@ -561,15 +573,38 @@ double Compiler::recomputed_bytes(const PartInfo& p, const TensorLayout& in, int
 
 // The largest temporary an operator of the part allocates: its own scratch plus its output and
 // the gradient of its output.
+double Compiler::op_transient_bytes(const PartInfo& p, size_t i) const {
+  const auto& ops = p.part->ops;
+  const Op& op = ops[i];
+  const double f = p.partitions[i].factor(op.dims, mesh);
+  const double out = piece_bytes(op.output, p.out_layouts[i], mesh);
+  // An output a later operator works on in place is counted in that operator's transient.
+  const bool consumed_in_place = std::any_of(ops.begin(), ops.end(), [&](const Op& o) {
+    return o.in_place_input && std::find(o.inputs.begin(), o.inputs.end(),
+                                         TensorRef{static_cast<int>(i), 0}) != o.inputs.end();
+  });
+  return op.transient_bytes / f + (consumed_in_place ? 0 : 2 * out);
+}
+
 double Compiler::transient_bytes(const PartInfo& p) const {
   double worst = 0;
-  const auto& ops = p.part->ops;
-  for (size_t i = 0; i < ops.size(); ++i) {
-    const Op& op = ops[i];
-    const OpPartition& part = p.partitions[i];
-    double f = part.factor(op.dims, mesh);
-    double out = piece_bytes(op.output, p.out_layouts[i], mesh);
-    worst = std::max(worst, op.transient_bytes / f + 2 * out);
+  for (size_t i = 0; i < p.part->ops.size(); ++i) worst = std::max(worst, op_transient_bytes(p, i));
+  return worst;
+}
+
+double Compiler::running_transient_bytes(const PartInfo& p, const TensorLayout& in_layout,
+                                         const std::vector<bool>& recomputed,
+                                         bool keeps_weight_inputs) const {
+  const size_t n = p.part->ops.size();
+  const double all = kept_bytes(p, in_layout, recomputed, false);
+  const double weight_inputs = kept_bytes(p, in_layout, recomputed, true);
+  double worst = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double later_weight_inputs =
+        keeps_weight_inputs ? weight_inputs - kept_bytes(p, in_layout, recomputed, true, i + 1)
+                            : 0.0;
+    worst = std::max(worst, kept_bytes(p, in_layout, recomputed, false, i + 1) +
+                                later_weight_inputs + op_transient_bytes(p, i) - all);
   }
   return worst;
 }
@@ -925,7 +960,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     kept += kept_head;
     kept_weight_inputs += kept_bytes(head, layer_out, recomputed_ops(head, -1), true);
   }
-  double transient = transient_bytes(layer);
+  double transient = s.end_layer > s.first_layer ? transient_bytes(layer) : 0.0;
   if (s.head) transient = std::max(transient, transient_bytes(head));
   if (s.embedding) transient = std::max(transient, transient_bytes(embed));
 
@@ -991,7 +1026,23 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
           if (source_lane(seg, l) == t.lane) send(first_seg, l, false, layer_out, true);
         }
       }
-      t.peak_bytes = kept + transient;
+      // The parts run one after another: each part's transient sits on what it and the parts
+      // before it keep, not on what the whole block keeps.
+      {
+        double so_far = 0, worst = 0;
+        if (s.embedding) {
+          so_far += kept - kept_layers - kept_head;
+          worst = std::max(worst, so_far + transient_bytes(embed));
+        }
+        if (s.end_layer > s.first_layer) {
+          so_far += kept_layers;
+          const int l = s.end_layer - 1;  // the last layer's forward runs on the most
+          worst = std::max(worst, so_far + running_transient_bytes(layer, layer_in(l),
+                                                                   recomputed_ops(layer, l)));
+        }
+        if (s.head) worst = std::max(worst, so_far + kept_head + transient_bytes(head));
+        t.peak_bytes = worst;
+      }
       if (role & 1) break;  // an earlier pass holds its activations only while it runs
       t.kept_bytes = kept;
       memory(kept);
@@ -1115,18 +1166,51 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       }
       t.kept_bytes = -freed;
       t.peak_bytes = extra + transient + act_piece;
-      if (t.kind == BlockKind::kBackward && !explicit_recompute) {
+      if (t.kind == BlockKind::kBackwardWeight) {
+        // The weight half runs only the operators with weights: their transients.
+        double worst = 0;
+        for (const PartInfo* p : {&embed, &layer, &head}) {
+          if ((p == &embed && !s.embedding) || (p == &head && !s.head) ||
+              (p == &layer && s.end_layer == s.first_layer)) {
+            continue;
+          }
+          for (size_t i = 0; i < p->part->ops.size(); ++i) {
+            if (p->part->ops[i].bwd_weight_flops > 0) {
+              worst = std::max(worst, op_transient_bytes(*p, i));
+            }
+          }
+        }
+        t.peak_bytes = worst + act_piece;
+      }
+      const bool input_half = t.kind == BlockKind::kBackwardInput;
+      if ((t.kind == BlockKind::kBackward || input_half) && !explicit_recompute) {
         // The parts' backwards run one after another, each freeing what its forward kept before
-        // the next begins: the head's (with the loss's transients) ends before the last layer is
-        // recomputed, and the layers' before the embedding's.
+        // the next begins (an input half: all but its weight gradients' inputs): the head's
+        // (with the loss's transients) ends before the last layer is recomputed, and the
+        // layers' before the embedding's.
+        auto freed_by = [&](const PartInfo& p, const TensorLayout& in, int l) {
+          const std::vector<bool> r = recomputed_ops(p, l);
+          return kept_bytes(p, in, r, false) - (input_half ? kept_bytes(p, in, r, true) : 0.0);
+        };
         double worst = 0, freed_before = 0;
         if (s.head) {
           worst = recomputed_bytes(head, layer_out, -1) + transient_bytes(head);
-          freed_before = kept_head;
+          freed_before = freed_by(head, layer_out, -1);
         }
         if (s.end_layer > s.first_layer) {
-          worst = std::max(worst, extra + transient_bytes(layer) - freed_before);
-          freed_before += kept_layers;
+          // The first layer's backward runs on the most (the other layers' kept activations
+          // are all still there): a recomputed layer holds all its activations again.
+          const int l = s.end_layer - 1;
+          const std::vector<bool> none(layer.part->ops.size(), false);
+          worst = std::max(
+              worst, extra +
+                         running_transient_bytes(layer, layer_in(l),
+                                                 recompute_inside ? none : recomputed_ops(layer, l),
+                                                 input_half) -
+                         freed_before);
+          for (int k = s.first_layer; k < s.end_layer; ++k) {
+            freed_before += freed_by(layer, layer_in(k), k);
+          }
         }
         if (s.embedding) {
           worst = std::max(worst, recomputed_bytes(embed, embed_out, -1) + transient_bytes(embed) -

@@ -49,6 +49,7 @@
 #include "hwexec/cpu_memory.h"
 #include "hwexec/run.h"
 #include "hwexec/run_adam.h"
+#include "hwexec/run_attention_products.h"
 #include "hwexec/run_context_parallel.h"
 #include "hwexec/run_model_masks.h"
 #include "hwexec/run_precision.h"
@@ -866,6 +867,7 @@ class Model {
                        [](const VocabSplit::Axis&) { return std::string("head.proj"); });
       }
       dy = bwd(st, "head.norm", tape.hnorm, dn)[0];
+      tape.head_x = tape.targets = at::Tensor();  // what the head's recomputation read
       c.unit_after_backward(head_unit());
     }
     const int first_unit = embedding_ ? 1 : 0;
@@ -1197,6 +1199,12 @@ class Model {
                                           : W(pos_).narrow(0, first, sl));
           });
       x = tape.pos.out.detach();
+      // The word embeddings and their reduced copy are summed and gone, as in Megatron: the
+      // lookup's backward reads the token ids, the add's none.
+      if (!again && rc.empty()) {
+        resize_storage(tape.word.out, 0);
+        resize_storage(tape.pos.in[0], 0);
+      }
     }
     if (again && pos_ && !runs("embed.position")) x = tape.pos.out.detach();  // kept
     // Dropout recomputed draws its masks again from the tape's key: the same ones.
@@ -1359,12 +1367,14 @@ class Model {
                   .reshape({b, s, al * d});
             }
 #endif
-            // Unfused, as Megatron without FlashAttention: the scale folded into q (a pass over
-            // b s h d rather than over the b h s^2 scores), the causal mask in place on the
-            // scores, the softmax in the compute dtype (LibTorch accumulates a 16-bit softmax in
-            // fp32, as Megatron's fused scaled-masked softmax does) and only its output kept for
-            // the backward.
-            at::Tensor scores = mm(q * (1 / std::sqrt(double(d))), k.transpose(-2, -1));
+            // Unfused, as Megatron without FlashAttention: the two batched products read q, k
+            // and v as views of the QKV output and keep no copies of them
+            // (run_attention_products.h); the scale on the scores in place (Megatron folds it
+            // into the product), the causal mask in place, the softmax in the compute dtype
+            // (LibTorch accumulates a 16-bit softmax in fp32, as Megatron's fused
+            // scaled-masked softmax does) and only its output kept for the backward.
+            at::Tensor scores = per_sequence_bmm(q, k.transpose(-2, -1), cpu_fp16());
+            scores.mul_(1 / std::sqrt(double(d)));
             if (alibi_.defined()) {  // ALiBi: in fp32, at the tokens' positions
               scores = scores.to(at::kFloat) + alibi_bias(alibi_, positions_, positions_);
             }
@@ -1379,7 +1389,7 @@ class Model {
                                           device_)
                           .to(p.scalar_type());
             }
-            return mm(p, v).permute({0, 2, 1, 3}).reshape({b, s, al * d});
+            return per_sequence_bmm(p, v, cpu_fp16()).permute({0, 2, 1, 3}).reshape({b, s, al * d});
           });
     }
     if (runs("attn.proj")) {
@@ -1541,11 +1551,27 @@ class Model {
     // backward (a recomputed one has it), and its input gradient (partial sums)
     // reduce-scattered.
     const bool sp = split_.seq > 1;
+    // An operator's output goes once the operator that saved it has run its backward, as
+    // autograd frees a saved tensor in Megatron's one graph; here the producer's unit keeps the
+    // output as the root of its own backward, which reads only its inputs (ReLU alone reads
+    // its result), so the storage is released. Not while a BI block defers the consumer's
+    // weight gradient, which reads that input later.
+    auto consumed = [&](Unit& producer, const Unit& consumer) {
+      const bool defers = deferred_ != nullptr && !consumer.weights.empty();
+      return [&producer, defers] {
+        if (!defers && producer.out.defined()) resize_storage(producer.out, 0);
+      };
+    };
     std::vector<at::Tensor> g = bwd(st, "mlp.residual", t.res2, dy);
+    auto release_act = consumed(t.act, t.fc2);
     at::Tensor d = bwd(st, "mlp.fc2", t.fc2, sp ? gather_seq(c, g[0], "mlp.residual") : g[0])[0];
+    if (spec_.mlp != MlpKind::kRelu) release_act();
     d = bwd(st, "mlp.act", t.act, d)[0];
+    consumed(t.fc1, t.act)();
     if (sp && !rc.count("mlp.fc1")) regather(c, t.n2.out.detach(), t.fc1, "mlp.fc1");
+    auto release_n2 = consumed(t.n2, t.fc1);
     d = bwd(st, "mlp.fc1", t.fc1, d)[0];
+    release_n2();
     if (sp) {
       d = scatter_seq(c, d, "mlp.fc1");
     } else if (split_.ffn > 1) {
@@ -1553,10 +1579,20 @@ class Model {
     }
     at::Tensor dx1 = bwd(st, "mlp.norm", t.n2, d)[0] + g[1];
     g = bwd(st, "attn.residual", t.res1, dx1);
+    dx1 = at::Tensor();
+    auto release_core = consumed(t.core, t.proj);
     d = bwd(st, "attn.proj", t.proj, sp ? gather_seq(c, g[0], "attn.residual") : g[0])[0];
-    d = split_.cp > 1 ? cp_core_backward(c, t.core, d) : bwd(st, "attn.core", t.core, d)[0];
+    release_core();
+    if (split_.cp > 1) {
+      d = cp_core_backward(c, t.core, d);
+    } else {
+      d = bwd(st, "attn.core", t.core, d)[0];
+      consumed(t.qkv, t.core)();
+    }
     if (sp && !rc.count("attn.qkv")) regather(c, t.n1.out.detach(), t.qkv, "attn.qkv");
+    auto release_n1 = consumed(t.n1, t.qkv);
     d = bwd(st, "attn.qkv", t.qkv, d)[0];
+    release_n1();
     if (sp) {
       d = scatter_seq(c, d, "attn.qkv");
     } else if (split_.heads > 1) {

@@ -226,7 +226,13 @@ TEST(OpGraph, CrossEntropyMemoryByKernel) {
   ASSERT_NE(fused, nullptr);
   ASSERT_EQ(fused->saved.size(), 1u);
   EXPECT_DOUBLE_EQ(fused->saved[0].bytes(), 4 * logits);
-  EXPECT_DOUBLE_EQ(fused->transient_bytes, 4 * logits);
+  // Beside the fp32 buffer: the logits in bf16 (forward) or their gradient (backward); the
+  // projection's output is the loss's input, worked on in place.
+  EXPECT_DOUBLE_EQ(fused->transient_bytes, 2 * logits);
+  EXPECT_TRUE(fused->in_place_input);
+  m.precision = Precision::kFp32;  // fp32 logits are the buffer itself
+  EXPECT_DOUBLE_EQ(find_op(lower_model(m, 2).head, "loss")->transient_bytes, 0);
+  m.precision = Precision::kBf16;
 
   m.loss = LossKernel::kUnfused;
   OpGraph g = lower_model(m, 2);

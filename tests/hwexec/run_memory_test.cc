@@ -103,15 +103,22 @@ TEST_P(NnexecRunMemory, StaticMemoryIsTheSimulatorsAndThePeakNearIt) {
   }
   EXPECT_NEAR(measured_static, simulated_static, 0.02 * simulated_static) << c.name;
 
-  // The peak: the executor keeps a few tensors of the layer's width Megatron does not (the
-  // copies of q, k and v its attention's batched products make, a linear's input gathered by
-  // value), and frees others where Megatron keeps them (docs/hwexec.md, "Memory"). All eight are
-  // within 5.3 % since the cross-entropy works in place; 7 % catches a regression of either side.
-  double measured_peak = 0;
+  // The peak: both sides free what Megatron frees, operator by operator (docs/hwexec.md,
+  // "Memory"). Beside the backward's whole gradients the executor's ZeRO 1-2 keep a gradient
+  // chunk per rank (4 bytes a parameter over dp) and, in an fp32 plan, a master chunk (4 more),
+  // where Megatron's distributed optimizer uses views of its gradient and parameter buffers:
+  // those are taken off. All eight are then within 5.5 %; 7 % catches a regression of either
+  // side.
+  const auto zero = std::find(c.flags.begin(), c.flags.end(), std::string("--zero"));
+  const bool zero12 = zero != c.flags.end() && (zero[1] == "1" || zero[1] == "2");
+  const double chunk_bytes = std::string(c.precision) == "fp32" ? 8 : 4;
+  double measured_peak = 0, own_chunks = 0;
   for (const RankResult& k : file->ranks) {
-    measured_peak = std::max(measured_peak, k.peak_allocated_bytes);
+    if (k.peak_allocated_bytes <= measured_peak) continue;
+    measured_peak = k.peak_allocated_bytes;
+    own_chunks = zero12 ? chunk_bytes * k.parameters / c.dp : 0.0;
   }
-  EXPECT_NEAR(measured_peak, simulated_peak, 0.07 * simulated_peak) << c.name;
+  EXPECT_NEAR(measured_peak - own_chunks, simulated_peak, 0.07 * simulated_peak) << c.name;
 
   // nnsim compare reports the same two peaks.
   RunResult cmp = run(dir, NNSIM_BINARY,
@@ -129,9 +136,11 @@ TEST_P(NnexecRunMemory, StaticMemoryIsTheSimulatorsAndThePeakNearIt) {
   }
   EXPECT_TRUE(known) << "'" << where << "'";
   EXPECT_TRUE(testing::contains(cmp.out, "measured peak during " + where)) << cmp;
-  std::printf("%s: static %.3f / %.3f MiB, peak %.3f / %.3f MiB (measured / simulated)\n", c.name,
-              measured_static / (1 << 20), simulated_static / (1 << 20), measured_peak / (1 << 20),
-              simulated_peak / (1 << 20));
+  std::printf(
+      "%s: static %.3f / %.3f MiB, peak %.3f / %.3f MiB (measured / simulated; the executor's own "
+      "ZeRO chunks %.3f MiB)\n",
+      c.name, measured_static / (1 << 20), simulated_static / (1 << 20), measured_peak / (1 << 20),
+      simulated_peak / (1 << 20), own_chunks / (1 << 20));
 }
 
 INSTANTIATE_TEST_SUITE_P(
