@@ -136,10 +136,12 @@ struct Compiler {
   void emit_backward(const PartInfo& p, const TensorLayout& in_layout,
                      const TensorLayout& in_grad_layout, const std::vector<bool>& recomputed,
                      bool input_grads, bool weight_grads, std::vector<Step>& steps);
-  // `end_op`: only what the part's first `end_op` operators save (default: all of them).
   double kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
-                    const std::vector<bool>& recomputed, bool weight_inputs_only,
-                    size_t end_op = SIZE_MAX) const;
+                    const std::vector<bool>& recomputed, bool weight_inputs_only) const;
+  // The same after each operator: element i is what operators 0..i save.
+  std::vector<double> kept_bytes_after(const PartInfo& p, const TensorLayout& in_layout,
+                                       const std::vector<bool>& recomputed,
+                                       bool weight_inputs_only) const;
   double op_transient_bytes(const PartInfo& p, size_t i) const;
   double transient_bytes(const PartInfo& p) const;
   // The most a part holds above what it keeps while its operators run one after another: in
@@ -520,10 +522,17 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
 // `weight_inputs_only`, only what the weight gradients still need after a split backward's
 // input-gradient half (the inputs of operators with weights).
 double Compiler::kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
-                            const std::vector<bool>& recomputed, bool weight_inputs_only,
-                            size_t end_op) const {
+                            const std::vector<bool>& recomputed, bool weight_inputs_only) const {
+  const std::vector<double> after = kept_bytes_after(p, in_layout, recomputed, weight_inputs_only);
+  return after.empty() ? 0.0 : after.back();
+}
+
+std::vector<double> Compiler::kept_bytes_after(const PartInfo& p, const TensorLayout& in_layout,
+                                               const std::vector<bool>& recomputed,
+                                               bool weight_inputs_only) const {
   const auto& ops = p.part->ops;
   std::vector<TensorRef> kept;
+  std::vector<double> after;
   double bytes = 0;
   auto keep = [&](const TensorSpec& t, const TensorLayout& layout) {
     for (const auto& k : kept) {
@@ -532,9 +541,10 @@ double Compiler::kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
     kept.push_back(t.ref);
     bytes += piece_bytes(t, layout, mesh);
   };
-  for (size_t i = 0; i < std::min(end_op, ops.size()); ++i) {
+  for (size_t i = 0; i < ops.size(); ++i) {
     const Op& op = ops[i];
     const OpPartition& part = p.partitions[i];
+    after.push_back(bytes);
     if (weight_inputs_only && op.bwd_weight_flops <= 0) continue;
     for (const TensorSpec& t : op.saved) {
       const bool is_input = t.ref.slot == 0 && t.ref.op != static_cast<int>(i);
@@ -562,8 +572,9 @@ double Compiler::kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
       }
       keep(t, layout);
     }
+    after.back() = bytes;
   }
-  return bytes;
+  return after;
 }
 
 double Compiler::recomputed_bytes(const PartInfo& p, const TensorLayout& in, int layer) const {
@@ -595,16 +606,13 @@ double Compiler::transient_bytes(const PartInfo& p) const {
 double Compiler::running_transient_bytes(const PartInfo& p, const TensorLayout& in_layout,
                                          const std::vector<bool>& recomputed,
                                          bool keeps_weight_inputs) const {
-  const size_t n = p.part->ops.size();
-  const double all = kept_bytes(p, in_layout, recomputed, false);
-  const double weight_inputs = kept_bytes(p, in_layout, recomputed, true);
+  const std::vector<double> kept = kept_bytes_after(p, in_layout, recomputed, false);
+  const std::vector<double> weight_inputs = kept_bytes_after(p, in_layout, recomputed, true);
   double worst = 0;
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < kept.size(); ++i) {
     const double later_weight_inputs =
-        keeps_weight_inputs ? weight_inputs - kept_bytes(p, in_layout, recomputed, true, i + 1)
-                            : 0.0;
-    worst = std::max(worst, kept_bytes(p, in_layout, recomputed, false, i + 1) +
-                                later_weight_inputs + op_transient_bytes(p, i) - all);
+        keeps_weight_inputs ? weight_inputs.back() - weight_inputs[i] : 0.0;
+    worst = std::max(worst, kept[i] + later_weight_inputs + op_transient_bytes(p, i) - kept.back());
   }
   return worst;
 }
