@@ -144,6 +144,8 @@ struct Compiler {
                                        bool weight_inputs_only) const;
   double op_transient_bytes(const PartInfo& p, size_t i) const;
   double transient_bytes(const PartInfo& p) const;
+  // The largest transient of the part's operators with weights (a split backward's weight half).
+  double weight_transient_bytes(const PartInfo& p) const;
   // The most a part holds above what it keeps while its operators run one after another: in
   // the forward, operator i's transient sits on what operators 0..i have saved so far; in the
   // backward too, as autograd frees what an operator saved once its backward has run.
@@ -603,6 +605,14 @@ double Compiler::transient_bytes(const PartInfo& p) const {
   return worst;
 }
 
+double Compiler::weight_transient_bytes(const PartInfo& p) const {
+  double worst = 0;
+  for (size_t i = 0; i < p.part->ops.size(); ++i) {
+    if (p.part->ops[i].bwd_weight_flops > 0) worst = std::max(worst, op_transient_bytes(p, i));
+  }
+  return worst;
+}
+
 double Compiler::running_transient_bytes(const PartInfo& p, const TensorLayout& in_layout,
                                          const std::vector<bool>& recomputed,
                                          bool keeps_weight_inputs) const {
@@ -950,23 +960,30 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   size_t unit = 0;
 
   // Activation bytes of this segment per micro-batch (forward keeps), and the peak extra.
+  // Per part: what the forward keeps, and of it what a split backward's weight half needs.
   double kept = 0, kept_weight_inputs = 0, full_layer = 0, kept_head = 0, kept_layers = 0;
+  double head_weight_inputs = 0, layers_weight_inputs = 0;
   if (s.embedding) {
     kept += kept_bytes(embed, embed_out, recomputed_ops(embed, -1), false);
     kept_weight_inputs += kept_bytes(embed, embed_out, recomputed_ops(embed, -1), true);
   }
   for (int l = s.first_layer; l < s.end_layer; ++l) {
-    kept_layers += kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), false);
-    kept += kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), false);
-    kept_weight_inputs += kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), true);
+    const double layer_kept = kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), false);
+    const double layer_weight_inputs =
+        kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), true);
+    kept_layers += layer_kept;
+    kept += layer_kept;
+    layers_weight_inputs += layer_weight_inputs;
+    kept_weight_inputs += layer_weight_inputs;
     full_layer = std::max(
         full_layer,
         kept_bytes(layer, layer_in(l), std::vector<bool>(layer.part->ops.size(), false), false));
   }
   if (s.head) {
     kept_head = kept_bytes(head, layer_out, recomputed_ops(head, -1), false);
+    head_weight_inputs = kept_bytes(head, layer_out, recomputed_ops(head, -1), true);
     kept += kept_head;
-    kept_weight_inputs += kept_bytes(head, layer_out, recomputed_ops(head, -1), true);
+    kept_weight_inputs += head_weight_inputs;
   }
   double transient = s.end_layer > s.first_layer ? transient_bytes(layer) : 0.0;
   if (s.head) transient = std::max(transient, transient_bytes(head));
@@ -1173,22 +1190,15 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         freed = kept_weight_inputs;
       }
       t.kept_bytes = -freed;
-      t.peak_bytes = extra + transient + act_piece;
       if (t.kind == BlockKind::kBackwardWeight) {
         // The weight half runs only the operators with weights: their transients.
         double worst = 0;
-        for (const PartInfo* p : {&embed, &layer, &head}) {
-          if ((p == &embed && !s.embedding) || (p == &head && !s.head) ||
-              (p == &layer && s.end_layer == s.first_layer)) {
-            continue;
-          }
-          for (size_t i = 0; i < p->part->ops.size(); ++i) {
-            if (p->part->ops[i].bwd_weight_flops > 0) {
-              worst = std::max(worst, op_transient_bytes(*p, i));
-            }
-          }
-        }
+        if (s.embedding) worst = std::max(worst, weight_transient_bytes(embed));
+        if (s.end_layer > s.first_layer) worst = std::max(worst, weight_transient_bytes(layer));
+        if (s.head) worst = std::max(worst, weight_transient_bytes(head));
         t.peak_bytes = worst + act_piece;
+      } else {
+        t.peak_bytes = extra + transient + act_piece;
       }
       const bool input_half = t.kind == BlockKind::kBackwardInput;
       if ((t.kind == BlockKind::kBackward || input_half) && !explicit_recompute) {
@@ -1196,14 +1206,10 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         // the next begins (an input half: all but its weight gradients' inputs): the head's
         // (with the loss's transients) ends before the last layer is recomputed, and the
         // layers' before the embedding's.
-        auto freed_by = [&](const PartInfo& p, const TensorLayout& in, int l) {
-          const std::vector<bool> r = recomputed_ops(p, l);
-          return kept_bytes(p, in, r, false) - (input_half ? kept_bytes(p, in, r, true) : 0.0);
-        };
         double worst = 0, freed_before = 0;
         if (s.head) {
           worst = recomputed_bytes(head, layer_out, -1) + transient_bytes(head);
-          freed_before = freed_by(head, layer_out, -1);
+          freed_before = kept_head - (input_half ? head_weight_inputs : 0.0);
         }
         if (s.end_layer > s.first_layer) {
           // The first layer's backward runs on the most (the other layers' kept activations
@@ -1216,9 +1222,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
                                                  recompute_inside ? none : recomputed_ops(layer, l),
                                                  input_half) -
                          freed_before);
-          for (int k = s.first_layer; k < s.end_layer; ++k) {
-            freed_before += freed_by(layer, layer_in(k), k);
-          }
+          freed_before += kept_layers - (input_half ? layers_weight_inputs : 0.0);
         }
         if (s.embedding) {
           worst = std::max(worst, recomputed_bytes(embed, embed_out, -1) + transient_bytes(embed) -

@@ -1555,23 +1555,24 @@ class Model {
     // autograd frees a saved tensor in Megatron's one graph; here the producer's unit keeps the
     // output as the root of its own backward, which reads only its inputs (ReLU alone reads
     // its result), so the storage is released. Not while a BI block defers the consumer's
-    // weight gradient, which reads that input later.
-    auto consumed = [&](Unit& producer, const Unit& consumer) {
-      const bool defers = deferred_ != nullptr && !consumer.weights.empty();
-      return [&producer, defers] {
-        if (!defers && producer.out.defined()) resize_storage(producer.out, 0);
-      };
+    // weight gradient, which reads that input later (asked before the consumer's backward,
+    // which clears its unit).
+    auto defers = [&](const Unit& consumer) {
+      return deferred_ != nullptr && !consumer.weights.empty();
+    };
+    auto release = [](Unit& producer, bool consumer_defers) {
+      if (!consumer_defers && producer.out.defined()) resize_storage(producer.out, 0);
     };
     std::vector<at::Tensor> g = bwd(st, "mlp.residual", t.res2, dy);
-    auto release_act = consumed(t.act, t.fc2);
+    const bool fc2_defers = defers(t.fc2);
     at::Tensor d = bwd(st, "mlp.fc2", t.fc2, sp ? gather_seq(c, g[0], "mlp.residual") : g[0])[0];
-    if (spec_.mlp != MlpKind::kRelu) release_act();
+    if (spec_.mlp != MlpKind::kRelu) release(t.act, fc2_defers);
     d = bwd(st, "mlp.act", t.act, d)[0];
-    consumed(t.fc1, t.act)();
+    release(t.fc1, false);
     if (sp && !rc.count("mlp.fc1")) regather(c, t.n2.out.detach(), t.fc1, "mlp.fc1");
-    auto release_n2 = consumed(t.n2, t.fc1);
+    const bool fc1_defers = defers(t.fc1);
     d = bwd(st, "mlp.fc1", t.fc1, d)[0];
-    release_n2();
+    release(t.n2, fc1_defers);
     if (sp) {
       d = scatter_seq(c, d, "mlp.fc1");
     } else if (split_.ffn > 1) {
@@ -1580,19 +1581,19 @@ class Model {
     at::Tensor dx1 = bwd(st, "mlp.norm", t.n2, d)[0] + g[1];
     g = bwd(st, "attn.residual", t.res1, dx1);
     dx1 = at::Tensor();
-    auto release_core = consumed(t.core, t.proj);
+    const bool proj_defers = defers(t.proj);
     d = bwd(st, "attn.proj", t.proj, sp ? gather_seq(c, g[0], "attn.residual") : g[0])[0];
-    release_core();
+    release(t.core, proj_defers);
     if (split_.cp > 1) {
       d = cp_core_backward(c, t.core, d);
     } else {
       d = bwd(st, "attn.core", t.core, d)[0];
-      consumed(t.qkv, t.core)();
+      release(t.qkv, false);
     }
     if (sp && !rc.count("attn.qkv")) regather(c, t.n1.out.detach(), t.qkv, "attn.qkv");
-    auto release_n1 = consumed(t.n1, t.qkv);
+    const bool qkv_defers = defers(t.qkv);
     d = bwd(st, "attn.qkv", t.qkv, d)[0];
-    release_n1();
+    release(t.n1, qkv_defers);
     if (sp) {
       d = scatter_seq(c, d, "attn.qkv");
     } else if (split_.heads > 1) {
