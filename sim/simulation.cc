@@ -1,5 +1,6 @@
 #include "sim/simulation.h"
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <set>
@@ -114,17 +115,49 @@ void Simulation::analyze_links() {
       }
     }
   };
-  for (auto& inst : instances_) {
-    const Lane& lane = prog_.lanes[inst->lane];
+  // Each lane's per-rank collectives, and what crosses their links (lane_mirror.h).
+  std::vector<std::vector<PerRankStep>> per_rank(instances_.size());
+  std::map<const PreparedComm*, int> comm_ids;
+  auto comm_id = [&](const PreparedComm& c) {
+    return comm_ids.emplace(&c, static_cast<int>(comm_ids.size())).first->second;
+  };
+  std::set<std::pair<const PreparedComm*, LinkUse>> crossings;  // (communication, its use)
+  for (size_t i = 0; i < instances_.size(); ++i) {
+    Instance& inst = *instances_[i];
+    const int index = static_cast<int>(i);
+    const Lane& lane = prog_.lanes[inst.lane];
     auto visit = [&](const std::vector<Step>& steps) {
       for (const Step& step : steps) {
-        if (step.kind == StepKind::kCollective) {
-          use(prepared_collective(*inst, step), -1);
-        } else if (step.kind == StepKind::kDpLaunch) {
-          use(prepared_collective(*inst, step), -2);
-        } else if (step.kind == StepKind::kSend) {
-          use(prepared_transfer(*inst, step), step.gradient ? -4 : -3);
+        if (step.kind == StepKind::kSend) {
+          const PreparedComm& c = prepared_transfer(inst, step);
+          use(c, step.gradient ? -4 : -3);
+          crossings.insert({&c, {index, comm_id(c)}});
+          continue;
         }
+        if (step.kind != StepKind::kCollective && step.kind != StepKind::kDpLaunch) continue;
+        std::vector<std::vector<int>> groups = collective_groups(inst, step);
+        const bool one_per_rank = options_.mirror_lane_ranks && step.group < 0 &&
+                                  groups.size() > 1 && groups.size() == inst.ranks.size() &&
+                                  participants(inst, step) == 1;
+        std::vector<std::vector<int>> copy =
+            one_per_rank ? groups : std::vector<std::vector<int>>{};
+        const PreparedComm& whole =
+            prepared_comm(static_cast<int>(step.collective), step.bytes, std::move(groups));
+        inst.whole[&step] = &whole;
+        inst.prepared[&step] = &whole;
+        use(whole, step.kind == StepKind::kCollective ? -1 : -2);
+        if (!one_per_rank) {
+          crossings.insert({&whole, {index, comm_id(whole)}});
+          continue;
+        }
+        PerRankCollective c{comm_id(whole), {}};
+        for (std::vector<int>& g : copy) {
+          const PreparedComm& alone =
+              prepared_comm(static_cast<int>(step.collective), step.bytes, {std::move(g)});
+          crossings.insert({&alone, {index, c.comm, static_cast<int>(c.groups.size())}});
+          c.groups.push_back(&alone);
+        }
+        per_rank[i].emplace_back(&step, std::move(c));
       }
     };
     visit(lane.prologue);
@@ -133,11 +166,38 @@ void Simulation::analyze_links() {
     for (const auto& b : lane.blocks) templates.insert(b.template_index);
     for (int t : templates) visit(prog_.templates[t].steps);
   }
+  mirror_lanes(per_rank, crossings);
+}
+
+void Simulation::mirror_lanes(const std::vector<std::vector<PerRankStep>>& per_rank,
+                              const std::set<std::pair<const PreparedComm*, LinkUse>>& crossings) {
+  // Only the per-rank groups' links matter to the mirror check.
+  std::vector<bool> relevant(net_->links().size(), false);
+  for (const auto& collectives : per_rank) {
+    for (const auto& [step, c] : collectives) {
+      for (const PreparedComm* g : c.groups) {
+        for (int l : g->links) relevant[l] = true;
+      }
+    }
+  }
+  if (std::find(relevant.begin(), relevant.end(), true) == relevant.end()) return;
+  LinkUses uses;
+  for (const auto& [comm, u] : crossings) uses.add(*comm, u, relevant);
+  uses.sort_all();
+  std::vector<std::vector<PerRankCollective>> collectives(instances_.size());
+  for (size_t i = 0; i < instances_.size(); ++i) {
+    for (const auto& [step, c] : per_rank[i]) collectives[i].push_back(c);
+  }
+  const std::vector<bool> mirror = lanes_mirroring_first_rank(collectives, *net_, uses);
+  for (size_t i = 0; i < instances_.size(); ++i) {
+    if (!mirror[i]) continue;
+    for (const auto& [step, c] : per_rank[i]) instances_[i]->prepared[step] = c.groups.front();
+  }
 }
 
 bool Simulation::foldable(const Instance& inst, const Step& step) const {
   if (!fold_ || participants(inst, step) > 1) return false;
-  const PreparedComm& c = *inst.prepared.at(&step);
+  const PreparedComm& c = *inst.whole.at(&step);
   for (int l : c.links) {
     if (link_shared_[l]) return false;
   }
@@ -169,6 +229,14 @@ int Simulation::participants(const Instance& inst, const Step& step) const {
 const PreparedComm& Simulation::prepared_collective(Instance& inst, const Step& step) {
   auto it = inst.prepared.find(&step);
   if (it != inst.prepared.end()) return *it->second;
+  const PreparedComm& whole =
+      prepared_comm(static_cast<int>(step.collective), step.bytes, collective_groups(inst, step));
+  inst.whole[&step] = &whole;
+  return *inst.prepared.emplace(&step, &whole).first->second;
+}
+
+std::vector<std::vector<int>> Simulation::collective_groups(const Instance& inst,
+                                                            const Step& step) const {
   std::vector<std::vector<int>> groups;
   if (step.group >= 0) {
     for (const auto& ranks : prog_.explicit_groups[step.group]) {
@@ -176,25 +244,32 @@ const PreparedComm& Simulation::prepared_collective(Instance& inst, const Step& 
       for (int r : ranks) g.push_back(prog_.gpu_of_rank[prog_.rank_in_replica(r, inst.replica)]);
       groups.push_back(g);
     }
-  } else {
-    std::set<std::vector<int>> seen;
-    for (int r : inst.ranks) {
-      std::vector<int> ranks = prog_.group_of(r, step.axes);
-      if (!seen.insert(ranks).second) continue;
-      std::vector<int> g;
-      for (int x : ranks) g.push_back(prog_.gpu_of_rank[x]);
-      groups.push_back(g);
-    }
+    return groups;
   }
+  // One group per lane rank, in the lane's order, unless the axes join them.
+  std::set<std::vector<int>> seen;
+  for (int r : inst.ranks) {
+    std::vector<int> ranks = prog_.group_of(r, step.axes);
+    if (!seen.insert(ranks).second) continue;
+    std::vector<int> g;
+    for (int x : ranks) g.push_back(prog_.gpu_of_rank[x]);
+    groups.push_back(g);
+  }
+  return groups;
+}
+
+const PreparedComm& Simulation::prepared_comm(int kind, double bytes,
+                                              std::vector<std::vector<int>> groups) {
   // Identical communication (same groups, kind and size) is prepared once for all steps and
   // instances that run it.
-  auto key = std::make_tuple(static_cast<int>(step.collective), step.bytes, std::move(groups));
+  auto key = std::make_tuple(kind, bytes, std::move(groups));
   auto shared = prepared_cache_.find(key);
   if (shared == prepared_cache_.end()) {
-    PreparedComm c = runner_->prepare(std::get<2>(key), step.collective, step.bytes);
+    PreparedComm c =
+        runner_->prepare(std::get<2>(key), static_cast<CollectiveKind>(kind), std::get<1>(key));
     shared = prepared_cache_.emplace(std::move(key), std::move(c)).first;
   }
-  return *inst.prepared.emplace(&step, &shared->second).first->second;
+  return shared->second;
 }
 
 double Simulation::joint_collective(Instance& inst, const PreparedComm& comm,

@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "core/network.h"
 #include "core/program.h"
 #include "sim/collective_runner.h"
+#include "sim/lane_mirror.h"
 #include "sim/result.h"
 #include "sim/simulator.h"
 
@@ -72,7 +74,10 @@ class Simulation {
     double memory_level = 0;
     double peak_memory = 0;
     std::vector<MemoryPoint> timeline;
+    // A step's communication as it runs, and whole: every group of a per-rank collective, which
+    // may run as its first group alone (lane_mirror.h).
     std::unordered_map<const Step*, const PreparedComm*> prepared;
+    std::unordered_map<const Step*, const PreparedComm*> whole;
     // Pipeline sends, one FIFO stream per direction (activations, gradients).
     struct SendItem {
       const PreparedComm* comm = nullptr;
@@ -106,8 +111,13 @@ class Simulation {
   void dp_stream_actor(Instance& inst);
   void send_stream_actor(Instance& inst, int direction);
   // Prepares every communication of every instance and finds the collectives whose links no
-  // other communication crosses: those run in closed form on the compute stream.
+  // other communication crosses (those run in closed form on the compute stream) and the lanes
+  // whose per-rank collectives may run their first rank's group alone (lane_mirror.h).
   void analyze_links();
+  // Runs the per-rank collectives of every lane that may as their first rank's group alone.
+  using PerRankStep = std::pair<const Step*, PerRankCollective>;
+  void mirror_lanes(const std::vector<std::vector<PerRankStep>>& per_rank,
+                    const std::set<std::pair<const PreparedComm*, LinkUse>>& crossings);
   bool foldable(const Instance& inst, const Step& step) const;
   const PreparedComm& prepared_transfer(Instance& inst, const Step& step);
   void run_steps(Instance& inst, const std::vector<Step>& steps, int block, int micro_batch,
@@ -118,6 +128,10 @@ class Simulation {
   void send(Instance& inst, const Step& step, int block, int micro_batch, int segment);
   void dp_wait(Instance& inst, const Step& step, int block);
   const PreparedComm& prepared_collective(Instance& inst, const Step& step);
+  // The GPU groups a collective step of `inst` runs over (one per lane rank unless its axes
+  // join them, or the step's explicit groups).
+  std::vector<std::vector<int>> collective_groups(const Instance& inst, const Step& step) const;
+  const PreparedComm& prepared_comm(int kind, double bytes, std::vector<std::vector<int>> groups);
   // Runs a collective that several instances join (data parallel in full fidelity, explicit
   // groups); returns when it is done for this instance.
   // Returns when the collective started (the last participant's arrival).

@@ -29,6 +29,10 @@ struct SimOptions {
   // Run a collective whose links no other communication of the plan ever crosses in closed form
   // (the time SimGrid gives it alone) instead of as SimGrid activities. Exact; much faster.
   bool fold_exclusive_collectives = true;
+  // Run a lane's per-rank collectives (one group per tensor-parallel rank, say) as the first
+  // rank's group alone where every rank's groups cross links alike (sim/lane_mirror.h). Exact;
+  // much faster where data-parallel rings overlap tensor-parallel collectives.
+  bool mirror_lane_ranks = true;
   // Called with the fraction of blocks done, at most every 0.2 s of wall time.
   std::function<void(double)> progress;
 };

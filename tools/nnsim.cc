@@ -129,7 +129,8 @@ void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
       ->check(CLI::IsMember({"symmetric", "full"}));
   app->add_flag("--no-fold", a.no_fold,
                 "run every collective as SimGrid activities, even those whose links nothing else "
-                "crosses (slower; the same result)");
+                "crosses, and every lane rank's group of a per-rank collective (slower; the same "
+                "result)");
   app->add_option("--calib", a.calib,
                   "calibration file (HDF5) replacing the cost model's constants for its GPUs");
   app->add_flag("--allow-oom", a.allow_oom,
@@ -215,6 +216,7 @@ int run_simulate(const SimulateArgs& a) {
   opts.fidelity = a.fidelity == "full" ? Fidelity::kFull : Fidelity::kSymmetric;
   opts.record_tasks = !a.trace.empty() || !a.hdf5.empty();
   opts.fold_exclusive_collectives = !a.no_fold;
+  opts.mirror_lane_ranks = !a.no_fold;
   Progress progress("simulating");
   opts.progress = [&progress](double f) { progress.update(f); };
   Expected<SimResult> result = simulate(*prog, opts);

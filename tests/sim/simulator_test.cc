@@ -365,6 +365,33 @@ TEST(Simulator, FoldingExclusiveCollectivesChangesNothing) {
   }
 }
 
+TEST(Simulator, MirroringALanesRanksChangesNothing) {
+  // Each tensor-parallel rank's data-parallel ring leaves the node through its own NIC, and the
+  // overlapped gradient reduce-scatters share NVSwitch ports with the tensor-parallel
+  // collectives: the first rank's ring alone must give every figure the four rings give.
+  MegatronOptions o;
+  o.tp = 4;
+  o.pp = 2;
+  o.global_batch = 32;
+  o.sequence_parallel = true;
+  o.zero = 1;
+  Program p = compile(model("gpt3-2.7b"), load("dgx-a100x4"), o);
+  SimOptions whole;
+  whole.mirror_lane_ranks = false;
+  SimResult a = run(p);
+  SimResult b = run(p, whole);
+  EXPECT_DOUBLE_EQ(a.iteration_time, b.iteration_time);
+  ASSERT_EQ(a.lanes.size(), b.lanes.size());
+  for (size_t l = 0; l < a.lanes.size(); ++l) {
+    for (const auto& [group, seconds] : b.lanes[l].breakdown.exposed_comm) {
+      EXPECT_DOUBLE_EQ(a.lanes[l].breakdown.exposed_comm[group], seconds) << group;
+    }
+    EXPECT_DOUBLE_EQ(a.lanes[l].breakdown.compute, b.lanes[l].breakdown.compute);
+  }
+  EXPECT_GT(b.lanes[0].breakdown.exposed_comm["dp"], 0);
+  EXPECT_LT(a.activities, b.activities);
+}
+
 TEST(Simulator, FoldingMatchesSimGridForRingsCutIntoSeveralTasks) {
   // 64 GPUs in one data-parallel group: 8 channel rings of 64 flows, run as two parallel tasks
   // that share every NVSwitch port. The fluid closed form must agree with SimGrid.
