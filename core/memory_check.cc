@@ -55,6 +55,10 @@ Status check_memory_fits(const Program& program) {
       {m.comm_buffers + m.runtime,
        "communication buffers and runtime " + format_bytes(m.comm_buffers + m.runtime)},
   };
+  if (m.gathered > 0) {
+    parts.emplace_back(m.gathered,
+                       "ZeRO-3's gathered weights and gradients " + format_bytes(m.gathered));
+  }
   std::sort(parts.begin(), parts.end(),
             [](const auto& a, const auto& b) { return a.first > b.first; });
   std::string what;

@@ -1474,14 +1474,13 @@ void Compiler::build_memory(Lane& lane, const std::vector<int>& segments) {
     // Sharded weights plus the gathered copies of the layer in use and the one prefetched.
     const double layer_params =
         std::accumulate(layer.local_params.begin(), layer.local_params.end(), 0.0);
-    m.weights = params * plan.optimizer.weight_shard_bytes / dp + 2 * layer_params * weight_bytes;
-    m.gradients += layer_params * plan.optimizer.grad_bytes;
+    m.weights = params * plan.optimizer.weight_shard_bytes / dp;
+    m.gathered = 2 * layer_params * weight_bytes + layer_params * plan.optimizer.grad_bytes;
     if (plan.optimizer.keep_gathered) {
       // Every parameter gathered, and its unsharded gradient accumulated, for the iteration.
       const double accumulate =
           plan.comm.grad_reduce_bytes > 0 ? plan.comm.grad_reduce_bytes : plan.optimizer.grad_bytes;
-      m.weights = params * plan.optimizer.weight_shard_bytes / dp + params * weight_bytes;
-      m.gradients = params * plan.optimizer.grad_bytes / dp + params * accumulate;
+      m.gathered = params * weight_bytes + params * accumulate;
     }
   }
   // One communicator per parallel group the device is in, plus the pipeline neighbours.

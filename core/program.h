@@ -78,12 +78,17 @@ struct BlockInstance {
 
 // Static memory of a device, bytes.
 struct StaticMemory {
-  double weights = 0;
-  double gradients = 0;
+  double weights = 0;    // ZeRO-3: this device's shards
+  double gradients = 0;  // ZeRO-2/3: this device's shards
   double optimizer = 0;
+  // ZeRO-3's working set through the iteration: the gathered weights of the unit in use and the
+  // one prefetched, and one unit's unsharded gradients (with keep_gathered, every parameter's).
+  double gathered = 0;
   double comm_buffers = 0;
   double runtime = 0;  // CUDA context and libraries
-  double total() const { return weights + gradients + optimizer + comm_buffers + runtime; }
+  double total() const {
+    return weights + gradients + optimizer + gathered + comm_buffers + runtime;
+  }
 };
 
 struct Lane {

@@ -760,6 +760,22 @@ class Model {
   // Parameters whose gradients sequence parallelism leaves as partial sums over the
   // tensor-parallel group (applied to a slice of the sequence): the norms', the biases added in
   // the residuals, the position table.
+  // Parameters whose operators read the fp32 weights themselves rather than their copy in the
+  // compute dtype: the word embedding's lookup (its rows looked up in fp32, then cast) and the
+  // norms computed in fp32 (RMSNorm; LayerNorm on a CPU in fp16).
+  std::vector<const Param*> fp32_reads() const {
+    std::vector<const Param*> v;
+    if (embedding_ && word_) v.push_back(word_);
+    if (spec_.norm == NormKind::kLayerNorm && !cpu_fp16()) return v;
+    auto add = [&](std::initializer_list<const Param*> ps) {
+      for (const Param* p : ps) {
+        if (p) v.push_back(p);
+      }
+    };
+    for (const LayerParams& L : layers_) add({L.ln1g, L.ln1b, L.ln2g, L.ln2b});
+    add({hn_g_, hn_b_});
+    return v;
+  }
   std::vector<Param*> sequence_parallel_params() {
     std::vector<Param*> v;
     auto add = [&](std::initializer_list<Param*> ps) {
@@ -2111,7 +2127,62 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // master values stay in the chunks, and the operators' bf16 copies come out the same.
   // ZeRO-3 in bf16 also writes the gathered values into the operators' bf16 copies, which keep
   // their autograd link to the fp32 weights (no per-iteration cast: the cast is the chunk's).
+  // ZeRO-3 frees a unit's gathered weights once the unit has run (FSDP's reshard, DeepSpeed's
+  // release) and allocates them again for its next gather: a rank holds the unit in use and the
+  // one prefetched, as the simulator counts (docs/cost-model.md, "Memory"). Not when the plan
+  // keeps them gathered, nor with explicit recompute blocks, which run on the backward's gathers.
+  bool reshard = zero == 3 && !plan.optimizer.keep_gathered;
+  for (const Block& blk : L.order->blocks) {
+    reshard = reshard && blk.kind != BlockKind::kRecompute;
+  }
+  // The tensors a unit's gather writes: its parameters, and a V-shaped head's tied matrix.
+  auto gather_targets = [](const ZeroUnit& u) {
+    std::vector<Param*> targets = u.params;
+    if (u.gathers_with) targets.push_back(u.tied_word);
+    return targets;
+  };
+  // A parameter's gathered values: the weights, and their bf16 copy when it has its own storage.
+  // In a 16-bit plan the operators read the gathered copy in the compute dtype; the fp32
+  // weights of a resharded unit are gathered only where an operator reads them (fp32_reads).
+  std::set<const Param*> fp32_read;
+  for (const auto& [sg, model] : models) {
+    for (const Param* p : model->fp32_reads()) fp32_read.insert(p);
+  }
+  auto gathers_fp32 = [&](const Param& p) {
+    return !reshard || dtype == at::kFloat || fp32_read.count(&p) > 0;
+  };
+  auto gathered_storage = [&](const Param& p) {
+    std::vector<at::Tensor> ts;
+    if (gathers_fp32(p)) ts.push_back(p.w);
+    if (p.c.defined() && !p.c.is_alias_of(p.w)) ts.push_back(p.c);
+    return ts;
+  };
+  // FSDP's root unit: a tied head in the embedding's segment reads the embedding unit's matrix,
+  // which stays gathered (DeepSpeed's hooks gather it again instead).
+  std::set<const ZeroUnit*> pinned;
+  for (int sg : reshard&& plan.model.tied_embeddings && !plan.comm.zero3_per_tensor
+                    ? L.segments
+                    : std::vector<int>{}) {
+    const Model& model = *models.at(sg);
+    if (!model.has_head() || !model.has_embedding()) continue;
+    for (const ZeroUnit& u : zunits_of.at(sg)) {
+      if (std::find(u.params.begin(), u.params.end(), model.word_matrix()) != u.params.end()) {
+        pinned.insert(&u);
+      }
+    }
+  }
+  auto release_unit = [&](const ZeroUnit& u) {
+    if (!reshard || pinned.count(&u)) return;
+    for (Param* p : gather_targets(u)) {
+      for (const at::Tensor& t : gathered_storage(*p)) resize_storage(t, 0);
+    }
+  };
   auto gather_unit = [&](const ZeroUnit& u) {
+    for (Param* p : gather_targets(u)) {
+      for (const at::Tensor& t : gathered_storage(*p)) {
+        if (t.storage().nbytes() == 0) resize_storage(t, t.numel() * t.element_size());
+      }
+    }
     const ZeroUnit* with = u.gathers_with;
     const int64_t own = u.layout.chunk();
     const int64_t extra = with ? with->layout.part_chunk(with->tied_part) : 0;
@@ -2125,18 +2196,17 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     const at::Tensor rows = full.view({dpn, own + extra});
     std::vector<at::Tensor> values =
         u.layout.unflatten(with ? rows.narrow(1, 0, own).reshape({-1}) : full);
-    std::vector<Param*> targets = u.params;
+    const std::vector<Param*> targets = gather_targets(u);
     if (with) {
       // The matrix's part: every rank's chunk of it, in rank order, then its padding.
       values.push_back(
           rows.narrow(1, own, extra).reshape({-1}).narrow(0, 0, u.tied_word->w.numel()));
-      targets.push_back(u.tied_word);
     }
     for (std::size_t i = 0; i < targets.size(); ++i) {
       Param* p = targets[i];
       const at::Tensor mine = values[i].view(p->w.sizes());
       // Not a version bump: ZeRO-3's backward gather writes weights its saved graphs hold.
-      p->w.variable_data().copy_(mine);
+      if (gathers_fp32(*p)) p->w.variable_data().copy_(mine);
       if (zero == 3 && dtype != at::kFloat) p->c.variable_data().copy_(mine);
     }
   };
@@ -2192,12 +2262,30 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       };
       if (pos == 0) fetch(0);
       if (pos + 1 < n) fetch(pos + 1);
+      if (pos == 0) return;
+      // The unit before this one is done.
+      const int done = backward ? n - pos : pos - 1;
+      each(done, release_unit);
+      if (done == n - 1 && ztied_of.count(sg)) release_unit(*ztied_of.at(sg));
     };
     ctx.after_unit_backward = [&, sg, zb, each](int u) {
       if (!zb->reduce) return;
       each(u, [&](ZeroUnit& zu) { reduce_unit(zu, grad_sync_label(sg)); });
     };
   };
+
+  // Between blocks no unit stays gathered.
+  auto release_segment = [&](int sg) {
+    for (const ZeroUnit& u : zunits_of.at(sg)) release_unit(u);
+    if (ztied_of.count(sg)) release_unit(*ztied_of.at(sg));
+  };
+  for (int sg : zero == 3 ? L.segments : std::vector<int>{}) release_segment(sg);
+  // The fp32 weights no operator reads: only their gradients are used.
+  for (const ZeroUnit* u : reshard ? zunits : std::vector<ZeroUnit*>{}) {
+    for (Param* p : gather_targets(*u)) {
+      if (!gathers_fp32(*p) && p->w.storage().nbytes() > 0) resize_storage(p->w, 0);
+    }
+  }
 
   RankResult out;
   out.rank = rank;
@@ -2446,6 +2534,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
           reduce_after(sg, m);
         }
       }
+      if (zero == 3) release_segment(sg);
     }
     for (int sg : L.segments) {
       if (zero != 1 || !tied_copy(sg)) continue;

@@ -88,7 +88,8 @@ Expected<std::vector<StageCosts>> measure_stage_costs(const Program& plain,
     c.layer_seconds = t0[s].layers / n;
     c.recompute_seconds = std::max(0.0, (t1[s].layers - t0[s].layers) / n);
     c.other_seconds = t0[s].other;
-    const double static_bytes = ln.memory.weights + ln.memory.gradients + ln.memory.optimizer;
+    const double static_bytes =
+        ln.memory.weights + ln.memory.gradients + ln.memory.optimizer + ln.memory.gathered;
     c.static_per_layer = ln.parameters > 0 ? static_bytes / ln.parameters * layer_params : 0;
     const int first = segments[s].first_layer;
     c.activation_per_layer = plain.layer_activation_bytes.at(first);

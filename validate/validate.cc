@@ -167,6 +167,7 @@ std::string validation_json(const std::vector<CaseOutcome>& outcomes, const Vali
     if (o.ok()) {
       c["memory"] = {{"weights_bytes", o.memory.weights},
                      {"gradients_bytes", o.memory.gradients},
+                     {"gathered_bytes", o.memory.gathered},
                      {"optimizer_bytes", o.memory.optimizer},
                      {"comm_buffers_bytes", o.memory.comm_buffers},
                      {"runtime_bytes", o.memory.runtime},

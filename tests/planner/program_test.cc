@@ -144,17 +144,15 @@ TEST(Program, ZeroShardsOverDataParallelRanks) {
     EXPECT_EQ(lane.parameters, P) << "parameters are counted before sharding";
     const StaticMemory& mem = lane.memory;
     const double opt = zero >= 1 ? 12 * P / dp : 12 * P;
-    double grads = zero >= 2 ? 4 * P / dp : 4 * P;
-    double weights = 2 * P;
-    if (zero == 3) {
-      // Sharded weights plus the gathered layer in use and the one prefetched; gradients of the
-      // layer being reduced.
-      weights = 2 * P / dp + 2 * 2 * layer;
-      grads += 4 * layer;
-    }
+    const double grads = zero >= 2 ? 4 * P / dp : 4 * P;
+    const double weights = zero == 3 ? 2 * P / dp : 2 * P;
+    // ZeRO-3's working set: the gathered layer in use and the one prefetched, and the gradients
+    // of the layer being reduced.
+    const double gathered = zero == 3 ? 2 * 2 * layer + 4 * layer : 0;
     EXPECT_DOUBLE_EQ(mem.optimizer, opt) << "zero " << zero;
     EXPECT_DOUBLE_EQ(mem.gradients, grads) << "zero " << zero;
     EXPECT_DOUBLE_EQ(mem.weights, weights) << "zero " << zero;
+    EXPECT_DOUBLE_EQ(mem.gathered, gathered) << "zero " << zero;
   }
 }
 
@@ -172,9 +170,10 @@ TEST(Program, Fp32ZeroThreeShardIsTheMasterCopy) {
   const Lane& lane = prog.lanes[0];
   const double P = lane.parameters;
   const double layer = static_cast<double>(m.layer_parameters());
-  EXPECT_DOUBLE_EQ(lane.memory.weights, 4 * P / dp + 2 * 4 * layer);
-  EXPECT_DOUBLE_EQ(lane.memory.gradients, 4 * P / dp + 4 * layer);
+  EXPECT_DOUBLE_EQ(lane.memory.weights, 4 * P / dp);
+  EXPECT_DOUBLE_EQ(lane.memory.gradients, 4 * P / dp);
   EXPECT_DOUBLE_EQ(lane.memory.optimizer, 8 * P / dp);
+  EXPECT_DOUBLE_EQ(lane.memory.gathered, 2 * 4 * layer + 4 * layer);
 }
 
 // Per device under Megatron tensor parallelism (no SP): column- and row-parallel weights and the
@@ -404,9 +403,10 @@ TEST(Program, FsdpUnderAPipelineKeepsParametersGathered) {
     EXPECT_EQ(dp_launches(*resharded, resharded->lanes[l], kRS), units * micro_batches);
 
     const double P = lane.parameters;
-    EXPECT_DOUBLE_EQ(lane.memory.weights, 4 * P / shard + 2 * P);
-    EXPECT_DOUBLE_EQ(lane.memory.gradients, 4 * P / shard + 4 * P);
-    EXPECT_LT(resharded->lanes[l].memory.weights, lane.memory.weights);
+    EXPECT_DOUBLE_EQ(lane.memory.weights, 4 * P / shard);
+    EXPECT_DOUBLE_EQ(lane.memory.gradients, 4 * P / shard);
+    EXPECT_DOUBLE_EQ(lane.memory.gathered, 2 * P + 4 * P);  // every parameter, all iteration
+    EXPECT_LT(resharded->lanes[l].memory.gathered, lane.memory.gathered);
   }
 
   // Megatron's own conventions are untouched.

@@ -78,6 +78,8 @@ TEST(Validate, SimulatesACaseAndReportsItsError) {
     EXPECT_GT(mem[part].get<double>(), 0) << part;
     bytes += mem[part].get<double>();
   }
+  ASSERT_TRUE(mem.contains("gathered_bytes"));  // ZeRO-3's working set: none here
+  EXPECT_EQ(mem["gathered_bytes"].get<double>(), 0);
   EXPECT_NEAR(bytes / (1024.0 * 1024 * 1024),
               j["cases"][0]["predicted_peak_memory_gib"].get<double>(), 1e-9);
 }
