@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -557,6 +558,12 @@ int run_validate(const ValidateArgs& a) {
   }
   if (!a.plans_dir.empty()) {
     // The plans exactly as simulated, for inspection or for `nnsim simulate`.
+    std::error_code ec;
+    std::filesystem::create_directories(a.plans_dir, ec);
+    if (ec) {
+      return fail(fmt::format("--write-plans: cannot create the folder '{}': {}", a.plans_dir,
+                              ec.message()));
+    }
     for (const auto& c : *cases) {
       Expected<Topology> topo = case_topology(c);
       if (!topo) continue;
@@ -1017,7 +1024,8 @@ int main(int argc, char** argv) {
                    "simulate only these case ids (space- or comma-separated)")
       ->delimiter(',');
   validate_cmd->add_option("--write-plans", validate.plans_dir,
-                           "write every case's plan (as simulated) into this folder");
+                           "write every case's plan (as simulated) into this folder (created if "
+                           "missing)");
   validate_cmd->add_option("--calib", validate.calib,
                            "calibration file (HDF5) replacing the cost model's constants");
 

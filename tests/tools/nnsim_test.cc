@@ -953,6 +953,20 @@ TEST(NnsimTool, ValidateOnlyTakesCommaOrSpaceSeparatedIds) {
                {"--only: no case 'fourth'", "known: first, second, third"});
 }
 
+TEST(NnsimTool, ValidateWritePlansCreatesItsFolder) {
+  Sandbox box;
+  box.write("set.yaml", two_case_set());
+  RunResult r = box.nnsim(
+      {"validate", "set.yaml", "--only", "second", "--jobs", "1", "--write-plans", "plans/dev"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(box.exists("plans/dev/second.json"));
+  EXPECT_TRUE(contains(box.read("plans/dev/second.json"), "\"nnsim-plan\"")) << r;
+  box.write("plans/file", "not a folder");
+  expect_error(
+      box.nnsim({"validate", "set.yaml", "--only", "second", "--write-plans", "plans/file/sub"}),
+      {"--write-plans: cannot create the folder 'plans/file/sub'"});
+}
+
 TEST(NnsimTool, Version) {
   Sandbox box;
   RunResult r = box.nnsim({"--version"});
