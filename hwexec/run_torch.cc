@@ -757,9 +757,6 @@ class Model {
     }
     return u;
   }
-  // Parameters whose gradients sequence parallelism leaves as partial sums over the
-  // tensor-parallel group (applied to a slice of the sequence): the norms', the biases added in
-  // the residuals, the position table.
   // Parameters whose operators read the fp32 weights themselves rather than their copy in the
   // compute dtype: the word embedding's lookup (its rows looked up in fp32, then cast) and the
   // norms computed in fp32 (RMSNorm; LayerNorm on a CPU in fp16).
@@ -776,6 +773,9 @@ class Model {
     add({hn_g_, hn_b_});
     return v;
   }
+  // Parameters whose gradients sequence parallelism leaves as partial sums over the
+  // tensor-parallel group (applied to a slice of the sequence): the norms', the biases added in
+  // the residuals, the position table.
   std::vector<Param*> sequence_parallel_params() {
     std::vector<Param*> v;
     auto add = [&](std::initializer_list<Param*> ps) {
@@ -2121,12 +2121,6 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
                ? fmt::format("grad sync {}", plan.segments[sg].name)
                : std::string("grad sync");
   };
-  // The master chunks all-gathered into the parameters the operators use.
-  // In bf16 plans the gather carries the bf16 weights the operators compute with (Megatron's
-  // distributed optimizer gathers the 16-bit model parameters; the program's bytes): the fp32
-  // master values stay in the chunks, and the operators' bf16 copies come out the same.
-  // ZeRO-3 in bf16 also writes the gathered values into the operators' bf16 copies, which keep
-  // their autograd link to the fp32 weights (no per-iteration cast: the cast is the chunk's).
   // ZeRO-3 frees a unit's gathered weights once the unit has run (FSDP's reshard, DeepSpeed's
   // release) and allocates them again for its next gather: a rank holds the unit in use and the
   // one prefetched, as the simulator counts (docs/cost-model.md, "Memory"). Not when the plan
@@ -2160,9 +2154,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // FSDP's root unit: a tied head in the embedding's segment reads the embedding unit's matrix,
   // which stays gathered (DeepSpeed's hooks gather it again instead).
   std::set<const ZeroUnit*> pinned;
-  for (int sg : reshard&& plan.model.tied_embeddings && !plan.comm.zero3_per_tensor
-                    ? L.segments
-                    : std::vector<int>{}) {
+  const bool root_unit = reshard && plan.model.tied_embeddings && !plan.comm.zero3_per_tensor;
+  for (int sg : root_unit ? L.segments : std::vector<int>{}) {
     const Model& model = *models.at(sg);
     if (!model.has_head() || !model.has_embedding()) continue;
     for (const ZeroUnit& u : zunits_of.at(sg)) {
@@ -2177,6 +2170,12 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       for (const at::Tensor& t : gathered_storage(*p)) resize_storage(t, 0);
     }
   };
+  // The master chunks all-gathered into the parameters the operators use.
+  // In bf16 plans the gather carries the bf16 weights the operators compute with (Megatron's
+  // distributed optimizer gathers the 16-bit model parameters; the program's bytes): the fp32
+  // master values stay in the chunks, and the operators' bf16 copies come out the same.
+  // ZeRO-3 in bf16 also writes the gathered values into the operators' bf16 copies, which keep
+  // their autograd link to the fp32 weights (no per-iteration cast: the cast is the chunk's).
   auto gather_unit = [&](const ZeroUnit& u) {
     for (Param* p : gather_targets(u)) {
       for (const at::Tensor& t : gathered_storage(*p)) {
