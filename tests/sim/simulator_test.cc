@@ -392,6 +392,31 @@ TEST(Simulator, MirroringALanesRanksChangesNothing) {
   EXPECT_LT(a.activities, b.activities);
 }
 
+TEST(Simulator, MirroringLanesWhoseRingsShareRailUplinks) {
+  // Both pipeline stages sit in one scalable unit of the rail-optimized fabric: their ranks'
+  // data-parallel rings share the unit's rail uplinks rank for rank, so the two lanes mirror
+  // together, with the same figures.
+  MegatronOptions o;
+  o.tp = 4;
+  o.pp = 2;
+  o.global_batch = 128;
+  o.sequence_parallel = true;
+  o.zero = 1;
+  Program p = compile(model("gpt3-1.3b"), load("dgx-h100-superpod", 32), o);
+  ASSERT_EQ(p.replicas, 32);
+  SimOptions whole;
+  whole.mirror_lane_ranks = false;
+  SimResult a = run(p);
+  SimResult b = run(p, whole);
+  EXPECT_DOUBLE_EQ(a.iteration_time, b.iteration_time);
+  for (size_t l = 0; l < a.lanes.size(); ++l) {
+    for (const auto& [group, seconds] : b.lanes[l].breakdown.exposed_comm) {
+      EXPECT_DOUBLE_EQ(a.lanes[l].breakdown.exposed_comm[group], seconds) << group;
+    }
+  }
+  EXPECT_LT(a.activities, b.activities);
+}
+
 TEST(Simulator, FoldingMatchesSimGridForRingsCutIntoSeveralTasks) {
   // 64 GPUs in one data-parallel group: 8 channel rings of 64 flows, run as two parallel tasks
   // that share every NVSwitch port. The fluid closed form must agree with SimGrid.
