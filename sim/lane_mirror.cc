@@ -10,7 +10,6 @@ void LinkUses::add(const PreparedComm& comm, LinkUse use, const std::vector<bool
   for (const auto& task : comm.tasks) {
     for (const auto& [link, bytes] : task.link_load) {
       if (!relevant[link]) continue;
-      if (by_link.size() <= static_cast<size_t>(link)) by_link.resize(link + 1);
       use.bytes = bytes;
       by_link[link].push_back(use);
     }
@@ -67,10 +66,7 @@ bool lane_mirrors_first_rank(int instance, const std::vector<PerRankCollective>&
   if (collectives.empty()) return false;
   const size_t ranks = collectives.front().groups.size();
   if (ranks < 2) return false;
-  static const std::vector<LinkUse> kNone;
-  auto uses_of = [&](int link) -> const std::vector<LinkUse>& {
-    return static_cast<size_t>(link) < uses.by_link.size() ? uses.by_link[link] : kNone;
-  };
+  auto uses_of = [&](int link) -> const std::vector<LinkUse>& { return uses.by_link.at(link); };
   for (size_t p = 1; p < ranks; ++p) {
     // Rank p's links, each with the first rank's link it stands for.
     std::map<int, int> to_first;

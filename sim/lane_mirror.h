@@ -27,6 +27,7 @@ struct LinkUse {
 
 // Every link's uses, sorted (LinkUses::add, then sort_all).
 struct LinkUses {
+  explicit LinkUses(size_t links) : by_link(links) {}
   std::vector<std::vector<LinkUse>> by_link;
   // `comm`'s use of every link it crosses that is `relevant` (indexed by link).
   void add(const PreparedComm& comm, LinkUse use, const std::vector<bool>& relevant);

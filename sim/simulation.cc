@@ -181,7 +181,7 @@ void Simulation::mirror_lanes(const std::vector<std::vector<PerRankStep>>& per_r
     }
   }
   if (std::find(relevant.begin(), relevant.end(), true) == relevant.end()) return;
-  LinkUses uses;
+  LinkUses uses(net_->links().size());
   for (const auto& [comm, u] : crossings) uses.add(*comm, u, relevant);
   uses.sort_all();
   std::vector<std::vector<PerRankCollective>> collectives(instances_.size());
@@ -226,13 +226,8 @@ int Simulation::participants(const Instance& inst, const Step& step) const {
   return 1;
 }
 
-const PreparedComm& Simulation::prepared_collective(Instance& inst, const Step& step) {
-  auto it = inst.prepared.find(&step);
-  if (it != inst.prepared.end()) return *it->second;
-  const PreparedComm& whole =
-      prepared_comm(static_cast<int>(step.collective), step.bytes, collective_groups(inst, step));
-  inst.whole[&step] = &whole;
-  return *inst.prepared.emplace(&step, &whole).first->second;
+const PreparedComm& Simulation::prepared_collective(const Instance& inst, const Step& step) const {
+  return *inst.prepared.at(&step);  // analyze_links prepared every step
 }
 
 std::vector<std::vector<int>> Simulation::collective_groups(const Instance& inst,

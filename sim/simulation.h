@@ -127,7 +127,7 @@ class Simulation {
   void recv(Instance& inst, const Step& step, int block, int micro_batch, int segment);
   void send(Instance& inst, const Step& step, int block, int micro_batch, int segment);
   void dp_wait(Instance& inst, const Step& step, int block);
-  const PreparedComm& prepared_collective(Instance& inst, const Step& step);
+  const PreparedComm& prepared_collective(const Instance& inst, const Step& step) const;
   // The GPU groups a collective step of `inst` runs over (one per lane rank unless its axes
   // join them, or the step's explicit groups).
   std::vector<std::vector<int>> collective_groups(const Instance& inst, const Step& step) const;

@@ -55,7 +55,7 @@ class Lanes {
     crossings_.push_back({comms_.back().get(), {lane, next_comm_++}});
   }
   std::vector<bool> mirror() {
-    LinkUses uses;
+    LinkUses uses(net_.links().size());
     const std::vector<bool> all(net_.links().size(), true);
     for (const auto& [comm, use] : crossings_) uses.add(*comm, use, all);
     uses.sort_all();
