@@ -74,6 +74,25 @@ int gather_tag(int segment, int bucket) {
   return 1000000 + segment * 1000 + bucket;
 }
 
+// A collective over the mesh axes `axes` (a bitmask) moving `bytes` per device.
+Step collective_step(CollectiveKind kind, uint32_t axes, double bytes, int label) {
+  Step s;
+  s.kind = StepKind::kCollective;
+  s.collective = kind;
+  s.axes = axes;
+  s.bytes = bytes;
+  s.label = label;
+  return s;
+}
+
+// The collectives that convert a tensor between layouts, one step each.
+void append_conversions(const std::vector<Conversion>& conversions, int label,
+                        std::vector<Step>& steps) {
+  for (const Conversion& c : conversions) {
+    steps.push_back(collective_step(c.kind, 1u << c.axis, c.bytes, label));
+  }
+}
+
 // A graph part (embedding, one layer, head) with everything the plan fixes about it.
 struct PartInfo {
   const GraphPart* part = nullptr;
@@ -181,6 +200,16 @@ struct Compiler {
     const auto& emb_lanes = lanes_of_segment[segment_order.front()];
     return plan.segments[segment].head && lanes_of_segment[segment].size() == 1 &&
            emb_lanes.size() == 1 && lanes_of_segment[segment] == emb_lanes;
+  }
+  // The mesh axes a split operator's internal collective runs over: those splitting `dim`.
+  uint32_t internal_comm_axes(const OpPartition& part, Dim dim) const {
+    uint32_t axes = 0;
+    for (size_t a = 0; a < mesh.axes.size(); ++a) {
+      if (part.splits_on(static_cast<int>(a)) && part.dim_on(static_cast<int>(a)) == dim) {
+        axes |= 1u << a;
+      }
+    }
+    return axes;
   }
   // Devices the optimizer state is sharded over (the size of the bucket group).
   int shard_degree() const {
@@ -372,15 +401,7 @@ void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
       for (const auto& [ref, lay] : converted) seen = seen || (ref == r && lay == want);
       if (seen) continue;
       converted.emplace_back(r, want);
-      for (const Conversion& c : conversions(t, have, want, mesh)) {
-        Step s;
-        s.kind = StepKind::kCollective;
-        s.collective = c.kind;
-        s.axes = 1u << c.axis;
-        s.bytes = c.bytes;
-        s.label = p.labels[i];
-        steps.push_back(s);
-      }
+      append_conversions(conversions(t, have, want, mesh), p.labels[i], steps);
     }
     Step s;
     s.kind = StepKind::kCompute;
@@ -394,35 +415,19 @@ void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
     for (const auto& ic : op.internal_comm) {
       int f = part.factor(ic.dim, mesh);
       if (f <= 1) continue;
-      uint32_t axes = 0;
-      for (size_t a = 0; a < mesh.axes.size(); ++a) {
-        if (part.splits_on(static_cast<int>(a)) && part.dim_on(static_cast<int>(a)) == ic.dim) {
-          axes |= 1u << a;
-        }
-      }
+      const uint32_t axes = internal_comm_axes(part, ic.dim);
       const double piece = ic.fwd_bytes / part.factor(ic.dims, mesh);
       if (ic.kind == InternalComm::Kind::kRingExchange) {
         // Passing every chunk around the ring moves what an all-gather of the chunks moves.
-        Step c;
-        c.kind = StepKind::kCollective;
-        c.collective = CollectiveKind::kAllGather;
-        c.axes = axes;
-        c.bytes = piece * f;
+        Step c = collective_step(CollectiveKind::kAllGather, axes, piece * f, p.labels[i]);
         c.seconds = s.seconds;  // overlapped with the operator's compute
         c.compute_class = cls;
         c.flops = s.flops;
-        c.label = p.labels[i];
         steps.push_back(c);
         overlapped = true;
       } else {
         for (int k = 0; k < ic.fwd_calls; ++k) {
-          Step c;
-          c.kind = StepKind::kCollective;
-          c.collective = CollectiveKind::kAllReduce;
-          c.axes = axes;
-          c.bytes = piece;
-          c.label = p.labels[i];
-          steps.push_back(c);
+          steps.push_back(collective_step(CollectiveKind::kAllReduce, axes, piece, p.labels[i]));
         }
       }
     }
@@ -451,13 +456,7 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
         if (!saved || recomputed[i]) continue;
         for (const Conversion& c : conversions(t, have, want, mesh)) {
           if (c.kind != CollectiveKind::kAllGather) continue;
-          Step s;
-          s.kind = StepKind::kCollective;
-          s.collective = c.kind;
-          s.axes = 1u << c.axis;
-          s.bytes = c.bytes;
-          s.label = p.labels[i];
-          steps.push_back(s);
+          steps.push_back(collective_step(c.kind, 1u << c.axis, c.bytes, p.labels[i]));
         }
       }
     }
@@ -473,19 +472,9 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
       for (const auto& ic : op.internal_comm) {
         int f = part.factor(ic.dim, mesh);
         if (f <= 1 || ic.bwd_calls == 0) continue;
-        uint32_t axes = 0;
-        for (size_t a = 0; a < mesh.axes.size(); ++a) {
-          if (part.splits_on(static_cast<int>(a)) && part.dim_on(static_cast<int>(a)) == ic.dim) {
-            axes |= 1u << a;
-          }
-        }
         const double piece = ic.bwd_bytes / part.factor(ic.dims, mesh);
-        Step c;
-        c.kind = StepKind::kCollective;
-        c.collective = CollectiveKind::kAllGather;
-        c.axes = axes;
-        c.bytes = piece * f;
-        c.label = p.labels[i];
+        Step c = collective_step(CollectiveKind::kAllGather, internal_comm_axes(part, ic.dim),
+                                 piece * f, p.labels[i]);
         if (ic.overlaps_compute) {
           c.seconds = s.seconds;
           c.flops = s.flops;
@@ -507,15 +496,7 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
       for (const auto& [ref, lay] : converted) seen = seen || (ref == r && lay == have);
       if (seen) continue;
       converted.emplace_back(r, have);
-      for (const Conversion& c : conversions(t, have, want, mesh)) {
-        Step cs;
-        cs.kind = StepKind::kCollective;
-        cs.collective = c.kind;
-        cs.axes = 1u << c.axis;
-        cs.bytes = c.bytes;
-        cs.label = p.labels[i];
-        steps.push_back(cs);
-      }
+      append_conversions(conversions(t, have, want, mesh), p.labels[i], steps);
     }
   }
 }
@@ -824,13 +805,8 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     steps->push_back(r);
     for (size_t a = 0; a < mesh.axes.size(); ++a) {
       if (!(gather & (1u << a))) continue;
-      Step g;
-      g.kind = StepKind::kCollective;
-      g.collective = CollectiveKind::kAllGather;
-      g.axes = 1u << a;
-      g.bytes = piece_bytes(boundary, layout, mesh);
-      g.label = r.label;
-      steps->push_back(g);
+      steps->push_back(collective_step(CollectiveKind::kAllGather, 1u << a,
+                                       piece_bytes(boundary, layout, mesh), r.label));
     }
   };
   auto send = [&](int peer, int peer_lane, bool gradient, const TensorLayout& layout,
@@ -1023,15 +999,8 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         zero3_before(units, unit++);
         emit_forward(embed, embed_out, recomputed_ops(embed, -1), false, ComputeClass::kCompute,
                      t.steps);
-        for (const Conversion& c : conversions(boundary, embed_out, embed_boundary, mesh)) {
-          Step x;
-          x.kind = StepKind::kCollective;
-          x.collective = c.kind;
-          x.axes = 1u << c.axis;
-          x.bytes = c.bytes;
-          x.label = label("embed.partial-sums");
-          t.steps.push_back(x);
-        }
+        append_conversions(conversions(boundary, embed_out, embed_boundary, mesh),
+                           label("embed.partial-sums"), t.steps);
       }
       for (int l = s.first_layer; l < s.end_layer; ++l) {
         wait_gather(unit);
@@ -1679,15 +1648,11 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
       if (seg.head) add(c.head, 1);
     }
     for (const auto& [axes, bytes] : extra_sync) {
-      Step a;
-      a.kind = StepKind::kCollective;
-      a.collective = CollectiveKind::kAllReduce;
-      a.axes = axes;
       // With ZeRO each rank needs the sum only for the shard its optimizer updates (the same
       // offsets on every rank of the group), which is what it sums.
-      a.bytes = zero >= 1 ? bytes / c.shard_degree() : bytes;
-      a.label = c.label("norm grad sync");
-      lane.epilogue.push_back(a);
+      lane.epilogue.push_back(collective_step(CollectiveKind::kAllReduce, axes,
+                                              zero >= 1 ? bytes / c.shard_degree() : bytes,
+                                              c.label("norm grad sync")));
     }
     c.build_memory(lane, segs);
     double local_params = lane.parameters;
@@ -1742,12 +1707,9 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     const double bytes =
         tied_params * plan.optimizer.grad_bytes / (zero >= 2 ? c.shard_degree() : 1.0);
     for (int l : {emb_lane, head_lane}) {
-      Step s;
-      s.kind = StepKind::kCollective;
-      s.collective = CollectiveKind::kAllReduce;
+      Step s = collective_step(CollectiveKind::kAllReduce, 0, bytes,
+                               c.label("tied embedding grad sync"));
       s.group = gid;
-      s.bytes = bytes;
-      s.label = c.label("tied embedding grad sync");
       auto& ep = prog.lanes[l].epilogue;
       // After the data-parallel wait, just before the optimizer step (ZeRO-1/2's parameter
       // gathers, when not overlapped with the next forwards, follow the step).
