@@ -1,6 +1,7 @@
 #include "core/input.h"
 
 #include <charconv>
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -148,11 +149,21 @@ int64_t InputNode::as_int() const {
   // Accept integral values written as floats ("1e3", "8.0").
   double d = 0;
   auto [end2, ec2] = std::from_chars(s.data(), s.data() + s.size(), d);
-  if (ec2 == std::errc() && end2 == s.data() + s.size() &&
+  // 2^63 bounds what converts to int64_t (converting a larger double is undefined).
+  if (ec2 == std::errc() && end2 == s.data() + s.size() && std::fabs(d) < 0x1p63 &&
       d == static_cast<double>(static_cast<int64_t>(d))) {
     return static_cast<int64_t>(d);
   }
   fail(fmt::format("expected an integer, got '{}'", s));
+}
+
+int InputNode::as_small_int() const {
+  constexpr int64_t kLimit = (int64_t{1} << 30) - 1;
+  const int64_t v = as_int();
+  if (v > kLimit || v < -kLimit) {
+    fail(fmt::format("{} is out of range (at most {} in magnitude)", v, kLimit));
+  }
+  return static_cast<int>(v);
 }
 
 double InputNode::as_double() const {
@@ -162,6 +173,7 @@ double InputNode::as_double() const {
   if (ec != std::errc() || end != s.data() + s.size()) {
     fail(fmt::format("expected a number, got '{}'", s));
   }
+  if (!std::isfinite(v)) fail(fmt::format("expected a finite number, got '{}'", s));
   return v;
 }
 
@@ -178,9 +190,9 @@ double InputNode::as_quantity(Dimension dim) const {
   return *v;
 }
 
-std::vector<int64_t> InputNode::as_int_list() const {
-  std::vector<int64_t> out;
-  for (const auto& item : items()) out.push_back(item.as_int());
+std::vector<int> InputNode::as_small_int_list() const {
+  std::vector<int> out;
+  for (const auto& item : items()) out.push_back(item.as_small_int());
   return out;
 }
 
@@ -189,6 +201,9 @@ std::string InputNode::get_string(std::string_view key, const std::string& fallb
 }
 int64_t InputNode::get_int(std::string_view key, int64_t fallback) const {
   return has(key) ? (*this)[key].as_int() : fallback;
+}
+int InputNode::get_small_int(std::string_view key, int fallback) const {
+  return has(key) ? (*this)[key].as_small_int() : fallback;
 }
 double InputNode::get_double(std::string_view key, double fallback) const {
   return has(key) ? (*this)[key].as_double() : fallback;

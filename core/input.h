@@ -44,10 +44,13 @@ class InputNode {
 
   std::string as_string() const;
   int64_t as_int() const;
-  double as_double() const;
+  // An integer for a count, size or index: within +-(2^30 - 1), so that it fits an int and
+  // products of two such values are not far from fitting (a wrapped value would pass checks).
+  int as_small_int() const;
+  double as_double() const;  // finite: "inf" and "nan" are errors
   bool as_bool() const;
   double as_quantity(Dimension dim) const;  // a number in base units or "25 GB/s"
-  std::vector<int64_t> as_int_list() const;
+  std::vector<int> as_small_int_list() const;
 
   // Maps a string to an enum value from a table of (name, value) pairs.
   template <class E>
@@ -64,6 +67,7 @@ class InputNode {
   // Optional-field shorthands.
   std::string get_string(std::string_view key, const std::string& fallback) const;
   int64_t get_int(std::string_view key, int64_t fallback) const;
+  int get_small_int(std::string_view key, int fallback) const;
   double get_double(std::string_view key, double fallback) const;
   bool get_bool(std::string_view key, bool fallback) const;
   double get_quantity(std::string_view key, Dimension dim, double fallback) const;

@@ -218,7 +218,7 @@ Mesh parse_mesh(const InputNode& n) {
   for (const auto& item : n.items()) {
     auto pair = item.items();
     if (pair.size() != 2) item.fail("expected [\"axis\", size], e.g. [\"tp\", 8]");
-    MeshAxis a{pair[0].as_string(), static_cast<int>(pair[1].as_int())};
+    MeshAxis a{pair[0].as_string(), pair[1].as_small_int()};
     if (a.size < 1) pair[1].fail("an axis size must be at least 1");
     if (!seen.insert(a.name).second) pair[0].fail("axis '" + a.name + "' appears twice");
     mesh.axes.push_back(a);
@@ -231,7 +231,7 @@ Placement parse_placement(const InputNode& n, const Mesh& mesh) {
   n.check_keys({"factors", "gpus"});
   Placement p;
   if (auto g = n.get("gpus")) {
-    for (const auto& item : g->items()) p.gpus.push_back(static_cast<int>(item.as_int()));
+    for (const auto& item : g->items()) p.gpus.push_back(item.as_small_int());
     if (static_cast<int>(p.gpus.size()) != mesh.num_ranks()) {
       g->fail(
           fmt::format("lists {} GPUs but the mesh has {} ranks", p.gpus.size(), mesh.num_ranks()));
@@ -243,7 +243,7 @@ Placement parse_placement(const InputNode& n, const Mesh& mesh) {
   for (const auto& item : factors.items()) {
     auto pair = item.items();
     if (pair.size() != 2) item.fail("expected [\"axis\", size], e.g. [\"tp\", 8]");
-    PlacementFactor f{pair[0].as_string(), static_cast<int>(pair[1].as_int())};
+    PlacementFactor f{pair[0].as_string(), pair[1].as_small_int()};
     if (mesh.axis_index(f.axis) < 0) pair[0].fail("no mesh axis '" + f.axis + "'");
     if (f.size < 1) pair[1].fail("a factor must be at least 1");
     product[f.axis] = (product.count(f.axis) ? product[f.axis] : 1) * f.size;
@@ -259,12 +259,29 @@ Placement parse_placement(const InputNode& n, const Mesh& mesh) {
   return p;
 }
 
+// Bytes per element of a gradient, weight shard or optimizer state, within [min, max]. `usual`
+// says which values frameworks use.
+double read_element_bytes(const InputNode& parent, std::string_view key, double fallback,
+                          double min, double max, std::string_view usual) {
+  if (!parent.has(key)) return fallback;
+  const InputNode node = parent[key];
+  const double v = node.as_double();
+  if (v < min || v > max) {
+    node.fail(
+        fmt::format("{} bytes per element is out of range ({} to {}; {})", v, min, max, usual));
+  }
+  return v;
+}
+
+// Smaller gradient buckets only multiply collectives (and the simulation's work).
+constexpr double kMinBucketBytes = 1024.0 * 1024.0;
+
 std::pair<int, int> parse_range(const InputNode& n) {
-  auto v = n.as_int_list();
+  const std::vector<int> v = n.as_small_int_list();
   if (v.size() != 2 || v[0] < 0 || v[1] < v[0]) {
     n.fail("expected [first, end) as two integers with first <= end, e.g. [0, 12]");
   }
-  return {static_cast<int>(v[0]), static_cast<int>(v[1])};
+  return {v[0], v[1]};
 }
 
 Plan parse_plan_node(const InputNode& root) {
@@ -275,7 +292,7 @@ Plan parse_plan_node(const InputNode& root) {
     root["format"].fail("expected \"nnsim-plan\" (is this a plan file?)");
   }
   Plan plan;
-  plan.version = static_cast<int>(root["version"].as_int());
+  plan.version = root["version"].as_small_int();
   if (plan.version != kPlanVersion) {
     root["version"].fail(fmt::format(
         "plan version {} is not supported by this nnsim (it reads version {}); rebuild the plan "
@@ -286,18 +303,19 @@ Plan parse_plan_node(const InputNode& root) {
   if (auto t = root.get("topology")) {
     t->check_keys({"name", "gpus"});
     plan.topology_name = t->get_string("name", "");
-    plan.topology_gpus = static_cast<int>(t->get_int("gpus", 0));
+    plan.topology_gpus = t->get_small_int("gpus", 0);
+    if (t->has("gpus") && plan.topology_gpus < 1) (*t)["gpus"].fail("must be at least 1");
   }
   plan.model = parse_model_node(root["model"]);
 
   auto training = root["training"];
   training.check_keys({"global_batch", "micro_batch", "precision", "framework", "recycle"});
-  plan.global_batch = static_cast<int>(training["global_batch"].as_int());
-  plan.micro_batch = static_cast<int>(training["micro_batch"].as_int());
+  plan.global_batch = training["global_batch"].as_small_int();
+  plan.micro_batch = training["micro_batch"].as_small_int();
   if (plan.global_batch < 1) training["global_batch"].fail("must be at least 1");
   if (plan.micro_batch < 1) training["micro_batch"].fail("must be at least 1");
   if (training.has("recycle")) {
-    plan.recycle = static_cast<int>(training["recycle"].as_int());
+    plan.recycle = training["recycle"].as_small_int();
     if (plan.recycle < 1) {
       training["recycle"].fail(fmt::format(
           "must be at least 1 (forward passes per micro-batch; 1 = no repeated forwards), not {}",
@@ -357,7 +375,13 @@ Plan parse_plan_node(const InputNode& root) {
       r.check_keys({"match", "layers"});
       RecomputeRule rule;
       rule.match = r["match"].as_string();
-      if (r.has("layers")) std::tie(rule.first_layer, rule.end_layer) = parse_range(r["layers"]);
+      if (r.has("layers")) {
+        std::tie(rule.first_layer, rule.end_layer) = parse_range(r["layers"]);
+        if (rule.first_layer == rule.end_layer || rule.end_layer > plan.model.layers) {
+          r["layers"].fail(fmt::format("[{}, {}) is not a range of the model's layers [0, {})",
+                                       rule.first_layer, rule.end_layer, plan.model.layers));
+        }
+      }
       plan.recompute.push_back(rule);
     }
   }
@@ -367,14 +391,18 @@ Plan parse_plan_node(const InputNode& root) {
         {"kind", "zero", "grad_bytes", "state_bytes", "weight_shard_bytes", "keep_gathered"});
     plan.optimizer.kind = opt->get_string("kind", "adam");
     if (plan.optimizer.kind != "adam") (*opt)["kind"].fail_unknown(plan.optimizer.kind, {"adam"});
-    plan.optimizer.zero = static_cast<int>(opt->get_int("zero", 0));
+    plan.optimizer.zero = opt->get_small_int("zero", 0);
     if (plan.optimizer.zero < 0 || plan.optimizer.zero > 3) {
       (*opt)["zero"].fail("expected a ZeRO stage 0, 1, 2 or 3");
     }
-    plan.optimizer.grad_bytes = opt->get_double("grad_bytes", plan.optimizer.grad_bytes);
-    plan.optimizer.state_bytes = opt->get_double("state_bytes", plan.optimizer.state_bytes);
+    plan.optimizer.grad_bytes = read_element_bytes(*opt, "grad_bytes", plan.optimizer.grad_bytes, 1,
+                                                   8, "2 for 16-bit gradients, 4 for fp32");
+    plan.optimizer.state_bytes =
+        read_element_bytes(*opt, "state_bytes", plan.optimizer.state_bytes, 0, 64,
+                           "12 for an fp32 master copy and Adam's two moments, 8 without the copy");
     plan.optimizer.weight_shard_bytes =
-        opt->get_double("weight_shard_bytes", plan.optimizer.weight_shard_bytes);
+        read_element_bytes(*opt, "weight_shard_bytes", plan.optimizer.weight_shard_bytes, 1, 8,
+                           "2 for 16-bit shards, 4 for fp32 ones");
     plan.optimizer.keep_gathered = opt->get_bool("keep_gathered", false);
     if (plan.optimizer.keep_gathered && plan.optimizer.zero != 3) {
       (*opt)["keep_gathered"].fail(
@@ -388,11 +416,19 @@ Plan parse_plan_node(const InputNode& root) {
                    "zero3_per_tensor", "zero3_regather_for_recompute", "save_gathered_inputs"});
     plan.comm.dp_bucket_bytes =
         c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
+    if (plan.comm.dp_bucket_bytes < kMinBucketBytes) {
+      (*c)["dp_bucket_bytes"].fail(fmt::format(
+          "a gradient bucket of {} is below the 1 MiB minimum (PyTorch DDP's first bucket, the "
+          "smallest frameworks use; Megatron's hold 40M parameters)",
+          format_bytes(plan.comm.dp_bucket_bytes)));
+    }
     plan.comm.overlap_grad_reduce = c->get_bool("overlap_grad_reduce", true);
     plan.comm.overlap_param_gather = c->get_bool("overlap_param_gather", true);
     plan.comm.pp_scatter_gather = c->get_bool("pp_scatter_gather", true);
     plan.comm.algorithm = c->get_string("algorithm", "auto");
-    plan.comm.grad_reduce_bytes = c->get_double("grad_reduce_bytes", 0);
+    plan.comm.grad_reduce_bytes =
+        read_element_bytes(*c, "grad_reduce_bytes", 0, 0, 8,
+                           "0 reduces in the gradients' own dtype, 2 in 16 bits, 4 in fp32");
     plan.comm.tp_overlap = c->get_bool("tp_overlap", false);
     plan.comm.zero3_per_tensor = c->get_bool("zero3_per_tensor", false);
     plan.comm.zero3_regather_for_recompute = c->get_bool("zero3_regather_for_recompute", false);

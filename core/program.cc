@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <set>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -226,6 +228,31 @@ struct Compiler {
   void build_memory(Lane& lane, const std::vector<int>& segments);
   std::map<std::tuple<int, int, int, bool, bool, bool, int>, int> template_cache;
 };
+
+// A partition or recompute rule that matches no operator is a typo (or a rule for another
+// model), never a silent no-op.
+Status check_rules_match(const Plan& plan, const OpGraph& graph) {
+  std::vector<std::string> names;
+  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
+    for (const Op& op : part->ops) names.push_back(op.name);
+  }
+  auto unmatched = [&](std::string_view field, size_t index,
+                       const std::string& pattern) -> std::optional<Error> {
+    for (const std::string& n : names) {
+      if (match_pattern(pattern, n)) return std::nullopt;
+    }
+    return Error(
+        fmt::format("{}[{}]: match '{}' matches no operator of the model; its operators are {}",
+                    field, index, pattern, fmt::join(names, ", ")));
+  };
+  for (size_t i = 0; i < plan.partition.size(); ++i) {
+    if (auto e = unmatched("partition", i, plan.partition[i].match)) return *e;
+  }
+  for (size_t i = 0; i < plan.recompute.size(); ++i) {
+    if (auto e = unmatched("recompute", i, plan.recompute[i].match)) return *e;
+  }
+  return Status::Ok();
+}
 
 Status Compiler::check_basics() {
   if (Status s = validate_model(plan.model); !s) return s;
@@ -1506,6 +1533,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   ModelSpec model = plan.model;
   model.precision = plan.precision;
   prog.graph = lower_model(model, plan.micro_batch);
+  if (Status s = check_rules_match(plan, prog.graph); !s) return s.error();
   if (Status s = c.resolve_part(prog.graph.embedding, c.embed); !s) return s.error();
   if (Status s = c.resolve_part(prog.graph.layer, c.layer); !s) return s.error();
   if (Status s = c.resolve_part(prog.graph.head, c.head); !s) return s.error();

@@ -259,12 +259,6 @@ std::optional<Problem> find_problem(const Topology& t) {
 
 // ---- Parsing ------------------------------------------------------------------------------
 
-int as_small_int(const InputNode& n) {
-  int64_t v = n.as_int();
-  if (v < INT_MIN / 2 || v > INT_MAX / 2) n.fail(fmt::format("{} is out of range", v));
-  return static_cast<int>(v);
-}
-
 // Throws an InputError for `p` at the line of its field (or of the closest enclosing field the
 // file has, when the problem is about a field that was left out).
 [[noreturn]] void report(const InputNode& root, const Problem& p) {
@@ -348,7 +342,7 @@ GpuSpec parse_gpu(const InputNode& n) {
     note("nvlink_bandwidth");
   }
   if (auto v = n.get("sms")) {
-    gpu.sms = as_small_int(*v);
+    gpu.sms = v->as_small_int();
     if (gpu.sms < 1) v->fail("must be at least 1");
     note("sms");
   }
@@ -366,18 +360,18 @@ void parse_pcie(const InputNode& n, PcieSpec& p) {
   p.latency = n["latency"].as_quantity(Dimension::kSeconds);
   for (const InputNode& sw : n["switches"].items()) {
     std::vector<int> gpus;
-    for (const InputNode& gpu : sw.items()) gpus.push_back(as_small_int(gpu));
+    for (const InputNode& gpu : sw.items()) gpus.push_back(gpu.as_small_int());
     p.switches.push_back(std::move(gpus));
   }
   if (auto ns = n.get("nic_switch")) {
-    for (const InputNode& s : ns->items()) p.nic_switch.push_back(as_small_int(s));
+    for (const InputNode& s : ns->items()) p.nic_switch.push_back(s.as_small_int());
   }
 }
 
 void parse_nics(const InputNode& n, Topology& t) {
   n.check_keys({"count", "bandwidth", "latency", "gpus"});
   InputNode count_node = n["count"];
-  int count = as_small_int(count_node);
+  int count = count_node.as_small_int();
   if (count < 1) {
     count_node.fail(
         fmt::format("a node needs at least 1 NIC, got {} (leave node.nics out for a "
@@ -399,9 +393,9 @@ void parse_nics(const InputNode& n, Topology& t) {
     for (int i = 0; i < count; ++i) {
       // A bare number is shorthand for a one-GPU list.
       if (lists[i].is_scalar()) {
-        t.nics[i].gpus.push_back(as_small_int(lists[i]));
+        t.nics[i].gpus.push_back(lists[i].as_small_int());
       } else {
-        for (const InputNode& gpu : lists[i].items()) t.nics[i].gpus.push_back(as_small_int(gpu));
+        for (const InputNode& gpu : lists[i].items()) t.nics[i].gpus.push_back(gpu.as_small_int());
       }
     }
   } else {
@@ -457,7 +451,7 @@ void parse_intra(const InputNode& n, Topology& t) {
             "between them)");
       }
       in.mesh.push_back(
-          {as_small_int(v[0]), as_small_int(v[1]), v.size() == 3 ? as_small_int(v[2]) : 1});
+          {v[0].as_small_int(), v[1].as_small_int(), v.size() == 3 ? v[2].as_small_int() : 1});
     }
   }
   in.latency = n["latency"].as_quantity(Dimension::kSeconds);
@@ -478,7 +472,7 @@ void parse_fabric(const InputNode& n, FabricSpec& f) {
     }
     return;
   }
-  f.nodes_per_group = as_small_int(n["nodes_per_group"]);
+  f.nodes_per_group = n["nodes_per_group"].as_small_int();
   f.oversubscription = n.get_double("oversubscription", 1.0);
   f.switch_latency = n["switch_latency"].as_quantity(Dimension::kSeconds);
 }
@@ -490,10 +484,10 @@ Topology parse_root(const InputNode& root) {
   t.name = root.get_string("name", fs::path(root.file()).stem().string());
   t.description = root.get_string("description", "");
   t.gpu = parse_gpu(root["gpu"]);
-  t.nodes = as_small_int(root["nodes"]);
+  t.nodes = root["nodes"].as_small_int();
   InputNode node = root["node"];
   node.check_keys({"gpus", "intra", "pcie", "nics"});
-  t.gpus_per_node = as_small_int(node["gpus"]);
+  t.gpus_per_node = node["gpus"].as_small_int();
   // Checked before the NIC and PCIe lists, which are indexed by GPU.
   if (auto p = find_problem_in_sizes(t)) report(root, *p);
   if (auto p = node.get("pcie")) {

@@ -98,6 +98,9 @@ Expected<double> parse_quantity(std::string_view text, Dimension dim) {
                              text, expected_units(dim)));
   }
   std::string_view unit = trim(std::string_view(end, s.data() + s.size() - end));
+  if (!std::isfinite(value)) {
+    return Error(fmt::format("'{}' is not a finite number", text));
+  }
   if (unit.empty()) return value;
   double factor = 1.0;
   double base = base_unit(unit, dim);

@@ -37,7 +37,7 @@ Constraints parse(const InputNode& root) {
     }
   }
   if (auto n = root.get("max_stages")) {
-    c.max_stages = static_cast<int>(n->as_int());
+    c.max_stages = n->as_small_int();
     if (*c.max_stages < 1) n->fail("must be at least 1");
   }
   if (auto n = root.get("max_bubble")) {
@@ -63,11 +63,11 @@ Constraints parse(const InputNode& root) {
         if (!oc.kind) k->fail_unknown(s, names);
       }
       if (auto l = o.get("layers")) {
-        std::vector<int64_t> range = l->as_int_list();
+        const std::vector<int> range = l->as_small_int_list();
         if (range.size() != 2 || range[0] < 0 || range[1] <= range[0]) {
           l->fail("a layer range [first, end), e.g. [0, 4]");
         }
-        oc.layers = std::make_pair(static_cast<int>(range[0]), static_cast<int>(range[1]));
+        oc.layers = std::make_pair(range[0], range[1]);
       }
       if (!o.get("match") && !oc.kind && !oc.layers) {
         o.fail("an operator rule needs match, kind or layers to say which operators it covers");
@@ -79,7 +79,7 @@ Constraints parse(const InputNode& root) {
         for (const auto& d : a->items()) oc.allow.push_back(parse_dim_node(d));
       }
       if (auto m = o.get("max_degree")) {
-        oc.max_degree = static_cast<int>(m->as_int());
+        oc.max_degree = m->as_small_int();
         if (*oc.max_degree < 1) m->fail("must be at least 1");
       }
       oc.replicate = o.get_bool("replicate", false);
@@ -88,9 +88,9 @@ Constraints parse(const InputNode& root) {
   }
   if (auto n = root.get("stage_layers")) {
     for (const auto& v : n->items()) {
-      int64_t layers = v.as_int();
+      const int layers = v.as_small_int();
       if (layers < 1) v.fail("every stage needs at least one layer");
-      c.stage_layers.push_back(static_cast<int>(layers));
+      c.stage_layers.push_back(layers);
     }
   }
   if (auto n = root.get("recompute")) {
@@ -112,17 +112,14 @@ Constraints parse(const InputNode& root) {
   if (auto n = root.get("stage_nodes")) {
     for (const auto& e : n->items()) {
       e.check_keys({"stage", "nodes"});
-      std::vector<int> nodes;
-      for (int64_t x : e["nodes"].as_int_list()) nodes.push_back(static_cast<int>(x));
-      c.stage_nodes.emplace_back(static_cast<int>(e["stage"].as_int()), nodes);
+      c.stage_nodes.emplace_back(e["stage"].as_small_int(), e["nodes"].as_small_int_list());
     }
   }
   for (const char* key : {"avoid_gpus", "avoid_nodes"}) {
     if (auto n = root.get(key)) {
-      for (int64_t x : n->as_int_list()) {
+      for (int x : n->as_small_int_list()) {
         if (x < 0) n->fail("GPU and node indices start at 0");
-        (std::string(key) == "avoid_gpus" ? c.avoid_gpus : c.avoid_nodes)
-            .push_back(static_cast<int>(x));
+        (std::string(key) == "avoid_gpus" ? c.avoid_gpus : c.avoid_nodes).push_back(x);
       }
     }
   }

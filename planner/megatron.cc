@@ -325,21 +325,23 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   }
   if (o.shard_head && o.pp > 1) {
     std::vector<std::string> axes = {"pp"};
-    if (o.tp > 1) axes.push_back("tp");
+    if (o.tp > 1) axes.emplace_back("tp");
     for (const char* m : {"head.proj", "loss"}) rule(m, Dim::kVocab, axes);
   }
   if (o.shard_embedding) {
     std::vector<std::string> axes = {"pp"};
-    if (o.tp > 1) axes.push_back("tp");
+    if (o.tp > 1) axes.emplace_back("tp");
     rule("embed.word", Dim::kVocab, axes);
   }
   if (o.tp > 1) {
     if (o.sequence_parallel) {
       std::vector<std::string> axes =
           o.cp > 1 ? std::vector<std::string>{"cp", "tp"} : std::vector<std::string>{"tp"};
-      for (const char* m : {"*.norm", "*.residual", "embed.position", "embed.dropout"}) {
-        rule(m, Dim::kSeq, axes);
-      }
+      rule("*.norm", Dim::kSeq, axes);
+      rule("*.residual", Dim::kSeq, axes);
+      // The embedding's elementwise operators, where the model has them (a rule must match).
+      if (model.position == PositionKind::kLearned) rule("embed.position", Dim::kSeq, axes);
+      if (model.dropout) rule("embed.dropout", Dim::kSeq, axes);
     }
   }
 

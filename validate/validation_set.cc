@@ -23,7 +23,7 @@ ModelSpec parse_case_model(const InputNode& n, const std::string& id) {
   ModelSpec m;
   m.name = id;
   m.family = n["family"].as_string();
-  m.layers = static_cast<int>(n["layers"].as_int());
+  m.layers = n["layers"].as_small_int();
   m.hidden = n["hidden"].as_int();
   m.heads = n["heads"].as_int();
   m.kv_heads = n["kv_heads"].as_int();
@@ -57,29 +57,29 @@ ValidationCase parse_case(const InputNode& c) {
   auto cl = c["cluster"];
   cl.check_keys({"gpu", "nodes", "gpus_per_node", "nic_gbps", "nics_per_node"});
   v.cluster.gpu = cl["gpu"].as_string();
-  v.cluster.nodes = static_cast<int>(cl["nodes"].as_int());
-  v.cluster.gpus_per_node = static_cast<int>(cl["gpus_per_node"].as_int());
+  v.cluster.nodes = cl["nodes"].as_small_int();
+  v.cluster.gpus_per_node = cl["gpus_per_node"].as_small_int();
   v.cluster.nic_bandwidth = cl["nic_gbps"].as_double() * 1e9 / 8;
-  v.cluster.nics_per_node = static_cast<int>(cl["nics_per_node"].as_int());
+  v.cluster.nics_per_node = cl["nics_per_node"].as_small_int();
 
   auto p = c["parallel"];
   p.check_keys({"tp", "pp", "dp", "cp", "ep", "vp", "micro_batch", "global_batch", "recompute",
                 "sequence_parallel", "zero", "precision", "framework"});
   ValidationParallel& x = v.parallel;
-  x.tp = static_cast<int>(p["tp"].as_int());
-  x.pp = static_cast<int>(p["pp"].as_int());
-  x.dp = static_cast<int>(p["dp"].as_int());
-  x.cp = static_cast<int>(p["cp"].as_int());
-  x.ep = static_cast<int>(p["ep"].as_int());
-  x.vp = static_cast<int>(p["vp"].as_int());
-  x.micro_batch = static_cast<int>(p["micro_batch"].as_int());
-  x.global_batch = static_cast<int>(p["global_batch"].as_int());
+  x.tp = p["tp"].as_small_int();
+  x.pp = p["pp"].as_small_int();
+  x.dp = p["dp"].as_small_int();
+  x.cp = p["cp"].as_small_int();
+  x.ep = p["ep"].as_small_int();
+  x.vp = p["vp"].as_small_int();
+  x.micro_batch = p["micro_batch"].as_small_int();
+  x.global_batch = p["global_batch"].as_small_int();
   x.recompute = p["recompute"].as_string();
   if (x.recompute != "none" && x.recompute != "selective" && x.recompute != "full") {
     p["recompute"].fail_unknown(x.recompute, {"none", "selective", "full"});
   }
   x.sequence_parallel = p["sequence_parallel"].as_bool();
-  x.zero = static_cast<int>(p["zero"].as_int());
+  x.zero = p["zero"].as_small_int();
   x.precision = p["precision"].as_enum<Precision>(
       {{"bf16", Precision::kBf16}, {"fp16", Precision::kFp16}, {"fp8", Precision::kFp8}});
   x.framework = p["framework"].as_string();

@@ -140,7 +140,7 @@ TEST(Plan, HandBuiltPlanRoundTrips) {
   p.recompute = {{"mlp.*", 0, 1}};
   p.optimizer.zero = 3;
   p.optimizer.grad_bytes = 4;
-  p.comm.dp_bucket_bytes = 1e6;
+  p.comm.dp_bucket_bytes = 2e6;
   p.comm.overlap_grad_reduce = false;
   p.comm.pp_scatter_gather = false;
   p.comm.algorithm = "ring";
@@ -260,6 +260,36 @@ TEST(Plan, OtherFieldChecks) {
   expect_error("\"optimizer\": {\"zero\": 1},",
                "\"optimizer\": {\"zero\": 1}, \"communication\": {\"save_gathered_inputs\": 1},",
                "communication.save_gathered_inputs", "true or false");
+}
+
+// Numbers out of their field's range are errors, never wrapped, clamped or left to hang the
+// simulation (a 0.5-byte gradient bucket, a 2^40 ZeRO stage that narrowed to 0).
+TEST(Plan, NumbersOutOfRange) {
+  expect_error("{\"zero\": 1}", "{\"zero\": 1099511627777}", "optimizer.zero", "out of range");
+  expect_error("\"global_batch\": 8", "\"global_batch\": 4294967304", "training.global_batch",
+               "out of range");
+  expect_error("\"global_batch\": 8", "\"global_batch\": 1e300", "training.global_batch",
+               "expected an integer");
+  expect_error("{\"zero\": 1}", "{\"zero\": 1, \"grad_bytes\": -1}", "optimizer.grad_bytes",
+               "out of range (1 to 8");
+  expect_error("{\"zero\": 1}", "{\"zero\": 1, \"grad_bytes\": 1e300}", "optimizer.grad_bytes",
+               "out of range");
+  expect_error("{\"zero\": 1}", "{\"zero\": 1, \"state_bytes\": -4}", "optimizer.state_bytes",
+               "out of range (0 to 64");
+  expect_error("{\"zero\": 1}", "{\"zero\": 1, \"weight_shard_bytes\": 0}",
+               "optimizer.weight_shard_bytes", "out of range");
+  expect_error("\"optimizer\": {\"zero\": 1},",
+               "\"optimizer\": {\"zero\": 1}, \"communication\": {\"dp_bucket_bytes\": 0.5},",
+               "communication.dp_bucket_bytes", "below the 1 MiB minimum");
+  expect_error("\"optimizer\": {\"zero\": 1},",
+               "\"optimizer\": {\"zero\": 1}, \"communication\": {\"grad_reduce_bytes\": 3e9},",
+               "communication.grad_reduce_bytes", "out of range (0 to 8");
+  expect_error("\"name\": \"tiny\",", "\"name\": \"tiny\", \"topology\": {\"gpus\": -1},",
+               "topology.gpus", "must be at least 1");
+  expect_error("[{\"match\": \"attn.core\"}]", "[{\"match\": \"*\", \"layers\": [0, 9]}]",
+               "recompute[0].layers", "not a range of the model's layers [0, 4)");
+  expect_error("[{\"match\": \"attn.core\"}]", "[{\"match\": \"*\", \"layers\": [2, 2]}]",
+               "recompute[0].layers", "not a range of the model's layers");
 }
 
 // Repeated forwards: training.recycle, and forward blocks naming their pass ("F0@0#1").

@@ -26,6 +26,14 @@ TEST(Units, RejectsUnitsOfTheWrongDimension) {
   EXPECT_FALSE(parse_quantity("fast", Dimension::kSeconds).ok());
 }
 
+TEST(Units, RejectsNumbersThatAreNotFinite) {
+  for (const char* text : {"inf", "nan", "inf GB/s", "-inf"}) {
+    auto r = parse_quantity(text, Dimension::kBytesPerSecond);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_NE(r.error().message().find("not a finite number"), std::string::npos) << text;
+  }
+}
+
 TEST(Units, FormatsForHumans) {
   EXPECT_EQ(format_bytes(1536.0 * 1024 * 1024), "1.50 GiB");
   EXPECT_EQ(format_seconds(0.0123), "12.30 ms");

@@ -857,5 +857,36 @@ TEST(Program, ContextParallelGradientsGoInTheBuckets) {
   }
 }
 
+// A partition or recompute rule that matches no operator (a typo, a rule for another model)
+// is an error naming the rule and the model's operators; the builder emits only rules that
+// match (no embed.position rule for a rotary model, no embed.dropout without dropout).
+TEST(Program, RulesThatMatchNoOperatorAreErrors) {
+  MegatronOptions o = options(2, 1, true, RecomputeMode::kNone);
+  const ModelSpec rope = preset("llama3-8b");  // rotary positions, no dropout
+  auto plan = build_megatron_plan(rope, dgx(), o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  for (const auto& rule : plan->partition) {
+    EXPECT_NE(rule.match, "embed.position");
+    EXPECT_NE(rule.match, "embed.dropout");
+  }
+  ASSERT_TRUE(compile_plan(*plan, dgx()).ok());
+
+  Plan typo = *plan;
+  typo.partition[1].match = "attn.qvk";
+  auto e = compile_plan(typo, dgx());
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.error().message().find("partition[1]: match 'attn.qvk' matches no operator"),
+            std::string::npos)
+      << e.error().message();
+  EXPECT_NE(e.error().message().find("attn.qkv"), std::string::npos);  // the operators listed
+
+  Plan recompute = *plan;
+  recompute.recompute.push_back({"mlp.gelu", 0, -1});
+  e = compile_plan(recompute, dgx());
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.error().message().find("recompute[0]: match 'mlp.gelu'"), std::string::npos)
+      << e.error().message();
+}
+
 }  // namespace
 }  // namespace nnsim
