@@ -29,6 +29,7 @@
 #include "hwexec/launch.h"
 #include "hwexec/micro.h"
 #include "hwexec/run.h"
+#include "tools/cli_checks.h"
 
 namespace {
 
@@ -450,13 +451,13 @@ int main(int argc, char** argv) {
                       "plan's ranks, unless a launcher's variables make this process one rank)");
   run_cmd->add_option("-o,--out", run.out, "the HDF5 run file to write (format nnexec-run)");
   run_cmd->add_option("--iterations", run.options.iterations, "measured iterations (default 3)")
-      ->check(CLI::PositiveNumber);
+      ->check(nnsim::at_least(1));
   run_cmd->add_option("--warmup", run.options.warmup, "warm-up iterations (default 1)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(nnsim::at_least(0));
   run_cmd->add_flag("--check", run.options.check,
                     "compare the first iteration's loss and gradients with an unpartitioned run");
   run_cmd->add_option("--threads", run.options.threads, "LibTorch threads per process (default 1)")
-      ->check(CLI::PositiveNumber);
+      ->check(nnsim::at_least(1));
   run_cmd->add_option("--seed", run.options.seed, "weights and data seed (default 1234)");
   run_cmd->add_option("--master", run.master,
                       "HOST:PORT where the ranks meet (rank 0's host, a free port) when a "
@@ -465,7 +466,7 @@ int main(int argc, char** argv) {
   run_cmd
       ->add_option("--connect-timeout", run.connect_timeout,
                    "seconds to wait for the other ranks at the start (default 120)")
-      ->check(CLI::PositiveNumber);
+      ->check(nnsim::at_least(1));
   run_cmd->add_flag("--memory-timeline", run.options.memory_timeline,
                     "record the bytes of live tensors at every operator of the last measured "
                     "iteration (/ranks/<r>/memory)");

@@ -35,6 +35,7 @@
 #include "sim/report.h"
 #include "sim/simulator.h"
 #include "sim/trace.h"
+#include "tools/cli_checks.h"
 #include "validate/case_builder.h"
 #include "validate/validate.h"
 
@@ -119,7 +120,8 @@ void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
     topo->required();
     plan->required();
   }
-  app->add_option("--nodes", a.nodes, "resize the topology to this many nodes (what-if)");
+  app->add_option("--nodes", a.nodes, "resize the topology to this many nodes (what-if)")
+      ->check(at_least(1));
   app->add_option("--json", a.json, "write the report as JSON to this file");
   app->add_option("--trace", a.trace, "write a Chrome/Perfetto timeline (JSON) to this file");
   app->add_flag("--trace-per-gpu", a.trace_per_gpu,
@@ -934,10 +936,12 @@ int main(int argc, char** argv) {
   CLI::App* plan_cmd = app.add_subcommand("plan", "build a fully pinned Megatron-style plan");
   plan_cmd->add_option("--model", plan.model, "model YAML file or preset name")->required();
   plan_cmd->add_option("--topo", plan.topo, "topology YAML file or preset name")->required();
-  plan_cmd->add_option("--nodes", plan.nodes, "resize the topology to this many nodes");
+  plan_cmd->add_option("--nodes", plan.nodes, "resize the topology to this many nodes")
+      ->check(at_least(1));
   plan_cmd->add_option("--tp", plan.o.tp, "tensor-parallel degree");
   plan_cmd->add_option("--pp", plan.o.pp, "pipeline-parallel degree (stages)");
-  plan_cmd->add_option("--dp", plan.o.dp, "data-parallel degree (default: GPUs / (tp pp cp))");
+  plan_cmd->add_option("--dp", plan.o.dp, "data-parallel degree (default: GPUs / (tp pp cp))")
+      ->check(at_least(1));
   plan_cmd->add_option("--cp", plan.o.cp, "context-parallel degree");
   plan_cmd->add_option("--vpp", plan.o.vpp, "model chunks per pipeline rank (interleaved)");
   plan_cmd->add_flag("--sequence-parallel", plan.o.sequence_parallel,
@@ -999,7 +1003,8 @@ int main(int argc, char** argv) {
   schedule_cmd->add_option("--plan", sched.plan, "plan.json to reschedule")->required();
   schedule_cmd->add_option("--topo", sched.topo,
                            "topology YAML file or preset (default: the one the plan names)");
-  schedule_cmd->add_option("--nodes", sched.nodes, "resize the topology to this many nodes");
+  schedule_cmd->add_option("--nodes", sched.nodes, "resize the topology to this many nodes")
+      ->check(at_least(1));
   schedule_cmd->add_option("--generator", sched.generator,
                            "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v or merak");
   schedule_cmd->add_flag("--search", sched.search,
@@ -1064,7 +1069,8 @@ int main(int argc, char** argv) {
                             "topology YAML file or preset name whose nodes are the run files' "
                             "machines: fits the network's efficiency relative to its links "
                             "(default GPU: its GPU)");
-  calibrate_cmd->add_option("--nodes", calibrate.nodes, "resize the topology to this many nodes");
+  calibrate_cmd->add_option("--nodes", calibrate.nodes, "resize the topology to this many nodes")
+      ->check(at_least(1));
 
   CompareArgs compare;
   CLI::App* compare_cmd = app.add_subcommand(
@@ -1075,7 +1081,8 @@ int main(int argc, char** argv) {
   compare_cmd->add_option("plan", compare.plan,
                           "plan.json (default: the plan embedded in the run file; must match it)");
   compare_cmd->add_option("--topo", compare.topo, "topology YAML file or preset name")->required();
-  compare_cmd->add_option("--nodes", compare.nodes, "resize the topology to this many nodes");
+  compare_cmd->add_option("--nodes", compare.nodes, "resize the topology to this many nodes")
+      ->check(at_least(1));
   compare_cmd->add_option("--calib", compare.calib,
                           "calibration file (HDF5) replacing the cost model's constants");
   compare_cmd->add_option("--json", compare.json, "write the comparison as JSON (SI units)");

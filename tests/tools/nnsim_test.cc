@@ -613,6 +613,19 @@ TEST(NnsimToolErrors, PlanWhoseMeshDoesNotMatchTheTopology) {
 
 // `nnsim plan` arguments.
 
+// Counts given on the command line are checked, not taken as "not given" (--nodes 0 and
+// --dp -1 used to fall back to the topology's size).
+TEST(NnsimToolErrors, CountsBelowOne) {
+  Sandbox box;
+  RunResult nodes = box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--nodes",
+                               "0", "--global-batch", "64", "-o", "x.json"});
+  expect_error(nodes, {"--nodes: must be at least 1, got 0"});
+  RunResult dp = box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--dp", "-1",
+                            "--global-batch", "64", "-o", "x.json"});
+  expect_error(dp, {"--dp: must be at least 1, got -1"});
+  EXPECT_FALSE(box.exists("x.json"));
+}
+
 TEST(NnsimToolErrors, PlanDegreesThatDoNotDivide) {
   Sandbox box;
   // tp 3 does not divide the 32 GPUs...

@@ -1,0 +1,28 @@
+// Command-line checks shared by the drivers, with messages a user can act on ("--nodes: must be
+// at least 1, got 0") where CLI11's own range checks print the whole double range.
+#pragma once
+
+#include <charconv>
+#include <string>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+namespace nnsim {
+
+// A number no smaller than `min`.
+inline CLI::Validator at_least(double min) {
+  return CLI::Validator(
+      [min](std::string& text) -> std::string {
+        double v = 0;
+        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+        if (ec != std::errc() || end != text.data() + text.size()) {
+          return fmt::format("expected a number, got '{}'", text);
+        }
+        if (v < min) return fmt::format("must be at least {}, got {}", min, text);
+        return "";
+      },
+      fmt::format("NUMBER>={}", min));
+}
+
+}  // namespace nnsim
