@@ -10,19 +10,21 @@
 
 namespace nnsim {
 
-// A number no smaller than `min`.
-inline CLI::Validator at_least(double min) {
+// A number no smaller than `min` (`strict`: larger than `min`).
+inline CLI::Validator at_least(double min, bool strict = false) {
   return CLI::Validator(
-      [min](std::string& text) -> std::string {
+      [min, strict](std::string& text) -> std::string {
         double v = 0;
         const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
         if (ec != std::errc() || end != text.data() + text.size()) {
           return fmt::format("expected a number, got '{}'", text);
         }
-        if (v < min) return fmt::format("must be at least {}, got {}", min, text);
+        if (v < min || (strict && v == min)) {
+          return fmt::format("must be {} {}, got {}", strict ? "more than" : "at least", min, text);
+        }
         return "";
       },
-      fmt::format("NUMBER>={}", min));
+      fmt::format("NUMBER{}{}", strict ? ">" : ">=", min));
 }
 
 }  // namespace nnsim

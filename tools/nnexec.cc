@@ -466,7 +466,7 @@ int main(int argc, char** argv) {
   run_cmd
       ->add_option("--connect-timeout", run.connect_timeout,
                    "seconds to wait for the other ranks at the start (default 120)")
-      ->check(nnsim::at_least(1));
+      ->check(nnsim::at_least(0, /*strict=*/true));
   run_cmd->add_flag("--memory-timeline", run.options.memory_timeline,
                     "record the bytes of live tensors at every operator of the last measured "
                     "iteration (/ranks/<r>/memory)");
