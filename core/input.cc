@@ -199,9 +199,6 @@ std::vector<int> InputNode::as_small_int_list() const {
 std::string InputNode::get_string(std::string_view key, const std::string& fallback) const {
   return has(key) ? (*this)[key].as_string() : fallback;
 }
-int64_t InputNode::get_int(std::string_view key, int64_t fallback) const {
-  return has(key) ? (*this)[key].as_int() : fallback;
-}
 int InputNode::get_small_int(std::string_view key, int fallback) const {
   return has(key) ? (*this)[key].as_small_int() : fallback;
 }

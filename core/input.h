@@ -66,7 +66,6 @@ class InputNode {
 
   // Optional-field shorthands.
   std::string get_string(std::string_view key, const std::string& fallback) const;
-  int64_t get_int(std::string_view key, int64_t fallback) const;
   int get_small_int(std::string_view key, int fallback) const;
   double get_double(std::string_view key, double fallback) const;
   bool get_bool(std::string_view key, bool fallback) const;
