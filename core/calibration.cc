@@ -18,6 +18,7 @@ struct ComputeField {
 };
 constexpr ComputeField kComputeFields[] = {
     {"sustained", &ComputeModel::sustained},
+    {"sustained_fp8", &ComputeModel::sustained_fp8},
     {"gemm_k_half", &ComputeModel::gemm_k_half},
     {"attention_fwd_efficiency", &ComputeModel::attention_fwd_efficiency},
     {"attention_bwd_efficiency", &ComputeModel::attention_bwd_efficiency},

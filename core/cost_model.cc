@@ -25,6 +25,9 @@ ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu, AttentionLibrary att
   // Sustained tensor throughput in training relative to the short benchmarks above (clocks
   // under the power limit): calibrated on the validation set (docs/VALIDATION.md).
   m.sustained = is_a100(gpu) ? 0.92 : (is_hopper(gpu) ? 0.82 : 0.9);
+  // fp8 GEMMs sustain less again (more power per clock): calibrated on the fp8 runs
+  // (docs/VALIDATION.md). Only Hopper has fp8 tensor cores here.
+  if (is_hopper(gpu)) m.sustained_fp8 = 0.87;
   m.sms = gpu.sms > 0 ? gpu.sms : 108;
   m.attention = attention;
   // Maximum achievable matmul FLOP/s over the datasheet peak, measured by mamf-finder
@@ -90,7 +93,9 @@ double gemm_seconds(double m, double n, double k, Precision precision, const Gpu
     fill = std::max(fill, tile_use * wave_use * t.relative);
   }
   const double k_use = k / (k + model.gemm_k_half);
-  return 2 * m * n * k / (peak * best * model.sustained * fill * k_use);
+  const bool fp8_cores = precision == Precision::kFp8 && it != model.gemm_efficiency.end();
+  const double sustained = model.sustained * (fp8_cores ? model.sustained_fp8 : 1.0);
+  return 2 * m * n * k / (peak * best * sustained * fill * k_use);
 }
 
 double op_seconds(const Op& op, Pass pass, double flops, double bytes, const PieceShape& shape,

@@ -50,6 +50,9 @@ struct ComputeModel {
   // Sustained tensor-core throughput in a training run over the short-benchmark rates above
   // (clock under the power limit), for matmuls and attention.
   double sustained = 1.0;
+  // fp8 GEMMs' sustained throughput over bf16's `sustained`: they draw more power at the same
+  // clock, so the clock drops further under a training run's power limit.
+  double sustained_fp8 = 1.0;
 
   // Fraction of the HBM bandwidth memory-bound kernels reach.
   double memory_efficiency = 0.8;

@@ -510,7 +510,22 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
         steps.push_back(c);
       }
     }
-    if (!overlapped && s.seconds > 0) steps.push_back(s);
+    if (!overlapped && s.seconds > 0) {
+      if (plan.comm.tp_overlap && s.matmul && input_grads && weight_grads) {
+        // Transformer Engine's bulk overlap runs the input-gradient GEMM alongside the
+        // all-gather before it and the weight-gradient GEMM alongside the reduce-scatter after
+        // it (overlap_tp_collectives): the two GEMMs are separate steps.
+        Step wgrad = s;
+        s.seconds = p.bwd_input_seconds[i];
+        s.flops = p.bwd_input_flops[i];
+        wgrad.seconds = p.bwd_weight_seconds[i];
+        wgrad.flops = p.bwd_weight_flops[i];
+        if (s.seconds > 0) steps.push_back(s);
+        if (wgrad.seconds > 0) steps.push_back(wgrad);
+      } else {
+        steps.push_back(s);
+      }
+    }
     if (!input_grads) continue;
     // Gradients of the inputs, converted to the layout their producers need.
     for (const TensorRef& r : op.inputs) {
@@ -717,6 +732,8 @@ int Compiler::template_for(int segment, int lane, BlockKind kind, bool grad_sync
 // Transformer Engine's tensor-parallel overlap: an all-gather runs alongside the GEMM that
 // consumes it, a reduce-scatter alongside the GEMM that produces it, chunk by chunk; the pair
 // takes the longer of the two (the GEMM slowed by the communication kernels sharing the GPU).
+// In a backward the input-gradient GEMM pairs with the all-gather before it and the
+// weight-gradient GEMM with the reduce-scatter of the input gradient (TE's bulk overlaps).
 void overlap_tp_collectives(std::vector<Step>& steps, uint32_t lane_axes, double interference) {
   std::vector<Step> out;
   out.reserve(steps.size());

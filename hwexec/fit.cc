@@ -55,6 +55,7 @@ ComputeModel ideal_compute(const GpuSpec& gpu, Precision precision) {
   ComputeModel ideal = ComputeModel::defaults_for(gpu);
   ideal.gemm_efficiency = {{precision, 1.0}};
   ideal.sustained = 1.0;
+  ideal.sustained_fp8 = 1.0;
   return ideal;
 }
 
@@ -700,10 +701,11 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
   }
   if (run_gemms) {
     f.calibration.compute["sustained"] = 1.0;
+    f.calibration.compute["sustained_fp8"] = 1.0;
     f.notes.push_back(fmt::format(
-        "sustained: 1 (built-in {:.3g}): the GEMM efficiencies are fitted to the run files' "
-        "times, which hold the clock the runs ran at",
-        ComputeModel::defaults_for(gpu).sustained));
+        "sustained and sustained_fp8: 1 (built-in {:.3g} and {:.3g}): the GEMM efficiencies are "
+        "fitted to the run files' times, which hold the clock the runs ran at",
+        ComputeModel::defaults_for(gpu).sustained, ComputeModel::defaults_for(gpu).sustained_fp8));
   }
   if (f.memory) {
     f.calibration.compute["memory_efficiency"] = f.memory->efficiency;

@@ -53,6 +53,7 @@ inline MicroResults synthetic_micro(const GpuSpec& gpu, const Truth& truth = {})
   r.repetitions = 1;
   ComputeModel ideal = ComputeModel::defaults_for(gpu);
   ideal.sustained = 1;
+  ideal.sustained_fp8 = 1;
   for (auto [p, e] : {std::pair{Precision::kBf16, truth.bf16_efficiency},
                       std::pair{Precision::kFp8, truth.fp8_efficiency}}) {
     ideal.gemm_efficiency = {{p, 1.0}};

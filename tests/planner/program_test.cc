@@ -305,6 +305,46 @@ TEST(Program, SequenceParallelLayerCollectives) {
   }
 }
 
+// Transformer Engine's tensor-parallel overlap (NeMo's defaults, bulk dgrad and wgrad): in the
+// backward the input-gradient GEMM runs alongside the all-gather before it and the
+// weight-gradient GEMM alongside the input gradient's reduce-scatter, so no layer collective is
+// left exposed, and the block's GEMM FLOPs are the same as without the overlap.
+TEST(Program, TensorParallelOverlapHidesEveryBackwardLayerCollective) {
+  const ModelSpec m = korthikanti("gpt3-1.3b");
+  std::set<std::string> layer_ops;
+  auto backward = [&](bool overlap) {
+    MegatronOptions o = options(8, 1, true, RecomputeMode::kNone, 1);
+    o.tp_comm_overlap = overlap;
+    Program prog = compile(m, o);
+    for (const auto& op : prog.graph.layer.ops) layer_ops.insert(op.name);
+    std::vector<Step> steps;
+    for (const BlockTemplate& t : prog.templates) {
+      if (t.kind != BlockKind::kBackward) continue;
+      for (const Step& s : t.steps) {
+        if (s.label >= 0 && layer_ops.count(prog.labels[s.label])) steps.push_back(s);
+      }
+      break;
+    }
+    return steps;
+  };
+  auto flops = [](const std::vector<Step>& steps) {
+    double f = 0;
+    for (const Step& s : steps) f += s.flops;
+    return f;
+  };
+  const std::vector<Step> plain = backward(false), overlapped = backward(true);
+  int collectives = 0;
+  for (const Step& s : overlapped) {
+    if (s.kind != StepKind::kCollective) continue;
+    ++collectives;
+    EXPECT_GT(s.seconds, 0) << "exposed "
+                            << (s.collective == kAG ? "all-gather" : "reduce-scatter");
+  }
+  EXPECT_EQ(collectives, 6 * m.layers);  // two mirrored, two re-gathered, two reduce-scatters
+  EXPECT_GT(flops(plain), 0);
+  EXPECT_NEAR(flops(overlapped), flops(plain), 1e-9 * flops(plain));
+}
+
 // PyTorch's tensor parallelism saves the two gathered norm outputs (the inputs of the QKV and
 // first MLP linears) whole instead of gathering them again in the backward: Korthikanti et
 // al.'s tp+sp bytes plus (1 - 1/t) of two 2-byte s b h tensors, and no backward all-gathers.
