@@ -24,7 +24,7 @@ ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu, AttentionLibrary att
   ComputeModel m;
   // Sustained tensor throughput in training relative to the short benchmarks above (clocks
   // under the power limit): calibrated on the validation set (docs/VALIDATION.md).
-  m.sustained = is_a100(gpu) ? 0.92 : (is_hopper(gpu) ? 0.82 : 0.9);
+  m.sustained = is_a100(gpu) ? 0.92 : (is_hopper(gpu) ? 0.81 : 0.9);
   // fp8 GEMMs sustain less again (more power per clock): calibrated on the fp8 runs
   // (docs/VALIDATION.md). Only Hopper has fp8 tensor cores here.
   if (is_hopper(gpu)) m.sustained_fp8 = 0.87;
@@ -56,11 +56,11 @@ ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu, AttentionLibrary att
     m.attention_fwd_efficiency = 0.60;
     m.attention_bwd_efficiency = 0.45;
   } else if (is_hopper(gpu)) {
-    m.attention_fwd_efficiency = 0.24;
-    m.attention_bwd_efficiency = 0.19;
+    m.attention_fwd_efficiency = 0.2475;
+    m.attention_bwd_efficiency = 0.197;
   } else {
-    m.attention_fwd_efficiency = 0.52;
-    m.attention_bwd_efficiency = 0.38;
+    m.attention_fwd_efficiency = 0.47;
+    m.attention_bwd_efficiency = 0.345;
   }
   return m;
 }

@@ -286,8 +286,8 @@ std::pair<int, int> parse_range(const InputNode& n) {
 
 Plan parse_plan_node(const InputNode& root) {
   root.check_keys({"format", "version", "name", "topology", "model", "training", "mesh",
-                   "placement", "segments", "partition", "recompute", "optimizer", "communication",
-                   "schedule"});
+                   "placement", "segments", "partition", "recompute", "recompute_early_stop",
+                   "optimizer", "communication", "schedule"});
   if (root["format"].as_string() != "nnsim-plan") {
     root["format"].fail("expected \"nnsim-plan\" (is this a plan file?)");
   }
@@ -385,6 +385,7 @@ Plan parse_plan_node(const InputNode& root) {
       plan.recompute.push_back(rule);
     }
   }
+  plan.recompute_early_stop = root.get_bool("recompute_early_stop", false);
 
   if (auto opt = root.get("optimizer")) {
     opt->check_keys(
@@ -531,6 +532,7 @@ std::string plan_to_json(const Plan& plan) {
     recompute.push_back(rule);
   }
   j["recompute"] = recompute;
+  j["recompute_early_stop"] = plan.recompute_early_stop;
   j["optimizer"] = {{"kind", plan.optimizer.kind},
                     {"zero", plan.optimizer.zero},
                     {"grad_bytes", plan.optimizer.grad_bytes},

@@ -198,6 +198,11 @@ struct Plan {
   std::vector<Segment> segments;
   std::vector<PartitionRule> partition;
   std::vector<RecomputeRule> recompute;
+  // A recomputation stops once it has recomputed every tensor the backward needs, skipping the
+  // operators after the last one that saves a tensor (PyTorch's non-reentrant checkpoint, whose
+  // early stop is on by default); false: the whole recomputed region runs again (Megatron's and
+  // DeepSpeed's checkpointing).
+  bool recompute_early_stop = false;
   std::vector<DeviceOrder> schedule;
   OptimizerSpec optimizer;
   CommSettings comm;

@@ -403,13 +403,36 @@ TensorLayout input_layout_of(const PartInfo& prev) {
   return prev.out_layouts.back();
 }
 
+// The operators a recomputation runs. With early stop, it ends at the last recomputed operator
+// that saves a tensor for the backward: that operator runs only when it saves a tensor of its
+// own (an input is saved before the operator computes), and the operators after it not at all
+// (under PyTorch's checkpoint, a block's last linear and residual add when it has no dropout).
+std::vector<bool> replayed_ops(const GraphPart& part, const std::vector<bool>& recomputed,
+                               bool early_stop) {
+  std::vector<bool> run = recomputed;
+  if (!early_stop) return run;
+  // One past the last recomputed operator that saves a tensor.
+  size_t end = run.size();
+  while (end > 0 && !(run[end - 1] && !part.ops[end - 1].saved.empty())) --end;
+  for (size_t i = end; i < run.size(); ++i) run[i] = false;
+  if (end > 0) {
+    const int last = static_cast<int>(end - 1);
+    const auto& saved = part.ops[end - 1].saved;
+    run[end - 1] = std::any_of(saved.begin(), saved.end(),
+                               [&](const TensorSpec& t) { return t.ref.op == last; });
+  }
+  return run;
+}
+
 void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
                             const std::vector<bool>& recomputed, bool only_recomputed,
                             ComputeClass cls, std::vector<Step>& steps) {
   const auto& ops = p.part->ops;
   std::vector<std::pair<TensorRef, TensorLayout>> converted;
+  const std::vector<bool> replayed =
+      only_recomputed ? replayed_ops(*p.part, recomputed, plan.recompute_early_stop) : recomputed;
   for (size_t i = 0; i < ops.size(); ++i) {
-    if (only_recomputed && !recomputed[i]) continue;
+    if (only_recomputed && !replayed[i]) continue;
     const Op& op = ops[i];
     const OpPartition& part = p.partitions[i];
     for (const TensorRef& r : op.inputs) {

@@ -422,6 +422,10 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     // PyTorch's tensor parallelism (DTensor) saves a sequence-parallel linear's gathered input
     // for the backward instead of gathering it again.
     plan.comm.save_gathered_inputs = true;
+    // Activation checkpointing by torch.utils.checkpoint without reentrant autograd
+    // (llm-foundry's activation_checkpointing_reentrant: false, torchtitan), which stops each
+    // recomputation once the backward's tensors are back.
+    plan.recompute_early_stop = true;
   } else if (o.framework == "deepspeed" || o.framework == "other") {
     // DeepSpeed ZeRO and plain mixed precision: 16-bit weights and gradients, fp32 master copy
     // and moments (the 16 bytes per parameter of the ZeRO paper).

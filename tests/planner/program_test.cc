@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "core/model.h"
+#include "core/plan.h"
 #include "core/topology.h"
 #include "planner/megatron.h"
 
@@ -386,6 +387,55 @@ TEST(Program, FullRecomputeRepeatsTheForwardCollectives) {
   // Recompute: 2 AG + 2 RS; backward: 2 AG + 2 RS of the gradients (the saved inputs are
   // recomputed, so nothing is re-gathered).
   EXPECT_EQ(layer_collectives(prog, 0, BlockKind::kBackward), (Counts{{kAG, 4 * n}, {kRS, 4 * n}}));
+}
+
+// PyTorch's non-reentrant checkpoint stops a layer's recomputation once the tensors its backward
+// needs are back: the last one saved is the second MLP linear's input, saved before that linear
+// runs, so the linear and the residual add after it are not recomputed. Megatron's checkpoint
+// replays the whole layer, and so does PyTorch's when the residual add saves a dropout mask.
+TEST(Program, PyTorchCheckpointStopsRecomputingAfterTheLastSavedTensor) {
+  auto recomputed = [](const ModelSpec& m, const std::string& framework) {
+    MegatronOptions o = options(1, 1, false, RecomputeMode::kFull, 1);
+    o.framework = framework;
+    auto plan = build_megatron_plan(m, dgx(), o);
+    EXPECT_TRUE(plan.ok()) << (plan.ok() ? "" : plan.error().message());
+    std::multiset<std::string> labels;
+    if (!plan.ok()) return labels;
+    EXPECT_EQ(plan->recompute_early_stop, framework == "fsdp");
+    auto back = parse_plan(plan_to_json(*plan), "plan.json");
+    EXPECT_TRUE(back.ok() && back->recompute_early_stop == plan->recompute_early_stop);
+    auto prog = compile_plan(*plan, dgx());
+    EXPECT_TRUE(prog.ok()) << (prog.ok() ? "" : prog.error().message());
+    if (!prog.ok()) return labels;
+    for (const BlockTemplate& t : prog->templates) {
+      if (t.kind != BlockKind::kBackward) continue;
+      for (const Step& s : t.steps) {
+        if (s.kind == StepKind::kCompute && s.compute_class == ComputeClass::kRecompute) {
+          labels.insert(prog->labels[s.label]);
+        }
+      }
+      break;
+    }
+    return labels;
+  };
+  ModelSpec m = preset("gpt3-1.3b");
+  m.dropout = false;
+  const size_t n = m.layers;
+  const auto megatron = recomputed(m, "megatron");
+  const auto fsdp = recomputed(m, "fsdp");
+  for (const char* op : {"attn.qkv", "attn.core", "mlp.fc1", "mlp.act"}) {
+    EXPECT_EQ(megatron.count(op), n) << op;
+    EXPECT_EQ(fsdp.count(op), n) << op;
+  }
+  for (const char* op : {"mlp.fc2", "mlp.residual"}) {
+    EXPECT_EQ(megatron.count(op), n) << op;
+    EXPECT_EQ(fsdp.count(op), 0u) << op;
+  }
+  // With dropout the residual add saves its mask: the whole layer runs again.
+  m.dropout = true;
+  const auto fsdp_dropout = recomputed(m, "fsdp");
+  EXPECT_EQ(fsdp_dropout.count("mlp.fc2"), n);
+  EXPECT_EQ(fsdp_dropout.count("mlp.residual"), n);
 }
 
 // With rotary positions the first layer receives the vocabulary-parallel embedding's partial
