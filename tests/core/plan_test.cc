@@ -260,6 +260,9 @@ TEST(Plan, OtherFieldChecks) {
   expect_error("\"optimizer\": {\"zero\": 1},",
                "\"optimizer\": {\"zero\": 1}, \"communication\": {\"save_gathered_inputs\": 1},",
                "communication.save_gathered_inputs", "true or false");
+  expect_error("\"optimizer\": {\"zero\": 1},",
+               "\"recompute_early_stop\": \"maybe\", \"optimizer\": {\"zero\": 1},",
+               "recompute_early_stop", "expected true or false, got 'maybe'");
 }
 
 // Numbers out of their field's range are errors, never wrapped, clamped or left to hang the
