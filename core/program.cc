@@ -430,7 +430,8 @@ void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
   const auto& ops = p.part->ops;
   std::vector<std::pair<TensorRef, TensorLayout>> converted;
   const std::vector<bool> replayed =
-      only_recomputed ? replayed_ops(*p.part, recomputed, plan.recompute_early_stop) : recomputed;
+      only_recomputed ? replayed_ops(*p.part, recomputed, plan.recompute_early_stop)
+                      : std::vector<bool>{};
   for (size_t i = 0; i < ops.size(); ++i) {
     if (only_recomputed && !replayed[i]) continue;
     const Op& op = ops[i];

@@ -702,10 +702,11 @@ Expected<Fit> fit_all(const MicroResults* micro, const std::string& micro_path,
   if (run_gemms) {
     f.calibration.compute["sustained"] = 1.0;
     f.calibration.compute["sustained_fp8"] = 1.0;
+    const ComputeModel builtin = ComputeModel::defaults_for(gpu);
     f.notes.push_back(fmt::format(
         "sustained and sustained_fp8: 1 (built-in {:.3g} and {:.3g}): the GEMM efficiencies are "
         "fitted to the run files' times, which hold the clock the runs ran at",
-        ComputeModel::defaults_for(gpu).sustained, ComputeModel::defaults_for(gpu).sustained_fp8));
+        builtin.sustained, builtin.sustained_fp8));
   }
   if (f.memory) {
     f.calibration.compute["memory_efficiency"] = f.memory->efficiency;
