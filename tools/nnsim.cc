@@ -617,6 +617,13 @@ int run_validate(const ValidateArgs& a) {
   line("iteration time, absolute error", s.time);
   line("  cases with a stated parallel configuration", s.time_stated);
   line("peak memory, absolute error", s.memory);
+  if (s.time_by_source.size() > 1) {
+    std::printf("iteration time, absolute error by source:\n");
+    for (const auto& [source, e] : s.time_by_source) {
+      std::printf("  %-66s %3d: median %5.1f%%, max %5.1f%%, mean %5.1f%%\n", source.c_str(),
+                  e.count, e.median, e.max, e.mean);
+    }
+  }
   if (s.failures > 0) std::printf("%d of %d cases could not be simulated\n", s.failures, s.cases);
   if (!a.json.empty()) {
     std::string error;

@@ -33,6 +33,7 @@ CaseOutcome run_case_timed(const ValidationCase& c, const ValidateOptions& optio
   out.id = c.id;
   out.gpus = c.gpus();
   out.framework = c.parallel.framework;
+  out.source = c.source_name();
   out.parallel_stated = c.parallel_stated();
   out.measured_s = c.measured.iteration_time_s;
   out.measured_memory_gib = c.measured.peak_memory_gib;
@@ -124,18 +125,21 @@ ValidationSummary summarize(const std::vector<CaseOutcome>& outcomes) {
   ValidationSummary s;
   s.cases = static_cast<int>(outcomes.size());
   std::vector<double> all, stated, memory;
+  std::map<std::string, std::vector<double>> by_source;
   for (const auto& o : outcomes) {
     if (!o.ok()) {
       ++s.failures;
       continue;
     }
     all.push_back(std::fabs(o.error_pct));
+    by_source[o.source].push_back(std::fabs(o.error_pct));
     if (o.parallel_stated) stated.push_back(std::fabs(o.error_pct));
     if (o.memory_error_pct) memory.push_back(std::fabs(*o.memory_error_pct));
   }
   s.time = error_stats(all);
   s.time_stated = error_stats(stated);
   s.memory = error_stats(memory);
+  for (auto& [source, errors] : by_source) s.time_by_source[source] = error_stats(errors);
   return s;
 }
 
@@ -148,6 +152,7 @@ std::string validation_json(const std::vector<CaseOutcome>& outcomes, const Vali
     c["status"] = o.status;
     c["gpus"] = o.gpus;
     c["framework"] = o.framework;
+    c["source"] = o.source;
     c["parallel_stated"] = o.parallel_stated;
     c["predicted_iteration_time_s"] = o.ok() ? json(o.predicted_s) : json(nullptr);
     c["measured_iteration_time_s"] = o.measured_s;
@@ -186,6 +191,8 @@ std::string validation_json(const std::vector<CaseOutcome>& outcomes, const Vali
                 {"p90_abs_error_pct", e.p90},
                 {"max_abs_error_pct", e.max}};
   };
+  json by_source = json::object();
+  for (const auto& [source, e] : s.time_by_source) by_source[source] = stats(e);
   json j;
   j["format"] = "nnsim-validation-report";
   j["version"] = 1;
@@ -194,6 +201,7 @@ std::string validation_json(const std::vector<CaseOutcome>& outcomes, const Vali
                   {"failures", s.failures},
                   {"iteration_time", stats(s.time)},
                   {"iteration_time_parallel_stated", stats(s.time_stated)},
+                  {"iteration_time_by_source", by_source},
                   {"peak_memory", stats(s.memory)}};
   return format_json(j);
 }

@@ -17,6 +17,7 @@ struct CaseOutcome {
   std::string status = "ok";  // "ok", or why the case could not be simulated
   int gpus = 0;
   std::string framework;
+  std::string source;           // ValidationCase::source_name
   bool parallel_stated = true;  // no parallel.* field of the case was assumed
   double predicted_s = 0;
   double measured_s = 0;
@@ -45,9 +46,10 @@ struct ErrorStats {
 struct ValidationSummary {
   int cases = 0;
   int failures = 0;
-  ErrorStats time;         // all simulated cases
-  ErrorStats time_stated;  // cases with no assumed parallel.* field
-  ErrorStats memory;       // cases with a measured peak memory
+  ErrorStats time;                                   // all simulated cases
+  ErrorStats time_stated;                            // cases with no assumed parallel.* field
+  ErrorStats memory;                                 // cases with a measured peak memory
+  std::map<std::string, ErrorStats> time_by_source;  // simulated cases of each source
 };
 
 struct ValidateOptions {

@@ -15,6 +15,16 @@ bool ValidationCase::parallel_stated() const {
   return true;
 }
 
+std::string ValidationCase::source_name() const {
+  int depth = 0;
+  for (size_t i = 0; i < source.size(); ++i) {
+    if (source[i] == '(') ++depth;
+    if (source[i] == ')') --depth;
+    if (source[i] == ',' && depth == 0) return source.substr(0, i);
+  }
+  return source;
+}
+
 namespace {
 
 ModelSpec parse_case_model(const InputNode& n, const std::string& id) {

@@ -51,6 +51,9 @@ struct ValidationCase {
   int gpus() const { return cluster.nodes * cluster.gpus_per_node; }
   // True when no parallel.* field was assumed.
   bool parallel_stated() const;
+  // The source's name: its line up to the first comma outside parentheses ("Korthikanti et
+  // al. 2022 (arXiv:2205.05198)"), for summaries by source.
+  std::string source_name() const;
 };
 
 Expected<std::vector<ValidationCase>> load_validation_set(const std::string& path);
