@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <utility>
 #include <vector>
@@ -152,6 +153,64 @@ TEST(Validate, CaseAttentionWithAlibiIsUnfusedUnderMegatron) {
   EXPECT_EQ(megatron.attention, AttentionKernel::kUnfused);
   EXPECT_FALSE(megatron.dropout);
   EXPECT_EQ(model_of("fsdp").attention, AttentionKernel::kFlash);
+}
+
+// The schema's every framework, precision, ZeRO stage and recompute mode, on four layouts
+// (3D, pure data parallel, tensor x context parallel, interleaved pipeline), with its MLPs,
+// positions, tied or untied embeddings and GPUs cycled through: each combination simulates.
+TEST(Validate, EveryCombinationOfTheSchemasValuesSimulates) {
+  auto set = parse_validation_set(kOneCase, "one.yaml");
+  ASSERT_TRUE(set.ok());
+  const ValidationCase base = set->front();
+  struct Layout {
+    int tp, pp, dp, cp, vp;
+  };
+  const std::vector<Layout> layouts = {
+      {2, 2, 2, 1, 1}, {1, 1, 8, 1, 1}, {2, 1, 2, 2, 1}, {1, 2, 4, 1, 2}};
+  const std::vector<std::string> gpus = {"a100-sxm4-40gb", "a100-sxm4-80gb", "h100-sxm5-80gb",
+                                         "h100-sxm5-96gb"};
+  std::vector<ValidationCase> cases;
+  for (const char* framework : {"megatron", "fsdp", "deepspeed", "other"}) {
+    for (Precision precision : {Precision::kBf16, Precision::kFp16, Precision::kFp8}) {
+      for (int zero = 0; zero <= 3; ++zero) {
+        for (const char* recompute : {"none", "selective", "full"}) {
+          for (const Layout& l : layouts) {
+            ValidationCase c = base;
+            const int n = static_cast<int>(cases.size());
+            c.id = "combination " + std::to_string(n);
+            c.model.mlp = static_cast<MlpKind>(n % 4);
+            c.model.position = static_cast<PositionKind>(n % 3);
+            c.model.tied_embeddings = n % 2 == 0;
+            c.cluster.gpu = gpus[(n / 3) % gpus.size()];
+            ValidationParallel& p = c.parallel;
+            p.tp = l.tp;
+            p.pp = l.pp;
+            p.dp = l.dp;
+            p.cp = l.cp;
+            p.vp = l.vp;
+            p.global_batch = 4 * l.dp;
+            p.recompute = recompute;
+            p.sequence_parallel = l.tp > 1;
+            p.zero = zero;
+            p.precision = precision;
+            p.framework = framework;
+            cases.push_back(c);
+          }
+        }
+      }
+    }
+  }
+  ValidateOptions o;
+  o.jobs = 2;
+  const auto out = run_validation(cases, o);
+  ASSERT_EQ(out.size(), 576u);
+  for (const auto& r : out) {
+    ASSERT_TRUE(r.ok()) << r.id << ": " << r.status;
+    EXPECT_GT(r.predicted_s, 0) << r.id;
+    EXPECT_TRUE(std::isfinite(r.predicted_s)) << r.id;
+    ASSERT_TRUE(r.predicted_memory_gib.has_value()) << r.id;
+    EXPECT_GT(*r.predicted_memory_gib, 0) << r.id;
+  }
 }
 
 TEST(Validate, ACaseThatCannotBeSimulatedIsAFailureWithItsReason) {
