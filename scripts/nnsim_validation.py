@@ -1,6 +1,6 @@
-"""Helpers shared by the validation scripts (validation-sweep, validation-holdout): the error
-statistics nnsim validate prints, calibration files that set chosen cost-model constants, and
-one `nnsim validate` run over a subset of a set's cases.
+"""Helpers shared by the validation scripts (validation-report, validation-sweep,
+validation-holdout): the error statistics nnsim validate prints, calibration files that set
+chosen cost-model constants, and one `nnsim validate` run over a subset of a set's cases.
 """
 import json
 import math
@@ -8,7 +8,6 @@ import os
 import statistics
 import subprocess
 
-import h5py
 import yaml
 
 
@@ -23,6 +22,15 @@ def p90(values):
 def summary(errors):
     a = [abs(e) for e in errors]
     return f"median {statistics.median(a):5.2f}  p90 {p90(a):5.1f}  mean {sum(a) / len(a):5.2f}"
+
+
+def stats(errors):
+    """Count, median, p90, max and mean of the absolute errors, one line."""
+    a = sorted(abs(e) for e in errors)
+    if not a:
+        return "no cases"
+    return (f"{len(a)} cases: median {statistics.median(a):.1f} %, p90 {p90(a):.1f} %, "
+            f"max {a[-1]:.1f} %, mean {sum(a) / len(a):.1f} %")
 
 
 def load_cases(path):
@@ -44,6 +52,7 @@ def own_attention(case):
 
 def calibration(nnsim, path, gpus, attrs):
     """Writes a calibration file for `gpus` holding only the compute attributes `attrs`."""
+    import h5py  # only the scripts that write calibration files need it
     args = [nnsim, "calibration", "export", "-o", path]
     for g in gpus:
         args += ["--gpu", g]
@@ -60,14 +69,20 @@ def calibration(nnsim, path, gpus, attrs):
                 a[k] = v
 
 
-def validate(nnsim, case_set, jobs, ids, calib, tmp):
-    """Signed iteration-time errors (%) of the cases `ids`, by id."""
+def validate_cases(nnsim, case_set, jobs, ids, calib, tmp):
+    """The per-case results of `nnsim validate --json` for the cases `ids`."""
     if not ids:
-        return {}
+        return []
     out = os.path.join(tmp, "v.json")
     args = [nnsim, "validate", case_set, "--jobs", str(jobs), "--json", out]
     if calib:
         args += ["--calib", calib]
     subprocess.run(args + ["--only"] + ids, check=True, capture_output=True)
     with open(out) as f:
-        return {c["id"]: c["error_pct"] for c in json.load(f)["cases"]}
+        return json.load(f)["cases"]
+
+
+def validate(nnsim, case_set, jobs, ids, calib, tmp):
+    """Signed iteration-time errors (%) of the cases `ids`, by id."""
+    return {c["id"]: c["error_pct"]
+            for c in validate_cases(nnsim, case_set, jobs, ids, calib, tmp)}
