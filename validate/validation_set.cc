@@ -27,6 +27,14 @@ std::string ValidationCase::source_name() const {
 
 namespace {
 
+// A measured or physical quantity: zero or below would make an error percentage infinite or a
+// link useless, so it is rejected where it is read.
+double positive_double(const InputNode& n, const std::string& what) {
+  const double v = n.as_double();
+  if (!(v > 0)) n.fail(fmt::format("{} must be positive, got {}", what, v));
+  return v;
+}
+
 ModelSpec parse_case_model(const InputNode& n, const std::string& id) {
   n.check_keys({"family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "mlp", "vocab",
                 "seq_len", "tied_embeddings", "position"});
@@ -69,7 +77,7 @@ ValidationCase parse_case(const InputNode& c) {
   v.cluster.gpu = cl["gpu"].as_string();
   v.cluster.nodes = cl["nodes"].as_small_int();
   v.cluster.gpus_per_node = cl["gpus_per_node"].as_small_int();
-  v.cluster.nic_bandwidth = cl["nic_gbps"].as_double() * 1e9 / 8;
+  v.cluster.nic_bandwidth = positive_double(cl["nic_gbps"], "the NIC bandwidth (Gb/s)") * 1e9 / 8;
   v.cluster.nics_per_node = cl["nics_per_node"].as_small_int();
 
   auto p = c["parallel"];
@@ -101,12 +109,17 @@ ValidationCase parse_case(const InputNode& c) {
 
   auto m = c["measured"];
   m.check_keys({"iteration_time_s", "tokens_per_s_per_gpu", "mfu_pct", "peak_memory_gib"});
-  v.measured.iteration_time_s = m["iteration_time_s"].as_double();
+  v.measured.iteration_time_s = positive_double(m["iteration_time_s"], "a measured iteration time");
   if (m.has("tokens_per_s_per_gpu")) {
-    v.measured.tokens_per_s_per_gpu = m["tokens_per_s_per_gpu"].as_double();
+    v.measured.tokens_per_s_per_gpu = positive_double(m["tokens_per_s_per_gpu"], "a throughput");
   }
-  if (m.has("mfu_pct")) v.measured.mfu_pct = m["mfu_pct"].as_double();
-  if (m.has("peak_memory_gib")) v.measured.peak_memory_gib = m["peak_memory_gib"].as_double();
+  if (m.has("mfu_pct")) {
+    v.measured.mfu_pct = positive_double(m["mfu_pct"], "a model FLOP utilization");
+    if (*v.measured.mfu_pct > 100) m["mfu_pct"].fail("a model FLOP utilization is at most 100 (%)");
+  }
+  if (m.has("peak_memory_gib")) {
+    v.measured.peak_memory_gib = positive_double(m["peak_memory_gib"], "a measured peak memory");
+  }
   if (c.has("assumed")) {
     for (const auto& a : c["assumed"].items()) v.assumed.push_back(a.as_string());
   }

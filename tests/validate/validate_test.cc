@@ -70,6 +70,28 @@ TEST(ValidationSet, BadInputNamesTheFieldAndTheFix) {
       << r.error().message();
 }
 
+// A measurement of zero or below would print an infinite error and poison the summary's
+// statistics; a NIC of zero bandwidth would leave the cluster unconnected.
+TEST(ValidationSet, MeasuredValuesAndLinkSpeedsMustBePositive) {
+  const std::vector<std::pair<std::string, std::string>> edits = {
+      {"iteration_time_s: 0.1", "iteration_time_s: 0"},
+      {"iteration_time_s: 0.1", "iteration_time_s: -2"},
+      {"peak_memory_gib: 10", "peak_memory_gib: 0"},
+      {"nic_gbps: 200", "nic_gbps: 0"},
+      {"peak_memory_gib: 10", "peak_memory_gib: 10, mfu_pct: 140"},
+  };
+  for (const auto& [from, to] : edits) {
+    std::string bad = kOneCase;
+    bad.replace(bad.find(from), from.size(), to);
+    auto r = parse_validation_set(bad, "bad.yaml");
+    ASSERT_FALSE(r.ok()) << to;
+    const std::string field = to.substr(0, to.rfind(':'));
+    const std::string last = field.substr(field.rfind(' ') + 1);
+    EXPECT_NE(r.error().message().find("bad.yaml:"), std::string::npos) << r.error().message();
+    EXPECT_NE(r.error().message().find("." + last + "'"), std::string::npos) << r.error().message();
+  }
+}
+
 TEST(Validate, SimulatesACaseAndReportsItsError) {
   auto set = parse_validation_set(kOneCase, "one.yaml");
   ASSERT_TRUE(set.ok());
