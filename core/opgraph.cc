@@ -352,8 +352,11 @@ GraphPart build_head(const ModelSpec& m, const Shape& x) {
     // PyTorch: cast (read p, write 4), log-softmax (read 4 twice, write 4); backward: the
     // log-softmax's gradient (written 4), its backward (read 8, write 4), the cast (read 4,
     // write p). Its peak is in the backward pass: the log-softmax's gradient and the input
-    // gradient, both fp32, beside the saved log-softmax.
-    loss.transient_bytes = logits * 8;
+    // gradient, both fp32, beside the saved log-softmax. The logits themselves (p bytes, the
+    // cast's input) are either still referenced then or freed into the caching allocator's
+    // cache, where a block half the size of the fp32 gradients is of no use to them: either way
+    // the GPU holds them at that peak (reserved, if not allocated).
+    loss.transient_bytes = logits * (8 + (x.p < 4 ? x.p : 0));
     loss.fwd_bytes = logits * (x.p + 4 + 8 + 4);
     loss.bwd_bytes = logits * (4 + 12 + 4 + x.p);
   }

@@ -305,9 +305,10 @@ TEST(Validate, DevSetAccuracyRegressionBound) {
   EXPECT_LE(s.time_stated.mean, 4.5);
   // Memory: since the backward's parts free their activations one after another (the loss's
   // buffers before the last layer's recomputation: nnexec's CPU counts, run_memory_test.cc),
-  // the torchtitan runs' predictions sit 11-26 % under their reserved peaks (docs/VALIDATION.md).
-  EXPECT_LE(s.memory.median, 14.0);
-  EXPECT_LE(s.memory.max, 27.0);
+  // and PyTorch's unfused loss holds its logits at its backward peak, the torchtitan runs'
+  // predictions sit 4-21 % under their reserved peaks (docs/VALIDATION.md).
+  EXPECT_LE(s.memory.median, 11.5);
+  EXPECT_LE(s.memory.max, 21.5);
   // Korthikanti et al. 2022: the best public analytical model (Calculon) reaches 3.65 % mean and
   // 8.9 % worst absolute error on these runs; nnsim must stay below both.
   // Each source's mean too (docs/VALIDATION.md lists them), so that a change cannot trade one
