@@ -223,6 +223,12 @@ void InputNode::check_keys(std::initializer_list<std::string_view> allowed) cons
       InputNode at = child(it->first, path_.empty() ? key : path_ + "." + key);
       at.fail(fmt::format("unknown field '{}'{}", key, suggest(key, known)));
     }
+    // `key:` with nothing after it (or JSON null) would read as absent and take the default
+    // without a word: most often a value was forgotten.
+    if (it->second.IsNull()) {
+      child(it->first, path_.empty() ? key : path_ + "." + key)
+          .fail("has no value; give it one, or remove the field to take its default");
+    }
   }
 }
 

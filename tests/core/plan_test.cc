@@ -196,6 +196,12 @@ TEST(Plan, UnknownFieldSuggests) {
                "unknown field 'segmnts' (did you mean 'segments'?)");
 }
 
+// An explicit null would read as an absent field and take its default silently.
+TEST(Plan, NullValueIsAnError) {
+  expect_error("\"zero\": 1", "\"zero\": null", "optimizer.zero",
+               "has no value; give it one, or remove the field to take its default");
+}
+
 TEST(Plan, MissingFieldIsNamed) {
   std::string e = parse_error(replace(kPlan, "\"micro_batch\": 2", "\"micro\": 2"));
   EXPECT_TRUE(contains(e, "plan.json:7: field 'training.micro")) << e;

@@ -205,6 +205,12 @@ TEST(Topology, UnknownFieldSuggests) {
   EXPECT_NE(msg.find("did you mean 'bandwidth'"), std::string::npos) << msg;
 }
 
+// YAML's `key:` with nothing after it is null: a forgotten value, not a request for the default.
+TEST(Topology, EmptyValueIsAnError) {
+  std::string msg = parse_error(replace(kBase, "nodes: 2", "nodes:"));
+  EXPECT_NE(msg.find("test.yaml:3: field 'nodes': has no value"), std::string::npos) << msg;
+}
+
 TEST(Topology, UnknownGpuName) {
   std::string msg = parse_error(replace(kBase, "gpu: a100-sxm4-80gb", "gpu: a100-sxm4-80g"));
   EXPECT_NE(msg.find("test.yaml:2: field 'gpu': unknown GPU 'a100-sxm4-80g' (did you mean "
