@@ -859,36 +859,35 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     }
     return b;
   };
+  // A pipeline transfer's step; `gather` gets the axes whose pieces the receiver all-gathers.
+  auto transfer = [&](StepKind kind, int peer, int peer_lane, bool gradient,
+                      const TensorLayout& layout, bool recycled, uint32_t* gather) {
+    Step x;
+    x.kind = kind;
+    x.peer_segment = peer;
+    x.peer_lane = peer_lane;
+    x.gradient = gradient;
+    x.recycle = recycled;
+    x.bytes = transfer_bytes(layout, gather);
+    x.label = label(gradient ? "gradient" : recycled ? "recycled" : "activation");
+    steps->push_back(x);
+    return x.label;
+  };
   auto recv = [&](int peer, int peer_lane, bool gradient, const TensorLayout& layout,
                   bool recycled = false) {
     uint32_t gather = 0;
-    Step r;
-    r.kind = StepKind::kRecv;
-    r.peer_segment = peer;
-    r.peer_lane = peer_lane;
-    r.gradient = gradient;
-    r.recycle = recycled;
-    r.bytes = transfer_bytes(layout, &gather);
-    r.label = label(gradient ? "gradient" : recycled ? "recycled" : "activation");
-    steps->push_back(r);
+    const int what =
+        transfer(StepKind::kRecv, peer, peer_lane, gradient, layout, recycled, &gather);
     for (size_t a = 0; a < mesh.axes.size(); ++a) {
       if (!(gather & (1u << a))) continue;
       steps->push_back(collective_step(CollectiveKind::kAllGather, 1u << a,
-                                       piece_bytes(boundary, layout, mesh), r.label));
+                                       piece_bytes(boundary, layout, mesh), what));
     }
   };
   auto send = [&](int peer, int peer_lane, bool gradient, const TensorLayout& layout,
                   bool recycled = false) {
     uint32_t gather = 0;
-    Step x;
-    x.kind = StepKind::kSend;
-    x.peer_segment = peer;
-    x.peer_lane = peer_lane;
-    x.gradient = gradient;
-    x.recycle = recycled;
-    x.bytes = transfer_bytes(layout, &gather);
-    x.label = label(gradient ? "gradient" : recycled ? "recycled" : "activation");
-    steps->push_back(x);
+    transfer(StepKind::kSend, peer, peer_lane, gradient, layout, recycled, &gather);
   };
   auto memory = [&](double bytes) {
     Step m;
