@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -964,6 +965,30 @@ TEST(NnsimTool, ValidateOnlyTakesCommaOrSpaceSeparatedIds) {
   EXPECT_EQ(ids_in("space.json"), want);
   expect_error(box.nnsim({"validate", "set.yaml", "--only", "first,fourth"}),
                {"--only: no case 'fourth'", "known: first, second, third"});
+}
+
+// Where a case measured its peak memory, its line shows the signed memory error next to the
+// iteration time's, the same number as the JSON's memory_error_pct.
+TEST(NnsimTool, ValidatePrintsEachCasesMemoryError) {
+  Sandbox box;
+  std::string set = two_case_set();
+  const std::string measured = "measured: {iteration_time_s: 0.05}";
+  set.replace(set.find(measured), measured.size(),
+              "measured: {iteration_time_s: 0.05, peak_memory_gib: 2}");
+  box.write("set.yaml", set);
+  RunResult r = box.nnsim({"validate", "set.yaml", "--jobs", "1", "--json", "v.json"});
+  ASSERT_EQ(r.status, 0) << r;
+  const json report = box.read_json("v.json");
+  ASSERT_TRUE(report["cases"][0]["memory_error_pct"].is_number()) << report.dump();
+  EXPECT_FALSE(report["cases"][1].contains("memory_error_pct")) << report.dump();
+  const std::string shown =
+      fmt::format("{:+.1f}%", report["cases"][0]["memory_error_pct"].get<double>());
+  EXPECT_TRUE(contains(r.out, "mem err")) << r;
+  const size_t first = r.out.find("\nfirst ");
+  ASSERT_NE(first, std::string::npos) << r;
+  const std::string line = r.out.substr(first + 1, r.out.find('\n', first + 1) - first - 1);
+  EXPECT_TRUE(contains(line, "2.0 GiB")) << line;
+  EXPECT_TRUE(contains(line, shown)) << line << " (want " << shown << ")";
 }
 
 TEST(NnsimTool, ValidateWritePlansCreatesItsFolder) {
