@@ -414,7 +414,8 @@ Plan parse_plan_node(const InputNode& root) {
   if (auto c = root.get("communication")) {
     c->check_keys({"dp_bucket_bytes", "overlap_grad_reduce", "overlap_param_gather",
                    "pp_scatter_gather", "algorithm", "grad_reduce_bytes", "tp_overlap",
-                   "zero3_per_tensor", "zero3_regather_for_recompute", "save_gathered_inputs"});
+                   "zero3_per_tensor", "zero3_regather_for_recompute",
+                   "zero3_persistence_threshold", "save_gathered_inputs"});
     plan.comm.dp_bucket_bytes =
         c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
     if (plan.comm.dp_bucket_bytes < kMinBucketBytes) {
@@ -433,6 +434,11 @@ Plan parse_plan_node(const InputNode& root) {
     plan.comm.tp_overlap = c->get_bool("tp_overlap", false);
     plan.comm.zero3_per_tensor = c->get_bool("zero3_per_tensor", false);
     plan.comm.zero3_regather_for_recompute = c->get_bool("zero3_regather_for_recompute", false);
+    plan.comm.zero3_persistence_threshold = c->get_double("zero3_persistence_threshold", 0);
+    if (plan.comm.zero3_persistence_threshold < 0) {
+      (*c)["zero3_persistence_threshold"].fail(
+          "give a number of elements, 0 or more (0: every tensor is sharded)");
+    }
     plan.comm.save_gathered_inputs = c->get_bool("save_gathered_inputs", false);
     if (plan.comm.algorithm != "auto" && plan.comm.algorithm != "ring" &&
         plan.comm.algorithm != "tree") {
@@ -548,6 +554,7 @@ std::string plan_to_json(const Plan& plan) {
                         {"tp_overlap", plan.comm.tp_overlap},
                         {"zero3_per_tensor", plan.comm.zero3_per_tensor},
                         {"zero3_regather_for_recompute", plan.comm.zero3_regather_for_recompute},
+                        {"zero3_persistence_threshold", plan.comm.zero3_persistence_threshold},
                         {"save_gathered_inputs", plan.comm.save_gathered_inputs}};
   json orders = json::array();
   for (const auto& o : plan.schedule) {

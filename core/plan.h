@@ -169,6 +169,10 @@ struct CommSettings {
   // recomputation and again for its backward (DeepSpeed: the recomputed forward's hooks fetch
   // and release the parameters before the backward's hooks fetch them again).
   bool zero3_regather_for_recompute = false;
+  // ZeRO-3 under DeepSpeed: a weight tensor of fewer elements than this stays whole on every
+  // GPU and is never gathered (stage3_param_persistence_threshold: biases and norm scales);
+  // 0: every tensor is sharded.
+  double zero3_persistence_threshold = 0;
   // Sequence parallelism: an input that arrives by all-gather (a norm's output, gathered for the
   // column-parallel linears) is saved for the backward as gathered, which then does not gather
   // it again (PyTorch's DTensor tensor parallelism, as torchtitan runs it); false: saved split

@@ -196,6 +196,9 @@ struct Compiler {
   }
   void emit_grad_buckets(double bytes, double& pending, std::vector<Step>& steps, int segment);
   double segment_params(int segment) const;
+  // Parameters of the segment's weight tensors that ZeRO-3 keeps whole on every GPU
+  // (comm.zero3_persistence_threshold).
+  double segment_persistent_params(int segment) const;
   // Whether the head in `segment` is on the embedding's devices (its segment, or a V-shaped
   // placement's last segment on them): a tied projection there is the embedding's matrix.
   bool head_shares_embedding(int segment) const {
@@ -699,6 +702,28 @@ std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment) const 
   return out;
 }
 
+double Compiler::segment_persistent_params(int segment) const {
+  if (!plan.comm.zero3_per_tensor) return 0;
+  const Segment& s = plan.segments[segment];
+  // A tied output projection on the embedding's devices is the embedding's matrix (counted once).
+  const bool shares_embedding = head_shares_embedding(segment);
+  auto sum = [&](const PartInfo& p) {
+    double n = 0;
+    size_t w = 0;  // weight_tensors runs over the operators' weights in order
+    for (const Op& op : p.part->ops) {
+      for (size_t k = 0; k < op.weights.size(); ++k, ++w) {
+        if (shares_embedding && op.tied_to_embedding) continue;
+        if (p.weight_tensors[w] < plan.comm.zero3_persistence_threshold) n += p.weight_tensors[w];
+      }
+    }
+    return n;
+  };
+  double n = (s.end_layer - s.first_layer) * sum(layer);
+  if (s.embedding) n += sum(embed);
+  if (s.head) n += sum(head);
+  return n;
+}
+
 double Compiler::segment_params(int segment) const {
   const Segment& s = plan.segments[segment];
   // A tied output projection on the embedding's own devices is the embedding matrix itself.
@@ -908,8 +933,15 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     double reduce_params;
     const std::vector<double>* reduce_tensors;
   };
+  // The tensors a unit gathers: all of it at once, or tensor by tensor but for the persistent
+  // ones (none when all are: a unit of small tensors is never gathered).
   auto pieces = [&](const ParamUnit& u) {
-    return plan.comm.zero3_per_tensor ? *u.tensors : std::vector<double>{u.params};
+    if (!plan.comm.zero3_per_tensor) return std::vector<double>{u.params};
+    std::vector<double> sharded;
+    for (double n : *u.tensors) {
+      if (n >= plan.comm.zero3_persistence_threshold) sharded.push_back(n);
+    }
+    return sharded;
   };
   auto reduce_pieces = [&](const ParamUnit& u) {
     return plan.comm.zero3_per_tensor ? *u.reduce_tensors : std::vector<double>{u.reduce_params};
@@ -952,6 +984,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     };
     if (i == 0) fetch(order[0]);
     if (i + 1 < order.size()) fetch(order[i + 1]);
+    if (pieces(order[i]).empty()) return;
     Step w;
     w.kind = StepKind::kDpWait;
     w.tag = order[i].tag;
@@ -1511,6 +1544,8 @@ void Compiler::build_memory(Lane& lane, const std::vector<int>& segments) {
     const double layer_params =
         std::accumulate(layer.local_params.begin(), layer.local_params.end(), 0.0);
     m.weights = params * plan.optimizer.weight_shard_bytes / dp;
+    // Persistent tensors: their whole 16-bit copy on every GPU besides their shard.
+    for (int s : segments) m.weights += segment_persistent_params(s) * weight_bytes;
     m.gathered = 2 * layer_params * weight_bytes + layer_params * plan.optimizer.grad_bytes;
     if (plan.optimizer.keep_gathered) {
       // Every parameter gathered, and its unsharded gradient accumulated, for the iteration.
@@ -1742,6 +1777,23 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
         l.label = c.label("param gather");
         lane.epilogue.push_back(l);
       }
+      Step w;
+      w.kind = StepKind::kDpWait;
+      w.label = c.label("param gather wait");
+      lane.epilogue.push_back(w);
+    }
+    // ZeRO-3's persistent tensors: their updated chunks in one all-gather after the step
+    // (DeepSpeed's), before the next iteration's forward reads them.
+    double persistent = 0;
+    for (int s : segs) persistent += c.segment_persistent_params(s);
+    if (zero == 3 && persistent > 0 && c.shard_degree() > 1) {
+      Step l;
+      l.kind = StepKind::kDpLaunch;
+      l.collective = CollectiveKind::kAllGather;
+      l.axes = c.bucket_axes;
+      l.bytes = persistent * compute_weight_bytes(plan);
+      l.label = c.label("param gather");
+      lane.epilogue.push_back(l);
       Step w;
       w.kind = StepKind::kDpWait;
       w.label = c.label("param gather wait");

@@ -1778,6 +1778,9 @@ struct ZeroUnit {
   // program's head unit gathers the tied matrix again, and reduces only its own).
   const ZeroUnit* gathers_with = nullptr;
   Param* tied_word = nullptr;
+  // ZeRO-3 tensor by tensor: a tensor under comm.zero3_persistence_threshold stays whole on
+  // every rank (never gathered nor released); its updated chunks are gathered after the step.
+  bool persistent = false;
   at::Tensor master, m, v, grad;
 
   // `get` of each parameter in the layout's order: dp x chunk elements.
@@ -2080,6 +2083,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         ends.push_back(i + 1);
       }
       if (ends.empty() || ends.back() < u.params.size()) ends.push_back(u.params.size());
+      int64_t elements = 0;
+      for (int64_t n : numels) elements += n;
+      u.persistent = zero == 3 && plan.comm.zero3_per_tensor &&
+                     static_cast<double>(elements) < plan.comm.zero3_persistence_threshold;
       u.layout = ZeroLayout(std::move(numels), std::move(ends), dpn);
       const int64_t chunk = u.layout.chunk();
       u.master = u.flat([](const Param& p) { return p.w.detach(); })
@@ -2165,7 +2172,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     }
   }
   auto release_unit = [&](const ZeroUnit& u) {
-    if (!reshard || pinned.count(&u)) return;
+    if (!reshard || pinned.count(&u) || u.persistent) return;
     for (Param* p : gather_targets(u)) {
       for (const at::Tensor& t : gathered_storage(*p)) resize_storage(t, 0);
     }
@@ -2177,6 +2184,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // ZeRO-3 in bf16 also writes the gathered values into the operators' bf16 copies, which keep
   // their autograd link to the fp32 weights (no per-iteration cast: the cast is the chunk's).
   auto gather_unit = [&](const ZeroUnit& u) {
+    if (u.persistent) return;
     for (Param* p : gather_targets(u)) {
       for (const at::Tensor& t : gathered_storage(*p)) {
         if (t.storage().nbytes() == 0) resize_storage(t, t.numel() * t.element_size());
@@ -2207,6 +2215,34 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       // Not a version bump: ZeRO-3's backward gather writes weights its saved graphs hold.
       if (gathers_fp32(*p)) p->w.variable_data().copy_(mine);
       if (zero == 3 && dtype != at::kFloat) p->c.variable_data().copy_(mine);
+    }
+  };
+  // ZeRO-3's persistent tensors after the step: every unit's updated chunk in one all-gather,
+  // written into its whole weights (and their compute-dtype copies).
+  auto gather_persistent = [&](const std::vector<const ZeroUnit*>& units) {
+    std::vector<at::Tensor> chunks;
+    int64_t row = 0;
+    for (const ZeroUnit* u : units) {
+      chunks.push_back(u->master);
+      row += u->layout.chunk();
+    }
+    const at::Tensor send = at::cat(chunks);
+    const at::Tensor full = ctx.all_gather(dtype != at::kFloat ? send.to(dtype) : send,
+                                           ctx.dp_group, ctx.dp_axes, "param gather");
+    c10::NoGradGuard no_grad;
+    const at::Tensor rows = full.view({dpn, row});
+    int64_t offset = 0;
+    for (const ZeroUnit* u : units) {
+      const int64_t chunk = u->layout.chunk();
+      const std::vector<at::Tensor> values =
+          u->layout.unflatten(rows.narrow(1, offset, chunk).reshape({-1}));
+      offset += chunk;
+      for (std::size_t i = 0; i < u->params.size(); ++i) {
+        Param* p = u->params[i];
+        const at::Tensor mine = values[i].view(p->w.sizes());
+        if (gathers_fp32(*p)) p->w.variable_data().copy_(mine);
+        if (dtype != at::kFloat) p->c.variable_data().copy_(mine);
+      }
     }
   };
   // The unit's gradients so far reduce-scattered over dp into its chunk, then dropped.
@@ -2719,6 +2755,13 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       if (zero == 1 || zero == 2) {
         for (ZeroUnit* u : zunits) gather_unit(*u);
       }
+      // ZeRO-3: the persistent tensors' updated chunks, all in one all-gather (DeepSpeed's
+      // after the step, as the program's epilogue).
+      std::vector<const ZeroUnit*> persistent;
+      for (const ZeroUnit* u : zunits) {
+        if (u->persistent) persistent.push_back(u);
+      }
+      if (!persistent.empty()) gather_persistent(persistent);
       // bf16: the next iteration's weight copies (with autograd), timed with the step; ZeRO-3's
       // come with each gather.
       if (zero != 3) {

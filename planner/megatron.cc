@@ -433,6 +433,9 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     // DeepSpeed's ZeRO-3 fetches and partitions each parameter tensor on its own.
     plan.comm.zero3_per_tensor = o.framework == "deepspeed";
     plan.comm.zero3_regather_for_recompute = o.framework == "deepspeed";
+    // DeepSpeed's stage3_param_persistence_threshold default (1e5 elements): biases and norm
+    // scales stay whole on every GPU.
+    if (o.framework == "deepspeed") plan.comm.zero3_persistence_threshold = 1e5;
   } else if (o.framework != "megatron") {
     return Error(fmt::format("unknown framework '{}'{}", o.framework,
                              suggest(o.framework, {"megatron", "fsdp", "deepspeed", "other"})));

@@ -145,6 +145,7 @@ TEST(Plan, HandBuiltPlanRoundTrips) {
   p.comm.pp_scatter_gather = false;
   p.comm.algorithm = "ring";
   p.comm.save_gathered_inputs = true;
+  p.comm.zero3_persistence_threshold = 1e5;
   p.topology_gpus = 8;
   p.topology_name = "h200x8";
   p.schedule_name = "custom";
@@ -166,6 +167,7 @@ TEST(Plan, HandBuiltPlanRoundTrips) {
   EXPECT_EQ(q->comm.algorithm, "ring");
   EXPECT_FALSE(q->comm.overlap_grad_reduce);
   EXPECT_TRUE(q->comm.save_gathered_inputs);
+  EXPECT_EQ(q->comm.zero3_persistence_threshold, 1e5);
   EXPECT_EQ(q->schedule[0].blocks, p.schedule[0].blocks);
   EXPECT_EQ(q->model.mlp, MlpKind::kSwiglu);
   EXPECT_EQ(q->model.kv_heads, 2);
@@ -293,6 +295,10 @@ TEST(Plan, NumbersOutOfRange) {
   expect_error("\"optimizer\": {\"zero\": 1},",
                "\"optimizer\": {\"zero\": 1}, \"communication\": {\"grad_reduce_bytes\": 3e9},",
                "communication.grad_reduce_bytes", "out of range (0 to 8");
+  expect_error("\"optimizer\": {\"zero\": 1},",
+               "\"optimizer\": {\"zero\": 1}, \"communication\": "
+               "{\"zero3_persistence_threshold\": -1},",
+               "communication.zero3_persistence_threshold", "0 or more");
   expect_error("\"name\": \"tiny\",", "\"name\": \"tiny\", \"topology\": {\"gpus\": -1},",
                "topology.gpus", "must be at least 1");
   expect_error("[{\"match\": \"attn.core\"}]", "[{\"match\": \"*\", \"layers\": [0, 9]}]",

@@ -527,6 +527,7 @@ TEST(Program, DeepSpeedRegathersRecomputedLayers) {
   auto plan = build_megatron_plan(m, dgx(), o);
   ASSERT_TRUE(plan.ok()) << plan.error().message();
   EXPECT_TRUE(plan->comm.zero3_regather_for_recompute);
+  plan->comm.zero3_persistence_threshold = 0;  // every tensor gathered: the formula below
   auto regathered = compile_plan(*plan, dgx());
   ASSERT_TRUE(regathered.ok()) << regathered.error().message();
   plan->comm.zero3_regather_for_recompute = false;
@@ -551,7 +552,8 @@ TEST(Program, DeepSpeedRegathersRecomputedLayers) {
 
 // DeepSpeed's ZeRO-3 gathers and reduces each parameter tensor on its own: a GPT layer's twelve
 // (LayerNorm's scale and shift are two parameters), the same bytes as FSDP's gather of the
-// whole layer at once.
+// whole layer at once; with DeepSpeed's persistence threshold, tensors under 1e5 elements (the
+// biases and norms) stay whole on every GPU and are never gathered.
 TEST(Program, DeepSpeedGathersTensorByTensor) {
   const ModelSpec m = preset("gpt3-1.3b");  // LayerNorm with biases, learned positions, tied
   MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
@@ -560,6 +562,10 @@ TEST(Program, DeepSpeedGathersTensorByTensor) {
   auto plan = build_megatron_plan(m, dgx(), o);
   ASSERT_TRUE(plan.ok()) << plan.error().message();
   EXPECT_TRUE(plan->comm.zero3_per_tensor);
+  EXPECT_DOUBLE_EQ(plan->comm.zero3_persistence_threshold, 1e5);
+  auto persistent = compile_plan(*plan, dgx());
+  ASSERT_TRUE(persistent.ok()) << persistent.error().message();
+  plan->comm.zero3_persistence_threshold = 0;
   auto per_tensor = compile_plan(*plan, dgx());
   ASSERT_TRUE(per_tensor.ok()) << per_tensor.error().message();
   plan->comm.zero3_per_tensor = false;
@@ -583,6 +589,28 @@ TEST(Program, DeepSpeedGathersTensorByTensor) {
   const double tied = static_cast<double>(plan->model.vocab) * m.hidden;
   EXPECT_DOUBLE_EQ(dp_gathered_bytes(*per_tensor, tensor_lane),
                    dp_gathered_bytes(*per_unit, unit_lane) + mb * 2 * 2 * tied);
+
+  // Persistent: a layer gathers its four matrices, the embedding its two tables, the head the
+  // tied matrix; every gradient is still reduced. The 13 h of a layer's biases and norms and the
+  // head norm's 2 h are held whole (16 bits) instead.
+  const Lane& persistent_lane = persistent->lanes[0];
+  const int gathered = 2 + 4 * m.layers + 1;
+  EXPECT_EQ(dp_launches(*persistent, persistent_lane, kAG), 2 * gathered * mb);
+  EXPECT_EQ(dp_launches(*persistent, persistent_lane, kRS), (tensors - 1) * mb);
+  const double small = (13.0 * m.layers + 2) * m.hidden;
+  EXPECT_DOUBLE_EQ(dp_gathered_bytes(*persistent, persistent_lane),
+                   dp_gathered_bytes(*per_tensor, tensor_lane) - mb * 2 * 2 * small);
+  EXPECT_DOUBLE_EQ(persistent_lane.memory.weights, tensor_lane.memory.weights + 2 * small);
+  // After the step their updated chunks come back in one all-gather (DeepSpeed's), 16-bit.
+  std::vector<double> epilogue_gathers;
+  for (const Step& s : persistent_lane.epilogue) {
+    if (s.kind == StepKind::kDpLaunch && s.collective == kAG) epilogue_gathers.push_back(s.bytes);
+  }
+  ASSERT_EQ(epilogue_gathers.size(), 1u);
+  EXPECT_DOUBLE_EQ(epilogue_gathers[0], 2 * small);
+  for (const Step& s : tensor_lane.epilogue) {
+    EXPECT_FALSE(s.kind == StepKind::kDpLaunch && s.collective == kAG);
+  }
 }
 
 // Data-parallel bytes of one collective kind launched over a lane's iteration (blocks and
@@ -621,6 +649,7 @@ TEST(Program, ATiedHeadInTheEmbeddingsSegmentIsOneParameter) {
     o.zero = std::string(framework) == "megatron" ? 0 : 3;
     auto plan = build_megatron_plan(m, dgx(), o);
     ASSERT_TRUE(plan.ok()) << plan.error().message();
+    plan->comm.zero3_persistence_threshold = 0;  // every tensor gathered: the counts below
     auto prog = compile_plan(*plan, dgx());
     ASSERT_TRUE(prog.ok()) << prog.error().message();
     const Lane& lane = prog->lanes[0];
@@ -670,6 +699,7 @@ TEST(Program, ATiedHeadOnTheEmbeddingsDevicesInAVIsOneParameter) {
     o.framework = framework;
     auto plan = build_megatron_plan(m, dgx(), o);
     ASSERT_TRUE(plan.ok()) << plan.error().message();
+    plan->comm.zero3_persistence_threshold = 0;  // every tensor gathered: the bytes below
     ASSERT_EQ(plan->precision, Precision::kBf16);  // 2-byte compute weights
     auto prog = compile_plan(*plan, dgx());
     ASSERT_TRUE(prog.ok()) << prog.error().message();
