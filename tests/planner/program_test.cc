@@ -699,7 +699,7 @@ TEST(Program, ATiedHeadOnTheEmbeddingsDevicesInAVIsOneParameter) {
     o.framework = framework;
     auto plan = build_megatron_plan(m, dgx(), o);
     ASSERT_TRUE(plan.ok()) << plan.error().message();
-    plan->comm.zero3_persistence_threshold = 0;  // every tensor gathered: the bytes below
+    plan->comm.zero3_persistence_threshold = 0;    // every tensor gathered: the bytes below
     ASSERT_EQ(plan->precision, Precision::kBf16);  // 2-byte compute weights
     auto prog = compile_plan(*plan, dgx());
     ASSERT_TRUE(prog.ok()) << prog.error().message();
