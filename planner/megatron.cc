@@ -435,10 +435,19 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     plan.comm.zero3_regather_for_recompute = o.framework == "deepspeed";
     // DeepSpeed's stage3_param_persistence_threshold default (1e5 elements): biases and norm
     // scales stay whole on every GPU.
-    if (o.framework == "deepspeed") plan.comm.zero3_persistence_threshold = 1e5;
+    if (o.framework == "deepspeed") {
+      plan.comm.zero3_persistence_threshold =
+          o.zero3_persistence_threshold >= 0 ? o.zero3_persistence_threshold : 1e5;
+    }
   } else if (o.framework != "megatron") {
     return Error(fmt::format("unknown framework '{}'{}", o.framework,
                              suggest(o.framework, {"megatron", "fsdp", "deepspeed", "other"})));
+  }
+  if (o.zero3_persistence_threshold >= 0 && (o.framework != "deepspeed" || o.zero != 3)) {
+    return Error(fmt::format(
+        "a ZeRO-3 persistence threshold is DeepSpeed's ZeRO-3 setting; this plan is {} with "
+        "ZeRO-{} (use --framework deepspeed --zero 3, or drop the threshold)",
+        o.framework, o.zero));
   }
   // Megatron-Core's bucket: max(40M, 1M x dp) parameters.
   plan.comm.dp_bucket_bytes = std::max(40e6, 1e6 * dp) * plan.optimizer.grad_bytes;

@@ -52,6 +52,9 @@ struct MegatronOptions {
   // Overlap tensor-parallel all-gathers / reduce-scatters with the neighbouring GEMMs
   // (Transformer Engine's --tp-comm-overlap).
   bool tp_comm_overlap = false;
+  // DeepSpeed ZeRO-3's stage3_param_persistence_threshold (elements); negative: its default
+  // (1e5). Only with framework deepspeed and ZeRO-3.
+  double zero3_persistence_threshold = -1;
   // Rank placement, outermost axis first (the innermost varies fastest over GPU indices):
   // Megatron's default puts tensor parallelism innermost, pipeline outermost.
   std::vector<std::string> placement = {"pp", "dp", "cp", "tp"};

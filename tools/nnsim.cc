@@ -977,6 +977,11 @@ int main(int argc, char** argv) {
   plan_cmd->add_flag("--tp-comm-overlap", plan.o.tp_comm_overlap,
                      "overlap tensor-parallel collectives with GEMMs (Transformer Engine)");
   plan_cmd
+      ->add_option("--zero3-persistence-threshold", plan.o.zero3_persistence_threshold,
+                   "DeepSpeed ZeRO-3: tensors of fewer elements stay whole on every GPU "
+                   "(stage3_param_persistence_threshold; default 1e5)")
+      ->check(at_least(0));
+  plan_cmd
       ->add_option("--stage-layers", plan.o.stage_layers,
                    "layers per segment (pp x vpp numbers), default as even as possible")
       ->delimiter(',');

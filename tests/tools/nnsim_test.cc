@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -212,6 +213,31 @@ std::optional<Printed> printed_iteration_time(const std::string& out) {
 
 // ------------------------------------------------------------------------------------------
 // 1. The main job.
+
+// DeepSpeed's ZeRO-3 persistence threshold: the builder's default (1e5 elements), a value of the
+// user's own, and an error naming the fix where it does not apply.
+TEST(NnsimTool, PlanTakesDeepSpeedsPersistenceThreshold) {
+  Sandbox box;
+  const std::vector<std::string> base = {"plan",       "--model",        "gpt3-1.3b", "--topo",
+                                         "dgx-a100x4", "--tp",           "1",         "--pp",
+                                         "1",          "--global-batch", "32",        "--zero",
+                                         "3",          "--framework",    "deepspeed"};
+  auto with = [&](std::vector<std::string> extra, const std::string& out) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), extra.begin(), extra.end());
+    args.insert(args.end(), {"-o", out});
+    return args;
+  };
+  make_plan(box, with({}, "default.json"));
+  EXPECT_EQ(box.read_json("default.json")["communication"]["zero3_persistence_threshold"], 1e5);
+  make_plan(box, with({"--zero3-persistence-threshold", "20480"}, "own.json"));
+  EXPECT_EQ(box.read_json("own.json")["communication"]["zero3_persistence_threshold"], 20480.0);
+  std::vector<std::string> fsdp = with({"--zero3-persistence-threshold", "0"}, "fsdp.json");
+  fsdp[std::find(fsdp.begin(), fsdp.end(), "deepspeed") - fsdp.begin()] = "fsdp";
+  expect_error(box.nnsim(fsdp), {"DeepSpeed's ZeRO-3 setting", "--framework deepspeed --zero 3"});
+  expect_error(box.nnsim(with({"--zero3-persistence-threshold", "-1"}, "neg.json")),
+               {"--zero3-persistence-threshold"});
+}
 
 TEST(NnsimTool, PlanThenSimulateWritesConsistentReports) {
   Sandbox box;
