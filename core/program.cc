@@ -1767,13 +1767,15 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
                                     plan.optimizer.state_bytes, topology.gpu, prog.compute_model);
     opt.label = c.label("optimizer step");
     lane.epilogue.push_back(opt);
-    if ((zero == 1 || zero == 2) && !plan.comm.overlap_param_gather && prog.replicas > 1) {
-      for (int s : segs) {
+    // Updated parameters gathered after the step, one all-gather per entry of `params`, awaited
+    // before the iteration ends.
+    auto gather_after_step = [&](const std::vector<double>& params) {
+      for (double p : params) {
         Step l;
         l.kind = StepKind::kDpLaunch;
         l.collective = CollectiveKind::kAllGather;
         l.axes = c.bucket_axes;
-        l.bytes = c.segment_params(s) * compute_weight_bytes(plan);
+        l.bytes = p * compute_weight_bytes(plan);
         l.label = c.label("param gather");
         lane.epilogue.push_back(l);
       }
@@ -1781,24 +1783,17 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
       w.kind = StepKind::kDpWait;
       w.label = c.label("param gather wait");
       lane.epilogue.push_back(w);
+    };
+    if ((zero == 1 || zero == 2) && !plan.comm.overlap_param_gather && prog.replicas > 1) {
+      std::vector<double> per_segment;
+      for (int s : segs) per_segment.push_back(c.segment_params(s));
+      gather_after_step(per_segment);
     }
-    // ZeRO-3's persistent tensors: their updated chunks in one all-gather after the step
-    // (DeepSpeed's), before the next iteration's forward reads them.
+    // ZeRO-3's persistent tensors: their updated chunks in one all-gather (DeepSpeed's), before
+    // the next iteration's forward reads them.
     double persistent = 0;
     for (int s : segs) persistent += c.segment_persistent_params(s);
-    if (zero == 3 && persistent > 0 && c.shard_degree() > 1) {
-      Step l;
-      l.kind = StepKind::kDpLaunch;
-      l.collective = CollectiveKind::kAllGather;
-      l.axes = c.bucket_axes;
-      l.bytes = persistent * compute_weight_bytes(plan);
-      l.label = c.label("param gather");
-      lane.epilogue.push_back(l);
-      Step w;
-      w.kind = StepKind::kDpWait;
-      w.label = c.label("param gather wait");
-      lane.epilogue.push_back(w);
-    }
+    if (zero == 3 && persistent > 0 && c.shard_degree() > 1) gather_after_step({persistent});
   }
 
   // Tied embedding: the first and last pipeline stage hold copies whose gradients are summed.
