@@ -415,7 +415,7 @@ Plan parse_plan_node(const InputNode& root) {
     c->check_keys({"dp_bucket_bytes", "overlap_grad_reduce", "overlap_param_gather",
                    "pp_scatter_gather", "algorithm", "grad_reduce_bytes", "tp_overlap",
                    "zero3_per_tensor", "zero3_regather_for_recompute",
-                   "zero3_persistence_threshold", "save_gathered_inputs"});
+                   "zero3_persistence_threshold", "zero3_reduce_bucket", "save_gathered_inputs"});
     plan.comm.dp_bucket_bytes =
         c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
     if (plan.comm.dp_bucket_bytes < kMinBucketBytes) {
@@ -438,6 +438,11 @@ Plan parse_plan_node(const InputNode& root) {
     if (plan.comm.zero3_persistence_threshold < 0) {
       (*c)["zero3_persistence_threshold"].fail(
           "give a number of elements, 0 or more (0: every tensor is sharded)");
+    }
+    plan.comm.zero3_reduce_bucket = c->get_double("zero3_reduce_bucket", 0);
+    if (plan.comm.zero3_reduce_bucket < 0) {
+      (*c)["zero3_reduce_bucket"].fail(
+          "give a number of elements, 0 or more (0: each tensor reduced on its own)");
     }
     plan.comm.save_gathered_inputs = c->get_bool("save_gathered_inputs", false);
     if (plan.comm.algorithm != "auto" && plan.comm.algorithm != "ring" &&
@@ -555,6 +560,7 @@ std::string plan_to_json(const Plan& plan) {
                         {"zero3_per_tensor", plan.comm.zero3_per_tensor},
                         {"zero3_regather_for_recompute", plan.comm.zero3_regather_for_recompute},
                         {"zero3_persistence_threshold", plan.comm.zero3_persistence_threshold},
+                        {"zero3_reduce_bucket", plan.comm.zero3_reduce_bucket},
                         {"save_gathered_inputs", plan.comm.save_gathered_inputs}};
   json orders = json::array();
   for (const auto& o : plan.schedule) {

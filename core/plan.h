@@ -173,6 +173,10 @@ struct CommSettings {
   // GPU and is never gathered (stage3_param_persistence_threshold: biases and norm scales);
   // 0: every tensor is sharded.
   double zero3_persistence_threshold = 0;
+  // ZeRO-3 tensor by tensor: gradients wait in a bucket of up to this many elements and are
+  // reduce-scattered together when the next tensor would overflow it and at the end of the
+  // backward block (DeepSpeed's reduce_bucket_size); 0: each tensor on its own.
+  double zero3_reduce_bucket = 0;
   // Sequence parallelism: an input that arrives by all-gather (a norm's output, gathered for the
   // column-parallel linears) is saved for the backward as gathered, which then does not gather
   // it again (PyTorch's DTensor tensor parallelism, as torchtitan runs it); false: saved split

@@ -1177,10 +1177,28 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       const bool sync_here =
           weight_grads && grad_sync && (plan.comm.overlap_grad_reduce || zero == 3) &&
           (plan.data_parallel() > 1 || bucket_axes != (1u << mesh.axis_index(kDataParallelAxis)));
+      // DeepSpeed's reduce bucket: elements waiting (comm.zero3_reduce_bucket).
+      double waiting = 0;
+      auto reduce_waiting = [&]() {
+        if (waiting <= 0) return;
+        Step rs;
+        rs.kind = StepKind::kDpLaunch;
+        rs.collective = CollectiveKind::kReduceScatter;
+        rs.axes = bucket_axes;
+        rs.bytes = waiting * grad_bytes;
+        rs.label = label(fmt::format("grad sync {}", s.name));
+        steps->push_back(rs);
+        waiting = 0;
+      };
       auto grads_ready = [&](const ParamUnit& u) {
         if (!sync_here) return;
         if (zero == 3) {
           for (double part : reduce_pieces(u)) {
+            if (plan.comm.zero3_per_tensor && plan.comm.zero3_reduce_bucket > 0) {
+              if (waiting > 0 && waiting + part > plan.comm.zero3_reduce_bucket) reduce_waiting();
+              waiting += part;
+              continue;
+            }
             Step rs;
             rs.kind = StepKind::kDpLaunch;
             rs.collective = CollectiveKind::kReduceScatter;
@@ -1229,6 +1247,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
           send(prev, l, true, s.embedding ? embed_out : handed_back(seg));
         }
       }
+      reduce_waiting();
       if (sync_here && pending > 0) {
         Step f;
         f.kind = StepKind::kDpLaunch;

@@ -2270,6 +2270,47 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     u.grad.add_(mine);
     for (Param* p : u.params) p->w.mutable_grad() = at::Tensor();
   };
+  // DeepSpeed's reduce bucket (comm.zero3_reduce_bucket): per-tensor units' gradients wait and
+  // are reduce-scattered together, every rank's chunks of them side by side in its share, when
+  // the next unit would overflow the bucket and when the backward block ends.
+  std::vector<ZeroUnit*> waiting;
+  double waiting_elements = 0;
+  std::string waiting_label;
+  auto reduce_waiting = [&] {
+    if (waiting.empty()) return;
+    std::vector<at::Tensor> rows;
+    for (ZeroUnit* u : waiting) {
+      rows.push_back(u->flat([](const Param& p) { return grad_or_zeros(p); })
+                         .to(reduce_dtype)
+                         .view({dpn, u->layout.chunk()}));
+    }
+    const at::Tensor mine = ctx.reduce_scatter(at::cat(rows, 1).reshape({-1}), ctx.dp_group,
+                                               ctx.dp_axes, waiting_label);
+    c10::NoGradGuard no_grad;
+    int64_t offset = 0;
+    for (ZeroUnit* u : waiting) {
+      u->grad.add_(mine.narrow(0, offset, u->layout.chunk()));
+      offset += u->layout.chunk();
+      for (Param* p : u->params) p->w.mutable_grad() = at::Tensor();
+    }
+    waiting.clear();
+    waiting_elements = 0;
+  };
+  auto reduce_or_wait = [&](ZeroUnit& u, const std::string& label) {
+    const double bucket = plan.comm.zero3_reduce_bucket;
+    if (!plan.comm.zero3_per_tensor || bucket <= 0) return reduce_unit(u, label);
+    for (Param* p : u.params) {
+      if (!p->w.grad().defined() && !split_backward) {
+        throw Failure{fmt::format("no gradient reached {}", p->name)};
+      }
+    }
+    double elements = 0;
+    for (const Param* p : u.params) elements += static_cast<double>(p->w.numel());
+    if (!waiting.empty() && waiting_elements + elements > bucket) reduce_waiting();
+    waiting.push_back(&u);
+    waiting_elements += elements;
+    waiting_label = label;
+  };
   // ZeRO-3, for block `i` of the order (segment `sg`), as the program does (run_zero3.h): the
   // first unit's gather, then each unit's gather launched before the previous unit runs (one
   // unit of prefetch), twice for a unit recomputed inside the backward when DeepSpeed regathers;
@@ -2305,7 +2346,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     };
     ctx.after_unit_backward = [&, sg, zb, each](int u) {
       if (!zb->reduce) return;
-      each(u, [&](ZeroUnit& zu) { reduce_unit(zu, grad_sync_label(sg)); });
+      each(u, [&](ZeroUnit& zu) { reduce_or_wait(zu, grad_sync_label(sg)); });
     };
   };
 
@@ -2569,7 +2610,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
           reduce_after(sg, m);
         }
       }
-      if (zero == 3) release_segment(sg);
+      if (zero == 3) {
+        reduce_waiting();
+        release_segment(sg);
+      }
     }
     for (int sg : L.segments) {
       if (zero != 1 || !tied_copy(sg)) continue;

@@ -438,6 +438,8 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     if (o.framework == "deepspeed") {
       plan.comm.zero3_persistence_threshold =
           o.zero3_persistence_threshold >= 0 ? o.zero3_persistence_threshold : 1e5;
+      // reduce_bucket_size's default: gradients reduced 5e8 elements at a time.
+      plan.comm.zero3_reduce_bucket = 5e8;
     }
   } else if (o.framework != "megatron") {
     return Error(fmt::format("unknown framework '{}'{}", o.framework,

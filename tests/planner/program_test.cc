@@ -517,6 +517,20 @@ double dp_gathered_bytes(const Program& prog, const Lane& lane) {
   return bytes;
 }
 
+// Data-parallel bytes of one collective kind launched over a lane's iteration (blocks and
+// epilogue).
+double dp_bytes(const Program& prog, const Lane& lane, CollectiveKind kind) {
+  double bytes = 0;
+  auto add = [&](const Step& s) {
+    if (s.kind == StepKind::kDpLaunch && s.collective == kind) bytes += s.bytes;
+  };
+  for (const BlockInstance& b : lane.blocks) {
+    for (const Step& s : prog.templates[b.template_index].steps) add(s);
+  }
+  for (const Step& s : lane.epilogue) add(s);
+  return bytes;
+}
+
 // DeepSpeed's ZeRO-3 gathers a recomputed layer twice in the backward pass: for the
 // recomputation and for the backward (FSDP recomputes inside the unit it has gathered).
 TEST(Program, DeepSpeedRegathersRecomputedLayers) {
@@ -563,6 +577,10 @@ TEST(Program, DeepSpeedGathersTensorByTensor) {
   ASSERT_TRUE(plan.ok()) << plan.error().message();
   EXPECT_TRUE(plan->comm.zero3_per_tensor);
   EXPECT_DOUBLE_EQ(plan->comm.zero3_persistence_threshold, 1e5);
+  EXPECT_DOUBLE_EQ(plan->comm.zero3_reduce_bucket, 5e8);
+  auto bucketed = compile_plan(*plan, dgx());
+  ASSERT_TRUE(bucketed.ok()) << bucketed.error().message();
+  plan->comm.zero3_reduce_bucket = 0;
   auto persistent = compile_plan(*plan, dgx());
   ASSERT_TRUE(persistent.ok()) << persistent.error().message();
   plan->comm.zero3_persistence_threshold = 0;
@@ -611,20 +629,19 @@ TEST(Program, DeepSpeedGathersTensorByTensor) {
   for (const Step& s : tensor_lane.epilogue) {
     EXPECT_FALSE(s.kind == StepKind::kDpLaunch && s.collective == kAG);
   }
-}
 
-// Data-parallel bytes of one collective kind launched over a lane's iteration (blocks and
-// epilogue).
-double dp_bytes(const Program& prog, const Lane& lane, CollectiveKind kind) {
-  double bytes = 0;
-  auto add = [&](const Step& s) {
-    if (s.kind == StepKind::kDpLaunch && s.collective == kind) bytes += s.bytes;
-  };
-  for (const BlockInstance& b : lane.blocks) {
-    for (const Step& s : prog.templates[b.template_index].steps) add(s);
-  }
-  for (const Step& s : lane.epilogue) add(s);
-  return bytes;
+  // DeepSpeed's reduce bucket: whole tensors' gradients wait until the next would overflow 5e8
+  // elements (and the backward ends), then go in one reduce-scatter: the same bytes in a few
+  // calls a micro-batch, at least ceil(P / 5e8), at most one more than the buckets' count when
+  // each is short by the largest tensor (the word table).
+  const Lane& bucketed_lane = bucketed->lanes[0];
+  EXPECT_DOUBLE_EQ(dp_bytes(*bucketed, bucketed_lane, kRS),
+                   dp_bytes(*persistent, persistent_lane, kRS));
+  const double P = bucketed_lane.parameters;
+  const double largest = static_cast<double>(plan->model.vocab) * m.hidden;
+  const int calls = dp_launches(*bucketed, bucketed_lane, kRS);
+  EXPECT_GE(calls, std::ceil(P / 5e8) * mb);
+  EXPECT_LE(calls, (std::floor(P / (5e8 - largest)) + 1) * mb);
 }
 
 // Tied embeddings with the embedding and the head in one segment: the head's projection is the
