@@ -146,6 +146,7 @@ TEST(Plan, HandBuiltPlanRoundTrips) {
   p.comm.algorithm = "ring";
   p.comm.save_gathered_inputs = true;
   p.comm.zero3_persistence_threshold = 1e5;
+  p.comm.zero3_reduce_bucket = 5e8;
   p.topology_gpus = 8;
   p.topology_name = "h200x8";
   p.schedule_name = "custom";
@@ -168,6 +169,7 @@ TEST(Plan, HandBuiltPlanRoundTrips) {
   EXPECT_FALSE(q->comm.overlap_grad_reduce);
   EXPECT_TRUE(q->comm.save_gathered_inputs);
   EXPECT_EQ(q->comm.zero3_persistence_threshold, 1e5);
+  EXPECT_EQ(q->comm.zero3_reduce_bucket, 5e8);
   EXPECT_EQ(q->schedule[0].blocks, p.schedule[0].blocks);
   EXPECT_EQ(q->model.mlp, MlpKind::kSwiglu);
   EXPECT_EQ(q->model.kv_heads, 2);
@@ -299,6 +301,9 @@ TEST(Plan, NumbersOutOfRange) {
                "\"optimizer\": {\"zero\": 1}, \"communication\": "
                "{\"zero3_persistence_threshold\": -1},",
                "communication.zero3_persistence_threshold", "0 or more");
+  expect_error("\"optimizer\": {\"zero\": 1},",
+               "\"optimizer\": {\"zero\": 1}, \"communication\": {\"zero3_reduce_bucket\": -5},",
+               "communication.zero3_reduce_bucket", "0 or more");
   expect_error("\"name\": \"tiny\",", "\"name\": \"tiny\", \"topology\": {\"gpus\": -1},",
                "topology.gpus", "must be at least 1");
   expect_error("[{\"match\": \"attn.core\"}]", "[{\"match\": \"*\", \"layers\": [0, 9]}]",
