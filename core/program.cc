@@ -1193,19 +1193,14 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       auto grads_ready = [&](const ParamUnit& u) {
         if (!sync_here) return;
         if (zero == 3) {
+          // Without a bucket each piece is reduced as soon as it waits.
+          const bool bucketed = plan.comm.zero3_per_tensor && plan.comm.zero3_reduce_bucket > 0;
           for (double part : reduce_pieces(u)) {
-            if (plan.comm.zero3_per_tensor && plan.comm.zero3_reduce_bucket > 0) {
-              if (waiting > 0 && waiting + part > plan.comm.zero3_reduce_bucket) reduce_waiting();
-              waiting += part;
-              continue;
+            if (bucketed && waiting > 0 && waiting + part > plan.comm.zero3_reduce_bucket) {
+              reduce_waiting();
             }
-            Step rs;
-            rs.kind = StepKind::kDpLaunch;
-            rs.collective = CollectiveKind::kReduceScatter;
-            rs.axes = bucket_axes;
-            rs.bytes = part * grad_bytes;
-            rs.label = label(fmt::format("grad sync {}", s.name));
-            steps->push_back(rs);
+            waiting += part;
+            if (!bucketed) reduce_waiting();
           }
         } else {
           emit_grad_buckets(u.reduce_params * grad_bytes, pending, t.steps, seg);
