@@ -186,8 +186,9 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
         {{"flash", AttentionKernel::kFlash}, {"unfused", AttentionKernel::kUnfused}});
   }
   if (auto n = node.get("loss")) {
-    m.loss =
-        n->as_enum<LossKernel>({{"fused", LossKernel::kFused}, {"unfused", LossKernel::kUnfused}});
+    m.loss = n->as_enum<LossKernel>({{"fused", LossKernel::kFused},
+                                     {"vocab_parallel", LossKernel::kVocabParallel},
+                                     {"unfused", LossKernel::kUnfused}});
   }
   if (auto n = node.get("precision")) {
     m.precision = n->as_enum<Precision>({{"fp32", Precision::kFp32},
@@ -316,6 +317,8 @@ std::string_view to_string(LossKernel k) {
   switch (k) {
     case LossKernel::kFused:
       return "fused";
+    case LossKernel::kVocabParallel:
+      return "vocab_parallel";
     case LossKernel::kUnfused:
       return "unfused";
   }

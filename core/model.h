@@ -18,12 +18,14 @@ enum class NormKind { kLayerNorm, kRmsNorm };
 // kFlash: fused attention that keeps only Q, K, V, the output and the softmax statistics.
 // kUnfused: the scores, softmax output and dropout mask are materialized and kept.
 enum class AttentionKernel { kFlash, kUnfused };
-// The cross-entropy over the vocabulary, both on fp32 logits.
-// kFused: Megatron's vocab-parallel cross-entropy: the fp32 copy of the logits becomes the saved
-//   softmax in place, and the backward pass forms the gradient in that buffer.
+// The cross-entropy over the vocabulary, all on fp32 logits.
+// kFused: one fused kernel each way (Megatron-Core's --cross-entropy-loss-fusion): the fp32 copy
+//   of the logits becomes the saved softmax, and the backward pass forms the gradient in it.
+// kVocabParallel: Megatron's default vocab-parallel cross-entropy: the same buffers, but each
+//   step (cast, max, subtract, exp, sum, divide; multiply, cast back) a kernel of its own.
 // kUnfused: PyTorch's F.cross_entropy(logits.float()): the log-softmax output is saved, and the
 //   backward pass materializes the log-softmax's gradient and the input gradient beside it.
-enum class LossKernel { kFused, kUnfused };
+enum class LossKernel { kFused, kVocabParallel, kUnfused };
 
 struct ModelSpec {
   std::string name;

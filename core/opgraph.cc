@@ -339,15 +339,25 @@ GraphPart build_head(const ModelSpec& m, const Shape& x) {
   // Cross-entropy runs in fp32 and keeps the softmax (or log-softmax) for the backward pass.
   const double logits = tokens * x.v;
   loss.saved = {tensor(TensorRef{2, 1}, logits, bsv, 4)};
-  if (m.loss == LossKernel::kFused) {
+  if (m.loss == LossKernel::kFused || m.loss == LossKernel::kVocabParallel) {
     // Megatron: the fp32 copy of the logits becomes the softmax in place; the backward pass
     // forms the gradient in that buffer and casts it to the logits' precision. Beside the buffer
     // (saved) the logits in the compute dtype (forward) or their gradient (backward); with fp32
     // logits the buffer is the logits themselves.
     loss.transient_bytes = x.p < 4 ? logits * x.p : 0;
     loss.in_place_input = true;
-    loss.fwd_bytes = logits * (x.p + 4 + 4);
-    loss.bwd_bytes = logits * (4 + x.p);
+    if (m.loss == LossKernel::kFused) {
+      // One kernel each way: read the logits, write the softmax; read it, write the gradient.
+      loss.fwd_bytes = logits * (x.p + 4 + 4);
+      loss.bwd_bytes = logits * (4 + x.p);
+    } else {
+      // A kernel per step: the cast (read p, write 4), the row maximum (read 4), subtracting it
+      // (read 4, write 4), exp (read 4, write 4), the row sum (read 4), dividing by it (read 4,
+      // write 4); backward: scaling by the output gradient (read 4, write 4), the cast back
+      // (read 4, write p).
+      loss.fwd_bytes = logits * (x.p + 4 + 4 + 8 + 8 + 4 + 8);
+      loss.bwd_bytes = logits * (8 + 4 + x.p);
+    }
   } else {
     // PyTorch: cast (read p, write 4), log-softmax (read 4 twice, write 4); backward: the
     // log-softmax's gradient (written 4), its backward (read 8, write 4), the cast (read 4,

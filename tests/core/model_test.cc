@@ -191,6 +191,10 @@ TEST(Model, ReadsEveryEnumSpelling) {
   EXPECT_EQ(to_string(NormKind::kLayerNorm), "layernorm");
   EXPECT_EQ(to_string(AttentionKernel::kFlash), "flash");
   EXPECT_EQ(to_string(LossKernel::kUnfused), "unfused");
+  EXPECT_EQ(to_string(LossKernel::kVocabParallel), "vocab_parallel");
+  auto vp = parse_model(std::string(kSmall) + "loss: vocab_parallel\n", "m.yaml");
+  ASSERT_TRUE(vp.ok()) << vp.error().message();
+  EXPECT_EQ(vp->loss, LossKernel::kVocabParallel);
 }
 
 TEST(Model, MalformedYamlNamesFileAndLine) {

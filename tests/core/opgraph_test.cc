@@ -234,6 +234,21 @@ TEST(OpGraph, CrossEntropyMemoryByKernel) {
   EXPECT_DOUBLE_EQ(find_op(lower_model(m, 2).head, "loss")->transient_bytes, 0);
   m.precision = Precision::kBf16;
 
+  // Megatron's default cross-entropy holds the same buffers but runs each step as a kernel of
+  // its own: forward cast (2 + 4), max (4), subtract (8), exp (8), sum (4), divide (8); backward
+  // scale (8) and cast back (4 + 2), per logit.
+  m.loss = LossKernel::kVocabParallel;
+  OpGraph vp_graph = lower_model(m, 2);
+  const Op* vp = find_op(vp_graph.head, "loss");
+  ASSERT_NE(vp, nullptr);
+  EXPECT_DOUBLE_EQ(vp->saved[0].bytes(), fused->saved[0].bytes());
+  EXPECT_DOUBLE_EQ(vp->transient_bytes, fused->transient_bytes);
+  EXPECT_TRUE(vp->in_place_input);
+  EXPECT_DOUBLE_EQ(vp->fwd_bytes, 38 * logits);
+  EXPECT_DOUBLE_EQ(vp->bwd_bytes, 14 * logits);
+  EXPECT_DOUBLE_EQ(fused->fwd_bytes, 10 * logits);
+  EXPECT_DOUBLE_EQ(fused->bwd_bytes, 6 * logits);
+
   m.loss = LossKernel::kUnfused;
   OpGraph g = lower_model(m, 2);
   const Op* unfused = find_op(g.head, "loss");
