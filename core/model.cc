@@ -188,7 +188,8 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
   if (auto n = node.get("loss")) {
     m.loss = n->as_enum<LossKernel>({{"fused", LossKernel::kFused},
                                      {"vocab_parallel", LossKernel::kVocabParallel},
-                                     {"unfused", LossKernel::kUnfused}});
+                                     {"unfused", LossKernel::kUnfused},
+                                     {"loss_parallel", LossKernel::kLossParallel}});
   }
   if (auto n = node.get("precision")) {
     m.precision = n->as_enum<Precision>({{"fp32", Precision::kFp32},
@@ -321,6 +322,8 @@ std::string_view to_string(LossKernel k) {
       return "vocab_parallel";
     case LossKernel::kUnfused:
       return "unfused";
+    case LossKernel::kLossParallel:
+      return "loss_parallel";
   }
   return "?";
 }

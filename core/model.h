@@ -25,7 +25,10 @@ enum class AttentionKernel { kFlash, kUnfused };
 //   step (cast, max, subtract, exp, sum, divide; multiply, cast back) a kernel of its own.
 // kUnfused: PyTorch's F.cross_entropy(logits.float()): the log-softmax output is saved, and the
 //   backward pass materializes the log-softmax's gradient and the input gradient beside it.
-enum class LossKernel { kFused, kVocabParallel, kUnfused };
+// kLossParallel: the same call under PyTorch's loss_parallel() on vocabulary-sharded logits
+//   (DTensor, torchtitan's tensor parallelism): a decomposed log-softmax, and a backward that
+//   forms zeros, exp(log-softmax), their sum and the product with the output gradient.
+enum class LossKernel { kFused, kVocabParallel, kUnfused, kLossParallel };
 
 struct ModelSpec {
   std::string name;

@@ -358,6 +358,17 @@ GraphPart build_head(const ModelSpec& m, const Shape& x) {
       loss.fwd_bytes = logits * (x.p + 4 + 4 + 8 + 8 + 4 + 8);
       loss.bwd_bytes = logits * (8 + 4 + x.p);
     }
+  } else if (m.loss == LossKernel::kLossParallel) {
+    // PyTorch's loss_parallel(): the cast (read p, write 4), then the log-softmax op by op: the
+    // row maximum (read 4), the shifted logits (read 4, write 4), exp (read 4, write 4), its row
+    // sum (read 4), the result (read 4, write 4), which is saved. Backward, in one function
+    // for the NLL and the log-softmax: zeros (write 4), exp of the saved result (read 4, write
+    // 4), their sum (read 8, write 4), times the output gradient (read 4, write 4), and the cast
+    // back (read 4, write p). Its peak: the zeros, the exp and the sum beside the saved result,
+    // plus the logits' block held as for the unfused loss.
+    loss.transient_bytes = logits * (12 + (x.p < 4 ? x.p : 0));
+    loss.fwd_bytes = logits * (x.p + 4 + 4 + 8 + 8 + 4 + 8);
+    loss.bwd_bytes = logits * (4 + 8 + 12 + 8 + 4 + x.p);
   } else {
     // PyTorch: cast (read p, write 4), log-softmax (read 4 twice, write 4); backward: the
     // log-softmax's gradient (written 4), its backward (read 8, write 4), the cast (read 4,

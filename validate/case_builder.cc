@@ -63,7 +63,11 @@ Expected<Plan> case_plan(const ValidationCase& c, const Topology& topology) {
   // Megatron runs its vocab-parallel cross-entropy step by step (--cross-entropy-loss-fusion is
   // off by default).
   ModelSpec model = c.model;
-  if (o->framework == "fsdp" && model.family != "mpt") model.loss = LossKernel::kUnfused;
+  // With tensor parallelism torchtitan calls it under loss_parallel() on the vocabulary-sharded
+  // logits.
+  if (o->framework == "fsdp" && model.family != "mpt") {
+    model.loss = o->tp > 1 ? LossKernel::kLossParallel : LossKernel::kUnfused;
+  }
   if (o->framework == "megatron") model.loss = LossKernel::kVocabParallel;
   // fp16 Megatron and DeepSpeed runs are the GPT-3-era configuration (2021-22, before
   // FlashAttention reached Megatron): the fused scale-mask-softmax materializes the scores, and

@@ -195,6 +195,15 @@ TEST(Model, ReadsEveryEnumSpelling) {
   auto vp = parse_model(std::string(kSmall) + "loss: vocab_parallel\n", "m.yaml");
   ASSERT_TRUE(vp.ok()) << vp.error().message();
   EXPECT_EQ(vp->loss, LossKernel::kVocabParallel);
+  EXPECT_EQ(to_string(LossKernel::kLossParallel), "loss_parallel");
+  auto lp = parse_model(std::string(kSmall) + "loss: loss_parallel\n", "m.yaml");
+  ASSERT_TRUE(lp.ok()) << lp.error().message();
+  EXPECT_EQ(lp->loss, LossKernel::kLossParallel);
+  // A misspelt kernel names the field and the spellings it takes.
+  auto bad = parse_model(std::string(kSmall) + "loss: fussed\n", "m.yaml");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.error().message().find("loss"), std::string::npos) << bad.error().message();
+  EXPECT_NE(bad.error().message().find("fused"), std::string::npos) << bad.error().message();
 }
 
 TEST(Model, MalformedYamlNamesFileAndLine) {

@@ -262,6 +262,20 @@ TEST(OpGraph, CrossEntropyMemoryByKernel) {
   m.precision = Precision::kBf16;
   EXPECT_GT(unfused->fwd_bytes, fused->fwd_bytes);
   EXPECT_GT(unfused->bwd_bytes, fused->bwd_bytes);
+
+  // PyTorch's loss_parallel(): the same saved log-softmax; its backward holds the zeros, the
+  // exp and their sum (fp32) beside it, and the bf16 logits' block: 4 bytes a logit more than
+  // the unfused call's peak.
+  m.loss = LossKernel::kLossParallel;
+  OpGraph lp_graph = lower_model(m, 2);
+  const Op* lp = find_op(lp_graph.head, "loss");
+  ASSERT_NE(lp, nullptr);
+  EXPECT_DOUBLE_EQ(lp->saved[0].bytes(), 4 * logits);
+  EXPECT_DOUBLE_EQ(lp->transient_bytes, (12 + 2) * logits);
+  EXPECT_DOUBLE_EQ(lp->transient_bytes - unfused->transient_bytes, 4 * logits);
+  EXPECT_DOUBLE_EQ(lp->fwd_bytes, 38 * logits);
+  EXPECT_DOUBLE_EQ(lp->bwd_bytes, 38 * logits);
+  EXPECT_FALSE(lp->in_place_input);
 }
 
 TEST(OpGraph, RecomputingTheMlpKeepsItsCheckpoint) {

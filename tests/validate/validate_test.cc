@@ -133,17 +133,21 @@ ModelSpec case_model(const std::vector<std::pair<std::string, std::string>>& edi
   return plan.ok() ? plan->model : ModelSpec{};
 }
 
-// The loss kernel is the training code's: PyTorch FSDP loops call F.cross_entropy (unfused),
-// llm-foundry's MPT fuses it, Megatron runs its vocab-parallel cross-entropy step by step.
+// The loss kernel is the training code's: PyTorch FSDP loops call F.cross_entropy (unfused;
+// under loss_parallel() with tensor parallelism), llm-foundry's MPT fuses it, Megatron runs its
+// vocab-parallel cross-entropy step by step.
 TEST(Validate, CaseLossKernelFollowsTheTrainingCode) {
-  auto loss_of = [](const std::string& family, const std::string& framework) {
-    return case_model({{"family: gpt", "family: " + family},
-                       {"framework: megatron", "framework: " + framework}})
+  auto loss_of = [](const std::string& family, const std::string& framework, int tp) {
+    return case_model(
+               {{"family: gpt", "family: " + family},
+                {"framework: megatron", "framework: " + framework},
+                {"tp: 2, pp: 2, dp: 2", tp == 2 ? "tp: 2, pp: 2, dp: 2" : "tp: 1, pp: 2, dp: 4"}})
         .loss;
   };
-  EXPECT_EQ(loss_of("gpt", "megatron"), LossKernel::kVocabParallel);
-  EXPECT_EQ(loss_of("llama", "fsdp"), LossKernel::kUnfused);
-  EXPECT_EQ(loss_of("mpt", "fsdp"), LossKernel::kFused);
+  EXPECT_EQ(loss_of("gpt", "megatron", 2), LossKernel::kVocabParallel);
+  EXPECT_EQ(loss_of("llama", "fsdp", 1), LossKernel::kUnfused);
+  EXPECT_EQ(loss_of("llama", "fsdp", 2), LossKernel::kLossParallel);
+  EXPECT_EQ(loss_of("mpt", "fsdp", 2), LossKernel::kFused);
 }
 
 // fp16 Megatron and DeepSpeed runs are GPT-3-era (2021-22): Megatron's fused scale-mask-softmax
