@@ -189,7 +189,8 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
     m.loss = n->as_enum<LossKernel>({{"fused", LossKernel::kFused},
                                      {"vocab_parallel", LossKernel::kVocabParallel},
                                      {"unfused", LossKernel::kUnfused},
-                                     {"loss_parallel", LossKernel::kLossParallel}});
+                                     {"loss_parallel", LossKernel::kLossParallel},
+                                     {"flash_attn", LossKernel::kFlashAttn}});
   }
   if (auto n = node.get("precision")) {
     m.precision = n->as_enum<Precision>({{"fp32", Precision::kFp32},
@@ -324,6 +325,8 @@ std::string_view to_string(LossKernel k) {
       return "unfused";
     case LossKernel::kLossParallel:
       return "loss_parallel";
+    case LossKernel::kFlashAttn:
+      return "flash_attn";
   }
   return "?";
 }

@@ -28,7 +28,10 @@ enum class AttentionKernel { kFlash, kUnfused };
 // kLossParallel: the same call under PyTorch's loss_parallel() on vocabulary-sharded logits
 //   (DTensor, torchtitan's tensor parallelism): a decomposed log-softmax, and a backward that
 //   forms zeros, exp(log-softmax), their sum and the product with the output gradient.
-enum class LossKernel { kFused, kVocabParallel, kUnfused, kLossParallel };
+// kFlashAttn: flash-attn's cross-entropy kernel (llm-foundry): reads the logits in their own
+//   dtype, keeps them and each row's log-sum-exp for the backward, which writes the gradient from
+//   them; no fp32 copy.
+enum class LossKernel { kFused, kVocabParallel, kUnfused, kLossParallel, kFlashAttn };
 
 struct ModelSpec {
   std::string name;

@@ -339,7 +339,15 @@ GraphPart build_head(const ModelSpec& m, const Shape& x) {
   // Cross-entropy runs in fp32 and keeps the softmax (or log-softmax) for the backward pass.
   const double logits = tokens * x.v;
   loss.saved = {tensor(TensorRef{2, 1}, logits, bsv, 4)};
-  if (m.loss == LossKernel::kFused || m.loss == LossKernel::kVocabParallel) {
+  if (m.loss == LossKernel::kFlashAttn) {
+    // flash-attn's kernel computes in fp32 registers: the forward reads the logits (p) and
+    // keeps them with each row's log-sum-exp; the backward reads them and writes their
+    // gradient (p), its transient beside them.
+    loss.saved = {tensor(out(1), logits, bsv, x.p)};
+    loss.transient_bytes = logits * x.p;
+    loss.fwd_bytes = logits * x.p;
+    loss.bwd_bytes = logits * 2 * x.p;
+  } else if (m.loss == LossKernel::kFused || m.loss == LossKernel::kVocabParallel) {
     // Megatron: the fp32 copy of the logits becomes the softmax in place; the backward pass
     // forms the gradient in that buffer and casts it to the logits' precision. Beside the buffer
     // (saved) the logits in the compute dtype (forward) or their gradient (backward); with fp32

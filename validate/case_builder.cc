@@ -59,14 +59,17 @@ Expected<Plan> case_plan(const ValidationCase& c, const Topology& topology) {
   Expected<MegatronOptions> o = case_options(c);
   if (!o) return o.error().with_context(fmt::format("case {}", c.id));
   // The loss is the training code's: PyTorch FSDP loops call F.cross_entropy on the fp32 logits
-  // (torchtitan), except llm-foundry, whose MPT models use flash-attn's fused cross-entropy;
+  // (torchtitan; under loss_parallel() on the vocabulary-sharded logits with tensor
+  // parallelism), except llm-foundry, whose MPT models use flash-attn's cross-entropy kernel;
   // Megatron runs its vocab-parallel cross-entropy step by step (--cross-entropy-loss-fusion is
   // off by default).
   ModelSpec model = c.model;
-  // With tensor parallelism torchtitan calls it under loss_parallel() on the vocabulary-sharded
-  // logits.
-  if (o->framework == "fsdp" && model.family != "mpt") {
-    model.loss = o->tp > 1 ? LossKernel::kLossParallel : LossKernel::kUnfused;
+  if (o->framework == "fsdp") {
+    if (model.family == "mpt") {
+      model.loss = LossKernel::kFlashAttn;
+    } else {
+      model.loss = o->tp > 1 ? LossKernel::kLossParallel : LossKernel::kUnfused;
+    }
   }
   if (o->framework == "megatron") model.loss = LossKernel::kVocabParallel;
   // fp16 Megatron and DeepSpeed runs are the GPT-3-era configuration (2021-22, before

@@ -199,6 +199,10 @@ TEST(Model, ReadsEveryEnumSpelling) {
   auto lp = parse_model(std::string(kSmall) + "loss: loss_parallel\n", "m.yaml");
   ASSERT_TRUE(lp.ok()) << lp.error().message();
   EXPECT_EQ(lp->loss, LossKernel::kLossParallel);
+  EXPECT_EQ(to_string(LossKernel::kFlashAttn), "flash_attn");
+  auto fa = parse_model(std::string(kSmall) + "loss: flash_attn\n", "m.yaml");
+  ASSERT_TRUE(fa.ok()) << fa.error().message();
+  EXPECT_EQ(fa->loss, LossKernel::kFlashAttn);
   // A misspelt kernel names the field and the spellings it takes.
   auto bad = parse_model(std::string(kSmall) + "loss: fussed\n", "m.yaml");
   ASSERT_FALSE(bad.ok());

@@ -276,6 +276,19 @@ TEST(OpGraph, CrossEntropyMemoryByKernel) {
   EXPECT_DOUBLE_EQ(lp->fwd_bytes, 38 * logits);
   EXPECT_DOUBLE_EQ(lp->bwd_bytes, 38 * logits);
   EXPECT_FALSE(lp->in_place_input);
+
+  // flash-attn's kernel keeps the bf16 logits (no fp32 copy) and writes their bf16 gradient:
+  // reads them once forward, reads and writes once backward.
+  m.loss = LossKernel::kFlashAttn;
+  OpGraph fa_graph = lower_model(m, 2);
+  const Op* fa = find_op(fa_graph.head, "loss");
+  ASSERT_NE(fa, nullptr);
+  ASSERT_EQ(fa->saved.size(), 1u);
+  EXPECT_DOUBLE_EQ(fa->saved[0].bytes(), 2 * logits);
+  EXPECT_EQ(fa->saved[0].ref, fa->inputs[0]);  // the logits themselves
+  EXPECT_DOUBLE_EQ(fa->transient_bytes, 2 * logits);
+  EXPECT_DOUBLE_EQ(fa->fwd_bytes, 2 * logits);
+  EXPECT_DOUBLE_EQ(fa->bwd_bytes, 4 * logits);
 }
 
 TEST(OpGraph, RecomputingTheMlpKeepsItsCheckpoint) {
