@@ -24,10 +24,10 @@ ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu, AttentionLibrary att
   ComputeModel m;
   // Sustained tensor throughput in training relative to the short benchmarks above (clocks
   // under the power limit): calibrated on the validation set (docs/VALIDATION.md).
-  m.sustained = is_a100(gpu) ? 0.92 : (is_hopper(gpu) ? 0.81 : 0.9);
+  m.sustained = is_a100(gpu) ? 0.90 : (is_hopper(gpu) ? 0.81 : 0.9);
   // fp8 GEMMs sustain less again (more power per clock): calibrated on the fp8 runs
   // (docs/VALIDATION.md). Only Hopper has fp8 tensor cores here.
-  if (is_hopper(gpu)) m.sustained_fp8 = 0.87;
+  if (is_hopper(gpu)) m.sustained_fp8 = 0.91;
   m.sms = gpu.sms > 0 ? gpu.sms : 108;
   m.attention = attention;
   // Maximum achievable matmul FLOP/s over the datasheet peak, measured by mamf-finder
@@ -59,8 +59,8 @@ ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu, AttentionLibrary att
     m.attention_fwd_efficiency = 0.2475;
     m.attention_bwd_efficiency = 0.197;
   } else {
-    m.attention_fwd_efficiency = 0.47;
-    m.attention_bwd_efficiency = 0.345;
+    m.attention_fwd_efficiency = 0.45;
+    m.attention_bwd_efficiency = 0.33;
   }
   return m;
 }
