@@ -215,80 +215,93 @@ TEST(OpGraph, FlashAttentionKeepsOutputAndStatistics) {
   EXPECT_EQ(layer_activation_bytes(lower_model(m, 2), {}), 32 * s * b * h + 4 * b * a * s);
 }
 
-// Both cross-entropies keep the fp32 (log-)softmax of every logit. Megatron's fused one then
+// The loss operator of `m` lowered with the cross-entropy `kind` (micro-batch 2).
+Op loss_op(ModelSpec m, LossKernel kind) {
+  m.loss = kind;
+  const OpGraph g = lower_model(m, 2);
+  const Op* op = find_op(g.head, "loss");
+  EXPECT_NE(op, nullptr);
+  return op != nullptr ? *op : Op{};
+}
+
+double logits_of(const ModelSpec& m) {
+  return 2.0 * m.seq_len * m.vocab;
+}  // micro-batch 2
+
+// Both cross-entropies keep the fp32 (log-)softmax of every logit. The fused kernel then
 // allocates only the fp32 copy that becomes it; PyTorch's unfused one peaks in the backward pass
 // with the log-softmax's gradient and the input gradient, both fp32, beside it, and the logits.
 TEST(OpGraph, CrossEntropyMemoryByKernel) {
   ModelSpec m = preset("llama3-8b");
-  const double logits = 2.0 * m.seq_len * m.vocab;  // micro-batch 2
-  const OpGraph fused_graph = lower_model(m, 2);
-  const Op* fused = find_op(fused_graph.head, "loss");
-  ASSERT_NE(fused, nullptr);
-  ASSERT_EQ(fused->saved.size(), 1u);
-  EXPECT_DOUBLE_EQ(fused->saved[0].bytes(), 4 * logits);
+  const double logits = logits_of(m);
+  const Op fused = loss_op(m, LossKernel::kFused);
+  ASSERT_EQ(fused.saved.size(), 1u);
+  EXPECT_DOUBLE_EQ(fused.saved[0].bytes(), 4 * logits);
   // Beside the fp32 buffer: the logits in bf16 (forward) or their gradient (backward); the
   // projection's output is the loss's input, worked on in place.
-  EXPECT_DOUBLE_EQ(fused->transient_bytes, 2 * logits);
-  EXPECT_TRUE(fused->in_place_input);
+  EXPECT_DOUBLE_EQ(fused.transient_bytes, 2 * logits);
+  EXPECT_TRUE(fused.in_place_input);
+  EXPECT_DOUBLE_EQ(fused.fwd_bytes, 10 * logits);
+  EXPECT_DOUBLE_EQ(fused.bwd_bytes, 6 * logits);
   m.precision = Precision::kFp32;  // fp32 logits are the buffer itself
-  EXPECT_DOUBLE_EQ(find_op(lower_model(m, 2).head, "loss")->transient_bytes, 0);
+  EXPECT_DOUBLE_EQ(loss_op(m, LossKernel::kFused).transient_bytes, 0);
   m.precision = Precision::kBf16;
 
-  // Megatron's default cross-entropy holds the same buffers but runs each step as a kernel of
-  // its own: forward cast (2 + 4), max (4), subtract (8), exp (8), sum (4), divide (8); backward
-  // scale (8) and cast back (4 + 2), per logit.
-  m.loss = LossKernel::kVocabParallel;
-  OpGraph vp_graph = lower_model(m, 2);
-  const Op* vp = find_op(vp_graph.head, "loss");
-  ASSERT_NE(vp, nullptr);
-  EXPECT_DOUBLE_EQ(vp->saved[0].bytes(), fused->saved[0].bytes());
-  EXPECT_DOUBLE_EQ(vp->transient_bytes, fused->transient_bytes);
-  EXPECT_TRUE(vp->in_place_input);
-  EXPECT_DOUBLE_EQ(vp->fwd_bytes, 38 * logits);
-  EXPECT_DOUBLE_EQ(vp->bwd_bytes, 14 * logits);
-  EXPECT_DOUBLE_EQ(fused->fwd_bytes, 10 * logits);
-  EXPECT_DOUBLE_EQ(fused->bwd_bytes, 6 * logits);
-
-  m.loss = LossKernel::kUnfused;
-  OpGraph g = lower_model(m, 2);
-  const Op* unfused = find_op(g.head, "loss");
-  ASSERT_NE(unfused, nullptr);
-  EXPECT_DOUBLE_EQ(unfused->saved[0].bytes(), 4 * logits);
+  const Op unfused = loss_op(m, LossKernel::kUnfused);
+  EXPECT_DOUBLE_EQ(unfused.saved[0].bytes(), 4 * logits);
   // ... and the bf16 logits' block, which the caching allocator keeps but cannot give to the
   // fp32 gradients (none with fp32 logits: the cast is the logits themselves).
-  EXPECT_DOUBLE_EQ(unfused->transient_bytes, (8 + 2) * logits);
+  EXPECT_DOUBLE_EQ(unfused.transient_bytes, (8 + 2) * logits);
   m.precision = Precision::kFp32;
-  EXPECT_DOUBLE_EQ(find_op(lower_model(m, 2).head, "loss")->transient_bytes, 8 * logits);
-  m.precision = Precision::kBf16;
-  EXPECT_GT(unfused->fwd_bytes, fused->fwd_bytes);
-  EXPECT_GT(unfused->bwd_bytes, fused->bwd_bytes);
+  EXPECT_DOUBLE_EQ(loss_op(m, LossKernel::kUnfused).transient_bytes, 8 * logits);
+  EXPECT_GT(unfused.fwd_bytes, fused.fwd_bytes);
+  EXPECT_GT(unfused.bwd_bytes, fused.bwd_bytes);
+}
 
-  // PyTorch's loss_parallel(): the same saved log-softmax; its backward holds the zeros, the
-  // exp and their sum (fp32) beside it, and the bf16 logits' block: 4 bytes a logit more than
-  // the unfused call's peak.
-  m.loss = LossKernel::kLossParallel;
-  OpGraph lp_graph = lower_model(m, 2);
-  const Op* lp = find_op(lp_graph.head, "loss");
-  ASSERT_NE(lp, nullptr);
-  EXPECT_DOUBLE_EQ(lp->saved[0].bytes(), 4 * logits);
-  EXPECT_DOUBLE_EQ(lp->transient_bytes, (12 + 2) * logits);
-  EXPECT_DOUBLE_EQ(lp->transient_bytes - unfused->transient_bytes, 4 * logits);
-  EXPECT_DOUBLE_EQ(lp->fwd_bytes, 38 * logits);
-  EXPECT_DOUBLE_EQ(lp->bwd_bytes, 38 * logits);
-  EXPECT_FALSE(lp->in_place_input);
+// Megatron's default cross-entropy holds the fused kernel's buffers but runs each step as a
+// kernel of its own: forward cast (2 + 4), max (4), subtract (8), exp (8), sum (4), divide (8);
+// backward scale (8) and cast back (4 + 2), per logit.
+TEST(OpGraph, MegatronCrossEntropyStepByStep) {
+  const ModelSpec m = preset("llama3-8b");
+  const double logits = logits_of(m);
+  const Op fused = loss_op(m, LossKernel::kFused);
+  const Op vp = loss_op(m, LossKernel::kVocabParallel);
+  EXPECT_DOUBLE_EQ(vp.saved[0].bytes(), fused.saved[0].bytes());
+  EXPECT_DOUBLE_EQ(vp.transient_bytes, fused.transient_bytes);
+  EXPECT_TRUE(vp.in_place_input);
+  EXPECT_DOUBLE_EQ(vp.fwd_bytes, 38 * logits);
+  EXPECT_DOUBLE_EQ(vp.bwd_bytes, 14 * logits);
+}
 
-  // flash-attn's kernel keeps the bf16 logits (no fp32 copy) and writes their bf16 gradient:
-  // reads them once forward, reads and writes once backward.
-  m.loss = LossKernel::kFlashAttn;
-  OpGraph fa_graph = lower_model(m, 2);
-  const Op* fa = find_op(fa_graph.head, "loss");
-  ASSERT_NE(fa, nullptr);
-  ASSERT_EQ(fa->saved.size(), 1u);
-  EXPECT_DOUBLE_EQ(fa->saved[0].bytes(), 2 * logits);
-  EXPECT_EQ(fa->saved[0].ref, fa->inputs[0]);  // the logits themselves
-  EXPECT_DOUBLE_EQ(fa->transient_bytes, 2 * logits);
-  EXPECT_DOUBLE_EQ(fa->fwd_bytes, 2 * logits);
-  EXPECT_DOUBLE_EQ(fa->bwd_bytes, 4 * logits);
+// PyTorch's loss_parallel(): the unfused call's saved log-softmax; its backward holds the zeros,
+// the exp and their sum (fp32) beside it, and the bf16 logits' block: 4 bytes a logit more than
+// the unfused call's peak.
+TEST(OpGraph, LossParallelCrossEntropy) {
+  const ModelSpec m = preset("llama3-8b");
+  const double logits = logits_of(m);
+  const Op lp = loss_op(m, LossKernel::kLossParallel);
+  EXPECT_DOUBLE_EQ(lp.saved[0].bytes(), 4 * logits);
+  EXPECT_DOUBLE_EQ(lp.transient_bytes, (12 + 2) * logits);
+  EXPECT_DOUBLE_EQ(lp.transient_bytes - loss_op(m, LossKernel::kUnfused).transient_bytes,
+                   4 * logits);
+  EXPECT_DOUBLE_EQ(lp.fwd_bytes, 38 * logits);
+  EXPECT_DOUBLE_EQ(lp.bwd_bytes, 38 * logits);
+  EXPECT_FALSE(lp.in_place_input);
+}
+
+// flash-attn's kernel keeps the bf16 logits (no fp32 copy) and writes their bf16 gradient:
+// reads them once forward, reads and writes once backward.
+TEST(OpGraph, FlashAttnCrossEntropy) {
+  const ModelSpec m = preset("llama3-8b");
+  const double logits = logits_of(m);
+  const Op fa = loss_op(m, LossKernel::kFlashAttn);
+  ASSERT_EQ(fa.saved.size(), 1u);
+  EXPECT_DOUBLE_EQ(fa.saved[0].bytes(), 2 * logits);
+  ASSERT_EQ(fa.inputs.size(), 1u);
+  EXPECT_EQ(fa.saved[0].ref, fa.inputs[0]);  // the logits themselves
+  EXPECT_DOUBLE_EQ(fa.transient_bytes, 2 * logits);
+  EXPECT_DOUBLE_EQ(fa.fwd_bytes, 2 * logits);
+  EXPECT_DOUBLE_EQ(fa.bwd_bytes, 4 * logits);
 }
 
 TEST(OpGraph, RecomputingTheMlpKeepsItsCheckpoint) {
