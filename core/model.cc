@@ -6,6 +6,7 @@
 #include <system_error>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "core/input.h"
@@ -191,6 +192,7 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                                      {"unfused", LossKernel::kUnfused},
                                      {"loss_parallel", LossKernel::kLossParallel},
                                      {"flash_attn", LossKernel::kFlashAttn}});
+    static_assert(static_cast<int>(LossKernel::kFlashAttn) == 4, "a new kernel: name it above");
   }
   if (auto n = node.get("precision")) {
     m.precision = n->as_enum<Precision>({{"fp32", Precision::kFp32},
@@ -313,6 +315,17 @@ std::string_view to_string(AttentionKernel k) {
       return "unfused";
   }
   return "?";
+}
+
+Expected<LossKernel> parse_loss_kernel(const std::string& name) {
+  std::vector<std::string> names;
+  for (LossKernel k : {LossKernel::kFused, LossKernel::kVocabParallel, LossKernel::kUnfused,
+                       LossKernel::kLossParallel, LossKernel::kFlashAttn}) {
+    if (to_string(k) == name) return k;
+    names.emplace_back(to_string(k));
+  }
+  return Error(fmt::format("unknown cross-entropy kernel '{}'{} (one of {})", name,
+                           suggest(name, names), fmt::join(names, ", ")));
 }
 
 std::string_view to_string(LossKernel k) {

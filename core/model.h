@@ -83,5 +83,8 @@ std::string_view to_string(PositionKind k);
 std::string_view to_string(NormKind k);
 std::string_view to_string(AttentionKernel k);
 std::string_view to_string(LossKernel k);
+// "fused", "vocab_parallel", "unfused", "loss_parallel" or "flash_attn"; an error names the
+// spellings (with a suggestion for a typo).
+Expected<LossKernel> parse_loss_kernel(const std::string& name);
 
 }  // namespace nnsim

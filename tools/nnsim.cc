@@ -251,6 +251,7 @@ struct PlanArgs {
   std::string recompute = "none";
   std::string schedule = "1f1b";
   std::string precision;
+  std::string loss;  // the model's cross-entropy kernel, replaced
   std::string output;
   // Search.
   bool search = false;
@@ -492,6 +493,11 @@ int run_schedule(const ScheduleArgs& a) {
 int run_plan(PlanArgs& a) {
   Expected<ModelSpec> model = load_model(a.model);
   if (!model) return fail(model.error().message());
+  if (!a.loss.empty()) {
+    Expected<LossKernel> loss = parse_loss_kernel(a.loss);
+    if (!loss) return fail("--loss: " + loss.error().message());
+    model->loss = *loss;
+  }
   Expected<Topology> topo = load_topology_sized(a.topo, a.nodes);
   if (!topo) return fail(topo.error().message());
   Expected<RecomputeMode> rec = parse_recompute_mode(a.recompute);
@@ -972,6 +978,10 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--schedule", plan.schedule,
                        "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v (with --vpp 2) or merak");
   plan_cmd->add_option("--precision", plan.precision, "fp32, tf32, bf16, fp16 or fp8");
+  plan_cmd->add_option("--loss", plan.loss,
+                       "the training code's cross-entropy, replacing the model's: fused, "
+                       "vocab_parallel (Megatron's default), unfused (PyTorch), loss_parallel "
+                       "(PyTorch under tensor parallelism), flash_attn (llm-foundry)");
   plan_cmd->add_option("--framework", plan.o.framework,
                        "whose kernels and conventions: megatron, fsdp, deepspeed, other");
   plan_cmd->add_flag("--tp-comm-overlap", plan.o.tp_comm_overlap,

@@ -203,6 +203,17 @@ TEST(Model, ReadsEveryEnumSpelling) {
   auto fa = parse_model(std::string(kSmall) + "loss: flash_attn\n", "m.yaml");
   ASSERT_TRUE(fa.ok()) << fa.error().message();
   EXPECT_EQ(fa->loss, LossKernel::kFlashAttn);
+  // The spellings round-trip, and a typo is named with a suggestion.
+  for (LossKernel k : {LossKernel::kFused, LossKernel::kVocabParallel, LossKernel::kUnfused,
+                       LossKernel::kLossParallel, LossKernel::kFlashAttn}) {
+    auto parsed = parse_loss_kernel(std::string(to_string(k)));
+    ASSERT_TRUE(parsed.ok()) << to_string(k);
+    EXPECT_EQ(*parsed, k);
+  }
+  auto typo = parse_loss_kernel("flash_atn");
+  ASSERT_FALSE(typo.ok());
+  EXPECT_NE(typo.error().message().find("did you mean 'flash_attn'"), std::string::npos)
+      << typo.error().message();
   // A misspelt kernel names the field and the spellings it takes.
   auto bad = parse_model(std::string(kSmall) + "loss: fussed\n", "m.yaml");
   ASSERT_FALSE(bad.ok());

@@ -239,6 +239,27 @@ TEST(NnsimTool, PlanTakesDeepSpeedsPersistenceThreshold) {
                {"--zero3-persistence-threshold"});
 }
 
+// --loss names the training code's cross-entropy: the plan's model carries it (the preset's own
+// is the fused kernel), and a misspelling is an error naming the option and the spellings.
+TEST(NnsimTool, PlanTakesTheTrainingCodesCrossEntropy) {
+  Sandbox box;
+  const std::vector<std::string> base = {"plan",       "--model",        "gpt3-1.3b", "--topo",
+                                         "dgx-a100x4", "--tp",           "2",         "--pp",
+                                         "1",          "--global-batch", "32"};
+  auto with = [&](std::vector<std::string> extra, const std::string& out) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), extra.begin(), extra.end());
+    args.insert(args.end(), {"-o", out});
+    return args;
+  };
+  make_plan(box, with({}, "preset.json"));
+  EXPECT_EQ(box.read_json("preset.json")["model"]["loss"], "fused");
+  make_plan(box, with({"--loss", "vocab_parallel"}, "megatron.json"));
+  EXPECT_EQ(box.read_json("megatron.json")["model"]["loss"], "vocab_parallel");
+  expect_error(box.nnsim(with({"--loss", "vocab-parallel"}, "bad.json")),
+               {"--loss", "vocab-parallel", "vocab_parallel", "loss_parallel"});
+}
+
 TEST(NnsimTool, PlanThenSimulateWritesConsistentReports) {
   Sandbox box;
   make_plan(box);
