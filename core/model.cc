@@ -187,12 +187,10 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
         {{"flash", AttentionKernel::kFlash}, {"unfused", AttentionKernel::kUnfused}});
   }
   if (auto n = node.get("loss")) {
-    m.loss = n->as_enum<LossKernel>({{"fused", LossKernel::kFused},
-                                     {"vocab_parallel", LossKernel::kVocabParallel},
-                                     {"unfused", LossKernel::kUnfused},
-                                     {"loss_parallel", LossKernel::kLossParallel},
-                                     {"flash_attn", LossKernel::kFlashAttn}});
-    static_assert(static_cast<int>(LossKernel::kFlashAttn) == 4, "a new kernel: name it above");
+    const std::string name = n->as_string();
+    Expected<LossKernel> loss = parse_loss_kernel(name);
+    if (!loss) n->fail_unknown(name, loss_kernel_names());
+    m.loss = *loss;
   }
   if (auto n = node.get("precision")) {
     m.precision = n->as_enum<Precision>({{"fp32", Precision::kFp32},
@@ -317,13 +315,23 @@ std::string_view to_string(AttentionKernel k) {
   return "?";
 }
 
-Expected<LossKernel> parse_loss_kernel(const std::string& name) {
+namespace {
+constexpr LossKernel kLossKernels[] = {LossKernel::kFused, LossKernel::kVocabParallel,
+                                       LossKernel::kUnfused, LossKernel::kLossParallel,
+                                       LossKernel::kFlashAttn};
+}  // namespace
+
+std::vector<std::string> loss_kernel_names() {
   std::vector<std::string> names;
-  for (LossKernel k : {LossKernel::kFused, LossKernel::kVocabParallel, LossKernel::kUnfused,
-                       LossKernel::kLossParallel, LossKernel::kFlashAttn}) {
+  for (LossKernel k : kLossKernels) names.emplace_back(to_string(k));
+  return names;
+}
+
+Expected<LossKernel> parse_loss_kernel(const std::string& name) {
+  for (LossKernel k : kLossKernels) {
     if (to_string(k) == name) return k;
-    names.emplace_back(to_string(k));
   }
+  const std::vector<std::string> names = loss_kernel_names();
   return Error(fmt::format("unknown cross-entropy kernel '{}'{} (one of {})", name,
                            suggest(name, names), fmt::join(names, ", ")));
 }

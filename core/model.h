@@ -86,5 +86,6 @@ std::string_view to_string(LossKernel k);
 // "fused", "vocab_parallel", "unfused", "loss_parallel" or "flash_attn"; an error names the
 // spellings (with a suggestion for a typo).
 Expected<LossKernel> parse_loss_kernel(const std::string& name);
+std::vector<std::string> loss_kernel_names();  // every kernel's spelling
 
 }  // namespace nnsim

@@ -339,55 +339,63 @@ GraphPart build_head(const ModelSpec& m, const Shape& x) {
   // Cross-entropy runs in fp32 and keeps the softmax (or log-softmax) for the backward pass.
   const double logits = tokens * x.v;
   loss.saved = {tensor(TensorRef{2, 1}, logits, bsv, 4)};
-  if (m.loss == LossKernel::kFlashAttn) {
-    // flash-attn's kernel computes in fp32 registers: the forward reads the logits (p) and
-    // keeps them with each row's log-sum-exp; the backward reads them and writes their
-    // gradient (p), its transient beside them.
-    loss.saved = {tensor(out(1), logits, bsv, x.p)};
-    loss.transient_bytes = logits * x.p;
-    loss.fwd_bytes = logits * x.p;
-    loss.bwd_bytes = logits * 2 * x.p;
-  } else if (m.loss == LossKernel::kFused || m.loss == LossKernel::kVocabParallel) {
-    // Megatron: the fp32 copy of the logits becomes the softmax in place; the backward pass
-    // forms the gradient in that buffer and casts it to the logits' precision. Beside the buffer
-    // (saved) the logits in the compute dtype (forward) or their gradient (backward); with fp32
-    // logits the buffer is the logits themselves.
-    loss.transient_bytes = x.p < 4 ? logits * x.p : 0;
-    loss.in_place_input = true;
-    if (m.loss == LossKernel::kFused) {
-      // One kernel each way: read the logits, write the softmax; read it, write the gradient.
-      loss.fwd_bytes = logits * (x.p + 4 + 4);
-      loss.bwd_bytes = logits * (4 + x.p);
-    } else {
-      // A kernel per step: the cast (read p, write 4), the row maximum (read 4), subtracting it
-      // (read 4, write 4), exp (read 4, write 4), the row sum (read 4), dividing by it (read 4,
-      // write 4); backward: scaling by the output gradient (read 4, write 4), the cast back
-      // (read 4, write p).
-      loss.fwd_bytes = logits * (x.p + 4 + 4 + 8 + 8 + 4 + 8);
-      loss.bwd_bytes = logits * (8 + 4 + x.p);
-    }
-  } else if (m.loss == LossKernel::kLossParallel) {
-    // PyTorch's loss_parallel(): the cast (read p, write 4), then the log-softmax op by op: the
-    // row maximum (read 4), the shifted logits (read 4, write 4), exp (read 4, write 4), its row
-    // sum (read 4), the result (read 4, write 4), which is saved. Backward, in one function
-    // for the NLL and the log-softmax: zeros (write 4), exp of the saved result (read 4, write
-    // 4), their sum (read 8, write 4), times the output gradient (read 4, write 4), and the cast
-    // back (read 4, write p). Its peak: the zeros, the exp and the sum beside the saved result,
-    // plus the logits' block held as for the unfused loss.
-    loss.transient_bytes = logits * (12 + (x.p < 4 ? x.p : 0));
-    loss.fwd_bytes = logits * (x.p + 4 + 4 + 8 + 8 + 4 + 8);
-    loss.bwd_bytes = logits * (4 + 8 + 12 + 8 + 4 + x.p);
-  } else {
-    // PyTorch: cast (read p, write 4), log-softmax (read 4 twice, write 4); backward: the
-    // log-softmax's gradient (written 4), its backward (read 8, write 4), the cast (read 4,
-    // write p). Its peak is in the backward pass: the log-softmax's gradient and the input
-    // gradient, both fp32, beside the saved log-softmax. The logits themselves (p bytes, the
-    // cast's input) are either still referenced then or freed into the caching allocator's
-    // cache, where a block half the size of the fp32 gradients is of no use to them: either way
-    // the GPU holds them at that peak (reserved, if not allocated).
-    loss.transient_bytes = logits * (8 + (x.p < 4 ? x.p : 0));
-    loss.fwd_bytes = logits * (x.p + 4 + 8 + 4);
-    loss.bwd_bytes = logits * (4 + 12 + 4 + x.p);
+  // The logits' own block (compute dtype) beside the fp32 buffers; fp32 logits are the buffer.
+  const double own_block = x.p < 4 ? x.p : 0;
+  // A softmax a kernel per step, as Megatron's default and PyTorch's loss_parallel() run it:
+  // the cast (read p, write 4), the row maximum (read 4), the shifted logits (read 4, write 4),
+  // exp (read 4, write 4), its row sum (read 4), the division or the log-softmax's result (read
+  // 4, write 4).
+  const double stepwise_fwd = x.p + 4 + 4 + 8 + 8 + 4 + 8;
+  switch (m.loss) {
+    case LossKernel::kFlashAttn:
+      // flash-attn's kernel computes in fp32 registers: the forward reads the logits (p) and
+      // keeps them with each row's log-sum-exp; the backward reads them and writes their
+      // gradient (p), its transient beside them.
+      loss.saved = {tensor(out(1), logits, bsv, x.p)};
+      loss.transient_bytes = logits * x.p;
+      loss.fwd_bytes = logits * x.p;
+      loss.bwd_bytes = logits * 2 * x.p;
+      break;
+    case LossKernel::kFused:
+    case LossKernel::kVocabParallel:
+      // Megatron: the fp32 copy of the logits becomes the softmax in place; the backward pass
+      // forms the gradient in that buffer and casts it to the logits' precision. Beside the
+      // buffer (saved) the logits in the compute dtype (forward) or their gradient (backward).
+      loss.transient_bytes = logits * own_block;
+      loss.in_place_input = true;
+      if (m.loss == LossKernel::kFused) {
+        // One kernel each way: read the logits, write the softmax; read it, write the gradient.
+        loss.fwd_bytes = logits * (x.p + 4 + 4);
+        loss.bwd_bytes = logits * (4 + x.p);
+      } else {
+        // Backward: scaling by the output gradient (read 4, write 4), the cast back (read 4,
+        // write p).
+        loss.fwd_bytes = logits * stepwise_fwd;
+        loss.bwd_bytes = logits * (8 + 4 + x.p);
+      }
+      break;
+    case LossKernel::kLossParallel:
+      // PyTorch's loss_parallel(): the stepwise log-softmax, whose result is saved. Backward, in
+      // one function for the NLL and the log-softmax: zeros (write 4), exp of the saved result
+      // (read 4, write 4), their sum (read 8, write 4), times the output gradient (read 4, write
+      // 4), and the cast back (read 4, write p). Its peak: the zeros, the exp and the sum beside
+      // the saved result, plus the logits' block held as for the unfused loss.
+      loss.transient_bytes = logits * (12 + own_block);
+      loss.fwd_bytes = logits * stepwise_fwd;
+      loss.bwd_bytes = logits * (4 + 8 + 12 + 8 + 4 + x.p);
+      break;
+    case LossKernel::kUnfused:
+      // PyTorch: cast (read p, write 4), log-softmax (read 4 twice, write 4); backward: the
+      // log-softmax's gradient (written 4), its backward (read 8, write 4), the cast (read 4,
+      // write p). Its peak is in the backward pass: the log-softmax's gradient and the input
+      // gradient, both fp32, beside the saved log-softmax. The logits themselves (p bytes, the
+      // cast's input) are either still referenced then or freed into the caching allocator's
+      // cache, where a block half the size of the fp32 gradients is of no use to them: either
+      // way the GPU holds them at that peak (reserved, if not allocated).
+      loss.transient_bytes = logits * (8 + own_block);
+      loss.fwd_bytes = logits * (x.p + 4 + 8 + 4);
+      loss.bwd_bytes = logits * (4 + 12 + 4 + x.p);
+      break;
   }
   // A vocab-split loss all-reduces the row maximum, the sum of exponentials and the target
   // logit (three fp32 values per token) across the split.

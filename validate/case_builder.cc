@@ -64,14 +64,13 @@ Expected<Plan> case_plan(const ValidationCase& c, const Topology& topology) {
   // Megatron runs its vocab-parallel cross-entropy step by step (--cross-entropy-loss-fusion is
   // off by default).
   ModelSpec model = c.model;
-  if (o->framework == "fsdp") {
-    if (model.family == "mpt") {
-      model.loss = LossKernel::kFlashAttn;
-    } else {
-      model.loss = o->tp > 1 ? LossKernel::kLossParallel : LossKernel::kUnfused;
-    }
+  if (o->framework == "megatron") {
+    model.loss = LossKernel::kVocabParallel;
+  } else if (o->framework == "fsdp" && model.family == "mpt") {
+    model.loss = LossKernel::kFlashAttn;
+  } else if (o->framework == "fsdp") {
+    model.loss = o->tp > 1 ? LossKernel::kLossParallel : LossKernel::kUnfused;
   }
-  if (o->framework == "megatron") model.loss = LossKernel::kVocabParallel;
   // fp16 Megatron and DeepSpeed runs are the GPT-3-era configuration (2021-22, before
   // FlashAttention reached Megatron): the fused scale-mask-softmax materializes the scores, and
   // dropout follows the embedding, the attention scores and both sub-blocks.

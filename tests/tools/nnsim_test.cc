@@ -214,6 +214,14 @@ std::optional<Printed> printed_iteration_time(const std::string& out) {
 // ------------------------------------------------------------------------------------------
 // 1. The main job.
 
+// `base` with `extra` options and the output file `out`.
+std::vector<std::string> plan_args(std::vector<std::string> base,
+                                   const std::vector<std::string>& extra, const std::string& out) {
+  base.insert(base.end(), extra.begin(), extra.end());
+  base.insert(base.end(), {"-o", out});
+  return base;
+}
+
 // DeepSpeed's ZeRO-3 persistence threshold: the builder's default (1e5 elements), a value of the
 // user's own, and an error naming the fix where it does not apply.
 TEST(NnsimTool, PlanTakesDeepSpeedsPersistenceThreshold) {
@@ -222,11 +230,8 @@ TEST(NnsimTool, PlanTakesDeepSpeedsPersistenceThreshold) {
                                          "dgx-a100x4", "--tp",           "1",         "--pp",
                                          "1",          "--global-batch", "32",        "--zero",
                                          "3",          "--framework",    "deepspeed"};
-  auto with = [&](std::vector<std::string> extra, const std::string& out) {
-    std::vector<std::string> args = base;
-    args.insert(args.end(), extra.begin(), extra.end());
-    args.insert(args.end(), {"-o", out});
-    return args;
+  auto with = [&](const std::vector<std::string>& extra, const std::string& out) {
+    return plan_args(base, extra, out);
   };
   make_plan(box, with({}, "default.json"));
   EXPECT_EQ(box.read_json("default.json")["communication"]["zero3_persistence_threshold"], 1e5);
@@ -246,11 +251,8 @@ TEST(NnsimTool, PlanTakesTheTrainingCodesCrossEntropy) {
   const std::vector<std::string> base = {"plan",       "--model",        "gpt3-1.3b", "--topo",
                                          "dgx-a100x4", "--tp",           "2",         "--pp",
                                          "1",          "--global-batch", "32"};
-  auto with = [&](std::vector<std::string> extra, const std::string& out) {
-    std::vector<std::string> args = base;
-    args.insert(args.end(), extra.begin(), extra.end());
-    args.insert(args.end(), {"-o", out});
-    return args;
+  auto with = [&](const std::vector<std::string>& extra, const std::string& out) {
+    return plan_args(base, extra, out);
   };
   make_plan(box, with({}, "preset.json"));
   EXPECT_EQ(box.read_json("preset.json")["model"]["loss"], "fused");
