@@ -55,6 +55,10 @@ Status check_memory_fits(const Program& program) {
       {m.comm_buffers + m.runtime,
        "communication buffers and runtime " + format_bytes(m.comm_buffers + m.runtime)},
   };
+  if (m.pipeline_buffers > 0) {
+    parts.emplace_back(m.pipeline_buffers,
+                       "pipeline receive buffers " + format_bytes(m.pipeline_buffers));
+  }
   if (m.gathered > 0) {
     parts.emplace_back(m.gathered,
                        "ZeRO-3's gathered weights and gradients " + format_bytes(m.gathered));

@@ -415,7 +415,8 @@ Plan parse_plan_node(const InputNode& root) {
     c->check_keys({"dp_bucket_bytes", "overlap_grad_reduce", "overlap_param_gather",
                    "pp_scatter_gather", "algorithm", "grad_reduce_bytes", "tp_overlap",
                    "zero3_per_tensor", "zero3_regather_for_recompute",
-                   "zero3_persistence_threshold", "zero3_reduce_bucket", "save_gathered_inputs"});
+                   "zero3_persistence_threshold", "zero3_reduce_bucket", "save_gathered_inputs",
+                   "pp_buffers_per_micro_batch"});
     plan.comm.dp_bucket_bytes =
         c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
     if (plan.comm.dp_bucket_bytes < kMinBucketBytes) {
@@ -445,6 +446,7 @@ Plan parse_plan_node(const InputNode& root) {
           "give a number of elements, 0 or more (0: each tensor reduced on its own)");
     }
     plan.comm.save_gathered_inputs = c->get_bool("save_gathered_inputs", false);
+    plan.comm.pp_buffers_per_micro_batch = c->get_bool("pp_buffers_per_micro_batch", false);
     if (plan.comm.algorithm != "auto" && plan.comm.algorithm != "ring" &&
         plan.comm.algorithm != "tree") {
       (*c)["algorithm"].fail_unknown(plan.comm.algorithm, {"auto", "ring", "tree"});
@@ -561,7 +563,8 @@ std::string plan_to_json(const Plan& plan) {
                         {"zero3_regather_for_recompute", plan.comm.zero3_regather_for_recompute},
                         {"zero3_persistence_threshold", plan.comm.zero3_persistence_threshold},
                         {"zero3_reduce_bucket", plan.comm.zero3_reduce_bucket},
-                        {"save_gathered_inputs", plan.comm.save_gathered_inputs}};
+                        {"save_gathered_inputs", plan.comm.save_gathered_inputs},
+                        {"pp_buffers_per_micro_batch", plan.comm.pp_buffers_per_micro_batch}};
   json orders = json::array();
   for (const auto& o : plan.schedule) {
     std::string blocks;

@@ -185,6 +185,12 @@ struct CommSettings {
   // Bytes per element of gradient reduce-scatters / all-reduces (0: the gradient buffer's,
   // grad_bytes; frameworks may reduce in another precision than they accumulate).
   double grad_reduce_bytes = 0;
+  // Pipeline memory as PyTorch's pipelining runtime (torch.distributed.pipelining) holds it: a
+  // receive buffer per micro-batch for the activations (stages after the first) and for their
+  // gradients (stages before the last), allocated once and held, and every micro-batch's stage
+  // output (the last stage's: the model's fp32 logits) kept until the step ends; false:
+  // Megatron's, which receives into a fresh tensor per transfer and frees an output once sent.
+  bool pp_buffers_per_micro_batch = false;
 };
 
 struct Plan {

@@ -228,7 +228,12 @@ struct Compiler {
   // unit, parameters). Units are the embedding, each layer and the head; buckets hold about
   // the data-parallel bucket size of parameters.
   std::vector<std::pair<int, double>> gather_buckets(int segment) const;
-  void build_memory(Lane& lane, const std::vector<int>& segments);
+  void build_memory(Lane& lane, int lane_index, const std::vector<int>& segments);
+  // PyTorch's pipelining runtime (comm.pp_buffers_per_micro_batch): the bytes of one receive
+  // buffer (a hidden-state piece, or its gradient), and what each forward of `segment` leaves
+  // allocated until the step ends (its output; the head's: the fp32 logits).
+  double receive_buffer_bytes() const;
+  double retained_output_bytes(int segment) const;
   std::map<std::tuple<int, int, int, bool, bool, bool, int>, int> template_cache;
 };
 
@@ -1061,6 +1066,14 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     kept += kept_head;
     kept_weight_inputs += head_weight_inputs;
   }
+  if (plan.comm.pp_buffers_per_micro_batch && recv_prev_lane >= 0 && !s.embedding &&
+      s.end_layer > s.first_layer) {
+    // The first layer saves its input, which is the micro-batch's receive buffer, held with
+    // the lane's static memory.
+    const double shared = std::min(receive_buffer_bytes(), kept_layers);
+    kept -= shared;
+    kept_layers -= shared;
+  }
   double transient = s.end_layer > s.first_layer ? transient_bytes(layer) : 0.0;
   if (s.head) transient = std::max(transient, transient_bytes(head));
   if (s.embedding) transient = std::max(transient, transient_bytes(embed));
@@ -1138,8 +1151,8 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         t.peak_bytes = worst;
       }
       if (role & 1) break;  // an earlier pass holds its activations only while it runs
-      t.kept_bytes = kept;
-      memory(kept);
+      t.kept_bytes = kept + retained_output_bytes(seg);
+      memory(t.kept_bytes);
       break;
     }
     case BlockKind::kRecompute: {
@@ -1538,7 +1551,7 @@ Status Compiler::check_spanning() {
   return Status::Ok();
 }
 
-void Compiler::build_memory(Lane& lane, const std::vector<int>& segments) {
+void Compiler::build_memory(Lane& lane, int lane_index, const std::vector<int>& segments) {
   const int zero = plan.optimizer.zero;
   // ZeRO shards over the gradient-sync group: data parallel, with context parallel when there
   // is one (Megatron's distributed optimizer and FSDP both shard over dp x cp).
@@ -1574,8 +1587,35 @@ void Compiler::build_memory(Lane& lane, const std::vector<int>& segments) {
     if (mesh.axes[a].size > 1) ++communicators;
   }
   m.comm_buffers = communicators * kNcclChannels * 2 * kNcclBufferBytes;
+  if (plan.comm.pp_buffers_per_micro_batch) {
+    // A buffer per micro-batch for each transfer the lane receives: activations from the
+    // previous segment's lane, gradients from the next one's.
+    for (int s : segments) {
+      for (int peer : {prev_segment[s], next_segment[s]}) {
+        if (peer >= 0 && source_lane(peer, lane_index) >= 0) {
+          m.pipeline_buffers += prog.micro_batches * receive_buffer_bytes();
+        }
+      }
+    }
+  }
   m.runtime = kRuntimeBytes;
   lane.memory = m;
+}
+
+double Compiler::receive_buffer_bytes() const {
+  return piece_bytes(boundary, input_layout_of(layer), mesh);
+}
+
+double Compiler::retained_output_bytes(int segment) const {
+  if (!plan.comm.pp_buffers_per_micro_batch || plan.segments.size() < 2) return 0;
+  if (!plan.segments[segment].head) return receive_buffer_bytes();
+  // The model's output: the projection's logits, cast to fp32 for the loss.
+  for (size_t i = 0; i < head.part->ops.size(); ++i) {
+    const Op& op = head.part->ops[i];
+    if (op.name != "head.proj") continue;
+    return piece_bytes(op.output, head.out_layouts[i], mesh) * 4 / op.output.bytes_per_element;
+  }
+  return 0;
 }
 
 }  // namespace
@@ -1771,7 +1811,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
                                               zero >= 1 ? bytes / c.shard_degree() : bytes,
                                               c.label("norm grad sync")));
     }
-    c.build_memory(lane, segs);
+    c.build_memory(lane, static_cast<int>(o), segs);
     double local_params = lane.parameters;
     if (zero >= 1) local_params /= c.shard_degree();
     Step opt;
@@ -1808,6 +1848,16 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     double persistent = 0;
     for (int s : segs) persistent += c.segment_persistent_params(s);
     if (zero == 3 && persistent > 0 && c.shard_degree() > 1) gather_after_step({persistent});
+    // The outputs the forwards kept (PyTorch's pipelining) are released when the next step
+    // begins, after the optimizer's.
+    double retained = 0;
+    for (int s : segs) retained += prog.micro_batches * c.retained_output_bytes(s);
+    if (retained > 0) {
+      Step m;
+      m.kind = StepKind::kMemory;
+      m.bytes = -retained;
+      lane.epilogue.push_back(m);
+    }
   }
 
   // Tied embedding: the first and last pipeline stage hold copies whose gradients are summed.

@@ -85,9 +85,11 @@ struct StaticMemory {
   // one prefetched, and one unit's unsharded gradients (with keep_gathered, every parameter's).
   double gathered = 0;
   double comm_buffers = 0;
+  // Pipeline receive buffers held through the iteration (comm.pp_buffers_per_micro_batch).
+  double pipeline_buffers = 0;
   double runtime = 0;  // CUDA context and libraries
   double total() const {
-    return weights + gradients + optimizer + gathered + comm_buffers + runtime;
+    return weights + gradients + optimizer + gathered + comm_buffers + pipeline_buffers + runtime;
   }
 };
 

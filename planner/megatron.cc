@@ -422,6 +422,9 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     // PyTorch's tensor parallelism (DTensor) saves a sequence-parallel linear's gathered input
     // for the backward instead of gathering it again.
     plan.comm.save_gathered_inputs = true;
+    // Pipeline schedules are PyTorch's (torchtitan): a receive buffer per micro-batch, and every
+    // micro-batch's stage output kept for the step.
+    plan.comm.pp_buffers_per_micro_batch = true;
     // Activation checkpointing by torch.utils.checkpoint without reentrant autograd
     // (llm-foundry's activation_checkpointing_reentrant: false, torchtitan), which stops each
     // recomputation once the backward's tensors are back.

@@ -21,10 +21,15 @@ json breakdown_json(const Breakdown& b) {
 
 json memory_json(const LaneReport& l) {
   const StaticMemory& m = l.static_memory;
-  return {{"peak_bytes", l.peak_memory},    {"weights_bytes", m.weights},
-          {"gradients_bytes", m.gradients}, {"gathered_bytes", m.gathered},
-          {"optimizer_bytes", m.optimizer}, {"comm_buffers_bytes", m.comm_buffers},
-          {"runtime_bytes", m.runtime},     {"peak_activations_bytes", l.peak_activations}};
+  return {{"peak_bytes", l.peak_memory},
+          {"weights_bytes", m.weights},
+          {"gradients_bytes", m.gradients},
+          {"gathered_bytes", m.gathered},
+          {"optimizer_bytes", m.optimizer},
+          {"comm_buffers_bytes", m.comm_buffers},
+          {"pipeline_buffers_bytes", m.pipeline_buffers},
+          {"runtime_bytes", m.runtime},
+          {"peak_activations_bytes", l.peak_activations}};
 }
 
 }  // namespace

@@ -175,6 +175,7 @@ std::string validation_json(const std::vector<CaseOutcome>& outcomes, const Vali
                      {"gathered_bytes", o.memory.gathered},
                      {"optimizer_bytes", o.memory.optimizer},
                      {"comm_buffers_bytes", o.memory.comm_buffers},
+                     {"pipeline_buffers_bytes", o.memory.pipeline_buffers},
                      {"runtime_bytes", o.memory.runtime},
                      {"peak_activations_bytes", o.peak_activations_bytes}};
     }

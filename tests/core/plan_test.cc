@@ -145,6 +145,7 @@ TEST(Plan, HandBuiltPlanRoundTrips) {
   p.comm.pp_scatter_gather = false;
   p.comm.algorithm = "ring";
   p.comm.save_gathered_inputs = true;
+  p.comm.pp_buffers_per_micro_batch = true;
   p.comm.zero3_persistence_threshold = 1e5;
   p.comm.zero3_reduce_bucket = 5e8;
   p.topology_gpus = 8;
@@ -168,6 +169,7 @@ TEST(Plan, HandBuiltPlanRoundTrips) {
   EXPECT_EQ(q->comm.algorithm, "ring");
   EXPECT_FALSE(q->comm.overlap_grad_reduce);
   EXPECT_TRUE(q->comm.save_gathered_inputs);
+  EXPECT_TRUE(q->comm.pp_buffers_per_micro_batch);
   EXPECT_EQ(q->comm.zero3_persistence_threshold, 1e5);
   EXPECT_EQ(q->comm.zero3_reduce_bucket, 5e8);
   EXPECT_EQ(q->schedule[0].blocks, p.schedule[0].blocks);
