@@ -495,8 +495,8 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     if (!s) return s.error();
     return s->plan;
   }
-  Expected<std::vector<std::vector<Block>>> orders =
-      pipeline_orders(o.schedule, o.pp, o.vpp, micro_batches, recompute_segments);
+  Expected<std::vector<std::vector<Block>>> orders = pipeline_orders(
+      o.schedule, o.pp, o.vpp, micro_batches, recompute_segments, pipeline_runtime_of(o.framework));
   if (!orders) return orders.error();
   if (Status s = add_forward_passes(o.schedule, o.recycle, *orders); !s) return s.error();
   if (o.shard_head) {

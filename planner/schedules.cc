@@ -37,8 +37,11 @@ std::vector<Block> one_f_one_b(int stage, int stages, int micro_batches) {
 }
 
 // Megatron's interleaved 1F1B: forwards visit the chunks in groups of `stages` micro-batches;
-// warm-up is 2(stages - stage - 1) + (chunks - 1) stages virtual micro-batches.
-std::vector<Block> interleaved(int stage, int stages, int chunks, int micro_batches) {
+// warm-up is 2(stages - stage - 1) + (chunks - 1) stages virtual micro-batches, and every one
+// when the micro-batches fill a single group (Megatron's all-warm-up case, which PyTorch's
+// ScheduleInterleaved1F1B does not have).
+std::vector<Block> interleaved(int stage, int stages, int chunks, int micro_batches,
+                               PipelineRuntime runtime) {
   const int total = micro_batches * chunks;
   auto forward = [&](int k) {
     int chunk = (k / stages) % chunks;
@@ -50,9 +53,9 @@ std::vector<Block> interleaved(int stage, int stages, int chunks, int micro_batc
     int mb = (k / (stages * chunks)) * stages + k % stages;
     return Block{BlockKind::kBackward, mb, segment_of(chunk, stage, stages)};
   };
-  int warmup = micro_batches == stages
-                   ? total
-                   : std::min((stages - stage - 1) * 2 + (chunks - 1) * stages, total);
+  const bool all_warmup = micro_batches == stages && runtime == PipelineRuntime::kMegatron;
+  const int warmup =
+      all_warmup ? total : std::min((stages - stage - 1) * 2 + (chunks - 1) * stages, total);
   std::vector<Block> out;
   for (int k = 0; k < warmup; ++k) out.push_back(forward(k));
   for (int i = 0; i < total - warmup; ++i) {
@@ -64,6 +67,10 @@ std::vector<Block> interleaved(int stage, int stages, int chunks, int micro_batc
 }
 
 }  // namespace
+
+PipelineRuntime pipeline_runtime_of(const std::string& framework) {
+  return framework == "fsdp" ? PipelineRuntime::kTorch : PipelineRuntime::kMegatron;
+}
 
 bool splits_backward(ScheduleKind kind) {
   return kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbH2 || kind == ScheduleKind::kZbV;
@@ -88,7 +95,7 @@ int rank_of_segment(ScheduleKind kind, int segment, int stages) {
 
 Expected<std::vector<std::vector<Block>>> pipeline_orders(
     ScheduleKind kind, int stages, int chunks, int micro_batches,
-    const std::vector<bool>& recompute_segments) {
+    const std::vector<bool>& recompute_segments, PipelineRuntime runtime) {
   if (micro_batches < 1) return Error("a schedule needs at least one micro-batch");
   const int need = required_chunks(kind);
   if (need > 0 && chunks != need) {
@@ -107,7 +114,7 @@ Expected<std::vector<std::vector<Block>>> pipeline_orders(
     // The search starts from the orders of the same placement that it must not use more memory
     // than (planner/schedule_gen.h).
     return pipeline_orders(chunks > 1 ? ScheduleKind::kInterleaved : ScheduleKind::kOneFOneB,
-                           stages, chunks, micro_batches, recompute_segments);
+                           stages, chunks, micro_batches, recompute_segments, runtime);
   }
   std::vector<std::vector<Block>> out;
   switch (kind) {
@@ -125,7 +132,9 @@ Expected<std::vector<std::vector<Block>>> pipeline_orders(
             "pipeline stages ({}); change the global batch or the micro-batch size",
             micro_batches, stages));
       }
-      for (int s = 0; s < stages; ++s) out.push_back(interleaved(s, stages, chunks, micro_batches));
+      for (int s = 0; s < stages; ++s) {
+        out.push_back(interleaved(s, stages, chunks, micro_batches, runtime));
+      }
       return out;
     default:
       break;

@@ -38,12 +38,21 @@ inline int segment_of(int chunk, int stage, int stages) {
 // ZB-V a V (rank r holds segments r and 2 stages - 1 - r).
 int rank_of_segment(ScheduleKind kind, int segment, int stages);
 
+// Whose implementation a closed-form schedule follows where they differ: with as many
+// micro-batches as stages, Megatron's interleaved schedule runs every forward before the first
+// backward, PyTorch's ScheduleInterleaved1F1B keeps its usual warm-up (its 1F1B already matches
+// Megatron's order).
+enum class PipelineRuntime { kMegatron, kTorch };
+// A plan's framework's: fsdp plans pipeline as torchtitan does, with PyTorch's schedules.
+PipelineRuntime pipeline_runtime_of(const std::string& framework);
+
 // The block order of every pipeline rank of `stages`, with `chunks` model chunks per rank and
 // `micro_batches` micro-batches per iteration. `recompute_segments` marks the segments whose
 // recomputation the schedule places as explicit blocks (Merak).
 Expected<std::vector<std::vector<Block>>> pipeline_orders(
     ScheduleKind kind, int stages, int chunks, int micro_batches,
-    const std::vector<bool>& recompute_segments = {});
+    const std::vector<bool>& recompute_segments = {},
+    PipelineRuntime runtime = PipelineRuntime::kMegatron);
 
 // Adds the blocks of `segment`, a segment spanning every pipeline rank (a head sharded over the
 // ranks), to GPipe or 1F1B orders of one chunk per rank: for each micro-batch m, F m and B m of

@@ -597,12 +597,14 @@ int run_validate(const ValidateArgs& a) {
   std::vector<CaseOutcome> out = run_validation(*cases, opts);
   progress.done();
   ValidationSummary s = summarize(out);
-  std::printf("%-48s %6s %-9s %11s %11s %8s %9s %9s %8s\n", "case", "gpus", "framework", "measured",
-              "predicted", "error", "mem meas", "mem pred", "mem err");
+  int id_width = 48;  // wider for longer ids, so that the columns stay aligned
+  for (const CaseOutcome& o : out) id_width = std::max(id_width, static_cast<int>(o.id.size()));
+  std::printf("%-*s %6s %-9s %11s %11s %8s %9s %9s %8s\n", id_width, "case", "gpus", "framework",
+              "measured", "predicted", "error", "mem meas", "mem pred", "mem err");
   for (const CaseOutcome& o : out) {
     if (!o.ok()) {
-      std::printf("%-48s %6d %-9s %11s  FAILED: %s\n", o.id.c_str(), o.gpus, o.framework.c_str(),
-                  format_seconds(o.measured_s).c_str(), o.status.c_str());
+      std::printf("%-*s %6d %-9s %11s  FAILED: %s\n", id_width, o.id.c_str(), o.gpus,
+                  o.framework.c_str(), format_seconds(o.measured_s).c_str(), o.status.c_str());
       continue;
     }
     std::string mem_meas =
@@ -610,7 +612,7 @@ int run_validate(const ValidateArgs& a) {
     std::string mem_pred =
         o.predicted_memory_gib ? fmt::format("{:.1f} GiB", *o.predicted_memory_gib) : "";
     std::string mem_err = o.memory_error_pct ? fmt::format("{:+.1f}%", *o.memory_error_pct) : "";
-    std::printf("%-48s %6d %-9s %11s %11s %+7.1f%% %9s %9s %8s%s\n", o.id.c_str(), o.gpus,
+    std::printf("%-*s %6d %-9s %11s %11s %+7.1f%% %9s %9s %8s%s\n", id_width, o.id.c_str(), o.gpus,
                 o.framework.c_str(), format_seconds(o.measured_s).c_str(),
                 format_seconds(o.predicted_s).c_str(), o.error_pct, mem_meas.c_str(),
                 mem_pred.c_str(), mem_err.c_str(),

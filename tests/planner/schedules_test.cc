@@ -23,8 +23,9 @@ bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
 
-std::vector<Block> order(ScheduleKind kind, int stage, int stages, int chunks, int m) {
-  auto o = pipeline_orders(kind, stages, chunks, m);
+std::vector<Block> order(ScheduleKind kind, int stage, int stages, int chunks, int m,
+                         PipelineRuntime runtime = PipelineRuntime::kMegatron) {
+  auto o = pipeline_orders(kind, stages, chunks, m, {}, runtime);
   EXPECT_TRUE(o.ok()) << (o.ok() ? "" : o.error().message());
   return o.ok() ? (*o)[stage] : std::vector<Block>{};
 }
@@ -58,10 +59,11 @@ void expect_complete(const std::vector<Block>& blocks, int stage, int stages, in
 
 // Runs the whole pipeline's orders through the schedule checker (completeness, dependencies,
 // deadlock).
-Status check_pipeline(ScheduleKind kind, int stages, int chunks, int m) {
+Status check_pipeline(ScheduleKind kind, int stages, int chunks, int m,
+                      PipelineRuntime runtime = PipelineRuntime::kMegatron) {
   std::vector<OrderView> views;
   for (int p = 0; p < stages; ++p) {
-    views.push_back({"pp=" + std::to_string(p), order(kind, p, stages, chunks, m)});
+    views.push_back({"pp=" + std::to_string(p), order(kind, p, stages, chunks, m, runtime)});
   }
   const int segments = stages * chunks;
   std::vector<int> next(segments), lane(segments);
@@ -145,6 +147,28 @@ TEST(Schedules, InterleavedOrder) {
   EXPECT_TRUE(check_pipeline(ScheduleKind::kInterleaved, 4, 2, 4).ok());  // m == stages
   EXPECT_TRUE(check_pipeline(ScheduleKind::kInterleaved, 4, 3, 12).ok());
   EXPECT_TRUE(check_pipeline(ScheduleKind::kInterleaved, 2, 4, 6).ok());
+}
+
+// With as many micro-batches as stages Megatron runs every forward first; PyTorch's
+// ScheduleInterleaved1F1B (fsdp plans) keeps its warm-up, 2 (stages - p - 1) + (chunks - 1)
+// stages capped at all of them.
+TEST(Schedules, InterleavedWithOneRoundFollowsTheRuntime) {
+  const int stages = 4, chunks = 2, m = 4;
+  for (int p = 0; p < stages; ++p) {
+    EXPECT_EQ(leading_forwards(order(ScheduleKind::kInterleaved, p, stages, chunks, m)), chunks * m)
+        << "stage " << p;
+    const auto torch =
+        order(ScheduleKind::kInterleaved, p, stages, chunks, m, PipelineRuntime::kTorch);
+    expect_complete(torch, p, stages, chunks, m);
+    const int warmup = std::min(2 * (stages - p - 1) + (chunks - 1) * stages, chunks * m);
+    EXPECT_EQ(leading_forwards(torch), std::min(warmup + 1, chunks * m)) << "stage " << p;
+  }
+  EXPECT_EQ(text(order(ScheduleKind::kInterleaved, 3, stages, chunks, m, PipelineRuntime::kTorch)),
+            "F0@3 F1@3 F2@3 F3@3 F0@7 B0@7 F1@7 B1@7 F2@7 B2@7 F3@7 B3@7 B0@3 B1@3 B2@3 B3@3");
+  EXPECT_TRUE(
+      check_pipeline(ScheduleKind::kInterleaved, stages, chunks, m, PipelineRuntime::kTorch).ok());
+  EXPECT_EQ(pipeline_runtime_of("fsdp"), PipelineRuntime::kTorch);
+  EXPECT_EQ(pipeline_runtime_of("megatron"), PipelineRuntime::kMegatron);
 }
 
 TEST(Schedules, InterleavedPlanCompiles) {
