@@ -5,15 +5,13 @@
 // on the communication-free cluster.
 #include <gtest/gtest.h>
 
-#include <string>
+#include <optional>
 #include <vector>
 
-#include "core/model.h"
-#include "core/program.h"
 #include "core/topology.h"
 #include "planner/megatron.h"
-#include "sim/simulator.h"
 #include "tests/support/communication_free.h"
+#include "tests/support/simulated_run.h"
 
 namespace nnsim {
 namespace {
@@ -21,7 +19,6 @@ namespace {
 using testing::communication_free_node;
 using testing::matmul_only;
 
-const std::string kData = NNSIM_TEST_DATA;
 constexpr int kMicroBatches = 4;
 
 struct PipelineRun {
@@ -36,23 +33,15 @@ PipelineRun simulate_fsdp_pipeline(bool per_micro_batch_buffers) {
   o.framework = "fsdp";
   const Topology t = communication_free_node(2);
   o.costs = matmul_only(t);
-  Expected<ModelSpec> m = load_model(kData + "/uniform-model.yaml");
-  EXPECT_TRUE(m.ok()) << (m.ok() ? "" : m.error().message());
-  if (!m) return {};
-  Expected<Plan> plan = build_megatron_plan(*m, t, o);
-  EXPECT_TRUE(plan.ok()) << (plan.ok() ? "" : plan.error().message());
+  std::optional<Plan> plan = testing::uniform_plan(t, o);
   if (!plan) return {};
   EXPECT_TRUE(plan->comm.pp_buffers_per_micro_batch) << "the fsdp builder's default";
   plan->comm.pp_buffers_per_micro_batch = per_micro_batch_buffers;
-  Expected<Program> prog = compile_plan(*plan, t, matmul_only(t));
-  EXPECT_TRUE(prog.ok()) << (prog.ok() ? "" : prog.error().message());
-  if (!prog) return {};
-  Expected<SimResult> r = simulate(*prog, {});
-  EXPECT_TRUE(r.ok()) << (r.ok() ? "" : r.error().message());
-  if (!r) return {};
+  const std::optional<testing::SimulatedRun> run = testing::compile_and_simulate(*plan, t);
+  if (!run) return {};
   PipelineRun out;
-  for (const auto& lane : prog->lanes) out.statics.push_back(lane.memory);
-  for (const auto& lane : r->lanes) out.peaks.push_back(lane.peak_memory);
+  for (const auto& lane : run->program.lanes) out.statics.push_back(lane.memory);
+  for (const auto& lane : run->result.lanes) out.peaks.push_back(lane.peak_memory);
   return out;
 }
 

@@ -14,14 +14,13 @@
 #include "planner/schedule_gen.h"
 #include "sim/simulator.h"
 #include "tests/support/communication_free.h"
+#include "tests/support/simulated_run.h"
 
 namespace nnsim {
 namespace {
 
 using testing::communication_free_node;
 using testing::matmul_only;
-
-const std::string kData = NNSIM_TEST_DATA;
 
 struct SimRun {
   double iteration = 0;
@@ -30,31 +29,26 @@ struct SimRun {
 };
 
 SimRun simulate_plan(const Plan& plan, const Topology& t) {
-  Expected<Program> prog = compile_plan(plan, t, matmul_only(t));
-  EXPECT_TRUE(prog.ok()) << (prog.ok() ? "" : prog.error().message());
-  if (!prog) return {};
-  Expected<SimResult> r = simulate(*prog, {});
-  EXPECT_TRUE(r.ok()) << (r.ok() ? "" : r.error().message());
-  if (!r) return {};
+  const std::optional<testing::SimulatedRun> run = testing::compile_and_simulate(plan, t);
+  if (!run) return {};
+  const SimResult& r = run->result;
   SimRun out;
-  out.iteration = r->iteration_time;
-  out.compute = r->lanes.front().breakdown.compute;
-  for (const LaneReport& l : r->lanes) out.peak = std::max(out.peak, l.peak_memory);
+  out.iteration = r.iteration_time;
+  out.compute = r.lanes.front().breakdown.compute;
+  for (const LaneReport& l : r.lanes) out.peak = std::max(out.peak, l.peak_memory);
   return out;
 }
 
 Plan build(ScheduleKind kind, int recycle, const Topology& t, int stages = 4, int m = 16) {
-  Expected<ModelSpec> model = load_model(kData + "/uniform-model.yaml");
-  EXPECT_TRUE(model.ok());
   MegatronOptions o;
   o.pp = stages;
   o.global_batch = m;
   o.schedule = kind;
   o.recycle = recycle;
   o.costs = matmul_only(t);
-  Expected<Plan> plan = build_megatron_plan(*model, t, o);
-  EXPECT_TRUE(plan.ok()) << (plan.ok() ? "" : plan.error().message());
-  return *plan;
+  // A failure is reported here; the empty plan then fails to compile.
+  const std::optional<Plan> plan = testing::uniform_plan(t, o);
+  return plan ? *plan : Plan{};
 }
 
 // GPipe runs pass i + 1 of a micro-batch once pass i has left the last stage, while the first

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,14 +17,13 @@
 #include "planner/megatron.h"
 #include "sim/simulator.h"
 #include "tests/support/communication_free.h"
+#include "tests/support/simulated_run.h"
 
 namespace nnsim {
 namespace {
 
 using testing::communication_free_node;
 using testing::matmul_only;
-
-const std::string kData = NNSIM_TEST_DATA;
 
 struct StageMemory {
   double peak = 0;         // peak activation bytes of the stage
@@ -46,24 +46,17 @@ std::vector<StageMemory> simulate_stages(ScheduleKind kind, int chunks) {
   const Topology t = communication_free_node(kStages);
   o.costs = matmul_only(t);
   // Any failure returns no stages, which the tests' size checks report.
-  Expected<ModelSpec> m = load_model(kData + "/uniform-model.yaml");
-  EXPECT_TRUE(m.ok()) << (m.ok() ? "" : m.error().message());
-  if (!m) return {};
-  Expected<Plan> plan = build_megatron_plan(*m, t, o);
-  EXPECT_TRUE(plan.ok()) << (plan.ok() ? "" : plan.error().message());
+  const std::optional<Plan> plan = testing::uniform_plan(t, o);
   if (!plan) return {};
-  Expected<Program> prog = compile_plan(*plan, t, matmul_only(t));
-  EXPECT_TRUE(prog.ok()) << (prog.ok() ? "" : prog.error().message());
-  if (!prog) return {};
-  Expected<SimResult> r = simulate(*prog, {});
-  EXPECT_TRUE(r.ok()) << (r.ok() ? "" : r.error().message());
-  if (!r) return {};
+  const std::optional<testing::SimulatedRun> run = testing::compile_and_simulate(*plan, t);
+  if (!run) return {};
+  const Program& prog = run->program;
 
   // A block kind of a segment may have several templates (variants); each segment's forward
   // keeps the same bytes in all of them.
-  std::vector<StageMemory> out(prog->lanes.size());
+  std::vector<StageMemory> out(prog.lanes.size());
   std::map<std::pair<int, int>, double> kept_by_segment;  // (lane, segment) -> bytes
-  for (const BlockTemplate& b : prog->templates) {
+  for (const BlockTemplate& b : prog.templates) {
     StageMemory& s = out[b.lane];
     // A forward's peak includes what it keeps; what rises above that is transient.
     const double transient = b.peak_bytes - std::max(0.0, b.kept_bytes);
@@ -78,7 +71,7 @@ std::vector<StageMemory> simulate_stages(ScheduleKind kind, int chunks) {
     s.min_chunk = std::min(s.min_chunk, kept);
     s.max_chunk = std::max(s.max_chunk, kept);
   }
-  for (size_t l = 0; l < out.size(); ++l) out[l].peak = r->lanes[l].peak_activations;
+  for (size_t l = 0; l < out.size(); ++l) out[l].peak = run->result.lanes[l].peak_activations;
   return out;
 }
 
