@@ -1070,7 +1070,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       s.end_layer > s.first_layer) {
     // The first layer saves its input, which is the micro-batch's receive buffer, held with
     // the lane's static memory.
-    const double shared = std::min(receive_buffer_bytes(), kept_layers);
+    const int l = s.first_layer;
+    const double shared = std::min(receive_buffer_bytes(),
+                                   kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), false));
     kept -= shared;
     kept_layers -= shared;
   }
