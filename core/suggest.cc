@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <string>
+#include <vector>
 
 namespace nnsim {
 namespace {
@@ -23,6 +25,12 @@ size_t edit_distance(std::string_view a, std::string_view b) {
   return row[b.size()];
 }
 
+bool contains_ignoring_case(std::string_view text, std::string_view part) {
+  auto lower = [](char c) { return std::tolower(static_cast<unsigned char>(c)); };
+  return std::search(text.begin(), text.end(), part.begin(), part.end(),
+                     [&](char a, char b) { return lower(a) == lower(b); }) != text.end();
+}
+
 }  // namespace
 
 std::string suggest(std::string_view name, const std::vector<std::string>& candidates) {
@@ -37,9 +45,25 @@ std::string suggest(std::string_view name, const std::vector<std::string>& candi
     }
   }
   if (best_d <= std::max<size_t>(2, name.size() / 3)) return " (did you mean '" + *best + "'?)";
-  std::string list;
-  for (const auto& c : candidates) list += (list.empty() ? "" : ", ") + c;
-  return " (known: " + list + ")";
+  // Listing more than a dozen names buries the message.
+  constexpr size_t kListed = 12;
+  auto join = [](const std::vector<const std::string*>& names) {
+    std::string list;
+    for (const std::string* n : names) list += (list.empty() ? "" : ", ") + *n;
+    return list;
+  };
+  std::vector<const std::string*> containing;
+  for (const auto& c : candidates) {
+    if (!name.empty() && contains_ignoring_case(c, name)) containing.push_back(&c);
+  }
+  if (containing.size() == 1) return " (did you mean '" + *containing.front() + "'?)";
+  if (!containing.empty() && containing.size() <= kListed) {
+    return " (did you mean one of: " + join(containing) + "?)";
+  }
+  std::vector<const std::string*> listed;
+  for (size_t i = 0; i < candidates.size() && i < kListed; ++i) listed.push_back(&candidates[i]);
+  if (candidates.size() <= kListed) return " (known: " + join(listed) + ")";
+  return " (known: " + join(listed) + ", ... " + std::to_string(candidates.size()) + " in all)";
 }
 
 }  // namespace nnsim
