@@ -555,12 +555,19 @@ int run_validate(const ValidateArgs& a) {
     std::vector<ValidationCase> kept;
     std::vector<std::string> ids;
     for (const auto& c : *cases) ids.push_back(c.id);
+    // An id, or a pattern with '*' (`mosaic-*-h100*`); the set's order is kept.
+    std::vector<bool> picked(cases->size(), false);
     for (const auto& id : a.only) {
-      auto it = std::find_if(cases->begin(), cases->end(),
-                             [&](const ValidationCase& c) { return c.id == id; });
-      if (it == cases->end())
-        return fail(fmt::format("--only: no case '{}'{}", id, suggest(id, ids)));
-      kept.push_back(*it);
+      bool any = false;
+      for (size_t i = 0; i < cases->size(); ++i) {
+        if (!match_pattern(id, (*cases)[i].id)) continue;
+        picked[i] = true;
+        any = true;
+      }
+      if (!any) return fail(fmt::format("--only: no case '{}'{}", id, suggest(id, ids)));
+    }
+    for (size_t i = 0; i < cases->size(); ++i) {
+      if (picked[i]) kept.push_back((*cases)[i]);
     }
     *cases = kept;
   }
@@ -1052,7 +1059,8 @@ int main(int argc, char** argv) {
   validate_cmd->add_option("--jobs", validate.jobs, "simulations run at once (default: cores)");
   validate_cmd
       ->add_option("--only", validate.only,
-                   "simulate only these case ids (space- or comma-separated)")
+                   "simulate only these case ids (space- or comma-separated; '*' matches any "
+                   "run of characters: 'mosaic-*-h100*')")
       ->delimiter(',');
   validate_cmd->add_option("--write-plans", validate.plans_dir,
                            "write every case's plan (as simulated) into this folder (created if "

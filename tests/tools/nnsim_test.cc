@@ -1014,6 +1014,11 @@ TEST(NnsimTool, ValidateOnlyTakesCommaOrSpaceSeparatedIds) {
   EXPECT_EQ(ids_in("space.json"), want);
   expect_error(box.nnsim({"validate", "set.yaml", "--only", "first,fourth"}),
                {"--only: no case 'fourth'", "known: first, second, third"});
+  // A pattern picks every case it matches, in the set's order; one matching none is an error.
+  r = box.nnsim({"validate", "set.yaml", "--only", "*ir*", "--jobs", "1", "--json", "glob.json"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_EQ(ids_in("glob.json"), want);
+  expect_error(box.nnsim({"validate", "set.yaml", "--only", "x*"}), {"--only: no case 'x*'"});
 }
 
 // Where a case measured its peak memory, its line shows the signed memory error next to the
