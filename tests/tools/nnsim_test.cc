@@ -274,6 +274,11 @@ TEST(NnsimTool, PlanThenSimulateWritesConsistentReports) {
   EXPECT_TRUE(contains(r.out, "iteration time")) << r;
   EXPECT_TRUE(contains(r.out, "throughput")) << r;
   EXPECT_TRUE(contains(r.out, "peak memory")) << r;
+  // Under it, what the fullest GPU holds at its peak.
+  for (const char* part : {"activations ", "weights ", "gradients ", "optimizer state ",
+                           "NCCL buffers and runtime "}) {
+    EXPECT_TRUE(contains(r.out, part)) << part << "\n" << r;
+  }
   // Not a terminal: no progress output anywhere.
   EXPECT_FALSE(contains(r.out, "\r")) << r;
   EXPECT_FALSE(contains(r.err, "\r")) << r;
