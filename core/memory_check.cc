@@ -34,6 +34,31 @@ std::vector<LaneMemoryPeak> lane_memory_peaks(const Program& program) {
   return out;
 }
 
+std::string describe_memory_parts(const StaticMemory& memory, double activations,
+                                  const std::string& activations_note) {
+  struct Part {
+    double bytes;
+    std::string what;
+    std::string note;
+  };
+  std::vector<Part> parts = {{activations, "activations", activations_note},
+                             {memory.weights, "weights"},
+                             {memory.gradients, "gradients"},
+                             {memory.optimizer, "optimizer state"},
+                             {memory.gathered, "ZeRO-3 gathered weights and gradients"},
+                             {memory.pipeline_buffers, "pipeline receive buffers"},
+                             {memory.comm_buffers + memory.runtime, "NCCL buffers and runtime"}};
+  std::stable_sort(parts.begin(), parts.end(),
+                   [](const Part& a, const Part& b) { return a.bytes > b.bytes; });
+  std::string out;
+  for (const Part& part : parts) {
+    if (part.bytes <= 0) continue;
+    out += fmt::format("{}{} {}", out.empty() ? "" : ", ", part.what, format_bytes(part.bytes));
+    if (!part.note.empty()) out += " " + part.note;
+  }
+  return out;
+}
+
 Status check_memory_fits(const Program& program) {
   const double capacity = program.topology.gpu.hbm_bytes;
   auto peaks = lane_memory_peaks(program);
@@ -44,29 +69,9 @@ Status check_memory_fits(const Program& program) {
   const LaneMemoryPeak& p = peaks[worst];
   if (p.peak <= capacity) return Status::Ok();
   const Lane& lane = program.lanes[worst];
-  const StaticMemory& m = lane.memory;
-  std::vector<std::pair<double, std::string>> parts = {
-      {p.activations,
-       fmt::format("activations {} ({} micro-batch{} in flight)", format_bytes(p.activations),
-                   p.in_flight, p.in_flight == 1 ? "" : "es")},
-      {m.optimizer, "optimizer state " + format_bytes(m.optimizer)},
-      {m.weights, "weights " + format_bytes(m.weights)},
-      {m.gradients, "gradients " + format_bytes(m.gradients)},
-      {m.comm_buffers + m.runtime,
-       "communication buffers and runtime " + format_bytes(m.comm_buffers + m.runtime)},
-  };
-  if (m.pipeline_buffers > 0) {
-    parts.emplace_back(m.pipeline_buffers,
-                       "pipeline receive buffers " + format_bytes(m.pipeline_buffers));
-  }
-  if (m.gathered > 0) {
-    parts.emplace_back(m.gathered,
-                       "ZeRO-3's gathered weights and gradients " + format_bytes(m.gathered));
-  }
-  std::sort(parts.begin(), parts.end(),
-            [](const auto& a, const auto& b) { return a.first > b.first; });
-  std::string what;
-  for (const auto& [bytes, text] : parts) what += (what.empty() ? "" : ", ") + text;
+  const std::string what = describe_memory_parts(
+      lane.memory, p.activations,
+      fmt::format("({} micro-batch{} in flight)", p.in_flight, p.in_flight == 1 ? "" : "es"));
   std::string where;
   for (const auto& [axis, v] : lane.slice) {
     where += fmt::format("{}{}={}", where.empty() ? "" : ",", axis, v);

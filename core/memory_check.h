@@ -20,6 +20,13 @@ struct LaneMemoryPeak {
 
 std::vector<LaneMemoryPeak> lane_memory_peaks(const Program& program);
 
+// What a device holds at its peak, as "optimizer state 4.64 GiB, activations 1.74 GiB, ...":
+// static memory by kind plus the activations held then, largest first, empty parts left out (the
+// parts add up to the peak). `activations_note` follows the activations figure, e.g. "(3
+// micro-batches in flight)".
+std::string describe_memory_parts(const StaticMemory& memory, double activations,
+                                  const std::string& activations_note = "");
+
 // Error when a lane's peak exceeds the GPU's memory: which GPU, by how much, what dominates and
 // what to try.
 Status check_memory_fits(const Program& program);

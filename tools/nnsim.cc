@@ -149,27 +149,6 @@ std::string lane_gpus(const LaneReport& l) {
   return fmt::format("{}-{}", *lo, *hi);
 }
 
-// What the fullest GPU holds at its peak, largest first (the parts add up to the peak).
-std::string memory_parts(const LaneReport& l) {
-  const StaticMemory& m = l.static_memory;
-  std::vector<std::pair<double, std::string>> parts = {
-      {l.peak_activations, "activations"},
-      {m.weights, "weights"},
-      {m.gradients, "gradients"},
-      {m.optimizer, "optimizer state"},
-      {m.gathered, "ZeRO-3 gathered"},
-      {m.pipeline_buffers, "pipeline buffers"},
-      {m.comm_buffers + m.runtime, "NCCL buffers and runtime"}};
-  std::stable_sort(parts.begin(), parts.end(),
-                   [](const auto& a, const auto& b) { return a.first > b.first; });
-  std::string out;
-  for (const auto& [bytes, what] : parts) {
-    if (bytes <= 0) continue;
-    out += fmt::format("{}{} {}", out.empty() ? "" : ", ", what, format_bytes(bytes));
-  }
-  return out;
-}
-
 void print_report(const Program& prog, const SimResult& r) {
   const Topology& t = prog.topology;
   std::printf(
@@ -187,7 +166,8 @@ void print_report(const Program& prog, const SimResult& r) {
   const LaneReport& worst = worst_memory_lane(r);
   std::printf("  peak memory      %s of %s (GPU %d, %s)\n", format_bytes(worst.peak_memory).c_str(),
               format_bytes(t.gpu.hbm_bytes).c_str(), worst.gpus.front(), worst.name.c_str());
-  std::printf("    %s\n", memory_parts(worst).c_str());
+  std::printf("    %s\n",
+              describe_memory_parts(worst.static_memory, worst.peak_activations).c_str());
   // Per-lane breakdown.
   std::vector<std::string> groups;
   for (const auto& l : r.lanes) {
