@@ -3,6 +3,8 @@
 #pragma once
 
 #include <charconv>
+#include <cstdio>
+#include <optional>
 #include <string>
 
 #include <fmt/format.h>
@@ -25,6 +27,25 @@ inline CLI::Validator at_least(double min, bool strict = false) {
         return "";
       },
       fmt::format("NUMBER{}{}", strict ? ">" : ">=", min));
+}
+
+// Parses the command line. Help and version requests print and return 0; a parse error prints
+// "<tool>: error: ..." and returns 2; nullopt when the command should run.
+inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv,
+                                             const char* tool) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "%s: error: %s\nRun with --help for more information.\n", tool, e.what());
+    return 2;
+  }
+  return std::nullopt;
 }
 
 }  // namespace nnsim

@@ -474,18 +474,7 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--worker-rank", run.worker_rank)->group("");          // internal
   run_cmd->add_option("--master-fd", run.master_fd)->group("");              // internal
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "nnexec: error: %s\nRun with --help for more information.\n", e.what());
-    return 2;
-  }
+  if (std::optional<int> done = nnsim::parse_command_line(app, argc, argv, "nnexec")) return *done;
   if (info_cmd->parsed()) return run_info();
   if (run_cmd->parsed()) {
     if (run.out.empty() && run.worker_rank < 0) return fail("run: --out is required");

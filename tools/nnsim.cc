@@ -1126,18 +1126,7 @@ int main(int argc, char** argv) {
                           "calibration file (HDF5) replacing the cost model's constants");
   compare_cmd->add_option("--json", compare.json, "write the comparison as JSON (SI units)");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "nnsim: error: %s\nRun with --help for more information.\n", e.what());
-    return 2;
-  }
+  if (std::optional<int> done = parse_command_line(app, argc, argv, "nnsim")) return *done;
   if (simulate_cmd->parsed()) return run_simulate(sim);
   if (plan_cmd->parsed()) {
     // What the user pinned; the search explores the rest.
