@@ -1,0 +1,43 @@
+#include "tools/driver.h"
+
+#include <fstream>
+#include <utility>
+
+#include <fmt/format.h>
+
+namespace nnsim::tool {
+
+int fail(const std::string& message) {
+  std::fprintf(stderr, "nnsim: error: %s\n", message.c_str());
+  return 1;
+}
+
+Expected<const Calibration*> optional_calibration(const std::string& path, Calibration& storage) {
+  if (path.empty()) return static_cast<const Calibration*>(nullptr);
+  Expected<Calibration> c = load_calibration(path);
+  if (!c) return c.error();
+  storage = std::move(*c);
+  return static_cast<const Calibration*>(&storage);
+}
+
+bool write_file(const std::string& path, const std::string& text, std::string* error) {
+  std::ofstream out(path, std::ios::binary);
+  if (!out) {
+    *error = fmt::format("cannot write '{}' (does its folder exist?)", path);
+    return false;
+  }
+  out << text;
+  if (!out.flush()) {
+    *error = fmt::format("writing '{}' failed", path);
+    return false;
+  }
+  return true;
+}
+
+Expected<Topology> load_topology_sized(const std::string& path, int nodes) {
+  Expected<Topology> topo = load_topology(path);
+  if (!topo || nodes <= 0) return topo;
+  return resize_topology(*topo, nodes);
+}
+
+}  // namespace nnsim::tool

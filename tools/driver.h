@@ -1,0 +1,50 @@
+// What the nnsim commands share: the error line, optional calibration files, output files,
+// resized topologies and progress on a terminal.
+#pragma once
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+
+#include "core/calibration.h"
+#include "core/error.h"
+#include "core/topology.h"
+
+namespace nnsim::tool {
+
+// Prints "nnsim: error: <message>" and returns the exit status 1.
+int fail(const std::string& message);
+
+// Loads the calibration file `path` into `storage` when one is given; the pointer the compile
+// options take (null without a file).
+Expected<const Calibration*> optional_calibration(const std::string& path, Calibration& storage);
+
+bool write_file(const std::string& path, const std::string& text, std::string* error);
+
+// The topology of `path` (a file or a preset), resized to `nodes` when that is positive.
+Expected<Topology> load_topology_sized(const std::string& path, int nodes);
+
+// Progress on a terminal only; pipes and files stay quiet.
+class Progress {
+ public:
+  explicit Progress(const char* what) : what_(what), tty_(::isatty(STDERR_FILENO) != 0) {}
+  ~Progress() { done(); }
+  void update(double fraction) {
+    if (!tty_) return;
+    std::fprintf(stderr, "\r%s %3.0f%%", what_, 100 * fraction);
+    std::fflush(stderr);
+    shown_ = true;
+  }
+  void done() {
+    if (shown_) std::fprintf(stderr, "\r%*s\r", 40, "");
+    shown_ = false;
+  }
+
+ private:
+  const char* what_;
+  bool tty_;
+  bool shown_ = false;
+};
+
+}  // namespace nnsim::tool

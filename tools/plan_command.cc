@@ -1,0 +1,311 @@
+#include "tools/plan_command.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "core/memory_check.h"
+#include "core/model.h"
+#include "core/plan.h"
+#include "core/units.h"
+#include "sim/simulator.h"
+#include "tools/cli_checks.h"
+#include "tools/driver.h"
+
+namespace nnsim::tool {
+namespace {
+
+std::string csv_escape(const std::string& s) {
+  return s.find(',') == std::string::npos ? s : "\"" + s + "\"";
+}
+
+int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
+  SearchOptions so;
+  so.global_batch = a.o.global_batch;
+  so.precision = a.o.precision;
+  so.framework = a.o.framework;
+  so.tp_comm_overlap = a.o.tp_comm_overlap;
+  so.compile = a.o.costs;
+  so.pins = a.pins;
+  so.top = a.top;
+  so.confirm = a.confirm;
+  so.jobs =
+      a.jobs > 0 ? a.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (!a.constraints.empty()) {
+    Expected<Constraints> c = load_constraints(a.constraints);
+    if (!c) return fail(c.error().message());
+    so.constraints = *c;
+  }
+  for (int g : a.o.avoid_gpus) so.constraints.avoid_gpus.push_back(g);
+  Progress progress("searching");
+  so.progress = [&progress](const std::string& phase, size_t done, size_t all) {
+    const double f = static_cast<double>(done) / all;
+    if (phase == "estimating") progress.update(0.75 * f);
+    if (phase == "balancing stages") progress.update(0.75 + 0.1 * f);
+    if (phase == "placing ranks") progress.update(0.85 + 0.025 * f);
+    if (phase == "scheduling") progress.update(0.875 + 0.025 * f);
+    if (phase == "simulating") progress.update(0.9 + 0.1 * f);
+  };
+  so.simulate = [](const Program& p) -> Expected<double> {
+    Expected<SimResult> r = simulate(p);
+    if (!r) return r.error();
+    return r->iteration_time;
+  };
+  Expected<SearchResult> r = search_plans(model, topo, so);
+  progress.done();
+  if (!r) return fail(r.error().message());
+  std::printf("searched %zu candidates (%zu compiled and estimated, %zu confirmed by simulation)\n",
+              r->enumerated, r->evaluated, r->confirmed);
+  if (r->balanced > 0) {
+    std::printf("stages re-partitioned for %zu pipelines; %zu beat their uniform split\n",
+                r->balanced, r->balanced_better);
+  }
+  if (r->placements_tried > 0) {
+    std::printf("%zu other rank placements tried for the best plans\n", r->placements_tried);
+  }
+  if (r->schedules_tried > 0) {
+    std::printf(
+        "%zu other pipeline schedules (zero bubble, Merak, Tessel) tried for the best pipelined "
+        "plans\n",
+        r->schedules_tried);
+  }
+  std::printf("%4s  %-60s %11s %11s %10s %6s\n", "rank", "plan", "estimated", "simulated",
+              "peak mem", "MFU");
+  int rank = 0;
+  for (const Candidate& c : r->ranked) {
+    const double mfu =
+        c.simulated ? c.estimate.mfu * c.estimate.iteration_time / *c.simulated : c.estimate.mfu;
+    std::printf("%4d  %-60s %11s %11s %10s %5.1f%%\n", ++rank, c.describe().c_str(),
+                format_seconds(c.estimate.iteration_time).c_str(),
+                c.simulated ? format_seconds(*c.simulated).c_str() : "-",
+                format_bytes(c.estimate.peak_memory).c_str(), 100 * mfu);
+  }
+  if (!r->other_placements_of_best.empty()) {
+    const auto& others = r->other_placements_of_best;
+    std::printf("the best plan placed otherwise (%zu placements, mesh axes outermost first):\n",
+                others.size());
+    for (size_t i = 0; i < others.size(); ++i) {
+      // The closest few, and the worst for scale.
+      if (i >= 5 && i + 1 < others.size()) continue;
+      const Candidate& c = others[i];
+      std::printf(
+          "      %-24s %11s  %+.1f%%\n", c.placement.c_str(),
+          format_seconds(c.estimate.iteration_time).c_str(),
+          100 * (c.estimate.iteration_time / r->ranked.front().estimate.iteration_time - 1));
+    }
+  }
+  if (r->other_placements_of_best.empty() && r->best_per_placement.size() > 1) {
+    std::printf("best plan per rank placement:\n");
+    for (const Candidate& c : r->best_per_placement) {
+      std::printf("      %-60s %11s  (%s)\n", c.describe().c_str(),
+                  format_seconds(c.time()).c_str(), c.placement.c_str());
+    }
+  }
+  if (!r->rejected.empty()) {
+    std::printf("faster plans that lost:\n");
+    for (const Candidate& c : r->rejected) {
+      if (c.estimate.iteration_time >= r->ranked.front().time()) continue;
+      std::printf("      %-60s %11s  %s\n", c.describe().c_str(),
+                  format_seconds(c.estimate.iteration_time).c_str(), c.status.c_str());
+    }
+  }
+  std::printf("candidates removed:");
+  for (const auto& [why, n] : r->rejections) std::printf(" %s %zu;", why.c_str(), n);
+  std::printf("\n");
+  if (r->rank_pairs > 0) {
+    std::printf("estimator vs simulator: %zu of %zu pairs of confirmed plans ranked differently\n",
+                r->rank_disagreements, r->rank_pairs);
+  }
+  std::string error;
+  if (!a.csv.empty()) {
+    std::string csv =
+        "rank,plan,tp,pp,vpp,cp,dp,micro_batch,sequence_parallel,recompute,zero,schedule,"
+        "placement,stage_layers,recompute_layers,estimated_s,simulated_s,peak_memory_bytes,mfu,"
+        "status\n";
+    int k = 0;
+    auto row = [&](const Candidate& c, const std::string& rank_text) {
+      const MegatronOptions& o = c.options;
+      csv += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", rank_text,
+                         csv_escape(c.describe()), o.tp, o.pp, o.vpp, o.cp, o.dp, o.micro_batch,
+                         o.sequence_parallel ? 1 : 0, to_string(o.recompute), o.zero,
+                         to_string(o.schedule), c.placement, fmt::join(o.stage_layers, ";"),
+                         fmt::join(o.recompute_layers, ";"), c.estimate.iteration_time,
+                         c.simulated ? fmt::format("{}", *c.simulated) : "", c.estimate.peak_memory,
+                         c.estimate.mfu, csv_escape(c.status));
+    };
+    for (const Candidate& c : r->ranked) row(c, std::to_string(++k));
+    for (const Candidate& c : r->rejected) row(c, "");
+    if (!write_file(a.csv, csv, &error)) return fail(error);
+  }
+  if (!write_file(a.output, plan_to_json(r->best), &error)) return fail(error);
+  std::printf("wrote %s: %s\n", a.output.c_str(), r->best.name.c_str());
+  return 0;
+}
+
+int run_plan(PlanArgs& a) {
+  Expected<ModelSpec> model = load_model(a.model);
+  if (!model) return fail(model.error().message());
+  if (!a.loss.empty()) {
+    Expected<LossKernel> loss = parse_loss_kernel(a.loss);
+    if (!loss) return fail("--loss: " + loss.error().message());
+    model->loss = *loss;
+  }
+  Expected<Topology> topo = load_topology_sized(a.topo, a.nodes);
+  if (!topo) return fail(topo.error().message());
+  Expected<RecomputeMode> rec = parse_recompute_mode(a.recompute);
+  if (!rec) return fail("--recompute: " + rec.error().message());
+  a.o.recompute = *rec;
+  Expected<ScheduleKind> sched = parse_schedule_kind(a.schedule);
+  if (!sched) return fail("--schedule: " + sched.error().message());
+  a.o.schedule = *sched;
+  if (!a.precision.empty()) {
+    static const std::pair<const char*, Precision> kNames[] = {{"fp32", Precision::kFp32},
+                                                               {"tf32", Precision::kTf32},
+                                                               {"bf16", Precision::kBf16},
+                                                               {"fp16", Precision::kFp16},
+                                                               {"fp8", Precision::kFp8}};
+    bool found = false;
+    for (const auto& [n, p] : kNames) {
+      if (a.precision == n) {
+        a.o.precision = p;
+        found = true;
+      }
+    }
+    if (!found) return fail("--precision: expected one of fp32, tf32, bf16, fp16, fp8");
+  }
+  Expected<const Calibration*> calib = optional_calibration(a.calib, a.calibration);
+  if (!calib) return fail(calib.error().message());
+  a.o.costs.calibration = *calib;
+  if (a.search) return run_search(a, *model, *topo);
+  Expected<Plan> plan = build_megatron_plan(*model, *topo, a.o);
+  if (!plan) return fail(plan.error().message());
+  // The plan must compile on its topology: check now rather than at simulation time.
+  Expected<Program> prog = compile_plan(*plan, *topo, a.o.costs);
+  if (!prog) return fail(prog.error().message());
+  std::string error;
+  if (!write_file(a.output, plan_to_json(*plan), &error)) return fail(error);
+  std::printf("wrote %s: %s\n", a.output.c_str(), plan->name.c_str());
+  if (Status fits = check_memory_fits(*prog); !fits) {
+    std::fprintf(stderr, "nnsim: warning: %s\n", fits.error().message().c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
+  CLI::App* cmd = app.add_subcommand("plan", "build a fully pinned Megatron-style plan");
+  cmd->add_option("--model", a.model, "model YAML file or preset name")->required();
+  cmd->add_option("--topo", a.topo, "topology YAML file or preset name")->required();
+  cmd->add_option("--nodes", a.nodes, "resize the topology to this many nodes")->check(at_least(1));
+  cmd->add_option("--tp", a.o.tp, "tensor-parallel degree");
+  cmd->add_option("--pp", a.o.pp, "pipeline-parallel degree (stages)");
+  cmd->add_option("--dp", a.o.dp, "data-parallel degree (default: GPUs / (tp pp cp))")
+      ->check(at_least(1));
+  cmd->add_option("--cp", a.o.cp, "context-parallel degree");
+  cmd->add_option("--vpp", a.o.vpp, "model chunks per pipeline rank (interleaved)");
+  cmd->add_flag("--sequence-parallel", a.o.sequence_parallel,
+                "Megatron sequence parallelism inside tensor-parallel groups");
+  cmd->add_flag("--shard-head", a.o.shard_head,
+                "the head as a segment spanning every pipeline stage, vocabulary split "
+                "over pp (1f1b, gpipe or tessel; builder only)");
+  cmd->add_flag("--shard-embedding", a.o.shard_embedding,
+                "the embedding as a segment spanning every pipeline stage, vocabulary "
+                "split over pp (--schedule tessel; builder only)");
+  cmd->add_option("--micro-batch", a.o.micro_batch, "sequences per micro-batch");
+  cmd->add_option("--recycle", a.o.recycle,
+                  "forward passes per micro-batch before its backward (AlphaFold's "
+                  "recycling; gpipe, 1f1b or tessel; builder only)");
+  cmd->add_option("--global-batch", a.o.global_batch, "sequences per optimizer step")->required();
+  cmd->add_option("--recompute", a.recompute, "none, selective or full");
+  cmd->add_option("--zero", a.o.zero, "optimizer sharding stage 0-3");
+  cmd->add_option("--schedule", a.schedule,
+                  "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v (with --vpp 2) or merak");
+  cmd->add_option("--precision", a.precision, "fp32, tf32, bf16, fp16 or fp8");
+  cmd->add_option("--loss", a.loss,
+                  "the training code's cross-entropy, replacing the model's: fused, "
+                  "vocab_parallel (Megatron's default), unfused (PyTorch), loss_parallel "
+                  "(PyTorch under tensor parallelism), flash_attn (llm-foundry)");
+  cmd->add_option("--framework", a.o.framework,
+                  "whose kernels and conventions: megatron, fsdp, deepspeed, other");
+  cmd->add_flag("--tp-comm-overlap", a.o.tp_comm_overlap,
+                "overlap tensor-parallel collectives with GEMMs (Transformer Engine)");
+  cmd->add_option("--zero3-persistence-threshold", a.o.zero3_persistence_threshold,
+                  "DeepSpeed ZeRO-3: tensors of fewer elements stay whole on every GPU "
+                  "(stage3_param_persistence_threshold; default 1e5)")
+      ->check(at_least(0));
+  cmd->add_option("--stage-layers", a.o.stage_layers,
+                  "layers per segment (pp x vpp numbers), default as even as possible")
+      ->delimiter(',');
+  cmd->add_option("--placement", a.o.placement,
+                  "rank order over the GPUs, outermost first (default pp,dp,cp,tp); an axis "
+                  "may be split: tp:2,pp,dp,cp,tp puts TP 8 as 2 x 4")
+      ->delimiter(',');
+  cmd->add_option("--avoid-gpus", a.o.avoid_gpus,
+                  "GPUs (indices) no rank may use; the degrees use what is left")
+      ->delimiter(',');
+  cmd->add_option("--recompute-layers", a.o.recompute_layers,
+                  "per segment, how many of its first layers are fully recomputed")
+      ->delimiter(',');
+  cmd->add_option("-o,--output", a.output, "where to write plan.json")->required();
+  cmd->add_flag("--search", a.search,
+                "search the choices not given (implied when --tp or --pp is missing)");
+  cmd->add_option("--constraints", a.constraints, "constraints file (YAML) for the search");
+  cmd->add_option("--top", a.top, "plans shown in the ranked table (default 10)");
+  cmd->add_option("--confirm", a.confirm, "best estimates confirmed by simulation (default 5)");
+  cmd->add_option("--jobs", a.jobs, "candidates evaluated at once (default: cores)");
+  cmd->add_option("--csv", a.csv, "write the ranked and rejected plans as CSV");
+  cmd->add_option("--calib", a.calib,
+                  "calibration file (HDF5): estimate, schedule and simulate with its cost "
+                  "model");
+  return cmd;
+}
+
+int run_plan_command(PlanArgs& a, const CLI::App& cmd) {
+  // What the user pinned; the search explores the rest.
+  auto given = [&](const char* name) { return cmd.count(name) > 0; };
+  SearchPins& p = a.pins;
+  if (given("--tp")) p.tp = a.o.tp;
+  if (given("--pp")) p.pp = a.o.pp;
+  if (given("--dp")) p.dp = a.o.dp;
+  if (given("--cp")) p.cp = a.o.cp;
+  if (given("--vpp")) p.vpp = a.o.vpp;
+  if (given("--micro-batch")) p.micro_batch = a.o.micro_batch;
+  if (given("--zero")) p.zero = a.o.zero;
+  if (given("--sequence-parallel")) p.sequence_parallel = true;
+  if (given("--stage-layers")) p.stage_layers = a.o.stage_layers;
+  if (given("--placement")) p.placement = a.o.placement;
+  if (given("--recompute")) {
+    Expected<RecomputeMode> r = parse_recompute_mode(a.recompute);
+    if (!r) return fail("--recompute: " + r.error().message());
+    p.recompute = *r;
+  }
+  if (given("--schedule")) {
+    Expected<ScheduleKind> s = parse_schedule_kind(a.schedule);
+    if (!s) return fail("--schedule: " + s.error().message());
+    p.schedule = *s;
+  }
+  if (!p.tp || !p.pp) a.search = true;
+  if (a.search && (given("--shard-head") || given("--shard-embedding"))) {
+    return fail(
+        "--shard-head and --shard-embedding are for the builder: give --tp and --pp (the "
+        "search does not shard the head or the embedding)");
+  }
+  if (a.search && given("--recycle")) {
+    return fail(
+        "--recycle is for the builder: give --tp and --pp (the plan search does not place "
+        "repeated forwards)");
+  }
+  if (a.search && given("--recompute-layers")) {
+    return fail(
+        "--recompute-layers pins the builder's per-stage recomputation; the search chooses "
+        "it (give --tp and --pp without --search to build a plan with it)");
+  }
+  return run_plan(a);
+}
+
+}  // namespace nnsim::tool

@@ -1,0 +1,40 @@
+// nnsim plan: build a pinned Megatron-style plan, or search the choices not given.
+#pragma once
+
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "core/calibration.h"
+#include "planner/megatron.h"
+#include "planner/search.h"
+
+namespace nnsim::tool {
+
+struct PlanArgs {
+  std::string model;
+  std::string topo;
+  int nodes = 0;
+  MegatronOptions o;
+  std::string recompute = "none";
+  std::string schedule = "1f1b";
+  std::string precision;
+  std::string loss;  // the model's cross-entropy kernel, replaced
+  std::string output;
+  // Search.
+  bool search = false;
+  std::string constraints;
+  int top = 10;
+  int confirm = 5;
+  int jobs = 0;
+  std::string csv;
+  SearchPins pins;  // what was given on the command line
+  std::string calib;
+  Calibration calibration;  // loaded from `calib`; a.o.costs points at it
+};
+
+CLI::App* add_plan_command(CLI::App& app, PlanArgs& a);
+// After parsing: what the user pinned (the options given on `cmd`), then the build or search.
+int run_plan_command(PlanArgs& a, const CLI::App& cmd);
+
+}  // namespace nnsim::tool

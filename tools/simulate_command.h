@@ -1,0 +1,28 @@
+// nnsim simulate (and nnsim --topo T plan.json): one plan, one iteration, the report.
+#pragma once
+
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+namespace nnsim::tool {
+
+struct SimulateArgs {
+  std::string topo;
+  std::string plan;
+  int nodes = 0;
+  std::string json;
+  std::string trace;
+  std::string hdf5;
+  bool trace_per_gpu = false;
+  std::string fidelity = "symmetric";
+  bool allow_oom = false;
+  bool no_fold = false;
+  std::string calib;
+};
+
+// The simulate options on `app` (the top level, where they are optional, or the subcommand).
+void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required);
+int run_simulate(const SimulateArgs& a);
+
+}  // namespace nnsim::tool
