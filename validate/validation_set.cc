@@ -35,23 +35,34 @@ double positive_double(const InputNode& n, const std::string& what) {
   return v;
 }
 
+// A count (a degree, a size, a batch) read where it is written, so that a 0 names its field
+// and line rather than the option of the plan builder it would reach.
+int count_in(const InputNode& n, int min, int max = 1 << 30) {
+  const int v = n.as_small_int();
+  if (v < min || v > max) {
+    n.fail(max < (1 << 30) ? fmt::format("must be {} to {}, got {}", min, max, v)
+                           : fmt::format("must be at least {}, got {}", min, v));
+  }
+  return v;
+}
+
 ModelSpec parse_case_model(const InputNode& n, const std::string& id) {
   n.check_keys({"family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "mlp", "vocab",
                 "seq_len", "tied_embeddings", "position"});
   ModelSpec m;
   m.name = id;
   m.family = n["family"].as_string();
-  m.layers = n["layers"].as_small_int();
-  m.hidden = n["hidden"].as_int();
-  m.heads = n["heads"].as_int();
-  m.kv_heads = n["kv_heads"].as_int();
-  m.ffn_hidden = n["ffn_hidden"].as_int();
+  m.layers = count_in(n["layers"], 1);
+  m.hidden = count_in(n["hidden"], 1);
+  m.heads = count_in(n["heads"], 1);
+  m.kv_heads = count_in(n["kv_heads"], 1);
+  m.ffn_hidden = count_in(n["ffn_hidden"], 1);
   m.mlp = n["mlp"].as_enum<MlpKind>({{"gelu", MlpKind::kGelu},
                                      {"swiglu", MlpKind::kSwiglu},
                                      {"squared_relu", MlpKind::kSquaredRelu},
                                      {"relu", MlpKind::kRelu}});
-  m.vocab = n["vocab"].as_int();
-  m.seq_len = n["seq_len"].as_int();
+  m.vocab = count_in(n["vocab"], 1);
+  m.seq_len = count_in(n["seq_len"], 1);
   m.tied_embeddings = n["tied_embeddings"].as_bool();
   m.position = n["position"].as_enum<PositionKind>({{"learned", PositionKind::kLearned},
                                                     {"rope", PositionKind::kRope},
@@ -75,29 +86,29 @@ ValidationCase parse_case(const InputNode& c) {
   auto cl = c["cluster"];
   cl.check_keys({"gpu", "nodes", "gpus_per_node", "nic_gbps", "nics_per_node"});
   v.cluster.gpu = cl["gpu"].as_string();
-  v.cluster.nodes = cl["nodes"].as_small_int();
-  v.cluster.gpus_per_node = cl["gpus_per_node"].as_small_int();
+  v.cluster.nodes = count_in(cl["nodes"], 1);
+  v.cluster.gpus_per_node = count_in(cl["gpus_per_node"], 1);
   v.cluster.nic_bandwidth = positive_double(cl["nic_gbps"], "the NIC bandwidth (Gb/s)") * 1e9 / 8;
-  v.cluster.nics_per_node = cl["nics_per_node"].as_small_int();
+  v.cluster.nics_per_node = count_in(cl["nics_per_node"], 1);
 
   auto p = c["parallel"];
   p.check_keys({"tp", "pp", "dp", "cp", "ep", "vp", "micro_batch", "global_batch", "recompute",
                 "sequence_parallel", "zero", "precision", "framework"});
   ValidationParallel& x = v.parallel;
-  x.tp = p["tp"].as_small_int();
-  x.pp = p["pp"].as_small_int();
-  x.dp = p["dp"].as_small_int();
-  x.cp = p["cp"].as_small_int();
-  x.ep = p["ep"].as_small_int();
-  x.vp = p["vp"].as_small_int();
-  x.micro_batch = p["micro_batch"].as_small_int();
-  x.global_batch = p["global_batch"].as_small_int();
+  x.tp = count_in(p["tp"], 1);
+  x.pp = count_in(p["pp"], 1);
+  x.dp = count_in(p["dp"], 1);
+  x.cp = count_in(p["cp"], 1);
+  x.ep = count_in(p["ep"], 1);
+  x.vp = count_in(p["vp"], 1);
+  x.micro_batch = count_in(p["micro_batch"], 1);
+  x.global_batch = count_in(p["global_batch"], 1);
   x.recompute = p["recompute"].as_string();
   if (x.recompute != "none" && x.recompute != "selective" && x.recompute != "full") {
     p["recompute"].fail_unknown(x.recompute, {"none", "selective", "full"});
   }
   x.sequence_parallel = p["sequence_parallel"].as_bool();
-  x.zero = p["zero"].as_small_int();
+  x.zero = count_in(p["zero"], 0, 3);
   x.precision = p["precision"].as_enum<Precision>(
       {{"bf16", Precision::kBf16}, {"fp16", Precision::kFp16}, {"fp8", Precision::kFp8}});
   x.framework = p["framework"].as_string();

@@ -92,6 +92,32 @@ TEST(ValidationSet, MeasuredValuesAndLinkSpeedsMustBePositive) {
   }
 }
 
+// Degrees, sizes and batches are counts: a 0 (or a ZeRO stage past 3) is an error at its own
+// field and line, not a failed case quoting the plan builder's option.
+TEST(ValidationSet, CountsMustBeInRange) {
+  const std::vector<std::pair<std::string, std::string>> edits = {
+      {"tp: 2,", "tp: 0,"},
+      {"vp: 1,", "vp: 0,"},
+      {"global_batch: 8", "global_batch: -8"},
+      {"zero: 1", "zero: 4"},
+      {"nodes: 1", "nodes: 0"},
+      {"layers: 4", "layers: 0"},
+      {"seq_len: 1024", "seq_len: 0"},
+  };
+  for (const auto& [from, to] : edits) {
+    std::string bad = kOneCase;
+    bad.replace(bad.find(from), from.size(), to);
+    auto r = parse_validation_set(bad, "bad.yaml");
+    ASSERT_FALSE(r.ok()) << to;
+    const std::string field = to.substr(0, to.find(':'));
+    const std::string& msg = r.error().message();
+    EXPECT_NE(msg.find("bad.yaml:"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("." + field + "'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(field == "zero" ? "must be 0 to 3" : "must be at least"), std::string::npos)
+        << msg;
+  }
+}
+
 TEST(Validate, SimulatesACaseAndReportsItsError) {
   auto set = parse_validation_set(kOneCase, "one.yaml");
   ASSERT_TRUE(set.ok());
