@@ -263,11 +263,11 @@ Expected<MicroResults> run_bench(const BenchOptions& o,
         }
       }
     } else {
-      r.notes.push_back("collectives: skipped: one GPU visible (NCCL collectives need two)");
+      r.notes.emplace_back("collectives: skipped: one GPU visible (NCCL collectives need two)");
     }
 #endif
   } else {
-    r.notes.push_back("collectives: skipped: NCCL runs on GPUs only");
+    r.notes.emplace_back("collectives: skipped: NCCL runs on GPUs only");
   }
   return r;
 #endif

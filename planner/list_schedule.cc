@@ -148,7 +148,7 @@ Expected<ListSchedule> ListScheduler::run() {
   for (int d : p_.device_of_segment) {
     if (d < 0 || d >= D) return Error(fmt::format("list schedule: no device {}", d));
   }
-  finish_.assign(4 * segments_ * M, kNotYet);
+  finish_.assign(static_cast<size_t>(4) * segments_ * M, kNotYet);
   next_f_.assign(segments_, 0);
   next_b_.assign(segments_, 0);
   next_r_.assign(segments_, 0);

@@ -353,7 +353,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
         if (pin.dp && *pin.dp != dp) continue;
         if (cp > 1 && model.seq_len / cp < 1024) continue;  // too short to split
         for (bool sp : pinned_or(pin.sequence_parallel, std::vector<bool>{tp > 1})) {
-          if (model.seq_len % (cp * (sp ? tp : 1)) != 0) continue;
+          if (model.seq_len % (static_cast<int64_t>(cp) * (sp ? tp : 1)) != 0) continue;
           for (int mb : pinned_or(pin.micro_batch, std::vector<int>{1, 2, 4, 8})) {
             if (o.global_batch % (dp * mb) != 0) continue;
             const int micro_batches = o.global_batch / (dp * mb);
@@ -610,17 +610,18 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
       std::vector<std::pair<ScheduleKind, int>> kinds;
       if (pin.vpp.value_or(1) == 1) {
         kinds = {{ScheduleKind::kZbH1, 1}, {ScheduleKind::kZbH2, 1}};
-        if (c.options.recompute != RecomputeMode::kNone) kinds.push_back({ScheduleKind::kMerak, 1});
+        if (c.options.recompute != RecomputeMode::kNone)
+          kinds.emplace_back(ScheduleKind::kMerak, 1);
       }
       if (2 * c.options.pp <= model.layers && pin.vpp.value_or(2) == 2) {
-        kinds.push_back({ScheduleKind::kZbV, 2});
+        kinds.emplace_back(ScheduleKind::kZbV, 2);
       }
       // Tessel's search (a solver run per plan) only when the constraints ask for it, on the
       // plan's own stages.
       const bool tessel = c.options.pp <= kMaxTesselStages &&
                           std::find(cons.schedules.begin(), cons.schedules.end(),
                                     ScheduleKind::kTessel) != cons.schedules.end();
-      if (tessel) kinds.push_back({ScheduleKind::kTessel, c.options.vpp});
+      if (tessel) kinds.emplace_back(ScheduleKind::kTessel, c.options.vpp);
       for (const auto& [kind, vpp] : kinds) {
         if (!allowed(kind)) continue;
         Candidate t = c;
