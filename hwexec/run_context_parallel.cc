@@ -33,7 +33,7 @@ at::Tensor future(const at::Tensor& q_pos, const at::Tensor& k_pos) {
 }  // namespace
 
 at::Tensor cp_positions(int64_t seq, int ways, int index) {
-  const int64_t c = seq / (2 * ways);
+  const int64_t c = seq / (2 * static_cast<int64_t>(ways));
   return at::cat({at::arange(index * c, (index + 1) * c, at::kLong),
                   at::arange((2 * ways - 1 - index) * c, (2 * ways - index) * c, at::kLong)});
 }
