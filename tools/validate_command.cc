@@ -9,6 +9,7 @@
 
 #include "core/plan.h"
 #include "core/suggest.h"
+#include "core/topology_writer.h"
 #include "core/units.h"
 #include "tools/driver.h"
 #include "validate/case_builder.h"
@@ -27,8 +28,8 @@ CLI::App* add_validate_command(CLI::App& app, ValidateArgs& a) {
                   "run of characters: 'mosaic-*-h100*')")
       ->delimiter(',');
   cmd->add_option("--write-plans", a.plans_dir,
-                  "write every case's plan (as simulated) into this folder (created if "
-                  "missing)");
+                  "write every case's plan (ID.json, as simulated) and cluster "
+                  "(ID.topology.yaml) into this folder (created if missing)");
   cmd->add_option("--calib", a.calib,
                   "calibration file (HDF5) replacing the cost model's constants");
   return cmd;
@@ -58,7 +59,8 @@ int run_validate(const ValidateArgs& a) {
     *cases = kept;
   }
   if (!a.plans_dir.empty()) {
-    // The plans exactly as simulated, for inspection or for `nnsim simulate`.
+    // The plans exactly as simulated and the clusters they ran on: `nnsim simulate --topo
+    // DIR/ID.topology.yaml DIR/ID.json` replays a case.
     std::error_code ec;
     std::filesystem::create_directories(a.plans_dir, ec);
     if (ec) {
@@ -70,8 +72,11 @@ int run_validate(const ValidateArgs& a) {
       if (!topo) continue;
       Expected<Plan> plan = case_plan(c, *topo);
       if (!plan) continue;
+      Expected<std::string> cluster = topology_to_yaml(*topo);
+      if (!cluster) return fail(fmt::format("case {}: {}", c.id, cluster.error().message()));
       std::string error;
-      if (!write_file(a.plans_dir + "/" + c.id + ".json", plan_to_json(*plan), &error)) {
+      if (!write_file(a.plans_dir + "/" + c.id + ".json", plan_to_json(*plan), &error) ||
+          !write_file(a.plans_dir + "/" + c.id + ".topology.yaml", *cluster, &error)) {
         return fail(error);
       }
     }

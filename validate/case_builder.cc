@@ -13,6 +13,11 @@ Expected<Topology> case_topology(const ValidationCase& c) {
   if (!gpu) return gpu.error().with_context(fmt::format("case {}: cluster.gpu", c.id));
   t.name = fmt::format("{} ({} x {} {})", t.name, c.cluster.nodes, c.cluster.gpus_per_node,
                        c.cluster.gpu);
+  t.description = fmt::format(
+      "case {}: {} nodes of {} {}, NVSwitch, {} x {:g} Gb/s NICs a node, on the fabric of preset "
+      "{}",
+      c.id, c.cluster.nodes, c.cluster.gpus_per_node, c.cluster.gpu, c.cluster.nics_per_node,
+      c.cluster.nic_bandwidth * 8 / 1e9, a100 ? "dgx-a100x4" : "dgx-h100-superpod");
   t.gpu = *gpu;
   t.intra.bandwidth = gpu->nvlink_bandwidth;
   t.gpus_per_node = c.cluster.gpus_per_node;

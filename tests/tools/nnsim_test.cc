@@ -1058,10 +1058,37 @@ TEST(NnsimTool, ValidateWritePlansCreatesItsFolder) {
   ASSERT_EQ(r.status, 0) << r;
   EXPECT_TRUE(box.exists("plans/dev/second.json"));
   EXPECT_TRUE(contains(box.read("plans/dev/second.json"), "\"nnsim-plan\"")) << r;
+  EXPECT_TRUE(box.exists("plans/dev/second.topology.yaml"));
   box.write("plans/file", "not a folder");
   expect_error(
       box.nnsim({"validate", "set.yaml", "--only", "second", "--write-plans", "plans/file/sub"}),
       {"--write-plans: cannot create the folder 'plans/file/sub'"});
+}
+
+// The plan and the cluster --write-plans leaves replay the case: nnsim simulate on them predicts
+// what nnsim validate did, on a cluster no preset describes (40 GB A100s, two 100 Gb/s NICs).
+TEST(NnsimTool, ValidateWritePlansReplaysWithSimulate) {
+  Sandbox box;
+  std::string set = two_case_set();
+  auto edit = [&set](const std::string& from, const std::string& to) {
+    set.replace(set.find(from), from.size(), to);
+  };
+  edit("a100-sxm4-80gb, nodes: 1, gpus_per_node: 8, nic_gbps: 200, nics_per_node: 8",
+       "a100-sxm4-40gb, nodes: 2, gpus_per_node: 8, nic_gbps: 100, nics_per_node: 2");
+  edit("dp: 4", "dp: 8");
+  edit("global_batch: 8", "global_batch: 16");
+  box.write("set.yaml", set);
+  RunResult r = box.nnsim({"validate", "set.yaml", "--only", "first", "--jobs", "1",
+                           "--write-plans", "out", "--json", "v.json"});
+  ASSERT_EQ(r.status, 0) << r;
+  const std::string cluster = box.read("out/first.topology.yaml");
+  EXPECT_TRUE(contains(cluster, "gpu: a100-sxm4-40gb")) << cluster;
+  EXPECT_TRUE(contains(cluster, "count: 2")) << cluster;
+  RunResult s = box.nnsim(
+      {"simulate", "--topo", "out/first.topology.yaml", "out/first.json", "--json", "s.json"});
+  ASSERT_EQ(s.status, 0) << s;
+  EXPECT_EQ(box.read_json("s.json")["iteration_time_s"].get<double>(),
+            box.read_json("v.json")["cases"][0]["predicted_iteration_time_s"].get<double>());
 }
 
 TEST(NnsimTool, Version) {
