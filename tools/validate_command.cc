@@ -58,6 +58,7 @@ int run_validate(const ValidateArgs& a) {
     }
     *cases = kept;
   }
+  int written = 0;
   if (!a.plans_dir.empty()) {
     // The plans exactly as simulated and the clusters they ran on: `nnsim simulate --topo
     // DIR/ID.topology.yaml DIR/ID.json` replays a case.
@@ -79,6 +80,7 @@ int run_validate(const ValidateArgs& a) {
           !write_file(a.plans_dir + "/" + c.id + ".topology.yaml", *cluster, &error)) {
         return fail(error);
       }
+      ++written;
     }
   }
   ValidateOptions opts;
@@ -133,6 +135,13 @@ int run_validate(const ValidateArgs& a) {
     }
   }
   if (s.failures > 0) std::printf("%d of %d cases could not be simulated\n", s.failures, s.cases);
+  if (!a.plans_dir.empty()) {
+    std::printf(
+        "wrote the plan and cluster of %d case%s to %s (replay one: nnsim simulate --topo "
+        "%s/ID.topology.yaml %s/ID.json)\n",
+        written, written == 1 ? "" : "s", a.plans_dir.c_str(), a.plans_dir.c_str(),
+        a.plans_dir.c_str());
+  }
   if (!a.json.empty()) {
     std::string error;
     if (!write_file(a.json, validation_json(out, s), &error)) return fail(error);

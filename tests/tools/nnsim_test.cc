@@ -1081,6 +1081,7 @@ TEST(NnsimTool, ValidateWritePlansReplaysWithSimulate) {
   RunResult r = box.nnsim({"validate", "set.yaml", "--only", "first", "--jobs", "1",
                            "--write-plans", "out", "--json", "v.json"});
   ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "wrote the plan and cluster of 1 case to out")) << r;
   const std::string cluster = box.read("out/first.topology.yaml");
   EXPECT_TRUE(contains(cluster, "gpu: a100-sxm4-40gb")) << cluster;
   EXPECT_TRUE(contains(cluster, "count: 2")) << cluster;
