@@ -11,8 +11,7 @@ Expected<Topology> case_topology(const ValidationCase& c) {
   Topology t = *base;
   Expected<GpuSpec> gpu = find_gpu(c.cluster.gpu);
   if (!gpu) return gpu.error().with_context(fmt::format("case {}: cluster.gpu", c.id));
-  t.name = fmt::format("{} ({} x {} {})", t.name, c.cluster.nodes, c.cluster.gpus_per_node,
-                       c.cluster.gpu);
+  t.name = c.id + "-cluster";
   t.description = fmt::format(
       "case {}: {} nodes of {} {}, NVSwitch, {} x {:g} Gb/s NICs a node, on the fabric of preset "
       "{}",
