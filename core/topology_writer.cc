@@ -8,6 +8,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "core/gpu.h"
+#include "core/precision.h"
 
 namespace nnsim {
 namespace {
@@ -28,20 +29,9 @@ YAML::Node int_list(const std::vector<int>& v) {
   return flow(n);
 }
 
-const char* precision_key(Precision p) {
-  switch (p) {
-    case Precision::kFp32:
-      return "fp32_flops";
-    case Precision::kTf32:
-      return "tf32_flops";
-    case Precision::kBf16:
-      return "bf16_flops";
-    case Precision::kFp16:
-      return "fp16_flops";
-    case Precision::kFp8:
-      return "fp8_flops";
-  }
-  return "";
+// The field of a hypothetical GPU's peak in `p` ("bf16_flops").
+std::string precision_key(Precision p) {
+  return std::string(to_string(p)) + "_flops";
 }
 
 bool same_figures(const GpuSpec& a, const GpuSpec& b) {
