@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/topology_writer.h"
 #include "validate/case_builder.h"
 
 namespace nnsim {
@@ -316,6 +317,26 @@ TEST(Validate, ErrorStatisticsInterpolatePercentiles) {
 
 // The regression bound: the accuracy docs/VALIDATION.md reports, with a small margin. Tighten
 // it when the model improves; it fails when a change makes predictions worse.
+// --write-plans leaves every case's cluster as YAML: each dev-set cluster writes, reads back and
+// writes again to the same text (the writer puts down every field, so the cluster is unchanged).
+TEST(Validate, EveryDevSetClusterWritesAndReadsBack) {
+  if (!std::filesystem::exists(kDevSet)) GTEST_SKIP() << "no " << kDevSet;
+  auto set = load_validation_set(kDevSet);
+  ASSERT_TRUE(set.ok()) << set.error().message();
+  for (const ValidationCase& c : *set) {
+    Expected<Topology> topo = case_topology(c);
+    ASSERT_TRUE(topo.ok()) << c.id << ": " << topo.error().message();
+    Expected<std::string> text = topology_to_yaml(*topo);
+    ASSERT_TRUE(text.ok()) << c.id << ": " << text.error().message();
+    Expected<Topology> again = parse_topology(*text, c.id + ".topology.yaml");
+    ASSERT_TRUE(again.ok()) << c.id << ": " << again.error().message() << "\n" << *text;
+    EXPECT_EQ(again->num_gpus(), c.gpus()) << c.id;
+    Expected<std::string> twice = topology_to_yaml(*again);
+    ASSERT_TRUE(twice.ok()) << c.id;
+    EXPECT_EQ(*twice, *text) << c.id;
+  }
+}
+
 TEST(Validate, DevSetAccuracyRegressionBound) {
   if (!std::filesystem::exists(kDevSet)) GTEST_SKIP() << "no " << kDevSet;
   auto set = load_validation_set(kDevSet);
