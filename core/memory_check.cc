@@ -41,13 +41,14 @@ std::string describe_memory_parts(const StaticMemory& memory, double activations
     std::string what;
     std::string note;
   };
-  std::vector<Part> parts = {{activations, "activations", activations_note},
-                             {memory.weights, "weights"},
-                             {memory.gradients, "gradients"},
-                             {memory.optimizer, "optimizer state"},
-                             {memory.gathered, "ZeRO-3 gathered weights and gradients"},
-                             {memory.pipeline_buffers, "pipeline receive buffers"},
-                             {memory.comm_buffers + memory.runtime, "NCCL buffers and runtime"}};
+  std::vector<Part> parts = {
+      {activations, "activations", activations_note},
+      {memory.weights, "weights", ""},
+      {memory.gradients, "gradients", ""},
+      {memory.optimizer, "optimizer state", ""},
+      {memory.gathered, "ZeRO-3 gathered weights and gradients", ""},
+      {memory.pipeline_buffers, "pipeline receive buffers", ""},
+      {memory.comm_buffers + memory.runtime, "NCCL buffers and runtime", ""}};
   std::stable_sort(parts.begin(), parts.end(),
                    [](const Part& a, const Part& b) { return a.bytes > b.bytes; });
   std::string out;

@@ -415,8 +415,8 @@ Plan parse_plan_node(const InputNode& root) {
     c->check_keys({"dp_bucket_bytes", "overlap_grad_reduce", "overlap_param_gather",
                    "pp_scatter_gather", "algorithm", "grad_reduce_bytes", "tp_overlap",
                    "zero3_per_tensor", "zero3_regather_for_recompute",
-                   "zero3_persistence_threshold", "zero3_reduce_bucket", "save_gathered_inputs",
-                   "pp_buffers_per_micro_batch"});
+                   "zero3_persistence_threshold", "zero3_reduce_bucket", "zero3_prefetch_elements",
+                   "save_gathered_inputs", "pp_buffers_per_micro_batch"});
     plan.comm.dp_bucket_bytes =
         c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
     if (plan.comm.dp_bucket_bytes < kMinBucketBytes) {
@@ -444,6 +444,17 @@ Plan parse_plan_node(const InputNode& root) {
     if (plan.comm.zero3_reduce_bucket < 0) {
       (*c)["zero3_reduce_bucket"].fail(
           "give a number of elements, 0 or more (0: each tensor reduced on its own)");
+    }
+    plan.comm.zero3_prefetch_elements = c->get_double("zero3_prefetch_elements", 0);
+    if (plan.comm.zero3_prefetch_elements < 0) {
+      (*c)["zero3_prefetch_elements"].fail(
+          "give a number of elements, 0 or more (0: a whole unit gathered ahead)");
+    }
+    if (plan.comm.zero3_prefetch_elements > 0 &&
+        (!plan.comm.zero3_per_tensor || !plan.comm.zero3_regather_for_recompute)) {
+      (*c)["zero3_prefetch_elements"].fail(
+          "prefetches ZeRO-3's gathers tensor by tensor, as DeepSpeed does; it needs "
+          "\"zero3_per_tensor\": true and \"zero3_regather_for_recompute\": true (or remove it)");
     }
     plan.comm.save_gathered_inputs = c->get_bool("save_gathered_inputs", false);
     plan.comm.pp_buffers_per_micro_batch = c->get_bool("pp_buffers_per_micro_batch", false);
@@ -563,6 +574,7 @@ std::string plan_to_json(const Plan& plan) {
                         {"zero3_regather_for_recompute", plan.comm.zero3_regather_for_recompute},
                         {"zero3_persistence_threshold", plan.comm.zero3_persistence_threshold},
                         {"zero3_reduce_bucket", plan.comm.zero3_reduce_bucket},
+                        {"zero3_prefetch_elements", plan.comm.zero3_prefetch_elements},
                         {"save_gathered_inputs", plan.comm.save_gathered_inputs},
                         {"pp_buffers_per_micro_batch", plan.comm.pp_buffers_per_micro_batch}};
   json orders = json::array();

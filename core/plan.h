@@ -177,6 +177,11 @@ struct CommSettings {
   // reduce-scattered together when the next tensor would overflow it and at the end of the
   // backward block (DeepSpeed's reduce_bucket_size); 0: each tensor on its own.
   double zero3_reduce_bucket = 0;
+  // ZeRO-3 tensor by tensor: each operator waits for its own tensors' gathers, and the gathers
+  // of the tensors after them are launched until at least this many elements are in flight
+  // (DeepSpeed's stage3_prefetch_bucket_size); the gathered working set is those tensors, each
+  // released after its operator. 0: a whole unit (layer) is gathered ahead (FSDP's prefetch).
+  double zero3_prefetch_elements = 0;
   // Sequence parallelism: an input that arrives by all-gather (a norm's output, gathered for the
   // column-parallel linears) is saved for the backward as gathered, which then does not gather
   // it again (PyTorch's DTensor tensor parallelism, as torchtitan runs it); false: saved split

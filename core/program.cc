@@ -1,6 +1,7 @@
 #include "core/program.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -76,6 +77,9 @@ int gather_tag(int segment, int bucket) {
   return 1000000 + segment * 1000 + bucket;
 }
 
+// ZeRO-3's gathers tensor by tensor within a block: this plus the gather's place in the block.
+constexpr int kTensorGatherTag = 100000000;
+
 // A collective over the mesh axes `axes` (a bitmask) moving `bytes` per device.
 Step collective_step(CollectiveKind kind, uint32_t axes, double bytes, int label) {
   Step s;
@@ -111,6 +115,58 @@ struct PartInfo {
   std::vector<double> bias_sync_params;
   std::vector<int> labels;
 };
+
+// ZeRO-3 tensor by tensor with prefetch (comm.zero3_prefetch_elements): one gather of a block,
+// in the order the block's operators use the tensors.
+struct TensorGather {
+  size_t unit;  // position in the block's unit order (forward, or backward order)
+  const PartInfo* part;
+  size_t op;
+  bool recompute;  // for the operator's recomputation inside the backward
+  double elements;
+};
+
+// One operator's use of its tensors: queue entries [first, end) are its own, and when it
+// waits for them every entry before `launched` has been launched.
+struct TensorUse {
+  size_t first, end, launched;
+};
+
+// DeepSpeed's prefetch: an operator launches its own gathers if not yet in flight, then the
+// ones after them until at least `prefetch` elements are in flight ahead of it.
+std::vector<TensorUse> zero3_tensor_uses(const std::vector<TensorGather>& queue, double prefetch) {
+  std::vector<TensorUse> uses;
+  size_t launched = 0;
+  for (size_t first = 0; first < queue.size();) {
+    const TensorGather& g = queue[first];
+    size_t end = first;
+    while (end < queue.size() && queue[end].unit == g.unit && queue[end].part == g.part &&
+           queue[end].op == g.op && queue[end].recompute == g.recompute) {
+      ++end;
+    }
+    launched = std::max(launched, end);
+    double ahead = 0;
+    for (size_t k = end; k < launched; ++k) ahead += queue[k].elements;
+    for (; launched < queue.size() && ahead < prefetch; ++launched) {
+      ahead += queue[launched].elements;
+    }
+    uses.push_back({first, end, launched});
+    first = end;
+  }
+  return uses;
+}
+
+// The most elements gathered at once: an operator's tensors and those in flight after them
+// (each released once its operator has run).
+double zero3_gathered_peak(const std::vector<TensorGather>& queue, double prefetch) {
+  double peak = 0;
+  for (const TensorUse& u : zero3_tensor_uses(queue, prefetch)) {
+    double live = 0;
+    for (size_t k = u.first; k < u.launched; ++k) live += queue[k].elements;
+    peak = std::max(peak, live);
+  }
+  return peak;
+}
 
 struct Compiler {
   const Plan& plan;
@@ -151,6 +207,18 @@ struct Compiler {
     return holds(from, to) ? -1 : lanes_of_segment[from].front();
   }
   Status check_segments();
+  // ZeRO-3 tensor by tensor with prefetch (comm.zero3_prefetch_elements): called before
+  // operator `op` of part `p` runs its forward (`recompute`: inside the backward) or its
+  // backward, to gather its tensors; set while a block is built.
+  std::function<void(const PartInfo& p, size_t op, bool recompute)> before_op;
+  // The weight tensors of operator `op` that ZeRO-3 shards (local elements of each): all but
+  // those under comm.zero3_persistence_threshold.
+  std::vector<double> sharded_tensors(const PartInfo& p, size_t op) const;
+  // The gathers of a `kind` block of `segment` tensor by tensor, in the order its operators use
+  // them: a forward's in forward order; a backward's unit by unit backwards, a unit recomputed
+  // inside it first for the recomputation (forward order), then for the backward (reverse).
+  std::vector<TensorGather> zero3_tensor_queue(int segment, BlockKind kind,
+                                               bool explicit_recompute) const;
   void emit_forward(const PartInfo& p, const TensorLayout& in_layout,
                     const std::vector<bool>& recomputed, bool only_recomputed, ComputeClass cls,
                     std::vector<Step>& steps);
@@ -266,6 +334,13 @@ Status Compiler::check_basics() {
   if (Status s = validate_model(plan.model); !s) return s;
   if (mesh.axis_index(kDataParallelAxis) < 0) {
     return Error("the plan's mesh has no 'dp' axis; add [\"dp\", 1] for a single replica");
+  }
+  if (plan.comm.zero3_prefetch_elements > 0 &&
+      (!plan.comm.zero3_per_tensor || !plan.comm.zero3_regather_for_recompute)) {
+    return Error(
+        "communication.zero3_prefetch_elements needs zero3_per_tensor and "
+        "zero3_regather_for_recompute (DeepSpeed's tensor-by-tensor prefetch); set it to 0 "
+        "for a whole unit gathered ahead");
   }
   const int ranks = mesh.num_ranks();
   // An explicit list of GPUs may leave some idle (GPUs to avoid); factors cover the cluster.
@@ -442,6 +517,7 @@ void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
                       : std::vector<bool>{};
   for (size_t i = 0; i < ops.size(); ++i) {
     if (only_recomputed && !replayed[i]) continue;
+    if (before_op) before_op(p, i, only_recomputed);
     const Op& op = ops[i];
     const OpPartition& part = p.partitions[i];
     for (const TensorRef& r : op.inputs) {
@@ -501,6 +577,7 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
   const auto& ops = p.part->ops;
   std::vector<std::pair<TensorRef, TensorLayout>> converted;
   for (int i = static_cast<int>(ops.size()) - 1; i >= 0; --i) {
+    if (before_op) before_op(p, static_cast<size_t>(i), false);
     const Op& op = ops[i];
     const OpPartition& part = p.partitions[i];
     if (input_grads && !plan.comm.save_gathered_inputs) {
@@ -707,6 +784,51 @@ std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment) const 
   return out;
 }
 
+std::vector<double> Compiler::sharded_tensors(const PartInfo& p, size_t op) const {
+  size_t w = 0;  // weight_tensors runs over the operators' weights in order
+  for (size_t i = 0; i < op; ++i) w += p.part->ops[i].weights.size();
+  std::vector<double> out;
+  for (size_t k = 0; k < p.part->ops[op].weights.size(); ++k) {
+    const double n = p.weight_tensors[w + k];
+    if (n >= plan.comm.zero3_persistence_threshold) out.push_back(n);
+  }
+  return out;
+}
+
+std::vector<TensorGather> Compiler::zero3_tensor_queue(int segment, BlockKind kind,
+                                                       bool explicit_recompute) const {
+  const Segment& s = plan.segments[segment];
+  const bool forward = kind == BlockKind::kForward;
+  const bool backward = kind == BlockKind::kBackward || kind == BlockKind::kBackwardInput ||
+                        kind == BlockKind::kBackwardWeight;
+  std::vector<std::pair<const PartInfo*, int>> order;  // (part, layer index or -1)
+  if (s.embedding) order.emplace_back(&embed, -1);
+  for (int l = s.first_layer; l < s.end_layer; ++l) order.emplace_back(&layer, l);
+  if (s.head) order.emplace_back(&head, -1);
+  if (!forward) std::reverse(order.begin(), order.end());
+  std::vector<TensorGather> queue;
+  for (size_t i = 0; (forward || backward) && i < order.size(); ++i) {
+    const PartInfo& p = *order[i].first;
+    auto add = [&](size_t op, bool recompute) {
+      for (double n : sharded_tensors(p, op)) queue.push_back({i, &p, op, recompute, n});
+    };
+    const auto r = recomputed_ops(p, order[i].second);
+    const bool recomputes = backward && kind != BlockKind::kBackwardWeight && !explicit_recompute &&
+                            std::find(r.begin(), r.end(), true) != r.end();
+    if (forward || recomputes) {
+      const auto replayed = forward ? std::vector<bool>(p.part->ops.size(), true)
+                                    : replayed_ops(*p.part, r, plan.recompute_early_stop);
+      for (size_t op = 0; op < p.part->ops.size(); ++op) {
+        if (replayed[op]) add(op, !forward);
+      }
+    }
+    if (backward) {
+      for (size_t op = p.part->ops.size(); op-- > 0;) add(op, false);
+    }
+  }
+  return queue;
+}
+
 double Compiler::segment_persistent_params(int segment) const {
   if (!plan.comm.zero3_per_tensor) return 0;
   const Segment& s = plan.segments[segment];
@@ -826,6 +948,8 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   const int seg = t.segment;
   const Segment& s = plan.segments[seg];
   const int zero = plan.optimizer.zero;
+  const bool tensor_prefetch =
+      zero == 3 && plan.comm.zero3_per_tensor && plan.comm.zero3_prefetch_elements > 0;
   const TensorLayout embed_out = input_layout_of(embed);
   const TensorLayout layer_out = input_layout_of(layer);
   // The embedding's output as the next part reads it. A vocabulary split over axes outside the
@@ -974,7 +1098,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     return std::find(r.begin(), r.end(), true) != r.end();
   };
   auto zero3_before = [&](const std::vector<ParamUnit>& order, size_t i) {
-    if (zero != 3) return;
+    if (zero != 3 || tensor_prefetch) return;
     // Kept gathered: only a segment's first forward gathers.
     if (plan.optimizer.keep_gathered && !(t.kind == BlockKind::kForward && first_forward)) return;
     auto fetch = [&](const ParamUnit& u) {
@@ -1039,6 +1163,45 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   }
   const std::vector<ParamUnit> backward_units(units.rbegin(), units.rend());
   size_t unit = 0;
+
+  // DeepSpeed's prefetch (comm.zero3_prefetch_elements): the block's gathers in the order its
+  // operators use their tensors, each operator waiting for its own (zero3_tensor_queue).
+  std::vector<TensorGather> queue;
+  if (tensor_prefetch &&
+      (!plan.optimizer.keep_gathered || (t.kind == BlockKind::kForward && first_forward))) {
+    queue = zero3_tensor_queue(seg, t.kind, explicit_recompute);
+  }
+  const std::vector<TensorUse> uses = zero3_tensor_uses(queue, plan.comm.zero3_prefetch_elements);
+  size_t next_use = 0, launched = 0;
+  // The hook lives for this block only.
+  struct ClearHook {
+    std::function<void(const PartInfo&, size_t, bool)>& hook;
+    ~ClearHook() { hook = nullptr; }
+  } clear_hook{before_op};
+  if (!uses.empty()) {
+    before_op = [&](const PartInfo& p, size_t op, bool recompute) {
+      if (next_use >= uses.size()) return;
+      const TensorUse& u = uses[next_use];
+      const TensorGather& g = queue[u.first];
+      if (g.part != &p || g.op != op || g.recompute != recompute) return;
+      for (; launched < u.launched; ++launched) {
+        Step l;
+        l.kind = StepKind::kDpLaunch;
+        l.collective = CollectiveKind::kAllGather;
+        l.axes = bucket_axes;
+        l.bytes = queue[launched].elements * compute_weight_bytes(plan);
+        l.tag = kTensorGatherTag + static_cast<int>(launched);
+        l.label = label("param gather");
+        steps->push_back(l);
+      }
+      Step w;
+      w.kind = StepKind::kDpWait;
+      w.tag = kTensorGatherTag + static_cast<int>(u.end - 1);
+      w.label = label("param gather");
+      steps->push_back(w);
+      ++next_use;
+    };
+  }
 
   // Activation bytes of this segment per micro-batch (forward keeps), and the peak extra.
   // Per part: what the forward keeps, and of it what a split backward's weight half needs.
@@ -1576,6 +1739,22 @@ void Compiler::build_memory(Lane& lane, int lane_index, const std::vector<int>& 
     // Persistent tensors: their whole 16-bit copy on every GPU besides their shard.
     for (int s : segments) m.weights += segment_persistent_params(s) * weight_bytes;
     m.gathered = 2 * layer_params * weight_bytes + layer_params * plan.optimizer.grad_bytes;
+    if (plan.comm.zero3_per_tensor && plan.comm.zero3_prefetch_elements > 0) {
+      // Tensor by tensor: the most any block holds gathered, and of gradients one tensor's
+      // (autograd's, until the reduce bucket takes it) and the bucket (reduce_bucket_size).
+      double peak = 0, largest = 0;
+      for (int s : segments) {
+        for (BlockKind kind : {BlockKind::kForward, BlockKind::kBackward}) {
+          const auto queue = zero3_tensor_queue(s, kind, false);
+          peak = std::max(peak, zero3_gathered_peak(queue, plan.comm.zero3_prefetch_elements));
+          for (const TensorGather& g : queue) largest = std::max(largest, g.elements);
+        }
+      }
+      const double reduce_bytes =
+          plan.comm.grad_reduce_bytes > 0 ? plan.comm.grad_reduce_bytes : plan.optimizer.grad_bytes;
+      m.gathered = peak * weight_bytes + largest * plan.optimizer.grad_bytes +
+                   std::min(plan.comm.zero3_reduce_bucket, params) * reduce_bytes;
+    }
     if (plan.optimizer.keep_gathered) {
       // Every parameter gathered, and its unsharded gradient accumulated, for the iteration.
       const double accumulate =

@@ -443,6 +443,9 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
           o.zero3_persistence_threshold >= 0 ? o.zero3_persistence_threshold : 1e5;
       // reduce_bucket_size's default: gradients reduced 5e8 elements at a time.
       plan.comm.zero3_reduce_bucket = 5e8;
+      // stage3_prefetch_bucket_size's default: a tensor's gathers launched ahead of its
+      // module until 5e7 elements are in flight.
+      plan.comm.zero3_prefetch_elements = 5e7;
     }
   } else if (o.framework != "megatron") {
     return Error(fmt::format("unknown framework '{}'{}", o.framework,

@@ -148,6 +148,9 @@ TEST(Plan, HandBuiltPlanRoundTrips) {
   p.comm.pp_buffers_per_micro_batch = true;
   p.comm.zero3_persistence_threshold = 1e5;
   p.comm.zero3_reduce_bucket = 5e8;
+  p.comm.zero3_per_tensor = true;
+  p.comm.zero3_regather_for_recompute = true;
+  p.comm.zero3_prefetch_elements = 5e7;
   p.topology_gpus = 8;
   p.topology_name = "h200x8";
   p.schedule_name = "custom";
@@ -172,6 +175,7 @@ TEST(Plan, HandBuiltPlanRoundTrips) {
   EXPECT_TRUE(q->comm.pp_buffers_per_micro_batch);
   EXPECT_EQ(q->comm.zero3_persistence_threshold, 1e5);
   EXPECT_EQ(q->comm.zero3_reduce_bucket, 5e8);
+  EXPECT_EQ(q->comm.zero3_prefetch_elements, 5e7);
   EXPECT_EQ(q->schedule[0].blocks, p.schedule[0].blocks);
   EXPECT_EQ(q->model.mlp, MlpKind::kSwiglu);
   EXPECT_EQ(q->model.kv_heads, 2);
@@ -306,6 +310,21 @@ TEST(Plan, NumbersOutOfRange) {
   expect_error("\"optimizer\": {\"zero\": 1},",
                "\"optimizer\": {\"zero\": 1}, \"communication\": {\"zero3_reduce_bucket\": -5},",
                "communication.zero3_reduce_bucket", "0 or more");
+  expect_error("\"optimizer\": {\"zero\": 1},",
+               "\"optimizer\": {\"zero\": 1}, \"communication\": "
+               "{\"zero3_per_tensor\": true, \"zero3_regather_for_recompute\": true, "
+               "\"zero3_prefetch_elements\": -1},",
+               "communication.zero3_prefetch_elements", "0 or more");
+  // Tensor-grained prefetch is DeepSpeed's: per-tensor gathers, regathered for recomputation.
+  expect_error("\"optimizer\": {\"zero\": 1},",
+               "\"optimizer\": {\"zero\": 1}, \"communication\": "
+               "{\"zero3_per_tensor\": true, \"zero3_prefetch_elements\": 5e7},",
+               "communication.zero3_prefetch_elements",
+               "needs \"zero3_per_tensor\": true and \"zero3_regather_for_recompute\": true");
+  expect_error("\"optimizer\": {\"zero\": 1},",
+               "\"optimizer\": {\"zero\": 1}, \"communication\": "
+               "{\"zero3_regather_for_recompute\": true, \"zero3_prefetch_elements\": 5e7},",
+               "communication.zero3_prefetch_elements", "needs \"zero3_per_tensor\"");
   expect_error("\"name\": \"tiny\",", "\"name\": \"tiny\", \"topology\": {\"gpus\": -1},",
                "topology.gpus", "must be at least 1");
   expect_error("[{\"match\": \"attn.core\"}]", "[{\"match\": \"*\", \"layers\": [0, 9]}]",

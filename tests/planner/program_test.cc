@@ -545,6 +545,7 @@ TEST(Program, DeepSpeedRegathersRecomputedLayers) {
   auto regathered = compile_plan(*plan, dgx());
   ASSERT_TRUE(regathered.ok()) << regathered.error().message();
   plan->comm.zero3_regather_for_recompute = false;
+  plan->comm.zero3_prefetch_elements = 0;  // tensor-grained prefetch needs the regather
   auto once = compile_plan(*plan, dgx());
   ASSERT_TRUE(once.ok()) << once.error().message();
 
@@ -587,6 +588,7 @@ TEST(Program, DeepSpeedGathersTensorByTensor) {
   auto per_tensor = compile_plan(*plan, dgx());
   ASSERT_TRUE(per_tensor.ok()) << per_tensor.error().message();
   plan->comm.zero3_per_tensor = false;
+  plan->comm.zero3_prefetch_elements = 0;
   auto per_unit = compile_plan(*plan, dgx());
   ASSERT_TRUE(per_unit.ok()) << per_unit.error().message();
 
@@ -642,6 +644,69 @@ TEST(Program, DeepSpeedGathersTensorByTensor) {
   const int calls = dp_launches(*bucketed, bucketed_lane, kRS);
   EXPECT_GE(calls, std::ceil(P / 5e8) * mb);
   EXPECT_LE(calls, (std::floor(P / (5e8 - largest)) + 1) * mb);
+}
+
+// DeepSpeed's prefetch (stage3_prefetch_bucket_size): each operator waits for its own tensors'
+// gathers, launched by then together with those after them up to 5e7 elements ahead; the same
+// gathers as a whole unit fetched ahead, waited for operator by operator.
+TEST(Program, DeepSpeedPrefetchesTensorsAheadOfEachOperator) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
+  o.zero = 3;
+  o.framework = "deepspeed";
+  auto plan = build_megatron_plan(m, dgx(), o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  EXPECT_DOUBLE_EQ(plan->comm.zero3_prefetch_elements, 5e7);
+  auto prefetched = compile_plan(*plan, dgx());
+  ASSERT_TRUE(prefetched.ok()) << prefetched.error().message();
+  plan->comm.zero3_prefetch_elements = 1e12;  // everything in flight from the first operator
+  auto everything = compile_plan(*plan, dgx());
+  ASSERT_TRUE(everything.ok()) << everything.error().message();
+  plan->comm.zero3_prefetch_elements = 0;
+  auto per_unit = compile_plan(*plan, dgx());
+  ASSERT_TRUE(per_unit.ok()) << per_unit.error().message();
+
+  const Lane& lane = prefetched->lanes[0];
+  EXPECT_EQ(dp_launches(*prefetched, lane, kAG), dp_launches(*per_unit, per_unit->lanes[0], kAG));
+  EXPECT_DOUBLE_EQ(dp_gathered_bytes(*prefetched, lane),
+                   dp_gathered_bytes(*per_unit, per_unit->lanes[0]));
+  // Every GEMM (the layers' four linears, the head's projection: all sharded) waits for a
+  // gather after the previous GEMM; a wait is for a gather already launched; a block ends with
+  // all it launched waited for.
+  for (const BlockTemplate& t : prefetched->templates) {
+    std::set<int> launched;
+    int last_waited = -1;
+    bool waited = false;
+    for (const Step& s : t.steps) {
+      if (s.kind == StepKind::kDpLaunch && s.collective == kAG) launched.insert(s.tag);
+      if (s.kind == StepKind::kDpWait && launched.count(s.tag)) {
+        waited = true;
+        last_waited = std::max(last_waited, s.tag);
+      }
+      if (s.kind == StepKind::kDpWait && s.tag >= 100000000) {
+        EXPECT_TRUE(launched.count(s.tag)) << "waits for gather " << s.tag << " not launched";
+      }
+      if (s.kind == StepKind::kCompute && s.matmul) {
+        EXPECT_TRUE(waited) << prefetched->labels[s.label] << " runs without its gather";
+        waited = false;
+      }
+    }
+    if (!launched.empty()) EXPECT_EQ(last_waited, *launched.rbegin());
+  }
+
+  // The working set: the most elements gathered at once, 16-bit, plus one tensor's unsharded
+  // gradient and the reduce bucket. At 5e7 elements ahead: the embedding's two tables and the
+  // first layer's four matrices (12 h^2 >= 5e7) in the forward; the head's matrix and the last
+  // layer's in the backward, fewer. With everything ahead: every sharded tensor, the tied matrix
+  // twice (the head gathers it again).
+  const double V = m.vocab, h = m.hidden, s = m.seq_len, L = m.layers;
+  const double reduce_bytes =
+      plan->comm.grad_reduce_bytes > 0 ? plan->comm.grad_reduce_bytes : plan->optimizer.grad_bytes;
+  const double fixed =
+      V * h * plan->optimizer.grad_bytes + std::min(5e8, lane.parameters) * reduce_bytes;
+  EXPECT_DOUBLE_EQ(lane.memory.gathered, (V * h + s * h + 12 * h * h) * 2 + fixed);
+  EXPECT_DOUBLE_EQ(everything->lanes[0].memory.gathered,
+                   (2 * V * h + s * h + L * 12 * h * h) * 2 + fixed);
 }
 
 // Tied embeddings with the embedding and the head in one segment: the head's projection is the
