@@ -445,7 +445,8 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
       plan.comm.zero3_reduce_bucket = 5e8;
       // stage3_prefetch_bucket_size's default: a tensor's gathers launched ahead of its
       // module until 5e7 elements are in flight.
-      plan.comm.zero3_prefetch_elements = 5e7;
+      plan.comm.zero3_prefetch_elements =
+          o.zero3_prefetch_elements >= 0 ? o.zero3_prefetch_elements : 5e7;
     }
   } else if (o.framework != "megatron") {
     return Error(fmt::format("unknown framework '{}'{}", o.framework,
@@ -455,6 +456,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     return Error(fmt::format(
         "a ZeRO-3 persistence threshold is DeepSpeed's ZeRO-3 setting; this plan is {} with "
         "ZeRO-{} (use --framework deepspeed --zero 3, or drop the threshold)",
+        o.framework, o.zero));
+  }
+  if (o.zero3_prefetch_elements >= 0 && (o.framework != "deepspeed" || o.zero != 3)) {
+    return Error(fmt::format(
+        "a ZeRO-3 prefetch bucket is DeepSpeed's ZeRO-3 setting; this plan is {} with ZeRO-{} "
+        "(use --framework deepspeed --zero 3, or drop the prefetch bucket)",
         o.framework, o.zero));
   }
   // Megatron-Core's bucket: max(40M, 1M x dp) parameters.

@@ -55,6 +55,9 @@ struct MegatronOptions {
   // DeepSpeed ZeRO-3's stage3_param_persistence_threshold (elements); negative: its default
   // (1e5). Only with framework deepspeed and ZeRO-3.
   double zero3_persistence_threshold = -1;
+  // DeepSpeed ZeRO-3's stage3_prefetch_bucket_size (elements gathered ahead of the operator
+  // that waits); negative: its default (5e7). Only with framework deepspeed and ZeRO-3.
+  double zero3_prefetch_elements = -1;
   // Rank placement, outermost axis first (the innermost varies fastest over GPU indices):
   // Megatron's default puts tensor parallelism innermost, pipeline outermost.
   std::vector<std::string> placement = {"pp", "dp", "cp", "tp"};

@@ -238,6 +238,11 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
                   "DeepSpeed ZeRO-3: tensors of fewer elements stay whole on every GPU "
                   "(stage3_param_persistence_threshold; default 1e5)")
       ->check(at_least(0));
+  cmd->add_option("--zero3-prefetch-elements", a.o.zero3_prefetch_elements,
+                  "DeepSpeed ZeRO-3: parameter elements gathered ahead of the operator that "
+                  "needs them (stage3_prefetch_bucket_size; default 5e7; DeepSpeed's 0, no "
+                  "prefetch, is not modelled)")
+      ->check(at_least(1));
   cmd->add_option("--stage-layers", a.o.stage_layers,
                   "layers per segment (pp x vpp numbers), default as even as possible")
       ->delimiter(',');

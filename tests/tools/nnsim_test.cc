@@ -244,6 +244,28 @@ TEST(NnsimTool, PlanTakesDeepSpeedsPersistenceThreshold) {
                {"--zero3-persistence-threshold"});
 }
 
+// DeepSpeed's ZeRO-3 prefetch bucket: the builder's default (5e7 elements), the user's own, and
+// errors where it does not apply or is out of range.
+TEST(NnsimTool, PlanTakesDeepSpeedsPrefetchBucket) {
+  Sandbox box;
+  const std::vector<std::string> base = {"plan",       "--model",        "gpt3-1.3b", "--topo",
+                                         "dgx-a100x4", "--tp",           "1",         "--pp",
+                                         "1",          "--global-batch", "32",        "--zero",
+                                         "3",          "--framework",    "deepspeed"};
+  auto with = [&](const std::vector<std::string>& extra, const std::string& out) {
+    return plan_args(base, extra, out);
+  };
+  make_plan(box, with({}, "default.json"));
+  EXPECT_EQ(box.read_json("default.json")["communication"]["zero3_prefetch_elements"], 5e7);
+  make_plan(box, with({"--zero3-prefetch-elements", "2e8"}, "own.json"));
+  EXPECT_EQ(box.read_json("own.json")["communication"]["zero3_prefetch_elements"], 2e8);
+  std::vector<std::string> fsdp = with({"--zero3-prefetch-elements", "1e7"}, "fsdp.json");
+  fsdp[std::find(fsdp.begin(), fsdp.end(), "deepspeed") - fsdp.begin()] = "fsdp";
+  expect_error(box.nnsim(fsdp), {"DeepSpeed's ZeRO-3 setting", "--framework deepspeed --zero 3"});
+  expect_error(box.nnsim(with({"--zero3-prefetch-elements", "0"}, "zero.json")),
+               {"--zero3-prefetch-elements"});
+}
+
 // --loss names the training code's cross-entropy: the plan's model carries it (the preset's own
 // is the fused kernel), and a misspelling is an error naming the option and the spellings.
 TEST(NnsimTool, PlanTakesTheTrainingCodesCrossEntropy) {
