@@ -531,13 +531,19 @@ double dp_bytes(const Program& prog, const Lane& lane, CollectiveKind kind) {
   return bytes;
 }
 
+// Data parallelism only, under DeepSpeed's ZeRO-3.
+MegatronOptions deepspeed_zero3(RecomputeMode recompute) {
+  MegatronOptions o = options(1, 1, false, recompute, 1);
+  o.zero = 3;
+  o.framework = "deepspeed";
+  return o;
+}
+
 // DeepSpeed's ZeRO-3 gathers a recomputed layer twice in the backward pass: for the
 // recomputation and for the backward (FSDP recomputes inside the unit it has gathered).
 TEST(Program, DeepSpeedRegathersRecomputedLayers) {
   const ModelSpec m = preset("gpt3-1.3b");
-  MegatronOptions o = options(1, 1, false, RecomputeMode::kFull, 1);
-  o.zero = 3;
-  o.framework = "deepspeed";
+  MegatronOptions o = deepspeed_zero3(RecomputeMode::kFull);
   auto plan = build_megatron_plan(m, dgx(), o);
   ASSERT_TRUE(plan.ok()) << plan.error().message();
   EXPECT_TRUE(plan->comm.zero3_regather_for_recompute);
@@ -571,9 +577,7 @@ TEST(Program, DeepSpeedRegathersRecomputedLayers) {
 // biases and norms) stay whole on every GPU and are never gathered.
 TEST(Program, DeepSpeedGathersTensorByTensor) {
   const ModelSpec m = preset("gpt3-1.3b");  // LayerNorm with biases, learned positions, tied
-  MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
-  o.zero = 3;
-  o.framework = "deepspeed";
+  MegatronOptions o = deepspeed_zero3(RecomputeMode::kNone);
   auto plan = build_megatron_plan(m, dgx(), o);
   ASSERT_TRUE(plan.ok()) << plan.error().message();
   EXPECT_TRUE(plan->comm.zero3_per_tensor);
@@ -651,9 +655,7 @@ TEST(Program, DeepSpeedGathersTensorByTensor) {
 // gathers as a whole unit fetched ahead, waited for operator by operator.
 TEST(Program, DeepSpeedPrefetchesTensorsAheadOfEachOperator) {
   const ModelSpec m = preset("gpt3-1.3b");
-  MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
-  o.zero = 3;
-  o.framework = "deepspeed";
+  MegatronOptions o = deepspeed_zero3(RecomputeMode::kNone);
   auto plan = build_megatron_plan(m, dgx(), o);
   ASSERT_TRUE(plan.ok()) << plan.error().message();
   EXPECT_DOUBLE_EQ(plan->comm.zero3_prefetch_elements, 5e7);

@@ -20,6 +20,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -222,9 +223,10 @@ std::vector<std::string> plan_args(std::vector<std::string> base,
   return base;
 }
 
-// DeepSpeed's ZeRO-3 persistence threshold: the builder's default (1e5 elements), a value of the
-// user's own, and an error naming the fix where it does not apply.
-TEST(NnsimTool, PlanTakesDeepSpeedsPersistenceThreshold) {
+// DeepSpeed's ZeRO-3 settings, the persistence threshold and the prefetch bucket: the
+// builder's defaults (1e5 and 5e7 elements), values of the user's own, and errors naming the
+// fix where they do not apply or are out of range.
+TEST(NnsimTool, PlanTakesDeepSpeedsZero3Settings) {
   Sandbox box;
   const std::vector<std::string> base = {"plan",       "--model",        "gpt3-1.3b", "--topo",
                                          "dgx-a100x4", "--tp",           "1",         "--pp",
@@ -234,36 +236,20 @@ TEST(NnsimTool, PlanTakesDeepSpeedsPersistenceThreshold) {
     return plan_args(base, extra, out);
   };
   make_plan(box, with({}, "default.json"));
-  EXPECT_EQ(box.read_json("default.json")["communication"]["zero3_persistence_threshold"], 1e5);
-  make_plan(box, with({"--zero3-persistence-threshold", "20480"}, "own.json"));
-  EXPECT_EQ(box.read_json("own.json")["communication"]["zero3_persistence_threshold"], 20480.0);
-  std::vector<std::string> fsdp = with({"--zero3-persistence-threshold", "0"}, "fsdp.json");
-  fsdp[std::find(fsdp.begin(), fsdp.end(), "deepspeed") - fsdp.begin()] = "fsdp";
-  expect_error(box.nnsim(fsdp), {"DeepSpeed's ZeRO-3 setting", "--framework deepspeed --zero 3"});
-  expect_error(box.nnsim(with({"--zero3-persistence-threshold", "-1"}, "neg.json")),
-               {"--zero3-persistence-threshold"});
-}
-
-// DeepSpeed's ZeRO-3 prefetch bucket: the builder's default (5e7 elements), the user's own, and
-// errors where it does not apply or is out of range.
-TEST(NnsimTool, PlanTakesDeepSpeedsPrefetchBucket) {
-  Sandbox box;
-  const std::vector<std::string> base = {"plan",       "--model",        "gpt3-1.3b", "--topo",
-                                         "dgx-a100x4", "--tp",           "1",         "--pp",
-                                         "1",          "--global-batch", "32",        "--zero",
-                                         "3",          "--framework",    "deepspeed"};
-  auto with = [&](const std::vector<std::string>& extra, const std::string& out) {
-    return plan_args(base, extra, out);
-  };
-  make_plan(box, with({}, "default.json"));
-  EXPECT_EQ(box.read_json("default.json")["communication"]["zero3_prefetch_elements"], 5e7);
-  make_plan(box, with({"--zero3-prefetch-elements", "2e8"}, "own.json"));
-  EXPECT_EQ(box.read_json("own.json")["communication"]["zero3_prefetch_elements"], 2e8);
-  std::vector<std::string> fsdp = with({"--zero3-prefetch-elements", "1e7"}, "fsdp.json");
-  fsdp[std::find(fsdp.begin(), fsdp.end(), "deepspeed") - fsdp.begin()] = "fsdp";
-  expect_error(box.nnsim(fsdp), {"DeepSpeed's ZeRO-3 setting", "--framework deepspeed --zero 3"});
-  expect_error(box.nnsim(with({"--zero3-prefetch-elements", "0"}, "zero.json")),
-               {"--zero3-prefetch-elements"});
+  const auto comm = box.read_json("default.json")["communication"];
+  EXPECT_EQ(comm["zero3_persistence_threshold"], 1e5);
+  EXPECT_EQ(comm["zero3_prefetch_elements"], 5e7);
+  for (auto [option, value, bad] : {std::tuple{"--zero3-persistence-threshold", 20480.0, "-1"},
+                                    std::tuple{"--zero3-prefetch-elements", 2e8, "0"}}) {
+    std::string key = std::string(option).substr(2);  // the plan's field: its dashes as _
+    std::replace(key.begin(), key.end(), '-', '_');
+    make_plan(box, with({option, fmt::format("{}", value)}, "own.json"));
+    EXPECT_EQ(box.read_json("own.json")["communication"][key], value) << option;
+    std::vector<std::string> fsdp = with({option, fmt::format("{}", value)}, "fsdp.json");
+    fsdp[std::find(fsdp.begin(), fsdp.end(), "deepspeed") - fsdp.begin()] = "fsdp";
+    expect_error(box.nnsim(fsdp), {"DeepSpeed's ZeRO-3 setting", "--framework deepspeed --zero 3"});
+    expect_error(box.nnsim(with({option, bad}, "bad.json")), {option});
+  }
 }
 
 // --loss names the training code's cross-entropy: the plan's model carries it (the preset's own
