@@ -711,6 +711,64 @@ TEST(Program, DeepSpeedPrefetchesTensorsAheadOfEachOperator) {
                    (2 * V * h + s * h + L * 12 * h * h) * 2 + fixed);
 }
 
+// Tensor-grained prefetch under every pipeline schedule and recomputation: each block launches
+// the gathers the whole-unit prefetch does (the same calls and bytes over the iteration), and
+// waits only for gathers it launched, the last of them included. Under selective recomputation
+// the recomputed operators (attention's core) hold no weights, so nothing is gathered again for
+// them, as DeepSpeed's hooks fetch nothing for a module without parameters: the gathers of the
+// plan without recomputation (the whole-unit prefetch gathers the recomputed layer again).
+TEST(Program, DeepSpeedPrefetchGathersWhatUnitsGatherUnderEverySchedule) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  auto compile = [&](ScheduleKind schedule, int vpp, RecomputeMode rc, double prefetch) {
+    MegatronOptions o = deepspeed_zero3(rc);
+    o.pp = 2;
+    o.global_batch = 32;
+    o.schedule = schedule;
+    o.vpp = vpp;
+    auto plan = build_megatron_plan(m, dgx(), o);
+    EXPECT_TRUE(plan.ok()) << plan.error().message();
+    plan->comm.zero3_persistence_threshold = 0;
+    plan->comm.zero3_prefetch_elements = prefetch;
+    auto prog = compile_plan(*plan, dgx());
+    EXPECT_TRUE(prog.ok()) << prog.error().message();
+    return *prog;
+  };
+  for (auto [schedule, vpp] :
+       {std::pair{ScheduleKind::kOneFOneB, 1}, std::pair{ScheduleKind::kInterleaved, 2},
+        std::pair{ScheduleKind::kZbH1, 1}, std::pair{ScheduleKind::kZbV, 2}}) {
+    for (RecomputeMode rc :
+         {RecomputeMode::kNone, RecomputeMode::kSelective, RecomputeMode::kFull}) {
+      const std::string what =
+          fmt::format("schedule {} recompute {}", static_cast<int>(schedule), to_string(rc));
+      const Program tensors = compile(schedule, vpp, rc, 5e7);
+      const Program units =
+          compile(schedule, vpp, rc == RecomputeMode::kSelective ? RecomputeMode::kNone : rc, 0);
+      ASSERT_EQ(tensors.lanes.size(), units.lanes.size()) << what;
+      for (size_t l = 0; l < units.lanes.size(); ++l) {
+        EXPECT_EQ(dp_launches(tensors, tensors.lanes[l], kAG),
+                  dp_launches(units, units.lanes[l], kAG))
+            << what << ", lane " << l;
+        EXPECT_DOUBLE_EQ(dp_gathered_bytes(tensors, tensors.lanes[l]),
+                         dp_gathered_bytes(units, units.lanes[l]))
+            << what << ", lane " << l;
+      }
+      for (const BlockTemplate& t : tensors.templates) {
+        std::set<int> launched, waited;
+        for (const Step& s : t.steps) {
+          if (s.kind == StepKind::kDpLaunch && s.collective == kAG) launched.insert(s.tag);
+          if (s.kind == StepKind::kDpWait && s.tag >= 100000000) {
+            EXPECT_TRUE(launched.count(s.tag)) << what << ": a wait for an unlaunched gather";
+            waited.insert(s.tag);
+          }
+        }
+        if (!launched.empty()) {
+          EXPECT_TRUE(waited.count(*launched.rbegin())) << what << ": the last gather not waited";
+        }
+      }
+    }
+  }
+}
+
 // Tied embeddings with the embedding and the head in one segment: the head's projection is the
 // embedding's matrix, one parameter of V h. Its gradient (the sum of both uses, which autograd
 // accumulates before any hook sees it) is reduced once; ZeRO-3 gathers it with the embedding's
