@@ -486,27 +486,6 @@ TensorLayout input_layout_of(const PartInfo& prev) {
   return prev.out_layouts.back();
 }
 
-// The operators a recomputation runs. With early stop, it ends at the last recomputed operator
-// that saves a tensor for the backward: that operator runs only when it saves a tensor of its
-// own (an input is saved before the operator computes), and the operators after it not at all
-// (under PyTorch's checkpoint, a block's last linear and residual add when it has no dropout).
-std::vector<bool> replayed_ops(const GraphPart& part, const std::vector<bool>& recomputed,
-                               bool early_stop) {
-  std::vector<bool> run = recomputed;
-  if (!early_stop) return run;
-  // One past the last recomputed operator that saves a tensor.
-  size_t end = run.size();
-  while (end > 0 && !(run[end - 1] && !part.ops[end - 1].saved.empty())) --end;
-  for (size_t i = end; i < run.size(); ++i) run[i] = false;
-  if (end > 0) {
-    const int last = static_cast<int>(end - 1);
-    const auto& saved = part.ops[end - 1].saved;
-    run[end - 1] = std::any_of(saved.begin(), saved.end(),
-                               [&](const TensorSpec& t) { return t.ref.op == last; });
-  }
-  return run;
-}
-
 void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
                             const std::vector<bool>& recomputed, bool only_recomputed,
                             ComputeClass cls, std::vector<Step>& steps) {
@@ -1800,6 +1779,27 @@ double Compiler::retained_output_bytes(int segment) const {
 }
 
 }  // namespace
+
+// The operators a recomputation runs. With early stop, it ends at the last recomputed operator
+// that saves a tensor for the backward: that operator runs only when it saves a tensor of its
+// own (an input is saved before the operator computes), and the operators after it not at all
+// (under PyTorch's checkpoint, a block's last linear and residual add when it has no dropout).
+std::vector<bool> replayed_ops(const GraphPart& part, const std::vector<bool>& recomputed,
+                               bool early_stop) {
+  std::vector<bool> run = recomputed;
+  if (!early_stop) return run;
+  // One past the last recomputed operator that saves a tensor.
+  size_t end = run.size();
+  while (end > 0 && !(run[end - 1] && !part.ops[end - 1].saved.empty())) --end;
+  for (size_t i = end; i < run.size(); ++i) run[i] = false;
+  if (end > 0) {
+    const int last = static_cast<int>(end - 1);
+    const auto& saved = part.ops[end - 1].saved;
+    run[end - 1] = std::any_of(saved.begin(), saved.end(),
+                               [&](const TensorSpec& t) { return t.ref.op == last; });
+  }
+  return run;
+}
 
 PieceShape linear_piece_shape(const Op& op, const OpPartition& p, const Mesh& mesh) {
   PieceShape shape;

@@ -156,6 +156,12 @@ struct CompileOptions {
 // compiler prices with op_seconds (the backward's two GEMMs transpose it).
 PieceShape linear_piece_shape(const Op& op, const OpPartition& p, const Mesh& mesh);
 
+// The operators of `part` a recomputation runs, given those the plan's rules recompute
+// (`recomputed`): all of them, or with `early_stop` (Plan::recompute_early_stop) up to the last
+// one that saves a tensor for the backward.
+std::vector<bool> replayed_ops(const GraphPart& part, const std::vector<bool>& recomputed,
+                               bool early_stop);
+
 // Checks the plan against the model and topology and compiles it. Errors say what is wrong and
 // how to fix it (degrees that do not divide, a schedule that misses a block, ...).
 Expected<Program> compile_plan(const Plan& plan, const Topology& topology,

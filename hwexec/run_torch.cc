@@ -518,6 +518,14 @@ struct Param {
   at::Tensor c;
 };
 
+// The operator a parameter belongs to: its name without the layer's prefix ("layers.3.") and
+// the tensor's own name ("weight", "bias"): "attn.qkv", "embed.word".
+std::string operator_of(const std::string& param) {
+  std::string name = param;
+  if (name.rfind("layers.", 0) == 0) name = name.substr(name.find('.', 7) + 1);
+  return name.substr(0, name.rfind('.'));
+}
+
 // Tensor-parallel degrees of the three operator groups (1 = replicated on every tp rank).
 struct Split {
   int heads = 1, ffn = 1, embed_vocab = 1, head_vocab = 1;
@@ -2330,11 +2338,22 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       const int pos = backward ? n - 1 - u : u;
       auto fetch = [&](int q) {
         const int unit = backward ? n - 1 - q : q;
-        const int times = zb->regather.count(unit) ? 2 : 1;
-        for (int t = 0; t < times; ++t) {
-          each(unit, gather_unit);
-          if (unit == n - 1 && ztied_of.count(sg)) gather_unit(*ztied_of.at(sg));
+        // First what the recomputation gathers again: the tensors of its operators that hold
+        // weights (a whole unit's, when gathered whole), the tied matrix for a head.proj.
+        if (auto again = zb->regather.find(unit); again != zb->regather.end()) {
+          each(unit, [&](const ZeroUnit& zu) {
+            if (std::any_of(zu.params.begin(), zu.params.end(), [&](const Param* p) {
+                  return again->second.count(operator_of(p->name)) > 0;
+                })) {
+              gather_unit(zu);
+            }
+          });
+          if (unit == n - 1 && ztied_of.count(sg) && again->second.count("head.proj")) {
+            gather_unit(*ztied_of.at(sg));
+          }
         }
+        each(unit, gather_unit);
+        if (unit == n - 1 && ztied_of.count(sg)) gather_unit(*ztied_of.at(sg));
       };
       if (pos == 0) fetch(0);
       if (pos + 1 < n) fetch(pos + 1);

@@ -606,12 +606,17 @@ INSTANTIATE_TEST_SUITE_P(
         vshape("tied_v_whole_backwards_zero1_pp2_dp2", 2, 8, {"--zero", "1"}, "fp32", true),
         // DeepSpeed's ZeRO-3 (comm.zero3_per_tensor): each tensor gathered and reduced on its
         // own (LayerNorm's scale and shift are two); a tied matrix gathered again by the head's
-        // hooks, reduced once.
+        // hooks, reduced once. Without a persistence threshold: every tensor gathered (these
+        // models' are all under DeepSpeed's 1e5 elements).
         with("tied_deepspeed_zero3_per_tensor_dp2", 1, 1, 2, 4,
-             {"--zero", "3", "--framework", "deepspeed"}, &kTied),
-        // ... and its second gather of a layer recomputed inside the backward (B, or BI).
+             {"--zero", "3", "--framework", "deepspeed", "--zero3-persistence-threshold", "0"},
+             &kTied),
+        // ... and its second gather of a layer recomputed inside the backward (B, or BI): the
+        // whole layer under full recomputation; under selective, none (attention's core, the
+        // operator recomputed, holds no weights).
         with("deepspeed_zero3_recompute_full_dp2", 1, 1, 2, 4,
-             {"--zero", "3", "--framework", "deepspeed", "--recompute", "full"}),
+             {"--zero", "3", "--framework", "deepspeed", "--recompute", "full",
+              "--zero3-persistence-threshold", "0"}),
         Case{"zb_h1_deepspeed_zero3_recompute_selective_pp2_dp2",
              1,
              2,
@@ -620,7 +625,8 @@ INSTANTIATE_TEST_SUITE_P(
              8,
              &kModel,
              "fp32",
-             {"--zero", "3", "--framework", "deepspeed", "--recompute", "selective"}},
+             {"--zero", "3", "--framework", "deepspeed", "--recompute", "selective",
+              "--zero3-persistence-threshold", "0"}},
         // FSDP under a pipeline (optimizer.keep_gathered): each unit gathered in its segment's
         // first forward, its gradients reduce-scattered after the last micro-batch's B or BW.
         with("fsdp_zero3_keep_gathered_pp2_dp2", 1, 2, 2, 8,

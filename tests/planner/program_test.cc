@@ -693,7 +693,9 @@ TEST(Program, DeepSpeedPrefetchesTensorsAheadOfEachOperator) {
         waited = false;
       }
     }
-    if (!launched.empty()) EXPECT_EQ(last_waited, *launched.rbegin());
+    if (!launched.empty()) {
+      EXPECT_EQ(last_waited, *launched.rbegin());
+    }
   }
 
   // The working set: the most elements gathered at once, 16-bit, plus one tensor's unsharded
