@@ -41,10 +41,12 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <string_view>
 #include <tuple>
 
 #include <fmt/format.h>
 
+#include "core/opgraph.h"
 #include "hwexec/comm.h"
 #include "hwexec/cpu_memory.h"
 #include "hwexec/run.h"
@@ -395,6 +397,13 @@ struct Ctx {
   }
   void unit_after_backward(int u) {
     if (after_unit_backward) after_unit_backward(u);
+  }
+  // ZeRO-3 tensor by tensor (DeepSpeed's prefetch, comm.zero3_prefetch_elements): before
+  // operator `op` of unit `u` runs its forward (`recompute`: inside the backward) or its
+  // backward. Unset: nothing to do.
+  std::function<void(int, const std::string&, bool)> before_op;
+  void op_before(int u, const std::string& op, bool recompute) {
+    if (before_op) before_op(u, op, recompute);
   }
   void tp_all_reduce(at::Tensor& t, const std::string& label, Comm::Op op = Comm::Op::kSum) {
     all_reduce(t, tp_group, tp_axes, label, op);
@@ -812,14 +821,17 @@ class Model {
   // output: the last layer's (the head's input, with the head), and fills the tape.
   at::Tensor forward(Ctx& c, const at::Tensor& tokens, at::Tensor x, const at::Tensor& targets,
                      MicroBatchTape& tape) {
+    ctx_ = &c;
     if (embedding_) {
+      unit_ = 0;
       c.unit_before(0, false);
       x = embed_forward(c, tokens, x, tape);
     }
     tape.layers.resize(layers_.size());
     const int first_unit = embedding_ ? 1 : 0;
     for (std::size_t l = 0; l < layers_.size(); ++l) {
-      c.unit_before(first_unit + static_cast<int>(l), false);
+      unit_ = first_unit + static_cast<int>(l);
+      c.unit_before(unit_, false);
       tape.layers[l].key = tape.key;
       if (l == 0 && reduce_input_) {
         // The spanning embedding's tensor-parallel partial sums, reduced for attn.norm (the
@@ -840,6 +852,7 @@ class Model {
       x = layer_forward(c, static_cast<int>(l), x, tape.layers[l]);
     }
     if (!head_) return x;
+    unit_ = head_unit();
     c.unit_before(head_unit(), false);
     head_forward(c, x, targets, tape);
     return x;
@@ -852,6 +865,7 @@ class Model {
   at::Tensor backward(Ctx& c, MicroBatchTape& tape, at::Tensor dy, double loss_scale,
                       bool input_only = false) {
     Stats& st = *c.stats;
+    ctx_ = &c;
     bwd_phase_ = input_only ? "bwd_input" : "bwd";
     deferred_ = input_only ? &tape.deferred : nullptr;
     if (head_) {
@@ -930,10 +944,12 @@ class Model {
   void backward_weights(Ctx& c, MicroBatchTape& tape) {
     Stats& st = *c.stats;
     std::size_t next = 0;
+    ctx_ = &c;
     for (int u = head_unit() + (head_ ? 0 : -1); u >= 0; --u) {
       c.unit_before(u, true);
       for (; next < tape.deferred.size() && tape.deferred[next].unit == u; ++next) {
         const DeferredWeightGrad& d = tape.deferred[next];
+        c.op_before(u, d.op, false);
         const Mark t0 = st.mark();
         weight_gradients(d, /*keep_graph=*/dtype_ != at::kFloat);
         st.op(d.op, "bwd_weight", t0, st.mark());
@@ -952,6 +968,7 @@ class Model {
   // An explicit R block: the recomputation of every layer ahead of the backward (which then
   // skips it), as the program's recompute template.
   void recompute(Ctx& c, MicroBatchTape& tape) {
+    ctx_ = &c;
     if (embedding_ && !recompute_embed_.empty()) {
       embed_forward(c, at::Tensor(), at::Tensor(), tape, /*again=*/true);
       tape.embed_recomputed = true;
@@ -996,6 +1013,7 @@ class Model {
   }
   template <class F>
   Unit fwd(Stats& st, const char* name, const char* phase, std::vector<at::Tensor> in, F&& f) {
+    if (ctx_) ctx_->op_before(unit_, name, std::string_view(phase) == "recompute");
     const Mark t0 = st.mark();
     Unit u;
     u.out = f(in);
@@ -1005,6 +1023,7 @@ class Model {
   }
 
   std::vector<at::Tensor> bwd(Stats& st, const char* name, Unit& u, const at::Tensor& dy) {
+    if (ctx_) ctx_->op_before(unit_, name, false);
     const Mark t0 = st.mark();
     // A BI block defers the linear layers' weight gradients (the GEMMs the program's BW block
     // holds); every other operator's backward, parameter gradients included, runs whole.
@@ -1643,7 +1662,8 @@ class Model {
   // where the deferred weight gradients go.
   const char* bwd_phase_ = "bwd";
   std::vector<DeferredWeightGrad>* deferred_ = nullptr;
-  int unit_ = -1;  // the parameter unit whose backward runs (a deferred gradient's unit)
+  int unit_ = -1;       // the parameter unit running (a deferred gradient's unit)
+  Ctx* ctx_ = nullptr;  // the context of the pass running: its per-operator hook (Ctx::op_before)
   Param *word_ = nullptr, *pos_ = nullptr, *hn_g_ = nullptr, *hn_b_ = nullptr, *head_w_ = nullptr;
   bool shared_word_ = false;   // word_ is the embedding part's (not in params_)
   at::Tensor positions_;       // the sequence positions of the rank's tokens (long)
@@ -2325,6 +2345,42 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // gradients reduced as each unit's backward ends.
   const std::vector<Zero3Block> z3 =
       zero == 3 ? zero3_blocks(plan, L.order->blocks, M) : std::vector<Zero3Block>{};
+  // The operator of unit `unit` of segment `sg` a parameter belongs to (a head's copy of a tied
+  // word matrix: the head's projection).
+  auto op_of = [&](int sg, int unit, const Param& p) {
+    const std::string op = operator_of(p.name);
+    const Model& model = *models.at(sg);
+    return model.has_head() && unit == model.head_unit() && op == "embed.word" ? "head.proj" : op;
+  };
+  // DeepSpeed's tensor-grained prefetch (comm.zero3_prefetch_elements), the program's queue
+  // (core/program.cc, zero3_tensor_queue): a block's gathers in the order its operators use the
+  // tensors; before an operator runs, its own and the next ones until that many elements are
+  // gathered ahead of it; a tensor released once its operator has run (and no gather ahead holds
+  // it). Whole units otherwise (before_unit).
+  const bool tensor_prefetch =
+      zero == 3 && plan.comm.zero3_per_tensor && plan.comm.zero3_prefetch_elements > 0;
+  const OpGraph graph = lower_model(plan.model, 1);
+  struct TensorGather {
+    int unit;
+    std::string op;
+    bool recompute;
+    const ZeroUnit* zu;
+  };
+  std::vector<TensorGather> tqueue;
+  std::size_t t_gathered = 0;  // entries [0, t_gathered) gathered
+  std::size_t t_released = 0;  // entries [0, t_released) released (or still needed ahead)
+  auto t_gather_through = [&](std::size_t end) {
+    for (; t_gathered < end; ++t_gathered) gather_unit(*tqueue[t_gathered].zu);
+  };
+  // Releases entries [t_released, end) but those gathered ahead again.
+  auto t_release_through = [&](std::size_t end) {
+    for (; t_released < end; ++t_released) {
+      const ZeroUnit* zu = tqueue[t_released].zu;
+      bool ahead = false;
+      for (std::size_t k = end; k < t_gathered; ++k) ahead = ahead || tqueue[k].zu == zu;
+      if (!ahead) release_unit(*zu);
+    }
+  };
   auto zero3_for = [&](std::size_t i, int sg) {
     if (zero != 3) return;
     const Zero3Block* zb = &z3.at(i);
@@ -2332,8 +2388,72 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       const auto [first, end] = zranges_of.at(sg).at(u);
       for (std::size_t k = first; k < end; ++k) f(zunits_of.at(sg)[k]);
     };
+    tqueue.clear();
+    t_gathered = t_released = 0;
+    ctx.before_op = nullptr;
+    if (tensor_prefetch && zb->gather) {
+      const Model& model = *models.at(sg);
+      const int n = static_cast<int>(zranges_of.at(sg).size());
+      auto part = [&](int unit) -> const GraphPart& {
+        if (model.has_embedding() && unit == 0) return graph.embedding;
+        if (model.has_head() && unit == model.head_unit()) return graph.head;
+        return graph.layer;
+      };
+      auto add = [&](int unit, const std::string& op, bool recompute) {
+        each(unit, [&](const ZeroUnit& zu) {
+          if (!zu.persistent && op_of(sg, unit, *zu.params.front()) == op) {
+            tqueue.push_back({unit, op, recompute, &zu});
+          }
+        });
+        if (op == "head.proj" && unit == n - 1 && ztied_of.count(sg)) {
+          tqueue.push_back({unit, op, recompute, ztied_of.at(sg)});
+        }
+      };
+      const BlockKind kind = L.order->blocks[i].kind;
+      if (kind == BlockKind::kForward) {
+        for (int u = 0; u < n; ++u) {
+          for (const Op& op : part(u).ops) add(u, op.name, false);
+        }
+      } else if (kind != BlockKind::kRecompute) {
+        for (int u = n - 1; u >= 0; --u) {
+          const auto& ops = part(u).ops;
+          if (auto again = zb->regather.find(u); again != zb->regather.end()) {
+            for (const Op& op : ops) {
+              if (again->second.count(op.name)) add(u, op.name, true);
+            }
+          }
+          for (auto op = ops.rbegin(); op != ops.rend(); ++op) add(u, op->name, false);
+        }
+      }
+      ctx.before_op = [&](int unit, const std::string& op, bool recompute) {
+        std::size_t first = t_released;
+        while (first < tqueue.size() && !(tqueue[first].unit == unit && tqueue[first].op == op &&
+                                          tqueue[first].recompute == recompute)) {
+          ++first;
+        }
+        if (first == tqueue.size()) return;  // no weights of its own to gather
+        std::size_t end = first;
+        while (end < tqueue.size() && tqueue[end].unit == unit && tqueue[end].op == op &&
+               tqueue[end].recompute == recompute) {
+          ++end;
+        }
+        // What the operators before it used (gathered now if none of them ran: the program's
+        // calls), released; then its own tensors and those after them.
+        t_gather_through(first);
+        t_release_through(first);
+        double ahead = 0;
+        for (std::size_t k = end; k < t_gathered; ++k) {
+          ahead += static_cast<double>(tqueue[k].zu->params.front()->w.numel());
+        }
+        std::size_t last = std::max(t_gathered, end);
+        for (; last < tqueue.size() && ahead < plan.comm.zero3_prefetch_elements; ++last) {
+          ahead += static_cast<double>(tqueue[last].zu->params.front()->w.numel());
+        }
+        t_gather_through(last);
+      };
+    }
     ctx.before_unit = [&, sg, zb, each](int u, bool backward) {
-      if (!zb->gather) return;
+      if (!zb->gather || tensor_prefetch) return;
       const int n = static_cast<int>(zranges_of.at(sg).size());
       const int pos = backward ? n - 1 - u : u;
       auto fetch = [&](int q) {
@@ -2630,6 +2750,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         }
       }
       if (zero == 3) {
+        t_gather_through(tqueue.size());  // tensors no operator of this block asked for
         reduce_waiting();
         release_segment(sg);
       }

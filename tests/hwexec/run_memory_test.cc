@@ -170,6 +170,23 @@ INSTANTIATE_TEST_SUITE_P(
         MemoryCase{"dp2_zero3", 1, 1, 2, "fp32", {"--zero", "3"}},
         MemoryCase{
             "dp2_deepspeed_zero3", 1, 1, 2, "fp32", {"--zero", "3", "--framework", "deepspeed"}},
+        // ... every tensor gathered, tensor by tensor: the builder's 5e7 elements ahead (the
+        // whole model here, gathered at its first operator), and 20,000 (an operator's tensors
+        // and the next ones up to that, each released after its operator).
+        MemoryCase{
+            "dp2_deepspeed_zero3_every_tensor",
+            1,
+            1,
+            2,
+            "fp32",
+            {"--zero", "3", "--framework", "deepspeed", "--zero3-persistence-threshold", "0"}},
+        MemoryCase{"dp2_deepspeed_zero3_prefetch_20000",
+                   1,
+                   1,
+                   2,
+                   "fp32",
+                   {"--zero", "3", "--framework", "deepspeed", "--zero3-persistence-threshold", "0",
+                    "--zero3-prefetch-elements", "20000"}},
         MemoryCase{"bf16_fsdp_dp2", 1, 1, 2, "bf16", {"--zero", "3", "--framework", "fsdp"}},
         // Full recomputation: the loss's buffers are freed before the last layer is recomputed
         // (the program's backward peak, part by part).

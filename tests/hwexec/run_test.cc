@@ -599,6 +599,10 @@ INSTANTIATE_TEST_SUITE_P(
         vshape("tied_zb_v_zero3_pp2_dp2", 2, 8, {"--zero", "3"}),
         vshape("tied_zb_v_deepspeed_zero3_pp2_dp2", 2, 8,
                {"--zero", "3", "--framework", "deepspeed"}),
+        // ... every tensor gathered, one tensor ahead: the head's gathers of the tied matrix.
+        vshape("tied_zb_v_deepspeed_zero3_prefetch_one_pp2_dp2", 2, 8,
+               {"--zero", "3", "--framework", "deepspeed", "--zero3-persistence-threshold", "0",
+                "--zero3-prefetch-elements", "1"}),
         vshape("tied_zb_v_fsdp_zero3_pp2_dp2", 2, 8, {"--zero", "3", "--framework", "fsdp"}),
         vshape("bf16_tied_zb_v_zero2_pp2_dp2", 2, 8, {"--zero", "2"}, "bf16"),
         // ... and with whole backwards (B blocks), as a hand-built V-shaped order has them.
@@ -617,6 +621,11 @@ INSTANTIATE_TEST_SUITE_P(
         with("deepspeed_zero3_recompute_full_dp2", 1, 1, 2, 4,
              {"--zero", "3", "--framework", "deepspeed", "--recompute", "full",
               "--zero3-persistence-threshold", "0"}),
+        // ... gathering ahead only the next tensor (one element's prefetch): each operator's own
+        // tensors and one more.
+        with("deepspeed_zero3_prefetch_one_recompute_full_dp2", 1, 1, 2, 4,
+             {"--zero", "3", "--framework", "deepspeed", "--recompute", "full",
+              "--zero3-persistence-threshold", "0", "--zero3-prefetch-elements", "1"}),
         Case{"zb_h1_deepspeed_zero3_recompute_selective_pp2_dp2",
              1,
              2,
@@ -627,6 +636,18 @@ INSTANTIATE_TEST_SUITE_P(
              "fp32",
              {"--zero", "3", "--framework", "deepspeed", "--recompute", "selective",
               "--zero3-persistence-threshold", "0"}},
+        // ... and a tensor's prefetch in BI and BW blocks, whose norms' weights the BW does not
+        // read (gathered all the same, as the program's block).
+        Case{"zb_h1_deepspeed_zero3_prefetch_one_pp2_dp2",
+             1,
+             2,
+             2,
+             "zb-h1",
+             8,
+             &kModel,
+             "fp32",
+             {"--zero", "3", "--framework", "deepspeed", "--zero3-persistence-threshold", "0",
+              "--zero3-prefetch-elements", "1"}},
         // FSDP under a pipeline (optimizer.keep_gathered): each unit gathered in its segment's
         // first forward, its gradients reduce-scattered after the last micro-batch's B or BW.
         with("fsdp_zero3_keep_gathered_pp2_dp2", 1, 2, 2, 8,
