@@ -457,19 +457,7 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
 }
 
 std::vector<bool> Compiler::recomputed_ops(const PartInfo& p, int layer_index) const {
-  std::vector<bool> r(p.part->ops.size(), false);
-  for (size_t i = 0; i < r.size(); ++i) {
-    for (const auto& rule : plan.recompute) {
-      if (!match_pattern(rule.match, p.part->ops[i].name)) continue;
-      if (layer_index < 0) {
-        if (rule.end_layer < 0) r[i] = true;  // embedding / head: only rules without a range
-      } else if (layer_index >= rule.first_layer &&
-                 (rule.end_layer < 0 || layer_index < rule.end_layer)) {
-        r[i] = true;
-      }
-    }
-  }
-  return r;
+  return nnsim::recomputed_ops(plan, *p.part, layer_index);
 }
 
 bool Compiler::has_recompute(int segment) const {
@@ -776,33 +764,13 @@ std::vector<double> Compiler::sharded_tensors(const PartInfo& p, size_t op) cons
 
 std::vector<TensorGather> Compiler::zero3_tensor_queue(int segment, BlockKind kind,
                                                        bool explicit_recompute) const {
-  const Segment& s = plan.segments[segment];
-  const bool forward = kind == BlockKind::kForward;
-  const bool backward = kind == BlockKind::kBackward || kind == BlockKind::kBackwardInput ||
-                        kind == BlockKind::kBackwardWeight;
-  std::vector<std::pair<const PartInfo*, int>> order;  // (part, layer index or -1)
-  if (s.embedding) order.emplace_back(&embed, -1);
-  for (int l = s.first_layer; l < s.end_layer; ++l) order.emplace_back(&layer, l);
-  if (s.head) order.emplace_back(&head, -1);
-  if (!forward) std::reverse(order.begin(), order.end());
   std::vector<TensorGather> queue;
-  for (size_t i = 0; (forward || backward) && i < order.size(); ++i) {
-    const PartInfo& p = *order[i].first;
-    auto add = [&](size_t op, bool recompute) {
-      for (double n : sharded_tensors(p, op)) queue.push_back({i, &p, op, recompute, n});
-    };
-    const auto r = recomputed_ops(p, order[i].second);
-    const bool recomputes = backward && kind != BlockKind::kBackwardWeight && !explicit_recompute &&
-                            std::find(r.begin(), r.end(), true) != r.end();
-    if (forward || recomputes) {
-      const auto replayed = forward ? std::vector<bool>(p.part->ops.size(), true)
-                                    : replayed_ops(*p.part, r, plan.recompute_early_stop);
-      for (size_t op = 0; op < p.part->ops.size(); ++op) {
-        if (replayed[op]) add(op, !forward);
-      }
-    }
-    if (backward) {
-      for (size_t op = p.part->ops.size(); op-- > 0;) add(op, false);
+  for (const Zero3Use& u : zero3_uses(plan, prog.graph, segment, kind, explicit_recompute)) {
+    const PartInfo& p = u.part == &prog.graph.embedding ? embed
+                        : u.part == &prog.graph.head    ? head
+                                                        : layer;
+    for (double n : sharded_tensors(p, u.op)) {
+      queue.push_back({static_cast<size_t>(u.unit), &p, u.op, u.recompute, n});
     }
   }
   return queue;
@@ -1779,6 +1747,60 @@ double Compiler::retained_output_bytes(int segment) const {
 }
 
 }  // namespace
+
+std::vector<bool> recomputed_ops(const Plan& plan, const GraphPart& part, int layer) {
+  std::vector<bool> r(part.ops.size(), false);
+  for (size_t i = 0; i < r.size(); ++i) {
+    for (const auto& rule : plan.recompute) {
+      if (!match_pattern(rule.match, part.ops[i].name)) continue;
+      if (layer < 0) {
+        if (rule.end_layer < 0) r[i] = true;  // embedding / head: only rules without a range
+      } else if (layer >= rule.first_layer && (rule.end_layer < 0 || layer < rule.end_layer)) {
+        r[i] = true;
+      }
+    }
+  }
+  return r;
+}
+
+std::vector<Zero3Use> zero3_uses(const Plan& plan, const OpGraph& graph, int segment,
+                                 BlockKind kind, bool explicit_recompute) {
+  const Segment& s = plan.segments[segment];
+  const bool forward = kind == BlockKind::kForward;
+  const bool backward = kind == BlockKind::kBackward || kind == BlockKind::kBackwardInput ||
+                        kind == BlockKind::kBackwardWeight;
+  std::vector<Zero3Use> units;  // one per unit, op 0
+  if (s.embedding) units.push_back({0, &graph.embedding, -1, 0, false});
+  for (int l = s.first_layer; l < s.end_layer; ++l) {
+    units.push_back({static_cast<int>(units.size()), &graph.layer, l, 0, false});
+  }
+  if (s.head) units.push_back({static_cast<int>(units.size()), &graph.head, -1, 0, false});
+  if (!forward) std::reverse(units.begin(), units.end());
+  std::vector<Zero3Use> uses;
+  for (const Zero3Use& unit : (forward || backward) ? units : std::vector<Zero3Use>{}) {
+    const GraphPart& part = *unit.part;
+    auto use = [&](size_t op, bool recompute) {
+      Zero3Use u = unit;
+      u.op = op;
+      u.recompute = recompute;
+      uses.push_back(u);
+    };
+    const std::vector<bool> r = recomputed_ops(plan, part, unit.layer);
+    const bool recomputes = backward && kind != BlockKind::kBackwardWeight && !explicit_recompute &&
+                            std::find(r.begin(), r.end(), true) != r.end();
+    if (forward || recomputes) {
+      const std::vector<bool> replayed = forward ? std::vector<bool>(part.ops.size(), true)
+                                                 : replayed_ops(part, r, plan.recompute_early_stop);
+      for (size_t op = 0; op < part.ops.size(); ++op) {
+        if (replayed[op]) use(op, !forward);
+      }
+    }
+    if (backward) {
+      for (size_t op = part.ops.size(); op-- > 0;) use(op, false);
+    }
+  }
+  return uses;
+}
 
 // The operators a recomputation runs. With early stop, it ends at the last recomputed operator
 // that saves a tensor for the backward: that operator runs only when it saves a tensor of its

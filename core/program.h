@@ -156,6 +156,28 @@ struct CompileOptions {
 // compiler prices with op_seconds (the backward's two GEMMs transpose it).
 PieceShape linear_piece_shape(const Op& op, const OpPartition& p, const Mesh& mesh);
 
+// The operators of `part` the plan's recompute rules recompute: in layer `layer`, or with
+// `layer` -1 in the embedding or the head (only rules without a layer range reach those).
+std::vector<bool> recomputed_ops(const Plan& plan, const GraphPart& part, int layer);
+
+// One operator's use of its weights in a block, in the order ZeRO-3 tensor by tensor gathers
+// them (DeepSpeed's prefetch queue, comm.zero3_prefetch_elements).
+struct Zero3Use {
+  int unit = 0;  // the segment's parameter unit: its embedding, each layer, its head, in order
+  const GraphPart* part = nullptr;  // the graph's embedding, layer or head
+  int layer = -1;                   // the model's layer (the layer part), else -1
+  size_t op = 0;                    // index into part->ops
+  bool recompute = false;           // for its recomputation inside the backward
+};
+
+// The uses of a `kind` block of `segment`: a forward's every operator in forward order; a
+// backward's (B, BI, BW) unit by unit backwards, each operator in reverse order, preceded in a
+// B or BI block (without explicit R blocks) by the operators its recomputation replays, in
+// forward order. An R block's: none (it runs on the backward's gathers). Which of them hold
+// weights is the caller's to say.
+std::vector<Zero3Use> zero3_uses(const Plan& plan, const OpGraph& graph, int segment,
+                                 BlockKind kind, bool explicit_recompute);
+
 // The operators of `part` a recomputation runs, given those the plan's rules recompute
 // (`recomputed`): all of them, or with `early_stop` (Plan::recompute_early_stop) up to the last
 // one that saves a tensor for the backward.

@@ -47,6 +47,7 @@
 #include <fmt/format.h>
 
 #include "core/opgraph.h"
+#include "core/program.h"
 #include "hwexec/comm.h"
 #include "hwexec/cpu_memory.h"
 #include "hwexec/run.h"
@@ -2360,6 +2361,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   const bool tensor_prefetch =
       zero == 3 && plan.comm.zero3_per_tensor && plan.comm.zero3_prefetch_elements > 0;
   const OpGraph graph = lower_model(plan.model, 1);
+  std::set<int> explicit_recompute;  // segments with R blocks: the backward does not recompute
+  for (const Block& blk : L.order->blocks) {
+    if (blk.kind == BlockKind::kRecompute) explicit_recompute.insert(blk.segment);
+  }
   struct TensorGather {
     int unit;
     std::string op;
@@ -2392,37 +2397,18 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     t_gathered = t_released = 0;
     ctx.before_op = nullptr;
     if (tensor_prefetch && zb->gather) {
-      const Model& model = *models.at(sg);
       const int n = static_cast<int>(zranges_of.at(sg).size());
-      auto part = [&](int unit) -> const GraphPart& {
-        if (model.has_embedding() && unit == 0) return graph.embedding;
-        if (model.has_head() && unit == model.head_unit()) return graph.head;
-        return graph.layer;
-      };
-      auto add = [&](int unit, const std::string& op, bool recompute) {
-        each(unit, [&](const ZeroUnit& zu) {
-          if (!zu.persistent && op_of(sg, unit, *zu.params.front()) == op) {
-            tqueue.push_back({unit, op, recompute, &zu});
+      const BlockKind kind = L.order->blocks[i].kind;
+      for (const Zero3Use& u : zero3_uses(plan, graph, sg, kind, explicit_recompute.count(sg))) {
+        const std::string& op = u.part->ops[u.op].name;
+        each(u.unit, [&](const ZeroUnit& zu) {
+          if (!zu.persistent && op_of(sg, u.unit, *zu.params.front()) == op) {
+            tqueue.push_back({u.unit, op, u.recompute, &zu});
           }
         });
-        if (op == "head.proj" && unit == n - 1 && ztied_of.count(sg)) {
-          tqueue.push_back({unit, op, recompute, ztied_of.at(sg)});
-        }
-      };
-      const BlockKind kind = L.order->blocks[i].kind;
-      if (kind == BlockKind::kForward) {
-        for (int u = 0; u < n; ++u) {
-          for (const Op& op : part(u).ops) add(u, op.name, false);
-        }
-      } else if (kind != BlockKind::kRecompute) {
-        for (int u = n - 1; u >= 0; --u) {
-          const auto& ops = part(u).ops;
-          if (auto again = zb->regather.find(u); again != zb->regather.end()) {
-            for (const Op& op : ops) {
-              if (again->second.count(op.name)) add(u, op.name, true);
-            }
-          }
-          for (auto op = ops.rbegin(); op != ops.rend(); ++op) add(u, op->name, false);
+        // The head's projection with the embedding's matrix (its hooks fetch it again).
+        if (op == "head.proj" && u.unit == n - 1 && ztied_of.count(sg)) {
+          tqueue.push_back({u.unit, op, u.recompute, ztied_of.at(sg)});
         }
       }
       ctx.before_op = [&](int unit, const std::string& op, bool recompute) {
@@ -2458,22 +2444,11 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       const int pos = backward ? n - 1 - u : u;
       auto fetch = [&](int q) {
         const int unit = backward ? n - 1 - q : q;
-        // First what the recomputation gathers again: the tensors of its operators that hold
-        // weights (a whole unit's, when gathered whole), the tied matrix for a head.proj.
-        if (auto again = zb->regather.find(unit); again != zb->regather.end()) {
-          each(unit, [&](const ZeroUnit& zu) {
-            if (std::any_of(zu.params.begin(), zu.params.end(), [&](const Param* p) {
-                  return again->second.count(operator_of(p->name)) > 0;
-                })) {
-              gather_unit(zu);
-            }
-          });
-          if (unit == n - 1 && ztied_of.count(sg) && again->second.count("head.proj")) {
-            gather_unit(*ztied_of.at(sg));
-          }
+        const int times = zb->regather.count(unit) ? 2 : 1;
+        for (int t = 0; t < times; ++t) {
+          each(unit, gather_unit);
+          if (unit == n - 1 && ztied_of.count(sg)) gather_unit(*ztied_of.at(sg));
         }
-        each(unit, gather_unit);
-        if (unit == n - 1 && ztied_of.count(sg)) gather_unit(*ztied_of.at(sg));
       };
       if (pos == 0) fetch(0);
       if (pos + 1 < n) fetch(pos + 1);

@@ -4,9 +4,7 @@
 // LibTorch: the executor (run_torch.cc) applies the decisions to its parameter units.
 #pragma once
 
-#include <map>
 #include <set>
-#include <string>
 #include <vector>
 
 #include "core/plan.h"
@@ -24,12 +22,11 @@ struct Zero3Block {
   // micro-batch, or only of the last one when the parameters are kept gathered (the unsharded
   // gradients accumulate until then). Never a BI (its weight gradients come in the BW).
   bool reduce = false;
-  // Units gathered twice, once for their recomputation inside this backward, once for the
-  // backward (DeepSpeed's, comm.zero3_regather_for_recompute; never with explicit R blocks):
-  // per unit, the operators whose weights the recomputation gathers again. Whole-unit prefetch:
-  // every operator of a recomputed layer. Tensor-grained prefetch (comm.zero3_prefetch_elements):
-  // the operators the recomputation replays that hold weights, as the program's queue has them.
-  std::map<int, std::set<std::string>> regather;
+  // Units gathered twice: once for their recomputation inside this backward, once for the
+  // backward (DeepSpeed's, comm.zero3_regather_for_recompute; never with explicit R blocks).
+  // Whole units only: DeepSpeed's tensor-grained prefetch follows the program's queue instead
+  // (core/program.h, zero3_uses).
+  std::set<int> regather;
 };
 
 // The ZeRO-3 decisions for each block of `order` (one rank's), for a plan with
