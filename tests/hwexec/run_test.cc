@@ -1361,19 +1361,22 @@ with h5py.File(sys.argv[1], "r") as f:
 
 INSTANTIATE_TEST_SUITE_P(
     Plans, NnexecRunGpu,
-    ::testing::Values(Case{"one_gpu", 1, 1, 1, "1f1b", 2}, Case{"tp2", 2, 1, 1, "1f1b", 2},
-                      Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4}, Case{"dp2", 1, 1, 2, "1f1b", 4},
-                      Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8},
-                      Case{"llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama},
-                      Case{"bf16_llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16"},
-                      with("zero1_dp2", 1, 1, 2, 4, {"--zero", "1"}),
-                      with("zero3_dp2", 1, 1, 2, 4, {"--zero", "3"}),
-                      with("sp_recompute_full_tp2", 2, 1, 1, 2,
-                           {"--sequence-parallel", "--recompute", "full"}),
-                      with("tp2_sp_pp2", 2, 2, 1, 4, {"--sequence-parallel"}),
-                      // NCCL point-to-point inside a stage's order and the cp ring.
-                      Case{"zb_h1_pp2", 1, 2, 1, "zb-h1", 4},
-                      Case{"cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {}, 2}),
+    ::testing::Values(
+        Case{"one_gpu", 1, 1, 1, "1f1b", 2}, Case{"tp2", 2, 1, 1, "1f1b", 2},
+        Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4}, Case{"dp2", 1, 1, 2, "1f1b", 4},
+        Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8}, Case{"llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama},
+        Case{"bf16_llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16"},
+        with("zero1_dp2", 1, 1, 2, 4, {"--zero", "1"}),
+        with("zero3_dp2", 1, 1, 2, 4, {"--zero", "3"}),
+        // DeepSpeed's tensor-grained prefetch over NCCL, every tensor gathered.
+        with("deepspeed_zero3_prefetch_one_dp2", 1, 1, 2, 4,
+             {"--zero", "3", "--framework", "deepspeed", "--zero3-persistence-threshold", "0",
+              "--zero3-prefetch-elements", "1"}),
+        with("sp_recompute_full_tp2", 2, 1, 1, 2, {"--sequence-parallel", "--recompute", "full"}),
+        with("tp2_sp_pp2", 2, 2, 1, 4, {"--sequence-parallel"}),
+        // NCCL point-to-point inside a stage's order and the cp ring.
+        Case{"zb_h1_pp2", 1, 2, 1, "zb-h1", 4},
+        Case{"cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {}, 2}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
