@@ -111,7 +111,7 @@ TEST_P(NnexecRunMemory, StaticMemoryIsTheSimulatorsAndThePeakNearIt) {
   // "Memory"). Beside the backward's whole gradients the executor's ZeRO 1-2 keep a gradient
   // chunk per rank (4 bytes a parameter over dp) and, in an fp32 plan, a master chunk (4 more),
   // where Megatron's distributed optimizer uses views of its gradient and parameter buffers:
-  // those are taken off. All eight are then within 5.5 %; 7 % catches a regression of either
+  // those are taken off. All ten are then within 5.5 %; 7 % catches a regression of either
   // side.
   const auto zero = std::find(c.flags.begin(), c.flags.end(), std::string("--zero"));
   const bool zero12 = zero != c.flags.end() && (zero[1] == "1" || zero[1] == "2");
