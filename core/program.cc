@@ -119,7 +119,7 @@ struct PartInfo {
 // ZeRO-3 tensor by tensor with prefetch (comm.zero3_prefetch_elements): one gather of a block,
 // in the order the block's operators use the tensors.
 struct TensorGather {
-  size_t unit;  // position in the block's unit order (forward, or backward order)
+  size_t unit;  // the segment's parameter unit (Zero3Use::unit)
   const PartInfo* part;
   size_t op;
   bool recompute;  // for the operator's recomputation inside the backward
@@ -132,9 +132,10 @@ struct TensorUse {
   size_t first, end, launched;
 };
 
-// DeepSpeed's prefetch: an operator launches its own gathers if not yet in flight, then the
-// ones after them until at least `prefetch` elements are in flight ahead of it.
+// DeepSpeed's prefetch over a block's queue (zero3_launch_through), operator by operator.
 std::vector<TensorUse> zero3_tensor_uses(const std::vector<TensorGather>& queue, double prefetch) {
+  std::vector<double> elements;
+  for (const TensorGather& g : queue) elements.push_back(g.elements);
   std::vector<TensorUse> uses;
   size_t launched = 0;
   for (size_t first = 0; first < queue.size();) {
@@ -144,12 +145,7 @@ std::vector<TensorUse> zero3_tensor_uses(const std::vector<TensorGather>& queue,
            queue[end].op == g.op && queue[end].recompute == g.recompute) {
       ++end;
     }
-    launched = std::max(launched, end);
-    double ahead = 0;
-    for (size_t k = end; k < launched; ++k) ahead += queue[k].elements;
-    for (; launched < queue.size() && ahead < prefetch; ++launched) {
-      ahead += queue[launched].elements;
-    }
+    launched = zero3_launch_through(elements, end, launched, prefetch);
     uses.push_back({first, end, launched});
     first = end;
   }
@@ -895,8 +891,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   const int seg = t.segment;
   const Segment& s = plan.segments[seg];
   const int zero = plan.optimizer.zero;
-  const bool tensor_prefetch =
-      zero == 3 && plan.comm.zero3_per_tensor && plan.comm.zero3_prefetch_elements > 0;
+  const bool tensor_prefetch = zero3_prefetches_tensors(plan);
   const TensorLayout embed_out = input_layout_of(embed);
   const TensorLayout layer_out = input_layout_of(layer);
   // The embedding's output as the next part reads it. A vocabulary split over axes outside the
@@ -1686,7 +1681,7 @@ void Compiler::build_memory(Lane& lane, int lane_index, const std::vector<int>& 
     // Persistent tensors: their whole 16-bit copy on every GPU besides their shard.
     for (int s : segments) m.weights += segment_persistent_params(s) * weight_bytes;
     m.gathered = 2 * layer_params * weight_bytes + layer_params * plan.optimizer.grad_bytes;
-    if (plan.comm.zero3_per_tensor && plan.comm.zero3_prefetch_elements > 0) {
+    if (zero3_prefetches_tensors(plan)) {
       // Tensor by tensor: the most any block holds gathered, and of gradients one tensor's
       // (autograd's, until the reduce bucket takes it) and the bucket (reduce_bucket_size).
       double peak = 0, largest = 0;
@@ -1748,6 +1743,20 @@ double Compiler::retained_output_bytes(int segment) const {
 
 }  // namespace
 
+bool zero3_prefetches_tensors(const Plan& plan) {
+  return plan.optimizer.zero == 3 && plan.comm.zero3_per_tensor &&
+         plan.comm.zero3_prefetch_elements > 0;
+}
+
+size_t zero3_launch_through(const std::vector<double>& elements, size_t end, size_t launched,
+                            double prefetch) {
+  launched = std::max(launched, end);
+  double ahead = 0;
+  for (size_t k = end; k < launched; ++k) ahead += elements[k];
+  for (; launched < elements.size() && ahead < prefetch; ++launched) ahead += elements[launched];
+  return launched;
+}
+
 std::vector<bool> recomputed_ops(const Plan& plan, const GraphPart& part, int layer) {
   std::vector<bool> r(part.ops.size(), false);
   for (size_t i = 0; i < r.size(); ++i) {
@@ -1775,9 +1784,10 @@ std::vector<Zero3Use> zero3_uses(const Plan& plan, const OpGraph& graph, int seg
     units.push_back({static_cast<int>(units.size()), &graph.layer, l, 0, false});
   }
   if (s.head) units.push_back({static_cast<int>(units.size()), &graph.head, -1, 0, false});
+  if (!forward && !backward) return {};  // an R block runs on the backward's gathers
   if (!forward) std::reverse(units.begin(), units.end());
   std::vector<Zero3Use> uses;
-  for (const Zero3Use& unit : (forward || backward) ? units : std::vector<Zero3Use>{}) {
+  for (const Zero3Use& unit : units) {
     const GraphPart& part = *unit.part;
     auto use = [&](size_t op, bool recompute) {
       Zero3Use u = unit;

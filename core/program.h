@@ -170,6 +170,16 @@ struct Zero3Use {
   bool recompute = false;           // for its recomputation inside the backward
 };
 
+// Whether ZeRO-3 gathers tensor by tensor with DeepSpeed's prefetch (zero3_prefetch_elements).
+bool zero3_prefetches_tensors(const Plan& plan);
+
+// DeepSpeed's prefetch window: the tensors `elements` in the order they are used; an operator
+// whose own are [first, end) and which finds [0, launched) gathered or in flight launches its
+// own, then those after them until at least `prefetch` elements are in flight after its own.
+// Returns the new end of what is launched.
+size_t zero3_launch_through(const std::vector<double>& elements, size_t end, size_t launched,
+                            double prefetch);
+
 // The uses of a `kind` block of `segment`: a forward's every operator in forward order; a
 // backward's (B, BI, BW) unit by unit backwards, each operator in reverse order, preceded in a
 // B or BI block (without explicit R blocks) by the operators its recomputation replays, in

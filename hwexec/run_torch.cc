@@ -2353,13 +2353,12 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     const Model& model = *models.at(sg);
     return model.has_head() && unit == model.head_unit() && op == "embed.word" ? "head.proj" : op;
   };
-  // DeepSpeed's tensor-grained prefetch (comm.zero3_prefetch_elements), the program's queue
-  // (core/program.cc, zero3_tensor_queue): a block's gathers in the order its operators use the
-  // tensors; before an operator runs, its own and the next ones until that many elements are
-  // gathered ahead of it; a tensor released once its operator has run (and no gather ahead holds
-  // it). Whole units otherwise (before_unit).
-  const bool tensor_prefetch =
-      zero == 3 && plan.comm.zero3_per_tensor && plan.comm.zero3_prefetch_elements > 0;
+  // DeepSpeed's tensor-grained prefetch (comm.zero3_prefetch_elements), in the program's order
+  // (core/program.h, zero3_uses and zero3_launch_through): a block's gathers in the order its
+  // operators use the tensors; before an operator runs, its own and the next ones until that
+  // many elements are gathered ahead of it; a tensor released once its operator has run (and no
+  // gather ahead holds it). Whole units otherwise (before_unit).
+  const bool tensor_prefetch = zero3_prefetches_tensors(plan);
   const OpGraph graph = lower_model(plan.model, 1);
   std::set<int> explicit_recompute;  // segments with R blocks: the backward does not recompute
   for (const Block& blk : L.order->blocks) {
@@ -2372,8 +2371,9 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     const ZeroUnit* zu;
   };
   std::vector<TensorGather> tqueue;
-  std::size_t t_gathered = 0;  // entries [0, t_gathered) gathered
-  std::size_t t_released = 0;  // entries [0, t_released) released (or still needed ahead)
+  std::vector<double> telements;  // tqueue's tensors' elements (this rank's, before ZeRO)
+  std::size_t t_gathered = 0;     // entries [0, t_gathered) gathered
+  std::size_t t_released = 0;     // entries [0, t_released) released (or still needed ahead)
   auto t_gather_through = [&](std::size_t end) {
     for (; t_gathered < end; ++t_gathered) gather_unit(*tqueue[t_gathered].zu);
   };
@@ -2394,6 +2394,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       for (std::size_t k = first; k < end; ++k) f(zunits_of.at(sg)[k]);
     };
     tqueue.clear();
+    telements.clear();
     t_gathered = t_released = 0;
     ctx.before_op = nullptr;
     if (tensor_prefetch && zb->gather) {
@@ -2411,6 +2412,9 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
           tqueue.push_back({u.unit, op, u.recompute, ztied_of.at(sg)});
         }
       }
+      for (const TensorGather& g : tqueue) {
+        telements.push_back(static_cast<double>(g.zu->params.front()->w.numel()));
+      }
       ctx.before_op = [&](int unit, const std::string& op, bool recompute) {
         std::size_t first = t_released;
         while (first < tqueue.size() && !(tqueue[first].unit == unit && tqueue[first].op == op &&
@@ -2427,15 +2431,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         // calls), released; then its own tensors and those after them.
         t_gather_through(first);
         t_release_through(first);
-        double ahead = 0;
-        for (std::size_t k = end; k < t_gathered; ++k) {
-          ahead += static_cast<double>(tqueue[k].zu->params.front()->w.numel());
-        }
-        std::size_t last = std::max(t_gathered, end);
-        for (; last < tqueue.size() && ahead < plan.comm.zero3_prefetch_elements; ++last) {
-          ahead += static_cast<double>(tqueue[last].zu->params.front()->w.numel());
-        }
-        t_gather_through(last);
+        t_gather_through(
+            zero3_launch_through(telements, end, t_gathered, plan.comm.zero3_prefetch_elements));
       };
     }
     ctx.before_unit = [&, sg, zb, each](int u, bool backward) {
