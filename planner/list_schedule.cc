@@ -54,6 +54,7 @@ class ListScheduler {
 
   const ListScheduleProblem& p_;
   const int segments_;
+  std::vector<std::vector<int>> segments_of_;  // per device, its segments in pipeline order
   std::vector<double> finish_;
   std::vector<int> next_f_, next_b_, next_r_;
   std::vector<std::deque<int>> weights_;  // per segment: micro-batches awaiting BW
@@ -86,8 +87,7 @@ Choice ListScheduler::next_for(int d) {
   };
   const int limit = p_.in_flight_limit.empty() ? 0 : p_.in_flight_limit[d];
   const bool by_bytes = !p_.memory_limit.empty();
-  for (int s = 0; s < segments_; ++s) {
-    if (p_.device_of_segment[s] != d) continue;
+  for (int s : segments_of_[d]) {
     const bool rec = !p_.recompute.empty() && p_.recompute[s];
     // Backward of the oldest micro-batch without one.
     if (int mb = next_b_[s]; mb < p_.micro_batches) {
@@ -148,6 +148,8 @@ Expected<ListSchedule> ListScheduler::run() {
   for (int d : p_.device_of_segment) {
     if (d < 0 || d >= D) return Error(fmt::format("list schedule: no device {}", d));
   }
+  segments_of_.assign(D, {});
+  for (int s = 0; s < segments_; ++s) segments_of_[p_.device_of_segment[s]].push_back(s);
   finish_.assign(static_cast<size_t>(4) * segments_ * M, kNotYet);
   next_f_.assign(segments_, 0);
   next_b_.assign(segments_, 0);
