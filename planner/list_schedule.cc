@@ -171,12 +171,20 @@ Expected<ListSchedule> ListScheduler::run() {
     const bool rec = !p_.recompute.empty() && p_.recompute[s];
     remaining += M * (2 + (p_.split_backward ? 1 : 0) + (rec ? 1 : 0));
   }
+  // A device's best next block depends only on its own state and on the blocks of its segments
+  // and their neighbours, so it is recomputed only when one of those has run.
+  std::vector<Choice> next(D);
+  std::vector<bool> stale(D, true);
   while (remaining > 0) {
     int device = -1;
     Choice pick;
     double start = kNotYet;
     for (int d = 0; d < D; ++d) {
-      Choice c = next_for(d);
+      if (stale[d]) {
+        next[d] = next_for(d);
+        stale[d] = false;
+      }
+      const Choice& c = next[d];
       if (c.ready == kNotYet) continue;
       const double s = std::max(free_at_[d], c.ready);
       if (s < start) {
@@ -233,6 +241,9 @@ Expected<ListSchedule> ListScheduler::run() {
     }
     free_at_[device] = start + duration;
     finish(b.kind, s, b.micro_batch) = free_at_[device];
+    stale[device] = true;
+    if (s > 0) stale[p_.device_of_segment[s - 1]] = true;
+    if (s + 1 < segments_) stale[p_.device_of_segment[s + 1]] = true;
     order[device].push_back(b);
     --remaining;
   }

@@ -727,14 +727,21 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
   // Confirm the best by simulation.
   if (o.simulate && o.confirm > 0) {
     const size_t n = std::min<size_t>(o.confirm, feasible.size());
-    for (size_t i = 0; i < n; ++i) {
-      Candidate& c = feasible[i];
-      Expected<Plan> plan = build_megatron_plan(model, topo, c.options);
-      Expected<Program> prog = compile_plan(*plan, topo, c.options.costs);
-      Expected<double> t = o.simulate(*prog);
-      if (t) c.simulated = *t;
-      if (o.progress) o.progress("simulating", i + 1, n);
-    }
+    // Several at once: each simulation runs in a child process of its own.
+    parallel_for(
+        n, o.jobs,
+        [&](size_t i) {
+          Candidate& c = feasible[i];
+          Expected<Plan> plan = build_megatron_plan(model, topo, c.options);
+          if (!plan) return;  // estimated already, so not expected; the estimate stands
+          Expected<Program> prog = compile_plan(*plan, topo, c.options.costs);
+          if (!prog) return;
+          Expected<double> t = o.simulate(*prog);
+          if (t) c.simulated = *t;
+        },
+        [&](size_t done, size_t total) {
+          if (o.progress) o.progress("simulating", done, total);
+        });
     result.confirmed = n;
     // How often the estimator orders two confirmed plans differently from the simulator.
     for (size_t a = 0; a < n; ++a) {

@@ -218,6 +218,39 @@ TEST(Search, AllChoicesPinnedIsTheBuilder) {
   EXPECT_EQ(plan_to_json(r->best), plan_to_json(*built));
 }
 
+TEST(Search, ConfirmationsRunAtOnceAndEachPlanKeepsItsOwnResult) {
+  // A stand-in for the simulator whose answer depends on the program it is given, so that a
+  // result stored on the wrong candidate shows.
+  auto fake = [](const Program& p) -> Expected<double> {
+    return 1.0 + 1e-3 * static_cast<double>(p.lanes.size()) + 1e-6 * p.micro_batches;
+  };
+  const ModelSpec m = *load_model("gpt3-1.3b");
+  const Topology t = topo("dgx-a100x4", 2);
+  SearchOptions o = options(64);
+  o.confirm = 6;
+  o.simulate = fake;
+  std::vector<std::string> order[2];
+  for (int jobs : {1, 2}) {
+    o.jobs = jobs;
+    Expected<SearchResult> r = search_plans(m, t, o);
+    ASSERT_TRUE(r.ok()) << r.error().message();
+    ASSERT_EQ(r->confirmed, 6u);
+    int simulated = 0;
+    for (const Candidate& cand : r->ranked) {
+      order[jobs - 1].push_back(cand.describe());
+      if (!cand.simulated) continue;
+      ++simulated;
+      Expected<Plan> plan = build_megatron_plan(m, t, cand.options);
+      ASSERT_TRUE(plan.ok());
+      Expected<Program> prog = compile_plan(*plan, t, cand.options.costs);
+      ASSERT_TRUE(prog.ok());
+      EXPECT_EQ(*cand.simulated, *fake(*prog)) << cand.describe();
+    }
+    EXPECT_EQ(simulated, 6);
+  }
+  EXPECT_EQ(order[0], order[1]);
+}
+
 TEST(Search, AvoidedNodesAndGpusAreNeverUsed) {
   const ModelSpec m = *load_model("gpt3-1.3b");
   const Topology t = topo("dgx-a100x4", 4);
