@@ -104,16 +104,17 @@ double op_seconds(const Op& op, Pass pass, double flops, double bytes, const Pie
   double compute = 0;
   if (op.kind == OpKind::kLinear && flops > 0) {
     // The backward pass is two GEMMs: input gradient (m x k x n) and weight gradient
-    // (k x n x m).
+    // (k x n x m). Grouped GEMMs (experts) are priced one group after another.
+    const double g = std::max(1.0, shape.groups), m = shape.m / g;
     switch (pass) {
       case Pass::kForward:
-        compute = gemm_seconds(shape.m, shape.n, shape.k, precision, gpu, model);
+        compute = g * gemm_seconds(m, shape.n, shape.k, precision, gpu, model);
         break;
       case Pass::kBackwardInput:
-        compute = gemm_seconds(shape.m, shape.k, shape.n, precision, gpu, model);
+        compute = g * gemm_seconds(m, shape.k, shape.n, precision, gpu, model);
         break;
       case Pass::kBackwardWeight:
-        compute = gemm_seconds(shape.k, shape.n, shape.m, precision, gpu, model);
+        compute = g * gemm_seconds(shape.k, shape.n, m, precision, gpu, model);
         break;
     }
   } else if (op.kind == OpKind::kAttention && flops > 0) {

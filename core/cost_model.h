@@ -80,7 +80,8 @@ double gemm_seconds(double m, double n, double k, Precision precision, const Gpu
 // For a linear operator, `gemm` is the piece's m x n x k; for attention, `heads` and `batch` the
 // piece's heads and sequences.
 struct PieceShape {
-  double m = 0, n = 0, k = 0;    // linear
+  double m = 0, n = 0, k = 0;    // linear (m: all rows, of every group)
+  double groups = 1;             // linear: independent GEMMs sharing m evenly (experts)
   double seq = 0, head_dim = 0;  // attention
 };
 double op_seconds(const Op& op, Pass pass, double flops, double bytes, const PieceShape& shape,

@@ -73,6 +73,21 @@ std::optional<Problem> find_problem(const ModelSpec& m) {
     }
     if (value > size_limit(field)) return Problem{field, too_large(value, field)};
   }
+  if (m.moe()) {
+    if (m.experts < 2 || m.experts > kMaxWidth) {
+      return Problem{"experts", fmt::format("must be between 2 and {} for a mixture of experts "
+                                            "(omit it for a dense model), got {}",
+                                            kMaxWidth, m.experts)};
+    }
+    if (m.experts_per_token < 1 || m.experts_per_token > m.experts) {
+      return Problem{"experts_per_token", fmt::format("must be between 1 and experts ({}), got {}",
+                                                      m.experts, m.experts_per_token)};
+    }
+    if (m.expert_ffn_hidden <= 0 || m.expert_ffn_hidden > kMaxWidth) {
+      return Problem{"expert_ffn_hidden", fmt::format("must be a positive integer up to {}, got {}",
+                                                      kMaxWidth, m.expert_ffn_hidden)};
+    }
+  }
   if (m.hidden % m.heads != 0) {
     return Problem{"heads",
                    fmt::format("heads ({}) must divide hidden ({}) so that every head has the "
@@ -118,14 +133,18 @@ std::string models_dir() {
 }  // namespace
 
 int64_t ModelSpec::layer_parameters() const {
-  const int64_t h = hidden, d = head_dim(), f = ffn_hidden;
+  const int64_t h = hidden, d = head_dim();
   const int64_t qkv_out = (heads + 2 * kv_heads) * d;
   int64_t p = h * qkv_out + (bias ? qkv_out : 0);  // fused Q, K, V projection
   p += h * h + (bias ? h : 0);                     // attention output projection
-  if (gated_mlp()) {
-    p += 3 * h * f + (bias ? 2 * f + h : 0);  // gate and up (h->f), down (f->h)
+  auto mlp_parameters = [&](int64_t f) {
+    return gated_mlp() ? 3 * h * f + (bias ? 2 * f + h : 0)  // gate and up (h->f), down (f->h)
+                       : 2 * h * f + (bias ? f + h : 0);     // up (h->f), down (f->h)
+  };
+  if (moe()) {
+    p += h * experts + experts * mlp_parameters(expert_ffn_hidden);  // router, experts
   } else {
-    p += 2 * h * f + (bias ? f + h : 0);  // up (h->f), down (f->h)
+    p += mlp_parameters(ffn_hidden);
   }
   const int64_t norm_params = h + (norm == NormKind::kLayerNorm && bias ? h : 0);
   p += 2 * norm_params;  // before attention and before the MLP
@@ -153,9 +172,27 @@ Status validate_model(const ModelSpec& model) {
 }
 
 ModelSpec parse_model_node(const InputNode& node, const std::string& default_name) {
-  node.check_keys({"name", "family", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "mlp",
-                   "vocab", "seq_len", "tied_embeddings", "position", "norm", "bias", "dropout",
-                   "attention", "loss", "precision"});
+  node.check_keys({"name",
+                   "family",
+                   "layers",
+                   "hidden",
+                   "heads",
+                   "kv_heads",
+                   "ffn_hidden",
+                   "mlp",
+                   "vocab",
+                   "seq_len",
+                   "tied_embeddings",
+                   "position",
+                   "norm",
+                   "bias",
+                   "dropout",
+                   "attention",
+                   "loss",
+                   "precision",
+                   "experts",
+                   "experts_per_token",
+                   "expert_ffn_hidden"});
   ModelSpec m;
   m.name = node.get_string("name", default_name);
   m.family = node.get_string("family", "");
@@ -199,6 +236,16 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                                          {"fp16", Precision::kFp16},
                                          {"fp8", Precision::kFp8}});
   }
+  if (node.has("experts")) {
+    m.experts = read_size(node, "experts");
+    m.experts_per_token = read_size(node, "experts_per_token");  // required with experts
+    m.expert_ffn_hidden =
+        node.has("expert_ffn_hidden") ? read_size(node, "expert_ffn_hidden") : m.ffn_hidden;
+  } else {
+    for (const char* f : {"experts_per_token", "expert_ffn_hidden"}) {
+      if (node.has(f)) node[f].fail("only a mixture of experts has it; give 'experts' too");
+    }
+  }
   if (auto p = find_problem(m)) {
     // Point at the offending field; kv_heads may be absent (defaulted), then at the mapping.
     if (node.has(p->field)) node[p->field].fail(p->message);
@@ -227,6 +274,11 @@ std::string model_to_json(const ModelSpec& m) {
   j["attention"] = to_string(m.attention);
   j["loss"] = to_string(m.loss);
   j["precision"] = to_string(m.precision);
+  if (m.moe()) {
+    j["experts"] = m.experts;
+    j["experts_per_token"] = m.experts_per_token;
+    j["expert_ffn_hidden"] = m.expert_ffn_hidden;
+  }
   return j.dump();
 }
 

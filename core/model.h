@@ -52,9 +52,15 @@ struct ModelSpec {
   AttentionKernel attention = AttentionKernel::kFlash;
   LossKernel loss = LossKernel::kFused;
   Precision precision = Precision::kBf16;  // default compute precision of the matmuls
+  // Mixture of experts (0: a dense model): every block's MLP becomes `experts` MLPs of
+  // `expert_ffn_hidden` (per branch), of which a router picks `experts_per_token` for each token.
+  int64_t experts = 0;
+  int64_t experts_per_token = 0;
+  int64_t expert_ffn_hidden = 0;
 
   int64_t head_dim() const { return hidden / heads; }
   bool gated_mlp() const { return mlp == MlpKind::kSwiglu; }
+  bool moe() const { return experts > 0; }
   // Parameters of one transformer block, of the embedding(s) and in total.
   int64_t layer_parameters() const;
   int64_t embedding_parameters() const;  // word (+ learned position) embedding

@@ -18,6 +18,8 @@ std::string_view to_string(Dim d) {
       return "ffn";
     case Dim::kVocab:
       return "vocab";
+    case Dim::kExpert:
+      return "expert";
   }
   return "?";
 }
@@ -50,6 +52,8 @@ std::string_view to_string(OpKind k) {
       return "add";
     case OpKind::kLoss:
       return "loss";
+    case OpKind::kPermute:
+      return "permute";
   }
   return "?";
 }
@@ -69,7 +73,8 @@ constexpr TensorRef kPartInput{-1, 0};
 // for large models only in products, but doubles keep every formula in one type).
 struct Shape {
   double b, s, h, a, k, dh, f, v, p;
-  int64_t mb, seq, hidden, kv_heads, ffn, vocab;
+  double e, top;  // experts and experts per token (0 for a dense model)
+  int64_t mb, seq, hidden, kv_heads, ffn, vocab, experts;
   double qkv_width() const { return (a + 2 * k) * dh; }
 };
 
@@ -85,12 +90,15 @@ Shape shape_of(const ModelSpec& m, int64_t micro_batch) {
   x.v = static_cast<double>(m.vocab);
   // Activations are 16-bit in mixed precision (fp8 training keeps bf16 activations too).
   x.p = m.precision == Precision::kFp32 || m.precision == Precision::kTf32 ? 4 : 2;
+  x.e = static_cast<double>(m.experts);
+  x.top = static_cast<double>(m.experts_per_token);
   x.mb = micro_batch;
   x.seq = m.seq_len;
   x.hidden = m.hidden;
   x.kv_heads = m.kv_heads;
   x.ffn = m.ffn_hidden;
   x.vocab = m.vocab;
+  x.experts = m.experts;
   return x;
 }
 
@@ -101,6 +109,7 @@ void set_granularity(Op& op, const Shape& x) {
   op.granularity[static_cast<int>(Dim::kHeads)] = x.kv_heads;  // heads split by KV group
   op.granularity[static_cast<int>(Dim::kFfn)] = x.ffn;
   op.granularity[static_cast<int>(Dim::kVocab)] = x.vocab;
+  op.granularity[static_cast<int>(Dim::kExpert)] = x.experts;
 }
 
 TensorSpec tensor(TensorRef ref, double elements, DimSet dims, double bytes_per_element) {
@@ -243,21 +252,105 @@ Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
   return op;
 }
 
-Op activation_op(int self, TensorRef input, const ModelSpec& m, const Shape& x) {
+// The MLP's activation; for experts (`experts`) over every routed token.
+Op activation_op(int self, TensorRef input, const ModelSpec& m, const Shape& x,
+                 bool experts = false) {
   Op op;
-  op.name = "mlp.act";
+  op.name = experts ? "moe.act" : "mlp.act";
   op.kind = OpKind::kActivation;
-  op.dims = {Dim::kBatch, Dim::kSeq, Dim::kFfn};
+  DimSet bsf{Dim::kBatch, Dim::kSeq, Dim::kFfn};
+  if (experts) bsf = bsf.with(Dim::kExpert);
+  op.dims = bsf;
   op.inputs = {input};
-  const double tokens = x.b * x.s;
-  const double in_width = m.gated_mlp() ? 2 * x.f : x.f;
-  const DimSet bsf{Dim::kBatch, Dim::kSeq, Dim::kFfn};
-  op.output = tensor(out(self), tokens * x.f, bsf, x.p);
+  const double tokens = x.b * x.s * (experts ? x.top : 1);
+  const double f = experts ? static_cast<double>(m.expert_ffn_hidden) : x.f;
+  const double in_width = m.gated_mlp() ? 2 * f : f;
+  op.output = tensor(out(self), tokens * f, bsf, x.p);
   op.saved = {tensor(input, tokens * in_width, bsf, x.p)};
-  op.fwd_bytes = tokens * (in_width + x.f) * x.p;
-  op.bwd_bytes = tokens * (in_width + x.f + in_width) * x.p;
+  op.fwd_bytes = tokens * (in_width + f) * x.p;
+  op.bwd_bytes = tokens * (in_width + f + in_width) * x.p;
   set_granularity(op, x);
+  if (experts) op.granularity[static_cast<int>(Dim::kFfn)] = m.expert_ffn_hidden;
   return op;
+}
+
+// One linear layer of every expert, y[t, out] = x[t, in] . W_e[in, out] for the routed tokens t
+// of each expert e (a grouped GEMM).
+Op expert_linear_op(const std::string& name, int self, TensorRef input, Dim in_dim, double in_size,
+                    Dim out_dim, double out_size, const ModelSpec& m, const Shape& x) {
+  Op op = linear_op(name, self, input, in_dim, in_size, out_dim, out_size, false, x);
+  const double routed = x.b * x.s * x.top;
+  op.dims = op.dims.with(Dim::kExpert);
+  op.output =
+      tensor(out(self), routed * out_size, {Dim::kBatch, Dim::kSeq, Dim::kExpert, out_dim}, x.p);
+  op.weights = {
+      tensor(TensorRef{self, 1}, x.e * in_size * out_size, {Dim::kExpert, in_dim, out_dim}, x.p)};
+  if (m.bias) {
+    op.weights.push_back(tensor(TensorRef{self, 2}, x.e * out_size, {Dim::kExpert, out_dim}, x.p));
+  }
+  op.saved = {tensor(input, routed * in_size, {Dim::kBatch, Dim::kSeq, Dim::kExpert, in_dim}, x.p)};
+  op.fwd_flops = 2 * routed * in_size * out_size;
+  op.gemm = GemmShape{routed, out_size, in_size, out_dim, in_dim};
+  op.bwd_input_flops = op.fwd_flops;
+  op.bwd_weight_flops = op.fwd_flops;
+  op.fwd_bytes = (routed * (in_size + out_size) + x.e * in_size * out_size) * x.p;
+  op.bwd_bytes = 2 * op.fwd_bytes;
+  op.granularity[static_cast<int>(Dim::kFfn)] = m.expert_ffn_hidden;
+  return op;
+}
+
+// The mixture-of-experts MLP (ops `first`..): the router's scores, the tokens copied to their
+// experts, the experts' MLPs, and each token's expert outputs summed with the router's weights.
+// Tokens are assumed spread evenly over the experts (a load-balanced router, dropless).
+void add_moe_ops(std::vector<Op>& ops, TensorRef input, const ModelSpec& m, const Shape& x) {
+  const int router = static_cast<int>(ops.size());
+  const double tokens = x.b * x.s, routed = tokens * x.top;
+  const DimSet bsh{Dim::kBatch, Dim::kSeq, Dim::kHidden};
+  const DimSet bseh{Dim::kBatch, Dim::kSeq, Dim::kExpert, Dim::kHidden};
+  const DimSet bse{Dim::kBatch, Dim::kSeq, Dim::kExpert};
+  ops.push_back(
+      linear_op("moe.router", router, input, Dim::kHidden, x.h, Dim::kExpert, x.e, false, x));
+
+  // Softmax and top-k over the scores (fp32), then each token copied once per chosen expert.
+  // The routing weights are kept for the combine.
+  const int dispatch = router + 1;
+  Op d;
+  d.name = "moe.dispatch";
+  d.kind = OpKind::kPermute;
+  d.dims = bseh;
+  d.inputs = {input, out(router)};
+  d.output = tensor(out(dispatch), routed * x.h, bseh, x.p);
+  const TensorSpec weights = tensor(TensorRef{dispatch, 1}, tokens * x.e, bse, 4);
+  d.saved = {weights};
+  d.fwd_bytes = tokens * x.e * (x.p + 4) + 2 * routed * x.h * x.p;
+  d.bwd_bytes = tokens * x.e * (4 + 4 + x.p) + 2 * routed * x.h * x.p;
+  set_granularity(d, x);
+  ops.push_back(d);
+
+  const double f = static_cast<double>(m.expert_ffn_hidden);
+  const double fc1_width = m.gated_mlp() ? 2 * f : f;
+  const int fc1 = dispatch + 1;
+  ops.push_back(expert_linear_op("moe.fc1", fc1, out(dispatch), Dim::kHidden, x.h, Dim::kFfn,
+                                 fc1_width, m, x));
+  ops.push_back(activation_op(fc1 + 1, out(fc1), m, x, true));
+  const int fc2 = fc1 + 2;
+  ops.push_back(
+      expert_linear_op("moe.fc2", fc2, out(fc1 + 1), Dim::kFfn, f, Dim::kHidden, x.h, m, x));
+
+  // Each token's expert outputs, weighted and summed: the backward needs them (for the routing
+  // weights' gradient) and the weights.
+  Op c;
+  c.name = "moe.combine";
+  c.kind = OpKind::kPermute;
+  c.dims = bseh;
+  c.reduced = {Dim::kExpert};
+  c.inputs = {out(fc2)};
+  c.output = tensor(out(fc2 + 1), tokens * x.h, bsh, x.p);
+  c.saved = {tensor(out(fc2), routed * x.h, bseh, x.p), weights};
+  c.fwd_bytes = routed * x.h * x.p + tokens * x.h * x.p;
+  c.bwd_bytes = tokens * x.h * x.p + 2 * routed * x.h * x.p;
+  set_granularity(c, x);
+  ops.push_back(c);
 }
 
 GraphPart build_embedding(const ModelSpec& m, const Shape& x) {
@@ -311,6 +404,12 @@ GraphPart build_layer(const ModelSpec& m, const Shape& x) {
       linear_op("attn.proj", 3, out(2), Dim::kHeads, x.a * x.dh, Dim::kHidden, x.h, m.bias, x));
   ops.push_back(dropout_add_op("attn.residual", 4, {out(3), kPartInput}, m.dropout, x));
   ops.push_back(norm_op("mlp.norm", 5, out(4), m, x));
+  if (m.moe()) {
+    add_moe_ops(ops, out(5), m, x);
+    const int last = static_cast<int>(ops.size()) - 1;
+    ops.push_back(dropout_add_op("mlp.residual", last + 1, {out(last), out(4)}, m.dropout, x));
+    return part;
+  }
   const double fc1_width = m.gated_mlp() ? 2 * x.f : x.f;
   ops.push_back(
       linear_op("mlp.fc1", 6, out(5), Dim::kHidden, x.h, Dim::kFfn, fc1_width, m.bias, x));

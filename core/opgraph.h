@@ -20,8 +20,9 @@
 
 namespace nnsim {
 
-enum class Dim : uint8_t { kBatch, kSeq, kHidden, kHeads, kFfn, kVocab };
-inline constexpr int kNumDims = 6;
+// kExpert: the experts of a mixture-of-experts block (its routed tokens and expert weights).
+enum class Dim : uint8_t { kBatch, kSeq, kHidden, kHeads, kFfn, kVocab, kExpert };
+inline constexpr int kNumDims = 7;
 
 // A set of dimensions as a bitmask.
 class DimSet {
@@ -45,7 +46,7 @@ class DimSet {
 };
 
 std::string_view to_string(Dim d);
-// Parses "batch", "seq", "hidden", "heads", "ffn", "vocab".
+// Parses "batch", "seq", "hidden", "heads", "ffn", "vocab", "expert".
 bool parse_dim(std::string_view name, Dim* out);
 
 enum class OpKind {
@@ -57,6 +58,7 @@ enum class OpKind {
   kDropoutAdd,  // [dropout +] residual add
   kAdd,         // elementwise add of a learned position embedding
   kLoss,        // softmax cross-entropy over the vocabulary
+  kPermute,     // mixture of experts: tokens to their experts (with the routing) and back
 };
 std::string_view to_string(OpKind k);
 
@@ -97,6 +99,8 @@ struct InternalComm {
 // The matrix multiply of a linear operator, y[m, n] = x[m, k] . w[k, n], unpartitioned: m spans
 // the token dimensions (batch, sequence), n and k one dimension each. A device's piece divides
 // each by the split factors of its dimensions.
+// For experts (an operator spanning kExpert) m counts every routed token of all the experts,
+// and the multiply is one GEMM per expert over its share of them.
 struct GemmShape {
   double m = 0, n = 0, k = 0;
   Dim n_dim = Dim::kHidden;
@@ -130,7 +134,7 @@ struct Op {
   std::vector<InternalComm> internal_comm;
   // Indivisible units along each dimension: a split factor must divide it (heads split by KV
   // group, so it is kv_heads for kHeads).
-  int64_t granularity[kNumDims] = {0, 0, 0, 0, 0, 0};
+  int64_t granularity[kNumDims] = {0, 0, 0, 0, 0, 0, 0};
 
   double parameters() const;
 };

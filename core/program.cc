@@ -1836,6 +1836,14 @@ std::vector<bool> replayed_ops(const GraphPart& part, const std::vector<bool>& r
 PieceShape linear_piece_shape(const Op& op, const OpPartition& p, const Mesh& mesh) {
   PieceShape shape;
   shape.m = op.gemm.m / p.factor(DimSet{Dim::kBatch, Dim::kSeq}, mesh);
+  // An expert layer: a GEMM per local expert, over the tokens routed to it.
+  const bool grouped = op.dims.contains(Dim::kExpert) && op.gemm.n_dim != Dim::kExpert &&
+                       op.gemm.k_dim != Dim::kExpert;
+  if (grouped) {
+    const int split = p.factor(Dim::kExpert, mesh);
+    shape.m /= split;
+    shape.groups = static_cast<double>(op.granularity[static_cast<int>(Dim::kExpert)]) / split;
+  }
   shape.n = op.gemm.n / p.factor(op.gemm.n_dim, mesh);
   shape.k = op.gemm.k / p.factor(op.gemm.k_dim, mesh);
   return shape;

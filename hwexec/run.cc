@@ -53,6 +53,11 @@ Status check_runnable(const Plan& plan) {
         "fp16 or emulated fp8)",
         field, why));
   };
+  if (m.moe()) {
+    return refuse("model.experts",
+                  "mixtures of experts are simulated only; nnexec runs dense "
+                  "models (drop 'experts')");
+  }
   if (m.kv_heads < 1 || m.heads % m.kv_heads != 0) {
     return refuse("model.kv_heads", fmt::format("{} key/value heads do not divide {} heads; set "
                                                 "kv_heads to a divisor of heads",

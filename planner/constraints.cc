@@ -15,7 +15,8 @@ namespace {
 Dim parse_dim_node(const InputNode& n) {
   Dim d;
   std::string s = n.as_string();
-  if (!parse_dim(s, &d)) n.fail_unknown(s, {"batch", "seq", "hidden", "heads", "ffn", "vocab"});
+  if (!parse_dim(s, &d))
+    n.fail_unknown(s, {"batch", "seq", "hidden", "heads", "ffn", "vocab", "expert"});
   return d;
 }
 
@@ -54,9 +55,9 @@ Constraints parse(const InputNode& root) {
       if (auto k = o.get("kind")) {
         const std::string s = k->as_string();
         std::vector<std::string> names;
-        for (OpKind kind :
-             {OpKind::kEmbedding, OpKind::kNorm, OpKind::kLinear, OpKind::kAttention,
-              OpKind::kActivation, OpKind::kDropoutAdd, OpKind::kAdd, OpKind::kLoss}) {
+        for (OpKind kind : {OpKind::kEmbedding, OpKind::kNorm, OpKind::kLinear, OpKind::kAttention,
+                            OpKind::kActivation, OpKind::kDropoutAdd, OpKind::kAdd, OpKind::kLoss,
+                            OpKind::kPermute}) {
           names.emplace_back(to_string(kind));
           if (s == to_string(kind)) oc.kind = kind;
         }

@@ -320,7 +320,11 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (o.cp > 1) rule("*", Dim::kSeq, {"cp"});
   if (o.tp > 1) {
     for (const char* m : {"attn.qkv", "attn.core", "attn.proj"}) rule(m, Dim::kHeads, {"tp"});
-    for (const char* m : {"mlp.fc1", "mlp.act", "mlp.fc2"}) rule(m, Dim::kFfn, {"tp"});
+    // Experts split as the MLP they replace (Megatron's expert tensor parallelism).
+    const bool moe = model.moe();
+    for (const char* m : {"mlp.fc1", "mlp.act", "mlp.fc2"}) {
+      rule(moe ? "moe" + std::string(m).substr(3) : m, Dim::kFfn, {"tp"});
+    }
     for (const char* m : {"embed.word", "head.proj", "loss"}) rule(m, Dim::kVocab, {"tp"});
   }
   if (o.shard_head && o.pp > 1) {
@@ -339,6 +343,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
           o.cp > 1 ? std::vector<std::string>{"cp", "tp"} : std::vector<std::string>{"tp"};
       rule("*.norm", Dim::kSeq, axes);
       rule("*.residual", Dim::kSeq, axes);
+      // Tokens are routed where they are, gathered over tp for the experts and their outputs
+      // reduce-scattered back before the combine (Megatron's all-to-all token dispatcher).
+      if (model.moe()) {
+        for (const char* m : {"moe.router", "moe.dispatch", "moe.combine"})
+          rule(m, Dim::kSeq, axes);
+      }
       // The embedding's elementwise operators, where the model has them (a rule must match).
       if (model.position == PositionKind::kLearned) rule("embed.position", Dim::kSeq, axes);
       if (model.dropout) rule("embed.dropout", Dim::kSeq, axes);

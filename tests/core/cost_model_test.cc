@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "core/gpu.h"
+#include "core/opgraph.h"
 
 namespace nnsim {
 namespace {
@@ -41,6 +42,32 @@ TEST(CostModel, Fp8WithoutFp8TensorCoresRunsAsBf16) {
   m.sustained_fp8 = 0.5;  // no fp8 cores: the fp8 factor does not apply
   EXPECT_DOUBLE_EQ(gemm_seconds(kM, kN, kK, Precision::kFp8, a100, m),
                    gemm_seconds(kM, kN, kK, Precision::kBf16, a100, m));
+}
+
+// Experts' grouped GEMMs: G GEMMs of m/G rows each, so few tokens per expert run below the
+// rate of one GEMM over all of them (tile and wave quantization of the small ones).
+TEST(CostModel, GroupedGemmsArePricedPerGroup) {
+  const GpuSpec h100 = gpu("h100-sxm5-80gb");
+  const ComputeModel m = ComputeModel::defaults_for(h100);
+  Op op;
+  op.kind = OpKind::kLinear;
+  PieceShape grouped;
+  grouped.m = 8 * 200;  // 200 tokens for each of 8 experts
+  grouped.n = 4096;
+  grouped.k = 14336;
+  grouped.groups = 8;
+  const double flops = 2 * grouped.m * grouped.n * grouped.k;
+  const double t = op_seconds(op, Pass::kForward, flops, 0, grouped, Precision::kBf16, h100, m);
+  EXPECT_DOUBLE_EQ(
+      t, 8 * gemm_seconds(200, 4096, 14336, Precision::kBf16, h100, m) + m.kernel_overhead);
+  PieceShape one = grouped;
+  one.groups = 1;
+  EXPECT_GT(t, op_seconds(op, Pass::kForward, flops, 0, one, Precision::kBf16, h100, m));
+  // The weight gradient sums over each expert's rows.
+  const double w =
+      op_seconds(op, Pass::kBackwardWeight, flops, 0, grouped, Precision::kBf16, h100, m);
+  EXPECT_DOUBLE_EQ(
+      w, 8 * gemm_seconds(14336, 4096, 200, Precision::kBf16, h100, m) + m.kernel_overhead);
 }
 
 }  // namespace

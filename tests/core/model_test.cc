@@ -42,9 +42,9 @@ std::string parse_error(const std::string& yaml) {
 }
 
 TEST(Model, EveryPresetLoadsAndValidates) {
-  const std::vector<std::string> expected = {"gpt3-1.3b",  "gpt3-13b",   "gpt3-175b", "gpt3-2.7b",
-                                             "gpt3-6.7b",  "llama2-70b", "llama2-7b", "llama3-405b",
-                                             "llama3-70b", "llama3-8b"};
+  const std::vector<std::string> expected = {
+      "gpt3-1.3b", "gpt3-13b",    "gpt3-175b",  "gpt3-2.7b", "gpt3-6.7b",   "llama2-70b",
+      "llama2-7b", "llama3-405b", "llama3-70b", "llama3-8b", "mixtral-8x7b"};
   std::vector<std::string> names = model_preset_names();
   for (const auto& name : expected) {
     EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
@@ -66,11 +66,12 @@ TEST(Model, EveryPresetLoadsAndValidates) {
 TEST(Model, PresetParameterCountsArePinned) {
   // The numbers in docs/model.md.
   const std::pair<const char*, int64_t> counts[] = {
-      {"gpt3-1.3b", 1'317'654'528},   {"gpt3-2.7b", 2'653'967'360},
-      {"gpt3-6.7b", 6'662'266'880},   {"gpt3-13b", 12'858'214'400},
-      {"gpt3-175b", 174'615'846'912}, {"llama2-7b", 6'738'415'616},
-      {"llama2-70b", 68'976'648'192}, {"llama3-8b", 8'030'261'248},
-      {"llama3-70b", 70'553'706'496}, {"llama3-405b", 405'853'388'800},
+      {"gpt3-1.3b", 1'317'654'528},     {"gpt3-2.7b", 2'653'967'360},
+      {"gpt3-6.7b", 6'662'266'880},     {"gpt3-13b", 12'858'214'400},
+      {"gpt3-175b", 174'615'846'912},   {"llama2-7b", 6'738'415'616},
+      {"llama2-70b", 68'976'648'192},   {"llama3-8b", 8'030'261'248},
+      {"llama3-70b", 70'553'706'496},   {"llama3-405b", 405'853'388'800},
+      {"mixtral-8x7b", 46'702'792'704},
   };
   for (const auto& [name, count] : counts) {
     auto m = load_model(name);
@@ -225,6 +226,47 @@ TEST(Model, MalformedYamlNamesFileAndLine) {
   std::string msg = parse_error("layers: 2\nhidden: [64\nheads: 4\n");
   EXPECT_TRUE(contains(msg, "m.yaml:")) << msg;
   EXPECT_TRUE(contains(msg, "malformed YAML")) << msg;
+}
+
+TEST(Model, MixtralCountsMatchThePaper) {
+  auto m = load_model("mixtral-8x7b");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  // Jiang et al. 2024: 46.7B parameters.
+  EXPECT_NEAR(static_cast<double>(m->parameters()), 46.7e9, 46.7e9 * 0.002);
+  // By hand: GQA attention, a router (h x experts) and 8 SwiGLU experts, two RMSNorms.
+  const int64_t h = 4096, f = 14336, kv = 8 * 128, E = 8;
+  EXPECT_EQ(m->layer_parameters(), h * (h + 2 * kv) + h * h + h * E + E * 3 * h * f + 2 * h);
+}
+
+TEST(Model, MixtureOfExpertsFieldsAreChecked) {
+  const std::string moe = std::string(kSmall) + "experts: 8\nexperts_per_token: 2\n";
+  auto m = parse_model(moe, "m.yaml");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_EQ(m->expert_ffn_hidden, 256);  // ffn_hidden unless given
+  // Router (64 x 8) and 8 GeLU MLPs with biases replace the MLP.
+  const int64_t dense = parse_model(kSmall, "m.yaml")->layer_parameters();
+  const int64_t mlp = 2 * 64 * 256 + 256 + 64;
+  EXPECT_EQ(m->layer_parameters(), dense - mlp + 64 * 8 + 8 * mlp);
+
+  std::string msg = parse_error(std::string(kSmall) + "experts: 1\nexperts_per_token: 1\n");
+  EXPECT_TRUE(contains(msg, "m.yaml:9: field 'experts'")) << msg;
+  EXPECT_TRUE(contains(msg, "between 2 and")) << msg;
+  msg = parse_error(std::string(kSmall) + "experts: 8\nexperts_per_token: 9\n");
+  EXPECT_TRUE(contains(msg, "field 'experts_per_token'")) << msg;
+  EXPECT_TRUE(contains(msg, "between 1 and experts (8), got 9")) << msg;
+  msg = parse_error(std::string(kSmall) + "experts: 8\n");
+  EXPECT_TRUE(contains(msg, "missing required field 'experts_per_token'")) << msg;
+  msg = parse_error(std::string(kSmall) + "expert_ffn_hidden: 128\n");
+  EXPECT_TRUE(contains(msg, "field 'expert_ffn_hidden'")) << msg;
+  EXPECT_TRUE(contains(msg, "give 'experts' too")) << msg;
+  msg = parse_error(moe + "expert_ffn_hidden: 0\n");
+  EXPECT_TRUE(contains(msg, "field 'expert_ffn_hidden'")) << msg;
+  // A dense model's JSON has no expert fields; a mixture's keeps them.
+  EXPECT_FALSE(contains(model_to_json(*parse_model(kSmall, "m.yaml")), "experts"));
+  auto back = parse_model(model_to_json(*m), "plan.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_EQ(back->experts, 8);
+  EXPECT_EQ(back->experts_per_token, 2);
 }
 
 TEST(Model, UnknownFieldSuggestsTheRightOne) {

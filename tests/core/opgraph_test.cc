@@ -129,7 +129,7 @@ TEST(OpGraph, GatedMlpAndGqaFlops) {
 }
 
 TEST(OpGraph, PartsHoldTheModelsParameters) {
-  for (const char* name : {"gpt3-175b", "gpt3-1.3b", "llama2-70b", "llama3-8b"}) {
+  for (const char* name : {"gpt3-175b", "gpt3-1.3b", "llama2-70b", "llama3-8b", "mixtral-8x7b"}) {
     ModelSpec m = preset(name);
     OpGraph g = lower_model(m, 1);
     auto params = [](const GraphPart& p) {
@@ -158,6 +158,39 @@ TEST(OpGraph, LayerOperatorsInOrder) {
   OpGraph llama = lower_model(preset("llama3-8b"), 1);
   ASSERT_EQ(llama.embedding.ops.size(), 1u);
   EXPECT_EQ(llama.embedding.ops[0].name, "embed.word");
+}
+
+// A mixture of experts: the MLP becomes a router, the dispatch of each token to its top-k
+// experts, the experts' MLPs over the routed tokens and the weighted combine. Each token runs
+// k experts' MLPs, so the block's matmul FLOPs are a dense block's with k MLPs plus the router.
+TEST(OpGraph, MixtureOfExpertsBlock) {
+  const ModelSpec moe = preset("mixtral-8x7b");
+  const OpGraph g = lower_model(moe, 2);
+  EXPECT_EQ(
+      layer_op_names(g),
+      (std::vector<std::string>{"attn.norm", "attn.qkv", "attn.core", "attn.proj", "attn.residual",
+                                "mlp.norm", "moe.router", "moe.dispatch", "moe.fc1", "moe.act",
+                                "moe.fc2", "moe.combine", "mlp.residual"}));
+  ModelSpec dense = moe;
+  dense.experts = dense.experts_per_token = dense.expert_ffn_hidden = 0;
+  const OpGraph d = lower_model(dense, 2);
+  const double b = 2, s = moe.seq_len, h = moe.hidden, f = moe.expert_ffn_hidden, k = 2, E = 8;
+  const double mlp =
+      find_op(d.layer, "mlp.fc1")->fwd_flops + find_op(d.layer, "mlp.fc2")->fwd_flops;
+  const double router = 2 * b * s * h * E;
+  EXPECT_DOUBLE_EQ(fwd(g.layer), fwd(d.layer) - mlp + k * mlp + router);
+  EXPECT_DOUBLE_EQ(bwd(g.layer), bwd(d.layer) + 2 * ((k - 1) * mlp + router));
+  // The experts' weights span the expert dimension; their GEMM counts every routed token.
+  const Op& fc1 = *find_op(g.layer, "moe.fc1");
+  EXPECT_TRUE(fc1.weights[0].dims.contains(Dim::kExpert));
+  EXPECT_DOUBLE_EQ(fc1.weights[0].elements, E * h * 2 * f);
+  EXPECT_DOUBLE_EQ(fc1.gemm.m, b * s * k);
+  EXPECT_EQ(fc1.granularity[static_cast<int>(Dim::kExpert)], 8);
+  // The routed tokens are k copies of the block's input: what the experts keep for backward.
+  EXPECT_DOUBLE_EQ(fc1.saved[0].elements, b * s * k * h);
+  const Op& combine = *find_op(g.layer, "moe.combine");
+  EXPECT_TRUE(combine.reduced.contains(Dim::kExpert));
+  EXPECT_DOUBLE_EQ(combine.output.elements, b * s * h);
 }
 
 // Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",

@@ -987,6 +987,15 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
         << to_string(k) << ": " << check_runnable(p).error().message();
   }
   p = *base;
+  p.model.experts = 4;  // a mixture of experts is simulated only
+  p.model.experts_per_token = 2;
+  p.model.expert_ffn_hidden = p.model.ffn_hidden;
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(
+      contains(s.error().message(), "model.experts: mixtures of experts are simulated only"))
+      << s.error().message();
+  p = *base;
   p.model.kv_heads = 1;  // MQA: runs unsplit, but one key/value head cannot be split over tp 2
   s = check_runnable(p);
   ASSERT_FALSE(s.ok());

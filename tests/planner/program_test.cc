@@ -306,6 +306,48 @@ TEST(Program, SequenceParallelLayerCollectives) {
   }
 }
 
+// Experts under tensor and sequence parallelism, as Megatron's all-to-all token dispatcher runs
+// them: tokens are routed where their sequence slice is, the routed copies all-gathered over tp
+// for the experts (split along their FFN width) and their outputs reduce-scattered back before
+// the combine. So a block's collectives are a dense block's, but the MLP's carry the k routed
+// copies of every token.
+std::string listed(const std::map<std::string, double>& m) {
+  std::string out;
+  for (const auto& [k, v] : m) out += fmt::format("{}: {}; ", k, v);
+  return out;
+}
+
+TEST(Program, ExpertsUnderSequenceParallelism) {
+  ModelSpec m = preset("mixtral-8x7b");
+  m.layers = 4;
+  m.seq_len = 2048;
+  Program prog = compile(m, options(8, 1, true, RecomputeMode::kNone, 1));
+  // (The embedding's reduce-scatter is labelled with the first layer's norm: one more.)
+  EXPECT_EQ(layer_collectives(prog, 0, BlockKind::kForward),
+            (Counts{{kAG, 2 * 4}, {kRS, 2 * 4 + 1}}));
+  const double routed_bytes = 1.0 * m.seq_len * 2 * m.hidden * 2;  // b s k h, bf16
+  const double token_bytes = 1.0 * m.seq_len * m.hidden * 2;
+  std::map<std::string, double> bytes;
+  for (const BlockTemplate& t : prog.templates) {
+    if (t.kind != BlockKind::kForward) continue;
+    for (const Step& s : t.steps) {
+      if (s.kind == StepKind::kCollective && s.label >= 0) {
+        bytes[fmt::format("{} {}", prog.labels[s.label], to_string(s.collective))] = s.bytes;
+      }
+    }
+    break;
+  }
+  EXPECT_DOUBLE_EQ(bytes["moe.fc1 all-gather"], routed_bytes) << listed(bytes);
+  EXPECT_DOUBLE_EQ(bytes["moe.combine reduce-scatter"], routed_bytes) << listed(bytes);
+  EXPECT_DOUBLE_EQ(bytes["attn.qkv all-gather"], token_bytes) << listed(bytes);
+  // Every GPU holds a tp share of every expert, and the router and norms whole (the
+  // embedding and the head: the vocabulary padded to 32,768 rows and split).
+  const double h = m.hidden, experts = 8 * 3 * h * m.expert_ffn_hidden;
+  const double attention = h * (h + 2 * 1024) + h * h, router = h * 8, norms = 2 * h;
+  EXPECT_DOUBLE_EQ(prog.lanes[0].parameters,
+                   m.layers * ((experts + attention) / 8 + router + norms) + h + 2 * 32768 * h / 8);
+}
+
 // Transformer Engine's tensor-parallel overlap (NeMo's defaults, bulk dgrad and wgrad): in the
 // backward the input-gradient GEMM runs alongside the all-gather before it and the
 // weight-gradient GEMM alongside the input gradient's reduce-scatter, so no layer collective is

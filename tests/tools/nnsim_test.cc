@@ -391,6 +391,32 @@ TEST(NnsimTool, ExportedFrameworkDefaultsReproduceTheBuiltInModel) {
   EXPECT_GT(simulated({"--calib", "plain.h5"}), built_in);
 }
 
+// A mixture of experts from a user's model file: planned with tensor and sequence parallelism,
+// simulated, and reported. With one expert per token of the dense MLP's width it runs the
+// dense model's matmuls plus routing.
+TEST(NnsimTool, MixtureOfExpertsPlansAndSimulates) {
+  Sandbox box;
+  const std::string dense =
+      "layers: 8\nhidden: 1024\nheads: 16\nkv_heads: 4\nffn_hidden: 4096\nmlp: swiglu\n"
+      "vocab: 32000\nseq_len: 2048\nposition: rope\nnorm: rmsnorm\nbias: false\n";
+  box.write("dense.yaml", dense);
+  box.write("moe.yaml", dense + "experts: 8\nexperts_per_token: 1\n");
+  auto run = [&](const std::string& model) {
+    RunResult p = box.nnsim({"plan", "--model", model + ".yaml", "--topo", "dgx-a100x4", "--nodes",
+                             "1", "--tp", "4", "--pp", "1", "--sequence-parallel", "--global-batch",
+                             "16", "-o", model + ".json"});
+    EXPECT_EQ(p.status, 0) << p;
+    RunResult r =
+        box.nnsim({"--topo", "dgx-a100x4", "--nodes", "1", model + ".json", "--json", "r.json"});
+    EXPECT_EQ(r.status, 0) << r;
+    return json::parse(box.read("r.json"));
+  };
+  const json d = run("dense"), m = run("moe");
+  EXPECT_EQ(json::parse(box.read("moe.json"))["model"]["experts"], 8);
+  EXPECT_GT(m["iteration_time_s"].get<double>(), d["iteration_time_s"].get<double>());
+  EXPECT_LT(m["iteration_time_s"].get<double>(), 1.5 * d["iteration_time_s"].get<double>());
+}
+
 // `nnsim schedule --calib` and `nnsim plan --calib` time the generators' blocks with the file's
 // cost model: the schedule's estimate is the calibrated simulation's, not the built-in one's.
 TEST(NnsimTool, ScheduleAndPlanTimeTheBlocksWithTheCalibration) {
