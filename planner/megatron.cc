@@ -321,10 +321,10 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (o.tp > 1) {
     for (const char* m : {"attn.qkv", "attn.core", "attn.proj"}) rule(m, Dim::kHeads, {"tp"});
     // Experts split as the MLP they replace (Megatron's expert tensor parallelism).
-    const bool moe = model.moe();
-    for (const char* m : {"mlp.fc1", "mlp.act", "mlp.fc2"}) {
-      rule(moe ? "moe" + std::string(m).substr(3) : m, Dim::kFfn, {"tp"});
-    }
+    const std::vector<std::string> mlp =
+        model.moe() ? std::vector<std::string>{"moe.fc1", "moe.act", "moe.fc2"}
+                    : std::vector<std::string>{"mlp.fc1", "mlp.act", "mlp.fc2"};
+    for (const std::string& m : mlp) rule(m, Dim::kFfn, {"tp"});
     for (const char* m : {"embed.word", "head.proj", "loss"}) rule(m, Dim::kVocab, {"tp"});
   }
   if (o.shard_head && o.pp > 1) {
