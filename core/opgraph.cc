@@ -299,7 +299,7 @@ Op expert_linear_op(const std::string& name, int self, TensorRef input, Dim in_d
   return op;
 }
 
-// The mixture-of-experts MLP (ops `first`..): the router's scores, the tokens copied to their
+// The mixture-of-experts MLP, appended to `ops`: the router's scores, the tokens copied to their
 // experts, the experts' MLPs, and each token's expert outputs summed with the router's weights.
 // Tokens are assumed spread evenly over the experts (a load-balanced router, dropless).
 void add_moe_ops(std::vector<Op>& ops, TensorRef input, const ModelSpec& m, const Shape& x) {

@@ -33,8 +33,9 @@ void print_report(const Program& prog, const SimResult& r) {
           "{} on {} ({} x {}{})", prog.plan.name, t.name, r.num_gpus, t.gpu.name,
           r.num_gpus < t.num_gpus() ? fmt::format("; {} GPUs idle", t.num_gpus() - r.num_gpus) : "")
           .c_str());
-  std::printf("  iteration time   %s (%d micro-batches per replica)\n",
-              format_seconds(r.iteration_time).c_str(), r.micro_batches);
+  std::printf("  iteration time   %s (%d micro-batch%s per replica)\n",
+              format_seconds(r.iteration_time).c_str(), r.micro_batches,
+              r.micro_batches == 1 ? "" : "es");
   std::printf("  throughput       %s tokens/s, %s per GPU (MFU %.1f%% of %s)\n",
               format_count(r.tokens_per_second).c_str(),
               format_flops(r.model_flops_per_gpu).c_str(), 100 * r.mfu,
