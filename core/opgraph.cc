@@ -34,6 +34,12 @@ bool parse_dim(std::string_view name, Dim* out) {
   return false;
 }
 
+std::vector<std::string> dim_names() {
+  std::vector<std::string> names;
+  for (int i = 0; i < kNumDims; ++i) names.emplace_back(to_string(static_cast<Dim>(i)));
+  return names;
+}
+
 std::string_view to_string(OpKind k) {
   switch (k) {
     case OpKind::kEmbedding:
@@ -148,25 +154,39 @@ Op norm_op(const std::string& name, int self, TensorRef input, const ModelSpec& 
   return op;
 }
 
-// y[b,s,out] = x[b,s,in] . W[in,out] (+ bias).
+// y[b,s,out] = x[b,s,in] . W[in,out] (+ bias). With `experts` > 0, one such layer per expert,
+// each over the tokens routed to it (`tokens` in all, a grouped GEMM): the tokens and the weights
+// also span the expert dimension.
 Op linear_op(const std::string& name, int self, TensorRef input, Dim in_dim, double in_size,
-             Dim out_dim, double out_size, bool bias, const Shape& x) {
+             Dim out_dim, double out_size, bool bias, const Shape& x, double experts = 0,
+             double tokens = 0) {
+  if (tokens == 0) tokens = x.b * x.s;
+  const double copies = experts > 0 ? experts : 1;
+  DimSet token_dims{Dim::kBatch, Dim::kSeq};
+  DimSet weight_dims;
+  if (experts > 0) {
+    token_dims = token_dims.with(Dim::kExpert);
+    weight_dims = weight_dims.with(Dim::kExpert);
+  }
   Op op;
   op.name = name;
   op.kind = OpKind::kLinear;
-  op.dims = {Dim::kBatch, Dim::kSeq, in_dim, out_dim};
+  op.dims = token_dims.with(in_dim).with(out_dim);
   op.reduced = {in_dim};
   op.inputs = {input};
-  const double tokens = x.b * x.s;
-  op.output = tensor(out(self), tokens * out_size, {Dim::kBatch, Dim::kSeq, out_dim}, x.p);
-  op.weights = {tensor(TensorRef{self, 1}, in_size * out_size, {in_dim, out_dim}, x.p)};
-  if (bias) op.weights.push_back(tensor(TensorRef{self, 2}, out_size, {out_dim}, x.p));
-  op.saved = {tensor(input, tokens * in_size, {Dim::kBatch, Dim::kSeq, in_dim}, x.p)};
+  op.output = tensor(out(self), tokens * out_size, token_dims.with(out_dim), x.p);
+  op.weights = {tensor(TensorRef{self, 1}, copies * in_size * out_size,
+                       weight_dims.with(in_dim).with(out_dim), x.p)};
+  if (bias) {
+    op.weights.push_back(
+        tensor(TensorRef{self, 2}, copies * out_size, weight_dims.with(out_dim), x.p));
+  }
+  op.saved = {tensor(input, tokens * in_size, token_dims.with(in_dim), x.p)};
   op.fwd_flops = 2 * tokens * in_size * out_size;
   op.gemm = GemmShape{tokens, out_size, in_size, out_dim, in_dim};
   op.bwd_input_flops = op.fwd_flops;
   op.bwd_weight_flops = op.fwd_flops;
-  op.fwd_bytes = (tokens * (in_size + out_size) + in_size * out_size) * x.p;
+  op.fwd_bytes = (tokens * (in_size + out_size) + copies * in_size * out_size) * x.p;
   op.bwd_bytes = 2 * op.fwd_bytes;
   set_granularity(op, x);
   return op;
@@ -274,27 +294,11 @@ Op activation_op(int self, TensorRef input, const ModelSpec& m, const Shape& x,
   return op;
 }
 
-// One linear layer of every expert, y[t, out] = x[t, in] . W_e[in, out] for the routed tokens t
-// of each expert e (a grouped GEMM).
+// One linear layer of every expert (a grouped GEMM over the routed tokens).
 Op expert_linear_op(const std::string& name, int self, TensorRef input, Dim in_dim, double in_size,
                     Dim out_dim, double out_size, const ModelSpec& m, const Shape& x) {
-  Op op = linear_op(name, self, input, in_dim, in_size, out_dim, out_size, false, x);
-  const double routed = x.b * x.s * x.top;
-  op.dims = op.dims.with(Dim::kExpert);
-  op.output =
-      tensor(out(self), routed * out_size, {Dim::kBatch, Dim::kSeq, Dim::kExpert, out_dim}, x.p);
-  op.weights = {
-      tensor(TensorRef{self, 1}, x.e * in_size * out_size, {Dim::kExpert, in_dim, out_dim}, x.p)};
-  if (m.bias) {
-    op.weights.push_back(tensor(TensorRef{self, 2}, x.e * out_size, {Dim::kExpert, out_dim}, x.p));
-  }
-  op.saved = {tensor(input, routed * in_size, {Dim::kBatch, Dim::kSeq, Dim::kExpert, in_dim}, x.p)};
-  op.fwd_flops = 2 * routed * in_size * out_size;
-  op.gemm = GemmShape{routed, out_size, in_size, out_dim, in_dim};
-  op.bwd_input_flops = op.fwd_flops;
-  op.bwd_weight_flops = op.fwd_flops;
-  op.fwd_bytes = (routed * (in_size + out_size) + x.e * in_size * out_size) * x.p;
-  op.bwd_bytes = 2 * op.fwd_bytes;
+  Op op = linear_op(name, self, input, in_dim, in_size, out_dim, out_size, m.bias, x, x.e,
+                    x.b * x.s * x.top);
   op.granularity[static_cast<int>(Dim::kFfn)] = m.expert_ffn_hidden;
   return op;
 }

@@ -48,6 +48,7 @@ class DimSet {
 std::string_view to_string(Dim d);
 // Parses "batch", "seq", "hidden", "heads", "ffn", "vocab", "expert".
 bool parse_dim(std::string_view name, Dim* out);
+std::vector<std::string> dim_names();  // every dimension's spelling, in Dim order
 
 enum class OpKind {
   kEmbedding,   // token lookup (vocab is summed over: a vocab-split lookup yields partial sums)
@@ -60,6 +61,9 @@ enum class OpKind {
   kLoss,        // softmax cross-entropy over the vocabulary
   kPermute,     // mixture of experts: tokens to their experts (with the routing) and back
 };
+inline constexpr OpKind kOpKinds[] = {OpKind::kEmbedding, OpKind::kNorm,       OpKind::kLinear,
+                                      OpKind::kAttention, OpKind::kActivation, OpKind::kDropoutAdd,
+                                      OpKind::kAdd,       OpKind::kLoss,       OpKind::kPermute};
 std::string_view to_string(OpKind k);
 
 // Which tensor a saved activation is, so that two operators keeping the same tensor (the

@@ -352,9 +352,8 @@ Plan parse_plan_node(const InputNode& root) {
       for (const auto& [dim_name, axes] : r["split"].entries()) {
         DimSplit split;
         if (!parse_dim(dim_name, &split.dim)) {
-          axes.fail(fmt::format(
-              "unknown dimension '{}'{}", dim_name,
-              suggest(dim_name, {"batch", "seq", "hidden", "heads", "ffn", "vocab", "expert"})));
+          axes.fail(
+              fmt::format("unknown dimension '{}'{}", dim_name, suggest(dim_name, dim_names())));
         }
         for (const auto& a : axes.items()) {
           std::string axis = a.as_string();

@@ -15,8 +15,7 @@ namespace {
 Dim parse_dim_node(const InputNode& n) {
   Dim d;
   std::string s = n.as_string();
-  if (!parse_dim(s, &d))
-    n.fail_unknown(s, {"batch", "seq", "hidden", "heads", "ffn", "vocab", "expert"});
+  if (!parse_dim(s, &d)) n.fail_unknown(s, dim_names());
   return d;
 }
 
@@ -55,9 +54,7 @@ Constraints parse(const InputNode& root) {
       if (auto k = o.get("kind")) {
         const std::string s = k->as_string();
         std::vector<std::string> names;
-        for (OpKind kind : {OpKind::kEmbedding, OpKind::kNorm, OpKind::kLinear, OpKind::kAttention,
-                            OpKind::kActivation, OpKind::kDropoutAdd, OpKind::kAdd, OpKind::kLoss,
-                            OpKind::kPermute}) {
+        for (OpKind kind : kOpKinds) {
           names.emplace_back(to_string(kind));
           if (s == to_string(kind)) oc.kind = kind;
         }
