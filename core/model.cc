@@ -137,10 +137,6 @@ int64_t ModelSpec::layer_parameters() const {
   const int64_t qkv_out = (heads + 2 * kv_heads) * d;
   int64_t p = h * qkv_out + (bias ? qkv_out : 0);  // fused Q, K, V projection
   p += h * h + (bias ? h : 0);                     // attention output projection
-  auto mlp_parameters = [&](int64_t f) {
-    return gated_mlp() ? 3 * h * f + (bias ? 2 * f + h : 0)  // gate and up (h->f), down (f->h)
-                       : 2 * h * f + (bias ? f + h : 0);     // up (h->f), down (f->h)
-  };
   if (moe()) {
     p += h * experts + experts * mlp_parameters(expert_ffn_hidden);  // router, experts
   } else {
@@ -149,6 +145,16 @@ int64_t ModelSpec::layer_parameters() const {
   const int64_t norm_params = h + (norm == NormKind::kLayerNorm && bias ? h : 0);
   p += 2 * norm_params;  // before attention and before the MLP
   return p;
+}
+
+int64_t ModelSpec::mlp_parameters(int64_t f) const {
+  const int64_t h = hidden;
+  return gated_mlp() ? 3 * h * f + (bias ? 2 * f + h : 0)  // gate and up (h->f), down (f->h)
+                     : 2 * h * f + (bias ? f + h : 0);     // up (h->f), down (f->h)
+}
+
+int64_t ModelSpec::expert_parameters() const {
+  return moe() ? layers * experts * mlp_parameters(expert_ffn_hidden) : 0;
 }
 
 int64_t ModelSpec::embedding_parameters() const {

@@ -66,6 +66,9 @@ struct ModelSpec {
   int64_t embedding_parameters() const;  // word (+ learned position) embedding
   int64_t head_parameters() const;       // output projection (0 when tied) + final norm
   int64_t parameters() const;
+  // Parameters of every layer's experts (0 for a dense model), and of one MLP of width `ffn`.
+  int64_t expert_parameters() const;
+  int64_t mlp_parameters(int64_t ffn) const;
 };
 
 // Reads a model from a YAML file, or a preset name ("gpt3-175b") from models/.

@@ -1,6 +1,7 @@
 #include "core/program.h"
 
 #include <algorithm>
+#include <array>
 #include <functional>
 #include <map>
 #include <numeric>
@@ -73,8 +74,8 @@ constexpr double kRuntimeBytes = 512.0 * 1024 * 1024;
 constexpr double kLossBytes = 4;
 
 // Tag of a ZeRO-1/2 parameter-gather bucket (disjoint from ZeRO-3's per-unit tags).
-int gather_tag(int segment, int bucket) {
-  return 1000000 + segment * 1000 + bucket;
+int gather_tag(int segment, int group, int bucket) {
+  return 1000000 + (segment * 2 + group) * 1000 + bucket;
 }
 
 // ZeRO-3's gathers tensor by tensor within a block: this plus the gather's place in the block.
@@ -109,6 +110,7 @@ struct PartInfo {
   std::vector<double> local_params;    // parameters of each op's piece
   std::vector<double> weight_tensors;  // local size of every weight tensor, in op order
   std::vector<uint32_t> sync_axes;     // axes (besides dp) each op's weight gradients sum over
+  std::vector<int> grad_group;         // each op's GradGroup
   // Biases added after a partial sum is reduce-scattered (sequence parallelism's row-parallel
   // biases): the axes their gradients sum over and their local parameters.
   std::vector<uint32_t> bias_sync_axes;
@@ -164,6 +166,12 @@ double zero3_gathered_peak(const std::vector<TensorGather>& queue, double prefet
   return peak;
 }
 
+// Weights whose gradients sum over the same mesh axes share gradient buckets and a ZeRO shard
+// group. Experts spread over a mesh axis (expert parallelism) are not replicated along it, so
+// their gradients sum over fewer devices than the dense weights' (Megatron-Core's expert
+// data-parallel group); every other weight is dense.
+enum GradGroup : int { kDenseGrads = 0, kExpertGrads = 1, kNumGradGroups = 2 };
+
 struct Compiler {
   const Plan& plan;
   const Topology& topo;
@@ -173,7 +181,9 @@ struct Compiler {
   PartInfo embed, layer, head;
   TensorSpec boundary;  // the hidden-state tensor passed between parts: [b, s, h]
   uint32_t lane_axes = 0;
-  uint32_t bucket_axes = 0;        // dp and the axes every weight syncs over (context parallel)
+  // Per GradGroup: dp and the axes every weight of the group syncs over (context parallel;
+  // expert parallel for dense weights). An empty expert group has the dense group's axes.
+  std::array<uint32_t, kNumGradGroups> group_axes{};
   std::vector<int> segment_order;  // segments in pipeline order
   std::vector<int> next_segment, prev_segment;
   std::vector<std::vector<int>> lanes_of_segment;
@@ -258,8 +268,21 @@ struct Compiler {
     const bool send = earlier && next_segment[segment] < 0;
     return (earlier ? 1 : 0) | (recv ? 2 : 0) | (send ? 4 : 0);
   }
-  void emit_grad_buckets(double bytes, double& pending, std::vector<Step>& steps, int segment);
-  double segment_params(int segment) const;
+  void emit_grad_buckets(double bytes, double& pending, std::vector<Step>& steps, int segment,
+                         int group);
+  // Parameters a device holds of the segment: those of one GradGroup, or (-1) all.
+  double segment_params(int segment, int group = -1) const;
+  // A device's share of the segments' parameters under ZeRO: each GradGroup's divided over its
+  // shard group.
+  double sharded_params(const std::vector<int>& segments) const {
+    double n = 0;
+    for (int g = 0; g < kNumGradGroups; ++g) {
+      double group = 0;
+      for (int s : segments) group += segment_params(s, g);
+      n += group / shard_degree(g);
+    }
+    return n;
+  }
   // Parameters of the segment's weight tensors that ZeRO-3 keeps whole on every GPU
   // (comm.zero3_persistence_threshold).
   double segment_persistent_params(int segment) const;
@@ -280,18 +303,24 @@ struct Compiler {
     }
     return axes;
   }
-  // Devices the optimizer state is sharded over (the size of the bucket group).
-  int shard_degree() const {
+  // Devices a GradGroup's optimizer state is sharded over (the size of its bucket group).
+  int shard_degree(int group = kDenseGrads) const {
     int n = 1;
     for (size_t a = 0; a < mesh.axes.size(); ++a) {
-      if (bucket_axes & (1u << a)) n *= mesh.axes[a].size;
+      if (group_axes[group] & (1u << a)) n *= mesh.axes[a].size;
     }
     return n;
   }
-  // ZeRO-1/2 parameter buckets of a segment in forward order: (index of the first parameter
-  // unit, parameters). Units are the embedding, each layer and the head; buckets hold about
-  // the data-parallel bucket size of parameters.
-  std::vector<std::pair<int, double>> gather_buckets(int segment) const;
+  // ZeRO-1/2 parameter buckets of a GradGroup in a segment, in forward order: (index of the
+  // first parameter unit, parameters). Units are the embedding, each layer and the head;
+  // buckets hold about the data-parallel bucket size of parameters.
+  std::vector<std::pair<int, double>> gather_buckets(int segment, int group) const;
+  // ZeRO-1/2 with overlap_param_gather: a GradGroup's parameters updated by the last step are
+  // gathered during the first forwards (launched in the prologue, awaited unit by unit).
+  bool gathers_before_forward(int group) const {
+    return (plan.optimizer.zero == 1 || plan.optimizer.zero == 2) &&
+           plan.comm.overlap_param_gather && shard_degree(group) > 1;
+  }
   void build_memory(Lane& lane, int lane_index, const std::vector<int>& segments);
   // PyTorch's pipelining runtime (comm.pp_buffers_per_micro_batch): the bytes of one receive
   // buffer (a hidden-state piece, or its gradient), and what each forward of `segment` leaves
@@ -429,6 +458,7 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
                         : 0.0);
     double params = 0;
     uint32_t sync = 0;
+    int group = kDenseGrads;
     for (const auto& w : op.weights) {
       params += w.elements / p.factor(w.dims, mesh);
     }
@@ -438,7 +468,9 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
       bool in_weight = false;
       for (const auto& w : op.weights) in_weight = in_weight || w.dims.contains(d);
       if (!op.weights.empty() && !in_weight) sync |= 1u << a;
+      if (in_weight && d == Dim::kExpert) group = kExpertGrads;
     }
+    info.grad_group.push_back(group);
     info.local_params.push_back(params);
     for (const auto& w : op.weights) {
       info.weight_tensors.push_back(w.elements / p.factor(w.dims, mesh));
@@ -722,7 +754,7 @@ double Compiler::running_transient_bytes(const PartInfo& p, const TensorLayout& 
   return worst;
 }
 
-std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment) const {
+std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment, int group) const {
   const Segment& s = plan.segments[segment];
   // A tied output projection on the embedding's devices is the embedding's matrix (one
   // parameter, gathered with the embedding).
@@ -730,6 +762,7 @@ std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment) const 
   auto sum = [&](const PartInfo& p) {
     double n = 0;
     for (size_t i = 0; i < p.local_params.size(); ++i) {
+      if (p.grad_group[i] != group) continue;
       if (!(tied_here && p.part->ops[i].tied_to_embedding)) n += p.local_params[i];
     }
     return n;
@@ -741,6 +774,7 @@ std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment) const 
   const double bucket = plan.comm.dp_bucket_bytes / plan.optimizer.grad_bytes;
   std::vector<std::pair<int, double>> out;
   for (size_t u = 0; u < units.size(); ++u) {
+    if (units[u] <= 0) continue;
     if (out.empty() || out.back().second >= bucket) out.emplace_back(static_cast<int>(u), 0.0);
     out.back().second += units[u];
   }
@@ -794,7 +828,7 @@ double Compiler::segment_persistent_params(int segment) const {
   return n;
 }
 
-double Compiler::segment_params(int segment) const {
+double Compiler::segment_params(int segment, int group) const {
   const Segment& s = plan.segments[segment];
   // A tied output projection on the embedding's own devices is the embedding matrix itself.
   const bool shares_embedding = head_shares_embedding(segment);
@@ -802,6 +836,7 @@ double Compiler::segment_params(int segment) const {
     double n = 0;
     for (size_t i = 0; i < p.local_params.size(); ++i) {
       if (shares_embedding && p.part->ops[i].tied_to_embedding) continue;
+      if (group >= 0 && p.grad_group[i] != group) continue;
       n += p.local_params[i];
     }
     return n;
@@ -813,7 +848,8 @@ double Compiler::segment_params(int segment) const {
 }
 
 void Compiler::emit_grad_buckets(double bytes, double& pending, std::vector<Step>& steps,
-                                 int segment) {
+                                 int segment, int group) {
+  if (shard_degree(group) == 1) return;  // nothing to sum with
   pending += bytes;
   const double bucket = plan.comm.dp_bucket_bytes;
   while (bucket > 0 && pending >= bucket) {
@@ -821,7 +857,7 @@ void Compiler::emit_grad_buckets(double bytes, double& pending, std::vector<Step
     s.kind = StepKind::kDpLaunch;
     s.collective =
         plan.optimizer.zero >= 1 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce;
-    s.axes = bucket_axes;
+    s.axes = group_axes[group];
     s.bytes = bucket;
     s.label = label(fmt::format("grad sync {}", plan.segments[segment].name));
     steps.push_back(s);
@@ -1003,6 +1039,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     const std::vector<double>* tensors;
     double reduce_params;
     const std::vector<double>* reduce_tensors;
+    std::array<double, kNumGradGroups> group_params;  // reduce_params by GradGroup
   };
   // The tensors a unit gathers: all of it at once, or tensor by tensor but for the persistent
   // ones (none when all are: a unit of small tensors is never gathered).
@@ -1023,7 +1060,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       Step l;
       l.kind = StepKind::kDpLaunch;
       l.collective = CollectiveKind::kAllGather;
-      l.axes = bucket_axes;
+      l.axes = group_axes[kDenseGrads];  // ZeRO-3 has no expert group (check_grad_groups)
       l.bytes = parts[k] * compute_weight_bytes(plan);
       l.tag = k + 1 == parts.size() ? u.tag : -1;  // the stream is FIFO: the last one tells
       l.label = label("param gather");
@@ -1089,19 +1126,30 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   }
   const double grad_bytes =
       plan.comm.grad_reduce_bytes > 0 ? plan.comm.grad_reduce_bytes : plan.optimizer.grad_bytes;
+  // A part's parameters by GradGroup (less the tied projection where the embedding owns it).
+  auto by_group = [&](const PartInfo& p, bool untied) {
+    std::array<double, kNumGradGroups> n{};
+    for (size_t i = 0; i < p.local_params.size(); ++i) {
+      if (untied && p.part->ops[i].tied_to_embedding) continue;
+      n[p.grad_group[i]] += p.local_params[i];
+    }
+    return n;
+  };
+  const bool untied_head = plan.model.tied_embeddings && head_shares_embedding(seg);
   std::vector<ParamUnit> units;  // forward order
   if (s.embedding) {
     units.push_back({seg * 10000 + 9999, embed_params, &embed.weight_tensors, embed_params,
-                     &embed.weight_tensors});
+                     &embed.weight_tensors, by_group(embed, false)});
   }
   for (int l = s.first_layer; l < s.end_layer; ++l) {
     units.push_back({seg * 10000 + l, layer_params, &layer.weight_tensors, layer_params,
-                     &layer.weight_tensors});
+                     &layer.weight_tensors, by_group(layer, false)});
   }
   if (s.head) {
     units.push_back({seg * 10000 + 9998,
                      plan.comm.zero3_per_tensor || !s.embedding ? head_params : head_untied_params,
-                     &head.weight_tensors, head_untied_params, &head_untied_tensors});
+                     &head.weight_tensors, head_untied_params, &head_untied_tensors,
+                     by_group(head, untied_head)});
   }
   const std::vector<ParamUnit> backward_units(units.rbegin(), units.rend());
   size_t unit = 0;
@@ -1130,7 +1178,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         Step l;
         l.kind = StepKind::kDpLaunch;
         l.collective = CollectiveKind::kAllGather;
-        l.axes = bucket_axes;
+        l.axes = group_axes[kDenseGrads];
         l.bytes = queue[launched].elements * compute_weight_bytes(plan);
         l.tag = kTensorGatherTag + static_cast<int>(launched);
         l.label = label("param gather");
@@ -1189,18 +1237,21 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     case BlockKind::kForward: {
       // ZeRO-1/2: the first forward of a segment waits, unit by unit, for the bucket of
       // parameters the last optimizer step updated (launched in the prologue).
-      const bool wait_gathers = first_forward && (zero == 1 || zero == 2) &&
-                                plan.comm.overlap_param_gather && plan.data_parallel() > 1;
-      const auto buckets = gather_buckets(seg);
-      size_t next_bucket = 0;
+      std::array<std::vector<std::pair<int, double>>, kNumGradGroups> buckets;
+      for (int g = 0; g < kNumGradGroups; ++g) {
+        if (first_forward && gathers_before_forward(g)) buckets[g] = gather_buckets(seg, g);
+      }
+      std::array<size_t, kNumGradGroups> next_bucket{};
       auto wait_gather = [&](size_t u) {
-        if (!wait_gathers) return;
-        while (next_bucket < buckets.size() && buckets[next_bucket].first <= static_cast<int>(u)) {
-          Step w;
-          w.kind = StepKind::kDpWait;
-          w.tag = gather_tag(seg, static_cast<int>(next_bucket++));
-          w.label = label("param gather");
-          steps->push_back(w);
+        for (int g = 0; g < kNumGradGroups; ++g) {
+          auto& k = next_bucket[g];
+          while (k < buckets[g].size() && buckets[g][k].first <= static_cast<int>(u)) {
+            Step w;
+            w.kind = StepKind::kDpWait;
+            w.tag = gather_tag(seg, g, static_cast<int>(k++));
+            w.label = label("param gather");
+            steps->push_back(w);
+          }
         }
       };
       if (recv_prev_lane >= 0) {
@@ -1291,12 +1342,12 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       if (input_grads && recv_next_lane >= 0) {
         recv(next, recv_next_lane, true, handed_back(next));
       }
-      double pending = 0;
+      std::array<double, kNumGradGroups> pending{};
       // ZeRO-3 reduces unit by unit in the backward whatever overlap_grad_reduce says (the
       // unit's unsharded gradients are freed after; the epilogue reduces ZeRO 0-2 only).
-      const bool sync_here =
-          weight_grads && grad_sync && (plan.comm.overlap_grad_reduce || zero == 3) &&
-          (plan.data_parallel() > 1 || bucket_axes != (1u << mesh.axis_index(kDataParallelAxis)));
+      const bool sync_here = weight_grads && grad_sync &&
+                             (plan.comm.overlap_grad_reduce || zero == 3) &&
+                             (shard_degree(kDenseGrads) > 1 || shard_degree(kExpertGrads) > 1);
       // DeepSpeed's reduce bucket: elements waiting (comm.zero3_reduce_bucket).
       double waiting = 0;
       auto reduce_waiting = [&]() {
@@ -1304,7 +1355,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         Step rs;
         rs.kind = StepKind::kDpLaunch;
         rs.collective = CollectiveKind::kReduceScatter;
-        rs.axes = bucket_axes;
+        rs.axes = group_axes[kDenseGrads];
         rs.bytes = waiting * grad_bytes;
         rs.label = label(fmt::format("grad sync {}", s.name));
         steps->push_back(rs);
@@ -1323,7 +1374,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
             if (!bucketed) reduce_waiting();
           }
         } else {
-          emit_grad_buckets(u.reduce_params * grad_bytes, pending, t.steps, seg);
+          for (int g = 0; g < kNumGradGroups; ++g) {
+            emit_grad_buckets(u.group_params[g] * grad_bytes, pending[g], t.steps, seg, g);
+          }
         }
       };
       // Recompute rules without layers also recompute the embedding's and the head's operators
@@ -1363,12 +1416,13 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         }
       }
       reduce_waiting();
-      if (sync_here && pending > 0) {
+      for (int g = 0; g < kNumGradGroups; ++g) {
+        if (!sync_here || pending[g] <= 0) continue;
         Step f;
         f.kind = StepKind::kDpLaunch;
         f.collective = zero >= 1 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce;
-        f.axes = bucket_axes;
-        f.bytes = pending;
+        f.axes = group_axes[g];
+        f.bytes = pending[g];
         f.label = label(fmt::format("grad sync {}", s.name));
         steps->push_back(f);
       }
@@ -1661,23 +1715,22 @@ Status Compiler::check_spanning() {
 void Compiler::build_memory(Lane& lane, int lane_index, const std::vector<int>& segments) {
   const int zero = plan.optimizer.zero;
   // ZeRO shards over the gradient-sync group: data parallel, with context parallel when there
-  // is one (Megatron's distributed optimizer and FSDP both shard over dp x cp).
-  const int dp = shard_degree();
+  // is one (Megatron's distributed optimizer and FSDP both shard over dp x cp); the experts'
+  // state over their own group.
   double params = 0;
   for (int s : segments) params += segment_params(s);
+  const double sharded = sharded_params(segments);
   lane.parameters = params;
   const double weight_bytes = compute_weight_bytes(plan);
   StaticMemory m;
   m.weights = params * weight_bytes;
-  m.gradients = params * plan.optimizer.grad_bytes;
-  m.optimizer = params * plan.optimizer.state_bytes;
-  if (zero >= 1) m.optimizer /= dp;
-  if (zero >= 2) m.gradients /= dp;
+  m.gradients = (zero >= 2 ? sharded : params) * plan.optimizer.grad_bytes;
+  m.optimizer = (zero >= 1 ? sharded : params) * plan.optimizer.state_bytes;
   if (zero >= 3) {
     // Sharded weights plus the gathered copies of the layer in use and the one prefetched.
     const double layer_params =
         std::accumulate(layer.local_params.begin(), layer.local_params.end(), 0.0);
-    m.weights = params * plan.optimizer.weight_shard_bytes / dp;
+    m.weights = sharded * plan.optimizer.weight_shard_bytes;
     // Persistent tensors: their whole 16-bit copy on every GPU besides their shard.
     for (int s : segments) m.weights += segment_persistent_params(s) * weight_bytes;
     m.gathered = 2 * layer_params * weight_bytes + layer_params * plan.optimizer.grad_bytes;
@@ -1899,16 +1952,27 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   const int dp_axis = mesh.axis_index(kDataParallelAxis);
   prog.replicas = plan.data_parallel();
   prog.micro_batches = plan.num_micro_batches();
-  // Gradient buckets sync over dp and the axes every weighted operator syncs over (context
-  // parallelism); operator-specific sync axes (sequence-parallel norms over tp) get their own
-  // small all-reduce at the end of the iteration.
-  uint32_t common = ~0u;
+  // Each GradGroup's buckets sync over dp and the axes every weighted operator of the group
+  // syncs over (context parallelism; expert parallelism for the dense weights);
+  // operator-specific sync axes (sequence-parallel norms over tp) get their own small
+  // all-reduce at the end of the iteration.
+  std::array<uint32_t, kNumGradGroups> common;
+  common.fill(~0u);
   for (const PartInfo* p : {&c.embed, &c.layer, &c.head}) {
     for (size_t i = 0; i < p->part->ops.size(); ++i) {
-      if (!p->part->ops[i].weights.empty()) common &= p->sync_axes[i];
+      if (!p->part->ops[i].weights.empty()) common[p->grad_group[i]] &= p->sync_axes[i];
     }
   }
-  c.bucket_axes = (1u << dp_axis) | (common == ~0u ? 0u : common);
+  for (int g = 0; g < kNumGradGroups; ++g) {
+    c.group_axes[g] = (1u << dp_axis) | (common[g] == ~0u ? 0u : common[g]);
+  }
+  if (common[kExpertGrads] == ~0u) c.group_axes[kExpertGrads] = c.group_axes[kDenseGrads];
+  if (plan.optimizer.zero == 3 && c.group_axes[kExpertGrads] != c.group_axes[kDenseGrads]) {
+    return Error(
+        "optimizer.zero: ZeRO-3 with experts spread over a mesh axis (expert parallelism) is not "
+        "supported: the experts' and the dense weights' shards would live in different groups; "
+        "use optimizer.zero 0-2, or do not split the experts' 'expert' dimension");
+  }
 
   // Schedule checks.
   std::vector<OrderView> views;
@@ -1953,21 +2017,34 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
       lane.blocks.push_back({b, t});
     }
     // Prologue: ZeRO-1/2 gather the parameters updated by the last step, overlapped with the
-    // first forwards.
-    if ((zero == 1 || zero == 2) && plan.comm.overlap_param_gather && prog.replicas > 1) {
-      for (const Block& b : plan.schedule[o].blocks) {
-        if (b.kind != BlockKind::kForward || b.micro_batch != 0 || b.pass != 0) continue;
-        const auto buckets = c.gather_buckets(b.segment);
+    // first forwards, in the order the forwards use them (the groups' buckets interleaved by
+    // their first unit).
+    for (const Block& b : plan.schedule[o].blocks) {
+      if (b.kind != BlockKind::kForward || b.micro_batch != 0 || b.pass != 0) continue;
+      struct Launch {
+        int first_unit, group, bucket;
+        double params;
+      };
+      std::vector<Launch> launches;
+      for (int g = 0; g < kNumGradGroups; ++g) {
+        if (!c.gathers_before_forward(g)) continue;
+        const auto buckets = c.gather_buckets(b.segment, g);
         for (size_t k = 0; k < buckets.size(); ++k) {
-          Step l;
-          l.kind = StepKind::kDpLaunch;
-          l.collective = CollectiveKind::kAllGather;
-          l.axes = c.bucket_axes;
-          l.bytes = buckets[k].second * compute_weight_bytes(plan);
-          l.tag = gather_tag(b.segment, static_cast<int>(k));
-          l.label = c.label("param gather");
-          lane.prologue.push_back(l);
+          launches.push_back({buckets[k].first, g, static_cast<int>(k), buckets[k].second});
         }
+      }
+      std::stable_sort(launches.begin(), launches.end(), [](const Launch& x, const Launch& y) {
+        return x.first_unit < y.first_unit;
+      });
+      for (const Launch& x : launches) {
+        Step l;
+        l.kind = StepKind::kDpLaunch;
+        l.collective = CollectiveKind::kAllGather;
+        l.axes = c.group_axes[x.group];
+        l.bytes = x.params * compute_weight_bytes(plan);
+        l.tag = gather_tag(b.segment, x.group, x.bucket);
+        l.label = c.label("param gather");
+        lane.prologue.push_back(l);
       }
     }
     // Epilogue.
@@ -1975,13 +2052,17 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
         plan.comm.grad_reduce_bytes > 0 ? plan.comm.grad_reduce_bytes : plan.optimizer.grad_bytes;
     if (!plan.comm.overlap_grad_reduce && zero < 3) {
       for (int s : segs) {
-        Step l;
-        l.kind = StepKind::kDpLaunch;
-        l.collective = zero >= 1 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce;
-        l.axes = c.bucket_axes;
-        l.bytes = c.segment_params(s) * grad_bytes;
-        l.label = c.label("grad sync");
-        lane.epilogue.push_back(l);
+        for (int g = 0; g < kNumGradGroups; ++g) {
+          const double params = c.segment_params(s, g);
+          if (params <= 0 || c.shard_degree(g) == 1) continue;
+          Step l;
+          l.kind = StepKind::kDpLaunch;
+          l.collective = zero >= 1 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce;
+          l.axes = c.group_axes[g];
+          l.bytes = params * grad_bytes;
+          l.label = c.label("grad sync");
+          lane.epilogue.push_back(l);
+        }
       }
     }
     // The head's ranks sum the micro-batches' losses over the replicas (and the context-parallel
@@ -1991,11 +2072,11 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     bool holds_head = false;
     for (int s : segs) holds_head = holds_head || plan.segments[s].head;
     if (holds_head && !lane.ranks.empty() &&
-        prog.group_of(lane.ranks[0], c.bucket_axes).size() > 1) {
+        prog.group_of(lane.ranks[0], c.group_axes[kDenseGrads]).size() > 1) {
       Step l;
       l.kind = StepKind::kDpLaunch;
       l.collective = CollectiveKind::kAllReduce;
-      l.axes = c.bucket_axes;
+      l.axes = c.group_axes[kDenseGrads];
       l.bytes = kLossBytes;
       l.label = c.label("loss");
       lane.epilogue.push_back(l);
@@ -2005,19 +2086,20 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     wait.label = c.label("grad sync wait");
     lane.epilogue.push_back(wait);
     // Operator-specific gradient sums (sequence-parallel norm weights over tp).
-    std::map<uint32_t, double> extra_sync;
+    std::map<std::pair<uint32_t, int>, double> extra_sync;  // (axes, GradGroup) -> bytes
     for (int s : segs) {
       const Segment& seg = plan.segments[s];
       auto add = [&](const PartInfo& p, int times) {
         for (size_t i = 0; i < p.part->ops.size(); ++i) {
-          uint32_t rest = p.sync_axes[i] & ~c.bucket_axes;
+          const int g = p.grad_group[i];
+          uint32_t rest = p.sync_axes[i] & ~c.group_axes[g];
           if (rest && p.local_params[i] > 0) {
-            extra_sync[rest] += times * p.local_params[i] * grad_bytes;
+            extra_sync[{rest, g}] += times * p.local_params[i] * grad_bytes;
           }
           // Biases summed over axes the whole operator's weights are not.
-          const uint32_t bias = p.bias_sync_axes[i] & ~c.bucket_axes & ~rest;
+          const uint32_t bias = p.bias_sync_axes[i] & ~c.group_axes[g] & ~rest;
           if (bias && p.bias_sync_params[i] > 0) {
-            extra_sync[bias] += times * p.bias_sync_params[i] * grad_bytes;
+            extra_sync[{bias, g}] += times * p.bias_sync_params[i] * grad_bytes;
           }
         }
       };
@@ -2025,16 +2107,16 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
       if (seg.embedding) add(c.embed, 1);
       if (seg.head) add(c.head, 1);
     }
-    for (const auto& [axes, bytes] : extra_sync) {
+    for (const auto& [key, bytes] : extra_sync) {
       // With ZeRO each rank needs the sum only for the shard its optimizer updates (the same
       // offsets on every rank of the group), which is what it sums.
+      const auto [axes, g] = key;
       lane.epilogue.push_back(collective_step(CollectiveKind::kAllReduce, axes,
-                                              zero >= 1 ? bytes / c.shard_degree() : bytes,
+                                              zero >= 1 ? bytes / c.shard_degree(g) : bytes,
                                               c.label("norm grad sync")));
     }
     c.build_memory(lane, static_cast<int>(o), segs);
-    double local_params = lane.parameters;
-    if (zero >= 1) local_params /= c.shard_degree();
+    const double local_params = zero >= 1 ? c.sharded_params(segs) : lane.parameters;
     Step opt;
     opt.kind = StepKind::kCompute;
     opt.compute_class = ComputeClass::kOptimizer;
@@ -2042,14 +2124,15 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
                                     plan.optimizer.state_bytes, topology.gpu, prog.compute_model);
     opt.label = c.label("optimizer step");
     lane.epilogue.push_back(opt);
-    // Updated parameters gathered after the step, one all-gather per entry of `params`, awaited
-    // before the iteration ends.
-    auto gather_after_step = [&](const std::vector<double>& params) {
-      for (double p : params) {
+    // Updated parameters gathered after the step, one all-gather per entry of `params` (and
+    // its GradGroup), awaited before the iteration ends.
+    auto gather_after_step = [&](const std::vector<std::pair<double, int>>& params) {
+      if (params.empty()) return;
+      for (const auto& [p, g] : params) {
         Step l;
         l.kind = StepKind::kDpLaunch;
         l.collective = CollectiveKind::kAllGather;
-        l.axes = c.bucket_axes;
+        l.axes = c.group_axes[g];
         l.bytes = p * compute_weight_bytes(plan);
         l.label = c.label("param gather");
         lane.epilogue.push_back(l);
@@ -2059,16 +2142,23 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
       w.label = c.label("param gather wait");
       lane.epilogue.push_back(w);
     };
-    if ((zero == 1 || zero == 2) && !plan.comm.overlap_param_gather && prog.replicas > 1) {
-      std::vector<double> per_segment;
-      for (int s : segs) per_segment.push_back(c.segment_params(s));
+    if ((zero == 1 || zero == 2) && !plan.comm.overlap_param_gather) {
+      std::vector<std::pair<double, int>> per_segment;
+      for (int s : segs) {
+        for (int g = 0; g < kNumGradGroups; ++g) {
+          const double params = c.segment_params(s, g);
+          if (params > 0 && c.shard_degree(g) > 1) per_segment.emplace_back(params, g);
+        }
+      }
       gather_after_step(per_segment);
     }
     // ZeRO-3's persistent tensors: their updated chunks in one all-gather (DeepSpeed's), before
     // the next iteration's forward reads them.
     double persistent = 0;
     for (int s : segs) persistent += c.segment_persistent_params(s);
-    if (zero == 3 && persistent > 0 && c.shard_degree() > 1) gather_after_step({persistent});
+    if (zero == 3 && persistent > 0 && c.shard_degree() > 1) {
+      gather_after_step({{persistent, kDenseGrads}});
+    }
     // The outputs the forwards kept (PyTorch's pipelining) are released when the next step
     // begins, after the optimizer's.
     double retained = 0;

@@ -121,6 +121,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   for (auto [name, v] : {std::pair{"--tp", o.tp},
                          {"--pp", o.pp},
                          {"--cp", o.cp},
+                         {"--ep", o.ep},
                          {"--vpp", o.vpp},
                          {"--micro-batch", o.micro_batch}}) {
     if (v < 1) return Error(fmt::format("{} must be at least 1 (got {})", name, v));
@@ -154,6 +155,24 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "tp x pp x cp x dp = {} x {} x {} x {} = {} ranks, but topology '{}' has {} GPUs; "
         "adjust the degrees or resize the topology with --nodes",
         o.tp, o.pp, o.cp, dp, dp * model_parallel, topo.name, gpus));
+  }
+  if (o.ep > 1) {
+    if (!model.moe()) {
+      return Error(fmt::format(
+          "--ep {} spreads experts over ranks, but model '{}' has none (model.experts); drop "
+          "--ep or use a mixture-of-experts model",
+          o.ep, model.name));
+    }
+    if (model.experts % o.ep != 0) {
+      return Error(
+          fmt::format("--ep {} does not divide the model's {} experts", o.ep, model.experts));
+    }
+    if (dp % o.ep != 0) {
+      return Error(
+          fmt::format("--ep {} must divide the data-parallel degree {} (expert-parallel ranks are "
+                      "data-parallel ranks that share their experts); choose an ep that divides {}",
+                      o.ep, dp, dp));
+    }
   }
   if (model.heads % o.tp != 0) {
     return Error(
@@ -244,15 +263,17 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   const int64_t pad = o.framework == "megatron" ? 128LL * vocab_split : vocab_split;
   plan.model.vocab = (model.vocab + pad - 1) / pad * pad;
   plan.global_batch = o.global_batch;
-  plan.micro_batch = o.micro_batch;
+  // A replica is ep data-parallel ranks: their micro-batches together are its micro-batch.
+  plan.micro_batch = o.micro_batch * o.ep;
   plan.recycle = o.recycle;
   plan.precision = o.precision.value_or(model.precision);
   plan.framework = o.framework;
   plan.topology_gpus = topo.num_gpus();
   plan.topology_name = topo.name;
   plan.schedule_name = std::string(to_string(o.schedule));
-  plan.name = fmt::format("{} tp{} pp{} dp{}{}{} {} recompute-{} zero{}", model.name, o.tp, o.pp,
-                          dp, o.cp > 1 ? fmt::format(" cp{}", o.cp) : "",
+  plan.name = fmt::format("{} tp{} pp{} dp{}{}{}{} {} recompute-{} zero{}", model.name, o.tp, o.pp,
+                          dp, o.ep > 1 ? fmt::format(" ep{}", o.ep) : "",
+                          o.cp > 1 ? fmt::format(" cp{}", o.cp) : "",
                           o.vpp > 1 ? fmt::format(" vpp{}", o.vpp) : "", plan.schedule_name,
                           to_string(o.recompute), o.zero);
   if (!o.recompute_layers.empty()) {
@@ -273,8 +294,18 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (o.shard_embedding) plan.name += " shard-embedding";
   if (o.recycle > 1) plan.name += fmt::format(" recycle{}", o.recycle);
   plan.mesh.axes = {{"dp", dp}, {"pp", o.pp}, {"cp", o.cp}, {"tp", o.tp}};
-  // Megatron's rank order tp-cp-dp-pp: tensor parallel fastest, pipeline slowest.
-  Expected<Placement> placement = placement_from_order(plan.mesh, o.placement);
+  std::vector<std::string> order = o.placement;
+  if (o.ep > 1) {
+    // The expert-parallel ranks are data-parallel ranks: the replicas are what is left.
+    plan.mesh.axes = {{"dp", dp / o.ep}, {"pp", o.pp}, {"ep", o.ep}, {"cp", o.cp}, {"tp", o.tp}};
+    const bool named = std::any_of(order.begin(), order.end(),
+                                   [](const std::string& a) { return a.rfind("ep", 0) == 0; });
+    auto cp = std::find_if(order.begin(), order.end(),
+                           [](const std::string& a) { return a.rfind("cp", 0) == 0; });
+    if (!named) order.insert(cp, "ep");
+  }
+  // Megatron's rank order tp-cp-ep-dp-pp: tensor parallel fastest, pipeline slowest.
+  Expected<Placement> placement = placement_from_order(plan.mesh, order);
   if (!placement) return placement.error();
   plan.placement = *placement;
   if (avoiding) {
@@ -318,6 +349,15 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     plan.partition.push_back({match, {{d, std::move(axes)}}});
   };
   if (o.cp > 1) rule("*", Dim::kSeq, {"cp"});
+  if (o.ep > 1) {
+    // Each expert-parallel rank runs its own sequences through the dense operators and holds
+    // experts/ep of the experts: the routed tokens go to their expert's rank and back by
+    // all-to-all (the change of layout between the two splits).
+    rule("*", Dim::kBatch, {"ep"});
+    for (const char* m : {"moe.fc1", "moe.act", "moe.fc2"}) {
+      plan.partition.push_back({m, {{Dim::kBatch, {}}, {Dim::kExpert, {"ep"}}}});
+    }
+  }
   if (o.tp > 1) {
     for (const char* m : {"attn.qkv", "attn.core", "attn.proj"}) rule(m, Dim::kHeads, {"tp"});
     // Experts split as the MLP they replace (Megatron's expert tensor parallelism).

@@ -2,8 +2,10 @@
 // degrees. Column-parallel QKV and first MLP matmul, row-parallel output projections,
 // vocab-parallel embedding, head and loss; optional sequence parallelism (norms, dropout and
 // residuals split along the sequence over tp); context parallelism (everything split along the
-// sequence over cp, ring attention); pipeline stages of consecutive layers with the embedding on
-// the first and the head on the last; ranks placed tensor-parallel innermost.
+// sequence over cp, ring attention); expert parallelism (the experts spread over ep of the
+// data-parallel ranks, tokens exchanged by all-to-all); pipeline stages of consecutive layers
+// with the embedding on the first and the head on the last; ranks placed tensor-parallel
+// innermost.
 #pragma once
 
 #include <optional>
@@ -28,6 +30,11 @@ struct MegatronOptions {
   int pp = 1;
   int dp = 0;  // 0: whatever the topology's GPU count leaves
   int cp = 1;
+  // Expert parallelism (mixture-of-experts models): the experts spread over `ep` ranks, carved
+  // out of the data-parallel ones (Megatron-Core's --expert-model-parallel-size), which each
+  // keep their own sequences in the dense operators; `dp` counts them all and must be a
+  // multiple of `ep`.
+  int ep = 1;
   int vpp = 1;  // model chunks per pipeline rank (interleaved schedule)
   bool sequence_parallel = false;
   int micro_batch = 1;
@@ -59,7 +66,8 @@ struct MegatronOptions {
   // that waits); negative: its default (5e7). Only with framework deepspeed and ZeRO-3.
   double zero3_prefetch_elements = -1;
   // Rank placement, outermost axis first (the innermost varies fastest over GPU indices):
-  // Megatron's default puts tensor parallelism innermost, pipeline outermost.
+  // Megatron's default puts tensor parallelism innermost, pipeline outermost; with expert
+  // parallelism "ep" goes just outside "cp" unless the order names it.
   std::vector<std::string> placement = {"pp", "dp", "cp", "tp"};
   // Whose conventions for gradient and optimizer precision: megatron, fsdp (PyTorch FSDP),
   // deepspeed, other (plain data parallelism). See docs/plan.md.

@@ -24,6 +24,7 @@ std::string Candidate::describe() const {
   std::string s = fmt::format("tp{} pp{}", o.tp, o.pp);
   if (o.vpp > 1) s += fmt::format(" vpp{}", o.vpp);
   if (o.cp > 1) s += fmt::format(" cp{}", o.cp);
+  if (o.ep > 1) s += fmt::format(" ep{}", o.ep);
   s += fmt::format(" dp{} mb{}", o.dp, o.micro_batch);
   if (o.sequence_parallel) s += " sp";
   std::string recompute(to_string(o.recompute));
@@ -88,15 +89,20 @@ struct PlacementChoice {
 
 // Static memory per GPU (weights, gradients, optimizer state) without activations: a lower
 // bound that rules out degrees before compiling anything.
-double static_bytes_lower_bound(const ModelSpec& m, int tp, int pp, int dp, int cp, int zero,
-                                bool fsdp) {
-  const double params = static_cast<double>(m.parameters()) / (tp * pp);
-  const double shard = dp * cp;
+double static_bytes_lower_bound(const ModelSpec& m, int tp, int pp, int dp, int cp, int ep,
+                                int zero, bool fsdp) {
   const double per_param = fsdp ? 16.0 : 18.0;
-  double b = params * per_param;
-  if (zero >= 1) b -= params * 12 * (1 - 1 / shard);
-  if (zero >= 2) b -= params * 4 * (1 - 1 / shard);
-  if (zero >= 3) b -= params * 2 * (1 - 1 / shard);
+  // Dense weights shard over dp x cp; experts, spread over ep of the dp ranks, over the rest.
+  const double experts = static_cast<double>(m.expert_parameters());
+  const double dense = static_cast<double>(m.parameters()) - experts;
+  double b = 0;
+  for (auto [params, shard] : {std::pair{dense / (tp * pp), 1.0 * dp * cp},
+                               std::pair{experts / (tp * pp * ep), 1.0 * dp / ep * cp}}) {
+    b += params * per_param;
+    if (zero >= 1) b -= params * 12 * (1 - 1 / shard);
+    if (zero >= 2) b -= params * 4 * (1 - 1 / shard);
+    if (zero >= 3) b -= params * 2 * (1 - 1 / shard);
+  }
   return b;
 }
 
@@ -127,6 +133,9 @@ void parallel_for(size_t n, int jobs, const std::function<void(size_t)>& body,
 // groups of 4 GPUs on different nodes).
 std::vector<std::vector<std::string>> distinct_orders(
     const MegatronOptions& o, const std::vector<std::vector<std::string>>& done) {
+  // Expert-parallel plans keep the two placements the enumeration gives them (ep just outside
+  // cp); other orders of their five axes are not explored.
+  if (o.ep > 1) return {};
   Mesh mesh;
   mesh.axes = {{"dp", o.dp}, {"pp", o.pp}, {"cp", o.cp}, {"tp", o.tp}};
   auto mapping = [&](const std::vector<std::string>& order) -> std::optional<std::vector<int>> {
@@ -352,6 +361,12 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
         if (dp < 1) continue;
         if (pin.dp && *pin.dp != dp) continue;
         if (cp > 1 && model.seq_len / cp < 1024) continue;  // too short to split
+        // Expert parallelism: the degrees dividing both the experts and the data-parallel ranks.
+        std::vector<int> eps;
+        const int most_ep = static_cast<int>(std::max<int64_t>(1, model.experts));
+        for (int e : pinned_or(pin.ep, divisors(dp, most_ep))) {
+          if (e == 1 || (model.moe() && dp % e == 0 && model.experts % e == 0)) eps.push_back(e);
+        }
         for (bool sp : pinned_or(pin.sequence_parallel, std::vector<bool>{tp > 1})) {
           if (model.seq_len % (static_cast<int64_t>(cp) * (sp ? tp : 1)) != 0) continue;
           for (int mb : pinned_or(pin.micro_batch, std::vector<int>{1, 2, 4, 8})) {
@@ -392,7 +407,12 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   reject("dominated (GPipe: as fast as 1F1B, more memory)");
                   continue;
                 }
+                std::vector<std::pair<const PlacementChoice*, int>> layouts;
                 for (const PlacementChoice& pl : placements) {
+                  for (int ep : eps) layouts.emplace_back(&pl, ep);
+                }
+                for (const auto& [choice, ep] : layouts) {
+                  const PlacementChoice& pl = *choice;
                   if (pl.name == "dp-innermost" && (tp == 1 || dp == 1)) continue;
                   Chain c;
                   c.placement = pl.name;
@@ -400,6 +420,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   b.tp = tp;
                   b.pp = pp;
                   b.cp = cp;
+                  b.ep = ep;
                   b.dp = dp;
                   b.vpp = vpp;
                   b.sequence_parallel = sp;
@@ -424,10 +445,11 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   std::vector<int> zeros =
                       tp == 1 && pp == 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 1};
                   if (fsdp) zeros = {3, 2};
+                  if (ep > 1) zeros.erase(std::remove(zeros.begin(), zeros.end(), 3), zeros.end());
                   if (pin.zero) zeros = {*pin.zero};
                   for (RecomputeMode r : recs) {
                     for (int z : zeros) {
-                      if (static_bytes_lower_bound(model, tp, pp, dp, cp, z, fsdp) > capacity) {
+                      if (static_bytes_lower_bound(model, tp, pp, dp, cp, ep, z, fsdp) > capacity) {
                         reject("does not fit in memory");
                         continue;
                       }
@@ -679,6 +701,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     if (pin.tp) b.tp = *pin.tp;
     if (pin.pp) b.pp = *pin.pp;
     if (pin.cp) b.cp = *pin.cp;
+    if (pin.ep) b.ep = *pin.ep;
     if (pin.dp) b.dp = *pin.dp;
     if (pin.vpp) b.vpp = *pin.vpp;
     if (pin.micro_batch) b.micro_batch = *pin.micro_batch;

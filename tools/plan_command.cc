@@ -123,15 +123,15 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   std::string error;
   if (!a.csv.empty()) {
     std::string csv =
-        "rank,plan,tp,pp,vpp,cp,dp,micro_batch,sequence_parallel,recompute,zero,schedule,"
+        "rank,plan,tp,pp,vpp,cp,ep,dp,micro_batch,sequence_parallel,recompute,zero,schedule,"
         "placement,stage_layers,recompute_layers,estimated_s,simulated_s,peak_memory_bytes,mfu,"
         "status\n";
     int k = 0;
     auto row = [&](const Candidate& c, const std::string& rank_text) {
       const MegatronOptions& o = c.options;
-      csv += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", rank_text,
-                         csv_escape(c.describe()), o.tp, o.pp, o.vpp, o.cp, o.dp, o.micro_batch,
-                         o.sequence_parallel ? 1 : 0, to_string(o.recompute), o.zero,
+      csv += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+                         rank_text, csv_escape(c.describe()), o.tp, o.pp, o.vpp, o.cp, o.ep, o.dp,
+                         o.micro_batch, o.sequence_parallel ? 1 : 0, to_string(o.recompute), o.zero,
                          to_string(o.schedule), c.placement, fmt::join(o.stage_layers, ";"),
                          fmt::join(o.recompute_layers, ";"), c.estimate.iteration_time,
                          c.simulated ? fmt::format("{}", *c.simulated) : "", c.estimate.peak_memory,
@@ -207,6 +207,9 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
   cmd->add_option("--dp", a.o.dp, "data-parallel degree (default: GPUs / (tp pp cp))")
       ->check(at_least(1));
   cmd->add_option("--cp", a.o.cp, "context-parallel degree");
+  cmd->add_option("--ep", a.o.ep,
+                  "expert-parallel degree (mixture-of-experts models): experts spread over "
+                  "this many of the data-parallel ranks");
   cmd->add_option("--vpp", a.o.vpp, "model chunks per pipeline rank (interleaved)");
   cmd->add_flag("--sequence-parallel", a.o.sequence_parallel,
                 "Megatron sequence parallelism inside tensor-parallel groups");
@@ -278,6 +281,7 @@ int run_plan_command(PlanArgs& a, const CLI::App& cmd) {
   if (given("--pp")) p.pp = a.o.pp;
   if (given("--dp")) p.dp = a.o.dp;
   if (given("--cp")) p.cp = a.o.cp;
+  if (given("--ep")) p.ep = a.o.ep;
   if (given("--vpp")) p.vpp = a.o.vpp;
   if (given("--micro-batch")) p.micro_batch = a.o.micro_batch;
   if (given("--zero")) p.zero = a.o.zero;

@@ -251,11 +251,13 @@ TEST(Program, TiedGradientsSummedBeforeTheStepAsWholeOrChunks) {
   }
 }
 
-// Tensor-parallel collectives of the layers' operators in one block template, by kind.
-std::map<CollectiveKind, int> layer_collectives(const Program& prog, int segment, BlockKind kind) {
+// Collectives of the layers' operators in one block template, by kind; each must run along
+// `axis` (tensor parallel by default).
+std::map<CollectiveKind, int> layer_collectives(const Program& prog, int segment, BlockKind kind,
+                                                const char* axis = "tp") {
   std::set<std::string> layer_ops;
   for (const auto& op : prog.graph.layer.ops) layer_ops.insert(op.name);
-  const uint32_t tp = 1u << prog.plan.mesh.axis_index("tp");
+  const uint32_t tp = 1u << prog.plan.mesh.axis_index(axis);
   std::map<CollectiveKind, int> count;
   for (const BlockTemplate& t : prog.templates) {
     if (t.segment != segment || t.kind != kind) continue;
@@ -346,6 +348,94 @@ TEST(Program, ExpertsUnderSequenceParallelism) {
   const double attention = h * (h + 2 * 1024) + h * h, router = h * 8, norms = 2 * h;
   EXPECT_DOUBLE_EQ(prog.lanes[0].parameters,
                    m.layers * ((experts + attention) / 8 + router + norms) + h + 2 * 32768 * h / 8);
+}
+
+// Expert parallelism: each rank keeps its own sequence in the dense operators and 1/ep of the
+// experts; every routed token copy goes to its expert's rank and back (two all-to-alls a layer
+// each way). The dense weights' gradients sum over dp x ep, the experts' over dp alone, and
+// ZeRO shards each over its own group.
+TEST(Program, ExpertParallelismExchangesTokensAndShardsExpertsApart) {
+  ModelSpec m = preset("mixtral-8x7b");
+  m.layers = 4;
+  m.seq_len = 2048;
+  MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
+  o.ep = 8;
+  o.zero = 1;
+  o.global_batch = 64;  // 32 GPUs: 4 replicas of 8 expert-parallel ranks, 2 micro-batches
+  const Program prog = compile(m, o);
+  ASSERT_FALSE(prog.lanes.empty());
+  const Mesh& mesh = prog.plan.mesh;
+  const uint32_t dp = 1u << mesh.axis_index("dp"), ep = 1u << mesh.axis_index("ep");
+  EXPECT_EQ(mesh.axis_size("dp"), 4);
+  EXPECT_EQ(prog.plan.micro_batch, 8);
+  EXPECT_EQ(prog.micro_batches, 2);
+
+  const double routed_bytes = 1.0 * m.seq_len * 2 * m.hidden * 2;  // one sequence, k = 2, bf16
+  for (BlockKind kind : {BlockKind::kForward, BlockKind::kBackward}) {
+    EXPECT_EQ(layer_collectives(prog, 0, kind, "ep"), (Counts{{CollectiveKind::kAllToAll, 2 * 4}}));
+    for (const BlockTemplate& t : prog.templates) {
+      if (t.kind != kind) continue;
+      for (const Step& s : t.steps) {
+        if (s.kind != StepKind::kCollective) continue;
+        EXPECT_EQ(s.axes, ep) << prog.labels[s.label];
+        EXPECT_DOUBLE_EQ(s.bytes, routed_bytes) << prog.labels[s.label];
+      }
+    }
+  }
+
+  // Parameters per GPU: the dense ones whole, an eighth of the experts.
+  const double h = m.hidden, vocab = 32000;
+  const double experts = m.layers * 8 * 3 * h * m.expert_ffn_hidden / 8;
+  const double dense = m.layers * (h * (h + 2 * 1024) + h * h + h * 8 + 2 * h) + h + 2 * vocab * h;
+  const Lane& lane = prog.lanes[0];
+  EXPECT_DOUBLE_EQ(lane.parameters, dense + experts);
+  // Gradient reduce-scatters (4-byte gradients) by group.
+  std::map<uint32_t, double> reduced;
+  auto add = [&](const std::vector<Step>& steps) {
+    for (const Step& s : steps) {
+      if (s.kind == StepKind::kDpLaunch && s.collective == CollectiveKind::kReduceScatter) {
+        reduced[s.axes] += s.bytes;
+      }
+    }
+  };
+  for (const BlockInstance& b : lane.blocks) add(prog.templates[b.template_index].steps);
+  add(lane.epilogue);
+  EXPECT_EQ(reduced.size(), 2u);
+  EXPECT_DOUBLE_EQ(reduced[dp | ep], 4 * dense);
+  EXPECT_DOUBLE_EQ(reduced[dp], 4 * experts);
+  EXPECT_DOUBLE_EQ(lane.memory.optimizer, 12 * (dense / 32 + experts / 4));
+
+  // ZeRO-3 would shard the two groups' weights apart: refused, naming the field.
+  o.zero = 3;
+  auto plan = build_megatron_plan(m, dgx(), o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  auto refused = compile_plan(*plan, dgx());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("optimizer.zero"), std::string::npos);
+}
+
+// The builder's expert-parallel degree must fit the model and the data-parallel ranks.
+TEST(Program, ExpertParallelDegreesAreChecked) {
+  ModelSpec moe = preset("mixtral-8x7b");
+  moe.layers = 4;
+  moe.seq_len = 2048;
+  struct Case {
+    ModelSpec model;
+    int tp, ep;
+    const char* says;
+  };
+  const Case cases[] = {
+      {korthikanti("gpt3-1.3b"), 1, 2, "has none (model.experts)"},
+      {moe, 1, 16, "does not divide the model's 8 experts"},
+      {moe, 8, 8, "must divide the data-parallel degree 4"},
+  };
+  for (const Case& c : cases) {
+    MegatronOptions o = options(c.tp, 1, false, RecomputeMode::kNone, 1);
+    o.ep = c.ep;
+    auto plan = build_megatron_plan(c.model, dgx(), o);
+    ASSERT_FALSE(plan.ok()) << c.says;
+    EXPECT_NE(plan.error().message().find(c.says), std::string::npos) << plan.error().message();
+  }
 }
 
 // Transformer Engine's tensor-parallel overlap (NeMo's defaults, bulk dgrad and wgrad): in the

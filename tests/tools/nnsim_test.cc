@@ -15,6 +15,7 @@
 #include <fstream>
 #include <initializer_list>
 #include <iterator>
+#include <map>
 #include <optional>
 #include <regex>
 #include <set>
@@ -415,6 +416,72 @@ TEST(NnsimTool, MixtureOfExpertsPlansAndSimulates) {
   EXPECT_EQ(json::parse(box.read("moe.json"))["model"]["experts"], 8);
   EXPECT_GT(m["iteration_time_s"].get<double>(), d["iteration_time_s"].get<double>());
   EXPECT_LT(m["iteration_time_s"].get<double>(), 1.5 * d["iteration_time_s"].get<double>());
+}
+
+// Expert parallelism from the command line: the builder spreads the experts over --ep of the
+// data-parallel ranks, the simulator reports the all-to-alls as the "ep" group's exposed
+// communication, each GPU holds fewer weights, and the search tries expert-parallel degrees
+// for mixture-of-experts models only. Degrees that do not fit are refused, naming the flag.
+TEST(NnsimTool, ExpertParallelismPlansSearchesAndSimulates) {
+  Sandbox box;
+  const std::string dense =
+      "layers: 4\nhidden: 1024\nheads: 16\nkv_heads: 4\nffn_hidden: 4096\nmlp: swiglu\n"
+      "vocab: 32000\nseq_len: 2048\nposition: rope\nnorm: rmsnorm\nbias: false\n";
+  box.write("dense.yaml", dense);
+  box.write("moe.yaml", dense + "experts: 8\nexperts_per_token: 2\n");
+  auto plan = [&](const std::string& model, const std::string& ep, const std::string& out) {
+    return box.nnsim({"plan", "--model", model + ".yaml", "--topo", "dgx-a100x4", "--nodes", "1",
+                      "--tp", "1", "--pp", "1", "--ep", ep, "--global-batch", "16", "-o", out});
+  };
+  auto simulate = [&](const std::string& plan_file) {
+    RunResult r =
+        box.nnsim({"--topo", "dgx-a100x4", "--nodes", "1", plan_file, "--json", "r.json"});
+    EXPECT_EQ(r.status, 0) << r;
+    return json::parse(box.read("r.json"));
+  };
+  ASSERT_EQ(plan("moe", "4", "ep4.json").status, 0);
+  ASSERT_EQ(plan("moe", "1", "ep1.json").status, 0);
+  const json written = json::parse(box.read("ep4.json"));
+  const json with_ep = simulate("ep4.json"), without = simulate("ep1.json");
+  std::map<std::string, int> axes;
+  for (const json& a : written["mesh"]) axes[a[0].get<std::string>()] = a[1].get<int>();
+  EXPECT_EQ(axes["ep"], 4);
+  EXPECT_EQ(axes["dp"], 2);
+  const json& lane = with_ep["lanes"][0];
+  EXPECT_GT(lane["breakdown"]["exposed_comm_s"].value("ep", 0.0), 0) << lane["breakdown"];
+  EXPECT_LT(lane["memory"]["weights_bytes"].get<double>(),
+            without["lanes"][0]["memory"]["weights_bytes"].get<double>() / 2);
+
+  RunResult bad = plan("moe", "3", "bad.json");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_TRUE(contains(bad.err, "--ep 3 does not divide the model's 8 experts")) << bad;
+  bad = plan("dense", "2", "bad.json");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_TRUE(contains(bad.err, "has none (model.experts)")) << bad;
+
+  // The search's candidates: expert-parallel degrees 1, 2, 4 and 8 for the experts, 1 only for
+  // the dense model.
+  auto searched_eps = [&](const std::string& model) {
+    RunResult r = box.nnsim({"plan", "--model", model + ".yaml", "--topo", "dgx-a100x4", "--nodes",
+                             "1", "--global-batch", "16", "--confirm", "0", "--top", "100000",
+                             "--csv", model + ".csv", "-o", model + "-best.json"});
+    EXPECT_EQ(r.status, 0) << r;
+    std::set<std::string> eps;
+    std::istringstream csv(box.read(model + ".csv"));
+    std::string line;
+    std::getline(csv, line);
+    EXPECT_TRUE(contains(line, ",cp,ep,dp,")) << line;
+    while (std::getline(csv, line)) {
+      if (contains(line, "\"")) continue;  // a quoted description holds commas
+      std::vector<std::string> f;
+      std::istringstream row(line);
+      for (std::string x; std::getline(row, x, ',');) f.push_back(x);
+      if (f.size() > 6) eps.insert(f[6]);
+    }
+    return eps;
+  };
+  EXPECT_EQ(searched_eps("moe"), (std::set<std::string>{"1", "2", "4", "8"}));
+  EXPECT_EQ(searched_eps("dense"), (std::set<std::string>{"1"}));
 }
 
 // `nnsim schedule --calib` and `nnsim plan --calib` time the generators' blocks with the file's

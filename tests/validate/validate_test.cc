@@ -69,6 +69,13 @@ TEST(ValidationSet, BadInputNamesTheFieldAndTheFix) {
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.error().message().find("did you mean 'megatron'"), std::string::npos)
       << r.error().message();
+  // The schema's models are dense: nothing for expert parallelism to spread.
+  bad = kOneCase;
+  bad.replace(bad.find("tp: 2,"), 6, "tp: 2, ep: 2,");
+  r = parse_validation_set(bad, "bad.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("parallel.ep': must be 1"), std::string::npos)
+      << r.error().message();
 }
 
 // A measurement of zero or below would print an infinite error and poison the summary's
