@@ -87,6 +87,15 @@ std::optional<Problem> find_problem(const ModelSpec& m) {
       return Problem{"expert_ffn_hidden", fmt::format("must be a positive integer up to {}, got {}",
                                                       kMaxWidth, m.expert_ffn_hidden)};
     }
+    // Below 1 a router drops tokens; above experts / experts_per_token every expert would get
+    // every token.
+    const double most = static_cast<double>(m.experts) / static_cast<double>(m.experts_per_token);
+    if (!(m.expert_capacity_factor >= 1 && m.expert_capacity_factor <= most)) {
+      return Problem{"expert_capacity_factor",
+                     fmt::format("must be between 1 (balanced) and experts / experts_per_token "
+                                 "({:g}), got {:g}; dropping tokens (below 1) is not modelled",
+                                 most, m.expert_capacity_factor)};
+    }
   }
   if (m.hidden % m.heads != 0) {
     return Problem{"heads",
@@ -198,7 +207,8 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                    "precision",
                    "experts",
                    "experts_per_token",
-                   "expert_ffn_hidden"});
+                   "expert_ffn_hidden",
+                   "expert_capacity_factor"});
   ModelSpec m;
   m.name = node.get_string("name", default_name);
   m.family = node.get_string("family", "");
@@ -247,8 +257,9 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
     m.experts_per_token = read_size(node, "experts_per_token");  // required with experts
     m.expert_ffn_hidden =
         node.has("expert_ffn_hidden") ? read_size(node, "expert_ffn_hidden") : m.ffn_hidden;
+    if (auto c = node.get("expert_capacity_factor")) m.expert_capacity_factor = c->as_double();
   } else {
-    for (const char* f : {"experts_per_token", "expert_ffn_hidden"}) {
+    for (const char* f : {"experts_per_token", "expert_ffn_hidden", "expert_capacity_factor"}) {
       if (node.has(f)) node[f].fail("only a mixture of experts has it; give 'experts' too");
     }
   }
@@ -284,6 +295,7 @@ std::string model_to_json(const ModelSpec& m) {
     j["experts"] = m.experts;
     j["experts_per_token"] = m.experts_per_token;
     j["expert_ffn_hidden"] = m.expert_ffn_hidden;
+    if (m.expert_capacity_factor != 1) j["expert_capacity_factor"] = m.expert_capacity_factor;
   }
   return j.dump();
 }

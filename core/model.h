@@ -57,6 +57,11 @@ struct ModelSpec {
   int64_t experts = 0;
   int64_t experts_per_token = 0;
   int64_t expert_ffn_hidden = 0;
+  // Expert slots per routed token copy: each expert computes (and its tokens travel) as if it
+  // received this many times its even share of the routed tokens. Megatron's
+  // --moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity; for a dropless router
+  // that loads experts unevenly, the busiest expert's load over the mean. 1: balanced, dropless.
+  double expert_capacity_factor = 1;
 
   int64_t head_dim() const { return hidden / heads; }
   bool gated_mlp() const { return mlp == MlpKind::kSwiglu; }

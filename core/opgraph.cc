@@ -80,6 +80,7 @@ constexpr TensorRef kPartInput{-1, 0};
 struct Shape {
   double b, s, h, a, k, dh, f, v, p;
   double e, top;  // experts and experts per token (0 for a dense model)
+  double slots;   // expert slots per token: top x the capacity factor
   int64_t mb, seq, hidden, kv_heads, ffn, vocab, experts;
   double qkv_width() const { return (a + 2 * k) * dh; }
 };
@@ -98,6 +99,7 @@ Shape shape_of(const ModelSpec& m, int64_t micro_batch) {
   x.p = m.precision == Precision::kFp32 || m.precision == Precision::kTf32 ? 4 : 2;
   x.e = static_cast<double>(m.experts);
   x.top = static_cast<double>(m.experts_per_token);
+  x.slots = x.top * m.expert_capacity_factor;
   x.mb = micro_batch;
   x.seq = m.seq_len;
   x.hidden = m.hidden;
@@ -282,7 +284,7 @@ Op activation_op(int self, TensorRef input, const ModelSpec& m, const Shape& x,
   if (experts) bsf = bsf.with(Dim::kExpert);
   op.dims = bsf;
   op.inputs = {input};
-  const double tokens = x.b * x.s * (experts ? x.top : 1);
+  const double tokens = x.b * x.s * (experts ? x.slots : 1);
   const double f = experts ? static_cast<double>(m.expert_ffn_hidden) : x.f;
   const double in_width = m.gated_mlp() ? 2 * f : f;
   op.output = tensor(out(self), tokens * f, bsf, x.p);
@@ -294,11 +296,17 @@ Op activation_op(int self, TensorRef input, const ModelSpec& m, const Shape& x,
   return op;
 }
 
-// One linear layer of every expert (a grouped GEMM over the routed tokens).
+// One linear layer of every expert (a grouped GEMM over the routed tokens). The GEMMs run over
+// every expert slot (the capacity factor's padding included); the FLOPs count the routed tokens
+// only: the model's work, as Megatron counts it.
 Op expert_linear_op(const std::string& name, int self, TensorRef input, Dim in_dim, double in_size,
                     Dim out_dim, double out_size, const ModelSpec& m, const Shape& x) {
   Op op = linear_op(name, self, input, in_dim, in_size, out_dim, out_size, m.bias, x, x.e,
-                    x.b * x.s * x.top);
+                    x.b * x.s * x.slots);
+  const double useful = x.top / x.slots;
+  op.fwd_flops *= useful;
+  op.bwd_input_flops *= useful;
+  op.bwd_weight_flops *= useful;
   op.granularity[static_cast<int>(Dim::kFfn)] = m.expert_ffn_hidden;
   return op;
 }
@@ -308,7 +316,8 @@ Op expert_linear_op(const std::string& name, int self, TensorRef input, Dim in_d
 // Tokens are assumed spread evenly over the experts (a load-balanced router, dropless).
 void add_moe_ops(std::vector<Op>& ops, TensorRef input, const ModelSpec& m, const Shape& x) {
   const int router = static_cast<int>(ops.size());
-  const double tokens = x.b * x.s, routed = tokens * x.top;
+  // Each expert's rows: its share of the routed copies, times the capacity factor (slots).
+  const double tokens = x.b * x.s, routed = tokens * x.slots;
   const DimSet bsh{Dim::kBatch, Dim::kSeq, Dim::kHidden};
   const DimSet bseh{Dim::kBatch, Dim::kSeq, Dim::kExpert, Dim::kHidden};
   const DimSet bse{Dim::kBatch, Dim::kSeq, Dim::kExpert};

@@ -261,6 +261,17 @@ TEST(Model, MixtureOfExpertsFieldsAreChecked) {
   EXPECT_TRUE(contains(msg, "give 'experts' too")) << msg;
   msg = parse_error(moe + "expert_ffn_hidden: 0\n");
   EXPECT_TRUE(contains(msg, "field 'expert_ffn_hidden'")) << msg;
+  for (const char* c : {"0.5", "4.5"}) {  // dropping tokens; more than every token per expert
+    msg = parse_error(moe + "expert_capacity_factor: " + c + "\n");
+    EXPECT_TRUE(contains(msg, "field 'expert_capacity_factor'")) << msg;
+    EXPECT_TRUE(contains(msg, "between 1 (balanced) and experts / experts_per_token (4)")) << msg;
+  }
+  msg = parse_error(std::string(kSmall) + "expert_capacity_factor: 1.25\n");
+  EXPECT_TRUE(contains(msg, "give 'experts' too")) << msg;
+  auto padded = parse_model(moe + "expert_capacity_factor: 1.25\n", "m.yaml");
+  ASSERT_TRUE(padded.ok()) << padded.error().message();
+  EXPECT_EQ(parse_model(model_to_json(*padded), "plan.json")->expert_capacity_factor, 1.25);
+  EXPECT_FALSE(contains(model_to_json(*m), "capacity"));  // 1 is the default
   // A dense model's JSON has no expert fields; a mixture's keeps them.
   EXPECT_FALSE(contains(model_to_json(*parse_model(kSmall, "m.yaml")), "experts"));
   auto back = parse_model(model_to_json(*m), "plan.json");

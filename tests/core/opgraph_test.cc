@@ -193,6 +193,31 @@ TEST(OpGraph, MixtureOfExpertsBlock) {
   EXPECT_DOUBLE_EQ(combine.output.elements, b * s * h);
 }
 
+// A capacity factor c sizes every expert for c times its share: the grouped GEMMs, the
+// activation and the routed copies (what the all-to-alls move and the experts keep) grow by c;
+// the FLOPs, the model's work, do not.
+TEST(OpGraph, ExpertCapacityFactorPadsTheExpertsNotTheirFlops) {
+  ModelSpec moe = preset("mixtral-8x7b");
+  const OpGraph even = lower_model(moe, 2);
+  moe.expert_capacity_factor = 1.25;
+  const OpGraph padded = lower_model(moe, 2);
+  EXPECT_DOUBLE_EQ(fwd(padded.layer), fwd(even.layer));
+  EXPECT_DOUBLE_EQ(bwd(padded.layer), bwd(even.layer));
+  for (const char* name : {"moe.fc1", "moe.fc2"}) {
+    const Op& p = *find_op(padded.layer, name);
+    const Op& e = *find_op(even.layer, name);
+    EXPECT_DOUBLE_EQ(p.gemm.m, 1.25 * e.gemm.m) << name;
+    EXPECT_DOUBLE_EQ(p.saved[0].elements, 1.25 * e.saved[0].elements) << name;
+  }
+  for (const char* name : {"moe.dispatch", "moe.act"}) {
+    EXPECT_DOUBLE_EQ(find_op(padded.layer, name)->output.elements,
+                     1.25 * find_op(even.layer, name)->output.elements)
+        << name;
+  }
+  EXPECT_DOUBLE_EQ(find_op(padded.layer, "moe.combine")->output.elements,
+                   find_op(even.layer, "moe.combine")->output.elements);
+}
+
 // Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 // section 4: s b h (34 + 5 a s / h) bytes per layer with no parallelism.
 TEST(OpGraph, KorthikantiActivationMemory) {

@@ -405,6 +405,18 @@ TEST(Program, ExpertParallelismExchangesTokensAndShardsExpertsApart) {
   EXPECT_DOUBLE_EQ(reduced[dp], 4 * experts);
   EXPECT_DOUBLE_EQ(lane.memory.optimizer, 12 * (dense / 32 + experts / 4));
 
+  // Padded to a capacity factor of 1.5, every all-to-all moves half as much again; the model's
+  // FLOPs stay.
+  ModelSpec padded = m;
+  padded.expert_capacity_factor = 1.5;
+  const Program wide = compile(padded, o);
+  for (const BlockTemplate& t : wide.templates) {
+    for (const Step& s : t.steps) {
+      if (s.kind == StepKind::kCollective) EXPECT_DOUBLE_EQ(s.bytes, 1.5 * routed_bytes);
+    }
+  }
+  EXPECT_DOUBLE_EQ(wide.model_flops_per_iteration, prog.model_flops_per_iteration);
+
   // ZeRO-3 would shard the two groups' weights apart: refused, naming the field.
   o.zero = 3;
   auto plan = build_megatron_plan(m, dgx(), o);
