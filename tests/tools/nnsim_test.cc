@@ -482,6 +482,37 @@ TEST(NnsimTool, ExpertParallelismPlansSearchesAndSimulates) {
   };
   EXPECT_EQ(searched_eps("moe"), (std::set<std::string>{"1", "2", "4", "8"}));
   EXPECT_EQ(searched_eps("dense"), (std::set<std::string>{"1"}));
+
+  // docs/PLANNER.md's NeMo configuration of Mixtral 8x7B builds from the bundled model file.
+  RunResult nemo = box.nnsim({"plan",
+                              "--model",
+                              (kSourceDir / "examples" / "mixtral-8x7b-seq4096.yaml").string(),
+                              "--topo",
+                              "dgx-h100-superpod",
+                              "--nodes",
+                              "8",
+                              "--tp",
+                              "1",
+                              "--pp",
+                              "4",
+                              "--vpp",
+                              "8",
+                              "--ep",
+                              "8",
+                              "--micro-batch",
+                              "1",
+                              "--global-batch",
+                              "256",
+                              "--recompute",
+                              "none",
+                              "--zero",
+                              "1",
+                              "--schedule",
+                              "interleaved",
+                              "-o",
+                              "nemo.json"});
+  ASSERT_EQ(nemo.status, 0) << nemo;
+  EXPECT_TRUE(contains(nemo.out, "tp1 pp4 dp16 ep8 vpp8 interleaved")) << nemo;
 }
 
 // `nnsim schedule --calib` and `nnsim plan --calib` time the generators' blocks with the file's
