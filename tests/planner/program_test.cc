@@ -1030,6 +1030,25 @@ TEST(Program, ATiedHeadOnTheEmbeddingsDevicesInAVIsOneParameter) {
   }
 }
 
+// The distributed optimizer shards over dp x cp: with one replica and context parallelism the
+// state is still sharded over the cp ranks, so each reduce-scatters its gradients and gathers
+// the parameters the others updated, along cp.
+TEST(Program, ZeroShardsOverContextParallelRanksWithOneReplica) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  MegatronOptions o = options(8, 1, true, RecomputeMode::kNone, 1);
+  o.cp = 4;  // 32 GPUs: tp 8 x cp 4, dp 1
+  o.zero = 1;
+  o.global_batch = 4;
+  const Program prog = compile(m, o);
+  ASSERT_EQ(prog.lanes.size(), 1u);
+  ASSERT_EQ(prog.replicas, 1);
+  const Lane& lane = prog.lanes[0];
+  const double P = lane.parameters;
+  EXPECT_DOUBLE_EQ(lane.memory.optimizer, 12 * P / 4);
+  EXPECT_DOUBLE_EQ(lane_dp_bytes(prog, lane, kRS), prog.plan.optimizer.grad_bytes * P);
+  EXPECT_DOUBLE_EQ(lane_dp_bytes(prog, lane, kAG), 2 * P);  // 16-bit weights
+}
+
 // ZeRO-3 reduce-scatters each unit's gradients in the backward also when overlap_grad_reduce is
 // off (that setting moves only ZeRO 0-2's buckets after the backward): never unreduced.
 TEST(Program, ZeroThreeReducesInTheBackwardWithoutOverlap) {
