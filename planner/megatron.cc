@@ -1,6 +1,7 @@
 #include "planner/megatron.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <numeric>
 
@@ -109,6 +110,31 @@ Expected<Placement> placement_from_order(const Mesh& mesh, const std::vector<std
     }
   }
   return placement;
+}
+
+Mesh megatron_mesh(const MegatronOptions& o, int dp) {
+  Mesh mesh;
+  if (o.ep > 1) {
+    mesh.axes = {{"dp", dp / o.ep}, {"pp", o.pp}, {"ep", o.ep}, {"cp", o.cp}, {"tp", o.tp}};
+  } else {
+    mesh.axes = {{"dp", dp}, {"pp", o.pp}, {"cp", o.cp}, {"tp", o.tp}};
+  }
+  return mesh;
+}
+
+std::vector<std::string> with_expert_axis(std::vector<std::string> order, int ep) {
+  // What the order places of ep: the whole ("ep") or parts ("ep:2").
+  int placed = 1;
+  for (const std::string& a : order) {
+    if (a == "ep") return order;
+    if (a.rfind("ep:", 0) == 0) placed *= std::max(1, std::atoi(a.c_str() + 3));
+  }
+  if (ep > 1 && placed < ep) {
+    auto cp = std::find_if(order.begin(), order.end(),
+                           [](const std::string& a) { return a.rfind("cp", 0) == 0; });
+    order.insert(cp, "ep");
+  }
+  return order;
 }
 
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
@@ -293,19 +319,10 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (o.shard_head) plan.name += " shard-head";
   if (o.shard_embedding) plan.name += " shard-embedding";
   if (o.recycle > 1) plan.name += fmt::format(" recycle{}", o.recycle);
-  plan.mesh.axes = {{"dp", dp}, {"pp", o.pp}, {"cp", o.cp}, {"tp", o.tp}};
-  std::vector<std::string> order = o.placement;
-  if (o.ep > 1) {
-    // The expert-parallel ranks are data-parallel ranks: the replicas are what is left.
-    plan.mesh.axes = {{"dp", dp / o.ep}, {"pp", o.pp}, {"ep", o.ep}, {"cp", o.cp}, {"tp", o.tp}};
-    const bool named = std::any_of(order.begin(), order.end(),
-                                   [](const std::string& a) { return a.rfind("ep", 0) == 0; });
-    auto cp = std::find_if(order.begin(), order.end(),
-                           [](const std::string& a) { return a.rfind("cp", 0) == 0; });
-    if (!named) order.insert(cp, "ep");
-  }
+  plan.mesh = megatron_mesh(o, dp);
   // Megatron's rank order tp-cp-ep-dp-pp: tensor parallel fastest, pipeline slowest.
-  Expected<Placement> placement = placement_from_order(plan.mesh, order);
+  Expected<Placement> placement =
+      placement_from_order(plan.mesh, with_expert_axis(o.placement, o.ep));
   if (!placement) return placement.error();
   plan.placement = *placement;
   if (avoiding) {

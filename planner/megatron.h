@@ -95,6 +95,14 @@ struct MegatronOptions {
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                                    const MegatronOptions& options);
 
+// The builder's mesh for degrees `o` with `dp` data-parallel ranks: [dp, pp, cp, tp], and with
+// expert parallelism [dp / ep, pp, ep, cp, tp] (the replicas are what ep leaves of dp).
+Mesh megatron_mesh(const MegatronOptions& o, int dp);
+
+// A rank order with "ep" where the builder puts it when the order leaves it out: just outside
+// "cp" (Megatron-Core's tp-cp-ep-dp-pp). Unchanged without expert parallelism (ep 1).
+std::vector<std::string> with_expert_axis(std::vector<std::string> order, int ep);
+
 // Placement factors from a rank order over the mesh axes, outermost first: entries "axis" or
 // "axis:size" (a part of a split axis, most significant first; an entry without a size takes
 // the rest of its axis). Every axis must be covered.

@@ -133,13 +133,9 @@ void parallel_for(size_t n, int jobs, const std::function<void(size_t)>& body,
 // groups of 4 GPUs on different nodes).
 std::vector<std::vector<std::string>> distinct_orders(
     const MegatronOptions& o, const std::vector<std::vector<std::string>>& done) {
-  // Expert-parallel plans keep the two placements the enumeration gives them (ep just outside
-  // cp); other orders of their five axes are not explored.
-  if (o.ep > 1) return {};
-  Mesh mesh;
-  mesh.axes = {{"dp", o.dp}, {"pp", o.pp}, {"cp", o.cp}, {"tp", o.tp}};
+  const Mesh mesh = megatron_mesh(o, o.dp);
   auto mapping = [&](const std::vector<std::string>& order) -> std::optional<std::vector<int>> {
-    Expected<Placement> p = placement_from_order(mesh, order);
+    Expected<Placement> p = placement_from_order(mesh, with_expert_axis(order, o.ep));
     if (!p) return std::nullopt;
     return p->gpu_of_rank(mesh);
   };
@@ -149,13 +145,17 @@ std::vector<std::vector<std::string>> distinct_orders(
   }
   std::vector<std::vector<std::string>> candidates;
   std::vector<std::string> axes = {"cp", "dp", "pp", "tp"};
+  if (o.ep > 1) axes = {"cp", "dp", "ep", "pp", "tp"};
   do {
     candidates.push_back(axes);
   } while (std::next_permutation(axes.begin(), axes.end()));
-  for (const char* axis : {"tp", "cp", "dp", "pp"}) {
+  for (const char* axis : {"tp", "cp", "ep", "dp", "pp"}) {
     const int s = mesh.axis_size(axis);
     for (int a = 2; a < s; ++a) {
-      if (s % a == 0) candidates.push_back({fmt::format("{}:{}", axis, a), "pp", "dp", "cp", "tp"});
+      if (s % a == 0) {
+        candidates.push_back(
+            with_expert_axis({fmt::format("{}:{}", axis, a), "pp", "dp", "cp", "tp"}, o.ep));
+      }
     }
   }
   std::vector<std::vector<std::string>> out;
@@ -167,9 +167,10 @@ std::vector<std::vector<std::string>> distinct_orders(
 }
 
 std::string order_name(const MegatronOptions& o, const std::vector<std::string>& order) {
+  const Mesh mesh = megatron_mesh(o, o.dp);
   std::vector<std::string> key;
-  for (const auto& a : order) {
-    const int n = a == "cp" ? o.cp : a == "dp" ? o.dp : a == "pp" ? o.pp : o.tp;
+  for (const auto& a : with_expert_axis(order, o.ep)) {
+    const int n = mesh.axis_size(a);
     // A split axis's parts are both larger than 1.
     if (n > 1 || a.find(':') != std::string::npos) key.push_back(a);
   }

@@ -227,6 +227,30 @@ TEST(Megatron, PlacementOrdersMaySplitAnAxis) {
   EXPECT_TRUE(contains(build_error(m, o), "did you mean 'tp'"));
 }
 
+// With expert parallelism an order that leaves "ep" out (or places only part of it) gets it
+// just outside "cp", where Megatron-Core puts it; an order that places all of it keeps its own.
+TEST(Megatron, ExpertAxisJoinsAnOrderThatLeavesItOut) {
+  using Order = std::vector<std::string>;
+  EXPECT_EQ(with_expert_axis({"pp", "dp", "cp", "tp"}, 1), (Order{"pp", "dp", "cp", "tp"}));
+  EXPECT_EQ(with_expert_axis({"pp", "dp", "cp", "tp"}, 8), (Order{"pp", "dp", "ep", "cp", "tp"}));
+  EXPECT_EQ(with_expert_axis({"ep:2", "pp", "dp", "cp", "tp"}, 8),
+            (Order{"ep:2", "pp", "dp", "ep", "cp", "tp"}));
+  EXPECT_EQ(with_expert_axis({"tp", "ep", "pp", "dp", "cp"}, 8),
+            (Order{"tp", "ep", "pp", "dp", "cp"}));
+  EXPECT_EQ(with_expert_axis({"ep:2", "pp", "ep:4", "dp", "cp", "tp"}, 8),
+            (Order{"ep:2", "pp", "ep:4", "dp", "cp", "tp"}));
+  MegatronOptions o;
+  o.tp = 2;
+  o.pp = 4;
+  o.cp = 1;
+  o.ep = 4;
+  std::vector<std::string> names;
+  for (const MeshAxis& a : megatron_mesh(o, 8).axes) {
+    names.push_back(a.name + std::to_string(a.size));
+  }
+  EXPECT_EQ(names, (Order{"dp2", "pp4", "ep4", "cp1", "tp2"}));
+}
+
 TEST(Megatron, HeadsMustDivideByTp) {
   ModelSpec m = preset("gpt3-1.3b");  // 16 heads
   std::string e = build_error(m, opts(32, 1, 32));
