@@ -21,8 +21,8 @@ Dim parse_dim_node(const InputNode& n) {
 
 Constraints parse(const InputNode& root) {
   root.check_keys({"memory_cap", "schedules", "max_stages", "max_bubble", "tp_within_node",
-                   "operators", "stage_layers", "recompute", "recompute_modules", "stage_nodes",
-                   "avoid_gpus", "avoid_nodes"});
+                   "ep_within_node", "operators", "stage_layers", "recompute", "recompute_modules",
+                   "stage_nodes", "avoid_gpus", "avoid_nodes"});
   Constraints c;
   c.file = root.file();
   if (auto n = root.get("memory_cap")) {
@@ -45,6 +45,7 @@ Constraints parse(const InputNode& root) {
     if (*c.max_bubble < 0 || *c.max_bubble >= 1) n->fail("a fraction of the iteration in [0, 1)");
   }
   c.tp_within_node = root.get_bool("tp_within_node", false);
+  c.ep_within_node = root.get_bool("ep_within_node", false);
   if (auto n = root.get("operators")) {
     for (const auto& o : n->items()) {
       o.check_keys({"match", "kind", "layers", "forbid", "allow", "max_degree", "replicate"});
@@ -147,20 +148,23 @@ std::string violated_constraint(const Constraints& c, const Plan& plan, const Pr
   if (c.max_stages && pp > *c.max_stages) return "max_stages";
   if (c.max_bubble && estimated_bubble > *c.max_bubble) return "max_bubble";
   const Topology& topo = program.topology;
-  if (c.tp_within_node) {
-    const int tp_axis = plan.mesh.axis_index("tp");
-    if (tp_axis >= 0) {
-      for (const Lane& lane : program.lanes) {
-        for (int r : lane.ranks) {
-          std::vector<int> group = program.group_of(r, 1u << tp_axis);
-          const int node = topo.node_of(program.gpu_of_rank[group.front()]);
-          for (int g : group) {
-            if (topo.node_of(program.gpu_of_rank[g]) != node) return "tp_within_node";
-          }
+  // Whether every group along mesh axis `axis` (absent: none) has its GPUs in one node.
+  auto within_node = [&](const char* axis) {
+    const int a = plan.mesh.axis_index(axis);
+    if (a < 0) return true;
+    for (const Lane& lane : program.lanes) {
+      for (int r : lane.ranks) {
+        std::vector<int> group = program.group_of(r, 1u << a);
+        const int node = topo.node_of(program.gpu_of_rank[group.front()]);
+        for (int g : group) {
+          if (topo.node_of(program.gpu_of_rank[g]) != node) return false;
         }
       }
     }
-  }
+    return true;
+  };
+  if (c.tp_within_node && !within_node("tp")) return "tp_within_node";
+  if (c.ep_within_node && !within_node("ep")) return "ep_within_node";
   for (size_t i = 0; i < c.operators.size(); ++i) {
     const OperatorConstraint& oc = c.operators[i];
     for (const GraphPart* part :

@@ -36,6 +36,7 @@ struct Constraints {
   std::optional<int> max_stages;        // pipeline stages
   std::optional<double> max_bubble;     // fraction of the iteration
   bool tp_within_node = false;          // tensor-parallel groups inside one node
+  bool ep_within_node = false;          // expert-parallel groups (their all-to-alls) likewise
   std::vector<OperatorConstraint> operators;
   std::vector<int> stage_layers;                              // pinned layers per pipeline stage
   std::optional<RecomputeMode> recompute;                     // pinned recomputation

@@ -27,8 +27,10 @@ SearchOptions options(int global_batch) {
   return o;
 }
 
-bool tp_inside_nodes(const Program& p) {
-  const int tp = p.plan.mesh.axis_index("tp");
+// Whether every group along `axis` (absent: none) has its GPUs in one node.
+bool inside_nodes(const Program& p, const char* axis = "tp") {
+  const int tp = p.plan.mesh.axis_index(axis);
+  if (tp < 0) return true;
   for (const Lane& lane : p.lanes) {
     for (int r : lane.ranks) {
       auto group = p.group_of(r, 1u << tp);
@@ -59,7 +61,7 @@ TEST(Search, EveryPlanObeysTheConstraints) {
     ASSERT_TRUE(plan.ok());
     Expected<Program> prog = compile_plan(*plan, t);
     ASSERT_TRUE(prog.ok());
-    EXPECT_TRUE(tp_inside_nodes(*prog)) << cand.describe();
+    EXPECT_TRUE(inside_nodes(*prog)) << cand.describe();
     for (const auto& peak : lane_memory_peaks(*prog)) {
       EXPECT_LE(peak.peak, 60e9) << cand.describe();
     }
@@ -69,6 +71,35 @@ TEST(Search, EveryPlanObeysTheConstraints) {
   Expected<SearchResult> free = search_plans(m, t, o);
   ASSERT_TRUE(free.ok());
   EXPECT_LE(free->ranked.front().time(), r->ranked.front().time());
+}
+
+// ep_within_node keeps every expert-parallel group, and its all-to-alls, inside a node.
+TEST(Search, ExpertParallelGroupsStayInsideNodesWhenAsked) {
+  ModelSpec m = *load_model("mixtral-8x7b");
+  m.layers = 4;
+  m.seq_len = 2048;
+  const Topology t = topo("dgx-a100x4", 2);
+  SearchOptions o = options(64);
+  o.top = 1000;
+  Expected<Constraints> c = parse_constraints("ep_within_node: true\n", "c.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  o.constraints = *c;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  std::set<int> eps;
+  for (const Candidate& cand : r->ranked) {
+    eps.insert(cand.options.ep);
+    Expected<Plan> plan = build_megatron_plan(m, t, cand.options);
+    ASSERT_TRUE(plan.ok());
+    Expected<Program> prog = compile_plan(*plan, t);
+    ASSERT_TRUE(prog.ok());
+    EXPECT_TRUE(inside_nodes(*prog, "ep")) << cand.describe();
+  }
+  EXPECT_TRUE(eps.count(8)) << "no plan spreads the experts over a whole node";
+  bool counted = false;
+  for (const auto& [why, n] : r->rejections)
+    counted = counted || (why == "ep_within_node" && n > 0);
+  EXPECT_TRUE(counted) << "no expert-parallel group crossed a node: the constraint pruned nothing";
 }
 
 TEST(Search, ContradictoryConstraintsReportWhatEmptiedTheSpace) {
@@ -99,7 +130,7 @@ TEST(Search, SlowInterNodeLinksKeepTensorParallelismInsideNodes) {
   ASSERT_TRUE(r.ok()) << r.error().message();
   Expected<Program> best = compile_plan(r->best, t);
   ASSERT_TRUE(best.ok());
-  EXPECT_TRUE(tp_inside_nodes(*best));
+  EXPECT_TRUE(inside_nodes(*best));
   // The table prices the alternative: tensor parallelism across nodes, much slower.
   const Candidate* inner = nullptr;
   const Candidate* across = nullptr;
@@ -124,7 +155,7 @@ TEST(Search, SlowInterNodeLinksKeepTensorParallelismInsideNodes) {
     ASSERT_TRUE(p.ok());
     Expected<Program> prog = compile_plan(*p, t);
     ASSERT_TRUE(prog.ok());
-    if (!tp_inside_nodes(*prog)) {
+    if (!inside_nodes(*prog)) {
       ++split;
       EXPECT_GT(c.estimate.iteration_time, 1.5 * winner.estimate.iteration_time) << c.placement;
     }
