@@ -81,9 +81,11 @@ Status check_memory_fits(const Program& program) {
       "the plan does not fit in memory: GPU {} ({}) needs {} but has {} ({}): {} over.\n"
       "  largest parts: {}.\n"
       "  try activation recomputation (--recompute selective or full), optimizer sharding "
-      "(--zero 1..3), more pipeline or tensor parallelism, or a smaller micro-batch",
+      "(--zero 1..3), more pipeline or tensor parallelism{}, or a smaller micro-batch",
       lane.gpus.front(), where.empty() ? "every stage" : where, format_bytes(p.peak),
-      format_bytes(capacity), program.topology.gpu.name, format_bytes(p.peak - capacity), what));
+      format_bytes(capacity), program.topology.gpu.name, format_bytes(p.peak - capacity), what,
+      // A mixture of experts can also spread its experts.
+      program.plan.model.moe() ? ", expert parallelism (--ep)" : ""));
 }
 
 }  // namespace nnsim
