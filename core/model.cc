@@ -87,6 +87,12 @@ std::optional<Problem> find_problem(const ModelSpec& m) {
       return Problem{"expert_ffn_hidden", fmt::format("must be a positive integer up to {}, got {}",
                                                       kMaxWidth, m.expert_ffn_hidden)};
     }
+    if (m.shared_expert_ffn_hidden < 0 || m.shared_expert_ffn_hidden > kMaxWidth) {
+      return Problem{"shared_expert_ffn_hidden",
+                     fmt::format("must be a positive integer up to {} (or absent: no shared "
+                                 "expert), got {}",
+                                 kMaxWidth, m.shared_expert_ffn_hidden)};
+    }
     // Below 1 a router drops tokens; above experts / experts_per_token every expert would get
     // every token.
     const double most = static_cast<double>(m.experts) / static_cast<double>(m.experts_per_token);
@@ -148,6 +154,7 @@ int64_t ModelSpec::layer_parameters() const {
   p += h * h + (bias ? h : 0);                     // attention output projection
   if (moe()) {
     p += h * experts + experts * mlp_parameters(expert_ffn_hidden);  // router, experts
+    if (shared_expert_ffn_hidden > 0) p += mlp_parameters(shared_expert_ffn_hidden);
   } else {
     p += mlp_parameters(ffn_hidden);
   }
@@ -208,7 +215,8 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                    "experts",
                    "experts_per_token",
                    "expert_ffn_hidden",
-                   "expert_capacity_factor"});
+                   "expert_capacity_factor",
+                   "shared_expert_ffn_hidden"});
   ModelSpec m;
   m.name = node.get_string("name", default_name);
   m.family = node.get_string("family", "");
@@ -258,8 +266,12 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
     m.expert_ffn_hidden =
         node.has("expert_ffn_hidden") ? read_size(node, "expert_ffn_hidden") : m.ffn_hidden;
     if (auto c = node.get("expert_capacity_factor")) m.expert_capacity_factor = c->as_double();
+    if (node.has("shared_expert_ffn_hidden")) {
+      m.shared_expert_ffn_hidden = read_size(node, "shared_expert_ffn_hidden");
+    }
   } else {
-    for (const char* f : {"experts_per_token", "expert_ffn_hidden", "expert_capacity_factor"}) {
+    for (const char* f : {"experts_per_token", "expert_ffn_hidden", "expert_capacity_factor",
+                          "shared_expert_ffn_hidden"}) {
       if (node.has(f)) node[f].fail("only a mixture of experts has it; give 'experts' too");
     }
   }
@@ -296,6 +308,7 @@ std::string model_to_json(const ModelSpec& m) {
     j["experts_per_token"] = m.experts_per_token;
     j["expert_ffn_hidden"] = m.expert_ffn_hidden;
     if (m.expert_capacity_factor != 1) j["expert_capacity_factor"] = m.expert_capacity_factor;
+    if (m.shared_expert_ffn_hidden > 0) j["shared_expert_ffn_hidden"] = m.shared_expert_ffn_hidden;
   }
   return j.dump();
 }

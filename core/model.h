@@ -62,6 +62,9 @@ struct ModelSpec {
   // --moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity; for a dropless router
   // that loads experts unevenly, the busiest expert's load over the mean. 1: balanced, dropless.
   double expert_capacity_factor = 1;
+  // A shared expert every token also goes through (DeepSeekMoE, Qwen-MoE): one MLP of this
+  // inner width (several shared experts are one wider MLP); 0: none.
+  int64_t shared_expert_ffn_hidden = 0;
 
   int64_t head_dim() const { return hidden / heads; }
   bool gated_mlp() const { return mlp == MlpKind::kSwiglu; }

@@ -274,25 +274,26 @@ Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
   return op;
 }
 
-// The MLP's activation; for experts (`experts`) over every routed token.
-Op activation_op(int self, TensorRef input, const ModelSpec& m, const Shape& x,
-                 bool experts = false) {
+// The activation of an MLP of width `f` (`name`); for experts (`experts`) over every routed
+// token.
+Op activation_op(const std::string& name, int self, TensorRef input, const ModelSpec& m,
+                 const Shape& x, int64_t width, bool experts = false) {
   Op op;
-  op.name = experts ? "moe.act" : "mlp.act";
+  op.name = name;
   op.kind = OpKind::kActivation;
   DimSet bsf{Dim::kBatch, Dim::kSeq, Dim::kFfn};
   if (experts) bsf = bsf.with(Dim::kExpert);
   op.dims = bsf;
   op.inputs = {input};
   const double tokens = x.b * x.s * (experts ? x.slots : 1);
-  const double f = experts ? static_cast<double>(m.expert_ffn_hidden) : x.f;
+  const double f = static_cast<double>(width);
   const double in_width = m.gated_mlp() ? 2 * f : f;
   op.output = tensor(out(self), tokens * f, bsf, x.p);
   op.saved = {tensor(input, tokens * in_width, bsf, x.p)};
   op.fwd_bytes = tokens * (in_width + f) * x.p;
   op.bwd_bytes = tokens * (in_width + f + in_width) * x.p;
   set_granularity(op, x);
-  if (experts) op.granularity[static_cast<int>(Dim::kFfn)] = m.expert_ffn_hidden;
+  op.granularity[static_cast<int>(Dim::kFfn)] = width;
   return op;
 }
 
@@ -315,6 +316,23 @@ Op expert_linear_op(const std::string& name, int self, TensorRef input, Dim in_d
 // experts, the experts' MLPs, and each token's expert outputs summed with the router's weights.
 // Tokens are assumed spread evenly over the experts (a load-balanced router, dropless).
 void add_moe_ops(std::vector<Op>& ops, TensorRef input, const ModelSpec& m, const Shape& x) {
+  // The shared expert: an MLP every token goes through, its output added in the combine.
+  int shared = -1;
+  if (m.shared_expert_ffn_hidden > 0) {
+    const int64_t fs = m.shared_expert_ffn_hidden;
+    const double width = static_cast<double>(fs);
+    const int fc1 = static_cast<int>(ops.size());
+    Op up = linear_op("moe.shared.fc1", fc1, input, Dim::kHidden, x.h, Dim::kFfn,
+                      m.gated_mlp() ? 2 * width : width, m.bias, x);
+    up.granularity[static_cast<int>(Dim::kFfn)] = fs;
+    ops.push_back(up);
+    ops.push_back(activation_op("moe.shared.act", fc1 + 1, out(fc1), m, x, fs));
+    Op down = linear_op("moe.shared.fc2", fc1 + 2, out(fc1 + 1), Dim::kFfn, width, Dim::kHidden,
+                        x.h, m.bias, x);
+    down.granularity[static_cast<int>(Dim::kFfn)] = fs;
+    ops.push_back(down);
+    shared = fc1 + 2;
+  }
   const int router = static_cast<int>(ops.size());
   // Each expert's rows: its share of the routed copies, times the capacity factor (slots).
   const double tokens = x.b * x.s, routed = tokens * x.slots;
@@ -345,7 +363,7 @@ void add_moe_ops(std::vector<Op>& ops, TensorRef input, const ModelSpec& m, cons
   const int fc1 = dispatch + 1;
   ops.push_back(expert_linear_op("moe.fc1", fc1, out(dispatch), Dim::kHidden, x.h, Dim::kFfn,
                                  fc1_width, m, x));
-  ops.push_back(activation_op(fc1 + 1, out(fc1), m, x, true));
+  ops.push_back(activation_op("moe.act", fc1 + 1, out(fc1), m, x, m.expert_ffn_hidden, true));
   const int fc2 = fc1 + 2;
   ops.push_back(
       expert_linear_op("moe.fc2", fc2, out(fc1 + 1), Dim::kFfn, f, Dim::kHidden, x.h, m, x));
@@ -361,6 +379,10 @@ void add_moe_ops(std::vector<Op>& ops, TensorRef input, const ModelSpec& m, cons
   c.output = tensor(out(fc2 + 1), tokens * x.h, bsh, x.p);
   c.saved = {tensor(out(fc2), routed * x.h, bseh, x.p), weights};
   c.fwd_bytes = routed * x.h * x.p + tokens * x.h * x.p;
+  if (shared >= 0) {  // the shared expert's output read and added (its gradient is the output's)
+    c.inputs.push_back(out(shared));
+    c.fwd_bytes += tokens * x.h * x.p;
+  }
   c.bwd_bytes = tokens * x.h * x.p + 2 * routed * x.h * x.p;
   set_granularity(c, x);
   ops.push_back(c);
@@ -426,7 +448,7 @@ GraphPart build_layer(const ModelSpec& m, const Shape& x) {
   const double fc1_width = m.gated_mlp() ? 2 * x.f : x.f;
   ops.push_back(
       linear_op("mlp.fc1", 6, out(5), Dim::kHidden, x.h, Dim::kFfn, fc1_width, m.bias, x));
-  ops.push_back(activation_op(7, out(6), m, x));
+  ops.push_back(activation_op("mlp.act", 7, out(6), m, x, m.ffn_hidden));
   ops.push_back(linear_op("mlp.fc2", 8, out(7), Dim::kFfn, x.f, Dim::kHidden, x.h, m.bias, x));
   ops.push_back(dropout_add_op("mlp.residual", 9, {out(8), out(4)}, m.dropout, x));
   return part;

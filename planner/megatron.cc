@@ -378,9 +378,15 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (o.tp > 1) {
     for (const char* m : {"attn.qkv", "attn.core", "attn.proj"}) rule(m, Dim::kHeads, {"tp"});
     // Experts split as the MLP they replace (Megatron's expert tensor parallelism).
-    const std::vector<std::string> mlp =
-        model.moe() ? std::vector<std::string>{"moe.fc1", "moe.act", "moe.fc2"}
-                    : std::vector<std::string>{"mlp.fc1", "mlp.act", "mlp.fc2"};
+    std::vector<std::string> mlp = model.moe()
+                                       ? std::vector<std::string>{"moe.fc1", "moe.act", "moe.fc2"}
+                                       : std::vector<std::string>{"mlp.fc1", "mlp.act", "mlp.fc2"};
+    // A shared expert splits as a dense MLP does.
+    if (model.shared_expert_ffn_hidden > 0) {
+      for (const char* m : {"moe.shared.fc1", "moe.shared.act", "moe.shared.fc2"}) {
+        mlp.emplace_back(m);
+      }
+    }
     for (const std::string& m : mlp) rule(m, Dim::kFfn, {"tp"});
     for (const char* m : {"embed.word", "head.proj", "loss"}) rule(m, Dim::kVocab, {"tp"});
   }

@@ -43,8 +43,8 @@ std::string parse_error(const std::string& yaml) {
 
 TEST(Model, EveryPresetLoadsAndValidates) {
   const std::vector<std::string> expected = {
-      "gpt3-1.3b", "gpt3-13b",    "gpt3-175b",  "gpt3-2.7b", "gpt3-6.7b",   "llama2-70b",
-      "llama2-7b", "llama3-405b", "llama3-70b", "llama3-8b", "mixtral-8x7b"};
+      "gpt3-1.3b", "gpt3-13b",    "gpt3-175b",  "gpt3-2.7b", "gpt3-6.7b",    "llama2-70b",
+      "llama2-7b", "llama3-405b", "llama3-70b", "llama3-8b", "mixtral-8x7b", "qwen1.5-moe-a2.7b"};
   std::vector<std::string> names = model_preset_names();
   for (const auto& name : expected) {
     EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
@@ -71,7 +71,7 @@ TEST(Model, PresetParameterCountsArePinned) {
       {"gpt3-175b", 174'615'846'912},   {"llama2-7b", 6'738'415'616},
       {"llama2-70b", 68'976'648'192},   {"llama3-8b", 8'030'261'248},
       {"llama3-70b", 70'553'706'496},   {"llama3-405b", 405'853'388'800},
-      {"mixtral-8x7b", 46'702'792'704},
+      {"mixtral-8x7b", 46'702'792'704}, {"qwen1.5-moe-a2.7b", 14'315'587'584},
   };
   for (const auto& [name, count] : counts) {
     auto m = load_model(name);
@@ -238,6 +238,17 @@ TEST(Model, MixtralCountsMatchThePaper) {
   EXPECT_EQ(m->layer_parameters(), h * (h + 2 * kv) + h * h + h * E + E * 3 * h * f + 2 * h);
 }
 
+// The model card's 14.3B: 60 SwiGLU experts and a shared one of 5632 beside them.
+TEST(Model, QwenMoeCountsMatchTheModelCard) {
+  auto m = load_model("qwen1.5-moe-a2.7b");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_NEAR(static_cast<double>(m->parameters()), 14.3e9, 14.3e9 * 0.002);
+  const int64_t h = 2048, E = 60;
+  EXPECT_EQ(m->layer_parameters(), 4 * h * h + h * E + E * 3 * h * 1408 + 3 * h * 5632 + 2 * h);
+  // The shared expert is no routed expert: expert parallelism does not divide it.
+  EXPECT_EQ(m->expert_parameters(), 24 * E * 3 * h * 1408);
+}
+
 TEST(Model, MixtureOfExpertsFieldsAreChecked) {
   const std::string moe = std::string(kSmall) + "experts: 8\nexperts_per_token: 2\n";
   auto m = parse_model(moe, "m.yaml");
@@ -266,6 +277,10 @@ TEST(Model, MixtureOfExpertsFieldsAreChecked) {
     EXPECT_TRUE(contains(msg, "field 'expert_capacity_factor'")) << msg;
     EXPECT_TRUE(contains(msg, "between 1 (balanced) and experts / experts_per_token (4)")) << msg;
   }
+  msg = parse_error(moe + "shared_expert_ffn_hidden: -5\n");
+  EXPECT_TRUE(contains(msg, "field 'shared_expert_ffn_hidden'")) << msg;
+  msg = parse_error(std::string(kSmall) + "shared_expert_ffn_hidden: 128\n");
+  EXPECT_TRUE(contains(msg, "give 'experts' too")) << msg;
   msg = parse_error(std::string(kSmall) + "expert_capacity_factor: 1.25\n");
   EXPECT_TRUE(contains(msg, "give 'experts' too")) << msg;
   auto padded = parse_model(moe + "expert_capacity_factor: 1.25\n", "m.yaml");

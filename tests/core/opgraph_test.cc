@@ -193,6 +193,26 @@ TEST(OpGraph, MixtureOfExpertsBlock) {
   EXPECT_DOUBLE_EQ(combine.output.elements, b * s * h);
 }
 
+// A shared expert is a dense MLP beside the routed ones: its FLOPs are an MLP's of its width,
+// its output joins the combine's sum.
+TEST(OpGraph, SharedExpertIsAnMlpBesideTheRoutedOnes) {
+  ModelSpec moe = preset("mixtral-8x7b");
+  const OpGraph routed = lower_model(moe, 2);
+  moe.shared_expert_ffn_hidden = 4096;
+  const OpGraph both = lower_model(moe, 2);
+  const double b = 2, s = moe.seq_len, h = moe.hidden, fs = 4096;
+  EXPECT_DOUBLE_EQ(fwd(both.layer), fwd(routed.layer) + 2 * b * s * h * 3 * fs);
+  for (const char* name : {"moe.shared.fc1", "moe.shared.act", "moe.shared.fc2"}) {
+    const Op* op = find_op(both.layer, name);
+    ASSERT_NE(op, nullptr) << name;
+    EXPECT_FALSE(op->dims.contains(Dim::kExpert)) << name;
+    EXPECT_EQ(op->granularity[static_cast<int>(Dim::kFfn)], 4096) << name;
+  }
+  const Op& combine = *find_op(both.layer, "moe.combine");
+  ASSERT_EQ(combine.inputs.size(), 2u);
+  EXPECT_EQ(both.layer.ops[combine.inputs[1].op].name, "moe.shared.fc2");
+}
+
 // A capacity factor c sizes every expert for c times its share: the grouped GEMMs, the
 // activation and the routed copies (what the all-to-alls move and the experts keep) grow by c;
 // the FLOPs, the model's work, do not.

@@ -426,6 +426,36 @@ TEST(Program, ExpertParallelismExchangesTokensAndShardsExpertsApart) {
   EXPECT_NE(refused.error().message().find("optimizer.zero"), std::string::npos);
 }
 
+// A shared expert is dense: every expert-parallel rank holds all of it and its gradients sum
+// over dp x ep with the attention's; only the routed experts are divided.
+TEST(Program, SharedExpertIsDenseUnderExpertParallelism) {
+  ModelSpec m = preset("qwen1.5-moe-a2.7b");
+  m.layers = 2;
+  m.seq_len = 2048;
+  MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
+  o.ep = 4;
+  o.zero = 1;
+  o.global_batch = 64;
+  const Program prog = compile(m, o);
+  ASSERT_FALSE(prog.lanes.empty());
+  const Mesh& mesh = prog.plan.mesh;
+  const uint32_t dp = 1u << mesh.axis_index("dp"), ep = 1u << mesh.axis_index("ep");
+  const double experts = static_cast<double>(m.expert_parameters()) / 4;
+  const double dense = static_cast<double>(m.parameters() - m.expert_parameters());
+  const Lane& lane = prog.lanes[0];
+  EXPECT_DOUBLE_EQ(lane.parameters, dense + experts);
+  std::map<uint32_t, double> reduced;
+  for (const BlockInstance& b : lane.blocks) {
+    for (const Step& s : prog.templates[b.template_index].steps) {
+      if (s.kind == StepKind::kDpLaunch && s.collective == CollectiveKind::kReduceScatter) {
+        reduced[s.axes] += s.bytes;
+      }
+    }
+  }
+  EXPECT_DOUBLE_EQ(reduced[dp | ep], 4 * dense);
+  EXPECT_DOUBLE_EQ(reduced[dp], 4 * experts);
+}
+
 // The builder's expert-parallel degree must fit the model and the data-parallel ranks.
 TEST(Program, ExpertParallelDegreesAreChecked) {
   ModelSpec moe = preset("mixtral-8x7b");
