@@ -100,6 +100,15 @@ TEST(Search, ExpertParallelGroupsStayInsideNodesWhenAsked) {
   for (const auto& [why, n] : r->rejections)
     counted = counted || (why == "ep_within_node" && n > 0);
   EXPECT_TRUE(counted) << "no expert-parallel group crossed a node: the constraint pruned nothing";
+
+  // Forbidding the experts' split rules expert parallelism out.
+  c = parse_constraints("operators:\n  - match: \"moe.fc*\"\n    forbid: [expert]\n", "c.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  o.constraints = *c;
+  r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  ASSERT_FALSE(r->ranked.empty());
+  for (const Candidate& cand : r->ranked) EXPECT_EQ(cand.options.ep, 1) << cand.describe();
 }
 
 TEST(Search, ContradictoryConstraintsReportWhatEmptiedTheSpace) {
