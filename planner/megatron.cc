@@ -182,6 +182,20 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "adjust the degrees or resize the topology with --nodes",
         o.tp, o.pp, o.cp, dp, dp * model_parallel, topo.name, gpus));
   }
+  if (o.expert_tp != 0 && o.expert_tp != 1 && o.expert_tp != o.tp) {
+    return Error(fmt::format(
+        "--etp {}: the experts split over all the tensor-parallel ranks (--etp {}, the default) "
+        "or none (--etp 1); other degrees are not supported",
+        o.expert_tp, o.tp));
+  }
+  // Experts whole on every tensor-parallel rank, spread over them instead.
+  const bool folded = model.moe() && o.tp > 1 && o.expert_tp == 1;
+  if (folded && model.experts % (static_cast<int64_t>(o.ep) * o.tp) != 0) {
+    return Error(fmt::format(
+        "--etp 1 spreads the experts over ep x tp = {} x {} ranks, which does not divide the "
+        "model's {} experts",
+        o.ep, o.tp, model.experts));
+  }
   if (o.ep > 1) {
     if (!model.moe()) {
       return Error(fmt::format(
@@ -297,9 +311,9 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   plan.topology_gpus = topo.num_gpus();
   plan.topology_name = topo.name;
   plan.schedule_name = std::string(to_string(o.schedule));
-  plan.name = fmt::format("{} tp{} pp{} dp{}{}{}{} {} recompute-{} zero{}", model.name, o.tp, o.pp,
-                          dp, o.ep > 1 ? fmt::format(" ep{}", o.ep) : "",
-                          o.cp > 1 ? fmt::format(" cp{}", o.cp) : "",
+  plan.name = fmt::format("{} tp{} pp{} dp{}{}{}{}{} {} recompute-{} zero{}", model.name, o.tp,
+                          o.pp, dp, o.ep > 1 ? fmt::format(" ep{}", o.ep) : "",
+                          folded ? " etp1" : "", o.cp > 1 ? fmt::format(" cp{}", o.cp) : "",
                           o.vpp > 1 ? fmt::format(" vpp{}", o.vpp) : "", plan.schedule_name,
                           to_string(o.recompute), o.zero);
   if (!o.recompute_layers.empty()) {
@@ -366,21 +380,28 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     plan.partition.push_back({match, {{d, std::move(axes)}}});
   };
   if (o.cp > 1) rule("*", Dim::kSeq, {"cp"});
-  if (o.ep > 1) {
+  if (o.ep > 1 || folded) {
     // Each expert-parallel rank runs its own sequences through the dense operators and holds
     // experts/ep of the experts: the routed tokens go to their expert's rank and back by
-    // all-to-all (the change of layout between the two splits).
-    rule("*", Dim::kBatch, {"ep"});
+    // all-to-all (the change of layout between the two splits). Folded, the tensor-parallel
+    // ranks hold different experts too.
+    if (o.ep > 1) rule("*", Dim::kBatch, {"ep"});
+    std::vector<std::string> axes;
+    if (o.ep > 1) axes.emplace_back("ep");
+    if (folded) axes.emplace_back("tp");
     for (const char* m : {"moe.fc1", "moe.act", "moe.fc2"}) {
-      plan.partition.push_back({m, {{Dim::kBatch, {}}, {Dim::kExpert, {"ep"}}}});
+      PartitionRule r{m, {{Dim::kExpert, axes}}};
+      if (o.ep > 1) r.splits.insert(r.splits.begin(), DimSplit{Dim::kBatch, {}});
+      plan.partition.push_back(r);
     }
   }
   if (o.tp > 1) {
     for (const char* m : {"attn.qkv", "attn.core", "attn.proj"}) rule(m, Dim::kHeads, {"tp"});
-    // Experts split as the MLP they replace (Megatron's expert tensor parallelism).
-    std::vector<std::string> mlp = model.moe()
-                                       ? std::vector<std::string>{"moe.fc1", "moe.act", "moe.fc2"}
-                                       : std::vector<std::string>{"mlp.fc1", "mlp.act", "mlp.fc2"};
+    // Experts split as the MLP they replace (Megatron's expert tensor parallelism), unless
+    // folded (above).
+    std::vector<std::string> mlp;
+    if (!model.moe()) mlp = {"mlp.fc1", "mlp.act", "mlp.fc2"};
+    if (model.moe() && !folded) mlp = {"moe.fc1", "moe.act", "moe.fc2"};
     // A shared expert splits as a dense MLP does.
     if (model.shared_expert_ffn_hidden > 0) {
       for (const char* m : {"moe.shared.fc1", "moe.shared.act", "moe.shared.fc2"}) {

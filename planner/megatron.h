@@ -35,6 +35,10 @@ struct MegatronOptions {
   // keep their own sequences in the dense operators; `dp` counts them all and must be a
   // multiple of `ep`.
   int ep = 1;
+  // Expert tensor parallelism: 0 (or tp) splits every expert along its width over tp, as the
+  // MLP; 1 keeps experts whole and spreads them over the tensor-parallel ranks too (each holds
+  // experts / (ep tp); Megatron-Core's --expert-tensor-parallel-size 1, "parallel folding").
+  int expert_tp = 0;
   int vpp = 1;  // model chunks per pipeline rank (interleaved schedule)
   bool sequence_parallel = false;
   int micro_batch = 1;

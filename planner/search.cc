@@ -25,6 +25,7 @@ std::string Candidate::describe() const {
   if (o.vpp > 1) s += fmt::format(" vpp{}", o.vpp);
   if (o.cp > 1) s += fmt::format(" cp{}", o.cp);
   if (o.ep > 1) s += fmt::format(" ep{}", o.ep);
+  if (o.expert_tp == 1 && o.tp > 1) s += " etp1";
   s += fmt::format(" dp{} mb{}", o.dp, o.micro_batch);
   if (o.sequence_parallel) s += " sp";
   std::string recompute(to_string(o.recompute));
@@ -408,11 +409,26 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   reject("dominated (GPipe: as fast as 1F1B, more memory)");
                   continue;
                 }
-                std::vector<std::pair<const PlacementChoice*, int>> layouts;
+                // Rank placement, expert parallelism and (folded or not) expert tensor
+                // parallelism.
+                struct Layout {
+                  const PlacementChoice* placement;
+                  int ep, expert_tp;
+                };
+                std::vector<Layout> layouts;
                 for (const PlacementChoice& pl : placements) {
-                  for (int ep : eps) layouts.emplace_back(&pl, ep);
+                  for (int ep : eps) {
+                    for (int etp : pinned_or(pin.expert_tp, std::vector<int>{0, 1})) {
+                      // Folding needs experts to spread over ep x tp; without tensor parallelism
+                      // or experts it is the default plan again.
+                      const bool folded = etp == 1 && tp > 1 && model.moe();
+                      if (etp == 1 && !folded && !pin.expert_tp) continue;
+                      if (folded && model.experts % (ep * tp) != 0) continue;
+                      layouts.push_back({&pl, ep, etp});
+                    }
+                  }
                 }
-                for (const auto& [choice, ep] : layouts) {
+                for (const auto& [choice, ep, etp] : layouts) {
                   const PlacementChoice& pl = *choice;
                   if (pl.name == "dp-innermost" && (tp == 1 || dp == 1)) continue;
                   Chain c;
@@ -422,6 +438,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   b.pp = pp;
                   b.cp = cp;
                   b.ep = ep;
+                  b.expert_tp = etp;
                   b.dp = dp;
                   b.vpp = vpp;
                   b.sequence_parallel = sp;
@@ -703,6 +720,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     if (pin.pp) b.pp = *pin.pp;
     if (pin.cp) b.cp = *pin.cp;
     if (pin.ep) b.ep = *pin.ep;
+    if (pin.expert_tp) b.expert_tp = *pin.expert_tp;
     if (pin.dp) b.dp = *pin.dp;
     if (pin.vpp) b.vpp = *pin.vpp;
     if (pin.micro_batch) b.micro_batch = *pin.micro_batch;

@@ -22,7 +22,7 @@ namespace nnsim {
 
 // Choices the user pinned; unset ones are searched.
 struct SearchPins {
-  std::optional<int> tp, pp, dp, cp, ep, vpp, micro_batch, zero;
+  std::optional<int> tp, pp, dp, cp, ep, expert_tp, vpp, micro_batch, zero;
   std::optional<bool> sequence_parallel;
   std::optional<RecomputeMode> recompute;
   std::optional<ScheduleKind> schedule;

@@ -123,15 +123,16 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   std::string error;
   if (!a.csv.empty()) {
     std::string csv =
-        "rank,plan,tp,pp,vpp,cp,ep,dp,micro_batch,sequence_parallel,recompute,zero,schedule,"
+        "rank,plan,tp,pp,vpp,cp,ep,etp,dp,micro_batch,sequence_parallel,recompute,zero,schedule,"
         "placement,stage_layers,recompute_layers,estimated_s,simulated_s,peak_memory_bytes,mfu,"
         "status\n";
     int k = 0;
     auto row = [&](const Candidate& c, const std::string& rank_text) {
       const MegatronOptions& o = c.options;
-      csv += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
-                         rank_text, csv_escape(c.describe()), o.tp, o.pp, o.vpp, o.cp, o.ep, o.dp,
-                         o.micro_batch, o.sequence_parallel ? 1 : 0, to_string(o.recompute), o.zero,
+      csv += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+                         rank_text, csv_escape(c.describe()), o.tp, o.pp, o.vpp, o.cp, o.ep,
+                         o.expert_tp == 0 ? o.tp : o.expert_tp, o.dp, o.micro_batch,
+                         o.sequence_parallel ? 1 : 0, to_string(o.recompute), o.zero,
                          to_string(o.schedule), c.placement, fmt::join(o.stage_layers, ";"),
                          fmt::join(o.recompute_layers, ";"), c.estimate.iteration_time,
                          c.simulated ? fmt::format("{}", *c.simulated) : "", c.estimate.peak_memory,
@@ -210,6 +211,9 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
   cmd->add_option("--ep", a.o.ep,
                   "expert-parallel degree (mixture-of-experts models): experts spread over "
                   "this many of the data-parallel ranks");
+  cmd->add_option("--etp", a.o.expert_tp,
+                  "expert tensor-parallel degree: tp (default; experts split along their width) "
+                  "or 1 (whole experts spread over the tensor-parallel ranks too)");
   cmd->add_option("--vpp", a.o.vpp, "model chunks per pipeline rank (interleaved)");
   cmd->add_flag("--sequence-parallel", a.o.sequence_parallel,
                 "Megatron sequence parallelism inside tensor-parallel groups");
@@ -282,6 +286,7 @@ int run_plan_command(PlanArgs& a, const CLI::App& cmd) {
   if (given("--dp")) p.dp = a.o.dp;
   if (given("--cp")) p.cp = a.o.cp;
   if (given("--ep")) p.ep = a.o.ep;
+  if (given("--etp")) p.expert_tp = a.o.expert_tp;
   if (given("--vpp")) p.vpp = a.o.vpp;
   if (given("--micro-batch")) p.micro_batch = a.o.micro_batch;
   if (given("--zero")) p.zero = a.o.zero;

@@ -426,6 +426,46 @@ TEST(Program, ExpertParallelismExchangesTokensAndShardsExpertsApart) {
   EXPECT_NE(refused.error().message().find("optimizer.zero"), std::string::npos);
 }
 
+// Expert tensor parallelism folded (--etp 1): the tensor-parallel ranks hold whole experts of
+// their own, so the routed tokens reach them by all-to-all over tp too (instead of an all-gather
+// before the experts and a reduce-scatter after them), and each GPU holds as many expert
+// parameters as when the experts split along their width.
+TEST(Program, FoldedExpertTensorParallelismExchangesTokensOverTp) {
+  ModelSpec m = preset("mixtral-8x7b");
+  m.layers = 4;
+  m.seq_len = 2048;
+  auto forward = [&](int expert_tp, double* params) {
+    MegatronOptions o = options(2, 1, true, RecomputeMode::kNone, 1);
+    o.ep = 4;
+    o.expert_tp = expert_tp;
+    o.global_batch = 32;
+    const Program prog = compile(m, o);
+    std::set<std::string> layer_ops;
+    for (const auto& op : prog.graph.layer.ops) layer_ops.insert(op.name);
+    std::map<std::string, int> count;  // "axis kind" -> collectives of one layer's forward
+    for (const BlockTemplate& t : prog.templates) {
+      if (t.kind != BlockKind::kForward) continue;
+      for (const Step& s : t.steps) {
+        if (s.kind != StepKind::kCollective || !layer_ops.count(prog.labels[s.label])) continue;
+        ++count[fmt::format("{} {}", prog.axes_name(s.axes), to_string(s.collective))];
+      }
+      break;
+    }
+    for (auto& [what, n] : count) n /= m.layers;
+    *params = prog.lanes.empty() ? 0 : prog.lanes[0].parameters;
+    return count;
+  };
+  double split = 0, folded = 0;
+  EXPECT_EQ(forward(0, &split),
+            (std::map<std::string, int>{
+                {"ep all-to-all", 2}, {"tp all-gather", 2}, {"tp reduce-scatter", 2}}));
+  EXPECT_EQ(forward(1, &folded), (std::map<std::string, int>{{"ep all-to-all", 2},
+                                                             {"tp all-to-all", 2},
+                                                             {"tp all-gather", 1},
+                                                             {"tp reduce-scatter", 1}}));
+  EXPECT_DOUBLE_EQ(folded, split);
+}
+
 // A shared expert is dense: every expert-parallel rank holds all of it and its gradients sum
 // over dp x ep with the attention's; only the routed experts are divided.
 TEST(Program, SharedExpertIsDenseUnderExpertParallelism) {
@@ -463,17 +503,20 @@ TEST(Program, ExpertParallelDegreesAreChecked) {
   moe.seq_len = 2048;
   struct Case {
     ModelSpec model;
-    int tp, ep;
+    int tp, ep, expert_tp;
     const char* says;
   };
   const Case cases[] = {
-      {korthikanti("gpt3-1.3b"), 1, 2, "has none (model.experts)"},
-      {moe, 1, 16, "does not divide the model's 8 experts"},
-      {moe, 8, 8, "must divide the data-parallel degree 4"},
+      {korthikanti("gpt3-1.3b"), 1, 2, 0, "has none (model.experts)"},
+      {moe, 1, 16, 0, "does not divide the model's 8 experts"},
+      {moe, 8, 8, 0, "must divide the data-parallel degree 4"},
+      {moe, 4, 1, 2, "--etp 2: the experts split over all the tensor-parallel ranks (--etp 4"},
+      {moe, 4, 4, 1, "ep x tp = 4 x 4 ranks, which does not divide the model's 8 experts"},
   };
   for (const Case& c : cases) {
     MegatronOptions o = options(c.tp, 1, false, RecomputeMode::kNone, 1);
     o.ep = c.ep;
+    o.expert_tp = c.expert_tp;
     auto plan = build_megatron_plan(c.model, dgx(), o);
     ASSERT_FALSE(plan.ok()) << c.says;
     EXPECT_NE(plan.error().message().find(c.says), std::string::npos) << plan.error().message();

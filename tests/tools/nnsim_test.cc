@@ -459,8 +459,8 @@ TEST(NnsimTool, ExpertParallelismPlansSearchesAndSimulates) {
   EXPECT_NE(bad.status, 0);
   EXPECT_TRUE(contains(bad.err, "has none (model.experts)")) << bad;
 
-  // The search's candidates: expert-parallel degrees 1, 2, 4 and 8 for the experts, 1 only for
-  // the dense model.
+  // The search's candidates: expert-parallel degrees 1, 2, 4 and 8 and folded expert tensor
+  // parallelism for the experts, ep 1 only for the dense model.
   auto searched_eps = [&](const std::string& model) {
     RunResult r = box.nnsim({"plan", "--model", model + ".yaml", "--topo", "dgx-a100x4", "--nodes",
                              "1", "--global-batch", "16", "--confirm", "0", "--top", "100000",
@@ -470,17 +470,19 @@ TEST(NnsimTool, ExpertParallelismPlansSearchesAndSimulates) {
     std::istringstream csv(box.read(model + ".csv"));
     std::string line;
     std::getline(csv, line);
-    EXPECT_TRUE(contains(line, ",cp,ep,dp,")) << line;
+    EXPECT_TRUE(contains(line, ",cp,ep,etp,dp,")) << line;
     while (std::getline(csv, line)) {
       if (contains(line, "\"")) continue;  // a quoted description holds commas
       std::vector<std::string> f;
       std::istringstream row(line);
       for (std::string x; std::getline(row, x, ',');) f.push_back(x);
-      if (f.size() > 6) eps.insert(f[6]);
+      if (f.size() > 7) eps.insert(f[6]);
+      // Whole experts over the tensor-parallel ranks: tp > 1 with expert tp 1.
+      if (f.size() > 7 && f[2] != "1" && f[7] == "1") eps.insert("folded");
     }
     return eps;
   };
-  EXPECT_EQ(searched_eps("moe"), (std::set<std::string>{"1", "2", "4", "8"}));
+  EXPECT_EQ(searched_eps("moe"), (std::set<std::string>{"1", "2", "4", "8", "folded"}));
   EXPECT_EQ(searched_eps("dense"), (std::set<std::string>{"1"}));
 
   // docs/PLANNER.md's NeMo configuration of Mixtral 8x7B builds from the bundled model file.
