@@ -415,7 +415,7 @@ Plan parse_plan_node(const InputNode& root) {
                    "pp_scatter_gather", "algorithm", "grad_reduce_bytes", "tp_overlap",
                    "zero3_per_tensor", "zero3_regather_for_recompute",
                    "zero3_persistence_threshold", "zero3_reduce_bucket", "zero3_prefetch_elements",
-                   "save_gathered_inputs", "pp_buffers_per_micro_batch"});
+                   "save_gathered_inputs", "pp_buffers_per_micro_batch", "tp_sub_batches"});
     plan.comm.dp_bucket_bytes =
         c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
     if (plan.comm.dp_bucket_bytes < kMinBucketBytes) {
@@ -432,6 +432,15 @@ Plan parse_plan_node(const InputNode& root) {
         read_element_bytes(*c, "grad_reduce_bytes", 0, 0, 8,
                            "0 reduces in the gradients' own dtype, 2 in 16 bits, 4 in fp32");
     plan.comm.tp_overlap = c->get_bool("tp_overlap", false);
+    if (auto n = c->get("tp_sub_batches")) {
+      plan.comm.tp_sub_batches = n->as_small_int();
+      if (plan.comm.tp_sub_batches < 1) n->fail("must be at least 1 (1: no sub-pipelining)");
+      if (plan.comm.tp_sub_batches > 1 && plan.comm.tp_overlap) {
+        n->fail(
+            "sub-pipelines the collectives that \"tp_overlap\" pairs with GEMMs; use one of "
+            "the two");
+      }
+    }
     plan.comm.zero3_per_tensor = c->get_bool("zero3_per_tensor", false);
     plan.comm.zero3_regather_for_recompute = c->get_bool("zero3_regather_for_recompute", false);
     plan.comm.zero3_persistence_threshold = c->get_double("zero3_persistence_threshold", 0);
@@ -576,6 +585,7 @@ std::string plan_to_json(const Plan& plan) {
                         {"zero3_prefetch_elements", plan.comm.zero3_prefetch_elements},
                         {"save_gathered_inputs", plan.comm.save_gathered_inputs},
                         {"pp_buffers_per_micro_batch", plan.comm.pp_buffers_per_micro_batch}};
+  if (plan.comm.tp_sub_batches > 1) j["communication"]["tp_sub_batches"] = plan.comm.tp_sub_batches;
   json orders = json::array();
   for (const auto& o : plan.schedule) {
     std::string blocks;

@@ -162,6 +162,10 @@ struct CommSettings {
   // Tensor-parallel all-gathers and reduce-scatters overlapped with the GEMM next to them
   // (Transformer Engine's userbuffer overlap), instead of blocking before or after it.
   bool tp_overlap = false;
+  // Merak's sub-pipelined tensor parallelism: each micro-batch runs through a block as this many
+  // sub-batches along the batch, so that one sub-batch's blocking lane collectives (tensor,
+  // context or expert parallel) run while the next computes; 1: off.
+  int tp_sub_batches = 1;
   // ZeRO-3: gather parameters and reduce gradients tensor by tensor (DeepSpeed) rather than a
   // whole unit (layer) at once (FSDP).
   bool zero3_per_tensor = false;

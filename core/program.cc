@@ -922,6 +922,110 @@ void overlap_tp_collectives(std::vector<Step>& steps, uint32_t lane_axes, double
   steps = std::move(out);
 }
 
+// Merak's sub-pipelined tensor parallelism (comm.tp_sub_batches = k): a block's micro-batch runs
+// as k sub-batches along the batch. Between two blocking lane collectives the operators run
+// sub-batch after sub-batch, each 1/k of the time (GEMMs of 1/k the rows priced at the same
+// efficiency) and of the memory; each collective moves 1/k of its bytes per sub-batch, launched
+// when its sub-batch's compute is done and run alongside the compute piece that follows (the next
+// sub-batch, or the first sub-batch of the next operators, which needs only the first piece): the
+// pair takes the longer of the two, the compute slowed by `interference`. A paired piece's
+// compute is counted in the collective's step (its operators lose their own labels there).
+// Transfers, data-parallel launches and waits end a stretch: nothing moves across them.
+void sub_pipeline_collectives(std::vector<Step>& steps, int k, uint32_t lane_axes,
+                              double interference) {
+  auto blocking = [&](const Step& s) {
+    return s.kind == StepKind::kCollective && s.seconds == 0 && s.group < 0 &&
+           (s.axes & ~lane_axes) == 0;
+  };
+  auto in_stretch = [&](const Step& s) {
+    return s.kind == StepKind::kCompute || s.kind == StepKind::kMemory || blocking(s);
+  };
+  std::vector<Step> out;
+  out.reserve(steps.size() * k);
+  std::vector<Step> pending;  // collective pieces waiting for the compute piece they overlap
+  auto emit_pending = [&]() {
+    for (const Step& c : pending) out.push_back(c);
+    pending.clear();
+  };
+  // One sub-batch's piece of a run of compute and memory steps. With a collective pending, the
+  // compute of the class that has most of the piece runs beside it; the rest (a recomputation
+  // inside a backward, say) runs on its own first, so every second keeps its class.
+  auto emit_piece = [&](const std::vector<Step>& run) {
+    std::map<ComputeClass, double> by_class;
+    for (const Step& s : run) {
+      if (s.kind == StepKind::kCompute) by_class[s.compute_class] += s.seconds;
+    }
+    const bool pair = !pending.empty() && !by_class.empty();
+    const ComputeClass main =
+        pair ? std::max_element(by_class.begin(), by_class.end(),
+                                [](const auto& a, const auto& b) { return a.second < b.second; })
+                   ->first
+             : ComputeClass::kCompute;
+    double seconds = 0, flops = 0;
+    for (const Step& s : run) {
+      Step piece = s;
+      if (s.kind == StepKind::kMemory) {
+        piece.bytes /= k;
+      } else {
+        piece.seconds /= k;
+        piece.flops /= k;
+        if (pair && s.compute_class == main) {
+          seconds += piece.seconds;
+          flops += piece.flops;
+          continue;
+        }
+      }
+      out.push_back(piece);
+    }
+    if (pair) {
+      Step& c = pending.front();
+      c.seconds = seconds * (1 + interference);
+      c.flops = flops;
+      c.compute_class = main;
+    }
+    emit_pending();
+  };
+  for (size_t i = 0; i < steps.size();) {
+    if (!in_stretch(steps[i])) {
+      out.push_back(steps[i++]);
+      continue;
+    }
+    size_t end = i;
+    bool any = false;
+    while (end < steps.size() && in_stretch(steps[end])) any = blocking(steps[end++]) || any;
+    if (!any) {
+      out.insert(out.end(), steps.begin() + i, steps.begin() + end);
+      i = end;
+      continue;
+    }
+    // The stretch as runs of compute each followed by its collectives.
+    std::vector<std::vector<Step>> runs(1), after(1);
+    for (size_t j = i; j < end; ++j) {
+      if (blocking(steps[j])) {
+        after.back().push_back(steps[j]);
+      } else {
+        if (!after.back().empty()) {
+          runs.emplace_back();
+          after.emplace_back();
+        }
+        runs.back().push_back(steps[j]);
+      }
+    }
+    for (size_t r = 0; r < runs.size(); ++r) {
+      for (int piece = 0; piece < k; ++piece) {
+        emit_piece(runs[r]);
+        for (Step c : after[r]) {
+          c.bytes /= k;
+          pending.push_back(c);
+        }
+      }
+    }
+    emit_pending();
+    i = end;
+  }
+  steps = std::move(out);
+}
+
 void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_recompute,
                               bool first_forward) {
   const int seg = t.segment;
@@ -1494,6 +1598,10 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   if (plan.comm.tp_overlap) {
     overlap_tp_collectives(t.steps, lane_axes, prog.compute_model.comm_interference);
   }
+  if (plan.comm.tp_sub_batches > 1) {
+    sub_pipeline_collectives(t.steps, plan.comm.tp_sub_batches, lane_axes,
+                             prog.compute_model.comm_interference);
+  }
 }
 
 Status Compiler::check_segments() {
@@ -1940,6 +2048,23 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   if (Status s = c.resolve_part(prog.graph.embedding, c.embed); !s) return s.error();
   if (Status s = c.resolve_part(prog.graph.layer, c.layer); !s) return s.error();
   if (Status s = c.resolve_part(prog.graph.head, c.head); !s) return s.error();
+  if (const int k = plan.comm.tp_sub_batches; k > 1) {
+    // Sub-batches split the sequences each GPU runs through every operator.
+    for (const PartInfo* p : {&c.embed, &c.layer, &c.head}) {
+      for (size_t i = 0; i < p->part->ops.size(); ++i) {
+        const Op& op = p->part->ops[i];
+        const int64_t local = op.granularity[static_cast<int>(Dim::kBatch)] /
+                              p->partitions[i].factor(Dim::kBatch, plan.mesh);
+        if (local % k != 0) {
+          return Error(fmt::format(
+              "communication.tp_sub_batches: {} sub-batches do not divide the {} sequence{} "
+              "operator '{}' runs per micro-batch on a GPU; use a micro-batch whose share per "
+              "GPU is a multiple of {}",
+              k, local, local == 1 ? "" : "s", op.name, k));
+        }
+      }
+    }
+  }
   c.boundary = prog.graph.layer.ops.back().output;
   c.boundary.ref = TensorRef{-1, 0};
   if (Status s = c.check_segments(); !s) return s.error();

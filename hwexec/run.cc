@@ -58,6 +58,11 @@ Status check_runnable(const Plan& plan) {
                   "mixtures of experts are simulated only; nnexec runs dense "
                   "models (drop 'experts')");
   }
+  if (plan.comm.tp_sub_batches > 1) {
+    return refuse("communication.tp_sub_batches",
+                  "sub-pipelined tensor parallelism is simulated only; nnexec runs each "
+                  "micro-batch whole (remove the field)");
+  }
   if (m.kv_heads < 1 || m.heads % m.kv_heads != 0) {
     return refuse("model.kv_heads", fmt::format("{} key/value heads do not divide {} heads; set "
                                                 "kv_heads to a divisor of heads",

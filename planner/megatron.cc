@@ -246,6 +246,20 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                     o.vpp));
   }
   if (o.zero < 0 || o.zero > 3) return Error("--zero must be 0, 1, 2 or 3");
+  if (o.tp_sub_batches < 1) {
+    return Error(fmt::format("--tp-sub-batches must be at least 1 (got {})", o.tp_sub_batches));
+  }
+  if (o.tp_sub_batches > 1 && o.tp_comm_overlap) {
+    return Error(
+        "--tp-sub-batches hides the tensor-parallel collectives behind another sub-batch's "
+        "compute, --tp-comm-overlap behind their GEMMs; choose one");
+  }
+  if (o.micro_batch % o.tp_sub_batches != 0) {
+    return Error(fmt::format(
+        "--tp-sub-batches {} must divide the micro-batch ({} sequences): each sub-batch is a "
+        "whole number of sequences",
+        o.tp_sub_batches, o.micro_batch));
+  }
   if (o.shard_head &&
       (o.vpp > 1 || (o.schedule != ScheduleKind::kOneFOneB && o.schedule != ScheduleKind::kGpipe &&
                      o.schedule != ScheduleKind::kTessel))) {
@@ -333,6 +347,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (o.shard_head) plan.name += " shard-head";
   if (o.shard_embedding) plan.name += " shard-embedding";
   if (o.recycle > 1) plan.name += fmt::format(" recycle{}", o.recycle);
+  if (o.tp_sub_batches > 1) plan.name += fmt::format(" tp-sub-batches{}", o.tp_sub_batches);
   plan.mesh = megatron_mesh(o, dp);
   // Megatron's rank order tp-cp-ep-dp-pp: tensor parallel fastest, pipeline slowest.
   Expected<Placement> placement =
@@ -564,6 +579,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   plan.comm.overlap_param_gather = o.overlap_param_gather;
   plan.comm.algorithm = o.algorithm;
   plan.comm.tp_overlap = o.tp_comm_overlap && o.tp > 1;
+  plan.comm.tp_sub_batches = o.tp_sub_batches;
 
   const int micro_batches = o.global_batch / (dp * o.micro_batch);
   // Segments whose recomputation Merak's schedule issues as its own block.

@@ -63,6 +63,8 @@ struct MegatronOptions {
   // Overlap tensor-parallel all-gathers / reduce-scatters with the neighbouring GEMMs
   // (Transformer Engine's --tp-comm-overlap).
   bool tp_comm_overlap = false;
+  // Merak's sub-pipelined tensor parallelism: sub-batches per micro-batch (1: off).
+  int tp_sub_batches = 1;
   // DeepSpeed ZeRO-3's stage3_param_persistence_threshold (elements); negative: its default
   // (1e5). Only with framework deepspeed and ZeRO-3.
   double zero3_persistence_threshold = -1;

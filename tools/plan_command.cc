@@ -241,6 +241,10 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
                   "whose kernels and conventions: megatron, fsdp, deepspeed, other");
   cmd->add_flag("--tp-comm-overlap", a.o.tp_comm_overlap,
                 "overlap tensor-parallel collectives with GEMMs (Transformer Engine)");
+  cmd->add_option("--tp-sub-batches", a.o.tp_sub_batches,
+                  "Merak's sub-pipelined tensor parallelism: run each micro-batch as this many "
+                  "sub-batches, one's collectives beside the next one's compute (builder only)")
+      ->check(at_least(1));
   cmd->add_option("--zero3-persistence-threshold", a.o.zero3_persistence_threshold,
                   "DeepSpeed ZeRO-3: tensors of fewer elements stay whole on every GPU "
                   "(stage3_param_persistence_threshold; default 1e5)")
@@ -308,6 +312,11 @@ int run_plan_command(PlanArgs& a, const CLI::App& cmd) {
     return fail(
         "--shard-head and --shard-embedding are for the builder: give --tp and --pp (the "
         "search does not shard the head or the embedding)");
+  }
+  if (a.search && given("--tp-sub-batches")) {
+    return fail(
+        "--tp-sub-batches is for the builder: give --tp and --pp (the plan search does not "
+        "sub-pipeline)");
   }
   if (a.search && given("--recycle")) {
     return fail(

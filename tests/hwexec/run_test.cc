@@ -996,6 +996,12 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
       contains(s.error().message(), "model.experts: mixtures of experts are simulated only"))
       << s.error().message();
   p = *base;
+  p.comm.tp_sub_batches = 2;  // Merak's sub-pipelining is simulated only
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(), "communication.tp_sub_batches: sub-pipelined"))
+      << s.error().message();
+  p = *base;
   p.model.kv_heads = 1;  // MQA: runs unsplit, but one key/value head cannot be split over tp 2
   s = check_runnable(p);
   ASSERT_FALSE(s.ok());

@@ -15,6 +15,7 @@
 #include "core/model.h"
 #include "core/plan.h"
 #include "core/topology.h"
+#include "planner/estimator.h"
 #include "planner/megatron.h"
 
 namespace nnsim {
@@ -417,6 +418,16 @@ TEST(Program, ExpertParallelismExchangesTokensAndShardsExpertsApart) {
   }
   EXPECT_DOUBLE_EQ(wide.model_flops_per_iteration, prog.model_flops_per_iteration);
 
+  // Each GPU runs one of the replica's 8 sequences: no room for two sub-batches.
+  Plan halves = prog.plan;
+  halves.comm.tp_sub_batches = 2;
+  auto split = compile_plan(halves, dgx());
+  ASSERT_FALSE(split.ok());
+  EXPECT_NE(split.error().message().find("communication.tp_sub_batches: 2 sub-batches do not "
+                                         "divide the 1 sequence"),
+            std::string::npos)
+      << split.error().message();
+
   // ZeRO-3 would shard the two groups' weights apart: refused, naming the field.
   o.zero = 3;
   auto plan = build_megatron_plan(m, dgx(), o);
@@ -561,6 +572,74 @@ TEST(Program, TensorParallelOverlapHidesEveryBackwardLayerCollective) {
   EXPECT_EQ(collectives, 6 * m.layers);  // two mirrored, two re-gathered, two reduce-scatters
   EXPECT_GT(flops(plain), 0);
   EXPECT_NEAR(flops(overlapped), flops(plain), 1e-9 * flops(plain));
+}
+
+// Merak's sub-pipelined tensor parallelism: with two sub-batches every block does the same work
+// (FLOPs, compute seconds, collective bytes) in twice as many collectives of half the bytes, and
+// all but the last of each stretch run beside the other sub-batch's compute, which takes less
+// time overall than the blocking collectives did.
+TEST(Program, SubPipelinedTensorParallelismHidesCollectivesBehindTheOtherSubBatch) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  auto build = [&](int sub_batches) {
+    MegatronOptions o = options(8, 1, false, RecomputeMode::kSelective, 2);
+    o.tp_sub_batches = sub_batches;
+    return compile(m, o);
+  };
+  const Program plain = build(1), sub = build(2);
+  ASSERT_EQ(plain.templates.size(), sub.templates.size());
+  const double interference = sub.compute_model.comm_interference;
+  for (size_t i = 0; i < plain.templates.size(); ++i) {
+    struct Sums {
+      double flops = 0, compute = 0, bytes = 0;
+      int collectives = 0, overlapped = 0;
+    };
+    auto sum = [&](const BlockTemplate& t) {
+      Sums x;
+      for (const Step& s : t.steps) {
+        x.flops += s.flops;
+        if (s.kind == StepKind::kCompute) x.compute += s.seconds;
+        if (s.kind != StepKind::kCollective) continue;
+        x.compute += s.seconds / (1 + interference);
+        x.bytes += s.bytes;
+        ++x.collectives;
+        if (s.seconds > 0) ++x.overlapped;
+      }
+      return x;
+    };
+    const Sums a = sum(plain.templates[i]), b = sum(sub.templates[i]);
+    SCOPED_TRACE(to_string(plain.templates[i].kind));
+    EXPECT_NEAR(b.flops, a.flops, 1e-9 * a.flops);
+    EXPECT_NEAR(b.compute, a.compute, 1e-9 * a.compute);
+    EXPECT_NEAR(b.bytes, a.bytes, 1e-9 * a.bytes);
+    EXPECT_EQ(b.collectives, 2 * a.collectives);
+    EXPECT_EQ(a.overlapped, 0);
+    // A stretch's last pieces and the loss's back-to-back statistics stay exposed; the rest pair.
+    EXPECT_GE(b.overlapped, 0.9 * b.collectives);
+  }
+  EXPECT_LT(estimate_program(sub).iteration_time, 0.95 * estimate_program(plain).iteration_time);
+
+  // A whole number of sequences per sub-batch, and one way of hiding the collectives at a time.
+  MegatronOptions o = options(8, 1, false, RecomputeMode::kNone, 1);
+  o.tp_sub_batches = 2;
+  auto refused = build_megatron_plan(m, dgx(), o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("must divide the micro-batch"), std::string::npos);
+  o = options(8, 1, false, RecomputeMode::kNone, 2);
+  o.tp_sub_batches = 2;
+  o.tp_comm_overlap = true;
+  refused = build_megatron_plan(m, dgx(), o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("choose one"), std::string::npos);
+  // The plan file carries it, and refuses it beside tp_overlap.
+  Plan p = sub.plan;
+  auto back = parse_plan(plan_to_json(p), "plan.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_EQ(back->comm.tp_sub_batches, 2);
+  p.comm.tp_overlap = true;
+  back = parse_plan(plan_to_json(p), "plan.json");
+  ASSERT_FALSE(back.ok());
+  EXPECT_NE(back.error().message().find("tp_sub_batches"), std::string::npos)
+      << back.error().message();
 }
 
 // PyTorch's tensor parallelism saves the two gathered norm outputs (the inputs of the QKV and
