@@ -351,19 +351,42 @@ TEST(Program, ExpertsUnderSequenceParallelism) {
                    m.layers * ((experts + attention) / 8 + router + norms) + h + 2 * 32768 * h / 8);
 }
 
+// A mixture-of-experts preset cut to a few layers of 2,048 tokens, built with expert
+// parallelism `ep` and ZeRO-1 on the 32 GPUs, 64 sequences a step.
+Program compile_moe(const std::string& name, int layers, int ep, ModelSpec* model) {
+  *model = preset(name);
+  model->layers = layers;
+  model->seq_len = 2048;
+  MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
+  o.ep = ep;
+  o.zero = 1;
+  o.global_batch = 64;
+  return compile(*model, o);
+}
+
+// Gradient bytes a lane reduce-scatters over its iteration, by the mesh axes of the group.
+std::map<uint32_t, double> reduce_scattered_by_axes(const Program& prog, const Lane& lane) {
+  std::map<uint32_t, double> reduced;
+  auto add = [&](const std::vector<Step>& steps) {
+    for (const Step& s : steps) {
+      if (s.kind == StepKind::kDpLaunch && s.collective == CollectiveKind::kReduceScatter) {
+        reduced[s.axes] += s.bytes;
+      }
+    }
+  };
+  for (const BlockInstance& b : lane.blocks) add(prog.templates[b.template_index].steps);
+  add(lane.epilogue);
+  return reduced;
+}
+
 // Expert parallelism: each rank keeps its own sequence in the dense operators and 1/ep of the
 // experts; every routed token copy goes to its expert's rank and back (two all-to-alls a layer
 // each way). The dense weights' gradients sum over dp x ep, the experts' over dp alone, and
 // ZeRO shards each over its own group.
 TEST(Program, ExpertParallelismExchangesTokensAndShardsExpertsApart) {
-  ModelSpec m = preset("mixtral-8x7b");
-  m.layers = 4;
-  m.seq_len = 2048;
-  MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
-  o.ep = 8;
-  o.zero = 1;
-  o.global_batch = 64;  // 32 GPUs: 4 replicas of 8 expert-parallel ranks, 2 micro-batches
-  const Program prog = compile(m, o);
+  ModelSpec m;
+  // 32 GPUs: 4 replicas of 8 expert-parallel ranks, 2 micro-batches.
+  const Program prog = compile_moe("mixtral-8x7b", 4, 8, &m);
   ASSERT_FALSE(prog.lanes.empty());
   const Mesh& mesh = prog.plan.mesh;
   const uint32_t dp = 1u << mesh.axis_index("dp"), ep = 1u << mesh.axis_index("ep");
@@ -391,16 +414,7 @@ TEST(Program, ExpertParallelismExchangesTokensAndShardsExpertsApart) {
   const Lane& lane = prog.lanes[0];
   EXPECT_DOUBLE_EQ(lane.parameters, dense + experts);
   // Gradient reduce-scatters (4-byte gradients) by group.
-  std::map<uint32_t, double> reduced;
-  auto add = [&](const std::vector<Step>& steps) {
-    for (const Step& s : steps) {
-      if (s.kind == StepKind::kDpLaunch && s.collective == CollectiveKind::kReduceScatter) {
-        reduced[s.axes] += s.bytes;
-      }
-    }
-  };
-  for (const BlockInstance& b : lane.blocks) add(prog.templates[b.template_index].steps);
-  add(lane.epilogue);
+  std::map<uint32_t, double> reduced = reduce_scattered_by_axes(prog, lane);
   EXPECT_EQ(reduced.size(), 2u);
   EXPECT_DOUBLE_EQ(reduced[dp | ep], 4 * dense);
   EXPECT_DOUBLE_EQ(reduced[dp], 4 * experts);
@@ -408,9 +422,11 @@ TEST(Program, ExpertParallelismExchangesTokensAndShardsExpertsApart) {
 
   // Padded to a capacity factor of 1.5, every all-to-all moves half as much again; the model's
   // FLOPs stay.
-  ModelSpec padded = m;
-  padded.expert_capacity_factor = 1.5;
-  const Program wide = compile(padded, o);
+  Plan padded = prog.plan;
+  padded.model.expert_capacity_factor = 1.5;
+  auto compiled = compile_plan(padded, dgx());
+  ASSERT_TRUE(compiled.ok()) << compiled.error().message();
+  const Program& wide = *compiled;
   for (const BlockTemplate& t : wide.templates) {
     for (const Step& s : t.steps) {
       if (s.kind == StepKind::kCollective) EXPECT_DOUBLE_EQ(s.bytes, 1.5 * routed_bytes);
@@ -429,10 +445,9 @@ TEST(Program, ExpertParallelismExchangesTokensAndShardsExpertsApart) {
       << split.error().message();
 
   // ZeRO-3 would shard the two groups' weights apart: refused, naming the field.
-  o.zero = 3;
-  auto plan = build_megatron_plan(m, dgx(), o);
-  ASSERT_TRUE(plan.ok()) << plan.error().message();
-  auto refused = compile_plan(*plan, dgx());
+  Plan sharded = prog.plan;
+  sharded.optimizer.zero = 3;
+  auto refused = compile_plan(sharded, dgx());
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.error().message().find("optimizer.zero"), std::string::npos);
 }
@@ -480,14 +495,8 @@ TEST(Program, FoldedExpertTensorParallelismExchangesTokensOverTp) {
 // A shared expert is dense: every expert-parallel rank holds all of it and its gradients sum
 // over dp x ep with the attention's; only the routed experts are divided.
 TEST(Program, SharedExpertIsDenseUnderExpertParallelism) {
-  ModelSpec m = preset("qwen1.5-moe-a2.7b");
-  m.layers = 2;
-  m.seq_len = 2048;
-  MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
-  o.ep = 4;
-  o.zero = 1;
-  o.global_batch = 64;
-  const Program prog = compile(m, o);
+  ModelSpec m;
+  const Program prog = compile_moe("qwen1.5-moe-a2.7b", 2, 4, &m);
   ASSERT_FALSE(prog.lanes.empty());
   const Mesh& mesh = prog.plan.mesh;
   const uint32_t dp = 1u << mesh.axis_index("dp"), ep = 1u << mesh.axis_index("ep");
@@ -495,14 +504,7 @@ TEST(Program, SharedExpertIsDenseUnderExpertParallelism) {
   const double dense = static_cast<double>(m.parameters() - m.expert_parameters());
   const Lane& lane = prog.lanes[0];
   EXPECT_DOUBLE_EQ(lane.parameters, dense + experts);
-  std::map<uint32_t, double> reduced;
-  for (const BlockInstance& b : lane.blocks) {
-    for (const Step& s : prog.templates[b.template_index].steps) {
-      if (s.kind == StepKind::kDpLaunch && s.collective == CollectiveKind::kReduceScatter) {
-        reduced[s.axes] += s.bytes;
-      }
-    }
-  }
+  std::map<uint32_t, double> reduced = reduce_scattered_by_axes(prog, lane);
   EXPECT_DOUBLE_EQ(reduced[dp | ep], 4 * dense);
   EXPECT_DOUBLE_EQ(reduced[dp], 4 * experts);
 }

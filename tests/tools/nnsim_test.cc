@@ -395,13 +395,20 @@ TEST(NnsimTool, ExportedFrameworkDefaultsReproduceTheBuiltInModel) {
 // A mixture of experts from a user's model file: planned with tensor and sequence parallelism,
 // simulated, and reported. With one expert per token of the dense MLP's width it runs the
 // dense model's matmuls plus routing.
+// A small Llama-style model (dense.yaml) and its mixture of 8 experts (moe.yaml).
+void write_dense_and_moe(Sandbox& box, int layers, int experts_per_token) {
+  const std::string dense = fmt::format(
+      "layers: {}\nhidden: 1024\nheads: 16\nkv_heads: 4\nffn_hidden: 4096\nmlp: swiglu\n"
+      "vocab: 32000\nseq_len: 2048\nposition: rope\nnorm: rmsnorm\nbias: false\n",
+      layers);
+  box.write("dense.yaml", dense);
+  box.write("moe.yaml",
+            dense + fmt::format("experts: 8\nexperts_per_token: {}\n", experts_per_token));
+}
+
 TEST(NnsimTool, MixtureOfExpertsPlansAndSimulates) {
   Sandbox box;
-  const std::string dense =
-      "layers: 8\nhidden: 1024\nheads: 16\nkv_heads: 4\nffn_hidden: 4096\nmlp: swiglu\n"
-      "vocab: 32000\nseq_len: 2048\nposition: rope\nnorm: rmsnorm\nbias: false\n";
-  box.write("dense.yaml", dense);
-  box.write("moe.yaml", dense + "experts: 8\nexperts_per_token: 1\n");
+  write_dense_and_moe(box, 8, 1);
   auto run = [&](const std::string& model) {
     RunResult p = box.nnsim({"plan", "--model", model + ".yaml", "--topo", "dgx-a100x4", "--nodes",
                              "1", "--tp", "4", "--pp", "1", "--sequence-parallel", "--global-batch",
@@ -424,11 +431,7 @@ TEST(NnsimTool, MixtureOfExpertsPlansAndSimulates) {
 // for mixture-of-experts models only. Degrees that do not fit are refused, naming the flag.
 TEST(NnsimTool, ExpertParallelismPlansSearchesAndSimulates) {
   Sandbox box;
-  const std::string dense =
-      "layers: 4\nhidden: 1024\nheads: 16\nkv_heads: 4\nffn_hidden: 4096\nmlp: swiglu\n"
-      "vocab: 32000\nseq_len: 2048\nposition: rope\nnorm: rmsnorm\nbias: false\n";
-  box.write("dense.yaml", dense);
-  box.write("moe.yaml", dense + "experts: 8\nexperts_per_token: 2\n");
+  write_dense_and_moe(box, 4, 2);
   auto plan = [&](const std::string& model, const std::string& ep, const std::string& out) {
     return box.nnsim({"plan", "--model", model + ".yaml", "--topo", "dgx-a100x4", "--nodes", "1",
                       "--tp", "1", "--pp", "1", "--ep", ep, "--global-batch", "16", "-o", out});
