@@ -1164,7 +1164,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       Step l;
       l.kind = StepKind::kDpLaunch;
       l.collective = CollectiveKind::kAllGather;
-      l.axes = group_axes[kDenseGrads];  // ZeRO-3 has no expert group (check_grad_groups)
+      l.axes = group_axes[kDenseGrads];  // compile_plan refuses ZeRO-3 with an expert group
       l.bytes = parts[k] * compute_weight_bytes(plan);
       l.tag = k + 1 == parts.size() ? u.tag : -1;  // the stream is FIFO: the last one tells
       l.label = label("param gather");
