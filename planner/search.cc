@@ -38,6 +38,7 @@ std::string Candidate::describe() const {
     recompute += fmt::format("+{}", fmt::join(o.recompute_modules, "+"));
   }
   s += fmt::format(" {} zero{} {}", recompute, o.zero, to_string(o.schedule));
+  if (o.tp_sub_batches > 1) s += fmt::format(" sub-batches{}", o.tp_sub_batches);
   if (!o.stage_layers.empty() && o.vpp == 1) {
     s += fmt::format(" layers={}", fmt::join(o.stage_layers, ","));
   }
@@ -58,6 +59,8 @@ constexpr double kBalanceMargin = 0.05;
 constexpr size_t kMaxPlaced = 8;
 // The zero-bubble and Merak schedules are tried for this many of the best pipelined plans.
 constexpr size_t kMaxRescheduled = 8;
+// Sub-pipelined tensor parallelism is tried for this many of the best plans.
+constexpr size_t kMaxSubPipelined = 8;
 // Tessel's search is tried on pipelines of at most this many stages (its solver time grows fast
 // with the devices: 0.8 s for 4, 4 s for 8).
 constexpr int kMaxTesselStages = 8;
@@ -677,6 +680,25 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     }
     result.schedules_tried = tries.size();
     estimate_variants(tries, "scheduling", "");
+  }
+
+  // Merak's sub-pipelined tensor parallelism for the best plans whose GPUs exchange
+  // activations inside a layer (tensor or expert parallel) and run sequences enough per
+  // micro-batch to split.
+  if (const int k = o.tp_sub_batches; k > 1 && !feasible.empty()) {
+    std::sort(feasible.begin(), feasible.end(), faster_estimate);
+    std::vector<Candidate> tries;
+    for (const Candidate& c : feasible) {
+      if (tries.size() >= kMaxSubPipelined) break;
+      const MegatronOptions& x = c.options;
+      if ((x.tp == 1 && x.ep == 1) || x.micro_batch % k != 0 || x.tp_sub_batches > 1) continue;
+      Candidate t = c;
+      t.options.tp_sub_batches = k;
+      t.simulated.reset();
+      tries.push_back(t);
+    }
+    result.sub_pipelined_tried = tries.size();
+    estimate_variants(tries, "sub-pipelining", "");
   }
 
   // Other rank placements for the best plans (nnScaler-M): every order of the mesh axes that

@@ -35,6 +35,10 @@ struct SearchOptions {
   std::optional<Precision> precision;
   std::string framework = "megatron";
   bool tp_comm_overlap = false;
+  // Merak's sub-pipelined tensor parallelism: with k > 1 the best plans with tensor (or expert)
+  // parallelism are also tried with k sub-batches per micro-batch (the training code must
+  // support it; Megatron-LM does not).
+  int tp_sub_batches = 1;
   SearchPins pins;
   Constraints constraints;
   double memory_headroom = 0.1;  // fraction of GPU memory left free (without memory_cap)
@@ -81,6 +85,8 @@ struct SearchResult {
   size_t placements_tried = 0;
   // Zero-bubble and Merak schedules tried for the best pipelined plans.
   size_t schedules_tried = 0;
+  // Sub-pipelined variants (SearchOptions::tp_sub_batches) tried for the best plans.
+  size_t sub_pipelined_tried = 0;
   // Pairs of confirmed plans whose order the estimator and the simulator disagree on.
   size_t rank_pairs = 0;
   size_t rank_disagreements = 0;

@@ -29,6 +29,7 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   so.precision = a.o.precision;
   so.framework = a.o.framework;
   so.tp_comm_overlap = a.o.tp_comm_overlap;
+  so.tp_sub_batches = a.o.tp_sub_batches;
   so.compile = a.o.costs;
   so.pins = a.pins;
   so.top = a.top;
@@ -72,6 +73,10 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
         "%zu other pipeline schedules (zero bubble, Merak, Tessel) tried for the best pipelined "
         "plans\n",
         r->schedules_tried);
+  }
+  if (r->sub_pipelined_tried > 0) {
+    std::printf("%zu plans tried with sub-pipelined tensor parallelism (Merak)\n",
+                r->sub_pipelined_tried);
   }
   std::printf("%4s  %-60s %11s %11s %10s %6s\n", "rank", "plan", "estimated", "simulated",
               "peak mem", "MFU");
@@ -243,7 +248,8 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
                 "overlap tensor-parallel collectives with GEMMs (Transformer Engine)");
   cmd->add_option("--tp-sub-batches", a.o.tp_sub_batches,
                   "Merak's sub-pipelined tensor parallelism: run each micro-batch as this many "
-                  "sub-batches, one's collectives beside the next one's compute (builder only)")
+                  "sub-batches, one's collectives beside the next one's compute (the search "
+                  "tries it for its best plans)")
       ->check(at_least(1));
   cmd->add_option("--zero3-persistence-threshold", a.o.zero3_persistence_threshold,
                   "DeepSpeed ZeRO-3: tensors of fewer elements stay whole on every GPU "
@@ -312,11 +318,6 @@ int run_plan_command(PlanArgs& a, const CLI::App& cmd) {
     return fail(
         "--shard-head and --shard-embedding are for the builder: give --tp and --pp (the "
         "search does not shard the head or the embedding)");
-  }
-  if (a.search && given("--tp-sub-batches")) {
-    return fail(
-        "--tp-sub-batches is for the builder: give --tp and --pp (the plan search does not "
-        "sub-pipeline)");
   }
   if (a.search && given("--recycle")) {
     return fail(

@@ -111,6 +111,31 @@ TEST(Search, ExpertParallelGroupsStayInsideNodesWhenAsked) {
   for (const Candidate& cand : r->ranked) EXPECT_EQ(cand.options.ep, 1) << cand.describe();
 }
 
+// Asked to (SearchOptions::tp_sub_batches), the search tries Merak's sub-pipelined tensor
+// parallelism on its best plans; with tensor parallelism pinned at 8 it hides most of the
+// collectives and wins.
+TEST(Search, SubPipelinedTensorParallelismIsTriedWhenAsked) {
+  const ModelSpec m = *load_model("gpt3-13b");
+  const Topology t = topo("dgx-a100x4", 2);
+  SearchOptions o = options(64);
+  o.pins.tp = 8;
+  o.pins.pp = 1;
+  Expected<SearchResult> plain = search_plans(m, t, o);
+  ASSERT_TRUE(plain.ok()) << plain.error().message();
+  EXPECT_EQ(plain->sub_pipelined_tried, 0u);
+  o.tp_sub_batches = 2;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  EXPECT_GT(r->sub_pipelined_tried, 0u);
+  ASSERT_FALSE(r->ranked.empty());
+  const Candidate& best = r->ranked.front();
+  EXPECT_EQ(best.options.tp_sub_batches, 2) << best.describe();
+  EXPECT_LT(best.time(), plain->ranked.front().time());
+  for (const Candidate& c : r->ranked) {
+    if (c.options.tp_sub_batches > 1) EXPECT_EQ(c.options.micro_batch % 2, 0) << c.describe();
+  }
+}
+
 TEST(Search, ContradictoryConstraintsReportWhatEmptiedTheSpace) {
   const ModelSpec m = *load_model("gpt3-13b");
   const Topology t = topo("dgx-a100x4", 4);
