@@ -426,7 +426,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                       // or experts it is the default plan again.
                       const bool folded = etp == 1 && tp > 1 && model.moe();
                       if (etp == 1 && !folded && !pin.expert_tp) continue;
-                      if (folded && model.experts % (ep * tp) != 0) continue;
+                      if (folded && model.experts % (static_cast<int64_t>(ep) * tp) != 0) continue;
                       layouts.push_back({&pl, ep, etp});
                     }
                   }
