@@ -461,6 +461,18 @@ TEST(NnsimTool, ExpertParallelismPlansSearchesAndSimulates) {
   bad = plan("dense", "2", "bad.json");
   EXPECT_NE(bad.status, 0);
   EXPECT_TRUE(contains(bad.err, "has none (model.experts)")) << bad;
+  bad = box.nnsim({"plan", "--model", "moe.yaml", "--topo", "dgx-a100x4", "--nodes", "1", "--tp",
+                   "2", "--pp", "1", "--etp", "3", "--global-batch", "16", "-o", "bad.json"});
+  EXPECT_NE(bad.status, 0);
+  EXPECT_TRUE(contains(bad.err, "--etp 3: the experts split over all the tensor-parallel ranks"))
+      << bad;
+  // A plan file asking for no sub-batch at all names the field.
+  json zero = written;
+  zero["communication"]["tp_sub_batches"] = 0;
+  box.write("zero.json", zero.dump(1));
+  bad = box.nnsim({"--topo", "dgx-a100x4", "--nodes", "1", "zero.json"});
+  EXPECT_NE(bad.status, 0);
+  EXPECT_TRUE(contains(bad.err, "field 'communication.tp_sub_batches': must be at least 1")) << bad;
 
   // The search's candidates: expert-parallel degrees 1, 2, 4 and 8 and folded expert tensor
   // parallelism for the experts, ep 1 only for the dense model.
