@@ -1147,16 +1147,29 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   };
   // The tensors a unit gathers: all of it at once, or tensor by tensor but for the persistent
   // ones (none when all are: a unit of small tensors is never gathered).
+  // Whole units (FSDP) gather and reduce each GradGroup's part over its own group: (elements,
+  // group). Tensor by tensor (DeepSpeed) there is no expert group (compile_plan refuses it).
+  using Piece = std::pair<double, int>;
+  auto by_groups = [&](double whole, const ParamUnit& u) {
+    std::vector<Piece> out;
+    const double experts = u.group_params[kExpertGrads];
+    out.emplace_back(whole - experts, kDenseGrads);
+    if (experts > 0 && shard_degree(kExpertGrads) > 1) out.emplace_back(experts, kExpertGrads);
+    return out;
+  };
   auto pieces = [&](const ParamUnit& u) {
-    if (!plan.comm.zero3_per_tensor) return std::vector<double>{u.params};
-    std::vector<double> sharded;
+    if (!plan.comm.zero3_per_tensor) return by_groups(u.params, u);
+    std::vector<Piece> sharded;
     for (double n : *u.tensors) {
-      if (n >= plan.comm.zero3_persistence_threshold) sharded.push_back(n);
+      if (n >= plan.comm.zero3_persistence_threshold) sharded.emplace_back(n, kDenseGrads);
     }
     return sharded;
   };
   auto reduce_pieces = [&](const ParamUnit& u) {
-    return plan.comm.zero3_per_tensor ? *u.reduce_tensors : std::vector<double>{u.reduce_params};
+    if (!plan.comm.zero3_per_tensor) return by_groups(u.reduce_params, u);
+    std::vector<Piece> out;
+    for (double n : *u.reduce_tensors) out.emplace_back(n, kDenseGrads);
+    return out;
   };
   auto gather = [&](const ParamUnit& u) {
     const auto parts = pieces(u);
@@ -1164,8 +1177,8 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       Step l;
       l.kind = StepKind::kDpLaunch;
       l.collective = CollectiveKind::kAllGather;
-      l.axes = group_axes[kDenseGrads];  // compile_plan refuses ZeRO-3 with an expert group
-      l.bytes = parts[k] * compute_weight_bytes(plan);
+      l.axes = group_axes[parts[k].second];
+      l.bytes = parts[k].first * compute_weight_bytes(plan);
       l.tag = k + 1 == parts.size() ? u.tag : -1;  // the stream is FIFO: the last one tells
       l.label = label("param gather");
       steps->push_back(l);
@@ -1454,12 +1467,13 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
                              (shard_degree(kDenseGrads) > 1 || shard_degree(kExpertGrads) > 1);
       // DeepSpeed's reduce bucket: elements waiting (comm.zero3_reduce_bucket).
       double waiting = 0;
+      int waiting_group = kDenseGrads;
       auto reduce_waiting = [&]() {
         if (waiting <= 0) return;
         Step rs;
         rs.kind = StepKind::kDpLaunch;
         rs.collective = CollectiveKind::kReduceScatter;
-        rs.axes = group_axes[kDenseGrads];
+        rs.axes = group_axes[waiting_group];
         rs.bytes = waiting * grad_bytes;
         rs.label = label(fmt::format("grad sync {}", s.name));
         steps->push_back(rs);
@@ -1470,10 +1484,11 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         if (zero == 3) {
           // Without a bucket each piece is reduced as soon as it waits.
           const bool bucketed = plan.comm.zero3_per_tensor && plan.comm.zero3_reduce_bucket > 0;
-          for (double part : reduce_pieces(u)) {
+          for (const auto& [part, group] : reduce_pieces(u)) {
             if (bucketed && waiting > 0 && waiting + part > plan.comm.zero3_reduce_bucket) {
               reduce_waiting();
             }
+            waiting_group = group;
             waiting += part;
             if (!bucketed) reduce_waiting();
           }
@@ -2092,11 +2107,14 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     c.group_axes[g] = (1u << dp_axis) | (common[g] == ~0u ? 0u : common[g]);
   }
   if (common[kExpertGrads] == ~0u) c.group_axes[kExpertGrads] = c.group_axes[kDenseGrads];
-  if (plan.optimizer.zero == 3 && c.group_axes[kExpertGrads] != c.group_axes[kDenseGrads]) {
+  if (plan.optimizer.zero == 3 && plan.comm.zero3_per_tensor &&
+      c.group_axes[kExpertGrads] != c.group_axes[kDenseGrads]) {
     return Error(
-        "optimizer.zero: ZeRO-3 with experts spread over a mesh axis (expert parallelism) is not "
-        "supported: the experts' and the dense weights' shards would live in different groups; "
-        "use optimizer.zero 0-2, or do not split the experts' 'expert' dimension");
+        "communication.zero3_per_tensor: ZeRO-3 tensor by tensor (DeepSpeed) with experts spread "
+        "over a mesh axis (expert parallelism) is not supported: the experts' and the dense "
+        "weights' tensors shard over different groups; gather whole layers (FSDP: "
+        "zero3_per_tensor false), use optimizer.zero 0-2, or do not split the experts' 'expert' "
+        "dimension");
   }
 
   // Schedule checks.

@@ -466,7 +466,10 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   std::vector<int> zeros =
                       tp == 1 && pp == 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 1};
                   if (fsdp) zeros = {3, 2};
-                  if (ep > 1) zeros.erase(std::remove(zeros.begin(), zeros.end(), 3), zeros.end());
+                  // DeepSpeed's tensor-by-tensor ZeRO-3 has no expert group (compile_plan).
+                  if (ep > 1 && o.framework == "deepspeed") {
+                    zeros.erase(std::remove(zeros.begin(), zeros.end(), 3), zeros.end());
+                  }
                   if (pin.zero) zeros = {*pin.zero};
                   for (RecomputeMode r : recs) {
                     for (int z : zeros) {

@@ -444,12 +444,33 @@ TEST(Program, ExpertParallelismExchangesTokensAndShardsExpertsApart) {
             std::string::npos)
       << split.error().message();
 
-  // ZeRO-3 would shard the two groups' weights apart: refused, naming the field.
+  // ZeRO-3 by whole layers (FSDP): each group's part of a layer is gathered and reduced over
+  // its own devices, and each GPU stores its shard of both (16-bit shards here).
   Plan sharded = prog.plan;
   sharded.optimizer.zero = 3;
+  auto z3 = compile_plan(sharded, dgx());
+  ASSERT_TRUE(z3.ok()) << z3.error().message();
+  const Lane& zl = z3->lanes[0];
+  EXPECT_DOUBLE_EQ(zl.memory.weights, 2 * (dense / 32 + experts / 4));
+  std::map<uint32_t, double> gathered;
+  for (const BlockInstance& b : zl.blocks) {
+    for (const Step& s : z3->templates[b.template_index].steps) {
+      if (s.kind == StepKind::kDpLaunch && s.collective == CollectiveKind::kAllGather) {
+        gathered[s.axes] += s.bytes;
+      }
+    }
+  }
+  EXPECT_EQ(gathered.size(), 2u);
+  EXPECT_NEAR(gathered[dp | ep] * experts, gathered[dp] * dense, 1e-9 * gathered[dp] * dense);
+  std::map<uint32_t, double> reduced3 = reduce_scattered_by_axes(*z3, zl);
+  EXPECT_DOUBLE_EQ(reduced3[dp | ep], z3->micro_batches * 4 * dense);  // every micro-batch
+  EXPECT_DOUBLE_EQ(reduced3[dp], z3->micro_batches * 4 * experts);
+  // Tensor by tensor (DeepSpeed) it would mix the groups' tensors: refused, naming the field.
+  sharded.comm.zero3_per_tensor = true;
   auto refused = compile_plan(sharded, dgx());
   ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.error().message().find("optimizer.zero"), std::string::npos);
+  EXPECT_NE(refused.error().message().find("communication.zero3_per_tensor"), std::string::npos)
+      << refused.error().message();
 }
 
 // Expert tensor parallelism folded (--etp 1): the tensor-parallel ranks hold whole experts of
