@@ -188,6 +188,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "or none (--etp 1); other degrees are not supported",
         o.expert_tp, o.tp));
   }
+  if (o.expert_tp == 1 && o.tp > 1 && !model.moe()) {
+    return Error(fmt::format(
+        "--etp 1 spreads experts over the tensor-parallel ranks, but model '{}' has none "
+        "(model.experts); drop --etp",
+        model.name));
+  }
   // Experts whole on every tensor-parallel rank, spread over them instead.
   const bool folded = model.moe() && o.tp > 1 && o.expert_tp == 1;
   if (folded && model.experts % (static_cast<int64_t>(o.ep) * o.tp) != 0) {

@@ -546,6 +546,7 @@ TEST(Program, ExpertParallelDegreesAreChecked) {
       {moe, 8, 8, 0, "must divide the data-parallel degree 4"},
       {moe, 4, 1, 2, "--etp 2: the experts split over all the tensor-parallel ranks (--etp 4"},
       {moe, 4, 4, 1, "ep x tp = 4 x 4 ranks, which does not divide the model's 8 experts"},
+      {korthikanti("gpt3-1.3b"), 2, 1, 1, "--etp 1 spreads experts over the tensor-parallel"},
   };
   for (const Case& c : cases) {
     MegatronOptions o = options(c.tp, 1, false, RecomputeMode::kNone, 1);
