@@ -264,8 +264,9 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
                   "layers per segment (pp x vpp numbers), default as even as possible")
       ->delimiter(',');
   cmd->add_option("--placement", a.o.placement,
-                  "rank order over the GPUs, outermost first (default pp,dp,cp,tp); an axis "
-                  "may be split: tp:2,pp,dp,cp,tp puts TP 8 as 2 x 4")
+                  "rank order over the GPUs, outermost first (default pp,dp,cp,tp; with --ep, "
+                  "ep just outside cp unless named); an axis may be split: tp:2,pp,dp,cp,tp "
+                  "puts TP 8 as 2 x 4")
       ->delimiter(',');
   cmd->add_option("--avoid-gpus", a.o.avoid_gpus,
                   "GPUs (indices) no rank may use; the degrees use what is left")
