@@ -70,7 +70,7 @@ ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu) {
 }
 
 double gemm_seconds(double m, double n, double k, Precision precision, const GpuSpec& gpu,
-                    const ComputeModel& model) {
+                    const ComputeModel& model, double groups) {
   if (m <= 0 || n <= 0 || k <= 0) return 0;
   double peak = gpu.peak_flops(precision);
   auto it = model.gemm_efficiency.find(precision);
@@ -87,7 +87,7 @@ double gemm_seconds(double m, double n, double k, Precision precision, const Gpu
   for (const GemmTile& t : model.tiles) {
     const double tiles_m = std::ceil(m / t.m), tiles_n = std::ceil(n / t.n);
     const double tile_use = (m * n) / (tiles_m * t.m * tiles_n * t.n);
-    const double tiles = tiles_m * tiles_n;
+    const double tiles = tiles_m * tiles_n * groups;
     const double waves = std::ceil(tiles / model.sms);
     const double wave_use = tiles / (waves * model.sms);
     fill = std::max(fill, tile_use * wave_use * t.relative);
@@ -95,7 +95,7 @@ double gemm_seconds(double m, double n, double k, Precision precision, const Gpu
   const double k_use = k / (k + model.gemm_k_half);
   const bool fp8_cores = precision == Precision::kFp8 && it != model.gemm_efficiency.end();
   const double sustained = model.sustained * (fp8_cores ? model.sustained_fp8 : 1.0);
-  return 2 * m * n * k / (peak * best * sustained * fill * k_use);
+  return 2 * m * n * k * groups / (peak * best * sustained * fill * k_use);
 }
 
 double op_seconds(const Op& op, Pass pass, double flops, double bytes, const PieceShape& shape,
@@ -104,17 +104,19 @@ double op_seconds(const Op& op, Pass pass, double flops, double bytes, const Pie
   double compute = 0;
   if (op.kind == OpKind::kLinear && flops > 0) {
     // The backward pass is two GEMMs: input gradient (m x k x n) and weight gradient
-    // (k x n x m). Grouped GEMMs (experts) are priced one group after another.
+    // (k x n x m). Grouped GEMMs (experts) are priced one group after another, or as one
+    // grouped-GEMM kernel.
     const double g = std::max(1.0, shape.groups), m = shape.m / g;
+    const double times = shape.one_kernel ? 1 : g, in_kernel = shape.one_kernel ? g : 1;
     switch (pass) {
       case Pass::kForward:
-        compute = g * gemm_seconds(m, shape.n, shape.k, precision, gpu, model);
+        compute = times * gemm_seconds(m, shape.n, shape.k, precision, gpu, model, in_kernel);
         break;
       case Pass::kBackwardInput:
-        compute = g * gemm_seconds(m, shape.k, shape.n, precision, gpu, model);
+        compute = times * gemm_seconds(m, shape.k, shape.n, precision, gpu, model, in_kernel);
         break;
       case Pass::kBackwardWeight:
-        compute = g * gemm_seconds(shape.k, shape.n, m, precision, gpu, model);
+        compute = times * gemm_seconds(shape.k, shape.n, m, precision, gpu, model, in_kernel);
         break;
     }
   } else if (op.kind == OpKind::kAttention && flops > 0) {

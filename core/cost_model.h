@@ -72,9 +72,10 @@ struct ComputeModel {
 
 enum class Pass { kForward, kBackwardInput, kBackwardWeight };
 
-// Seconds of one GEMM of m x n x k (FLOPs 2mnk) in `precision`.
+// Seconds of one GEMM of m x n x k (FLOPs 2mnk) in `precision`; with `groups` > 1, of one
+// grouped-GEMM kernel running that many such GEMMs, their tiles filling the waves together.
 double gemm_seconds(double m, double n, double k, Precision precision, const GpuSpec& gpu,
-                    const ComputeModel& model);
+                    const ComputeModel& model, double groups = 1);
 
 // Seconds for one piece of `op` that does `flops` matmul FLOPs and moves `bytes` of HBM traffic.
 // For a linear operator, `gemm` is the piece's m x n x k; for attention, `heads` and `batch` the
@@ -82,6 +83,7 @@ double gemm_seconds(double m, double n, double k, Precision precision, const Gpu
 struct PieceShape {
   double m = 0, n = 0, k = 0;    // linear (m: all rows, of every group)
   double groups = 1;             // linear: independent GEMMs sharing m evenly (experts)
+  bool one_kernel = false;       // the groups run as one grouped-GEMM kernel, else one by one
   double seq = 0, head_dim = 0;  // attention
 };
 double op_seconds(const Op& op, Pass pass, double flops, double bytes, const PieceShape& shape,

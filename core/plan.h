@@ -226,6 +226,9 @@ struct Plan {
   // early stop is on by default); false: the whole recomputed region runs again (Megatron's and
   // DeepSpeed's checkpointing).
   bool recompute_early_stop = false;
+  // A mixture of experts' local experts run as one grouped-GEMM kernel (Megatron-Core's
+  // --moe-grouped-gemm), else one GEMM after another.
+  bool moe_grouped_gemm = false;
   std::vector<DeviceOrder> schedule;
   OptimizerSpec optimizer;
   CommSettings comm;

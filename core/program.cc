@@ -433,6 +433,7 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
         plan.precision == Precision::kFp8 && !fp8 ? Precision::kBf16 : plan.precision;
     if (op.kind == OpKind::kLinear) {
       shape = linear_piece_shape(op, p, mesh);
+      shape.one_kernel = plan.moe_grouped_gemm;
       if (fp8) {
         // Transformer Engine casts the GEMM inputs to fp8 (read 16-bit, write 8-bit): the
         // activation in the forward, the output gradient twice (and the activation's transpose)

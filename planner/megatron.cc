@@ -586,6 +586,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   plan.comm.algorithm = o.algorithm;
   plan.comm.tp_overlap = o.tp_comm_overlap && o.tp > 1;
   plan.comm.tp_sub_batches = o.tp_sub_batches;
+  plan.moe_grouped_gemm = o.moe_grouped_gemm && model.moe();
 
   const int micro_batches = o.global_batch / (dp * o.micro_batch);
   // Segments whose recomputation Merak's schedule issues as its own block.

@@ -65,6 +65,8 @@ struct MegatronOptions {
   bool tp_comm_overlap = false;
   // Merak's sub-pipelined tensor parallelism: sub-batches per micro-batch (1: off).
   int tp_sub_batches = 1;
+  // A mixture of experts' local experts as one grouped-GEMM kernel (--moe-grouped-gemm).
+  bool moe_grouped_gemm = false;
   // DeepSpeed ZeRO-3's stage3_param_persistence_threshold (elements); negative: its default
   // (1e5). Only with framework deepspeed and ZeRO-3.
   double zero3_persistence_threshold = -1;

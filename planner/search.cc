@@ -452,6 +452,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   b.framework = o.framework;
                   b.avoid_gpus = avoid;
                   b.tp_comm_overlap = o.tp_comm_overlap;
+                  b.moe_grouped_gemm = o.moe_grouped_gemm;
                   b.costs = o.compile;
                   b.placement = pl.order;
                   if (fixed_layers) b.stage_layers = *fixed_layers;

@@ -30,6 +30,7 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   so.framework = a.o.framework;
   so.tp_comm_overlap = a.o.tp_comm_overlap;
   so.tp_sub_batches = a.o.tp_sub_batches;
+  so.moe_grouped_gemm = a.o.moe_grouped_gemm;
   so.compile = a.o.costs;
   so.pins = a.pins;
   so.top = a.top;
@@ -246,6 +247,9 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
                   "whose kernels and conventions: megatron, fsdp, deepspeed, other");
   cmd->add_flag("--tp-comm-overlap", a.o.tp_comm_overlap,
                 "overlap tensor-parallel collectives with GEMMs (Transformer Engine)");
+  cmd->add_flag("--moe-grouped-gemm", a.o.moe_grouped_gemm,
+                "a mixture of experts' local experts as one grouped-GEMM kernel (Megatron-Core's "
+                "--moe-grouped-gemm), not one GEMM after another");
   cmd->add_option("--tp-sub-batches", a.o.tp_sub_batches,
                   "Merak's sub-pipelined tensor parallelism: run each micro-batch as this many "
                   "sub-batches, one's collectives beside the next one's compute (the search "

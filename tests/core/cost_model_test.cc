@@ -70,5 +70,35 @@ TEST(CostModel, GroupedGemmsArePricedPerGroup) {
       w, 8 * gemm_seconds(14336, 4096, 200, Precision::kBf16, h100, m) + m.kernel_overhead);
 }
 
+// One grouped-GEMM kernel (--moe-grouped-gemm): the groups' tiles share the waves, so small
+// experts no longer each leave a partial last wave; the FLOPs are the same, and groups whose
+// tiles fill whole waves on their own take the same time either way.
+TEST(CostModel, OneGroupedKernelFillsTheWavesTogether) {
+  const GpuSpec h100 = gpu("h100-sxm5-80gb");
+  ComputeModel m = ComputeModel::defaults_for(h100);
+  Op op;
+  op.kind = OpKind::kLinear;
+  PieceShape shape;
+  shape.m = 16 * 128;  // 128 tokens for each of 16 experts
+  shape.n = 2048;
+  shape.k = 1408;
+  shape.groups = 16;
+  const double flops = 2 * shape.m * shape.n * shape.k;
+  const double one_by_one =
+      op_seconds(op, Pass::kForward, flops, 0, shape, Precision::kBf16, h100, m);
+  shape.one_kernel = true;
+  const double grouped = op_seconds(op, Pass::kForward, flops, 0, shape, Precision::kBf16, h100, m);
+  EXPECT_LT(grouped, 0.8 * one_by_one);
+  EXPECT_DOUBLE_EQ(
+      grouped, gemm_seconds(128, 2048, 1408, Precision::kBf16, h100, m, 16) + m.kernel_overhead);
+  EXPECT_DOUBLE_EQ(gemm_seconds(128, 2048, 1408, Precision::kBf16, h100, m, 1),
+                   gemm_seconds(128, 2048, 1408, Precision::kBf16, h100, m));
+  // One tile shape and GEMMs of exactly one full wave each: no difference.
+  m.tiles = {{128, 128, 1.0}};
+  const double rows = 128.0 * m.sms;  // sms tiles of 128 x 128 with n = 128
+  EXPECT_DOUBLE_EQ(gemm_seconds(rows, 128, 4096, Precision::kBf16, h100, m, 4),
+                   4 * gemm_seconds(rows, 128, 4096, Precision::kBf16, h100, m));
+}
+
 }  // namespace
 }  // namespace nnsim

@@ -466,6 +466,21 @@ TEST(NnsimTool, ExpertParallelismPlansSearchesAndSimulates) {
   EXPECT_NE(bad.status, 0);
   EXPECT_TRUE(contains(bad.err, "--etp 3: the experts split over all the tensor-parallel ranks"))
       << bad;
+  // The experts as one grouped-GEMM kernel: never slower; a dense model has none to group.
+  json grouped = written;
+  grouped["moe_grouped_gemm"] = true;
+  box.write("grouped.json", grouped.dump(1));
+  const json one_kernel = simulate("grouped.json");
+  EXPECT_LE(one_kernel["iteration_time_s"].get<double>(),
+            with_ep["iteration_time_s"].get<double>());
+  ASSERT_EQ(plan("dense", "1", "dense.json").status, 0);
+  json dense_grouped = json::parse(box.read("dense.json"));
+  dense_grouped["moe_grouped_gemm"] = true;
+  box.write("dense-grouped.json", dense_grouped.dump(1));
+  bad = box.nnsim({"--topo", "dgx-a100x4", "--nodes", "1", "dense-grouped.json"});
+  EXPECT_NE(bad.status, 0);
+  EXPECT_TRUE(contains(bad.err, "field 'moe_grouped_gemm': groups a mixture of experts' GEMMs"))
+      << bad;
   // A plan file asking for no sub-batch at all names the field.
   json zero = written;
   zero["communication"]["tp_sub_batches"] = 0;
