@@ -118,6 +118,18 @@ struct PartInfo {
   std::vector<int> labels;
 };
 
+// The parameters a device holds of part `p`: those of one GradGroup (-1: all), less a tied
+// output projection when `skip_tied` (the embedding on the same devices owns that matrix).
+double part_params(const PartInfo& p, int group, bool skip_tied) {
+  double n = 0;
+  for (size_t i = 0; i < p.local_params.size(); ++i) {
+    if (skip_tied && p.part->ops[i].tied_to_embedding) continue;
+    if (group >= 0 && p.grad_group[i] != group) continue;
+    n += p.local_params[i];
+  }
+  return n;
+}
+
 // ZeRO-3 tensor by tensor with prefetch (comm.zero3_prefetch_elements): one gather of a block,
 // in the order the block's operators use the tensors.
 struct TensorGather {
@@ -760,14 +772,7 @@ std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment, int gr
   // A tied output projection on the embedding's devices is the embedding's matrix (one
   // parameter, gathered with the embedding).
   const bool tied_here = plan.model.tied_embeddings && head_shares_embedding(segment);
-  auto sum = [&](const PartInfo& p) {
-    double n = 0;
-    for (size_t i = 0; i < p.local_params.size(); ++i) {
-      if (p.grad_group[i] != group) continue;
-      if (!(tied_here && p.part->ops[i].tied_to_embedding)) n += p.local_params[i];
-    }
-    return n;
-  };
+  auto sum = [&](const PartInfo& p) { return part_params(p, group, tied_here); };
   std::vector<double> units;
   if (s.embedding) units.push_back(sum(embed));
   for (int l = s.first_layer; l < s.end_layer; ++l) units.push_back(sum(layer));
@@ -833,15 +838,7 @@ double Compiler::segment_params(int segment, int group) const {
   const Segment& s = plan.segments[segment];
   // A tied output projection on the embedding's own devices is the embedding matrix itself.
   const bool shares_embedding = head_shares_embedding(segment);
-  auto sum = [&](const PartInfo& p) {
-    double n = 0;
-    for (size_t i = 0; i < p.local_params.size(); ++i) {
-      if (shares_embedding && p.part->ops[i].tied_to_embedding) continue;
-      if (group >= 0 && p.grad_group[i] != group) continue;
-      n += p.local_params[i];
-    }
-    return n;
-  };
+  auto sum = [&](const PartInfo& p) { return part_params(p, group, shares_embedding); };
   double n = (s.end_layer - s.first_layer) * sum(layer);
   if (s.embedding) n += sum(embed);
   if (s.head) n += sum(head);
@@ -1246,12 +1243,8 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       plan.comm.grad_reduce_bytes > 0 ? plan.comm.grad_reduce_bytes : plan.optimizer.grad_bytes;
   // A part's parameters by GradGroup (less the tied projection where the embedding owns it).
   auto by_group = [&](const PartInfo& p, bool untied) {
-    std::array<double, kNumGradGroups> n{};
-    for (size_t i = 0; i < p.local_params.size(); ++i) {
-      if (untied && p.part->ops[i].tied_to_embedding) continue;
-      n[p.grad_group[i]] += p.local_params[i];
-    }
-    return n;
+    return std::array<double, kNumGradGroups>{part_params(p, kDenseGrads, untied),
+                                              part_params(p, kExpertGrads, untied)};
   };
   const bool untied_head = plan.model.tied_embeddings && head_shares_embedding(seg);
   std::vector<ParamUnit> units;  // forward order
