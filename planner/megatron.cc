@@ -188,6 +188,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "or none (--etp 1); other degrees are not supported",
         o.expert_tp, o.tp));
   }
+  if (o.moe_grouped_gemm && !model.moe()) {
+    return Error(fmt::format(
+        "--moe-grouped-gemm groups a mixture of experts' GEMMs, but model '{}' has none "
+        "(model.experts); drop the flag",
+        model.name));
+  }
   if (o.expert_tp == 1 && o.tp > 1 && !model.moe()) {
     return Error(fmt::format(
         "--etp 1 spreads experts over the tensor-parallel ranks, but model '{}' has none "
@@ -586,7 +592,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   plan.comm.algorithm = o.algorithm;
   plan.comm.tp_overlap = o.tp_comm_overlap && o.tp > 1;
   plan.comm.tp_sub_batches = o.tp_sub_batches;
-  plan.moe_grouped_gemm = o.moe_grouped_gemm && model.moe();
+  plan.moe_grouped_gemm = o.moe_grouped_gemm;
 
   const int micro_batches = o.global_batch / (dp * o.micro_batch);
   // Segments whose recomputation Merak's schedule issues as its own block.

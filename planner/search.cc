@@ -282,6 +282,12 @@ bool faster_estimate(const Candidate& a, const Candidate& b) {
 Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo,
                                     const SearchOptions& o) {
   if (o.global_batch < 1) return Error("--global-batch is required for a search");
+  if (o.moe_grouped_gemm && !model.moe()) {
+    return Error(fmt::format(
+        "--moe-grouped-gemm groups a mixture of experts' GEMMs, but model '{}' has none "
+        "(model.experts); drop the flag",
+        model.name));
+  }
   const SearchPins& pin = o.pins;
   const Constraints& cons = o.constraints;
   const int gpus = topo.num_gpus();

@@ -556,6 +556,13 @@ TEST(Program, ExpertParallelDegreesAreChecked) {
     ASSERT_FALSE(plan.ok()) << c.says;
     EXPECT_NE(plan.error().message().find(c.says), std::string::npos) << plan.error().message();
   }
+  MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
+  o.moe_grouped_gemm = true;  // nothing to group in a dense model
+  auto plan = build_megatron_plan(korthikanti("gpt3-1.3b"), dgx(), o);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.error().message().find("--moe-grouped-gemm groups a mixture of experts' GEMMs"),
+            std::string::npos)
+      << plan.error().message();
 }
 
 // Transformer Engine's tensor-parallel overlap (NeMo's defaults, bulk dgrad and wgrad): in the

@@ -101,6 +101,13 @@ TEST(Search, ExpertParallelGroupsStayInsideNodesWhenAsked) {
     counted = counted || (why == "ep_within_node" && n > 0);
   EXPECT_TRUE(counted) << "no expert-parallel group crossed a node: the constraint pruned nothing";
 
+  // Grouped expert GEMMs asked of a dense model: the search names the flag.
+  SearchOptions dense = options(64);
+  dense.moe_grouped_gemm = true;
+  Expected<SearchResult> refused = search_plans(*load_model("gpt3-13b"), t, dense);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("--moe-grouped-gemm"), std::string::npos);
+
   // Forbidding the experts' split rules expert parallelism out.
   c = parse_constraints("operators:\n  - match: \"moe.fc*\"\n    forbid: [expert]\n", "c.yaml");
   ASSERT_TRUE(c.ok()) << c.error().message();
