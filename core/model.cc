@@ -103,6 +103,18 @@ std::optional<Problem> find_problem(const ModelSpec& m) {
                                  most, m.expert_capacity_factor)};
     }
   }
+  if (m.moe() && (m.moe_layer_interval < 1 || m.moe_layer_interval > m.layers)) {
+    return Problem{"moe_layer_interval",
+                   fmt::format("must be between 1 (every block has experts) and layers ({}), "
+                               "got {}",
+                               m.layers, m.moe_layer_interval)};
+  }
+  if (m.moe() && (m.first_dense_layers < 0 || m.first_dense_layers >= m.layers)) {
+    return Problem{"first_dense_layers",
+                   fmt::format("must be between 0 and layers - 1 ({}) so that a block has "
+                               "experts, got {}; a model without expert blocks has no 'experts'",
+                               m.layers - 1, m.first_dense_layers)};
+  }
   if (m.hidden % m.heads != 0) {
     return Problem{"heads",
                    fmt::format("heads ({}) must divide hidden ({}) so that every head has the "
@@ -147,19 +159,28 @@ std::string models_dir() {
 
 }  // namespace
 
-int64_t ModelSpec::layer_parameters() const {
+int ModelSpec::moe_layers() const {
+  int n = 0;
+  for (int l = 0; l < layers; ++l) n += is_moe_layer(l) ? 1 : 0;
+  return n;
+}
+
+int64_t ModelSpec::dense_layer_parameters() const {
   const int64_t h = hidden, d = head_dim();
   const int64_t qkv_out = (heads + 2 * kv_heads) * d;
   int64_t p = h * qkv_out + (bias ? qkv_out : 0);  // fused Q, K, V projection
   p += h * h + (bias ? h : 0);                     // attention output projection
-  if (moe()) {
-    p += h * experts + experts * mlp_parameters(expert_ffn_hidden);  // router, experts
-    if (shared_expert_ffn_hidden > 0) p += mlp_parameters(shared_expert_ffn_hidden);
-  } else {
-    p += mlp_parameters(ffn_hidden);
-  }
+  p += mlp_parameters(ffn_hidden);
   const int64_t norm_params = h + (norm == NormKind::kLayerNorm && bias ? h : 0);
   p += 2 * norm_params;  // before attention and before the MLP
+  return p;
+}
+
+int64_t ModelSpec::layer_parameters() const {
+  if (!moe()) return dense_layer_parameters();
+  int64_t p = dense_layer_parameters() - mlp_parameters(ffn_hidden);
+  p += hidden * experts + experts * mlp_parameters(expert_ffn_hidden);  // router, experts
+  if (shared_expert_ffn_hidden > 0) p += mlp_parameters(shared_expert_ffn_hidden);
   return p;
 }
 
@@ -170,7 +191,7 @@ int64_t ModelSpec::mlp_parameters(int64_t f) const {
 }
 
 int64_t ModelSpec::expert_parameters() const {
-  return moe() ? layers * experts * mlp_parameters(expert_ffn_hidden) : 0;
+  return moe() ? moe_layers() * experts * mlp_parameters(expert_ffn_hidden) : 0;
 }
 
 int64_t ModelSpec::embedding_parameters() const {
@@ -183,7 +204,9 @@ int64_t ModelSpec::head_parameters() const {
 }
 
 int64_t ModelSpec::parameters() const {
-  return layers * layer_parameters() + embedding_parameters() + head_parameters();
+  const int64_t moe_blocks = moe() ? moe_layers() : layers;
+  return moe_blocks * layer_parameters() + (layers - moe_blocks) * dense_layer_parameters() +
+         embedding_parameters() + head_parameters();
 }
 
 Status validate_model(const ModelSpec& model) {
@@ -216,7 +239,9 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                    "experts_per_token",
                    "expert_ffn_hidden",
                    "expert_capacity_factor",
-                   "shared_expert_ffn_hidden"});
+                   "shared_expert_ffn_hidden",
+                   "first_dense_layers",
+                   "moe_layer_interval"});
   ModelSpec m;
   m.name = node.get_string("name", default_name);
   m.family = node.get_string("family", "");
@@ -269,9 +294,22 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
     if (node.has("shared_expert_ffn_hidden")) {
       m.shared_expert_ffn_hidden = read_size(node, "shared_expert_ffn_hidden");
     }
+    // A count of layers: range-checked here so that it cannot wrap when narrowed to int.
+    auto read_layer_count = [&](const char* field) {
+      InputNode n = node[field];
+      const int64_t v = n.as_int();
+      if (v < 0 || v > m.layers) {
+        n.fail(fmt::format("must be between 0 and layers ({}), got {}", m.layers, v));
+      }
+      return static_cast<int>(v);
+    };
+    if (node.has("first_dense_layers"))
+      m.first_dense_layers = read_layer_count("first_dense_layers");
+    if (node.has("moe_layer_interval"))
+      m.moe_layer_interval = read_layer_count("moe_layer_interval");
   } else {
     for (const char* f : {"experts_per_token", "expert_ffn_hidden", "expert_capacity_factor",
-                          "shared_expert_ffn_hidden"}) {
+                          "shared_expert_ffn_hidden", "first_dense_layers", "moe_layer_interval"}) {
       if (node.has(f)) node[f].fail("only a mixture of experts has it; give 'experts' too");
     }
   }
@@ -309,6 +347,8 @@ std::string model_to_json(const ModelSpec& m) {
     j["expert_ffn_hidden"] = m.expert_ffn_hidden;
     if (m.expert_capacity_factor != 1) j["expert_capacity_factor"] = m.expert_capacity_factor;
     if (m.shared_expert_ffn_hidden > 0) j["shared_expert_ffn_hidden"] = m.shared_expert_ffn_hidden;
+    if (m.first_dense_layers > 0) j["first_dense_layers"] = m.first_dense_layers;
+    if (m.moe_layer_interval != 1) j["moe_layer_interval"] = m.moe_layer_interval;
   }
   return j.dump();
 }

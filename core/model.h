@@ -65,12 +65,26 @@ struct ModelSpec {
   // A shared expert every token also goes through (DeepSeekMoE, Qwen-MoE): one MLP of this
   // inner width (several shared experts are one wider MLP); 0: none.
   int64_t shared_expert_ffn_hidden = 0;
+  // Which blocks have experts: layer l (from 0) does when l >= first_dense_layers and
+  // (l - first_dense_layers) % moe_layer_interval == 0 (DeepSeek's first_k_dense_replace,
+  // Megatron-Core's --moe-layer-freq). The others are dense blocks with an MLP of ffn_hidden.
+  int first_dense_layers = 0;
+  int moe_layer_interval = 1;
 
   int64_t head_dim() const { return hidden / heads; }
   bool gated_mlp() const { return mlp == MlpKind::kSwiglu; }
   bool moe() const { return experts > 0; }
-  // Parameters of one transformer block, of the embedding(s) and in total.
+  bool is_moe_layer(int layer) const {
+    return moe() && layer >= first_dense_layers &&
+           (layer - first_dense_layers) % moe_layer_interval == 0;
+  }
+  int moe_layers() const;  // how many blocks have experts
+  // A mixture of experts with dense blocks too (two block shapes).
+  bool mixed_layers() const { return moe() && moe_layers() < layers; }
+  // Parameters of one transformer block (an expert block in a mixture of experts), of a dense
+  // block of a mixed model, of the embedding(s) and in total.
   int64_t layer_parameters() const;
+  int64_t dense_layer_parameters() const;
   int64_t embedding_parameters() const;  // word (+ learned position) embedding
   int64_t head_parameters() const;       // output projection (0 when tied) + final norm
   int64_t parameters() const;

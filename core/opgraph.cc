@@ -556,13 +556,15 @@ double part_flops(const GraphPart& part, bool backward) {
 }  // namespace
 
 double OpGraph::forward_flops() const {
-  return part_flops(embedding, false) + model.layers * part_flops(layer, false) +
-         part_flops(head, false);
+  double f = part_flops(embedding, false) + part_flops(head, false);
+  for (int l = 0; l < model.layers; ++l) f += part_flops(layer_at(l), false);
+  return f;
 }
 
 double OpGraph::backward_flops() const {
-  return part_flops(embedding, true) + model.layers * part_flops(layer, true) +
-         part_flops(head, true);
+  double f = part_flops(embedding, true) + part_flops(head, true);
+  for (int l = 0; l < model.layers; ++l) f += part_flops(layer_at(l), true);
+  return f;
 }
 
 OpGraph lower_model(const ModelSpec& model, int64_t micro_batch) {
@@ -573,6 +575,12 @@ OpGraph lower_model(const ModelSpec& model, int64_t micro_batch) {
   g.activation_precision = x.p == 4 ? Precision::kFp32 : Precision::kBf16;
   g.embedding = build_embedding(model, x);
   g.layer = build_layer(model, x);
+  if (model.mixed_layers()) {
+    ModelSpec dense = model;
+    dense.experts = 0;
+    dense.shared_expert_ffn_hidden = 0;
+    g.dense_layer = build_layer(dense, shape_of(dense, micro_batch));
+  }
   g.head = build_head(model, x);
   return g;
 }

@@ -156,7 +156,15 @@ struct OpGraph {
   Precision activation_precision = Precision::kBf16;
   GraphPart embedding;  // token (+ position) embedding
   GraphPart layer;      // one transformer block; the model has model.layers of them
-  GraphPart head;       // final norm, output projection, loss
+  // A mixture of experts with dense blocks too (model.mixed_layers()): `layer` is the expert
+  // block and this the dense one; empty otherwise.
+  GraphPart dense_layer;
+  GraphPart head;  // final norm, output projection, loss
+
+  // The block layer `l` (from 0) runs.
+  const GraphPart& layer_at(int l) const {
+    return dense_layer.ops.empty() || model.is_moe_layer(l) ? layer : dense_layer;
+  }
 
   // Model FLOPs of one micro-batch through the whole model (fwd, bwd), unpartitioned.
   double forward_flops() const;

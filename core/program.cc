@@ -191,7 +191,8 @@ struct Compiler {
   const Mesh& mesh;
   Network net;
   PartInfo embed, layer, head;
-  TensorSpec boundary;  // the hidden-state tensor passed between parts: [b, s, h]
+  PartInfo dense_layer;  // a mixed mixture of experts' dense block (graph.dense_layer)
+  TensorSpec boundary;   // the hidden-state tensor passed between parts: [b, s, h]
   uint32_t lane_axes = 0;
   // Per GradGroup: dp and the axes every weight of the group syncs over (context parallel;
   // expert parallel for dense weights). An empty expert group has the dense group's axes.
@@ -211,6 +212,21 @@ struct Compiler {
     return it->second;
   }
 
+  // The block layer `l` runs (graph.layer_at).
+  const PartInfo& layer_at(int l) const {
+    return &prog.graph.layer_at(l) == &prog.graph.layer ? layer : dense_layer;
+  }
+  // How many of a segment's layers run `layer` and how many `dense_layer`.
+  std::array<int, 2> layer_counts(const Segment& s) const {
+    std::array<int, 2> n{};
+    for (int l = s.first_layer; l < s.end_layer; ++l) ++n[&layer_at(l) == &layer ? 0 : 1];
+    return n;
+  }
+  // The resolved parts: the embedding, the block(s) and the head.
+  std::vector<const PartInfo*> parts() const {
+    if (dense_layer.part == nullptr) return {&embed, &layer, &head};
+    return {&embed, &layer, &dense_layer, &head};
+  }
   Status check_basics();
   Status resolve_part(const GraphPart& part, PartInfo& info);
   Status build_lanes();
@@ -346,8 +362,10 @@ struct Compiler {
 // model), never a silent no-op.
 Status check_rules_match(const Plan& plan, const OpGraph& graph) {
   std::vector<std::string> names;
-  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
-    for (const Op& op : part->ops) names.push_back(op.name);
+  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
+    for (const Op& op : part->ops) {
+      if (std::find(names.begin(), names.end(), op.name) == names.end()) names.push_back(op.name);
+    }
   }
   auto unmatched = [&](std::string_view field, size_t index,
                        const std::string& pattern) -> std::optional<Error> {
@@ -439,8 +457,8 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
     // fp8 training runs the transformer blocks' linear layers in fp8; the output projection
     // (and everything that is not a linear layer) stays in bf16 (Transformer Engine modules
     // replace only the blocks' linears; torchao's float8 skips the output layer too).
-    const bool fp8 =
-        plan.precision == Precision::kFp8 && part.ops.size() > 0 && &part == &prog.graph.layer;
+    const bool fp8 = plan.precision == Precision::kFp8 && part.ops.size() > 0 &&
+                     (&part == &prog.graph.layer || &part == &prog.graph.dense_layer);
     const Precision precision =
         plan.precision == Precision::kFp8 && !fp8 ? Precision::kBf16 : plan.precision;
     if (op.kind == OpKind::kLinear) {
@@ -504,7 +522,7 @@ std::vector<bool> Compiler::recomputed_ops(const PartInfo& p, int layer_index) c
 bool Compiler::has_recompute(int segment) const {
   const Segment& s = plan.segments[segment];
   for (int l = s.first_layer; l < s.end_layer; ++l) {
-    auto r = recomputed_ops(layer, l);
+    auto r = recomputed_ops(layer_at(l), l);
     if (std::find(r.begin(), r.end(), true) != r.end()) return true;
   }
   return false;
@@ -775,7 +793,7 @@ std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment, int gr
   auto sum = [&](const PartInfo& p) { return part_params(p, group, tied_here); };
   std::vector<double> units;
   if (s.embedding) units.push_back(sum(embed));
-  for (int l = s.first_layer; l < s.end_layer; ++l) units.push_back(sum(layer));
+  for (int l = s.first_layer; l < s.end_layer; ++l) units.push_back(sum(layer_at(l)));
   if (s.head) units.push_back(sum(head));
   const double bucket = plan.comm.dp_bucket_bytes / plan.optimizer.grad_bytes;
   std::vector<std::pair<int, double>> out;
@@ -804,7 +822,8 @@ std::vector<TensorGather> Compiler::zero3_tensor_queue(int segment, BlockKind ki
   for (const Zero3Use& u : zero3_uses(plan, prog.graph, segment, kind, explicit_recompute)) {
     const PartInfo& p = u.part == &prog.graph.embedding ? embed
                         : u.part == &prog.graph.head    ? head
-                                                        : layer;
+                        : u.part == &prog.graph.layer   ? layer
+                                                        : dense_layer;
     for (double n : sharded_tensors(p, u.op)) {
       queue.push_back({static_cast<size_t>(u.unit), &p, u.op, u.recompute, n});
     }
@@ -828,7 +847,9 @@ double Compiler::segment_persistent_params(int segment) const {
     }
     return n;
   };
-  double n = (s.end_layer - s.first_layer) * sum(layer);
+  const std::array<int, 2> count = layer_counts(s);
+  double n = count[0] * sum(layer);
+  if (count[1] > 0) n += count[1] * sum(dense_layer);
   if (s.embedding) n += sum(embed);
   if (s.head) n += sum(head);
   return n;
@@ -839,7 +860,9 @@ double Compiler::segment_params(int segment, int group) const {
   // A tied output projection on the embedding's own devices is the embedding matrix itself.
   const bool shares_embedding = head_shares_embedding(segment);
   auto sum = [&](const PartInfo& p) { return part_params(p, group, shares_embedding); };
-  double n = (s.end_layer - s.first_layer) * sum(layer);
+  const std::array<int, 2> count = layer_counts(s);
+  double n = count[0] * sum(layer);
+  if (count[1] > 0) n += count[1] * sum(dense_layer);
   if (s.embedding) n += sum(embed);
   if (s.head) n += sum(head);
   return n;
@@ -1188,7 +1211,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     if (t.kind == BlockKind::kBackwardWeight) return false;
     const int l = u.tag - seg * 10000;
     if (l < s.first_layer || l >= s.end_layer) return false;
-    const auto r = recomputed_ops(layer, l);
+    const auto r = recomputed_ops(layer_at(l), l);
     return std::find(r.begin(), r.end(), true) != r.end();
   };
   auto zero3_before = [&](const std::vector<ParamUnit>& order, size_t i) {
@@ -1214,7 +1237,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     w.label = label("param gather");
     steps->push_back(w);
   };
-  auto layer_params = std::accumulate(layer.local_params.begin(), layer.local_params.end(), 0.0);
+  auto params_of = [](const PartInfo& p) {
+    return std::accumulate(p.local_params.begin(), p.local_params.end(), 0.0);
+  };
   auto embed_params = std::accumulate(embed.local_params.begin(), embed.local_params.end(), 0.0);
   auto head_params = std::accumulate(head.local_params.begin(), head.local_params.end(), 0.0);
   // Tied embeddings with the head on the embedding's devices (in its segment, or in another
@@ -1253,8 +1278,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
                      &embed.weight_tensors, by_group(embed, false)});
   }
   for (int l = s.first_layer; l < s.end_layer; ++l) {
-    units.push_back({seg * 10000 + l, layer_params, &layer.weight_tensors, layer_params,
-                     &layer.weight_tensors, by_group(layer, false)});
+    const PartInfo& p = layer_at(l);
+    units.push_back({seg * 10000 + l, params_of(p), &p.weight_tensors, params_of(p),
+                     &p.weight_tensors, by_group(p, false)});
   }
   if (s.head) {
     units.push_back({seg * 10000 + 9998,
@@ -1313,16 +1339,16 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     kept_weight_inputs += kept_bytes(embed, embed_out, recomputed_ops(embed, -1), true);
   }
   for (int l = s.first_layer; l < s.end_layer; ++l) {
-    const double layer_kept = kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), false);
-    const double layer_weight_inputs =
-        kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), true);
+    const PartInfo& p = layer_at(l);
+    const double layer_kept = kept_bytes(p, layer_in(l), recomputed_ops(p, l), false);
+    const double layer_weight_inputs = kept_bytes(p, layer_in(l), recomputed_ops(p, l), true);
     kept_layers += layer_kept;
     kept += layer_kept;
     layers_weight_inputs += layer_weight_inputs;
     kept_weight_inputs += layer_weight_inputs;
-    full_layer = std::max(
-        full_layer,
-        kept_bytes(layer, layer_in(l), std::vector<bool>(layer.part->ops.size(), false), false));
+    full_layer =
+        std::max(full_layer,
+                 kept_bytes(p, layer_in(l), std::vector<bool>(p.part->ops.size(), false), false));
   }
   if (s.head) {
     kept_head = kept_bytes(head, layer_out, recomputed_ops(head, -1), false);
@@ -1335,12 +1361,16 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     // The first layer saves its input, which is the micro-batch's receive buffer, held with
     // the lane's static memory.
     const int l = s.first_layer;
-    const double shared = std::min(receive_buffer_bytes(),
-                                   kept_bytes(layer, layer_in(l), recomputed_ops(layer, l), false));
+    const PartInfo& p = layer_at(l);
+    const double shared =
+        std::min(receive_buffer_bytes(), kept_bytes(p, layer_in(l), recomputed_ops(p, l), false));
     kept -= shared;
     kept_layers -= shared;
   }
-  double transient = s.end_layer > s.first_layer ? transient_bytes(layer) : 0.0;
+  double transient = 0;
+  for (int l = s.first_layer; l < s.end_layer; ++l) {
+    transient = std::max(transient, transient_bytes(layer_at(l)));
+  }
   if (s.head) transient = std::max(transient, transient_bytes(head));
   if (s.embedding) transient = std::max(transient, transient_bytes(embed));
 
@@ -1387,8 +1417,8 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       for (int l = s.first_layer; l < s.end_layer; ++l) {
         wait_gather(unit);
         zero3_before(units, unit++);
-        emit_forward(layer, layer_in(l), recomputed_ops(layer, l), false, ComputeClass::kCompute,
-                     t.steps);
+        const PartInfo& p = layer_at(l);
+        emit_forward(p, layer_in(l), recomputed_ops(p, l), false, ComputeClass::kCompute, t.steps);
       }
       if (s.head) {
         wait_gather(unit);
@@ -1410,12 +1440,17 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
           so_far += kept - kept_layers - kept_head;
           worst = std::max(worst, so_far + transient_bytes(embed));
         }
-        if (s.end_layer > s.first_layer) {
-          so_far += kept_layers;
-          const int l = s.end_layer - 1;  // the last layer's forward runs on the most
-          worst = std::max(worst, so_far + running_transient_bytes(layer, layer_in(l),
-                                                                   recomputed_ops(layer, l)));
+        // A layer's forward runs on what the layers before it keep (of one block shape, the
+        // last layer's forward runs on the most).
+        double later = 0;  // what the layers after l keep
+        for (int l = s.end_layer - 1; l >= s.first_layer; --l) {
+          const PartInfo& p = layer_at(l);
+          const std::vector<bool> r = recomputed_ops(p, l);
+          worst = std::max(
+              worst, so_far + kept_layers - later + running_transient_bytes(p, layer_in(l), r));
+          later += kept_bytes(p, layer_in(l), r, false);
         }
+        so_far += kept_layers;
         if (s.head) worst = std::max(worst, so_far + kept_head + transient_bytes(head));
         t.peak_bytes = worst;
       }
@@ -1435,9 +1470,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       };
       if (s.embedding) recompute_part(embed, embed_out);
       for (int l = s.first_layer; l < s.end_layer; ++l) {
-        auto r = recomputed_ops(layer, l);
-        emit_forward(layer, layer_in(l), r, true, ComputeClass::kRecompute, t.steps);
-        extra += recomputed_bytes(layer, layer_in(l), l);
+        const PartInfo& p = layer_at(l);
+        emit_forward(p, layer_in(l), recomputed_ops(p, l), true, ComputeClass::kRecompute, t.steps);
+        extra += recomputed_bytes(p, layer_in(l), l);
       }
       if (s.head) recompute_part(head, layer_out);
       t.kept_bytes = extra;
@@ -1509,11 +1544,12 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
       }
       for (int l = s.end_layer - 1; l >= s.first_layer; --l) {
         zero3_before(backward_units, unit++);
-        auto r = recomputed_ops(layer, l);
+        const PartInfo& p = layer_at(l);
+        auto r = recomputed_ops(p, l);
         if (input_grads && !explicit_recompute && std::find(r.begin(), r.end(), true) != r.end()) {
-          emit_forward(layer, layer_in(l), r, true, ComputeClass::kRecompute, t.steps);
+          emit_forward(p, layer_in(l), r, true, ComputeClass::kRecompute, t.steps);
         }
-        emit_backward(layer, layer_in(l), layer_in_grad(l), r, input_grads, weight_grads, t.steps);
+        emit_backward(p, layer_in(l), layer_in_grad(l), r, input_grads, weight_grads, t.steps);
         grads_ready(backward_units[unit - 1]);
       }
       if (s.embedding) {
@@ -1548,7 +1584,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         freed = kept;
         if (explicit_recompute) {
           for (int l = s.first_layer; l < s.end_layer; ++l) {
-            freed += recomputed_bytes(layer, layer_in(l), l);
+            freed += recomputed_bytes(layer_at(l), layer_in(l), l);
           }
           // And what the R block recomputed of the embedding and the head.
           if (s.embedding) freed += recomputed_bytes(embed, embed_out, -1);
@@ -1564,7 +1600,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         // The weight half runs only the operators with weights: their transients.
         double worst = 0;
         if (s.embedding) worst = std::max(worst, weight_transient_bytes(embed));
-        if (s.end_layer > s.first_layer) worst = std::max(worst, weight_transient_bytes(layer));
+        for (int l = s.first_layer; l < s.end_layer; ++l) {
+          worst = std::max(worst, weight_transient_bytes(layer_at(l)));
+        }
         if (s.head) worst = std::max(worst, weight_transient_bytes(head));
         t.peak_bytes = worst + act_piece;
       } else {
@@ -1582,16 +1620,22 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
           freed_before = kept_head - (input_half ? head_weight_inputs : 0.0);
         }
         if (s.end_layer > s.first_layer) {
-          // The first layer's backward runs on the most (the other layers' kept activations
-          // are all still there): a recomputed layer holds all its activations again.
-          const int l = s.end_layer - 1;
-          const std::vector<bool> none(layer.part->ops.size(), false);
-          worst = std::max(
-              worst, extra +
-                         running_transient_bytes(layer, layer_in(l),
-                                                 recompute_inside ? none : recomputed_ops(layer, l),
-                                                 input_half) -
-                         freed_before);
+          // A layer's backward runs with the layers before it still kept (of one block shape,
+          // the first backward, the last layer's, runs on the most): a recomputed layer holds
+          // all its activations again.
+          double freed_later = 0;  // what the backwards of the layers after l freed
+          for (int l = s.end_layer - 1; l >= s.first_layer; --l) {
+            const PartInfo& p = layer_at(l);
+            const std::vector<bool> none(p.part->ops.size(), false);
+            const std::vector<bool> r = recomputed_ops(p, l);
+            worst =
+                std::max(worst, extra +
+                                    running_transient_bytes(
+                                        p, layer_in(l), recompute_inside ? none : r, input_half) -
+                                    freed_before - freed_later);
+            freed_later += kept_bytes(p, layer_in(l), r, false) -
+                           (input_half ? kept_bytes(p, layer_in(l), r, true) : 0.0);
+          }
           freed_before += kept_layers - (input_half ? layers_weight_inputs : 0.0);
         }
         if (s.embedding) {
@@ -1779,7 +1823,9 @@ Status Compiler::check_spanning() {
     const Segment& seg = plan.segments[s];
     std::vector<const PartInfo*> parts;
     if (seg.embedding) parts.push_back(&embed);
-    if (seg.end_layer > seg.first_layer) parts.push_back(&layer);
+    const std::array<int, 2> count = layer_counts(seg);
+    if (count[0] > 0) parts.push_back(&layer);
+    if (count[1] > 0) parts.push_back(&dense_layer);
     if (seg.head) parts.push_back(&head);
     for (const PartInfo* p : parts) {
       for (size_t i = 0; i < p->partitions.size(); ++i) {
@@ -1845,8 +1891,12 @@ void Compiler::build_memory(Lane& lane, int lane_index, const std::vector<int>& 
   m.optimizer = (zero >= 1 ? sharded : params) * plan.optimizer.state_bytes;
   if (zero >= 3) {
     // Sharded weights plus the gathered copies of the layer in use and the one prefetched.
-    const double layer_params =
-        std::accumulate(layer.local_params.begin(), layer.local_params.end(), 0.0);
+    double layer_params = 0;  // the largest block's
+    for (const PartInfo* p : parts()) {
+      if (p == &embed || p == &head) continue;
+      layer_params = std::max(layer_params,
+                              std::accumulate(p->local_params.begin(), p->local_params.end(), 0.0));
+    }
     m.weights = sharded * plan.optimizer.weight_shard_bytes;
     // Persistent tensors: their whole 16-bit copy on every GPU besides their shard.
     for (int s : segments) m.weights += segment_persistent_params(s) * weight_bytes;
@@ -1951,7 +2001,7 @@ std::vector<Zero3Use> zero3_uses(const Plan& plan, const OpGraph& graph, int seg
   std::vector<Zero3Use> units;  // one per unit, op 0
   if (s.embedding) units.push_back({0, &graph.embedding, -1, 0, false});
   for (int l = s.first_layer; l < s.end_layer; ++l) {
-    units.push_back({static_cast<int>(units.size()), &graph.layer, l, 0, false});
+    units.push_back({static_cast<int>(units.size()), &graph.layer_at(l), l, 0, false});
   }
   if (s.head) units.push_back({static_cast<int>(units.size()), &graph.head, -1, 0, false});
   if (!forward && !backward) return {};  // an R block runs on the backward's gathers
@@ -2056,10 +2106,26 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   if (Status s = check_rules_match(plan, prog.graph); !s) return s.error();
   if (Status s = c.resolve_part(prog.graph.embedding, c.embed); !s) return s.error();
   if (Status s = c.resolve_part(prog.graph.layer, c.layer); !s) return s.error();
+  if (!prog.graph.dense_layer.ops.empty()) {
+    if (Status s = c.resolve_part(prog.graph.dense_layer, c.dense_layer); !s) return s.error();
+    // Blocks hand each other the hidden state: both shapes must leave it (and take its
+    // gradient) in one layout.
+    const Op& moe_out = prog.graph.layer.ops.back();
+    const Op& dense_out = prog.graph.dense_layer.ops.back();
+    if (input_layout_of(c.layer) != input_layout_of(c.dense_layer) ||
+        output_grad_layout(moe_out, c.layer.partitions.back()) !=
+            output_grad_layout(dense_out, c.dense_layer.partitions.back())) {
+      return Error(fmt::format(
+          "partition: the dense blocks' '{}' and the expert blocks' '{}' leave the hidden state "
+          "in different layouts; give both the same partition rules (a rule matching "
+          "'{}' applies to both)",
+          dense_out.name, moe_out.name, dense_out.name));
+    }
+  }
   if (Status s = c.resolve_part(prog.graph.head, c.head); !s) return s.error();
   if (const int k = plan.comm.tp_sub_batches; k > 1) {
     // Sub-batches split the sequences each GPU runs through every operator.
-    for (const PartInfo* p : {&c.embed, &c.layer, &c.head}) {
+    for (const PartInfo* p : c.parts()) {
       for (size_t i = 0; i < p->part->ops.size(); ++i) {
         const Op& op = p->part->ops[i];
         const int64_t local = op.granularity[static_cast<int>(Dim::kBatch)] /
@@ -2092,7 +2158,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   // all-reduce at the end of the iteration.
   std::array<uint32_t, kNumGradGroups> common;
   common.fill(~0u);
-  for (const PartInfo* p : {&c.embed, &c.layer, &c.head}) {
+  for (const PartInfo* p : c.parts()) {
     for (size_t i = 0; i < p->part->ops.size(); ++i) {
       if (!p->part->ops[i].weights.empty()) common[p->grad_group[i]] &= p->sync_axes[i];
     }
@@ -2240,7 +2306,9 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
           }
         }
       };
-      add(c.layer, seg.end_layer - seg.first_layer);
+      const std::array<int, 2> count = c.layer_counts(seg);
+      add(c.layer, count[0]);
+      if (count[1] > 0) add(c.dense_layer, count[1]);
       if (seg.embedding) add(c.embed, 1);
       if (seg.head) add(c.head, 1);
     }
@@ -2349,8 +2417,8 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
 
   for (int l = 0; l < plan.model.layers; ++l) {
     const TensorLayout in = l == 0 ? input_layout_of(c.embed) : input_layout_of(c.layer);
-    prog.layer_activation_bytes.push_back(
-        c.kept_bytes(c.layer, in, c.recomputed_ops(c.layer, l), false));
+    const PartInfo& p = c.layer_at(l);
+    prog.layer_activation_bytes.push_back(c.kept_bytes(p, in, c.recomputed_ops(p, l), false));
   }
 
   // Throughput bookkeeping. Every forward pass of repeated forwards is the model's work.

@@ -167,12 +167,17 @@ std::string violated_constraint(const Constraints& c, const Plan& plan, const Pr
   if (c.ep_within_node && !within_node("ep")) return "ep_within_node";
   for (size_t i = 0; i < c.operators.size(); ++i) {
     const OperatorConstraint& oc = c.operators[i];
+    const OpGraph& graph = program.graph;
     for (const GraphPart* part :
-         {&program.graph.embedding, &program.graph.layer, &program.graph.head}) {
-      // Partition rules apply to every layer alike: a layer range selects the layers' operators
-      // when it covers a layer the model has.
-      if (oc.layers && (part != &program.graph.layer || oc.layers->first >= plan.model.layers)) {
-        continue;
+         {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
+      // Partition rules apply to every block of a shape alike: a layer range selects a block
+      // shape's operators when it covers a layer of that shape.
+      if (oc.layers) {
+        bool covers = false;
+        for (int l = oc.layers->first; l < std::min(oc.layers->second, plan.model.layers); ++l) {
+          covers = covers || &graph.layer_at(l) == part;
+        }
+        if (!covers) continue;
       }
       Expected<std::vector<OpPartition>> parts = resolve_partitions(*part, plan);
       if (!parts) continue;

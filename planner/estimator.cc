@@ -178,9 +178,11 @@ void Estimator::map_segments() {
 std::vector<TemplateTime> Estimator::template_times() {
   map_segments();
   std::set<int> layer_labels;
-  for (const auto& op : prog_.graph.layer.ops) {
-    for (size_t i = 0; i < prog_.labels.size(); ++i) {
-      if (prog_.labels[i] == op.name) layer_labels.insert(static_cast<int>(i));
+  for (const GraphPart* part : {&prog_.graph.layer, &prog_.graph.dense_layer}) {
+    for (const auto& op : part->ops) {
+      for (size_t i = 0; i < prog_.labels.size(); ++i) {
+        if (prog_.labels[i] == op.name) layer_labels.insert(static_cast<int>(i));
+      }
     }
   }
   std::vector<TemplateTime> out(prog_.templates.size());

@@ -427,8 +427,11 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     // Experts split as the MLP they replace (Megatron's expert tensor parallelism), unless
     // folded (above).
     std::vector<std::string> mlp;
-    if (!model.moe()) mlp = {"mlp.fc1", "mlp.act", "mlp.fc2"};
-    if (model.moe() && !folded) mlp = {"moe.fc1", "moe.act", "moe.fc2"};
+    // Dense blocks (all of a dense model's, some of a mixed mixture of experts').
+    if (!model.moe() || model.mixed_layers()) mlp = {"mlp.fc1", "mlp.act", "mlp.fc2"};
+    if (model.moe() && !folded) {
+      for (const char* m : {"moe.fc1", "moe.act", "moe.fc2"}) mlp.emplace_back(m);
+    }
     // A shared expert splits as a dense MLP does.
     if (model.shared_expert_ffn_hidden > 0) {
       for (const char* m : {"moe.shared.fc1", "moe.shared.act", "moe.shared.fc2"}) {

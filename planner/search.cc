@@ -199,6 +199,9 @@ std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& t
                                        std::optional<RecomputeMode> pinned_recompute,
                                        double capacity, const Constraints& cons,
                                        std::atomic<size_t>& evaluated) {
+  // The stage costs are per layer of one block shape: a mixture of experts with dense blocks
+  // keeps the even split (measure_stage_costs refuses it).
+  if (model.mixed_layers()) return std::nullopt;
   std::vector<int> zeros;
   for (const auto& level : chain.levels) {
     if (std::find(zeros.begin(), zeros.end(), level.second) == zeros.end()) {
@@ -312,7 +315,11 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
   if (!cons.recompute_modules.empty()) {
     const OpGraph graph = lower_model(model, 1);
     std::vector<std::string> names;
-    for (const Op& op : graph.layer.ops) names.push_back(op.name);
+    for (const GraphPart* part : {&graph.layer, &graph.dense_layer}) {
+      for (const Op& op : part->ops) {
+        if (std::find(names.begin(), names.end(), op.name) == names.end()) names.push_back(op.name);
+      }
+    }
     for (const std::string& m : cons.recompute_modules) {
       if (std::none_of(names.begin(), names.end(),
                        [&](const std::string& n) { return match_pattern(m, n); })) {

@@ -59,6 +59,12 @@ double layer_parameters_per_device(const Program& p) {
 Expected<std::vector<StageCosts>> measure_stage_costs(const Program& plain,
                                                       const Program& recomputed) {
   const auto& segments = plain.plan.segments;
+  if (plain.graph.model.mixed_layers()) {
+    return Error(fmt::format(
+        "stage costs: model '{}' has dense and expert blocks; the partitioner prices layers of "
+        "one block shape (pin the stages' layers instead)",
+        plain.graph.model.name));
+  }
   if (segments.size() != recomputed.plan.segments.size()) {
     return Error("stage costs: the two programs have different segments");
   }

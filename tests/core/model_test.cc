@@ -66,12 +66,13 @@ TEST(Model, EveryPresetLoadsAndValidates) {
 TEST(Model, PresetParameterCountsArePinned) {
   // The numbers in docs/model.md.
   const std::pair<const char*, int64_t> counts[] = {
-      {"gpt3-1.3b", 1'317'654'528},     {"gpt3-2.7b", 2'653'967'360},
-      {"gpt3-6.7b", 6'662'266'880},     {"gpt3-13b", 12'858'214'400},
-      {"gpt3-175b", 174'615'846'912},   {"llama2-7b", 6'738'415'616},
-      {"llama2-70b", 68'976'648'192},   {"llama3-8b", 8'030'261'248},
-      {"llama3-70b", 70'553'706'496},   {"llama3-405b", 405'853'388'800},
-      {"mixtral-8x7b", 46'702'792'704}, {"qwen1.5-moe-a2.7b", 14'315'587'584},
+      {"gpt3-1.3b", 1'317'654'528},         {"gpt3-2.7b", 2'653'967'360},
+      {"gpt3-6.7b", 6'662'266'880},         {"gpt3-13b", 12'858'214'400},
+      {"gpt3-175b", 174'615'846'912},       {"llama2-7b", 6'738'415'616},
+      {"llama2-70b", 68'976'648'192},       {"llama3-8b", 8'030'261'248},
+      {"llama3-70b", 70'553'706'496},       {"llama3-405b", 405'853'388'800},
+      {"mixtral-8x7b", 46'702'792'704},     {"qwen1.5-moe-a2.7b", 14'315'587'584},
+      {"deepseek-moe-16b", 16'375'728'128},
   };
   for (const auto& [name, count] : counts) {
     auto m = load_model(name);
@@ -293,6 +294,62 @@ TEST(Model, MixtureOfExpertsFieldsAreChecked) {
   ASSERT_TRUE(back.ok()) << back.error().message();
   EXPECT_EQ(back->experts, 8);
   EXPECT_EQ(back->experts_per_token, 2);
+}
+
+// The paper's 16.4B: a dense first layer (SwiGLU of 10944), then 27 layers of 64 routed experts
+// and a shared MLP of 2 x 1408.
+TEST(Model, DeepSeekMoeCountsMatchThePaper) {
+  auto m = load_model("deepseek-moe-16b");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_NEAR(static_cast<double>(m->parameters()), 16.4e9, 16.4e9 * 0.002);
+  const int64_t h = 2048, E = 64, attention = 4 * h * h, norms = 2 * h;
+  EXPECT_EQ(m->dense_layer_parameters(), attention + 3 * h * 10944 + norms);
+  EXPECT_EQ(m->layer_parameters(), attention + h * E + E * 3 * h * 1408 + 3 * h * 2816 + norms);
+  EXPECT_EQ(m->moe_layers(), 27);
+  EXPECT_TRUE(m->mixed_layers());
+  EXPECT_FALSE(m->is_moe_layer(0));
+  EXPECT_TRUE(m->is_moe_layer(1));
+  EXPECT_EQ(m->expert_parameters(), 27 * E * 3 * h * 1408);
+  EXPECT_EQ(m->parameters(),
+            27 * m->layer_parameters() + m->dense_layer_parameters() + 2 * 102400 * h + h);
+}
+
+// Megatron-Core's --moe-layer-freq and DeepSeek's first_k_dense_replace: which blocks have
+// experts, what the JSON keeps, and the bad values.
+TEST(Model, ExpertBlocksFollowTheDenseLayersAndInterval) {
+  const std::string moe =
+      replace(std::string(kSmall), "layers: 2", "layers: 8") + "experts: 8\nexperts_per_token: 2\n";
+  auto all = parse_model(moe, "m.yaml");
+  ASSERT_TRUE(all.ok()) << all.error().message();
+  EXPECT_FALSE(all->mixed_layers());
+  EXPECT_EQ(all->moe_layers(), 8);
+  auto m = parse_model(moe + "first_dense_layers: 1\nmoe_layer_interval: 2\n", "m.yaml");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  std::vector<int> expert_blocks;
+  for (int l = 0; l < 8; ++l) {
+    if (m->is_moe_layer(l)) expert_blocks.push_back(l);
+  }
+  EXPECT_EQ(expert_blocks, (std::vector<int>{1, 3, 5, 7}));  // Llama 4's and Qwen2-MoE's odd layers
+  EXPECT_EQ(m->parameters(), 4 * m->layer_parameters() + 4 * all->dense_layer_parameters() +
+                                 all->embedding_parameters() + all->head_parameters());
+  auto back = parse_model(model_to_json(*m), "plan.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_EQ(back->first_dense_layers, 1);
+  EXPECT_EQ(back->moe_layer_interval, 2);
+  EXPECT_FALSE(contains(model_to_json(*all), "first_dense_layers"));  // defaults stay out
+
+  std::string msg = parse_error(moe + "first_dense_layers: 8\n");
+  EXPECT_TRUE(contains(msg, "m.yaml:11: field 'first_dense_layers'")) << msg;
+  EXPECT_TRUE(contains(msg, "between 0 and layers - 1 (7)")) << msg;
+  msg = parse_error(moe + "first_dense_layers: -1\n");
+  EXPECT_TRUE(contains(msg, "between 0 and layers (8), got -1")) << msg;
+  msg = parse_error(moe + "moe_layer_interval: 0\n");
+  EXPECT_TRUE(contains(msg, "field 'moe_layer_interval'")) << msg;
+  EXPECT_TRUE(contains(msg, "between 1 (every block has experts) and layers (8)")) << msg;
+  msg = parse_error(moe + "moe_layer_interval: 5000000000\n");
+  EXPECT_TRUE(contains(msg, "between 0 and layers (8), got 5000000000")) << msg;
+  msg = parse_error(std::string(kSmall) + "first_dense_layers: 1\n");
+  EXPECT_TRUE(contains(msg, "give 'experts' too")) << msg;
 }
 
 TEST(Model, UnknownFieldSuggestsTheRightOne) {

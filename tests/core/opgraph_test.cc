@@ -1,5 +1,6 @@
 #include "core/opgraph.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -393,6 +394,40 @@ TEST(OpGraph, RecomputingTheMlpKeepsItsCheckpoint) {
             34 * sbh + 5 * as2 - 16 * sbh);
   // Unknown names recompute nothing.
   EXPECT_EQ(layer_activation_bytes(g, {"nothing"}), 34 * sbh + 5 * as2);
+}
+
+// DeepSeekMoE's first block is dense: the graph lowers both block shapes, and the model's FLOPs
+// count each layer's own.
+TEST(OpGraph, MixedModelLowersADenseAndAnExpertBlock) {
+  Expected<ModelSpec> m = load_model("deepseek-moe-16b");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  const OpGraph g = lower_model(*m, 1);
+  EXPECT_EQ(&g.layer_at(0), &g.dense_layer);
+  EXPECT_EQ(&g.layer_at(1), &g.layer);
+  auto names = [](const GraphPart& p) {
+    std::vector<std::string> n;
+    for (const Op& op : p.ops) n.push_back(op.name);
+    return n;
+  };
+  const std::vector<std::string> dense = names(g.dense_layer);
+  EXPECT_NE(std::find(dense.begin(), dense.end(), "mlp.fc1"), dense.end());
+  EXPECT_EQ(std::find(dense.begin(), dense.end(), "moe.router"), dense.end());
+  EXPECT_EQ(g.dense_layer.ops.back().name, g.layer.ops.back().name);
+  double params = 0;
+  for (const Op& op : g.dense_layer.ops) params += op.parameters();
+  EXPECT_EQ(params, static_cast<double>(m->dense_layer_parameters()));
+
+  ModelSpec all_experts = *m;
+  all_experts.first_dense_layers = 0;
+  const OpGraph uniform = lower_model(all_experts, 1);
+  EXPECT_TRUE(uniform.dense_layer.ops.empty());
+  ModelSpec all_dense = *m;
+  all_dense.experts = all_dense.experts_per_token = all_dense.shared_expert_ffn_hidden = 0;
+  all_dense.first_dense_layers = 0;
+  const double per_block_gap =
+      (lower_model(all_dense, 1).forward_flops() - uniform.forward_flops()) / m->layers;
+  EXPECT_NEAR(g.forward_flops() - uniform.forward_flops(), per_block_gap,
+              1e-12 * g.forward_flops());
 }
 
 TEST(OpGraph, DimensionNames) {

@@ -473,6 +473,70 @@ TEST(Program, ExpertParallelismExchangesTokensAndShardsExpertsApart) {
       << refused.error().message();
 }
 
+// A mixture with dense blocks (DeepSeekMoE: the first layer's MLP is dense): only the expert
+// blocks exchange tokens, a dense block's weights are all dense-group weights, and each block
+// costs its own compute.
+TEST(Program, DenseBlocksOfAMixtureAreDense) {
+  ModelSpec m;
+  // 4 layers (1 dense, 3 with experts), 32 GPUs: 4 replicas of 8 expert-parallel ranks.
+  const Program prog = compile_moe("deepseek-moe-16b", 4, 8, &m);
+  ASSERT_FALSE(prog.lanes.empty());
+  ASSERT_EQ(m.moe_layers(), 3);
+  const Mesh& mesh = prog.plan.mesh;
+  const uint32_t dp = 1u << mesh.axis_index("dp"), ep = 1u << mesh.axis_index("ep");
+  int all_to_all = 0;
+  for (const BlockTemplate& t : prog.templates) {
+    if (t.kind != BlockKind::kForward) continue;
+    for (const Step& s : t.steps) {
+      all_to_all += s.kind == StepKind::kCollective && s.collective == CollectiveKind::kAllToAll;
+    }
+    break;  // every forward template runs the same layers
+  }
+  EXPECT_EQ(all_to_all, 2 * 3);  // to the experts and back, in each expert block
+  const double experts = static_cast<double>(m.expert_parameters()) / 8;
+  const double dense = static_cast<double>(m.parameters() - m.expert_parameters());
+  const Lane& lane = prog.lanes[0];
+  EXPECT_DOUBLE_EQ(lane.parameters, dense + experts);
+  std::map<uint32_t, double> reduced = reduce_scattered_by_axes(prog, lane);
+  EXPECT_DOUBLE_EQ(reduced[dp | ep], 4 * dense);
+  EXPECT_DOUBLE_EQ(reduced[dp], 4 * experts);
+  EXPECT_NE(prog.layer_activation_bytes[0], prog.layer_activation_bytes[1]);
+  EXPECT_EQ(prog.layer_activation_bytes[1], prog.layer_activation_bytes[3]);
+
+  // Forward compute on one GPU: the mixed model is the all-expert one with one block's cost
+  // swapped for a dense block's, which is a quarter of the way to the all-dense model.
+  auto forward_seconds = [](const ModelSpec& model) {
+    MegatronOptions o = options(1, 1, false, RecomputeMode::kNone, 1);
+    o.global_batch = 32;
+    const Program p = compile(model, o);
+    double sum = 0;
+    for (const BlockTemplate& t : p.templates) {
+      if (t.kind != BlockKind::kForward) continue;
+      for (const Step& s : t.steps) sum += s.kind == StepKind::kCompute ? s.seconds : 0.0;
+      break;
+    }
+    return sum;
+  };
+  ModelSpec all_experts = m, all_dense = m;
+  all_experts.first_dense_layers = 0;
+  all_dense.experts = all_dense.experts_per_token = all_dense.expert_ffn_hidden = 0;
+  all_dense.shared_expert_ffn_hidden = all_dense.first_dense_layers = 0;
+  const double mixed = forward_seconds(m), moe = forward_seconds(all_experts);
+  EXPECT_GT(mixed, 0);
+  EXPECT_NEAR(mixed - moe, (forward_seconds(all_dense) - moe) / 4, 1e-9 * mixed);
+
+  // Two stages: the first holds the dense block and one expert block, the second two expert
+  // blocks; together they hold the model once.
+  MegatronOptions two = options(1, 2, false, RecomputeMode::kNone, 1);
+  two.global_batch = 32;
+  const Program staged = compile(m, two);
+  ASSERT_EQ(staged.lanes.size(), 2u);
+  EXPECT_DOUBLE_EQ(staged.lanes[0].parameters + staged.lanes[1].parameters,
+                   static_cast<double>(m.parameters()));
+  EXPECT_LT(staged.lanes[0].parameters - m.embedding_parameters(),
+            staged.lanes[1].parameters - m.head_parameters());
+}
+
 // Expert tensor parallelism folded (--etp 1): the tensor-parallel ranks hold whole experts of
 // their own, so the routed tokens reach them by all-to-all over tp too (instead of an all-gather
 // before the experts and a reduce-scatter after them), and each GPU holds as many expert

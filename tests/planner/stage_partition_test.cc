@@ -142,6 +142,24 @@ struct Llama8bOnOneNode : ::testing::Test {
   MegatronOptions o;
 };
 
+// Costs per layer assume one block shape: a mixture with dense blocks is refused (its stages
+// split evenly), naming the model.
+TEST_F(Llama8bOnOneNode, MixedBlocksAreNotPricedPerLayer) {
+  Expected<ModelSpec> m = load_model("deepseek-moe-16b");
+  ASSERT_TRUE(m.ok());
+  m->layers = 8;
+  m->seq_len = 2048;
+  o.tp = 1;
+  o.sequence_parallel = false;
+  o.ep = 2;
+  Program plain = compile(*m, topo, o);
+  Expected<std::vector<StageCosts>> costs = measure_stage_costs(plain, plain);
+  ASSERT_FALSE(costs.ok());
+  EXPECT_NE(costs.error().message().find("model 'deepseek-moe-16b' has dense and expert blocks"),
+            std::string::npos)
+      << costs.error().message();
+}
+
 TEST_F(Llama8bOnOneNode, MeasuredCostsSeparateLayersFromTheHead) {
   Program plain = compile(model, topo, o);
   MegatronOptions full = o;
