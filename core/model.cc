@@ -115,6 +115,33 @@ std::optional<Problem> find_problem(const ModelSpec& m) {
                                "experts, got {}; a model without expert blocks has no 'experts'",
                                m.layers - 1, m.first_dense_layers)};
   }
+  if (m.mla()) {
+    const std::pair<const char*, int64_t> widths[] = {
+        {"kv_lora_rank", m.kv_lora_rank},
+        {"qk_nope_head_dim", m.qk_nope_head_dim},
+        {"qk_rope_head_dim", m.qk_rope_head_dim},
+        {"v_head_dim", m.v_head_dim},
+    };
+    for (const auto& [field, value] : widths) {
+      if (value <= 0 || value > kMaxWidth) {
+        return Problem{field, fmt::format("must be a positive integer up to {} for multi-head "
+                                          "latent attention, got {}",
+                                          kMaxWidth, value)};
+      }
+    }
+    if (m.q_lora_rank < 0 || m.q_lora_rank > kMaxWidth) {
+      return Problem{"q_lora_rank", fmt::format("must be between 0 (queries straight from the "
+                                                "hidden state) and {}, got {}",
+                                                kMaxWidth, m.q_lora_rank)};
+    }
+    if (m.kv_heads != m.heads) {
+      return Problem{"kv_heads", fmt::format("multi-head latent attention gives every head its "
+                                             "own key and value: kv_heads must equal heads "
+                                             "({}) or be omitted, got {}",
+                                             m.heads, m.kv_heads)};
+    }
+    return std::nullopt;  // heads need not divide hidden: their widths are given
+  }
   if (m.hidden % m.heads != 0) {
     return Problem{"heads",
                    fmt::format("heads ({}) must divide hidden ({}) so that every head has the "
@@ -165,15 +192,33 @@ int ModelSpec::moe_layers() const {
   return n;
 }
 
-int64_t ModelSpec::dense_layer_parameters() const {
-  const int64_t h = hidden, d = head_dim();
-  const int64_t qkv_out = (heads + 2 * kv_heads) * d;
-  int64_t p = h * qkv_out + (bias ? qkv_out : 0);  // fused Q, K, V projection
-  p += h * h + (bias ? h : 0);                     // attention output projection
-  p += mlp_parameters(ffn_hidden);
-  const int64_t norm_params = h + (norm == NormKind::kLayerNorm && bias ? h : 0);
-  p += 2 * norm_params;  // before attention and before the MLP
+int64_t ModelSpec::attention_parameters() const {
+  const int64_t h = hidden;
+  auto norm_of = [&](int64_t width) {
+    return width + (norm == NormKind::kLayerNorm && bias ? width : 0);
+  };
+  auto linear = [&](int64_t in, int64_t out) { return in * out + (bias ? out : 0); };
+  if (!mla()) {
+    const int64_t d = head_dim();
+    const int64_t qkv_out = (heads + 2 * kv_heads) * d;
+    // The norm, the fused Q, K, V projection and the output projection.
+    return norm_of(h) + linear(h, qkv_out) + linear(h, h);
+  }
+  const int64_t qk = qk_nope_head_dim + qk_rope_head_dim;
+  int64_t p = norm_of(h);
+  p += q_lora_rank > 0
+           ? linear(h, q_lora_rank) + norm_of(q_lora_rank) + linear(q_lora_rank, heads * qk)
+           : linear(h, heads * qk);
+  p += linear(h, kv_lora_rank + qk_rope_head_dim) + norm_of(kv_lora_rank);
+  p += linear(kv_lora_rank, heads * (qk_nope_head_dim + v_head_dim));
+  p += linear(heads * v_head_dim, h);
   return p;
+}
+
+int64_t ModelSpec::dense_layer_parameters() const {
+  const int64_t h = hidden;
+  const int64_t mlp_norm = h + (norm == NormKind::kLayerNorm && bias ? h : 0);
+  return attention_parameters() + mlp_norm + mlp_parameters(ffn_hidden);
 }
 
 int64_t ModelSpec::layer_parameters() const {
@@ -241,7 +286,12 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                    "expert_capacity_factor",
                    "shared_expert_ffn_hidden",
                    "first_dense_layers",
-                   "moe_layer_interval"});
+                   "moe_layer_interval",
+                   "q_lora_rank",
+                   "kv_lora_rank",
+                   "qk_nope_head_dim",
+                   "qk_rope_head_dim",
+                   "v_head_dim"});
   ModelSpec m;
   m.name = node.get_string("name", default_name);
   m.family = node.get_string("family", "");
@@ -313,6 +363,20 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
       if (node.has(f)) node[f].fail("only a mixture of experts has it; give 'experts' too");
     }
   }
+  if (node.has("kv_lora_rank")) {
+    m.kv_lora_rank = read_size(node, "kv_lora_rank");
+    // Required with kv_lora_rank.
+    m.qk_nope_head_dim = read_size(node, "qk_nope_head_dim");
+    m.qk_rope_head_dim = read_size(node, "qk_rope_head_dim");
+    m.v_head_dim = read_size(node, "v_head_dim");
+    if (node.has("q_lora_rank")) m.q_lora_rank = read_size(node, "q_lora_rank");
+  } else {
+    for (const char* f : {"q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"}) {
+      if (node.has(f)) {
+        node[f].fail("only multi-head latent attention has it; give 'kv_lora_rank' too");
+      }
+    }
+  }
   if (auto p = find_problem(m)) {
     // Point at the offending field; kv_heads may be absent (defaulted), then at the mapping.
     if (node.has(p->field)) node[p->field].fail(p->message);
@@ -349,6 +413,13 @@ std::string model_to_json(const ModelSpec& m) {
     if (m.shared_expert_ffn_hidden > 0) j["shared_expert_ffn_hidden"] = m.shared_expert_ffn_hidden;
     if (m.first_dense_layers > 0) j["first_dense_layers"] = m.first_dense_layers;
     if (m.moe_layer_interval != 1) j["moe_layer_interval"] = m.moe_layer_interval;
+  }
+  if (m.mla()) {
+    if (m.q_lora_rank > 0) j["q_lora_rank"] = m.q_lora_rank;
+    j["kv_lora_rank"] = m.kv_lora_rank;
+    j["qk_nope_head_dim"] = m.qk_nope_head_dim;
+    j["qk_rope_head_dim"] = m.qk_rope_head_dim;
+    j["v_head_dim"] = m.v_head_dim;
   }
   return j.dump();
 }

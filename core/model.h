@@ -70,8 +70,21 @@ struct ModelSpec {
   // Megatron-Core's --moe-layer-freq). The others are dense blocks with an MLP of ffn_hidden.
   int first_dense_layers = 0;
   int moe_layer_interval = 1;
+  // Multi-head latent attention (DeepSeek-V2/V3; kv_lora_rank > 0): keys and values come up
+  // from a shared latent of kv_lora_rank (its down-projection also yields the rotary key part,
+  // qk_rope_head_dim wide, one for all heads), queries from a latent of q_lora_rank (0: straight
+  // from the hidden state). Each head's query and key are qk_nope_head_dim + qk_rope_head_dim
+  // wide, its value and output v_head_dim.
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
 
   int64_t head_dim() const { return hidden / heads; }
+  bool mla() const { return kv_lora_rank > 0; }
+  // Parameters of a block's attention (its norm included).
+  int64_t attention_parameters() const;
   bool gated_mlp() const { return mlp == MlpKind::kSwiglu; }
   bool moe() const { return experts > 0; }
   bool is_moe_layer(int layer) const {

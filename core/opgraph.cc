@@ -1,6 +1,7 @@
 #include "core/opgraph.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace nnsim {
 
@@ -20,6 +21,8 @@ std::string_view to_string(Dim d) {
       return "vocab";
     case Dim::kExpert:
       return "expert";
+    case Dim::kLatent:
+      return "latent";
   }
   return "?";
 }
@@ -81,6 +84,9 @@ struct Shape {
   double b, s, h, a, k, dh, f, v, p;
   double e, top;  // experts and experts per token (0 for a dense model)
   double slots;   // expert slots per token: top x the capacity factor
+  // Multi-head latent attention (0 without): the latents' widths, the query/key and the value
+  // head widths, and the rotary part of the query/key.
+  double q_lora, kv_lora, dqk, dv, rope;
   int64_t mb, seq, hidden, kv_heads, ffn, vocab, experts;
   double qkv_width() const { return (a + 2 * k) * dh; }
 };
@@ -100,6 +106,13 @@ Shape shape_of(const ModelSpec& m, int64_t micro_batch) {
   x.e = static_cast<double>(m.experts);
   x.top = static_cast<double>(m.experts_per_token);
   x.slots = x.top * m.expert_capacity_factor;
+  if (m.mla()) {
+    x.q_lora = static_cast<double>(m.q_lora_rank);
+    x.kv_lora = static_cast<double>(m.kv_lora_rank);
+    x.rope = static_cast<double>(m.qk_rope_head_dim);
+    x.dqk = static_cast<double>(m.qk_nope_head_dim + m.qk_rope_head_dim);
+    x.dv = static_cast<double>(m.v_head_dim);
+  }
   x.mb = micro_batch;
   x.seq = m.seq_len;
   x.hidden = m.hidden;
@@ -134,25 +147,30 @@ TensorRef out(int op) {
   return TensorRef{op, 0};
 }
 
-Op norm_op(const std::string& name, int self, TensorRef input, const ModelSpec& m, const Shape& x) {
+// A norm over `width` elements of dimension `dim` (the hidden state's, or a latent's).
+Op norm_op(const std::string& name, int self, TensorRef input, const ModelSpec& m, const Shape& x,
+           Dim dim = Dim::kHidden, double width = 0) {
+  if (width == 0) width = x.h;
   Op op;
   op.name = name;
   op.kind = OpKind::kNorm;
-  op.dims = {Dim::kBatch, Dim::kSeq, Dim::kHidden};
-  op.unsplittable = {Dim::kHidden};  // statistics over hidden need all of it
+  const DimSet bsw{Dim::kBatch, Dim::kSeq, dim};
+  op.dims = bsw;
+  op.unsplittable = {dim};  // statistics over the width need all of it
   op.inputs = {input};
-  const double bsh = x.b * x.s * x.h;
-  op.output = tensor(out(self), bsh, {Dim::kBatch, Dim::kSeq, Dim::kHidden}, x.p);
+  const double elements = x.b * x.s * width;
+  op.output = tensor(out(self), elements, bsw, x.p);
   // Its scale and, for LayerNorm with biases, its shift: two tensors (two parameters in every
   // framework; DeepSpeed's ZeRO-3 gathers each on its own).
-  op.weights = {tensor(TensorRef{self, 1}, x.h, {Dim::kHidden}, x.p)};
+  op.weights = {tensor(TensorRef{self, 1}, width, {dim}, x.p)};
   if (m.norm == NormKind::kLayerNorm && m.bias) {
-    op.weights.push_back(tensor(TensorRef{self, 2}, x.h, {Dim::kHidden}, x.p));
+    op.weights.push_back(tensor(TensorRef{self, 2}, width, {dim}, x.p));
   }
-  op.saved = {tensor(input, bsh, {Dim::kBatch, Dim::kSeq, Dim::kHidden}, x.p)};
-  op.fwd_bytes = 2 * bsh * x.p;  // read x, write y
-  op.bwd_bytes = 3 * bsh * x.p;  // read x and dy, write dx
+  op.saved = {tensor(input, elements, bsw, x.p)};
+  op.fwd_bytes = 2 * elements * x.p;  // read x, write y
+  op.bwd_bytes = 3 * elements * x.p;  // read x and dy, write dx
   set_granularity(op, x);
+  if (dim == Dim::kLatent) op.granularity[static_cast<int>(Dim::kLatent)] = std::llround(width);
   return op;
 }
 
@@ -272,6 +290,107 @@ Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
   op.internal_comm = {ring};
   set_granularity(op, x);
   return op;
+}
+
+// Multi-head latent attention's core: each head's query (from `q`) and key are dqk wide (the
+// rotary part of the key is shared by the heads), its value dv. The rotary parts are
+// concatenated onto fresh Q and K tensors (Megatron-Core's MLA), which the kernel keeps with V (a
+// view of the key/value up-projection's output, which it keeps alive) for the backward pass.
+Op mla_attention_op(int self, TensorRef q, TensorRef kv, const ModelSpec& m, const Shape& x) {
+  Op op;
+  op.name = "attn.core";
+  op.kind = OpKind::kAttention;
+  op.dims = {Dim::kBatch, Dim::kSeq, Dim::kHeads};
+  op.inputs = {q, kv};
+  op.causal = m.attention == AttentionKernel::kFlash;
+  const double tokens = x.b * x.s;
+  const DimSet bsn{Dim::kBatch, Dim::kSeq, Dim::kHeads};
+  const double qk_width = x.a * x.dqk, v_width = x.a * x.dv;
+  const double kv_width = x.a * (x.dqk - x.rope + x.dv);  // the up-projection's output
+  op.output = tensor(out(self), tokens * v_width, bsn, x.p);
+  op.saved = {tensor(TensorRef{self, 2}, tokens * 2 * qk_width, bsn, x.p),  // Q and K
+              tensor(kv, tokens * kv_width, bsn, x.p)};                     // V's storage
+  // The concatenation reads the projections and writes Q and K; the kernel reads Q, K, V and
+  // writes the output.
+  const double io = tokens * (qk_width + kv_width + 2 * qk_width + 2 * qk_width + 2 * v_width);
+  const double scores = x.b * x.a * x.s * x.s;
+  if (m.attention == AttentionKernel::kUnfused) {
+    op.saved.push_back(tensor(TensorRef{self, 1}, scores, bsn, x.p));  // softmax output
+    if (m.dropout) {
+      op.saved.push_back(tensor(TensorRef{self, 3}, scores, bsn, 1));    // dropout mask
+      op.saved.push_back(tensor(TensorRef{self, 4}, scores, bsn, x.p));  // dropout output
+    }
+    op.transient_bytes = 2 * scores * x.p;
+    const double fwd_passes = m.dropout ? 6 * x.p + 1 : 4 * x.p;
+    const double bwd_passes = m.dropout ? 9 * x.p + 1 : 7 * x.p;
+    op.fwd_bytes = io * x.p + scores * fwd_passes;
+    op.bwd_bytes = 2 * io * x.p + scores * bwd_passes;
+  } else {
+    op.saved.push_back(tensor(out(self), tokens * v_width, bsn, x.p));
+    op.saved.push_back(tensor(TensorRef{self, 1}, x.b * x.a * x.s, bsn, 4));
+    op.fwd_bytes = io * x.p;
+    op.bwd_bytes = 2 * op.fwd_bytes;
+  }
+  // Q.K^T over dqk and softmax(.).V over dv, counted in full (Megatron-Core's count for MLA).
+  op.fwd_flops = 2 * x.b * x.s * x.s * x.a * (x.dqk + x.dv);
+  op.bwd_input_flops = 2 * op.fwd_flops;
+  op.head_dim = x.dqk;
+  op.seq = x.s;
+  // Context parallelism passes every head's K and V around the ring.
+  InternalComm ring;
+  ring.dim = Dim::kSeq;
+  ring.kind = InternalComm::Kind::kRingExchange;
+  ring.dims = bsn;
+  ring.fwd_bytes = tokens * (qk_width + v_width) * x.p;
+  ring.bwd_bytes = 2 * ring.fwd_bytes;
+  ring.fwd_calls = 1;
+  ring.bwd_calls = 1;
+  ring.overlaps_compute = true;
+  op.internal_comm = {ring};
+  set_granularity(op, x);
+  return op;
+}
+
+// Multi-head latent attention after the block's norm (operator 0), appended to `ops`: the
+// queries (through their latent when q_lora_rank > 0), the key/value latent with the rotary key
+// part, its norm and up-projection, the core and the output projection. Returns the output
+// projection's index. The rotary key part reaches the core through the latent (its 64-odd
+// elements a token are not a tensor of their own here).
+int add_mla_ops(std::vector<Op>& ops, const ModelSpec& m, const Shape& x) {
+  auto next = [&] { return static_cast<int>(ops.size()); };
+  auto latent = [&](Op op, double width) {
+    op.granularity[static_cast<int>(Dim::kLatent)] = std::llround(width);
+    return op;
+  };
+  const double qk_width = x.a * x.dqk;
+  int q = next();
+  if (x.q_lora > 0) {
+    ops.push_back(latent(
+        linear_op("attn.q_down", q, out(0), Dim::kHidden, x.h, Dim::kLatent, x.q_lora, m.bias, x),
+        x.q_lora));
+    ops.push_back(norm_op("attn.q_norm", q + 1, out(q), m, x, Dim::kLatent, x.q_lora));
+    ops.push_back(latent(linear_op("attn.q_up", q + 2, out(q + 1), Dim::kLatent, x.q_lora,
+                                   Dim::kHeads, qk_width, m.bias, x),
+                         x.q_lora));
+    q += 2;
+  } else {
+    ops.push_back(
+        linear_op("attn.q", q, out(0), Dim::kHidden, x.h, Dim::kHeads, qk_width, m.bias, x));
+  }
+  const int kv = next();
+  const double kv_down_width = x.kv_lora + x.rope;
+  ops.push_back(latent(linear_op("attn.kv_down", kv, out(0), Dim::kHidden, x.h, Dim::kLatent,
+                                 kv_down_width, m.bias, x),
+                       kv_down_width));
+  ops.push_back(norm_op("attn.kv_norm", kv + 1, out(kv), m, x, Dim::kLatent, x.kv_lora));
+  ops.push_back(latent(linear_op("attn.kv_up", kv + 2, out(kv + 1), Dim::kLatent, x.kv_lora,
+                                 Dim::kHeads, x.a * (x.dqk - x.rope + x.dv), m.bias, x),
+                       x.kv_lora));
+  const int core = next();
+  ops.push_back(mla_attention_op(core, out(q), out(kv + 2), m, x));
+  ops.push_back(linear_op("attn.proj", core + 1, out(core), Dim::kHeads, x.a * x.dv, Dim::kHidden,
+                          x.h, m.bias, x));
+  return core + 1;
 }
 
 // The activation of an MLP of width `f` (`name`); for experts (`experts`) over every routed
@@ -432,25 +551,35 @@ GraphPart build_layer(const ModelSpec& m, const Shape& x) {
   GraphPart part;
   auto& ops = part.ops;
   ops.push_back(norm_op("attn.norm", 0, kPartInput, m, x));
-  ops.push_back(
-      linear_op("attn.qkv", 1, out(0), Dim::kHidden, x.h, Dim::kHeads, x.qkv_width(), m.bias, x));
-  ops.push_back(attention_op(2, out(1), m, x));
-  ops.push_back(
-      linear_op("attn.proj", 3, out(2), Dim::kHeads, x.a * x.dh, Dim::kHidden, x.h, m.bias, x));
-  ops.push_back(dropout_add_op("attn.residual", 4, {out(3), kPartInput}, m.dropout, x));
-  ops.push_back(norm_op("mlp.norm", 5, out(4), m, x));
+  int proj = 3;
+  if (m.mla()) {
+    proj = add_mla_ops(ops, m, x);
+  } else {
+    ops.push_back(
+        linear_op("attn.qkv", 1, out(0), Dim::kHidden, x.h, Dim::kHeads, x.qkv_width(), m.bias, x));
+    ops.push_back(attention_op(2, out(1), m, x));
+    ops.push_back(
+        linear_op("attn.proj", 3, out(2), Dim::kHeads, x.a * x.dh, Dim::kHidden, x.h, m.bias, x));
+  }
+  const int residual = proj + 1, norm = proj + 2;
+  ops.push_back(dropout_add_op("attn.residual", residual, {out(proj), kPartInput}, m.dropout, x));
+  ops.push_back(norm_op("mlp.norm", norm, out(residual), m, x));
   if (m.moe()) {
-    add_moe_ops(ops, out(5), m, x);
+    add_moe_ops(ops, out(norm), m, x);
     const int last = static_cast<int>(ops.size()) - 1;
-    ops.push_back(dropout_add_op("mlp.residual", last + 1, {out(last), out(4)}, m.dropout, x));
+    ops.push_back(
+        dropout_add_op("mlp.residual", last + 1, {out(last), out(residual)}, m.dropout, x));
     return part;
   }
+  const int fc1 = norm + 1;
   const double fc1_width = m.gated_mlp() ? 2 * x.f : x.f;
   ops.push_back(
-      linear_op("mlp.fc1", 6, out(5), Dim::kHidden, x.h, Dim::kFfn, fc1_width, m.bias, x));
-  ops.push_back(activation_op("mlp.act", 7, out(6), m, x, m.ffn_hidden));
-  ops.push_back(linear_op("mlp.fc2", 8, out(7), Dim::kFfn, x.f, Dim::kHidden, x.h, m.bias, x));
-  ops.push_back(dropout_add_op("mlp.residual", 9, {out(8), out(4)}, m.dropout, x));
+      linear_op("mlp.fc1", fc1, out(norm), Dim::kHidden, x.h, Dim::kFfn, fc1_width, m.bias, x));
+  ops.push_back(activation_op("mlp.act", fc1 + 1, out(fc1), m, x, m.ffn_hidden));
+  ops.push_back(
+      linear_op("mlp.fc2", fc1 + 2, out(fc1 + 1), Dim::kFfn, x.f, Dim::kHidden, x.h, m.bias, x));
+  ops.push_back(
+      dropout_add_op("mlp.residual", fc1 + 3, {out(fc1 + 2), out(residual)}, m.dropout, x));
   return part;
 }
 

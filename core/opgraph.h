@@ -21,8 +21,9 @@
 namespace nnsim {
 
 // kExpert: the experts of a mixture-of-experts block (its routed tokens and expert weights).
-enum class Dim : uint8_t { kBatch, kSeq, kHidden, kHeads, kFfn, kVocab, kExpert };
-inline constexpr int kNumDims = 7;
+// kLatent: the compressed width of multi-head latent attention (never split).
+enum class Dim : uint8_t { kBatch, kSeq, kHidden, kHeads, kFfn, kVocab, kExpert, kLatent };
+inline constexpr int kNumDims = 8;
 
 // A set of dimensions as a bitmask.
 class DimSet {
@@ -46,7 +47,7 @@ class DimSet {
 };
 
 std::string_view to_string(Dim d);
-// Parses "batch", "seq", "hidden", "heads", "ffn", "vocab", "expert".
+// Parses "batch", "seq", "hidden", "heads", "ffn", "vocab", "expert", "latent".
 bool parse_dim(std::string_view name, Dim* out);
 std::vector<std::string> dim_names();  // every dimension's spelling, in Dim order
 
@@ -138,7 +139,7 @@ struct Op {
   std::vector<InternalComm> internal_comm;
   // Indivisible units along each dimension: a split factor must divide it (heads split by KV
   // group, so it is kv_heads for kHeads).
-  int64_t granularity[kNumDims] = {0, 0, 0, 0, 0, 0, 0};
+  int64_t granularity[kNumDims] = {0, 0, 0, 0, 0, 0, 0, 0};
 
   double parameters() const;
 };

@@ -53,6 +53,11 @@ Status check_runnable(const Plan& plan) {
         "fp16 or emulated fp8)",
         field, why));
   };
+  if (m.mla()) {
+    return refuse("model.kv_lora_rank",
+                  "multi-head latent attention is simulated only; nnexec runs a fused Q, K, V "
+                  "projection (drop 'kv_lora_rank')");
+  }
   if (m.moe()) {
     return refuse("model.experts",
                   "mixtures of experts are simulated only; nnexec runs dense "

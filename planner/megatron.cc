@@ -423,7 +423,14 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     }
   }
   if (o.tp > 1) {
-    for (const char* m : {"attn.qkv", "attn.core", "attn.proj"}) rule(m, Dim::kHeads, {"tp"});
+    // Heads split over tp; multi-head latent attention's down-projections and latent norms stay
+    // whole (Megatron-Core's "duplicated" linears).
+    std::vector<std::string> heads = {"attn.qkv", "attn.core", "attn.proj"};
+    if (model.mla()) {
+      heads = {model.q_lora_rank > 0 ? "attn.q_up" : "attn.q", "attn.kv_up", "attn.core",
+               "attn.proj"};
+    }
+    for (const std::string& m : heads) rule(m, Dim::kHeads, {"tp"});
     // Experts split as the MLP they replace (Megatron's expert tensor parallelism), unless
     // folded (above).
     std::vector<std::string> mlp;
@@ -457,6 +464,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
           o.cp > 1 ? std::vector<std::string>{"cp", "tp"} : std::vector<std::string>{"tp"};
       rule("*.norm", Dim::kSeq, axes);
       rule("*.residual", Dim::kSeq, axes);
+      // Latent attention projects each GPU's share of the sequence down; its latents are
+      // gathered over tp before their norms (Megatron-Core's MLA under sequence parallelism).
+      if (model.mla()) {
+        if (model.q_lora_rank > 0) rule("attn.q_down", Dim::kSeq, axes);
+        rule("attn.kv_down", Dim::kSeq, axes);
+      }
       // Tokens are routed where they are, gathered over tp for the experts and their outputs
       // reduce-scattered back before the combine (Megatron's all-to-all token dispatcher).
       if (model.moe()) {

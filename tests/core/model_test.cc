@@ -72,7 +72,8 @@ TEST(Model, PresetParameterCountsArePinned) {
       {"llama2-70b", 68'976'648'192},       {"llama3-8b", 8'030'261'248},
       {"llama3-70b", 70'553'706'496},       {"llama3-405b", 405'853'388'800},
       {"mixtral-8x7b", 46'702'792'704},     {"qwen1.5-moe-a2.7b", 14'315'587'584},
-      {"deepseek-moe-16b", 16'375'728'128},
+      {"deepseek-moe-16b", 16'375'728'128}, {"deepseek-v2-lite", 15'706'484'224},
+      {"deepseek-v3", 671'026'404'352},
   };
   for (const auto& [name, count] : counts) {
     auto m = load_model(name);
@@ -350,6 +351,50 @@ TEST(Model, ExpertBlocksFollowTheDenseLayersAndInterval) {
   EXPECT_TRUE(contains(msg, "between 0 and layers (8), got 5000000000")) << msg;
   msg = parse_error(std::string(kSmall) + "first_dense_layers: 1\n");
   EXPECT_TRUE(contains(msg, "give 'experts' too")) << msg;
+}
+
+// Multi-head latent attention: DeepSeek-V3's 671B (the paper's, without its multi-token
+// prediction module) and its attention by hand.
+TEST(Model, DeepSeekV3CountsMatchThePaper) {
+  auto m = load_model("deepseek-v3");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_TRUE(m->mla());
+  EXPECT_NEAR(static_cast<double>(m->parameters()), 671e9, 671e9 * 0.001);
+  const int64_t h = 7168, a = 128;
+  const int64_t q = h * 1536 + 1536 + 1536 * a * 192;  // down, norm, up
+  const int64_t kv = h * (512 + 64) + 512 + 512 * a * (128 + 128);
+  EXPECT_EQ(m->attention_parameters(), h + q + kv + a * 128 * h);
+  EXPECT_EQ(m->moe_layers(), 58);
+  auto lite = load_model("deepseek-v2-lite");
+  ASSERT_TRUE(lite.ok()) << lite.error().message();
+  EXPECT_NEAR(static_cast<double>(lite->parameters()), 15.7e9, 15.7e9 * 0.002);  // the card's
+  // No query latent: one projection to the heads.
+  EXPECT_EQ(lite->attention_parameters(),
+            2048 + 2048 * 16 * 192 + 2048 * 576 + 512 + 512 * 16 * 256 + 16 * 128 * 2048);
+}
+
+TEST(Model, LatentAttentionFieldsAreChecked) {
+  const std::string mla = std::string(kSmall) +
+                          "kv_lora_rank: 32\nqk_nope_head_dim: 16\nqk_rope_head_dim: 8\n"
+                          "v_head_dim: 16\n";
+  auto m = parse_model(mla, "m.yaml");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  auto back = parse_model(model_to_json(*m), "plan.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_EQ(back->attention_parameters(), m->attention_parameters());
+  EXPECT_EQ(back->v_head_dim, 16);
+
+  std::string msg = parse_error(std::string(kSmall) + "kv_lora_rank: 32\n");
+  EXPECT_TRUE(contains(msg, "qk_nope_head_dim")) << msg;  // required with it
+  msg = parse_error(std::string(kSmall) + "v_head_dim: 16\n");
+  EXPECT_TRUE(contains(msg, "give 'kv_lora_rank' too")) << msg;
+  msg = parse_error(replace(mla, "v_head_dim: 16", "v_head_dim: 0"));
+  EXPECT_TRUE(contains(msg, "field 'v_head_dim'")) << msg;
+  EXPECT_TRUE(contains(msg, "positive integer")) << msg;
+  msg = parse_error(mla + "q_lora_rank: -1\n");
+  EXPECT_TRUE(contains(msg, "field 'q_lora_rank'")) << msg;
+  msg = parse_error(mla + "kv_heads: 2\n");
+  EXPECT_TRUE(contains(msg, "kv_heads must equal heads (4)")) << msg;
 }
 
 TEST(Model, UnknownFieldSuggestsTheRightOne) {

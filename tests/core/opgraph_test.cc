@@ -130,7 +130,8 @@ TEST(OpGraph, GatedMlpAndGqaFlops) {
 }
 
 TEST(OpGraph, PartsHoldTheModelsParameters) {
-  for (const char* name : {"gpt3-175b", "gpt3-1.3b", "llama2-70b", "llama3-8b", "mixtral-8x7b"}) {
+  for (const char* name : {"gpt3-175b", "gpt3-1.3b", "llama2-70b", "llama3-8b", "mixtral-8x7b",
+                           "deepseek-v2-lite", "deepseek-v3"}) {
     ModelSpec m = preset(name);
     OpGraph g = lower_model(m, 1);
     auto params = [](const GraphPart& p) {
@@ -139,6 +140,9 @@ TEST(OpGraph, PartsHoldTheModelsParameters) {
       return n;
     };
     EXPECT_EQ(params(g.layer), static_cast<double>(m.layer_parameters())) << name;
+    if (m.mixed_layers()) {
+      EXPECT_EQ(params(g.dense_layer), static_cast<double>(m.dense_layer_parameters())) << name;
+    }
     EXPECT_EQ(params(g.embedding), static_cast<double>(m.embedding_parameters())) << name;
     EXPECT_EQ(params(g.head), static_cast<double>(m.head_parameters())) << name;
   }
@@ -428,6 +432,29 @@ TEST(OpGraph, MixedModelLowersADenseAndAnExpertBlock) {
       (lower_model(all_dense, 1).forward_flops() - uniform.forward_flops()) / m->layers;
   EXPECT_NEAR(g.forward_flops() - uniform.forward_flops(), per_block_gap,
               1e-12 * g.forward_flops());
+}
+
+// DeepSeek-V3's latent attention: the queries and the keys/values come up from their latents,
+// and the core multiplies over 192-wide queries/keys and 128-wide values.
+TEST(OpGraph, LatentAttention) {
+  ModelSpec m = preset("deepseek-v3");
+  const OpGraph g = lower_model(m, 1);
+  std::vector<std::string> names;
+  for (size_t i = 0; i < 9; ++i) names.push_back(g.layer.ops[i].name);
+  EXPECT_EQ(names, (std::vector<std::string>{"attn.norm", "attn.q_down", "attn.q_norm", "attn.q_up",
+                                             "attn.kv_down", "attn.kv_norm", "attn.kv_up",
+                                             "attn.core", "attn.proj"}));
+  const Op& core = g.layer.ops[7];
+  const double s = 4096, a = 128;
+  EXPECT_DOUBLE_EQ(core.fwd_flops, 2 * s * s * a * (192 + 128));
+  EXPECT_DOUBLE_EQ(core.head_dim, 192);
+  // Kept: Q and K (192 wide a head), V's storage (the up-projection's 256 a head), the output
+  // and the log-sum-exp.
+  double saved = 0;
+  for (const TensorSpec& t : core.saved) saved += t.bytes();
+  EXPECT_DOUBLE_EQ(saved, s * a * (2 * 192 + 256 + 128) * 2 + s * a * 4);
+  EXPECT_EQ(g.layer.ops[4].gemm.n, 512 + 64);  // the latent and the rotary key part
+  EXPECT_EQ(g.layer.ops[5].output.elements, s * 512);
 }
 
 TEST(OpGraph, DimensionNames) {

@@ -996,6 +996,13 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
       contains(s.error().message(), "model.experts: mixtures of experts are simulated only"))
       << s.error().message();
   p = *base;
+  p.model.kv_lora_rank = 16;  // latent attention is simulated only
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(),
+                       "model.kv_lora_rank: multi-head latent attention is simulated only"))
+      << s.error().message();
+  p = *base;
   p.comm.tp_sub_batches = 2;  // Merak's sub-pipelining is simulated only
   s = check_runnable(p);
   ASSERT_FALSE(s.ok());

@@ -309,6 +309,36 @@ TEST(Program, SequenceParallelLayerCollectives) {
   }
 }
 
+// Multi-head latent attention under tensor parallelism (Megatron-Core's MLA): the heads split,
+// the down-projections and latent norms stay whole. Without sequence parallelism nothing but
+// the two all-reduces a dense block has; with it, each GPU projects its share of the sequence
+// down and the key/value latent (576 wide here) is all-gathered before its norm: one all-gather
+// more, of a quarter of the hidden state's bytes.
+TEST(Program, LatentAttentionUnderTensorParallelism) {
+  ModelSpec m = preset("deepseek-v2-lite");
+  m.experts = m.experts_per_token = m.expert_ffn_hidden = m.shared_expert_ffn_hidden = 0;
+  m.first_dense_layers = 0;
+  m.layers = 4;
+  // One more, in the first layer's norm: the vocabulary-parallel embedding's partial sums (a
+  // rotary model has no position table to take them).
+  Program plain = compile(m, options(8, 1, false, RecomputeMode::kNone, 1));
+  EXPECT_EQ(layer_collectives(plain, 0, BlockKind::kForward), (Counts{{kAR, 2 * 4 + 1}}));
+  Program sp = compile(m, options(8, 1, true, RecomputeMode::kNone, 1));
+  EXPECT_EQ(layer_collectives(sp, 0, BlockKind::kForward),
+            (Counts{{kAG, 3 * 4}, {kRS, 2 * 4 + 1}}));
+  std::map<double, int> gathered;  // bytes -> count, per GPU
+  for (const BlockTemplate& t : sp.templates) {
+    if (t.kind != BlockKind::kForward) continue;
+    for (const Step& s : t.steps) {
+      if (s.kind == StepKind::kCollective && s.collective == kAG) ++gathered[s.bytes];
+    }
+    break;
+  }
+  const double tokens = m.seq_len;  // one sequence a micro-batch
+  EXPECT_EQ(gathered[tokens * (512 + 64) * 2], 4) << gathered.size();
+  EXPECT_EQ(gathered[tokens * 2048 * 2], 2 * 4 + 1);  // and the head's input
+}
+
 // Experts under tensor and sequence parallelism, as Megatron's all-to-all token dispatcher runs
 // them: tokens are routed where their sequence slice is, the routed copies all-gathered over tp
 // for the experts (split along their FFN width) and their outputs reduce-scattered back before
