@@ -118,6 +118,35 @@ TEST(Search, ExpertParallelGroupsStayInsideNodesWhenAsked) {
   for (const Candidate& cand : r->ranked) EXPECT_EQ(cand.options.ep, 1) << cand.describe();
 }
 
+// In a mixture with dense blocks an operator rule's layer range reaches the block shapes of the
+// layers it covers: the dense first block's MLP is layer 0's only.
+TEST(Search, LayerRangesReachTheBlockShapesTheyCover) {
+  ModelSpec m = *load_model("deepseek-moe-16b");
+  m.layers = 4;
+  m.seq_len = 2048;
+  const Topology t = topo("dgx-a100x4", 1);
+  SearchOptions o = options(32);
+  o.top = 1000;
+  Expected<Constraints> c = parse_constraints(
+      "operators:\n  - match: \"mlp.fc*\"\n    layers: [0, 1]\n    max_degree: 1\n", "c.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  o.constraints = *c;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  ASSERT_FALSE(r->ranked.empty());
+  for (const Candidate& cand : r->ranked) EXPECT_EQ(cand.options.tp, 1) << cand.describe();
+  // Layers 1-3 have experts, no mlp.fc*: the rule binds nothing and tensor parallelism is back.
+  c = parse_constraints(
+      "operators:\n  - match: \"mlp.fc*\"\n    layers: [1, 4]\n    max_degree: 1\n", "c.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  o.constraints = *c;
+  r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  bool saw_tp = false;
+  for (const Candidate& cand : r->ranked) saw_tp |= cand.options.tp > 1;
+  EXPECT_TRUE(saw_tp);
+}
+
 // Asked to (SearchOptions::tp_sub_batches), the search tries Merak's sub-pipelined tensor
 // parallelism on its best plans; with tensor parallelism pinned at 8 it hides most of the
 // collectives and wins.
