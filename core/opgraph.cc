@@ -231,20 +231,15 @@ Op dropout_add_op(const std::string& name, int self, std::vector<TensorRef> inpu
   return op;
 }
 
-Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
-  Op op;
-  op.name = "attn.core";
-  op.kind = OpKind::kAttention;
-  op.dims = {Dim::kBatch, Dim::kSeq, Dim::kHeads};
-  op.inputs = {qkv};
+// The rest of an attention core once its inputs, output and saved inputs are set: what either
+// kernel keeps and moves beyond them and the context-parallel ring. `io`: bytes its kernels read
+// and write besides the scores; `kv_bytes`: the K and V a device passes to its ring neighbour.
+void finish_attention(Op& op, int self, double io, double kv_bytes, const ModelSpec& m,
+                      const Shape& x) {
   // A fused causal kernel skips the masked half of the scores; the unfused chain (batched
   // matmul, masked softmax, batched matmul) computes all of them.
   op.causal = m.attention == AttentionKernel::kFlash;
-  const double tokens = x.b * x.s;
   const DimSet bsn{Dim::kBatch, Dim::kSeq, Dim::kHeads};
-  op.output = tensor(out(self), tokens * x.a * x.dh, bsn, x.p);
-  // Q, K and V are the projection's output: kept as one tensor.
-  op.saved = {tensor(qkv, tokens * x.qkv_width(), bsn, x.p)};
   const double scores = x.b * x.a * x.s * x.s;  // spans batch, heads and the query sequence
   if (m.attention == AttentionKernel::kUnfused) {
     op.saved.push_back(tensor(TensorRef{self, 1}, scores, bsn, x.p));  // softmax output
@@ -258,22 +253,18 @@ Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
     // reads. Backward: the probabilities' gradient written and the probabilities read (for
     // dV), dropout's backward (two reads, the mask, a write), softmax's (three), and the
     // scores' gradient read for dQ and for dK.
-    const double io = tokens * (x.qkv_width() + x.a * x.dh) * x.p;
     const double fwd_passes = m.dropout ? 6 * x.p + 1 : 4 * x.p;
     const double bwd_passes = m.dropout ? 9 * x.p + 1 : 7 * x.p;
     op.fwd_bytes = io + scores * fwd_passes;
     op.bwd_bytes = 2 * io + scores * bwd_passes;
   } else {
     // FlashAttention keeps its output and the log-sum-exp of each row (fp32).
-    op.saved.push_back(tensor(out(self), tokens * x.a * x.dh, bsn, x.p));
+    op.saved.push_back(op.output);
     op.saved.push_back(tensor(TensorRef{self, 1}, x.b * x.a * x.s, bsn, 4));
-    op.fwd_bytes = tokens * (x.qkv_width() + x.a * x.dh) * x.p;
+    op.fwd_bytes = io;
     op.bwd_bytes = 2 * op.fwd_bytes;
   }
-  // Q.K^T and softmax(.).V: 2 * (2 * b * s * s * a * dh), counted in full (Megatron).
-  op.fwd_flops = 4 * x.b * x.s * x.s * x.a * x.dh;
   op.bwd_input_flops = 2 * op.fwd_flops;
-  op.head_dim = x.dh;
   op.seq = x.s;
   // Context parallelism splits the query sequence: each device passes its K and V chunk around a
   // ring (ways - 1 steps), overlapped with attention on the chunk it holds; the backward pass
@@ -282,13 +273,31 @@ Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
   ring.dim = Dim::kSeq;
   ring.kind = InternalComm::Kind::kRingExchange;
   ring.dims = bsn;
-  ring.fwd_bytes = tokens * 2 * x.k * x.dh * x.p;
+  ring.fwd_bytes = kv_bytes;
   ring.bwd_bytes = 2 * ring.fwd_bytes;
   ring.fwd_calls = 1;
   ring.bwd_calls = 1;
   ring.overlaps_compute = true;
   op.internal_comm = {ring};
   set_granularity(op, x);
+}
+
+Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
+  Op op;
+  op.name = "attn.core";
+  op.kind = OpKind::kAttention;
+  op.dims = {Dim::kBatch, Dim::kSeq, Dim::kHeads};
+  op.inputs = {qkv};
+  const double tokens = x.b * x.s;
+  const DimSet bsn{Dim::kBatch, Dim::kSeq, Dim::kHeads};
+  op.output = tensor(out(self), tokens * x.a * x.dh, bsn, x.p);
+  // Q, K and V are the projection's output: kept as one tensor.
+  op.saved = {tensor(qkv, tokens * x.qkv_width(), bsn, x.p)};
+  // Q.K^T and softmax(.).V: 2 * (2 * b * s * s * a * dh), counted in full (Megatron).
+  op.fwd_flops = 4 * x.b * x.s * x.s * x.a * x.dh;
+  op.head_dim = x.dh;
+  finish_attention(op, self, tokens * (x.qkv_width() + x.a * x.dh) * x.p,
+                   tokens * 2 * x.k * x.dh * x.p, m, x);
   return op;
 }
 
@@ -302,52 +311,20 @@ Op mla_attention_op(int self, TensorRef q, TensorRef kv, const ModelSpec& m, con
   op.kind = OpKind::kAttention;
   op.dims = {Dim::kBatch, Dim::kSeq, Dim::kHeads};
   op.inputs = {q, kv};
-  op.causal = m.attention == AttentionKernel::kFlash;
   const double tokens = x.b * x.s;
   const DimSet bsn{Dim::kBatch, Dim::kSeq, Dim::kHeads};
   const double qk_width = x.a * x.dqk, v_width = x.a * x.dv;
   const double kv_width = x.a * (x.dqk - x.rope + x.dv);  // the up-projection's output
   op.output = tensor(out(self), tokens * v_width, bsn, x.p);
-  op.saved = {tensor(TensorRef{self, 2}, tokens * 2 * qk_width, bsn, x.p),  // Q and K
+  op.saved = {tensor(TensorRef{self, 4}, tokens * 2 * qk_width, bsn, x.p),  // Q and K
               tensor(kv, tokens * kv_width, bsn, x.p)};                     // V's storage
-  // The concatenation reads the projections and writes Q and K; the kernel reads Q, K, V and
-  // writes the output.
-  const double io = tokens * (qk_width + kv_width + 2 * qk_width + 2 * qk_width + 2 * v_width);
-  const double scores = x.b * x.a * x.s * x.s;
-  if (m.attention == AttentionKernel::kUnfused) {
-    op.saved.push_back(tensor(TensorRef{self, 1}, scores, bsn, x.p));  // softmax output
-    if (m.dropout) {
-      op.saved.push_back(tensor(TensorRef{self, 3}, scores, bsn, 1));    // dropout mask
-      op.saved.push_back(tensor(TensorRef{self, 4}, scores, bsn, x.p));  // dropout output
-    }
-    op.transient_bytes = 2 * scores * x.p;
-    const double fwd_passes = m.dropout ? 6 * x.p + 1 : 4 * x.p;
-    const double bwd_passes = m.dropout ? 9 * x.p + 1 : 7 * x.p;
-    op.fwd_bytes = io * x.p + scores * fwd_passes;
-    op.bwd_bytes = 2 * io * x.p + scores * bwd_passes;
-  } else {
-    op.saved.push_back(tensor(out(self), tokens * v_width, bsn, x.p));
-    op.saved.push_back(tensor(TensorRef{self, 1}, x.b * x.a * x.s, bsn, 4));
-    op.fwd_bytes = io * x.p;
-    op.bwd_bytes = 2 * op.fwd_bytes;
-  }
   // Q.K^T over dqk and softmax(.).V over dv, counted in full (Megatron-Core's count for MLA).
   op.fwd_flops = 2 * x.b * x.s * x.s * x.a * (x.dqk + x.dv);
-  op.bwd_input_flops = 2 * op.fwd_flops;
   op.head_dim = x.dqk;
-  op.seq = x.s;
-  // Context parallelism passes every head's K and V around the ring.
-  InternalComm ring;
-  ring.dim = Dim::kSeq;
-  ring.kind = InternalComm::Kind::kRingExchange;
-  ring.dims = bsn;
-  ring.fwd_bytes = tokens * (qk_width + v_width) * x.p;
-  ring.bwd_bytes = 2 * ring.fwd_bytes;
-  ring.fwd_calls = 1;
-  ring.bwd_calls = 1;
-  ring.overlaps_compute = true;
-  op.internal_comm = {ring};
-  set_granularity(op, x);
+  // The concatenation reads the projections and writes Q and K; the kernel reads Q, K, V and
+  // writes the output. Context parallelism passes every head's K and V around the ring.
+  const double io = tokens * (qk_width + kv_width + 2 * qk_width + 2 * qk_width + 2 * v_width);
+  finish_attention(op, self, io * x.p, tokens * (qk_width + v_width) * x.p, m, x);
   return op;
 }
 
