@@ -184,6 +184,27 @@ double zero3_gathered_peak(const std::vector<TensorGather>& queue, double prefet
 // data-parallel group); every other weight is dense.
 enum GradGroup : int { kDenseGrads = 0, kExpertGrads = 1, kNumGradGroups = 2 };
 
+// A layer's peak above what it keeps and what its pass keeps or frees, for the last layer
+// computed: layers of one block shape, recomputed operators and input layout (the first layer's
+// comes from the embedding) share them, and a segment's layers mostly do.
+struct LayerMemo {
+  const PartInfo* part = nullptr;
+  std::vector<bool> recomputed;
+  bool first = false;
+  double peak = 0, freed = 0;
+  bool holds(const PartInfo* p, const std::vector<bool>& r, bool is_first) const {
+    return p == part && r == recomputed && is_first == first;
+  }
+  void set(const PartInfo* p, const std::vector<bool>& r, bool is_first, double layer_peak,
+           double layer_freed) {
+    part = p;
+    recomputed = r;
+    first = is_first;
+    peak = layer_peak;
+    freed = layer_freed;
+  }
+};
+
 struct Compiler {
   const Plan& plan;
   const Topology& topo;
@@ -1443,12 +1464,16 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
         // A layer's forward runs on what the layers before it keep (of one block shape, the
         // last layer's forward runs on the most).
         double later = 0;  // what the layers after l keep
+        LayerMemo memo;
         for (int l = s.end_layer - 1; l >= s.first_layer; --l) {
           const PartInfo& p = layer_at(l);
           const std::vector<bool> r = recomputed_ops(p, l);
-          worst = std::max(
-              worst, so_far + kept_layers - later + running_transient_bytes(p, layer_in(l), r));
-          later += kept_bytes(p, layer_in(l), r, false);
+          if (!memo.holds(&p, r, l == 0)) {
+            memo.set(&p, r, l == 0, running_transient_bytes(p, layer_in(l), r),
+                     kept_bytes(p, layer_in(l), r, false));
+          }
+          worst = std::max(worst, so_far + kept_layers - later + memo.peak);
+          later += memo.freed;
         }
         so_far += kept_layers;
         if (s.head) worst = std::max(worst, so_far + kept_head + transient_bytes(head));
@@ -1624,17 +1649,20 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
           // the first backward, the last layer's, runs on the most): a recomputed layer holds
           // all its activations again.
           double freed_later = 0;  // what the backwards of the layers after l freed
+          LayerMemo memo;
           for (int l = s.end_layer - 1; l >= s.first_layer; --l) {
             const PartInfo& p = layer_at(l);
-            const std::vector<bool> none(p.part->ops.size(), false);
             const std::vector<bool> r = recomputed_ops(p, l);
-            worst =
-                std::max(worst, extra +
-                                    running_transient_bytes(
-                                        p, layer_in(l), recompute_inside ? none : r, input_half) -
-                                    freed_before - freed_later);
-            freed_later += kept_bytes(p, layer_in(l), r, false) -
-                           (input_half ? kept_bytes(p, layer_in(l), r, true) : 0.0);
+            if (!memo.holds(&p, r, l == 0)) {
+              const std::vector<bool> none(p.part->ops.size(), false);
+              memo.set(
+                  &p, r, l == 0,
+                  running_transient_bytes(p, layer_in(l), recompute_inside ? none : r, input_half),
+                  kept_bytes(p, layer_in(l), r, false) -
+                      (input_half ? kept_bytes(p, layer_in(l), r, true) : 0.0));
+            }
+            worst = std::max(worst, extra + memo.peak - freed_before - freed_later);
+            freed_later += memo.freed;
           }
           freed_before += kept_layers - (input_half ? layers_weight_inputs : 0.0);
         }
