@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "core/layout.h"
 #include "core/memory_check.h"
 #include "core/units.h"
 #include "planner/estimator.h"
@@ -47,11 +48,18 @@ int lane_of_segment(const Program& p, int segment) {
   return -1;
 }
 
-double layer_parameters_per_device(const Program& p) {
+// A layer's parameters on one device, each weight divided by its split factors (tensor
+// parallelism splits most of a block; expert parallelism its experts).
+Expected<double> layer_parameters_per_device(const Program& p) {
+  Expected<std::vector<OpPartition>> parts = resolve_partitions(p.graph.layer, p.plan);
+  if (!parts) return parts.error();
   double params = 0;
-  for (const auto& op : p.graph.layer.ops) params += op.parameters();
-  const int tp = p.plan.mesh.axis_index("tp") >= 0 ? p.plan.mesh.axis_size("tp") : 1;
-  return params / tp;
+  for (size_t i = 0; i < p.graph.layer.ops.size(); ++i) {
+    for (const TensorSpec& w : p.graph.layer.ops[i].weights) {
+      params += w.elements / (*parts)[i].factor(w.dims, p.plan.mesh);
+    }
+  }
+  return params;
 }
 
 }  // namespace
@@ -81,7 +89,9 @@ Expected<std::vector<StageCosts>> measure_stage_costs(const Program& plain,
   const std::vector<SegmentTimes> t0 = segment_times(plain);
   const std::vector<SegmentTimes> t1 = segment_times(recomputed);
   const std::vector<LaneMemoryPeak> peaks = lane_memory_peaks(plain);
-  const double layer_params = layer_parameters_per_device(plain);
+  const Expected<double> per_device = layer_parameters_per_device(plain);
+  if (!per_device) return per_device.error();
+  const double layer_params = *per_device;
   std::vector<StageCosts> out;
   for (size_t s = 0; s < segments.size(); ++s) {
     const int n = segments[s].end_layer - segments[s].first_layer;

@@ -160,6 +160,26 @@ TEST_F(Llama8bOnOneNode, MixedBlocksAreNotPricedPerLayer) {
       << costs.error().message();
 }
 
+// Expert parallelism holds 1/ep of a layer's experts on a GPU: a middle stage's static memory
+// is its layers' and nothing else.
+TEST_F(Llama8bOnOneNode, StaticBytesPerLayerFollowExpertParallelism) {
+  Expected<ModelSpec> m = load_model("mixtral-8x7b");
+  ASSERT_TRUE(m.ok());
+  m->layers = 8;
+  m->seq_len = 2048;
+  o.tp = 1;
+  o.sequence_parallel = false;
+  o.ep = 2;  // 4 stages of 2 layers, dp 2
+  o.global_batch = 16;
+  Program plain = compile(*m, topo, o);
+  Expected<std::vector<StageCosts>> costs = measure_stage_costs(plain, plain);
+  ASSERT_TRUE(costs.ok()) << costs.error().message();
+  const Lane& middle = plain.lanes[1];
+  const double static_bytes = middle.memory.weights + middle.memory.gradients +
+                              middle.memory.optimizer + middle.memory.gathered;
+  EXPECT_NEAR(2 * (*costs)[1].static_per_layer, static_bytes, 1e-9 * static_bytes);
+}
+
 TEST_F(Llama8bOnOneNode, MeasuredCostsSeparateLayersFromTheHead) {
   Program plain = compile(model, topo, o);
   MegatronOptions full = o;
