@@ -48,6 +48,7 @@ std::string nearby_divisors(int64_t n, int64_t near) {
 constexpr int64_t kMaxLayers = int64_t{1} << 16;
 constexpr int64_t kMaxWidth = int64_t{1} << 20;  // hidden, heads, kv_heads, ffn_hidden
 constexpr int64_t kMaxVocab = int64_t{1} << 24;
+constexpr int64_t kMaxHeadWidths = int64_t{1} << 24;  // heads x their widths (latent attention)
 constexpr int64_t kMaxSeqLen = int64_t{1} << 30;
 
 int64_t size_limit(std::string_view field) {
@@ -128,6 +129,15 @@ std::optional<Problem> find_problem(const ModelSpec& m) {
                                           "latent attention, got {}",
                                           kMaxWidth, value)};
       }
+    }
+    // Every head's query, key and value widths together stay within a bound that keeps the
+    // up-projections' parameter counts (and layers times them) within int64.
+    const int64_t per_token = m.heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim);
+    if (per_token > kMaxHeadWidths) {
+      return Problem{"v_head_dim",
+                     fmt::format("heads x (qk_nope_head_dim + qk_rope_head_dim + v_head_dim) is "
+                                 "{}, over the {} nnsim handles; use narrower heads or fewer",
+                                 per_token, kMaxHeadWidths)};
     }
     if (m.q_lora_rank < 0 || m.q_lora_rank > kMaxWidth) {
       return Problem{"q_lora_rank", fmt::format("must be between 0 (queries straight from the "

@@ -393,6 +393,10 @@ TEST(Model, LatentAttentionFieldsAreChecked) {
   EXPECT_TRUE(contains(msg, "positive integer")) << msg;
   msg = parse_error(mla + "q_lora_rank: -1\n");
   EXPECT_TRUE(contains(msg, "field 'q_lora_rank'")) << msg;
+  msg = parse_error(
+      replace(replace(mla, "v_head_dim: 16", "v_head_dim: 20000"), "heads: 4", "heads: 1024"));
+  EXPECT_TRUE(contains(msg, "field 'v_head_dim'")) << msg;
+  EXPECT_TRUE(contains(msg, "over the 16777216 nnsim handles")) << msg;
   msg = parse_error(mla + "kv_heads: 2\n");
   EXPECT_TRUE(contains(msg, "kv_heads must equal heads (4)")) << msg;
 }
