@@ -274,6 +274,16 @@ std::map<CollectiveKind, int> layer_collectives(const Program& prog, int segment
   return count;
 }
 
+// The steps of the program's first forward template (every forward runs the same layers).
+const std::vector<Step>& first_forward(const Program& prog) {
+  static const std::vector<Step> none;
+  for (const BlockTemplate& t : prog.templates) {
+    if (t.kind == BlockKind::kForward) return t.steps;
+  }
+  ADD_FAILURE() << "no forward template";
+  return none;
+}
+
 using Counts = std::map<CollectiveKind, int>;
 constexpr auto kAR = CollectiveKind::kAllReduce;
 constexpr auto kAG = CollectiveKind::kAllGather;
@@ -327,12 +337,8 @@ TEST(Program, LatentAttentionUnderTensorParallelism) {
   EXPECT_EQ(layer_collectives(sp, 0, BlockKind::kForward),
             (Counts{{kAG, 3 * 4}, {kRS, 2 * 4 + 1}}));
   std::map<double, int> gathered;  // bytes -> count, per GPU
-  for (const BlockTemplate& t : sp.templates) {
-    if (t.kind != BlockKind::kForward) continue;
-    for (const Step& s : t.steps) {
-      if (s.kind == StepKind::kCollective && s.collective == kAG) ++gathered[s.bytes];
-    }
-    break;
+  for (const Step& s : first_forward(sp)) {
+    if (s.kind == StepKind::kCollective && s.collective == kAG) ++gathered[s.bytes];
   }
   const double tokens = m.seq_len;  // one sequence a micro-batch
   EXPECT_EQ(gathered[tokens * (512 + 64) * 2], 4) << gathered.size();
@@ -407,6 +413,20 @@ std::map<uint32_t, double> reduce_scattered_by_axes(const Program& prog, const L
   for (const BlockInstance& b : lane.blocks) add(prog.templates[b.template_index].steps);
   add(lane.epilogue);
   return reduced;
+}
+
+// A GPU of replica 0 holds every dense parameter and 1/ep of the experts, and reduce-scatters
+// the dense gradients (4 bytes each) over dp x ep and the experts' over dp.
+void expect_dense_and_expert_groups(const Program& prog, const ModelSpec& m, int ep_degree) {
+  const Mesh& mesh = prog.plan.mesh;
+  const uint32_t dp = 1u << mesh.axis_index("dp"), ep = 1u << mesh.axis_index("ep");
+  const double experts = static_cast<double>(m.expert_parameters()) / ep_degree;
+  const double dense = static_cast<double>(m.parameters() - m.expert_parameters());
+  const Lane& lane = prog.lanes[0];
+  EXPECT_DOUBLE_EQ(lane.parameters, dense + experts);
+  std::map<uint32_t, double> reduced = reduce_scattered_by_axes(prog, lane);
+  EXPECT_DOUBLE_EQ(reduced[dp | ep], 4 * dense);
+  EXPECT_DOUBLE_EQ(reduced[dp], 4 * experts);
 }
 
 // Expert parallelism: each rank keeps its own sequence in the dense operators and 1/ep of the
@@ -512,24 +532,12 @@ TEST(Program, DenseBlocksOfAMixtureAreDense) {
   const Program prog = compile_moe("deepseek-moe-16b", 4, 8, &m);
   ASSERT_FALSE(prog.lanes.empty());
   ASSERT_EQ(m.moe_layers(), 3);
-  const Mesh& mesh = prog.plan.mesh;
-  const uint32_t dp = 1u << mesh.axis_index("dp"), ep = 1u << mesh.axis_index("ep");
   int all_to_all = 0;
-  for (const BlockTemplate& t : prog.templates) {
-    if (t.kind != BlockKind::kForward) continue;
-    for (const Step& s : t.steps) {
-      all_to_all += s.kind == StepKind::kCollective && s.collective == CollectiveKind::kAllToAll;
-    }
-    break;  // every forward template runs the same layers
+  for (const Step& s : first_forward(prog)) {
+    all_to_all += s.kind == StepKind::kCollective && s.collective == CollectiveKind::kAllToAll;
   }
   EXPECT_EQ(all_to_all, 2 * 3);  // to the experts and back, in each expert block
-  const double experts = static_cast<double>(m.expert_parameters()) / 8;
-  const double dense = static_cast<double>(m.parameters() - m.expert_parameters());
-  const Lane& lane = prog.lanes[0];
-  EXPECT_DOUBLE_EQ(lane.parameters, dense + experts);
-  std::map<uint32_t, double> reduced = reduce_scattered_by_axes(prog, lane);
-  EXPECT_DOUBLE_EQ(reduced[dp | ep], 4 * dense);
-  EXPECT_DOUBLE_EQ(reduced[dp], 4 * experts);
+  expect_dense_and_expert_groups(prog, m, 8);
   EXPECT_NE(prog.layer_activation_bytes[0], prog.layer_activation_bytes[1]);
   EXPECT_EQ(prog.layer_activation_bytes[1], prog.layer_activation_bytes[3]);
 
@@ -540,11 +548,7 @@ TEST(Program, DenseBlocksOfAMixtureAreDense) {
     o.global_batch = 32;
     const Program p = compile(model, o);
     double sum = 0;
-    for (const BlockTemplate& t : p.templates) {
-      if (t.kind != BlockKind::kForward) continue;
-      for (const Step& s : t.steps) sum += s.kind == StepKind::kCompute ? s.seconds : 0.0;
-      break;
-    }
+    for (const Step& s : first_forward(p)) sum += s.kind == StepKind::kCompute ? s.seconds : 0.0;
     return sum;
   };
   ModelSpec all_experts = m, all_dense = m;
@@ -613,15 +617,7 @@ TEST(Program, SharedExpertIsDenseUnderExpertParallelism) {
   ModelSpec m;
   const Program prog = compile_moe("qwen1.5-moe-a2.7b", 2, 4, &m);
   ASSERT_FALSE(prog.lanes.empty());
-  const Mesh& mesh = prog.plan.mesh;
-  const uint32_t dp = 1u << mesh.axis_index("dp"), ep = 1u << mesh.axis_index("ep");
-  const double experts = static_cast<double>(m.expert_parameters()) / 4;
-  const double dense = static_cast<double>(m.parameters() - m.expert_parameters());
-  const Lane& lane = prog.lanes[0];
-  EXPECT_DOUBLE_EQ(lane.parameters, dense + experts);
-  std::map<uint32_t, double> reduced = reduce_scattered_by_axes(prog, lane);
-  EXPECT_DOUBLE_EQ(reduced[dp | ep], 4 * dense);
-  EXPECT_DOUBLE_EQ(reduced[dp], 4 * experts);
+  expect_dense_and_expert_groups(prog, m, 4);
 }
 
 // The builder's expert-parallel degree must fit the model and the data-parallel ranks.

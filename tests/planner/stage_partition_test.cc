@@ -137,6 +137,18 @@ struct Llama8bOnOneNode : ::testing::Test {
     o.sequence_parallel = true;
     o.global_batch = 64;
   }
+  // An 8-layer mixture of experts (`name`) at 2,048 tokens over the fixture's 4 stages, with
+  // expert parallelism 2 and no tensor parallelism.
+  Program compile_small_moe(const std::string& name) {
+    Expected<ModelSpec> m = load_model(name);
+    EXPECT_TRUE(m.ok());
+    m->layers = 8;
+    m->seq_len = 2048;
+    o.tp = 1;
+    o.sequence_parallel = false;
+    o.ep = 2;
+    return compile(*m, topo, o);
+  }
   ModelSpec model;
   Topology topo;
   MegatronOptions o;
@@ -145,14 +157,7 @@ struct Llama8bOnOneNode : ::testing::Test {
 // Costs per layer assume one block shape: a mixture with dense blocks is refused (its stages
 // split evenly), naming the model.
 TEST_F(Llama8bOnOneNode, MixedBlocksAreNotPricedPerLayer) {
-  Expected<ModelSpec> m = load_model("deepseek-moe-16b");
-  ASSERT_TRUE(m.ok());
-  m->layers = 8;
-  m->seq_len = 2048;
-  o.tp = 1;
-  o.sequence_parallel = false;
-  o.ep = 2;
-  Program plain = compile(*m, topo, o);
+  Program plain = compile_small_moe("deepseek-moe-16b");
   Expected<std::vector<StageCosts>> costs = measure_stage_costs(plain, plain);
   ASSERT_FALSE(costs.ok());
   EXPECT_NE(costs.error().message().find("model 'deepseek-moe-16b' has dense and expert blocks"),
@@ -163,15 +168,8 @@ TEST_F(Llama8bOnOneNode, MixedBlocksAreNotPricedPerLayer) {
 // Expert parallelism holds 1/ep of a layer's experts on a GPU: a middle stage's static memory
 // is its layers' and nothing else.
 TEST_F(Llama8bOnOneNode, StaticBytesPerLayerFollowExpertParallelism) {
-  Expected<ModelSpec> m = load_model("mixtral-8x7b");
-  ASSERT_TRUE(m.ok());
-  m->layers = 8;
-  m->seq_len = 2048;
-  o.tp = 1;
-  o.sequence_parallel = false;
-  o.ep = 2;  // 4 stages of 2 layers, dp 2
   o.global_batch = 16;
-  Program plain = compile(*m, topo, o);
+  Program plain = compile_small_moe("mixtral-8x7b");  // 4 stages of 2 layers, dp 2
   Expected<std::vector<StageCosts>> costs = measure_stage_costs(plain, plain);
   ASSERT_TRUE(costs.ok()) << costs.error().message();
   const Lane& middle = plain.lanes[1];
