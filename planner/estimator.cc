@@ -177,14 +177,20 @@ void Estimator::map_segments() {
 
 std::vector<TemplateTime> Estimator::template_times() {
   map_segments();
-  std::set<int> layer_labels;
-  for (const GraphPart* part : {&prog_.graph.layer, &prog_.graph.dense_layer}) {
-    for (const auto& op : part->ops) {
+  auto labels_of = [&](const GraphPart& part) {
+    std::set<int> out;
+    for (const auto& op : part.ops) {
       for (size_t i = 0; i < prog_.labels.size(); ++i) {
-        if (prog_.labels[i] == op.name) layer_labels.insert(static_cast<int>(i));
+        if (prog_.labels[i] == op.name) out.insert(static_cast<int>(i));
       }
     }
-  }
+    return out;
+  };
+  const std::set<int> expert_labels = labels_of(prog_.graph.layer);
+  const std::set<int> dense_labels = labels_of(prog_.graph.dense_layer);
+  std::set<int> layer_labels = expert_labels;
+  layer_labels.insert(dense_labels.begin(), dense_labels.end());
+  const bool two_shapes = !dense_labels.empty();
   std::vector<TemplateTime> out(prog_.templates.size());
   for (size_t t = 0; t < prog_.templates.size(); ++t) {
     const BlockTemplate& tpl = prog_.templates[t];
@@ -200,11 +206,15 @@ std::vector<TemplateTime> Estimator::template_times() {
       if (busy == 0) continue;
       if (!layer_labels.count(s.label)) {
         out[t].other += busy;
-      } else if (s.compute_class == ComputeClass::kRecompute) {
+        continue;
+      }
+      if (s.compute_class == ComputeClass::kRecompute) {
         out[t].layers_recompute += busy;
       } else {
         out[t].layers += busy;
       }
+      if (two_shapes && !dense_labels.count(s.label)) out[t].expert_block_only += busy;
+      if (two_shapes && !expert_labels.count(s.label)) out[t].dense_block_only += busy;
     }
   }
   return out;

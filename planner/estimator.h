@@ -31,7 +31,11 @@ Estimate estimate_program(const Program& program);
 struct TemplateTime {
   double layers = 0;            // forward / backward of the layers' operators
   double layers_recompute = 0;  // recomputing the layers' dropped activations
-  double other = 0;             // everything else on the compute stream
+  // Of the two above, the operators only one block shape has when a mixture of experts has two
+  // (OpGraph::layer, the expert block, and OpGraph::dense_layer); the rest are in both.
+  double expert_block_only = 0;
+  double dense_block_only = 0;
+  double other = 0;  // everything else on the compute stream
   // Point-to-point transfers the block starts to neighbouring segments' lanes (pipeline sends
   // of activations or gradients, at the block's end), each at its time alone on the network:
   // (receiving segment, seconds). They do not occupy the compute stream.

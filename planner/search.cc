@@ -199,9 +199,6 @@ std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& t
                                        std::optional<RecomputeMode> pinned_recompute,
                                        double capacity, const Constraints& cons,
                                        std::atomic<size_t>& evaluated) {
-  // The stage costs are per layer of one block shape: a mixture of experts with dense blocks
-  // keeps the even split (measure_stage_costs refuses it).
-  if (model.mixed_layers()) return std::nullopt;
   std::vector<int> zeros;
   for (const auto& level : chain.levels) {
     if (std::find(zeros.begin(), zeros.end(), level.second) == zeros.end()) {
@@ -225,13 +222,20 @@ std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& t
     Candidate cand;
     cand.options = plain;
     cand.placement = chain.placement;
-    const double saved_per_layer =
-        p1 ? p0->layer_activation_bytes.front() - p1->layer_activation_bytes.front() : 0;
+    // What recomputing a layer saves; with dense and expert blocks, the smaller of the two.
+    double saved_per_layer = 0;
+    if (p1) {
+      saved_per_layer = p0->layer_activation_bytes.front() - p1->layer_activation_bytes.front();
+      for (size_t l = 0; model.mixed_layers() && l < p0->layer_activation_bytes.size(); ++l) {
+        saved_per_layer = std::min(saved_per_layer,
+                                   p0->layer_activation_bytes[l] - p1->layer_activation_bytes[l]);
+      }
+    }
     std::vector<int> recomputed(p0->plan.segments.size(), 0);
     if (chain.base.vpp == 1) {
       Expected<std::vector<StageCosts>> costs = measure_stage_costs(*p0, p1 ? *p1 : *p0);
       if (!costs) return std::nullopt;
-      Expected<StagePartition> part = partition_stages(*costs, model.layers, capacity);
+      Expected<StagePartition> part = partition_stages(*costs, dense_blocks(model), capacity);
       if (!part) continue;
       cand.options.stage_layers = part->layers;
       recomputed = part->recomputed;

@@ -16,12 +16,15 @@ namespace nnsim {
 
 namespace {
 
+// Per segment, of the slowest variant of each block kind summed over the kinds: the layers'
+// time split by block shape (planner/estimator.h, TemplateTime) and the rest.
 struct SegmentTimes {
   double layers = 0;  // layers' forward, backward and any uniform recomputation
+  double expert_block_only = 0;
+  double dense_block_only = 0;
   double other = 0;
 };
 
-// Per segment: the slowest variant of each block kind, summed over the kinds.
 std::vector<SegmentTimes> segment_times(const Program& p) {
   const std::vector<TemplateTime> times = template_times(p);
   std::map<std::pair<int, int>, TemplateTime> worst;  // (segment, kind) -> slowest variant
@@ -34,6 +37,8 @@ std::vector<SegmentTimes> segment_times(const Program& p) {
   std::vector<SegmentTimes> out(p.plan.segments.size());
   for (const auto& [key, t] : worst) {
     out[key.first].layers += t.layers + t.layers_recompute;
+    out[key.first].expert_block_only += t.expert_block_only;
+    out[key.first].dense_block_only += t.dense_block_only;
     out[key.first].other += t.other;
   }
   return out;
@@ -50,29 +55,70 @@ int lane_of_segment(const Program& p, int segment) {
 
 // A layer's parameters on one device, each weight divided by its split factors (tensor
 // parallelism splits most of a block; expert parallelism its experts).
-Expected<double> layer_parameters_per_device(const Program& p) {
-  Expected<std::vector<OpPartition>> parts = resolve_partitions(p.graph.layer, p.plan);
+Expected<double> layer_parameters_per_device(const Program& p, const GraphPart& part) {
+  Expected<std::vector<OpPartition>> parts = resolve_partitions(part, p.plan);
   if (!parts) return parts.error();
   double params = 0;
-  for (size_t i = 0; i < p.graph.layer.ops.size(); ++i) {
-    for (const TensorSpec& w : p.graph.layer.ops[i].weights) {
+  for (size_t i = 0; i < part.ops.size(); ++i) {
+    for (const TensorSpec& w : part.ops[i].weights) {
       params += w.elements / (*parts)[i].factor(w.dims, p.plan.mesh);
     }
   }
   return params;
 }
 
+// How many of layers [first, end) are dense blocks.
+int count_dense(const std::vector<bool>& dense, int first, int end) {
+  return static_cast<int>(std::count(dense.begin() + first, dense.begin() + end, true));
+}
+
+// The time of a segment's `shape_n` layers of one shape, of its `n`: their own operators and
+// their share of what every shape has.
+double shape_seconds(const SegmentTimes& t, int n, int shape_n, double shape_only) {
+  if (shape_n == n) return t.layers;
+  const double shared = t.layers - t.expert_block_only - t.dense_block_only;
+  return shared * shape_n / n + shape_only;
+}
+
+// A block shape no stage holds keeps zero costs; one some stages lack gets the mean of the rest.
+void fill_missing(std::vector<StageCosts>& out, const std::vector<bool>& has,
+                  LayerCosts StageCosts::*shape) {
+  LayerCosts mean;
+  int n = 0;
+  for (size_t s = 0; s < out.size(); ++s) {
+    if (!has[s]) continue;
+    const LayerCosts& c = out[s].*shape;
+    mean.seconds += c.seconds;
+    mean.recompute_seconds += c.recompute_seconds;
+    mean.static_bytes += c.static_bytes;
+    mean.activation_bytes += c.activation_bytes;
+    mean.recomputed_activation_bytes += c.recomputed_activation_bytes;
+    ++n;
+  }
+  if (n == 0) return;
+  for (size_t s = 0; s < out.size(); ++s) {
+    if (has[s]) continue;
+    LayerCosts& c = out[s].*shape;
+    c.seconds = mean.seconds / n;
+    c.recompute_seconds = mean.recompute_seconds / n;
+    c.static_bytes = mean.static_bytes / n;
+    c.activation_bytes = mean.activation_bytes / n;
+    c.recomputed_activation_bytes = mean.recomputed_activation_bytes / n;
+  }
+}
+
 }  // namespace
+
+std::vector<bool> dense_blocks(const ModelSpec& model) {
+  std::vector<bool> out(std::max(0, model.layers), false);
+  if (!model.mixed_layers()) return out;
+  for (int l = 0; l < model.layers; ++l) out[l] = !model.is_moe_layer(l);
+  return out;
+}
 
 Expected<std::vector<StageCosts>> measure_stage_costs(const Program& plain,
                                                       const Program& recomputed) {
   const auto& segments = plain.plan.segments;
-  if (plain.graph.model.mixed_layers()) {
-    return Error(fmt::format(
-        "stage costs: model '{}' has dense and expert blocks; the partitioner prices layers of "
-        "one block shape (pin the stages' layers instead)",
-        plain.graph.model.name));
-  }
   if (segments.size() != recomputed.plan.segments.size()) {
     return Error("stage costs: the two programs have different segments");
   }
@@ -86,35 +132,62 @@ Expected<std::vector<StageCosts>> measure_stage_costs(const Program& plain,
       }
     }
   }
+  const std::vector<bool> dense = dense_blocks(plain.graph.model);
   const std::vector<SegmentTimes> t0 = segment_times(plain);
   const std::vector<SegmentTimes> t1 = segment_times(recomputed);
   const std::vector<LaneMemoryPeak> peaks = lane_memory_peaks(plain);
-  const Expected<double> per_device = layer_parameters_per_device(plain);
-  if (!per_device) return per_device.error();
-  const double layer_params = *per_device;
+  const Expected<double> expert_params = layer_parameters_per_device(plain, plain.graph.layer);
+  if (!expert_params) return expert_params.error();
+  const Expected<double> dense_params = layer_parameters_per_device(plain, plain.graph.dense_layer);
+  if (!dense_params) return dense_params.error();
   std::vector<StageCosts> out;
+  std::vector<bool> has_expert, has_dense;
   for (size_t s = 0; s < segments.size(); ++s) {
-    const int n = segments[s].end_layer - segments[s].first_layer;
+    const int first = segments[s].first_layer;
+    const int n = segments[s].end_layer - first;
     const int lane = lane_of_segment(plain, static_cast<int>(s));
-    if (n < 1 || lane < 0) {
+    if (n < 1 || lane < 0 || segments[s].end_layer > static_cast<int>(dense.size())) {
       return Error(fmt::format("stage costs: segment {} has no layers or no device", s));
     }
+    const int n_dense = count_dense(dense, first, first + n);
+    const int n_expert = n - n_dense;
+    has_expert.push_back(n_expert > 0);
+    has_dense.push_back(n_dense > 0);
     const Lane& ln = plain.lanes[lane];
-    StageCosts c;
-    c.layer_seconds = t0[s].layers / n;
-    c.recompute_seconds = std::max(0.0, (t1[s].layers - t0[s].layers) / n);
-    c.other_seconds = t0[s].other;
     const double static_bytes =
         ln.memory.weights + ln.memory.gradients + ln.memory.optimizer + ln.memory.gathered;
-    c.static_per_layer = ln.parameters > 0 ? static_bytes / ln.parameters * layer_params : 0;
-    const int first = segments[s].first_layer;
-    c.activation_per_layer = plain.layer_activation_bytes.at(first);
-    c.activation_per_recomputed_layer = recomputed.layer_activation_bytes.at(first);
-    c.in_flight = std::max(1, peaks[lane].in_flight);
-    c.fixed_bytes =
-        peaks[lane].peak - n * (c.static_per_layer + c.in_flight * c.activation_per_layer);
+    const double bytes_per_parameter = ln.parameters > 0 ? static_bytes / ln.parameters : 0;
+    const double in_flight = std::max(1, peaks[lane].in_flight);
+    StageCosts c;
+    c.in_flight = static_cast<int>(in_flight);
+    c.other_seconds = t0[s].other;
+    double layer_bytes = 0;  // the stage's layers' share of its peak
+    const auto measure = [&](LayerCosts& c, bool is_dense, int shape_n, double params, double only0,
+                             double only1) {
+      const double t = shape_seconds(t0[s], n, shape_n, only0);
+      c.seconds = t / shape_n;
+      c.recompute_seconds = std::max(0.0, (shape_seconds(t1[s], n, shape_n, only1) - t) / shape_n);
+      c.static_bytes = bytes_per_parameter * params;
+      // Every layer of a shape keeps the same activations: the segment's first one's.
+      const int l = static_cast<int>(
+          std::find(dense.begin() + first, dense.begin() + first + n, is_dense) - dense.begin());
+      c.activation_bytes = plain.layer_activation_bytes.at(l);
+      c.recomputed_activation_bytes = recomputed.layer_activation_bytes.at(l);
+      layer_bytes += shape_n * (c.static_bytes + in_flight * c.activation_bytes);
+    };
+    if (n_expert > 0) {
+      measure(c.layer, false, n_expert, *expert_params, t0[s].expert_block_only,
+              t1[s].expert_block_only);
+    }
+    if (n_dense > 0) {
+      measure(c.dense_layer, true, n_dense, *dense_params, t0[s].dense_block_only,
+              t1[s].dense_block_only);
+    }
+    c.fixed_bytes = peaks[lane].peak - layer_bytes;
     out.push_back(c);
   }
+  fill_missing(out, has_expert, &StageCosts::layer);
+  fill_missing(out, has_dense, &StageCosts::dense_layer);
   return out;
 }
 
@@ -127,21 +200,43 @@ struct StageChoice {
   double seconds = 0;
 };
 
-StageChoice choose(const StageCosts& c, int n, double capacity) {
+// The stage holding layers [first, first + n), recomputing its first layers; `dense_before[l]`
+// counts the dense blocks before layer l.
+StageChoice choose(const StageCosts& c, const std::vector<int>& dense_before, int first, int n,
+                   double capacity) {
+  const LayerCosts& e = c.layer;
+  const LayerCosts& d = c.dense_layer;
+  const auto dense_in = [&](int k) { return dense_before[first + k] - dense_before[first]; };
+  const int n_dense = dense_in(n);
+  const int n_expert = n - n_dense;
   StageChoice ch;
-  const double need =
-      c.fixed_bytes + n * (c.static_per_layer + c.in_flight * c.activation_per_layer);
-  const double saved_per_layer =
-      c.in_flight * (c.activation_per_layer - c.activation_per_recomputed_layer);
+  const double need = c.fixed_bytes +
+                      n_expert * (e.static_bytes + c.in_flight * e.activation_bytes) +
+                      n_dense * (d.static_bytes + c.in_flight * d.activation_bytes);
+  const double saved_expert = c.in_flight * (e.activation_bytes - e.recomputed_activation_bytes);
+  const double saved_dense = c.in_flight * (d.activation_bytes - d.recomputed_activation_bytes);
   int k = 0;
   if (need > capacity) {
-    if (saved_per_layer <= 0) return ch;
-    k = static_cast<int>(std::ceil((need - capacity) / saved_per_layer - 1e-9));
+    if (n_dense == 0 || n_expert == 0) {
+      const double saved = n_dense == 0 ? saved_expert : saved_dense;
+      if (saved <= 0) return ch;
+      k = static_cast<int>(std::ceil((need - capacity) / saved - 1e-9));
+    } else {
+      // The first k layers' savings grow with k (neither shape keeps more when recomputed).
+      const auto saved = [&](int k) {
+        return dense_in(k) * std::max(0.0, saved_dense) +
+               (k - dense_in(k)) * std::max(0.0, saved_expert);
+      };
+      const double excess = need - capacity;
+      while (k <= n && saved(k) < excess * (1 - 1e-9)) ++k;
+    }
     if (k > n) return ch;
   }
+  const int k_dense = dense_in(k);
   ch.fits = true;
   ch.recomputed = k;
-  ch.seconds = c.other_seconds + n * c.layer_seconds + k * c.recompute_seconds;
+  ch.seconds = c.other_seconds + n_expert * e.seconds + n_dense * d.seconds +
+               (k - k_dense) * e.recompute_seconds + k_dense * d.recompute_seconds;
   return ch;
 }
 
@@ -161,12 +256,15 @@ struct Score {
 
 }  // namespace
 
-Expected<StagePartition> partition_stages(const std::vector<StageCosts>& stages, int layers,
-                                          double capacity) {
+Expected<StagePartition> partition_stages(const std::vector<StageCosts>& stages,
+                                          const std::vector<bool>& dense, double capacity) {
   const int p = static_cast<int>(stages.size());
+  const int layers = static_cast<int>(dense.size());
   if (p < 1 || layers < p) {
     return Error(fmt::format("cannot split {} layers over {} stages", layers, p));
   }
+  std::vector<int> dense_before(layers + 1, 0);
+  for (int l = 0; l < layers; ++l) dense_before[l + 1] = dense_before[l] + (dense[l] ? 1 : 0);
   // best[s][k]: stages s.. holding the last k layers; choice[s][k]: layers of stage s.
   std::vector<std::vector<Score>> best(p + 1, std::vector<Score>(layers + 1));
   std::vector<std::vector<int>> pick(p, std::vector<int>(layers + 1, -1));
@@ -177,7 +275,7 @@ Expected<StagePartition> partition_stages(const std::vector<StageCosts>& stages,
       for (int n = 1; n + later <= k; ++n) {
         const Score& rest = best[s + 1][k - n];
         if (std::isinf(rest.slowest)) continue;
-        const StageChoice ch = choose(stages[s], n, capacity);
+        const StageChoice ch = choose(stages[s], dense_before, layers - k, n, capacity);
         if (!ch.fits) continue;
         Score sc{std::max(rest.slowest, ch.seconds), rest.recomputed + ch.recomputed};
         // Strictly better only: on ties the smallest n (earlier stages hold more micro-batches).
@@ -199,7 +297,7 @@ Expected<StagePartition> partition_stages(const std::vector<StageCosts>& stages,
   for (int s = 0; s < p; ++s) {
     const int n = pick[s][k];
     out.layers.push_back(n);
-    out.recomputed.push_back(choose(stages[s], n, capacity).recomputed);
+    out.recomputed.push_back(choose(stages[s], dense_before, layers - k, n, capacity).recomputed);
     k -= n;
   }
   return out;

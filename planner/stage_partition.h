@@ -6,8 +6,10 @@
 // the time of a layer's forward and backward, the extra time of recomputing one, the time of
 // what is not a layer (the embedding on the first stage, the head and loss on the last), and
 // the memory at the stage's peak broken into static bytes per layer, activation bytes per layer
-// per in-flight micro-batch, and the rest. Layers are identical, so a stage's time and memory
-// are linear in its layer count; dynamic programming over (stage, layers placed) finds the split.
+// per in-flight micro-batch, and the rest. A mixture of experts with dense blocks too
+// (ModelSpec::mixed_layers) has these per layer for each of its two block shapes. A stage's time
+// and memory are linear in how many layers of each shape it holds; dynamic programming over
+// (stage, layers placed) finds the split.
 #pragma once
 
 #include <vector>
@@ -17,16 +19,23 @@
 
 namespace nnsim {
 
+// One layer of one block shape on one stage: per micro-batch (times) and at the stage's memory
+// peak (bytes).
+struct LayerCosts {
+  double seconds = 0;                      // forward + backward, not recomputed
+  double recompute_seconds = 0;            // extra when fully recomputed
+  double static_bytes = 0;                 // weights, gradients, optimizer state
+  double activation_bytes = 0;             // kept per micro-batch, not recomputed
+  double recomputed_activation_bytes = 0;  // kept per micro-batch, recomputed
+};
+
 // One pipeline stage's costs, per micro-batch (times) and at its memory peak (bytes).
 struct StageCosts {
-  double layer_seconds = 0;                    // forward + backward of one layer, not recomputed
-  double recompute_seconds = 0;                // extra for one fully recomputed layer
-  double other_seconds = 0;                    // the stage's operators that are not layers
-  double static_per_layer = 0;                 // weights, gradients, optimizer state of one layer
-  double activation_per_layer = 0;             // kept per micro-batch, not recomputed
-  double activation_per_recomputed_layer = 0;  // kept per micro-batch, recomputed
-  int in_flight = 1;       // micro-batches whose activations are alive at the peak
-  double fixed_bytes = 0;  // the rest of the peak (embedding, head, buffers, runtime)
+  LayerCosts layer;          // the model's block (the expert one in a mixture of experts)
+  LayerCosts dense_layer;    // a mixture of experts' dense block, when it has both shapes
+  double other_seconds = 0;  // the stage's operators that are not layers
+  int in_flight = 1;         // micro-batches whose activations are alive at the peak
+  double fixed_bytes = 0;    // the rest of the peak (embedding, head, buffers, runtime)
 };
 
 struct StagePartition {
@@ -37,16 +46,20 @@ struct StagePartition {
 
 // Stage costs of a compiled plan with one segment per stage (no virtual stages). `plain` is the
 // plan without recomputation (or with the mode the user pinned), `recomputed` the same plan with
-// every layer fully recomputed; pass the same program twice to forbid extra recomputation.
+// every layer fully recomputed; pass the same program twice to forbid extra recomputation. A
+// block shape that a stage does not hold gets the mean of the stages that do.
 Expected<std::vector<StageCosts>> measure_stage_costs(const Program& plain,
                                                       const Program& recomputed);
 
-// The split of `layers` layers over the stages (at least one layer each) that minimizes the
-// slowest stage's time per micro-batch, recomputing in each stage only the layers it needs to
-// fit in `capacity` bytes. Ties go to less recomputation, then to later stages holding more
-// layers. Fails when no split fits.
-Expected<StagePartition> partition_stages(const std::vector<StageCosts>& stages, int layers,
-                                          double capacity);
+// Which layers are a mixture of experts' dense blocks (all false for a model of one shape).
+std::vector<bool> dense_blocks(const ModelSpec& model);
+
+// The split of the layers (`dense`: one entry per layer, true for a dense block) over the stages
+// (at least one layer each) that minimizes the slowest stage's time per micro-batch,
+// recomputing in each stage only the layers it needs to fit in `capacity` bytes. Ties go to less
+// recomputation, then to later stages holding more layers. Fails when no split fits.
+Expected<StagePartition> partition_stages(const std::vector<StageCosts>& stages,
+                                          const std::vector<bool>& dense, double capacity);
 
 // Stage-aware recomputation for a given split, also with virtual stages (a device holding
 // several segments): from `recomputed` (per segment), every device of `program` whose exact

@@ -19,59 +19,96 @@ constexpr double kGiB = 1024.0 * 1024 * 1024;
 
 StageCosts stage(int in_flight, double other_seconds = 0) {
   StageCosts c;
-  c.layer_seconds = 1.0;
-  c.recompute_seconds = 0.3;
+  c.layer.seconds = 1.0;
+  c.layer.recompute_seconds = 0.3;
+  c.layer.static_bytes = 1 * kGiB;
+  c.layer.activation_bytes = 0.5 * kGiB;
+  c.layer.recomputed_activation_bytes = 0.05 * kGiB;
   c.other_seconds = other_seconds;
-  c.static_per_layer = 1 * kGiB;
-  c.activation_per_layer = 0.5 * kGiB;
-  c.activation_per_recomputed_layer = 0.05 * kGiB;
   c.in_flight = in_flight;
   c.fixed_bytes = 2 * kGiB;
   return c;
 }
 
-double bytes(const StageCosts& c, int n, int k) {
-  return c.fixed_bytes + n * c.static_per_layer +
-         c.in_flight * ((n - k) * c.activation_per_layer + k * c.activation_per_recomputed_layer);
+// `stage` with a dense block too: cheaper to run, much smaller (no experts), same activations.
+StageCosts mixed_stage(int in_flight, double other_seconds = 0) {
+  StageCosts c = stage(in_flight, other_seconds);
+  c.dense_layer = c.layer;
+  c.dense_layer.seconds = 0.6;
+  c.dense_layer.recompute_seconds = 0.2;
+  c.dense_layer.static_bytes = 0.1 * kGiB;
+  return c;
 }
 
-double seconds(const StageCosts& c, int n, int k) {
-  return c.other_seconds + n * c.layer_seconds + k * c.recompute_seconds;
+std::vector<bool> uniform(int layers) {
+  return std::vector<bool>(layers, false);
+}
+
+const LayerCosts& shape(const StageCosts& c, bool dense) {
+  return dense ? c.dense_layer : c.layer;
+}
+
+// A stage holding layers [first, first + n) of `dense`, recomputing its first k.
+double bytes(const StageCosts& c, const std::vector<bool>& dense, int first, int n, int k) {
+  double b = c.fixed_bytes;
+  for (int l = first; l < first + n; ++l) {
+    const LayerCosts& x = shape(c, dense[l]);
+    b += x.static_bytes +
+         c.in_flight * (l < first + k ? x.recomputed_activation_bytes : x.activation_bytes);
+  }
+  return b;
+}
+
+double seconds(const StageCosts& c, const std::vector<bool>& dense, int first, int n, int k) {
+  double t = c.other_seconds;
+  for (int l = first; l < first + n; ++l) {
+    const LayerCosts& x = shape(c, dense[l]);
+    t += x.seconds + (l < first + k ? x.recompute_seconds : 0);
+  }
+  return t;
+}
+
+double bytes(const StageCosts& c, int n, int k) {
+  return bytes(c, uniform(n), 0, n, k);
 }
 
 // The best slowest-stage time over every split and every recompute count, by enumeration.
-double brute_force(const std::vector<StageCosts>& stages, int layers, double capacity) {
+double brute_force(const std::vector<StageCosts>& stages, const std::vector<bool>& dense,
+                   double capacity) {
+  const int layers = static_cast<int>(dense.size());
   double best = 1e300;
-  std::vector<int> n(stages.size());
-  std::function<void(size_t, int, double)> walk = [&](size_t s, int left, double slowest) {
+  std::function<void(size_t, int, double)> walk = [&](size_t s, int first, double slowest) {
     if (slowest >= best) return;
     if (s == stages.size()) {
-      if (left == 0) best = std::min(best, slowest);
+      if (first == layers) best = std::min(best, slowest);
       return;
     }
-    for (int x = 1; x <= left; ++x) {
+    for (int x = 1; first + x <= layers; ++x) {
       for (int k = 0; k <= x; ++k) {
-        if (bytes(stages[s], x, k) > capacity) continue;
-        walk(s + 1, left - x, std::max(slowest, seconds(stages[s], x, k)));
+        if (bytes(stages[s], dense, first, x, k) > capacity) continue;
+        walk(s + 1, first + x, std::max(slowest, seconds(stages[s], dense, first, x, k)));
         break;  // more recomputation only costs time
       }
     }
   };
-  walk(0, layers, 0);
+  walk(0, 0, 0);
   return best;
 }
 
-void expect_valid(const StagePartition& p, const std::vector<StageCosts>& stages, int layers,
-                  double capacity) {
+void expect_valid(const StagePartition& p, const std::vector<StageCosts>& stages,
+                  const std::vector<bool>& dense, double capacity) {
   ASSERT_EQ(p.layers.size(), stages.size());
-  EXPECT_EQ(std::accumulate(p.layers.begin(), p.layers.end(), 0), layers);
+  EXPECT_EQ(std::accumulate(p.layers.begin(), p.layers.end(), 0), static_cast<int>(dense.size()));
   double slowest = 0;
+  int first = 0;
   for (size_t s = 0; s < stages.size(); ++s) {
     EXPECT_GE(p.layers[s], 1);
     EXPECT_GE(p.recomputed[s], 0);
     EXPECT_LE(p.recomputed[s], p.layers[s]);
-    EXPECT_LE(bytes(stages[s], p.layers[s], p.recomputed[s]), capacity) << "stage " << s;
-    slowest = std::max(slowest, seconds(stages[s], p.layers[s], p.recomputed[s]));
+    EXPECT_LE(bytes(stages[s], dense, first, p.layers[s], p.recomputed[s]), capacity)
+        << "stage " << s;
+    slowest = std::max(slowest, seconds(stages[s], dense, first, p.layers[s], p.recomputed[s]));
+    first += p.layers[s];
   }
   EXPECT_NEAR(slowest, p.slowest_stage_seconds, 1e-9);
 }
@@ -79,11 +116,11 @@ void expect_valid(const StagePartition& p, const std::vector<StageCosts>& stages
 TEST(StagePartition, HeadOnTheLastStageGivesItFewerLayers) {
   // 4 stages, 32 layers, the head costs 2.5 layers: uniform 8 each makes the last stage 10.5.
   std::vector<StageCosts> stages = {stage(4), stage(3), stage(2), stage(1, 2.5)};
-  Expected<StagePartition> p = partition_stages(stages, 32, 1000 * kGiB);
+  Expected<StagePartition> p = partition_stages(stages, uniform(32), 1000 * kGiB);
   ASSERT_TRUE(p.ok()) << p.error().message();
-  expect_valid(*p, stages, 32, 1000 * kGiB);
+  expect_valid(*p, stages, uniform(32), 1000 * kGiB);
   EXPECT_LT(p->layers[3], 8);
-  EXPECT_DOUBLE_EQ(p->slowest_stage_seconds, brute_force(stages, 32, 1000 * kGiB));
+  EXPECT_DOUBLE_EQ(p->slowest_stage_seconds, brute_force(stages, uniform(32), 1000 * kGiB));
   EXPECT_DOUBLE_EQ(p->slowest_stage_seconds, 9.0);  // 9,9,9 + 5 layers and the head (7.5)
   for (int k : p->recomputed) EXPECT_EQ(k, 0);
 }
@@ -94,10 +131,10 @@ TEST(StagePartition, EarlyStagesRecomputeWhatTheirInFlightMicroBatchesNeed) {
   std::vector<StageCosts> stages;
   for (int s = 0; s < 6; ++s) stages.push_back(stage(6 - s, s == 5 ? 1.5 : 0));
   const double capacity = 14 * kGiB;
-  Expected<StagePartition> p = partition_stages(stages, 30, capacity);
+  Expected<StagePartition> p = partition_stages(stages, uniform(30), capacity);
   ASSERT_TRUE(p.ok()) << p.error().message();
-  expect_valid(*p, stages, 30, capacity);
-  EXPECT_NEAR(p->slowest_stage_seconds, brute_force(stages, 30, capacity), 1e-9);
+  expect_valid(*p, stages, uniform(30), capacity);
+  EXPECT_NEAR(p->slowest_stage_seconds, brute_force(stages, uniform(30), capacity), 1e-9);
   EXPECT_GT(p->recomputed.front(), 0);
   EXPECT_EQ(p->recomputed.back(), 0);  // the last stage holds one micro-batch: no recompute
   // Less recomputation than recomputing everything, and faster.
@@ -107,11 +144,46 @@ TEST(StagePartition, EarlyStagesRecomputeWhatTheirInFlightMicroBatchesNeed) {
 
 TEST(StagePartition, SaysWhenNothingFits) {
   std::vector<StageCosts> stages = {stage(2), stage(1)};
-  Expected<StagePartition> p = partition_stages(stages, 16, 8 * kGiB);
+  Expected<StagePartition> p = partition_stages(stages, uniform(16), 8 * kGiB);
   ASSERT_FALSE(p.ok());
   EXPECT_NE(p.error().message().find("no split of 16 layers over 2 stages fits"), std::string::npos)
       << p.error().message();
-  EXPECT_FALSE(partition_stages(stages, 1, 100 * kGiB).ok());  // fewer layers than stages
+  EXPECT_FALSE(partition_stages(stages, uniform(1), 100 * kGiB).ok());  // fewer than stages
+}
+
+// DeepSeek's layout: the first 3 of 27 layers dense, cheaper and without experts. The stage
+// holding them takes more layers than an even split gives it, and recomputes the layers it must
+// in the order they come (dense ones first), as the brute force over every split does.
+TEST(StagePartition, DenseBlocksCountAtTheirOwnCost) {
+  std::vector<bool> dense(27, false);
+  for (int l = 0; l < 3; ++l) dense[l] = true;
+  std::vector<StageCosts> stages;
+  for (int s = 0; s < 3; ++s) stages.push_back(mixed_stage(3 - s, s == 2 ? 1.0 : 0));
+  for (double capacity : {1000 * kGiB, 16 * kGiB, 12 * kGiB}) {
+    Expected<StagePartition> p = partition_stages(stages, dense, capacity);
+    ASSERT_TRUE(p.ok()) << p.error().message();
+    expect_valid(*p, stages, dense, capacity);
+    EXPECT_NEAR(p->slowest_stage_seconds, brute_force(stages, dense, capacity), 1e-9)
+        << "capacity " << capacity / kGiB << " GiB";
+  }
+  // Without a memory limit: 9 layers per stage take 3 x 0.6 + 6 = 7.8 s, 9 s and 10 s (the
+  // head); 10, 9 and 8 layers take 8.8 s, 9 s and 9 s.
+  Expected<StagePartition> p = partition_stages(stages, dense, 1000 * kGiB);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->layers, (std::vector<int>{10, 9, 8}));
+  EXPECT_DOUBLE_EQ(p->slowest_stage_seconds, 9.0);
+  // Dense and expert layers alternating (Llama 4, Qwen2-MoE), recomputation needed.
+  std::vector<bool> odd(24, false);
+  for (int l = 0; l < 24; l += 2) odd[l] = true;
+  std::vector<StageCosts> four;
+  for (int s = 0; s < 4; ++s) four.push_back(mixed_stage(4 - s, s == 3 ? 1.5 : 0));
+  for (double capacity : {1000 * kGiB, 10 * kGiB, 8 * kGiB}) {
+    Expected<StagePartition> q = partition_stages(four, odd, capacity);
+    ASSERT_TRUE(q.ok()) << q.error().message();
+    expect_valid(*q, four, odd, capacity);
+    EXPECT_NEAR(q->slowest_stage_seconds, brute_force(four, odd, capacity), 1e-9)
+        << "capacity " << capacity / kGiB << " GiB";
+  }
 }
 
 Program compile(const ModelSpec& model, const Topology& topo, const MegatronOptions& o) {
@@ -154,15 +226,28 @@ struct Llama8bOnOneNode : ::testing::Test {
   MegatronOptions o;
 };
 
-// Costs per layer assume one block shape: a mixture with dense blocks is refused (its stages
-// split evenly), naming the model.
-TEST_F(Llama8bOnOneNode, MixedBlocksAreNotPricedPerLayer) {
-  Program plain = compile_small_moe("deepseek-moe-16b");
+// DeepSeekMoE's first layer is dense: its costs are measured on the stage that holds it (with an
+// expert layer beside it) and lent to the stages that hold none; the linear memory model still
+// reproduces every stage's peak.
+TEST_F(Llama8bOnOneNode, MixedBlocksArePricedPerShape) {
+  o.global_batch = 16;
+  Program plain = compile_small_moe("deepseek-moe-16b");  // 4 stages of 2 layers
   Expected<std::vector<StageCosts>> costs = measure_stage_costs(plain, plain);
-  ASSERT_FALSE(costs.ok());
-  EXPECT_NE(costs.error().message().find("model 'deepseek-moe-16b' has dense and expert blocks"),
-            std::string::npos)
-      << costs.error().message();
+  ASSERT_TRUE(costs.ok()) << costs.error().message();
+  ASSERT_EQ(costs->size(), 4u);
+  const std::vector<bool> dense = dense_blocks(plain.graph.model);
+  ASSERT_EQ(dense, (std::vector<bool>{true, false, false, false, false, false, false, false}));
+  const std::vector<LaneMemoryPeak> peaks = lane_memory_peaks(plain);
+  for (int s = 0; s < 4; ++s) {
+    const StageCosts& c = (*costs)[s];
+    // 64 experts over ep 2 against one 10,944-wide MLP; the all-to-alls and the router.
+    EXPECT_LT(c.dense_layer.static_bytes, c.layer.static_bytes / 3);
+    EXPECT_LT(c.dense_layer.seconds, c.layer.seconds);
+    EXPECT_GT(c.dense_layer.seconds, 0.5 * c.layer.seconds);
+    EXPECT_NEAR(c.layer.seconds, (*costs)[1].layer.seconds, 0.01 * c.layer.seconds);
+    EXPECT_DOUBLE_EQ(c.dense_layer.seconds, (*costs)[0].dense_layer.seconds);
+    EXPECT_NEAR(bytes(c, dense, 2 * s, 2, 0), peaks[s].peak, 1e-6 * peaks[s].peak);
+  }
 }
 
 // Expert parallelism holds 1/ep of a layer's experts on a GPU: a middle stage's static memory
@@ -175,7 +260,7 @@ TEST_F(Llama8bOnOneNode, StaticBytesPerLayerFollowExpertParallelism) {
   const Lane& middle = plain.lanes[1];
   const double static_bytes = middle.memory.weights + middle.memory.gradients +
                               middle.memory.optimizer + middle.memory.gathered;
-  EXPECT_NEAR(2 * (*costs)[1].static_per_layer, static_bytes, 1e-9 * static_bytes);
+  EXPECT_NEAR(2 * (*costs)[1].layer.static_bytes, static_bytes, 1e-9 * static_bytes);
 }
 
 TEST_F(Llama8bOnOneNode, MeasuredCostsSeparateLayersFromTheHead) {
@@ -190,14 +275,16 @@ TEST_F(Llama8bOnOneNode, MeasuredCostsSeparateLayersFromTheHead) {
   const StageCosts& last = costs->back();
   for (const StageCosts& c : *costs) {
     // Identical layers cost the same on every stage.
-    EXPECT_NEAR(c.layer_seconds, first.layer_seconds, 0.01 * first.layer_seconds);
-    EXPECT_GT(c.recompute_seconds, 0);
-    EXPECT_LT(c.recompute_seconds, c.layer_seconds);  // a forward, not a forward and backward
-    EXPECT_LT(c.activation_per_recomputed_layer, c.activation_per_layer / 10);
+    EXPECT_NEAR(c.layer.seconds, first.layer.seconds, 0.01 * first.layer.seconds);
+    EXPECT_GT(c.layer.recompute_seconds, 0);
+    // A forward, not a forward and backward.
+    EXPECT_LT(c.layer.recompute_seconds, c.layer.seconds);
+    EXPECT_LT(c.layer.recomputed_activation_bytes, c.layer.activation_bytes / 10);
+    EXPECT_EQ(c.dense_layer.seconds, 0);  // one block shape
   }
   // Llama 3's 128K vocabulary: the head and loss cost more than a layer; the embedding little.
-  EXPECT_GT(last.other_seconds, first.layer_seconds);
-  EXPECT_LT(first.other_seconds, 0.1 * first.layer_seconds);
+  EXPECT_GT(last.other_seconds, first.layer.seconds);
+  EXPECT_LT(first.other_seconds, 0.1 * first.layer.seconds);
   // 1F1B: stage s holds p - s micro-batches at its peak.
   for (int s = 0; s < 4; ++s) EXPECT_EQ((*costs)[s].in_flight, 4 - s);
   // The linear memory model reproduces each stage's measured peak with the uniform split.
@@ -228,6 +315,38 @@ TEST_F(Llama8bOnOneNode, BalancedStagesBeatTheUniformSplit) {
   ASSERT_EQ(best.options.stage_layers.size(), 4u);
   EXPECT_LT(best.options.stage_layers.back(), 8);  // the head's stage holds fewer layers
   EXPECT_LT(best.estimate.iteration_time, 0.95 * uniform);
+}
+
+// DeepSeekMoE with 16 layers, the first dense: its stage (dense block, cheap embedding) takes a
+// layer more than the even split gives it, the head's stage fewer, and the plan is faster.
+TEST_F(Llama8bOnOneNode, BalancedStagesWithADenseFirstLayer) {
+  Expected<ModelSpec> m = load_model("deepseek-moe-16b");
+  ASSERT_TRUE(m.ok());
+  m->layers = 16;
+  m->seq_len = 2048;
+  SearchOptions so;
+  so.global_batch = 64;
+  so.jobs = 2;
+  so.confirm = 0;
+  so.pins.tp = 1;
+  so.pins.pp = 4;
+  so.pins.vpp = 1;
+  so.pins.ep = 2;
+  so.pins.micro_batch = 1;
+  so.pins.schedule = ScheduleKind::kOneFOneB;
+  so.pins.placement = std::vector<std::string>{"pp", "dp", "cp", "tp"};
+  Expected<SearchResult> r = search_plans(*m, topo, so);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  EXPECT_GE(r->balanced_better, 1u);
+  const Candidate& best = r->ranked.front();
+  ASSERT_EQ(best.options.stage_layers.size(), 4u);
+  EXPECT_GT(best.options.stage_layers.front(), 4);
+  EXPECT_LT(best.options.stage_layers.back(), 4);
+  MegatronOptions even = best.options;
+  even.stage_layers.clear();
+  even.recompute_layers.clear();
+  EXPECT_LT(best.estimate.iteration_time,
+            0.97 * estimate_program(compile(*m, topo, even)).iteration_time);
 }
 
 TEST_F(Llama8bOnOneNode, StageAwareRecomputeFitsWhereNoRecomputeDoesNot) {
