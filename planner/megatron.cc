@@ -112,6 +112,25 @@ Expected<Placement> placement_from_order(const Mesh& mesh, const std::vector<std
   return placement;
 }
 
+Status check_recompute_modules(const ModelSpec& model, const std::vector<std::string>& modules) {
+  if (modules.empty()) return Status::Ok();
+  const OpGraph graph = lower_model(model, 1);
+  std::vector<std::string> names;
+  for (const GraphPart* part : {&graph.layer, &graph.dense_layer}) {
+    for (const Op& op : part->ops) {
+      if (std::find(names.begin(), names.end(), op.name) == names.end()) names.push_back(op.name);
+    }
+  }
+  for (const std::string& m : modules) {
+    if (std::none_of(names.begin(), names.end(),
+                     [&](const std::string& n) { return match_pattern(m, n); })) {
+      return Error(fmt::format("'{}' matches no operator of a layer{} (operators: {})", m,
+                               suggest(m, names), fmt::join(names, ", ")));
+    }
+  }
+  return Status::Ok();
+}
+
 Mesh megatron_mesh(const MegatronOptions& o, int dp) {
   Mesh mesh;
   if (o.ep > 1) {
@@ -140,6 +159,9 @@ std::vector<std::string> with_expert_axis(std::vector<std::string> order, int ep
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                                    const MegatronOptions& o) {
   if (Status s = validate_model(model); !s) return s.error();
+  if (Status s = check_recompute_modules(model, o.recompute_modules); !s) {
+    return Error("--recompute-modules: " + s.error().message());
+  }
   Expected<std::vector<int>> usable = usable_gpus(topo, o.avoid_gpus);
   if (!usable) return usable.error();
   const bool avoiding = !o.avoid_gpus.empty();

@@ -103,6 +103,10 @@ struct MegatronOptions {
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                                    const MegatronOptions& options);
 
+// Every pattern of a per-module recomputation policy (`recompute_modules`) must match an
+// operator of the model's blocks; the error names the first that does not and lists them.
+Status check_recompute_modules(const ModelSpec& model, const std::vector<std::string>& modules);
+
 // The builder's mesh for degrees `o` with `dp` data-parallel ranks: [dp, pp, cp, tp], and with
 // expert parallelism [dp / ep, pp, ep, cp, tp] (the replicas are what ep leaves of dp).
 Mesh megatron_mesh(const MegatronOptions& o, int dp);

@@ -316,23 +316,8 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
   if (!usable)
     return Error(fmt::format("{}: field 'avoid_gpus': {}", cons.file, usable.error().message()));
   const int usable_count = static_cast<int>(usable->size());
-  if (!cons.recompute_modules.empty()) {
-    const OpGraph graph = lower_model(model, 1);
-    std::vector<std::string> names;
-    for (const GraphPart* part : {&graph.layer, &graph.dense_layer}) {
-      for (const Op& op : part->ops) {
-        if (std::find(names.begin(), names.end(), op.name) == names.end()) names.push_back(op.name);
-      }
-    }
-    for (const std::string& m : cons.recompute_modules) {
-      if (std::none_of(names.begin(), names.end(),
-                       [&](const std::string& n) { return match_pattern(m, n); })) {
-        return Error(
-            fmt::format("{}: field 'recompute_modules': '{}' matches no operator of a "
-                        "layer{} (operators: {})",
-                        cons.file, m, suggest(m, names), fmt::join(names, ", ")));
-      }
-    }
+  if (Status st = check_recompute_modules(model, cons.recompute_modules); !st) {
+    return Error(fmt::format("{}: field 'recompute_modules': {}", cons.file, st.error().message()));
   }
   const bool fsdp = o.framework == "fsdp";
   // Plans keep headroom for the caching allocator's reserve and fragmentation, which the memory

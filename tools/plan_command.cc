@@ -43,6 +43,10 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
     so.constraints = *c;
   }
   for (int g : a.o.avoid_gpus) so.constraints.avoid_gpus.push_back(g);
+  if (Status st = check_recompute_modules(model, a.o.recompute_modules); !st) {
+    return fail("--recompute-modules: " + st.error().message());
+  }
+  for (const std::string& m : a.o.recompute_modules) so.constraints.recompute_modules.push_back(m);
   Progress progress("searching");
   so.progress = [&progress](const std::string& phase, size_t done, size_t all) {
     const double f = static_cast<double>(done) / all;
@@ -277,6 +281,11 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
       ->delimiter(',');
   cmd->add_option("--recompute-layers", a.o.recompute_layers,
                   "per segment, how many of its first layers are fully recomputed")
+      ->delimiter(',');
+  cmd->add_option("--recompute-modules", a.o.recompute_modules,
+                  "operators (name patterns, e.g. attn.core,mlp.act) every layer recomputes on "
+                  "top of --recompute, as Megatron-Core's --recompute-modules; the search "
+                  "keeps them in every plan")
       ->delimiter(',');
   cmd->add_option("-o,--output", a.output, "where to write plan.json")->required();
   cmd->add_flag("--search", a.search,

@@ -1016,6 +1016,38 @@ TEST(NnsimTool, PerStageLayersAndRecomputeOnTheCommandLine) {
       {"segment 0 (stage0) has 6 layers; it cannot recompute 9"});
 }
 
+// Megatron-Core's --recompute-modules: the builder and the search keep the operators'
+// recomputation in every layer, and a name that matches no operator is refused with the nearest.
+TEST(NnsimTool, RecomputeModulesOnTheCommandLine) {
+  Sandbox box;
+  const std::vector<std::string> base = {"plan",       "--model", "gpt3-1.3b", "--topo",
+                                         "dgx-a100x4", "--pp",    "2",         "--global-batch",
+                                         "64",         "-o",      "p.json"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return box.nnsim(args);
+  };
+  RunResult built = with({"--tp", "2", "--recompute-modules", "mlp.act,attn.core"});
+  ASSERT_EQ(built.status, 0) << built;
+  json plan = json::parse(box.read("p.json"));
+  EXPECT_EQ(plan["recompute"], json::parse(R"([{"match": "mlp.act", "layers": [0, 24]},
+                                               {"match": "attn.core", "layers": [0, 24]}])"))
+      << plan["recompute"];
+  RunResult searched = with({"--search", "--confirm", "0", "--recompute-modules", "mlp.act"});
+  ASSERT_EQ(searched.status, 0) << searched;
+  EXPECT_NE(searched.out.find("recompute-modules mlp.act"), std::string::npos) << searched;
+  plan = json::parse(box.read("p.json"));
+  bool kept = false;
+  for (const auto& rule : plan["recompute"]) kept |= rule["match"] == "mlp.act";
+  EXPECT_TRUE(kept) << plan["recompute"];
+  for (const char* search : {"--search", "--sequence-parallel"}) {
+    expect_error(with({"--tp", "2", search, "--recompute-modules", "mlp.acts"}),
+                 {"--recompute-modules: 'mlp.acts' matches no operator of a layer",
+                  "did you mean 'mlp.act'?"});
+  }
+}
+
 TEST(NnsimTool, AvoidedGpusAreIdleInTheReport) {
   Sandbox box;
   RunResult r =
