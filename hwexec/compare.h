@@ -1,7 +1,7 @@
 // `nnsim compare`: a run file's measured times (nnexec run) against what the simulator predicts
 // for the same plan on a topology, per operator, per operator kind, per collective and per
 // iteration (docs/hwexec.md, "Comparing a run with the simulator"). The simulated operator times
-// are the compiled program's own (core/program.cc prices every operator with op_seconds), the
+// are the compiled program's own (core/compile_ops.cc prices every operator with op_seconds), the
 // collective times the simulator's collective model alone on the network (decompose_collective,
 // isolated_seconds), the iteration time a simulation (sim/simulator.h). Nothing is printed.
 #pragma once

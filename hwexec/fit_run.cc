@@ -1,6 +1,6 @@
 // A run file's operator timings as points of the calibration fit (docs/hwexec.md, "Calibrating
 // from run files"): each operator priced the way the simulator's compiler prices it
-// (core/program.cc), from the plan's operator graph and partition.
+// (core/compile_ops.cc), from the plan's operator graph and partition.
 #include <algorithm>
 #include <map>
 #include <tuple>

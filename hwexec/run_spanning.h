@@ -5,7 +5,7 @@
 // runs its blocks jointly: each rank holds its vocabulary shard, the loss's statistics are
 // all-reduced over the vocabulary's whole group, partial sums (the word embeddings', the
 // projection's input gradient) axis by axis, and the tensors between segments travel as the
-// compiled program moves them (core/program.cc, source_lane). No LibTorch: the executor
+// compiled program moves them (core/compiler.h, source_lane). No LibTorch: the executor
 // (run_torch.cc) applies these to its ranks' parts.
 #pragma once
 

@@ -20,7 +20,7 @@
 // gradients to BW (run_split_backward.h); context parallelism splits every sequence over cp,
 // attn.core exchanging keys and values (run_context_parallel.h); the head's and the embedding's
 // segments may span the pipeline stages, their vocabulary split over pp too (run_spanning.h).
-// Collectives follow the compiled program's order and labels (core/program.cc).
+// Collectives follow the compiled program's order and labels (core/compile_blocks.cc).
 // On the CPU (--device cpu) the collectives go over the TCP-socket Comm and spans are timed with
 // the steady clock. On a GPU (--device cuda, only in a build whose LibTorch has CUDA) every rank
 // owns one GPU, the collectives and pipeline transfers are NCCL calls in the same order

@@ -1,5 +1,5 @@
 // ZeRO-3 for `nnexec run` (docs/hwexec.md): what each block of a rank's order gathers and
-// reduces over dp, decided as the compiled program decides it (core/program.cc, zero3_before
+// reduces over dp, decided as the compiled program decides it (core/compile_blocks.cc, zero3_before
 // and grads_ready), so that the executor's collectives are the program's call for call. No
 // LibTorch: the executor (run_torch.cc) applies the decisions to its parameter units.
 #pragma once

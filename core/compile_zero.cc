@@ -1,0 +1,110 @@
+// ZeRO: parameter units and buckets, the tensors ZeRO-3 gathers, shards and keeps whole, gradient
+// buckets.
+#include "core/compiler.h"
+
+#include <fmt/format.h>
+
+namespace nnsim::detail {
+
+std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment, int group) const {
+  const Segment& s = plan.segments[segment];
+  // A tied output projection on the embedding's devices is the embedding's matrix (one
+  // parameter, gathered with the embedding).
+  const bool tied_here = plan.model.tied_embeddings && head_shares_embedding(segment);
+  auto sum = [&](const PartInfo& p) { return part_params(p, group, tied_here); };
+  std::vector<double> units;
+  if (s.embedding) units.push_back(sum(embed));
+  for (int l = s.first_layer; l < s.end_layer; ++l) units.push_back(sum(layer_at(l)));
+  if (s.head) units.push_back(sum(head));
+  const double bucket = plan.comm.dp_bucket_bytes / plan.optimizer.grad_bytes;
+  std::vector<std::pair<int, double>> out;
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (units[u] <= 0) continue;
+    if (out.empty() || out.back().second >= bucket) out.emplace_back(static_cast<int>(u), 0.0);
+    out.back().second += units[u];
+  }
+  return out;
+}
+
+std::vector<double> Compiler::sharded_tensors(const PartInfo& p, size_t op) const {
+  size_t w = 0;  // weight_tensors runs over the operators' weights in order
+  for (size_t i = 0; i < op; ++i) w += p.part->ops[i].weights.size();
+  std::vector<double> out;
+  for (size_t k = 0; k < p.part->ops[op].weights.size(); ++k) {
+    const double n = p.weight_tensors[w + k];
+    if (n >= plan.comm.zero3_persistence_threshold) out.push_back(n);
+  }
+  return out;
+}
+
+std::vector<TensorGather> Compiler::zero3_tensor_queue(int segment, BlockKind kind,
+                                                       bool explicit_recompute) const {
+  std::vector<TensorGather> queue;
+  for (const Zero3Use& u : zero3_uses(plan, prog.graph, segment, kind, explicit_recompute)) {
+    const PartInfo& p = u.part == &prog.graph.embedding ? embed
+                        : u.part == &prog.graph.head    ? head
+                        : u.part == &prog.graph.layer   ? layer
+                                                        : dense_layer;
+    for (double n : sharded_tensors(p, u.op)) {
+      queue.push_back({static_cast<size_t>(u.unit), &p, u.op, u.recompute, n});
+    }
+  }
+  return queue;
+}
+
+double Compiler::segment_persistent_params(int segment) const {
+  if (!plan.comm.zero3_per_tensor) return 0;
+  const Segment& s = plan.segments[segment];
+  // A tied output projection on the embedding's devices is the embedding's matrix (counted once).
+  const bool shares_embedding = head_shares_embedding(segment);
+  auto sum = [&](const PartInfo& p) {
+    double n = 0;
+    size_t w = 0;  // weight_tensors runs over the operators' weights in order
+    for (const Op& op : p.part->ops) {
+      for (size_t k = 0; k < op.weights.size(); ++k, ++w) {
+        if (shares_embedding && op.tied_to_embedding) continue;
+        if (p.weight_tensors[w] < plan.comm.zero3_persistence_threshold) n += p.weight_tensors[w];
+      }
+    }
+    return n;
+  };
+  const std::array<int, 2> count = layer_counts(s);
+  double n = count[0] * sum(layer);
+  if (count[1] > 0) n += count[1] * sum(dense_layer);
+  if (s.embedding) n += sum(embed);
+  if (s.head) n += sum(head);
+  return n;
+}
+
+double Compiler::segment_params(int segment, int group) const {
+  const Segment& s = plan.segments[segment];
+  // A tied output projection on the embedding's own devices is the embedding matrix itself.
+  const bool shares_embedding = head_shares_embedding(segment);
+  auto sum = [&](const PartInfo& p) { return part_params(p, group, shares_embedding); };
+  const std::array<int, 2> count = layer_counts(s);
+  double n = count[0] * sum(layer);
+  if (count[1] > 0) n += count[1] * sum(dense_layer);
+  if (s.embedding) n += sum(embed);
+  if (s.head) n += sum(head);
+  return n;
+}
+
+void Compiler::emit_grad_buckets(double bytes, double& pending, std::vector<Step>& steps,
+                                 int segment, int group) {
+  if (shard_degree(group) == 1) return;  // nothing to sum with
+  pending += bytes;
+  const double bucket = plan.comm.dp_bucket_bytes;
+  while (bucket > 0 && pending >= bucket) {
+    Step s;
+    s.kind = StepKind::kDpLaunch;
+    s.collective =
+        plan.optimizer.zero >= 1 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce;
+    s.axes = group_axes[group];
+    s.bytes = bucket;
+    s.label = label(fmt::format("grad sync {}", plan.segments[segment].name));
+    steps.push_back(s);
+    pending -= bucket;
+  }
+}
+
+}  // namespace nnsim::detail
