@@ -1,6 +1,7 @@
 #include "core/collective.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 namespace nnsim {
@@ -109,7 +110,8 @@ CollectiveFlows apply_protocol(CollectiveFlows c, double bytes, bool all_reduce,
 }
 
 CollectiveFlows decompose_bare(CollectiveKind kind, const std::vector<int>& gpus, double bytes,
-                               Algorithm algorithm, const Network& net);
+                               Algorithm algorithm, const Network& net,
+                               const ExpertRouting& routing = {});
 
 }  // namespace
 
@@ -119,7 +121,7 @@ double step_seconds(const CollectiveFlows& c, double route_latency) {
 
 CollectiveFlows decompose_collective(CollectiveKind kind, const std::vector<int>& gpus,
                                      double bytes, Algorithm algorithm, const Network& net,
-                                     const CommModel& comm) {
+                                     const CommModel& comm, const ExpertRouting& routing) {
   if (gpus.size() <= 1 || bytes <= 0) return CollectiveFlows{"none", {}, 0, 0};
   if (kind == CollectiveKind::kAllReduce && algorithm == Algorithm::kAuto) {
     // NCCL's tuner: the algorithm that is faster alone.
@@ -131,7 +133,7 @@ CollectiveFlows decompose_collective(CollectiveKind kind, const std::vector<int>
     LinkLoadScratch s;
     return isolated_seconds(t, net, s) < isolated_seconds(r, net, s) ? t : r;
   }
-  return apply_protocol(decompose_bare(kind, gpus, bytes, algorithm, net), bytes,
+  return apply_protocol(decompose_bare(kind, gpus, bytes, algorithm, net, routing), bytes,
                         kind == CollectiveKind::kAllReduce, net, comm);
 }
 
@@ -149,8 +151,91 @@ CollectiveFlows decompose_transfer(const std::vector<int>& src_gpus,
 
 namespace {
 
+// C(a, k) / C(b, k): the chance that k distinct picks among b all fall outside b - a.
+double choose_ratio(double a, double b, double k) {
+  double r = 1;
+  for (int i = 0; i < static_cast<int>(k); ++i) {
+    if (a - i <= 0) return 0;
+    r *= (a - i) / (b - i);
+  }
+  return r;
+}
+
+double log_choose(double n, double k) {
+  return std::lgamma(n + 1) - std::lgamma(k + 1) - std::lgamma(n - k + 1);
+}
+
+}  // namespace
+
+double expert_hit_probability(const ExpertRouting& r, double held) {
+  if (r.experts <= 0 || r.per_token <= 0 || held <= 0) return 0;
+  if (held >= r.experts) return 1;
+  double groups = r.groups, topk = r.group_topk;
+  const double size = r.experts / groups;
+  // A set that neither fills whole groups nor fits in one is priced as if routing were not
+  // group-limited.
+  const bool whole = held >= size && std::fmod(held, size) == 0;
+  const bool inside = held < size && std::fmod(size, held) == 0;
+  if (!whole && !inside) groups = topk = 1;
+  const double pool = topk * r.experts / groups;  // the experts of a token's groups
+  double none = 0;
+  if (groups == 1 || inside) {
+    // Its group is one of the token's with probability topk / groups.
+    const double picked = groups == 1 ? 1 : topk / groups;
+    none = (1 - picked) + picked * choose_ratio(pool - held, pool, r.per_token);
+  } else {
+    // j of its c groups among the token's (hypergeometric), then no pick among their experts.
+    const double c = held / size;
+    for (double j = std::max(0.0, topk - (groups - c)); j <= std::min(c, topk); ++j) {
+      const double p_j =
+          std::exp(log_choose(c, j) + log_choose(groups - c, topk - j) - log_choose(groups, topk));
+      none += p_j * choose_ratio(pool - j * size, pool, r.per_token);
+    }
+  }
+  return std::clamp(1 - none, 0.0, 1.0);
+}
+
+namespace {
+
+// DeepEP's exchange (see the header): per token, one copy to each other node it has experts
+// on, to the GPU of the same local index, and one over NVLink to each GPU of a node holding one
+// of its experts (from its own GPU, or forwarded by the GPU it arrived at). Nodes must hold the
+// same number of the group's GPUs; otherwise (or with no routing) it is the all-to-all.
+CollectiveFlows expert_exchange(const std::vector<int>& gpus, double bytes,
+                                const ExpertRouting& routing, const Network& net) {
+  const auto nodes = by_node(gpus, net);
+  const size_t per_node = nodes.front().size();
+  const bool uniform =
+      std::all_of(nodes.begin(), nodes.end(), [&](const auto& n) { return n.size() == per_node; });
+  if (routing.experts <= 0 || routing.per_token <= 0 || !uniform) return {};
+  const double n = static_cast<double>(nodes.size());
+  const double token_bytes = bytes / (routing.per_token * routing.capacity_factor);
+  const double to_gpu = expert_hit_probability(routing, routing.experts / (n * per_node));
+  const double to_node = expert_hit_probability(routing, routing.experts / n);
+  CollectiveFlows c;
+  c.algorithm = "expert exchange";
+  c.steps = 1;
+  for (const auto& node : nodes) {
+    for (int a : node) {
+      for (int b : node) {
+        if (a != b) c.flows.push_back({a, b, n * token_bytes * to_gpu});
+      }
+    }
+  }
+  for (size_t x = 0; x < nodes.size(); ++x) {
+    for (size_t y = 0; y < nodes.size(); ++y) {
+      if (x == y) continue;
+      for (size_t i = 0; i < per_node; ++i) {
+        c.flows.push_back({nodes[x][i], nodes[y][i], token_bytes * to_node});
+      }
+    }
+  }
+  return c;
+}
+
 CollectiveFlows decompose_bare(CollectiveKind kind, const std::vector<int>& gpus, double bytes,
-                               Algorithm algorithm, const Network& net) {
+                               Algorithm algorithm, const Network& net,
+                               const ExpertRouting& routing) {
   const int n = static_cast<int>(gpus.size());
   if (n <= 1 || bytes <= 0) return CollectiveFlows{"none", {}, 0};
   const double frac = static_cast<double>(n - 1) / n;
@@ -161,6 +246,11 @@ CollectiveFlows decompose_bare(CollectiveKind kind, const std::vector<int>& gpus
     case CollectiveKind::kAllGather:
     case CollectiveKind::kReduceScatter:
       return ring(gpus, frac * bytes, n - 1, net);
+    case CollectiveKind::kExpertExchange: {
+      CollectiveFlows c = expert_exchange(gpus, bytes, routing, net);
+      if (!c.flows.empty()) return c;
+      [[fallthrough]];
+    }
     case CollectiveKind::kAllToAll: {
       CollectiveFlows c;
       c.algorithm = "all-to-all";

@@ -97,6 +97,32 @@ bool Compiler::has_recompute(int segment) const {
   return false;
 }
 
+void Compiler::append_tensor_conversions(const TensorSpec& t, const TensorLayout& have,
+                                         const TensorLayout& want, int label,
+                                         std::vector<Step>& steps) const {
+  std::vector<Conversion> cs = conversions(t, have, want, mesh);
+  // Routed token copies moving between the ranks that split the experts (expert parallelism):
+  // DeepEP's exchange when the plan runs it. With the experts split over two axes (--etp 1
+  // under tensor parallelism) the exchanges stay all-to-alls.
+  auto expert_axes = [](const TensorLayout& l) {
+    std::vector<int> out;
+    for (size_t a = 0; a < l.size(); ++a) {
+      if (l[a].kind == AxisLayoutKind::kSplit && l[a].dim == Dim::kExpert) {
+        out.push_back(static_cast<int>(a));
+      }
+    }
+    return out;
+  };
+  for (Conversion& c : cs) {
+    if (!plan.moe_deepep || c.kind != CollectiveKind::kAllToAll) continue;
+    for (const TensorLayout* l : {&have, &want}) {
+      const std::vector<int> axes = expert_axes(*l);
+      if (axes.size() == 1 && axes[0] == c.axis) c.kind = CollectiveKind::kExpertExchange;
+    }
+  }
+  append_conversions(cs, label, steps);
+}
+
 void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
                             const std::vector<bool>& recomputed, bool only_recomputed,
                             ComputeClass cls, std::vector<Step>& steps) {
@@ -126,7 +152,7 @@ void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
       for (const auto& [ref, lay] : converted) seen = seen || (ref == r && lay == want);
       if (seen) continue;
       converted.emplace_back(r, want);
-      append_conversions(conversions(t, have, want, mesh), p.labels[i], steps);
+      append_tensor_conversions(t, have, want, p.labels[i], steps);
     }
     Step s;
     s.kind = StepKind::kCompute;
@@ -237,7 +263,7 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
       for (const auto& [ref, lay] : converted) seen = seen || (ref == r && lay == have);
       if (seen) continue;
       converted.emplace_back(r, have);
-      append_conversions(conversions(t, have, want, mesh), p.labels[i], steps);
+      append_tensor_conversions(t, have, want, p.labels[i], steps);
     }
   }
 }

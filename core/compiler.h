@@ -237,6 +237,10 @@ struct Compiler {
   // inside it first for the recomputation (forward order), then for the backward (reverse).
   std::vector<TensorGather> zero3_tensor_queue(int segment, BlockKind kind,
                                                bool explicit_recompute) const;
+  // The collectives converting tensor `t` from layout `have` to `want`, one step each.
+  void append_tensor_conversions(const TensorSpec& t, const TensorLayout& have,
+                                 const TensorLayout& want, int label,
+                                 std::vector<Step>& steps) const;
   void emit_forward(const PartInfo& p, const TensorLayout& in_layout,
                     const std::vector<bool>& recomputed, bool only_recomputed, ComputeClass cls,
                     std::vector<Step>& steps);

@@ -32,6 +32,8 @@ std::string_view to_string(CollectiveKind k) {
       return "reduce-scatter";
     case CollectiveKind::kAllToAll:
       return "all-to-all";
+    case CollectiveKind::kExpertExchange:
+      return "expert exchange";
   }
   return "?";
 }

@@ -49,7 +49,10 @@ struct AxisLayout {
 
 using TensorLayout = std::vector<AxisLayout>;  // one entry per mesh axis
 
-enum class CollectiveKind { kAllReduce, kAllGather, kReduceScatter, kAllToAll };
+// kExpertExchange: a mixture of experts' routed tokens exchanged through DeepEP's kernels
+// (Plan::moe_deepep), an all-to-all that crosses nodes once per token and node
+// (core/collective.h).
+enum class CollectiveKind { kAllReduce, kAllGather, kReduceScatter, kAllToAll, kExpertExchange };
 std::string_view to_string(CollectiveKind k);
 
 // A collective along one mesh axis. `bytes` follows nccl-tests: the all-reduce buffer, the

@@ -104,6 +104,18 @@ std::optional<Problem> find_problem(const ModelSpec& m) {
                                  most, m.expert_capacity_factor)};
     }
   }
+  if (m.moe() && (m.router_groups < 1 || m.experts % m.router_groups != 0)) {
+    return Problem{"router_groups",
+                   fmt::format("must divide experts ({}) into equal groups, got {}", m.experts,
+                               m.router_groups)};
+  }
+  if (m.moe() && (m.router_group_topk < 1 || m.router_group_topk > m.router_groups ||
+                  m.router_group_topk * (m.experts / m.router_groups) < m.experts_per_token)) {
+    return Problem{"router_group_topk",
+                   fmt::format("must be between 1 and router_groups ({}) with room for "
+                               "experts_per_token ({}) in its groups, got {}",
+                               m.router_groups, m.experts_per_token, m.router_group_topk)};
+  }
   if (m.moe() && (m.moe_layer_interval < 1 || m.moe_layer_interval > m.layers)) {
     return Problem{"moe_layer_interval",
                    fmt::format("must be between 1 (every block has experts) and layers ({}), "
@@ -297,6 +309,8 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                    "shared_expert_ffn_hidden",
                    "first_dense_layers",
                    "moe_layer_interval",
+                   "router_groups",
+                   "router_group_topk",
                    "q_lora_rank",
                    "kv_lora_rank",
                    "qk_nope_head_dim",
@@ -367,9 +381,17 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
       m.first_dense_layers = read_layer_count("first_dense_layers");
     if (node.has("moe_layer_interval"))
       m.moe_layer_interval = read_layer_count("moe_layer_interval");
+    if (node.has("router_groups")) {
+      m.router_groups = read_size(node, "router_groups");
+      // Required with router_groups.
+      m.router_group_topk = read_size(node, "router_group_topk");
+    } else if (node.has("router_group_topk")) {
+      node["router_group_topk"].fail("group-limited routing needs 'router_groups' too");
+    }
   } else {
     for (const char* f : {"experts_per_token", "expert_ffn_hidden", "expert_capacity_factor",
-                          "shared_expert_ffn_hidden", "first_dense_layers", "moe_layer_interval"}) {
+                          "shared_expert_ffn_hidden", "first_dense_layers", "moe_layer_interval",
+                          "router_groups", "router_group_topk"}) {
       if (node.has(f)) node[f].fail("only a mixture of experts has it; give 'experts' too");
     }
   }
@@ -423,6 +445,10 @@ std::string model_to_json(const ModelSpec& m) {
     if (m.shared_expert_ffn_hidden > 0) j["shared_expert_ffn_hidden"] = m.shared_expert_ffn_hidden;
     if (m.first_dense_layers > 0) j["first_dense_layers"] = m.first_dense_layers;
     if (m.moe_layer_interval != 1) j["moe_layer_interval"] = m.moe_layer_interval;
+    if (m.router_groups != 1) {
+      j["router_groups"] = m.router_groups;
+      j["router_group_topk"] = m.router_group_topk;
+    }
   }
   if (m.mla()) {
     if (m.q_lora_rank > 0) j["q_lora_rank"] = m.q_lora_rank;

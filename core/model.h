@@ -70,6 +70,12 @@ struct ModelSpec {
   // Megatron-Core's --moe-layer-freq). The others are dense blocks with an MLP of ffn_hidden.
   int first_dense_layers = 0;
   int moe_layer_interval = 1;
+  // Group-limited routing (DeepSeek-V3's node-limited routing; Megatron-Core's
+  // --moe-router-num-groups and --moe-router-group-topk): the experts split into
+  // router_groups equal groups and a token's experts come from at most router_group_topk of
+  // them. 1 and 1: no limit.
+  int64_t router_groups = 1;
+  int64_t router_group_topk = 1;
   // Multi-head latent attention (DeepSeek-V2/V3; kv_lora_rank > 0): keys and values come up
   // from a shared latent of kv_lora_rank (its down-projection also yields the rotary key part,
   // qk_rope_head_dim wide, one for all heads), queries from a latent of q_lora_rank (0: straight

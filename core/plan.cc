@@ -287,7 +287,7 @@ std::pair<int, int> parse_range(const InputNode& n) {
 Plan parse_plan_node(const InputNode& root) {
   root.check_keys({"format", "version", "name", "topology", "model", "training", "mesh",
                    "placement", "segments", "partition", "recompute", "recompute_early_stop",
-                   "moe_grouped_gemm", "optimizer", "communication", "schedule"});
+                   "moe_grouped_gemm", "moe_deepep", "optimizer", "communication", "schedule"});
   if (root["format"].as_string() != "nnsim-plan") {
     root["format"].fail("expected \"nnsim-plan\" (is this a plan file?)");
   }
@@ -389,6 +389,12 @@ Plan parse_plan_node(const InputNode& root) {
   if (plan.moe_grouped_gemm && !plan.model.moe()) {
     root["moe_grouped_gemm"].fail(
         "groups a mixture of experts' GEMMs, but the model has no experts (model.experts); "
+        "remove it");
+  }
+  plan.moe_deepep = root.get_bool("moe_deepep", false);
+  if (plan.moe_deepep && !plan.model.moe()) {
+    root["moe_deepep"].fail(
+        "exchanges a mixture of experts' tokens, but the model has no experts (model.experts); "
         "remove it");
   }
 
@@ -572,6 +578,7 @@ std::string plan_to_json(const Plan& plan) {
   j["recompute"] = recompute;
   j["recompute_early_stop"] = plan.recompute_early_stop;
   if (plan.moe_grouped_gemm) j["moe_grouped_gemm"] = true;
+  if (plan.moe_deepep) j["moe_deepep"] = true;
   j["optimizer"] = {{"kind", plan.optimizer.kind},
                     {"zero", plan.optimizer.zero},
                     {"grad_bytes", plan.optimizer.grad_bytes},

@@ -229,6 +229,10 @@ struct Plan {
   // A mixture of experts' local experts run as one grouped-GEMM kernel (Megatron-Core's
   // --moe-grouped-gemm), else one GEMM after another.
   bool moe_grouped_gemm = false;
+  // A mixture of experts' tokens exchanged through DeepEP's kernels (Megatron-Core's
+  // --moe-token-dispatcher-type flex --moe-enable-deepep): over the expert-parallel axis, an
+  // expert exchange (core/collective.h) instead of NCCL's all-to-all.
+  bool moe_deepep = false;
   std::vector<DeviceOrder> schedule;
   OptimizerSpec optimizer;
   CommSettings comm;

@@ -185,6 +185,12 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   if (options.calibration) {
     apply_calibration(*options.calibration, topology.gpu.name, prog.compute_model, prog.comm_model);
   }
+  if (plan.moe_deepep) {
+    const ModelSpec& m = plan.model;
+    prog.expert_routing = {static_cast<double>(m.experts), static_cast<double>(m.experts_per_token),
+                           m.expert_capacity_factor, static_cast<double>(m.router_groups),
+                           static_cast<double>(m.router_group_topk)};
+  }
   prog.algorithm = plan.comm.algorithm == "ring"   ? Algorithm::kRing
                    : plan.comm.algorithm == "tree" ? Algorithm::kTree
                                                    : Algorithm::kAuto;

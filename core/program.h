@@ -111,6 +111,8 @@ struct Program {
   OpGraph graph;
   ComputeModel compute_model;
   CommModel comm_model;
+  // The router's figures an expert exchange needs (Plan::moe_deepep); empty otherwise.
+  ExpertRouting expert_routing;
   Algorithm algorithm = Algorithm::kAuto;
   std::vector<int> gpu_of_rank;
   std::vector<BlockTemplate> templates;

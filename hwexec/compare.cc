@@ -57,6 +57,8 @@ std::string collective_name(CollectiveKind k) {
       return "reduce_scatter";
     case CollectiveKind::kAllToAll:
       return "all_to_all";
+    case CollectiveKind::kExpertExchange:
+      return "expert_exchange";
   }
   return "?";
 }

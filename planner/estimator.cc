@@ -60,8 +60,8 @@ double Estimator::collective_seconds(const Lane& lane, const Step& s) {
                                         : prog_.group_of(lane.ranks.front(), s.axes);
   std::vector<int> gpus;
   for (int r : ranks) gpus.push_back(prog_.gpu_of_rank[r]);
-  CollectiveFlows c =
-      decompose_collective(s.collective, gpus, s.bytes, prog_.algorithm, net_, prog_.comm_model);
+  CollectiveFlows c = decompose_collective(s.collective, gpus, s.bytes, prog_.algorithm, net_,
+                                           prog_.comm_model, prog_.expert_routing);
   double t = isolated_seconds(c, net_, scratch_);
   collective_cache_.emplace(key, t);
   return t;

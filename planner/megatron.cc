@@ -210,6 +210,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "or none (--etp 1); other degrees are not supported",
         o.expert_tp, o.tp));
   }
+  if (o.moe_deepep && !model.moe()) {
+    return Error(
+        fmt::format("--moe-deepep exchanges a mixture of experts' tokens, but model '{}' has none "
+                    "(model.experts); drop the flag",
+                    model.name));
+  }
   if (o.moe_grouped_gemm && !model.moe()) {
     return Error(fmt::format(
         "--moe-grouped-gemm groups a mixture of experts' GEMMs, but model '{}' has none "
@@ -382,6 +388,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (o.shard_embedding) plan.name += " shard-embedding";
   if (o.recycle > 1) plan.name += fmt::format(" recycle{}", o.recycle);
   if (o.tp_sub_batches > 1) plan.name += fmt::format(" tp-sub-batches{}", o.tp_sub_batches);
+  if (o.moe_deepep) plan.name += " deepep";
   plan.mesh = megatron_mesh(o, dp);
   // Megatron's rank order tp-cp-ep-dp-pp: tensor parallel fastest, pipeline slowest.
   Expected<Placement> placement =
@@ -631,6 +638,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   plan.comm.tp_overlap = o.tp_comm_overlap && o.tp > 1;
   plan.comm.tp_sub_batches = o.tp_sub_batches;
   plan.moe_grouped_gemm = o.moe_grouped_gemm;
+  plan.moe_deepep = o.moe_deepep;
 
   const int micro_batches = o.global_batch / (dp * o.micro_batch);
   // Segments whose recomputation Merak's schedule issues as its own block.

@@ -67,6 +67,8 @@ struct MegatronOptions {
   int tp_sub_batches = 1;
   // A mixture of experts' local experts as one grouped-GEMM kernel (--moe-grouped-gemm).
   bool moe_grouped_gemm = false;
+  // A mixture of experts' tokens exchanged through DeepEP (--moe-deepep; Plan::moe_deepep).
+  bool moe_deepep = false;
   // DeepSpeed ZeRO-3's stage3_param_persistence_threshold (elements); negative: its default
   // (1e5). Only with framework deepspeed and ZeRO-3.
   double zero3_persistence_threshold = -1;

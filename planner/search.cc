@@ -289,6 +289,12 @@ bool faster_estimate(const Candidate& a, const Candidate& b) {
 Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo,
                                     const SearchOptions& o) {
   if (o.global_batch < 1) return Error("--global-batch is required for a search");
+  if (o.moe_deepep && !model.moe()) {
+    return Error(
+        fmt::format("--moe-deepep exchanges a mixture of experts' tokens, but model '{}' has none "
+                    "(model.experts); drop the flag",
+                    model.name));
+  }
   if (o.moe_grouped_gemm && !model.moe()) {
     return Error(fmt::format(
         "--moe-grouped-gemm groups a mixture of experts' GEMMs, but model '{}' has none "
@@ -455,6 +461,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   b.avoid_gpus = avoid;
                   b.tp_comm_overlap = o.tp_comm_overlap;
                   b.moe_grouped_gemm = o.moe_grouped_gemm;
+                  b.moe_deepep = o.moe_deepep;
                   b.costs = o.compile;
                   b.placement = pl.order;
                   if (fixed_layers) b.stage_layers = *fixed_layers;

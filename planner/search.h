@@ -39,6 +39,7 @@ struct SearchOptions {
   // parallelism are also tried with k sub-batches per micro-batch (the training code must
   // support it; Megatron-LM does not).
   int tp_sub_batches = 1;
+  bool moe_deepep = false;        // every candidate's token exchange through DeepEP
   bool moe_grouped_gemm = false;  // every candidate's experts as one grouped-GEMM kernel
   SearchPins pins;
   Constraints constraints;

@@ -161,7 +161,7 @@ PreparedComm CollectiveRunner::prepare(const std::vector<std::vector<int>>& grou
   PreparedComm out;
   out.bytes_per_device = bytes;
   for (const auto& g : groups) {
-    CollectiveFlows c = decompose_collective(kind, g, bytes, algorithm_, net_, comm_);
+    CollectiveFlows c = decompose_collective(kind, g, bytes, algorithm_, net_, comm_, routing_);
     if (c.flows.empty()) continue;
     // A task pays one route latency; the rest of the steps' time is paid up front.
     double lat = max_route_latency(c, net_, scratch_);

@@ -43,8 +43,8 @@ double fluid_seconds(const std::vector<PreparedComm::Task>& tasks,
 class CollectiveRunner {
  public:
   CollectiveRunner(const Network& net, const std::vector<simgrid::s4u::Host*>& hosts,
-                   Algorithm algorithm, const CommModel& comm)
-      : net_(net), hosts_(hosts), algorithm_(algorithm), comm_(comm) {}
+                   Algorithm algorithm, const CommModel& comm, const ExpertRouting& routing = {})
+      : net_(net), hosts_(hosts), algorithm_(algorithm), comm_(comm), routing_(routing) {}
 
   // Every group (GPU lists) runs the same collective at once.
   PreparedComm prepare(const std::vector<std::vector<int>>& groups, CollectiveKind kind,
@@ -65,6 +65,7 @@ class CollectiveRunner {
   const std::vector<simgrid::s4u::Host*>& hosts_;
   Algorithm algorithm_;
   CommModel comm_;
+  ExpertRouting routing_;  // for expert exchanges (CollectiveKind::kExpertExchange)
   LinkLoadScratch scratch_;
 };
 

@@ -565,7 +565,8 @@ Expected<SimResult> Simulation::run() {
 
   net_ = std::make_unique<Network>(prog_.topology);
   hosts_ = build_platform(*net_);
-  runner_ = std::make_unique<CollectiveRunner>(*net_, hosts_, prog_.algorithm, prog_.comm_model);
+  runner_ = std::make_unique<CollectiveRunner>(*net_, hosts_, prog_.algorithm, prog_.comm_model,
+                                               prog_.expert_routing);
 
   lane_of_rank_.assign(prog_.plan.mesh.num_ranks(), -1);
   for (size_t l = 0; l < prog_.lanes.size(); ++l) {

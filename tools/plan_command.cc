@@ -31,6 +31,7 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   so.tp_comm_overlap = a.o.tp_comm_overlap;
   so.tp_sub_batches = a.o.tp_sub_batches;
   so.moe_grouped_gemm = a.o.moe_grouped_gemm;
+  so.moe_deepep = a.o.moe_deepep;
   so.compile = a.o.costs;
   so.pins = a.pins;
   so.top = a.top;
@@ -254,6 +255,10 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
   cmd->add_flag("--moe-grouped-gemm", a.o.moe_grouped_gemm,
                 "a mixture of experts' local experts as one grouped-GEMM kernel (Megatron-Core's "
                 "--moe-grouped-gemm), not one GEMM after another");
+  cmd->add_flag("--moe-deepep", a.o.moe_deepep,
+                "a mixture of experts' tokens exchanged through DeepEP's kernels (Megatron-Core's "
+                "--moe-enable-deepep): once per token and node across nodes, then over NVLink, "
+                "instead of NCCL's all-to-all");
   cmd->add_option("--tp-sub-batches", a.o.tp_sub_batches,
                   "Merak's sub-pipelined tensor parallelism: run each micro-batch as this many "
                   "sub-batches, one's collectives beside the next one's compute (the search "

@@ -353,6 +353,36 @@ TEST(Model, ExpertBlocksFollowTheDenseLayersAndInterval) {
   EXPECT_TRUE(contains(msg, "give 'experts' too")) << msg;
 }
 
+// Group-limited routing (DeepSeek-V3's node-limited routing): kept in the JSON, and the values
+// that leave a token no room for its experts are refused with the field.
+TEST(Model, RouterGroupsLimitWhereATokensExpertsAre) {
+  const std::string moe = std::string(kSmall) + "experts: 16\nexperts_per_token: 4\n";
+  auto m = parse_model(moe + "router_groups: 8\nrouter_group_topk: 2\n", "m.yaml");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  auto back = parse_model(model_to_json(*m), "plan.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_EQ(back->router_groups, 8);
+  EXPECT_EQ(back->router_group_topk, 2);
+  auto v3 = load_model("deepseek-v3");
+  ASSERT_TRUE(v3.ok());
+  EXPECT_EQ(v3->router_groups, 8);
+  EXPECT_EQ(v3->router_group_topk, 4);
+
+  std::string msg = parse_error(moe + "router_groups: 3\nrouter_group_topk: 1\n");
+  EXPECT_TRUE(contains(msg, "field 'router_groups': must divide experts (16)")) << msg;
+  msg = parse_error(moe + "router_groups: 8\nrouter_group_topk: 1\n");  // 2 experts < top-4
+  EXPECT_TRUE(contains(msg, "field 'router_group_topk'")) << msg;
+  EXPECT_TRUE(contains(msg, "room for experts_per_token (4)")) << msg;
+  msg = parse_error(moe + "router_groups: 8\nrouter_group_topk: 9\n");
+  EXPECT_TRUE(contains(msg, "between 1 and router_groups (8)")) << msg;
+  msg = parse_error(moe + "router_group_topk: 2\n");
+  EXPECT_TRUE(contains(msg, "needs 'router_groups' too")) << msg;
+  msg = parse_error(moe + "router_groups: 8\n");
+  EXPECT_TRUE(contains(msg, "router_group_topk")) << msg;
+  msg = parse_error(std::string(kSmall) + "router_groups: 2\n");
+  EXPECT_TRUE(contains(msg, "give 'experts' too")) << msg;
+}
+
 // Multi-head latent attention: DeepSeek-V3's 671B (the paper's, without its multi-token
 // prediction module) and its attention by hand.
 TEST(Model, DeepSeekV3CountsMatchThePaper) {

@@ -484,6 +484,20 @@ TEST(Program, ExpertParallelismExchangesTokensAndShardsExpertsApart) {
   }
   EXPECT_DOUBLE_EQ(wide.model_flops_per_iteration, prog.model_flops_per_iteration);
 
+  // Through DeepEP the same exchanges, with the same bytes, are expert exchanges, and the
+  // program carries the router's figures they are priced with.
+  Plan deepep = prog.plan;
+  deepep.moe_deepep = true;
+  auto exchanged = compile_plan(deepep, dgx());
+  ASSERT_TRUE(exchanged.ok()) << exchanged.error().message();
+  for (BlockKind kind : {BlockKind::kForward, BlockKind::kBackward}) {
+    EXPECT_EQ(layer_collectives(*exchanged, 0, kind, "ep"),
+              (Counts{{CollectiveKind::kExpertExchange, 2 * 4}}));
+  }
+  EXPECT_EQ(exchanged->expert_routing.experts, 8);
+  EXPECT_EQ(exchanged->expert_routing.per_token, 2);
+  EXPECT_EQ(prog.expert_routing.experts, 0);  // NCCL's all-to-all needs none
+
   // Each GPU runs one of the replica's 8 sequences: no room for two sub-batches.
   Plan halves = prog.plan;
   halves.comm.tp_sub_batches = 2;

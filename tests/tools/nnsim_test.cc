@@ -481,6 +481,24 @@ TEST(NnsimTool, ExpertParallelismPlansSearchesAndSimulates) {
   EXPECT_NE(bad.status, 0);
   EXPECT_TRUE(contains(bad.err, "field 'moe_grouped_gemm': groups a mixture of experts' GEMMs"))
       << bad;
+  // DeepEP's exchange: never slower than the all-to-all on one node (it sends a token once to
+  // each GPU holding its experts); a dense model has no tokens to exchange.
+  json deepep = written;
+  deepep["moe_deepep"] = true;
+  box.write("deepep.json", deepep.dump(1));
+  const json exchanged = simulate("deepep.json");
+  EXPECT_LE(exchanged["iteration_time_s"].get<double>(), with_ep["iteration_time_s"].get<double>());
+  json dense_deepep = json::parse(box.read("dense.json"));
+  dense_deepep["moe_deepep"] = true;
+  box.write("dense-deepep.json", dense_deepep.dump(1));
+  bad = box.nnsim({"--topo", "dgx-a100x4", "--nodes", "1", "dense-deepep.json"});
+  EXPECT_NE(bad.status, 0);
+  EXPECT_TRUE(contains(bad.err, "field 'moe_deepep': exchanges a mixture of experts' tokens"))
+      << bad;
+  bad = box.nnsim({"plan", "--model", "dense.yaml", "--topo", "dgx-a100x4", "--nodes", "1", "--tp",
+                   "1", "--pp", "1", "--moe-deepep", "--global-batch", "16", "-o", "bad.json"});
+  EXPECT_NE(bad.status, 0);
+  EXPECT_TRUE(contains(bad.err, "--moe-deepep exchanges a mixture of experts' tokens")) << bad;
   // A plan file asking for no sub-batch at all names the field.
   json zero = written;
   zero["communication"]["tp_sub_batches"] = 0;
