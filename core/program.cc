@@ -256,8 +256,9 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
       c.group_axes[kExpertGrads] != c.group_axes[kDenseGrads]) {
     return Error(
         "communication.zero3_per_tensor: ZeRO-3 tensor by tensor (DeepSpeed) with experts spread "
-        "over a mesh axis (expert parallelism) is not supported: the experts' and the dense "
-        "weights' tensors shard over different groups; gather whole layers (FSDP: "
+        "over a mesh axis (expert parallelism) is not supported, as DeepSpeed's engine does not "
+        "run it (\"MoE not supported with Stage 3\"): the experts' and the dense weights' "
+        "tensors shard over different groups; gather whole layers (FSDP: "
         "zero3_per_tensor false), use optimizer.zero 0-2, or do not split the experts' 'expert' "
         "dimension");
   }

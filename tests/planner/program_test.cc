@@ -479,7 +479,9 @@ TEST(Program, ExpertParallelismExchangesTokensAndShardsExpertsApart) {
   const Program& wide = *compiled;
   for (const BlockTemplate& t : wide.templates) {
     for (const Step& s : t.steps) {
-      if (s.kind == StepKind::kCollective) EXPECT_DOUBLE_EQ(s.bytes, 1.5 * routed_bytes);
+      if (s.kind == StepKind::kCollective) {
+        EXPECT_DOUBLE_EQ(s.bytes, 1.5 * routed_bytes);
+      }
     }
   }
   EXPECT_DOUBLE_EQ(wide.model_flops_per_iteration, prog.model_flops_per_iteration);

@@ -168,7 +168,9 @@ TEST(Search, SubPipelinedTensorParallelismIsTriedWhenAsked) {
   EXPECT_EQ(best.options.tp_sub_batches, 2) << best.describe();
   EXPECT_LT(best.time(), plain->ranked.front().time());
   for (const Candidate& c : r->ranked) {
-    if (c.options.tp_sub_batches > 1) EXPECT_EQ(c.options.micro_batch % 2, 0) << c.describe();
+    if (c.options.tp_sub_batches > 1) {
+      EXPECT_EQ(c.options.micro_batch % 2, 0) << c.describe();
+    }
   }
 }
 
