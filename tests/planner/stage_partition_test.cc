@@ -221,6 +221,21 @@ struct Llama8bOnOneNode : ::testing::Test {
     o.ep = 2;
     return compile(*m, topo, o);
   }
+  // A search of global batch 64 with the degrees, the micro-batch, 1F1B and the placement
+  // pinned: what is left to it is recomputation, ZeRO and the stages' split.
+  static SearchOptions pinned_1f1b(int tp, int pp, int micro_batch) {
+    SearchOptions so;
+    so.global_batch = 64;
+    so.jobs = 2;
+    so.confirm = 0;
+    so.pins.tp = tp;
+    so.pins.pp = pp;
+    so.pins.vpp = 1;
+    so.pins.micro_batch = micro_batch;
+    so.pins.schedule = ScheduleKind::kOneFOneB;
+    so.pins.placement = std::vector<std::string>{"pp", "dp", "cp", "tp"};
+    return so;
+  }
   ModelSpec model;
   Topology topo;
   MegatronOptions o;
@@ -297,17 +312,8 @@ TEST_F(Llama8bOnOneNode, MeasuredCostsSeparateLayersFromTheHead) {
 
 TEST_F(Llama8bOnOneNode, BalancedStagesBeatTheUniformSplit) {
   const double uniform = estimate_program(compile(model, topo, o)).iteration_time;
-  SearchOptions so;
-  so.global_batch = 64;
-  so.jobs = 2;
-  so.confirm = 0;
-  so.pins.tp = 2;
-  so.pins.pp = 4;
-  so.pins.vpp = 1;
-  so.pins.micro_batch = 1;
+  SearchOptions so = pinned_1f1b(2, 4, 1);
   so.pins.sequence_parallel = true;
-  so.pins.schedule = ScheduleKind::kOneFOneB;
-  so.pins.placement = std::vector<std::string>{"pp", "dp", "cp", "tp"};
   Expected<SearchResult> r = search_plans(model, topo, so);
   ASSERT_TRUE(r.ok()) << r.error().message();
   EXPECT_GE(r->balanced_better, 1u);
@@ -324,17 +330,8 @@ TEST_F(Llama8bOnOneNode, BalancedStagesWithADenseFirstLayer) {
   ASSERT_TRUE(m.ok());
   m->layers = 16;
   m->seq_len = 2048;
-  SearchOptions so;
-  so.global_batch = 64;
-  so.jobs = 2;
-  so.confirm = 0;
-  so.pins.tp = 1;
-  so.pins.pp = 4;
-  so.pins.vpp = 1;
+  SearchOptions so = pinned_1f1b(1, 4, 1);
   so.pins.ep = 2;
-  so.pins.micro_batch = 1;
-  so.pins.schedule = ScheduleKind::kOneFOneB;
-  so.pins.placement = std::vector<std::string>{"pp", "dp", "cp", "tp"};
   Expected<SearchResult> r = search_plans(*m, topo, so);
   ASSERT_TRUE(r.ok()) << r.error().message();
   EXPECT_GE(r->balanced_better, 1u);
@@ -352,16 +349,7 @@ TEST_F(Llama8bOnOneNode, BalancedStagesWithADenseFirstLayer) {
 TEST_F(Llama8bOnOneNode, StageAwareRecomputeFitsWhereNoRecomputeDoesNot) {
   // tp1 pp8 micro-batch 4: without recomputation stage 0 does not fit in 80 GB; recomputing
   // every layer fits but costs a third more.
-  SearchOptions so;
-  so.global_batch = 64;
-  so.jobs = 2;
-  so.confirm = 0;
-  so.pins.tp = 1;
-  so.pins.pp = 8;
-  so.pins.vpp = 1;
-  so.pins.micro_batch = 4;
-  so.pins.schedule = ScheduleKind::kOneFOneB;
-  so.pins.placement = std::vector<std::string>{"pp", "dp", "cp", "tp"};
+  SearchOptions so = pinned_1f1b(1, 8, 4);
   so.pins.zero = 0;
   Expected<SearchResult> r = search_plans(model, topo, so);
   ASSERT_TRUE(r.ok()) << r.error().message();

@@ -466,35 +466,27 @@ TEST(NnsimTool, ExpertParallelismPlansSearchesAndSimulates) {
   EXPECT_NE(bad.status, 0);
   EXPECT_TRUE(contains(bad.err, "--etp 3: the experts split over all the tensor-parallel ranks"))
       << bad;
-  // The experts as one grouped-GEMM kernel: never slower; a dense model has none to group.
-  json grouped = written;
-  grouped["moe_grouped_gemm"] = true;
-  box.write("grouped.json", grouped.dump(1));
-  const json one_kernel = simulate("grouped.json");
-  EXPECT_LE(one_kernel["iteration_time_s"].get<double>(),
-            with_ep["iteration_time_s"].get<double>());
+  // Two plan-file choices of a mixture of experts, each never slower than without it, and
+  // refused for a dense model, naming the field: the experts as one grouped-GEMM kernel, and
+  // DeepEP's exchange (on one node it sends a token once to each GPU holding its experts).
   ASSERT_EQ(plan("dense", "1", "dense.json").status, 0);
-  json dense_grouped = json::parse(box.read("dense.json"));
-  dense_grouped["moe_grouped_gemm"] = true;
-  box.write("dense-grouped.json", dense_grouped.dump(1));
-  bad = box.nnsim({"--topo", "dgx-a100x4", "--nodes", "1", "dense-grouped.json"});
-  EXPECT_NE(bad.status, 0);
-  EXPECT_TRUE(contains(bad.err, "field 'moe_grouped_gemm': groups a mixture of experts' GEMMs"))
-      << bad;
-  // DeepEP's exchange: never slower than the all-to-all on one node (it sends a token once to
-  // each GPU holding its experts); a dense model has no tokens to exchange.
-  json deepep = written;
-  deepep["moe_deepep"] = true;
-  box.write("deepep.json", deepep.dump(1));
-  const json exchanged = simulate("deepep.json");
-  EXPECT_LE(exchanged["iteration_time_s"].get<double>(), with_ep["iteration_time_s"].get<double>());
-  json dense_deepep = json::parse(box.read("dense.json"));
-  dense_deepep["moe_deepep"] = true;
-  box.write("dense-deepep.json", dense_deepep.dump(1));
-  bad = box.nnsim({"--topo", "dgx-a100x4", "--nodes", "1", "dense-deepep.json"});
-  EXPECT_NE(bad.status, 0);
-  EXPECT_TRUE(contains(bad.err, "field 'moe_deepep': exchanges a mixture of experts' tokens"))
-      << bad;
+  for (const auto& [field, refusal] :
+       {std::pair<std::string, std::string>{"moe_grouped_gemm",
+                                            "groups a mixture of experts' GEMMs"},
+        {"moe_deepep", "exchanges a mixture of experts' tokens"}}) {
+    json with = written;
+    with[field] = true;
+    box.write(field + ".json", with.dump(1));
+    EXPECT_LE(simulate(field + ".json")["iteration_time_s"].get<double>(),
+              with_ep["iteration_time_s"].get<double>())
+        << field;
+    json dense_with = json::parse(box.read("dense.json"));
+    dense_with[field] = true;
+    box.write("dense-" + field + ".json", dense_with.dump(1));
+    bad = box.nnsim({"--topo", "dgx-a100x4", "--nodes", "1", "dense-" + field + ".json"});
+    EXPECT_NE(bad.status, 0);
+    EXPECT_TRUE(contains(bad.err, "field '" + field + "': " + refusal)) << bad;
+  }
   bad = box.nnsim({"plan", "--model", "dense.yaml", "--topo", "dgx-a100x4", "--nodes", "1", "--tp",
                    "1", "--pp", "1", "--moe-deepep", "--global-batch", "16", "-o", "bad.json"});
   EXPECT_NE(bad.status, 0);
