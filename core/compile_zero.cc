@@ -68,24 +68,23 @@ double Compiler::segment_persistent_params(int segment) const {
     }
     return n;
   };
-  const std::array<int, 2> count = layer_counts(s);
-  double n = count[0] * sum(layer);
-  if (count[1] > 0) n += count[1] * sum(dense_layer);
-  if (s.embedding) n += sum(embed);
-  if (s.head) n += sum(head);
-  return n;
+  return segment_sum(s, sum);
 }
 
 double Compiler::segment_params(int segment, int group) const {
-  const Segment& s = plan.segments[segment];
   // A tied output projection on the embedding's own devices is the embedding matrix itself.
   const bool shares_embedding = head_shares_embedding(segment);
-  auto sum = [&](const PartInfo& p) { return part_params(p, group, shares_embedding); };
+  return segment_sum(plan.segments[segment],
+                     [&](const PartInfo& p) { return part_params(p, group, shares_embedding); });
+}
+
+double Compiler::segment_sum(const Segment& s,
+                             const std::function<double(const PartInfo&)>& per_part) const {
   const std::array<int, 2> count = layer_counts(s);
-  double n = count[0] * sum(layer);
-  if (count[1] > 0) n += count[1] * sum(dense_layer);
-  if (s.embedding) n += sum(embed);
-  if (s.head) n += sum(head);
+  double n = count[0] * per_part(layer);
+  if (count[1] > 0) n += count[1] * per_part(dense_layer);
+  if (s.embedding) n += per_part(embed);
+  if (s.head) n += per_part(head);
   return n;
 }
 

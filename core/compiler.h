@@ -288,6 +288,10 @@ struct Compiler {
                          int group);
   // Parameters a device holds of the segment: those of one GradGroup, or (-1) all.
   double segment_params(int segment, int group = -1) const;
+  // A per-part figure summed over a segment: its layers' (of each block shape), its embedding's
+  // and its head's.
+  double segment_sum(const Segment& s,
+                     const std::function<double(const PartInfo&)>& per_part) const;
   // A device's share of the segments' parameters under ZeRO: each GradGroup's divided over its
   // shard group.
   double sharded_params(const std::vector<int>& segments) const {
