@@ -27,6 +27,25 @@ SearchOptions options(int global_batch) {
   return o;
 }
 
+// A 4-layer preset at 2,048 tokens, small enough to search in full.
+ModelSpec small_model(const std::string& name) {
+  ModelSpec m = *load_model(name);
+  m.layers = 4;
+  m.seq_len = 2048;
+  return m;
+}
+
+// The search under the constraints of `yaml`, every candidate ranked.
+Expected<SearchResult> search_under(const ModelSpec& m, const Topology& t, int global_batch,
+                                    const std::string& yaml) {
+  SearchOptions o = options(global_batch);
+  o.top = 1000;
+  Expected<Constraints> c = parse_constraints(yaml, "c.yaml");
+  EXPECT_TRUE(c.ok()) << c.error().message();
+  if (c.ok()) o.constraints = *c;
+  return search_plans(m, t, o);
+}
+
 // Whether every group along `axis` (absent: none) has its GPUs in one node.
 bool inside_nodes(const Program& p, const char* axis = "tp") {
   const int tp = p.plan.mesh.axis_index(axis);
@@ -75,16 +94,9 @@ TEST(Search, EveryPlanObeysTheConstraints) {
 
 // ep_within_node keeps every expert-parallel group, and its all-to-alls, inside a node.
 TEST(Search, ExpertParallelGroupsStayInsideNodesWhenAsked) {
-  ModelSpec m = *load_model("mixtral-8x7b");
-  m.layers = 4;
-  m.seq_len = 2048;
+  const ModelSpec m = small_model("mixtral-8x7b");
   const Topology t = topo("dgx-a100x4", 2);
-  SearchOptions o = options(64);
-  o.top = 1000;
-  Expected<Constraints> c = parse_constraints("ep_within_node: true\n", "c.yaml");
-  ASSERT_TRUE(c.ok()) << c.error().message();
-  o.constraints = *c;
-  Expected<SearchResult> r = search_plans(m, t, o);
+  Expected<SearchResult> r = search_under(m, t, 64, "ep_within_node: true\n");
   ASSERT_TRUE(r.ok()) << r.error().message();
   std::set<int> eps;
   for (const Candidate& cand : r->ranked) {
@@ -109,10 +121,7 @@ TEST(Search, ExpertParallelGroupsStayInsideNodesWhenAsked) {
   EXPECT_NE(refused.error().message().find("--moe-grouped-gemm"), std::string::npos);
 
   // Forbidding the experts' split rules expert parallelism out.
-  c = parse_constraints("operators:\n  - match: \"moe.fc*\"\n    forbid: [expert]\n", "c.yaml");
-  ASSERT_TRUE(c.ok()) << c.error().message();
-  o.constraints = *c;
-  r = search_plans(m, t, o);
+  r = search_under(m, t, 64, "operators:\n  - match: \"moe.fc*\"\n    forbid: [expert]\n");
   ASSERT_TRUE(r.ok()) << r.error().message();
   ASSERT_FALSE(r->ranked.empty());
   for (const Candidate& cand : r->ranked) EXPECT_EQ(cand.options.ep, 1) << cand.describe();
@@ -121,26 +130,16 @@ TEST(Search, ExpertParallelGroupsStayInsideNodesWhenAsked) {
 // In a mixture with dense blocks an operator rule's layer range reaches the block shapes of the
 // layers it covers: the dense first block's MLP is layer 0's only.
 TEST(Search, LayerRangesReachTheBlockShapesTheyCover) {
-  ModelSpec m = *load_model("deepseek-moe-16b");
-  m.layers = 4;
-  m.seq_len = 2048;
+  const ModelSpec m = small_model("deepseek-moe-16b");
   const Topology t = topo("dgx-a100x4", 1);
-  SearchOptions o = options(32);
-  o.top = 1000;
-  Expected<Constraints> c = parse_constraints(
-      "operators:\n  - match: \"mlp.fc*\"\n    layers: [0, 1]\n    max_degree: 1\n", "c.yaml");
-  ASSERT_TRUE(c.ok()) << c.error().message();
-  o.constraints = *c;
-  Expected<SearchResult> r = search_plans(m, t, o);
+  Expected<SearchResult> r = search_under(
+      m, t, 32, "operators:\n  - match: \"mlp.fc*\"\n    layers: [0, 1]\n    max_degree: 1\n");
   ASSERT_TRUE(r.ok()) << r.error().message();
   ASSERT_FALSE(r->ranked.empty());
   for (const Candidate& cand : r->ranked) EXPECT_EQ(cand.options.tp, 1) << cand.describe();
   // Layers 1-3 have experts, no mlp.fc*: the rule binds nothing and tensor parallelism is back.
-  c = parse_constraints(
-      "operators:\n  - match: \"mlp.fc*\"\n    layers: [1, 4]\n    max_degree: 1\n", "c.yaml");
-  ASSERT_TRUE(c.ok()) << c.error().message();
-  o.constraints = *c;
-  r = search_plans(m, t, o);
+  r = search_under(m, t, 32,
+                   "operators:\n  - match: \"mlp.fc*\"\n    layers: [1, 4]\n    max_degree: 1\n");
   ASSERT_TRUE(r.ok()) << r.error().message();
   bool saw_tp = false;
   for (const Candidate& cand : r->ranked) saw_tp |= cand.options.tp > 1;

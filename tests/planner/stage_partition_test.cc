@@ -3,6 +3,7 @@
 #include "planner/stage_partition.h"
 
 #include <functional>
+#include <initializer_list>
 #include <numeric>
 
 #include <gtest/gtest.h>
@@ -151,6 +152,18 @@ TEST(StagePartition, SaysWhenNothingFits) {
   EXPECT_FALSE(partition_stages(stages, uniform(1), 100 * kGiB).ok());  // fewer than stages
 }
 
+// The split at each capacity is valid and as fast as the best of every split (brute force).
+void expect_best_at(const std::vector<StageCosts>& stages, const std::vector<bool>& dense,
+                    std::initializer_list<double> capacities) {
+  for (double capacity : capacities) {
+    Expected<StagePartition> p = partition_stages(stages, dense, capacity);
+    ASSERT_TRUE(p.ok()) << p.error().message();
+    expect_valid(*p, stages, dense, capacity);
+    EXPECT_NEAR(p->slowest_stage_seconds, brute_force(stages, dense, capacity), 1e-9)
+        << "capacity " << capacity / kGiB << " GiB";
+  }
+}
+
 // DeepSeek's layout: the first 3 of 27 layers dense, cheaper and without experts. The stage
 // holding them takes more layers than an even split gives it, and recomputes the layers it must
 // in the order they come (dense ones first), as the brute force over every split does.
@@ -159,13 +172,7 @@ TEST(StagePartition, DenseBlocksCountAtTheirOwnCost) {
   for (int l = 0; l < 3; ++l) dense[l] = true;
   std::vector<StageCosts> stages;
   for (int s = 0; s < 3; ++s) stages.push_back(mixed_stage(3 - s, s == 2 ? 1.0 : 0));
-  for (double capacity : {1000 * kGiB, 16 * kGiB, 12 * kGiB}) {
-    Expected<StagePartition> p = partition_stages(stages, dense, capacity);
-    ASSERT_TRUE(p.ok()) << p.error().message();
-    expect_valid(*p, stages, dense, capacity);
-    EXPECT_NEAR(p->slowest_stage_seconds, brute_force(stages, dense, capacity), 1e-9)
-        << "capacity " << capacity / kGiB << " GiB";
-  }
+  expect_best_at(stages, dense, {1000 * kGiB, 16 * kGiB, 12 * kGiB});
   // Without a memory limit: 9 layers per stage take 3 x 0.6 + 6 = 7.8 s, 9 s and 10 s (the
   // head); 10, 9 and 8 layers take 8.8 s, 9 s and 9 s.
   Expected<StagePartition> p = partition_stages(stages, dense, 1000 * kGiB);
@@ -177,13 +184,7 @@ TEST(StagePartition, DenseBlocksCountAtTheirOwnCost) {
   for (int l = 0; l < 24; l += 2) odd[l] = true;
   std::vector<StageCosts> four;
   for (int s = 0; s < 4; ++s) four.push_back(mixed_stage(4 - s, s == 3 ? 1.5 : 0));
-  for (double capacity : {1000 * kGiB, 10 * kGiB, 8 * kGiB}) {
-    Expected<StagePartition> q = partition_stages(four, odd, capacity);
-    ASSERT_TRUE(q.ok()) << q.error().message();
-    expect_valid(*q, four, odd, capacity);
-    EXPECT_NEAR(q->slowest_stage_seconds, brute_force(four, odd, capacity), 1e-9)
-        << "capacity " << capacity / kGiB << " GiB";
-  }
+  expect_best_at(four, odd, {1000 * kGiB, 10 * kGiB, 8 * kGiB});
 }
 
 Program compile(const ModelSpec& model, const Topology& topo, const MegatronOptions& o) {
