@@ -595,10 +595,11 @@ TEST(Program, FoldedExpertTensorParallelismExchangesTokensOverTp) {
   ModelSpec m = preset("mixtral-8x7b");
   m.layers = 4;
   m.seq_len = 2048;
-  auto forward = [&](int expert_tp, double* params) {
+  auto forward = [&](int expert_tp, double* params, bool deepep = false) {
     MegatronOptions o = options(2, 1, true, RecomputeMode::kNone, 1);
     o.ep = 4;
     o.expert_tp = expert_tp;
+    o.moe_deepep = deepep;
     o.global_batch = 32;
     const Program prog = compile(m, o);
     std::set<std::string> layer_ops;
@@ -625,6 +626,12 @@ TEST(Program, FoldedExpertTensorParallelismExchangesTokensOverTp) {
                                                              {"tp all-gather", 1},
                                                              {"tp reduce-scatter", 1}}));
   EXPECT_DOUBLE_EQ(folded, split);
+  // Through DeepEP, the exchange over ep alone is an expert exchange; with the experts split
+  // over ep and tp both stay all-to-alls (docs/cost-model.md).
+  EXPECT_EQ(forward(0, &split, true),
+            (std::map<std::string, int>{
+                {"ep expert exchange", 2}, {"tp all-gather", 2}, {"tp reduce-scatter", 2}}));
+  EXPECT_EQ(forward(1, &folded, true), forward(1, &folded));
 }
 
 // A shared expert is dense: every expert-parallel rank holds all of it and its gradients sum
