@@ -255,6 +255,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     x.peer_lane = peer_lane;
     x.gradient = gradient;
     x.recycle = recycled;
+    x.blocking = kind == StepKind::kSend && plan.comm.pp_blocking_sends;
     x.bytes = transfer_bytes(layout, gather);
     x.label = label(gradient ? "gradient" : recycled ? "recycled" : "activation");
     steps->push_back(x);

@@ -427,7 +427,8 @@ Plan parse_plan_node(const InputNode& root) {
                    "pp_scatter_gather", "algorithm", "grad_reduce_bytes", "tp_overlap",
                    "zero3_per_tensor", "zero3_regather_for_recompute",
                    "zero3_persistence_threshold", "zero3_reduce_bucket", "zero3_prefetch_elements",
-                   "save_gathered_inputs", "pp_buffers_per_micro_batch", "tp_sub_batches"});
+                   "save_gathered_inputs", "pp_buffers_per_micro_batch", "tp_sub_batches",
+                   "pp_blocking_sends"});
     plan.comm.dp_bucket_bytes =
         c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
     if (plan.comm.dp_bucket_bytes < kMinBucketBytes) {
@@ -478,6 +479,7 @@ Plan parse_plan_node(const InputNode& root) {
     }
     plan.comm.save_gathered_inputs = c->get_bool("save_gathered_inputs", false);
     plan.comm.pp_buffers_per_micro_batch = c->get_bool("pp_buffers_per_micro_batch", false);
+    plan.comm.pp_blocking_sends = c->get_bool("pp_blocking_sends", false);
     if (plan.comm.algorithm != "auto" && plan.comm.algorithm != "ring" &&
         plan.comm.algorithm != "tree") {
       (*c)["algorithm"].fail_unknown(plan.comm.algorithm, {"auto", "ring", "tree"});
@@ -598,7 +600,8 @@ std::string plan_to_json(const Plan& plan) {
                         {"zero3_reduce_bucket", plan.comm.zero3_reduce_bucket},
                         {"zero3_prefetch_elements", plan.comm.zero3_prefetch_elements},
                         {"save_gathered_inputs", plan.comm.save_gathered_inputs},
-                        {"pp_buffers_per_micro_batch", plan.comm.pp_buffers_per_micro_batch}};
+                        {"pp_buffers_per_micro_batch", plan.comm.pp_buffers_per_micro_batch},
+                        {"pp_blocking_sends", plan.comm.pp_blocking_sends}};
   if (plan.comm.tp_sub_batches > 1) j["communication"]["tp_sub_batches"] = plan.comm.tp_sub_batches;
   json orders = json::array();
   for (const auto& o : plan.schedule) {

@@ -200,6 +200,10 @@ struct CommSettings {
   // output (the last stage's: the model's fp32 logits) kept until the step ends; false:
   // Megatron's, which receives into a fresh tensor per transfer and frees an output once sent.
   bool pp_buffers_per_micro_batch = false;
+  // Pipeline sends that hold the sender's compute stream until the transfer has completed
+  // (Megatron-Core's non-interleaved schedules: batched p2p whose requests are waited on before
+  // the next block); false: a send runs on its own stream while the sender computes on.
+  bool pp_blocking_sends = false;
 };
 
 struct Plan {

@@ -31,7 +31,7 @@ enum class StepKind : uint8_t {
   kCompute,     // the compute stream is busy for `seconds`
   kCollective,  // a blocking collective on the compute stream (tensor/context parallel)
   kRecv,        // wait for a transfer from another segment
-  kSend,        // start a transfer to another segment (does not block the compute stream)
+  kSend,        // start a transfer to another segment (blocks the compute stream if `blocking`)
   kDpLaunch,    // queue a collective on the data-parallel stream (gradient or parameter)
   kDpWait,      // wait for queued data-parallel collectives (all, or those with `tag`)
   kMemory,      // allocate (+) or free (-) `bytes`
@@ -51,6 +51,9 @@ struct Step {
   // kSend / kRecv: repeated forwards' transfer of a pass's output from the last segment to the
   // first segment of the next pass (the receiving block's pass is the sender's plus one).
   bool recycle = false;
+  // kSend: the compute stream waits until the transfer has completed (plan.comm's
+  // pp_blocking_sends); otherwise it runs on the sender's send stream while compute goes on.
+  bool blocking = false;
   int tag = -1;         // kDpLaunch / kDpWait: what to wait for (-1: everything)
   int group = -1;       // kCollective over an explicit group (Program::explicit_groups)
   int label = -1;       // index into Program::labels ("attn.qkv", "grad bucket 3", ...)

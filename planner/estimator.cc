@@ -22,10 +22,11 @@ struct Op {
   int peer = -1;       // kRecv / kSend: the other segment
   int peer_lane = -1;  // kRecv / kSend: the sending / receiving lane
   bool gradient = false;
-  bool recycle = false;  // kSend: to the next forward pass (repeated forwards)
-  int tag = -1;          // kDpLaunch / kDpWait
-  int lanes = 1;         // kJoin: lanes that meet
-  int sequence = 0;      // kJoin: rank among the block's joint collectives
+  bool recycle = false;   // kSend: to the next forward pass (repeated forwards)
+  bool blocking = false;  // kSend: the sender waits for it (Step::blocking)
+  int tag = -1;           // kDpLaunch / kDpWait
+  int lanes = 1;          // kJoin: lanes that meet
+  int sequence = 0;       // kJoin: rank among the block's joint collectives
 };
 
 class Estimator {
@@ -126,6 +127,7 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
         o.peer_lane = s.peer_lane;
         o.gradient = s.gradient;
         o.recycle = s.recycle;
+        o.blocking = s.blocking;
         o.seconds = transfer_seconds(lane, s);
         out.push_back(o);
         break;
@@ -299,8 +301,10 @@ Estimate Estimator::run() {
             }
             s.time = std::max(s.time, it->second);
           } else if (o.kind == Op::kSend) {
+            const double end = s.time + o.seconds;
             arrival[{segment, o.peer, o.gradient, mb, o.peer_lane, pass + (o.recycle ? 1 : 0)}] =
-                s.time + o.seconds;
+                end;
+            if (o.blocking) s.time = end;
           } else if (o.kind == Op::kJoin) {
             // Starts when the last lane arrives (the simulator's rendezvous).
             Join& j = joins[{segment, kind, mb, o.sequence}];

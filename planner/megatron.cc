@@ -618,6 +618,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     return Error(fmt::format("unknown framework '{}'{}", o.framework,
                              suggest(o.framework, {"megatron", "fsdp", "deepspeed", "other"})));
   }
+  // Megatron-Core's schedule without interleaving waits on each batched p2p exchange before the
+  // next block (overlap_p2p_comm is off there: NeMo and Megatron Bridge turn it on only with
+  // virtual pipeline stages), and DeepSpeed's pipeline engine sends with a blocking
+  // torch.distributed.send. PyTorch's pipelining schedules (fsdp) wait on sends only later.
+  plan.comm.pp_blocking_sends = o.pp > 1 && o.schedule == ScheduleKind::kOneFOneB &&
+                                (o.framework == "megatron" || o.framework == "deepspeed");
   if (o.zero3_persistence_threshold >= 0 && (o.framework != "deepspeed" || o.zero != 3)) {
     return Error(fmt::format(
         "a ZeRO-3 persistence threshold is DeepSpeed's ZeRO-3 setting; this plan is {} with "

@@ -20,6 +20,8 @@ std::string_view to_string(TaskKind k) {
       return "collective";
     case TaskKind::kRecvWait:
       return "recv-wait";
+    case TaskKind::kSendWait:
+      return "send-wait";
     case TaskKind::kDpWait:
       return "dp-wait";
     case TaskKind::kTransfer:

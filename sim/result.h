@@ -50,6 +50,7 @@ enum class TaskKind : uint8_t {
   kDpWait,        // compute stream waiting for the data-parallel stream
   kTransfer,      // a pipeline transfer in flight (on the sender's send stream)
   kDpCollective,  // a collective on the data-parallel stream
+  kSendWait,      // compute stream waiting for its own blocking send to complete
 };
 std::string_view to_string(TaskKind k);
 

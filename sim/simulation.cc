@@ -64,9 +64,9 @@ void Simulation::flush_compute(Instance& inst, int block) {
   PendingCompute& p = pending_[&inst];
   if (p.parts.empty()) return;
   if (p.seconds > 0) {
-    // Communication kernels running on this GPU meanwhile (the data-parallel stream, pipeline
-    // sends) take SMs and memory bandwidth from the compute.
-    const bool comm_busy = inst.dp_completed < inst.dp_launched || inst.sends_in_flight > 0;
+    // Collectives running on this GPU meanwhile (the data-parallel stream) take SMs and memory
+    // bandwidth from the compute; a pipeline send's few channels are not counted.
+    const bool comm_busy = inst.dp_completed < inst.dp_launched;
     const double slowdown =
         comm_busy ? p.compute_seconds * prog_.compute_model.comm_interference : 0;
     inst.breakdown.compute += slowdown;
@@ -376,9 +376,20 @@ void Simulation::send(Instance& inst, const Step& step, int block, int micro_bat
   t.posted = now;
   // The transfer runs on the sender's send stream for its direction, after the sends before it.
   const int direction = step.gradient ? 1 : 0;
+  sg4::SemaphorePtr done = step.blocking ? sg4::Semaphore::create(0) : nullptr;
   inst.send_queue[direction].push_back(
-      {&prepared_transfer(inst, step), t.arrived, &step, block, now});
+      {&prepared_transfer(inst, step), t.arrived, &step, block, now, done});
   inst.send_pending[direction]->release();
+  if (!done) return;
+  // Megatron waits on its batched p2p requests before the next block: the transfer's time is
+  // the sender's too.
+  done->acquire();
+  const double t1 = sg4::Engine::get_clock();
+  if (t1 > now) {
+    inst.breakdown.exposed_comm["pp"] += t1 - now;
+    record(inst, Stream::kCompute, TaskKind::kSendWait, now, t1, step.label, block, step.bytes, 0,
+           0);
+  }
 }
 
 void Simulation::send_stream_actor(Instance& inst, int direction) {
@@ -391,8 +402,8 @@ void Simulation::send_stream_actor(Instance& inst, int direction) {
     activities_ += runner_->run(*item.comm);
     record(inst, Stream::kPipelineSend, TaskKind::kTransfer, t0, sg4::Engine::get_clock(),
            item.step->label, item.block, item.step->bytes, 0, 0);
-    --inst.sends_in_flight;
     item.arrived->release();
+    if (item.done) item.done->release();
   }
 }
 

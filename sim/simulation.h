@@ -67,7 +67,6 @@ class Simulation {
     int block_micro_batch = -1;
     int block_pass = 0;
     int cross_sequence = 0;
-    int sends_in_flight = 0;
     // Accounting.
     Breakdown breakdown;
     double finish = 0;
@@ -85,6 +84,7 @@ class Simulation {
       const Step* step = nullptr;
       int block = -1;
       double posted = 0;
+      simgrid::s4u::SemaphorePtr done;  // a blocking send's: released when it has completed
     };
     std::deque<SendItem> send_queue[2];
     simgrid::s4u::SemaphorePtr send_pending[2];

@@ -100,7 +100,7 @@ Status write_hdf5_timeline(const std::string& path, const Program& program, cons
     return Error(fmt::format("writing the task table to '{}' failed", path));
   }
   std::vector<std::string> kinds, streams, lanes, blocks;
-  for (int k = 0; k <= static_cast<int>(TaskKind::kDpCollective); ++k) {
+  for (int k = 0; k <= static_cast<int>(TaskKind::kSendWait); ++k) {
     kinds.emplace_back(to_string(static_cast<TaskKind>(k)));
   }
   for (int s = 0; s <= static_cast<int>(Stream::kPipelineSend); ++s) {

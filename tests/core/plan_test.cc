@@ -146,6 +146,7 @@ TEST(Plan, HandBuiltPlanRoundTrips) {
   p.comm.algorithm = "ring";
   p.comm.save_gathered_inputs = true;
   p.comm.pp_buffers_per_micro_batch = true;
+  p.comm.pp_blocking_sends = true;
   p.comm.zero3_persistence_threshold = 1e5;
   p.comm.zero3_reduce_bucket = 5e8;
   p.comm.zero3_per_tensor = true;
@@ -173,6 +174,7 @@ TEST(Plan, HandBuiltPlanRoundTrips) {
   EXPECT_FALSE(q->comm.overlap_grad_reduce);
   EXPECT_TRUE(q->comm.save_gathered_inputs);
   EXPECT_TRUE(q->comm.pp_buffers_per_micro_batch);
+  EXPECT_TRUE(q->comm.pp_blocking_sends);
   EXPECT_EQ(q->comm.zero3_persistence_threshold, 1e5);
   EXPECT_EQ(q->comm.zero3_reduce_bucket, 5e8);
   EXPECT_EQ(q->comm.zero3_prefetch_elements, 5e7);

@@ -163,6 +163,23 @@ TEST(Megatron, FloatingPointPrecisionsSetOptimizerBytes) {
   EXPECT_EQ(p.optimizer.state_bytes, 8);
 }
 
+// Megatron-Core's schedule without interleaving (and DeepSpeed's pipeline engine) waits on each
+// pipeline send; its interleaved one overlaps them (overlap_p2p_comm), and so does PyTorch's.
+TEST(Megatron, OnlyNonInterleavedMegatronAndDeepSpeedPipelinesBlockOnSends) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  MegatronOptions o = opts(8, 2, 32);
+  EXPECT_TRUE(build(m, o).comm.pp_blocking_sends);
+  o.framework = "deepspeed";
+  EXPECT_TRUE(build(m, o).comm.pp_blocking_sends);
+  o.framework = "fsdp";
+  EXPECT_FALSE(build(m, o).comm.pp_blocking_sends);
+  o.framework = "megatron";
+  o.schedule = ScheduleKind::kInterleaved;
+  o.vpp = 2;
+  EXPECT_FALSE(build(m, o).comm.pp_blocking_sends);
+  EXPECT_FALSE(build(m, opts(8, 1, 32)).comm.pp_blocking_sends);  // nothing to send
+}
+
 TEST(Megatron, DegreesMustDivideTheGpus) {
   const ModelSpec m = preset("gpt3-1.3b");
   std::string e = build_error(m, opts(3, 1, 32));
