@@ -1,8 +1,9 @@
 // The plan compiler's internals (core/program.h's compile_plan), shared by the files that
 // make it up: compile_checks.cc (the plan against its model and topology), compile_lanes.cc
 // (segments onto devices), compile_ops.cc (operators' partitions, forward and backward steps),
-// compile_zero.cc (ZeRO's buckets, gathers and shards), compile_memory.cc (what a device holds)
-// and compile_blocks.cc (block templates). Not part of the library's interface.
+// compile_zero.cc (ZeRO's buckets, gathers and shards), compile_memory.cc (what a device holds),
+// compile_blocks.cc with block_builder.h (block templates) and compile_overlap.cc (collectives
+// hidden behind a block's compute). Not part of the library's interface.
 #pragma once
 
 #include <algorithm>
@@ -349,6 +350,14 @@ struct Compiler {
   double retained_output_bytes(int segment) const;
   std::map<std::tuple<int, int, int, bool, bool, bool, int>, int> template_cache;
 };
+
+// Tensor-parallel collectives of a block's steps hidden behind its compute
+// (compile_overlap.cc): paired with the neighbouring GEMMs (Transformer Engine's overlap,
+// communication.tp_overlap), or sub-pipelined over `k` sub-batches (Merak,
+// communication.tp_sub_batches). Compute beside them is slowed by `interference`.
+void overlap_tp_collectives(std::vector<Step>& steps, uint32_t lane_axes, double interference);
+void sub_pipeline_collectives(std::vector<Step>& steps, int k, uint32_t lane_axes,
+                              double interference);
 
 // A partition or recompute rule that matches no operator is a typo (or a rule for another
 // model), never a silent no-op.

@@ -1,0 +1,152 @@
+// Tensor-parallel collectives hidden behind compute inside a block's steps: Transformer
+// Engine's GEMM overlap (communication.tp_overlap) and Merak's sub-pipelining
+// (communication.tp_sub_batches).
+#include "core/compiler.h"
+
+#include <algorithm>
+
+namespace nnsim::detail {
+
+// Transformer Engine's tensor-parallel overlap: an all-gather runs alongside the GEMM that
+// consumes it, a reduce-scatter alongside the GEMM that produces it, chunk by chunk; the pair
+// takes the longer of the two (the GEMM slowed by the communication kernels sharing the GPU).
+// In a backward the input-gradient GEMM pairs with the all-gather before it and the
+// weight-gradient GEMM with the reduce-scatter of the input gradient (TE's bulk overlaps).
+void overlap_tp_collectives(std::vector<Step>& steps, uint32_t lane_axes, double interference) {
+  std::vector<Step> out;
+  out.reserve(steps.size());
+  auto overlappable = [&](const Step& c) {
+    return c.kind == StepKind::kCollective && c.seconds == 0 && c.group < 0 &&
+           (c.axes & ~lane_axes) == 0 &&
+           (c.collective == CollectiveKind::kAllGather ||
+            c.collective == CollectiveKind::kReduceScatter);
+  };
+  auto gemm = [](const Step& s) { return s.kind == StepKind::kCompute && s.matmul; };
+  auto merge = [&](Step c, const Step& g) {
+    c.seconds = g.seconds * (1 + interference);
+    c.flops = g.flops;
+    c.compute_class = g.compute_class;
+    return c;
+  };
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const Step& s = steps[i];
+    if (overlappable(s) && s.collective == CollectiveKind::kAllGather && i + 1 < steps.size() &&
+        gemm(steps[i + 1])) {
+      out.push_back(merge(s, steps[i + 1]));
+      ++i;
+    } else if (overlappable(s) && s.collective == CollectiveKind::kReduceScatter && !out.empty() &&
+               gemm(out.back())) {
+      Step g = out.back();
+      out.back() = merge(s, g);
+    } else {
+      out.push_back(s);
+    }
+  }
+  steps = std::move(out);
+}
+
+// Merak's sub-pipelined tensor parallelism (comm.tp_sub_batches = k): a block's micro-batch runs
+// as k sub-batches along the batch. Between two blocking lane collectives the operators run
+// sub-batch after sub-batch, each 1/k of the time (GEMMs of 1/k the rows priced at the same
+// efficiency) and of the memory; each collective moves 1/k of its bytes per sub-batch, launched
+// when its sub-batch's compute is done and run alongside the compute piece that follows (the next
+// sub-batch, or the first sub-batch of the next operators, which needs only the first piece): the
+// pair takes the longer of the two, the compute slowed by `interference`. A paired piece's
+// compute is counted in the collective's step (its operators lose their own labels there).
+// Transfers, data-parallel launches and waits end a stretch: nothing moves across them.
+void sub_pipeline_collectives(std::vector<Step>& steps, int k, uint32_t lane_axes,
+                              double interference) {
+  auto blocking = [&](const Step& s) {
+    return s.kind == StepKind::kCollective && s.seconds == 0 && s.group < 0 &&
+           (s.axes & ~lane_axes) == 0;
+  };
+  auto in_stretch = [&](const Step& s) {
+    return s.kind == StepKind::kCompute || s.kind == StepKind::kMemory || blocking(s);
+  };
+  std::vector<Step> out;
+  out.reserve(steps.size() * k);
+  std::vector<Step> pending;  // collective pieces waiting for the compute piece they overlap
+  auto emit_pending = [&]() {
+    for (const Step& c : pending) out.push_back(c);
+    pending.clear();
+  };
+  // One sub-batch's piece of a run of compute and memory steps. With a collective pending, the
+  // compute of the class that has most of the piece runs beside it; the rest (a recomputation
+  // inside a backward, say) runs on its own first, so every second keeps its class.
+  auto emit_piece = [&](const std::vector<Step>& run) {
+    std::map<ComputeClass, double> by_class;
+    for (const Step& s : run) {
+      if (s.kind == StepKind::kCompute) by_class[s.compute_class] += s.seconds;
+    }
+    const bool pair = !pending.empty() && !by_class.empty();
+    const ComputeClass main =
+        pair ? std::max_element(by_class.begin(), by_class.end(),
+                                [](const auto& a, const auto& b) { return a.second < b.second; })
+                   ->first
+             : ComputeClass::kCompute;
+    double seconds = 0, flops = 0;
+    for (const Step& s : run) {
+      Step piece = s;
+      if (s.kind == StepKind::kMemory) {
+        piece.bytes /= k;
+      } else {
+        piece.seconds /= k;
+        piece.flops /= k;
+        if (pair && s.compute_class == main) {
+          seconds += piece.seconds;
+          flops += piece.flops;
+          continue;
+        }
+      }
+      out.push_back(piece);
+    }
+    if (pair) {
+      Step& c = pending.front();
+      c.seconds = seconds * (1 + interference);
+      c.flops = flops;
+      c.compute_class = main;
+    }
+    emit_pending();
+  };
+  for (size_t i = 0; i < steps.size();) {
+    if (!in_stretch(steps[i])) {
+      out.push_back(steps[i++]);
+      continue;
+    }
+    size_t end = i;
+    bool any = false;
+    while (end < steps.size() && in_stretch(steps[end])) any = blocking(steps[end++]) || any;
+    if (!any) {
+      out.insert(out.end(), steps.begin() + i, steps.begin() + end);
+      i = end;
+      continue;
+    }
+    // The stretch as runs of compute each followed by its collectives.
+    std::vector<std::vector<Step>> runs(1), after(1);
+    for (size_t j = i; j < end; ++j) {
+      if (blocking(steps[j])) {
+        after.back().push_back(steps[j]);
+      } else {
+        if (!after.back().empty()) {
+          runs.emplace_back();
+          after.emplace_back();
+        }
+        runs.back().push_back(steps[j]);
+      }
+    }
+    for (size_t r = 0; r < runs.size(); ++r) {
+      for (int piece = 0; piece < k; ++piece) {
+        emit_piece(runs[r]);
+        for (Step c : after[r]) {
+          c.bytes /= k;
+          pending.push_back(c);
+        }
+      }
+    }
+    emit_pending();
+    i = end;
+  }
+  steps = std::move(out);
+}
+
+}  // namespace nnsim::detail
