@@ -93,27 +93,20 @@ void BlockBuilder::forward() {
     const int from = c_.source_lane(last_seg, t_.lane);
     if (from >= 0) recv(last_seg, from, false, layer_out_, true);
   }
-  if (s_.embedding) {
+  // A part's forward, once its parameters are gathered.
+  auto forward_part = [&](const PartInfo& p, int layer, const TensorLayout& in_layout) {
     wait_gather(next_unit_);
     zero3_before(units_, next_unit_++);
-    c_.emit_forward(embed, embed_out_, c_.recomputed_ops(embed, -1), false, ComputeClass::kCompute,
+    c_.emit_forward(p, in_layout, c_.recomputed_ops(p, layer), false, ComputeClass::kCompute,
                     t_.steps);
+  };
+  if (s_.embedding) {
+    forward_part(embed, -1, embed_out_);
     append_conversions(conversions(c_.boundary, embed_out_, embed_boundary_, c_.mesh),
                        c_.label("embed.partial-sums"), t_.steps);
   }
-  for (int l = s_.first_layer; l < s_.end_layer; ++l) {
-    wait_gather(next_unit_);
-    zero3_before(units_, next_unit_++);
-    const PartInfo& p = c_.layer_at(l);
-    c_.emit_forward(p, layer_in(l), c_.recomputed_ops(p, l), false, ComputeClass::kCompute,
-                    t_.steps);
-  }
-  if (s_.head) {
-    wait_gather(next_unit_);
-    zero3_before(units_, next_unit_++);
-    c_.emit_forward(head, layer_out_, c_.recomputed_ops(head, -1), false, ComputeClass::kCompute,
-                    t_.steps);
-  }
+  for (int l = s_.first_layer; l < s_.end_layer; ++l) forward_part(c_.layer_at(l), l, layer_in(l));
+  if (s_.head) forward_part(head, -1, layer_out_);
   for (int l : send_next_lanes_) send(next_, l, false, segment_out_);
   if (role & 4) {
     for (int l : c_.lanes_of_segment[first_seg]) {
@@ -196,38 +189,23 @@ void BlockBuilder::backward() {
       }
     }
   };
-  // Recompute rules without layers also recompute the embedding's and the head's operators
-  // (what they dropped) before their backward.
-  auto recompute_part = [&](const PartInfo& p, const TensorLayout& in_layout) {
-    const auto r = c_.recomputed_ops(p, -1);
+  // A part's backward, after its recomputation inside the backward (rules without layers drop
+  // the embedding's and the head's operators too).
+  auto backward_part = [&](const PartInfo& p, int layer, const TensorLayout& in_layout,
+                           const TensorLayout& in_grad_layout) {
+    zero3_before(backward_units_, next_unit_++);
+    const std::vector<bool> r = c_.recomputed_ops(p, layer);
     if (input_grads && !explicit_recompute_ && std::find(r.begin(), r.end(), true) != r.end()) {
       c_.emit_forward(p, in_layout, r, true, ComputeClass::kRecompute, t_.steps);
     }
+    c_.emit_backward(p, in_layout, in_grad_layout, r, input_grads, weight_grads, t_.steps);
+    grads_ready(backward_units_[next_unit_ - 1]);
   };
-  if (s_.head) {
-    zero3_before(backward_units_, next_unit_++);
-    recompute_part(head, layer_out_);
-    c_.emit_backward(head, layer_out_, layer_out_grad_, c_.recomputed_ops(head, -1), input_grads,
-                     weight_grads, t_.steps);
-    grads_ready(backward_units_[next_unit_ - 1]);
-  }
+  if (s_.head) backward_part(head, -1, layer_out_, layer_out_grad_);
   for (int l = s_.end_layer - 1; l >= s_.first_layer; --l) {
-    zero3_before(backward_units_, next_unit_++);
-    const PartInfo& p = c_.layer_at(l);
-    auto r = c_.recomputed_ops(p, l);
-    if (input_grads && !explicit_recompute_ && std::find(r.begin(), r.end(), true) != r.end()) {
-      c_.emit_forward(p, layer_in(l), r, true, ComputeClass::kRecompute, t_.steps);
-    }
-    c_.emit_backward(p, layer_in(l), layer_in_grad(l), r, input_grads, weight_grads, t_.steps);
-    grads_ready(backward_units_[next_unit_ - 1]);
+    backward_part(c_.layer_at(l), l, layer_in(l), layer_in_grad(l));
   }
-  if (s_.embedding) {
-    zero3_before(backward_units_, next_unit_++);
-    recompute_part(embed, embed_out_);
-    c_.emit_backward(embed, embed_out_, embed_out_grad_, c_.recomputed_ops(embed, -1), input_grads,
-                     weight_grads, t_.steps);
-    grads_ready(backward_units_[next_unit_ - 1]);
-  }
+  if (s_.embedding) backward_part(embed, -1, embed_out_, embed_out_grad_);
   if (input_grads) {
     for (int l : send_prev_lanes_) {
       send(prev_, l, true, s_.embedding ? embed_out_ : handed_back(seg_));

@@ -162,12 +162,31 @@ std::optional<Problem> find_problem(const ModelSpec& m) {
                                              "({}) or be omitted, got {}",
                                              m.heads, m.kv_heads)};
     }
+    if (m.head_width > 0) {
+      return Problem{"head_dim",
+                     "multi-head latent attention's heads are qk_nope_head_dim + "
+                     "qk_rope_head_dim (queries, keys) and v_head_dim (values) wide; remove "
+                     "head_dim"};
+    }
     return std::nullopt;  // heads need not divide hidden: their widths are given
   }
-  if (m.hidden % m.heads != 0) {
+  if (m.head_width != 0) {
+    // Heads of their own width need not divide hidden.
+    if (m.head_width < 0 || m.head_width > kMaxWidth) {
+      return Problem{"head_dim", fmt::format("must be a positive integer up to {} (or absent: "
+                                             "hidden / heads), got {}",
+                                             kMaxWidth, m.head_width)};
+    }
+    if (m.heads * m.head_width > kMaxHeadWidths) {
+      return Problem{"head_dim",
+                     fmt::format("heads x head_dim is {}, over the {} nnsim handles; use "
+                                 "narrower heads or fewer",
+                                 m.heads * m.head_width, kMaxHeadWidths)};
+    }
+  } else if (m.hidden % m.heads != 0) {
     return Problem{"heads",
                    fmt::format("heads ({}) must divide hidden ({}) so that every head has the "
-                               "same width; use heads = {}, or change hidden",
+                               "same width; use heads = {}, change hidden, or give head_dim",
                                m.heads, m.hidden, nearby_divisors(m.hidden, m.heads))};
   }
   if (m.kv_heads > m.heads || m.heads % m.kv_heads != 0) {
@@ -224,7 +243,7 @@ int64_t ModelSpec::attention_parameters() const {
     const int64_t d = head_dim();
     const int64_t qkv_out = (heads + 2 * kv_heads) * d;
     // The norm, the fused Q, K, V projection and the output projection.
-    return norm_of(h) + linear(h, qkv_out) + linear(h, h);
+    return norm_of(h) + linear(h, qkv_out) + linear(heads * d, h);
   }
   const int64_t qk = qk_nope_head_dim + qk_rope_head_dim;
   int64_t p = norm_of(h);
@@ -290,6 +309,7 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                    "hidden",
                    "heads",
                    "kv_heads",
+                   "head_dim",
                    "ffn_hidden",
                    "mlp",
                    "vocab",
@@ -323,6 +343,13 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
   m.hidden = read_size(node, "hidden");
   m.heads = read_size(node, "heads");
   m.kv_heads = node.has("kv_heads") ? read_size(node, "kv_heads") : m.heads;
+  if (node.has("head_dim")) {
+    m.head_width = read_size(node, "head_dim");
+    if (m.head_width <= 0) {
+      node["head_dim"].fail(fmt::format(
+          "must be a positive integer (or absent: hidden / heads), got {}", m.head_width));
+    }
+  }
   m.ffn_hidden = read_size(node, "ffn_hidden");
   m.vocab = read_size(node, "vocab");
   m.seq_len = read_size(node, "seq_len");
@@ -425,6 +452,7 @@ std::string model_to_json(const ModelSpec& m) {
   j["hidden"] = m.hidden;
   j["heads"] = m.heads;
   j["kv_heads"] = m.kv_heads;
+  if (m.head_width > 0) j["head_dim"] = m.head_width;
   j["ffn_hidden"] = m.ffn_hidden;
   j["mlp"] = to_string(m.mlp);
   j["vocab"] = m.vocab;

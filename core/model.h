@@ -87,7 +87,12 @@ struct ModelSpec {
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
 
-  int64_t head_dim() const { return hidden / heads; }
+  // Each attention head's width when it is not hidden / heads (Qwen3's, Gemma's; Megatron's
+  // --kv-channels, the YAML's head_dim): the Q, K and V projections are (heads + 2 kv_heads) x
+  // this wide and the output projection reads heads x this. 0: hidden / heads.
+  int64_t head_width = 0;
+
+  int64_t head_dim() const { return head_width > 0 ? head_width : hidden / heads; }
   bool mla() const { return kv_lora_rank > 0; }
   // Parameters of a block's attention (its norm included).
   int64_t attention_parameters() const;

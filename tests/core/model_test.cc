@@ -73,7 +73,7 @@ TEST(Model, PresetParameterCountsArePinned) {
       {"llama3-70b", 70'553'706'496},       {"llama3-405b", 405'853'388'800},
       {"mixtral-8x7b", 46'702'792'704},     {"qwen1.5-moe-a2.7b", 14'315'587'584},
       {"deepseek-moe-16b", 16'375'728'128}, {"deepseek-v2-lite", 15'706'484'224},
-      {"deepseek-v3", 671'026'404'352},
+      {"deepseek-v3", 671'026'404'352},     {"qwen3-30b-a3b", 30'532'110'336},
   };
   for (const auto& [name, count] : counts) {
     auto m = load_model(name);
@@ -249,6 +249,52 @@ TEST(Model, QwenMoeCountsMatchTheModelCard) {
   EXPECT_EQ(m->layer_parameters(), 4 * h * h + h * E + E * 3 * h * 1408 + 3 * h * 5632 + 2 * h);
   // The shared expert is no routed expert: expert parallelism does not divide it.
   EXPECT_EQ(m->expert_parameters(), 24 * E * 3 * h * 1408);
+}
+
+// Qwen3's heads are wider than hidden / heads: 32 of 128 over a hidden size of 2,048.
+TEST(Model, Qwen3CountsMatchTheModelCard) {
+  auto m = load_model("qwen3-30b-a3b");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_EQ(m->head_dim(), 128);
+  EXPECT_NEAR(static_cast<double>(m->parameters()), 30.5e9, 30.5e9 * 0.002);
+  const double embeddings =
+      static_cast<double>(m->embedding_parameters()) + static_cast<double>(m->head_parameters());
+  EXPECT_NEAR(static_cast<double>(m->parameters()) - embeddings, 29.9e9, 29.9e9 * 0.002);
+  const int64_t h = 2048, d = 128;
+  // The norm, Q, K, V (32 + 2 x 4 heads) and the output projection from the 4,096-wide heads.
+  EXPECT_EQ(m->attention_parameters(), h + h * (32 + 2 * 4) * d + 32 * d * h);
+}
+
+TEST(Model, HeadDimGivesTheHeadsTheirOwnWidth) {
+  // 5 heads of 16 over a hidden size of 64: they need not divide it.
+  const std::string wide = replace(kSmall, "heads: 4", "heads: 5") + "head_dim: 16\nkv_heads: 1\n";
+  auto m = parse_model(wide, "m.yaml");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_EQ(m->head_dim(), 16);
+  const int64_t h = 64;
+  EXPECT_EQ(m->attention_parameters(), 2 * h + (h * (5 + 2) * 16 + (5 + 2) * 16) +
+                                           (5 * 16 * h + h));  // norm, Q/K/V, output, biases
+  auto back = parse_model(model_to_json(*m), "plan.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_EQ(back->head_width, 16);
+  EXPECT_EQ(back->parameters(), m->parameters());
+
+  std::string msg = parse_error(std::string(kSmall) + "head_dim: 0\n");
+  EXPECT_TRUE(contains(msg, "field 'head_dim'")) << msg;
+  EXPECT_TRUE(contains(msg, "positive integer")) << msg;
+  msg = parse_error(std::string(kSmall) + "head_dim: -8\n");
+  EXPECT_TRUE(contains(msg, "field 'head_dim'")) << msg;
+  msg = parse_error(replace(kSmall, "heads: 4", "heads: 1024") + "head_dim: 20000\n");
+  EXPECT_TRUE(contains(msg, "field 'head_dim'")) << msg;
+  EXPECT_TRUE(contains(msg, "over the 16777216 nnsim handles")) << msg;
+  msg = parse_error(std::string(kSmall) +
+                    "head_dim: 16\nkv_lora_rank: 32\nqk_nope_head_dim: 16\n"
+                    "qk_rope_head_dim: 8\nv_head_dim: 16\n");
+  EXPECT_TRUE(contains(msg, "field 'head_dim'")) << msg;
+  EXPECT_TRUE(contains(msg, "remove head_dim")) << msg;
+  // Without it, heads must still divide hidden, and the message offers head_dim.
+  msg = parse_error(replace(kSmall, "heads: 4", "heads: 5"));
+  EXPECT_TRUE(contains(msg, "or give head_dim")) << msg;
 }
 
 TEST(Model, MixtureOfExpertsFieldsAreChecked) {

@@ -129,9 +129,27 @@ TEST(OpGraph, GatedMlpAndGqaFlops) {
   EXPECT_DOUBLE_EQ(fwd(g.layer), qkv + proj + mlp + attn);
 }
 
+// Heads wider than hidden / heads (Qwen3: 32 of 128 over 2,048): Q, K and V come out
+// (a + 2k) d wide, the attention runs over a d-wide heads and the output projection reads a d.
+TEST(OpGraph, HeadDimSetsTheAttentionWidths) {
+  ModelSpec m = preset("qwen3-30b-a3b");
+  const double s = m.seq_len, h = m.hidden, a = m.heads, k = m.kv_heads, d = 128;
+  ASSERT_NE(a * d, h);
+  OpGraph g = lower_model(m, 1);
+  const Op* qkv = find_op(g.layer, "attn.qkv");
+  const Op* core = find_op(g.layer, "attn.core");
+  const Op* proj = find_op(g.layer, "attn.proj");
+  ASSERT_TRUE(qkv && core && proj);
+  EXPECT_DOUBLE_EQ(qkv->fwd_flops, 2 * s * h * (a + 2 * k) * d);
+  EXPECT_DOUBLE_EQ(core->fwd_flops, 4 * s * s * a * d);
+  EXPECT_DOUBLE_EQ(core->head_dim, d);
+  EXPECT_DOUBLE_EQ(proj->fwd_flops, 2 * s * a * d * h);
+  EXPECT_DOUBLE_EQ(proj->parameters(), a * d * h);
+}
+
 TEST(OpGraph, PartsHoldTheModelsParameters) {
   for (const char* name : {"gpt3-175b", "gpt3-1.3b", "llama2-70b", "llama3-8b", "mixtral-8x7b",
-                           "deepseek-v2-lite", "deepseek-v3"}) {
+                           "deepseek-v2-lite", "deepseek-v3", "qwen3-30b-a3b"}) {
     ModelSpec m = preset(name);
     OpGraph g = lower_model(m, 1);
     auto params = [](const GraphPart& p) {

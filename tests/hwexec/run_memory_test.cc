@@ -24,13 +24,12 @@ using testing::RunResult;
 using testing::slurp;
 using testing::TempDir;
 
-const std::string kModel = std::string(NNSIM_TEST_DATA) + "/small-gpt-memory.yaml";
-
 struct MemoryCase {
   const char* name;
   int tp, pp, dp;
   const char* precision;
   std::vector<std::string> flags;
+  const char* model = "small-gpt-memory.yaml";  // in tests/data
 };
 
 void PrintTo(const MemoryCase& c, std::ostream* os) {
@@ -42,6 +41,7 @@ class NnexecRunMemory : public ::testing::TestWithParam<MemoryCase> {};
 TEST_P(NnexecRunMemory, StaticMemoryIsTheSimulatorsAndThePeakNearIt) {
   if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const MemoryCase c = GetParam();
+  const std::string model = std::string(NNSIM_TEST_DATA) + "/" + c.model;
   const int n = c.tp * c.pp * c.dp;
   const std::string topo =
       std::string(NNSIM_TEST_DATA) + (n == 1 ? "/tiny-node1.yaml" : "/tiny-node2.yaml");
@@ -49,7 +49,7 @@ TEST_P(NnexecRunMemory, StaticMemoryIsTheSimulatorsAndThePeakNearIt) {
   TempDir dir;
   std::vector<std::string> plan = {"plan",
                                    "--model",
-                                   kModel,
+                                   model,
                                    "--topo",
                                    topo,
                                    "--nodes",
@@ -128,7 +128,7 @@ TEST_P(NnexecRunMemory, StaticMemoryIsTheSimulatorsAndThePeakNearIt) {
   // layer's fp32 weights (writing them for the unit in use and the prefetched one too had put
   // the bf16 FSDP row 1.49 MiB over, two layers' worth).
   if (zero != c.flags.end() && zero[1] == "3" && std::string(c.precision) != "fp32") {
-    Expected<ModelSpec> spec = load_model(kModel);
+    Expected<ModelSpec> spec = load_model(model);
     ASSERT_TRUE(spec.ok()) << spec.error().message();
     EXPECT_LT(measured_peak - simulated_peak, 4.0 * static_cast<double>(spec->layer_parameters()))
         << c.name;
@@ -162,6 +162,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         MemoryCase{"fp32", 1, 1, 1, "fp32", {}}, MemoryCase{"bf16", 1, 1, 1, "bf16", {}},
         MemoryCase{"tp2", 2, 1, 1, "fp32", {}}, MemoryCase{"pp2", 1, 2, 1, "fp32", {}},
+        // Heads wider together than the hidden size (head_dim): Q, K, V and the attention's
+        // output are 192 wide where the hidden state is 128.
+        MemoryCase{"head_dim_tp2", 2, 1, 1, "fp32", {}, "small-head-dim-memory.yaml"},
         MemoryCase{"dp2_zero1", 1, 1, 2, "fp32", {"--zero", "1"}},
         // ZeRO-3: the fp32 shard is the master copy (4 bytes); between iterations both sides
         // hold the shards only, and through the iteration the unit in use and the one

@@ -46,6 +46,8 @@ using testing::slurp;
 const std::string kModel = std::string(NNSIM_TEST_DATA) + "/tiny-gpt.yaml";
 // RMSNorm, GQA (2 key/value heads for 4), SwiGLU, rotary positions, no biases.
 const std::string kLlama = std::string(NNSIM_TEST_DATA) + "/tiny-llama.yaml";
+// tiny-llama with heads of head_dim 24, 96 wide together over a hidden size of 64 (Qwen3's kind).
+const std::string kHeadDim = std::string(NNSIM_TEST_DATA) + "/tiny-head-dim.yaml";
 // ReLU MLP (OPT), and squared ReLU with rope and GQA (Nemotron).
 const std::string kOpt = std::string(NNSIM_TEST_DATA) + "/tiny-opt.yaml";
 const std::string kNemotron = std::string(NNSIM_TEST_DATA) + "/tiny-nemotron.yaml";
@@ -491,6 +493,7 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8}, Case{"llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama},
         Case{"llama_pp2", 1, 2, 1, "1f1b", 4, &kLlama},
         Case{"llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama},
+        Case{"head_dim_tp2_pp2", 2, 2, 1, "1f1b", 4, &kHeadDim},
         Case{"bf16_tp2", 2, 1, 1, "1f1b", 2, &kModel, "bf16"},
         Case{"bf16_llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "bf16"},
         // Tied embeddings in one segment: ZeRO-1's gather and reduction count the matrix once.
