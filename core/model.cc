@@ -162,6 +162,11 @@ std::optional<Problem> find_problem(const ModelSpec& m) {
                                              "({}) or be omitted, got {}",
                                              m.heads, m.kv_heads)};
     }
+    if (m.qk_norm) {
+      return Problem{"qk_norm",
+                     "multi-head latent attention normalizes its latents, not per-head queries "
+                     "and keys; remove qk_norm"};
+    }
     if (m.head_width > 0) {
       return Problem{"head_dim",
                      "multi-head latent attention's heads are qk_nope_head_dim + "
@@ -242,8 +247,8 @@ int64_t ModelSpec::attention_parameters() const {
   if (!mla()) {
     const int64_t d = head_dim();
     const int64_t qkv_out = (heads + 2 * kv_heads) * d;
-    // The norm, the fused Q, K, V projection and the output projection.
-    return norm_of(h) + linear(h, qkv_out) + linear(heads * d, h);
+    // The norm, the fused Q, K, V projection, the query and key norms and the output projection.
+    return norm_of(h) + linear(h, qkv_out) + (qk_norm ? 2 * norm_of(d) : 0) + linear(heads * d, h);
   }
   const int64_t qk = qk_nope_head_dim + qk_rope_head_dim;
   int64_t p = norm_of(h);
@@ -310,6 +315,7 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                    "heads",
                    "kv_heads",
                    "head_dim",
+                   "qk_norm",
                    "ffn_hidden",
                    "mlp",
                    "vocab",
@@ -368,6 +374,7 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
         {{"layernorm", NormKind::kLayerNorm}, {"rmsnorm", NormKind::kRmsNorm}});
   }
   m.bias = node.get_bool("bias", true);
+  m.qk_norm = node.get_bool("qk_norm", false);
   m.dropout = node.get_bool("dropout", false);
   if (auto n = node.get("attention")) {
     m.attention = n->as_enum<AttentionKernel>(
@@ -453,6 +460,7 @@ std::string model_to_json(const ModelSpec& m) {
   j["heads"] = m.heads;
   j["kv_heads"] = m.kv_heads;
   if (m.head_width > 0) j["head_dim"] = m.head_width;
+  if (m.qk_norm) j["qk_norm"] = true;
   j["ffn_hidden"] = m.ffn_hidden;
   j["mlp"] = to_string(m.mlp);
   j["vocab"] = m.vocab;

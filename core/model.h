@@ -91,6 +91,9 @@ struct ModelSpec {
   // --kv-channels, the YAML's head_dim): the Q, K and V projections are (heads + 2 kv_heads) x
   // this wide and the output projection reads heads x this. 0: hidden / heads.
   int64_t head_width = 0;
+  // Per-head norms of the queries and keys (Qwen3, OLMo 2; Megatron-Core's --qk-layernorm), of
+  // the model's `norm` kind, one scale for the queries and one for the keys.
+  bool qk_norm = false;
 
   int64_t head_dim() const { return head_width > 0 ? head_width : hidden / heads; }
   bool mla() const { return kv_lora_rank > 0; }

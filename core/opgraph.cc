@@ -282,7 +282,37 @@ void finish_attention(Op& op, int self, double io, double kv_bytes, const ModelS
   set_granularity(op, x);
 }
 
-Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
+// Per-head norms of the queries and keys (Qwen3's, OLMo 2's; Megatron-Core's --qk-layernorm):
+// each head's d-wide query and key normalized, with one scale for the queries and one for the
+// keys that every head shares. Statistics are per head, so it splits along the heads as the
+// projection before it does.
+Op qk_norm_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
+  Op op;
+  op.name = "attn.qk_norm";
+  op.kind = OpKind::kNorm;
+  const DimSet bsn{Dim::kBatch, Dim::kSeq, Dim::kHeads};
+  op.dims = bsn;
+  op.inputs = {qkv};
+  const double tokens = x.b * x.s;
+  const double qk = tokens * (x.a + x.k) * x.dh;
+  op.output = tensor(out(self), qk, bsn, x.p);
+  op.weights = {tensor(TensorRef{self, 1}, x.dh, {}, x.p),
+                tensor(TensorRef{self, 2}, x.dh, {}, x.p)};
+  if (m.norm == NormKind::kLayerNorm && m.bias) {
+    op.weights.push_back(tensor(TensorRef{self, 3}, x.dh, {}, x.p));
+    op.weights.push_back(tensor(TensorRef{self, 4}, x.dh, {}, x.p));
+  }
+  // Its input is a view of the projection's output, whose storage the attention keeps for V.
+  op.saved = {tensor(qkv, tokens * x.qkv_width(), bsn, x.p)};
+  op.fwd_bytes = 2 * qk * x.p;  // read x, write y
+  op.bwd_bytes = 3 * qk * x.p;  // read x and dy, write dx
+  set_granularity(op, x);
+  return op;
+}
+
+// The attention over the projection's Q, K and V, or (`qk_norm` >= 0) over that operator's
+// normalized Q and K and the projection's V.
+Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x, int qk_norm = -1) {
   Op op;
   op.name = "attn.core";
   op.kind = OpKind::kAttention;
@@ -293,6 +323,10 @@ Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
   op.output = tensor(out(self), tokens * x.a * x.dh, bsn, x.p);
   // Q, K and V are the projection's output: kept as one tensor.
   op.saved = {tensor(qkv, tokens * x.qkv_width(), bsn, x.p)};
+  if (qk_norm >= 0) {
+    op.inputs = {out(qk_norm), qkv};
+    op.saved.insert(op.saved.begin(), tensor(out(qk_norm), tokens * (x.a + x.k) * x.dh, bsn, x.p));
+  }
   // Q.K^T and softmax(.).V: 2 * (2 * b * s * s * a * dh), counted in full (Megatron).
   op.fwd_flops = 4 * x.b * x.s * x.s * x.a * x.dh;
   op.head_dim = x.dh;
@@ -534,9 +568,12 @@ GraphPart build_layer(const ModelSpec& m, const Shape& x) {
   } else {
     ops.push_back(
         linear_op("attn.qkv", 1, out(0), Dim::kHidden, x.h, Dim::kHeads, x.qkv_width(), m.bias, x));
-    ops.push_back(attention_op(2, out(1), m, x));
-    ops.push_back(
-        linear_op("attn.proj", 3, out(2), Dim::kHeads, x.a * x.dh, Dim::kHidden, x.h, m.bias, x));
+    int core = 2;
+    if (m.qk_norm) ops.push_back(qk_norm_op(core++, out(1), m, x));
+    ops.push_back(attention_op(core, out(1), m, x, m.qk_norm ? 2 : -1));
+    proj = core + 1;
+    ops.push_back(linear_op("attn.proj", proj, out(core), Dim::kHeads, x.a * x.dh, Dim::kHidden,
+                            x.h, m.bias, x));
   }
   const int residual = proj + 1, norm = proj + 2;
   ops.push_back(dropout_add_op("attn.residual", residual, {out(proj), kPartInput}, m.dropout, x));

@@ -58,6 +58,10 @@ Status check_runnable(const Plan& plan) {
                   "multi-head latent attention is simulated only; nnexec runs a fused Q, K, V "
                   "projection (drop 'kv_lora_rank')");
   }
+  if (m.qk_norm) {
+    return refuse("model.qk_norm",
+                  "per-head query and key norms are simulated only (drop 'qk_norm')");
+  }
   if (m.moe()) {
     return refuse("model.experts",
                   "mixtures of experts are simulated only; nnexec runs dense "

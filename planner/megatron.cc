@@ -455,6 +455,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     // Heads split over tp; multi-head latent attention's down-projections and latent norms stay
     // whole (Megatron-Core's "duplicated" linears).
     std::vector<std::string> heads = {"attn.qkv", "attn.core", "attn.proj"};
+    if (model.qk_norm) heads.emplace_back("attn.qk_norm");
     if (model.mla()) {
       heads = {model.q_lora_rank > 0 ? "attn.q_up" : "attn.q", "attn.kv_up", "attn.core",
                "attn.proj"};

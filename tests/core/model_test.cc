@@ -73,7 +73,7 @@ TEST(Model, PresetParameterCountsArePinned) {
       {"llama3-70b", 70'553'706'496},       {"llama3-405b", 405'853'388'800},
       {"mixtral-8x7b", 46'702'792'704},     {"qwen1.5-moe-a2.7b", 14'315'587'584},
       {"deepseek-moe-16b", 16'375'728'128}, {"deepseek-v2-lite", 15'706'484'224},
-      {"deepseek-v3", 671'026'404'352},     {"qwen3-30b-a3b", 30'532'110'336},
+      {"deepseek-v3", 671'026'404'352},     {"qwen3-30b-a3b", 30'532'122'624},
   };
   for (const auto& [name, count] : counts) {
     auto m = load_model(name);
@@ -261,8 +261,9 @@ TEST(Model, Qwen3CountsMatchTheModelCard) {
       static_cast<double>(m->embedding_parameters()) + static_cast<double>(m->head_parameters());
   EXPECT_NEAR(static_cast<double>(m->parameters()) - embeddings, 29.9e9, 29.9e9 * 0.002);
   const int64_t h = 2048, d = 128;
-  // The norm, Q, K, V (32 + 2 x 4 heads) and the output projection from the 4,096-wide heads.
-  EXPECT_EQ(m->attention_parameters(), h + h * (32 + 2 * 4) * d + 32 * d * h);
+  // The norm, Q, K, V (32 + 2 x 4 heads), the query and key norms and the output projection from
+  // the 4,096-wide heads.
+  EXPECT_EQ(m->attention_parameters(), h + h * (32 + 2 * 4) * d + 2 * d + 32 * d * h);
 }
 
 TEST(Model, HeadDimGivesTheHeadsTheirOwnWidth) {
@@ -295,6 +296,25 @@ TEST(Model, HeadDimGivesTheHeadsTheirOwnWidth) {
   // Without it, heads must still divide hidden, and the message offers head_dim.
   msg = parse_error(replace(kSmall, "heads: 4", "heads: 5"));
   EXPECT_TRUE(contains(msg, "or give head_dim")) << msg;
+}
+
+TEST(Model, QkNormAddsTwoHeadWideNorms) {
+  auto m = parse_model(std::string(kSmall) + "qk_norm: true\n", "m.yaml");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_TRUE(m->qk_norm);
+  auto plain = parse_model(kSmall, "m.yaml");
+  ASSERT_TRUE(plain.ok());
+  // LayerNorm with a shift (the defaults): a scale and a shift of d = 16 for queries and keys.
+  EXPECT_EQ(m->attention_parameters() - plain->attention_parameters(), 2 * 2 * 16);
+  auto back = parse_model(model_to_json(*m), "plan.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_TRUE(back->qk_norm);
+  EXPECT_FALSE(contains(model_to_json(*plain), "qk_norm"));
+  const std::string msg = parse_error(std::string(kSmall) +
+                                      "qk_norm: true\nkv_lora_rank: 32\nqk_nope_head_dim: 16\n"
+                                      "qk_rope_head_dim: 8\nv_head_dim: 16\n");
+  EXPECT_TRUE(contains(msg, "field 'qk_norm'")) << msg;
+  EXPECT_TRUE(contains(msg, "remove qk_norm")) << msg;
 }
 
 TEST(Model, MixtureOfExpertsFieldsAreChecked) {

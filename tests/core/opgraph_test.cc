@@ -147,6 +147,30 @@ TEST(OpGraph, HeadDimSetsTheAttentionWidths) {
   EXPECT_DOUBLE_EQ(proj->parameters(), a * d * h);
 }
 
+// Per-head query and key norms (qk_norm): an operator between the projection and the attention,
+// split along the heads, whose normalized Q and K the attention keeps beside the projection's
+// output: (a + k) d more a token, in the compute precision.
+TEST(OpGraph, QkNormKeepsTheNormalizedQueriesAndKeys) {
+  ModelSpec m = preset("qwen3-30b-a3b");
+  ASSERT_TRUE(m.qk_norm);
+  const double b = 2, s = m.seq_len, a = m.heads, k = m.kv_heads, d = m.head_dim();
+  OpGraph with = lower_model(m, 2);
+  const Op* norm = find_op(with.layer, "attn.qk_norm");
+  ASSERT_NE(norm, nullptr);
+  EXPECT_EQ(&with.layer.ops[2], norm);
+  EXPECT_EQ(with.layer.ops[3].name, "attn.core");
+  EXPECT_EQ(with.layer.ops[3].inputs.size(), 2u);  // normalized Q and K; V from the projection
+  EXPECT_FALSE(norm->unsplittable.contains(Dim::kHeads));
+  EXPECT_DOUBLE_EQ(norm->parameters(), 2 * d);
+  EXPECT_DOUBLE_EQ(norm->fwd_bytes, 2 * b * s * (a + k) * d * 2);
+  m.qk_norm = false;
+  OpGraph without = lower_model(m, 2);
+  EXPECT_EQ(find_op(without.layer, "attn.qk_norm"), nullptr);
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(with, {}) - layer_activation_bytes(without, {}),
+                   b * s * (a + k) * d * 2);
+  EXPECT_DOUBLE_EQ(with.forward_flops(), without.forward_flops());
+}
+
 TEST(OpGraph, PartsHoldTheModelsParameters) {
   for (const char* name : {"gpt3-175b", "gpt3-1.3b", "llama2-70b", "llama3-8b", "mixtral-8x7b",
                            "deepseek-v2-lite", "deepseek-v3", "qwen3-30b-a3b"}) {

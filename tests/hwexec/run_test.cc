@@ -999,6 +999,12 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
       contains(s.error().message(), "model.experts: mixtures of experts are simulated only"))
       << s.error().message();
   p = *base;
+  p.model.qk_norm = true;  // so are per-head query and key norms
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(), "model.qk_norm: per-head query and key norms"))
+      << s.error().message();
+  p = *base;
   p.model.kv_lora_rank = 16;  // latent attention is simulated only
   s = check_runnable(p);
   ASSERT_FALSE(s.ok());

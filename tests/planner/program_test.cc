@@ -1520,6 +1520,27 @@ TEST(Program, SequenceParallelGradientSumsCoverNormsAndRowParallelBiases) {
   }
 }
 
+// Per-head query and key norms split along the heads with the projection: each tensor-parallel
+// rank's gradient of their shared scales is a partial sum, summed over tp with and without
+// sequence parallelism.
+TEST(Program, QueryAndKeyNormScalesAreSummedOverTensorParallelRanks) {
+  ModelSpec m = preset("llama2-7b");  // RMSNorm, no biases
+  m.qk_norm = true;
+  const double h = m.hidden, l = m.layers, d = m.head_dim();
+  for (bool sp : {false, true}) {
+    Program prog = compile(m, options(8, 1, sp, RecomputeMode::kNone, 1));
+    const uint32_t tp = 1u << prog.plan.mesh.axis_index("tp");
+    const double grad_bytes = prog.plan.comm.grad_reduce_bytes > 0
+                                  ? prog.plan.comm.grad_reduce_bytes
+                                  : prog.plan.optimizer.grad_bytes;
+    // The two d-wide scales of every layer, and with sequence parallelism the norms of width h.
+    const double params = l * 2 * d + (sp ? l * 2 * h + h : 0);
+    EXPECT_EQ(epilogue_all_reduces(prog, prog.lanes[0], "norm grad sync"),
+              (std::map<uint32_t, double>{{tp, params * grad_bytes}}))
+        << "sp " << sp;
+  }
+}
+
 // The head's ranks sum the loss over the replicas every iteration (one fp32 scalar); without
 // replicas, or on a stage without the head, there is nothing to sum.
 TEST(Program, TheLossIsSummedOverTheReplicasOnTheHeadsStage) {
