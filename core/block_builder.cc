@@ -146,7 +146,7 @@ void BlockBuilder::collect_units() {
   // and release them after); under FSDP once per pass with the embedding's unit (the unit
   // holding both) in one segment, and again with the head's unit when the head's segment is
   // another (a block of its own, after the embedding's unit was resharded).
-  const bool untied_head = plan_.model.tied_embeddings && c_.head_shares_embedding(seg_);
+  const bool untied_head = plan_.model.head_uses_embedding() && c_.head_shares_embedding(seg_);
   double head_untied_params = head_params;
   if (untied_head) {
     size_t w = 0;

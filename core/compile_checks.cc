@@ -224,11 +224,12 @@ Status Compiler::check_spanning() {
   }
   const int emb = segment_order.front();
   const int hd = segment_order.back();
-  if (plan.model.tied_embeddings &&
+  if (plan.model.head_uses_embedding() &&
       (lanes_of_segment[emb].size() > 1 || lanes_of_segment[hd].size() > 1)) {
     return Error(
-        "tied embeddings with an embedding or head spanning several schedule orders are not "
-        "supported yet; give them one order each");
+        "tied embeddings (or multi-token prediction, whose lookup uses the embedding matrix) "
+        "with an embedding or head spanning several schedule orders are not supported yet; give "
+        "them one order each");
   }
   return Status::Ok();
 }

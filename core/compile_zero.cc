@@ -10,7 +10,7 @@ std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment, int gr
   const Segment& s = plan.segments[segment];
   // A tied output projection on the embedding's devices is the embedding's matrix (one
   // parameter, gathered with the embedding).
-  const bool tied_here = plan.model.tied_embeddings && head_shares_embedding(segment);
+  const bool tied_here = plan.model.head_uses_embedding() && head_shares_embedding(segment);
   auto sum = [&](const PartInfo& p) { return part_params(p, group, tied_here); };
   std::vector<double> units;
   if (s.embedding) units.push_back(sum(embed));

@@ -47,6 +47,7 @@ std::string nearby_divisors(int64_t n, int64_t near) {
 // (layers * layer_parameters() stays below 2^60).
 constexpr int64_t kMaxLayers = int64_t{1} << 16;
 constexpr int64_t kMaxWidth = int64_t{1} << 20;  // hidden, heads, kv_heads, ffn_hidden
+constexpr int64_t kMaxMtpLayers = 16;  // multi-token prediction depths (DeepSeek-V3 trains 1)
 constexpr int64_t kMaxVocab = int64_t{1} << 24;
 constexpr int64_t kMaxHeadWidths = int64_t{1} << 24;  // heads x their widths (latent attention)
 constexpr int64_t kMaxSeqLen = int64_t{1} << 30;
@@ -291,7 +292,14 @@ int64_t ModelSpec::embedding_parameters() const {
 
 int64_t ModelSpec::head_parameters() const {
   const int64_t final_norm = hidden + (norm == NormKind::kLayerNorm && bias ? hidden : 0);
-  return final_norm + (tied_embeddings ? 0 : vocab * hidden);
+  return final_norm + (tied_embeddings ? 0 : vocab * hidden) + mtp_layers * mtp_parameters();
+}
+
+int64_t ModelSpec::mtp_parameters() const {
+  const int64_t norm_params = hidden + (norm == NormKind::kLayerNorm && bias ? hidden : 0);
+  // The embedding's and the hidden state's norms, the 2h -> h projection, a block (with experts
+  // in a mixture) and the output head's norm; the embedding and the projection are shared.
+  return 3 * norm_params + 2 * hidden * hidden + layer_parameters();
 }
 
 int64_t ModelSpec::parameters() const {
@@ -316,6 +324,7 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                    "kv_heads",
                    "head_dim",
                    "qk_norm",
+                   "mtp_layers",
                    "ffn_hidden",
                    "mlp",
                    "vocab",
@@ -375,6 +384,15 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
   }
   m.bias = node.get_bool("bias", true);
   m.qk_norm = node.get_bool("qk_norm", false);
+  if (node.has("mtp_layers")) {
+    InputNode n = node["mtp_layers"];
+    const int64_t v = n.as_int();
+    if (v < 0 || v > kMaxMtpLayers) {
+      n.fail(fmt::format("must be between 0 (no multi-token prediction) and {}, got {}",
+                         kMaxMtpLayers, v));
+    }
+    m.mtp_layers = static_cast<int>(v);
+  }
   m.dropout = node.get_bool("dropout", false);
   if (auto n = node.get("attention")) {
     m.attention = n->as_enum<AttentionKernel>(
@@ -461,6 +479,7 @@ std::string model_to_json(const ModelSpec& m) {
   j["kv_heads"] = m.kv_heads;
   if (m.head_width > 0) j["head_dim"] = m.head_width;
   if (m.qk_norm) j["qk_norm"] = true;
+  if (m.mtp_layers > 0) j["mtp_layers"] = m.mtp_layers;
   j["ffn_hidden"] = m.ffn_hidden;
   j["mlp"] = to_string(m.mlp);
   j["vocab"] = m.vocab;

@@ -94,6 +94,15 @@ struct ModelSpec {
   // Per-head norms of the queries and keys (Qwen3, OLMo 2; Megatron-Core's --qk-layernorm), of
   // the model's `norm` kind, one scale for the queries and one for the keys.
   bool qk_norm = false;
+  // DeepSeek-V3's multi-token prediction (Megatron-Core's --mtp-num-layers): modules after the
+  // head, each predicting one token further ahead from the previous one's hidden state and the
+  // token's embedding, through a block of the model's kind, the shared output head and a loss
+  // of its own. 0: none.
+  int mtp_layers = 0;
+  // Whether the head's devices use the embedding's matrix: a tied output projection, or the
+  // multi-token prediction modules' embedding lookup. Where the head is not on the embedding's
+  // devices they hold a copy, whose gradient is summed with the embedding's.
+  bool head_uses_embedding() const { return tied_embeddings || mtp_layers > 0; }
 
   int64_t head_dim() const { return head_width > 0 ? head_width : hidden / heads; }
   bool mla() const { return kv_lora_rank > 0; }
@@ -113,7 +122,9 @@ struct ModelSpec {
   int64_t layer_parameters() const;
   int64_t dense_layer_parameters() const;
   int64_t embedding_parameters() const;  // word (+ learned position) embedding
-  int64_t head_parameters() const;       // output projection (0 when tied) + final norm
+  // Output projection (0 when tied) + final norm + the multi-token prediction modules.
+  int64_t head_parameters() const;
+  int64_t mtp_parameters() const;  // one multi-token prediction module's own
   int64_t parameters() const;
   // Parameters of every layer's experts (0 for a dense model), and of one MLP of width `ffn`.
   int64_t expert_parameters() const;

@@ -597,25 +597,20 @@ GraphPart build_layer(const ModelSpec& m, const Shape& x) {
   return part;
 }
 
-GraphPart build_head(const ModelSpec& m, const Shape& x) {
-  GraphPart part;
-  part.ops.push_back(norm_op("head.norm", 0, kPartInput, m, x));
-  Op proj = linear_op("head.proj", 1, out(0), Dim::kHidden, x.h, Dim::kVocab, x.v, false, x);
-  proj.tied_to_embedding = m.tied_embeddings;
-  part.ops.push_back(proj);
-
+// The cross-entropy `name` over the logits of the operator before it (operator `self` - 1).
+Op loss_op(const std::string& name, int self, const ModelSpec& m, const Shape& x) {
   Op loss;
-  loss.name = "loss";
+  loss.name = name;
   loss.kind = OpKind::kLoss;
   loss.dims = {Dim::kBatch, Dim::kSeq, Dim::kVocab};
   loss.reduced = {Dim::kVocab};
-  loss.inputs = {out(1)};
+  loss.inputs = {out(self - 1)};
   const double tokens = x.b * x.s;
   const DimSet bsv{Dim::kBatch, Dim::kSeq, Dim::kVocab};
-  loss.output = tensor(out(2), tokens, {Dim::kBatch, Dim::kSeq}, 4);
+  loss.output = tensor(out(self), tokens, {Dim::kBatch, Dim::kSeq}, 4);
   // Cross-entropy runs in fp32 and keeps the softmax (or log-softmax) for the backward pass.
   const double logits = tokens * x.v;
-  loss.saved = {tensor(TensorRef{2, 1}, logits, bsv, 4)};
+  loss.saved = {tensor(TensorRef{self, 1}, logits, bsv, 4)};
   // The logits' own block (compute dtype) beside the fp32 buffers; fp32 logits are the buffer.
   const double own_block = x.p < 4 ? x.p : 0;
   // A softmax a kernel per step, as Megatron's default and PyTorch's loss_parallel() run it:
@@ -628,7 +623,7 @@ GraphPart build_head(const ModelSpec& m, const Shape& x) {
       // flash-attn's kernel computes in fp32 registers: the forward reads the logits (p) and
       // keeps them with each row's log-sum-exp; the backward reads them and writes their
       // gradient (p), its transient beside them.
-      loss.saved = {tensor(out(1), logits, bsv, x.p)};
+      loss.saved = {tensor(out(self - 1), logits, bsv, x.p)};
       loss.transient_bytes = logits * x.p;
       loss.fwd_bytes = logits * x.p;
       loss.bwd_bytes = logits * 2 * x.p;
@@ -684,7 +679,73 @@ GraphPart build_head(const ModelSpec& m, const Shape& x) {
   stats.fwd_calls = 3;
   loss.internal_comm = {stats};
   set_granularity(loss, x);
-  part.ops.push_back(loss);
+  return loss;
+}
+
+// Shifts an operator copied into a part at operator `first`: its references to the operators
+// before it move by `first`, and those to the part's input go to `input`.
+void move_refs(Op& op, int first, TensorRef input) {
+  auto move = [&](TensorRef& r) { r = r.op < 0 ? input : TensorRef{r.op + first, r.slot}; };
+  for (TensorRef& r : op.inputs) move(r);
+  move(op.output.ref);
+  for (TensorSpec& t : op.weights) move(t.ref);
+  for (TensorSpec& t : op.saved) move(t.ref);
+}
+
+// DeepSeek-V3's multi-token prediction module (Megatron-Core's --mtp-num-layers), appended to
+// the head's operators: the embedding of the token one further ahead (the embedding's own
+// matrix) and the hidden state `hidden` (the model's, or the module before's), each normalized,
+// concatenated and projected back to the hidden width, then a block of the model's kind (with
+// experts in a mixture), a norm, the head's output projection (the same matrix) and a loss of
+// its own. Returns the block's output, which the next module reads.
+TensorRef add_mtp_module(std::vector<Op>& ops, TensorRef hidden, const ModelSpec& m,
+                         const Shape& x) {
+  const int base = static_cast<int>(ops.size());
+  Op embed = build_embedding(m, x).ops.front();  // the lookup
+  move_refs(embed, base, kPartInput);  // token ids: the compiler skips a lookup's part input
+  embed.name = "mtp.embed";
+  // Untied, the head's devices hold a copy of the embedding matrix (summed with it as a tied
+  // head's is); tied, the head's projection already holds that copy.
+  if (m.tied_embeddings) {
+    embed.weights.clear();
+  } else {
+    embed.tied_to_embedding = true;
+  }
+  ops.push_back(embed);
+  ops.push_back(norm_op("mtp.embed.norm", base + 1, out(base), m, x));
+  ops.push_back(norm_op("mtp.hidden.norm", base + 2, hidden, m, x));
+  // [embedding; hidden], 2h wide: a dimension of its own (latent), not the output's hidden.
+  Op proj = linear_op("mtp.proj", base + 3, out(base + 1), Dim::kLatent, 2 * x.h, Dim::kHidden, x.h,
+                      false, x);
+  proj.inputs.push_back(out(base + 2));
+  proj.granularity[static_cast<int>(Dim::kLatent)] = std::llround(2 * x.h);
+  ops.push_back(proj);
+  const int first = base + 4;
+  for (Op op : build_layer(m, x).ops) {
+    move_refs(op, first, out(base + 3));
+    op.name = "mtp." + op.name;
+    ops.push_back(std::move(op));
+  }
+  const int block_out = static_cast<int>(ops.size()) - 1;
+  ops.push_back(norm_op("mtp.head.norm", block_out + 1, out(block_out), m, x));
+  Op logits = linear_op("mtp.head.proj", block_out + 2, out(block_out + 1), Dim::kHidden, x.h,
+                        Dim::kVocab, x.v, false, x);
+  logits.weights.clear();  // the head's projection matrix (a shared output head)
+  ops.push_back(logits);
+  ops.push_back(loss_op("mtp.loss", block_out + 3, m, x));
+  return out(block_out);
+}
+
+GraphPart build_head(const ModelSpec& m, const Shape& x) {
+  GraphPart part;
+  part.ops.push_back(norm_op("head.norm", 0, kPartInput, m, x));
+  Op proj = linear_op("head.proj", 1, out(0), Dim::kHidden, x.h, Dim::kVocab, x.v, false, x);
+  proj.tied_to_embedding = m.tied_embeddings;
+  part.ops.push_back(proj);
+
+  part.ops.push_back(loss_op("loss", 2, m, x));
+  TensorRef hidden = kPartInput;
+  for (int k = 0; k < m.mtp_layers; ++k) hidden = add_mtp_module(part.ops, hidden, m, x);
   return part;
 }
 

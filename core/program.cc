@@ -462,12 +462,13 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     }
   }
 
-  // Tied embedding: the first and last pipeline stage hold copies whose gradients are summed.
+  // Tied embedding (or multi-token prediction's lookup): the first and last pipeline stage hold
+  // copies whose gradients are summed.
   const int emb_seg = c.segment_order.front();
   const int head_seg = c.segment_order.back();
   const int emb_lane = c.lanes_of_segment[emb_seg].front();
   const int head_lane = c.lanes_of_segment[head_seg].front();
-  if (plan.model.tied_embeddings && emb_lane != head_lane) {
+  if (plan.model.head_uses_embedding() && emb_lane != head_lane) {
     const Lane& a = prog.lanes[emb_lane];
     const Lane& b = prog.lanes[head_lane];
     std::vector<std::vector<int>> groups;

@@ -58,6 +58,10 @@ Status check_runnable(const Plan& plan) {
                   "multi-head latent attention is simulated only; nnexec runs a fused Q, K, V "
                   "projection (drop 'kv_lora_rank')");
   }
+  if (m.mtp_layers > 0) {
+    return refuse("model.mtp_layers",
+                  "multi-token prediction is simulated only (drop 'mtp_layers')");
+  }
   if (m.qk_norm) {
     return refuse("model.qk_norm",
                   "per-head query and key norms are simulated only (drop 'qk_norm')");

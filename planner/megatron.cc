@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <map>
 #include <numeric>
+#include <set>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -155,6 +156,35 @@ std::vector<std::string> with_expert_axis(std::vector<std::string> order, int ep
   }
   return order;
 }
+
+namespace {
+
+// Multi-token prediction modules (model.mtp_layers) split as the model does: their block's
+// operators as the blocks', their lookup as the embedding's, their output projection and loss
+// as the head's (glob rules, "*.norm" and the like, cover them already). Their 2h -> h
+// projection is column-parallel over tp, its output gathered for the block (Megatron-Core's
+// eh_proj).
+void add_mtp_rules(const ModelSpec& model, int tp, Plan& plan) {
+  std::set<std::string> names;
+  for (const Op& op : lower_model(model, 1).head.ops) names.insert(op.name);
+  const size_t rules = plan.partition.size();
+  for (size_t i = 0; i < rules; ++i) {
+    const std::string& m = plan.partition[i].match;
+    const std::string twin = m == "embed.word"  ? "mtp.embed"
+                             : m == "head.proj" ? "mtp.head.proj"
+                             : m == "loss"      ? "mtp.loss"
+                                                : "mtp." + m;
+    // A rule must match an operator: the module's block is one shape (with experts in a
+    // mixture), and globs need no twin.
+    if (m.find('*') != std::string::npos || !names.count(twin)) continue;
+    PartitionRule r = plan.partition[i];
+    r.match = twin;
+    plan.partition.push_back(std::move(r));
+  }
+  if (tp > 1) plan.partition.push_back({"mtp.proj", {{Dim::kHidden, {"tp"}}}});
+}
+
+}  // namespace
 
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                                    const MegatronOptions& o) {
@@ -308,11 +338,11 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "chunk per stage); got --schedule {}{}",
         to_string(o.schedule), o.vpp > 1 ? fmt::format(" --vpp {}", o.vpp) : ""));
   }
-  if ((o.shard_head || o.shard_embedding) && model.tied_embeddings) {
+  if ((o.shard_head || o.shard_embedding) && model.head_uses_embedding()) {
     return Error(fmt::format(
-        "{}: model '{}' ties its embedding and output weights (tied_embeddings: true), which a "
-        "head or embedding sharded over the pipeline does not support yet; drop the flag or use "
-        "a model with untied embeddings",
+        "{}: model '{}' uses its embedding matrix in the head (tied_embeddings: true, or "
+        "multi-token prediction's lookup, mtp_layers), which a head or embedding sharded over "
+        "the pipeline does not support yet; drop the flag or use a model without them",
         o.shard_head ? "--shard-head" : "--shard-embedding", model.name));
   }
   if (o.shard_embedding && (o.schedule != ScheduleKind::kTessel || o.vpp > 1 || o.pp < 2)) {
@@ -511,6 +541,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
       if (model.dropout) rule("embed.dropout", Dim::kSeq, axes);
     }
   }
+  if (model.mtp_layers > 0) add_mtp_rules(model, o.tp, plan);
 
   if (!o.recompute_layers.empty()) {
     if (static_cast<int>(o.recompute_layers.size()) != segments) {
@@ -563,6 +594,13 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     }
   }
   for (const std::string& m : o.recompute_modules) plan.recompute.push_back({m, 0, model.layers});
+  // Multi-token prediction modules (on the last stage) recompute as its blocks do: their rules
+  // have no layers, which the head's operators follow.
+  if (model.mtp_layers > 0) {
+    const RecomputeMode last = stage_modes.empty() ? o.recompute : stage_modes.back();
+    if (const char* p = pattern(last)) plan.recompute.push_back({std::string("mtp.") + p, 0, -1});
+    for (const std::string& m : o.recompute_modules) plan.recompute.push_back({"mtp." + m, 0, -1});
+  }
 
   plan.optimizer.zero = o.zero;
   // Megatron accumulates bf16 gradients in fp32; fp16 training keeps fp16 gradients.

@@ -73,7 +73,7 @@ TEST(Model, PresetParameterCountsArePinned) {
       {"llama3-70b", 70'553'706'496},       {"llama3-405b", 405'853'388'800},
       {"mixtral-8x7b", 46'702'792'704},     {"qwen1.5-moe-a2.7b", 14'315'587'584},
       {"deepseek-moe-16b", 16'375'728'128}, {"deepseek-v2-lite", 15'706'484'224},
-      {"deepseek-v3", 671'026'404'352},     {"qwen3-30b-a3b", 30'532'122'624},
+      {"deepseek-v3", 682'636'472'320},     {"qwen3-30b-a3b", 30'532'122'624},
   };
   for (const auto& [name, count] : counts) {
     auto m = load_model(name);
@@ -455,7 +455,15 @@ TEST(Model, DeepSeekV3CountsMatchThePaper) {
   auto m = load_model("deepseek-v3");
   ASSERT_TRUE(m.ok()) << m.error().message();
   EXPECT_TRUE(m->mla());
-  EXPECT_NEAR(static_cast<double>(m->parameters()), 671e9, 671e9 * 0.001);
+  // The main model's 671B, and the prediction module's own: with the checkpoint's copies of the
+  // embedding and the output head it is the released 685B.
+  ASSERT_EQ(m->mtp_layers, 1);
+  const int64_t mtp = m->mtp_parameters();
+  EXPECT_NEAR(static_cast<double>(m->parameters() - mtp), 671e9, 671e9 * 0.001);
+  EXPECT_NEAR(static_cast<double>(m->parameters() + 2 * m->embedding_parameters()), 685e9,
+              685e9 * 0.002);
+  // Its norms, the 2h -> h projection and a block with experts.
+  EXPECT_EQ(mtp, 3 * 7168 + 2 * 7168 * 7168 + m->layer_parameters());
   const int64_t h = 7168, a = 128;
   const int64_t q = h * 1536 + 1536 + 1536 * a * 192;  // down, norm, up
   const int64_t kv = h * (512 + 64) + 512 + 512 * a * (128 + 128);
@@ -467,6 +475,25 @@ TEST(Model, DeepSeekV3CountsMatchThePaper) {
   // No query latent: one projection to the heads.
   EXPECT_EQ(lite->attention_parameters(),
             2048 + 2048 * 16 * 192 + 2048 * 576 + 512 + 512 * 16 * 256 + 16 * 128 * 2048);
+}
+
+TEST(Model, MultiTokenPredictionFieldIsChecked) {
+  auto m = parse_model(std::string(kSmall) + "mtp_layers: 2\n", "m.yaml");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  auto plain = parse_model(kSmall, "m.yaml");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(m->head_parameters() - plain->head_parameters(), 2 * m->mtp_parameters());
+  // LayerNorm with a shift: three norms of 2h, the 2h -> h projection and a block.
+  EXPECT_EQ(m->mtp_parameters(), 3 * 2 * 64 + 2 * 64 * 64 + plain->layer_parameters());
+  auto back = parse_model(model_to_json(*m), "plan.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_EQ(back->mtp_layers, 2);
+  EXPECT_FALSE(contains(model_to_json(*plain), "mtp_layers"));
+  for (const char* bad : {"mtp_layers: -1\n", "mtp_layers: 17\n"}) {
+    const std::string msg = parse_error(std::string(kSmall) + bad);
+    EXPECT_TRUE(contains(msg, "field 'mtp_layers'")) << msg;
+    EXPECT_TRUE(contains(msg, "between 0 (no multi-token prediction) and 16")) << msg;
+  }
 }
 
 TEST(Model, LatentAttentionFieldsAreChecked) {

@@ -171,6 +171,41 @@ TEST(OpGraph, QkNormKeepsTheNormalizedQueriesAndKeys) {
   EXPECT_DOUBLE_EQ(with.forward_flops(), without.forward_flops());
 }
 
+// A multi-token prediction module after the head: the next token's lookup (with the embedding's
+// matrix), two norms, the 2h -> h projection of both, a block of the model's, a norm, the head's
+// projection (its matrix: no parameters of its own) and a loss.
+TEST(OpGraph, MultiTokenPredictionFollowsTheHead) {
+  ModelSpec m = preset("llama3-8b");
+  const double b = 2, s = m.seq_len, h = m.hidden, v = m.vocab;
+  const OpGraph plain = lower_model(m, 2);
+  m.mtp_layers = 1;
+  const OpGraph g = lower_model(m, 2);
+  const size_t main_ops = plain.head.ops.size(), block = plain.layer.ops.size();
+  ASSERT_EQ(g.head.ops.size(), main_ops + 4 + block + 3);
+  EXPECT_EQ(g.head.ops[main_ops].name, "mtp.embed");
+  EXPECT_TRUE(g.head.ops[main_ops].tied_to_embedding);  // untied model: a copy of the matrix
+  EXPECT_EQ(g.head.ops[main_ops + 3].name, "mtp.proj");
+  EXPECT_EQ(g.head.ops[main_ops + 3].inputs.size(), 2u);  // [embedding; hidden]
+  for (size_t i = 0; i < block; ++i) {
+    EXPECT_EQ(g.head.ops[main_ops + 4 + i].name, "mtp." + plain.layer.ops[i].name);
+  }
+  EXPECT_EQ(g.head.ops.back().name, "mtp.loss");
+  const Op* logits = find_op(g.head, "mtp.head.proj");
+  ASSERT_NE(logits, nullptr);
+  EXPECT_EQ(logits->parameters(), 0);
+  // FLOPs: the projection, a block and another pass through the output projection.
+  EXPECT_DOUBLE_EQ(fwd(g.head) - fwd(plain.head),
+                   2 * b * s * 2 * h * h + fwd(plain.layer) + 2 * b * s * h * v);
+  EXPECT_DOUBLE_EQ(g.forward_flops() - plain.forward_flops(), fwd(g.head) - fwd(plain.head));
+  // The block reads the projection's output where a layer reads its input.
+  const Op& first = g.head.ops[main_ops + 4];
+  EXPECT_EQ(first.inputs.front(), (TensorRef{static_cast<int>(main_ops) + 3, 0}));
+  // Tied embeddings: the head's projection already holds the matrix the lookup reads.
+  m.tied_embeddings = true;
+  const OpGraph tied = lower_model(m, 2);
+  EXPECT_TRUE(find_op(tied.head, "mtp.embed")->weights.empty());
+}
+
 TEST(OpGraph, PartsHoldTheModelsParameters) {
   for (const char* name : {"gpt3-175b", "gpt3-1.3b", "llama2-70b", "llama3-8b", "mixtral-8x7b",
                            "deepseek-v2-lite", "deepseek-v3", "qwen3-30b-a3b"}) {

@@ -999,6 +999,13 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
       contains(s.error().message(), "model.experts: mixtures of experts are simulated only"))
       << s.error().message();
   p = *base;
+  p.model.mtp_layers = 1;  // and multi-token prediction
+  s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(
+      contains(s.error().message(), "model.mtp_layers: multi-token prediction is simulated"))
+      << s.error().message();
+  p = *base;
   p.model.qk_norm = true;  // so are per-head query and key norms
   s = check_runnable(p);
   ASSERT_FALSE(s.ok());

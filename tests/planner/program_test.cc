@@ -252,6 +252,38 @@ TEST(Program, TiedGradientsSummedBeforeTheStepAsWholeOrChunks) {
   }
 }
 
+// Multi-token prediction looks up the next tokens with the embedding's matrix: an untied model's
+// last stage holds a copy, summed with the first stage's as a tied head's is, and the stage
+// holds the module's block and projection. On one stage there is one matrix and no sum.
+TEST(Program, MultiTokenPredictionHoldsAnEmbeddingCopyOnTheLastStage) {
+  ModelSpec m = preset("llama2-7b");  // untied
+  const double h = m.hidden, v = m.vocab;
+  const Program plain = compile(m, options(1, 4, false, RecomputeMode::kNone, 1));
+  m.mtp_layers = 1;
+  const Program mtp = compile(m, options(1, 4, false, RecomputeMode::kNone, 1));
+  EXPECT_DOUBLE_EQ(mtp.lanes[3].parameters - plain.lanes[3].parameters,
+                   static_cast<double>(m.mtp_parameters()) + v * h);
+  EXPECT_DOUBLE_EQ(mtp.lanes[0].parameters, plain.lanes[0].parameters);
+  auto tied_syncs = [](const Program& p, int lane) {
+    int n = 0;
+    for (const Step& x : p.lanes[lane].epilogue) {
+      n += x.kind == StepKind::kCollective && p.labels[x.label] == "tied embedding grad sync";
+    }
+    return n;
+  };
+  EXPECT_EQ(tied_syncs(plain, 3), 0);
+  for (int lane : {0, 3}) EXPECT_EQ(tied_syncs(mtp, lane), 1) << lane;
+  // One stage, tensor and sequence parallel, fully recomputed: every twin rule matches, the
+  // module recomputes as the blocks do, and the projection splits its output over tp.
+  const Program one = compile(m, options(8, 1, true, RecomputeMode::kFull, 1));
+  EXPECT_EQ(tied_syncs(one, 0), 0);
+  bool recomputed = false, split = false;
+  for (const RecomputeRule& r : one.plan.recompute) recomputed |= r.match == "mtp.*";
+  for (const PartitionRule& r : one.plan.partition) split |= r.match == "mtp.proj";
+  EXPECT_TRUE(recomputed);
+  EXPECT_TRUE(split);
+}
+
 // Collectives of the layers' operators in one block template, by kind; each must run along
 // `axis` (tensor parallel by default).
 std::map<CollectiveKind, int> layer_collectives(const Program& prog, int segment, BlockKind kind,

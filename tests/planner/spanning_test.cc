@@ -231,7 +231,8 @@ TEST(Spanning, TiedEmbeddingsAreRefusedByName) {
   o.shard_head = true;
   Expected<Plan> p = build_megatron_plan(*m, one_node(), o);
   ASSERT_FALSE(p.ok());
-  EXPECT_NE(p.error().message().find("--shard-head: model 'gpt3-1.3b' ties its embedding"),
+  EXPECT_NE(p.error().message().find("--shard-head: model 'gpt3-1.3b' uses its embedding "
+                                     "matrix in the head (tied_embeddings: true"),
             std::string::npos)
       << p.error().message();
   o.shard_head = false;
@@ -240,6 +241,18 @@ TEST(Spanning, TiedEmbeddingsAreRefusedByName) {
   p = build_megatron_plan(*m, one_node(), o);
   ASSERT_FALSE(p.ok());
   EXPECT_NE(p.error().message().find("--shard-embedding"), std::string::npos)
+      << p.error().message();
+  // Multi-token prediction's lookup uses the embedding matrix on the head's devices too.
+  Expected<ModelSpec> mtp = load_model("llama3-8b");
+  ASSERT_TRUE(mtp.ok());
+  mtp->mtp_layers = 1;
+  o.shard_embedding = false;
+  o.shard_head = true;
+  o.schedule = ScheduleKind::kOneFOneB;
+  p = build_megatron_plan(*mtp, one_node(), o);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.error().message().find("multi-token prediction's lookup, mtp_layers"),
+            std::string::npos)
       << p.error().message();
 }
 
