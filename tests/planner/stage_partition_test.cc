@@ -324,6 +324,32 @@ TEST_F(Llama8bOnOneNode, BalancedStagesBeatTheUniformSplit) {
   EXPECT_LT(best.estimate.iteration_time, 0.95 * uniform);
 }
 
+// A multi-token prediction module is the last stage's: a block and another pass through the
+// output head on top of the head, which the search answers with fewer layers there.
+TEST_F(Llama8bOnOneNode, MultiTokenPredictionWeighsOnTheLastStage) {
+  ModelSpec mtp = model;
+  mtp.mtp_layers = 1;
+  Program plain = compile(model, topo, o);
+  Program with = compile(mtp, topo, o);
+  Expected<std::vector<StageCosts>> before = measure_stage_costs(plain, plain);
+  Expected<std::vector<StageCosts>> after = measure_stage_costs(with, with);
+  ASSERT_TRUE(before.ok() && after.ok());
+  const double layer = before->back().layer.seconds;
+  EXPECT_GT(after->back().other_seconds - before->back().other_seconds, 1.5 * layer);
+  EXPECT_NEAR(after->front().other_seconds, before->front().other_seconds, 1e-3 * layer);
+  EXPECT_NEAR(after->back().layer.seconds, layer, 0.01 * layer);
+  SearchOptions so = pinned_1f1b(2, 4, 1);
+  so.pins.sequence_parallel = true;
+  Expected<SearchResult> without_module = search_plans(model, topo, so);
+  Expected<SearchResult> with_module = search_plans(mtp, topo, so);
+  ASSERT_TRUE(without_module.ok() && with_module.ok());
+  const std::vector<int>& a = without_module->ranked.front().options.stage_layers;
+  const std::vector<int>& b = with_module->ranked.front().options.stage_layers;
+  ASSERT_EQ(a.size(), 4u);
+  ASSERT_EQ(b.size(), 4u);
+  EXPECT_LT(b.back(), a.back());
+}
+
 // DeepSeekMoE with 16 layers, the first dense: its stage (dense block, cheap embedding) takes a
 // layer more than the even split gives it, the head's stage fewer, and the plan is faster.
 TEST_F(Llama8bOnOneNode, BalancedStagesWithADenseFirstLayer) {
