@@ -598,8 +598,18 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   // have no layers, which the head's operators follow.
   if (model.mtp_layers > 0) {
     const RecomputeMode last = stage_modes.empty() ? o.recompute : stage_modes.back();
-    if (const char* p = pattern(last)) plan.recompute.push_back({std::string("mtp.") + p, 0, -1});
-    for (const std::string& m : o.recompute_modules) plan.recompute.push_back({"mtp." + m, 0, -1});
+    std::vector<std::string> patterns;
+    if (const char* p = pattern(last)) patterns.emplace_back(p);
+    patterns.insert(patterns.end(), o.recompute_modules.begin(), o.recompute_modules.end());
+    const GraphPart head = lower_model(model, 1).head;
+    for (const std::string& p : patterns) {
+      // Only what the module's block has (a module of a mixed model has experts, not an MLP).
+      const std::string twin = "mtp." + p;
+      if (std::any_of(head.ops.begin(), head.ops.end(),
+                      [&](const Op& op) { return match_pattern(twin, op.name); })) {
+        plan.recompute.push_back({twin, 0, -1});
+      }
+    }
   }
 
   plan.optimizer.zero = o.zero;

@@ -282,6 +282,17 @@ TEST(Program, MultiTokenPredictionHoldsAnEmbeddingCopyOnTheLastStage) {
   for (const PartitionRule& r : one.plan.partition) split |= r.match == "mtp.proj";
   EXPECT_TRUE(recomputed);
   EXPECT_TRUE(split);
+  // A mixed mixture's module has experts: a per-module rule for the dense blocks' MLP gets no
+  // twin there (it would match nothing), the experts' does.
+  ModelSpec moe = preset("deepseek-moe-16b");
+  moe.layers = 4;
+  moe.mtp_layers = 1;
+  MegatronOptions mo = options(1, 2, false, RecomputeMode::kNone, 1);
+  mo.recompute_modules = {"mlp.act", "moe.act"};
+  const Program mixed = compile(moe, mo);
+  std::set<std::string> rules;
+  for (const RecomputeRule& r : mixed.plan.recompute) rules.insert(r.match);
+  EXPECT_EQ(rules, (std::set<std::string>{"mlp.act", "moe.act", "mtp.moe.act"}));
 }
 
 // Collectives of the layers' operators in one block template, by kind; each must run along
