@@ -39,7 +39,7 @@ std::string Candidate::describe() const {
   }
   s += fmt::format(" {} zero{} {}", recompute, o.zero, to_string(o.schedule));
   if (o.tp_sub_batches > 1) s += fmt::format(" sub-batches{}", o.tp_sub_batches);
-  if (!o.stage_layers.empty() && o.vpp == 1) {
+  if (!o.stage_layers.empty()) {
     s += fmt::format(" layers={}", fmt::join(o.stage_layers, ","));
   }
   if (!o.recompute_layers.empty()) {
@@ -191,9 +191,9 @@ Expected<Program> compile_options(const ModelSpec& model, const Topology& topo,
 // Merak-style stage partitioning with stage-aware recomputation for one chain's degrees: stage
 // costs measured on the uniform split, the split and per-stage recomputation from dynamic
 // programming (planner/stage_partition.h), then compiled and checked like any candidate. With
-// virtual stages the split stays even and each device recomputes what it needs to fit. When
-// the exact memory check finds a device over, it recomputes more and the plan is tried again.
-// Nothing when the result is the uniform plan or nothing fits.
+// virtual stages each device recomputes what it needs to fit and the head's segment may give up
+// to three layers to the others. When the exact memory check finds a device over, it recomputes
+// more and the plan is tried again. Nothing when the result is the uniform plan or nothing fits.
 std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& topo,
                                        const Chain& chain,
                                        std::optional<RecomputeMode> pinned_recompute,
@@ -231,48 +231,77 @@ std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& t
                                    p0->layer_activation_bytes[l] - p1->layer_activation_bytes[l]);
       }
     }
+    // Compiles the split `layers` (empty: even) with `recomputed` layers a segment, recomputing
+    // more where the exact memory check finds a device over.
+    auto try_split = [&](std::vector<int> layers,
+                         std::vector<int> recomputed) -> std::optional<Candidate> {
+      Candidate c = cand;
+      c.options.stage_layers = std::move(layers);
+      for (int attempt = 0; attempt < 4; ++attempt) {
+        const bool any =
+            std::any_of(recomputed.begin(), recomputed.end(), [](int k) { return k > 0; });
+        c.options.recompute_layers = any ? recomputed : std::vector<int>{};
+        const bool uniform =
+            c.options.stage_layers.empty() ||
+            c.options.stage_layers == split_layers(model.layers, chain.base.pp * chain.base.vpp);
+        if (uniform && !any) return std::nullopt;  // already evaluated
+        Expected<Plan> plan = build_megatron_plan(model, topo, c.options);
+        if (!plan) return std::nullopt;
+        Expected<Program> prog = compile_plan(*plan, topo, c.options.costs);
+        if (!prog) return std::nullopt;
+        ++evaluated;
+        c.estimate = estimate_program(*prog);
+        if (c.estimate.peak_memory <= capacity) {
+          std::string why = violated_constraint(cons, *plan, *prog, c.estimate.bubble_fraction,
+                                                c.estimate.peak_memory);
+          if (!why.empty()) return std::nullopt;
+          c.status = "ok";
+          return c;
+        }
+        // The linear memory model was short: recompute more where the exact check overflows.
+        if (pinned_recompute) break;
+        Expected<std::vector<int>> more =
+            recompute_to_fit(*prog, recomputed, saved_per_layer, capacity);
+        if (!more || *more == recomputed) break;
+        recomputed = *more;
+      }
+      return std::nullopt;
+    };
     std::vector<int> recomputed(p0->plan.segments.size(), 0);
     if (chain.base.vpp == 1) {
       Expected<std::vector<StageCosts>> costs = measure_stage_costs(*p0, p1 ? *p1 : *p0);
       if (!costs) return std::nullopt;
       Expected<StagePartition> part = partition_stages(*costs, dense_blocks(model), capacity);
       if (!part) continue;
-      cand.options.stage_layers = part->layers;
-      recomputed = part->recomputed;
-    } else {
-      // Virtual stages keep the even split; each device recomputes what it needs to fit.
-      if (pinned_recompute) return std::nullopt;
+      const bool uniform = part->layers == split_layers(model.layers, chain.base.pp);
+      if (uniform && std::all_of(part->recomputed.begin(), part->recomputed.end(),
+                                 [](int k) { return k == 0; })) {
+        return std::nullopt;  // the plan already evaluated
+      }
+      if (std::optional<Candidate> c = try_split(part->layers, part->recomputed)) return c;
+      continue;
+    }
+    // Virtual stages: each device recomputes what it needs to fit, and the head's segment (the
+    // last stage's last chunk) sheds up to three layers to the others, as Megatron-Core's
+    // --decoder-last-pipeline-num-layers or a pipeline layout would; the fastest wins.
+    if (!pinned_recompute) {
       Expected<std::vector<int>> fit = recompute_to_fit(*p0, recomputed, saved_per_layer, capacity);
       if (!fit) continue;
       recomputed = *fit;
     }
-    for (int attempt = 0; attempt < 4; ++attempt) {
-      const bool any =
-          std::any_of(recomputed.begin(), recomputed.end(), [](int k) { return k > 0; });
-      cand.options.recompute_layers = any ? recomputed : std::vector<int>{};
-      const bool uniform = cand.options.stage_layers.empty() ||
-                           cand.options.stage_layers == split_layers(model.layers, chain.base.pp);
-      if (uniform && !any) return std::nullopt;  // already evaluated
-      Expected<Plan> plan = build_megatron_plan(model, topo, cand.options);
-      if (!plan) return std::nullopt;
-      Expected<Program> prog = compile_plan(*plan, topo, cand.options.costs);
-      if (!prog) return std::nullopt;
-      ++evaluated;
-      cand.estimate = estimate_program(*prog);
-      if (cand.estimate.peak_memory <= capacity) {
-        std::string why = violated_constraint(cons, *plan, *prog, cand.estimate.bubble_fraction,
-                                              cand.estimate.peak_memory);
-        if (!why.empty()) return std::nullopt;
-        cand.status = "ok";
-        return cand;
-      }
-      // The linear memory model was short: recompute more where the exact check overflows.
-      if (pinned_recompute) break;
-      Expected<std::vector<int>> more =
-          recompute_to_fit(*prog, recomputed, saved_per_layer, capacity);
-      if (!more || *more == recomputed) break;
-      recomputed = *more;
+    const int segments = chain.base.pp * chain.base.vpp;
+    const std::vector<int> even = split_layers(model.layers, segments);
+    std::optional<Candidate> best = try_split({}, recomputed);
+    for (int shed = 1; shed <= 3 && even.back() - shed >= 0; ++shed) {
+      const int last = even.back() - shed;
+      std::vector<int> layers = split_layers(model.layers - last, segments - 1);
+      layers.push_back(last);
+      std::vector<int> r = recomputed;
+      for (size_t i = 0; i < r.size(); ++i) r[i] = std::min(r[i], layers[i]);
+      std::optional<Candidate> c = try_split(layers, r);
+      if (c && (!best || c->estimate.iteration_time < best->estimate.iteration_time)) best = c;
     }
+    if (best) return best;
   }
   return std::nullopt;
 }

@@ -350,6 +350,28 @@ TEST_F(Llama8bOnOneNode, MultiTokenPredictionWeighsOnTheLastStage) {
   EXPECT_LT(b.back(), a.back());
 }
 
+// Interleaved stages keep the even split but for the head's segment (the last stage's last
+// chunk), which gives layers to the others when that is faster: Llama 3's 128K-vocabulary head
+// costs more than a layer.
+TEST_F(Llama8bOnOneNode, InterleavedHeadSegmentShedsLayers) {
+  SearchOptions so = pinned_1f1b(2, 4, 1);
+  so.pins.sequence_parallel = true;
+  so.pins.vpp = 2;
+  so.pins.schedule = ScheduleKind::kInterleaved;
+  Expected<SearchResult> r = search_plans(model, topo, so);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  const Candidate& best = r->ranked.front();
+  ASSERT_EQ(best.options.stage_layers.size(), 8u);
+  EXPECT_LT(best.options.stage_layers.back(), split_layers(model.layers, 8).back());
+  EXPECT_EQ(std::accumulate(best.options.stage_layers.begin(), best.options.stage_layers.end(), 0),
+            model.layers);
+  MegatronOptions even = best.options;
+  even.stage_layers.clear();
+  even.recompute_layers.clear();
+  EXPECT_LT(best.estimate.iteration_time,
+            estimate_program(compile(model, topo, even)).iteration_time);
+}
+
 // DeepSeekMoE with 16 layers, the first dense: its stage (dense block, cheap embedding) takes a
 // layer more than the even split gives it, the head's stage fewer, and the plan is faster.
 TEST_F(Llama8bOnOneNode, BalancedStagesWithADenseFirstLayer) {
