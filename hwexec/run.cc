@@ -62,10 +62,6 @@ Status check_runnable(const Plan& plan) {
     return refuse("model.mtp_layers",
                   "multi-token prediction is simulated only (drop 'mtp_layers')");
   }
-  if (m.qk_norm) {
-    return refuse("model.qk_norm",
-                  "per-head query and key norms are simulated only (drop 'qk_norm')");
-  }
   if (m.moe()) {
     return refuse("model.experts",
                   "mixtures of experts are simulated only; nnexec runs dense "
@@ -121,6 +117,11 @@ Status check_runnable(const Plan& plan) {
       if (s.dim == Dim::kSeq) cp_axes = s.axes;
     }
   }
+  if (m.qk_norm && !cp_axes.empty()) {
+    return refuse("model.qk_norm",
+                  "per-head query and key norms under context parallelism are simulated only "
+                  "(drop 'qk_norm' or the sequence split of attn.core)");
+  }
   std::set<std::string> cp_split;  // operators split along the sequence over cp_axes
   std::vector<std::string> tp_axes;
   bool tp_set = false;
@@ -135,7 +136,8 @@ Status check_runnable(const Plan& plan) {
       }
       Dim allowed = Dim::kBatch;
       bool has_allowed = true;
-      if (op.name == "attn.qkv" || op.name == "attn.core" || op.name == "attn.proj") {
+      if (op.name == "attn.qkv" || op.name == "attn.qk_norm" || op.name == "attn.core" ||
+          op.name == "attn.proj") {
         allowed = Dim::kHeads;
       } else if (op.name == "mlp.fc1" || op.name == "mlp.act" || op.name == "mlp.fc2") {
         allowed = Dim::kFfn;
@@ -229,6 +231,9 @@ Status check_runnable(const Plan& plan) {
     return {};
   };
   if (Status s = same({"attn.qkv", "attn.core", "attn.proj"}); !s) return s;
+  if (m.qk_norm) {
+    if (Status s = same({"attn.qkv", "attn.qk_norm"}); !s) return s;
+  }
   if (Status s = same({"mlp.fc1", "mlp.act", "mlp.fc2"}); !s) return s;
   if (Status s = same({"head.proj", "loss"}); !s) return s;
   int tp = 1;

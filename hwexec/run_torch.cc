@@ -568,6 +568,8 @@ void resize_storage(const at::Tensor& t, std::size_t bytes) {
 struct LayerParams {
   Param *ln1g, *ln1b = nullptr, *qkv_w, *qkv_b = nullptr, *proj_w, *proj_b = nullptr, *ln2g,
                *ln2b = nullptr, *fc1_w, *fc1_b = nullptr, *fc2_w, *fc2_b = nullptr;
+  // model.qk_norm: the queries' and the keys' scales (and shifts), shared by the heads.
+  Param *qn_g = nullptr, *kn_g = nullptr, *qn_b = nullptr, *kn_b = nullptr;
 };
 
 // One operator's forward: its output and the detached inputs whose gradients its backward gives.
@@ -583,15 +585,15 @@ at::Tensor leaf(const at::Tensor& t) {
 }
 
 struct LayerTape {
-  Unit n1, qkv, core, proj, res1, n2, fc1, act, fc2, res2;
+  Unit n1, qkv, qkn, core, proj, res1, n2, fc1, act, fc2, res2;
   DropoutKey key;           // the micro-batch's dropout masks (a recomputation draws them again)
   at::Tensor x;             // the layer's input, kept when the layer recomputes operators
   bool recomputed = false;  // an R block has run the recomputation already
   std::vector<std::pair<const char*, Unit*>> units() {
-    return {{"attn.norm", &n1},     {"attn.qkv", &qkv},       {"attn.core", &core},
-            {"attn.proj", &proj},   {"attn.residual", &res1}, {"mlp.norm", &n2},
-            {"mlp.fc1", &fc1},      {"mlp.act", &act},        {"mlp.fc2", &fc2},
-            {"mlp.residual", &res2}};
+    return {{"attn.norm", &n1},   {"attn.qkv", &qkv},     {"attn.qk_norm", &qkn},
+            {"attn.core", &core}, {"attn.proj", &proj},   {"attn.residual", &res1},
+            {"mlp.norm", &n2},    {"mlp.fc1", &fc1},      {"mlp.act", &act},
+            {"mlp.fc2", &fc2},    {"mlp.residual", &res2}};
   }
 };
 
@@ -669,6 +671,13 @@ class Model {
         L.qkv_b = add(p + "attn.qkv.bias", {k * (g + 2) * d}, 0.05, 0, [=](const at::Tensor& x) {
           return x.view({k, g + 2, d}).narrow(0, ta * kl, kl).reshape({kl * (g + 2) * d});
         });
+      }
+      if (spec.qk_norm) {
+        const bool shift = spec.norm == NormKind::kLayerNorm && spec.bias;
+        L.qn_g = add(p + "attn.qk_norm.q_weight", {d}, 0.1, 1, whole);
+        L.kn_g = add(p + "attn.qk_norm.k_weight", {d}, 0.1, 1, whole);
+        if (shift) L.qn_b = add(p + "attn.qk_norm.q_bias", {d}, 0.1, 0, whole);
+        if (shift) L.kn_b = add(p + "attn.qk_norm.k_bias", {d}, 0.1, 0, whole);
       }
       L.proj_w = add(p + "attn.proj.weight", {a * d, h}, 0.05, 0,
                      [=](const at::Tensor& x) { return x.narrow(0, ta * kl * g * d, kl * g * d); });
@@ -767,8 +776,8 @@ class Model {
     };
     if (embedding_) u.push_back(some({word_, pos_}));
     for (const LayerParams& L : layers_) {
-      u.push_back(some({L.ln1g, L.ln1b, L.qkv_w, L.qkv_b, L.proj_w, L.proj_b, L.ln2g, L.ln2b,
-                        L.fc1_w, L.fc1_b, L.fc2_w, L.fc2_b}));
+      u.push_back(some({L.ln1g, L.ln1b, L.qkv_w, L.qkv_b, L.qn_g, L.kn_g, L.qn_b, L.kn_b, L.proj_w,
+                        L.proj_b, L.ln2g, L.ln2b, L.fc1_w, L.fc1_b, L.fc2_w, L.fc2_b}));
     }
     if (head_) {
       u.push_back(some({hn_g_, hn_b_, head_w_, embedding_ || shared_word_ ? nullptr : word_}));
@@ -787,7 +796,9 @@ class Model {
         if (p) v.push_back(p);
       }
     };
-    for (const LayerParams& L : layers_) add({L.ln1g, L.ln1b, L.ln2g, L.ln2b});
+    for (const LayerParams& L : layers_) {
+      add({L.ln1g, L.ln1b, L.qn_g, L.kn_g, L.qn_b, L.kn_b, L.ln2g, L.ln2b});
+    }
     add({hn_g_, hn_b_});
     return v;
   }
@@ -801,6 +812,11 @@ class Model {
         if (p) v.push_back(p);
       }
     };
+    // The query and key norms' scales, applied to the rank's heads, are partial sums too
+    // whenever the heads are split.
+    if (split_.heads > 1) {
+      for (const LayerParams& L : layers_) add({L.qn_g, L.kn_g, L.qn_b, L.kn_b});
+    }
     if (split_.seq <= 1) return v;
     add({pos_});
     for (const LayerParams& L : layers_) add({L.ln1g, L.ln1b, L.proj_b, L.ln2g, L.ln2b, L.fc2_b});
@@ -1061,14 +1077,16 @@ class Model {
   // inside, 16-bit in and out, the weights in the model's dtype), so a bf16 norm reads and
   // writes bf16 and keeps its bf16 input for the backward; on a CPU in fp16, which has no fp16
   // LayerNorm kernel, in fp32.
+  // Over the last dimension: the hidden state, or (qk_norm) a head's width.
   at::Tensor norm(const at::Tensor& x, const Param* g, const Param* b) const {
+    const int64_t width = x.size(-1);
     if (spec_.norm == NormKind::kLayerNorm && !cpu_fp16()) {
-      return at::layer_norm(x, {spec_.hidden}, W(g), b ? W(b) : at::Tensor(), 1e-5);
+      return at::layer_norm(x, {width}, W(g), b ? W(b) : at::Tensor(), 1e-5);
     }
     const at::Tensor xf = x.to(at::kFloat);
     at::Tensor y;
     if (spec_.norm == NormKind::kLayerNorm) {
-      y = at::layer_norm(xf, {spec_.hidden}, g->w, b ? b->w : at::Tensor(), 1e-5);
+      y = at::layer_norm(xf, {width}, g->w, b ? b->w : at::Tensor(), 1e-5);
     } else {
       y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + 1e-5) * g->w;
     }
@@ -1380,61 +1398,76 @@ class Model {
       t.qkv.weights = weights_of({L.qkv_w, L.qkv_b});
       drop_gathered("attn.qkv", t.qkv);
     }
+    if (runs("attn.qk_norm")) {  // model.qk_norm: each head's query and key normalized
+      t.qkn =
+          fwd(st, "attn.qk_norm", phase, {leaf(t.qkv.out)}, [&](const std::vector<at::Tensor>& in) {
+            const int64_t b = in[0].size(0), s = in[0].size(1);
+            at::Tensor v5 = in[0].view({b, s, kl, g + 2, d});
+            at::Tensor q = norm(v5.narrow(3, 0, g), L.qn_g, L.qn_b);
+            at::Tensor k = norm(v5.narrow(3, g, 1), L.kn_g, L.kn_b);
+            return at::cat({q, k}, 3).reshape({b, s, kl * (g + 1) * d});
+          });
+    }
     if (runs("attn.core") && split_.cp > 1) {
       t.core = cp_core_forward(c, t.qkv.out, phase, t.key, first_ + l);
     } else if (runs("attn.core")) {
-      t.core =
-          fwd(st, "attn.core", phase, {leaf(t.qkv.out)}, [&](const std::vector<at::Tensor>& in) {
-            const int64_t b = in[0].size(0), s = in[0].size(1);
-            // [b, s, kv heads, group + 2, d]: the group's queries, then its key and value.
-            at::Tensor v5 = in[0].view({b, s, kl, g + 2, d});
-            at::Tensor q = v5.narrow(3, 0, g).reshape({b, s, al, d});
-            at::Tensor k = v5.select(3, g), v = v5.select(3, g + 1);
-            if (spec_.position == PositionKind::kRope) {
-              q = rope(q);
-              k = rope(k);
-            }
-            if (g > 1) {  // grouped-query attention: each key/value head serves its g query heads
-              k = k.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
-              v = v.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
-            }
-            q = q.permute({0, 2, 1, 3});
-            k = k.permute({0, 2, 1, 3});
-            v = v.permute({0, 2, 1, 3});
+      // With qk_norm the queries and keys are the norm's and the values the projection's.
+      std::vector<at::Tensor> core_in = {leaf(t.qkv.out)};
+      if (spec_.qk_norm) core_in = {leaf(t.qkn.out), leaf(t.qkv.out)};
+      t.core = fwd(st, "attn.core", phase, core_in, [&](const std::vector<at::Tensor>& in) {
+        const int64_t b = in.back().size(0), s = in.back().size(1);
+        // [b, s, kv heads, group + 2, d]: the group's queries, then its key and value.
+        at::Tensor v5 = in.back().view({b, s, kl, g + 2, d});
+        at::Tensor q = v5.narrow(3, 0, g).reshape({b, s, al, d});
+        at::Tensor k = v5.select(3, g), v = v5.select(3, g + 1);
+        if (in.size() > 1) {  // [b, s, kv heads, group + 1, d]: normalized queries, key
+          at::Tensor n5 = in[0].view({b, s, kl, g + 1, d});
+          q = n5.narrow(3, 0, g).reshape({b, s, al, d});
+          k = n5.select(3, g);
+        }
+        if (spec_.position == PositionKind::kRope) {
+          q = rope(q);
+          k = rope(k);
+        }
+        if (g > 1) {  // grouped-query attention: each key/value head serves its g query heads
+          k = k.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
+          v = v.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
+        }
+        q = q.permute({0, 2, 1, 3});
+        k = k.permute({0, 2, 1, 3});
+        v = v.permute({0, 2, 1, 3});
 #if TORCH_VERSION_MAJOR >= 2
-            // The model's fused attention (FlashAttention or memory-efficient attention, as
-            // LibTorch picks), where it computes what the plan asks for: ALiBi and the
-            // probabilities' dropout need the explicit chain below.
-            if (spec_.attention == AttentionKernel::kFlash && !alibi_.defined() && !spec_.dropout) {
-              return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true)
-                  .permute({0, 2, 1, 3})
-                  .reshape({b, s, al * d});
-            }
+        // The model's fused attention (FlashAttention or memory-efficient attention, as
+        // LibTorch picks), where it computes what the plan asks for: ALiBi and the
+        // probabilities' dropout need the explicit chain below.
+        if (spec_.attention == AttentionKernel::kFlash && !alibi_.defined() && !spec_.dropout) {
+          return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true)
+              .permute({0, 2, 1, 3})
+              .reshape({b, s, al * d});
+        }
 #endif
-            // Unfused, as Megatron without FlashAttention: the two batched products read q, k
-            // and v as views of the QKV output and keep no copies of them
-            // (run_attention_products.h); the scale on the scores in place (Megatron folds it
-            // into the product), the causal mask in place, the softmax in the compute dtype
-            // (LibTorch accumulates a 16-bit softmax in fp32, as Megatron's fused
-            // scaled-masked softmax does) and only its output kept for the backward.
-            at::Tensor scores = per_sequence_bmm(q, k.transpose(-2, -1), cpu_fp16());
-            scores.mul_(1 / std::sqrt(double(d)));
-            if (alibi_.defined()) {  // ALiBi: in fp32, at the tokens' positions
-              scores = scores.to(at::kFloat) + alibi_bias(alibi_, positions_, positions_);
-            }
-            scores.masked_fill_(causal_mask(s), -std::numeric_limits<float>::infinity());
-            // (LibTorch's CPU softmax has no fp16 kernel: there, in fp32, the same values.)
-            at::Tensor p =
-                (cpu_fp16() ? at::softmax(scores, -1, at::kFloat) : at::softmax(scores, -1))
-                    .to(q.scalar_type());
-            if (spec_.dropout) {  // the probabilities' dropout
-              p = p * dropout_multipliers(t.key, first_ + l, DropoutSite::kAttention, b,
-                                          spec_.seq_len, spec_.heads, positions_, first_head_, al,
-                                          device_)
-                          .to(p.scalar_type());
-            }
-            return per_sequence_bmm(p, v, cpu_fp16()).permute({0, 2, 1, 3}).reshape({b, s, al * d});
-          });
+        // Unfused, as Megatron without FlashAttention: the two batched products read q, k
+        // and v as views of the QKV output and keep no copies of them
+        // (run_attention_products.h); the scale on the scores in place (Megatron folds it
+        // into the product), the causal mask in place, the softmax in the compute dtype
+        // (LibTorch accumulates a 16-bit softmax in fp32, as Megatron's fused
+        // scaled-masked softmax does) and only its output kept for the backward.
+        at::Tensor scores = per_sequence_bmm(q, k.transpose(-2, -1), cpu_fp16());
+        scores.mul_(1 / std::sqrt(double(d)));
+        if (alibi_.defined()) {  // ALiBi: in fp32, at the tokens' positions
+          scores = scores.to(at::kFloat) + alibi_bias(alibi_, positions_, positions_);
+        }
+        scores.masked_fill_(causal_mask(s), -std::numeric_limits<float>::infinity());
+        // (LibTorch's CPU softmax has no fp16 kernel: there, in fp32, the same values.)
+        at::Tensor p = (cpu_fp16() ? at::softmax(scores, -1, at::kFloat) : at::softmax(scores, -1))
+                           .to(q.scalar_type());
+        if (spec_.dropout) {  // the probabilities' dropout
+          p = p * dropout_multipliers(t.key, first_ + l, DropoutSite::kAttention, b, spec_.seq_len,
+                                      spec_.heads, positions_, first_head_, al, device_)
+                      .to(p.scalar_type());
+        }
+        return per_sequence_bmm(p, v, cpu_fp16()).permute({0, 2, 1, 3}).reshape({b, s, al * d});
+      });
     }
     if (runs("attn.proj")) {
       t.proj =
@@ -1630,6 +1663,12 @@ class Model {
     release(t.core, proj_defers);
     if (split_.cp > 1) {
       d = cp_core_backward(c, t.core, d);
+    } else if (spec_.qk_norm) {
+      // The values' gradient, and the queries' and keys' through their norms.
+      std::vector<at::Tensor> dc = bwd(st, "attn.core", t.core, d);
+      release(t.qkn, false);
+      d = dc[1] + bwd(st, "attn.qk_norm", t.qkn, dc[0])[0];
+      release(t.qkv, false);
     } else {
       d = bwd(st, "attn.core", t.core, d)[0];
       release(t.qkv, false);

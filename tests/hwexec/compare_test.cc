@@ -29,6 +29,8 @@ using json = nlohmann::json;
 
 const std::string kModel = std::string(NNSIM_TEST_DATA) + "/tiny-gpt.yaml";
 const std::string kTopo = std::string(NNSIM_TEST_DATA) + "/tiny-node2.yaml";
+// tiny-gpt with per-head query and key norms and no biases.
+const std::string kQkNorm = std::string(NNSIM_TEST_DATA) + "/tiny-gpt-qk-norm.yaml";
 
 RunResult make_plan(const TempDir& dir, const std::string& out, int global_batch) {
   return run(dir, NNSIM_BINARY,
@@ -153,6 +155,11 @@ struct BytesCase {
   const char* name;
   std::vector<std::string> flags;
   double shard;  // the ranks the norm gradients' sum is split over (ZeRO: dp)
+  const std::string* model = &kModel;
+  // The parameters whose gradients sequence parallelism (and split query and key norms) leave
+  // as partial sums over tp. tiny-gpt: per layer both norms' weights and biases and the
+  // row-parallel linears' biases (4 h + 2 h), the position table (s h) and the final norm (2 h).
+  double norm_params = 4 * 6 * 64 + 32 * 64 + 2 * 64;
 };
 
 void PrintTo(const BytesCase& c, std::ostream* os) {
@@ -165,11 +172,11 @@ TEST_P(NnsimCompareBytes, TheRunAndTheProgramMoveTheSameBytes) {
   if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const BytesCase& c = GetParam();
   TempDir dir;
-  std::vector<std::string> plan = {"plan", "--model",        kModel, "--topo",
-                                   kTopo,  "--nodes",        "2",    "--tp",
-                                   "2",    "--pp",           "1",    "--dp",
-                                   "2",    "--global-batch", "4",    "--micro-batch",
-                                   "1",    "--precision",    "fp32", "--sequence-parallel",
+  std::vector<std::string> plan = {"plan", "--model",        *c.model, "--topo",
+                                   kTopo,  "--nodes",        "2",      "--tp",
+                                   "2",    "--pp",           "1",      "--dp",
+                                   "2",    "--global-batch", "4",      "--micro-batch",
+                                   "1",    "--precision",    "fp32",   "--sequence-parallel",
                                    "-o",   "plan.json"};
   plan.insert(plan.end(), c.flags.begin(), c.flags.end());
   RunResult r = run(dir, NNSIM_BINARY, plan);
@@ -202,11 +209,8 @@ TEST_P(NnsimCompareBytes, TheRunAndTheProgramMoveTheSameBytes) {
         << t.dump(1);
     bytes[{t["kind"], t["axes"], t["label"]}] = t["simulated_bytes"].get<double>();
   }
-  // The sequence-parallel gradient sum over tp: per layer both norms' weights and biases and
-  // the row-parallel linears' biases (4 h + 2 h), the position table (s h) and the final norm
-  // (2 h), in fp32; with ZeRO each rank sums the share of them in its shard.
-  const double h = 64, layers = 4, seq = 32;
-  const double norm_sync = (layers * 6 * h + seq * h + 2 * h) * 4 / c.shard;
+  // The gradient sum over tp, in fp32; with ZeRO each rank sums the share of them in its shard.
+  const double norm_sync = c.norm_params * 4 / c.shard;
   EXPECT_DOUBLE_EQ((bytes[{"all_reduce", "tp", "norm grad sync"}]), norm_sync);
   // The loss summed over the replicas: one fp32 scalar.
   EXPECT_DOUBLE_EQ((bytes[{"all_reduce", "dp", "loss"}]), 4);
@@ -216,7 +220,15 @@ TEST_P(NnsimCompareBytes, TheRunAndTheProgramMoveTheSameBytes) {
 
 INSTANTIATE_TEST_SUITE_P(Plans, NnsimCompareBytes,
                          ::testing::Values(BytesCase{"tp2_sp_dp2", {}, 1},
-                                           BytesCase{"zero1_tp2_sp_dp2", {"--zero", "1"}, 2}),
+                                           BytesCase{"zero1_tp2_sp_dp2", {"--zero", "1"}, 2},
+                                           // Without biases: per layer the two norms' weights
+                                           // (2 h) and the query and key norms' (2 d, d = 16),
+                                           // the position table and the final norm (h).
+                                           BytesCase{"qk_norm_zero1_tp2_sp_dp2",
+                                                     {"--zero", "1"},
+                                                     2,
+                                                     &kQkNorm,
+                                                     4 * (2 * 64 + 2 * 16) + 32 * 64 + 64}),
                          [](const ::testing::TestParamInfo<BytesCase>& i) {
                            return std::string(i.param.name);
                          });

@@ -49,6 +49,10 @@ const std::string kModel = std::string(NNSIM_TEST_DATA) + "/tiny-gpt.yaml";
 const std::string kLlama = std::string(NNSIM_TEST_DATA) + "/tiny-llama.yaml";
 // tiny-llama with heads of head_dim 24, 96 wide together over a hidden size of 64 (Qwen3's kind).
 const std::string kHeadDim = std::string(NNSIM_TEST_DATA) + "/tiny-head-dim.yaml";
+// Per-head query and key norms (qk_norm): RMSNorm (tiny-llama's), LayerNorm (tiny-gpt's,
+// without biases).
+const std::string kQkNorm = std::string(NNSIM_TEST_DATA) + "/tiny-qk-norm.yaml";
+const std::string kGptQkNorm = std::string(NNSIM_TEST_DATA) + "/tiny-gpt-qk-norm.yaml";
 // ReLU MLP (OPT), and squared ReLU with rope and GQA (Nemotron).
 const std::string kOpt = std::string(NNSIM_TEST_DATA) + "/tiny-opt.yaml";
 const std::string kNemotron = std::string(NNSIM_TEST_DATA) + "/tiny-nemotron.yaml";
@@ -495,6 +499,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"llama_pp2", 1, 2, 1, "1f1b", 4, &kLlama},
         Case{"llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama},
         Case{"head_dim_tp2_pp2", 2, 2, 1, "1f1b", 4, &kHeadDim},
+        // The norms' scales summed over tp (with sequence parallelism's, in one all-reduce).
+        Case{"qk_norm_tp2_pp2", 2, 2, 1, "1f1b", 4, &kQkNorm},
+        with("qk_norm_layernorm_tp2_sp_zero1_dp2", 2, 1, 2, 4,
+             {"--sequence-parallel", "--zero", "1"}, &kGptQkNorm),
         Case{"bf16_tp2", 2, 1, 1, "1f1b", 2, &kModel, "bf16"},
         Case{"bf16_llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama, "bf16"},
         // Tied embeddings in one segment: ZeRO-1's gather and reduction count the matrix once.
@@ -1000,7 +1008,6 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
        "model.experts: mixtures of experts are simulated only"},
       {[](Plan& q) { q.model.mtp_layers = 1; },
        "model.mtp_layers: multi-token prediction is simulated"},
-      {[](Plan& q) { q.model.qk_norm = true; }, "model.qk_norm: per-head query and key norms"},
       {[](Plan& q) { q.model.kv_lora_rank = 16; },
        "model.kv_lora_rank: multi-head latent attention is simulated only"},
       {[](Plan& q) { q.comm.tp_sub_batches = 2; }, "communication.tp_sub_batches: sub-pipelined"},
