@@ -756,8 +756,9 @@ class Model {
       std::set<std::string>& r = recompute_[l - first_];
       for (const RecomputeRule& rule : rules) {
         if (l < rule.first_layer || (rule.end_layer >= 0 && l >= rule.end_layer)) continue;
-        for (const char* op : {"attn.norm", "attn.qkv", "attn.core", "attn.proj", "attn.residual",
-                               "mlp.norm", "mlp.fc1", "mlp.act", "mlp.fc2", "mlp.residual"}) {
+        for (const char* op :
+             {"attn.norm", "attn.qkv", "attn.qk_norm", "attn.core", "attn.proj", "attn.residual",
+              "mlp.norm", "mlp.fc1", "mlp.act", "mlp.fc2", "mlp.residual"}) {
           if (match_pattern(rule.match, op)) r.insert(op);
         }
       }
@@ -1398,7 +1399,7 @@ class Model {
       t.qkv.weights = weights_of({L.qkv_w, L.qkv_b});
       drop_gathered("attn.qkv", t.qkv);
     }
-    if (runs("attn.qk_norm")) {  // model.qk_norm: each head's query and key normalized
+    if (spec_.qk_norm && runs("attn.qk_norm")) {  // each head's query and key normalized
       t.qkn =
           fwd(st, "attn.qk_norm", phase, {leaf(t.qkv.out)}, [&](const std::vector<at::Tensor>& in) {
             const int64_t b = in[0].size(0), s = in[0].size(1);

@@ -501,6 +501,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"head_dim_tp2_pp2", 2, 2, 1, "1f1b", 4, &kHeadDim},
         // The norms' scales summed over tp (with sequence parallelism's, in one all-reduce).
         Case{"qk_norm_tp2_pp2", 2, 2, 1, "1f1b", 4, &kQkNorm},
+        // Recomputed whole, and only the attention (the norms' output kept for it).
+        with("qk_norm_recompute_full_tp2", 2, 1, 1, 2, {"--recompute", "full"}, &kQkNorm),
+        with("qk_norm_recompute_selective_tp2", 2, 1, 1, 2, {"--recompute", "selective"}, &kQkNorm),
         with("qk_norm_layernorm_tp2_sp_zero1_dp2", 2, 1, 2, 4,
              {"--sequence-parallel", "--zero", "1"}, &kGptQkNorm),
         Case{"bf16_tp2", 2, 1, 1, "1f1b", 2, &kModel, "bf16"},
