@@ -518,22 +518,29 @@ void add_moe_ops(std::vector<Op>& ops, TensorRef input, const ModelSpec& m, cons
   ops.push_back(c);
 }
 
-GraphPart build_embedding(const ModelSpec& m, const Shape& x) {
-  GraphPart part;
+// The token lookup in the word embedding matrix; its input is the part's (the token ids, which
+// the compiler gives no layout).
+Op word_lookup_op(const std::string& name, int self, const Shape& x) {
   const double bsh = x.b * x.s * x.h;
-  const DimSet bsh_dims{Dim::kBatch, Dim::kSeq, Dim::kHidden};
   Op word;
-  word.name = "embed.word";
+  word.name = name;
   word.kind = OpKind::kEmbedding;
   word.dims = {Dim::kBatch, Dim::kSeq, Dim::kVocab, Dim::kHidden};
   word.reduced = {Dim::kVocab};  // a vocab shard yields zeros for tokens outside it: partial sums
   word.inputs = {kPartInput};
-  word.output = tensor(out(0), bsh, bsh_dims, x.p);
-  word.weights = {tensor(TensorRef{0, 1}, x.v * x.h, {Dim::kVocab, Dim::kHidden}, x.p)};
+  word.output = tensor(out(self), bsh, {Dim::kBatch, Dim::kSeq, Dim::kHidden}, x.p);
+  word.weights = {tensor(TensorRef{self, 1}, x.v * x.h, {Dim::kVocab, Dim::kHidden}, x.p)};
   word.fwd_bytes = 2 * bsh * x.p;
   word.bwd_bytes = 2 * bsh * x.p;
   set_granularity(word, x);
-  part.ops.push_back(word);
+  return word;
+}
+
+GraphPart build_embedding(const ModelSpec& m, const Shape& x) {
+  GraphPart part;
+  const double bsh = x.b * x.s * x.h;
+  const DimSet bsh_dims{Dim::kBatch, Dim::kSeq, Dim::kHidden};
+  part.ops.push_back(word_lookup_op("embed.word", 0, x));
   if (m.position == PositionKind::kLearned) {
     Op pos;
     pos.name = "embed.position";
@@ -701,9 +708,7 @@ void move_refs(Op& op, int first, TensorRef input) {
 TensorRef add_mtp_module(std::vector<Op>& ops, TensorRef hidden, const ModelSpec& m,
                          const Shape& x) {
   const int base = static_cast<int>(ops.size());
-  Op embed = build_embedding(m, x).ops.front();  // the lookup
-  move_refs(embed, base, kPartInput);  // token ids: the compiler skips a lookup's part input
-  embed.name = "mtp.embed";
+  Op embed = word_lookup_op("mtp.embed", base, x);
   // Untied, the head's devices hold a copy of the embedding matrix (summed with it as a tied
   // head's is); tied, the head's projection already holds that copy.
   if (m.tied_embeddings) {

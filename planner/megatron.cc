@@ -164,9 +164,9 @@ namespace {
 // as the head's (glob rules, "*.norm" and the like, cover them already). Their 2h -> h
 // projection is column-parallel over tp, its output gathered for the block (Megatron-Core's
 // eh_proj).
-void add_mtp_rules(const ModelSpec& model, int tp, Plan& plan) {
+void add_mtp_rules(const GraphPart& head, int tp, Plan& plan) {
   std::set<std::string> names;
-  for (const Op& op : lower_model(model, 1).head.ops) names.insert(op.name);
+  for (const Op& op : head.ops) names.insert(op.name);
   const size_t rules = plan.partition.size();
   for (size_t i = 0; i < rules; ++i) {
     const std::string& m = plan.partition[i].match;
@@ -541,7 +541,9 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
       if (model.dropout) rule("embed.dropout", Dim::kSeq, axes);
     }
   }
-  if (model.mtp_layers > 0) add_mtp_rules(model, o.tp, plan);
+  // The head's operators, multi-token prediction modules included (their rules match them).
+  const GraphPart head = model.mtp_layers > 0 ? lower_model(model, 1).head : GraphPart{};
+  if (model.mtp_layers > 0) add_mtp_rules(head, o.tp, plan);
 
   if (!o.recompute_layers.empty()) {
     if (static_cast<int>(o.recompute_layers.size()) != segments) {
@@ -601,7 +603,6 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     std::vector<std::string> patterns;
     if (const char* p = pattern(last)) patterns.emplace_back(p);
     patterns.insert(patterns.end(), o.recompute_modules.begin(), o.recompute_modules.end());
-    const GraphPart head = lower_model(model, 1).head;
     for (const std::string& p : patterns) {
       // Only what the module's block has (a module of a mixed model has experts, not an MLP).
       const std::string twin = "mtp." + p;
