@@ -2,8 +2,9 @@
 // make it up: compile_checks.cc (the plan against its model and topology), compile_lanes.cc
 // (segments onto devices), compile_ops.cc (operators' partitions, forward and backward steps),
 // compile_zero.cc (ZeRO's buckets, gathers and shards), compile_memory.cc (what a device holds),
-// compile_blocks.cc with block_builder.h (block templates) and compile_overlap.cc (collectives
-// hidden behind a block's compute). Not part of the library's interface.
+// compile_blocks.cc with block_builder.h (block templates), compile_overlap.cc (collectives
+// hidden behind a block's compute) and compile_pairs.cc (a forward and a backward block run as
+// one). Not part of the library's interface.
 #pragma once
 
 #include <algorithm>
@@ -358,6 +359,11 @@ struct Compiler {
 void overlap_tp_collectives(std::vector<Step>& steps, uint32_t lane_axes, double interference);
 void sub_pipeline_collectives(std::vector<Step>& steps, int k, uint32_t lane_axes,
                               double interference);
+
+// communication.ep_overlap (compile_pairs.cc): each forward block next to a backward block of
+// another micro-batch in a lane's order, both with expert all-to-alls, merged into one block
+// (Megatron-Core's combined 1F1B). An error when no pair forms.
+Status pair_blocks(Program& prog);
 
 // A partition or recompute rule that matches no operator is a typo (or a rule for another
 // model), never a silent no-op.

@@ -27,7 +27,10 @@ std::vector<LaneMemoryPeak> lane_memory_peaks(const Program& program) {
         p.block = static_cast<int>(b);
       }
       level += t.kept_bytes;
-      if (t.kind == BlockKind::kBackward || t.kind == BlockKind::kBackwardWeight) --in_flight;
+      if (t.kind == BlockKind::kBackward || t.kind == BlockKind::kBackwardWeight ||
+          lane.blocks[b].paired) {
+        --in_flight;
+      }
     }
     out.push_back(p);
   }

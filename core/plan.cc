@@ -428,7 +428,7 @@ Plan parse_plan_node(const InputNode& root) {
                    "zero3_per_tensor", "zero3_regather_for_recompute",
                    "zero3_persistence_threshold", "zero3_reduce_bucket", "zero3_prefetch_elements",
                    "save_gathered_inputs", "pp_buffers_per_micro_batch", "tp_sub_batches",
-                   "pp_blocking_sends"});
+                   "pp_blocking_sends", "ep_overlap"});
     plan.comm.dp_bucket_bytes =
         c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
     if (plan.comm.dp_bucket_bytes < kMinBucketBytes) {
@@ -480,6 +480,12 @@ Plan parse_plan_node(const InputNode& root) {
     plan.comm.save_gathered_inputs = c->get_bool("save_gathered_inputs", false);
     plan.comm.pp_buffers_per_micro_batch = c->get_bool("pp_buffers_per_micro_batch", false);
     plan.comm.pp_blocking_sends = c->get_bool("pp_blocking_sends", false);
+    plan.comm.ep_overlap = c->get_bool("ep_overlap", false);
+    if (plan.comm.ep_overlap && plan.comm.tp_sub_batches > 1) {
+      (*c)["ep_overlap"].fail(
+          "overlaps the expert all-to-alls across micro-batches, which \"tp_sub_batches\" "
+          "already sub-pipelines within one; use one of the two");
+    }
     if (plan.comm.algorithm != "auto" && plan.comm.algorithm != "ring" &&
         plan.comm.algorithm != "tree") {
       (*c)["algorithm"].fail_unknown(plan.comm.algorithm, {"auto", "ring", "tree"});
@@ -603,6 +609,7 @@ std::string plan_to_json(const Plan& plan) {
                         {"pp_buffers_per_micro_batch", plan.comm.pp_buffers_per_micro_batch},
                         {"pp_blocking_sends", plan.comm.pp_blocking_sends}};
   if (plan.comm.tp_sub_batches > 1) j["communication"]["tp_sub_batches"] = plan.comm.tp_sub_batches;
+  if (plan.comm.ep_overlap) j["communication"]["ep_overlap"] = true;
   json orders = json::array();
   for (const auto& o : plan.schedule) {
     std::string blocks;

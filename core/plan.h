@@ -204,6 +204,10 @@ struct CommSettings {
   // (Megatron-Core's non-interleaved schedules: batched p2p whose requests are waited on before
   // the next block); false: a send runs on its own stream while the sender computes on.
   bool pp_blocking_sends = false;
+  // Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm): a forward block and the
+  // backward block of another micro-batch next to it in a device's order run as one, each one's
+  // expert-parallel all-to-alls on a communication stream beside the other's compute.
+  bool ep_overlap = false;
 };
 
 struct Plan {

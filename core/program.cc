@@ -12,6 +12,10 @@
 
 namespace nnsim {
 
+std::string to_string(const BlockInstance& b) {
+  return b.paired ? to_string(b.block) + "+" + to_string(b.partner) : to_string(b.block);
+}
+
 std::vector<int> Program::group_of(int rank, uint32_t axes_mask) const {
   const Mesh& mesh = plan.mesh;
   std::vector<int> base = mesh.coordinates(rank);
@@ -303,7 +307,10 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
           b.kind == BlockKind::kBackward || b.kind == BlockKind::kBackwardWeight;
       int t = c.template_for(b.segment, static_cast<int>(o), b.kind, sync_block && sync,
                              explicit_recompute.count(b.segment) > 0, first_fwd, b.pass);
-      lane.blocks.push_back({b, t});
+      BlockInstance instance;
+      instance.block = b;
+      instance.template_index = t;
+      lane.blocks.push_back(instance);
     }
     // Prologue: ZeRO-1/2 gather the parameters updated by the last step, overlapped with the
     // first forwards, in the order the forwards use them (the groups' buckets interleaved by
@@ -460,6 +467,10 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
       m.bytes = -retained;
       lane.epilogue.push_back(m);
     }
+  }
+
+  if (plan.comm.ep_overlap) {
+    if (Status s = detail::pair_blocks(prog); !s) return s.error();
   }
 
   // Tied embedding (or multi-token prediction's lookup): the first and last pipeline stage hold

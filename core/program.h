@@ -35,6 +35,11 @@ enum class StepKind : uint8_t {
   kDpLaunch,    // queue a collective on the data-parallel stream (gradient or parameter)
   kDpWait,      // wait for queued data-parallel collectives (all, or those with `tag`)
   kMemory,      // allocate (+) or free (-) `bytes`
+  // A paired block's expert all-to-all (Plan comm.ep_overlap): queued on the lane's expert
+  // communication stream, which runs them one after another while compute goes on, and waited
+  // for (by `tag`) before the compute that needs it.
+  kCommLaunch,
+  kCommWait,
 };
 
 struct Step {
@@ -58,6 +63,9 @@ struct Step {
   int group = -1;       // kCollective over an explicit group (Program::explicit_groups)
   int label = -1;       // index into Program::labels ("attn.qkv", "grad bucket 3", ...)
   bool matmul = false;  // kCompute of a linear operator (a GEMM)
+  // A paired block's step: 0 belongs to the instance's block, 1 to its partner (transfers and
+  // joint collectives are keyed by their own block's micro-batch).
+  uint8_t member = 0;
 };
 
 // The steps of one kind of block (one segment, one block kind, one variant), shared by every
@@ -72,12 +80,20 @@ struct BlockTemplate {
   int pass = 0;
   double kept_bytes = 0;  // activation bytes the block leaves allocated (negative: frees)
   double peak_bytes = 0;  // extra bytes above the level at the block's start, at its peak
+  // A forward and a backward merged into one (comm.ep_overlap): `kind` is the forward's; the
+  // steps' `member` says whose each is.
+  bool paired = false;
 };
 
 struct BlockInstance {
   Block block;
   int template_index = 0;
+  // comm.ep_overlap: the backward block run together with `block` (a forward), in one template.
+  bool paired = false;
+  Block partner;
 };
+// "F3@1", or for a pair "F3@1+B1@2".
+std::string to_string(const BlockInstance& b);
 
 // Static memory of a device, bytes.
 struct StaticMemory {

@@ -16,7 +16,18 @@ namespace {
 // A template reduced to what matters for timing: fixed delays between synchronization points.
 struct Op {
   // kJoin: a collective joining the lanes of a spanning segment (a rendezvous).
-  enum Kind { kDelay, kRecv, kSend, kDpLaunch, kDpWait, kJoin } kind = kDelay;
+  // kCommLaunch / kCommWait: a paired block's expert exchange on its own stream (each lane's
+  // exchange at its time alone; the group's lanes run in step, so no rendezvous).
+  enum Kind {
+    kDelay,
+    kRecv,
+    kSend,
+    kDpLaunch,
+    kDpWait,
+    kJoin,
+    kCommLaunch,
+    kCommWait
+  } kind = kDelay;
   double seconds = 0;  // kDelay: busy time; kSend / kDpLaunch / kJoin: communication time
   double compute = 0;  // kDelay: of which compute (the rest is blocking communication)
   int peer = -1;       // kRecv / kSend: the other segment
@@ -27,6 +38,7 @@ struct Op {
   int tag = -1;           // kDpLaunch / kDpWait
   int lanes = 1;          // kJoin: lanes that meet
   int sequence = 0;       // kJoin: rank among the block's joint collectives
+  int member = 0;         // kRecv / kSend / kJoin: whose of a pair (Step::member)
 };
 
 class Estimator {
@@ -78,7 +90,7 @@ double Estimator::transfer_seconds(const Lane& lane, const Step& s) {
 std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps) {
   const Lane& lane = prog_.lanes[lane_index];
   std::vector<Op> out;
-  int joins = 0;
+  int joins[2] = {0, 0};
   auto delay = [&](double seconds, double compute) {
     if (out.empty() || out.back().kind != Op::kDelay) out.push_back(Op{});
     out.back().seconds += seconds;
@@ -104,7 +116,8 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
             }
           }
           o.lanes = static_cast<int>(lanes.size());
-          o.sequence = joins++;
+          o.member = s.member;
+          o.sequence = joins[s.member]++;
           out.push_back(o);
           break;
         }
@@ -114,6 +127,7 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
       case StepKind::kRecv: {
         Op o;
         o.kind = Op::kRecv;
+        o.member = s.member;
         o.peer = s.peer_segment;
         o.peer_lane = s.peer_lane;
         o.gradient = s.gradient;
@@ -123,6 +137,7 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
       case StepKind::kSend: {
         Op o;
         o.kind = Op::kSend;
+        o.member = s.member;
         o.peer = s.peer_segment;
         o.peer_lane = s.peer_lane;
         o.gradient = s.gradient;
@@ -143,6 +158,21 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
       case StepKind::kDpWait: {
         Op o;
         o.kind = Op::kDpWait;
+        o.tag = s.tag;
+        out.push_back(o);
+        break;
+      }
+      case StepKind::kCommLaunch: {
+        Op o;
+        o.kind = Op::kCommLaunch;
+        o.seconds = collective_seconds(lane, s);
+        o.tag = s.tag;
+        out.push_back(o);
+        break;
+      }
+      case StepKind::kCommWait: {
+        Op o;
+        o.kind = Op::kCommWait;
         o.tag = s.tag;
         out.push_back(o);
         break;
@@ -205,6 +235,7 @@ std::vector<TemplateTime> Estimator::template_times() {
       double busy = 0;
       if (s.kind == StepKind::kCompute) busy = s.seconds;
       if (s.kind == StepKind::kCollective) busy = std::max(collective_seconds(lane, s), s.seconds);
+      if (s.kind == StepKind::kCommLaunch) busy = collective_seconds(lane, s);
       if (busy == 0) continue;
       if (!layer_labels.count(s.label)) {
         out[t].other += busy;
@@ -228,12 +259,14 @@ Estimate Estimator::run() {
   struct LaneState {
     double time = 0;
     double compute = 0;
-    double dp_free = 0;              // when the data-parallel stream is next free
-    double dp_last = 0;              // when the last launched item ends
-    std::map<int, double> tag_done;  // tag -> when its last launch ends
-    size_t block = 0;                // next block (lanes' prologue is block "-1")
-    size_t op = 0;                   // next op within it
-    int phase = 0;                   // 0 prologue, 1 blocks, 2 epilogue, 3 done
+    double dp_free = 0;               // when the data-parallel stream is next free
+    double dp_last = 0;               // when the last launched item ends
+    std::map<int, double> tag_done;   // tag -> when its last launch ends
+    double comm_free = 0;             // when the expert communication stream is next free
+    std::map<int, double> comm_done;  // a pair's exchange tag -> when it ends
+    size_t block = 0;                 // next block (lanes' prologue is block "-1")
+    size_t op = 0;                    // next op within it
+    int phase = 0;                    // 0 prologue, 1 blocks, 2 epilogue, 3 done
   };
   std::vector<LaneState> st(lanes);
   // Arrival time of transfers by (from, to, gradient, micro-batch, receiving lane, receiving
@@ -277,20 +310,28 @@ Estimate Estimator::run() {
       const Lane& lane = prog_.lanes[l];
       while (s.phase < 3) {
         const std::vector<Op>& list = *current_ops(l);
-        const int segment = s.phase == 1 ? lane.blocks[s.block].block.segment : -1;
-        const int mb = s.phase == 1 ? lane.blocks[s.block].block.micro_batch : 0;
-        const int pass = s.phase == 1 ? lane.blocks[s.block].block.pass : 0;
-        const int kind =
-            s.phase == 1 ? static_cast<int>(lane.blocks[s.block].block.kind) + 8 * pass : -1;
+        // The block (a pair's two, by Op::member) the ops belong to.
+        Block own[2];
+        own[0].segment = -1;
+        if (s.phase == 1) {
+          own[0] = lane.blocks[s.block].block;
+          own[1] = lane.blocks[s.block].partner;
+        }
         bool blocked = false;
         const size_t op_before = s.op;
         for (; s.op < list.size(); ++s.op) {
           const Op& o = list[s.op];
+          const Block& b = own[o.member];
+          const int segment = b.segment;
+          const int mb = b.micro_batch;
+          const int pass = b.pass;
+          const int kind = s.phase == 1 ? static_cast<int>(b.kind) + 8 * pass : -1;
           if (o.kind == Op::kDelay) {
             // Compute shares the GPU with data-parallel communication still running (as in the
             // simulator, decided at the start of the stretch).
-            const double slowdown =
-                s.dp_last > s.time ? o.compute * prog_.compute_model.comm_interference : 0;
+            const double slowdown = s.dp_last > s.time || s.comm_free > s.time
+                                        ? o.compute * prog_.compute_model.comm_interference
+                                        : 0;
             s.time += o.seconds + slowdown;
             s.compute += o.compute + slowdown;
           } else if (o.kind == Op::kRecv) {
@@ -315,6 +356,11 @@ Estimate Estimator::run() {
             }
             s.time = j.last + o.seconds;
             s.compute += o.compute;
+          } else if (o.kind == Op::kCommLaunch) {
+            s.comm_free = std::max(s.comm_free, s.time) + o.seconds;
+            s.comm_done[o.tag] = s.comm_free;
+          } else if (o.kind == Op::kCommWait) {
+            s.time = std::max(s.time, s.comm_done.at(o.tag));
           } else if (o.kind == Op::kDpLaunch) {
             s.dp_free = std::max(s.dp_free, s.time) + o.seconds;
             s.dp_last = s.dp_free;

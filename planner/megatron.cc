@@ -246,6 +246,13 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                     "(model.experts); drop the flag",
                     model.name));
   }
+  if (o.ep_overlap && (!model.moe() || o.ep < 2)) {
+    return Error(fmt::format(
+        "--ep-overlap hides a mixture of experts' expert-parallel all-to-alls, but {}; drop the "
+        "flag",
+        model.moe() ? "--ep is 1 (no all-to-alls)"
+                    : fmt::format("model '{}' has no experts (model.experts)", model.name)));
+  }
   if (o.moe_grouped_gemm && !model.moe()) {
     return Error(fmt::format(
         "--moe-grouped-gemm groups a mixture of experts' GEMMs, but model '{}' has none "
@@ -323,6 +330,11 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     return Error(
         "--tp-sub-batches hides the tensor-parallel collectives behind another sub-batch's "
         "compute, --tp-comm-overlap behind their GEMMs; choose one");
+  }
+  if (o.tp_sub_batches > 1 && o.ep_overlap) {
+    return Error(
+        "--tp-sub-batches hides the all-to-alls behind another sub-batch's compute, "
+        "--ep-overlap behind another micro-batch's; choose one");
   }
   if (o.micro_batch % o.tp_sub_batches != 0) {
     return Error(fmt::format(
@@ -419,6 +431,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (o.recycle > 1) plan.name += fmt::format(" recycle{}", o.recycle);
   if (o.tp_sub_batches > 1) plan.name += fmt::format(" tp-sub-batches{}", o.tp_sub_batches);
   if (o.moe_deepep) plan.name += " deepep";
+  if (o.ep_overlap) plan.name += " ep-overlap";
   plan.mesh = megatron_mesh(o, dp);
   // Megatron's rank order tp-cp-ep-dp-pp: tensor parallel fastest, pipeline slowest.
   Expected<Placement> placement =
@@ -695,6 +708,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   plan.comm.tp_sub_batches = o.tp_sub_batches;
   plan.moe_grouped_gemm = o.moe_grouped_gemm;
   plan.moe_deepep = o.moe_deepep;
+  plan.comm.ep_overlap = o.ep_overlap;
 
   const int micro_batches = o.global_batch / (dp * o.micro_batch);
   // Segments whose recomputation Merak's schedule issues as its own block.

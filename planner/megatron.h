@@ -69,6 +69,10 @@ struct MegatronOptions {
   bool moe_grouped_gemm = false;
   // A mixture of experts' tokens exchanged through DeepEP (--moe-deepep; Plan::moe_deepep).
   bool moe_deepep = false;
+  // Megatron-Core's combined 1F1B: a forward and the backward of another micro-batch run
+  // together, each one's expert all-to-alls beside the other's compute (--ep-overlap;
+  // Plan comm.ep_overlap).
+  bool ep_overlap = false;
   // DeepSpeed ZeRO-3's stage3_param_persistence_threshold (elements); negative: its default
   // (1e5). Only with framework deepspeed and ZeRO-3.
   double zero3_persistence_threshold = -1;

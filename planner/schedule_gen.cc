@@ -43,6 +43,7 @@ std::vector<SegmentCosts> segment_costs(const Program& prog) {
   const std::vector<TemplateTime> times = template_times(prog);
   for (size_t t = 0; t < prog.templates.size(); ++t) {
     const BlockTemplate& tpl = prog.templates[t];
+    if (tpl.paired) continue;  // its forward and backward are templates too
     SegmentCosts& c = out[tpl.segment];
     const double s = times[t].layers + times[t].layers_recompute + times[t].other;
     std::map<int, double>* sends = nullptr;

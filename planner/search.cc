@@ -324,6 +324,12 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                     "(model.experts); drop the flag",
                     model.name));
   }
+  if (o.ep_overlap && !model.moe()) {
+    return Error(
+        fmt::format("--ep-overlap hides a mixture of experts' all-to-alls, but model '{}' has none "
+                    "(model.experts); drop the flag",
+                    model.name));
+  }
   if (o.moe_grouped_gemm && !model.moe()) {
     return Error(fmt::format(
         "--moe-grouped-gemm groups a mixture of experts' GEMMs, but model '{}' has none "
@@ -491,6 +497,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   b.tp_comm_overlap = o.tp_comm_overlap;
                   b.moe_grouped_gemm = o.moe_grouped_gemm;
                   b.moe_deepep = o.moe_deepep;
+                  b.ep_overlap = o.ep_overlap && ep > 1;
                   b.costs = o.compile;
                   b.placement = pl.order;
                   if (fixed_layers) b.stage_layers = *fixed_layers;
@@ -733,7 +740,10 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     for (const Candidate& c : feasible) {
       if (tries.size() >= kMaxSubPipelined) break;
       const MegatronOptions& x = c.options;
-      if ((x.tp == 1 && x.ep == 1) || x.micro_batch % k != 0 || x.tp_sub_batches > 1) continue;
+      if ((x.tp == 1 && x.ep == 1) || x.micro_batch % k != 0 || x.tp_sub_batches > 1 ||
+          x.ep_overlap) {
+        continue;
+      }
       Candidate t = c;
       t.options.tp_sub_batches = k;
       t.simulated.reset();

@@ -40,6 +40,7 @@ struct SearchOptions {
   // support it; Megatron-LM does not).
   int tp_sub_batches = 1;
   bool moe_deepep = false;        // every candidate's token exchange through DeepEP
+  bool ep_overlap = false;        // candidates with expert parallelism run combined 1F1B
   bool moe_grouped_gemm = false;  // every candidate's experts as one grouped-GEMM kernel
   SearchPins pins;
   Constraints constraints;

@@ -29,6 +29,7 @@ std::vector<SegmentTimes> segment_times(const Program& p) {
   const std::vector<TemplateTime> times = template_times(p);
   std::map<std::pair<int, int>, TemplateTime> worst;  // (segment, kind) -> slowest variant
   for (size_t t = 0; t < p.templates.size(); ++t) {
+    if (p.templates[t].paired) continue;  // its forward and backward are templates too
     const auto key = std::make_pair(p.templates[t].segment, static_cast<int>(p.templates[t].kind));
     TemplateTime& w = worst[key];
     const TemplateTime& x = times[t];

@@ -28,6 +28,8 @@ std::string_view to_string(TaskKind k) {
       return "transfer";
     case TaskKind::kDpCollective:
       return "dp-collective";
+    case TaskKind::kCommWait:
+      return "comm-wait";
   }
   return "?";
 }
@@ -40,6 +42,8 @@ std::string_view to_string(Stream s) {
       return "data-parallel";
     case Stream::kPipelineSend:
       return "pipeline-send";
+    case Stream::kExpertComm:
+      return "expert-comm";
   }
   return "?";
 }

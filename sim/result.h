@@ -51,10 +51,12 @@ enum class TaskKind : uint8_t {
   kTransfer,      // a pipeline transfer in flight (on the sender's send stream)
   kDpCollective,  // a collective on the data-parallel stream
   kSendWait,      // compute stream waiting for its own blocking send to complete
+  kCommWait,      // compute stream waiting for the expert communication stream (a pair's)
 };
 std::string_view to_string(TaskKind k);
 
-enum class Stream : uint8_t { kCompute, kDataParallel, kPipelineSend };
+// kExpertComm: a paired block's expert all-to-alls (Plan comm.ep_overlap).
+enum class Stream : uint8_t { kCompute, kDataParallel, kPipelineSend, kExpertComm };
 std::string_view to_string(Stream s);
 
 struct TaskRecord {

@@ -64,9 +64,11 @@ void Simulation::flush_compute(Instance& inst, int block) {
   PendingCompute& p = pending_[&inst];
   if (p.parts.empty()) return;
   if (p.seconds > 0) {
-    // Collectives running on this GPU meanwhile (the data-parallel stream) take SMs and memory
-    // bandwidth from the compute; a pipeline send's few channels are not counted.
-    const bool comm_busy = inst.dp_completed < inst.dp_launched;
+    // Collectives running on this GPU meanwhile (the data-parallel stream, a pair's expert
+    // exchanges) take SMs and memory bandwidth from the compute; a pipeline send's few channels
+    // are not counted.
+    const bool comm_busy =
+        inst.dp_completed < inst.dp_launched || inst.comm_completed < inst.comm_launched;
     const double slowdown =
         comm_busy ? p.compute_seconds * prog_.compute_model.comm_interference : 0;
     inst.breakdown.compute += slowdown;
@@ -134,7 +136,10 @@ void Simulation::analyze_links() {
           crossings.insert({&c, {index, comm_id(c)}});
           continue;
         }
-        if (step.kind != StepKind::kCollective && step.kind != StepKind::kDpLaunch) continue;
+        if (step.kind != StepKind::kCollective && step.kind != StepKind::kDpLaunch &&
+            step.kind != StepKind::kCommLaunch) {
+          continue;
+        }
         std::vector<std::vector<int>> groups = collective_groups(inst, step);
         const bool one_per_rank = options_.mirror_lane_ranks && step.group < 0 &&
                                   groups.size() > 1 && groups.size() == inst.ranks.size() &&
@@ -145,7 +150,9 @@ void Simulation::analyze_links() {
             prepared_comm(static_cast<int>(step.collective), step.bytes, std::move(groups));
         inst.whole[&step] = &whole;
         inst.prepared[&step] = &whole;
-        use(whole, step.kind == StepKind::kCollective ? -1 : -2);
+        use(whole, step.kind == StepKind::kCollective ? -1
+                   : step.kind == StepKind::kDpLaunch ? -2
+                                                      : -5);
         if (!one_per_rank) {
           crossings.insert({&whole, {index, comm_id(whole)}});
           continue;
@@ -295,6 +302,20 @@ double Simulation::joint_collective(Instance& inst, const PreparedComm& comm,
   return *start;
 }
 
+Simulation::RendezvousKey Simulation::rendezvous_key(Instance& inst, const Step& step) {
+  // Instances joining one collective meet under the same key: each counts its joint
+  // collectives in program order, which is the same on every participant. The lanes of a
+  // spanning segment, or of an expert-parallel group, meet by block and by the collective's
+  // rank among the block's joint ones (their templates differ only in transfers).
+  if (step.group >= 0) return {-1 - step.group, inst.replica, inst.explicit_sequence++, 0, 0};
+  if (step.axes & cross_axes_) {
+    Instance::BlockContext& b = inst.running[step.member];
+    return {-(1 << 24) - b.segment, b.kind * (1 << 20) + b.micro_batch, b.cross_sequence++,
+            inst.replica, 1 + b.pass};
+  }
+  return {inst.lane, 2 << 20, inst.joint_sequence++, 0, 0};
+}
+
 void Simulation::run_collective(Instance& inst, const Step& step, int block) {
   const PreparedComm& comm = prepared_collective(inst, step);
   if (foldable(inst, step)) {
@@ -316,17 +337,7 @@ void Simulation::run_collective(Instance& inst, const Step& step, int block) {
   }
   flush_compute(inst, block);
   const int n = participants(inst, step);
-  // Instances joining one collective meet under the same key: each counts its joint
-  // collectives in program order, which is the same on every participant. The lanes of a
-  // spanning segment meet by block and by the collective's rank among the block's joint ones
-  // (their templates differ only in transfers).
-  RendezvousKey key =
-      step.group >= 0 ? RendezvousKey{-1 - step.group, inst.replica, inst.explicit_sequence++, 0, 0}
-      : (step.axes & cross_axes_)
-          ? RendezvousKey{-(1 << 24) - inst.block_segment,
-                          inst.block_kind * (1 << 20) + inst.block_micro_batch,
-                          inst.cross_sequence++, inst.replica, 1 + inst.block_pass}
-          : RendezvousKey{inst.lane, 2 << 20, inst.joint_sequence++, 0, 0};
+  const RendezvousKey key = rendezvous_key(inst, step);
   // Time spent waiting for the other participants to arrive is not communication.
   const double t0 = joint_collective(inst, comm, key, n, step.seconds);
   const double t1 = sg4::Engine::get_clock();
@@ -360,16 +371,17 @@ const PreparedComm& Simulation::prepared_transfer(Instance& inst, const Step& st
   return *inst.prepared.emplace(&step, &shared->second).first->second;
 }
 
-void Simulation::send(Instance& inst, const Step& step, int block, int micro_batch, int segment) {
+void Simulation::send(Instance& inst, const Step& step, int block) {
   flush_compute(inst, block);
+  const Instance::BlockContext& b = inst.running[step.member];
   // A recycled output goes to the next pass's forward.
-  TransferKey key{segment,
+  TransferKey key{b.segment,
                   step.peer_segment,
                   step.gradient,
-                  micro_batch,
+                  b.micro_batch,
                   inst.replica,
                   step.peer_lane,
-                  inst.block_pass + (step.recycle ? 1 : 0)};
+                  b.pass + (step.recycle ? 1 : 0)};
   Transfer& t = transfers_[key];
   if (!t.arrived) t.arrived = sg4::Semaphore::create(0);
   const double now = sg4::Engine::get_clock();
@@ -407,10 +419,11 @@ void Simulation::send_stream_actor(Instance& inst, int direction) {
   }
 }
 
-void Simulation::recv(Instance& inst, const Step& step, int block, int micro_batch, int segment) {
+void Simulation::recv(Instance& inst, const Step& step, int block) {
   flush_compute(inst, block);
-  TransferKey key{step.peer_segment, segment,   step.gradient,  micro_batch,
-                  inst.replica,      inst.lane, inst.block_pass};
+  const Instance::BlockContext& b = inst.running[step.member];
+  TransferKey key{step.peer_segment, b.segment, step.gradient, b.micro_batch,
+                  inst.replica,      inst.lane, b.pass};
   Transfer& t = transfers_[key];
   if (!t.arrived) t.arrived = sg4::Semaphore::create(0);
   sg4::SemaphorePtr arrived = t.arrived;
@@ -449,8 +462,23 @@ void Simulation::dp_wait(Instance& inst, const Step& step, int block) {
   }
 }
 
-void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int block,
-                           int micro_batch, int segment) {
+void Simulation::comm_wait(Instance& inst, const Step& step, int block) {
+  flush_compute(inst, block);
+  const int target = inst.comm_tag_seq.at(step.tag);
+  const double t0 = sg4::Engine::get_clock();
+  {
+    std::unique_lock<sg4::Mutex> lock(*inst.comm_mutex);
+    while (inst.comm_completed < target) inst.comm_progress->wait(lock);
+  }
+  const double t1 = sg4::Engine::get_clock();
+  if (t1 > t0) {
+    inst.breakdown.exposed_comm[exposed_key(step.axes)] += t1 - t0;
+    record(inst, Stream::kCompute, TaskKind::kCommWait, t0, t1, step.label, block, step.bytes, 0,
+           step.axes);
+  }
+}
+
+void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int block) {
   PendingCompute& p = pending_[&inst];
   for (const Step& step : steps) {
     switch (step.kind) {
@@ -476,10 +504,21 @@ void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int b
         run_collective(inst, step, block);
         break;
       case StepKind::kRecv:
-        recv(inst, step, block, micro_batch, segment);
+        recv(inst, step, block);
         break;
       case StepKind::kSend:
-        send(inst, step, block, micro_batch, segment);
+        send(inst, step, block);
+        break;
+      case StepKind::kCommLaunch: {
+        flush_compute(inst, block);  // its tokens exist once the compute before it ran
+        const int seq = ++inst.comm_launched;
+        inst.comm_tag_seq[step.tag] = seq;
+        inst.comm_queue.push_back({&step, rendezvous_key(inst, step), block});
+        inst.comm_pending->release();
+        break;
+      }
+      case StepKind::kCommWait:
+        comm_wait(inst, step, block);
         break;
       case StepKind::kDpLaunch: {
         flush_compute(inst, block);  // the gradients exist once the compute before them ran
@@ -509,22 +548,24 @@ void Simulation::compute_actor(Instance& inst) {
   inst.memory_level = lane.memory.total();
   inst.peak_memory = inst.memory_level;
   inst.timeline.push_back({0, inst.memory_level});
-  run_steps(inst, lane.prologue, -1, 0, -1);
+  run_steps(inst, lane.prologue, -1);
   for (size_t b = 0; b < lane.blocks.size(); ++b) {
     const BlockInstance& bi = lane.blocks[b];
     const BlockTemplate& t = prog_.templates[bi.template_index];
     // The block's peak happens while it runs, above the level at its start.
     inst.peak_memory = std::max(inst.peak_memory, inst.memory_level + t.peak_bytes);
     inst.timeline.push_back({sg4::Engine::get_clock(), inst.memory_level + t.peak_bytes});
-    inst.block_segment = bi.block.segment;
-    inst.block_kind = static_cast<int>(bi.block.kind);
-    inst.block_micro_batch = bi.block.micro_batch;
-    inst.block_pass = bi.block.pass;
-    inst.cross_sequence = 0;
-    run_steps(inst, t.steps, static_cast<int>(b), bi.block.micro_batch, bi.block.segment);
+    int member = 0;
+    for (const Block* x : {&bi.block, &bi.partner}) {
+      if (member == 1 && !bi.paired) break;
+      inst.running[member++] = {x->segment, static_cast<int>(x->kind), x->micro_batch, x->pass, 0};
+    }
+    inst.comm_tag_seq.clear();
+    run_steps(inst, t.steps, static_cast<int>(b));
     if (inst.replica == 0) block_done();
   }
-  run_steps(inst, lane.epilogue, -1, 0, -1);
+  inst.running[0] = {};
+  run_steps(inst, lane.epilogue, -1);
   inst.finish = sg4::Engine::get_clock();
 }
 
@@ -549,6 +590,29 @@ void Simulation::dp_stream_actor(Instance& inst) {
     std::unique_lock<sg4::Mutex> lock(*inst.dp_mutex);
     inst.dp_completed = item.seq;
     inst.dp_progress->notify_all();
+  }
+}
+
+void Simulation::comm_stream_actor(Instance& inst) {
+  sg4::Actor::self()->daemonize();
+  while (true) {
+    inst.comm_pending->acquire();
+    const Instance::CommItem item = inst.comm_queue.front();
+    inst.comm_queue.pop_front();
+    const Step& step = *item.step;
+    const PreparedComm& comm = prepared_collective(inst, step);
+    double t0 = sg4::Engine::get_clock();
+    if (foldable(inst, step)) {
+      sg4::this_actor::sleep_for(comm.alone_seconds);  // nothing else crosses its links
+      ++activities_;
+    } else {
+      t0 = joint_collective(inst, comm, item.key, participants(inst, step), 0);
+    }
+    record(inst, Stream::kExpertComm, TaskKind::kCollective, t0, sg4::Engine::get_clock(),
+           step.label, item.block, step.bytes, 0, step.axes);
+    std::unique_lock<sg4::Mutex> lock(*inst.comm_mutex);
+    ++inst.comm_completed;
+    inst.comm_progress->notify_all();
   }
 }
 
@@ -607,6 +671,9 @@ Expected<SimResult> Simulation::run() {
       inst->send_pending[1] = sg4::Semaphore::create(0);
       inst->dp_mutex = sg4::Mutex::create();
       inst->dp_progress = sg4::ConditionVariable::create();
+      inst->comm_pending = sg4::Semaphore::create(0);
+      inst->comm_mutex = sg4::Mutex::create();
+      inst->comm_progress = sg4::ConditionVariable::create();
       instances_.push_back(std::move(inst));
     }
   }
@@ -620,6 +687,10 @@ Expected<SimResult> Simulation::run() {
                        [this, p] { compute_actor(*p); });
     sg4::Actor::create(fmt::format("dp{}.r{}", p->lane, p->replica), host,
                        [this, p] { dp_stream_actor(*p); });
+    if (prog_.plan.comm.ep_overlap) {
+      sg4::Actor::create(fmt::format("ep{}.r{}", p->lane, p->replica), host,
+                         [this, p] { comm_stream_actor(*p); });
+    }
     for (int d = 0; d < 2; ++d) {
       sg4::Actor::create(fmt::format("send{}.{}.r{}", d, p->lane, p->replica), host,
                          [this, p, d] { send_stream_actor(*p, d); });

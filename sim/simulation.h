@@ -60,13 +60,31 @@ class Simulation {
     int dp_sequence_for_rendezvous = 0;
     int explicit_sequence = 0;
     int joint_sequence = 0;
-    // The block being run, and how many collectives joining other lanes it has run so far (the
-    // key under which the lanes of a spanning segment meet).
-    int block_segment = -1;
-    int block_kind = -1;
-    int block_micro_batch = -1;
-    int block_pass = 0;
-    int cross_sequence = 0;
+    // The block being run (a pair's two: Step::member), and how many collectives joining
+    // other lanes each has run so far (the key under which the lanes of a spanning segment, or
+    // of an expert-parallel group, meet).
+    struct BlockContext {
+      int segment = -1;
+      int kind = -1;
+      int micro_batch = 0;
+      int pass = 0;
+      int cross_sequence = 0;
+    };
+    BlockContext running[2];
+    // Expert communication stream of a paired block (StepKind::kCommLaunch): a FIFO of
+    // collectives, each under the rendezvous key its launch computed.
+    struct CommItem {
+      const Step* step = nullptr;
+      std::tuple<int, int, int, int, int> key;
+      int block = -1;
+    };
+    std::deque<CommItem> comm_queue;
+    simgrid::s4u::SemaphorePtr comm_pending;
+    simgrid::s4u::MutexPtr comm_mutex;
+    simgrid::s4u::ConditionVariablePtr comm_progress;
+    int comm_launched = 0;
+    int comm_completed = 0;
+    std::map<int, int> comm_tag_seq;  // tag -> sequence number (within the running block)
     // Accounting.
     Breakdown breakdown;
     double finish = 0;
@@ -109,6 +127,7 @@ class Simulation {
 
   void compute_actor(Instance& inst);
   void dp_stream_actor(Instance& inst);
+  void comm_stream_actor(Instance& inst);
   void send_stream_actor(Instance& inst, int direction);
   // Prepares every communication of every instance and finds the collectives whose links no
   // other communication crosses (those run in closed form on the compute stream) and the lanes
@@ -120,13 +139,16 @@ class Simulation {
                     const std::set<std::pair<const PreparedComm*, LinkUse>>& crossings);
   bool foldable(const Instance& inst, const Step& step) const;
   const PreparedComm& prepared_transfer(Instance& inst, const Step& step);
-  void run_steps(Instance& inst, const std::vector<Step>& steps, int block, int micro_batch,
-                 int segment);
+  void run_steps(Instance& inst, const std::vector<Step>& steps, int block);
   void flush_compute(Instance& inst, int block);
   void run_collective(Instance& inst, const Step& step, int block);
-  void recv(Instance& inst, const Step& step, int block, int micro_batch, int segment);
-  void send(Instance& inst, const Step& step, int block, int micro_batch, int segment);
+  void recv(Instance& inst, const Step& step, int block);
+  void send(Instance& inst, const Step& step, int block);
   void dp_wait(Instance& inst, const Step& step, int block);
+  void comm_wait(Instance& inst, const Step& step, int block);
+  // The key under which the participants of a joint collective meet: counted per lane, or for
+  // collectives joining other lanes per block (the step's member of a pair).
+  std::tuple<int, int, int, int, int> rendezvous_key(Instance& inst, const Step& step);
   const PreparedComm& prepared_collective(const Instance& inst, const Step& step) const;
   // The GPU groups a collective step of `inst` runs over (one per lane rank unless its axes
   // join them, or the step's explicit groups).

@@ -47,7 +47,9 @@ std::string chrome_trace_json(const Program& program, const SimResult& r, bool p
       emit(fmt::format(
           R"({{"name":"process_sort_index","ph":"M","pid":{},"args":{{"sort_index":{}}}}})",
           pids[l][i], pids[l][i]));
-      for (Stream s : {Stream::kCompute, Stream::kDataParallel, Stream::kPipelineSend}) {
+      for (Stream s :
+           {Stream::kCompute, Stream::kDataParallel, Stream::kPipelineSend, Stream::kExpertComm}) {
+        if (s == Stream::kExpertComm && !program.plan.comm.ep_overlap) continue;
         emit(fmt::format(
             R"({{"name":"thread_name","ph":"M","pid":{},"tid":{},"args":{{"name":"{}"}}}})",
             pids[l][i], static_cast<int>(s), to_string(s)));
@@ -57,7 +59,7 @@ std::string chrome_trace_json(const Program& program, const SimResult& r, bool p
   for (const TaskRecord& t : r.tasks) {
     std::string label = t.label >= 0 ? r.labels[t.label] : std::string(to_string(t.kind));
     std::string block;
-    if (t.block >= 0) block = to_string(program.lanes[t.lane].blocks[t.block].block);
+    if (t.block >= 0) block = to_string(program.lanes[t.lane].blocks[t.block]);
     std::string name = block.empty() ? label : block.append(" ").append(label);
     for (int pid : pids[t.lane]) {
       emit(fmt::format(

@@ -32,6 +32,7 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   so.tp_sub_batches = a.o.tp_sub_batches;
   so.moe_grouped_gemm = a.o.moe_grouped_gemm;
   so.moe_deepep = a.o.moe_deepep;
+  so.ep_overlap = a.o.ep_overlap;
   so.compile = a.o.costs;
   so.pins = a.pins;
   so.top = a.top;
@@ -259,6 +260,11 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
                 "a mixture of experts' tokens exchanged through DeepEP's kernels (Megatron-Core's "
                 "--moe-enable-deepep): once per token and node across nodes, then over NVLink, "
                 "instead of NCCL's all-to-all");
+  cmd->add_flag("--ep-overlap", a.o.ep_overlap,
+                "Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm): a forward and "
+                "the backward of another micro-batch run together, each one's expert all-to-alls "
+                "beside the other's compute (with pipeline stages, an interleaved schedule "
+                "pairs every stage's blocks; the search applies it to plans with --ep > 1)");
   cmd->add_option("--tp-sub-batches", a.o.tp_sub_batches,
                   "Merak's sub-pipelined tensor parallelism: run each micro-batch as this many "
                   "sub-batches, one's collectives beside the next one's compute (the search "

@@ -1,0 +1,179 @@
+// Megatron-Core's combined 1F1B (communication.ep_overlap): a forward block and the backward
+// block of another micro-batch next to it in a lane's order become one block whose expert
+// all-to-alls run on a communication stream, each beside the other block's compute.
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "core/compiler.h"
+
+namespace nnsim::detail {
+
+namespace {
+
+// An all-to-all that moves a mixture's routed tokens (NCCL's or DeepEP's), blocking and with
+// nothing overlapped yet: what the pair may hide.
+bool hideable(const Step& s) {
+  return s.kind == StepKind::kCollective && s.group < 0 && s.seconds == 0 &&
+         (s.collective == CollectiveKind::kAllToAll ||
+          s.collective == CollectiveKind::kExpertExchange);
+}
+
+bool has_hideable(const BlockTemplate& t) {
+  for (const Step& s : t.steps) {
+    if (hideable(s)) return true;
+  }
+  return false;
+}
+
+// A block's steps cut at its hideable all-to-alls: run `chunks[k]`, then `exchanges[k]` (the
+// last chunk has none after it).
+struct Cut {
+  std::vector<std::vector<Step>> chunks{1};
+  std::vector<Step> exchanges;
+};
+
+Cut cut(const BlockTemplate& t, uint8_t member) {
+  Cut c;
+  for (Step s : t.steps) {
+    s.member = member;
+    if (hideable(s)) {
+      c.exchanges.push_back(s);
+      c.chunks.emplace_back();
+    } else {
+      c.chunks.back().push_back(s);
+    }
+  }
+  return c;
+}
+
+// Megatron-Core's layer-by-layer order: the backward's first chunk (its combine's backward),
+// then chunks alternate between the two blocks, each started once its own previous exchange is
+// done, each exchange queued as soon as the chunk before it ends. So the forward's attention
+// runs beside the backward's combine exchange, the backward's experts beside the forward's
+// dispatch, and so on.
+BlockTemplate merge(const BlockTemplate& forward, const BlockTemplate& backward) {
+  BlockTemplate m;
+  m.segment = forward.segment;
+  m.lane = forward.lane;
+  m.kind = forward.kind;
+  m.paired = true;
+  m.kept_bytes = forward.kept_bytes + backward.kept_bytes;
+  const Cut cuts[2] = {cut(forward, 0), cut(backward, 1)};
+  size_t next[2] = {0, 0};    // next chunk of each
+  int pending[2] = {-1, -1};  // tag of each one's exchange in flight
+  int tags = 0;
+  // The forward keeps its activations as the backward frees its own, chunk by chunk (each
+  // block's kept bytes spread evenly over its chunks): the pair's level above its start peaks
+  // where the forward is furthest ahead. Transient buffers are the running operator's, and the
+  // two blocks' operators take turns on the compute stream: the larger block's transient tops
+  // that level.
+  double level_peak = 0;
+  auto level = [&] {
+    double x = 0;
+    for (int w : {0, 1}) {
+      const BlockTemplate& t = w == 0 ? forward : backward;
+      x += t.kept_bytes * static_cast<double>(next[w]) / static_cast<double>(cuts[w].chunks.size());
+    }
+    return x;
+  };
+  auto run_chunk = [&](int who) {
+    const Cut& c = cuts[who];
+    if (pending[who] >= 0) {
+      Step w = c.exchanges[next[who] - 1];
+      w.kind = StepKind::kCommWait;
+      w.tag = pending[who];
+      m.steps.push_back(w);
+      pending[who] = -1;
+    }
+    const std::vector<Step>& chunk = c.chunks[next[who]];
+    m.steps.insert(m.steps.end(), chunk.begin(), chunk.end());
+    if (next[who] < c.exchanges.size()) {
+      Step l = c.exchanges[next[who]];
+      l.kind = StepKind::kCommLaunch;
+      l.tag = tags++;
+      pending[who] = l.tag;
+      m.steps.push_back(l);
+    }
+    ++next[who];
+    level_peak = std::max(level_peak, level());
+  };
+  int who = 1;  // the backward starts
+  while (next[0] < cuts[0].chunks.size() || next[1] < cuts[1].chunks.size()) {
+    if (next[who] < cuts[who].chunks.size()) run_chunk(who);
+    who = 1 - who;
+  }
+  m.peak_bytes =
+      level_peak + std::max({0.0, forward.peak_bytes - forward.kept_bytes, backward.peak_bytes});
+  return m;
+}
+
+bool pairable(const Program& prog, const BlockInstance& a, const BlockInstance& b) {
+  const Block& x = a.block;
+  const Block& y = b.block;
+  const bool forward_backward = (x.kind == BlockKind::kForward && y.kind == BlockKind::kBackward) ||
+                                (x.kind == BlockKind::kBackward && y.kind == BlockKind::kForward);
+  // A backward of the same micro-batch may need the forward's output (the last stage's pair).
+  return forward_backward && x.micro_batch != y.micro_batch && x.pass == 0 && y.pass == 0 &&
+         prog.lanes_of_segment[x.segment].size() == 1 &&
+         prog.lanes_of_segment[y.segment].size() == 1 &&
+         has_hideable(prog.templates[a.template_index]) &&
+         has_hideable(prog.templates[b.template_index]);
+}
+
+}  // namespace
+
+Status pair_blocks(Program& prog) {
+  if (prog.plan.comm.tp_sub_batches > 1) {
+    return Error(
+        "communication.ep_overlap: overlaps the expert all-to-alls across micro-batches, which "
+        "\"tp_sub_batches\" already sub-pipelines within one; use one of the two");
+  }
+  if (prog.plan.recycle > 1) {
+    return Error(
+        "communication.ep_overlap: pairs a forward with a backward block, which repeated "
+        "forwards (recycle > 1) do not run one after the other; remove one of the two");
+  }
+  std::map<std::pair<int, int>, int> merged;  // (forward, backward template) -> pair's template
+  int pairs = 0;
+  for (Lane& lane : prog.lanes) {
+    std::vector<BlockInstance> out;
+    for (size_t i = 0; i < lane.blocks.size(); ++i) {
+      if (i + 1 == lane.blocks.size() || !pairable(prog, lane.blocks[i], lane.blocks[i + 1])) {
+        out.push_back(lane.blocks[i]);
+        continue;
+      }
+      const bool forward_first = lane.blocks[i].block.kind == BlockKind::kForward;
+      const BlockInstance& f = lane.blocks[forward_first ? i : i + 1];
+      const BlockInstance& b = lane.blocks[forward_first ? i + 1 : i];
+      auto [it, fresh] = merged.try_emplace({f.template_index, b.template_index},
+                                            static_cast<int>(prog.templates.size()));
+      if (fresh) {
+        prog.templates.push_back(
+            merge(prog.templates[f.template_index], prog.templates[b.template_index]));
+      }
+      BlockInstance pair;
+      pair.block = f.block;
+      pair.template_index = it->second;
+      pair.paired = true;
+      pair.partner = b.block;
+      out.push_back(pair);
+      ++pairs;
+      ++i;
+    }
+    lane.blocks = std::move(out);
+  }
+  if (pairs == 0) {
+    return Error(
+        "communication.ep_overlap: no forward block sits next to a backward block of another "
+        "micro-batch with expert all-to-alls in both, so nothing can overlap; it needs a "
+        "mixture of experts whose experts are split over a mesh axis (expert parallelism), "
+        "more than one micro-batch per replica and, with pipeline stages, an interleaved "
+        "schedule (Megatron-Core's combined 1F1B requires virtual stages)");
+  }
+  return Status::Ok();
+}
+
+}  // namespace nnsim::detail

@@ -1,0 +1,257 @@
+// Megatron-Core's combined 1F1B (communication.ep_overlap): which blocks pair, what the pair's
+// template runs, and that the simulator and the estimator hide the expert all-to-alls behind the
+// other block's compute.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+
+#include "core/memory_check.h"
+#include "core/model.h"
+#include "core/plan.h"
+#include "core/program.h"
+#include "core/topology.h"
+#include "planner/estimator.h"
+#include "planner/megatron.h"
+#include "sim/simulator.h"
+
+namespace nnsim {
+namespace {
+
+Topology nodes(int n) {
+  Expected<Topology> t = load_topology("dgx-h100-superpod");
+  EXPECT_TRUE(t.ok()) << (t.ok() ? "" : t.error().message());
+  Expected<Topology> r = resize_topology(*t, n);
+  EXPECT_TRUE(r.ok()) << (r.ok() ? "" : r.error().message());
+  return *r;
+}
+
+// Qwen3-30B-A3B cut to 4 layers, its 128 experts over 16 GPUs on two nodes: every all-to-all
+// crosses InfiniBand.
+ModelSpec small_moe() {
+  Expected<ModelSpec> m = load_model("qwen3-30b-a3b");
+  EXPECT_TRUE(m.ok()) << (m.ok() ? "" : m.error().message());
+  m->layers = 4;
+  return *m;
+}
+
+// 4 micro-batches of one sequence per replica by default.
+MegatronOptions options(bool overlap, int global_batch = 64) {
+  MegatronOptions o;
+  o.ep = 16;
+  o.global_batch = global_batch;
+  o.zero = 1;
+  o.ep_overlap = overlap;
+  return o;
+}
+
+Program compile(const ModelSpec& m, const Topology& t, const MegatronOptions& o) {
+  Expected<Plan> plan = build_megatron_plan(m, t, o);
+  EXPECT_TRUE(plan.ok()) << (plan.ok() ? "" : plan.error().message());
+  Expected<Program> prog = compile_plan(*plan, t);
+  EXPECT_TRUE(prog.ok()) << (prog.ok() ? "" : prog.error().message());
+  return *prog;
+}
+
+SimResult run(const Program& p) {
+  Expected<SimResult> r = simulate(p);
+  EXPECT_TRUE(r.ok()) << (r.ok() ? "" : r.error().message());
+  return *r;
+}
+
+int hideable(const BlockTemplate& t) {
+  int n = 0;
+  for (const Step& s : t.steps) {
+    n += s.kind == StepKind::kCollective && (s.collective == CollectiveKind::kAllToAll ||
+                                             s.collective == CollectiveKind::kExpertExchange);
+  }
+  return n;
+}
+
+// Without a pipeline the forward of micro-batch i + 1 pairs with the backward of i (Megatron's
+// combined_1f1b_schedule_for_no_pipelining): F0, F1+B0, F2+B1, F3+B2, B3. Every all-to-all of
+// the two blocks is launched on the expert stream and waited for once, each block's steps keep
+// their order, and a block's own steps carry its member.
+TEST(EpOverlap, PairsEachForwardWithThePreviousBackwardWithoutAPipeline) {
+  const Program p = compile(small_moe(), nodes(2), options(true));
+  ASSERT_EQ(p.lanes.size(), 1u);
+  const Lane& lane = p.lanes[0];
+  ASSERT_EQ(lane.blocks.size(), 5u);
+  EXPECT_EQ(to_string(lane.blocks[0]), "F0@0");
+  EXPECT_EQ(to_string(lane.blocks[1]), "F1@0+B0@0");
+  EXPECT_EQ(to_string(lane.blocks[3]), "F3@0+B2@0");
+  EXPECT_EQ(to_string(lane.blocks[4]), "B3@0");
+  const BlockTemplate& forward = p.templates[lane.blocks[0].template_index];
+  const BlockTemplate& backward = p.templates[lane.blocks[4].template_index];
+  const BlockTemplate& pair = p.templates[lane.blocks[1].template_index];
+  EXPECT_TRUE(pair.paired);
+  EXPECT_EQ(lane.blocks[2].template_index, lane.blocks[1].template_index);  // shared
+  EXPECT_EQ(hideable(pair), 0);
+  std::map<int, int> launched, waited;  // tag -> count
+  std::vector<int> labels[2];           // each member's compute labels in order
+  for (const Step& s : pair.steps) {
+    if (s.kind == StepKind::kCommLaunch) {
+      EXPECT_EQ(waited.count(s.tag), 0u);
+      ++launched[s.tag];
+    }
+    if (s.kind == StepKind::kCommWait) {
+      EXPECT_EQ(launched[s.tag], 1);
+      ++waited[s.tag];
+    }
+    if (s.kind == StepKind::kCompute) labels[s.member].push_back(s.label);
+  }
+  EXPECT_EQ(static_cast<int>(launched.size()), hideable(forward) + hideable(backward));
+  EXPECT_EQ(launched.size(), waited.size());
+  for (const auto& [tag, n] : waited) EXPECT_EQ(n, 1) << tag;
+  for (int member : {0, 1}) {
+    std::vector<int> own;
+    for (const Step& s : (member == 0 ? forward : backward).steps) {
+      if (s.kind == StepKind::kCompute) own.push_back(s.label);
+    }
+    EXPECT_EQ(labels[member], own) << member;
+  }
+  // The forward's attention runs beside the backward's first exchange: the backward starts.
+  EXPECT_EQ(pair.steps.front().member, 1);
+}
+
+// The pair holds about one micro-batch's activations, not two: the forward keeps its own as the
+// backward frees its, and the blocks' transient buffers take turns. The device's peak stays
+// within a fraction of a micro-batch's activations of the blocks' in sequence.
+TEST(EpOverlap, APairHoldsOneMicroBatchsActivationsNotTwo) {
+  const ModelSpec m = small_moe();
+  const Topology t = nodes(2);
+  const Program paired = compile(m, t, options(true));
+  const Program plain = compile(m, t, options(false));
+  const Lane& lane = paired.lanes[0];
+  const BlockTemplate& forward = paired.templates[lane.blocks[0].template_index];
+  const BlockTemplate& backward = paired.templates[lane.blocks[4].template_index];
+  const BlockTemplate& pair = paired.templates[lane.blocks[1].template_index];
+  EXPECT_DOUBLE_EQ(pair.kept_bytes, forward.kept_bytes + backward.kept_bytes);
+  double micro_batch = 0;  // one micro-batch's layer activations
+  for (double x : paired.layer_activation_bytes) micro_batch += x;
+  ASSERT_GT(micro_batch, 0);
+  const double with_pairs = lane_memory_peaks(paired)[0].peak;
+  const double in_sequence = lane_memory_peaks(plain)[0].peak;
+  EXPECT_GT(with_pairs, in_sequence - 0.1 * micro_batch);
+  EXPECT_LT(with_pairs, in_sequence + 0.1 * micro_batch);
+  EXPECT_LT(pair.peak_bytes, forward.peak_bytes + backward.peak_bytes - 0.5 * micro_batch);
+}
+
+// The all-to-alls cross InfiniBand; beside the other block's compute most of their wait goes
+// (8 micro-batches: 14 of 16 blocks pair). The work is the same (compute differs by its slowdown
+// beside communication), the step is shorter, and the estimator, which runs the expert stream
+// too, agrees within 10 %.
+TEST(EpOverlap, HidesTheAllToAllsBehindTheOtherBlocksCompute) {
+  const ModelSpec m = small_moe();
+  const Topology t = nodes(2);
+  const SimResult plain = run(compile(m, t, options(false, 128)));
+  const Program program = compile(m, t, options(true, 128));
+  const SimResult paired = run(program);
+  const double plain_wait = plain.lanes[0].breakdown.exposed_comm.at("ep");
+  const double paired_wait = paired.lanes[0].breakdown.exposed_comm.count("ep")
+                                 ? paired.lanes[0].breakdown.exposed_comm.at("ep")
+                                 : 0.0;
+  ASSERT_GT(plain_wait, 0.1 * plain.iteration_time);
+  EXPECT_LT(paired_wait, 0.5 * plain_wait);
+  EXPECT_LT(paired.iteration_time, plain.iteration_time - 0.3 * plain_wait);
+  const double compute = plain.lanes[0].breakdown.compute;
+  EXPECT_GE(paired.lanes[0].breakdown.compute, compute * (1 - 1e-9));
+  EXPECT_LE(paired.lanes[0].breakdown.compute,
+            compute * (1 + program.compute_model.comm_interference) + 1e-9);
+  EXPECT_NEAR(estimate_program(program).iteration_time, paired.iteration_time,
+              0.1 * paired.iteration_time);
+  // Deterministic.
+  EXPECT_EQ(run(program).iteration_time, paired.iteration_time);
+}
+
+// With interleaved pipeline stages every stage pairs its steady-state blocks, the last stage's
+// too (its forward and backward there belong to different chunks), and the pipeline runs
+// through.
+TEST(EpOverlap, InterleavedStagesPairOnEveryStage) {
+  ModelSpec m = small_moe();
+  m.layers = 8;
+  const Topology t = nodes(4);
+  MegatronOptions o = options(true);
+  o.pp = 2;
+  o.vpp = 2;
+  o.schedule = ScheduleKind::kInterleaved;
+  o.global_batch = 128;  // 8 micro-batches per replica
+  const Program program = compile(m, t, o);
+  for (const Lane& lane : program.lanes) {
+    int pairs = 0;
+    for (const BlockInstance& b : lane.blocks) {
+      pairs += b.paired;
+      if (b.paired) {
+        EXPECT_NE(b.block.micro_batch, b.partner.micro_batch);
+        EXPECT_EQ(b.block.kind, BlockKind::kForward);
+        EXPECT_EQ(b.partner.kind, BlockKind::kBackward);
+      }
+    }
+    EXPECT_GT(pairs, 0);
+  }
+  o.ep_overlap = false;
+  const SimResult plain = run(compile(m, t, o));
+  const SimResult paired = run(program);
+  EXPECT_LT(paired.iteration_time, plain.iteration_time);
+  EXPECT_NEAR(estimate_program(program).iteration_time, paired.iteration_time,
+              0.1 * paired.iteration_time);
+}
+
+// Plans nothing can pair, or that pair what they cannot, are refused with the field and the fix.
+TEST(EpOverlap, RefusesPlansWithNothingToPair) {
+  const Topology t = nodes(2);
+  // A dense model has no all-to-alls: the builder names the flag.
+  Expected<ModelSpec> dense = load_model("llama3-8b");
+  ASSERT_TRUE(dense.ok());
+  MegatronOptions o = options(true);
+  o.ep = 1;
+  Expected<Plan> refused = build_megatron_plan(*dense, t, o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("--ep-overlap"), std::string::npos);
+  // The same plan written by hand reaches the compiler, which names the plan field.
+  o.ep_overlap = false;
+  Expected<Plan> plan = build_megatron_plan(*dense, t, o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  plan->comm.ep_overlap = true;
+  Expected<Program> p = compile_plan(*plan, t);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.error().message().find("communication.ep_overlap"), std::string::npos);
+  EXPECT_NE(p.error().message().find("expert parallelism"), std::string::npos);
+  // One micro-batch per replica: no forward sits next to another micro-batch's backward.
+  MegatronOptions one = options(true);
+  one.global_batch = 16;
+  Expected<Plan> single = build_megatron_plan(small_moe(), t, one);
+  ASSERT_TRUE(single.ok()) << single.error().message();
+  Expected<Program> q = compile_plan(*single, t);
+  ASSERT_FALSE(q.ok());
+  EXPECT_NE(q.error().message().find("more than one micro-batch"), std::string::npos);
+  // With Merak's sub-batches too: the builder refuses the two together.
+  MegatronOptions both = options(true);
+  both.tp_sub_batches = 2;
+  both.micro_batch = 2;
+  both.global_batch = 128;
+  Expected<Plan> b = build_megatron_plan(small_moe(), t, both);
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.error().message().find("--tp-sub-batches"), std::string::npos);
+}
+
+// The plan file carries the field and refuses it beside sub-batches.
+TEST(EpOverlap, PlanFileRoundTripsTheFieldAndRefusesItWithSubBatches) {
+  Expected<Plan> plan = build_megatron_plan(small_moe(), nodes(2), options(true));
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  const std::string text = plan_to_json(*plan);
+  EXPECT_NE(text.find("\"ep_overlap\": true"), std::string::npos);
+  Expected<Plan> back = parse_plan(text, "plan.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_TRUE(back->comm.ep_overlap);
+  std::string both = text;
+  both.replace(both.find("\"ep_overlap\": true"), 18,
+               "\"ep_overlap\": true, \"tp_sub_batches\": 2");
+  Expected<Plan> refused = parse_plan(both, "plan.json");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("ep_overlap"), std::string::npos);
+  EXPECT_NE(refused.error().message().find("tp_sub_batches"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace nnsim
