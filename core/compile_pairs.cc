@@ -3,6 +3,8 @@
 // all-to-alls run on a communication stream, each beside the other block's compute.
 #include <algorithm>
 #include <map>
+#include <set>
+#include <tuple>
 #include <utility>
 
 #include <fmt/format.h>
@@ -117,10 +119,54 @@ bool pairable(const Program& prog, const BlockInstance& a, const BlockInstance& 
                                 (x.kind == BlockKind::kBackward && y.kind == BlockKind::kForward);
   // A backward of the same micro-batch may need the forward's output (the last stage's pair).
   return forward_backward && x.micro_batch != y.micro_batch && x.pass == 0 && y.pass == 0 &&
-         prog.lanes_of_segment[x.segment].size() == 1 &&
-         prog.lanes_of_segment[y.segment].size() == 1 &&
          has_hideable(prog.templates[a.template_index]) &&
          has_hideable(prog.templates[b.template_index]);
+}
+
+// Whether every lane runs through its order when each pair is one unit that needs both
+// blocks' inputs before it starts (a pair's template receives no later and sends no earlier
+// than that), following the pipeline transfers its blocks receive. Returns, for a lane that
+// stops, the position of the pair it stops at (-1 when it runs through).
+std::vector<int> stuck_pairs(const Program& prog, const std::vector<std::vector<int>>& units) {
+  // What a finished block has sent on: its forward output or its input gradient.
+  auto provides = [](const Block& b) {
+    const bool gradient = b.kind == BlockKind::kBackward || b.kind == BlockKind::kBackwardInput;
+    return std::make_tuple(gradient, b.micro_batch, b.segment);
+  };
+  std::set<std::tuple<bool, int, int>> done;
+  auto ready = [&](const BlockInstance& b) {
+    for (const Step& s : prog.templates[b.template_index].steps) {
+      if (s.kind == StepKind::kRecv &&
+          !done.count(std::make_tuple(s.gradient, b.block.micro_batch, s.peer_segment))) {
+        return false;
+      }
+    }
+    return true;
+  };
+  const size_t lanes = prog.lanes.size();
+  std::vector<size_t> at(lanes, 0);  // next block of each lane
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (size_t l = 0; l < lanes; ++l) {
+      const std::vector<BlockInstance>& blocks = prog.lanes[l].blocks;
+      while (at[l] < blocks.size()) {
+        const int n = units[l][at[l]];  // blocks in the unit starting here
+        bool go = true;
+        for (int k = 0; k < n; ++k) go = go && ready(blocks[at[l] + k]);
+        if (!go) break;
+        for (int k = 0; k < n; ++k) done.insert(provides(blocks[at[l] + k].block));
+        at[l] += n;
+        progress = true;
+      }
+    }
+  }
+  std::vector<int> out(lanes, -1);
+  for (size_t l = 0; l < lanes; ++l) {
+    if (at[l] < prog.lanes[l].blocks.size() && units[l][at[l]] == 2) {
+      out[l] = static_cast<int>(at[l]);
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -136,12 +182,53 @@ Status pair_blocks(Program& prog) {
         "communication.ep_overlap: pairs a forward with a backward block, which repeated "
         "forwards (recycle > 1) do not run one after the other; remove one of the two");
   }
+  // Pair every forward with the backward beside it (units[l][i]: 2 where blocks i and i + 1
+  // pair, 1 where block i runs alone, 0 for a pair's second block).
+  std::vector<std::vector<int>> units;
+  for (const Lane& lane : prog.lanes) {
+    for (const BlockInstance& b : lane.blocks) {
+      if (prog.lanes_of_segment[b.block.segment].size() > 1) {
+        return Error(fmt::format(
+            "communication.ep_overlap: segment '{}' spans several pipeline stages, whose "
+            "blocks meet for their collectives and cannot pair; do not split the head or the "
+            "embedding over the pipeline (--shard-head, --shard-embedding), or remove "
+            "ep_overlap",
+            prog.plan.segments[b.block.segment].name));
+      }
+    }
+    std::vector<int> u(lane.blocks.size(), 1);
+    for (size_t i = 0; i + 1 < lane.blocks.size(); ++i) {
+      if (pairable(prog, lane.blocks[i], lane.blocks[i + 1])) {
+        u[i] = 2;
+        u[++i] = 0;
+      }
+    }
+    units.push_back(std::move(u));
+  }
+  // A pair can close a cycle through the pipeline that the blocks in sequence did not: plain
+  // 1F1B's last stage pairs a backward with the next forward, whose input comes from the
+  // previous stage's pair, which waits for that backward's gradient. Split such pairs, a
+  // backward-first one before a forward-first one, until every lane runs through.
+  while (true) {
+    const std::vector<int> stuck = stuck_pairs(prog, units);
+    int split = -1;  // lane
+    for (size_t l = 0; l < stuck.size(); ++l) {
+      if (stuck[l] < 0) continue;
+      const bool backward_first = prog.lanes[l].blocks[stuck[l]].block.kind != BlockKind::kForward;
+      if (split < 0 || backward_first) split = static_cast<int>(l);
+      if (backward_first) break;
+    }
+    if (split < 0) break;  // runs through (the schedule check caught any other deadlock)
+    units[split][stuck[split]] = 1;
+    units[split][stuck[split] + 1] = 1;
+  }
   std::map<std::pair<int, int>, int> merged;  // (forward, backward template) -> pair's template
   int pairs = 0;
-  for (Lane& lane : prog.lanes) {
+  for (size_t l = 0; l < prog.lanes.size(); ++l) {
+    Lane& lane = prog.lanes[l];
     std::vector<BlockInstance> out;
     for (size_t i = 0; i < lane.blocks.size(); ++i) {
-      if (i + 1 == lane.blocks.size() || !pairable(prog, lane.blocks[i], lane.blocks[i + 1])) {
+      if (units[l][i] != 2) {
         out.push_back(lane.blocks[i]);
         continue;
       }

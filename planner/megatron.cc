@@ -331,6 +331,14 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "--tp-sub-batches hides the tensor-parallel collectives behind another sub-batch's "
         "compute, --tp-comm-overlap behind their GEMMs; choose one");
   }
+  if (o.ep_overlap && o.pp > 1 && o.schedule != ScheduleKind::kInterleaved) {
+    return Error(fmt::format(
+        "--ep-overlap with {} pipeline stages needs --schedule interleaved (with --vpp 2 or "
+        "more): in a {} schedule each stage's pair of a forward and a backward waits for both "
+        "its neighbours' pairs, halving the throughput; Megatron-Core's combined 1F1B likewise "
+        "requires virtual stages",
+        o.pp, to_string(o.schedule)));
+  }
   if (o.tp_sub_batches > 1 && o.ep_overlap) {
     return Error(
         "--tp-sub-batches hides the all-to-alls behind another sub-batch's compute, "
@@ -744,8 +752,10 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     if (!s) return s.error();
     return s->plan;
   }
-  Expected<std::vector<std::vector<Block>>> orders = pipeline_orders(
-      o.schedule, o.pp, o.vpp, micro_batches, recompute_segments, pipeline_runtime_of(o.framework));
+  // Combined 1F1B runs one forward more before the first backward (see pipeline_orders).
+  Expected<std::vector<std::vector<Block>>> orders =
+      pipeline_orders(o.schedule, o.pp, o.vpp, micro_batches, recompute_segments,
+                      pipeline_runtime_of(o.framework), o.ep_overlap ? 1 : 0);
   if (!orders) return orders.error();
   if (Status s = add_forward_passes(o.schedule, o.recycle, *orders); !s) return s.error();
   if (o.shard_head) {

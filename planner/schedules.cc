@@ -22,8 +22,8 @@ std::vector<Block> gpipe(int stage, int stages, int micro_batches) {
 
 // PipeDream-Flush (Megatron's non-interleaved 1F1B): stage p runs stages-p-1 warm-up forwards,
 // then alternates one forward and one backward, then drains the remaining backwards.
-std::vector<Block> one_f_one_b(int stage, int stages, int micro_batches) {
-  const int warmup = std::min(stages - stage - 1, micro_batches);
+std::vector<Block> one_f_one_b(int stage, int stages, int micro_batches, int extra_warmup) {
+  const int warmup = std::min(stages - stage - 1 + extra_warmup, micro_batches);
   std::vector<Block> out;
   for (int mb = 0; mb < warmup; ++mb) out.push_back({BlockKind::kForward, mb, stage});
   for (int i = 0; i < micro_batches - warmup; ++i) {
@@ -41,7 +41,7 @@ std::vector<Block> one_f_one_b(int stage, int stages, int micro_batches) {
 // when the micro-batches fill a single group (Megatron's all-warm-up case, which PyTorch's
 // ScheduleInterleaved1F1B does not have).
 std::vector<Block> interleaved(int stage, int stages, int chunks, int micro_batches,
-                               PipelineRuntime runtime) {
+                               PipelineRuntime runtime, int extra_warmup) {
   const int total = micro_batches * chunks;
   auto forward = [&](int k) {
     int chunk = (k / stages) % chunks;
@@ -55,7 +55,8 @@ std::vector<Block> interleaved(int stage, int stages, int chunks, int micro_batc
   };
   const bool all_warmup = micro_batches == stages && runtime == PipelineRuntime::kMegatron;
   const int warmup =
-      all_warmup ? total : std::min((stages - stage - 1) * 2 + (chunks - 1) * stages, total);
+      all_warmup ? total
+                 : std::min((stages - stage - 1) * 2 + (chunks - 1) * stages + extra_warmup, total);
   std::vector<Block> out;
   for (int k = 0; k < warmup; ++k) out.push_back(forward(k));
   for (int i = 0; i < total - warmup; ++i) {
@@ -95,7 +96,7 @@ int rank_of_segment(ScheduleKind kind, int segment, int stages) {
 
 Expected<std::vector<std::vector<Block>>> pipeline_orders(
     ScheduleKind kind, int stages, int chunks, int micro_batches,
-    const std::vector<bool>& recompute_segments, PipelineRuntime runtime) {
+    const std::vector<bool>& recompute_segments, PipelineRuntime runtime, int extra_warmup) {
   if (micro_batches < 1) return Error("a schedule needs at least one micro-batch");
   const int need = required_chunks(kind);
   if (need > 0 && chunks != need) {
@@ -121,8 +122,9 @@ Expected<std::vector<std::vector<Block>>> pipeline_orders(
     case ScheduleKind::kGpipe:
     case ScheduleKind::kOneFOneB:
       for (int s = 0; s < stages; ++s) {
-        out.push_back(kind == ScheduleKind::kGpipe ? gpipe(s, stages, micro_batches)
-                                                   : one_f_one_b(s, stages, micro_batches));
+        out.push_back(kind == ScheduleKind::kGpipe
+                          ? gpipe(s, stages, micro_batches)
+                          : one_f_one_b(s, stages, micro_batches, extra_warmup));
       }
       return out;
     case ScheduleKind::kInterleaved:
@@ -133,7 +135,7 @@ Expected<std::vector<std::vector<Block>>> pipeline_orders(
             micro_batches, stages));
       }
       for (int s = 0; s < stages; ++s) {
-        out.push_back(interleaved(s, stages, chunks, micro_batches, runtime));
+        out.push_back(interleaved(s, stages, chunks, micro_batches, runtime, extra_warmup));
       }
       return out;
     default:

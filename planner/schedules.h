@@ -48,11 +48,13 @@ PipelineRuntime pipeline_runtime_of(const std::string& framework);
 
 // The block order of every pipeline rank of `stages`, with `chunks` model chunks per rank and
 // `micro_batches` micro-batches per iteration. `recompute_segments` marks the segments whose
-// recomputation the schedule places as explicit blocks (Merak).
+// recomputation the schedule places as explicit blocks (Merak). `extra_warmup` forwards more
+// before the first backward on every rank (1F1B and interleaved; one for combined 1F1B, so that
+// each steady-state forward pairs with a backward whose gradient came a pair earlier).
 Expected<std::vector<std::vector<Block>>> pipeline_orders(
     ScheduleKind kind, int stages, int chunks, int micro_batches,
     const std::vector<bool>& recompute_segments = {},
-    PipelineRuntime runtime = PipelineRuntime::kMegatron);
+    PipelineRuntime runtime = PipelineRuntime::kMegatron, int extra_warmup = 0);
 
 // Adds the blocks of `segment`, a segment spanning every pipeline rank (a head sharded over the
 // ranks), to GPipe or 1F1B orders of one chunk per rank: for each micro-batch m, F m and B m of

@@ -39,6 +39,7 @@ std::string Candidate::describe() const {
   }
   s += fmt::format(" {} zero{} {}", recompute, o.zero, to_string(o.schedule));
   if (o.tp_sub_batches > 1) s += fmt::format(" sub-batches{}", o.tp_sub_batches);
+  if (o.ep_overlap) s += " ep-overlap";
   if (!o.stage_layers.empty()) {
     s += fmt::format(" layers={}", fmt::join(o.stage_layers, ","));
   }
@@ -61,6 +62,7 @@ constexpr size_t kMaxPlaced = 8;
 constexpr size_t kMaxRescheduled = 8;
 // Sub-pipelined tensor parallelism is tried for this many of the best plans.
 constexpr size_t kMaxSubPipelined = 8;
+constexpr size_t kMaxEpOverlapped = 8;
 // Tessel's search is tried on pipelines of at most this many stages (its solver time grows fast
 // with the devices: 0.8 s for 4, 4 s for 8).
 constexpr int kMaxTesselStages = 8;
@@ -497,7 +499,6 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   b.tp_comm_overlap = o.tp_comm_overlap;
                   b.moe_grouped_gemm = o.moe_grouped_gemm;
                   b.moe_deepep = o.moe_deepep;
-                  b.ep_overlap = o.ep_overlap && ep > 1;
                   b.costs = o.compile;
                   b.placement = pl.order;
                   if (fixed_layers) b.stage_layers = *fixed_layers;
@@ -751,6 +752,28 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     }
     result.sub_pipelined_tried = tries.size();
     estimate_variants(tries, "sub-pipelining", "");
+  }
+
+  // Megatron-Core's combined 1F1B for the best plans with expert parallelism that run without a
+  // pipeline or with virtual stages (what it requires): pairs hide all-to-alls but make every
+  // pair wait for both its inputs, so it is a variant to estimate, not a given.
+  if (o.ep_overlap && !feasible.empty()) {
+    std::sort(feasible.begin(), feasible.end(), faster_estimate);
+    std::vector<Candidate> tries;
+    for (const Candidate& c : feasible) {
+      if (tries.size() >= kMaxEpOverlapped) break;
+      const MegatronOptions& x = c.options;
+      if (x.ep < 2 || x.ep_overlap || x.tp_sub_batches > 1 ||
+          (x.pp > 1 && x.schedule != ScheduleKind::kInterleaved)) {
+        continue;
+      }
+      Candidate t = c;
+      t.options.ep_overlap = true;
+      t.simulated.reset();
+      tries.push_back(t);
+    }
+    result.ep_overlap_tried = tries.size();
+    estimate_variants(tries, "combined 1F1B", "");
   }
 
   // Other rank placements for the best plans (nnScaler-M): every order of the mesh axes that

@@ -39,8 +39,9 @@ struct SearchOptions {
   // parallelism are also tried with k sub-batches per micro-batch (the training code must
   // support it; Megatron-LM does not).
   int tp_sub_batches = 1;
-  bool moe_deepep = false;        // every candidate's token exchange through DeepEP
-  bool ep_overlap = false;        // candidates with expert parallelism run combined 1F1B
+  bool moe_deepep = false;  // every candidate's token exchange through DeepEP
+  // Combined 1F1B (comm.ep_overlap) tried for the best plans with expert parallelism.
+  bool ep_overlap = false;
   bool moe_grouped_gemm = false;  // every candidate's experts as one grouped-GEMM kernel
   SearchPins pins;
   Constraints constraints;
@@ -90,6 +91,7 @@ struct SearchResult {
   size_t schedules_tried = 0;
   // Sub-pipelined variants (SearchOptions::tp_sub_batches) tried for the best plans.
   size_t sub_pipelined_tried = 0;
+  size_t ep_overlap_tried = 0;  // combined-1F1B variants (SearchOptions::ep_overlap) tried
   // Pairs of confirmed plans whose order the estimator and the simulator disagree on.
   size_t rank_pairs = 0;
   size_t rank_disagreements = 0;

@@ -555,16 +555,15 @@ void Simulation::compute_actor(Instance& inst) {
     // The block's peak happens while it runs, above the level at its start.
     inst.peak_memory = std::max(inst.peak_memory, inst.memory_level + t.peak_bytes);
     inst.timeline.push_back({sg4::Engine::get_clock(), inst.memory_level + t.peak_bytes});
-    int member = 0;
-    for (const Block* x : {&bi.block, &bi.partner}) {
-      if (member == 1 && !bi.paired) break;
-      inst.running[member++] = {x->segment, static_cast<int>(x->kind), x->micro_batch, x->pass, 0};
-    }
+    auto context = [](const Block& x) {
+      return Instance::BlockContext{x.segment, static_cast<int>(x.kind), x.micro_batch, x.pass, 0};
+    };
+    inst.running[0] = context(bi.block);
+    if (bi.paired) inst.running[1] = context(bi.partner);
     inst.comm_tag_seq.clear();
     run_steps(inst, t.steps, static_cast<int>(b));
     if (inst.replica == 0) block_done();
   }
-  inst.running[0] = {};
   run_steps(inst, lane.epilogue, -1);
   inst.finish = sg4::Engine::get_clock();
 }

@@ -66,7 +66,7 @@ class Simulation {
     struct BlockContext {
       int segment = -1;
       int kind = -1;
-      int micro_batch = 0;
+      int micro_batch = -1;
       int pass = 0;
       int cross_sequence = 0;
     };

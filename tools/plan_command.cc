@@ -85,6 +85,12 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
     std::printf("%zu plans tried with sub-pipelined tensor parallelism (Merak)\n",
                 r->sub_pipelined_tried);
   }
+  if (r->ep_overlap_tried > 0) {
+    std::printf(
+        "%zu plans tried with combined 1F1B (expert all-to-alls beside another "
+        "micro-batch's compute)\n",
+        r->ep_overlap_tried);
+  }
   std::printf("%4s  %-60s %11s %11s %10s %6s\n", "rank", "plan", "estimated", "simulated",
               "peak mem", "MFU");
   int rank = 0;
@@ -263,8 +269,8 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
   cmd->add_flag("--ep-overlap", a.o.ep_overlap,
                 "Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm): a forward and "
                 "the backward of another micro-batch run together, each one's expert all-to-alls "
-                "beside the other's compute (with pipeline stages, an interleaved schedule "
-                "pairs every stage's blocks; the search applies it to plans with --ep > 1)");
+                "beside the other's compute (with pipeline stages it needs --schedule interleaved; "
+                "the search tries it for its best plans with --ep > 1)");
   cmd->add_option("--tp-sub-batches", a.o.tp_sub_batches,
                   "Merak's sub-pipelined tensor parallelism: run each micro-batch as this many "
                   "sub-batches, one's collectives beside the next one's compute (the search "

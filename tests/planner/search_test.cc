@@ -173,6 +173,31 @@ TEST(Search, SubPipelinedTensorParallelismIsTriedWhenAsked) {
   }
 }
 
+// Qwen3-30B-A3B cut to 4 layers with its experts over two nodes: the all-to-alls cross
+// InfiniBand, and the combined-1F1B variant of the best plans wins when asked for.
+TEST(Search, CombinedOneFOneBIsTriedWhenAsked) {
+  ModelSpec m = *load_model("qwen3-30b-a3b");
+  m.layers = 4;
+  const Topology t = topo("dgx-h100-superpod", 2);
+  SearchOptions o = options(128);
+  o.pins.tp = 1;
+  o.pins.pp = 1;
+  o.pins.ep = 16;
+  o.pins.micro_batch = 1;
+  Expected<SearchResult> plain = search_plans(m, t, o);
+  ASSERT_TRUE(plain.ok()) << plain.error().message();
+  EXPECT_EQ(plain->ep_overlap_tried, 0u);
+  o.ep_overlap = true;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  EXPECT_GT(r->ep_overlap_tried, 0u);
+  ASSERT_FALSE(r->ranked.empty());
+  const Candidate& best = r->ranked.front();
+  EXPECT_TRUE(best.options.ep_overlap) << best.describe();
+  EXPECT_NE(best.describe().find("ep-overlap"), std::string::npos);
+  EXPECT_LT(best.time(), plain->ranked.front().time());
+}
+
 TEST(Search, ContradictoryConstraintsReportWhatEmptiedTheSpace) {
   const ModelSpec m = *load_model("gpt3-13b");
   const Topology t = topo("dgx-a100x4", 4);

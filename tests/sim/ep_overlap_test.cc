@@ -197,6 +197,36 @@ TEST(EpOverlap, InterleavedStagesPairOnEveryStage) {
               0.1 * paired.iteration_time);
 }
 
+// A plan written by hand may pair blocks whose pairs would wait on each other through the
+// pipeline: plain 1F1B's last stage pairs a backward with the next forward, whose input comes
+// from the previous stage's pair, which waits for that backward's gradient. Those pairs are
+// split; the rest stay, and the pipeline runs through. The builder refuses the schedule.
+TEST(EpOverlap, SplitsPairsThatWouldWaitOnEachOtherThroughThePipeline) {
+  ModelSpec m = small_moe();
+  m.layers = 8;
+  const Topology t = nodes(4);
+  MegatronOptions o = options(false, 128);
+  o.pp = 2;
+  Expected<Plan> plan = build_megatron_plan(m, t, o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  plan->comm.ep_overlap = true;
+  Expected<Program> p = compile_plan(*plan, t);
+  ASSERT_TRUE(p.ok()) << p.error().message();
+  ASSERT_EQ(p->lanes.size(), 2u);
+  int pairs[2] = {0, 0};
+  for (int l : {0, 1}) {
+    for (const BlockInstance& b : p->lanes[l].blocks) pairs[l] += b.paired;
+  }
+  EXPECT_GT(pairs[0], 0);
+  EXPECT_EQ(pairs[1], 0);
+  const SimResult r = run(*p);
+  EXPECT_GT(r.iteration_time, 0);
+  o.ep_overlap = true;
+  Expected<Plan> refused = build_megatron_plan(m, t, o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("--schedule interleaved"), std::string::npos);
+}
+
 // Plans nothing can pair, or that pair what they cannot, are refused with the field and the fix.
 TEST(EpOverlap, RefusesPlansWithNothingToPair) {
   const Topology t = nodes(2);

@@ -491,6 +491,18 @@ TEST(NnsimTool, ExpertParallelismPlansSearchesAndSimulates) {
                    "1", "--pp", "1", "--moe-deepep", "--global-batch", "16", "-o", "bad.json"});
   EXPECT_NE(bad.status, 0);
   EXPECT_TRUE(contains(bad.err, "--moe-deepep exchanges a mixture of experts' tokens")) << bad;
+  // Combined 1F1B: the builder refuses it for a dense model, and a dense plan file asking for it
+  // fails at compilation naming the field and what it needs.
+  bad = box.nnsim({"plan", "--model", "dense.yaml", "--topo", "dgx-a100x4", "--nodes", "1", "--tp",
+                   "1", "--pp", "1", "--ep-overlap", "--global-batch", "16", "-o", "bad.json"});
+  EXPECT_NE(bad.status, 0);
+  EXPECT_TRUE(contains(bad.err, "--ep-overlap hides a mixture of experts'")) << bad;
+  json dense_overlap = json::parse(box.read("dense.json"));
+  dense_overlap["communication"]["ep_overlap"] = true;
+  box.write("dense-overlap.json", dense_overlap.dump(1));
+  bad = box.nnsim({"--topo", "dgx-a100x4", "--nodes", "1", "dense-overlap.json"});
+  EXPECT_NE(bad.status, 0);
+  EXPECT_TRUE(contains(bad.err, "communication.ep_overlap: no forward block")) << bad;
   // A plan file asking for no sub-batch at all names the field.
   json zero = written;
   zero["communication"]["tp_sub_batches"] = 0;
