@@ -39,8 +39,7 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     overlap_tp_collectives(t.steps, lane_axes, prog.compute_model.comm_interference);
   }
   if (plan.comm.tp_sub_batches > 1) {
-    sub_pipeline_collectives(t.steps, plan.comm.tp_sub_batches, lane_axes,
-                             prog.compute_model.comm_interference);
+    sub_pipeline_collectives(t.steps, plan.comm.tp_sub_batches, lane_axes, prog.compute_model);
   }
 }
 

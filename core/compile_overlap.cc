@@ -51,11 +51,12 @@ void overlap_tp_collectives(std::vector<Step>& steps, uint32_t lane_axes, double
 // efficiency) and of the memory; each collective moves 1/k of its bytes per sub-batch, launched
 // when its sub-batch's compute is done and run alongside the compute piece that follows (the next
 // sub-batch, or the first sub-batch of the next operators, which needs only the first piece): the
-// pair takes the longer of the two, the compute slowed by `interference`. A paired piece's
+// pair takes the longer of the two, the compute slowed beside it (interference_beside: DeepEP's
+// exchange holds its SMs, NCCL's collectives take comm_interference). A paired piece's
 // compute is counted in the collective's step (its operators lose their own labels there).
 // Transfers, data-parallel launches and waits end a stretch: nothing moves across them.
 void sub_pipeline_collectives(std::vector<Step>& steps, int k, uint32_t lane_axes,
-                              double interference) {
+                              const ComputeModel& model) {
   auto blocking = [&](const Step& s) {
     return s.kind == StepKind::kCollective && s.seconds == 0 && s.group < 0 &&
            (s.axes & ~lane_axes) == 0;
@@ -102,7 +103,8 @@ void sub_pipeline_collectives(std::vector<Step>& steps, int k, uint32_t lane_axe
     }
     if (pair) {
       Step& c = pending.front();
-      c.seconds = seconds * (1 + interference);
+      c.seconds = seconds *
+                  (1 + interference_beside(model, c.collective == CollectiveKind::kExpertExchange));
       c.flops = flops;
       c.compute_class = main;
     }

@@ -355,10 +355,11 @@ struct Compiler {
 // Tensor-parallel collectives of a block's steps hidden behind its compute
 // (compile_overlap.cc): paired with the neighbouring GEMMs (Transformer Engine's overlap,
 // communication.tp_overlap), or sub-pipelined over `k` sub-batches (Merak,
-// communication.tp_sub_batches). Compute beside them is slowed by `interference`.
+// communication.tp_sub_batches). Compute beside them is slowed by `interference` (by
+// interference_beside, for the sub-pipelined ones).
 void overlap_tp_collectives(std::vector<Step>& steps, uint32_t lane_axes, double interference);
 void sub_pipeline_collectives(std::vector<Step>& steps, int k, uint32_t lane_axes,
-                              double interference);
+                              const ComputeModel& model);
 
 // communication.ep_overlap (compile_pairs.cc): each forward block next to a backward block of
 // another micro-batch in a lane's order, both with expert all-to-alls, merged into one block

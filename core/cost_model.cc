@@ -69,6 +69,11 @@ ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu) {
   return defaults_for(gpu, AttentionLibrary::kFlash2);
 }
 
+double interference_beside(const ComputeModel& m, bool expert_exchange) {
+  if (!expert_exchange || m.sms <= kDeepEpSms) return m.comm_interference;
+  return static_cast<double>(kDeepEpSms) / (m.sms - kDeepEpSms);
+}
+
 double gemm_seconds(double m, double n, double k, Precision precision, const GpuSpec& gpu,
                     const ComputeModel& model, double groups) {
   if (m <= 0 || n <= 0 || k <= 0) return 0;

@@ -70,6 +70,16 @@ struct ComputeModel {
   static ComputeModel defaults_for(const GpuSpec& gpu);
 };
 
+// SMs DeepEP's training (normal) kernels hold while they exchange tokens: DeepSeek-V3's report
+// (arXiv:2412.19437, section 3.2.2: 20 SMs suffice to saturate InfiniBand and NVLink) and
+// DeepEP's default (Buffer.num_sms = 20).
+inline constexpr int kDeepEpSms = 20;
+
+// How much longer compute takes beside communication: beside DeepEP's exchange
+// (`expert_exchange`) it runs on the SMs the exchange leaves, kDeepEpSms / (sms - kDeepEpSms)
+// longer (0.18 on an H100, 0.23 on an A100); beside NCCL's collectives comm_interference.
+double interference_beside(const ComputeModel& m, bool expert_exchange);
+
 enum class Pass { kForward, kBackwardInput, kBackwardWeight };
 
 // Seconds of one GEMM of m x n x k (FLOPs 2mnk) in `precision`; with `groups` > 1, of one

@@ -39,6 +39,7 @@ struct Op {
   int lanes = 1;          // kJoin: lanes that meet
   int sequence = 0;       // kJoin: rank among the block's joint collectives
   int member = 0;         // kRecv / kSend / kJoin: whose of a pair (Step::member)
+  bool exchange = false;  // kCommLaunch: DeepEP's (CollectiveKind::kExpertExchange)
 };
 
 class Estimator {
@@ -166,6 +167,7 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
         Op o;
         o.kind = Op::kCommLaunch;
         o.seconds = collective_seconds(lane, s);
+        o.exchange = s.collective == CollectiveKind::kExpertExchange;
         o.tag = s.tag;
         out.push_back(o);
         break;
@@ -263,6 +265,7 @@ Estimate Estimator::run() {
     double dp_last = 0;               // when the last launched item ends
     std::map<int, double> tag_done;   // tag -> when its last launch ends
     double comm_free = 0;             // when the expert communication stream is next free
+    double exchange_free = 0;         // when its last DeepEP exchange ends
     std::map<int, double> comm_done;  // a pair's exchange tag -> when it ends
     size_t block = 0;                 // next block (lanes' prologue is block "-1")
     size_t op = 0;                    // next op within it
@@ -327,11 +330,13 @@ Estimate Estimator::run() {
           const int pass = b.pass;
           const int kind = s.phase == 1 ? static_cast<int>(b.kind) + 8 * pass : -1;
           if (o.kind == Op::kDelay) {
-            // Compute shares the GPU with data-parallel communication still running (as in the
-            // simulator, decided at the start of the stretch).
-            const double slowdown = s.dp_last > s.time || s.comm_free > s.time
-                                        ? o.compute * prog_.compute_model.comm_interference
-                                        : 0;
+            // Compute shares the GPU with communication still running: the data-parallel stream,
+            // a pair's exchanges (as in the simulator, decided at the start of the stretch).
+            const double interference =
+                s.exchange_free > s.time ? interference_beside(prog_.compute_model, true)
+                : s.dp_last > s.time || s.comm_free > s.time ? prog_.compute_model.comm_interference
+                                                             : 0;
+            const double slowdown = o.compute * interference;
             s.time += o.seconds + slowdown;
             s.compute += o.compute + slowdown;
           } else if (o.kind == Op::kRecv) {
@@ -359,6 +364,7 @@ Estimate Estimator::run() {
           } else if (o.kind == Op::kCommLaunch) {
             s.comm_free = std::max(s.comm_free, s.time) + o.seconds;
             s.comm_done[o.tag] = s.comm_free;
+            if (o.exchange) s.exchange_free = s.comm_free;
           } else if (o.kind == Op::kCommWait) {
             s.time = std::max(s.time, s.comm_done.at(o.tag));
           } else if (o.kind == Op::kDpLaunch) {

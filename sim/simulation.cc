@@ -67,10 +67,12 @@ void Simulation::flush_compute(Instance& inst, int block) {
     // Collectives running on this GPU meanwhile (the data-parallel stream, a pair's expert
     // exchanges) take SMs and memory bandwidth from the compute; a pipeline send's few channels
     // are not counted.
+    // DeepEP's exchange holds SMs of its own (interference_beside).
     const bool comm_busy =
         inst.dp_completed < inst.dp_launched || inst.comm_completed < inst.comm_launched;
-    const double slowdown =
-        comm_busy ? p.compute_seconds * prog_.compute_model.comm_interference : 0;
+    const double interference =
+        !comm_busy ? 0 : interference_beside(prog_.compute_model, inst.exchanges_in_flight > 0);
+    const double slowdown = p.compute_seconds * interference;
     inst.breakdown.compute += slowdown;
     sg4::this_actor::sleep_for(p.seconds + slowdown);
     ++activities_;
@@ -513,6 +515,7 @@ void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int b
         flush_compute(inst, block);  // its tokens exist once the compute before it ran
         const int seq = ++inst.comm_launched;
         inst.comm_tag_seq[step.tag] = seq;
+        if (step.collective == CollectiveKind::kExpertExchange) ++inst.exchanges_in_flight;
         inst.comm_queue.push_back({&step, rendezvous_key(inst, step), block});
         inst.comm_pending->release();
         break;
@@ -611,6 +614,7 @@ void Simulation::comm_stream_actor(Instance& inst) {
            step.label, item.block, step.bytes, 0, step.axes);
     std::unique_lock<sg4::Mutex> lock(*inst.comm_mutex);
     ++inst.comm_completed;
+    if (step.collective == CollectiveKind::kExpertExchange) --inst.exchanges_in_flight;
     inst.comm_progress->notify_all();
   }
 }

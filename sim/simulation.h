@@ -84,6 +84,7 @@ class Simulation {
     simgrid::s4u::ConditionVariablePtr comm_progress;
     int comm_launched = 0;
     int comm_completed = 0;
+    int exchanges_in_flight = 0;      // of them, DeepEP's (CollectiveKind::kExpertExchange)
     std::map<int, int> comm_tag_seq;  // tag -> sequence number (within the running block)
     // Accounting.
     Breakdown breakdown;

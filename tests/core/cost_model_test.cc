@@ -36,6 +36,20 @@ TEST(CostModel, SustainedFp8SlowsOnlyFp8Gemms) {
   EXPECT_LT(m.sustained_fp8, 1.0);
 }
 
+// Beside DeepEP's exchange compute runs on the SMs its 20 leave; beside NCCL's collectives it
+// takes comm_interference longer.
+TEST(CostModel, ComputeBesideDeepEpRunsOnTheSmsItLeaves) {
+  const ComputeModel h100 = ComputeModel::defaults_for(gpu("h100-sxm5-80gb"));
+  const ComputeModel a100 = ComputeModel::defaults_for(gpu("a100-sxm4-80gb"));
+  EXPECT_EQ(h100.sms, 132);
+  EXPECT_DOUBLE_EQ(interference_beside(h100, true), 20.0 / 112);
+  EXPECT_DOUBLE_EQ(interference_beside(a100, true), 20.0 / 88);
+  EXPECT_DOUBLE_EQ(interference_beside(h100, false), h100.comm_interference);
+  ComputeModel tiny = h100;
+  tiny.sms = 16;  // fewer SMs than DeepEP's: the generic figure
+  EXPECT_DOUBLE_EQ(interference_beside(tiny, true), tiny.comm_interference);
+}
+
 TEST(CostModel, Fp8WithoutFp8TensorCoresRunsAsBf16) {
   const GpuSpec a100 = gpu("a100-sxm4-80gb");
   ComputeModel m = ComputeModel::defaults_for(a100);
