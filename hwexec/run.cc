@@ -117,11 +117,6 @@ Status check_runnable(const Plan& plan) {
       if (s.dim == Dim::kSeq) cp_axes = s.axes;
     }
   }
-  if (m.qk_norm && !cp_axes.empty()) {
-    return refuse("model.qk_norm",
-                  "per-head query and key norms under context parallelism are simulated only "
-                  "(drop 'qk_norm' or the sequence split of attn.core)");
-  }
   std::set<std::string> cp_split;  // operators split along the sequence over cp_axes
   std::vector<std::string> tp_axes;
   bool tp_set = false;

@@ -1410,7 +1410,8 @@ class Model {
           });
     }
     if (runs("attn.core") && split_.cp > 1) {
-      t.core = cp_core_forward(c, t.qkv.out, phase, t.key, first_ + l);
+      t.core = cp_core_forward(c, t.qkv.out, spec_.qk_norm ? t.qkn.out : at::Tensor(), phase, t.key,
+                               first_ + l);
     } else if (runs("attn.core")) {
       // With qk_norm the queries and keys are the norm's and the values the projection's.
       std::vector<at::Tensor> core_in = {leaf(t.qkv.out)};
@@ -1556,8 +1557,9 @@ class Model {
   // and values over cp, its backward passes them around the cp ring with their gradients (the
   // program's overlapped ring: one all-gather of twice the bytes, recorded as one all-gather
   // spanning the whole backward, the attention's backward inside it).
-  Unit cp_core_forward(Ctx& c, const at::Tensor& qkv, const char* phase, const DropoutKey& key,
-                       int layer) {
+  // With qk_norm the queries and keys are the norm's output `qkn` and the values the projection's.
+  Unit cp_core_forward(Ctx& c, const at::Tensor& qkv, const at::Tensor& qkn, const char* phase,
+                       const DropoutKey& key, int layer) {
     Stats& st = *c.stats;
     const Mark t0 = st.mark();
     const int64_t d = spec_.head_dim(), g = spec_.heads / spec_.kv_heads,
@@ -1568,6 +1570,12 @@ class Model {
     at::Tensor v5 = u.in[0].view({b, sl, kl, g + 2, d});
     at::Tensor q = v5.narrow(3, 0, g).reshape({b, sl, al, d});
     at::Tensor k = v5.select(3, g), v = v5.select(3, g + 1);
+    if (qkn.defined()) {  // [b, sl, kv heads, group + 1, d]: normalized queries, key
+      u.in.insert(u.in.begin(), leaf(qkn));
+      at::Tensor n5 = u.in[0].view({b, sl, kl, g + 1, d});
+      q = n5.narrow(3, 0, g).reshape({b, sl, al, d});
+      k = n5.select(3, g);
+    }
     if (spec_.position == PositionKind::kRope) {
       q = rope(q);
       k = rope(k);
@@ -1595,7 +1603,9 @@ class Model {
     st.op("attn.core", phase, t0, st.mark(), /*minus_collectives=*/true);
     return u;
   }
-  at::Tensor cp_core_backward(Ctx& c, Unit& u, const at::Tensor& dy) {
+  // The gradients of the unit's inputs: the projection's output's, and with qk_norm first the
+  // normalized queries' and keys'.
+  std::vector<at::Tensor> cp_core_backward(Ctx& c, Unit& u, const at::Tensor& dy) {
     Stats& st = *c.stats;
     const Mark t0 = st.mark();
     CpAttentionSaved& cs = *u.cp;
@@ -1614,7 +1624,8 @@ class Model {
             t0, t1);
     cs.graph.backward(
         at::cat({dq.reshape({-1}), dk.reshape({-1}), dv.reshape({-1})}).to(cs.graph.scalar_type()));
-    at::Tensor dx = u.in[0].grad();
+    std::vector<at::Tensor> dx;
+    for (const at::Tensor& in : u.in) dx.push_back(in.grad());
     st.op("attn.core", bwd_phase_, t0, st.mark());
     u = Unit{};
     return dx;
@@ -1662,14 +1673,15 @@ class Model {
     const bool proj_defers = defers(t.proj);
     d = bwd(st, "attn.proj", t.proj, sp ? gather_seq(c, g[0], "attn.residual") : g[0])[0];
     release(t.core, proj_defers);
-    if (split_.cp > 1) {
-      d = cp_core_backward(c, t.core, d);
-    } else if (spec_.qk_norm) {
+    if (spec_.qk_norm) {
       // The values' gradient, and the queries' and keys' through their norms.
-      std::vector<at::Tensor> dc = bwd(st, "attn.core", t.core, d);
+      std::vector<at::Tensor> dc =
+          split_.cp > 1 ? cp_core_backward(c, t.core, d) : bwd(st, "attn.core", t.core, d);
       release(t.qkn, false);
       d = dc[1] + bwd(st, "attn.qk_norm", t.qkn, dc[0])[0];
       release(t.qkv, false);
+    } else if (split_.cp > 1) {
+      d = cp_core_backward(c, t.core, d)[0];
     } else {
       d = bwd(st, "attn.core", t.core, d)[0];
       release(t.qkv, false);

@@ -695,6 +695,11 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"zero1_cp2_dp2", 1, 1, 2, "1f1b", 4, &kModel, "fp32", {"--zero", "1"}, 2},
         Case{"zero3_cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {"--zero", "3"}, 2},
         Case{"bf16_llama_cp2_tp2", 2, 1, 1, "1f1b", 2, &kLlama, "bf16", {}, 2},
+        // Per-head query and key norms under context parallelism: each rank normalizes its
+        // tokens' queries and keys before the key and value exchange; the scales' gradients
+        // sum over cp (and tp) with the rest.
+        Case{"qk_norm_cp2", 1, 1, 1, "1f1b", 2, &kQkNorm, "fp32", {}, 2},
+        Case{"qk_norm_layernorm_cp2_tp2", 2, 1, 1, "1f1b", 2, &kGptQkNorm, "fp32", {}, 2},
         // Sequence parallelism inside context parallelism: each cp rank's tokens cut in tp
         // slices for the norms, residuals and the position add.
         Case{"sp_cp2_tp2", 2, 1, 1, "1f1b", 2, &kModel, "fp32", {"--sequence-parallel"}, 2},
