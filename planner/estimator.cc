@@ -39,7 +39,7 @@ struct Op {
   int lanes = 1;          // kJoin: lanes that meet
   int sequence = 0;       // kJoin: rank among the block's joint collectives
   int member = 0;         // kRecv / kSend / kJoin: whose of a pair (Step::member)
-  bool exchange = false;  // kCommLaunch: DeepEP's (CollectiveKind::kExpertExchange)
+  bool exchange = false;  // kCommLaunch: DeepEP's exchange (CollectiveKind::kExpertExchange)
 };
 
 class Estimator {
@@ -148,33 +148,20 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
         out.push_back(o);
         break;
       }
-      case StepKind::kDpLaunch: {
-        Op o;
-        o.kind = Op::kDpLaunch;
-        o.seconds = collective_seconds(lane, s);
-        o.tag = s.tag;
-        out.push_back(o);
-        break;
-      }
-      case StepKind::kDpWait: {
-        Op o;
-        o.kind = Op::kDpWait;
-        o.tag = s.tag;
-        out.push_back(o);
-        break;
-      }
+      case StepKind::kDpLaunch:
       case StepKind::kCommLaunch: {
         Op o;
-        o.kind = Op::kCommLaunch;
+        o.kind = s.kind == StepKind::kDpLaunch ? Op::kDpLaunch : Op::kCommLaunch;
         o.seconds = collective_seconds(lane, s);
         o.exchange = s.collective == CollectiveKind::kExpertExchange;
         o.tag = s.tag;
         out.push_back(o);
         break;
       }
+      case StepKind::kDpWait:
       case StepKind::kCommWait: {
         Op o;
-        o.kind = Op::kCommWait;
+        o.kind = s.kind == StepKind::kDpWait ? Op::kDpWait : Op::kCommWait;
         o.tag = s.tag;
         out.push_back(o);
         break;

@@ -732,24 +732,33 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
     estimate_variants(tries, "scheduling", "");
   }
 
+  // Variants of the fastest `most` feasible plans that `eligible` accepts, each as `apply`
+  // changes it.
+  auto best_variants = [&](size_t most, const auto& eligible, const auto& apply) {
+    std::sort(feasible.begin(), feasible.end(), faster_estimate);
+    std::vector<Candidate> tries;
+    for (const Candidate& c : feasible) {
+      if (tries.size() >= most) break;
+      if (!eligible(c.options)) continue;
+      Candidate t = c;
+      apply(t.options);
+      t.simulated.reset();
+      tries.push_back(t);
+    }
+    return tries;
+  };
+
   // Merak's sub-pipelined tensor parallelism for the best plans whose GPUs exchange
   // activations inside a layer (tensor or expert parallel) and run sequences enough per
   // micro-batch to split.
   if (const int k = o.tp_sub_batches; k > 1 && !feasible.empty()) {
-    std::sort(feasible.begin(), feasible.end(), faster_estimate);
-    std::vector<Candidate> tries;
-    for (const Candidate& c : feasible) {
-      if (tries.size() >= kMaxSubPipelined) break;
-      const MegatronOptions& x = c.options;
-      if ((x.tp == 1 && x.ep == 1) || x.micro_batch % k != 0 || x.tp_sub_batches > 1 ||
-          x.ep_overlap) {
-        continue;
-      }
-      Candidate t = c;
-      t.options.tp_sub_batches = k;
-      t.simulated.reset();
-      tries.push_back(t);
-    }
+    const std::vector<Candidate> tries = best_variants(
+        kMaxSubPipelined,
+        [&](const MegatronOptions& x) {
+          return (x.tp > 1 || x.ep > 1) && x.micro_batch % k == 0 && x.tp_sub_batches == 1 &&
+                 !x.ep_overlap;
+        },
+        [&](MegatronOptions& x) { x.tp_sub_batches = k; });
     result.sub_pipelined_tried = tries.size();
     estimate_variants(tries, "sub-pipelining", "");
   }
@@ -758,20 +767,13 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
   // pipeline or with virtual stages (what it requires): pairs hide all-to-alls but make every
   // pair wait for both its inputs, so it is a variant to estimate, not a given.
   if (o.ep_overlap && !feasible.empty()) {
-    std::sort(feasible.begin(), feasible.end(), faster_estimate);
-    std::vector<Candidate> tries;
-    for (const Candidate& c : feasible) {
-      if (tries.size() >= kMaxEpOverlapped) break;
-      const MegatronOptions& x = c.options;
-      if (x.ep < 2 || x.ep_overlap || x.tp_sub_batches > 1 ||
-          (x.pp > 1 && x.schedule != ScheduleKind::kInterleaved)) {
-        continue;
-      }
-      Candidate t = c;
-      t.options.ep_overlap = true;
-      t.simulated.reset();
-      tries.push_back(t);
-    }
+    const std::vector<Candidate> tries = best_variants(
+        kMaxEpOverlapped,
+        [](const MegatronOptions& x) {
+          return x.ep > 1 && !x.ep_overlap && x.tp_sub_batches == 1 &&
+                 (x.pp == 1 || x.schedule == ScheduleKind::kInterleaved);
+        },
+        [](MegatronOptions& x) { x.ep_overlap = true; });
     result.ep_overlap_tried = tries.size();
     estimate_variants(tries, "combined 1F1B", "");
   }

@@ -68,8 +68,7 @@ void Simulation::flush_compute(Instance& inst, int block) {
     // exchanges) take SMs and memory bandwidth from the compute; a pipeline send's few channels
     // are not counted.
     // DeepEP's exchange holds SMs of its own (interference_beside).
-    const bool comm_busy =
-        inst.dp_completed < inst.dp_launched || inst.comm_completed < inst.comm_launched;
+    const bool comm_busy = inst.dp.busy() || inst.ep.busy();
     const double interference =
         !comm_busy ? 0 : interference_beside(prog_.compute_model, inst.exchanges_in_flight > 0);
     const double slowdown = p.compute_seconds * interference;
@@ -446,16 +445,13 @@ void Simulation::recv(Instance& inst, const Step& step, int block) {
 
 void Simulation::dp_wait(Instance& inst, const Step& step, int block) {
   flush_compute(inst, block);
-  int target = inst.dp_launched;
+  int target = inst.dp.launched;
   if (step.tag >= 0) {
-    auto it = inst.dp_tag_seq.find(step.tag);
-    target = it == inst.dp_tag_seq.end() ? 0 : it->second;
+    auto it = inst.dp.tag_seq.find(step.tag);
+    target = it == inst.dp.tag_seq.end() ? 0 : it->second;
   }
   const double t0 = sg4::Engine::get_clock();
-  {
-    std::unique_lock<sg4::Mutex> lock(*inst.dp_mutex);
-    while (inst.dp_completed < target) inst.dp_progress->wait(lock);
-  }
+  inst.dp.wait_until(target);
   const double t1 = sg4::Engine::get_clock();
   if (t1 > t0) {
     uint32_t axes = inst.dp_seq_axes.count(target) ? inst.dp_seq_axes[target] : 0;
@@ -466,12 +462,9 @@ void Simulation::dp_wait(Instance& inst, const Step& step, int block) {
 
 void Simulation::comm_wait(Instance& inst, const Step& step, int block) {
   flush_compute(inst, block);
-  const int target = inst.comm_tag_seq.at(step.tag);
+  const int target = inst.ep.tag_seq.at(step.tag);
   const double t0 = sg4::Engine::get_clock();
-  {
-    std::unique_lock<sg4::Mutex> lock(*inst.comm_mutex);
-    while (inst.comm_completed < target) inst.comm_progress->wait(lock);
-  }
+  inst.ep.wait_until(target);
   const double t1 = sg4::Engine::get_clock();
   if (t1 > t0) {
     inst.breakdown.exposed_comm[exposed_key(step.axes)] += t1 - t0;
@@ -513,11 +506,11 @@ void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int b
         break;
       case StepKind::kCommLaunch: {
         flush_compute(inst, block);  // its tokens exist once the compute before it ran
-        const int seq = ++inst.comm_launched;
-        inst.comm_tag_seq[step.tag] = seq;
+        const int seq = ++inst.ep.launched;
+        inst.ep.tag_seq[step.tag] = seq;
         if (step.collective == CollectiveKind::kExpertExchange) ++inst.exchanges_in_flight;
-        inst.comm_queue.push_back({&step, rendezvous_key(inst, step), block});
-        inst.comm_pending->release();
+        inst.ep.queue.push_back({&step, rendezvous_key(inst, step), block});
+        inst.ep.pending->release();
         break;
       }
       case StepKind::kCommWait:
@@ -525,11 +518,11 @@ void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int b
         break;
       case StepKind::kDpLaunch: {
         flush_compute(inst, block);  // the gradients exist once the compute before them ran
-        const int seq = ++inst.dp_launched;
-        if (step.tag >= 0) inst.dp_tag_seq[step.tag] = seq;
+        const int seq = ++inst.dp.launched;
+        if (step.tag >= 0) inst.dp.tag_seq[step.tag] = seq;
         inst.dp_seq_axes[seq] = step.axes;
-        inst.dp_queue.push_back({&step, seq});
-        inst.dp_pending->release();
+        inst.dp.queue.push_back({&step});
+        inst.dp.pending->release();
         break;
       }
       case StepKind::kDpWait:
@@ -563,7 +556,7 @@ void Simulation::compute_actor(Instance& inst) {
     };
     inst.running[0] = context(bi.block);
     if (bi.paired) inst.running[1] = context(bi.partner);
-    inst.comm_tag_seq.clear();
+    inst.ep.tag_seq.clear();
     run_steps(inst, t.steps, static_cast<int>(b));
     if (inst.replica == 0) block_done();
   }
@@ -571,51 +564,42 @@ void Simulation::compute_actor(Instance& inst) {
   inst.finish = sg4::Engine::get_clock();
 }
 
+double Simulation::run_on_stream(Instance& inst, const Step& step, const RendezvousKey& key) {
+  const PreparedComm& comm = prepared_collective(inst, step);
+  if (!foldable(inst, step)) return joint_collective(inst, comm, key, participants(inst, step), 0);
+  const double t0 = sg4::Engine::get_clock();
+  sg4::this_actor::sleep_for(comm.alone_seconds);  // nothing else crosses its links
+  ++activities_;
+  return t0;
+}
+
 void Simulation::dp_stream_actor(Instance& inst) {
   sg4::Actor::self()->daemonize();
   while (true) {
-    inst.dp_pending->acquire();
-    Instance::DpItem item = inst.dp_queue.front();
-    inst.dp_queue.pop_front();
+    inst.dp.pending->acquire();
+    const Instance::DpItem item = inst.dp.queue.front();
+    inst.dp.queue.pop_front();
     const Step& step = *item.step;
-    const PreparedComm& comm = prepared_collective(inst, step);
-    RendezvousKey key{inst.lane, 1 << 20, inst.dp_sequence_for_rendezvous++, 0, 0};
-    double t0 = sg4::Engine::get_clock();
-    if (foldable(inst, step)) {
-      sg4::this_actor::sleep_for(comm.alone_seconds);  // nothing else crosses its links
-      ++activities_;
-    } else {
-      t0 = joint_collective(inst, comm, key, participants(inst, step), 0);
-    }
+    const RendezvousKey key{inst.lane, 1 << 20, inst.dp_sequence_for_rendezvous++, 0, 0};
+    const double t0 = run_on_stream(inst, step, key);
     record(inst, Stream::kDataParallel, TaskKind::kDpCollective, t0, sg4::Engine::get_clock(),
            step.label, -1, step.bytes, 0, step.axes);
-    std::unique_lock<sg4::Mutex> lock(*inst.dp_mutex);
-    inst.dp_completed = item.seq;
-    inst.dp_progress->notify_all();
+    inst.dp.complete_one();
   }
 }
 
 void Simulation::comm_stream_actor(Instance& inst) {
   sg4::Actor::self()->daemonize();
   while (true) {
-    inst.comm_pending->acquire();
-    const Instance::CommItem item = inst.comm_queue.front();
-    inst.comm_queue.pop_front();
+    inst.ep.pending->acquire();
+    const Instance::CommItem item = inst.ep.queue.front();
+    inst.ep.queue.pop_front();
     const Step& step = *item.step;
-    const PreparedComm& comm = prepared_collective(inst, step);
-    double t0 = sg4::Engine::get_clock();
-    if (foldable(inst, step)) {
-      sg4::this_actor::sleep_for(comm.alone_seconds);  // nothing else crosses its links
-      ++activities_;
-    } else {
-      t0 = joint_collective(inst, comm, item.key, participants(inst, step), 0);
-    }
+    const double t0 = run_on_stream(inst, step, item.key);
     record(inst, Stream::kExpertComm, TaskKind::kCollective, t0, sg4::Engine::get_clock(),
            step.label, item.block, step.bytes, 0, step.axes);
-    std::unique_lock<sg4::Mutex> lock(*inst.comm_mutex);
-    ++inst.comm_completed;
     if (step.collective == CollectiveKind::kExpertExchange) --inst.exchanges_in_flight;
-    inst.comm_progress->notify_all();
+    inst.ep.complete_one();
   }
 }
 
@@ -669,14 +653,10 @@ Expected<SimResult> Simulation::run() {
         inst->ranks.push_back(x);
         inst->gpus.push_back(prog_.gpu_of_rank[x]);
       }
-      inst->dp_pending = sg4::Semaphore::create(0);
+      inst->dp.open();
+      inst->ep.open();
       inst->send_pending[0] = sg4::Semaphore::create(0);
       inst->send_pending[1] = sg4::Semaphore::create(0);
-      inst->dp_mutex = sg4::Mutex::create();
-      inst->dp_progress = sg4::ConditionVariable::create();
-      inst->comm_pending = sg4::Semaphore::create(0);
-      inst->comm_mutex = sg4::Mutex::create();
-      inst->comm_progress = sg4::ConditionVariable::create();
       instances_.push_back(std::move(inst));
     }
   }

@@ -38,6 +38,36 @@ class Simulation {
   Expected<SimResult> run();
 
  private:
+  // A communication stream the compute stream feeds: collectives queued and run one after
+  // another by the stream's actor, counted as launched and completed (the compute stream waits
+  // on `progress` for a count), with each tag's last launch.
+  template <typename Item>
+  struct CommStream {
+    std::deque<Item> queue;
+    simgrid::s4u::SemaphorePtr pending;
+    simgrid::s4u::MutexPtr mutex;
+    simgrid::s4u::ConditionVariablePtr progress;
+    int launched = 0;
+    int completed = 0;
+    std::map<int, int> tag_seq;  // tag -> sequence number of its last launch
+    void open() {
+      pending = simgrid::s4u::Semaphore::create(0);
+      mutex = simgrid::s4u::Mutex::create();
+      progress = simgrid::s4u::ConditionVariable::create();
+    }
+    bool busy() const { return completed < launched; }
+    // Blocks the calling actor until the first `target` launches have completed.
+    void wait_until(int target) {
+      std::unique_lock<simgrid::s4u::Mutex> lock(*mutex);
+      while (completed < target) progress->wait(lock);
+    }
+    void complete_one() {
+      std::unique_lock<simgrid::s4u::Mutex> lock(*mutex);
+      ++completed;
+      progress->notify_all();
+    }
+  };
+
   // One simulated lane in one replica.
   struct Instance {
     int lane = 0;
@@ -47,15 +77,8 @@ class Simulation {
     // Data-parallel stream: a FIFO of collectives.
     struct DpItem {
       const Step* step = nullptr;
-      int seq = 0;
     };
-    std::deque<DpItem> dp_queue;
-    simgrid::s4u::SemaphorePtr dp_pending;
-    simgrid::s4u::MutexPtr dp_mutex;
-    simgrid::s4u::ConditionVariablePtr dp_progress;
-    int dp_launched = 0;
-    int dp_completed = 0;
-    std::map<int, int> dp_tag_seq;        // tag -> sequence number of its last launch
+    CommStream<DpItem> dp;
     std::map<int, uint32_t> dp_seq_axes;  // sequence number -> axes (for the breakdown)
     int dp_sequence_for_rendezvous = 0;
     int explicit_sequence = 0;
@@ -78,14 +101,8 @@ class Simulation {
       std::tuple<int, int, int, int, int> key;
       int block = -1;
     };
-    std::deque<CommItem> comm_queue;
-    simgrid::s4u::SemaphorePtr comm_pending;
-    simgrid::s4u::MutexPtr comm_mutex;
-    simgrid::s4u::ConditionVariablePtr comm_progress;
-    int comm_launched = 0;
-    int comm_completed = 0;
-    int exchanges_in_flight = 0;      // of them, DeepEP's (CollectiveKind::kExpertExchange)
-    std::map<int, int> comm_tag_seq;  // tag -> sequence number (within the running block)
+    CommStream<CommItem> ep;      // its tags count within the running block
+    int exchanges_in_flight = 0;  // of them, DeepEP's (CollectiveKind::kExpertExchange)
     // Accounting.
     Breakdown breakdown;
     double finish = 0;
@@ -147,6 +164,10 @@ class Simulation {
   void send(Instance& inst, const Step& step, int block);
   void dp_wait(Instance& inst, const Step& step, int block);
   void comm_wait(Instance& inst, const Step& step, int block);
+  // Runs one collective of a communication stream: in closed form when nothing else crosses its
+  // links, else with the instances it joins. Returns when it started.
+  double run_on_stream(Instance& inst, const Step& step,
+                       const std::tuple<int, int, int, int, int>& key);
   // The key under which the participants of a joint collective meet: counted per lane, or for
   // collectives joining other lanes per block (the step's member of a pair).
   std::tuple<int, int, int, int, int> rendezvous_key(Instance& inst, const Step& step);
