@@ -65,9 +65,8 @@ void Simulation::flush_compute(Instance& inst, int block) {
   if (p.parts.empty()) return;
   if (p.seconds > 0) {
     // Collectives running on this GPU meanwhile (the data-parallel stream, a pair's expert
-    // exchanges) take SMs and memory bandwidth from the compute; a pipeline send's few channels
-    // are not counted.
-    // DeepEP's exchange holds SMs of its own (interference_beside).
+    // exchanges) take SMs and memory bandwidth from the compute, DeepEP's exchange SMs of its
+    // own (interference_beside); a pipeline send's few channels are not counted.
     const bool comm_busy = inst.dp.busy() || inst.ep.busy();
     const double interference =
         !comm_busy ? 0 : interference_beside(prog_.compute_model, inst.exchanges_in_flight > 0);
