@@ -30,22 +30,41 @@ bool has_hideable(const BlockTemplate& t) {
   return false;
 }
 
+// A blocking collective of the lane or the mesh (not an explicit group's), nothing overlapped.
+bool plain_collective(const Step& s) {
+  return s.kind == StepKind::kCollective && s.group < 0 && s.seconds == 0;
+}
+
 // A block's steps cut at its hideable all-to-alls: run `chunks[k]`, then `exchanges[k]` (the
-// last chunk has none after it).
+// last chunk has none after it). An exchange takes the collectives right next to its all-to-all
+// with it (the tensor-parallel all-gather after a dispatch, the reduce-scatter before a
+// combine), as Megatron-Core's dispatch and combine nodes run them on the communication stream.
 struct Cut {
   std::vector<std::vector<Step>> chunks{1};
-  std::vector<Step> exchanges;
+  std::vector<std::vector<Step>> exchanges;
 };
 
 Cut cut(const BlockTemplate& t, uint8_t member) {
   Cut c;
+  bool joining = false;  // the last exchange takes the collectives that follow it
   for (Step s : t.steps) {
     s.member = member;
+    std::vector<Step>& chunk = c.chunks.back();
     if (hideable(s)) {
-      c.exchanges.push_back(s);
+      std::vector<Step> exchange;
+      while (!chunk.empty() && plain_collective(chunk.back())) {
+        exchange.insert(exchange.begin(), chunk.back());
+        chunk.pop_back();
+      }
+      exchange.push_back(s);
+      c.exchanges.push_back(std::move(exchange));
       c.chunks.emplace_back();
+      joining = true;
+    } else if (joining && plain_collective(s)) {
+      c.exchanges.back().push_back(s);
     } else {
-      c.chunks.back().push_back(s);
+      joining = false;
+      chunk.push_back(s);
     }
   }
   return c;
@@ -84,7 +103,10 @@ BlockTemplate merge(const BlockTemplate& forward, const BlockTemplate& backward)
   auto run_chunk = [&](int who) {
     const Cut& c = cuts[who];
     if (pending[who] >= 0) {
-      Step w = c.exchanges[next[who] - 1];
+      // The stream runs in order: the exchange's last collective done, all of it is. The wait
+      // is the all-to-all's (its label and group, for the breakdown).
+      const std::vector<Step>& exchange = c.exchanges[next[who] - 1];
+      Step w = *std::find_if(exchange.begin(), exchange.end(), hideable);
       w.kind = StepKind::kCommWait;
       w.tag = pending[who];
       m.steps.push_back(w);
@@ -93,11 +115,12 @@ BlockTemplate merge(const BlockTemplate& forward, const BlockTemplate& backward)
     const std::vector<Step>& chunk = c.chunks[next[who]];
     m.steps.insert(m.steps.end(), chunk.begin(), chunk.end());
     if (next[who] < c.exchanges.size()) {
-      Step l = c.exchanges[next[who]];
-      l.kind = StepKind::kCommLaunch;
-      l.tag = tags++;
-      pending[who] = l.tag;
-      m.steps.push_back(l);
+      for (Step l : c.exchanges[next[who]]) {
+        l.kind = StepKind::kCommLaunch;
+        l.tag = tags++;
+        pending[who] = l.tag;
+        m.steps.push_back(l);
+      }
     }
     ++next[who];
     level_peak = std::max(level_peak, level());

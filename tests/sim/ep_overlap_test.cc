@@ -115,6 +115,35 @@ TEST(EpOverlap, PairsEachForwardWithThePreviousBackwardWithoutAPipeline) {
   EXPECT_EQ(pair.steps.front().member, 1);
 }
 
+// Under tensor and sequence parallelism the routed tokens are all-gathered over tp after the
+// dispatch's all-to-all and reduce-scattered before the combine's: an exchange takes them with
+// it onto the expert stream, as Megatron-Core's dispatch and combine nodes do.
+TEST(EpOverlap, AnExchangeTakesItsTensorParallelCollectivesAlong) {
+  MegatronOptions o = options(true, 128);
+  o.tp = 2;
+  o.ep = 8;
+  o.sequence_parallel = true;
+  const Program p = compile(small_moe(), nodes(2), o);
+  const Lane& lane = p.lanes[0];
+  ASSERT_TRUE(lane.blocks[1].paired);
+  const BlockTemplate& pair = p.templates[lane.blocks[1].template_index];
+  int all_to_all = 0, tensor_parallel = 0;
+  for (const Step& s : pair.steps) {
+    if (s.kind != StepKind::kCommLaunch) continue;
+    if (s.collective == CollectiveKind::kAllToAll) {
+      ++all_to_all;
+    } else {
+      ++tensor_parallel;
+      EXPECT_TRUE(s.collective == CollectiveKind::kAllGather ||
+                  s.collective == CollectiveKind::kReduceScatter);
+      EXPECT_EQ(p.axes_name(s.axes), "tp");
+    }
+  }
+  EXPECT_GT(all_to_all, 0);
+  EXPECT_EQ(tensor_parallel, all_to_all);  // one beside each all-to-all
+  EXPECT_GT(run(p).iteration_time, 0);
+}
+
 // The pair holds about one micro-batch's activations, not two: the forward keeps its own as the
 // backward frees its, and the blocks' transient buffers take turns. The device's peak stays
 // within a fraction of a micro-batch's activations of the blocks' in sequence.
