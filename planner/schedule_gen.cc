@@ -196,8 +196,10 @@ Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleK
   auto assign = [&](const std::vector<std::vector<Block>>& orders) {
     for (int r = 0; r < stages; ++r) plan.schedule[order_of_rank[r]].blocks = orders[r];
   };
-  Expected<std::vector<std::vector<Block>>> provisional = pipeline_orders(
-      kind, stages, chunks, micro_batches, recompute_segments, pipeline_runtime_of(plan.framework));
+  // Combined 1F1B runs one warm-up forward more, as the builder writes it (pipeline_orders).
+  Expected<std::vector<std::vector<Block>>> provisional =
+      pipeline_orders(kind, stages, chunks, micro_batches, recompute_segments,
+                      pipeline_runtime_of(plan.framework), plan.comm.ep_overlap ? 1 : 0);
   if (!provisional) return provisional.error();
   if (Status s = add_forward_passes(kind, plan.recycle, *provisional); !s) return s.error();
   assign(*provisional);

@@ -13,6 +13,7 @@
 #include "core/topology.h"
 #include "planner/estimator.h"
 #include "planner/megatron.h"
+#include "planner/schedule_gen.h"
 #include "sim/simulator.h"
 #include "sim/trace.h"
 
@@ -269,6 +270,15 @@ TEST(EpOverlap, InterleavedStagesPairOnEveryStage) {
       }
     }
     EXPECT_GT(pairs, 0);
+  }
+  // `nnsim schedule` regenerating the plan's orders writes the builder's, warm-up and all.
+  Expected<Plan> built = build_megatron_plan(m, t, o);
+  ASSERT_TRUE(built.ok()) << built.error().message();
+  Expected<Plan> regenerated = generate_schedule(*built, t, ScheduleKind::kInterleaved);
+  ASSERT_TRUE(regenerated.ok()) << regenerated.error().message();
+  ASSERT_EQ(regenerated->schedule.size(), built->schedule.size());
+  for (size_t i = 0; i < built->schedule.size(); ++i) {
+    EXPECT_EQ(regenerated->schedule[i].blocks, built->schedule[i].blocks) << i;
   }
   o.ep_overlap = false;
   const SimResult plain = run(compile(m, t, o));
