@@ -41,6 +41,9 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
   if (plan.comm.tp_sub_batches > 1) {
     sub_pipeline_collectives(t.steps, plan.comm.tp_sub_batches, lane_axes, prog.compute_model);
   }
+  if (plan.comm.moe_shared_expert_overlap) {
+    shared_expert_overlaps += overlap_shared_expert(t.steps, prog.labels, prog.compute_model);
+  }
 }
 
 void BlockBuilder::build() {

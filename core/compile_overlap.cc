@@ -1,6 +1,6 @@
-// Tensor-parallel collectives hidden behind compute inside a block's steps: Transformer
-// Engine's GEMM overlap (communication.tp_overlap) and Merak's sub-pipelining
-// (communication.tp_sub_batches).
+// Collectives hidden behind compute inside a block's steps: Transformer Engine's GEMM overlap
+// (communication.tp_overlap), Merak's sub-pipelining (communication.tp_sub_batches) and the
+// shared expert beside the expert exchanges (communication.moe_shared_expert_overlap).
 #include "core/compiler.h"
 
 #include <algorithm>
@@ -149,6 +149,74 @@ void sub_pipeline_collectives(std::vector<Step>& steps, int k, uint32_t lane_axe
     i = end;
   }
   steps = std::move(out);
+}
+
+// Megatron-Core's --moe-shared-expert-overlap: the shared expert runs on a stream of its own
+// beside the dispatcher's all-to-alls. Each unbroken run of its compute (moe.shared.*) moves
+// into the nearest expert exchange it reaches across compute and memory steps alone: the
+// dispatch after it in a forward, the exchange before it in a backward (whose shared expert
+// needs only the layer's output gradient). The pair takes the longer of the two, the compute
+// slowed beside the exchange (interference_beside); the compute keeps its seconds and class but
+// not its labels. Returns how many runs moved.
+int overlap_shared_expert(std::vector<Step>& steps, const std::vector<std::string>& labels,
+                          const ComputeModel& model) {
+  auto shared = [&](const Step& s) {
+    return s.kind == StepKind::kCompute && s.label >= 0 &&
+           labels[s.label].rfind("moe.shared.", 0) == 0;
+  };
+  auto exchange = [](const Step& s) {
+    return s.kind == StepKind::kCollective && s.group < 0 && s.seconds == 0 &&
+           (s.collective == CollectiveKind::kAllToAll ||
+            s.collective == CollectiveKind::kExpertExchange);
+  };
+  auto passable = [](const Step& s) {
+    return s.kind == StepKind::kCompute || s.kind == StepKind::kMemory;
+  };
+  std::vector<int> target(steps.size(), -1);  // a shared step's exchange
+  std::vector<bool> taken(steps.size(), false);
+  int moved = 0;
+  for (size_t i = 0; i < steps.size();) {
+    if (!shared(steps[i])) {
+      ++i;
+      continue;
+    }
+    size_t end = i;
+    while (end < steps.size() && shared(steps[end])) ++end;
+    int found = -1;
+    for (size_t j = end; j < steps.size() && found < 0; ++j) {
+      if (exchange(steps[j]) && !taken[j]) found = static_cast<int>(j);
+      if (!passable(steps[j])) break;
+    }
+    for (size_t j = i; j-- > 0 && found < 0;) {
+      if (exchange(steps[j]) && !taken[j]) found = static_cast<int>(j);
+      if (!passable(steps[j])) break;
+    }
+    if (found >= 0) {
+      ++moved;
+      taken[found] = true;
+      for (size_t k = i; k < end; ++k) target[k] = found;
+    }
+    i = end;
+  }
+  std::vector<Step> out;
+  out.reserve(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (target[i] >= 0) continue;
+    Step s = steps[i];
+    if (taken[i]) {
+      const double slow =
+          1 + interference_beside(model, s.collective == CollectiveKind::kExpertExchange);
+      for (size_t k = 0; k < steps.size(); ++k) {
+        if (target[k] != static_cast<int>(i)) continue;
+        s.seconds += steps[k].seconds * slow;
+        s.flops += steps[k].flops;
+        s.compute_class = steps[k].compute_class;
+      }
+    }
+    out.push_back(s);
+  }
+  steps = std::move(out);
+  return moved;
 }
 
 }  // namespace nnsim::detail

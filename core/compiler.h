@@ -350,6 +350,7 @@ struct Compiler {
   double receive_buffer_bytes() const;
   double retained_output_bytes(int segment) const;
   std::map<std::tuple<int, int, int, bool, bool, bool, int>, int> template_cache;
+  int shared_expert_overlaps = 0;  // runs of shared-expert compute moved beside an exchange
 };
 
 // Tensor-parallel collectives of a block's steps hidden behind its compute
@@ -365,6 +366,11 @@ void sub_pipeline_collectives(std::vector<Step>& steps, int k, uint32_t lane_axe
 // another micro-batch in a lane's order, both with expert all-to-alls, merged into one block
 // (Megatron-Core's combined 1F1B). An error when no pair forms.
 Status pair_blocks(Program& prog);
+
+// communication.moe_shared_expert_overlap (compile_overlap.cc): the shared expert's compute
+// beside the nearest expert exchange of the block. Returns how many runs of it moved.
+int overlap_shared_expert(std::vector<Step>& steps, const std::vector<std::string>& labels,
+                          const ComputeModel& model);
 
 // A partition or recompute rule that matches no operator is a typo (or a rule for another
 // model), never a silent no-op.

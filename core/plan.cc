@@ -428,7 +428,7 @@ Plan parse_plan_node(const InputNode& root) {
                    "zero3_per_tensor", "zero3_regather_for_recompute",
                    "zero3_persistence_threshold", "zero3_reduce_bucket", "zero3_prefetch_elements",
                    "save_gathered_inputs", "pp_buffers_per_micro_batch", "tp_sub_batches",
-                   "pp_blocking_sends", "ep_overlap"});
+                   "pp_blocking_sends", "ep_overlap", "moe_shared_expert_overlap"});
     plan.comm.dp_bucket_bytes =
         c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
     if (plan.comm.dp_bucket_bytes < kMinBucketBytes) {
@@ -481,6 +481,12 @@ Plan parse_plan_node(const InputNode& root) {
     plan.comm.pp_buffers_per_micro_batch = c->get_bool("pp_buffers_per_micro_batch", false);
     plan.comm.pp_blocking_sends = c->get_bool("pp_blocking_sends", false);
     plan.comm.ep_overlap = c->get_bool("ep_overlap", false);
+    plan.comm.moe_shared_expert_overlap = c->get_bool("moe_shared_expert_overlap", false);
+    if (plan.comm.moe_shared_expert_overlap && plan.comm.ep_overlap) {
+      (*c)["moe_shared_expert_overlap"].fail(
+          "runs the shared expert beside the all-to-alls, which \"ep_overlap\" already hides "
+          "behind another micro-batch (Megatron-Core refuses the two together); use one");
+    }
     if (plan.comm.ep_overlap && plan.comm.tp_sub_batches > 1) {
       (*c)["ep_overlap"].fail(
           "overlaps the expert all-to-alls across micro-batches, which \"tp_sub_batches\" "
@@ -610,6 +616,9 @@ std::string plan_to_json(const Plan& plan) {
                         {"pp_blocking_sends", plan.comm.pp_blocking_sends}};
   if (plan.comm.tp_sub_batches > 1) j["communication"]["tp_sub_batches"] = plan.comm.tp_sub_batches;
   if (plan.comm.ep_overlap) j["communication"]["ep_overlap"] = true;
+  if (plan.comm.moe_shared_expert_overlap) {
+    j["communication"]["moe_shared_expert_overlap"] = true;
+  }
   json orders = json::array();
   for (const auto& o : plan.schedule) {
     std::string blocks;

@@ -208,6 +208,10 @@ struct CommSettings {
   // backward block of another micro-batch next to it in a device's order run as one, each one's
   // expert-parallel all-to-alls on a communication stream beside the other's compute.
   bool ep_overlap = false;
+  // Megatron-Core's --moe-shared-expert-overlap: a mixture's shared expert computes on a stream
+  // of its own beside the expert all-to-all next to it (not with ep_overlap, as Megatron-Core
+  // refuses the two together).
+  bool moe_shared_expert_overlap = false;
 };
 
 struct Plan {

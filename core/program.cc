@@ -469,6 +469,13 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     }
   }
 
+  if (plan.comm.moe_shared_expert_overlap && c.shared_expert_overlaps == 0) {
+    return Error(
+        "communication.moe_shared_expert_overlap: no shared expert sits next to an expert "
+        "all-to-all, so nothing can overlap; it needs a mixture of experts with a shared expert "
+        "(model.shared_expert_ffn_hidden) whose experts are split over a mesh axis (expert "
+        "parallelism); remove the field otherwise");
+  }
   if (plan.comm.ep_overlap) {
     if (Status s = detail::pair_blocks(prog); !s) return s.error();
   }

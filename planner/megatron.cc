@@ -339,6 +339,20 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "requires virtual stages",
         o.pp, to_string(o.schedule)));
   }
+  if (o.moe_shared_expert_overlap && (model.shared_expert_ffn_hidden <= 0 || o.ep < 2)) {
+    return Error(fmt::format(
+        "--moe-shared-expert-overlap runs a shared expert beside the expert all-to-alls, but {}; "
+        "drop the flag",
+        model.shared_expert_ffn_hidden <= 0
+            ? fmt::format("model '{}' has no shared expert (model.shared_expert_ffn_hidden)",
+                          model.name)
+            : std::string("--ep is 1 (no all-to-alls)")));
+  }
+  if (o.moe_shared_expert_overlap && o.ep_overlap) {
+    return Error(
+        "--moe-shared-expert-overlap and --ep-overlap both hide the all-to-alls, and "
+        "Megatron-Core refuses them together; choose one");
+  }
   if (o.tp_sub_batches > 1 && o.ep_overlap) {
     return Error(
         "--tp-sub-batches hides the all-to-alls behind another sub-batch's compute, "
@@ -439,6 +453,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (o.recycle > 1) plan.name += fmt::format(" recycle{}", o.recycle);
   if (o.tp_sub_batches > 1) plan.name += fmt::format(" tp-sub-batches{}", o.tp_sub_batches);
   if (o.moe_deepep) plan.name += " deepep";
+  if (o.moe_shared_expert_overlap) plan.name += " shared-expert-overlap";
   if (o.ep_overlap) plan.name += " ep-overlap";
   plan.mesh = megatron_mesh(o, dp);
   // Megatron's rank order tp-cp-ep-dp-pp: tensor parallel fastest, pipeline slowest.
@@ -717,6 +732,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   plan.moe_grouped_gemm = o.moe_grouped_gemm;
   plan.moe_deepep = o.moe_deepep;
   plan.comm.ep_overlap = o.ep_overlap;
+  plan.comm.moe_shared_expert_overlap = o.moe_shared_expert_overlap;
 
   const int micro_batches = o.global_batch / (dp * o.micro_batch);
   // Segments whose recomputation Merak's schedule issues as its own block.

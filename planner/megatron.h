@@ -73,6 +73,9 @@ struct MegatronOptions {
   // together, each one's expert all-to-alls beside the other's compute (--ep-overlap;
   // Plan comm.ep_overlap).
   bool ep_overlap = false;
+  // A mixture's shared expert beside the expert all-to-alls (--moe-shared-expert-overlap;
+  // Plan comm.moe_shared_expert_overlap).
+  bool moe_shared_expert_overlap = false;
   // DeepSpeed ZeRO-3's stage3_param_persistence_threshold (elements); negative: its default
   // (1e5). Only with framework deepspeed and ZeRO-3.
   double zero3_persistence_threshold = -1;

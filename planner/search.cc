@@ -326,6 +326,12 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                     "(model.experts); drop the flag",
                     model.name));
   }
+  if (o.moe_shared_expert_overlap && model.shared_expert_ffn_hidden <= 0) {
+    return Error(fmt::format(
+        "--moe-shared-expert-overlap runs a shared expert beside the all-to-alls, but model '{}' "
+        "has none (model.shared_expert_ffn_hidden); drop the flag",
+        model.name));
+  }
   if (o.ep_overlap && !model.moe()) {
     return Error(
         fmt::format("--ep-overlap hides a mixture of experts' all-to-alls, but model '{}' has none "
@@ -499,6 +505,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                   b.tp_comm_overlap = o.tp_comm_overlap;
                   b.moe_grouped_gemm = o.moe_grouped_gemm;
                   b.moe_deepep = o.moe_deepep;
+                  b.moe_shared_expert_overlap = o.moe_shared_expert_overlap && ep > 1;
                   b.costs = o.compile;
                   b.placement = pl.order;
                   if (fixed_layers) b.stage_layers = *fixed_layers;
@@ -773,7 +780,10 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
           return x.ep > 1 && !x.ep_overlap && x.tp_sub_batches == 1 &&
                  (x.pp == 1 || x.schedule == ScheduleKind::kInterleaved);
         },
-        [](MegatronOptions& x) { x.ep_overlap = true; });
+        [](MegatronOptions& x) {
+          x.ep_overlap = true;
+          x.moe_shared_expert_overlap = false;  // Megatron-Core refuses the two together
+        });
     result.ep_overlap_tried = tries.size();
     estimate_variants(tries, "combined 1F1B", "");
   }

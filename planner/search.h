@@ -42,6 +42,8 @@ struct SearchOptions {
   bool moe_deepep = false;  // every candidate's token exchange through DeepEP
   // Combined 1F1B (comm.ep_overlap) tried for the best plans with expert parallelism.
   bool ep_overlap = false;
+  // Candidates with expert parallelism run their shared expert beside the all-to-alls.
+  bool moe_shared_expert_overlap = false;
   bool moe_grouped_gemm = false;  // every candidate's experts as one grouped-GEMM kernel
   SearchPins pins;
   Constraints constraints;

@@ -33,6 +33,7 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   so.moe_grouped_gemm = a.o.moe_grouped_gemm;
   so.moe_deepep = a.o.moe_deepep;
   so.ep_overlap = a.o.ep_overlap;
+  so.moe_shared_expert_overlap = a.o.moe_shared_expert_overlap;
   so.compile = a.o.costs;
   so.pins = a.pins;
   so.top = a.top;
@@ -271,6 +272,10 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
                 "the backward of another micro-batch run together, each one's expert all-to-alls "
                 "beside the other's compute (with pipeline stages it needs --schedule interleaved; "
                 "the search tries it for its best plans with --ep > 1)");
+  cmd->add_flag("--moe-shared-expert-overlap", a.o.moe_shared_expert_overlap,
+                "a mixture's shared expert computes beside the expert all-to-all next to it "
+                "(Megatron-Core's --moe-shared-expert-overlap; the search applies it to plans "
+                "with --ep > 1)");
   cmd->add_option("--tp-sub-batches", a.o.tp_sub_batches,
                   "Merak's sub-pipelined tensor parallelism: run each micro-batch as this many "
                   "sub-batches, one's collectives beside the next one's compute (the search "

@@ -145,6 +145,61 @@ TEST(EpOverlap, AnExchangeTakesItsTensorParallelCollectivesAlong) {
   EXPECT_GT(run(p).iteration_time, 0);
 }
 
+// Megatron-Core's --moe-shared-expert-overlap: the shared expert's compute moves beside the
+// expert exchange next to it (the dispatch in a forward, the exchange before it in a backward),
+// keeping its seconds; less of the all-to-alls is exposed.
+TEST(EpOverlap, TheSharedExpertComputesBesideTheAllToAll) {
+  Expected<ModelSpec> m = load_model("deepseek-moe-16b");
+  ASSERT_TRUE(m.ok());
+  m->layers = 3;
+  const Topology t = nodes(2);
+  MegatronOptions o = options(false, 128);
+  const Program plain = compile(*m, t, o);
+  o.moe_shared_expert_overlap = true;
+  const Program overlapped = compile(*m, t, o);
+  const double slow = 1 + overlapped.compute_model.comm_interference;
+  for (size_t i = 0; i < plain.templates.size(); ++i) {
+    double before = 0, after = 0;
+    int shared = 0, beside = 0;
+    for (const Step& s : plain.templates[i].steps) {
+      if (s.kind == StepKind::kCompute) before += s.seconds;
+    }
+    for (const Step& s : overlapped.templates[i].steps) {
+      if (s.kind == StepKind::kCompute) {
+        after += s.seconds;
+        shared += overlapped.labels[s.label].rfind("moe.shared.", 0) == 0;
+      }
+      if (s.kind == StepKind::kCollective && s.collective == CollectiveKind::kAllToAll &&
+          s.seconds > 0) {
+        after += s.seconds / slow;
+        ++beside;
+      }
+    }
+    EXPECT_EQ(shared, 0) << i;
+    EXPECT_EQ(beside, 2) << i;  // the two expert blocks' shared experts (the first is dense)
+    EXPECT_NEAR(after, before, 1e-9 * before) << i;
+  }
+  const SimResult a = run(plain);
+  const SimResult b = run(overlapped);
+  EXPECT_LT(b.lanes[0].breakdown.exposed_comm.at("ep"), a.lanes[0].breakdown.exposed_comm.at("ep"));
+  EXPECT_LT(b.iteration_time, a.iteration_time);
+  // Without a shared expert there is nothing to move: the plan file is refused at compilation;
+  // beside ep_overlap it is refused when read.
+  Expected<Plan> mixtral = build_megatron_plan(small_moe(), t, options(false));
+  ASSERT_TRUE(mixtral.ok()) << mixtral.error().message();
+  mixtral->comm.moe_shared_expert_overlap = true;
+  Expected<Program> refused = compile_plan(*mixtral, t);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("communication.moe_shared_expert_overlap"),
+            std::string::npos);
+  std::string text = plan_to_json(*mixtral);
+  text.replace(text.find("\"moe_shared_expert_overlap\": true"), 33,
+               "\"moe_shared_expert_overlap\": true, \"ep_overlap\": true");
+  Expected<Plan> both = parse_plan(text, "plan.json");
+  ASSERT_FALSE(both.ok());
+  EXPECT_NE(both.error().message().find("moe_shared_expert_overlap"), std::string::npos);
+}
+
 // The pair holds about one micro-batch's activations, not two: the forward keeps its own as the
 // backward frees its, and the blocks' transient buffers take turns. The device's peak stays
 // within a fraction of a micro-batch's activations of the blocks' in sequence.
