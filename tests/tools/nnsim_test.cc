@@ -497,6 +497,11 @@ TEST(NnsimTool, ExpertParallelismPlansSearchesAndSimulates) {
                    "1", "--pp", "1", "--ep-overlap", "--global-batch", "16", "-o", "bad.json"});
   EXPECT_NE(bad.status, 0);
   EXPECT_TRUE(contains(bad.err, "--ep-overlap hides a mixture of experts'")) << bad;
+  bad = box.nnsim({"plan", "--model", "dense.yaml", "--topo", "dgx-a100x4", "--nodes", "1", "--tp",
+                   "1", "--pp", "1", "--moe-shared-expert-overlap", "--global-batch", "16", "-o",
+                   "bad.json"});
+  EXPECT_NE(bad.status, 0);
+  EXPECT_TRUE(contains(bad.err, "has no shared expert (model.shared_expert_ffn_hidden)")) << bad;
   json dense_overlap = json::parse(box.read("dense.json"));
   dense_overlap["communication"]["ep_overlap"] = true;
   box.write("dense-overlap.json", dense_overlap.dump(1));
