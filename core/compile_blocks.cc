@@ -42,7 +42,8 @@ void Compiler::build_template(BlockTemplate& t, bool grad_sync, bool explicit_re
     sub_pipeline_collectives(t.steps, plan.comm.tp_sub_batches, lane_axes, prog.compute_model);
   }
   if (plan.comm.moe_shared_expert_overlap) {
-    shared_expert_overlaps += overlap_shared_expert(t.steps, prog.labels, prog.compute_model);
+    shared_expert_overlaps += overlap_shared_expert(t.steps, prog.labels, prog.compute_model,
+                                                    t.kind != BlockKind::kForward);
   }
 }
 

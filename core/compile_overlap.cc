@@ -159,7 +159,7 @@ void sub_pipeline_collectives(std::vector<Step>& steps, int k, uint32_t lane_axe
 // slowed beside the exchange (interference_beside); the compute keeps its seconds and class but
 // not its labels. Returns how many runs moved.
 int overlap_shared_expert(std::vector<Step>& steps, const std::vector<std::string>& labels,
-                          const ComputeModel& model) {
+                          const ComputeModel& model, bool backward) {
   auto shared = [&](const Step& s) {
     return s.kind == StepKind::kCompute && s.label >= 0 &&
            labels[s.label].rfind("moe.shared.", 0) == 0;
@@ -182,14 +182,20 @@ int overlap_shared_expert(std::vector<Step>& steps, const std::vector<std::strin
     }
     size_t end = i;
     while (end < steps.size() && shared(steps[end])) ++end;
+    // A forward (or a recomputation inside a backward) looks ahead to its dispatch; a backward's
+    // gradients look back to the exchange before them, within their own layer.
+    const bool ahead = !backward || steps[i].compute_class == ComputeClass::kRecompute;
     int found = -1;
-    for (size_t j = end; j < steps.size() && found < 0; ++j) {
-      if (exchange(steps[j]) && !taken[j]) found = static_cast<int>(j);
-      if (!passable(steps[j])) break;
-    }
-    for (size_t j = i; j-- > 0 && found < 0;) {
-      if (exchange(steps[j]) && !taken[j]) found = static_cast<int>(j);
-      if (!passable(steps[j])) break;
+    if (ahead) {
+      for (size_t j = end; j < steps.size() && found < 0; ++j) {
+        if (exchange(steps[j]) && !taken[j]) found = static_cast<int>(j);
+        if (!passable(steps[j])) break;
+      }
+    } else {
+      for (size_t j = i; j-- > 0 && found < 0;) {
+        if (exchange(steps[j]) && !taken[j]) found = static_cast<int>(j);
+        if (!passable(steps[j])) break;
+      }
     }
     if (found >= 0) {
       ++moved;

@@ -370,7 +370,7 @@ Status pair_blocks(Program& prog);
 // communication.moe_shared_expert_overlap (compile_overlap.cc): the shared expert's compute
 // beside the nearest expert exchange of the block. Returns how many runs of it moved.
 int overlap_shared_expert(std::vector<Step>& steps, const std::vector<std::string>& labels,
-                          const ComputeModel& model);
+                          const ComputeModel& model, bool backward);
 
 // A partition or recompute rule that matches no operator is a typo (or a rule for another
 // model), never a silent no-op.

@@ -177,6 +177,15 @@ TEST(EpOverlap, TheSharedExpertComputesBesideTheAllToAll) {
     }
     EXPECT_EQ(shared, 0) << i;
     EXPECT_EQ(beside, 2) << i;  // the two expert blocks' shared experts (the first is dense)
+    // Within its layer: beside the dispatch of a forward (right after the routing), beside the
+    // exchange before the routing's backward in a backward.
+    const std::vector<Step>& steps = overlapped.templates[i].steps;
+    const bool forward = overlapped.templates[i].kind == BlockKind::kForward;
+    for (size_t k = 1; k + 1 < steps.size(); ++k) {
+      if (steps[k].kind != StepKind::kCollective || steps[k].seconds == 0) continue;
+      const Step& around = forward ? steps[k - 1] : steps[k + 1];
+      EXPECT_EQ(overlapped.labels[around.label], "moe.dispatch") << i << " " << k;
+    }
     EXPECT_NEAR(after, before, 1e-9 * before) << i;
   }
   const SimResult a = run(plain);
