@@ -204,22 +204,18 @@ int overlap_shared_expert(std::vector<Step>& steps, const std::vector<std::strin
     }
     i = end;
   }
+  for (size_t k = 0; k < steps.size(); ++k) {
+    if (target[k] < 0) continue;
+    Step& x = steps[target[k]];
+    x.seconds += steps[k].seconds *
+                 (1 + interference_beside(model, x.collective == CollectiveKind::kExpertExchange));
+    x.flops += steps[k].flops;
+    x.compute_class = steps[k].compute_class;
+  }
   std::vector<Step> out;
   out.reserve(steps.size());
   for (size_t i = 0; i < steps.size(); ++i) {
-    if (target[i] >= 0) continue;
-    Step s = steps[i];
-    if (taken[i]) {
-      const double slow =
-          1 + interference_beside(model, s.collective == CollectiveKind::kExpertExchange);
-      for (size_t k = 0; k < steps.size(); ++k) {
-        if (target[k] != static_cast<int>(i)) continue;
-        s.seconds += steps[k].seconds * slow;
-        s.flops += steps[k].flops;
-        s.compute_class = steps[k].compute_class;
-      }
-    }
-    out.push_back(s);
+    if (target[i] < 0) out.push_back(steps[i]);
   }
   steps = std::move(out);
   return moved;

@@ -156,13 +156,17 @@ std::vector<int> stuck_pairs(const Program& prog, const std::vector<std::vector<
     const bool gradient = b.kind == BlockKind::kBackward || b.kind == BlockKind::kBackwardInput;
     return std::make_tuple(gradient, b.micro_batch, b.segment);
   };
+  // What each template receives: (gradient, sending segment), once for all its blocks.
+  std::vector<std::vector<std::pair<bool, int>>> receives(prog.templates.size());
+  for (size_t t = 0; t < prog.templates.size(); ++t) {
+    for (const Step& s : prog.templates[t].steps) {
+      if (s.kind == StepKind::kRecv) receives[t].emplace_back(s.gradient, s.peer_segment);
+    }
+  }
   std::set<std::tuple<bool, int, int>> done;
   auto ready = [&](const BlockInstance& b) {
-    for (const Step& s : prog.templates[b.template_index].steps) {
-      if (s.kind == StepKind::kRecv &&
-          !done.count(std::make_tuple(s.gradient, b.block.micro_batch, s.peer_segment))) {
-        return false;
-      }
+    for (const auto& [gradient, from] : receives[b.template_index]) {
+      if (!done.count(std::make_tuple(gradient, b.block.micro_batch, from))) return false;
     }
     return true;
   };

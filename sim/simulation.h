@@ -38,6 +38,9 @@ class Simulation {
   Expected<SimResult> run();
 
  private:
+  // Identifies one joint collective the same way on every participant.
+  using RendezvousKey = std::tuple<int, int, int, int, int>;
+
   // A communication stream the compute stream feeds: collectives queued and run one after
   // another by the stream's actor, counted as launched and completed (the compute stream waits
   // on `progress` for a count), with each tag's last launch.
@@ -98,7 +101,7 @@ class Simulation {
     // collectives, each under the rendezvous key its launch computed.
     struct CommItem {
       const Step* step = nullptr;
-      std::tuple<int, int, int, int, int> key;
+      RendezvousKey key;
       int block = -1;
     };
     CommStream<CommItem> ep;      // its tags count within the running block
@@ -133,8 +136,6 @@ class Simulation {
     double posted = -1;
   };
   using TransferKey = std::tuple<int, int, bool, int, int, int, int>;
-  // Identifies one joint collective the same way on every participant.
-  using RendezvousKey = std::tuple<int, int, int, int, int>;
 
   // Several instances meeting for one collective; the last to arrive runs it.
   struct Rendezvous {
@@ -166,11 +167,10 @@ class Simulation {
   void comm_wait(Instance& inst, const Step& step, int block);
   // Runs one collective of a communication stream: in closed form when nothing else crosses its
   // links, else with the instances it joins. Returns when it started.
-  double run_on_stream(Instance& inst, const Step& step,
-                       const std::tuple<int, int, int, int, int>& key);
+  double run_on_stream(Instance& inst, const Step& step, const RendezvousKey& key);
   // The key under which the participants of a joint collective meet: counted per lane, or for
   // collectives joining other lanes per block (the step's member of a pair).
-  std::tuple<int, int, int, int, int> rendezvous_key(Instance& inst, const Step& step);
+  RendezvousKey rendezvous_key(Instance& inst, const Step& step);
   const PreparedComm& prepared_collective(const Instance& inst, const Step& step) const;
   // The GPU groups a collective step of `inst` runs over (one per lane rank unless its axes
   // join them, or the step's explicit groups).

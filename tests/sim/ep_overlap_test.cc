@@ -47,6 +47,18 @@ MegatronOptions options(bool overlap, int global_batch = 64) {
   return o;
 }
 
+// Two pipeline stages of the model at 8 layers on four nodes, 8 micro-batches per replica.
+ModelSpec eight_layers() {
+  ModelSpec m = small_moe();
+  m.layers = 8;
+  return m;
+}
+MegatronOptions two_stages(bool overlap) {
+  MegatronOptions o = options(overlap, 128);
+  o.pp = 2;
+  return o;
+}
+
 Program compile(const ModelSpec& m, const Topology& t, const MegatronOptions& o) {
   Expected<Plan> plan = build_megatron_plan(m, t, o);
   EXPECT_TRUE(plan.ok()) << (plan.ok() ? "" : plan.error().message());
@@ -59,6 +71,12 @@ SimResult run(const Program& p) {
   Expected<SimResult> r = simulate(p);
   EXPECT_TRUE(r.ok()) << (r.ok() ? "" : r.error().message());
   return *r;
+}
+
+// The estimator, which runs the expert stream too, within 10 % of the simulation.
+void expect_estimated(const Program& program, const SimResult& simulated) {
+  EXPECT_NEAR(estimate_program(program).iteration_time, simulated.iteration_time,
+              0.1 * simulated.iteration_time);
 }
 
 int hideable(const BlockTemplate& t) {
@@ -253,8 +271,7 @@ TEST(EpOverlap, HidesTheAllToAllsBehindTheOtherBlocksCompute) {
   EXPECT_GE(paired.lanes[0].breakdown.compute, compute * (1 - 1e-9));
   EXPECT_LE(paired.lanes[0].breakdown.compute,
             compute * (1 + program.compute_model.comm_interference) + 1e-9);
-  EXPECT_NEAR(estimate_program(program).iteration_time, paired.iteration_time,
-              0.1 * paired.iteration_time);
+  expect_estimated(program, paired);
   // Deterministic.
   EXPECT_EQ(run(program).iteration_time, paired.iteration_time);
 }
@@ -306,22 +323,18 @@ TEST(EpOverlap, ComputeBesideDeepEpsExchangeRunsOnTheSmsItLeaves) {
   EXPECT_GT(slowed, program.compute_model.comm_interference * 0.2 * compute);
   EXPECT_LE(slowed, 20.0 / 112 * compute);
   EXPECT_LT(paired.iteration_time, plain.iteration_time);
-  EXPECT_NEAR(estimate_program(program).iteration_time, paired.iteration_time,
-              0.1 * paired.iteration_time);
+  expect_estimated(program, paired);
 }
 
 // With interleaved pipeline stages every stage pairs its steady-state blocks, the last stage's
 // too (its forward and backward there belong to different chunks), and the pipeline runs
 // through.
 TEST(EpOverlap, InterleavedStagesPairOnEveryStage) {
-  ModelSpec m = small_moe();
-  m.layers = 8;
+  const ModelSpec m = eight_layers();
   const Topology t = nodes(4);
-  MegatronOptions o = options(true);
-  o.pp = 2;
+  MegatronOptions o = two_stages(true);
   o.vpp = 2;
   o.schedule = ScheduleKind::kInterleaved;
-  o.global_batch = 128;  // 8 micro-batches per replica
   const Program program = compile(m, t, o);
   for (const Lane& lane : program.lanes) {
     int pairs = 0;
@@ -348,8 +361,7 @@ TEST(EpOverlap, InterleavedStagesPairOnEveryStage) {
   const SimResult plain = run(compile(m, t, o));
   const SimResult paired = run(program);
   EXPECT_LT(paired.iteration_time, plain.iteration_time);
-  EXPECT_NEAR(estimate_program(program).iteration_time, paired.iteration_time,
-              0.1 * paired.iteration_time);
+  expect_estimated(program, paired);
 }
 
 // A plan written by hand may pair blocks whose pairs would wait on each other through the
@@ -357,11 +369,9 @@ TEST(EpOverlap, InterleavedStagesPairOnEveryStage) {
 // from the previous stage's pair, which waits for that backward's gradient. Those pairs are
 // split; the rest stay, and the pipeline runs through. The builder refuses the schedule.
 TEST(EpOverlap, SplitsPairsThatWouldWaitOnEachOtherThroughThePipeline) {
-  ModelSpec m = small_moe();
-  m.layers = 8;
+  const ModelSpec m = eight_layers();
   const Topology t = nodes(4);
-  MegatronOptions o = options(false, 128);
-  o.pp = 2;
+  MegatronOptions o = two_stages(false);
   Expected<Plan> plan = build_megatron_plan(m, t, o);
   ASSERT_TRUE(plan.ok()) << plan.error().message();
   plan->comm.ep_overlap = true;
