@@ -1,6 +1,7 @@
-// Megatron-Core's combined 1F1B (communication.ep_overlap): a forward block and the backward
-// block of another micro-batch next to it in a lane's order become one block whose expert
-// all-to-alls run on a communication stream, each beside the other block's compute.
+// Paired blocks: Megatron-Core's combined 1F1B (communication.ep_overlap) and DualPipe's
+// overlapped forward-backward (pairs written in the orders, "F3@0+B1@7"). A forward block and
+// the backward block of another micro-batch next to it in a lane's order become one block whose
+// expert all-to-alls run on a communication stream, each beside the other block's compute.
 #include <algorithm>
 #include <map>
 #include <set>
@@ -199,22 +200,29 @@ std::vector<int> stuck_pairs(const Program& prog, const std::vector<std::vector<
 }  // namespace
 
 Status pair_blocks(Program& prog) {
+  // Pairs come from the orders ("F3@0+B1@7", DualPipe's) and, with ep_overlap, from every
+  // forward next to a backward of another micro-batch.
+  const bool automatic = prog.plan.comm.ep_overlap;
+  const std::string what =
+      automatic ? "communication.ep_overlap" : "schedule.orders: the pairs (F+B)";
   if (prog.plan.comm.tp_sub_batches > 1) {
-    return Error(
-        "communication.ep_overlap: overlaps the expert all-to-alls across micro-batches, which "
-        "\"tp_sub_batches\" already sub-pipelines within one; use one of the two");
+    return Error(fmt::format(
+        "{}: overlaps the expert all-to-alls across micro-batches, which \"tp_sub_batches\" "
+        "already sub-pipelines within one; use one of the two",
+        what));
   }
   if (prog.plan.recycle > 1) {
-    return Error(
-        "communication.ep_overlap: pairs a forward with a backward block, which repeated "
-        "forwards (recycle > 1) do not run one after the other; remove one of the two");
+    return Error(fmt::format(
+        "{}: pairs a forward with a backward block, which repeated forwards (recycle > 1) do "
+        "not run one after the other; remove one of the two",
+        what));
   }
-  // Pair every forward with the backward beside it (units[l][i]: 2 where blocks i and i + 1
-  // pair, 1 where block i runs alone, 0 for a pair's second block).
+  // units[l][i]: 2 where blocks i and i + 1 pair, 1 where block i runs alone, 0 for a pair's
+  // second block.
   std::vector<std::vector<int>> units;
   for (const Lane& lane : prog.lanes) {
     for (const BlockInstance& b : lane.blocks) {
-      if (prog.lanes_of_segment[b.block.segment].size() > 1) {
+      if (automatic && prog.lanes_of_segment[b.block.segment].size() > 1) {
         return Error(fmt::format(
             "communication.ep_overlap: segment '{}' spans several pipeline stages, whose "
             "blocks meet for their collectives and cannot pair; do not split the head or the "
@@ -225,7 +233,9 @@ Status pair_blocks(Program& prog) {
     }
     std::vector<int> u(lane.blocks.size(), 1);
     for (size_t i = 0; i + 1 < lane.blocks.size(); ++i) {
-      if (pairable(prog, lane.blocks[i], lane.blocks[i + 1])) {
+      const bool given = lane.blocks[i].block.paired_with_next;
+      if (given || (automatic && !lane.blocks[i + 1].block.paired_with_next &&
+                    pairable(prog, lane.blocks[i], lane.blocks[i + 1]))) {
         u[i] = 2;
         u[++i] = 0;
       }
@@ -235,12 +245,13 @@ Status pair_blocks(Program& prog) {
   // A pair can close a cycle through the pipeline that the blocks in sequence did not: plain
   // 1F1B's last stage pairs a backward with the next forward, whose input comes from the
   // previous stage's pair, which waits for that backward's gradient. Split such pairs, a
-  // backward-first one before a forward-first one, until every lane runs through.
+  // backward-first one before a forward-first one, until every lane runs through. The orders'
+  // own pairs stay: the schedule check replayed them as units.
   while (true) {
     const std::vector<int> stuck = stuck_pairs(prog, units);
     int split = -1;  // lane
     for (size_t l = 0; l < stuck.size(); ++l) {
-      if (stuck[l] < 0) continue;
+      if (stuck[l] < 0 || prog.lanes[l].blocks[stuck[l]].block.paired_with_next) continue;
       const bool backward_first = prog.lanes[l].blocks[stuck[l]].block.kind != BlockKind::kForward;
       if (split < 0 || backward_first) split = static_cast<int>(l);
       if (backward_first) break;
@@ -270,16 +281,18 @@ Status pair_blocks(Program& prog) {
       }
       BlockInstance pair;
       pair.block = f.block;
+      pair.block.paired_with_next = false;
       pair.template_index = it->second;
       pair.paired = true;
       pair.partner = b.block;
+      pair.partner.paired_with_next = false;
       out.push_back(pair);
       ++pairs;
       ++i;
     }
     lane.blocks = std::move(out);
   }
-  if (pairs == 0) {
+  if (automatic && pairs == 0) {
     return Error(
         "communication.ep_overlap: no forward block sits next to a backward block of another "
         "micro-batch with expert all-to-alls in both, so nothing can overlap; it needs a "

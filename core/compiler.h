@@ -362,9 +362,10 @@ void overlap_tp_collectives(std::vector<Step>& steps, uint32_t lane_axes, double
 void sub_pipeline_collectives(std::vector<Step>& steps, int k, uint32_t lane_axes,
                               const ComputeModel& model);
 
-// communication.ep_overlap (compile_pairs.cc): each forward block next to a backward block of
-// another micro-batch in a lane's order, both with expert all-to-alls, merged into one block
-// (Megatron-Core's combined 1F1B). An error when no pair forms.
+// Paired blocks (compile_pairs.cc): the orders' pairs ("F3@0+B1@7", DualPipe's overlapped
+// forward-backward) and, with communication.ep_overlap, each forward block next to a backward
+// block of another micro-batch in a lane's order, both with expert all-to-alls (Megatron-Core's
+// combined 1F1B), merged into one block each. With ep_overlap, an error when no pair forms.
 Status pair_blocks(Program& prog);
 
 // communication.moe_shared_expert_overlap (compile_overlap.cc): the shared expert's compute

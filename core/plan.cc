@@ -511,9 +511,33 @@ Plan parse_plan_node(const InputNode& root) {
       size_t end = text.find(' ', pos);
       if (end == std::string::npos) end = text.size();
       if (end > pos) {
-        Expected<Block> b = parse_block(text.substr(pos, end - pos));
-        if (!b) o["blocks"].fail(b.error().message());
-        order.blocks.push_back(*b);
+        // "F3@0+B1@7": two blocks run as one pair.
+        const std::string token = text.substr(pos, end - pos);
+        const size_t plus = token.find('+');
+        if (plus != std::string::npos && token.find('+', plus + 1) != std::string::npos) {
+          o["blocks"].fail(fmt::format(
+              "'{}' pairs more than two blocks; a pair is a forward and a backward, e.g. "
+              "'F3@0+B1@7'",
+              token));
+        }
+        for (const std::string& part :
+             plus == std::string::npos
+                 ? std::vector<std::string>{token}
+                 : std::vector<std::string>{token.substr(0, plus), token.substr(plus + 1)}) {
+          Expected<Block> b = parse_block(part);
+          if (!b) o["blocks"].fail(b.error().message());
+          order.blocks.push_back(*b);
+        }
+        if (plus != std::string::npos) {
+          if (plan.comm.moe_shared_expert_overlap) {
+            o["blocks"].fail(fmt::format(
+                "pair '{}' hides its expert all-to-alls behind the other block, which "
+                "communication.moe_shared_expert_overlap already hides behind the shared "
+                "expert; use one of the two",
+                token));
+          }
+          order.blocks[order.blocks.size() - 2].paired_with_next = true;
+        }
       }
       pos = end + 1;
     }
@@ -622,9 +646,9 @@ std::string plan_to_json(const Plan& plan) {
   json orders = json::array();
   for (const auto& o : plan.schedule) {
     std::string blocks;
-    for (const auto& b : o.blocks) {
-      if (!blocks.empty()) blocks += ' ';
-      blocks += to_string(b);
+    for (size_t i = 0; i < o.blocks.size(); ++i) {
+      if (!blocks.empty()) blocks += i > 0 && o.blocks[i - 1].paired_with_next ? '+' : ' ';
+      blocks += to_string(o.blocks[i]);
     }
     orders.push_back({{"devices", slice_json(o.devices)}, {"blocks", blocks}});
   }

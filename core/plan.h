@@ -110,9 +110,14 @@ struct Block {
   // Forward blocks of a plan with repeated forwards (Plan::recycle > 1): which pass, 0 to
   // recycle - 1; the last keeps the activations its backward reads. 0 for every other block.
   int pass = 0;
+  // Runs as one block with the next block of its order, a forward beside the backward of
+  // another micro-batch, each one's expert all-to-alls beside the other's compute (DualPipe's
+  // overlapped forward-backward; written "F3@0+B1@7").
+  bool paired_with_next = false;
   bool operator==(const Block&) const = default;
 };
 // "F3@1": forward of micro-batch 3 through segment 1; "F3@1#2": its pass 2 (repeated forwards).
+// The pair marker is the order's (DeviceOrder), not the block's text.
 std::string to_string(const Block& b);
 Expected<Block> parse_block(const std::string& text);
 

@@ -16,6 +16,11 @@ std::string to_string(const BlockInstance& b) {
   return b.paired ? to_string(b.block) + "+" + to_string(b.partner) : to_string(b.block);
 }
 
+bool Program::has_pairs() const {
+  return std::any_of(templates.begin(), templates.end(),
+                     [](const BlockTemplate& t) { return t.paired; });
+}
+
 std::vector<int> Program::group_of(int rank, uint32_t axes_mask) const {
   const Mesh& mesh = plan.mesh;
   std::vector<int> base = mesh.coordinates(rank);
@@ -476,7 +481,11 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
         "(model.shared_expert_ffn_hidden) whose experts are split over a mesh axis (expert "
         "parallelism); remove the field otherwise");
   }
-  if (plan.comm.ep_overlap) {
+  bool ordered_pairs = false;
+  for (const DeviceOrder& o : plan.schedule) {
+    for (const Block& b : o.blocks) ordered_pairs = ordered_pairs || b.paired_with_next;
+  }
+  if (plan.comm.ep_overlap || ordered_pairs) {
     if (Status s = detail::pair_blocks(prog); !s) return s.error();
   }
 

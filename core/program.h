@@ -80,15 +80,16 @@ struct BlockTemplate {
   int pass = 0;
   double kept_bytes = 0;  // activation bytes the block leaves allocated (negative: frees)
   double peak_bytes = 0;  // extra bytes above the level at the block's start, at its peak
-  // A forward and a backward merged into one (comm.ep_overlap): `kind` is the forward's; the
-  // steps' `member` says whose each is.
+  // A forward and a backward merged into one (comm.ep_overlap, or a pair of the orders):
+  // `kind` is the forward's; the steps' `member` says whose each is.
   bool paired = false;
 };
 
 struct BlockInstance {
   Block block;
   int template_index = 0;
-  // comm.ep_overlap: the backward block run together with `block` (a forward), in one template.
+  // A pair (comm.ep_overlap, or the orders'): the backward block run together with `block` (a
+  // forward), in one template.
   bool paired = false;
   Block partner;
 };
@@ -158,6 +159,9 @@ struct Program {
   std::string axes_name(uint32_t axes_mask) const;  // "tp", "dp+cp", ...
   // The rank holding the same position as `rank` in data-parallel replica `replica`.
   int rank_in_replica(int rank, int replica) const;
+  // Whether some block is a pair (comm.ep_overlap or the orders' pairs): its expert all-to-alls
+  // run on a stream of their own.
+  bool has_pairs() const;
 };
 
 // The compute model a plan runs with on `gpu` by default: the GPU's constants with the plan's

@@ -101,6 +101,31 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
                                  ord.name, to_string(b), at, i));
       }
       at = static_cast<int>(i);
+      if (!b.paired_with_next) continue;
+      // A pair runs as one block: a forward beside the backward of another micro-batch.
+      const std::string pair = i + 1 < ord.blocks.size()
+                                   ? to_string(b) + "+" + to_string(ord.blocks[i + 1])
+                                   : to_string(b) + "+";
+      if (i + 1 >= ord.blocks.size() || ord.blocks[i + 1].paired_with_next) {
+        return Error(fmt::format("schedule of {}: pair {} needs exactly one block after the '+'",
+                                 ord.name, pair));
+      }
+      const Block& c = ord.blocks[i + 1];
+      const bool forward_backward =
+          (b.kind == BlockKind::kForward && c.kind == BlockKind::kBackward) ||
+          (b.kind == BlockKind::kBackward && c.kind == BlockKind::kForward);
+      if (!forward_backward || b.micro_batch == c.micro_batch || passes > 1) {
+        return Error(fmt::format(
+            "schedule of {}: pair {} must be a forward (F) and a whole backward (B) of another "
+            "micro-batch{}; write the two blocks apart",
+            ord.name, pair, passes > 1 ? ", without repeated forwards (training.recycle)" : ""));
+      }
+      if (lanes_of_segment[b.segment].size() > 1 || lanes_of_segment[c.segment].size() > 1) {
+        return Error(fmt::format(
+            "schedule of {}: pair {} runs a segment spanning several orders, whose blocks meet "
+            "for their collectives and cannot pair; write the two blocks apart",
+            ord.name, pair));
+      }
     }
   }
   // Completeness and the order of each micro-batch's own blocks on every order of its segment.
@@ -252,6 +277,17 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
       while (next[o] < orders[o].blocks.size()) {
         const Block b = orders[o].blocks[next[o]];
         if (!waits_for(b).empty()) break;
+        if (b.paired_with_next) {
+          // A pair starts once both blocks' inputs are there (neither segment spans orders).
+          const Block c = orders[o].blocks[next[o] + 1];
+          if (!waits_for(c).empty()) break;
+          done[key(kind_of(b), b.micro_batch, b.segment)] = 1;
+          done[key(kind_of(c), c.micro_batch, c.segment)] = 1;
+          next[o] += 2;
+          finished += 2;
+          progress = true;
+          continue;
+        }
         done[key(kind_of(b), b.micro_batch, b.segment)] = 1;
         for (int x : lanes_of_segment[b.segment]) {
           ++next[x];
@@ -265,7 +301,14 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
       for (size_t o = 0; o < orders.size(); ++o) {
         if (next[o] >= orders[o].blocks.size()) continue;
         const Block& b = orders[o].blocks[next[o]];
-        msg += fmt::format("\n  {} waits in {} for {}", orders[o].name, to_string(b), waits_for(b));
+        std::string why = waits_for(b);
+        std::string at = to_string(b);
+        if (b.paired_with_next) {
+          const Block& c = orders[o].blocks[next[o] + 1];
+          at += "+" + to_string(c);
+          if (why.empty()) why = waits_for(c);
+        }
+        msg += fmt::format("\n  {} waits in {} for {}", orders[o].name, at, why);
       }
       msg += "\nreorder the blocks so that every transfer is produced before it is awaited";
       if (base.back() > static_cast<size_t>(num_segments)) {

@@ -67,6 +67,16 @@ Status check_runnable(const Plan& plan) {
                   "mixtures of experts are simulated only; nnexec runs dense "
                   "models (drop 'experts')");
   }
+  for (std::size_t oi = 0; oi < plan.schedule.size(); ++oi) {
+    for (const Block& b : plan.schedule[oi].blocks) {
+      if (b.paired_with_next) {
+        return refuse(fmt::format("schedule.orders[{}].blocks", oi),
+                      fmt::format("the pair {}+... (a forward beside another micro-batch's "
+                                  "backward) is simulated only; write its two blocks apart",
+                                  to_string(b)));
+      }
+    }
+  }
   if (plan.comm.tp_sub_batches > 1) {
     return refuse("communication.tp_sub_batches",
                   "sub-pipelined tensor parallelism is simulated only; nnexec runs each "

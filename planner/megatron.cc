@@ -314,13 +314,22 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                              model.seq_len, seq_split));
   }
   if (o.vpp > 1 && required_chunks(o.schedule) == 1) {
-    return Error("--vpp > 1 needs --schedule interleaved (or zb-v with --vpp 2)");
+    return Error("--vpp > 1 needs --schedule interleaved (or zb-v or dualpipev with --vpp 2)");
   }
-  if (o.schedule == ScheduleKind::kZbV && o.vpp != 2) {
+  if (required_chunks(o.schedule) == 2 && o.vpp != 2) {
     return Error(
-        fmt::format("the zb-v schedule runs two model chunks per pipeline rank in a V; "
+        fmt::format("the {} schedule runs two model chunks per pipeline rank in a V; "
                     "use --vpp 2 (got {})",
-                    o.vpp));
+                    to_string(o.schedule), o.vpp));
+  }
+  if (o.schedule == ScheduleKind::kDualPipeV &&
+      (o.ep_overlap || o.moe_shared_expert_overlap || o.tp_sub_batches > 1)) {
+    return Error(fmt::format(
+        "the dualpipev schedule pairs its forwards and backwards itself, each one's expert "
+        "all-to-alls beside the other's compute; drop {}",
+        o.ep_overlap                  ? "--ep-overlap"
+        : o.moe_shared_expert_overlap ? "--moe-shared-expert-overlap (it would hide them too)"
+                                      : "--tp-sub-batches (it would hide them too)"));
   }
   if (o.zero < 0 || o.zero > 3) return Error("--zero must be 0, 1, 2 or 3");
   if (o.tp_sub_batches < 1) {

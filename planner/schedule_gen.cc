@@ -155,7 +155,7 @@ Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleK
           "segment '{}' is not where the {} schedule puts segment {} (pp={}); build the plan "
           "with --schedule {}{}",
           s.name, to_string(kind), i, want, to_string(kind),
-          kind == ScheduleKind::kZbV ? " --vpp 2" : ""));
+          required_chunks(kind) == 2 ? " --vpp 2" : ""));
     }
     if (i + 1 < segments && s.end_layer != plan.segments[i + 1].first_layer) {
       return Error(

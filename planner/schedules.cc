@@ -1,6 +1,7 @@
 #include "planner/schedules.h"
 
 #include <algorithm>
+#include <deque>
 #include <map>
 
 #include <fmt/format.h>
@@ -67,6 +68,86 @@ std::vector<Block> interleaved(int stage, int stages, int chunks, int micro_batc
   return out;
 }
 
+// DualPipeV (DeepSeek's DualPipe cut in half, deepseek-ai/DualPipe): rank r holds segment r
+// (phase 0, on the way down) and segment 2 stages - 1 - r (phase 1, on the way back), as ZB-V
+// places them. Its eight steps, with n = stages, M = micro-batches:
+//   1. 2(n - r - 1) forwards of phase 0;
+//   2. r + 1 times a forward of phase 0 and one of phase 1;
+//   3. n - r - 1 times a phase-1 backward split in input and weight gradients, then a forward
+//      of phase 1;
+//   4. M - 2n + r + 1 times a phase-0 forward paired with a phase-1 backward, then a phase-1
+//      forward paired with a phase-0 backward (the last rank runs its first pair apart);
+//   5. n - r - 1 times a phase-1 backward, then a phase-1 forward paired with a phase-0 backward;
+//   6. r + 1 times a phase-1 and a phase-0 backward, split from the middle on (odd ranks from
+//      the phase-1 one);
+//   7. n - r - 1 times a held-back weight gradient, then a split phase-0 backward;
+//   8. the r + 1 weight gradients left.
+// Each phase runs its micro-batches in order; weight gradients run first held, first run.
+std::vector<Block> dual_pipe_v(int rank, int stages, int micro_batches) {
+  const int segment[2] = {rank, 2 * stages - 1 - rank};
+  int forwards[2] = {0, 0}, backwards[2] = {0, 0};
+  std::deque<Block> held;  // weight gradients waiting
+  std::vector<Block> out;
+  auto forward = [&](int phase) {
+    out.push_back({BlockKind::kForward, forwards[phase]++, segment[phase]});
+  };
+  auto backward = [&](int phase, bool split) {
+    const int mb = backwards[phase]++;
+    if (!split) {
+      out.push_back({BlockKind::kBackward, mb, segment[phase]});
+      return;
+    }
+    out.push_back({BlockKind::kBackwardInput, mb, segment[phase]});
+    held.push_back({BlockKind::kBackwardWeight, mb, segment[phase]});
+  };
+  auto weight = [&] {
+    out.push_back(held.front());
+    held.pop_front();
+  };
+  auto pair = [&](int forward_phase, int backward_phase) {
+    forward(forward_phase);
+    out.back().paired_with_next = true;
+    backward(backward_phase, false);
+  };
+  const int n = stages, r = rank;
+  for (int i = 0; i < 2 * (n - r - 1); ++i) forward(0);
+  for (int i = 0; i < r + 1; ++i) {
+    forward(0);
+    forward(1);
+  }
+  for (int i = 0; i < n - r - 1; ++i) {
+    backward(1, true);
+    weight();
+    forward(1);
+  }
+  for (int i = 0; i < micro_batches - 2 * n + r + 1; ++i) {
+    if (i == 0 && r == n - 1) {
+      forward(0);
+      backward(1, false);
+    } else {
+      pair(0, 1);
+    }
+    pair(1, 0);
+  }
+  for (int i = 0; i < n - r - 1; ++i) {
+    backward(1, false);
+    pair(1, 0);
+  }
+  bool split = false;
+  for (int i = 0; i < r + 1; ++i) {
+    if (i == (r + 1) / 2 && r % 2 == 1) split = true;
+    backward(1, split);
+    if (i == (r + 1) / 2 && r % 2 == 0) split = true;
+    backward(0, split);
+  }
+  for (int i = 0; i < n - r - 1; ++i) {
+    weight();
+    backward(0, true);
+  }
+  while (!held.empty()) weight();
+  return out;
+}
+
 }  // namespace
 
 PipelineRuntime pipeline_runtime_of(const std::string& framework) {
@@ -74,7 +155,8 @@ PipelineRuntime pipeline_runtime_of(const std::string& framework) {
 }
 
 bool splits_backward(ScheduleKind kind) {
-  return kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbH2 || kind == ScheduleKind::kZbV;
+  return kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbH2 || kind == ScheduleKind::kZbV ||
+         kind == ScheduleKind::kDualPipeV;
 }
 
 int required_chunks(ScheduleKind kind) {
@@ -83,6 +165,7 @@ int required_chunks(ScheduleKind kind) {
     case ScheduleKind::kTessel:
       return 0;
     case ScheduleKind::kZbV:
+    case ScheduleKind::kDualPipeV:
       return 2;
     default:
       return 1;
@@ -90,7 +173,9 @@ int required_chunks(ScheduleKind kind) {
 }
 
 int rank_of_segment(ScheduleKind kind, int segment, int stages) {
-  if (kind == ScheduleKind::kZbV) return segment < stages ? segment : 2 * stages - 1 - segment;
+  if (kind == ScheduleKind::kZbV || kind == ScheduleKind::kDualPipeV) {
+    return segment < stages ? segment : 2 * stages - 1 - segment;
+  }
   return segment % stages;
 }
 
@@ -100,11 +185,11 @@ Expected<std::vector<std::vector<Block>>> pipeline_orders(
   if (micro_batches < 1) return Error("a schedule needs at least one micro-batch");
   const int need = required_chunks(kind);
   if (need > 0 && chunks != need) {
-    if (kind == ScheduleKind::kZbV) {
+    if (need == 2) {
       return Error(
-          fmt::format("the zb-v schedule runs two model chunks per pipeline rank in a V; "
+          fmt::format("the {} schedule runs two model chunks per pipeline rank in a V; "
                       "use --vpp 2 (got {})",
-                      chunks));
+                      to_string(kind), chunks));
     }
     return Error(
         fmt::format("the {} schedule runs one model chunk per pipeline rank; use "
@@ -137,6 +222,16 @@ Expected<std::vector<std::vector<Block>>> pipeline_orders(
       for (int s = 0; s < stages; ++s) {
         out.push_back(interleaved(s, stages, chunks, micro_batches, runtime, extra_warmup));
       }
+      return out;
+    case ScheduleKind::kDualPipeV:
+      if (micro_batches < 2 * stages) {
+        return Error(fmt::format(
+            "the dualpipev schedule needs at least twice as many micro-batches as pipeline "
+            "stages (2 x {} = {}; got {}); raise the global batch or lower the micro-batch "
+            "size",
+            stages, 2 * stages, micro_batches));
+      }
+      for (int s = 0; s < stages; ++s) out.push_back(dual_pipe_v(s, stages, micro_batches));
       return out;
     default:
       break;
@@ -302,11 +397,12 @@ Expected<ScheduleKind> parse_schedule_kind(const std::string& name) {
   if (name == "zb-h1") return ScheduleKind::kZbH1;
   if (name == "zb-h2") return ScheduleKind::kZbH2;
   if (name == "zb-v") return ScheduleKind::kZbV;
+  if (name == "dualpipev") return ScheduleKind::kDualPipeV;
   if (name == "merak") return ScheduleKind::kMerak;
   if (name == "tessel") return ScheduleKind::kTessel;
   return Error(fmt::format("unknown schedule '{}'{}", name,
                            suggest(name, {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v",
-                                          "merak", "tessel"})));
+                                          "dualpipev", "merak", "tessel"})));
 }
 
 std::string_view to_string(ScheduleKind kind) {
@@ -323,6 +419,8 @@ std::string_view to_string(ScheduleKind kind) {
       return "zb-h2";
     case ScheduleKind::kZbV:
       return "zb-v";
+    case ScheduleKind::kDualPipeV:
+      return "dualpipev";
     case ScheduleKind::kMerak:
       return "merak";
     case ScheduleKind::kTessel:

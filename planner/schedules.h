@@ -14,9 +14,12 @@ enum class ScheduleKind {
   kGpipe,
   kOneFOneB,
   kInterleaved,
-  kZbH1,   // zero bubble, 1F1B's memory (Qi et al. 2024, ZB-H1)
-  kZbH2,   // zero bubble, about twice 1F1B's memory on the first stage (ZB-H2)
-  kZbV,    // zero bubble on a V-shaped placement of two chunks per rank (ZB-V)
+  kZbH1,  // zero bubble, 1F1B's memory (Qi et al. 2024, ZB-H1)
+  kZbH2,  // zero bubble, about twice 1F1B's memory on the first stage (ZB-H2)
+  kZbV,   // zero bubble on a V-shaped placement of two chunks per rank (ZB-V)
+  // DualPipeV (DeepSeek-V3's DualPipe cut in half): ZB-V's placement, each steady-state forward
+  // paired with another micro-batch's backward, their expert all-to-alls beside each other.
+  kDualPipeV,
   kMerak,  // Merak's shifted critical path: 1F1B with recomputation off the critical path
   // Tessel's repetend search (planner/tessel.h) on the plan's placement, from 1F1B orders (one
   // chunk per rank) or interleaved ones (several), within their memory.

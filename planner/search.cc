@@ -715,6 +715,8 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
       }
       if (2 * c.options.pp <= model.layers && pin.vpp.value_or(2) == 2) {
         kinds.emplace_back(ScheduleKind::kZbV, 2);
+        // DualPipeV pairs blocks to hide expert all-to-alls: only where there are some.
+        if (c.options.ep > 1) kinds.emplace_back(ScheduleKind::kDualPipeV, 2);
       }
       // Tessel's search (a solver run per plan) only when the constraints ask for it, on the
       // plan's own stages.
@@ -727,6 +729,12 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
         Candidate t = c;
         t.options.schedule = kind;
         t.options.vpp = vpp;
+        if (kind == ScheduleKind::kDualPipeV) {
+          // Its pairs hide the all-to-alls; the builder refuses the other ways of hiding them.
+          t.options.ep_overlap = false;
+          t.options.moe_shared_expert_overlap = false;
+          t.options.tp_sub_batches = 1;
+        }
         const bool same_stages = kind == ScheduleKind::kTessel;
         if (!same_stages && (vpp != c.options.vpp || !fixed_layers)) t.options.stage_layers.clear();
         if (fixed_layers) t.options.stage_layers = *fixed_layers;

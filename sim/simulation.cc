@@ -669,7 +669,7 @@ Expected<SimResult> Simulation::run() {
                        [this, p] { compute_actor(*p); });
     sg4::Actor::create(fmt::format("dp{}.r{}", p->lane, p->replica), host,
                        [this, p] { dp_stream_actor(*p); });
-    if (prog_.plan.comm.ep_overlap) {
+    if (prog_.has_pairs()) {
       sg4::Actor::create(fmt::format("ep{}.r{}", p->lane, p->replica), host,
                          [this, p] { comm_stream_actor(*p); });
     }

@@ -49,7 +49,7 @@ std::string chrome_trace_json(const Program& program, const SimResult& r, bool p
           pids[l][i], pids[l][i]));
       for (Stream s :
            {Stream::kCompute, Stream::kDataParallel, Stream::kPipelineSend, Stream::kExpertComm}) {
-        if (s == Stream::kExpertComm && !program.plan.comm.ep_overlap) continue;
+        if (s == Stream::kExpertComm && !program.has_pairs()) continue;
         emit(fmt::format(
             R"({{"name":"thread_name","ph":"M","pid":{},"tid":{},"args":{{"name":"{}"}}}})",
             pids[l][i], static_cast<int>(s), to_string(s)));

@@ -250,7 +250,8 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
   cmd->add_option("--recompute", a.recompute, "none, selective or full");
   cmd->add_option("--zero", a.o.zero, "optimizer sharding stage 0-3");
   cmd->add_option("--schedule", a.schedule,
-                  "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v (with --vpp 2) or merak");
+                  "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, dualpipev (both with --vpp 2) or "
+                  "merak");
   cmd->add_option("--precision", a.precision, "fp32, tf32, bf16, fp16 or fp8");
   cmd->add_option("--loss", a.loss,
                   "the training code's cross-entropy, replacing the model's: fused, "

@@ -23,7 +23,7 @@ CLI::App* add_schedule_command(CLI::App& app, ScheduleArgs& a) {
                   "topology YAML file or preset (default: the one the plan names)");
   cmd->add_option("--nodes", a.nodes, "resize the topology to this many nodes")->check(at_least(1));
   cmd->add_option("--generator", a.generator,
-                  "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v or merak");
+                  "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, dualpipev or merak");
   cmd->add_flag("--search", a.search,
                 "search the plan's own placement for a repeating schedule (Tessel, Z3)");
   cmd->add_option(

@@ -118,6 +118,30 @@ TEST(Plan, JsonRoundTrip) {
   EXPECT_EQ(plan_to_json(*q), once);
 }
 
+// "F1@0+B0@0" in an order pairs the two blocks (the first one is marked); the plan writes it
+// back the same. More than two blocks, or a pair beside the shared-expert overlap, are refused.
+TEST(Plan, OrdersPairBlocksWithAPlus) {
+  const std::string text =
+      replace(kPlan, R"("blocks": "F0@0 F1@0 B0@0 B1@0")", R"("blocks": "F0@0 F1@0+B0@0 B1@0")");
+  auto p = parse_plan(text, "plan.json");
+  ASSERT_TRUE(p.ok()) << p.error().message();
+  const std::vector<Block>& blocks = p->schedule[0].blocks;
+  ASSERT_EQ(blocks.size(), 4u);
+  EXPECT_FALSE(blocks[0].paired_with_next);
+  EXPECT_TRUE(blocks[1].paired_with_next);
+  EXPECT_FALSE(blocks[2].paired_with_next);
+  EXPECT_TRUE(contains(plan_to_json(*p), R"("blocks": "F0@0 F1@0+B0@0 B1@0")"));
+  expect_error(R"("blocks": "F0@0 F1@0 B0@0 B1@0")", R"("blocks": "F0@0 F1@0+B0@0+B1@0")",
+               "schedule.orders[0].blocks", "'F1@0+B0@0+B1@0' pairs more than two blocks");
+  expect_error(R"("blocks": "F0@0 F1@0 B0@0 B1@0")", R"("blocks": "F0@0 F1@0+ B0@0 B1@0")",
+               "schedule.orders[0].blocks", "'' is not a block");
+  std::string shared = replace(text, R"("optimizer": {"zero": 1},)",
+                               R"("optimizer": {"zero": 1},
+  "communication": {"moe_shared_expert_overlap": true},)");
+  std::string e = parse_error(shared);
+  EXPECT_TRUE(contains(e, "pair 'F1@0+B0@0' hides its expert all-to-alls")) << e;
+}
+
 TEST(Plan, HandBuiltPlanRoundTrips) {
   Plan p;
   p.name = "hand";

@@ -1019,6 +1019,9 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
       {[](Plan& q) { q.model.kv_lora_rank = 16; },
        "model.kv_lora_rank: multi-head latent attention is simulated only"},
       {[](Plan& q) { q.comm.tp_sub_batches = 2; }, "communication.tp_sub_batches: sub-pipelined"},
+      {[](Plan& q) { q.schedule[0].blocks[0].paired_with_next = true; },
+       "schedule.orders[0].blocks: the pair F0@0+... (a forward beside another micro-batch's "
+       "backward) is simulated only"},
   };
   for (const auto& [change, message] : simulated_only) {
     p = *base;

@@ -351,6 +351,49 @@ TEST(Megatron, CompileRejectsADeadlockingSchedule) {
       << e;
 }
 
+// A pair starts once both its blocks' inputs are there. Stage 0 pairs F1@0 with B0@0 (waiting
+// for B0@1), which stage 1 runs only after F1@1, which waits for F1@0: the blocks apart would
+// run through, the pair deadlocks, and the message names it. A pair that is not a forward and a
+// whole backward of another micro-batch is refused.
+TEST(Megatron, CompileChecksTheOrdersPairs) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  Plan p = build(m, opts(8, 2, 4));  // dp 2: 2 micro-batches
+  using K = BlockKind;
+  Block f1{K::kForward, 1, 0};
+  f1.paired_with_next = true;
+  p.schedule[0].blocks = {{K::kForward, 0, 0}, f1, {K::kBackward, 0, 0}, {K::kBackward, 1, 0}};
+  p.schedule[1].blocks = {
+      {K::kForward, 0, 1}, {K::kForward, 1, 1}, {K::kBackward, 0, 1}, {K::kBackward, 1, 1}};
+  std::string e = compile_error(p);
+  EXPECT_TRUE(contains(e,
+                       "pp=0 (GPUs 0-7) waits in F1@0+B0@0 for the gradient of the backward "
+                       "of micro-batch 0 through segment 1"))
+      << e;
+  // Stage 1 runs 1F1B: the pair runs through (a dense model: nothing to hide, the blocks run
+  // one after the other in one block).
+  p.schedule[1].blocks = {
+      {K::kForward, 0, 1}, {K::kBackward, 0, 1}, {K::kForward, 1, 1}, {K::kBackward, 1, 1}};
+  auto prog = compile_plan(p, topology("dgx-a100x4"));
+  ASSERT_TRUE(prog.ok()) << prog.error().message();
+  EXPECT_EQ(to_string(prog->lanes[0].blocks[1]), "F1@0+B0@0");
+  EXPECT_TRUE(prog->has_pairs());
+  Plan split = p;
+  split.schedule[0].blocks[2].kind = K::kBackwardInput;
+  split.schedule[0].blocks.push_back({K::kBackwardWeight, 0, 0});
+  e = compile_error(split);
+  EXPECT_TRUE(contains(e,
+                       "pair F1@0+BI0@0 must be a forward (F) and a whole backward (B) of "
+                       "another micro-batch"))
+      << e;
+  Plan same = p;
+  same.schedule[0].blocks = {{K::kForward, 0, 0}, f1, {K::kBackward, 1, 0}, {K::kBackward, 0, 0}};
+  e = compile_error(same);
+  EXPECT_TRUE(contains(e,
+                       "pair F1@0+B1@0 must be a forward (F) and a whole backward (B) of "
+                       "another micro-batch"))
+      << e;
+}
+
 TEST(Megatron, CompileRejectsIncompleteSchedules) {
   const ModelSpec m = preset("gpt3-1.3b");
   Plan p = build(m, opts(8, 2, 4));

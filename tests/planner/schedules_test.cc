@@ -364,6 +364,68 @@ TEST(Schedules, SearchListSchedulesTheEndsGivenRoom) {
   EXPECT_LE(estimate.peak_memory, limit);
 }
 
+// The order's text with its pairs joined by '+', as a plan file writes it.
+std::string paired_text(const std::vector<Block>& blocks) {
+  std::string s;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    s += (i == 0 ? "" : blocks[i - 1].paired_with_next ? "+" : " ") + to_string(blocks[i]);
+  }
+  return s;
+}
+
+// DualPipeV on two ranks, four micro-batches, by the eight steps of deepseek-ai/DualPipe's
+// dualpipev.py. Rank 0 holds segments 0 and 3: two forwards of phase 0; one of each phase; a
+// split phase-1 backward, its weight gradients, a forward; the main step's two pairs; a phase-1
+// backward and a pair; the middle of its last backwards split; the held weight gradients. The
+// last rank runs its first main-step forward and backward apart.
+TEST(Schedules, DualPipeVFollowsItsEightSteps) {
+  EXPECT_EQ(paired_text(order(ScheduleKind::kDualPipeV, 0, 2, 2, 4)),
+            "F0@0 F1@0 F2@0 F0@3 BI0@3 BW0@3 F1@3 F3@0+B1@3 F2@3+B0@0 B2@3 F3@3+B1@0 B3@3 "
+            "BI2@0 BW2@0 BI3@0 BW3@0");
+  EXPECT_EQ(paired_text(order(ScheduleKind::kDualPipeV, 1, 2, 2, 4)),
+            "F0@1 F0@2 F1@1 F1@2 F2@1 B0@2 F2@2+B0@1 F3@1+B1@2 F3@2+B1@1 B2@2 B2@1 BI3@2 BI3@1 "
+            "BW3@2 BW3@1");
+}
+
+// Over 1-8 ranks and 2p to 3p + 2 micro-batches every rank runs every block of its two
+// segments once, the pipeline runs through with each pair started once both its blocks' inputs
+// are there, and rank r runs 2 (M - 2p + r + 1) + (p - r - 1) pairs (the last rank one less).
+TEST(Schedules, DualPipeVRunsThroughOnEveryShape) {
+  for (int stages = 1; stages <= 8; ++stages) {
+    for (int m : {2 * stages, 2 * stages + 1, 3 * stages + 2}) {
+      auto orders = pipeline_orders(ScheduleKind::kDualPipeV, stages, 2, m);
+      ASSERT_TRUE(orders.ok()) << orders.error().message();
+      std::vector<OrderView> views;
+      for (int r = 0; r < stages; ++r) {
+        const std::vector<Block>& o = (*orders)[r];
+        views.push_back({"pp=" + std::to_string(r), o});
+        int pairs = 0;
+        for (const Block& b : o) pairs += b.paired_with_next;
+        EXPECT_EQ(pairs, 2 * (m - 2 * stages + r + 1) + (stages - r - 1) - (r == stages - 1))
+            << stages << " ranks, " << m << " micro-batches, rank " << r;
+      }
+      const int segments = 2 * stages;
+      std::vector<int> next(segments), lane(segments);
+      for (int s = 0; s < segments; ++s) {
+        next[s] = s + 1 < segments ? s + 1 : -1;
+        lane[s] = rank_of_segment(ScheduleKind::kDualPipeV, s, stages);
+      }
+      Status s = check_schedule(views, segments, m, next, lane);
+      EXPECT_TRUE(s.ok()) << stages << " ranks, " << m << " micro-batches: " << s.error().message();
+    }
+  }
+  auto few = pipeline_orders(ScheduleKind::kDualPipeV, 4, 2, 7);
+  ASSERT_FALSE(few.ok());
+  EXPECT_TRUE(contains(few.error().message(),
+                       "needs at least twice as many micro-batches as pipeline stages (2 x 4 = "
+                       "8; got 7)"))
+      << few.error().message();
+  auto one_chunk = pipeline_orders(ScheduleKind::kDualPipeV, 4, 1, 8);
+  ASSERT_FALSE(one_chunk.ok());
+  EXPECT_TRUE(contains(one_chunk.error().message(), "dualpipev schedule runs two model chunks"))
+      << one_chunk.error().message();
+}
+
 TEST(Schedules, Errors) {
   auto e = pipeline_orders(ScheduleKind::kOneFOneB, 4, 2, 8);
   ASSERT_FALSE(e.ok());
@@ -383,8 +445,8 @@ TEST(Schedules, Errors) {
 }
 
 TEST(Schedules, Names) {
-  for (ScheduleKind k :
-       {ScheduleKind::kGpipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved}) {
+  for (ScheduleKind k : {ScheduleKind::kGpipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved,
+                         ScheduleKind::kDualPipeV}) {
     auto parsed = parse_schedule_kind(std::string(to_string(k)));
     ASSERT_TRUE(parsed.ok());
     EXPECT_EQ(*parsed, k);

@@ -198,6 +198,26 @@ TEST(Search, CombinedOneFOneBIsTriedWhenAsked) {
   EXPECT_LT(best.time(), plain->ranked.front().time());
 }
 
+// Pipelines with expert parallelism are rescheduled with DualPipeV too; across InfiniBand, where
+// the all-to-alls weigh most, its pairs make it the fastest of the schedules tried.
+TEST(Search, DualPipeVIsTriedForExpertParallelPipelines) {
+  ModelSpec m = *load_model("qwen3-30b-a3b");
+  m.layers = 8;
+  const Topology t = topo("dgx-h100-superpod", 4);
+  SearchOptions o = options(128);
+  o.pins.tp = 1;
+  o.pins.pp = 2;
+  o.pins.ep = 16;
+  o.pins.micro_batch = 1;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  ASSERT_FALSE(r->ranked.empty());
+  const Candidate& best = r->ranked.front();
+  EXPECT_EQ(best.options.schedule, ScheduleKind::kDualPipeV) << best.describe();
+  EXPECT_NE(best.describe().find("dualpipev"), std::string::npos) << best.describe();
+  EXPECT_FALSE(best.options.ep_overlap);
+}
+
 TEST(Search, ContradictoryConstraintsReportWhatEmptiedTheSpace) {
   const ModelSpec m = *load_model("gpt3-13b");
   const Topology t = topo("dgx-a100x4", 4);
