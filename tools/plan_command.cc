@@ -78,7 +78,7 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   }
   if (r->schedules_tried > 0) {
     std::printf(
-        "%zu other pipeline schedules (zero bubble, Merak, Tessel) tried for the best pipelined "
+        "%zu other pipeline schedules (zero bubble, DualPipeV, Merak, Tessel) tried for the best pipelined "
         "plans\n",
         r->schedules_tried);
   }
