@@ -35,13 +35,27 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 
 // ---------------------------------------------------------------- what nnexec run supports
 
+Status check_checkable(const Plan& plan) {
+  const std::string dtype = run_dtype(plan);
+  if (plan.model.moe() && dtype != "fp32") {
+    return Error(fmt::format(
+        "a mixture of experts in {} cannot be checked against the unpartitioned fp32 "
+        "reference: {} rounding moves some tokens across the router's top-k boundary, to other "
+        "experts, where the reference does not; check the plan in fp32 (nnsim plan --precision "
+        "fp32), or run it without --check",
+        dtype, dtype));
+  }
+  return Status::Ok();
+}
+
 Status check_runnable(const Plan& plan) {
   const ModelSpec& m = plan.model;
   auto refuse = [](const std::string& field, const std::string& why) {
     return Error(fmt::format(
         "{}: {} (nnexec run executes GPT- and Llama-style models: "
         "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
-        "ReLU or squared-ReLU MLP, learned, rotary or ALiBi positions, dropout with "
+        "ReLU or squared-ReLU MLP, mixtures of experts (top-k, dropless, a shared expert, "
+        "every expert on every rank), learned, rotary or ALiBi positions, dropout with "
         "deterministic masks (recomputed and repeated passes too); Megatron tensor, sequence "
         "and context parallelism (together too), pipelines (interleaved too; the head and the "
         "embedding also sharded over the stages, with context parallelism and repeated "
@@ -62,10 +76,24 @@ Status check_runnable(const Plan& plan) {
     return refuse("model.mtp_layers",
                   "multi-token prediction is simulated only (drop 'mtp_layers')");
   }
-  if (m.moe()) {
-    return refuse("model.experts",
-                  "mixtures of experts are simulated only; nnexec runs dense "
-                  "models (drop 'experts')");
+  // Mixtures of experts run with every expert on every rank (no expert or tensor parallelism
+  // of the experts: the partition check below refuses their splits), routed dropless as
+  // Megatron-Core's default: each expert takes exactly the tokens routed to it.
+  if (m.moe() && m.expert_capacity_factor != 1) {
+    return refuse("model.expert_capacity_factor",
+                  fmt::format("{} pads the experts' tokens, which nnexec does not: it routes "
+                              "dropless, each expert taking the tokens routed to it; set 1",
+                              m.expert_capacity_factor));
+  }
+  if (m.moe() && (m.router_groups > 1 || m.router_group_topk > 1)) {
+    return refuse("model.router_groups",
+                  "group-limited routing is simulated only; nnexec's router picks each token's "
+                  "experts among all of them (set router_groups and router_group_topk to 1)");
+  }
+  if (m.moe() && plan.precision == Precision::kFp8) {
+    return refuse("precision",
+                  "fp8 experts are simulated only; nnexec runs a mixture of experts in fp32, "
+                  "bf16 or fp16");
   }
   for (std::size_t oi = 0; oi < plan.schedule.size(); ++oi) {
     for (const Block& b : plan.schedule[oi].blocks) {
@@ -117,6 +145,19 @@ Status check_runnable(const Plan& plan) {
     head_spans = head_spans || (spans && plan.segments[si].head);
   }
 
+  // Expert parallelism: the experts split over ranks (and the tokens exchanged).
+  for (const PartitionRule& r : plan.partition) {
+    for (const DimSplit& s : r.splits) {
+      if (s.dim == Dim::kExpert && !s.axes.empty()) {
+        return refuse("partition",
+                      fmt::format("'{}' splits the experts over {} (expert parallelism), which is "
+                                  "simulated only: nnexec runs every expert on every rank; plan "
+                                  "with --ep 1",
+                                  r.match, join(s.axes, "+")));
+      }
+    }
+  }
+
   // Effective splits per operator (every matching rule, in file order).
   const OpGraph graph = lower_model(m, 1);
   // Context parallelism: attn.core's sequence split, which every operator must share.
@@ -132,7 +173,7 @@ Status check_runnable(const Plan& plan) {
   bool tp_set = false;
   std::map<std::string, std::vector<std::string>> split_of;  // op -> axes of its allowed dim
   std::set<std::string> seq_split;                           // sequence-parallel operators
-  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
+  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
     for (const Op& op : part->ops) {
       std::map<Dim, std::vector<std::string>> splits;
       for (const PartitionRule& r : plan.partition) {
@@ -299,7 +340,8 @@ Status check_runnable(const Plan& plan) {
   }
   if (!cp_axes.empty()) {
     const std::string cp = join(cp_axes, "+");
-    for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
+    for (const GraphPart* part :
+         {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
       for (const Op& op : part->ops) {
         if (!cp_split.count(op.name)) {
           return refuse("partition",

@@ -120,6 +120,10 @@ struct RunResults {
 // Whether `nnexec run` can execute `plan` faithfully; the error names the field (and the value)
 // it cannot run, e.g. "model.position: 'alibi' ...". No LibTorch needed.
 Status check_runnable(const Plan& plan);
+// Whether `nnexec run --check` can compare `plan`'s run with the unpartitioned fp32 reference:
+// not a mixture of experts in 16 bits, whose rounding moves tokens across the top-k boundary
+// (other experts, other gradients) where the fp32 reference does not.
+Status check_checkable(const Plan& plan);
 
 // What `nnexec run` computes a plan in: "bf16" when the plan's precision is bf16 (bf16 weights
 // and activations, fp32 master weights, gradients and Adam), "fp16" when fp16 (the same in fp16,

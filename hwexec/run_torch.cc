@@ -55,6 +55,7 @@
 #include "hwexec/run_attention_products.h"
 #include "hwexec/run_context_parallel.h"
 #include "hwexec/run_model_masks.h"
+#include "hwexec/run_moe.h"
 #include "hwexec/run_precision.h"
 #include "hwexec/run_spanning.h"
 #include "hwexec/run_split_backward.h"
@@ -566,10 +567,17 @@ void resize_storage(const at::Tensor& t, std::size_t bytes) {
 }
 
 struct LayerParams {
-  Param *ln1g, *ln1b = nullptr, *qkv_w, *qkv_b = nullptr, *proj_w, *proj_b = nullptr, *ln2g,
-               *ln2b = nullptr, *fc1_w, *fc1_b = nullptr, *fc2_w, *fc2_b = nullptr;
+  Param *ln1g = nullptr, *ln1b = nullptr, *qkv_w = nullptr, *qkv_b = nullptr, *proj_w = nullptr,
+        *proj_b = nullptr, *ln2g = nullptr, *ln2b = nullptr, *fc1_w = nullptr, *fc1_b = nullptr,
+        *fc2_w = nullptr, *fc2_b = nullptr;
   // model.qk_norm: the queries' and the keys' scales (and shifts), shared by the heads.
   Param *qn_g = nullptr, *kn_g = nullptr, *qn_b = nullptr, *kn_b = nullptr;
+  // A mixture-of-experts block (ModelSpec::is_moe_layer; fc1_w and fc2_w null): the router, the
+  // experts' weights stacked ([experts, in, out]) and the shared expert's MLP.
+  bool moe = false;
+  Param *router_w = nullptr, *efc1_w = nullptr, *efc1_b = nullptr, *efc2_w = nullptr,
+        *efc2_b = nullptr, *sfc1_w = nullptr, *sfc1_b = nullptr, *sfc2_w = nullptr,
+        *sfc2_b = nullptr;
 };
 
 // One operator's forward: its output and the detached inputs whose gradients its backward gives.
@@ -586,14 +594,21 @@ at::Tensor leaf(const at::Tensor& t) {
 
 struct LayerTape {
   Unit n1, qkv, qkn, core, proj, res1, n2, fc1, act, fc2, res2;
+  // A mixture-of-experts block's operators, and its routing: each token's experts ([tokens,
+  // k]), the routed copies in expert order (their token) and each expert's count.
+  Unit sfc1, sact, sfc2, router, dispatch, efc1, eact, efc2, combine;
+  MoeRouting routing;
   DropoutKey key;           // the micro-batch's dropout masks (a recomputation draws them again)
   at::Tensor x;             // the layer's input, kept when the layer recomputes operators
   bool recomputed = false;  // an R block has run the recomputation already
   std::vector<std::pair<const char*, Unit*>> units() {
-    return {{"attn.norm", &n1},   {"attn.qkv", &qkv},     {"attn.qk_norm", &qkn},
-            {"attn.core", &core}, {"attn.proj", &proj},   {"attn.residual", &res1},
-            {"mlp.norm", &n2},    {"mlp.fc1", &fc1},      {"mlp.act", &act},
-            {"mlp.fc2", &fc2},    {"mlp.residual", &res2}};
+    return {{"attn.norm", &n1},        {"attn.qkv", &qkv},        {"attn.qk_norm", &qkn},
+            {"attn.core", &core},      {"attn.proj", &proj},      {"attn.residual", &res1},
+            {"mlp.norm", &n2},         {"mlp.fc1", &fc1},         {"mlp.act", &act},
+            {"mlp.fc2", &fc2},         {"moe.shared.fc1", &sfc1}, {"moe.shared.act", &sact},
+            {"moe.shared.fc2", &sfc2}, {"moe.router", &router},   {"moe.dispatch", &dispatch},
+            {"moe.fc1", &efc1},        {"moe.act", &eact},        {"moe.fc2", &efc2},
+            {"moe.combine", &combine}, {"mlp.residual", &res2}};
   }
 };
 
@@ -684,6 +699,12 @@ class Model {
       if (spec.bias) L.proj_b = add(p + "attn.proj.bias", {h}, 0.05, 0, whole);
       L.ln2g = add(p + "mlp.norm.weight", {h}, 0.1, 1, whole);
       if (spec.bias) L.ln2b = add(p + "mlp.norm.bias", {h}, 0.1, 0, whole);
+      if (spec.is_moe_layer(l)) {
+        add_moe_params(p, L);
+        layers_.push_back(L);
+        recompute_.emplace_back();
+        continue;
+      }
       L.fc1_w = add(p + "mlp.fc1.weight", {h, branches * f}, 0.05, 0, [=](const at::Tensor& x) {
         return x.view({h, branches, f}).narrow(2, tf * fl, fl).reshape({h, branches * fl});
       });
@@ -757,8 +778,11 @@ class Model {
       for (const RecomputeRule& rule : rules) {
         if (l < rule.first_layer || (rule.end_layer >= 0 && l >= rule.end_layer)) continue;
         for (const char* op :
-             {"attn.norm", "attn.qkv", "attn.qk_norm", "attn.core", "attn.proj", "attn.residual",
-              "mlp.norm", "mlp.fc1", "mlp.act", "mlp.fc2", "mlp.residual"}) {
+             {"attn.norm",      "attn.qkv",      "attn.qk_norm",   "attn.core",
+              "attn.proj",      "attn.residual", "mlp.norm",       "mlp.fc1",
+              "mlp.act",        "mlp.fc2",       "moe.shared.fc1", "moe.shared.act",
+              "moe.shared.fc2", "moe.router",    "moe.dispatch",   "moe.fc1",
+              "moe.act",        "moe.fc2",       "moe.combine",    "mlp.residual"}) {
           if (match_pattern(rule.match, op)) r.insert(op);
         }
       }
@@ -777,8 +801,11 @@ class Model {
     };
     if (embedding_) u.push_back(some({word_, pos_}));
     for (const LayerParams& L : layers_) {
-      u.push_back(some({L.ln1g, L.ln1b, L.qkv_w, L.qkv_b, L.qn_g, L.kn_g, L.qn_b, L.kn_b, L.proj_w,
-                        L.proj_b, L.ln2g, L.ln2b, L.fc1_w, L.fc1_b, L.fc2_w, L.fc2_b}));
+      // In the order the operators use them (the program's ZeRO-3 units).
+      u.push_back(some({L.ln1g,   L.ln1b,   L.qkv_w,  L.qkv_b,  L.qn_g,   L.kn_g,   L.qn_b,
+                        L.kn_b,   L.proj_w, L.proj_b, L.ln2g,   L.ln2b,   L.fc1_w,  L.fc1_b,
+                        L.fc2_w,  L.fc2_b,  L.sfc1_w, L.sfc1_b, L.sfc2_w, L.sfc2_b, L.router_w,
+                        L.efc1_w, L.efc1_b, L.efc2_w, L.efc2_b}));
     }
     if (head_) {
       u.push_back(some({hn_g_, hn_b_, head_w_, embedding_ || shared_word_ ? nullptr : word_}));
@@ -1009,6 +1036,25 @@ class Model {
     const int ways = own ? split_.head_vocab : split_.embed_vocab;
     const int index = own ? split_.head_vocab_index : split_.embed_vocab_index;
     return ways <= 1 ? 0 : index >= 0 ? index : t_;
+  }
+
+  // A mixture-of-experts block's parameters (prefix `p`, "layers.3."), whole on every rank.
+  void add_moe_params(const std::string& p, LayerParams& L) {
+    const int64_t h = spec_.hidden, e = spec_.experts, f = spec_.expert_ffn_hidden,
+                  fs = spec_.shared_expert_ffn_hidden, branches = spec_.gated_mlp() ? 2 : 1;
+    auto whole = [](const at::Tensor& x) { return x; };
+    L.moe = true;
+    if (fs > 0) {
+      L.sfc1_w = add(p + "moe.shared.fc1.weight", {h, branches * fs}, 0.05, 0, whole);
+      if (spec_.bias) L.sfc1_b = add(p + "moe.shared.fc1.bias", {branches * fs}, 0.05, 0, whole);
+      L.sfc2_w = add(p + "moe.shared.fc2.weight", {fs, h}, 0.05, 0, whole);
+      if (spec_.bias) L.sfc2_b = add(p + "moe.shared.fc2.bias", {h}, 0.05, 0, whole);
+    }
+    L.router_w = add(p + "moe.router.weight", {h, e}, 0.05, 0, whole);
+    L.efc1_w = add(p + "moe.fc1.weight", {e, h, branches * f}, 0.05, 0, whole);
+    if (spec_.bias) L.efc1_b = add(p + "moe.fc1.bias", {e, branches * f}, 0.05, 0, whole);
+    L.efc2_w = add(p + "moe.fc2.weight", {e, f, h}, 0.05, 0, whole);
+    if (spec_.bias) L.efc2_b = add(p + "moe.fc2.bias", {e, h}, 0.05, 0, whole);
   }
 
   Param* add(const std::string& name, const std::vector<int64_t>& shape, double scale,
@@ -1362,6 +1408,117 @@ class Model {
   // operators that keep it, the layer's input in the tape. `again` (just before the layer's
   // backward) runs only the recomputed operators, with the collectives that feed them, timed
   // as phase "recompute".
+  // The experts' linear layer over the routed copies in expert order (`counts` rows each): one
+  // GEMM per expert with tokens, as Megatron-Core's SequentialMLP (a grouped GEMM's work).
+  at::Tensor expert_linear(const at::Tensor& x, const Param* w, const Param* b,
+                           const std::vector<int64_t>& counts) const {
+    std::vector<at::Tensor> rows = at::split_with_sizes(x, counts, 0);
+    std::vector<at::Tensor> out;
+    for (std::size_t e = 0; e < rows.size(); ++e) {
+      if (counts[e] == 0) continue;
+      const int64_t i = static_cast<int64_t>(e);
+      at::Tensor y = mm(rows[e], W(w).select(0, i));
+      out.push_back(b ? y + W(b).select(0, i) : y);
+    }
+    return out.empty() ? x.new_zeros({0, W(w).size(2)}) : at::cat(out, 0);
+  }
+
+  // A mixture-of-experts block's MLP after its norm (t.n2): the shared expert, the router's
+  // scores, the routed copies of the tokens in expert order (dispatch), the experts, and each
+  // token's expert outputs weighted and summed with the shared expert's (combine); the routing
+  // is run_moe.h's.
+  template <class Runs>
+  void moe_forward(Stats& st, const LayerParams& L, LayerTape& t, const char* phase,
+                   const Runs& runs) {
+    const int64_t k = spec_.experts_per_token, e = spec_.experts;
+    const at::Tensor xn = t.n2.out;
+    const int64_t b = xn.size(0), s = xn.size(1), h = xn.size(2), tokens = b * s;
+    auto linear = [&](const at::Tensor& x, const Param* w, const Param* bias) {
+      at::Tensor y = mm(x, W(w));
+      return bias ? y + W(bias) : y;
+    };
+    auto act = [&](const at::Tensor& x) {
+      return cpu_fp16() ? activation(x.to(at::kFloat)).to(at::kHalf) : activation(x);
+    };
+    if (L.sfc1_w && runs("moe.shared.fc1")) {
+      t.sfc1 = fwd(st, "moe.shared.fc1", phase, {leaf(xn)}, [&](const std::vector<at::Tensor>& in) {
+        return linear(in[0], L.sfc1_w, L.sfc1_b);
+      });
+      t.sfc1.weights = weights_of({L.sfc1_w, L.sfc1_b});
+    }
+    if (L.sfc1_w && runs("moe.shared.act")) {
+      t.sact = fwd(st, "moe.shared.act", phase, {leaf(t.sfc1.out)},
+                   [&](const std::vector<at::Tensor>& in) { return act(in[0]); });
+    }
+    if (L.sfc1_w && runs("moe.shared.fc2")) {
+      t.sfc2 =
+          fwd(st, "moe.shared.fc2", phase, {leaf(t.sact.out)},
+              [&](const std::vector<at::Tensor>& in) { return linear(in[0], L.sfc2_w, L.sfc2_b); });
+      t.sfc2.weights = weights_of({L.sfc2_w, L.sfc2_b});
+    }
+    if (runs("moe.router")) {
+      // In fp32 from the fp32 weights (Megatron-Core's --moe-router-dtype fp32, DeepSeek-V3's
+      // gating): 16-bit scores would tie and flip top-k choices on rounding alone.
+      t.router = fwd(st, "moe.router", phase, {leaf(xn)}, [&](const std::vector<at::Tensor>& in) {
+        return at::matmul(in[0].to(at::kFloat), L.router_w->w);
+      });
+      t.router.weights = weights_of({L.router_w});
+    }
+    if (runs("moe.dispatch")) {
+      t.dispatch =
+          fwd(st, "moe.dispatch", phase, {leaf(xn)}, [&](const std::vector<at::Tensor>& in) {
+            t.routing = route_tokens(t.router.out.detach().reshape({tokens, e}), k);
+            return dispatch_tokens(in[0].reshape({tokens, h}), t.routing);
+          });
+    }
+    if (runs("moe.fc1")) {
+      t.efc1 =
+          fwd(st, "moe.fc1", phase, {leaf(t.dispatch.out)}, [&](const std::vector<at::Tensor>& in) {
+            return expert_linear(in[0], L.efc1_w, L.efc1_b, t.routing.counts);
+          });
+      t.efc1.weights = weights_of({L.efc1_w, L.efc1_b});
+    }
+    if (runs("moe.act")) {
+      t.eact = fwd(st, "moe.act", phase, {leaf(t.efc1.out)},
+                   [&](const std::vector<at::Tensor>& in) { return act(in[0]); });
+    }
+    if (runs("moe.fc2")) {
+      t.efc2 =
+          fwd(st, "moe.fc2", phase, {leaf(t.eact.out)}, [&](const std::vector<at::Tensor>& in) {
+            return expert_linear(in[0], L.efc2_w, L.efc2_b, t.routing.counts);
+          });
+      t.efc2.weights = weights_of({L.efc2_w, L.efc2_b});
+    }
+    if (runs("moe.combine")) {
+      std::vector<at::Tensor> in = {leaf(t.efc2.out), leaf(t.router.out)};
+      if (L.sfc1_w) in.push_back(leaf(t.sfc2.out));
+      t.combine =
+          fwd(st, "moe.combine", phase, std::move(in), [&](const std::vector<at::Tensor>& in) {
+            at::Tensor out = combine_tokens(in[0], in[1].reshape({tokens, e}), t.routing);
+            if (in.size() > 2) out = out + in[2].reshape({tokens, h});
+            return out.reshape({b, s, h});
+          });
+    }
+  }
+
+  // The backward of moe_forward from the gradient of its output (the combine's); returns the
+  // gradient of its input (the norm's output).
+  at::Tensor moe_backward(Stats& st, const LayerParams& L, LayerTape& t, const at::Tensor& dy) {
+    std::vector<at::Tensor> g = bwd(st, "moe.combine", t.combine, dy);
+    at::Tensor d = bwd(st, "moe.fc2", t.efc2, g[0])[0];
+    d = bwd(st, "moe.act", t.eact, d)[0];
+    d = bwd(st, "moe.fc1", t.efc1, d)[0];
+    at::Tensor dx = bwd(st, "moe.dispatch", t.dispatch, d)[0];
+    dx = dx + bwd(st, "moe.router", t.router, g[1])[0];
+    if (L.sfc1_w) {
+      d = bwd(st, "moe.shared.fc2", t.sfc2, g[2])[0];
+      d = bwd(st, "moe.shared.act", t.sact, d)[0];
+      dx = dx + bwd(st, "moe.shared.fc1", t.sfc1, d)[0];
+    }
+    t.routing = MoeRouting{};
+    return dx;
+  }
+
   at::Tensor layer_forward(Ctx& c, int l, const at::Tensor& x, LayerTape& t, bool again = false) {
     Stats& st = *c.stats;
     const LayerParams& L = layers_[l];
@@ -1501,7 +1658,8 @@ class Model {
       t.n2 = fwd(st, "mlp.norm", phase, {leaf(t.res1.out)},
                  [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.ln2g, L.ln2b); });
     }
-    if (runs("mlp.fc1")) {
+    if (L.moe) moe_forward(st, L, t, phase, runs);
+    if (!L.moe && runs("mlp.fc1")) {
       t.fc1 = fwd(st, "mlp.fc1", phase,
                   {leaf(sp ? gather_seq(c, t.n2.out.detach(), "mlp.fc1") : t.n2.out)},
                   [&](const std::vector<at::Tensor>& in) {
@@ -1511,25 +1669,26 @@ class Model {
       t.fc1.weights = weights_of({L.fc1_w, L.fc1_b});
       drop_gathered("mlp.fc1", t.fc1);
     }
-    if (runs("mlp.act")) {
+    if (!L.moe && runs("mlp.act")) {
       t.act = fwd(st, "mlp.act", phase, {leaf(t.fc1.out)}, [&](const std::vector<at::Tensor>& in) {
         if (cpu_fp16()) return activation(in[0].to(at::kFloat)).to(at::kHalf);
         return activation(in[0]);
       });
     }
-    if (runs("mlp.fc2")) {
+    if (!L.moe && runs("mlp.fc2")) {
       t.fc2 = fwd(st, "mlp.fc2", phase, {leaf(t.act.out)}, [&](const std::vector<at::Tensor>& in) {
         return block_linear(in[0], W(L.fc2_w));
       });
       t.fc2.weights = weights_of({L.fc2_w});
     }
     if (runs("mlp.residual")) {
+      Unit& mlp_out = L.moe ? t.combine : t.fc2;
       at::Tensor y2;
       if (sp) {
-        y2 = scatter_seq(c, t.fc2.out.detach(), "mlp.residual");
+        y2 = scatter_seq(c, mlp_out.out.detach(), "mlp.residual");
       } else {
-        y2 = t.fc2.out.detach().clone();
-        if (split_.ffn > 1) c.tp_all_reduce(y2, "mlp.residual");
+        y2 = mlp_out.out.detach().clone();
+        if (split_.ffn > 1 && !L.moe) c.tp_all_reduce(y2, "mlp.residual");
       }
       t.res2 = fwd(st, "mlp.residual", phase, {leaf(y2), leaf(t.res1.out)},
                    [&](const std::vector<at::Tensor>& in) {
@@ -1539,7 +1698,7 @@ class Model {
                      }
                      return z + in[1];
                    });
-      release_summands("mlp.residual", t.res2, t.fc2);
+      release_summands("mlp.residual", t.res2, mlp_out);
     }
     at::Tensor out = t.res2.out.detach();
     if (!again && !rc.empty()) {
@@ -1653,19 +1812,24 @@ class Model {
       if (!consumer_defers && producer.out.defined()) resize_storage(producer.out, 0);
     };
     std::vector<at::Tensor> g = bwd(st, "mlp.residual", t.res2, dy);
-    const bool fc2_defers = defers(t.fc2);
-    at::Tensor d = bwd(st, "mlp.fc2", t.fc2, sp ? gather_seq(c, g[0], "mlp.residual") : g[0])[0];
-    if (spec_.mlp != MlpKind::kRelu) release(t.act, fc2_defers);
-    d = bwd(st, "mlp.act", t.act, d)[0];
-    release(t.fc1, false);
-    if (sp && !rc.count("mlp.fc1")) regather(c, t.n2.out.detach(), t.fc1, "mlp.fc1");
-    const bool fc1_defers = defers(t.fc1);
-    d = bwd(st, "mlp.fc1", t.fc1, d)[0];
-    release(t.n2, fc1_defers);
-    if (sp) {
-      d = scatter_seq(c, d, "mlp.fc1");
-    } else if (split_.ffn > 1) {
-      c.tp_all_reduce(d, "mlp.fc1");
+    at::Tensor d;
+    if (layers_[l].moe) {
+      d = moe_backward(st, layers_[l], t, g[0]);
+    } else {
+      const bool fc2_defers = defers(t.fc2);
+      d = bwd(st, "mlp.fc2", t.fc2, sp ? gather_seq(c, g[0], "mlp.residual") : g[0])[0];
+      if (spec_.mlp != MlpKind::kRelu) release(t.act, fc2_defers);
+      d = bwd(st, "mlp.act", t.act, d)[0];
+      release(t.fc1, false);
+      if (sp && !rc.count("mlp.fc1")) regather(c, t.n2.out.detach(), t.fc1, "mlp.fc1");
+      const bool fc1_defers = defers(t.fc1);
+      d = bwd(st, "mlp.fc1", t.fc1, d)[0];
+      release(t.n2, fc1_defers);
+      if (sp) {
+        d = scatter_seq(c, d, "mlp.fc1");
+      } else if (split_.ffn > 1) {
+        c.tp_all_reduce(d, "mlp.fc1");
+      }
     }
     at::Tensor dx1 = bwd(st, "mlp.norm", t.n2, d)[0] + g[1];
     g = bwd(st, "attn.residual", t.res1, dx1);

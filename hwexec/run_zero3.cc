@@ -19,7 +19,7 @@ std::vector<Zero3Block> zero3_blocks(const Plan& plan, const std::vector<Block>&
   // Whether layer `l` recomputes any operator.
   const OpGraph graph = lower_model(plan.model, 1);
   auto recomputes = [&](int l) {
-    const std::vector<bool> r = recomputed_ops(plan, graph.layer, l);
+    const std::vector<bool> r = recomputed_ops(plan, graph.layer_at(l), l);
     return std::find(r.begin(), r.end(), true) != r.end();
   };
   const bool keep = plan.optimizer.keep_gathered;

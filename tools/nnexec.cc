@@ -108,13 +108,16 @@ std::string cuda_refusal(int ranks_here) {
   return m.empty() ? m : "--device cuda: " + m;
 }
 
-// The plan, if nnexec can run it.
-nnsim::Expected<nnsim::Plan> runnable_plan(const std::string& path) {
+// The plan, if nnexec can run it (and, with `check`, check it).
+nnsim::Expected<nnsim::Plan> runnable_plan(const std::string& path, bool check) {
   using namespace nnsim::hwexec;
   nnsim::Expected<nnsim::Plan> plan = nnsim::load_plan(path);
   if (!plan) return plan;
   if (nnsim::Status s = check_runnable(*plan); !s) {
     return nnsim::Error(fmt::format("{}: cannot run this plan: {}", path, s.error().message()));
+  }
+  if (nnsim::Status s = check_checkable(*plan); check && !s) {
+    return nnsim::Error(fmt::format("{}: --check: {}", path, s.error().message()));
   }
   return plan;
 }
@@ -215,7 +218,7 @@ int run_as_rank(const RunArgs& a, const Role& role) {
     std::fprintf(stderr, "nnexec: rank %d: error: %s\n", rank, m.c_str());
     return 1;
   };
-  nnsim::Expected<nnsim::Plan> plan = runnable_plan(a.plan);
+  nnsim::Expected<nnsim::Plan> plan = runnable_plan(a.plan, a.options.check);
   if (!plan) return fail_rank(plan.error().message());
   const int ranks = plan->mesh.num_ranks();
   if (role.who.world != ranks) {
@@ -326,7 +329,7 @@ std::vector<std::string> worker_args(const RunArgs& a, const char* self, int ran
 // the file.
 int run_launcher(RunArgs a) {
   using namespace nnsim::hwexec;
-  nnsim::Expected<nnsim::Plan> plan = runnable_plan(a.plan);
+  nnsim::Expected<nnsim::Plan> plan = runnable_plan(a.plan, a.options.check);
   if (!plan) return fail(plan.error().message());
   const int ranks = plan->mesh.num_ranks();
   if (a.launch == 0) a.launch = ranks;

@@ -53,6 +53,8 @@ const std::string kHeadDim = std::string(NNSIM_TEST_DATA) + "/tiny-head-dim.yaml
 // without biases).
 const std::string kQkNorm = std::string(NNSIM_TEST_DATA) + "/tiny-qk-norm.yaml";
 const std::string kGptQkNorm = std::string(NNSIM_TEST_DATA) + "/tiny-gpt-qk-norm.yaml";
+// A mixture of experts: a dense first block, then blocks of 4 experts (top-2) and a shared one.
+const std::string kMoe = std::string(NNSIM_TEST_DATA) + "/tiny-moe.yaml";
 // ReLU MLP (OPT), and squared ReLU with rope and GQA (Nemotron).
 const std::string kOpt = std::string(NNSIM_TEST_DATA) + "/tiny-opt.yaml";
 const std::string kNemotron = std::string(NNSIM_TEST_DATA) + "/tiny-nemotron.yaml";
@@ -699,6 +701,17 @@ INSTANTIATE_TEST_SUITE_P(
         // tokens' queries and keys before the key and value exchange; the scales' gradients
         // sum over cp (and tp) with the rest.
         Case{"qk_norm_cp2", 1, 1, 1, "1f1b", 2, &kQkNorm, "fp32", {}, 2},
+        // Mixtures of experts, every expert on every rank: the router's top-2, the routed
+        // copies in expert order, one GEMM an expert, the weighted sum with the shared expert's
+        // output; under data, pipeline and context parallelism, DeepSpeed's per-tensor ZeRO-3,
+        // recomputation and a zero-bubble pipeline's split backward.
+        with("moe_pp2_dp2", 1, 2, 2, 8, {"--zero", "1"}, &kMoe),
+        with("moe_deepspeed_zero3_recompute_full_dp2", 1, 1, 2, 4,
+             {"--zero", "3", "--framework", "deepspeed", "--recompute", "full",
+              "--zero3-persistence-threshold", "0", "--zero3-prefetch-elements", "1"},
+             &kMoe),
+        Case{"moe_cp2", 1, 1, 1, "1f1b", 2, &kMoe, "fp32", {}, 2},
+        Case{"moe_zb_h1_pp2", 1, 2, 1, "zb-h1", 4, &kMoe, "fp32", {"--recompute", "selective"}},
         Case{"qk_norm_layernorm_cp2_tp2", 2, 1, 1, "1f1b", 2, &kGptQkNorm, "fp32", {}, 2},
         // Sequence parallelism inside context parallelism: each cp rank's tokens cut in tp
         // slices for the norms, residuals and the position add.
@@ -923,6 +936,26 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
        "parallelism, rope positions and the embedding's segment 'embedding' spanning the "
        "pipeline stages is not supported yet"});
 
+  // Expert parallelism: the experts split over the ranks.
+  ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2"}, kMoe).status, 0);
+  refused(
+      {"cannot run this plan: partition: 'moe.fc1' splits the experts over ep (expert "
+       "parallelism), which is simulated only: nnexec runs every expert on every rank; plan "
+       "with --ep 1"});
+  // A mixture of experts in bf16 runs, but is not checked against the fp32 reference: rounding
+  // moves tokens to other experts.
+  ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {}, kMoe, "bf16").status, 0);
+  RunResult checked =
+      run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--out", "run.h5", "--check"});
+  EXPECT_EQ(checked.status, 1) << checked;
+  EXPECT_TRUE(contains(checked.err,
+                       "--check: a mixture of experts in bf16 cannot be checked against the "
+                       "unpartitioned fp32 reference"))
+      << checked;
+  RunResult unchecked = run(dir, NNEXEC_BINARY,
+                            {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "1"});
+  EXPECT_EQ(unchecked.status, 0) << unchecked;
+
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
   RunResult r =
       run(dir, NNEXEC_BINARY, {"run", "--plan", "plan.json", "--launch", "3", "--out", "run.h5"});
@@ -1012,8 +1045,23 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
          q.model.experts = 4;
          q.model.experts_per_token = 2;
          q.model.expert_ffn_hidden = q.model.ffn_hidden;
+         q.model.expert_capacity_factor = 1.5;
        },
-       "model.experts: mixtures of experts are simulated only"},
+       "model.expert_capacity_factor: 1.5 pads the experts' tokens, which nnexec does not"},
+      {[](Plan& q) {
+         q.model.experts = 4;
+         q.model.experts_per_token = 2;
+         q.model.expert_ffn_hidden = q.model.ffn_hidden;
+         q.model.router_groups = 2;
+       },
+       "model.router_groups: group-limited routing is simulated only"},
+      {[](Plan& q) {
+         q.model.experts = 4;
+         q.model.experts_per_token = 2;
+         q.model.expert_ffn_hidden = q.model.ffn_hidden;
+         q.precision = Precision::kFp8;
+       },
+       "precision: fp8 experts are simulated only"},
       {[](Plan& q) { q.model.mtp_layers = 1; },
        "model.mtp_layers: multi-token prediction is simulated"},
       {[](Plan& q) { q.model.kv_lora_rank = 16; },

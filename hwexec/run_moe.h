@@ -1,0 +1,34 @@
+// A mixture of experts' routing for `nnexec run` (docs/hwexec.md), internal to the LibTorch
+// executor (run_torch.cc): which experts each token goes to, its routed copies ordered by
+// expert, and their outputs weighted and summed back per token. As Megatron-Core's default
+// router (--moe-router-topk without pre-softmax, dropless): each token's k highest scores pick
+// its experts, and the softmax over those k scores weights their outputs.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace nnsim::hwexec {
+
+struct MoeRouting {
+  at::Tensor experts_of;        // [tokens, k]: each token's experts
+  at::Tensor order;             // [tokens k]: the routed copies (token t's j-th: t k + j) in
+                                // expert order, a token's copies in token order within each
+  at::Tensor token_of;          // [tokens k]: the token of each copy in that order
+  std::vector<int64_t> counts;  // per expert: how many copies it takes
+};
+
+// Routes `scores` [tokens, experts] (the router's output) to each token's top `k`.
+MoeRouting route_tokens(const at::Tensor& scores, int64_t k);
+
+// The routed copies of `x` [tokens, h] in expert order: [tokens k, h] (differentiable in x).
+at::Tensor dispatch_tokens(const at::Tensor& x, const MoeRouting& r);
+
+// The experts' outputs `y` [tokens k, h] (in expert order) weighted by the softmax of each
+// token's k chosen `scores` [tokens, experts] (in fp32) and summed per token: [tokens, h], in
+// y's dtype. Differentiable in y and in the scores.
+at::Tensor combine_tokens(const at::Tensor& y, const at::Tensor& scores, const MoeRouting& r);
+
+}  // namespace nnsim::hwexec

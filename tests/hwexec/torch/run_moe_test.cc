@@ -1,0 +1,97 @@
+// A mixture of experts' routing in nnexec (hwexec/run_moe.h) against a per-token loop: each
+// token's k best-scoring experts, its copies ordered by expert, and its output the softmax of
+// its k scores weighting those experts' outputs. Compiled only where LibTorch is.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+#include "hwexec/run_moe.h"
+
+namespace nnsim::hwexec {
+namespace {
+
+constexpr int64_t kTokens = 7, kExperts = 4, kTop = 2, kHidden = 3;
+
+// Scores without ties, so that the top-k is unambiguous.
+at::Tensor scores() {
+  at::manual_seed(5);
+  return at::randn({kTokens, kExperts}, at::kFloat);
+}
+
+TEST(MoeRouting, EachTokenGoesToItsTopKExpertsInExpertOrder) {
+  const at::Tensor s = scores();
+  const MoeRouting r = route_tokens(s, kTop);
+  std::vector<std::vector<int64_t>> chosen(kTokens);  // by the loop
+  for (int64_t t = 0; t < kTokens; ++t) {
+    std::vector<int64_t> e(kExperts);
+    std::iota(e.begin(), e.end(), 0);
+    std::sort(e.begin(), e.end(),
+              [&](int64_t a, int64_t b) { return s[t][a].item<float>() > s[t][b].item<float>(); });
+    chosen[t].assign(e.begin(), e.begin() + kTop);
+  }
+  std::vector<int64_t> counts(kExperts, 0);
+  std::vector<std::pair<int64_t, int64_t>> copies;  // (expert, token), expert order, then token
+  for (int64_t t = 0; t < kTokens; ++t) {
+    for (int64_t e : chosen[t]) {
+      ++counts[e];
+      copies.emplace_back(e, t);
+    }
+  }
+  std::stable_sort(copies.begin(), copies.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  EXPECT_EQ(r.counts, counts);
+  ASSERT_EQ(r.token_of.numel(), kTokens * kTop);
+  for (size_t i = 0; i < copies.size(); ++i) {
+    EXPECT_EQ(r.token_of[static_cast<int64_t>(i)].item<int64_t>(), copies[i].second) << i;
+  }
+  // The routed copies are the tokens' rows, in that order.
+  const at::Tensor x = at::arange(kTokens * kHidden, at::kFloat).reshape({kTokens, kHidden});
+  const at::Tensor routed = dispatch_tokens(x, r);
+  for (size_t i = 0; i < copies.size(); ++i) {
+    EXPECT_TRUE(at::equal(routed[static_cast<int64_t>(i)], x[copies[i].second])) << i;
+  }
+}
+
+// Each expert's output here is its expert's index times the token's row, so the combined output
+// of token t is sum_j softmax(chosen scores)_j expert_j x_t; the gradients reach the scores.
+TEST(MoeRouting, CombineWeighsTheExpertsBySoftmaxOfTheirScores) {
+  const at::Tensor s = scores().requires_grad_(true);
+  const MoeRouting r = route_tokens(s, kTop);
+  const at::Tensor x = at::randn({kTokens, kHidden}, at::kFloat);
+  at::Tensor expert = at::empty({kTokens * kTop}, at::kLong);  // each copy's expert
+  int64_t i = 0;
+  for (int64_t e = 0; e < kExperts; ++e) {
+    for (int64_t n = 0; n < r.counts[e]; ++n) expert[i++] = e;
+  }
+  const at::Tensor y =
+      (dispatch_tokens(x, r) * (expert.to(at::kFloat) + 1).unsqueeze(1)).requires_grad_(true);
+  const at::Tensor out = combine_tokens(y, s, r);
+  for (int64_t t = 0; t < kTokens; ++t) {
+    const at::Tensor top = r.experts_of[t];
+    const at::Tensor w = at::softmax(s.detach()[t].index_select(0, top), 0);
+    at::Tensor want = at::zeros({kHidden});
+    for (int64_t j = 0; j < kTop; ++j) {
+      want += w[j] * (top[j].to(at::kFloat) + 1) * x[t];
+    }
+    EXPECT_TRUE(at::allclose(out[t], want, 1e-5, 1e-6)) << t;
+  }
+  out.sum().backward();
+  ASSERT_TRUE(s.grad().defined());
+  // Only the chosen scores get gradients; the others none.
+  for (int64_t t = 0; t < kTokens; ++t) {
+    for (int64_t e = 0; e < kExperts; ++e) {
+      const bool picked = (r.experts_of[t] == e).any().item<bool>();
+      if (!picked) {
+        EXPECT_EQ(s.grad()[t][e].item<float>(), 0.0f) << t << " " << e;
+      }
+    }
+  }
+  EXPECT_GT(s.grad().abs().sum().item<float>(), 0.0f);
+}
+
+}  // namespace
+}  // namespace nnsim::hwexec
