@@ -1403,22 +1403,20 @@ class Model {
     }
   }
 
-  // A layer's forward. Recomputed operators (`recompute_` of the layer, the plan's rules) drop
-  // their pieces after it: what they read from outside the recomputed region stays with the
-  // operators that keep it, the layer's input in the tape. `again` (just before the layer's
-  // backward) runs only the recomputed operators, with the collectives that feed them, timed
-  // as phase "recompute".
   // The experts' linear layer over the routed copies in expert order (`counts` rows each): one
   // GEMM per expert with tokens, as Megatron-Core's SequentialMLP (a grouped GEMM's work).
   at::Tensor expert_linear(const at::Tensor& x, const Param* w, const Param* b,
                            const std::vector<int64_t>& counts) const {
-    std::vector<at::Tensor> rows = at::split_with_sizes(x, counts, 0);
+    // The experts' weights as views of one tensor (unbind's backward stacks their gradients
+    // once, where a view each would give a whole-size gradient each).
+    const std::vector<at::Tensor> rows = at::split_with_sizes(x, counts, 0);
+    const std::vector<at::Tensor> ws = W(w).unbind(0);
+    const std::vector<at::Tensor> bs = b ? W(b).unbind(0) : std::vector<at::Tensor>{};
     std::vector<at::Tensor> out;
     for (std::size_t e = 0; e < rows.size(); ++e) {
       if (counts[e] == 0) continue;
-      const int64_t i = static_cast<int64_t>(e);
-      at::Tensor y = mm(rows[e], W(w).select(0, i));
-      out.push_back(b ? y + W(b).select(0, i) : y);
+      at::Tensor y = mm(rows[e], ws[e]);
+      out.push_back(b ? y + bs[e] : y);
     }
     return out.empty() ? x.new_zeros({0, W(w).size(2)}) : at::cat(out, 0);
   }
@@ -1501,24 +1499,58 @@ class Model {
     }
   }
 
+  // An operator's output goes once the operator that saved it has run its backward, as
+  // autograd frees a saved tensor in Megatron's one graph; here the producer's unit keeps the
+  // output as the root of its own backward, which reads only its inputs (ReLU alone reads
+  // its result), so the storage is released. Not while a BI block defers the consumer's
+  // weight gradient, which reads that input later (asked before the consumer's backward,
+  // which clears its unit).
+  bool defers_weights(const Unit& consumer) const {
+    return deferred_ != nullptr && !consumer.weights.empty();
+  }
+  static void release_output(Unit& producer, bool consumer_defers) {
+    if (!consumer_defers && producer.out.defined()) resize_storage(producer.out, 0);
+  }
+
   // The backward of moe_forward from the gradient of its output (the combine's); returns the
-  // gradient of its input (the norm's output).
+  // gradient of its input (the norm's output). Each producer's output goes after its
+  // consumers' backward, as in the dense MLP.
   at::Tensor moe_backward(Stats& st, const LayerParams& L, LayerTape& t, const at::Tensor& dy) {
+    const bool relu = spec_.mlp == MlpKind::kRelu;  // its backward reads its output
     std::vector<at::Tensor> g = bwd(st, "moe.combine", t.combine, dy);
+    release_output(t.efc2, false);
+    release_output(t.router, false);
+    release_output(t.sfc2, false);
+    const bool fc2_defers = defers_weights(t.efc2);
     at::Tensor d = bwd(st, "moe.fc2", t.efc2, g[0])[0];
+    if (!relu) release_output(t.eact, fc2_defers);
     d = bwd(st, "moe.act", t.eact, d)[0];
+    release_output(t.efc1, false);
+    const bool fc1_defers = defers_weights(t.efc1);
     d = bwd(st, "moe.fc1", t.efc1, d)[0];
+    release_output(t.dispatch, fc1_defers);
     at::Tensor dx = bwd(st, "moe.dispatch", t.dispatch, d)[0];
+    bool n2_read_later = defers_weights(t.router);
     dx = dx + bwd(st, "moe.router", t.router, g[1])[0];
     if (L.sfc1_w) {
+      const bool shared_fc2_defers = defers_weights(t.sfc2);
       d = bwd(st, "moe.shared.fc2", t.sfc2, g[2])[0];
+      if (!relu) release_output(t.sact, shared_fc2_defers);
       d = bwd(st, "moe.shared.act", t.sact, d)[0];
+      release_output(t.sfc1, false);
+      n2_read_later = n2_read_later || defers_weights(t.sfc1);
       dx = dx + bwd(st, "moe.shared.fc1", t.sfc1, d)[0];
     }
+    release_output(t.n2, n2_read_later);
     t.routing = MoeRouting{};
     return dx;
   }
 
+  // A layer's forward. Recomputed operators (`recompute_` of the layer, the plan's rules) drop
+  // their pieces after it: what they read from outside the recomputed region stays with the
+  // operators that keep it, the layer's input in the tape. `again` (just before the layer's
+  // backward) runs only the recomputed operators, with the collectives that feed them, timed
+  // as phase "recompute".
   at::Tensor layer_forward(Ctx& c, int l, const at::Tensor& x, LayerTape& t, bool again = false) {
     Stats& st = *c.stats;
     const LayerParams& L = layers_[l];
@@ -1799,17 +1831,9 @@ class Model {
     // backward (a recomputed one has it), and its input gradient (partial sums)
     // reduce-scattered.
     const bool sp = split_.seq > 1;
-    // An operator's output goes once the operator that saved it has run its backward, as
-    // autograd frees a saved tensor in Megatron's one graph; here the producer's unit keeps the
-    // output as the root of its own backward, which reads only its inputs (ReLU alone reads
-    // its result), so the storage is released. Not while a BI block defers the consumer's
-    // weight gradient, which reads that input later (asked before the consumer's backward,
-    // which clears its unit).
-    auto defers = [&](const Unit& consumer) {
-      return deferred_ != nullptr && !consumer.weights.empty();
-    };
+    auto defers = [&](const Unit& consumer) { return defers_weights(consumer); };
     auto release = [](Unit& producer, bool consumer_defers) {
-      if (!consumer_defers && producer.out.defined()) resize_storage(producer.out, 0);
+      release_output(producer, consumer_defers);
     };
     std::vector<at::Tensor> g = bwd(st, "mlp.residual", t.res2, dy);
     at::Tensor d;

@@ -167,6 +167,9 @@ INSTANTIATE_TEST_SUITE_P(
         MemoryCase{"head_dim_tp2", 2, 1, 1, "fp32", {}, "small-head-dim-memory.yaml"},
         // Per-head query and key norms: their normalized Q and K kept beside the QKV output.
         MemoryCase{"qk_norm_tp2", 2, 1, 1, "fp32", {}, "small-qk-norm-memory.yaml"},
+        // A mixture of experts: the routed copies, each expert's activations, the shared
+        // expert's and the router's scores.
+        MemoryCase{"moe_dp2", 1, 1, 2, "fp32", {}, "small-moe-memory.yaml"},
         MemoryCase{"dp2_zero1", 1, 1, 2, "fp32", {"--zero", "1"}},
         // ZeRO-3: the fp32 shard is the master copy (4 bytes); between iterations both sides
         // hold the shards only, and through the iteration the unit in use and the one
