@@ -312,9 +312,6 @@ BlockBuilder::Activations BlockBuilder::activations() const {
     a.kept += layer_kept;
     a.layers_weight_inputs += layer_weight_inputs;
     a.kept_weight_inputs += layer_weight_inputs;
-    a.full_layer = std::max(
-        a.full_layer,
-        c_.kept_bytes(p, layer_in(l), std::vector<bool>(p.part->ops.size(), false), false));
   }
   if (s_.head) {
     a.kept_head = c_.kept_bytes(head, layer_out_, c_.recomputed_ops(head, -1), false);
@@ -370,7 +367,7 @@ double BlockBuilder::forward_peak() const {
 // next begins (an input half: all but its weight gradients' inputs): the head's (with the
 // loss's transients) ends before the last layer is recomputed, and the layers' before the
 // embedding's.
-double BlockBuilder::backward_peak(bool input_half, bool recompute_inside, double extra) const {
+double BlockBuilder::backward_peak(bool input_half, bool recompute_inside) const {
   const PartInfo& embed = c_.embed;
   const PartInfo& head = c_.head;
   double worst = 0, freed_before = 0;
@@ -380,8 +377,8 @@ double BlockBuilder::backward_peak(bool input_half, bool recompute_inside, doubl
   }
   if (s_.end_layer > s_.first_layer) {
     // A layer's backward runs with the layers before it still kept (of one block shape, the
-    // first backward, the last layer's, runs on the most): a recomputed layer holds all its
-    // activations again.
+    // first backward, the last layer's, runs on the most): a layer recomputed inside the
+    // backward holds again what its recomputation brings back, beside what it kept.
     double freed_later = 0;  // what the backwards of the layers after l freed
     LayerMemo memo;
     for (int l = s_.end_layer - 1; l >= s_.first_layer; --l) {
@@ -394,8 +391,9 @@ double BlockBuilder::backward_peak(bool input_half, bool recompute_inside, doubl
             c_.running_transient_bytes(p, layer_in(l), recompute_inside ? none : r, input_half),
             c_.kept_bytes(p, layer_in(l), r, false) -
                 (input_half ? c_.kept_bytes(p, layer_in(l), r, true) : 0.0));
+        memo.restored = recompute_inside ? c_.recomputed_bytes(p, layer_in(l), l) : 0.0;
       }
-      worst = std::max(worst, extra + memo.peak - freed_before - freed_later);
+      worst = std::max(worst, memo.restored + memo.peak - freed_before - freed_later);
       freed_later += memo.freed;
     }
     freed_before += act_.kept_layers - (input_half ? act_.layers_weight_inputs : 0.0);

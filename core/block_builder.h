@@ -46,7 +46,6 @@ class BlockBuilder {
     double kept = 0, kept_weight_inputs = 0;
     double kept_layers = 0, layers_weight_inputs = 0;
     double kept_head = 0, head_weight_inputs = 0;
-    double full_layer = 0;  // the most a layer keeps with nothing recomputed
     double transient = 0;   // the largest transient of a part
   };
 
@@ -88,7 +87,7 @@ class BlockBuilder {
   // before it keep.
   double forward_peak() const;
   // The backward's peak: its parts free their activations one after another.
-  double backward_peak(bool input_half, bool recompute_inside, double extra) const;
+  double backward_peak(bool input_half, bool recompute_inside) const;
 
   Compiler& c_;
   const Plan& plan_;

@@ -226,9 +226,9 @@ void BlockBuilder::backward() {
     steps_->push_back(f);
   }
   // Memory: the backward frees what the forward (and an explicit recompute) kept; a recompute
-  // inside the backward holds one layer's activations at a time.
+  // inside the backward brings back one layer's recomputed activations at a time
+  // (backward_peak).
   const bool recompute_inside = input_grads && !explicit_recompute_ && c_.has_recompute(seg_);
-  const double extra = recompute_inside ? act_.full_layer : 0;
   double freed = 0;
   if (kind == BlockKind::kBackward) {
     freed = act_.kept;
@@ -256,9 +256,9 @@ void BlockBuilder::backward() {
     if (s_.head) worst = std::max(worst, c_.weight_transient_bytes(head));
     t_.peak_bytes = worst + act_piece_;
   } else if (explicit_recompute_) {
-    t_.peak_bytes = extra + act_.transient + act_piece_;
+    t_.peak_bytes = act_.transient + act_piece_;
   } else {
-    t_.peak_bytes = backward_peak(kind == BlockKind::kBackwardInput, recompute_inside, extra);
+    t_.peak_bytes = backward_peak(kind == BlockKind::kBackwardInput, recompute_inside);
   }
   memory(-freed);
 }

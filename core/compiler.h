@@ -157,6 +157,7 @@ struct LayerMemo {
   std::vector<bool> recomputed;
   bool first = false;
   double peak = 0, freed = 0;
+  double restored = 0;  // what a recomputation inside the backward brings back (set apart)
   bool holds(const PartInfo* p, const std::vector<bool>& r, bool is_first) const {
     return p == part && r == recomputed && is_first == first;
   }
