@@ -46,7 +46,7 @@ class BlockBuilder {
     double kept = 0, kept_weight_inputs = 0;
     double kept_layers = 0, layers_weight_inputs = 0;
     double kept_head = 0, head_weight_inputs = 0;
-    double transient = 0;   // the largest transient of a part
+    double transient = 0;  // the largest transient of a part
   };
 
   void forward();
