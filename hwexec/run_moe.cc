@@ -26,7 +26,10 @@ at::Tensor combine_tokens(const at::Tensor& y, const at::Tensor& scores, const M
   const at::Tensor chosen = scores.to(at::kFloat).gather(1, r.experts_of);
   const at::Tensor weight = at::softmax(chosen, 1).reshape({-1}).index_select(0, r.order);
   const at::Tensor weighted = (y.to(at::kFloat) * weight.unsqueeze(1)).to(y.scalar_type());
-  return at::zeros({tokens, y.size(1)}, weighted.options()).index_add(0, r.token_of, weighted);
+  // A scatter-add, whose backward keeps only the indices (index_add's keeps its source, the
+  // weighted copies), as Megatron-Core's unpermute sums them.
+  const at::Tensor index = r.token_of.unsqueeze(1).expand({-1, y.size(1)});
+  return at::zeros({tokens, y.size(1)}, weighted.options()).scatter_add(0, index, weighted);
 }
 
 }  // namespace nnsim::hwexec

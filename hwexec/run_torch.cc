@@ -1425,9 +1425,10 @@ class Model {
   // scores, the routed copies of the tokens in expert order (dispatch), the experts, and each
   // token's expert outputs weighted and summed with the shared expert's (combine); the routing
   // is run_moe.h's.
-  template <class Runs>
-  void moe_forward(Stats& st, const LayerParams& L, LayerTape& t, const char* phase,
-                   const Runs& runs) {
+  void moe_forward(Stats& st, const LayerParams& L, LayerTape& t, bool again,
+                   const std::set<std::string>& rc) {
+    auto runs = [&](const char* op) { return !again || rc.count(op) > 0; };
+    const char* phase = again ? "recompute" : "fwd";
     const int64_t k = spec_.experts_per_token, e = spec_.experts;
     const at::Tensor xn = t.n2.out;
     const int64_t b = xn.size(0), s = xn.size(1), h = xn.size(2), tokens = b * s;
@@ -1496,6 +1497,9 @@ class Model {
             if (in.size() > 2) out = out + in[2].reshape({tokens, h});
             return out.reshape({b, s, h});
           });
+      // The shared expert's output is only added: the combine's backward does not read it (as
+      // a residual's summands). Not when the combine is recomputed, which reads it again.
+      if (L.sfc1_w && !rc.count("moe.combine")) resize_storage(t.sfc2.out, 0);
     }
   }
 
@@ -1690,7 +1694,7 @@ class Model {
       t.n2 = fwd(st, "mlp.norm", phase, {leaf(t.res1.out)},
                  [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.ln2g, L.ln2b); });
     }
-    if (L.moe) moe_forward(st, L, t, phase, runs);
+    if (L.moe) moe_forward(st, L, t, again, rc);
     if (!L.moe && runs("mlp.fc1")) {
       t.fc1 = fwd(st, "mlp.fc1", phase,
                   {leaf(sp ? gather_seq(c, t.n2.out.detach(), "mlp.fc1") : t.n2.out)},
