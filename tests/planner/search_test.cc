@@ -175,15 +175,23 @@ TEST(Search, SubPipelinedTensorParallelismIsTriedWhenAsked) {
 
 // Qwen3-30B-A3B cut to 4 layers with its experts over two nodes: the all-to-alls cross
 // InfiniBand, and the combined-1F1B variant of the best plans wins when asked for.
-TEST(Search, CombinedOneFOneBIsTriedWhenAsked) {
-  ModelSpec m = *load_model("qwen3-30b-a3b");
-  m.layers = 4;
-  const Topology t = topo("dgx-h100-superpod", 2);
+// Qwen3-30B-A3B cut to `layers` (into `m`), and a search pinned to TP 1, `pp` stages, EP 16
+// (the experts over two nodes: the all-to-alls cross InfiniBand) and micro-batch 1.
+SearchOptions qwen_moe_search(ModelSpec& m, int layers, int pp) {
+  m = *load_model("qwen3-30b-a3b");
+  m.layers = layers;
   SearchOptions o = options(128);
   o.pins.tp = 1;
-  o.pins.pp = 1;
+  o.pins.pp = pp;
   o.pins.ep = 16;
   o.pins.micro_batch = 1;
+  return o;
+}
+
+TEST(Search, CombinedOneFOneBIsTriedWhenAsked) {
+  ModelSpec m;
+  SearchOptions o = qwen_moe_search(m, 4, 1);
+  const Topology t = topo("dgx-h100-superpod", 2);
   Expected<SearchResult> plain = search_plans(m, t, o);
   ASSERT_TRUE(plain.ok()) << plain.error().message();
   EXPECT_EQ(plain->ep_overlap_tried, 0u);
@@ -201,14 +209,9 @@ TEST(Search, CombinedOneFOneBIsTriedWhenAsked) {
 // Pipelines with expert parallelism are rescheduled with DualPipeV too; across InfiniBand, where
 // the all-to-alls weigh most, its pairs make it the fastest of the schedules tried.
 TEST(Search, DualPipeVIsTriedForExpertParallelPipelines) {
-  ModelSpec m = *load_model("qwen3-30b-a3b");
-  m.layers = 8;
+  ModelSpec m;
+  const SearchOptions o = qwen_moe_search(m, 8, 2);
   const Topology t = topo("dgx-h100-superpod", 4);
-  SearchOptions o = options(128);
-  o.pins.tp = 1;
-  o.pins.pp = 2;
-  o.pins.ep = 16;
-  o.pins.micro_batch = 1;
   Expected<SearchResult> r = search_plans(m, t, o);
   ASSERT_TRUE(r.ok()) << r.error().message();
   ASSERT_FALSE(r->ranked.empty());
