@@ -78,8 +78,8 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
   }
   if (r->schedules_tried > 0) {
     std::printf(
-        "%zu other pipeline schedules (zero bubble, DualPipeV, Merak, Tessel) tried for the best pipelined "
-        "plans\n",
+        "%zu other pipeline schedules (zero bubble, DualPipeV, Merak, Tessel) tried for the best "
+        "pipelined plans\n",
         r->schedules_tried);
   }
   if (r->sub_pipelined_tried > 0) {
