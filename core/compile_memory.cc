@@ -8,7 +8,9 @@ namespace nnsim::detail {
 
 // Activation bytes a part keeps for its backward pass (one micro-batch). With
 // `weight_inputs_only`, only what the weight gradients still need after a split backward's
-// input-gradient half (the inputs of operators with weights).
+// input-gradient half: the inputs of operators with weights and the gradients of their outputs
+// (dW = x^T dy; Qi et al.'s M_W, what zero-bubble's weight-gradient store keeps), the latter
+// made by that half.
 double Compiler::kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
                             const std::vector<bool>& recomputed, bool weight_inputs_only) const {
   const std::vector<double> after = kept_bytes_after(p, in_layout, recomputed, weight_inputs_only);
@@ -34,10 +36,13 @@ std::vector<double> Compiler::kept_bytes_after(const PartInfo& p, const TensorLa
     const OpPartition& part = p.partitions[i];
     after.push_back(bytes);
     if (weight_inputs_only && op.bwd_weight_flops <= 0) continue;
+    if (weight_inputs_only) bytes += piece_bytes(op.output, p.out_layouts[i], mesh);
     for (const TensorSpec& t : op.saved) {
       const bool is_input = t.ref.slot == 0 && t.ref.op != static_cast<int>(i);
-      if (recomputed[i]) {
-        // A recomputed operator keeps only inputs from outside the recomputed region.
+      if (recomputed[i] && !weight_inputs_only) {
+        // A recomputed operator keeps only inputs from outside the recomputed region. (A
+        // weight gradient's inputs are held after the input-gradient half all the same: its
+        // recomputation brought them back.)
         if (!is_input || (t.ref.op >= 0 && recomputed[t.ref.op])) continue;
       }
       if (weight_inputs_only && !is_input) continue;

