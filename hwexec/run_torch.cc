@@ -818,6 +818,10 @@ class Model {
   std::vector<const Param*> fp32_reads() const {
     std::vector<const Param*> v;
     if (embedding_ && word_) v.push_back(word_);
+    // A mixture's router scores in fp32 from the fp32 weights (moe_forward).
+    for (const LayerParams& L : layers_) {
+      if (L.router_w) v.push_back(L.router_w);
+    }
     if (spec_.norm == NormKind::kLayerNorm && !cpu_fp16()) return v;
     auto add = [&](std::initializer_list<const Param*> ps) {
       for (const Param* p : ps) {
