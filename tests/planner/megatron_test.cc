@@ -1,5 +1,6 @@
 #include "planner/megatron.h"
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -392,6 +393,33 @@ TEST(Megatron, CompileChecksTheOrdersPairs) {
                        "pair F1@0+B1@0 must be a forward (F) and a whole backward (B) of "
                        "another micro-batch"))
       << e;
+}
+
+// A split backward's weight half (BW) frees what it needs, which the input half (BI) left: each
+// linear layer's input and the gradient of its output (dW = x^T dy). GPT-3 1.3B at tp 1, one
+// sequence of 2,048 tokens: per layer qkv (in h, out 3h), proj (h, h), fc1 (h, 4h), fc2 (4h, h),
+// 16 T h bf16 elements. The forward keeps, BI and BW free, the three summing to nothing.
+TEST(Megatron, SplitBackwardsWeightHalfHoldsInputsAndOutputGradients) {
+  const ModelSpec m = preset("gpt3-1.3b");
+  MegatronOptions o = opts(1, 4, 32);
+  o.schedule = ScheduleKind::kZbH1;
+  const Plan p = build(m, o);
+  auto prog = compile_plan(p, topology("dgx-a100x4"));
+  ASSERT_TRUE(prog.ok()) << prog.error().message();
+  const Segment& middle = p.segments[1];  // layers only
+  ASSERT_FALSE(middle.embedding || middle.head);
+  const double layers = middle.end_layer - middle.first_layer;
+  const double tokens = m.seq_len, h = m.hidden;
+  std::map<BlockKind, double> kept;
+  for (const BlockTemplate& t : prog->templates) {
+    if (t.segment == 1) kept[t.kind] = t.kept_bytes;
+  }
+  ASSERT_EQ(kept.size(), 3u);
+  EXPECT_NEAR(-kept[BlockKind::kBackwardWeight], layers * 16 * tokens * h * 2,
+              1e-9 * layers * tokens * h);
+  EXPECT_NEAR(kept[BlockKind::kForward] + kept[BlockKind::kBackwardInput] +
+                  kept[BlockKind::kBackwardWeight],
+              0, 1e-6 * kept[BlockKind::kForward]);
 }
 
 TEST(Megatron, CompileRejectsIncompleteSchedules) {
