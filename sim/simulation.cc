@@ -575,10 +575,7 @@ double Simulation::run_on_stream(Instance& inst, const Step& step, const Rendezv
 void Simulation::dp_stream_actor(Instance& inst) {
   sg4::Actor::self()->daemonize();
   while (true) {
-    inst.dp.pending->acquire();
-    const Instance::DpItem item = inst.dp.queue.front();
-    inst.dp.queue.pop_front();
-    const Step& step = *item.step;
+    const Step& step = *inst.dp.next().step;
     const RendezvousKey key{inst.lane, 1 << 20, inst.dp_sequence_for_rendezvous++, 0, 0};
     const double t0 = run_on_stream(inst, step, key);
     record(inst, Stream::kDataParallel, TaskKind::kDpCollective, t0, sg4::Engine::get_clock(),
@@ -590,9 +587,7 @@ void Simulation::dp_stream_actor(Instance& inst) {
 void Simulation::comm_stream_actor(Instance& inst) {
   sg4::Actor::self()->daemonize();
   while (true) {
-    inst.ep.pending->acquire();
-    const Instance::CommItem item = inst.ep.queue.front();
-    inst.ep.queue.pop_front();
+    const Instance::CommItem item = inst.ep.next();
     const Step& step = *item.step;
     const double t0 = run_on_stream(inst, step, item.key);
     record(inst, Stream::kExpertComm, TaskKind::kCollective, t0, sg4::Engine::get_clock(),

@@ -59,6 +59,13 @@ class Simulation {
       progress = simgrid::s4u::ConditionVariable::create();
     }
     bool busy() const { return completed < launched; }
+    // Blocks the stream's actor until an item is queued, and takes it.
+    Item next() {
+      pending->acquire();
+      Item item = queue.front();
+      queue.pop_front();
+      return item;
+    }
     // Blocks the calling actor until the first `target` launches have completed.
     void wait_until(int target) {
       std::unique_lock<simgrid::s4u::Mutex> lock(*mutex);

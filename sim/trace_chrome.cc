@@ -25,7 +25,8 @@ std::string chrome_trace_json(const Program& program, const SimResult& r, bool p
     out += e;
     first = false;
   };
-  // Processes (lanes or GPUs) and threads (streams).
+  // Processes (lanes or GPUs) and threads (streams; the expert stream where blocks pair).
+  const bool expert_stream = program.has_pairs();
   std::vector<std::vector<int>> pids(r.lanes.size());
   for (size_t l = 0; l < r.lanes.size(); ++l) {
     const LaneReport& lane = r.lanes[l];
@@ -49,7 +50,7 @@ std::string chrome_trace_json(const Program& program, const SimResult& r, bool p
           pids[l][i], pids[l][i]));
       for (Stream s :
            {Stream::kCompute, Stream::kDataParallel, Stream::kPipelineSend, Stream::kExpertComm}) {
-        if (s == Stream::kExpertComm && !program.has_pairs()) continue;
+        if (s == Stream::kExpertComm && !expert_stream) continue;
         emit(fmt::format(
             R"({{"name":"thread_name","ph":"M","pid":{},"tid":{},"args":{{"name":"{}"}}}})",
             pids[l][i], static_cast<int>(s), to_string(s)));
