@@ -997,10 +997,13 @@ class Model {
     for (int u = head_unit() + (head_ ? 0 : -1); u >= 0; --u) {
       c.unit_before(u, true);
       for (; next < tape.deferred.size() && tape.deferred[next].unit == u; ++next) {
-        const DeferredWeightGrad& d = tape.deferred[next];
+        DeferredWeightGrad& d = tape.deferred[next];
         c.op_before(u, d.op, false);
         const Mark t0 = st.mark();
         weight_gradients(d, /*keep_graph=*/dtype_ != at::kFloat);
+        // Each weight gradient's input and output gradient go once it is computed (the
+        // zero-bubble implementations' weight-gradient store pops its entries), not at the end.
+        d.out = d.dout = at::Tensor();
         st.op(d.op, "bwd_weight", t0, st.mark());
       }
       c.unit_after_backward(u);
@@ -1105,6 +1108,12 @@ class Model {
     }
     std::vector<at::Tensor> g;
     for (const at::Tensor& i : u.in) g.push_back(i.grad());
+    // A deferred operator's graph, kept for BW, reaches its inputs (autograd's AccumulateGrad
+    // holds each leaf), and with them their .grad: handed over here, so that the input
+    // gradient goes once the operator before has used it, not when BW ends.
+    if (defer) {
+      for (const at::Tensor& i : u.in) i.mutable_grad() = at::Tensor();
+    }
     st.op(name, bwd_phase_, t0, st.mark());
     u = Unit{};
     return g;
