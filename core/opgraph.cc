@@ -514,6 +514,11 @@ void add_moe_ops(std::vector<Op>& ops, TensorRef input, const ModelSpec& m, cons
     c.fwd_bytes += tokens * x.h * x.p;
   }
   c.bwd_bytes = tokens * x.h * x.p + 2 * routed * x.h * x.p;
+  // Megatron-Core's unpermute (weighted copies summed by a scatter-add) under autograd: the
+  // forward writes the weighted copies, the backward gathers the output's gradient to the
+  // routed copies and, beside it, writes their gradient or multiplies it by the expert outputs
+  // for the weights' gradient: two routed-size temporaries (nnexec's CPU counts: docs/hwexec.md).
+  c.transient_bytes = 2 * routed * x.h * x.p;
   set_granularity(c, x);
   ops.push_back(c);
 }

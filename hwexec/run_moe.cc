@@ -3,6 +3,8 @@
 
 #include <tuple>
 
+#include <torch/csrc/autograd/custom_function.h>
+
 namespace nnsim::hwexec {
 
 MoeRouting route_tokens(const at::Tensor& scores, int64_t k) {
@@ -30,6 +32,77 @@ at::Tensor combine_tokens(const at::Tensor& y, const at::Tensor& scores, const M
   // weighted copies), as Megatron-Core's unpermute sums them.
   const at::Tensor index = r.token_of.unsqueeze(1).expand({-1, y.size(1)});
   return at::zeros({tokens, y.size(1)}, weighted.options()).scatter_add(0, index, weighted);
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// out = a c, into `out` (a view of a larger tensor).
+void product_into(at::Tensor out, const at::Tensor& a, const at::Tensor& c, bool fp32_math) {
+  if (fp32_math) {
+    out.copy_(at::mm(a.to(at::kFloat), c.to(at::kFloat)));
+  } else {
+    at::mm_out(out, a, c);
+  }
+}
+
+class GroupedLinear : public torch::autograd::Function<GroupedLinear> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const c10::optional<at::Tensor>& b, const std::vector<int64_t>& counts,
+                            bool fp32_math) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["counts"] = counts;
+    ctx->saved_data["fp32_math"] = fp32_math;
+    ctx->saved_data["bias"] = b.has_value() && b->defined();
+    at::Tensor out = at::empty({x.size(0), w.size(2)}, x.options());
+    int64_t first = 0;
+    for (std::size_t e = 0; e < counts.size(); ++e) {
+      const int64_t n = counts[e];
+      if (n == 0) continue;
+      at::Tensor rows = out.narrow(0, first, n);
+      product_into(rows, x.narrow(0, first, n), w[static_cast<int64_t>(e)], fp32_math);
+      if (b.has_value() && b->defined()) rows.add_((*b)[static_cast<int64_t>(e)]);
+      first += n;
+    }
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1];
+    const std::vector<int64_t> counts = ctx->saved_data["counts"].toIntVector();
+    const bool fp32_math = ctx->saved_data["fp32_math"].toBool();
+    const bool bias = ctx->saved_data["bias"].toBool();
+    const at::Tensor& g = grads[0];
+    at::Tensor dx, dw, db;
+    // An expert without tokens gets a zero gradient, as from a product over no rows.
+    if (ctx->needs_input_grad(0)) dx = at::empty(x.sizes(), g.options());
+    if (ctx->needs_input_grad(1)) dw = at::zeros(w.sizes(), g.options());
+    if (bias && ctx->needs_input_grad(2)) db = at::zeros({w.size(0), w.size(2)}, g.options());
+    int64_t first = 0;
+    for (std::size_t e = 0; e < counts.size(); ++e) {
+      const int64_t n = counts[e];
+      if (n == 0) continue;
+      const auto i = static_cast<int64_t>(e);
+      const at::Tensor ge = g.narrow(0, first, n);
+      if (dx.defined()) product_into(dx.narrow(0, first, n), ge, w[i].t(), fp32_math);
+      if (dw.defined()) product_into(dw[i], x.narrow(0, first, n).t(), ge, fp32_math);
+      if (db.defined()) db[i].copy_(ge.sum(0));
+      first += n;
+    }
+    return {dx, dw, db, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w,
+                          const c10::optional<at::Tensor>& b, const std::vector<int64_t>& counts,
+                          bool fp32_math) {
+  return GroupedLinear::apply(x, w, b, counts, fp32_math);
 }
 
 }  // namespace nnsim::hwexec

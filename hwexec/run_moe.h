@@ -31,4 +31,15 @@ at::Tensor dispatch_tokens(const at::Tensor& x, const MoeRouting& r);
 // y's dtype. Differentiable in y and in the scores.
 at::Tensor combine_tokens(const at::Tensor& y, const at::Tensor& scores, const MoeRouting& r);
 
+// The experts' linear layer over routed copies `x` [rows, in] in expert order (`counts[e]` rows
+// for expert e): rows of expert e times w[e] ([experts, in, out]) plus b[e] ([experts, out],
+// optional), under autograd. As a grouped GEMM (Megatron-Core's GroupedMLP, TEGroupedMLP): one
+// product per expert with tokens, each written into its rows of one output, and the backward's
+// input gradient and weight gradients written the same way, so that neither direction holds
+// per-expert pieces beside the whole (a loop of products joined by cat holds both, as
+// SequentialMLP's). `fp32_math`: computed in fp32 and rounded once (fp16 on a CPU).
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w,
+                          const c10::optional<at::Tensor>& b, const std::vector<int64_t>& counts,
+                          bool fp32_math);
+
 }  // namespace nnsim::hwexec

@@ -1417,21 +1417,11 @@ class Model {
   }
 
   // The experts' linear layer over the routed copies in expert order (`counts` rows each): one
-  // GEMM per expert with tokens, as Megatron-Core's SequentialMLP (a grouped GEMM's work).
+  // GEMM per expert with tokens, as a grouped GEMM (run_moe.h).
   at::Tensor expert_linear(const at::Tensor& x, const Param* w, const Param* b,
                            const std::vector<int64_t>& counts) const {
-    // The experts' weights as views of one tensor (unbind's backward stacks their gradients
-    // once, where a view each would give a whole-size gradient each).
-    const std::vector<at::Tensor> rows = at::split_with_sizes(x, counts, 0);
-    const std::vector<at::Tensor> ws = W(w).unbind(0);
-    const std::vector<at::Tensor> bs = b ? W(b).unbind(0) : std::vector<at::Tensor>{};
-    std::vector<at::Tensor> out;
-    for (std::size_t e = 0; e < rows.size(); ++e) {
-      if (counts[e] == 0) continue;
-      at::Tensor y = mm(rows[e], ws[e]);
-      out.push_back(b ? y + bs[e] : y);
-    }
-    return out.empty() ? x.new_zeros({0, W(w).size(2)}) : at::cat(out, 0);
+    return grouped_linear(x, W(w), b ? c10::optional<at::Tensor>(W(b)) : c10::nullopt, counts,
+                          cpu_fp16());
   }
 
   // A mixture-of-experts block's MLP after its norm (t.n2): the shared expert, the router's

@@ -1,6 +1,7 @@
 // A mixture of experts' routing in nnexec (hwexec/run_moe.h) against a per-token loop: each
 // token's k best-scoring experts, its copies ordered by expert, and its output the softmax of
-// its k scores weighting those experts' outputs. Compiled only where LibTorch is.
+// its k scores weighting those experts' outputs; and the experts' grouped GEMM against one
+// product per expert. Compiled only where LibTorch is.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -91,6 +92,49 @@ TEST(MoeRouting, CombineWeighsTheExpertsBySoftmaxOfTheirScores) {
     }
   }
   EXPECT_GT(s.grad().abs().sum().item<float>(), 0.0f);
+}
+
+// The experts' grouped GEMM against one product per expert under autograd: the same output and
+// gradients of its input, weights and biases, an expert without rows included (its gradients
+// zero), and only the gradients asked for (a zero-bubble BI asks for the input's alone).
+TEST(MoeGroupedLinear, MatchesOneProductPerExpert) {
+  at::manual_seed(11);
+  const std::vector<int64_t> counts = {3, 0, 4, 2};
+  const int64_t rows = 9, in = 5, out = 6;
+  const at::Tensor x0 = at::randn({rows, in}), w0 = at::randn({kExperts, in, out}),
+                   b0 = at::randn({kExperts, out}), dy = at::randn({rows, out});
+  const at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true),
+                   b = b0.clone().requires_grad_(true);
+  const at::Tensor y = grouped_linear(x, w, b, counts, /*fp32_math=*/false);
+  y.backward(dy);
+
+  const at::Tensor rx = x0.clone().requires_grad_(true), rw = w0.clone().requires_grad_(true),
+                   rb = b0.clone().requires_grad_(true);
+  std::vector<at::Tensor> pieces;
+  int64_t first = 0;
+  for (int64_t e = 0; e < kExperts; ++e) {
+    const int64_t n = counts[static_cast<size_t>(e)];
+    pieces.push_back(at::mm(rx.narrow(0, first, n), rw[e]) + rb[e]);
+    first += n;
+  }
+  const at::Tensor ry = at::cat(pieces, 0);
+  ry.backward(dy);
+
+  EXPECT_TRUE(at::allclose(y, ry, 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(x.grad(), rx.grad(), 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(w.grad(), rw.grad(), 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(b.grad(), rb.grad(), 1e-5, 1e-6));
+  EXPECT_EQ(w.grad()[1].abs().sum().item<float>(), 0.0F);
+  EXPECT_EQ(b.grad()[1].abs().sum().item<float>(), 0.0F);
+
+  // Only the input's gradient, then only the weights', as a BI and its BW.
+  const at::Tensor x2 = x0.clone().requires_grad_(true), w2 = w0.clone().requires_grad_(true);
+  const at::Tensor y2 = grouped_linear(x2, w2, c10::nullopt, counts, /*fp32_math=*/false);
+  y2.backward(dy, /*retain_graph=*/true, /*create_graph=*/false, at::TensorList({x2}));
+  EXPECT_TRUE(at::allclose(x2.grad(), rx.grad(), 1e-5, 1e-6));
+  EXPECT_FALSE(w2.grad().defined());
+  y2.backward(dy, /*retain_graph=*/false, /*create_graph=*/false, at::TensorList({w2}));
+  EXPECT_TRUE(at::allclose(w2.grad(), rw.grad(), 1e-5, 1e-6));
 }
 
 }  // namespace
