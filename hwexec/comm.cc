@@ -814,6 +814,41 @@ Status Comm::reduce_scatter_bf16(const std::vector<int>& group, const std::uint1
   return {};
 }
 
+Status Comm::all_to_all(const std::vector<int>& group, const void* in,
+                        const std::vector<std::size_t>& send_bytes, void* out,
+                        const std::vector<std::size_t>& recv_bytes) {
+  const int pos = position_in(group, rank_);
+  if (pos < 0) return Error(fmt::format("rank {} is not in its all-to-all group", rank_));
+  const std::size_t g = group.size();
+  if (send_bytes.size() != g || recv_bytes.size() != g) {
+    return Error(fmt::format("all-to-all over {} ranks with {} send and {} receive sizes", g,
+                             send_bytes.size(), recv_bytes.size()));
+  }
+  const auto* src = static_cast<const char*>(in);
+  auto* dst = static_cast<char*>(out);
+  std::vector<std::size_t> send_at(g, 0), recv_at(g, 0);
+  for (std::size_t i = 1; i < g; ++i) {
+    send_at[i] = send_at[i - 1] + send_bytes[i - 1];
+    recv_at[i] = recv_at[i - 1] + recv_bytes[i - 1];
+  }
+  const auto me = static_cast<std::size_t>(pos);
+  if (send_bytes[me] != recv_bytes[me]) {
+    return Error(fmt::format("all-to-all: rank {} sends itself {} bytes but expects {}", rank_,
+                             send_bytes[me], recv_bytes[me]));
+  }
+  std::copy(src + send_at[me], src + send_at[me] + send_bytes[me], dst + recv_at[me]);
+  // Sends are queued, so sending to every member before receiving cannot deadlock.
+  for (std::size_t i = 0; i < g; ++i) {
+    if (i == me) continue;
+    if (Status st = send(group[i], src + send_at[i], send_bytes[i]); !st) return st;
+  }
+  for (std::size_t i = 0; i < g; ++i) {
+    if (i == me) continue;
+    if (Status st = recv(group[i], dst + recv_at[i], recv_bytes[i]); !st) return st;
+  }
+  return {};
+}
+
 Status Comm::barrier() {
   std::vector<int> all(world_);
   for (int i = 0; i < world_; ++i) all[i] = i;

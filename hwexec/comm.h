@@ -101,6 +101,13 @@ class Comm {
                          std::uint16_t* out);
   Status reduce_scatter_bf16(const std::vector<int>& group, const std::uint16_t* in, std::size_t n,
                              std::uint16_t* out, Float16 format = Float16::kBf16);
+  // all_to_all: member i of `group` gets send_bytes[i] bytes from `in` (the members' pieces one
+  // after another, in group order) and this rank gets recv_bytes[j] bytes from member j into
+  // `out` (likewise), any data type; this rank's own piece is copied. The sizes must agree
+  // between each pair (a receive of another length fails).
+  Status all_to_all(const std::vector<int>& group, const void* in,
+                    const std::vector<std::size_t>& send_bytes, void* out,
+                    const std::vector<std::size_t>& recv_bytes);
   Status barrier();
 
  private:

@@ -286,6 +286,47 @@ Expected<void*> NcclComms::send_stream(int peer) const {
   return it->second.stream;
 }
 
+Status NcclComms::all_to_all(const std::vector<int>& group, const void* in,
+                             const std::vector<std::size_t>& send_bytes, void* out,
+                             const std::vector<std::size_t>& recv_bytes, void* stream) {
+  if (send_bytes.size() != group.size() || recv_bytes.size() != group.size()) {
+    return Error(fmt::format("all-to-all over {} ranks with {} send and {} receive sizes",
+                             group.size(), send_bytes.size(), recv_bytes.size()));
+  }
+  const auto* src = static_cast<const char*>(in);
+  auto* dst = static_cast<char*>(out);
+  if (group.size() <= 1) {
+    if (cudaError_t e =
+            cudaMemcpyAsync(dst, src, send_bytes.empty() ? 0 : send_bytes[0],
+                            cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
+        e != cudaSuccess) {
+      return Error(fmt::format("cudaMemcpyAsync: {}", cudaGetErrorString(e)));
+    }
+    return {};
+  }
+  Expected<void*> c = group_comm(group);
+  if (!c) return c.error();
+  const auto comm = static_cast<ncclComm_t>(*c);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (ncclResult_t e = ncclGroupStart(); e != ncclSuccess) return nccl_error("ncclGroupStart", e);
+  ncclResult_t first = ncclSuccess;
+  std::size_t sent = 0, received = 0;
+  for (std::size_t i = 0; i < group.size(); ++i) {
+    const int peer = static_cast<int>(i);  // the member's rank in the group's communicator
+    const ncclResult_t a = ncclSend(src + sent, send_bytes[i], ncclUint8, peer, comm, s);
+    const ncclResult_t b = ncclRecv(dst + received, recv_bytes[i], ncclUint8, peer, comm, s);
+    if (first == ncclSuccess) first = a != ncclSuccess ? a : b;
+    sent += send_bytes[i];
+    received += recv_bytes[i];
+  }
+  const ncclResult_t end = ncclGroupEnd();
+  if (first != ncclSuccess || end != ncclSuccess) {
+    return nccl_error(fmt::format("ncclSend/ncclRecv all-to-all (group [{}])", members(group)),
+                      first != ncclSuccess ? first : end);
+  }
+  return {};
+}
+
 Status NcclComms::send(int peer, const void* data, std::size_t bytes) {
   const auto it = edges_.find({rank_, peer});
   if (it == edges_.end()) {

@@ -88,6 +88,12 @@ class NcclComms {
   // producer with CudaEvents::order); ncclRecv from `peer` on `stream`.
   Status send(int peer, const void* data, std::size_t bytes);
   Status recv(int peer, void* data, std::size_t bytes, void* stream);
+  // All-to-all over `group` on `stream` (Comm::all_to_all's layout: member i's piece of `in`,
+  // send_bytes[i], and its piece of `out`, recv_bytes[i], one after another in group order):
+  // an ncclSend and an ncclRecv per member in one NCCL group.
+  Status all_to_all(const std::vector<int>& group, const void* in,
+                    const std::vector<std::size_t>& send_bytes, void* out,
+                    const std::vector<std::size_t>& recv_bytes, void* stream);
 
   int rank() const { return rank_; }
 

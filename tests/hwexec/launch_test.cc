@@ -256,6 +256,51 @@ TEST(Rendezvous, RanksStartedInAnyOrderConnectAndTalk) {
   }
 }
 
+// Each rank r sends member j (a group in another order than the ranks') r + j + 1 values
+// r * 100 + j, none to one member; each gets every member's piece for it, in group order.
+TEST(CommAllToAll, UnevenPiecesReachTheirMembersInGroupOrder) {
+  const int port = free_port();
+  const int world = 3;
+  const std::vector<int> group = {2, 0, 1};
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(world);
+  std::vector<std::vector<float>> got(world);
+  auto count = [](int from, int to) -> std::size_t {
+    return from == 1 && to == 2 ? 0 : static_cast<std::size_t>(from + to + 1);
+  };
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto c = Comm::connect(at(port, 10), r, world, 10);
+      if (!c) {
+        errors[r] = c.error().message();
+        return;
+      }
+      std::vector<float> in;
+      std::vector<std::size_t> send, recv;
+      std::size_t total = 0;
+      for (int j : group) {
+        for (std::size_t i = 0; i < count(r, j); ++i) in.push_back(static_cast<float>(r * 100 + j));
+        send.push_back(count(r, j) * sizeof(float));
+        recv.push_back(count(j, r) * sizeof(float));
+        total += count(j, r);
+      }
+      got[r].assign(total, -1);
+      if (Status st = (*c)->all_to_all(group, in.data(), send, got[r].data(), recv); !st) {
+        errors[r] = st.error().message();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    std::vector<float> want;
+    for (int j : group) {
+      for (std::size_t i = 0; i < count(j, r); ++i) want.push_back(static_cast<float>(j * 100 + r));
+    }
+    EXPECT_EQ(got[r], want) << "rank " << r;
+  }
+}
+
 TEST(Rendezvous, UnreachableMasterNamesTheRankAndTheAddress) {
   const int port = free_port();
   const auto t0 = std::chrono::steady_clock::now();
