@@ -55,7 +55,8 @@ Status check_runnable(const Plan& plan) {
         "{}: {} (nnexec run executes GPT- and Llama-style models: "
         "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
         "ReLU or squared-ReLU MLP, mixtures of experts (top-k, dropless, a shared expert, "
-        "every expert on every rank), learned, rotary or ALiBi positions, dropout with "
+        "every expert on every rank or split over data-parallel ranks: expert parallelism "
+        "without ZeRO), learned, rotary or ALiBi positions, dropout with "
         "deterministic masks (recomputed and repeated passes too); Megatron tensor, sequence "
         "and context parallelism (together too), pipelines (interleaved too; the head and the "
         "embedding also sharded over the stages, with context parallelism and repeated "
@@ -76,9 +77,9 @@ Status check_runnable(const Plan& plan) {
     return refuse("model.mtp_layers",
                   "multi-token prediction is simulated only (drop 'mtp_layers')");
   }
-  // Mixtures of experts run with every expert on every rank (no expert or tensor parallelism
-  // of the experts: the partition check below refuses their splits), routed dropless as
-  // Megatron-Core's default: each expert takes exactly the tokens routed to it.
+  // Mixtures of experts run with every expert on every rank, or split over ranks that split the
+  // batch (expert parallelism, checked below; no tensor parallelism of the experts), routed
+  // dropless as Megatron-Core's default: each expert takes exactly the tokens routed to it.
   if (m.moe() && m.expert_capacity_factor != 1) {
     return refuse("model.expert_capacity_factor",
                   fmt::format("{} pads the experts' tokens, which nnexec does not: it routes "
@@ -145,18 +146,84 @@ Status check_runnable(const Plan& plan) {
     head_spans = head_spans || (spans && plan.segments[si].head);
   }
 
-  // Expert parallelism: the experts split over ranks (and the tokens exchanged).
-  for (const PartitionRule& r : plan.partition) {
-    for (const DimSplit& s : r.splits) {
-      if (s.dim == Dim::kExpert && !s.axes.empty()) {
-        return refuse("partition",
-                      fmt::format("'{}' splits the experts over {} (expert parallelism), which is "
-                                  "simulated only: nnexec runs every expert on every rank; plan "
-                                  "with --ep 1",
-                                  r.match, join(s.axes, "+")));
+  // Expert parallelism: the routed experts (moe.fc1, moe.act, moe.fc2) split over `ep_axes`,
+  // which split every other operator's batch (the expert-parallel ranks are data-parallel ranks
+  // of the rest, as Megatron-Core's), the routed copies exchanged by all-to-alls.
+  std::vector<std::string> ep_axes;
+  bool ep_set = false;
+  for (const char* op : {"moe.fc1", "moe.act", "moe.fc2"}) {
+    std::vector<std::string> axes;
+    for (const PartitionRule& r : plan.partition) {
+      if (!match_pattern(r.match, op)) continue;
+      for (const DimSplit& s : r.splits) {
+        if (s.dim == Dim::kExpert) axes = s.axes;
       }
     }
+    if (ep_set && axes != ep_axes) {
+      return refuse("partition", fmt::format("'{}' splits the experts over {} but moe.fc1 over "
+                                             "{}; the experts' three operators split alike",
+                                             op, join(axes, "+"), join(ep_axes, "+")));
+    }
+    ep_axes = axes;
+    ep_set = true;
   }
+  int ep = 1;
+  for (const std::string& a : ep_axes) ep *= plan.mesh.axis_size(a);
+  if (!ep_axes.empty()) {
+    // Only the experts' split and the batch's over the same axes: no tensor, sequence or context
+    // parallelism beside it.
+    for (const PartitionRule& r : plan.partition) {
+      for (const DimSplit& s : r.splits) {
+        if (s.axes.empty() || s.dim == Dim::kExpert) continue;
+        if (s.dim == Dim::kBatch && s.axes == ep_axes) continue;
+        return refuse(
+            "partition",
+            fmt::format("'{}' is split along '{}' over {} beside expert parallelism "
+                        "over {}: expert parallelism with tensor, sequence or context "
+                        "parallelism is simulated only (nnexec exchanges the tokens "
+                        "of data-parallel ranks); plan with --tp 1 --cp 1",
+                        r.match, to_string(s.dim), join(s.axes, "+"), join(ep_axes, "+")));
+      }
+    }
+    if (!m.moe()) {
+      return refuse("partition", "the experts are split over " + join(ep_axes, "+") +
+                                     " but the model has no mixture of experts");
+    }
+    for (const std::string& a : ep_axes) {
+      if (a == kDataParallelAxis || pp_axes.count(a)) {
+        return refuse("partition", fmt::format("expert parallelism over '{}', a data- or "
+                                               "pipeline-parallel axis, is not supported",
+                                               a));
+      }
+    }
+    if (m.experts % ep != 0) {
+      return refuse("model.experts",
+                    fmt::format("{} experts cannot be split evenly over the {} expert-parallel "
+                                "ranks; use an expert-parallel degree dividing {}",
+                                m.experts, ep, m.experts));
+    }
+    if (plan.micro_batch % ep != 0) {
+      return refuse("training.micro_batch",
+                    fmt::format("{} sequences a micro-batch cannot be split over the {} "
+                                "expert-parallel ranks (each takes micro_batch / ep of them)",
+                                plan.micro_batch, ep));
+    }
+    if (plan.moe_deepep) {
+      return refuse("moe_deepep",
+                    "DeepEP's exchange is simulated only: nnexec exchanges the "
+                    "routed copies with all-to-alls; remove the field");
+    }
+    if (plan.optimizer.zero != 0) {
+      return refuse("optimizer.zero",
+                    fmt::format("ZeRO stage {} with expert parallelism is simulated only: nnexec "
+                                "does not shard the experts' state over their own group yet; "
+                                "plan with --zero 0",
+                                plan.optimizer.zero));
+    }
+  }
+  auto is_expert_op = [](const std::string& name) {
+    return name == "moe.fc1" || name == "moe.act" || name == "moe.fc2";
+  };
 
   // Effective splits per operator (every matching rule, in file order).
   const OpGraph graph = lower_model(m, 1);
@@ -194,6 +261,13 @@ Status check_runnable(const Plan& plan) {
       }
       for (auto [dim, axes] : splits) {
         if (axes.empty()) continue;
+        // Expert parallelism: the experts' split, and every other operator's batch over the
+        // same axes.
+        if (!ep_axes.empty() && axes == ep_axes &&
+            ((dim == Dim::kExpert && is_expert_op(op.name)) ||
+             (dim == Dim::kBatch && !is_expert_op(op.name)))) {
+          continue;
+        }
         if (dim == Dim::kSeq && !cp_axes.empty() && axes == cp_axes) {
           cp_split.insert(op.name);
           continue;
@@ -371,8 +445,32 @@ Status check_runnable(const Plan& plan) {
                                 m.seq_len, ways));
     }
   }
+  if (!ep_axes.empty()) {
+    // Every operator but the experts' splits its batch over the expert-parallel axes.
+    for (const GraphPart* part :
+         {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
+      for (const Op& op : part->ops) {
+        if (is_expert_op(op.name)) continue;
+        std::vector<std::string> batch;
+        for (const PartitionRule& r : plan.partition) {
+          if (!match_pattern(r.match, op.name)) continue;
+          for (const DimSplit& s : r.splits) {
+            if (s.dim == Dim::kBatch) batch = s.axes;
+          }
+        }
+        if (batch != ep_axes) {
+          return refuse("partition",
+                        fmt::format("operator '{}' splits its batch over {} but the experts are "
+                                    "split over {} (expert parallelism splits the batch of every "
+                                    "other operator over the same axes)",
+                                    op.name, join(batch, "+"), join(ep_axes, "+")));
+        }
+      }
+    }
+  }
   for (const MeshAxis& a : plan.mesh.axes) {
     if (a.size == 1 || a.name == kDataParallelAxis || pp_axes.count(a.name)) continue;
+    if (std::find(ep_axes.begin(), ep_axes.end(), a.name) != ep_axes.end()) continue;
     if (std::find(tp_axes.begin(), tp_axes.end(), a.name) != tp_axes.end()) continue;
     if (std::find(cp_axes.begin(), cp_axes.end(), a.name) != cp_axes.end()) continue;
     return refuse("mesh", fmt::format("axis '{}' has size {} but no operator is split along it",

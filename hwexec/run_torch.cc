@@ -284,6 +284,9 @@ struct Ctx {
   std::string cp_axes = "cp";
   int cp_next = -1, cp_prev = -1;
   int tp_index = 0;
+  // Expert parallelism: the ranks that split the experts (and the batch of the rest).
+  std::vector<int> ep_group{0};
+  std::string ep_axes = "ep";
 #ifdef NNSIM_TORCH_HAS_CUDA
   NcclComms* nccl = nullptr;
 #endif
@@ -326,6 +329,58 @@ struct Ctx {
 #endif
     ok_or_throw(comm->all_reduce(group, t.data_ptr<float>(), t.numel(), op));
     stats->coll("all_reduce", axes, label, t.numel() * 4.0, a, stats->mark());
+  }
+  // All-to-all over the expert-parallel group of `in`'s rows (any dtype): send_rows[i] rows to
+  // member i, recv_rows[i] rows from it, each member's in group order. Recorded with `bytes`.
+  at::Tensor all_to_all(const at::Tensor& in, const std::vector<int64_t>& send_rows,
+                        const std::vector<int64_t>& recv_rows, const std::string& label,
+                        double bytes) {
+    const at::Tensor x = in.contiguous();
+    const int64_t width = x.numel() / std::max<int64_t>(x.size(0), 1);
+    const auto row_bytes = static_cast<std::size_t>(width) * x.element_size();
+    std::vector<std::size_t> send_bytes, recv_bytes;
+    int64_t rows = 0;
+    for (std::size_t i = 0; i < ep_group.size(); ++i) {
+      send_bytes.push_back(static_cast<std::size_t>(send_rows[i]) * row_bytes);
+      recv_bytes.push_back(static_cast<std::size_t>(recv_rows[i]) * row_bytes);
+      rows += recv_rows[i];
+    }
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape[0] = rows;
+    at::Tensor out = at::empty(shape, x.options());
+    const Mark a = stats->mark();
+#ifdef NNSIM_TORCH_HAS_CUDA
+    if (nccl) {
+      ok_or_throw(nccl->all_to_all(ep_group, x.data_ptr(), send_bytes, out.data_ptr(), recv_bytes,
+                                   stats->stream));
+      stats->coll("all_to_all", ep_axes, label, bytes, a, stats->mark());
+      return out;
+    }
+#endif
+    ok_or_throw(comm->all_to_all(ep_group, x.data_ptr(), send_bytes, out.data_ptr(), recv_bytes));
+    stats->coll("all_to_all", ep_axes, label, bytes, a, stats->mark());
+    return out;
+  }
+  // The routed copies' counts (`per` integers to each member of the expert-parallel group, in
+  // group order): what each member sends this rank. Not recorded (metadata; the program moves
+  // the copies only).
+  std::vector<int64_t> exchange_counts(const std::vector<int64_t>& send, int64_t per) {
+    const std::size_t g = ep_group.size();
+    const std::vector<std::size_t> bytes(g, static_cast<std::size_t>(per) * sizeof(int64_t));
+    std::vector<int64_t> got(send.size());
+#ifdef NNSIM_TORCH_HAS_CUDA
+    if (nccl) {
+      const at::Tensor in = at::tensor(send, at::kLong).to(options.device());
+      at::Tensor out = at::empty_like(in);
+      ok_or_throw(
+          nccl->all_to_all(ep_group, in.data_ptr(), bytes, out.data_ptr(), bytes, stats->stream));
+      const at::Tensor host = out.cpu();
+      std::copy(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel(), got.begin());
+      return got;
+    }
+#endif
+    ok_or_throw(comm->all_to_all(ep_group, send.data(), bytes, got.data(), bytes));
+    return got;
   }
   // All-gather (fp32 or bf16): `in` (n elements) from each member of `group`, in group
   // order; bytes recorded as the gathered output (nccl-tests' convention, the program's).
@@ -527,6 +582,9 @@ struct Param {
   // What the operators use: w itself in fp32; in bf16, its copy made once per iteration inside
   // autograd, so the weight gradients of every micro-batch reach w's fp32 gradient.
   at::Tensor c;
+  // A routed expert's (moe.fc1, moe.fc2): with expert parallelism its gradient sums over dp
+  // only, each ep rank holding other experts.
+  bool routed_expert = false;
 };
 
 // The operator a parameter belongs to: its name without the layer's prefix ("layers.3.") and
@@ -549,6 +607,9 @@ struct Split {
   // Context parallelism: `cp` ranks each hold the tokens at cp_positions(seq_len, cp, cp_index)
   // of every sequence, through every operator.
   int cp = 1, cp_index = 0;
+  // Expert parallelism: `ep` ranks each hold experts / ep of the routed experts (the
+  // ep_index-th run of them) and micro_batch / ep of each micro-batch's sequences.
+  int ep = 1, ep_index = 0;
   // The rank's vocabulary shard of embed.word and head.proj when they are split along the
   // pipeline axes too (run_spanning.h); -1: its place in the tensor-parallel group.
   int embed_vocab_index = -1, head_vocab_index = -1;
@@ -588,6 +649,16 @@ struct Unit {
   std::shared_ptr<CpAttentionSaved> cp;  // context-parallel attn.core: its ring backward's state
 };
 
+// Expert parallelism: a layer's routed copies between the ep ranks. This rank's copies, in
+// global expert order, go to the members holding their experts (send_rows to each, in group
+// order); it receives every member's copies for its own experts (recv_rows from each), member
+// by member, each member's in expert order, and reorders them expert by expert
+// (to_expert_major; to_source_major undoes it) for the grouped GEMMs (local_counts rows each).
+struct ExpertExchange {
+  std::vector<int64_t> send_rows, recv_rows, local_counts;
+  at::Tensor to_expert_major, to_source_major;
+};
+
 at::Tensor leaf(const at::Tensor& t) {
   return t.detach().requires_grad_(true);
 }
@@ -598,6 +669,11 @@ struct LayerTape {
   // k]), the routed copies in expert order (their token) and each expert's count.
   Unit sfc1, sact, sfc2, router, dispatch, efc1, eact, efc2, combine;
   MoeRouting routing;
+  // Expert parallelism: how the routed copies travel (ExpertExchange), the experts' input (every
+  // rank's copies for this rank's experts, expert by expert) and their outputs returned to this
+  // rank's copies (the combine's input).
+  ExpertExchange exchange;
+  at::Tensor exchanged, returned;
   DropoutKey key;           // the micro-batch's dropout masks (a recomputation draws them again)
   at::Tensor x;             // the layer's input, kept when the layer recomputes operators
   bool recomputed = false;  // an R block has run the recomputation already
@@ -1058,10 +1134,16 @@ class Model {
       if (spec_.bias) L.sfc2_b = add(p + "moe.shared.fc2.bias", {h}, 0.05, 0, whole);
     }
     L.router_w = add(p + "moe.router.weight", {h, e}, 0.05, 0, whole);
-    L.efc1_w = add(p + "moe.fc1.weight", {e, h, branches * f}, 0.05, 0, whole);
-    if (spec_.bias) L.efc1_b = add(p + "moe.fc1.bias", {e, branches * f}, 0.05, 0, whole);
-    L.efc2_w = add(p + "moe.fc2.weight", {e, f, h}, 0.05, 0, whole);
-    if (spec_.bias) L.efc2_b = add(p + "moe.fc2.bias", {e, h}, 0.05, 0, whole);
+    // Expert parallelism: this rank's run of experts / ep routed experts.
+    const int64_t el = e / split_.ep, first = split_.ep_index * el;
+    auto mine = [el, first](const at::Tensor& x) { return x.narrow(0, first, el); };
+    L.efc1_w = add(p + "moe.fc1.weight", {e, h, branches * f}, 0.05, 0, mine);
+    if (spec_.bias) L.efc1_b = add(p + "moe.fc1.bias", {e, branches * f}, 0.05, 0, mine);
+    L.efc2_w = add(p + "moe.fc2.weight", {e, f, h}, 0.05, 0, mine);
+    if (spec_.bias) L.efc2_b = add(p + "moe.fc2.bias", {e, h}, 0.05, 0, mine);
+    for (Param* q : {L.efc1_w, L.efc1_b, L.efc2_w, L.efc2_b}) {
+      if (q) q->routed_expert = true;
+    }
   }
 
   Param* add(const std::string& name, const std::vector<int64_t>& shape, double scale,
@@ -1473,11 +1555,21 @@ class Model {
             return dispatch_tokens(in[0].reshape({tokens, h}), t.routing);
           });
     }
+    // Expert parallelism: the copies go to their experts' ranks (with the dispatch, recomputed
+    // with it), and the dispatch's output is not read again (its backward reads the indices).
+    const bool ep = split_.ep > 1;
+    if (ep && runs("moe.dispatch")) {
+      plan_exchange(*ctx_, t);
+      // Labelled as the program's: the conversion into moe.fc1's input layout.
+      t.exchanged = to_experts(*ctx_, t, t.dispatch.out.detach(), "moe.fc1");
+      resize_storage(t.dispatch.out, 0);
+    }
+    const std::vector<int64_t>& counts = ep ? t.exchange.local_counts : t.routing.counts;
     if (runs("moe.fc1")) {
-      t.efc1 =
-          fwd(st, "moe.fc1", phase, {leaf(t.dispatch.out)}, [&](const std::vector<at::Tensor>& in) {
-            return expert_linear(in[0], L.efc1_w, L.efc1_b, t.routing.counts);
-          });
+      t.efc1 = fwd(st, "moe.fc1", phase, {leaf(ep ? t.exchanged : t.dispatch.out)},
+                   [&](const std::vector<at::Tensor>& in) {
+                     return expert_linear(in[0], L.efc1_w, L.efc1_b, counts);
+                   });
       t.efc1.weights = weights_of({L.efc1_w, L.efc1_b});
     }
     if (runs("moe.act")) {
@@ -1487,12 +1579,17 @@ class Model {
     if (runs("moe.fc2")) {
       t.efc2 =
           fwd(st, "moe.fc2", phase, {leaf(t.eact.out)}, [&](const std::vector<at::Tensor>& in) {
-            return expert_linear(in[0], L.efc2_w, L.efc2_b, t.routing.counts);
+            return expert_linear(in[0], L.efc2_w, L.efc2_b, counts);
           });
       t.efc2.weights = weights_of({L.efc2_w, L.efc2_b});
+      // ... and their outputs come back to this rank's copies, in its expert order.
+      if (ep) {
+        t.returned = from_experts(*ctx_, t, t.efc2.out.detach(), "moe.combine");
+        resize_storage(t.efc2.out, 0);
+      }
     }
     if (runs("moe.combine")) {
-      std::vector<at::Tensor> in = {leaf(t.efc2.out), leaf(t.router.out)};
+      std::vector<at::Tensor> in = {leaf(ep ? t.returned : t.efc2.out), leaf(t.router.out)};
       if (L.sfc1_w) in.push_back(leaf(t.sfc2.out));
       t.combine =
           fwd(st, "moe.combine", phase, std::move(in), [&](const std::vector<at::Tensor>& in) {
@@ -1504,6 +1601,65 @@ class Model {
       // a residual's summands). Not when the combine is recomputed, which reads it again.
       if (L.sfc1_w && !rc.count("moe.combine")) resize_storage(t.sfc2.out, 0);
     }
+  }
+
+  // Expert parallelism (ExpertExchange): from the layer's routing, what goes to and comes from
+  // each member of the ep group, and the reordering of the received copies expert by expert.
+  void plan_exchange(Ctx& c, LayerTape& t) const {
+    const int64_t g = split_.ep, el = spec_.experts / g;
+    ExpertExchange& x = t.exchange;
+    x.send_rows.assign(static_cast<std::size_t>(g), 0);
+    for (int64_t e = 0; e < spec_.experts; ++e) {
+      x.send_rows[static_cast<std::size_t>(e / el)] +=
+          t.routing.counts[static_cast<std::size_t>(e)];
+    }
+    // got[i el + l]: member i's copies for this rank's expert l (its counts are in expert order,
+    // each member's experts a run of el).
+    const std::vector<int64_t> got = c.exchange_counts(t.routing.counts, el);
+    x.recv_rows.assign(static_cast<std::size_t>(g), 0);
+    x.local_counts.assign(static_cast<std::size_t>(el), 0);
+    std::vector<int64_t> first(static_cast<std::size_t>(g * el));  // row of (i, l) as received
+    int64_t row = 0;
+    for (int64_t i = 0; i < g; ++i) {
+      for (int64_t l = 0; l < el; ++l) {
+        const auto il = static_cast<std::size_t>(i * el + l);
+        first[il] = row;
+        row += got[il];
+        x.recv_rows[static_cast<std::size_t>(i)] += got[il];
+        x.local_counts[static_cast<std::size_t>(l)] += got[il];
+      }
+    }
+    std::vector<int64_t> order;
+    order.reserve(static_cast<std::size_t>(row));
+    for (int64_t l = 0; l < el; ++l) {
+      for (int64_t i = 0; i < g; ++i) {
+        const auto il = static_cast<std::size_t>(i * el + l);
+        for (int64_t r = 0; r < got[il]; ++r) order.push_back(first[il] + r);
+      }
+    }
+    x.to_expert_major = at::tensor(order, at::kLong).to(device_);
+    x.to_source_major = at::argsort(x.to_expert_major);
+  }
+  // This rank's copies (its expert order) to the experts' ranks; every member's copies for this
+  // rank's experts, expert by expert. The bytes recorded are this rank's copies (the program's
+  // routed tensor), whichever way they go.
+  at::Tensor to_experts(Ctx& c, const LayerTape& t, const at::Tensor& rows,
+                        const std::string& label) const {
+    const ExpertExchange& x = t.exchange;
+    const double bytes = static_cast<double>(t.routing.order.numel()) * rows.size(1) *
+                         static_cast<double>(rows.element_size());
+    return c.all_to_all(rows, x.send_rows, x.recv_rows, label, bytes)
+        .index_select(0, x.to_expert_major);
+  }
+  // The reverse: rows for this rank's experts (expert by expert) back to their members; this
+  // rank's copies in its expert order.
+  at::Tensor from_experts(Ctx& c, const LayerTape& t, const at::Tensor& rows,
+                          const std::string& label) const {
+    const ExpertExchange& x = t.exchange;
+    const double bytes = static_cast<double>(t.routing.order.numel()) * rows.size(1) *
+                         static_cast<double>(rows.element_size());
+    return c.all_to_all(rows.index_select(0, x.to_source_major), x.recv_rows, x.send_rows, label,
+                        bytes);
   }
 
   // An operator's output goes once the operator that saved it has run its backward, as
@@ -1524,10 +1680,15 @@ class Model {
   // consumers' backward, as in the dense MLP.
   at::Tensor moe_backward(Stats& st, const LayerParams& L, LayerTape& t, const at::Tensor& dy) {
     const bool relu = spec_.mlp == MlpKind::kRelu;  // its backward reads its output
+    const bool ep = split_.ep > 1;
     std::vector<at::Tensor> g = bwd(st, "moe.combine", t.combine, dy);
     release_output(t.efc2, false);
+    if (ep) resize_storage(t.returned, 0);
     release_output(t.router, false);
     release_output(t.sfc2, false);
+    // Expert parallelism: the copies' gradients go to their experts' ranks, and the experts'
+    // input gradients come back (the forward's exchanges reversed).
+    if (ep) g[0] = to_experts(*ctx_, t, g[0], "moe.combine");
     const bool fc2_defers = defers_weights(t.efc2);
     at::Tensor d = bwd(st, "moe.fc2", t.efc2, g[0])[0];
     if (!relu) release_output(t.eact, fc2_defers);
@@ -1536,6 +1697,10 @@ class Model {
     const bool fc1_defers = defers_weights(t.efc1);
     d = bwd(st, "moe.fc1", t.efc1, d)[0];
     release_output(t.dispatch, fc1_defers);
+    if (ep) {
+      if (!fc1_defers) resize_storage(t.exchanged, 0);
+      d = from_experts(*ctx_, t, d, "moe.fc1");
+    }
     at::Tensor dx = bwd(st, "moe.dispatch", t.dispatch, d)[0];
     bool n2_read_later = defers_weights(t.router);
     dx = dx + bwd(st, "moe.router", t.router, g[1])[0];
@@ -1550,6 +1715,8 @@ class Model {
     }
     release_output(t.n2, n2_read_later);
     t.routing = MoeRouting{};
+    t.exchange = ExpertExchange{};
+    t.exchanged = t.returned = at::Tensor();
     return dx;
   }
 
@@ -1925,7 +2092,7 @@ class Model {
 // The plan as this rank sees it.
 struct Layout {
   Split split;
-  std::vector<std::string> tp_axes, pp_axes, cp_axes;
+  std::vector<std::string> tp_axes, pp_axes, cp_axes, ep_axes;
   // The segments this rank's order runs (several: an interleaved pipeline), in the order they
   // first appear, and each one's neighbours in pipeline order (-1: none).
   std::vector<int> segments;
@@ -1968,12 +2135,25 @@ Layout layout_of(const Plan& plan, int rank) {
     const std::vector<int> g = plan.mesh.ranks_along(rank, L.cp_axes);
     L.split.cp_index = static_cast<int>(std::find(g.begin(), g.end(), rank) - g.begin());
   }
+  // Expert parallelism: the routed experts' split (check_runnable: the batch of the rest alike).
+  for (const PartitionRule& r : plan.partition) {
+    if (!match_pattern(r.match, "moe.fc1")) continue;
+    for (const DimSplit& sp : r.splits) {
+      if (sp.dim == Dim::kExpert) L.ep_axes = sp.axes;
+    }
+  }
+  for (const std::string& a : L.ep_axes) L.split.ep *= plan.mesh.axis_size(a);
+  if (L.split.ep > 1) {
+    const std::vector<int> g = plan.mesh.ranks_along(rank, L.ep_axes);
+    L.split.ep_index = static_cast<int>(std::find(g.begin(), g.end(), rank) - g.begin());
+  }
   auto degree = [&](const char* op) {
     std::vector<std::string> axes;
     for (const PartitionRule& r : plan.partition) {
       if (!match_pattern(r.match, op)) continue;
       for (const DimSplit& s : r.splits) {
-        if (s.dim != Dim::kSeq) axes = s.axes;
+        // The tensor-parallel dimension (not the sequence's, nor expert parallelism's batch).
+        if (s.dim != Dim::kSeq && s.dim != Dim::kBatch) axes = s.axes;
       }
     }
     int n = 1;
@@ -2141,6 +2321,21 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   ctx.head_vocab = vocab_split(plan, rank, "head.proj", ctx.tp_group, ctx.tp_axes);
   L.split.embed_vocab_index = ctx.embed_vocab.index;
   L.split.head_vocab_index = ctx.head_vocab.index;
+  // Expert parallelism: the tokens' exchange group; the gradients of everything but the routed
+  // experts sum over dp and ep (the batch's split), the experts' over dp alone.
+  std::vector<int> expert_grad_group = ctx.dp_group;
+  std::string expert_grad_axes = ctx.dp_axes;
+  if (L.split.ep > 1) {
+    ctx.ep_group = mesh.ranks_along(rank, L.ep_axes);
+    ctx.ep_axes = join(L.ep_axes);
+    std::vector<std::string> grad_axes;
+    for (const MeshAxis& a : mesh.axes) {
+      const bool ep_axis = std::find(L.ep_axes.begin(), L.ep_axes.end(), a.name) != L.ep_axes.end();
+      if (a.name == kDataParallelAxis || ep_axis) grad_axes.push_back(a.name);
+    }
+    ctx.dp_group = mesh.ranks_along(rank, grad_axes);
+    ctx.dp_axes = join(grad_axes);
+  }
   if (L.split.cp > 1) {
     // Context parallelism: the cp ring, and the gradients summed over dp and cp (the program's
     // gradient buckets when every weighted operator is split along the sequence).
@@ -2162,12 +2357,13 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   const int dp = plan.data_parallel();
   const int dp_index = coords[mesh.axis_index(kDataParallelAxis)];
   const int M = plan.num_micro_batches();
-  const int b = plan.micro_batch;
+  // The rank's sequences of a micro-batch (expert parallelism splits them over the ep ranks).
+  const int b = plan.micro_batch / L.split.ep;
   const int64_t s = plan.model.seq_len, h = plan.model.hidden;
   // The loss of a micro-batch is its tokens' mean (under context parallelism, of the rank's
   // share of them): scaled so that the sum over replicas, micro-batches and cp ranks is the
   // global batch's mean.
-  const double loss_scale = 1.0 / (M * dp * L.split.cp);
+  const double loss_scale = 1.0 / (M * dp * L.split.cp * L.split.ep);
   // The sequence positions of the rank's tokens (all of them without context parallelism).
   const at::Tensor positions =
       (L.split.cp > 1 ? cp_positions(s, L.split.cp, L.split.cp_index) : at::arange(s, at::kLong))
@@ -2262,6 +2458,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       for (const VocabSplit::Axis& a : v->per_axis) groups.push_back(a.group);
     }
     if (L.split.cp > 1) groups.push_back(ctx.cp_group);  // the keys' and values' all-gather
+    if (L.split.ep > 1) {  // the tokens' all-to-alls, the experts' gradient sums
+      groups.push_back(ctx.ep_group);
+      groups.push_back(expert_grad_group);
+    }
     auto made = NcclComms::create(comm, gpu_index, groups, edges);
     if (!made) return made.error();
     nccl = std::move(*made);
@@ -2892,7 +3092,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     at::Tensor loss_sum = at::zeros({1}, ctx.options.dtype(at::kFloat));
     for (const Block& blk : L.order->blocks) {
       const int m = blk.micro_batch, sg = blk.segment;
-      const int64_t row = (static_cast<int64_t>(dp_index) * M + m) * b;
+      const int64_t row = (static_cast<int64_t>(dp_index) * M + m) * plan.micro_batch +
+                          static_cast<int64_t>(L.split.ep_index) * b;
       Model& model = *models.at(sg);
       const auto [prev, next] = peers.at(sg);
       const std::vector<int64_t> shape = {b, s / L.split.seq / L.split.cp, h};
@@ -2999,22 +3200,29 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         throw Failure{fmt::format("iteration {}: no gradient reached {}", it, p.name)};
       }
     }
-    // Data parallel without ZeRO: one all-reduce of each segment's gradients, flattened.
+    // Data parallel without ZeRO: one all-reduce of each segment's gradients, flattened (with
+    // expert parallelism, the routed experts' apart, over their own group).
     for (const auto& [sg, model] : models) {
       if (zero != 0) break;
-      std::vector<Param*> mine;
-      for (Param& p : model->params()) mine.push_back(&p);
-      std::vector<at::Tensor> flat;
-      for (Param* p : mine) flat.push_back(grad_or_zeros(*p).reshape({-1}));
-      at::Tensor all = at::cat(flat).to(reduce_dtype);
-      ctx.all_reduce(all, ctx.dp_group, ctx.dp_axes, grad_sync_label(sg));
-      all = all.to(at::kFloat);
-      c10::NoGradGuard no_grad;
-      int64_t offset = 0;
-      for (Param* p : mine) {
-        const int64_t n = p->w.numel();
-        p->w.mutable_grad() = all.narrow(0, offset, n).view(p->w.sizes()).clone();
-        offset += n;
+      std::vector<Param*> dense, experts;
+      for (Param& p : model->params())
+        (L.split.ep > 1 && p.routed_expert ? experts : dense).push_back(&p);
+      for (auto* group : {&dense, &experts}) {
+        const bool routed = group == &experts;
+        if (group->empty()) continue;
+        std::vector<at::Tensor> flat;
+        for (Param* p : *group) flat.push_back(grad_or_zeros(*p).reshape({-1}));
+        at::Tensor all = at::cat(flat).to(reduce_dtype);
+        ctx.all_reduce(all, routed ? expert_grad_group : ctx.dp_group,
+                       routed ? expert_grad_axes : ctx.dp_axes, grad_sync_label(sg));
+        all = all.to(at::kFloat);
+        c10::NoGradGuard no_grad;
+        int64_t offset = 0;
+        for (Param* p : *group) {
+          const int64_t n = p->w.numel();
+          p->w.mutable_grad() = all.narrow(0, offset, n).view(p->w.sizes()).clone();
+          offset += n;
+        }
       }
     }
     if (zero != 1) {

@@ -176,6 +176,8 @@ INSTANTIATE_TEST_SUITE_P(
         // the experts' grouped GEMMs leave as the largest (2026-12-07: -8.3 % with a GEMM per
         // expert joined by cat, -4.9 % with the combine's transient the output's).
         MemoryCase{"moe_pp2", 1, 2, 1, "fp32", {}, "small-moe-memory.yaml"},
+        // ... with expert parallelism: half the experts a rank, the copies exchanged.
+        MemoryCase{"moe_ep2", 1, 1, 2, "fp32", {"--ep", "2"}, "small-moe-memory.yaml"},
         MemoryCase{"dp2_zero1", 1, 1, 2, "fp32", {"--zero", "1"}},
         // ZeRO-3: the fp32 shard is the master copy (4 bytes); between iterations both sides
         // hold the shards only, and through the iteration the unit in use and the one

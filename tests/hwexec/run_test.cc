@@ -712,6 +712,14 @@ INSTANTIATE_TEST_SUITE_P(
              &kMoe),
         Case{"moe_cp2", 1, 1, 1, "1f1b", 2, &kMoe, "fp32", {}, 2},
         Case{"moe_zb_h1_pp2", 1, 2, 1, "zb-h1", 4, &kMoe, "fp32", {"--recompute", "selective"}},
+        // Expert parallelism: each rank half the experts and half of each micro-batch, the
+        // routed copies exchanged by all-to-alls (and again for a recomputation), the experts'
+        // gradients summed over dp alone (dp4: two replicas of each half), in a zero-bubble
+        // pipeline too.
+        with("moe_ep2", 1, 1, 2, 4, {"--ep", "2"}, &kMoe),
+        with("moe_ep2_dp4", 1, 1, 4, 8, {"--ep", "2"}, &kMoe),
+        with("moe_ep2_recompute_full", 1, 1, 2, 4, {"--ep", "2", "--recompute", "full"}, &kMoe),
+        Case{"moe_ep2_zb_h1_pp2_dp2", 1, 2, 2, "zb-h1", 8, &kMoe, "fp32", {"--ep", "2"}},
         Case{"qk_norm_layernorm_cp2_tp2", 2, 1, 1, "1f1b", 2, &kGptQkNorm, "fp32", {}, 2},
         // Sequence parallelism inside context parallelism: each cp rank's tokens cut in tp
         // slices for the norms, residuals and the position add.
@@ -936,12 +944,20 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
        "parallelism, rope positions and the embedding's segment 'embedding' spanning the "
        "pipeline stages is not supported yet"});
 
-  // Expert parallelism: the experts split over the ranks.
-  ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2"}, kMoe).status, 0);
+  // Expert parallelism runs without ZeRO and beside data and pipeline parallelism only.
+  ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2", "--zero", "1"}, kMoe).status, 0);
   refused(
-      {"cannot run this plan: partition: 'moe.fc1' splits the experts over ep (expert "
-       "parallelism), which is simulated only: nnexec runs every expert on every rank; plan "
-       "with --ep 1"});
+      {"cannot run this plan: optimizer.zero: ZeRO stage 1 with expert parallelism is simulated "
+       "only: nnexec does not shard the experts' state over their own group yet; plan with "
+       "--zero 0"});
+  ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2", "--moe-deepep"}, kMoe).status, 0);
+  refused({"cannot run this plan: moe_deepep: DeepEP's exchange is simulated only"});
+  ASSERT_EQ(make_plan(dir, 2, 1, 2, "1f1b", 4, {"--ep", "2", "--sequence-parallel"}, kMoe).status,
+            0);
+  refused(
+      {"cannot run this plan: partition: 'attn.qkv' is split along 'heads' over tp beside "
+       "expert parallelism over ep: expert parallelism with tensor, sequence or context "
+       "parallelism is simulated only"});
   // A mixture of experts in bf16 runs (under ZeRO-3 too, which gathers the routers' fp32
   // weights: the router scores in fp32), but is not checked against the fp32 reference:
   // rounding moves tokens to other experts.
@@ -1472,7 +1488,10 @@ INSTANTIATE_TEST_SUITE_P(
         with("tp2_sp_pp2", 2, 2, 1, 4, {"--sequence-parallel"}),
         // NCCL point-to-point inside a stage's order and the cp ring.
         Case{"zb_h1_pp2", 1, 2, 1, "zb-h1", 4},
-        Case{"cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {}, 2}),
+        Case{"cp2", 1, 1, 1, "1f1b", 2, &kModel, "fp32", {}, 2},
+        // A mixture of experts, its routed copies through NCCL's grouped sends and receives
+        // (not yet run on a GPU).
+        with("moe_ep2", 1, 1, 2, 4, {"--ep", "2"}, &kMoe)),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
