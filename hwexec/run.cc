@@ -56,7 +56,7 @@ Status check_runnable(const Plan& plan) {
         "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
         "ReLU or squared-ReLU MLP, mixtures of experts (top-k, dropless, a shared expert, "
         "every expert on every rank or split over data-parallel ranks: expert parallelism "
-        "without ZeRO), learned, rotary or ALiBi positions, dropout with "
+        "with ZeRO 0-2), learned, rotary or ALiBi positions, dropout with "
         "deterministic masks (recomputed and repeated passes too); Megatron tensor, sequence "
         "and context parallelism (together too), pipelines (interleaved too; the head and the "
         "embedding also sharded over the stages, with context parallelism and repeated "
@@ -213,12 +213,11 @@ Status check_runnable(const Plan& plan) {
                     "DeepEP's exchange is simulated only: nnexec exchanges the "
                     "routed copies with all-to-alls; remove the field");
     }
-    if (plan.optimizer.zero != 0) {
+    if (plan.optimizer.zero == 3) {
       return refuse("optimizer.zero",
-                    fmt::format("ZeRO stage {} with expert parallelism is simulated only: nnexec "
-                                "does not shard the experts' state over their own group yet; "
-                                "plan with --zero 0",
-                                plan.optimizer.zero));
+                    "ZeRO-3 with expert parallelism is simulated only: nnexec gathers its units "
+                    "over one group, where the experts' would gather over their own; plan with "
+                    "--zero 0, 1 or 2");
     }
   }
   auto is_expert_op = [](const std::string& name) {

@@ -2221,12 +2221,18 @@ at::Tensor grad_or_zeros(const Param& p) {
   return p.w.grad().defined() ? p.w.grad() : at::zeros_like(p.w);
 }
 
-// ZeRO (optimizer.zero >= 1): a unit of parameters (ZeRO-1/2: all of the segment's; ZeRO-3:
-// the embedding's, each layer's, the head's) laid out over the dp group (run_zero_layout.h);
-// this rank owns one chunk (its place in the dp group): the fp32 master values, Adam's moments
-// and the reduce-scattered gradient sum.
+// ZeRO (optimizer.zero >= 1): a unit of parameters (ZeRO-1/2: all of the segment's, with expert
+// parallelism its routed experts' apart; ZeRO-3: the embedding's, each layer's, the head's)
+// laid out over its gradients' group (run_zero_layout.h); this rank owns one chunk (its place
+// in the group): the fp32 master values, Adam's moments and the reduce-scattered gradient sum.
 struct ZeroUnit {
   std::vector<Param*> params;
+  // The group its gradients sum over and its chunks spread over (dp, with cp or ep; a routed
+  // expert's: dp alone), its axes' names and this rank's place in it.
+  std::vector<int> group;
+  std::string axes;
+  int pos = 0;
+  int members() const { return static_cast<int>(group.size()); }
   ZeroLayout layout;
   int tied_part = -1;  // the layout's part of a tied word matrix copy on two stages (ZeRO 2-3)
   // ZeRO-3 (whole units) on a V-shaped placement: the embedding's unit whose tied_part, the word
@@ -2503,8 +2509,6 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // ZeRO: every rank of the dp group starts from the same weights; each keeps its chunk.
   const int zero = plan.optimizer.zero;
   const int dpn = static_cast<int>(ctx.dp_group.size());
-  const int dp_pos = static_cast<int>(std::find(ctx.dp_group.begin(), ctx.dp_group.end(), rank) -
-                                      ctx.dp_group.begin());
   std::map<int, std::vector<ZeroUnit>> zunits_of;  // per segment
   // ZeRO-3: parameter unit u of a segment is its ZeroUnits [first, end) (one, or one a tensor).
   std::map<int, std::vector<std::pair<std::size_t, std::size_t>>> zranges_of;
@@ -2536,7 +2540,11 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       }
     } else {
       groups.emplace_back();
-      for (Param& p : models[sg]->params()) groups.back().push_back(&p);
+      std::vector<Param*> experts;  // expert parallelism: the routed experts' unit
+      for (Param& p : models[sg]->params()) {
+        (L.split.ep > 1 && p.routed_expert ? experts : groups.back()).push_back(&p);
+      }
+      if (!experts.empty()) groups.push_back(std::move(experts));
     }
     std::vector<ZeroUnit>& zunits = zunits_of[sg];
     // ZeRO 2-3 sum a tied matrix's two copies chunk by chunk once their gradients are reduced
@@ -2549,6 +2557,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     for (std::vector<Param*>& g : groups) {
       ZeroUnit u;
       u.params = std::move(g);
+      const bool routed = u.params.front()->routed_expert && L.split.ep > 1;
+      u.group = routed ? expert_grad_group : ctx.dp_group;
+      u.axes = routed ? expert_grad_axes : ctx.dp_axes;
+      u.pos = static_cast<int>(std::find(u.group.begin(), u.group.end(), rank) - u.group.begin());
       std::vector<int64_t> numels;
       std::vector<std::size_t> ends;
       for (std::size_t i = 0; i < u.params.size(); ++i) {
@@ -2563,10 +2575,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       for (int64_t n : numels) elements += n;
       u.persistent = zero == 3 && plan.comm.zero3_per_tensor &&
                      static_cast<double>(elements) < plan.comm.zero3_persistence_threshold;
-      u.layout = ZeroLayout(std::move(numels), std::move(ends), dpn);
+      u.layout = ZeroLayout(std::move(numels), std::move(ends), u.members());
       const int64_t chunk = u.layout.chunk();
       u.master = u.flat([](const Param& p) { return p.w.detach(); })
-                     .narrow(0, dp_pos * chunk, chunk)
+                     .narrow(0, u.pos * chunk, chunk)
                      .clone();
       u.m = at::zeros_like(u.master);
       u.v = at::zeros_like(u.master);
@@ -2673,10 +2685,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         with ? at::cat({u.master,
                         with->master.narrow(0, with->layout.part_offset(with->tied_part), extra)})
              : u.master;
-    const at::Tensor full = ctx.all_gather(dtype != at::kFloat ? send.to(dtype) : send,
-                                           ctx.dp_group, ctx.dp_axes, "param gather");
+    const at::Tensor full = ctx.all_gather(dtype != at::kFloat ? send.to(dtype) : send, u.group,
+                                           u.axes, "param gather");
     c10::NoGradGuard no_grad;
-    const at::Tensor rows = full.view({dpn, own + extra});
+    const at::Tensor rows = full.view({u.members(), own + extra});
     std::vector<at::Tensor> values =
         u.layout.unflatten(with ? rows.narrow(1, 0, own).reshape({-1}) : full);
     const std::vector<Param*> targets = gather_targets(u);
@@ -2741,7 +2753,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     }
     const at::Tensor mine =
         ctx.reduce_scatter(u.flat([](const Param& p) { return grad_or_zeros(p); }).to(reduce_dtype),
-                           ctx.dp_group, ctx.dp_axes, label);
+                           u.group, u.axes, label);
     c10::NoGradGuard no_grad;
     u.grad.add_(mine);
     for (Param* p : u.params) p->w.mutable_grad() = at::Tensor();
@@ -3241,7 +3253,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       const std::set<const Param*> spset(sp.begin(), sp.end());
       std::vector<at::Tensor> slices;
       for (ZeroUnit* u : zunits) {
-        for (const ZeroLayout::Piece& k : u->layout.pieces(dp_pos)) {
+        for (const ZeroLayout::Piece& k : u->layout.pieces(u->pos)) {
           if (spset.count(u->params[k.tensor])) {
             slices.push_back(u->grad.narrow(0, k.in_chunk, k.length));
           }
@@ -3308,7 +3320,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       // parameter it overlaps (the dp group's chunks together cover every parameter).
       for (ZeroUnit* zu : zunits) {
         ZeroUnit& u = *zu;
-        for (const ZeroLayout::Piece& k : u.layout.pieces(dp_pos)) {
+        for (const ZeroLayout::Piece& k : u.layout.pieces(u.pos)) {
           const Param* p = u.params[k.tensor];
           at::Tensor g = u.grad.narrow(0, k.in_chunk, k.length);
           const at::Tensor w =

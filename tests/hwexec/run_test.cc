@@ -720,6 +720,18 @@ INSTANTIATE_TEST_SUITE_P(
         with("moe_ep2_dp4", 1, 1, 4, 8, {"--ep", "2"}, &kMoe),
         with("moe_ep2_recompute_full", 1, 1, 2, 4, {"--ep", "2", "--recompute", "full"}, &kMoe),
         Case{"moe_ep2_zb_h1_pp2_dp2", 1, 2, 2, "zb-h1", 8, &kMoe, "fp32", {"--ep", "2"}},
+        // ... with ZeRO: the experts' state sharded over their own group (dp), the rest's
+        // over dp and ep.
+        with("moe_ep2_zero1_dp4", 1, 1, 4, 8, {"--ep", "2", "--zero", "1"}, &kMoe),
+        Case{"moe_ep2_zero2_zb_h1_pp2_dp4",
+             1,
+             2,
+             4,
+             "zb-h1",
+             16,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--zero", "2"}},
         Case{"qk_norm_layernorm_cp2_tp2", 2, 1, 1, "1f1b", 2, &kGptQkNorm, "fp32", {}, 2},
         // Sequence parallelism inside context parallelism: each cp rank's tokens cut in tp
         // slices for the norms, residuals and the position add.
@@ -944,12 +956,12 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
        "parallelism, rope positions and the embedding's segment 'embedding' spanning the "
        "pipeline stages is not supported yet"});
 
-  // Expert parallelism runs without ZeRO and beside data and pipeline parallelism only.
-  ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2", "--zero", "1"}, kMoe).status, 0);
+  // Expert parallelism runs with ZeRO 0-2 and beside data and pipeline parallelism only.
+  ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2", "--zero", "3"}, kMoe).status, 0);
   refused(
-      {"cannot run this plan: optimizer.zero: ZeRO stage 1 with expert parallelism is simulated "
-       "only: nnexec does not shard the experts' state over their own group yet; plan with "
-       "--zero 0"});
+      {"cannot run this plan: optimizer.zero: ZeRO-3 with expert parallelism is simulated only: "
+       "nnexec gathers its units over one group, where the experts' would gather over their own; "
+       "plan with --zero 0, 1 or 2"});
   ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2", "--moe-deepep"}, kMoe).status, 0);
   refused({"cannot run this plan: moe_deepep: DeepEP's exchange is simulated only"});
   ASSERT_EQ(make_plan(dir, 2, 1, 2, "1f1b", 4, {"--ep", "2", "--sequence-parallel"}, kMoe).status,
