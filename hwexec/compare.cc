@@ -151,8 +151,12 @@ SimulatedRank simulate_rank(const Program& prog, int rank, Pricer& pricer,
   const int lane_index = lane_of(prog, rank);
   if (lane_index < 0) return out;
   const Lane* lane = &prog.lanes[lane_index];
-  auto walk = [&](const std::vector<Step>& steps, const std::string& phase) {
+  // `partner_phase`: a paired block's partner's (its steps' `member` 1), which nnexec runs
+  // after the block.
+  auto walk = [&](const std::vector<Step>& steps, const std::string& block_phase,
+                  const std::string& partner_phase = "") {
     for (const Step& s : steps) {
+      const std::string& phase = s.member == 1 ? partner_phase : block_phase;
       const std::string label = s.label >= 0 ? prog.labels[s.label] : "";
       switch (s.kind) {
         case StepKind::kCompute: {
@@ -169,7 +173,8 @@ SimulatedRank simulate_rank(const Program& prog, int rank, Pricer& pricer,
           break;
         }
         case StepKind::kCollective:
-        case StepKind::kDpLaunch: {
+        case StepKind::kDpLaunch:
+        case StepKind::kCommLaunch: {  // a paired block's all-to-all (nnexec runs it in line)
           if (s.kind == StepKind::kCollective && s.seconds > 0) {
             // Compute running alongside the collective (ring attention), recomputed too.
             const bool again = s.compute_class == ComputeClass::kRecompute;
@@ -210,7 +215,7 @@ SimulatedRank simulate_rank(const Program& prog, int rank, Pricer& pricer,
   walk(lane->prologue, "fwd");
   for (const BlockInstance& b : lane->blocks) {
     const BlockTemplate& t = prog.templates[b.template_index];
-    walk(t.steps, phase_of(t.kind));
+    walk(t.steps, phase_of(t.kind), b.paired ? phase_of(b.partner.kind) : "");
   }
   walk(lane->epilogue, "step");
   return out;

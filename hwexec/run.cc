@@ -96,16 +96,10 @@ Status check_runnable(const Plan& plan) {
                   "fp8 experts are simulated only; nnexec runs a mixture of experts in fp32, "
                   "bf16 or fp16");
   }
-  for (std::size_t oi = 0; oi < plan.schedule.size(); ++oi) {
-    for (const Block& b : plan.schedule[oi].blocks) {
-      if (b.paired_with_next) {
-        return refuse(fmt::format("schedule.orders[{}].blocks", oi),
-                      fmt::format("the pair {}+... (a forward beside another micro-batch's "
-                                  "backward) is simulated only; write its two blocks apart",
-                                  to_string(b)));
-      }
-    }
-  }
+  // Paired blocks (`F7@0+B3@7`: DualPipeV, combined 1F1B) run one after the other, the forward
+  // first: their inputs are both ready when the pair starts (the schedule check replays a pair
+  // as a unit), so the order cannot wait where the pair would not. Their overlap is the
+  // simulator's alone.
   if (plan.comm.tp_sub_batches > 1) {
     return refuse("communication.tp_sub_batches",
                   "sub-pipelined tensor parallelism is simulated only; nnexec runs each "

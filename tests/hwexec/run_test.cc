@@ -720,6 +720,18 @@ INSTANTIATE_TEST_SUITE_P(
         with("moe_ep2_dp4", 1, 1, 4, 8, {"--ep", "2"}, &kMoe),
         with("moe_ep2_recompute_full", 1, 1, 2, 4, {"--ep", "2", "--recompute", "full"}, &kMoe),
         Case{"moe_ep2_zb_h1_pp2_dp2", 1, 2, 2, "zb-h1", 8, &kMoe, "fp32", {"--ep", "2"}},
+        // Paired blocks, a forward beside another micro-batch's backward (DualPipeV's orders,
+        // combined 1F1B's), run one after the other; compare counts each half in its phase.
+        Case{"moe_ep2_dualpipev_pp2_dp2",
+             1,
+             2,
+             2,
+             "dualpipev",
+             8,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--vpp", "2"}},
+        with("moe_ep2_ep_overlap", 1, 1, 2, 8, {"--ep", "2", "--ep-overlap"}, &kMoe),
         // ... with ZeRO: the experts' state sharded over their own group (dp), the rest's
         // over dp and ep.
         with("moe_ep2_zero1_dp4", 1, 1, 4, 8, {"--ep", "2", "--zero", "1"}, &kMoe),
