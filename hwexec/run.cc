@@ -55,8 +55,8 @@ Status check_runnable(const Plan& plan) {
         "{}: {} (nnexec run executes GPT- and Llama-style models: "
         "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
         "ReLU or squared-ReLU MLP, mixtures of experts (top-k, dropless, a shared expert, "
-        "every expert on every rank or split over data-parallel ranks: expert parallelism "
-        "with ZeRO 0-2), learned, rotary or ALiBi positions, dropout with "
+        "group-limited routing, every expert on every rank or split over data-parallel ranks: "
+        "expert parallelism with ZeRO 0-2), learned, rotary or ALiBi positions, dropout with "
         "deterministic masks (recomputed and repeated passes too); Megatron tensor, sequence "
         "and context parallelism (together too), pipelines (interleaved too; the head and the "
         "embedding also sharded over the stages, with context parallelism and repeated "
@@ -86,10 +86,14 @@ Status check_runnable(const Plan& plan) {
                               "dropless, each expert taking the tokens routed to it; set 1",
                               m.expert_capacity_factor));
   }
-  if (m.moe() && (m.router_groups > 1 || m.router_group_topk > 1)) {
-    return refuse("model.router_groups",
-                  "group-limited routing is simulated only; nnexec's router picks each token's "
-                  "experts among all of them (set router_groups and router_group_topk to 1)");
+  // Group-limited routing scores each group by its experts_per_token / router_group_topk best
+  // experts (Megatron-Core's, DeepSeek-V3's top-2 of 8 over 4 groups).
+  if (m.moe() && m.router_groups > 1 && m.experts_per_token < m.router_group_topk) {
+    return refuse("model.router_group_topk",
+                  fmt::format("{} groups a token, more than its {} experts: each group is scored "
+                              "by its experts_per_token / router_group_topk best experts; use at "
+                              "most {}",
+                              m.router_group_topk, m.experts_per_token, m.experts_per_token));
   }
   if (m.moe() && plan.precision == Precision::kFp8) {
     return refuse("precision",

@@ -1,16 +1,29 @@
 // A mixture of experts' routing (run_moe.h).
 #include "hwexec/run_moe.h"
 
+#include <limits>
 #include <tuple>
 
 #include <torch/csrc/autograd/custom_function.h>
 
 namespace nnsim::hwexec {
 
-MoeRouting route_tokens(const at::Tensor& scores, int64_t k) {
+MoeRouting route_tokens(const at::Tensor& scores, int64_t k, int64_t groups, int64_t group_topk) {
   const int64_t tokens = scores.size(0), experts = scores.size(1);
   MoeRouting r;
-  r.experts_of = std::get<1>(at::topk(scores.detach(), k, 1));
+  at::Tensor candidates = scores.detach();
+  if (groups > 1) {
+    const at::Tensor by_group = candidates.reshape({tokens, groups, experts / groups});
+    const at::Tensor group_score =
+        std::get<0>(at::topk(by_group, k / group_topk, 2)).sum(2);  // [tokens, groups]
+    const at::Tensor best = std::get<1>(at::topk(group_score, group_topk, 1));
+    const at::Tensor chosen =
+        at::zeros({tokens, groups}, candidates.options().dtype(at::kBool)).scatter(1, best, true);
+    const at::Tensor allowed = chosen.unsqueeze(2).expand_as(by_group).reshape({tokens, experts});
+    candidates =
+        candidates.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
+  }
+  r.experts_of = std::get<1>(at::topk(candidates, k, 1));
   const at::Tensor flat = r.experts_of.reshape({tokens * k});
   r.order = std::get<1>(at::sort(flat, /*stable=*/true, 0, /*descending=*/false));
   r.token_of = at::div(r.order, k, "floor");

@@ -20,8 +20,12 @@ struct MoeRouting {
   std::vector<int64_t> counts;  // per expert: how many copies it takes
 };
 
-// Routes `scores` [tokens, experts] (the router's output) to each token's top `k`.
-MoeRouting route_tokens(const at::Tensor& scores, int64_t k);
+// Routes `scores` [tokens, experts] (the router's output) to each token's top `k`. Group-limited
+// (`groups` > 1: DeepSeek-V3's node-limited routing, Megatron-Core's --moe-router-num-groups
+// and --moe-router-group-topk): the experts in `groups` equal runs, each scored by the sum of
+// its k / group_topk best scores; a token's experts come from its `group_topk` best groups.
+MoeRouting route_tokens(const at::Tensor& scores, int64_t k, int64_t groups = 1,
+                        int64_t group_topk = 1);
 
 // The routed copies of `x` [tokens, h] in expert order: [tokens k, h] (differentiable in x).
 at::Tensor dispatch_tokens(const at::Tensor& x, const MoeRouting& r);

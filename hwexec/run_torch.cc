@@ -1551,7 +1551,8 @@ class Model {
     if (runs("moe.dispatch")) {
       t.dispatch =
           fwd(st, "moe.dispatch", phase, {leaf(xn)}, [&](const std::vector<at::Tensor>& in) {
-            t.routing = route_tokens(t.router.out.detach().reshape({tokens, e}), k);
+            t.routing = route_tokens(t.router.out.detach().reshape({tokens, e}), k,
+                                     spec_.router_groups, spec_.router_group_topk);
             return dispatch_tokens(in[0].reshape({tokens, h}), t.routing);
           });
     }

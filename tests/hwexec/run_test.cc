@@ -55,6 +55,7 @@ const std::string kQkNorm = std::string(NNSIM_TEST_DATA) + "/tiny-qk-norm.yaml";
 const std::string kGptQkNorm = std::string(NNSIM_TEST_DATA) + "/tiny-gpt-qk-norm.yaml";
 // A mixture of experts: a dense first block, then blocks of 4 experts (top-2) and a shared one.
 const std::string kMoe = std::string(NNSIM_TEST_DATA) + "/tiny-moe.yaml";
+const std::string kMoeGrouped = std::string(NNSIM_TEST_DATA) + "/tiny-moe-grouped.yaml";
 // ReLU MLP (OPT), and squared ReLU with rope and GQA (Nemotron).
 const std::string kOpt = std::string(NNSIM_TEST_DATA) + "/tiny-opt.yaml";
 const std::string kNemotron = std::string(NNSIM_TEST_DATA) + "/tiny-nemotron.yaml";
@@ -732,6 +733,8 @@ INSTANTIATE_TEST_SUITE_P(
              "fp32",
              {"--ep", "2", "--vpp", "2"}},
         with("moe_ep2_ep_overlap", 1, 1, 2, 8, {"--ep", "2", "--ep-overlap"}, &kMoe),
+        // Group-limited routing: a token's experts from its best group (of two).
+        with("moe_grouped_ep2", 1, 1, 2, 4, {"--ep", "2"}, &kMoeGrouped),
         // ... with ZeRO: the experts' state sharded over their own group (dp), the rest's
         // over dp and ep.
         with("moe_ep2_zero1_dp4", 1, 1, 4, 8, {"--ep", "2", "--zero", "1"}, &kMoe),
@@ -1099,8 +1102,10 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
       {[&](Plan& q) {
          experts(q);
          q.model.router_groups = 2;
+         q.model.router_group_topk = 2;
+         q.model.experts_per_token = 1;
        },
-       "model.router_groups: group-limited routing is simulated only"},
+       "model.router_group_topk: 2 groups a token, more than its 1 experts"},
       {[&](Plan& q) {
          experts(q);
          q.precision = Precision::kFp8;
@@ -1111,9 +1116,6 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
       {[](Plan& q) { q.model.kv_lora_rank = 16; },
        "model.kv_lora_rank: multi-head latent attention is simulated only"},
       {[](Plan& q) { q.comm.tp_sub_batches = 2; }, "communication.tp_sub_batches: sub-pipelined"},
-      {[](Plan& q) { q.schedule[0].blocks[0].paired_with_next = true; },
-       "schedule.orders[0].blocks: the pair F0@0+... (a forward beside another micro-batch's "
-       "backward) is simulated only"},
   };
   for (const auto& [change, message] : simulated_only) {
     p = *base;

@@ -59,6 +59,26 @@ TEST(MoeRouting, EachTokenGoesToItsTopKExpertsInExpertOrder) {
 
 // Each expert's output here is its expert's index times the token's row, so the combined output
 // of token t is sum_j softmax(chosen scores)_j expert_j x_t; the gradients reach the scores.
+// Group-limited routing (2 groups of 2 experts, one group a token, top-2): each token's experts
+// are the group with the larger sum of its two scores, whatever the scores outside it.
+TEST(MoeRouting, GroupLimitedRoutingPicksTheBestGroupsExperts) {
+  const at::Tensor s = scores();
+  const MoeRouting r = route_tokens(s, kTop, /*groups=*/2, /*group_topk=*/1);
+  for (int64_t t = 0; t < kTokens; ++t) {
+    const float g0 = s[t][0].item<float>() + s[t][1].item<float>();
+    const float g1 = s[t][2].item<float>() + s[t][3].item<float>();
+    const int64_t first = g0 >= g1 ? 0 : 2;
+    std::vector<int64_t> got = {r.experts_of[t][0].item<int64_t>(),
+                                r.experts_of[t][1].item<int64_t>()};
+    std::sort(got.begin(), got.end());
+    EXPECT_EQ(got, (std::vector<int64_t>{first, first + 1})) << "token " << t;
+  }
+  // Somewhere the best group is not where the best single expert is, so the limit mattered.
+  const MoeRouting free = route_tokens(s, kTop);
+  EXPECT_FALSE(
+      at::equal(std::get<0>(at::sort(free.experts_of, 1)), std::get<0>(at::sort(r.experts_of, 1))));
+}
+
 TEST(MoeRouting, CombineWeighsTheExpertsBySoftmaxOfTheirScores) {
   const at::Tensor s = scores().requires_grad_(true);
   const MoeRouting r = route_tokens(s, kTop);
