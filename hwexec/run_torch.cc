@@ -291,6 +291,13 @@ struct Ctx {
   NcclComms* nccl = nullptr;
 #endif
   std::vector<at::Tensor> in_flight;  // sent tensors, kept until the iteration's synchronize
+  bool has_nccl() const {
+#ifdef NNSIM_TORCH_HAS_CUDA
+    return nccl != nullptr;
+#else
+    return false;
+#endif
+  }
   // The socket Comm's channel of point-to-point transfers (pipeline, cp ring): apart from the
   // collectives', whose messages may pass between the same two ranks in between (a segment
   // spanning the pipeline stages all-reduces over pp).
@@ -3162,6 +3169,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
           span_send(sg, false, m, y, to, tag(false, to));
         } else {
           pp_send(next, y, "activation", tagged ? tag(false, L.neighbours.at(sg).second) : 0);
+          // Megatron frees a stage's output once sent (deallocate_pipeline_outputs): only the
+          // root of its backward stays. The socket backend has copied it; an NCCL send still
+          // reads it (Ctx::in_flight keeps it to the iteration's end).
+          if (!ctx.has_nccl()) resize_storage(y, 0);
         }
       } else {
         at::Tensor dy;

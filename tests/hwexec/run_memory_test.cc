@@ -221,7 +221,10 @@ INSTANTIATE_TEST_SUITE_P(
         MemoryCase{
             "zb_h2_pp2", 1, 2, 1, "fp32", {"--schedule", "zb-h2"}, "small-gpt-memory.yaml", 4},
         MemoryCase{
-            "zb_h1_tp2_pp2", 2, 2, 1, "fp32", {"--schedule", "zb-h1"}, "small-gpt-memory.yaml", 4}),
+            "zb_h1_tp2_pp2", 2, 2, 1, "fp32", {"--schedule", "zb-h1"}, "small-gpt-memory.yaml", 4},
+        // A stage's output freed once sent, as Megatron's deallocate_pipeline_outputs (it had
+        // stayed to the next forward: -8.3 %).
+        MemoryCase{"tp2_pp2", 2, 2, 1, "fp32", {}, "small-gpt-memory.yaml", 4}),
     [](const ::testing::TestParamInfo<MemoryCase>& i) { return std::string(i.param.name); });
 
 }  // namespace
