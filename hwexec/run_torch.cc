@@ -2565,7 +2565,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     for (std::vector<Param*>& g : groups) {
       ZeroUnit u;
       u.params = std::move(g);
-      const bool routed = u.params.front()->routed_expert && L.split.ep > 1;
+      const bool routed = !u.params.empty() && u.params.front()->routed_expert && L.split.ep > 1;
       u.group = routed ? expert_grad_group : ctx.dp_group;
       u.axes = routed ? expert_grad_axes : ctx.dp_axes;
       u.pos = static_cast<int>(std::find(u.group.begin(), u.group.end(), rank) - u.group.begin());
@@ -3229,8 +3229,9 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     for (const auto& [sg, model] : models) {
       if (zero != 0) break;
       std::vector<Param*> dense, experts;
-      for (Param& p : model->params())
+      for (Param& p : model->params()) {
         (L.split.ep > 1 && p.routed_expert ? experts : dense).push_back(&p);
+      }
       for (auto* group : {&dense, &experts}) {
         const bool routed = group == &experts;
         if (group->empty()) continue;
