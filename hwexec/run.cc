@@ -56,7 +56,7 @@ Status check_runnable(const Plan& plan) {
         "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
         "ReLU or squared-ReLU MLP, mixtures of experts (top-k, dropless, a shared expert, "
         "group-limited routing, every expert on every rank or split over data-parallel ranks: "
-        "expert parallelism with ZeRO 0-2), learned, rotary or ALiBi positions, dropout with "
+        "expert parallelism with ZeRO 0-3), learned, rotary or ALiBi positions, dropout with "
         "deterministic masks (recomputed and repeated passes too); Megatron tensor, sequence "
         "and context parallelism (together too), pipelines (interleaved too; the head and the "
         "embedding also sharded over the stages, with context parallelism and repeated "
@@ -211,11 +211,11 @@ Status check_runnable(const Plan& plan) {
                     "DeepEP's exchange is simulated only: nnexec exchanges the "
                     "routed copies with all-to-alls; remove the field");
     }
-    if (plan.optimizer.zero == 3) {
-      return refuse("optimizer.zero",
-                    "ZeRO-3 with expert parallelism is simulated only: nnexec gathers its units "
-                    "over one group, where the experts' would gather over their own; plan with "
-                    "--zero 0, 1 or 2");
+    if (plan.optimizer.zero == 3 && plan.comm.zero3_per_tensor) {
+      return refuse("communication.zero3_per_tensor",
+                    "DeepSpeed's tensor-by-tensor ZeRO-3 with expert parallelism is not "
+                    "supported (its reduce bucket mixes the experts' group with the rest's); "
+                    "use whole units (--framework fsdp or megatron)");
     }
   }
   auto is_expert_op = [](const std::string& name) {

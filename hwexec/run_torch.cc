@@ -2541,6 +2541,14 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         zranges_of[sg].emplace_back(groups.size(), 0);
         if (plan.comm.zero3_per_tensor) {
           for (Param* p : g) groups.push_back({p});
+        } else if (L.split.ep > 1) {
+          // Expert parallelism: a layer's routed experts gather and reduce over their own
+          // group, the rest of it over dp and ep (FSDP's unit per group, as the program's).
+          std::vector<Param*> dense, experts;
+          for (Param* p : g) (p->routed_expert ? experts : dense).push_back(p);
+          for (std::vector<Param*>* part : {&dense, &experts}) {
+            if (!part->empty()) groups.push_back(std::move(*part));
+          }
         } else {
           groups.push_back(std::move(g));
         }

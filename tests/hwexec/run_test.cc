@@ -738,6 +738,9 @@ INSTANTIATE_TEST_SUITE_P(
         // ... with ZeRO: the experts' state sharded over their own group (dp), the rest's
         // over dp and ep.
         with("moe_ep2_zero1_dp4", 1, 1, 4, 8, {"--ep", "2", "--zero", "1"}, &kMoe),
+        with("moe_ep2_zero3_dp4", 1, 1, 4, 8, {"--ep", "2", "--zero", "3"}, &kMoe),
+        with("moe_ep2_zero3_recompute_full_pp2_dp2", 1, 2, 2, 8,
+             {"--ep", "2", "--zero", "3", "--recompute", "full"}, &kMoe),
         Case{"moe_ep2_zero2_zb_h1_pp2_dp4",
              1,
              2,
@@ -971,12 +974,19 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
        "parallelism, rope positions and the embedding's segment 'embedding' spanning the "
        "pipeline stages is not supported yet"});
 
-  // Expert parallelism runs with ZeRO 0-2 and beside data and pipeline parallelism only.
+  // Expert parallelism runs beside data and pipeline parallelism only, with ZeRO-3 in whole
+  // units (a hand-made plan asking DeepSpeed's per-tensor units, which nnsim plan refuses).
   ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2", "--zero", "3"}, kMoe).status, 0);
+  {
+    const std::string text = slurp(dir.file("plan.json"));
+    const std::string edited = std::regex_replace(text, std::regex(R"("zero3_per_tensor": false)"),
+                                                  R"("zero3_per_tensor": true)");
+    ASSERT_NE(edited, text);
+    std::ofstream(dir.file("plan.json")) << edited;
+  }
   refused(
-      {"cannot run this plan: optimizer.zero: ZeRO-3 with expert parallelism is simulated only: "
-       "nnexec gathers its units over one group, where the experts' would gather over their own; "
-       "plan with --zero 0, 1 or 2"});
+      {"cannot run this plan: communication.zero3_per_tensor: DeepSpeed's tensor-by-tensor "
+       "ZeRO-3 with expert parallelism is not supported"});
   ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2", "--moe-deepep"}, kMoe).status, 0);
   refused({"cannot run this plan: moe_deepep: DeepEP's exchange is simulated only"});
   ASSERT_EQ(make_plan(dir, 2, 1, 2, "1f1b", 4, {"--ep", "2", "--sequence-parallel"}, kMoe).status,
