@@ -786,6 +786,7 @@ class Model {
         add_moe_params(p, L);
         layers_.push_back(L);
         recompute_.emplace_back();
+        stopped_.emplace_back();
         continue;
       }
       L.fc1_w = add(p + "mlp.fc1.weight", {h, branches * f}, 0.05, 0, [=](const at::Tensor& x) {
@@ -801,6 +802,7 @@ class Model {
       if (spec.bias) L.fc2_b = add(p + "mlp.fc2.bias", {h}, 0.05, 0, whole);
       layers_.push_back(L);
       recompute_.emplace_back();
+      stopped_.emplace_back();
     }
     if (head_) {
       hn_g_ = add("head.norm.weight", {h}, 0.1, 1, whole);
@@ -840,7 +842,7 @@ class Model {
   // sums and reduces them first (run_spanning.h).
   void set_reduce_input(bool on) { reduce_input_ = on; }
   // The operators the plan's recompute rules name in each layer of this part.
-  void set_recompute(const std::vector<RecomputeRule>& rules) {
+  void set_recompute(const std::vector<RecomputeRule>& rules, bool early_stop = false) {
     // Rules without layers also recompute the embedding and the head (the program's
     // recomputed_ops of those parts).
     for (const RecomputeRule& rule : rules) {
@@ -868,6 +870,22 @@ class Model {
               "moe.act",        "moe.fc2",       "moe.combine",    "mlp.residual"}) {
           if (match_pattern(rule.match, op)) r.insert(op);
         }
+      }
+    }
+    // PyTorch's checkpoint stops its recomputation after the last operator that saves a tensor
+    // of its own (the program's replayed_ops): the operators after it keep the graphs of the
+    // forward, and the tensors they saved are the recomputation's.
+    if (!early_stop) return;
+    const OpGraph graph = lower_model(spec_, 1);
+    for (int l = first_; l < end_; ++l) {
+      const std::set<std::string>& r = recompute_[l - first_];
+      if (r.empty()) continue;
+      const GraphPart& part = graph.layer_at(l);
+      std::vector<bool> recomputed;
+      for (const Op& op : part.ops) recomputed.push_back(r.count(op.name) > 0);
+      const std::vector<bool> run = replayed_ops(part, recomputed, true);
+      for (std::size_t i = 0; i < run.size(); ++i) {
+        if (recomputed[i] && !run[i]) stopped_[l - first_].insert(part.ops[i].name);
       }
     }
   }
@@ -1518,7 +1536,7 @@ class Model {
   // token's expert outputs weighted and summed with the shared expert's (combine); the routing
   // is run_moe.h's.
   void moe_forward(Stats& st, const LayerParams& L, LayerTape& t, bool again,
-                   const std::set<std::string>& rc) {
+                   const std::set<std::string>& rc, const std::set<std::string>& stopped) {
     auto runs = [&](const char* op) { return !again || rc.count(op) > 0; };
     const char* phase = again ? "recompute" : "fwd";
     const int64_t k = spec_.experts_per_token, e = spec_.experts;
@@ -1608,6 +1626,10 @@ class Model {
       // The shared expert's output is only added: the combine's backward does not read it (as
       // a residual's summands). Not when the combine is recomputed, which reads it again.
       if (L.sfc1_w && !rc.count("moe.combine")) resize_storage(t.sfc2.out, 0);
+    } else if (again && stopped.count("moe.combine")) {
+      // An early stop ends at the combine, which saved the experts' outputs and the scores.
+      if (rc.count("moe.fc2")) refill(t.combine.in[0], t.efc2.out);
+      if (rc.count("moe.router")) refill(t.combine.in[1], t.router.out);
     }
   }
 
@@ -1736,7 +1758,12 @@ class Model {
   at::Tensor layer_forward(Ctx& c, int l, const at::Tensor& x, LayerTape& t, bool again = false) {
     Stats& st = *c.stats;
     const LayerParams& L = layers_[l];
-    const std::set<std::string>& rc = recompute_[l];
+    // The operators recomputed and run again (an early stop leaves the last ones out).
+    std::set<std::string> rc;
+    for (const std::string& op : recompute_[l]) {
+      if (!stopped_[l].count(op)) rc.insert(op);
+    }
+    const std::set<std::string>& stopped = stopped_[l];
     auto runs = [&](const char* op) { return !again || rc.count(op) > 0; };
     const char* phase = again ? "recompute" : "fwd";
     const at::Tensor& in_x = again ? t.x : x;
@@ -1872,7 +1899,7 @@ class Model {
       t.n2 = fwd(st, "mlp.norm", phase, {leaf(t.res1.out)},
                  [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.ln2g, L.ln2b); });
     }
-    if (L.moe) moe_forward(st, L, t, again, rc);
+    if (L.moe) moe_forward(st, L, t, again, rc, stopped);
     if (!L.moe && runs("mlp.fc1")) {
       t.fc1 = fwd(st, "mlp.fc1", phase,
                   {leaf(sp ? gather_seq(c, t.n2.out.detach(), "mlp.fc1") : t.n2.out)},
@@ -1894,6 +1921,9 @@ class Model {
         return block_linear(in[0], W(L.fc2_w));
       });
       t.fc2.weights = weights_of({L.fc2_w});
+    } else if (!L.moe && again && stopped.count("mlp.fc2") && rc.count("mlp.act")) {
+      // What it saved, recomputed (ReLU's backward reads its output too: a copy).
+      refill(t.fc2.in[0], t.act.out, spec_.mlp != MlpKind::kRelu);
     }
     if (runs("mlp.residual")) {
       Unit& mlp_out = L.moe ? t.combine : t.fc2;
@@ -1915,13 +1945,46 @@ class Model {
       release_summands("mlp.residual", t.res2, mlp_out);
     }
     at::Tensor out = t.res2.out.detach();
-    if (!again && !rc.empty()) {
+    if (!again && !recompute_[l].empty()) {
       t.x = x;  // the checkpoint
       for (const auto& [name, u] : t.units()) {
         if (rc.count(name)) *u = Unit{};
       }
+      // An early-stopped operator keeps its graph; what it read from a recomputed operator goes
+      // (the recomputation brings back what its backward reads: refill).
+      auto drop_input = [&](const char* stopped_op, Unit& u, std::size_t i, const char* producer) {
+        if (stopped.count(stopped_op) && rc.count(producer) && u.in.size() > i) {
+          resize_storage(u.in[i], 0);
+        }
+      };
+      drop_input("mlp.fc2", t.fc2, 0, "mlp.act");
+      drop_input("moe.combine", t.combine, 0, "moe.fc2");
+      drop_input("moe.combine", t.combine, 1, "moe.router");
+      drop_input("mlp.residual", t.res2, 1, "attn.residual");
     }
     return out;
+  }
+
+  // An early-stopped operator's input `leaf` (its storage released after the forward) refilled
+  // with `value`, the recomputation's, for its backward. `take`: the value's memory itself
+  // moves into the leaf's storage (as PyTorch's checkpoint hands the recomputed tensor to the
+  // saved one), leaving `value` empty: for a value nothing else reads afterwards.
+  static void refill(const at::Tensor& leaf, const at::Tensor& value, bool take = true) {
+    const bool same_layout = value.is_contiguous() && leaf.is_contiguous() &&
+                             value.storage_offset() == 0 && leaf.storage_offset() == 0 &&
+                             value.sizes() == leaf.sizes() && value.dtype() == leaf.dtype();
+    if (take && same_layout) {
+      c10::StorageImpl* from = value.storage().unsafeGetStorageImpl();
+      c10::StorageImpl* to = leaf.storage().unsafeGetStorageImpl();
+      const std::size_t bytes = from->nbytes();
+      to->set_data_ptr_noswap(from->set_data_ptr(at::DataPtr(nullptr, from->device())));
+      to->set_nbytes(bytes);
+      from->set_nbytes(0);
+      return;
+    }
+    resize_storage(leaf, value.nbytes());
+    c10::NoGradGuard no_grad;
+    leaf.variable_data().copy_(value);
   }
 
   // Context parallelism: attn.core of this rank's queries over every cp rank's keys and values
@@ -2080,6 +2143,9 @@ class Model {
   std::deque<Param> params_;
   std::vector<LayerParams> layers_;
   std::vector<std::set<std::string>> recompute_;  // per layer of the segment
+  // Per layer: the recomputed operators an early-stopping recomputation does not run again
+  // (recompute_early_stop).
+  std::vector<std::set<std::string>> stopped_;
   std::set<std::string> recompute_embed_, recompute_head_;
   // The backward being run: its phase ("bwd", or a BI block's "bwd_input") and, in a BI block,
   // where the deferred weight gradients go.
@@ -2502,7 +2568,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         opt.seed, device, dtype,
         plan.model.tied_embeddings && seg.head && !seg.embedding ? embedding_word : nullptr);
     if (seg.embedding) embedding_word = models[sg]->word_matrix();
-    models[sg]->set_recompute(plan.recompute);
+    models[sg]->set_recompute(plan.recompute, plan.recompute_early_stop);
     models[sg]->set_fp8(run_type == "fp8");
     models[sg]->set_reduce_input(!seg.embedding && seg.first_layer == 0 &&
                                  seg.end_layer > seg.first_layer && ctx.embed_vocab.pipeline &&

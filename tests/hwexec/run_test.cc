@@ -733,6 +733,21 @@ INSTANTIATE_TEST_SUITE_P(
              "fp32",
              {"--ep", "2", "--vpp", "2"}},
         with("moe_ep2_ep_overlap", 1, 1, 2, 8, {"--ep", "2", "--ep-overlap"}, &kMoe),
+        // PyTorch's early-stopping checkpoint (FSDP plans): the last MLP linear and the
+        // residual keep the forward's graphs, the linear's input refilled by the
+        // recomputation; compare requires the program's recompute rows exactly (the MoE
+        // block's: up to its combine).
+        with("fsdp_zero3_recompute_full_early_stop_dp2", 1, 1, 2, 4,
+             {"--zero", "3", "--framework", "fsdp", "--recompute", "full"}),
+        Case{"moe_fsdp_recompute_full_early_stop_zb_h1_pp2",
+             1,
+             2,
+             1,
+             "zb-h1",
+             4,
+             &kMoe,
+             "fp32",
+             {"--framework", "fsdp", "--recompute", "full"}},
         // Group-limited routing: a token's experts from its best group (of two).
         with("moe_grouped_ep2", 1, 1, 2, 4, {"--ep", "2"}, &kMoeGrouped),
         // ... with ZeRO: the experts' state sharded over their own group (dp), the rest's
