@@ -132,7 +132,28 @@ void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
       only_recomputed ? replayed_ops(*p.part, recomputed, plan.recompute_early_stop)
                       : std::vector<bool>{};
   for (size_t i = 0; i < ops.size(); ++i) {
-    if (only_recomputed && !replayed[i]) continue;
+    if (only_recomputed && !replayed[i]) {
+      // An early stop's last operator does not run again, but the inputs it saved are the
+      // recomputation's: those that reach it through a collective (an expert exchange's
+      // all-to-all) are exchanged again; gathered ones it keeps split (kept_bytes).
+      if (recomputed[i]) {
+        const Op& op = ops[i];
+        for (const TensorSpec& t : op.saved) {
+          const bool is_input = t.ref.slot == 0 && t.ref.op != static_cast<int>(i);
+          if (!is_input || t.ref.op < 0 || !replayed[t.ref.op]) continue;
+          const TensorLayout& have = p.out_layouts[t.ref.op];
+          TensorLayout want = input_layout(op, p.partitions[i], t.dims);
+          for (size_t a = 0; a < want.size(); ++a) {
+            if (!plan.comm.save_gathered_inputs && have[a].kind == AxisLayoutKind::kSplit &&
+                want[a].kind == AxisLayoutKind::kReplicated) {
+              want[a] = have[a];
+            }
+          }
+          append_tensor_conversions(ops[t.ref.op].output, have, want, p.labels[i], steps);
+        }
+      }
+      continue;
+    }
     if (before_op) before_op(p, i, only_recomputed);
     const Op& op = ops[i];
     const OpPartition& part = p.partitions[i];

@@ -206,12 +206,6 @@ Status check_runnable(const Plan& plan) {
                                 "expert-parallel ranks (each takes micro_batch / ep of them)",
                                 plan.micro_batch, ep));
     }
-    if (plan.recompute_early_stop && !plan.recompute.empty()) {
-      return refuse("recompute_early_stop",
-                    "an early-stopping recomputation with expert parallelism is not supported "
-                    "(the combine's saved input comes through an all-to-all the program does not "
-                    "recompute); set it to false");
-    }
     if (plan.moe_deepep) {
       return refuse("moe_deepep",
                     "DeepEP's exchange is simulated only: nnexec exchanges the "

@@ -1628,7 +1628,8 @@ class Model {
       if (L.sfc1_w && !rc.count("moe.combine")) resize_storage(t.sfc2.out, 0);
     } else if (again && stopped.count("moe.combine")) {
       // An early stop ends at the combine, which saved the experts' outputs and the scores.
-      if (rc.count("moe.fc2")) refill(t.combine.in[0], t.efc2.out);
+      // (With expert parallelism, as they came back: the recomputed return exchange's.)
+      if (rc.count("moe.fc2")) refill(t.combine.in[0], split_.ep > 1 ? t.returned : t.efc2.out);
       if (rc.count("moe.router")) refill(t.combine.in[1], t.router.out);
     }
   }

@@ -748,6 +748,17 @@ INSTANTIATE_TEST_SUITE_P(
              &kMoe,
              "fp32",
              {"--framework", "fsdp", "--recompute", "full"}},
+        // ... with expert parallelism: the combine's saved input comes back through the
+        // recomputation's all-to-all.
+        Case{"moe_ep2_fsdp_recompute_full_early_stop_zb_h1_pp2_dp2",
+             1,
+             2,
+             2,
+             "zb-h1",
+             8,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--framework", "fsdp", "--recompute", "full"}},
         // Group-limited routing: a token's experts from its best group (of two).
         with("moe_grouped_ep2", 1, 1, 2, 4, {"--ep", "2"}, &kMoeGrouped),
         // ... with ZeRO: the experts' state sharded over their own group (dp), the rest's

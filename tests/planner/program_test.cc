@@ -921,6 +921,48 @@ TEST(Program, PyTorchCheckpointStopsRecomputingAfterTheLastSavedTensor) {
   EXPECT_EQ(fsdp_dropout.count("mlp.residual"), n);
 }
 
+// With expert parallelism a mixture's early stop ends at the combine, whose saved input (the
+// experts' outputs) comes back to the tokens' ranks through an all-to-all: the recomputation
+// exchanges them again though the combine does not run, as Megatron's full replay does.
+TEST(Program, EarlyStopStillExchangesTheCombinesSavedInput) {
+  ModelSpec m = preset("mixtral-8x7b");
+  m.layers = 4;
+  auto combine_exchanges = [&](const std::string& framework, int* recomputed_combines) {
+    MegatronOptions o = options(1, 1, false, RecomputeMode::kFull, 1);
+    o.framework = framework;
+    o.ep = 8;
+    o.global_batch = 32;
+    auto plan = build_megatron_plan(m, dgx(), o);
+    EXPECT_TRUE(plan.ok()) << (plan.ok() ? "" : plan.error().message());
+    if (!plan.ok()) return -1;
+    auto prog = compile_plan(*plan, dgx());
+    EXPECT_TRUE(prog.ok()) << (prog.ok() ? "" : prog.error().message());
+    if (!prog.ok()) return -1;
+    int exchanges = 0;
+    *recomputed_combines = 0;
+    for (const BlockTemplate& t : prog->templates) {
+      if (t.kind != BlockKind::kBackward) continue;
+      for (const Step& s : t.steps) {
+        const std::string& label = s.label >= 0 ? prog->labels[s.label] : "";
+        if (label != "moe.combine") continue;
+        exchanges += s.kind == StepKind::kCollective && s.collective == CollectiveKind::kAllToAll;
+        *recomputed_combines +=
+            s.kind == StepKind::kCompute && s.compute_class == ComputeClass::kRecompute;
+      }
+      break;
+    }
+    return exchanges;
+  };
+  int megatron_runs = 0, fsdp_runs = 0;
+  const int megatron = combine_exchanges("megatron", &megatron_runs);
+  const int fsdp = combine_exchanges("fsdp", &fsdp_runs);
+  // Per layer: the recomputation's exchange into the combine and the backward's out of it.
+  EXPECT_EQ(megatron, 2 * m.layers);
+  EXPECT_EQ(fsdp, 2 * m.layers);
+  EXPECT_EQ(megatron_runs, m.layers);
+  EXPECT_EQ(fsdp_runs, 0);
+}
+
 // With rotary positions the first layer receives the vocabulary-parallel embedding's partial
 // sums and reduces them at its first norm (layer 0's forward has one all-reduce more). The
 // reduced tensor is the layer's saved input, so its recomputation starts from it: the backward
