@@ -95,11 +95,6 @@ Status check_runnable(const Plan& plan) {
                               "most {}",
                               m.router_group_topk, m.experts_per_token, m.experts_per_token));
   }
-  if (m.moe() && plan.precision == Precision::kFp8) {
-    return refuse("precision",
-                  "fp8 experts are simulated only; nnexec runs a mixture of experts in fp32, "
-                  "bf16 or fp16");
-  }
   // Paired blocks (`F7@0+B3@7`: DualPipeV, combined 1F1B) run one after the other, the forward
   // first: their inputs are both ready when the pair starts (the schedule check replays a pair
   // as a unit), so the order cannot wait where the pair would not. Their overlap is the

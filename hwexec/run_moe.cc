@@ -6,6 +6,8 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "hwexec/run_precision.h"
+
 namespace nnsim::hwexec {
 
 MoeRouting route_tokens(const at::Tensor& scores, int64_t k, int64_t groups, int64_t group_topk) {
@@ -52,9 +54,19 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// How a product's operands are taken: as they are, in fp32 (fp16 on a CPU), or quantized to
+// fp8 (`a` and `c` in the formats given) with the product in fp32.
+struct Math {
+  bool fp32 = false;
+  bool fp8 = false;
+};
+
 // out = a c, into `out` (a view of a larger tensor).
-void product_into(at::Tensor out, const at::Tensor& a, const at::Tensor& c, bool fp32_math) {
-  if (fp32_math) {
+void product_into(at::Tensor out, const at::Tensor& a, const at::Tensor& c, Math math,
+                  Fp8 a_format = Fp8::kE4m3, Fp8 c_format = Fp8::kE4m3) {
+  if (math.fp8) {
+    out.copy_(at::mm(fp8_quantize(a, a_format), fp8_quantize(c, c_format)));
+  } else if (math.fp32) {
     out.copy_(at::mm(a.to(at::kFloat), c.to(at::kFloat)));
   } else {
     at::mm_out(out, a, c);
@@ -65,10 +77,12 @@ class GroupedLinear : public torch::autograd::Function<GroupedLinear> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const c10::optional<at::Tensor>& b, const std::vector<int64_t>& counts,
-                            bool fp32_math) {
+                            bool fp32_math, bool fp8) {
     ctx->save_for_backward({x, w});
     ctx->saved_data["counts"] = counts;
     ctx->saved_data["fp32_math"] = fp32_math;
+    ctx->saved_data["fp8"] = fp8;
+    const Math math{fp32_math, fp8};
     ctx->saved_data["bias"] = b.has_value() && b->defined();
     at::Tensor out = at::empty({x.size(0), w.size(2)}, x.options());
     int64_t first = 0;
@@ -76,7 +90,7 @@ class GroupedLinear : public torch::autograd::Function<GroupedLinear> {
       const int64_t n = counts[e];
       if (n == 0) continue;
       at::Tensor rows = out.narrow(0, first, n);
-      product_into(rows, x.narrow(0, first, n), w[static_cast<int64_t>(e)], fp32_math);
+      product_into(rows, x.narrow(0, first, n), w[static_cast<int64_t>(e)], math);
       if (b.has_value() && b->defined()) rows.add_((*b)[static_cast<int64_t>(e)]);
       first += n;
     }
@@ -87,7 +101,7 @@ class GroupedLinear : public torch::autograd::Function<GroupedLinear> {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w = saved[1];
     const std::vector<int64_t> counts = ctx->saved_data["counts"].toIntVector();
-    const bool fp32_math = ctx->saved_data["fp32_math"].toBool();
+    const Math math{ctx->saved_data["fp32_math"].toBool(), ctx->saved_data["fp8"].toBool()};
     const bool bias = ctx->saved_data["bias"].toBool();
     const at::Tensor& g = grads[0];
     at::Tensor dx, dw, db;
@@ -101,12 +115,17 @@ class GroupedLinear : public torch::autograd::Function<GroupedLinear> {
       if (n == 0) continue;
       const auto i = static_cast<int64_t>(e);
       const at::Tensor ge = g.narrow(0, first, n);
-      if (dx.defined()) product_into(dx.narrow(0, first, n), ge, w[i].t(), fp32_math);
-      if (dw.defined()) product_into(dw[i], x.narrow(0, first, n).t(), ge, fp32_math);
+      // fp8: the output's gradient in e5m2, the forward's operands in e4m3.
+      if (dx.defined()) {
+        product_into(dx.narrow(0, first, n), ge, w[i].t(), math, Fp8::kE5m2, Fp8::kE4m3);
+      }
+      if (dw.defined()) {
+        product_into(dw[i], x.narrow(0, first, n).t(), ge, math, Fp8::kE4m3, Fp8::kE5m2);
+      }
       if (db.defined()) db[i].copy_(ge.sum(0));
       first += n;
     }
-    return {dx, dw, db, at::Tensor(), at::Tensor()};
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -114,8 +133,8 @@ class GroupedLinear : public torch::autograd::Function<GroupedLinear> {
 
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w,
                           const c10::optional<at::Tensor>& b, const std::vector<int64_t>& counts,
-                          bool fp32_math) {
-  return GroupedLinear::apply(x, w, b, counts, fp32_math);
+                          bool fp32_math, bool fp8) {
+  return GroupedLinear::apply(x, w, b, counts, fp32_math, fp8);
 }
 
 }  // namespace nnsim::hwexec

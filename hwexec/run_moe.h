@@ -41,9 +41,12 @@ at::Tensor combine_tokens(const at::Tensor& y, const at::Tensor& scores, const M
 // product per expert with tokens, each written into its rows of one output, and the backward's
 // input gradient and weight gradients written the same way, so that neither direction holds
 // per-expert pieces beside the whole (a loop of products joined by cat holds both, as
-// SequentialMLP's). `fp32_math`: computed in fp32 and rounded once (fp16 on a CPU).
+// SequentialMLP's). `fp32_math`: computed in fp32 and rounded once (fp16 on a CPU). `fp8`:
+// each product's operands quantized as fp8_linear's (run_precision.h; per expert, as
+// Transformer Engine's grouped linear scales each GEMM's): the rows and the weight to e4m3 in
+// the forward, the output's gradient to e5m2 for the backward's two products.
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w,
                           const c10::optional<at::Tensor>& b, const std::vector<int64_t>& counts,
-                          bool fp32_math);
+                          bool fp32_math, bool fp8 = false);
 
 }  // namespace nnsim::hwexec

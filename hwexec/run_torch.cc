@@ -1528,7 +1528,7 @@ class Model {
   at::Tensor expert_linear(const at::Tensor& x, const Param* w, const Param* b,
                            const std::vector<int64_t>& counts) const {
     return grouped_linear(x, W(w), b ? c10::optional<at::Tensor>(W(b)) : c10::nullopt, counts,
-                          cpu_fp16());
+                          cpu_fp16(), fp8_);
   }
 
   // A mixture-of-experts block's MLP after its norm (t.n2): the shared expert, the router's
@@ -1542,8 +1542,9 @@ class Model {
     const int64_t k = spec_.experts_per_token, e = spec_.experts;
     const at::Tensor xn = t.n2.out;
     const int64_t b = xn.size(0), s = xn.size(1), h = xn.size(2), tokens = b * s;
+    // The shared expert's linear layers: fp8 GEMMs in an fp8 plan, as the blocks' others.
     auto linear = [&](const at::Tensor& x, const Param* w, const Param* bias) {
-      at::Tensor y = mm(x, W(w));
+      at::Tensor y = block_linear(x, W(w));
       return bias ? y + W(bias) : y;
     };
     auto act = [&](const at::Tensor& x) {

@@ -1035,6 +1035,13 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
   RunResult unchecked = run(dir, NNEXEC_BINARY,
                             {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "1"});
   EXPECT_EQ(unchecked.status, 0) << unchecked;
+  // ... and in fp8 (the experts' grouped GEMMs on fp8-quantized operands, MoeGroupedLinear),
+  // with expert parallelism.
+  ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2"}, kMoe, "fp8").status, 0);
+  RunResult fp8 = run(dir, NNEXEC_BINARY,
+                      {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "1"});
+  EXPECT_EQ(fp8.status, 0) << fp8;
+  EXPECT_TRUE(contains(fp8.out, "loss")) << fp8;
 
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
   RunResult r =
@@ -1142,11 +1149,6 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
          q.model.experts_per_token = 1;
        },
        "model.router_group_topk: 2 groups a token, more than its 1 experts"},
-      {[&](Plan& q) {
-         experts(q);
-         q.precision = Precision::kFp8;
-       },
-       "precision: fp8 experts are simulated only"},
       {[](Plan& q) { q.model.mtp_layers = 1; },
        "model.mtp_layers: multi-token prediction is simulated"},
       {[](Plan& q) { q.model.kv_lora_rank = 16; },

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "hwexec/run_moe.h"
+#include "hwexec/run_precision.h"
 
 namespace nnsim::hwexec {
 namespace {
@@ -155,6 +156,37 @@ TEST(MoeGroupedLinear, MatchesOneProductPerExpert) {
   EXPECT_FALSE(w2.grad().defined());
   y2.backward(dy, /*retain_graph=*/false, /*create_graph=*/false, at::TensorList({w2}));
   EXPECT_TRUE(at::allclose(w2.grad(), rw.grad(), 1e-5, 1e-6));
+}
+
+// In fp8 each expert's product is fp8_linear's: its rows and weight quantized to e4m3, the
+// output's gradient to e5m2 for the backward's products, each expert scaled on its own.
+TEST(MoeGroupedLinear, Fp8IsEachExpertsFp8Linear) {
+  at::manual_seed(13);
+  const std::vector<int64_t> counts = {3, 0, 4, 2};
+  const int64_t rows = 9, in = 5, out = 6;
+  const at::Tensor x0 = at::randn({rows, in}), w0 = at::randn({kExperts, in, out}),
+                   dy = at::randn({rows, out});
+  const at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+  const at::Tensor y = grouped_linear(x, w, c10::nullopt, counts, /*fp32_math=*/false,
+                                      /*fp8=*/true);
+  y.backward(dy);
+
+  const at::Tensor rx = x0.clone().requires_grad_(true), rw = w0.clone().requires_grad_(true);
+  std::vector<at::Tensor> pieces;
+  int64_t first = 0;
+  for (int64_t e = 0; e < kExperts; ++e) {
+    const int64_t n = counts[static_cast<size_t>(e)];
+    if (n > 0) pieces.push_back(fp8_linear(rx.narrow(0, first, n), rw[e]));
+    first += n;
+  }
+  at::cat(pieces, 0).backward(dy);
+
+  const at::Tensor plain = grouped_linear(x0, w0, c10::nullopt, counts, false, false);
+  EXPECT_FALSE(at::allclose(y.detach(), plain, 1e-3, 1e-4));  // fp8 changed the values
+  EXPECT_TRUE(at::allclose(y.detach(), at::cat(pieces, 0).detach(), 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(x.grad(), rx.grad(), 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(w.grad().narrow(0, 0, 1), rw.grad().narrow(0, 0, 1), 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(w.grad().narrow(0, 2, 2), rw.grad().narrow(0, 2, 2), 1e-5, 1e-6));
 }
 
 }  // namespace
