@@ -2190,6 +2190,23 @@ int peer_in(const Mesh& mesh, int rank, const Segment& seg) {
   return mesh.rank_of(c);
 }
 
+// Operator `op`'s split along `dim` (the last matching rule's): its axes, how many ways and
+// this rank's place along them.
+void split_along(const Plan& plan, int rank, const char* op, Dim dim,
+                 std::vector<std::string>& axes, int& ways, int& index) {
+  for (const PartitionRule& r : plan.partition) {
+    if (!match_pattern(r.match, op)) continue;
+    for (const DimSplit& sp : r.splits) {
+      if (sp.dim == dim) axes = sp.axes;
+    }
+  }
+  for (const std::string& a : axes) ways *= plan.mesh.axis_size(a);
+  if (ways > 1) {
+    const std::vector<int> g = plan.mesh.ranks_along(rank, axes);
+    index = static_cast<int>(std::find(g.begin(), g.end(), rank) - g.begin());
+  }
+}
+
 Layout layout_of(const Plan& plan, int rank) {
   Layout L;
   const std::vector<int> coords = plan.mesh.coordinates(rank);
@@ -2200,29 +2217,9 @@ Layout layout_of(const Plan& plan, int rank) {
   }
   L.pp_axes.assign(pp.begin(), pp.end());
   // Context parallelism: attn.core's sequence split (check_runnable: every operator's alike).
-  for (const PartitionRule& r : plan.partition) {
-    if (!match_pattern(r.match, "attn.core")) continue;
-    for (const DimSplit& sp : r.splits) {
-      if (sp.dim == Dim::kSeq) L.cp_axes = sp.axes;
-    }
-  }
-  for (const std::string& a : L.cp_axes) L.split.cp *= plan.mesh.axis_size(a);
-  if (L.split.cp > 1) {
-    const std::vector<int> g = plan.mesh.ranks_along(rank, L.cp_axes);
-    L.split.cp_index = static_cast<int>(std::find(g.begin(), g.end(), rank) - g.begin());
-  }
+  split_along(plan, rank, "attn.core", Dim::kSeq, L.cp_axes, L.split.cp, L.split.cp_index);
   // Expert parallelism: the routed experts' split (check_runnable: the batch of the rest alike).
-  for (const PartitionRule& r : plan.partition) {
-    if (!match_pattern(r.match, "moe.fc1")) continue;
-    for (const DimSplit& sp : r.splits) {
-      if (sp.dim == Dim::kExpert) L.ep_axes = sp.axes;
-    }
-  }
-  for (const std::string& a : L.ep_axes) L.split.ep *= plan.mesh.axis_size(a);
-  if (L.split.ep > 1) {
-    const std::vector<int> g = plan.mesh.ranks_along(rank, L.ep_axes);
-    L.split.ep_index = static_cast<int>(std::find(g.begin(), g.end(), rank) - g.begin());
-  }
+  split_along(plan, rank, "moe.fc1", Dim::kExpert, L.ep_axes, L.split.ep, L.split.ep_index);
   auto degree = [&](const char* op) {
     std::vector<std::string> axes;
     for (const PartitionRule& r : plan.partition) {
