@@ -2190,6 +2190,19 @@ int peer_in(const Mesh& mesh, int rank, const Segment& seg) {
   return mesh.rank_of(c);
 }
 
+// The data-parallel axis and `more` (those also splitting the batch or the sequence), in the
+// mesh's order: the axes a gradient sums over.
+std::vector<std::string> data_parallel_with(const Mesh& mesh,
+                                            const std::vector<std::string>& more) {
+  std::vector<std::string> axes;
+  for (const MeshAxis& a : mesh.axes) {
+    if (a.name == kDataParallelAxis || std::find(more.begin(), more.end(), a.name) != more.end()) {
+      axes.push_back(a.name);
+    }
+  }
+  return axes;
+}
+
 // Operator `op`'s split along `dim` (the last matching rule's): its axes, how many ways and
 // this rank's place along them.
 void split_along(const Plan& plan, int rank, const char* op, Dim dim,
@@ -2407,11 +2420,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   if (L.split.ep > 1) {
     ctx.ep_group = mesh.ranks_along(rank, L.ep_axes);
     ctx.ep_axes = join(L.ep_axes);
-    std::vector<std::string> grad_axes;
-    for (const MeshAxis& a : mesh.axes) {
-      const bool ep_axis = std::find(L.ep_axes.begin(), L.ep_axes.end(), a.name) != L.ep_axes.end();
-      if (a.name == kDataParallelAxis || ep_axis) grad_axes.push_back(a.name);
-    }
+    const std::vector<std::string> grad_axes = data_parallel_with(mesh, L.ep_axes);
     ctx.dp_group = mesh.ranks_along(rank, grad_axes);
     ctx.dp_axes = join(grad_axes);
   }
@@ -2423,11 +2432,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     const int n = static_cast<int>(ctx.cp_group.size()), i = L.split.cp_index;
     ctx.cp_next = ctx.cp_group[(i + 1) % n];
     ctx.cp_prev = ctx.cp_group[(i + n - 1) % n];
-    std::vector<std::string> grad_axes;
-    for (const MeshAxis& a : mesh.axes) {
-      const bool cp_axis = std::find(L.cp_axes.begin(), L.cp_axes.end(), a.name) != L.cp_axes.end();
-      if (a.name == kDataParallelAxis || cp_axis) grad_axes.push_back(a.name);
-    }
+    const std::vector<std::string> grad_axes = data_parallel_with(mesh, L.cp_axes);
     ctx.dp_group = mesh.ranks_along(rank, grad_axes);
     ctx.dp_axes = join(grad_axes);
   }

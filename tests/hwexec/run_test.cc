@@ -347,6 +347,12 @@ void PrintTo(const Case& c, std::ostream* os) {
   *os << c.name;
 }
 
+// A mixture of experts (tiny-moe) in fp32 under `schedule`, tp 1, with `nnsim plan` options.
+Case moe_case(const char* name, int pp, int dp, const char* schedule, int global_batch,
+              std::vector<std::string> flags) {
+  return Case{name, 1, pp, dp, schedule, global_batch, &kMoe, "fp32", std::move(flags)};
+}
+
 // A 1F1B case with more `nnsim plan` options.
 Case with(const char* name, int tp, int pp, int dp, int global_batch,
           std::vector<std::string> flags, const std::string* model = &kModel,
@@ -712,7 +718,7 @@ INSTANTIATE_TEST_SUITE_P(
               "--zero3-persistence-threshold", "0", "--zero3-prefetch-elements", "1"},
              &kMoe),
         Case{"moe_cp2", 1, 1, 1, "1f1b", 2, &kMoe, "fp32", {}, 2},
-        Case{"moe_zb_h1_pp2", 1, 2, 1, "zb-h1", 4, &kMoe, "fp32", {"--recompute", "selective"}},
+        moe_case("moe_zb_h1_pp2", 2, 1, "zb-h1", 4, {"--recompute", "selective"}),
         // Expert parallelism: each rank half the experts and half of each micro-batch, the
         // routed copies exchanged by all-to-alls (and again for a recomputation), the experts'
         // gradients summed over dp alone (dp4: two replicas of each half), in a zero-bubble
@@ -720,18 +726,10 @@ INSTANTIATE_TEST_SUITE_P(
         with("moe_ep2", 1, 1, 2, 4, {"--ep", "2"}, &kMoe),
         with("moe_ep2_dp4", 1, 1, 4, 8, {"--ep", "2"}, &kMoe),
         with("moe_ep2_recompute_full", 1, 1, 2, 4, {"--ep", "2", "--recompute", "full"}, &kMoe),
-        Case{"moe_ep2_zb_h1_pp2_dp2", 1, 2, 2, "zb-h1", 8, &kMoe, "fp32", {"--ep", "2"}},
+        moe_case("moe_ep2_zb_h1_pp2_dp2", 2, 2, "zb-h1", 8, {"--ep", "2"}),
         // Paired blocks, a forward beside another micro-batch's backward (DualPipeV's orders,
         // combined 1F1B's), run one after the other; compare counts each half in its phase.
-        Case{"moe_ep2_dualpipev_pp2_dp2",
-             1,
-             2,
-             2,
-             "dualpipev",
-             8,
-             &kMoe,
-             "fp32",
-             {"--ep", "2", "--vpp", "2"}},
+        moe_case("moe_ep2_dualpipev_pp2_dp2", 2, 2, "dualpipev", 8, {"--ep", "2", "--vpp", "2"}),
         with("moe_ep2_ep_overlap", 1, 1, 2, 8, {"--ep", "2", "--ep-overlap"}, &kMoe),
         // PyTorch's early-stopping checkpoint (FSDP plans): the last MLP linear and the
         // residual keep the forward's graphs, the linear's input refilled by the
@@ -739,26 +737,12 @@ INSTANTIATE_TEST_SUITE_P(
         // block's: up to its combine).
         with("fsdp_zero3_recompute_full_early_stop_dp2", 1, 1, 2, 4,
              {"--zero", "3", "--framework", "fsdp", "--recompute", "full"}),
-        Case{"moe_fsdp_recompute_full_early_stop_zb_h1_pp2",
-             1,
-             2,
-             1,
-             "zb-h1",
-             4,
-             &kMoe,
-             "fp32",
-             {"--framework", "fsdp", "--recompute", "full"}},
+        moe_case("moe_fsdp_recompute_full_early_stop_zb_h1_pp2", 2, 1, "zb-h1", 4,
+                 {"--framework", "fsdp", "--recompute", "full"}),
         // ... with expert parallelism: the combine's saved input comes back through the
         // recomputation's all-to-all.
-        Case{"moe_ep2_fsdp_recompute_full_early_stop_zb_h1_pp2_dp2",
-             1,
-             2,
-             2,
-             "zb-h1",
-             8,
-             &kMoe,
-             "fp32",
-             {"--ep", "2", "--framework", "fsdp", "--recompute", "full"}},
+        moe_case("moe_ep2_fsdp_recompute_full_early_stop_zb_h1_pp2_dp2", 2, 2, "zb-h1", 8,
+                 {"--ep", "2", "--framework", "fsdp", "--recompute", "full"}),
         // Group-limited routing: a token's experts from its best group (of two).
         with("moe_grouped_ep2", 1, 1, 2, 4, {"--ep", "2"}, &kMoeGrouped),
         // ... with ZeRO: the experts' state sharded over their own group (dp), the rest's
@@ -767,15 +751,7 @@ INSTANTIATE_TEST_SUITE_P(
         with("moe_ep2_zero3_dp4", 1, 1, 4, 8, {"--ep", "2", "--zero", "3"}, &kMoe),
         with("moe_ep2_zero3_recompute_full_pp2_dp2", 1, 2, 2, 8,
              {"--ep", "2", "--zero", "3", "--recompute", "full"}, &kMoe),
-        Case{"moe_ep2_zero2_zb_h1_pp2_dp4",
-             1,
-             2,
-             4,
-             "zb-h1",
-             16,
-             &kMoe,
-             "fp32",
-             {"--ep", "2", "--zero", "2"}},
+        moe_case("moe_ep2_zero2_zb_h1_pp2_dp4", 2, 4, "zb-h1", 16, {"--ep", "2", "--zero", "2"}),
         Case{"qk_norm_layernorm_cp2_tp2", 2, 1, 1, "1f1b", 2, &kGptQkNorm, "fp32", {}, 2},
         // Sequence parallelism inside context parallelism: each cp rank's tokens cut in tp
         // slices for the norms, residuals and the position add.
