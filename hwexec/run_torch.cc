@@ -2069,6 +2069,24 @@ class Model {
     return dx;
   }
 
+  // A column-parallel linear's backward (attn.qkv, mlp.fc1) from the gradient of its output
+  // `d`: under sequence parallelism its dropped input gathered again first (a recomputed one has
+  // it), then its input's producer `norm` released (unless the linear's deferred weight gradient
+  // reads it later), and the input gradient reduce-scattered back to the sequence slices, or
+  // summed over the tensor-parallel group (`ways` > 1).
+  at::Tensor column_parallel_backward(Ctx& c, const char* op, Unit& linear, Unit& norm,
+                                      const at::Tensor& d, const std::set<std::string>& rc,
+                                      int ways) {
+    const bool sp = split_.seq > 1;
+    if (sp && !rc.count(op)) regather(c, norm.out.detach(), linear, op);
+    const bool linear_defers = defers_weights(linear);
+    at::Tensor dx = bwd(*c.stats, op, linear, d)[0];
+    release_output(norm, linear_defers);
+    if (sp) return scatter_seq(c, dx, op);
+    if (ways > 1) c.tp_all_reduce(dx, op);
+    return dx;
+  }
+
   at::Tensor layer_backward(Ctx& c, int l, LayerTape& t, const at::Tensor& dy) {
     Stats& st = *c.stats;
     const std::set<std::string>& rc = recompute_[l];
@@ -2092,15 +2110,7 @@ class Model {
       if (spec_.mlp != MlpKind::kRelu) release(t.act, fc2_defers);
       d = bwd(st, "mlp.act", t.act, d)[0];
       release(t.fc1, false);
-      if (sp && !rc.count("mlp.fc1")) regather(c, t.n2.out.detach(), t.fc1, "mlp.fc1");
-      const bool fc1_defers = defers(t.fc1);
-      d = bwd(st, "mlp.fc1", t.fc1, d)[0];
-      release(t.n2, fc1_defers);
-      if (sp) {
-        d = scatter_seq(c, d, "mlp.fc1");
-      } else if (split_.ffn > 1) {
-        c.tp_all_reduce(d, "mlp.fc1");
-      }
+      d = column_parallel_backward(c, "mlp.fc1", t.fc1, t.n2, d, rc, split_.ffn);
     }
     at::Tensor dx1 = bwd(st, "mlp.norm", t.n2, d)[0] + g[1];
     g = bwd(st, "attn.residual", t.res1, dx1);
@@ -2121,15 +2131,7 @@ class Model {
       d = bwd(st, "attn.core", t.core, d)[0];
       release(t.qkv, false);
     }
-    if (sp && !rc.count("attn.qkv")) regather(c, t.n1.out.detach(), t.qkv, "attn.qkv");
-    const bool qkv_defers = defers(t.qkv);
-    d = bwd(st, "attn.qkv", t.qkv, d)[0];
-    release(t.n1, qkv_defers);
-    if (sp) {
-      d = scatter_seq(c, d, "attn.qkv");
-    } else if (split_.heads > 1) {
-      c.tp_all_reduce(d, "attn.qkv");
-    }
+    d = column_parallel_backward(c, "attn.qkv", t.qkv, t.n1, d, rc, split_.heads);
     t.x = at::Tensor();
     return bwd(st, "attn.norm", t.n1, d)[0] + g[1];
   }

@@ -347,6 +347,14 @@ void PrintTo(const Case& c, std::ostream* os) {
   *os << c.name;
 }
 
+// plan.json with `from` (a regular expression, which must match) replaced by `to`.
+void edit_plan(const TempDir& dir, const std::string& from, const std::string& to) {
+  const std::string text = slurp(dir.file("plan.json"));
+  const std::string edited = std::regex_replace(text, std::regex(from), to);
+  ASSERT_NE(edited, text) << from;
+  std::ofstream(dir.file("plan.json")) << edited;
+}
+
 // A mixture of experts (tiny-moe) in fp32 under `schedule`, tp 1, with `nnsim plan` options.
 Case moe_case(const char* name, int pp, int dp, const char* schedule, int global_batch,
               std::vector<std::string> flags) {
@@ -386,11 +394,8 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
                           c.precision, c.cp);
   ASSERT_EQ(p.status, 0) << p;
   if (c.unranged_recompute) {
-    const std::string text = slurp(dir.file("plan.json"));
-    const std::string edited = std::regex_replace(
-        text, std::regex(R"((\{"match": "[^"]*"), "layers": \[\d+, \d+\]\})"), "$1}");
-    ASSERT_NE(edited, text) << text;
-    std::ofstream(dir.file("plan.json")) << edited;
+    ASSERT_NO_FATAL_FAILURE(
+        edit_plan(dir, R"((\{"match": "[^"]*"), "layers": \[\d+, \d+\]\})", "$1}"));
   }
   if (c.hand_recycle > 1) {
     const std::string edited = with_passes(slurp(dir.file("plan.json")), c.hand_recycle);
@@ -966,11 +971,8 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
       make_plan(dir, 2, 2, 1, "tessel", 4, {"--shard-embedding", "--sequence-parallel"}, kLlama)
           .status,
       0);
-  const std::string text = slurp(dir.file("plan.json"));
-  const std::string edited = std::regex_replace(text, std::regex(R"("pp_scatter_gather": true)"),
-                                                R"("pp_scatter_gather": false)");
-  ASSERT_NE(edited, text);
-  std::ofstream(dir.file("plan.json")) << edited;
+  ASSERT_NO_FATAL_FAILURE(
+      edit_plan(dir, R"("pp_scatter_gather": true)", R"("pp_scatter_gather": false)"));
   refused(
       {"cannot run this plan: communication.pp_scatter_gather: false with sequence "
        "parallelism, rope positions and the embedding's segment 'embedding' spanning the "
@@ -979,13 +981,8 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
   // Expert parallelism runs beside data and pipeline parallelism only, with ZeRO-3 in whole
   // units (a hand-made plan asking DeepSpeed's per-tensor units, which nnsim plan refuses).
   ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2", "--zero", "3"}, kMoe).status, 0);
-  {
-    const std::string text = slurp(dir.file("plan.json"));
-    const std::string edited = std::regex_replace(text, std::regex(R"("zero3_per_tensor": false)"),
-                                                  R"("zero3_per_tensor": true)");
-    ASSERT_NE(edited, text);
-    std::ofstream(dir.file("plan.json")) << edited;
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      edit_plan(dir, R"("zero3_per_tensor": false)", R"("zero3_per_tensor": true)"));
   refused(
       {"cannot run this plan: communication.zero3_per_tensor: DeepSpeed's tensor-by-tensor "
        "ZeRO-3 with expert parallelism is not supported"});
@@ -1065,6 +1062,57 @@ TEST(NnexecRunRefuses, AHeadWeightGradientAfterTheTiedMatrixIsReduced) {
   EXPECT_TRUE(contains(s.error().message(), "(ZeRO 2)")) << s.error().message();
   p.optimizer.zero = 0;
   EXPECT_TRUE(check_runnable(p).ok()) << check_runnable(p).error().message();
+}
+
+// Expert-parallel plans nnsim plan does not write, edited by hand: each refusal names its field.
+TEST(NnexecRunRefuses, ExpertParallelPlansItCannotRunNameTheField) {
+  Expected<Plan> base = [] {
+    TempDir dir;
+    EXPECT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2"}, kMoe).status, 0);
+    return load_plan(dir.file("plan.json"));
+  }();
+  ASSERT_TRUE(base.ok()) << base.error().message();
+  EXPECT_TRUE(check_runnable(*base).ok()) << check_runnable(*base).error().message();
+  auto expert_rule = [](Plan& q, const char* op) -> DimSplit& {
+    for (PartitionRule& r : q.partition) {
+      if (r.match != op) continue;
+      for (DimSplit& sp : r.splits) {
+        if (sp.dim == Dim::kExpert) return sp;
+      }
+    }
+    ADD_FAILURE() << "no expert split of " << op;
+    return q.partition.front().splits.front();
+  };
+  const std::vector<std::pair<std::function<void(Plan&)>, const char*>> refused = {
+      {[](Plan& q) { q.model.experts = 3; },
+       "model.experts: 3 experts cannot be split evenly over the 2 expert-parallel ranks"},
+      {[](Plan& q) { q.micro_batch = 3; },
+       "training.micro_batch: 3 sequences a micro-batch cannot be split over the 2 "
+       "expert-parallel ranks"},
+      {[&](Plan& q) { expert_rule(q, "moe.fc2").axes = {}; },
+       "partition: 'moe.fc2' splits the experts over  but moe.fc1 over ep"},
+      {[](Plan& q) {
+         q.model.experts = 0;
+         q.model.experts_per_token = 0;
+         q.model.shared_expert_ffn_hidden = 0;
+         q.model.first_dense_layers = 0;
+       },
+       "partition: the experts are split over ep but the model has no mixture of experts"},
+      {[](Plan& q) {
+         for (PartitionRule& r : q.partition) {
+           if (r.match == "*") r.splits.front().axes = {};
+         }
+       },
+       "partition: operator 'embed.word' splits its batch over  but the experts are split "
+       "over ep"},
+  };
+  for (const auto& [change, message] : refused) {
+    Plan p = *base;
+    change(p);
+    const Status s = check_runnable(p);
+    ASSERT_FALSE(s.ok()) << message;
+    EXPECT_TRUE(contains(s.error().message(), message)) << s.error().message();
+  }
 }
 
 TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
