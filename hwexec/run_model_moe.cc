@@ -1,0 +1,232 @@
+// A mixture-of-experts block's MLP in a model part (run_model.h): the shared expert, the
+// router, the routed copies (over the expert-parallel ranks by all-to-all), the grouped expert
+// GEMMs and the combine, forward and backward.
+#include "hwexec/run_model.h"
+
+namespace nnsim::hwexec {
+
+void Model::add_moe_params(const std::string& p, LayerParams& L) {
+  const int64_t h = spec_.hidden, e = spec_.experts, f = spec_.expert_ffn_hidden,
+                fs = spec_.shared_expert_ffn_hidden, branches = spec_.gated_mlp() ? 2 : 1;
+  auto whole = [](const at::Tensor& x) { return x; };
+  L.moe = true;
+  if (fs > 0) {
+    L.sfc1_w = add(p + "moe.shared.fc1.weight", {h, branches * fs}, 0.05, 0, whole);
+    if (spec_.bias) L.sfc1_b = add(p + "moe.shared.fc1.bias", {branches * fs}, 0.05, 0, whole);
+    L.sfc2_w = add(p + "moe.shared.fc2.weight", {fs, h}, 0.05, 0, whole);
+    if (spec_.bias) L.sfc2_b = add(p + "moe.shared.fc2.bias", {h}, 0.05, 0, whole);
+  }
+  L.router_w = add(p + "moe.router.weight", {h, e}, 0.05, 0, whole);
+  // Expert parallelism: this rank's run of experts / ep routed experts.
+  const int64_t el = e / split_.ep, first = split_.ep_index * el;
+  auto mine = [el, first](const at::Tensor& x) { return x.narrow(0, first, el); };
+  L.efc1_w = add(p + "moe.fc1.weight", {e, h, branches * f}, 0.05, 0, mine);
+  if (spec_.bias) L.efc1_b = add(p + "moe.fc1.bias", {e, branches * f}, 0.05, 0, mine);
+  L.efc2_w = add(p + "moe.fc2.weight", {e, f, h}, 0.05, 0, mine);
+  if (spec_.bias) L.efc2_b = add(p + "moe.fc2.bias", {e, h}, 0.05, 0, mine);
+  for (Param* q : {L.efc1_w, L.efc1_b, L.efc2_w, L.efc2_b}) {
+    if (q) q->routed_expert = true;
+  }
+}
+
+at::Tensor Model::expert_linear(const at::Tensor& x, const Param* w, const Param* b,
+                                const std::vector<int64_t>& counts) const {
+  return grouped_linear(x, W(w), b ? c10::optional<at::Tensor>(W(b)) : c10::nullopt, counts,
+                        cpu_fp16(), fp8_);
+}
+
+void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool again,
+                        const std::set<std::string>& rc, const std::set<std::string>& stopped) {
+  auto runs = [&](const char* op) { return !again || rc.count(op) > 0; };
+  const char* phase = again ? "recompute" : "fwd";
+  const int64_t k = spec_.experts_per_token, e = spec_.experts;
+  const at::Tensor xn = t.n2.out;
+  const int64_t b = xn.size(0), s = xn.size(1), h = xn.size(2), tokens = b * s;
+  // The shared expert's linear layers: fp8 GEMMs in an fp8 plan, as the blocks' others.
+  auto linear = [&](const at::Tensor& x, const Param* w, const Param* bias) {
+    at::Tensor y = block_linear(x, W(w));
+    return bias ? y + W(bias) : y;
+  };
+  auto act = [&](const at::Tensor& x) {
+    return cpu_fp16() ? activation(x.to(at::kFloat)).to(at::kHalf) : activation(x);
+  };
+  if (L.sfc1_w && runs("moe.shared.fc1")) {
+    t.sfc1 = fwd(st, "moe.shared.fc1", phase, {leaf(xn)}, [&](const std::vector<at::Tensor>& in) {
+      return linear(in[0], L.sfc1_w, L.sfc1_b);
+    });
+    t.sfc1.weights = weights_of({L.sfc1_w, L.sfc1_b});
+  }
+  if (L.sfc1_w && runs("moe.shared.act")) {
+    t.sact = fwd(st, "moe.shared.act", phase, {leaf(t.sfc1.out)},
+                 [&](const std::vector<at::Tensor>& in) { return act(in[0]); });
+  }
+  if (L.sfc1_w && runs("moe.shared.fc2")) {
+    t.sfc2 =
+        fwd(st, "moe.shared.fc2", phase, {leaf(t.sact.out)},
+            [&](const std::vector<at::Tensor>& in) { return linear(in[0], L.sfc2_w, L.sfc2_b); });
+    t.sfc2.weights = weights_of({L.sfc2_w, L.sfc2_b});
+  }
+  if (runs("moe.router")) {
+    // In fp32 from the fp32 weights (Megatron-Core's --moe-router-dtype fp32, DeepSeek-V3's
+    // gating): 16-bit scores would tie and flip top-k choices on rounding alone.
+    t.router = fwd(st, "moe.router", phase, {leaf(xn)}, [&](const std::vector<at::Tensor>& in) {
+      return at::matmul(in[0].to(at::kFloat), L.router_w->w);
+    });
+    t.router.weights = weights_of({L.router_w});
+  }
+  if (runs("moe.dispatch")) {
+    t.dispatch = fwd(st, "moe.dispatch", phase, {leaf(xn)}, [&](const std::vector<at::Tensor>& in) {
+      t.routing = route_tokens(t.router.out.detach().reshape({tokens, e}), k, spec_.router_groups,
+                               spec_.router_group_topk);
+      return dispatch_tokens(in[0].reshape({tokens, h}), t.routing);
+    });
+  }
+  // Expert parallelism: the copies go to their experts' ranks (with the dispatch, recomputed
+  // with it), and the dispatch's output is not read again (its backward reads the indices).
+  const bool ep = split_.ep > 1;
+  if (ep && runs("moe.dispatch")) {
+    plan_exchange(*ctx_, t);
+    // Labelled as the program's: the conversion into moe.fc1's input layout.
+    t.exchanged = to_experts(*ctx_, t, t.dispatch.out.detach(), "moe.fc1");
+    resize_storage(t.dispatch.out, 0);
+  }
+  const std::vector<int64_t>& counts = ep ? t.exchange.local_counts : t.routing.counts;
+  if (runs("moe.fc1")) {
+    t.efc1 = fwd(st, "moe.fc1", phase, {leaf(ep ? t.exchanged : t.dispatch.out)},
+                 [&](const std::vector<at::Tensor>& in) {
+                   return expert_linear(in[0], L.efc1_w, L.efc1_b, counts);
+                 });
+    t.efc1.weights = weights_of({L.efc1_w, L.efc1_b});
+  }
+  if (runs("moe.act")) {
+    t.eact = fwd(st, "moe.act", phase, {leaf(t.efc1.out)},
+                 [&](const std::vector<at::Tensor>& in) { return act(in[0]); });
+  }
+  if (runs("moe.fc2")) {
+    t.efc2 = fwd(st, "moe.fc2", phase, {leaf(t.eact.out)}, [&](const std::vector<at::Tensor>& in) {
+      return expert_linear(in[0], L.efc2_w, L.efc2_b, counts);
+    });
+    t.efc2.weights = weights_of({L.efc2_w, L.efc2_b});
+    // ... and their outputs come back to this rank's copies, in its expert order.
+    if (ep) {
+      t.returned = from_experts(*ctx_, t, t.efc2.out.detach(), "moe.combine");
+      resize_storage(t.efc2.out, 0);
+    }
+  }
+  if (runs("moe.combine")) {
+    std::vector<at::Tensor> in = {leaf(ep ? t.returned : t.efc2.out), leaf(t.router.out)};
+    if (L.sfc1_w) in.push_back(leaf(t.sfc2.out));
+    t.combine =
+        fwd(st, "moe.combine", phase, std::move(in), [&](const std::vector<at::Tensor>& in) {
+          at::Tensor out = combine_tokens(in[0], in[1].reshape({tokens, e}), t.routing);
+          if (in.size() > 2) out = out + in[2].reshape({tokens, h});
+          return out.reshape({b, s, h});
+        });
+    // The shared expert's output is only added: the combine's backward does not read it (as
+    // a residual's summands). Not when the combine is recomputed, which reads it again.
+    if (L.sfc1_w && !rc.count("moe.combine")) resize_storage(t.sfc2.out, 0);
+  } else if (again && stopped.count("moe.combine")) {
+    // An early stop ends at the combine, which saved the experts' outputs and the scores.
+    // (With expert parallelism, as they came back: the recomputed return exchange's.)
+    if (rc.count("moe.fc2")) refill(t.combine.in[0], split_.ep > 1 ? t.returned : t.efc2.out);
+    if (rc.count("moe.router")) refill(t.combine.in[1], t.router.out);
+  }
+}
+
+void Model::plan_exchange(RankContext& c, LayerTape& t) const {
+  const int64_t g = split_.ep, el = spec_.experts / g;
+  ExpertExchange& x = t.exchange;
+  x.send_rows.assign(static_cast<std::size_t>(g), 0);
+  for (int64_t e = 0; e < spec_.experts; ++e) {
+    x.send_rows[static_cast<std::size_t>(e / el)] += t.routing.counts[static_cast<std::size_t>(e)];
+  }
+  // got[i el + l]: member i's copies for this rank's expert l (its counts are in expert order,
+  // each member's experts a run of el).
+  const std::vector<int64_t> got = c.exchange_counts(t.routing.counts, el);
+  x.recv_rows.assign(static_cast<std::size_t>(g), 0);
+  x.local_counts.assign(static_cast<std::size_t>(el), 0);
+  std::vector<int64_t> first(static_cast<std::size_t>(g * el));  // row of (i, l) as received
+  int64_t row = 0;
+  for (int64_t i = 0; i < g; ++i) {
+    for (int64_t l = 0; l < el; ++l) {
+      const auto il = static_cast<std::size_t>(i * el + l);
+      first[il] = row;
+      row += got[il];
+      x.recv_rows[static_cast<std::size_t>(i)] += got[il];
+      x.local_counts[static_cast<std::size_t>(l)] += got[il];
+    }
+  }
+  std::vector<int64_t> order;
+  order.reserve(static_cast<std::size_t>(row));
+  for (int64_t l = 0; l < el; ++l) {
+    for (int64_t i = 0; i < g; ++i) {
+      const auto il = static_cast<std::size_t>(i * el + l);
+      for (int64_t r = 0; r < got[il]; ++r) order.push_back(first[il] + r);
+    }
+  }
+  x.to_expert_major = at::tensor(order, at::kLong).to(device_);
+  x.to_source_major = at::argsort(x.to_expert_major);
+}
+
+at::Tensor Model::to_experts(RankContext& c, const LayerTape& t, const at::Tensor& rows,
+                             const std::string& label) const {
+  const ExpertExchange& x = t.exchange;
+  const double bytes = static_cast<double>(t.routing.order.numel()) * rows.size(1) *
+                       static_cast<double>(rows.element_size());
+  return c.all_to_all(rows, x.send_rows, x.recv_rows, label, bytes)
+      .index_select(0, x.to_expert_major);
+}
+
+at::Tensor Model::from_experts(RankContext& c, const LayerTape& t, const at::Tensor& rows,
+                               const std::string& label) const {
+  const ExpertExchange& x = t.exchange;
+  const double bytes = static_cast<double>(t.routing.order.numel()) * rows.size(1) *
+                       static_cast<double>(rows.element_size());
+  return c.all_to_all(rows.index_select(0, x.to_source_major), x.recv_rows, x.send_rows, label,
+                      bytes);
+}
+
+at::Tensor Model::moe_backward(RunStats& st, const LayerParams& L, LayerTape& t,
+                               const at::Tensor& dy) {
+  const bool relu = spec_.mlp == MlpKind::kRelu;  // its backward reads its output
+  const bool ep = split_.ep > 1;
+  std::vector<at::Tensor> g = bwd(st, "moe.combine", t.combine, dy);
+  release_output(t.efc2, false);
+  if (ep) resize_storage(t.returned, 0);
+  release_output(t.router, false);
+  release_output(t.sfc2, false);
+  // Expert parallelism: the copies' gradients go to their experts' ranks, and the experts'
+  // input gradients come back (the forward's exchanges reversed).
+  if (ep) g[0] = to_experts(*ctx_, t, g[0], "moe.combine");
+  const bool fc2_defers = defers_weights(t.efc2);
+  at::Tensor d = bwd(st, "moe.fc2", t.efc2, g[0])[0];
+  if (!relu) release_output(t.eact, fc2_defers);
+  d = bwd(st, "moe.act", t.eact, d)[0];
+  release_output(t.efc1, false);
+  const bool fc1_defers = defers_weights(t.efc1);
+  d = bwd(st, "moe.fc1", t.efc1, d)[0];
+  release_output(t.dispatch, fc1_defers);
+  if (ep) {
+    if (!fc1_defers) resize_storage(t.exchanged, 0);
+    d = from_experts(*ctx_, t, d, "moe.fc1");
+  }
+  at::Tensor dx = bwd(st, "moe.dispatch", t.dispatch, d)[0];
+  bool n2_read_later = defers_weights(t.router);
+  dx = dx + bwd(st, "moe.router", t.router, g[1])[0];
+  if (L.sfc1_w) {
+    const bool shared_fc2_defers = defers_weights(t.sfc2);
+    d = bwd(st, "moe.shared.fc2", t.sfc2, g[2])[0];
+    if (!relu) release_output(t.sact, shared_fc2_defers);
+    d = bwd(st, "moe.shared.act", t.sact, d)[0];
+    release_output(t.sfc1, false);
+    n2_read_later = n2_read_later || defers_weights(t.sfc1);
+    dx = dx + bwd(st, "moe.shared.fc1", t.sfc1, d)[0];
+  }
+  release_output(t.n2, n2_read_later);
+  t.routing = MoeRouting{};
+  t.exchange = ExpertExchange{};
+  t.exchanged = t.returned = at::Tensor();
+  return dx;
+}
+
+}  // namespace nnsim::hwexec
