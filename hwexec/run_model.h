@@ -40,6 +40,7 @@
 #include "core/plan.h"
 #include "hwexec/run_context.h"
 #include "hwexec/run_context_parallel.h"
+#include "hwexec/run_layout.h"
 #include "hwexec/run_model_masks.h"
 #include "hwexec/run_moe.h"
 #include "hwexec/run_split_backward.h"
@@ -58,26 +59,6 @@ struct Param {
   // A routed expert's (moe.fc1, moe.fc2): with expert parallelism its gradient sums over dp
   // only, each ep rank holding other experts.
   bool routed_expert = false;
-};
-
-// Tensor-parallel degrees of the three operator groups (1 = replicated on every tp rank).
-struct Split {
-  int heads = 1, ffn = 1, embed_vocab = 1, head_vocab = 1;
-  // Sequence parallelism: `seq` ranks (the tensor-parallel group) each hold a slice of the
-  // sequence between the column- and row-parallel linears (Megatron-LM's).
-  int seq = 1;
-  // The column-parallel linears keep their gathered input for the backward instead of dropping
-  // it and gathering it again (communication.save_gathered_inputs: PyTorch's DTensor).
-  bool save_gathered = false;
-  // Context parallelism: `cp` ranks each hold the tokens at cp_positions(seq_len, cp, cp_index)
-  // of every sequence, through every operator.
-  int cp = 1, cp_index = 0;
-  // Expert parallelism: `ep` ranks each hold experts / ep of the routed experts (the
-  // ep_index-th run of them) and micro_batch / ep of each micro-batch's sequences.
-  int ep = 1, ep_index = 0;
-  // The rank's vocabulary shard of embed.word and head.proj when they are split along the
-  // pipeline axes too (run_spanning.h); -1: its place in the tensor-parallel group.
-  int embed_vocab_index = -1, head_vocab_index = -1;
 };
 
 // Frees or reallocates a tensor's storage in place (FSDP's trick): autograd's saved references

@@ -44,6 +44,7 @@
 #include "hwexec/run_attention_products.h"
 #include "hwexec/run_context.h"
 #include "hwexec/run_context_parallel.h"
+#include "hwexec/run_layout.h"
 #include "hwexec/run_model.h"
 #include "hwexec/run_model_masks.h"
 #include "hwexec/run_moe.h"
@@ -76,136 +77,6 @@ std::string operator_of(const std::string& param) {
   std::string name = param;
   if (name.rfind("layers.", 0) == 0) name = name.substr(name.find('.', 7) + 1);
   return name.substr(0, name.rfind('.'));
-}
-
-// The plan as this rank sees it.
-struct Layout {
-  Split split;
-  std::vector<std::string> tp_axes, pp_axes, cp_axes, ep_axes;
-  // The segments this rank's order runs (several: an interleaved pipeline), in the order they
-  // first appear, and each one's neighbours in pipeline order (-1: none).
-  std::vector<int> segments;
-  std::map<int, std::pair<int, int>> neighbours;
-  const DeviceOrder* order = nullptr;
-};
-
-bool in_slice(const Mesh& mesh, const MeshSlice& slice, const std::vector<int>& coords) {
-  for (const auto& [axis, c] : slice) {
-    const int i = mesh.axis_index(axis);
-    if (i < 0 || coords[i] != c) return false;
-  }
-  return true;
-}
-
-int peer_in(const Mesh& mesh, int rank, const Segment& seg) {
-  std::vector<int> c = mesh.coordinates(rank);
-  for (const auto& [axis, v] : seg.devices) c[mesh.axis_index(axis)] = v;
-  return mesh.rank_of(c);
-}
-
-// The data-parallel axis and `more` (those also splitting the batch or the sequence), in the
-// mesh's order: the axes a gradient sums over.
-std::vector<std::string> data_parallel_with(const Mesh& mesh,
-                                            const std::vector<std::string>& more) {
-  std::vector<std::string> axes;
-  for (const MeshAxis& a : mesh.axes) {
-    if (a.name == kDataParallelAxis || std::find(more.begin(), more.end(), a.name) != more.end()) {
-      axes.push_back(a.name);
-    }
-  }
-  return axes;
-}
-
-// Operator `op`'s split along `dim` (the last matching rule's): its axes, how many ways and
-// this rank's place along them.
-void split_along(const Plan& plan, int rank, const char* op, Dim dim,
-                 std::vector<std::string>& axes, int& ways, int& index) {
-  for (const PartitionRule& r : plan.partition) {
-    if (!match_pattern(r.match, op)) continue;
-    for (const DimSplit& sp : r.splits) {
-      if (sp.dim == dim) axes = sp.axes;
-    }
-  }
-  for (const std::string& a : axes) ways *= plan.mesh.axis_size(a);
-  if (ways > 1) {
-    const std::vector<int> g = plan.mesh.ranks_along(rank, axes);
-    index = static_cast<int>(std::find(g.begin(), g.end(), rank) - g.begin());
-  }
-}
-
-Layout layout_of(const Plan& plan, int rank) {
-  Layout L;
-  const std::vector<int> coords = plan.mesh.coordinates(rank);
-  std::set<std::string> pp;
-  for (const DeviceOrder& o : plan.schedule) {
-    for (const auto& [a, c] : o.devices) pp.insert(a);
-    if (in_slice(plan.mesh, o.devices, coords)) L.order = &o;
-  }
-  L.pp_axes.assign(pp.begin(), pp.end());
-  // Context parallelism: attn.core's sequence split (check_runnable: every operator's alike).
-  split_along(plan, rank, "attn.core", Dim::kSeq, L.cp_axes, L.split.cp, L.split.cp_index);
-  // Expert parallelism: the routed experts' split (check_runnable: the batch of the rest alike).
-  split_along(plan, rank, "moe.fc1", Dim::kExpert, L.ep_axes, L.split.ep, L.split.ep_index);
-  auto degree = [&](const char* op) {
-    std::vector<std::string> axes;
-    for (const PartitionRule& r : plan.partition) {
-      if (!match_pattern(r.match, op)) continue;
-      for (const DimSplit& s : r.splits) {
-        // The tensor-parallel dimension (not the sequence's, nor expert parallelism's batch).
-        if (s.dim != Dim::kSeq && s.dim != Dim::kBatch) axes = s.axes;
-      }
-    }
-    int n = 1;
-    std::vector<std::string> tensor;  // the pipeline axes (a spanning segment's) left out
-    for (const std::string& a : axes) {
-      n *= plan.mesh.axis_size(a);
-      if (!pp.count(a)) tensor.push_back(a);
-    }
-    if (!tensor.empty()) L.tp_axes = tensor;
-    return n;
-  };
-  L.split.heads = degree("attn.qkv");
-  L.split.ffn = degree("mlp.fc1");
-  L.split.embed_vocab = degree("embed.word");
-  L.split.head_vocab = degree("head.proj");
-  for (const PartitionRule& r : plan.partition) {
-    if (!match_pattern(r.match, "attn.norm")) continue;
-    for (const DimSplit& sp : r.splits) {
-      if (sp.dim != Dim::kSeq || sp.axes == L.cp_axes) continue;
-      // Sequence parallelism (with context parallelism: the axes after cp's, over which each cp
-      // rank's tokens are cut).
-      L.split.seq = 1;
-      for (const std::string& a : sp.axes) {
-        const bool cp = std::find(L.cp_axes.begin(), L.cp_axes.end(), a) != L.cp_axes.end();
-        if (!cp) L.split.seq *= plan.mesh.axis_size(a);
-      }
-    }
-  }
-  L.split.save_gathered = plan.comm.save_gathered_inputs;
-  if (L.order == nullptr || L.order->blocks.empty()) return L;
-  for (const Block& b : L.order->blocks) {
-    if (std::find(L.segments.begin(), L.segments.end(), b.segment) == L.segments.end()) {
-      L.segments.push_back(b.segment);
-    }
-  }
-  // Pipeline order: embedding first, then by first layer, head last.
-  std::vector<int> seq(plan.segments.size());
-  for (std::size_t i = 0; i < seq.size(); ++i) seq[i] = static_cast<int>(i);
-  auto key = [&](int i) {
-    const Segment& s = plan.segments[i];
-    return std::make_tuple(s.embedding ? 0 : 1, s.head ? 1 : 0, s.first_layer);
-  };
-  std::sort(seq.begin(), seq.end(), [&](int a, int b) { return key(a) < key(b); });
-  for (std::size_t i = 0; i < seq.size(); ++i) {
-    L.neighbours[seq[i]] = {i > 0 ? seq[i - 1] : -1, i + 1 < seq.size() ? seq[i + 1] : -1};
-  }
-  return L;
-}
-
-std::string join(const std::vector<std::string>& v) {
-  std::string s;
-  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? "+" : "") + v[i];
-  return s.empty() ? "none" : s;
 }
 
 // The batch of iteration `it`: tokens [B, s + 1], the same on every rank (drawn on the CPU).
@@ -295,7 +166,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
 #else
   MemoryProbe memory(-1);
 #endif
-  Layout L = layout_of(plan, rank);
+  RankLayout L = layout_of(plan, rank);
   if (L.order == nullptr) return Error(fmt::format("no schedule order holds rank {}", rank));
   const int tp_size = [&] {
     int n = 1;
@@ -316,8 +187,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // fp16's smallest values; the fp32 gradients are unscaled before the optimizer (and --check).
   const double fp16_scale = dtype == at::kHalf ? kFp16LossScale : 1.0;
   ctx.options = at::TensorOptions().dtype(dtype).device(device);
-  ctx.tp_axes = join(L.tp_axes);
-  ctx.pp_axes = join(L.pp_axes);
+  ctx.tp_axes = axes_name(L.tp_axes);
+  ctx.pp_axes = axes_name(L.pp_axes);
   ctx.tp_group = L.tp_axes.empty() ? std::vector<int>{rank} : mesh.ranks_along(rank, L.tp_axes);
   ctx.dp_group = mesh.ranks_along(rank, {kDataParallelAxis});
   ctx.tp_index = static_cast<int>(std::find(ctx.tp_group.begin(), ctx.tp_group.end(), rank) -
@@ -332,22 +203,22 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   std::string expert_grad_axes = ctx.dp_axes;
   if (L.split.ep > 1) {
     ctx.ep_group = mesh.ranks_along(rank, L.ep_axes);
-    ctx.ep_axes = join(L.ep_axes);
+    ctx.ep_axes = axes_name(L.ep_axes);
     const std::vector<std::string> grad_axes = data_parallel_with(mesh, L.ep_axes);
     ctx.dp_group = mesh.ranks_along(rank, grad_axes);
-    ctx.dp_axes = join(grad_axes);
+    ctx.dp_axes = axes_name(grad_axes);
   }
   if (L.split.cp > 1) {
     // Context parallelism: the cp ring, and the gradients summed over dp and cp (the program's
     // gradient buckets when every weighted operator is split along the sequence).
     ctx.cp_group = mesh.ranks_along(rank, L.cp_axes);
-    ctx.cp_axes = join(L.cp_axes);
+    ctx.cp_axes = axes_name(L.cp_axes);
     const int n = static_cast<int>(ctx.cp_group.size()), i = L.split.cp_index;
     ctx.cp_next = ctx.cp_group[(i + 1) % n];
     ctx.cp_prev = ctx.cp_group[(i + n - 1) % n];
     const std::vector<std::string> grad_axes = data_parallel_with(mesh, L.cp_axes);
     ctx.dp_group = mesh.ranks_along(rank, grad_axes);
-    ctx.dp_axes = join(grad_axes);
+    ctx.dp_axes = axes_name(grad_axes);
   }
   (void)tp_size;
   const std::vector<int> coords = mesh.coordinates(rank);

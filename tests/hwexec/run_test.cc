@@ -29,6 +29,7 @@
 #include "hwexec/bench.h"
 #include "hwexec/comm.h"
 #include "hwexec/run.h"
+#include "hwexec/run_layout.h"
 #include "hwexec/run_model_ops.h"
 #include "hwexec/run_spanning.h"
 #include "process.h"
@@ -1249,6 +1250,59 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   ASSERT_TRUE(one.ok()) << one.error().message();
   one->model.kv_heads = 1;
   EXPECT_TRUE(check_runnable(*one).ok()) << check_runnable(*one).error().message();
+}
+
+// The plan as each rank sees it: its operators' splits and axes, its segments and their
+// neighbours in pipeline order, and the peers a transfer goes to.
+TEST(NnexecRunLayout, SplitsSegmentsAndNeighboursAsThePlanPlacesThem) {
+  Expected<Plan> plan = [] {
+    TempDir dir;
+    EXPECT_EQ(make_plan(dir, 2, 2, 1, "1f1b", 4, {"--sequence-parallel"}).status, 0);
+    return load_plan(dir.file("plan.json"));
+  }();
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  // Mesh dp1 pp2 cp1 tp2: rank = 2 pp + tp.
+  const RankLayout L = layout_of(*plan, 3);
+  EXPECT_EQ(L.split.heads, 2);
+  EXPECT_EQ(L.split.ffn, 2);
+  EXPECT_EQ(L.split.seq, 2);
+  EXPECT_EQ(L.split.embed_vocab, 2);
+  EXPECT_EQ(L.split.head_vocab, 2);
+  EXPECT_EQ(L.split.cp, 1);
+  EXPECT_EQ(L.split.ep, 1);
+  EXPECT_EQ(L.tp_axes, std::vector<std::string>{"tp"});
+  EXPECT_EQ(L.pp_axes, std::vector<std::string>{"pp"});
+  ASSERT_NE(L.order, nullptr);
+  ASSERT_EQ(L.segments.size(), 1u);
+  const int sg = L.segments[0];
+  EXPECT_TRUE(plan->segments[sg].head);
+  const auto [prev, next] = L.neighbours.at(sg);
+  EXPECT_EQ(next, -1);
+  ASSERT_GE(prev, 0);
+  EXPECT_TRUE(plan->segments[prev].embedding);
+  // The first stage's rank beside rank 3: the same tensor-parallel place on pp 0.
+  EXPECT_EQ(peer_in(plan->mesh, 3, plan->segments[prev]), 1);
+  EXPECT_EQ(layout_of(*plan, 0).neighbours.at(prev).second, sg);
+
+  // Expert parallelism: the routed experts split over ep, the batch of the rest too; gradients
+  // of the rest sum over dp and ep.
+  Expected<Plan> moe = [] {
+    TempDir dir;
+    EXPECT_EQ(make_plan(dir, 1, 1, 4, "1f1b", 8, {"--ep", "2"}, kMoe).status, 0);
+    return load_plan(dir.file("plan.json"));
+  }();
+  ASSERT_TRUE(moe.ok()) << moe.error().message();
+  const RankLayout E = layout_of(*moe, 1);
+  EXPECT_EQ(E.split.ep, 2);
+  EXPECT_EQ(E.split.ep_index, 1);
+  EXPECT_EQ(E.split.heads, 1);
+  ASSERT_EQ(E.ep_axes.size(), 1u);
+  const std::vector<std::string> grads = data_parallel_with(moe->mesh, E.ep_axes);
+  EXPECT_EQ(grads.size(), 2u);
+  EXPECT_NE(std::find(grads.begin(), grads.end(), kDataParallelAxis), grads.end());
+  EXPECT_NE(std::find(grads.begin(), grads.end(), E.ep_axes[0]), grads.end());
+  EXPECT_EQ(axes_name({"dp", "cp"}), "dp+cp");
+  EXPECT_EQ(axes_name({}), "none");
 }
 
 // Segments spanning the pipeline stages (--shard-head, --shard-embedding): what runs, where the
