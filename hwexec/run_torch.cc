@@ -54,6 +54,7 @@
 #include "hwexec/run_stats.h"
 #include "hwexec/run_zero3.h"
 #include "hwexec/run_zero_layout.h"
+#include "hwexec/run_zero_shards.h"
 
 #ifdef NNSIM_TORCH_HAS_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -71,14 +72,6 @@ double seconds_since(RunClock::time_point t0) {
   return std::chrono::duration<double>(RunClock::now() - t0).count();
 }
 
-// The operator a parameter belongs to: its name without the layer's prefix ("layers.3.") and
-// the tensor's own name ("weight", "bias"): "attn.qkv", "embed.word".
-std::string operator_of(const std::string& param) {
-  std::string name = param;
-  if (name.rfind("layers.", 0) == 0) name = name.substr(name.find('.', 7) + 1);
-  return name.substr(0, name.rfind('.'));
-}
-
 // The batch of iteration `it`: tokens [B, s + 1], the same on every rank (drawn on the CPU).
 at::Tensor batch(const Plan& plan, unsigned long long seed, int it, at::Device device) {
   at::manual_seed(seed * 7919 + 104729ull * (it + 1));
@@ -86,43 +79,6 @@ at::Tensor batch(const Plan& plan, unsigned long long seed, int it, at::Device d
       at::randint(plan.model.vocab, {plan.global_batch, plan.model.seq_len + 1}, at::kLong);
   return device.is_cpu() ? t : t.to(device);
 }
-
-at::Tensor grad_or_zeros(const Param& p) {
-  return p.w.grad().defined() ? p.w.grad() : at::zeros_like(p.w);
-}
-
-// ZeRO (optimizer.zero >= 1): a unit of parameters (ZeRO-1/2: all of the segment's, with expert
-// parallelism its routed experts' apart; ZeRO-3: the embedding's, each layer's, the head's)
-// laid out over its gradients' group (run_zero_layout.h); this rank owns one chunk (its place
-// in the group): the fp32 master values, Adam's moments and the reduce-scattered gradient sum.
-struct ZeroUnit {
-  std::vector<Param*> params;
-  // The group its gradients sum over and its chunks spread over (dp, with cp or ep; a routed
-  // expert's: dp alone), its axes' names and this rank's place in it.
-  std::vector<int> group;
-  std::string axes;
-  int pos = 0;
-  int members() const { return static_cast<int>(group.size()); }
-  ZeroLayout layout;
-  int tied_part = -1;  // the layout's part of a tied word matrix copy on two stages (ZeRO 2-3)
-  // ZeRO-3 (whole units) on a V-shaped placement: the embedding's unit whose tied_part, the word
-  // matrix `tied_word`, this head's unit gathers with its own values in one all-gather (the
-  // program's head unit gathers the tied matrix again, and reduces only its own).
-  const ZeroUnit* gathers_with = nullptr;
-  Param* tied_word = nullptr;
-  // ZeRO-3 tensor by tensor: a tensor under comm.zero3_persistence_threshold stays whole on
-  // every rank (never gathered nor released); its updated chunks are gathered after the step.
-  bool persistent = false;
-  at::Tensor master, m, v, grad;
-
-  // `get` of each parameter in the layout's order: dp x chunk elements.
-  template <class F>
-  at::Tensor flat(F get) const {
-    std::vector<at::Tensor> ts;
-    for (const Param* p : params) ts.push_back(get(*p));
-    return layout.flatten(ts);
-  }
-};
 
 Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   if (Status s = check_runnable(plan); !s) return s.error();
@@ -368,440 +324,14 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     for (Param& p : models[sg]->params()) params.push_back(&p);
   }
 
-  // ZeRO: every rank of the dp group starts from the same weights; each keeps its chunk.
-  const int zero = plan.optimizer.zero;
-  const int dpn = static_cast<int>(ctx.dp_group.size());
-  std::map<int, std::vector<ZeroUnit>> zunits_of;  // per segment
-  // ZeRO-3: parameter unit u of a segment is its ZeroUnits [first, end) (one, or one a tensor).
-  std::map<int, std::vector<std::pair<std::size_t, std::size_t>>> zranges_of;
-  // DeepSpeed's ZeRO-3: per segment holding a tied head on the embedding's ranks, the word
-  // matrix's ZeroUnit (the embedding's), which the head's hooks gather again.
-  std::map<int, const ZeroUnit*> ztied_of;
-  // A tied head in a segment of its own on this rank's embedding's ranks (V-shaped): one matrix.
-  bool word_shared = false;
-  for (const auto& [sg, model] : models) word_shared = word_shared || model->shares_word();
-  // A segment holding one of two copies of a tied word matrix (the embedding's, or the head's on
-  // another stage).
-  auto tied_copy = [&](int sg) {
-    const Segment& seg = plan.segments[sg];
-    return plan.model.tied_embeddings && seg.embedding != seg.head && !word_shared &&
-           models.at(sg)->word_matrix() != nullptr;
-  };
-  for (int sg : zero >= 1 ? L.segments : std::vector<int>{}) {
-    std::vector<std::vector<Param*>> groups;
-    if (zero == 3) {
-      // DeepSpeed (comm.zero3_per_tensor) gathers and reduces each tensor of a unit on its own.
-      for (std::vector<Param*>& g : models[sg]->units()) {
-        zranges_of[sg].emplace_back(groups.size(), 0);
-        if (plan.comm.zero3_per_tensor) {
-          for (Param* p : g) groups.push_back({p});
-        } else if (L.split.ep > 1) {
-          // Expert parallelism: a layer's routed experts gather and reduce over their own
-          // group, the rest of it over dp and ep (FSDP's unit per group, as the program's).
-          std::vector<Param*> dense, experts;
-          for (Param* p : g) (p->routed_expert ? experts : dense).push_back(p);
-          for (std::vector<Param*>* part : {&dense, &experts}) {
-            if (!part->empty()) groups.push_back(std::move(*part));
-          }
-        } else {
-          groups.push_back(std::move(g));
-        }
-        zranges_of[sg].back().second = groups.size();
-      }
-    } else {
-      groups.emplace_back();
-      std::vector<Param*> experts;  // expert parallelism: the routed experts' unit
-      for (Param& p : models[sg]->params()) {
-        (L.split.ep > 1 && p.routed_expert ? experts : groups.back()).push_back(&p);
-      }
-      if (!experts.empty()) groups.push_back(std::move(experts));
-    }
-    std::vector<ZeroUnit>& zunits = zunits_of[sg];
-    // ZeRO 2-3 sum a tied matrix's two copies chunk by chunk once their gradients are reduced
-    // (tied_sync): the matrix is chunked on its own, alike on both stages. Whole ZeRO-3 units
-    // on a V-shaped placement chunk it on its own too, for the head's unit to gather it.
-    const bool own_part =
-        (zero >= 2 && tied_copy(sg)) ||
-        (zero == 3 && !plan.comm.zero3_per_tensor && word_shared && models[sg]->has_embedding());
-    const Param* word = own_part ? models[sg]->word_matrix() : nullptr;
-    for (std::vector<Param*>& g : groups) {
-      ZeroUnit u;
-      u.params = std::move(g);
-      const bool routed = !u.params.empty() && u.params.front()->routed_expert && L.split.ep > 1;
-      u.group = routed ? expert_grad_group : ctx.dp_group;
-      u.axes = routed ? expert_grad_axes : ctx.dp_axes;
-      u.pos = static_cast<int>(std::find(u.group.begin(), u.group.end(), rank) - u.group.begin());
-      std::vector<int64_t> numels;
-      std::vector<std::size_t> ends;
-      for (std::size_t i = 0; i < u.params.size(); ++i) {
-        numels.push_back(u.params[i]->w.numel());
-        if (u.params[i] != word) continue;
-        if (i > (ends.empty() ? 0 : ends.back())) ends.push_back(i);
-        u.tied_part = static_cast<int>(ends.size());
-        ends.push_back(i + 1);
-      }
-      if (ends.empty() || ends.back() < u.params.size()) ends.push_back(u.params.size());
-      int64_t elements = 0;
-      for (int64_t n : numels) elements += n;
-      u.persistent = zero == 3 && plan.comm.zero3_per_tensor &&
-                     static_cast<double>(elements) < plan.comm.zero3_persistence_threshold;
-      u.layout = ZeroLayout(std::move(numels), std::move(ends), u.members());
-      const int64_t chunk = u.layout.chunk();
-      u.master = u.flat([](const Param& p) { return p.w.detach(); })
-                     .narrow(0, u.pos * chunk, chunk)
-                     .clone();
-      u.m = at::zeros_like(u.master);
-      u.v = at::zeros_like(u.master);
-      u.grad = at::zeros_like(u.master);
-      zunits.push_back(std::move(u));
-    }
-  }
-  std::vector<ZeroUnit*> zunits;  // all of them
-  for (auto& [sg, us] : zunits_of) {
-    for (ZeroUnit& u : us) zunits.push_back(&u);
-  }
-  // ZeRO-3: a tied head on the embedding's ranks gathers the embedding's matrix again for its
-  // forward and backward (DeepSpeed's hooks fetch it for each module using it; FSDP's head unit
-  // of another segment holds it too); reduced once, with the embedding's unit.
-  for (int sg : zero == 3 && plan.model.tied_embeddings ? L.segments : std::vector<int>{}) {
-    Model& model = *models.at(sg);
-    if (!model.has_head() || !(model.has_embedding() || model.shares_word())) continue;
-    Param* word = model.word_matrix();
-    const ZeroUnit* holder = nullptr;
-    for (const ZeroUnit* u : zunits) {
-      if (std::find(u->params.begin(), u->params.end(), word) != u->params.end()) holder = u;
-    }
-    if (plan.comm.zero3_per_tensor) {
-      ztied_of[sg] = holder;
-    } else if (model.shares_word()) {
-      ZeroUnit& head_unit = zunits_of.at(sg)[zranges_of.at(sg).back().first];
-      head_unit.gathers_with = holder;
-      head_unit.tied_word = word;
-    }
-  }
-  // The compiled program's labels: gradients reduced in the backward blocks (overlapped, and
-  // always for ZeRO-3) carry the segment's name.
-  auto grad_sync_label = [&](int sg) {
-    return zero == 3 || plan.comm.overlap_grad_reduce
-               ? fmt::format("grad sync {}", plan.segments[sg].name)
-               : std::string("grad sync");
-  };
-  // ZeRO-3 frees a unit's gathered weights once the unit has run (FSDP's reshard, DeepSpeed's
-  // release) and allocates them again for its next gather: a rank holds the unit in use and the
-  // one prefetched, as the simulator counts (docs/cost-model.md, "Memory"). Not when the plan
-  // keeps them gathered, nor with explicit recompute blocks, which run on the backward's gathers.
-  bool reshard = zero == 3 && !plan.optimizer.keep_gathered;
-  for (const Block& blk : L.order->blocks) {
-    reshard = reshard && blk.kind != BlockKind::kRecompute;
-  }
-  // The tensors a unit's gather writes: its parameters, and a V-shaped head's tied matrix.
-  auto gather_targets = [](const ZeroUnit& u) {
-    std::vector<Param*> targets = u.params;
-    if (u.gathers_with) targets.push_back(u.tied_word);
-    return targets;
-  };
-  // A parameter's gathered values: the weights, and their bf16 copy when it has its own storage.
-  // In a 16-bit plan the operators read the gathered copy in the compute dtype; the fp32
-  // weights of a resharded unit are gathered only where an operator reads them (fp32_reads).
-  std::set<const Param*> fp32_read;
-  for (const auto& [sg, model] : models) {
-    for (const Param* p : model->fp32_reads()) fp32_read.insert(p);
-  }
-  auto gathers_fp32 = [&](const Param& p) {
-    return !reshard || dtype == at::kFloat || fp32_read.count(&p) > 0;
-  };
-  auto gathered_storage = [&](const Param& p) {
-    std::vector<at::Tensor> ts;
-    if (gathers_fp32(p)) ts.push_back(p.w);
-    if (p.c.defined() && !p.c.is_alias_of(p.w)) ts.push_back(p.c);
-    return ts;
-  };
-  // FSDP's root unit: a tied head in the embedding's segment reads the embedding unit's matrix,
-  // which stays gathered (DeepSpeed's hooks gather it again instead).
-  std::set<const ZeroUnit*> pinned;
-  const bool root_unit = reshard && plan.model.tied_embeddings && !plan.comm.zero3_per_tensor;
-  for (int sg : root_unit ? L.segments : std::vector<int>{}) {
-    const Model& model = *models.at(sg);
-    if (!model.has_head() || !model.has_embedding()) continue;
-    for (const ZeroUnit& u : zunits_of.at(sg)) {
-      if (std::find(u.params.begin(), u.params.end(), model.word_matrix()) != u.params.end()) {
-        pinned.insert(&u);
-      }
-    }
-  }
-  auto release_unit = [&](const ZeroUnit& u) {
-    if (!reshard || pinned.count(&u) || u.persistent) return;
-    for (Param* p : gather_targets(u)) {
-      for (const at::Tensor& t : gathered_storage(*p)) resize_storage(t, 0);
-    }
-  };
-  // The master chunks all-gathered into the parameters the operators use.
-  // In bf16 plans the gather carries the bf16 weights the operators compute with (Megatron's
-  // distributed optimizer gathers the 16-bit model parameters; the program's bytes): the fp32
-  // master values stay in the chunks, and the operators' bf16 copies come out the same.
-  // ZeRO-3 in bf16 also writes the gathered values into the operators' bf16 copies, which keep
-  // their autograd link to the fp32 weights (no per-iteration cast: the cast is the chunk's).
-  auto gather_unit = [&](const ZeroUnit& u) {
-    if (u.persistent) return;
-    for (Param* p : gather_targets(u)) {
-      for (const at::Tensor& t : gathered_storage(*p)) {
-        if (t.storage().nbytes() == 0) resize_storage(t, t.numel() * t.element_size());
-      }
-    }
-    const ZeroUnit* with = u.gathers_with;
-    const int64_t own = u.layout.chunk();
-    const int64_t extra = with ? with->layout.part_chunk(with->tied_part) : 0;
-    const at::Tensor send =
-        with ? at::cat({u.master,
-                        with->master.narrow(0, with->layout.part_offset(with->tied_part), extra)})
-             : u.master;
-    const at::Tensor full = ctx.all_gather(dtype != at::kFloat ? send.to(dtype) : send, u.group,
-                                           u.axes, "param gather");
-    c10::NoGradGuard no_grad;
-    const at::Tensor rows = full.view({u.members(), own + extra});
-    std::vector<at::Tensor> values =
-        u.layout.unflatten(with ? rows.narrow(1, 0, own).reshape({-1}) : full);
-    const std::vector<Param*> targets = gather_targets(u);
-    if (with) {
-      // The matrix's part: every rank's chunk of it, in rank order, then its padding.
-      values.push_back(
-          rows.narrow(1, own, extra).reshape({-1}).narrow(0, 0, u.tied_word->w.numel()));
-    }
-    for (std::size_t i = 0; i < targets.size(); ++i) {
-      Param* p = targets[i];
-      const at::Tensor mine = values[i].view(p->w.sizes());
-      // Not a version bump: ZeRO-3's backward gather writes weights its saved graphs hold.
-      if (gathers_fp32(*p)) p->w.variable_data().copy_(mine);
-      if (zero == 3 && dtype != at::kFloat) p->c.variable_data().copy_(mine);
-    }
-  };
-  // ZeRO-3's persistent tensors after the step: every unit's updated chunk in one all-gather,
-  // written into its whole weights (and their compute-dtype copies).
-  auto gather_persistent = [&](const std::vector<const ZeroUnit*>& units) {
-    std::vector<at::Tensor> chunks;
-    int64_t row = 0;
-    for (const ZeroUnit* u : units) {
-      chunks.push_back(u->master);
-      row += u->layout.chunk();
-    }
-    const at::Tensor send = at::cat(chunks);
-    const at::Tensor full = ctx.all_gather(dtype != at::kFloat ? send.to(dtype) : send,
-                                           ctx.dp_group, ctx.dp_axes, "param gather");
-    c10::NoGradGuard no_grad;
-    const at::Tensor rows = full.view({dpn, row});
-    int64_t offset = 0;
-    for (const ZeroUnit* u : units) {
-      const int64_t chunk = u->layout.chunk();
-      const std::vector<at::Tensor> values =
-          u->layout.unflatten(rows.narrow(1, offset, chunk).reshape({-1}));
-      offset += chunk;
-      for (std::size_t i = 0; i < u->params.size(); ++i) {
-        Param* p = u->params[i];
-        const at::Tensor mine = values[i].view(p->w.sizes());
-        if (gathers_fp32(*p)) p->w.variable_data().copy_(mine);
-        if (dtype != at::kFloat) p->c.variable_data().copy_(mine);
-      }
-    }
-  };
-  // The unit's gradients so far reduce-scattered over dp into its chunk, then dropped.
-  // With split backwards, ZeRO-2's reduce after a BW may find no new gradient of a parameter
-  // whose gradient BI computes (a norm's, when no BI ran since the last reduce): zeros.
-  bool split_backward = false;
-  for (const Block& blk : L.order->blocks) {
-    split_backward = split_backward || blk.kind == BlockKind::kBackwardWeight;
-  }
   // The gradients' reduction carries what the program prices (comm.grad_reduce_bytes, else
   // optimizer.grad_bytes): bf16 at 2 bytes in a bf16 plan, else the fp32 gradients.
   const double reduce_bytes =
       plan.comm.grad_reduce_bytes > 0 ? plan.comm.grad_reduce_bytes : plan.optimizer.grad_bytes;
   const at::ScalarType reduce_dtype = dtype != at::kFloat && reduce_bytes == 2 ? dtype : at::kFloat;
-  auto reduce_unit = [&](ZeroUnit& u, const std::string& label) {
-    for (Param* p : u.params) {
-      if (!p->w.grad().defined() && !split_backward) {
-        throw RunFailure{fmt::format("no gradient reached {}", p->name)};
-      }
-    }
-    const at::Tensor mine =
-        ctx.reduce_scatter(u.flat([](const Param& p) { return grad_or_zeros(p); }).to(reduce_dtype),
-                           u.group, u.axes, label);
-    c10::NoGradGuard no_grad;
-    u.grad.add_(mine);
-    for (Param* p : u.params) p->w.mutable_grad() = at::Tensor();
-  };
-  // DeepSpeed's reduce bucket (comm.zero3_reduce_bucket): per-tensor units' gradients wait and
-  // are reduce-scattered together, every rank's chunks of them side by side in its share, when
-  // the next unit would overflow the bucket and when the backward block ends.
-  std::vector<ZeroUnit*> waiting;
-  double waiting_elements = 0;
-  std::string waiting_label;
-  auto reduce_waiting = [&] {
-    if (waiting.empty()) return;
-    std::vector<at::Tensor> rows;
-    for (ZeroUnit* u : waiting) {
-      rows.push_back(u->flat([](const Param& p) { return grad_or_zeros(p); })
-                         .to(reduce_dtype)
-                         .view({dpn, u->layout.chunk()}));
-    }
-    const at::Tensor mine = ctx.reduce_scatter(at::cat(rows, 1).reshape({-1}), ctx.dp_group,
-                                               ctx.dp_axes, waiting_label);
-    c10::NoGradGuard no_grad;
-    int64_t offset = 0;
-    for (ZeroUnit* u : waiting) {
-      u->grad.add_(mine.narrow(0, offset, u->layout.chunk()));
-      offset += u->layout.chunk();
-      for (Param* p : u->params) p->w.mutable_grad() = at::Tensor();
-    }
-    waiting.clear();
-    waiting_elements = 0;
-  };
-  auto reduce_or_wait = [&](ZeroUnit& u, const std::string& label) {
-    const double bucket = plan.comm.zero3_reduce_bucket;
-    if (!plan.comm.zero3_per_tensor || bucket <= 0) return reduce_unit(u, label);
-    for (Param* p : u.params) {
-      if (!p->w.grad().defined() && !split_backward) {
-        throw RunFailure{fmt::format("no gradient reached {}", p->name)};
-      }
-    }
-    double elements = 0;
-    for (const Param* p : u.params) elements += static_cast<double>(p->w.numel());
-    if (!waiting.empty() && waiting_elements + elements > bucket) reduce_waiting();
-    waiting.push_back(&u);
-    waiting_elements += elements;
-    waiting_label = label;
-  };
-  // ZeRO-3, for block `i` of the order (segment `sg`), as the program does (run_zero3.h): the
-  // first unit's gather, then each unit's gather launched before the previous unit runs (one
-  // unit of prefetch), twice for a unit recomputed inside the backward when DeepSpeed regathers;
-  // gradients reduced as each unit's backward ends.
-  const std::vector<Zero3Block> z3 =
-      zero == 3 ? zero3_blocks(plan, L.order->blocks, M) : std::vector<Zero3Block>{};
-  // The operator of unit `unit` of segment `sg` a parameter belongs to (a head's copy of a tied
-  // word matrix: the head's projection).
-  auto op_of = [&](int sg, int unit, const Param& p) {
-    const std::string op = operator_of(p.name);
-    const Model& model = *models.at(sg);
-    return model.has_head() && unit == model.head_unit() && op == "embed.word" ? "head.proj" : op;
-  };
-  // DeepSpeed's tensor-grained prefetch (comm.zero3_prefetch_elements), in the program's order
-  // (core/program.h, zero3_uses and zero3_launch_through): a block's gathers in the order its
-  // operators use the tensors; before an operator runs, its own and the next ones until that
-  // many elements are gathered ahead of it; a tensor released once its operator has run (and no
-  // gather ahead holds it). Whole units otherwise (before_unit).
-  const bool tensor_prefetch = zero3_prefetches_tensors(plan);
-  const OpGraph graph = lower_model(plan.model, 1);
-  std::set<int> explicit_recompute;  // segments with R blocks: the backward does not recompute
-  for (const Block& blk : L.order->blocks) {
-    if (blk.kind == BlockKind::kRecompute) explicit_recompute.insert(blk.segment);
-  }
-  struct TensorGather {
-    int unit;
-    std::string op;
-    bool recompute;
-    const ZeroUnit* zu;
-  };
-  std::vector<TensorGather> tqueue;
-  std::vector<double> telements;  // tqueue's tensors' elements (this rank's, before ZeRO)
-  std::size_t t_gathered = 0;     // entries [0, t_gathered) gathered
-  std::size_t t_released = 0;     // entries [0, t_released) released (or still needed ahead)
-  auto t_gather_through = [&](std::size_t end) {
-    for (; t_gathered < end; ++t_gathered) gather_unit(*tqueue[t_gathered].zu);
-  };
-  // Releases entries [t_released, end) but those gathered ahead again.
-  auto t_release_through = [&](std::size_t end) {
-    for (; t_released < end; ++t_released) {
-      const ZeroUnit* zu = tqueue[t_released].zu;
-      bool ahead = false;
-      for (std::size_t k = end; k < t_gathered; ++k) ahead = ahead || tqueue[k].zu == zu;
-      if (!ahead) release_unit(*zu);
-    }
-  };
-  auto zero3_for = [&](std::size_t i, int sg) {
-    if (zero != 3) return;
-    const Zero3Block* zb = &z3.at(i);
-    auto each = [&, sg](int u, auto f) {
-      const auto [first, end] = zranges_of.at(sg).at(u);
-      for (std::size_t k = first; k < end; ++k) f(zunits_of.at(sg)[k]);
-    };
-    tqueue.clear();
-    telements.clear();
-    t_gathered = t_released = 0;
-    ctx.before_op = nullptr;
-    if (tensor_prefetch && zb->gather) {
-      const int n = static_cast<int>(zranges_of.at(sg).size());
-      const BlockKind kind = L.order->blocks[i].kind;
-      for (const Zero3Use& u : zero3_uses(plan, graph, sg, kind, explicit_recompute.count(sg))) {
-        const std::string& op = u.part->ops[u.op].name;
-        each(u.unit, [&](const ZeroUnit& zu) {
-          if (!zu.persistent && op_of(sg, u.unit, *zu.params.front()) == op) {
-            tqueue.push_back({u.unit, op, u.recompute, &zu});
-          }
-        });
-        // The head's projection with the embedding's matrix (its hooks fetch it again).
-        if (op == "head.proj" && u.unit == n - 1 && ztied_of.count(sg)) {
-          tqueue.push_back({u.unit, op, u.recompute, ztied_of.at(sg)});
-        }
-      }
-      for (const TensorGather& g : tqueue) {
-        telements.push_back(static_cast<double>(g.zu->params.front()->w.numel()));
-      }
-      ctx.before_op = [&](int unit, const std::string& op, bool recompute) {
-        std::size_t first = t_released;
-        while (first < tqueue.size() && !(tqueue[first].unit == unit && tqueue[first].op == op &&
-                                          tqueue[first].recompute == recompute)) {
-          ++first;
-        }
-        if (first == tqueue.size()) return;  // no weights of its own to gather
-        std::size_t end = first;
-        while (end < tqueue.size() && tqueue[end].unit == unit && tqueue[end].op == op &&
-               tqueue[end].recompute == recompute) {
-          ++end;
-        }
-        // What the operators before it used (gathered now if none of them ran: the program's
-        // calls), released; then its own tensors and those after them.
-        t_gather_through(first);
-        t_release_through(first);
-        t_gather_through(
-            zero3_launch_through(telements, end, t_gathered, plan.comm.zero3_prefetch_elements));
-      };
-    }
-    ctx.before_unit = [&, sg, zb, each](int u, bool backward) {
-      if (!zb->gather || tensor_prefetch) return;
-      const int n = static_cast<int>(zranges_of.at(sg).size());
-      const int pos = backward ? n - 1 - u : u;
-      auto fetch = [&](int q) {
-        const int unit = backward ? n - 1 - q : q;
-        const int times = zb->regather.count(unit) ? 2 : 1;
-        for (int t = 0; t < times; ++t) {
-          each(unit, gather_unit);
-          if (unit == n - 1 && ztied_of.count(sg)) gather_unit(*ztied_of.at(sg));
-        }
-      };
-      if (pos == 0) fetch(0);
-      if (pos + 1 < n) fetch(pos + 1);
-      if (pos == 0) return;
-      // The unit before this one is done.
-      const int done = backward ? n - pos : pos - 1;
-      each(done, release_unit);
-      if (done == n - 1 && ztied_of.count(sg)) release_unit(*ztied_of.at(sg));
-    };
-    ctx.after_unit_backward = [&, sg, zb, each](int u) {
-      if (!zb->reduce) return;
-      each(u, [&](ZeroUnit& zu) { reduce_or_wait(zu, grad_sync_label(sg)); });
-    };
-  };
-
-  // Between blocks no unit stays gathered.
-  auto release_segment = [&](int sg) {
-    for (const ZeroUnit& u : zunits_of.at(sg)) release_unit(u);
-    if (ztied_of.count(sg)) release_unit(*ztied_of.at(sg));
-  };
-  for (int sg : zero == 3 ? L.segments : std::vector<int>{}) release_segment(sg);
-  // The fp32 weights no operator reads: only their gradients are used.
-  for (const ZeroUnit* u : reshard ? zunits : std::vector<ZeroUnit*>{}) {
-    for (Param* p : gather_targets(*u)) {
-      if (!gathers_fp32(*p) && p->w.storage().nbytes() > 0) resize_storage(p->w, 0);
-    }
-  }
+  const int zero = plan.optimizer.zero;
+  ZeroShards shards(plan, rank, L, models, ctx, dtype, reduce_dtype, expert_grad_group,
+                    expert_grad_axes);
 
   RankResult out;
   out.rank = rank;
@@ -837,59 +367,6 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     whole.backward(ref, tape, at::Tensor(), 1.0);
     for (Param& p : whole.params()) ref_grads[p.name] = grad_or_zeros(p);
   }
-
-  // ZeRO-2 reduces a segment's gradients after every block that computes weight gradients (B,
-  // or a split backward's BW), ZeRO-1 after the segment's last such block (the program's grad
-  // sync blocks, per segment); ZeRO-3 unit by unit inside the backward.
-  std::map<int, int> last_weights;  // segment -> the micro-batch of its last B or BW
-  for (const Block& blk : L.order->blocks) {
-    if (blk.kind == BlockKind::kBackward || blk.kind == BlockKind::kBackwardWeight) {
-      last_weights[blk.segment] = blk.micro_batch;
-    }
-  }
-  // Tied embeddings on two stages: the embedding's matrix and the head's copy hold the
-  // gradients of their own uses, summed between the first and the last stage (the ranks of the
-  // same other coordinates), so both copies take the same step (the program's epilogue: "tied
-  // embedding grad sync"). Without ZeRO the whole gradients, after the data-parallel sums; under
-  // ZeRO-1 the whole gradients before the reduce-scatter at the iteration's end (the summing
-  // partner reaches its own end only after this stage's later blocks, which must not wait for
-  // it); under ZeRO 2-3, whose reduce-scatters leave only this rank's chunk, the matrix's chunk
-  // (chunked alike on both stages) once every micro-batch is reduced, as Megatron sums its
-  // shared embedding's bucket after the data-parallel reduce-scatter.
-  auto tied_sync = [&](int sg) {
-    if (!tied_copy(sg)) return;
-    const Segment& seg = plan.segments[sg];
-    int other = -1;
-    for (std::size_t j = 0; j < plan.segments.size(); ++j) {
-      if (seg.embedding ? plan.segments[j].head : plan.segments[j].embedding) {
-        other = static_cast<int>(j);
-      }
-    }
-    const int partner = peer_in(plan.mesh, rank, plan.segments[other]);
-    const std::vector<int> pair = {std::min(rank, partner), std::max(rank, partner)};
-    if (zero >= 2) {
-      for (ZeroUnit& u : zunits_of.at(sg)) {
-        if (u.tied_part < 0) continue;
-        at::Tensor mine =
-            u.grad.narrow(0, u.layout.part_offset(u.tied_part), u.layout.part_chunk(u.tied_part));
-        at::Tensor g = mine.to(reduce_dtype, /*non_blocking=*/false, /*copy=*/true);
-        ctx.all_reduce(g, pair, "explicit", "tied embedding grad sync");
-        c10::NoGradGuard no_grad;
-        mine.copy_(g);
-      }
-      return;
-    }
-    Param& w = *models.at(sg)->word_matrix();
-    at::Tensor g = grad_or_zeros(w).to(reduce_dtype);
-    ctx.all_reduce(g, pair, "explicit", "tied embedding grad sync");
-    c10::NoGradGuard no_grad;
-    w.w.mutable_grad() = g.to(at::kFloat).view(w.w.sizes()).clone();
-  };
-  auto reduce_after = [&](int sg, int m) {
-    if (zero == 2 || (zero == 1 && m == last_weights.at(sg) && !tied_copy(sg))) {
-      for (ZeroUnit& u : zunits_of.at(sg)) reduce_unit(u, grad_sync_label(sg));
-    }
-  };
 
   // Pipeline transfers of a tensor replicated over tp go as this rank's 1/tp slice, all-gathered
   // on arrival (Megatron's scatter-gather; the program's comm.pp_scatter_gather).
@@ -983,7 +460,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       auto tag = [&](bool gradient, int to) {
         return RankContext::transfer_tag(gradient, false, to, m, blk.pass);
       };
-      zero3_for(static_cast<std::size_t>(&blk - L.order->blocks.data()), sg);
+      shards.before_block(static_cast<std::size_t>(&blk - L.order->blocks.data()), sg);
       MicroBatchTape& tape = tapes[{sg, m}];
       tape.key = DropoutKey{opt.seed, it, row, plan.recycle - 1};  // the last pass's masks
       if (blk.kind == BlockKind::kRecompute) {
@@ -991,7 +468,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       } else if (blk.kind == BlockKind::kBackwardWeight) {
         model.backward_weights(ctx, tape);
         tapes.erase({sg, m});
-        reduce_after(sg, m);
+        shards.after_weight_gradients(sg, m);
       } else if (blk.kind == BlockKind::kForward) {
         // Repeated forwards: a pass before the last keeps nothing and has no gradient.
         const bool earlier = blk.pass + 1 < plan.recycle;
@@ -1052,20 +529,12 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         }
         if (!input_only) {
           tapes.erase({sg, m});
-          reduce_after(sg, m);
+          shards.after_weight_gradients(sg, m);
         }
       }
-      if (zero == 3) {
-        t_gather_through(tqueue.size());  // tensors no operator of this block asked for
-        reduce_waiting();
-        release_segment(sg);
-      }
+      shards.after_block(sg);
     }
-    for (int sg : L.segments) {
-      if (zero != 1 || !tied_copy(sg)) continue;
-      tied_sync(sg);
-      for (ZeroUnit& u : zunits_of.at(sg)) reduce_unit(u, grad_sync_label(sg));
-    }
+    shards.finish_tied_zero1();
     if (zero >= 1) {
       for (const Param* pp : params) {
         const Param& p = *pp;
@@ -1101,7 +570,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         for (Param* p : *group) flat.push_back(grad_or_zeros(*p).reshape({-1}));
         at::Tensor all = at::cat(flat).to(reduce_dtype);
         ctx.all_reduce(all, routed ? expert_grad_group : ctx.dp_group,
-                       routed ? expert_grad_axes : ctx.dp_axes, grad_sync_label(sg));
+                       routed ? expert_grad_axes : ctx.dp_axes, grad_sync_label(plan, sg));
         all = all.to(at::kFloat);
         c10::NoGradGuard no_grad;
         int64_t offset = 0;
@@ -1113,7 +582,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       }
     }
     if (zero != 1) {
-      for (int sg : L.segments) tied_sync(sg);
+      for (int sg : L.segments) shards.tied_sync(sg);
     }
     // Sequence parallelism: the gradients of the parameters applied to sequence slices summed
     // over the tensor-parallel group, in one buffer, after the data-parallel sums (the program's
@@ -1127,7 +596,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       // which sit at the same offsets on every rank of the tensor-parallel group.
       const std::set<const Param*> spset(sp.begin(), sp.end());
       std::vector<at::Tensor> slices;
-      for (ZeroUnit* u : zunits) {
+      for (ZeroUnit* u : shards.units()) {
         for (const ZeroLayout::Piece& k : u->layout.pieces(u->pos)) {
           if (spset.count(u->params[k.tensor])) {
             slices.push_back(u->grad.narrow(0, k.in_chunk, k.length));
@@ -1168,7 +637,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       // (a static scale does not adapt).
       c10::NoGradGuard no_grad;
       std::vector<at::Tensor> gs;
-      for (ZeroUnit* u : zunits) gs.push_back(u->grad);
+      for (ZeroUnit* u : shards.units()) gs.push_back(u->grad);
       for (Param* p : params) {
         if (zero == 0) gs.push_back(p->w.grad());
       }
@@ -1193,7 +662,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
       out.check_loss = loss;
       // ZeRO: the rank's chunk of each unit against the same chunk of the reference, per
       // parameter it overlaps (the dp group's chunks together cover every parameter).
-      for (ZeroUnit* zu : zunits) {
+      for (ZeroUnit* zu : shards.units()) {
         ZeroUnit& u = *zu;
         for (const ZeroLayout::Piece& k : u.layout.pieces(u.pos)) {
           const Param* p = u.params[k.tensor];
@@ -1233,7 +702,8 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         c10::NoGradGuard no_grad;
         const double k = it + 1;
         AdamLists lists;
-        for (ZeroUnit* u : zunits) lists.add(u->master, u->grad, u->m, u->v);  // ZeRO: the chunk
+        for (ZeroUnit* u : shards.units())
+          lists.add(u->master, u->grad, u->m, u->v);  // ZeRO: the chunk
         for (Param* p : params) {
           if (zero >= 1) break;
           if (!p->m.defined()) {
@@ -1244,22 +714,10 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
         }
         lists.step(lr, beta1, beta2, eps, k);
         std::vector<at::Tensor> zero_grads;
-        for (ZeroUnit* u : zunits) zero_grads.push_back(u->grad);
+        for (ZeroUnit* u : shards.units()) zero_grads.push_back(u->grad);
         if (!zero_grads.empty()) at::_foreach_zero_(zero_grads);
       }
-      // ZeRO-1/2: the updated chunks gathered into whole weights (the program launches this
-      // gather after the step and waits for it before each unit's first forward); ZeRO-3
-      // gathers unit by unit in the next iteration's blocks.
-      if (zero == 1 || zero == 2) {
-        for (ZeroUnit* u : zunits) gather_unit(*u);
-      }
-      // ZeRO-3: the persistent tensors' updated chunks, all in one all-gather (DeepSpeed's
-      // after the step, as the program's epilogue).
-      std::vector<const ZeroUnit*> persistent;
-      for (const ZeroUnit* u : zunits) {
-        if (u->persistent) persistent.push_back(u);
-      }
-      if (!persistent.empty()) gather_persistent(persistent);
+      shards.gather_after_step();
       // bf16: the next iteration's weight copies (with autograd), timed with the step; ZeRO-3's
       // come with each gather.
       if (zero != 3) {
