@@ -22,8 +22,8 @@ namespace nnsim::hwexec {
 namespace {
 
 const std::set<std::string> kSequenceParallelOps = {
-    "attn.norm", "attn.residual",  "mlp.norm",     "mlp.residual",
-    "head.norm", "embed.position", "embed.dropout"};
+    "attn.norm",      "attn.residual", "mlp.norm",   "mlp.residual", "head.norm",
+    "embed.position", "embed.dropout", "moe.router", "moe.dispatch", "moe.combine"};
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
   std::string s;
@@ -55,8 +55,10 @@ Status check_runnable(const Plan& plan) {
         "{}: {} (nnexec run executes GPT- and Llama-style models: "
         "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
         "ReLU or squared-ReLU MLP, mixtures of experts (top-k, dropless, a shared expert, "
-        "group-limited routing, every expert on every rank or split over data-parallel ranks: "
-        "expert parallelism with ZeRO 0-3), learned, rotary or ALiBi positions, dropout with "
+        "group-limited routing, every expert on every rank, split along its width over the "
+        "tensor-parallel ranks (with sequence and context parallelism too) or spread over "
+        "data-parallel ranks: expert parallelism with ZeRO 0-3), learned, rotary or ALiBi "
+        "positions, dropout with "
         "deterministic masks (recomputed and repeated passes too); Megatron tensor, sequence "
         "and context parallelism (together too), pipelines (interleaved too; the head and the "
         "embedding also sharded over the stages, with context parallelism and repeated "
@@ -77,9 +79,10 @@ Status check_runnable(const Plan& plan) {
     return refuse("model.mtp_layers",
                   "multi-token prediction is simulated only (drop 'mtp_layers')");
   }
-  // Mixtures of experts run with every expert on every rank, or split over ranks that split the
-  // batch (expert parallelism, checked below; no tensor parallelism of the experts), routed
-  // dropless as Megatron-Core's default: each expert takes exactly the tokens routed to it.
+  // Mixtures of experts run with every expert on every rank, split along their width over the
+  // tensor-parallel ranks, or spread over ranks that split the batch (expert parallelism,
+  // checked below; not beside tensor parallelism), routed dropless as Megatron-Core's default:
+  // each expert takes exactly the tokens routed to it.
   if (m.moe() && m.expert_capacity_factor != 1) {
     return refuse("model.expert_capacity_factor",
                   fmt::format("{} pads the experts' tokens, which nnexec does not: it routes "
@@ -174,7 +177,8 @@ Status check_runnable(const Plan& plan) {
             fmt::format("'{}' is split along '{}' over {} beside expert parallelism "
                         "over {}: expert parallelism with tensor, sequence or context "
                         "parallelism is simulated only (nnexec exchanges the tokens "
-                        "of data-parallel ranks); plan with --tp 1 --cp 1",
+                        "of data-parallel ranks); plan with --tp 1 --cp 1, or without --ep "
+                        "(tensor-parallel experts run)",
                         r.match, to_string(s.dim), join(s.axes, "+"), join(ep_axes, "+")));
       }
     }
@@ -244,7 +248,12 @@ Status check_runnable(const Plan& plan) {
       if (op.name == "attn.qkv" || op.name == "attn.qk_norm" || op.name == "attn.core" ||
           op.name == "attn.proj") {
         allowed = Dim::kHeads;
-      } else if (op.name == "mlp.fc1" || op.name == "mlp.act" || op.name == "mlp.fc2") {
+      } else if (op.name == "mlp.fc1" || op.name == "mlp.act" || op.name == "mlp.fc2" ||
+                 op.name == "moe.fc1" || op.name == "moe.act" || op.name == "moe.fc2" ||
+                 op.name == "moe.shared.fc1" || op.name == "moe.shared.act" ||
+                 op.name == "moe.shared.fc2") {
+        // The experts and the shared expert split along their width as the MLP they replace
+        // (Megatron-Core's expert tensor parallelism at the tensor-parallel degree).
         allowed = Dim::kFfn;
       } else if (op.name == "embed.word" || op.name == "head.proj" || op.name == "loss") {
         allowed = Dim::kVocab;
@@ -347,9 +356,25 @@ Status check_runnable(const Plan& plan) {
     if (Status s = same({"attn.qkv", "attn.qk_norm"}); !s) return s;
   }
   if (Status s = same({"mlp.fc1", "mlp.act", "mlp.fc2"}); !s) return s;
+  if (m.moe()) {
+    if (Status s = same({"moe.fc1", "moe.act", "moe.fc2"}); !s) return s;
+    if (m.shared_expert_ffn_hidden > 0) {
+      if (Status s = same({"moe.fc1", "moe.shared.fc1", "moe.shared.act", "moe.shared.fc2"}); !s) {
+        return s;
+      }
+    }
+  }
   if (Status s = same({"head.proj", "loss"}); !s) return s;
   int tp = 1;
   for (const std::string& a : tp_axes) tp *= plan.mesh.axis_size(a);
+  if (m.moe() && split_of.count("moe.fc1")) {
+    if (m.expert_ffn_hidden % tp != 0 || m.shared_expert_ffn_hidden % tp != 0) {
+      return refuse("partition",
+                    fmt::format("tensor-parallel degree {} does not divide the experts' width "
+                                "{} and the shared expert's {}",
+                                tp, m.expert_ffn_hidden, m.shared_expert_ffn_hidden));
+    }
+  }
   if (m.heads % tp != 0 || m.ffn_hidden % tp != 0 || m.vocab % tp != 0) {
     return refuse("partition", fmt::format("tensor-parallel degree {} does not divide heads {}, "
                                            "ffn_hidden {} and vocab {}",
@@ -386,7 +411,13 @@ Status check_runnable(const Plan& plan) {
         }
       }
     }
-    if (!split_of.count("attn.qkv") || !split_of.count("mlp.fc1")) {
+    if (m.moe() && !split_of.count("moe.fc1")) {
+      return refuse("partition",
+                    "sequence parallelism needs the experts split along their width over the "
+                    "tensor-parallel ranks (each rank routes its slice of the sequence, whose "
+                    "copies are gathered for the experts' column-parallel linears)");
+    }
+    if (!split_of.count("attn.qkv") || !(split_of.count("mlp.fc1") || split_of.count("moe.fc1"))) {
       return refuse("partition",
                     "sequence parallelism needs tensor-parallel attention and MLP "
                     "(the sequence is gathered for their column-parallel linears)");

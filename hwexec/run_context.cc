@@ -90,8 +90,9 @@ at::Tensor RankContext::all_to_all(const at::Tensor& in, const std::vector<int64
   return out;
 }
 
-std::vector<int64_t> RankContext::exchange_counts(const std::vector<int64_t>& send, int64_t per) {
-  const std::size_t g = ep_group.size();
+std::vector<int64_t> RankContext::exchange_counts(const std::vector<int>& group,
+                                                  const std::vector<int64_t>& send, int64_t per) {
+  const std::size_t g = group.size();
   const std::vector<std::size_t> bytes(g, static_cast<std::size_t>(per) * sizeof(int64_t));
   std::vector<int64_t> got(send.size());
 #ifdef NNSIM_TORCH_HAS_CUDA
@@ -99,13 +100,13 @@ std::vector<int64_t> RankContext::exchange_counts(const std::vector<int64_t>& se
     const at::Tensor in = at::tensor(send, at::kLong).to(options.device());
     at::Tensor out = at::empty_like(in);
     ok_or_throw(
-        nccl->all_to_all(ep_group, in.data_ptr(), bytes, out.data_ptr(), bytes, stats->stream));
+        nccl->all_to_all(group, in.data_ptr(), bytes, out.data_ptr(), bytes, stats->stream));
     const at::Tensor host = out.cpu();
     std::copy(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel(), got.begin());
     return got;
   }
 #endif
-  ok_or_throw(comm->all_to_all(ep_group, send.data(), bytes, got.data(), bytes));
+  ok_or_throw(comm->all_to_all(group, send.data(), bytes, got.data(), bytes));
   return got;
 }
 

@@ -57,10 +57,10 @@ struct RankContext {
   at::Tensor all_to_all(const at::Tensor& in, const std::vector<int64_t>& send_rows,
                         const std::vector<int64_t>& recv_rows, const std::string& label,
                         double bytes);
-  // The routed copies' counts (`per` integers to each member of the expert-parallel group, in
-  // group order): what each member sends this rank. Not recorded (metadata; the program moves
-  // the copies only).
-  std::vector<int64_t> exchange_counts(const std::vector<int64_t>& send, int64_t per);
+  // The routed copies' counts (`per` integers to each member of `group`, in group order): what
+  // each member sends this rank. Not recorded (metadata; the program moves the copies only).
+  std::vector<int64_t> exchange_counts(const std::vector<int>& group,
+                                       const std::vector<int64_t>& send, int64_t per);
   // All-gather (fp32 or bf16): `in` (n elements) from each member of `group`, in group
   // order; bytes recorded as the gathered output (nccl-tests' convention, the program's).
   at::Tensor all_gather(const at::Tensor& in, const std::vector<int>& group,

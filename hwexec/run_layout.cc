@@ -70,6 +70,20 @@ RankLayout layout_of(const Plan& plan, int rank) {
   L.split.ffn = degree("mlp.fc1");
   L.split.embed_vocab = degree("embed.word");
   L.split.head_vocab = degree("head.proj");
+  auto ffn_degree = [&](const char* op) {
+    int n = 1;
+    for (const PartitionRule& r : plan.partition) {
+      if (!match_pattern(r.match, op)) continue;
+      for (const DimSplit& s : r.splits) {
+        if (s.dim != Dim::kFfn) continue;
+        n = 1;
+        for (const std::string& a : s.axes) n *= plan.mesh.axis_size(a);
+      }
+    }
+    return n;
+  };
+  L.split.expert_ffn = ffn_degree("moe.fc1");
+  L.split.shared_ffn = ffn_degree("moe.shared.fc1");
   for (const PartitionRule& r : plan.partition) {
     if (!match_pattern(r.match, "attn.norm")) continue;
     for (const DimSplit& sp : r.splits) {

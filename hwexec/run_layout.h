@@ -18,6 +18,9 @@ namespace nnsim::hwexec {
 // expert splits.
 struct Split {
   int heads = 1, ffn = 1, embed_vocab = 1, head_vocab = 1;
+  // A mixture of experts' routed experts and shared expert, split along their width like the
+  // MLP (Megatron-Core's expert tensor parallelism at the tensor-parallel degree).
+  int expert_ffn = 1, shared_ffn = 1;
   // Sequence parallelism: `seq` ranks (the tensor-parallel group) each hold a slice of the
   // sequence between the column- and row-parallel linears (Megatron-LM's).
   int seq = 1;

@@ -244,6 +244,12 @@ std::vector<Param*> Model::sequence_parallel_params() {
   }
   if (split_.seq <= 1) return v;
   add({pos_});
+  // A mixture's router scores the rank's slice of the sequence, and its combine adds the
+  // row-parallel experts' biases to the rank's copies.
+  for (const LayerParams& L : layers_) add({L.router_w});
+  if (split_.expert_ffn > 1) {
+    for (const LayerParams& L : layers_) add({L.efc2_b, L.sfc2_b});
+  }
   for (const LayerParams& L : layers_) add({L.ln1g, L.ln1b, L.proj_b, L.ln2g, L.ln2b, L.fc2_b});
   add({hn_g_, hn_b_});
   return v;

@@ -109,9 +109,11 @@ struct LayerTape {
   MoeRouting routing;
   // Expert parallelism: how the routed copies travel (ExpertExchange), the experts' input (every
   // rank's copies for this rank's experts, expert by expert) and their outputs returned to this
-  // rank's copies (the combine's input).
+  // rank's copies (the combine's input). Tensor-parallel experts: their outputs summed over tp
+  // (`returned`; under sequence parallelism this rank's copies, the copies gathered over tp as
+  // `exchange` orders them), and the shared expert's (`shared_out`).
   ExpertExchange exchange;
-  at::Tensor exchanged, returned;
+  at::Tensor exchanged, returned, shared_out;
   DropoutKey key;           // the micro-batch's dropout masks (a recomputation draws them again)
   at::Tensor x;             // the layer's input, kept when the layer recomputes operators
   bool recomputed = false;  // an R block has run the recomputation already
@@ -176,7 +178,7 @@ class Model {
   std::vector<const Param*> fp32_reads() const;
   // Parameters whose gradients sequence parallelism leaves as partial sums over the
   // tensor-parallel group (applied to a slice of the sequence): the norms', the biases added in
-  // the residuals, the position table.
+  // the residuals, the position table, a mixture's router.
   std::vector<Param*> sequence_parallel_params();
   int head_unit() const { return (embedding_ ? 1 : 0) + static_cast<int>(layers_.size()); }
   bool has_embedding() const { return embedding_; }
@@ -330,6 +332,16 @@ class Model {
   // rank's copies in its expert order.
   at::Tensor from_experts(RankContext& c, const LayerTape& t, const at::Tensor& rows,
                           const std::string& label) const;
+  // Tensor-parallel experts under sequence parallelism: each tp rank routes its sequence slice,
+  // and its copies are all-gathered over tp for the experts (each rank a slice of every
+  // expert's width), reordered expert by expert (`plan_tp_gather`, from every member's counts;
+  // `gather_copies`); the experts' partial sums go back reduce-scattered to each rank's copies
+  // (`scatter_copies`), as Megatron-Core's all-to-all dispatcher with expert tensor parallelism.
+  void plan_tp_gather(RankContext& c, LayerTape& t) const;
+  at::Tensor gather_copies(RankContext& c, const LayerTape& t, const at::Tensor& rows,
+                           const std::string& label) const;
+  at::Tensor scatter_copies(RankContext& c, const LayerTape& t, const at::Tensor& rows,
+                            const std::string& label) const;
 
   // An operator's output goes once the operator that saved it has run its backward, as
   // autograd frees a saved tensor in Megatron's one graph; here the producer's unit keeps the

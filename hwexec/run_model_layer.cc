@@ -183,9 +183,9 @@ at::Tensor Model::layer_forward(RankContext& c, int l, const at::Tensor& x, Laye
   if (runs("mlp.residual")) {
     Unit& mlp_out = L.moe ? t.combine : t.fc2;
     at::Tensor y2;
-    if (sp) {
+    if (sp && !L.moe) {
       y2 = scatter_seq(c, mlp_out.out.detach(), "mlp.residual");
-    } else {
+    } else {  // (a mixture's combine sums its experts' outputs itself, on the rank's slice)
       y2 = mlp_out.out.detach().clone();
       if (split_.ffn > 1 && !L.moe) c.tp_all_reduce(y2, "mlp.residual");
     }

@@ -5,25 +5,88 @@
 
 namespace nnsim::hwexec {
 
+namespace {
+
+// The routed copies as received from `members` members (got[i el + l]: member i's copies for
+// local expert l; member by member, each member's in expert order), reordered expert by expert:
+// the rows from each member, each local expert's count, and the permutation both ways.
+void order_by_expert(const std::vector<int64_t>& got, int64_t members, int64_t el,
+                     at::Device device, ExpertExchange& x) {
+  x.recv_rows.assign(static_cast<std::size_t>(members), 0);
+  x.local_counts.assign(static_cast<std::size_t>(el), 0);
+  std::vector<int64_t> first(static_cast<std::size_t>(members * el));  // row of (i, l) received
+  int64_t row = 0;
+  for (int64_t i = 0; i < members; ++i) {
+    for (int64_t l = 0; l < el; ++l) {
+      const auto il = static_cast<std::size_t>(i * el + l);
+      first[il] = row;
+      row += got[il];
+      x.recv_rows[static_cast<std::size_t>(i)] += got[il];
+      x.local_counts[static_cast<std::size_t>(l)] += got[il];
+    }
+  }
+  std::vector<int64_t> order;
+  order.reserve(static_cast<std::size_t>(row));
+  for (int64_t l = 0; l < el; ++l) {
+    for (int64_t i = 0; i < members; ++i) {
+      const auto il = static_cast<std::size_t>(i * el + l);
+      for (int64_t r = 0; r < got[il]; ++r) order.push_back(first[il] + r);
+    }
+  }
+  x.to_expert_major = at::tensor(order, at::kLong).to(device);
+  x.to_source_major = at::argsort(x.to_expert_major);
+}
+
+}  // namespace
+
 void Model::add_moe_params(const std::string& p, LayerParams& L) {
   const int64_t h = spec_.hidden, e = spec_.experts, f = spec_.expert_ffn_hidden,
                 fs = spec_.shared_expert_ffn_hidden, branches = spec_.gated_mlp() ? 2 : 1;
   auto whole = [](const at::Tensor& x) { return x; };
   L.moe = true;
   if (fs > 0) {
-    L.sfc1_w = add(p + "moe.shared.fc1.weight", {h, branches * fs}, 0.05, 0, whole);
-    if (spec_.bias) L.sfc1_b = add(p + "moe.shared.fc1.bias", {branches * fs}, 0.05, 0, whole);
-    L.sfc2_w = add(p + "moe.shared.fc2.weight", {fs, h}, 0.05, 0, whole);
+    // Split along its width over tp as the MLP: fc1's columns (each SwiGLU branch alike), fc2's
+    // rows.
+    const int64_t fsl = fs / split_.shared_ffn, ts = split_.shared_ffn > 1 ? t_ : 0;
+    L.sfc1_w =
+        add(p + "moe.shared.fc1.weight", {h, branches * fs}, 0.05, 0, [=](const at::Tensor& x) {
+          return x.view({h, branches, fs}).narrow(2, ts * fsl, fsl).reshape({h, branches * fsl});
+        });
+    if (spec_.bias) {
+      L.sfc1_b = add(p + "moe.shared.fc1.bias", {branches * fs}, 0.05, 0, [=](const at::Tensor& x) {
+        return x.view({branches, fs}).narrow(1, ts * fsl, fsl).reshape({branches * fsl});
+      });
+    }
+    L.sfc2_w = add(p + "moe.shared.fc2.weight", {fs, h}, 0.05, 0,
+                   [=](const at::Tensor& x) { return x.narrow(0, ts * fsl, fsl); });
     if (spec_.bias) L.sfc2_b = add(p + "moe.shared.fc2.bias", {h}, 0.05, 0, whole);
   }
   L.router_w = add(p + "moe.router.weight", {h, e}, 0.05, 0, whole);
-  // Expert parallelism: this rank's run of experts / ep routed experts.
+  // Expert parallelism: this rank's run of experts / ep routed experts; tensor parallelism: its
+  // slice of each one's width.
   const int64_t el = e / split_.ep, first = split_.ep_index * el;
-  auto mine = [el, first](const at::Tensor& x) { return x.narrow(0, first, el); };
-  L.efc1_w = add(p + "moe.fc1.weight", {e, h, branches * f}, 0.05, 0, mine);
-  if (spec_.bias) L.efc1_b = add(p + "moe.fc1.bias", {e, branches * f}, 0.05, 0, mine);
-  L.efc2_w = add(p + "moe.fc2.weight", {e, f, h}, 0.05, 0, mine);
-  if (spec_.bias) L.efc2_b = add(p + "moe.fc2.bias", {e, h}, 0.05, 0, mine);
+  const int64_t fl = f / split_.expert_ffn, te = split_.expert_ffn > 1 ? t_ : 0;
+  L.efc1_w = add(p + "moe.fc1.weight", {e, h, branches * f}, 0.05, 0, [=](const at::Tensor& x) {
+    return x.narrow(0, first, el)
+        .reshape({el, h, branches, f})
+        .narrow(3, te * fl, fl)
+        .reshape({el, h, branches * fl});
+  });
+  if (spec_.bias) {
+    L.efc1_b = add(p + "moe.fc1.bias", {e, branches * f}, 0.05, 0, [=](const at::Tensor& x) {
+      return x.narrow(0, first, el)
+          .reshape({el, branches, f})
+          .narrow(2, te * fl, fl)
+          .reshape({el, branches * fl});
+    });
+  }
+  L.efc2_w = add(p + "moe.fc2.weight", {e, f, h}, 0.05, 0, [=](const at::Tensor& x) {
+    return x.narrow(0, first, el).narrow(1, te * fl, fl);
+  });
+  if (spec_.bias) {
+    L.efc2_b = add(p + "moe.fc2.bias", {e, h}, 0.05, 0,
+                   [=](const at::Tensor& x) { return x.narrow(0, first, el); });
+  }
   for (Param* q : {L.efc1_w, L.efc1_b, L.efc2_w, L.efc2_b}) {
     if (q) q->routed_expert = true;
   }
@@ -37,11 +100,17 @@ at::Tensor Model::expert_linear(const at::Tensor& x, const Param* w, const Param
 
 void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool again,
                         const std::set<std::string>& rc, const std::set<std::string>& stopped) {
+  RankContext& c = *ctx_;
   auto runs = [&](const char* op) { return !again || rc.count(op) > 0; };
   const char* phase = again ? "recompute" : "fwd";
   const int64_t k = spec_.experts_per_token, e = spec_.experts;
   const at::Tensor xn = t.n2.out;
   const int64_t b = xn.size(0), s = xn.size(1), h = xn.size(2), tokens = b * s;
+  const bool ep = split_.ep > 1;
+  // Tensor-parallel experts (their width split over tp), and sequence parallelism: the router,
+  // the dispatch and the combine on this rank's slice of the sequence.
+  const bool etp = split_.expert_ffn > 1, shared_tp = split_.shared_ffn > 1;
+  const bool sp = split_.seq > 1;
   // The shared expert's linear layers: fp8 GEMMs in an fp8 plan, as the blocks' others.
   auto linear = [&](const at::Tensor& x, const Param* w, const Param* bias) {
     at::Tensor y = block_linear(x, W(w));
@@ -51,10 +120,13 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
     return cpu_fp16() ? activation(x.to(at::kFloat)).to(at::kHalf) : activation(x);
   };
   if (L.sfc1_w && runs("moe.shared.fc1")) {
-    t.sfc1 = fwd(st, "moe.shared.fc1", phase, {leaf(xn)}, [&](const std::vector<at::Tensor>& in) {
-      return linear(in[0], L.sfc1_w, L.sfc1_b);
-    });
+    // Under sequence parallelism its input gathered as mlp.fc1's, dropped after the forward
+    // unless recomputed, gathered again for its backward.
+    t.sfc1 = fwd(
+        st, "moe.shared.fc1", phase, {leaf(sp ? gather_seq(c, xn.detach(), "moe.shared.fc1") : xn)},
+        [&](const std::vector<at::Tensor>& in) { return linear(in[0], L.sfc1_w, L.sfc1_b); });
     t.sfc1.weights = weights_of({L.sfc1_w, L.sfc1_b});
+    if (sp && !again && !rc.count("moe.shared.fc1")) dropped(t.sfc1.in[0]);
   }
   if (L.sfc1_w && runs("moe.shared.act")) {
     t.sact = fwd(st, "moe.shared.act", phase, {leaf(t.sfc1.out)},
@@ -63,7 +135,10 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
   if (L.sfc1_w && runs("moe.shared.fc2")) {
     t.sfc2 =
         fwd(st, "moe.shared.fc2", phase, {leaf(t.sact.out)},
-            [&](const std::vector<at::Tensor>& in) { return linear(in[0], L.sfc2_w, L.sfc2_b); });
+            [&](const std::vector<at::Tensor>& in) {
+              // Row-parallel: its bias is added once, to the sum, in the combine.
+              return linear(in[0], L.sfc2_w, shared_tp ? nullptr : L.sfc2_b);
+            });
     t.sfc2.weights = weights_of({L.sfc2_w, L.sfc2_b});
   }
   if (runs("moe.router")) {
@@ -80,23 +155,27 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
                                spec_.router_group_topk);
       return dispatch_tokens(in[0].reshape({tokens, h}), t.routing);
     });
+    if (etp && sp) plan_tp_gather(c, t);
   }
   // Expert parallelism: the copies go to their experts' ranks (with the dispatch, recomputed
   // with it), and the dispatch's output is not read again (its backward reads the indices).
-  const bool ep = split_.ep > 1;
   if (ep && runs("moe.dispatch")) {
-    plan_exchange(*ctx_, t);
+    plan_exchange(c, t);
     // Labelled as the program's: the conversion into moe.fc1's input layout.
-    t.exchanged = to_experts(*ctx_, t, t.dispatch.out.detach(), "moe.fc1");
+    t.exchanged = to_experts(c, t, t.dispatch.out.detach(), "moe.fc1");
     resize_storage(t.dispatch.out, 0);
   }
-  const std::vector<int64_t>& counts = ep ? t.exchange.local_counts : t.routing.counts;
+  const bool gathered = etp && sp;
+  const std::vector<int64_t>& counts = ep || gathered ? t.exchange.local_counts : t.routing.counts;
   if (runs("moe.fc1")) {
-    t.efc1 = fwd(st, "moe.fc1", phase, {leaf(ep ? t.exchanged : t.dispatch.out)},
-                 [&](const std::vector<at::Tensor>& in) {
-                   return expert_linear(in[0], L.efc1_w, L.efc1_b, counts);
-                 });
+    at::Tensor in = ep         ? t.exchanged
+                    : gathered ? gather_copies(c, t, t.dispatch.out.detach(), "moe.fc1")
+                               : t.dispatch.out;
+    t.efc1 = fwd(st, "moe.fc1", phase, {leaf(in)}, [&](const std::vector<at::Tensor>& in) {
+      return expert_linear(in[0], L.efc1_w, L.efc1_b, counts);
+    });
     t.efc1.weights = weights_of({L.efc1_w, L.efc1_b});
+    if (gathered && !again && !rc.count("moe.fc1")) dropped(t.efc1.in[0]);
   }
   if (runs("moe.act")) {
     t.eact = fwd(st, "moe.act", phase, {leaf(t.efc1.out)},
@@ -104,31 +183,62 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
   }
   if (runs("moe.fc2")) {
     t.efc2 = fwd(st, "moe.fc2", phase, {leaf(t.eact.out)}, [&](const std::vector<at::Tensor>& in) {
-      return expert_linear(in[0], L.efc2_w, L.efc2_b, counts);
+      // Row-parallel experts: their biases are added once, to the sums, in the combine.
+      return expert_linear(in[0], L.efc2_w, etp ? nullptr : L.efc2_b, counts);
     });
     t.efc2.weights = weights_of({L.efc2_w, L.efc2_b});
-    // ... and their outputs come back to this rank's copies, in its expert order.
+    // ... and their outputs come back to this rank's copies, in its expert order (labelled as
+    // the program's conversion into the combine's input); tensor-parallel experts' partial
+    // sums are summed over tp, under sequence parallelism into this rank's copies.
     if (ep) {
-      t.returned = from_experts(*ctx_, t, t.efc2.out.detach(), "moe.combine");
-      resize_storage(t.efc2.out, 0);
+      t.returned = from_experts(c, t, t.efc2.out.detach(), "moe.combine");
+    } else if (gathered) {
+      t.returned = scatter_copies(c, t, t.efc2.out.detach(), "moe.combine");
+    } else if (etp) {
+      t.returned = t.efc2.out.detach().clone();
+      c.tp_all_reduce(t.returned, "moe.combine");
     }
+    if (ep || etp) resize_storage(t.efc2.out, 0);
+  }
+  if (L.sfc1_w && shared_tp && runs("moe.combine")) {
+    // The shared expert's partial sums, for the combine (after the routed experts', as the
+    // program converts the combine's inputs in order).
+    if (sp) {
+      t.shared_out = scatter_seq(c, t.sfc2.out.detach(), "moe.combine");
+    } else {
+      t.shared_out = t.sfc2.out.detach().clone();
+      c.tp_all_reduce(t.shared_out, "moe.combine");
+    }
+    resize_storage(t.sfc2.out, 0);
   }
   if (runs("moe.combine")) {
-    std::vector<at::Tensor> in = {leaf(ep ? t.returned : t.efc2.out), leaf(t.router.out)};
-    if (L.sfc1_w) in.push_back(leaf(t.sfc2.out));
+    std::vector<at::Tensor> in = {leaf(ep || etp ? t.returned : t.efc2.out), leaf(t.router.out)};
+    if (L.sfc1_w) in.push_back(leaf(shared_tp ? t.shared_out : t.sfc2.out));
     t.combine =
         fwd(st, "moe.combine", phase, std::move(in), [&](const std::vector<at::Tensor>& in) {
-          at::Tensor out = combine_tokens(in[0], in[1].reshape({tokens, e}), t.routing);
+          at::Tensor copies = in[0];
+          if (etp && L.efc2_b) {  // each copy's expert's bias
+            const at::Tensor of_copy = at::repeat_interleave(
+                at::arange(e, at::TensorOptions().dtype(at::kLong).device(device_)),
+                at::tensor(t.routing.counts, at::kLong).to(device_));
+            copies = copies + W(L.efc2_b).index_select(0, of_copy);
+          }
+          at::Tensor out = combine_tokens(copies, in[1].reshape({tokens, e}), t.routing);
           if (in.size() > 2) out = out + in[2].reshape({tokens, h});
+          if (shared_tp && L.sfc2_b) out = out + W(L.sfc2_b);
           return out.reshape({b, s, h});
         });
     // The shared expert's output is only added: the combine's backward does not read it (as
     // a residual's summands). Not when the combine is recomputed, which reads it again.
-    if (L.sfc1_w && !rc.count("moe.combine")) resize_storage(t.sfc2.out, 0);
+    if (L.sfc1_w && !rc.count("moe.combine")) {
+      resize_storage(shared_tp ? t.shared_out : t.sfc2.out, 0);
+    }
+    // With the experts' biases added the combine saved the biased copies, not the summed ones.
+    if (etp && L.efc2_b && !rc.count("moe.combine")) resize_storage(t.returned, 0);
   } else if (again && stopped.count("moe.combine")) {
     // An early stop ends at the combine, which saved the experts' outputs and the scores.
     // (With expert parallelism, as they came back: the recomputed return exchange's.)
-    if (rc.count("moe.fc2")) refill(t.combine.in[0], split_.ep > 1 ? t.returned : t.efc2.out);
+    if (rc.count("moe.fc2")) refill(t.combine.in[0], ep || etp ? t.returned : t.efc2.out);
     if (rc.count("moe.router")) refill(t.combine.in[1], t.router.out);
   }
 }
@@ -142,30 +252,35 @@ void Model::plan_exchange(RankContext& c, LayerTape& t) const {
   }
   // got[i el + l]: member i's copies for this rank's expert l (its counts are in expert order,
   // each member's experts a run of el).
-  const std::vector<int64_t> got = c.exchange_counts(t.routing.counts, el);
-  x.recv_rows.assign(static_cast<std::size_t>(g), 0);
-  x.local_counts.assign(static_cast<std::size_t>(el), 0);
-  std::vector<int64_t> first(static_cast<std::size_t>(g * el));  // row of (i, l) as received
-  int64_t row = 0;
+  order_by_expert(c.exchange_counts(c.ep_group, t.routing.counts, el), g, el, device_, x);
+}
+
+void Model::plan_tp_gather(RankContext& c, LayerTape& t) const {
+  // Every member's counts of every expert, member by member.
+  const auto g = static_cast<int64_t>(c.tp_group.size());
+  std::vector<int64_t> send;
   for (int64_t i = 0; i < g; ++i) {
-    for (int64_t l = 0; l < el; ++l) {
-      const auto il = static_cast<std::size_t>(i * el + l);
-      first[il] = row;
-      row += got[il];
-      x.recv_rows[static_cast<std::size_t>(i)] += got[il];
-      x.local_counts[static_cast<std::size_t>(l)] += got[il];
-    }
+    send.insert(send.end(), t.routing.counts.begin(), t.routing.counts.end());
   }
-  std::vector<int64_t> order;
-  order.reserve(static_cast<std::size_t>(row));
-  for (int64_t l = 0; l < el; ++l) {
-    for (int64_t i = 0; i < g; ++i) {
-      const auto il = static_cast<std::size_t>(i * el + l);
-      for (int64_t r = 0; r < got[il]; ++r) order.push_back(first[il] + r);
-    }
-  }
-  x.to_expert_major = at::tensor(order, at::kLong).to(device_);
-  x.to_source_major = at::argsort(x.to_expert_major);
+  order_by_expert(c.exchange_counts(c.tp_group, send, spec_.experts), g, spec_.experts, device_,
+                  t.exchange);
+}
+
+at::Tensor Model::gather_copies(RankContext& c, const LayerTape& t, const at::Tensor& rows,
+                                const std::string& label) const {
+  const int64_t width = rows.size(1);
+  return c.all_gather(rows.reshape({-1}), c.tp_group, c.tp_axes, label)
+      .view({-1, width})
+      .index_select(0, t.exchange.to_expert_major);
+}
+
+at::Tensor Model::scatter_copies(RankContext& c, const LayerTape& t, const at::Tensor& rows,
+                                 const std::string& label) const {
+  const int64_t width = rows.size(1);
+  return c
+      .reduce_scatter(rows.index_select(0, t.exchange.to_source_major).reshape({-1}), c.tp_group,
+                      c.tp_axes, label)
+      .view({-1, width});
 }
 
 at::Tensor Model::to_experts(RankContext& c, const LayerTape& t, const at::Tensor& rows,
@@ -188,27 +303,48 @@ at::Tensor Model::from_experts(RankContext& c, const LayerTape& t, const at::Ten
 
 at::Tensor Model::moe_backward(RunStats& st, const LayerParams& L, LayerTape& t,
                                const at::Tensor& dy) {
+  RankContext& c = *ctx_;
   const bool relu = spec_.mlp == MlpKind::kRelu;  // its backward reads its output
-  const bool ep = split_.ep > 1;
+  const bool ep = split_.ep > 1, etp = split_.expert_ffn > 1, shared_tp = split_.shared_ffn > 1;
+  const bool sp = split_.seq > 1, gathered = etp && sp;
   std::vector<at::Tensor> g = bwd(st, "moe.combine", t.combine, dy);
   release_output(t.efc2, false);
-  if (ep) resize_storage(t.returned, 0);
+  if (ep || etp) resize_storage(t.returned, 0);
   release_output(t.router, false);
   release_output(t.sfc2, false);
   // Expert parallelism: the copies' gradients go to their experts' ranks, and the experts'
-  // input gradients come back (the forward's exchanges reversed).
-  if (ep) g[0] = to_experts(*ctx_, t, g[0], "moe.combine");
+  // input gradients come back (the forward's exchanges reversed). Tensor-parallel experts
+  // under sequence parallelism: the copies' and the shared expert's output gradients gathered
+  // over tp (the program's conversions of the combine's inputs, reversed).
+  if (ep) g[0] = to_experts(c, t, g[0], "moe.combine");
+  if (gathered) g[0] = gather_copies(c, t, g[0], "moe.combine");
+  if (L.sfc1_w && shared_tp && sp) g[2] = gather_seq(c, g[2], "moe.combine");
   const bool fc2_defers = defers_weights(t.efc2);
   at::Tensor d = bwd(st, "moe.fc2", t.efc2, g[0])[0];
+  g[0] = at::Tensor();
   if (!relu) release_output(t.eact, fc2_defers);
   d = bwd(st, "moe.act", t.eact, d)[0];
   release_output(t.efc1, false);
+  if (gathered && !t.efc1.in.empty()) {
+    // The dropped gathered copies, gathered again (a recomputed fc1 has them).
+    if (t.efc1.in[0].storage().nbytes() == 0) {
+      const at::Tensor full = gather_copies(c, t, t.dispatch.out.detach(), "moe.fc1");
+      resize_storage(t.efc1.in[0], full.nbytes());
+      c10::NoGradGuard no_grad;
+      t.efc1.in[0].variable_data().copy_(full);
+    }
+  }
   const bool fc1_defers = defers_weights(t.efc1);
   d = bwd(st, "moe.fc1", t.efc1, d)[0];
-  release_output(t.dispatch, fc1_defers);
+  // The dispatch's output is fc1's input unless the copies moved (exchanged or gathered).
+  release_output(t.dispatch, fc1_defers && !ep && !gathered);
   if (ep) {
     if (!fc1_defers) resize_storage(t.exchanged, 0);
-    d = from_experts(*ctx_, t, d, "moe.fc1");
+    d = from_experts(c, t, d, "moe.fc1");
+  } else if (gathered) {
+    d = scatter_copies(c, t, d, "moe.fc1");
+  } else if (etp) {
+    c.tp_all_reduce(d, "moe.fc1");
   }
   at::Tensor dx = bwd(st, "moe.dispatch", t.dispatch, d)[0];
   bool n2_read_later = defers_weights(t.router);
@@ -219,13 +355,23 @@ at::Tensor Model::moe_backward(RunStats& st, const LayerParams& L, LayerTape& t,
     if (!relu) release_output(t.sact, shared_fc2_defers);
     d = bwd(st, "moe.shared.act", t.sact, d)[0];
     release_output(t.sfc1, false);
-    n2_read_later = n2_read_later || defers_weights(t.sfc1);
-    dx = dx + bwd(st, "moe.shared.fc1", t.sfc1, d)[0];
+    if (sp && !t.sfc1.in.empty() && t.sfc1.in[0].storage().nbytes() == 0) {
+      regather(c, t.n2.out.detach(), t.sfc1, "moe.shared.fc1");
+    }
+    // Under sequence parallelism the shared expert reads its gathered copy of the norm's output.
+    n2_read_later = n2_read_later || (!sp && defers_weights(t.sfc1));
+    d = bwd(st, "moe.shared.fc1", t.sfc1, d)[0];
+    if (sp && shared_tp) {
+      d = scatter_seq(c, d, "moe.shared.fc1");
+    } else if (shared_tp) {
+      c.tp_all_reduce(d, "moe.shared.fc1");
+    }
+    dx = dx + d;
   }
   release_output(t.n2, n2_read_later);
   t.routing = MoeRouting{};
   t.exchange = ExpertExchange{};
-  t.exchanged = t.returned = at::Tensor();
+  t.exchanged = t.returned = t.shared_out = at::Tensor();
   return dx;
 }
 

@@ -173,11 +173,15 @@ INSTANTIATE_TEST_SUITE_P(
         MemoryCase{"moe_dp2", 1, 1, 2, "fp32", {}, "small-moe-memory.yaml"},
         // ... on the first of two stages, two micro-batches in flight: its peak is in the
         // combine's backward (the gathered gradient of the routed copies beside theirs), which
-        // the experts' grouped GEMMs leave as the largest (2026-12-07: -8.3 % with a GEMM per
+        // the experts' grouped GEMMs leave as the largest (2026-12-06: -8.3 % with a GEMM per
         // expert joined by cat, -4.9 % with the combine's transient the output's).
         MemoryCase{"moe_pp2", 1, 2, 1, "fp32", {}, "small-moe-memory.yaml"},
         // ... with expert parallelism: half the experts a rank, the copies exchanged.
         MemoryCase{"moe_ep2", 1, 1, 2, "fp32", {"--ep", "2"}, "small-moe-memory.yaml"},
+        // ... with tensor-parallel experts (each a half of every expert's width), and under
+        // sequence parallelism the copies of each rank's slice gathered over tp.
+        MemoryCase{"moe_tp2", 2, 1, 1, "fp32", {}, "small-moe-memory.yaml"},
+        MemoryCase{"moe_tp2_sp", 2, 1, 1, "fp32", {"--sequence-parallel"}, "small-moe-memory.yaml"},
         MemoryCase{"dp2_zero1", 1, 1, 2, "fp32", {"--zero", "1"}},
         // ZeRO-3: the fp32 shard is the master copy (4 bytes); between iterations both sides
         // hold the shards only, and through the iteration the unit in use and the one
@@ -223,7 +227,7 @@ INSTANTIATE_TEST_SUITE_P(
         MemoryCase{"pp2_recompute_selective", 1, 2, 1, "fp32", {"--recompute", "selective"}},
         // Zero-bubble split backwards, four micro-batches: between a BI block and its BW each
         // deferred linear layer holds its input and output gradient (Qi et al.'s M_W), not its
-        // input gradient (autograd's leaf kept it, 2026-12-07: -8.6 and -17.4 % before).
+        // input gradient (autograd's leaf kept it, 2026-12-06: -8.6 and -17.4 % before).
         MemoryCase{
             "zb_h1_pp2", 1, 2, 1, "fp32", {"--schedule", "zb-h1"}, "small-gpt-memory.yaml", 4},
         MemoryCase{

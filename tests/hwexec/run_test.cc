@@ -57,6 +57,8 @@ const std::string kGptQkNorm = std::string(NNSIM_TEST_DATA) + "/tiny-gpt-qk-norm
 // A mixture of experts: a dense first block, then blocks of 4 experts (top-2) and a shared one.
 const std::string kMoe = std::string(NNSIM_TEST_DATA) + "/tiny-moe.yaml";
 const std::string kMoeGrouped = std::string(NNSIM_TEST_DATA) + "/tiny-moe-grouped.yaml";
+// tiny-moe with biases (GeLU, LayerNorm, learned positions: tiny-gpt's blocks).
+const std::string kMoeBias = std::string(NNSIM_TEST_DATA) + "/tiny-moe-bias.yaml";
 // ReLU MLP (OPT), and squared ReLU with rope and GQA (Nemotron).
 const std::string kOpt = std::string(NNSIM_TEST_DATA) + "/tiny-opt.yaml";
 const std::string kNemotron = std::string(NNSIM_TEST_DATA) + "/tiny-nemotron.yaml";
@@ -751,6 +753,40 @@ INSTANTIATE_TEST_SUITE_P(
                  {"--ep", "2", "--framework", "fsdp", "--recompute", "full"}),
         // Group-limited routing: a token's experts from its best group (of two).
         with("moe_grouped_ep2", 1, 1, 2, 4, {"--ep", "2"}, &kMoeGrouped),
+        // Tensor-parallel experts (each rank a half of every expert's width, and of the shared
+        // expert's): the experts' and the shared expert's partial sums all-reduced for the
+        // combine, their input gradients for the dispatch; under sequence parallelism each
+        // rank routes its slice, its copies gathered over tp (reordered expert by expert) and
+        // the partial sums reduce-scattered back, the router's gradient summed over tp.
+        Case{"moe_tp2", 2, 1, 1, "1f1b", 2, &kMoe},
+        with("moe_tp2_sp", 2, 1, 1, 2, {"--sequence-parallel"}, &kMoe),
+        with("moe_tp2_sp_zero1_pp2_dp2", 2, 2, 2, 8, {"--sequence-parallel", "--zero", "1"}, &kMoe),
+        with("moe_tp2_sp_recompute_full", 2, 1, 1, 2,
+             {"--sequence-parallel", "--recompute", "full"}, &kMoe),
+        with("moe_tp2_sp_zero3_dp2", 2, 1, 2, 4, {"--sequence-parallel", "--zero", "3"}, &kMoe),
+        Case{"moe_tp2_sp_zb_h1_pp2", 2, 2, 1, "zb-h1", 4, &kMoe, "fp32", {"--sequence-parallel"}},
+        Case{"moe_tp2_fsdp_recompute_full_early_stop_zb_h1_pp2",
+             2,
+             2,
+             1,
+             "zb-h1",
+             4,
+             &kMoe,
+             "fp32",
+             {"--framework", "fsdp", "--recompute", "full"}},
+        Case{"moe_tp2_sp_cp2", 2, 1, 1, "1f1b", 2, &kMoe, "fp32", {"--sequence-parallel"}, 2},
+        with("moe_grouped_tp2_sp", 2, 1, 1, 2, {"--sequence-parallel"}, &kMoeGrouped),
+        Case{"moe_tp2_dualpipev_pp2_dp2", 2, 2, 2, "dualpipev", 8, &kMoe, "fp32", {"--vpp", "2"}},
+        // ... with biases: the row-parallel experts' added once, to the sums, in the combine.
+        Case{"moe_bias_tp2_sp_zb_h1_pp2",
+             2,
+             2,
+             1,
+             "zb-h1",
+             4,
+             &kMoeBias,
+             "fp32",
+             {"--sequence-parallel"}},
         // ... with ZeRO: the experts' state sharded over their own group (dp), the rest's
         // over dp and ep.
         with("moe_ep2_zero1_dp4", 1, 1, 4, 8, {"--ep", "2", "--zero", "1"}, &kMoe),
@@ -1114,6 +1150,58 @@ TEST(NnexecRunRefuses, ExpertParallelPlansItCannotRunNameTheField) {
     ASSERT_FALSE(s.ok()) << message;
     EXPECT_TRUE(contains(s.error().message(), message)) << s.error().message();
   }
+}
+
+// Tensor-parallel experts (Megatron-Core's expert tensor parallelism at the tensor-parallel
+// degree) run; what cannot, refused with the field named.
+TEST(NnexecRunRefuses, TensorParallelExpertPlansItCannotRunNameTheField) {
+  Expected<Plan> base = [] {
+    TempDir dir;
+    EXPECT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2, {"--sequence-parallel"}, kMoe).status, 0);
+    return load_plan(dir.file("plan.json"));
+  }();
+  ASSERT_TRUE(base.ok()) << base.error().message();
+  EXPECT_TRUE(check_runnable(*base).ok()) << check_runnable(*base).error().message();
+  auto unsplit = [](Plan& q, std::initializer_list<const char*> ops) {
+    for (const char* op : ops) {
+      q.partition.erase(std::remove_if(q.partition.begin(), q.partition.end(),
+                                       [&](const PartitionRule& r) { return r.match == op; }),
+                        q.partition.end());
+    }
+  };
+  const std::vector<std::pair<std::function<void(Plan&)>, const char*>> refused = {
+      {[&](Plan& q) { unsplit(q, {"moe.fc2"}); },
+       "partition: operators moe.fc1, moe.act, moe.fc2 must be split alike"},
+      {[&](Plan& q) { unsplit(q, {"moe.shared.fc1"}); },
+       "partition: operators moe.fc1, moe.shared.fc1, moe.shared.act, moe.shared.fc2 must be "
+       "split alike"},
+      {[&](Plan& q) {
+         unsplit(q, {"moe.fc1", "moe.act", "moe.fc2", "moe.shared.fc1", "moe.shared.act",
+                     "moe.shared.fc2"});
+       },
+       "partition: sequence parallelism needs the experts split along their width over the "
+       "tensor-parallel ranks"},
+      {[](Plan& q) { q.model.expert_ffn_hidden = 47; },
+       "partition: tensor-parallel degree 2 does not divide the experts' width 47"},
+  };
+  for (const auto& [change, message] : refused) {
+    Plan p = *base;
+    change(p);
+    const Status s = check_runnable(p);
+    ASSERT_FALSE(s.ok()) << message;
+    EXPECT_TRUE(contains(s.error().message(), message)) << s.error().message();
+  }
+  // Beside expert parallelism, tensor parallelism is refused (the simulator has it).
+  TempDir dir;
+  ASSERT_EQ(make_plan(dir, 2, 1, 2, "1f1b", 4, {"--ep", "2"}, kMoe).status, 0);
+  Expected<Plan> both = load_plan(dir.file("plan.json"));
+  ASSERT_TRUE(both.ok()) << both.error().message();
+  const Status s = check_runnable(*both);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(), "beside expert parallelism over ep"))
+      << s.error().message();
+  EXPECT_TRUE(contains(s.error().message(), "or without --ep (tensor-parallel experts run)"))
+      << s.error().message();
 }
 
 TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
