@@ -56,8 +56,9 @@ Status check_runnable(const Plan& plan) {
         "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
         "ReLU or squared-ReLU MLP, mixtures of experts (top-k, dropless, a shared expert, "
         "group-limited routing, every expert on every rank, split along its width over the "
-        "tensor-parallel ranks (with sequence and context parallelism too) or spread over "
-        "data-parallel ranks: expert parallelism with ZeRO 0-3), learned, rotary or ALiBi "
+        "tensor-parallel ranks (with sequence and context parallelism too), spread over "
+        "data-parallel ranks (expert parallelism, with ZeRO 0-3), or both), learned, rotary or "
+        "ALiBi "
         "positions, dropout with "
         "deterministic masks (recomputed and repeated passes too); Megatron tensor, sequence "
         "and context parallelism (together too), pipelines (interleaved too; the head and the "
@@ -80,9 +81,9 @@ Status check_runnable(const Plan& plan) {
                   "multi-token prediction is simulated only (drop 'mtp_layers')");
   }
   // Mixtures of experts run with every expert on every rank, split along their width over the
-  // tensor-parallel ranks, or spread over ranks that split the batch (expert parallelism,
-  // checked below; not beside tensor parallelism), routed dropless as Megatron-Core's default:
-  // each expert takes exactly the tokens routed to it.
+  // tensor-parallel ranks, spread over ranks that split the batch (expert parallelism, checked
+  // below), or both, routed dropless as Megatron-Core's default: each expert takes exactly the
+  // tokens routed to it.
   if (m.moe() && m.expert_capacity_factor != 1) {
     return refuse("model.expert_capacity_factor",
                   fmt::format("{} pads the experts' tokens, which nnexec does not: it routes "
@@ -166,20 +167,38 @@ Status check_runnable(const Plan& plan) {
   int ep = 1;
   for (const std::string& a : ep_axes) ep *= plan.mesh.axis_size(a);
   if (!ep_axes.empty()) {
-    // Only the experts' split and the batch's over the same axes: no tensor, sequence or context
-    // parallelism beside it.
+    // Beside the experts' split and the batch's over the same axes: tensor (and sequence)
+    // parallelism over other axes; no context parallelism, and no expert split over
+    // tensor-parallel axes (--etp 1).
+    std::vector<std::string> cp_of_core;
+    for (const PartitionRule& r : plan.partition) {
+      if (!match_pattern(r.match, "attn.core")) continue;
+      for (const DimSplit& s : r.splits) {
+        if (s.dim == Dim::kSeq) cp_of_core = s.axes;
+      }
+    }
     for (const PartitionRule& r : plan.partition) {
       for (const DimSplit& s : r.splits) {
         if (s.axes.empty() || s.dim == Dim::kExpert) continue;
         if (s.dim == Dim::kBatch && s.axes == ep_axes) continue;
+        bool shares = false;
+        for (const std::string& a : s.axes) {
+          shares = shares || std::find(ep_axes.begin(), ep_axes.end(), a) != ep_axes.end();
+        }
+        const bool cp = s.dim == Dim::kSeq && !cp_of_core.empty() &&
+                        std::equal(cp_of_core.begin(), cp_of_core.end(), s.axes.begin(),
+                                   s.axes.begin() + static_cast<std::ptrdiff_t>(std::min(
+                                                        cp_of_core.size(), s.axes.size())));
+        if (!shares && !cp) continue;
         return refuse(
             "partition",
-            fmt::format("'{}' is split along '{}' over {} beside expert parallelism "
-                        "over {}: expert parallelism with tensor, sequence or context "
-                        "parallelism is simulated only (nnexec exchanges the tokens "
-                        "of data-parallel ranks); plan with --tp 1 --cp 1, or without --ep "
-                        "(tensor-parallel experts run)",
-                        r.match, to_string(s.dim), join(s.axes, "+"), join(ep_axes, "+")));
+            fmt::format("'{}' is split along '{}' over {} beside expert parallelism over {}: "
+                        "{} is simulated only (nnexec exchanges the tokens of data-parallel "
+                        "ranks, the experts split along their width over tensor-parallel "
+                        "ones); plan with --cp 1 and --etp at the tensor-parallel degree",
+                        r.match, to_string(s.dim), join(s.axes, "+"), join(ep_axes, "+"),
+                        cp ? "expert parallelism with context parallelism"
+                           : "expert parallelism over tensor-parallel axes"));
       }
     }
     if (!m.moe()) {
@@ -368,6 +387,14 @@ Status check_runnable(const Plan& plan) {
   int tp = 1;
   for (const std::string& a : tp_axes) tp *= plan.mesh.axis_size(a);
   if (m.moe() && split_of.count("moe.fc1")) {
+    // The row-parallel experts' biases are added in the combine, to the summed copies: each
+    // rank would need every expert's bias, which expert parallelism spreads.
+    if (m.bias && !ep_axes.empty()) {
+      return refuse("model.bias",
+                    "biases in experts split both over expert- and tensor-parallel ranks are not "
+                    "supported (each rank adds its copies' experts' biases, and holds only its "
+                    "own experts'); use bias: false, --tp 1 or no --ep");
+    }
     if (m.expert_ffn_hidden % tp != 0 || m.shared_expert_ffn_hidden % tp != 0) {
       return refuse("partition",
                     fmt::format("tensor-parallel degree {} does not divide the experts' width "

@@ -60,15 +60,19 @@ void RankContext::all_reduce(at::Tensor& t, const std::vector<int>& group, const
   stats->coll("all_reduce", axes, label, t.numel() * 4.0, a, stats->mark());
 }
 
-at::Tensor RankContext::all_to_all(const at::Tensor& in, const std::vector<int64_t>& send_rows,
-                                   const std::vector<int64_t>& recv_rows, const std::string& label,
-                                   double bytes) {
+at::Tensor RankContext::exchange_rows(const std::vector<int>& group, const std::string& axes,
+                                      const char* kind, const at::Tensor& in,
+                                      const std::vector<int64_t>& send_rows,
+                                      const std::vector<int64_t>& recv_rows,
+                                      const std::string& label, double bytes) {
   const at::Tensor x = in.contiguous();
-  const int64_t width = x.numel() / std::max<int64_t>(x.size(0), 1);
+  // A row's elements from the shape, not numel / rows: a rank may hold no rows at all.
+  int64_t width = 1;
+  for (int64_t d = 1; d < x.dim(); ++d) width *= x.size(d);
   const auto row_bytes = static_cast<std::size_t>(width) * x.element_size();
   std::vector<std::size_t> send_bytes, recv_bytes;
   int64_t rows = 0;
-  for (std::size_t i = 0; i < ep_group.size(); ++i) {
+  for (std::size_t i = 0; i < group.size(); ++i) {
     send_bytes.push_back(static_cast<std::size_t>(send_rows[i]) * row_bytes);
     recv_bytes.push_back(static_cast<std::size_t>(recv_rows[i]) * row_bytes);
     rows += recv_rows[i];
@@ -79,15 +83,30 @@ at::Tensor RankContext::all_to_all(const at::Tensor& in, const std::vector<int64
   const Mark a = stats->mark();
 #ifdef NNSIM_TORCH_HAS_CUDA
   if (nccl) {
-    ok_or_throw(nccl->all_to_all(ep_group, x.data_ptr(), send_bytes, out.data_ptr(), recv_bytes,
+    ok_or_throw(nccl->all_to_all(group, x.data_ptr(), send_bytes, out.data_ptr(), recv_bytes,
                                  stats->stream));
-    stats->coll("all_to_all", ep_axes, label, bytes, a, stats->mark());
+    stats->coll(kind, axes, label, bytes, a, stats->mark());
     return out;
   }
 #endif
-  ok_or_throw(comm->all_to_all(ep_group, x.data_ptr(), send_bytes, out.data_ptr(), recv_bytes));
-  stats->coll("all_to_all", ep_axes, label, bytes, a, stats->mark());
+  ok_or_throw(comm->all_to_all(group, x.data_ptr(), send_bytes, out.data_ptr(), recv_bytes));
+  stats->coll(kind, axes, label, bytes, a, stats->mark());
   return out;
+}
+
+at::Tensor RankContext::all_to_all(const at::Tensor& in, const std::vector<int64_t>& send_rows,
+                                   const std::vector<int64_t>& recv_rows, const std::string& label,
+                                   double bytes) {
+  return exchange_rows(ep_group, ep_axes, "all_to_all", in, send_rows, recv_rows, label, bytes);
+}
+
+at::Tensor RankContext::all_gather_rows(const at::Tensor& in, const std::vector<int>& group,
+                                        const std::string& axes, const std::string& label,
+                                        const std::vector<int64_t>& recv_rows, double bytes) {
+  const auto g = static_cast<int64_t>(group.size());
+  const std::vector<int64_t> send_rows(group.size(), in.size(0));
+  return exchange_rows(group, axes, "all_gather", in.repeat({g, 1}), send_rows, recv_rows, label,
+                       bytes);
 }
 
 std::vector<int64_t> RankContext::exchange_counts(const std::vector<int>& group,

@@ -57,6 +57,12 @@ struct RankContext {
   at::Tensor all_to_all(const at::Tensor& in, const std::vector<int64_t>& send_rows,
                         const std::vector<int64_t>& recv_rows, const std::string& label,
                         double bytes);
+  // All-gather of `in`'s rows from members holding different numbers of them (recv_rows[i]
+  // from member i, in group order; an all-gather-v, as Megatron-Core's gather of the routed
+  // copies over tp), recorded as an all-gather of `bytes`.
+  at::Tensor all_gather_rows(const at::Tensor& in, const std::vector<int>& group,
+                             const std::string& axes, const std::string& label,
+                             const std::vector<int64_t>& recv_rows, double bytes);
   // The routed copies' counts (`per` integers to each member of `group`, in group order): what
   // each member sends this rank. Not recorded (metadata; the program moves the copies only).
   std::vector<int64_t> exchange_counts(const std::vector<int>& group,
@@ -121,6 +127,14 @@ struct RankContext {
   }
   void send_tagged(int peer, const at::Tensor& t, const std::string& label, int64_t tag);
   at::Tensor recv_tagged(int peer, at::IntArrayRef shape, int64_t tag);
+
+ private:
+  // send_rows[i] of `in`'s rows to member i of `group`, recv_rows[i] from it (in group order),
+  // recorded as a `kind` of `bytes`.
+  at::Tensor exchange_rows(const std::vector<int>& group, const std::string& axes, const char* kind,
+                           const at::Tensor& in, const std::vector<int64_t>& send_rows,
+                           const std::vector<int64_t>& recv_rows, const std::string& label,
+                           double bytes);
 };
 
 }  // namespace nnsim::hwexec

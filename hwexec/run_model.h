@@ -99,6 +99,21 @@ struct Unit {
 struct ExpertExchange {
   std::vector<int64_t> send_rows, recv_rows, local_counts;
   at::Tensor to_expert_major, to_source_major;
+  // got[e el + l]: member e's copies for this rank's local expert l (without expert
+  // parallelism: this rank's own copies of every expert).
+  std::vector<int64_t> got;
+};
+
+// Tensor-parallel experts under sequence parallelism: the copies that reached this rank (its
+// own, or those the expert-parallel exchange brought) all-gathered over tp, member by member,
+// and ordered expert by expert (to_expert_major, `counts` rows an expert) for the experts' width
+// slices; their partial sums go back whole to each copy's expert-parallel source (back_send_order
+// over the expert-major rows, back_send_rows to each ep member, back_recv_rows from each), are
+// ordered there tp member by tp member (back_recv_order), each member's copies in its own order,
+// and reduce-scattered over tp: each rank its own copies' sums.
+struct TpGather {
+  std::vector<int64_t> counts, member_rows, back_send_rows, back_recv_rows;
+  at::Tensor to_expert_major, back_send_order, back_recv_order;
 };
 
 struct LayerTape {
@@ -113,6 +128,7 @@ struct LayerTape {
   // (`returned`; under sequence parallelism this rank's copies, the copies gathered over tp as
   // `exchange` orders them), and the shared expert's (`shared_out`).
   ExpertExchange exchange;
+  TpGather gather;
   at::Tensor exchanged, returned, shared_out;
   DropoutKey key;           // the micro-batch's dropout masks (a recomputation draws them again)
   at::Tensor x;             // the layer's input, kept when the layer recomputes operators
@@ -332,16 +348,20 @@ class Model {
   // rank's copies in its expert order.
   at::Tensor from_experts(RankContext& c, const LayerTape& t, const at::Tensor& rows,
                           const std::string& label) const;
-  // Tensor-parallel experts under sequence parallelism: each tp rank routes its sequence slice,
-  // and its copies are all-gathered over tp for the experts (each rank a slice of every
-  // expert's width), reordered expert by expert (`plan_tp_gather`, from every member's counts;
-  // `gather_copies`); the experts' partial sums go back reduce-scattered to each rank's copies
-  // (`scatter_copies`), as Megatron-Core's all-to-all dispatcher with expert tensor parallelism.
+  // Tensor-parallel experts under sequence parallelism: each tp rank routes its sequence slice;
+  // the copies that reach a rank (after the expert-parallel exchange, if any) are all-gathered
+  // over tp for the experts (each rank a slice of every expert's width), ordered expert by
+  // expert (`plan_tp_gather`, from every member's counts; `gather_copies`); the experts'
+  // partial sums go back to their sources, over ep first and then reduce-scattered over tp, as
+  // the program converts axis by axis in mesh order (`return_gathered`).
   void plan_tp_gather(RankContext& c, LayerTape& t) const;
   at::Tensor gather_copies(RankContext& c, const LayerTape& t, const at::Tensor& rows,
                            const std::string& label) const;
-  at::Tensor scatter_copies(RankContext& c, const LayerTape& t, const at::Tensor& rows,
-                            const std::string& label) const;
+  at::Tensor return_gathered(RankContext& c, const LayerTape& t, const at::Tensor& rows,
+                             const std::string& label) const;
+  // What the program moves for the gathered copies: every tp member's own routed copies.
+  double nominal_gathered_bytes(const RankContext& c, const LayerTape& t,
+                                const at::Tensor& rows) const;
 
   // An operator's output goes once the operator that saved it has run its backward, as
   // autograd frees a saved tensor in Megatron's one graph; here the producer's unit keeps the

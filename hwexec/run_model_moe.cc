@@ -133,12 +133,11 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
                  [&](const std::vector<at::Tensor>& in) { return act(in[0]); });
   }
   if (L.sfc1_w && runs("moe.shared.fc2")) {
-    t.sfc2 =
-        fwd(st, "moe.shared.fc2", phase, {leaf(t.sact.out)},
-            [&](const std::vector<at::Tensor>& in) {
-              // Row-parallel: its bias is added once, to the sum, in the combine.
-              return linear(in[0], L.sfc2_w, shared_tp ? nullptr : L.sfc2_b);
-            });
+    t.sfc2 = fwd(st, "moe.shared.fc2", phase, {leaf(t.sact.out)},
+                 [&](const std::vector<at::Tensor>& in) {
+                   // Row-parallel: its bias is added once, to the sum, in the combine.
+                   return linear(in[0], L.sfc2_w, shared_tp ? nullptr : L.sfc2_b);
+                 });
     t.sfc2.weights = weights_of({L.sfc2_w, L.sfc2_b});
   }
   if (runs("moe.router")) {
@@ -155,7 +154,6 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
                                spec_.router_group_topk);
       return dispatch_tokens(in[0].reshape({tokens, h}), t.routing);
     });
-    if (etp && sp) plan_tp_gather(c, t);
   }
   // Expert parallelism: the copies go to their experts' ranks (with the dispatch, recomputed
   // with it), and the dispatch's output is not read again (its backward reads the indices).
@@ -166,11 +164,16 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
     resize_storage(t.dispatch.out, 0);
   }
   const bool gathered = etp && sp;
-  const std::vector<int64_t>& counts = ep || gathered ? t.exchange.local_counts : t.routing.counts;
+  if (gathered && runs("moe.dispatch")) plan_tp_gather(c, t);
+  const std::vector<int64_t>& counts = gathered ? t.gather.counts
+                                       : ep     ? t.exchange.local_counts
+                                                : t.routing.counts;
   if (runs("moe.fc1")) {
-    at::Tensor in = ep         ? t.exchanged
-                    : gathered ? gather_copies(c, t, t.dispatch.out.detach(), "moe.fc1")
-                               : t.dispatch.out;
+    // Under sequence parallelism the copies that reached this rank, gathered over tp.
+    at::Tensor in =
+        gathered ? gather_copies(c, t, (ep ? t.exchanged : t.dispatch.out).detach(), "moe.fc1")
+        : ep     ? t.exchanged
+                 : t.dispatch.out;
     t.efc1 = fwd(st, "moe.fc1", phase, {leaf(in)}, [&](const std::vector<at::Tensor>& in) {
       return expert_linear(in[0], L.efc1_w, L.efc1_b, counts);
     });
@@ -190,10 +193,11 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
     // ... and their outputs come back to this rank's copies, in its expert order (labelled as
     // the program's conversion into the combine's input); tensor-parallel experts' partial
     // sums are summed over tp, under sequence parallelism into this rank's copies.
-    if (ep) {
+    if (gathered) {
+      t.returned = return_gathered(c, t, t.efc2.out.detach(), "moe.combine");
+    } else if (ep) {
       t.returned = from_experts(c, t, t.efc2.out.detach(), "moe.combine");
-    } else if (gathered) {
-      t.returned = scatter_copies(c, t, t.efc2.out.detach(), "moe.combine");
+      if (etp) c.tp_all_reduce(t.returned, "moe.combine");
     } else if (etp) {
       t.returned = t.efc2.out.detach().clone();
       c.tp_all_reduce(t.returned, "moe.combine");
@@ -252,35 +256,132 @@ void Model::plan_exchange(RankContext& c, LayerTape& t) const {
   }
   // got[i el + l]: member i's copies for this rank's expert l (its counts are in expert order,
   // each member's experts a run of el).
-  order_by_expert(c.exchange_counts(c.ep_group, t.routing.counts, el), g, el, device_, x);
+  x.got = c.exchange_counts(c.ep_group, t.routing.counts, el);
+  order_by_expert(x.got, g, el, device_, x);
 }
 
 void Model::plan_tp_gather(RankContext& c, LayerTape& t) const {
-  // Every member's counts of every expert, member by member.
-  const auto g = static_cast<int64_t>(c.tp_group.size());
-  std::vector<int64_t> send;
-  for (int64_t i = 0; i < g; ++i) {
-    send.insert(send.end(), t.routing.counts.begin(), t.routing.counts.end());
+  // Per tp member i: got_i[e el + l], the copies it holds from ep member e for local expert l
+  // (held in l-major, then e, order), and sent_i[e], the copies it sent ep member e.
+  const auto tp = static_cast<int64_t>(c.tp_group.size());
+  const bool ep = split_.ep > 1;
+  const int64_t g = split_.ep, el = spec_.experts / g;
+  const std::vector<int64_t>& got = ep ? t.exchange.got : t.routing.counts;
+  const std::vector<int64_t> sent =
+      ep ? t.exchange.send_rows : std::vector<int64_t>{t.routing.order.numel()};
+  auto from_all = [&](const std::vector<int64_t>& mine) {
+    std::vector<int64_t> send;
+    for (int64_t i = 0; i < tp; ++i) send.insert(send.end(), mine.begin(), mine.end());
+    return c.exchange_counts(c.tp_group, send, static_cast<int64_t>(mine.size()));
+  };
+  const std::vector<int64_t> got_all = from_all(got), sent_all = from_all(sent);
+  auto got_of = [&](int64_t i, int64_t e, int64_t l) {
+    return got_all[static_cast<std::size_t>(i * g * el + e * el + l)];
+  };
+  auto sent_of = [&](int64_t j, int64_t e) {
+    return sent_all[static_cast<std::size_t>(j * g + e)];
+  };
+  auto cell = [&](int64_t i, int64_t e, int64_t l) {
+    return static_cast<std::size_t>((i * g + e) * el + l);
+  };
+  TpGather& x = t.gather;
+  // The gathered rows: member by member, each member's l-major then e; where (i, e, l) starts.
+  std::vector<int64_t> start(static_cast<std::size_t>(tp * g * el));
+  int64_t row = 0;
+  x.member_rows.assign(static_cast<std::size_t>(tp), 0);
+  for (int64_t i = 0; i < tp; ++i) {
+    for (int64_t l = 0; l < el; ++l) {
+      for (int64_t e = 0; e < g; ++e) {
+        start[cell(i, e, l)] = row;
+        row += got_of(i, e, l);
+        x.member_rows[static_cast<std::size_t>(i)] += got_of(i, e, l);
+      }
+    }
   }
-  order_by_expert(c.exchange_counts(c.tp_group, send, spec_.experts), g, spec_.experts, device_,
-                  t.exchange);
+  // Expert-major: l, then i, then e; and where each (i, e, l) lands there.
+  std::vector<int64_t> order, landed(start.size());
+  order.reserve(static_cast<std::size_t>(row));
+  x.counts.assign(static_cast<std::size_t>(el), 0);
+  for (int64_t l = 0; l < el; ++l) {
+    for (int64_t i = 0; i < tp; ++i) {
+      for (int64_t e = 0; e < g; ++e) {
+        landed[cell(i, e, l)] = static_cast<int64_t>(order.size());
+        for (int64_t r = 0; r < got_of(i, e, l); ++r) order.push_back(start[cell(i, e, l)] + r);
+        x.counts[static_cast<std::size_t>(l)] += got_of(i, e, l);
+      }
+    }
+  }
+  x.to_expert_major = at::tensor(order, at::kLong).to(device_);
+  // Back to the sources: to ep member e, each tp member i's copies from e, expert by expert.
+  std::vector<int64_t> back;
+  back.reserve(static_cast<std::size_t>(row));
+  x.back_send_rows.assign(static_cast<std::size_t>(g), 0);
+  for (int64_t e = 0; e < g; ++e) {
+    for (int64_t i = 0; i < tp; ++i) {
+      for (int64_t l = 0; l < el; ++l) {
+        for (int64_t r = 0; r < got_of(i, e, l); ++r) back.push_back(landed[cell(i, e, l)] + r);
+        x.back_send_rows[static_cast<std::size_t>(e)] += got_of(i, e, l);
+      }
+    }
+  }
+  x.back_send_order = at::tensor(back, at::kLong).to(device_);
+  // Received from each ep member e: tp member j's copies' sums from e's experts (sent_j[e]
+  // rows), j by j; reordered tp member by tp member, each member's copies in its own order.
+  x.back_recv_rows.assign(static_cast<std::size_t>(g), 0);
+  std::vector<int64_t> block(static_cast<std::size_t>(g), 0);
+  for (int64_t e = 0; e < g; ++e) {
+    for (int64_t j = 0; j < tp; ++j) x.back_recv_rows[static_cast<std::size_t>(e)] += sent_of(j, e);
+    if (e > 0) {
+      block[static_cast<std::size_t>(e)] = block[static_cast<std::size_t>(e - 1)] +
+                                           x.back_recv_rows[static_cast<std::size_t>(e - 1)];
+    }
+  }
+  std::vector<int64_t> recv;
+  recv.reserve(static_cast<std::size_t>(row));
+  for (int64_t j = 0; j < tp; ++j) {
+    for (int64_t e = 0; e < g; ++e) {
+      int64_t first = block[static_cast<std::size_t>(e)];
+      for (int64_t jj = 0; jj < j; ++jj) first += sent_of(jj, e);
+      for (int64_t r = 0; r < sent_of(j, e); ++r) recv.push_back(first + r);
+    }
+  }
+  x.back_recv_order = at::tensor(recv, at::kLong).to(device_);
 }
 
 at::Tensor Model::gather_copies(RankContext& c, const LayerTape& t, const at::Tensor& rows,
                                 const std::string& label) const {
   const int64_t width = rows.size(1);
+  if (split_.ep > 1) {
+    // The expert-parallel exchange leaves the members different numbers of copies; recorded as
+    // the program's all-gather of every member's own routed copies (balanced routing's bytes).
+    return c
+        .all_gather_rows(rows, c.tp_group, c.tp_axes, label, t.gather.member_rows,
+                         nominal_gathered_bytes(c, t, rows))
+        .index_select(0, t.gather.to_expert_major);
+  }
   return c.all_gather(rows.reshape({-1}), c.tp_group, c.tp_axes, label)
       .view({-1, width})
-      .index_select(0, t.exchange.to_expert_major);
+      .index_select(0, t.gather.to_expert_major);
 }
 
-at::Tensor Model::scatter_copies(RankContext& c, const LayerTape& t, const at::Tensor& rows,
-                                 const std::string& label) const {
+double Model::nominal_gathered_bytes(const RankContext& c, const LayerTape& t,
+                                     const at::Tensor& rows) const {
+  return static_cast<double>(c.tp_group.size()) * static_cast<double>(t.routing.order.numel()) *
+         static_cast<double>(rows.size(1)) * static_cast<double>(rows.element_size());
+}
+
+at::Tensor Model::return_gathered(RankContext& c, const LayerTape& t, const at::Tensor& rows,
+                                  const std::string& label) const {
+  const TpGather& x = t.gather;
   const int64_t width = rows.size(1);
-  return c
-      .reduce_scatter(rows.index_select(0, t.exchange.to_source_major).reshape({-1}), c.tp_group,
-                      c.tp_axes, label)
-      .view({-1, width});
+  at::Tensor back = rows.index_select(0, x.back_send_order);
+  if (split_.ep > 1) {
+    // The partial sums whole over ep first (the program converts axis by axis, ep before tp).
+    back = c.all_to_all(back, x.back_send_rows, x.back_recv_rows, label,
+                        nominal_gathered_bytes(c, t, rows))
+               .index_select(0, x.back_recv_order);
+  }
+  return c.reduce_scatter(back.reshape({-1}), c.tp_group, c.tp_axes, label).view({-1, width});
 }
 
 at::Tensor Model::to_experts(RankContext& c, const LayerTape& t, const at::Tensor& rows,
@@ -328,7 +429,8 @@ at::Tensor Model::moe_backward(RunStats& st, const LayerParams& L, LayerTape& t,
   if (gathered && !t.efc1.in.empty()) {
     // The dropped gathered copies, gathered again (a recomputed fc1 has them).
     if (t.efc1.in[0].storage().nbytes() == 0) {
-      const at::Tensor full = gather_copies(c, t, t.dispatch.out.detach(), "moe.fc1");
+      const at::Tensor full =
+          gather_copies(c, t, (ep ? t.exchanged : t.dispatch.out).detach(), "moe.fc1");
       resize_storage(t.efc1.in[0], full.nbytes());
       c10::NoGradGuard no_grad;
       t.efc1.in[0].variable_data().copy_(full);
@@ -338,11 +440,13 @@ at::Tensor Model::moe_backward(RunStats& st, const LayerParams& L, LayerTape& t,
   d = bwd(st, "moe.fc1", t.efc1, d)[0];
   // The dispatch's output is fc1's input unless the copies moved (exchanged or gathered).
   release_output(t.dispatch, fc1_defers && !ep && !gathered);
-  if (ep) {
-    if (!fc1_defers) resize_storage(t.exchanged, 0);
+  // The exchanged copies: fc1's input, or under sequence parallelism what its gathers read.
+  if (ep && (gathered || !fc1_defers)) resize_storage(t.exchanged, 0);
+  if (gathered) {
+    d = return_gathered(c, t, d, "moe.fc1");
+  } else if (ep) {
     d = from_experts(c, t, d, "moe.fc1");
-  } else if (gathered) {
-    d = scatter_copies(c, t, d, "moe.fc1");
+    if (etp) c.tp_all_reduce(d, "moe.fc1");
   } else if (etp) {
     c.tp_all_reduce(d, "moe.fc1");
   }
@@ -371,6 +475,7 @@ at::Tensor Model::moe_backward(RunStats& st, const LayerParams& L, LayerTape& t,
   release_output(t.n2, n2_read_later);
   t.routing = MoeRouting{};
   t.exchange = ExpertExchange{};
+  t.gather = TpGather{};
   t.exchanged = t.returned = t.shared_out = at::Tensor();
   return dx;
 }

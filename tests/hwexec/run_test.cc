@@ -777,6 +777,76 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"moe_tp2_sp_cp2", 2, 1, 1, "1f1b", 2, &kMoe, "fp32", {"--sequence-parallel"}, 2},
         with("moe_grouped_tp2_sp", 2, 1, 1, 2, {"--sequence-parallel"}, &kMoeGrouped),
         Case{"moe_tp2_dualpipev_pp2_dp2", 2, 2, 2, "dualpipev", 8, &kMoe, "fp32", {"--vpp", "2"}},
+        // Beside expert parallelism: each tp rank exchanges its copies with its ep peers;
+        // under sequence parallelism the copies that arrive are then gathered over tp (their
+        // counts differing rank to rank: an all-gather of uneven pieces, recorded with the
+        // program's bytes), and the partial sums go back over ep whole, then reduce-scattered
+        // over tp, as the program converts ep before tp.
+        Case{"moe_tp2_ep2", 2, 1, 2, "1f1b", 4, &kMoe, "fp32", {"--ep", "2"}},
+        Case{"moe_tp2_ep2_sp",
+             2,
+             1,
+             2,
+             "1f1b",
+             4,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--sequence-parallel"}},
+        Case{"moe_tp2_ep2_sp_recompute_full",
+             2,
+             1,
+             2,
+             "1f1b",
+             4,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--sequence-parallel", "--recompute", "full"}},
+        Case{"moe_tp2_ep2_sp_zb_h1_pp2",
+             2,
+             2,
+             2,
+             "zb-h1",
+             8,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--sequence-parallel"}},
+        Case{"moe_tp2_ep2_sp_zero3_dp4",
+             2,
+             1,
+             4,
+             "1f1b",
+             8,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--sequence-parallel", "--zero", "3"}},
+        Case{"moe_tp2_ep2_fsdp_recompute_full_early_stop_zb_h1_pp2",
+             2,
+             2,
+             2,
+             "zb-h1",
+             8,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--framework", "fsdp", "--recompute", "full"}},
+        Case{"moe_tp2_ep2_sp_dualpipev_pp2",
+             2,
+             2,
+             2,
+             "dualpipev",
+             8,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--vpp", "2", "--sequence-parallel"}},
+        // ... over four ep ranks, one of which receives no copies of one layer (an empty piece).
+        Case{"moe_tp2_ep4_sp",
+             2,
+             1,
+             4,
+             "1f1b",
+             8,
+             &kMoe,
+             "fp32",
+             {"--ep", "4", "--sequence-parallel"}},
         // ... with biases: the row-parallel experts' added once, to the sums, in the combine.
         Case{"moe_bias_tp2_sp_zb_h1_pp2",
              2,
@@ -1025,12 +1095,14 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
        "ZeRO-3 with expert parallelism is not supported"});
   ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2", "--moe-deepep"}, kMoe).status, 0);
   refused({"cannot run this plan: moe_deepep: DeepEP's exchange is simulated only"});
-  ASSERT_EQ(make_plan(dir, 2, 1, 2, "1f1b", 4, {"--ep", "2", "--sequence-parallel"}, kMoe).status,
-            0);
+  ASSERT_EQ(
+      make_plan(dir, 2, 1, 2, "1f1b", 4, {"--ep", "2", "--sequence-parallel", "--etp", "1"}, kMoe)
+          .status,
+      0);
   refused(
-      {"cannot run this plan: partition: 'attn.qkv' is split along 'heads' over tp beside "
-       "expert parallelism over ep: expert parallelism with tensor, sequence or context "
-       "parallelism is simulated only"});
+      {"cannot run this plan: partition: '*' is split along 'batch' over ep beside expert "
+       "parallelism over ep+tp: expert parallelism over tensor-parallel axes is simulated "
+       "only"});
   // A mixture of experts in bf16 runs (under ZeRO-3 too, which gathers the routers' fp32
   // weights: the router scores in fp32), but is not checked against the fp32 reference:
   // rounding moves tokens to other experts.
@@ -1191,16 +1263,32 @@ TEST(NnexecRunRefuses, TensorParallelExpertPlansItCannotRunNameTheField) {
     ASSERT_FALSE(s.ok()) << message;
     EXPECT_TRUE(contains(s.error().message(), message)) << s.error().message();
   }
-  // Beside expert parallelism, tensor parallelism is refused (the simulator has it).
+  // Beside expert parallelism: whole experts over the tensor-parallel ranks (--etp 1), context
+  // parallelism, and biases (each rank would add experts' biases it does not hold).
+  const std::vector<std::tuple<std::vector<std::string>, int, const char*>> refused_plans = {
+      {{"--ep", "2", "--sequence-parallel", "--etp", "1"},
+       1,
+       "expert parallelism over tensor-parallel axes is simulated only"},
+      {{"--ep", "2"}, 2, "expert parallelism with context parallelism is simulated only"},
+  };
+  for (const auto& [flags, cp, message] : refused_plans) {
+    TempDir dir;
+    ASSERT_EQ(make_plan(dir, 2, 1, 2, "1f1b", 8, flags, kMoe, "fp32", cp).status, 0) << message;
+    Expected<Plan> q = load_plan(dir.file("plan.json"));
+    ASSERT_TRUE(q.ok()) << q.error().message();
+    const Status s = check_runnable(*q);
+    ASSERT_FALSE(s.ok()) << message;
+    EXPECT_TRUE(contains(s.error().message(), message)) << s.error().message();
+  }
   TempDir dir;
-  ASSERT_EQ(make_plan(dir, 2, 1, 2, "1f1b", 4, {"--ep", "2"}, kMoe).status, 0);
-  Expected<Plan> both = load_plan(dir.file("plan.json"));
-  ASSERT_TRUE(both.ok()) << both.error().message();
-  const Status s = check_runnable(*both);
+  ASSERT_EQ(make_plan(dir, 2, 1, 2, "1f1b", 4, {"--ep", "2"}, kMoeBias).status, 0);
+  Expected<Plan> biased = load_plan(dir.file("plan.json"));
+  ASSERT_TRUE(biased.ok()) << biased.error().message();
+  const Status s = check_runnable(*biased);
   ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(contains(s.error().message(), "beside expert parallelism over ep"))
-      << s.error().message();
-  EXPECT_TRUE(contains(s.error().message(), "or without --ep (tensor-parallel experts run)"))
+  EXPECT_TRUE(contains(s.error().message(),
+                       "model.bias: biases in experts split both over expert- "
+                       "and tensor-parallel ranks"))
       << s.error().message();
 }
 
