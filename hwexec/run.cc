@@ -57,7 +57,8 @@ Status check_runnable(const Plan& plan) {
         "ReLU or squared-ReLU MLP, mixtures of experts (top-k, dropless, a shared expert, "
         "group-limited routing, every expert on every rank, split along its width over the "
         "tensor-parallel ranks (with sequence and context parallelism too), spread over "
-        "data-parallel ranks (expert parallelism, with ZeRO 0-3), or both), learned, rotary or "
+        "data-parallel ranks (expert parallelism, with ZeRO 0-3), or both, folded over the "
+        "tensor-parallel ranks too), learned, rotary or "
         "ALiBi "
         "positions, dropout with "
         "deterministic masks (recomputed and repeated passes too); Megatron tensor, sequence "
@@ -166,24 +167,37 @@ Status check_runnable(const Plan& plan) {
   }
   int ep = 1;
   for (const std::string& a : ep_axes) ep *= plan.mesh.axis_size(a);
-  if (!ep_axes.empty()) {
-    // Beside the experts' split and the batch's over the same axes: tensor (and sequence)
-    // parallelism over other axes; no context parallelism, and no expert split over
-    // tensor-parallel axes (--etp 1).
-    std::vector<std::string> cp_of_core;
+  // The batch's split of every other operator: the expert-parallel axes, or those without the
+  // tensor-parallel ones the experts are also folded over (--etp 1).
+  auto split_of_op = [&](const char* op, Dim dim) {
+    std::vector<std::string> axes;
     for (const PartitionRule& r : plan.partition) {
-      if (!match_pattern(r.match, "attn.core")) continue;
+      if (!match_pattern(r.match, op)) continue;
       for (const DimSplit& s : r.splits) {
-        if (s.dim == Dim::kSeq) cp_of_core = s.axes;
+        if (s.dim == dim) axes = s.axes;
       }
     }
+    return axes;
+  };
+  const std::vector<std::string> batch_axes = split_of_op("attn.norm", Dim::kBatch);
+  bool folded = false;  // the experts split over axes the batch is not (--etp 1)
+  for (const std::string& a : ep_axes) {
+    folded = folded || std::find(batch_axes.begin(), batch_axes.end(), a) == batch_axes.end();
+  }
+  int batch_ep = 1;
+  for (const std::string& a : batch_axes) batch_ep *= plan.mesh.axis_size(a);
+  if (!ep_axes.empty()) {
+    // Beside the experts' split and the batch's: tensor (and sequence) parallelism over other
+    // axes, which the experts may be folded over too; no context parallelism.
+    const std::vector<std::string> cp_of_core = split_of_op("attn.core", Dim::kSeq);
+    const std::vector<std::string> heads = split_of_op("attn.qkv", Dim::kHeads);
     for (const PartitionRule& r : plan.partition) {
       for (const DimSplit& s : r.splits) {
         if (s.axes.empty() || s.dim == Dim::kExpert) continue;
-        if (s.dim == Dim::kBatch && s.axes == ep_axes) continue;
+        if (s.dim == Dim::kBatch && s.axes == batch_axes) continue;
         bool shares = false;
         for (const std::string& a : s.axes) {
-          shares = shares || std::find(ep_axes.begin(), ep_axes.end(), a) != ep_axes.end();
+          shares = shares || std::find(batch_axes.begin(), batch_axes.end(), a) != batch_axes.end();
         }
         const bool cp = s.dim == Dim::kSeq && !cp_of_core.empty() &&
                         std::equal(cp_of_core.begin(), cp_of_core.end(), s.axes.begin(),
@@ -195,10 +209,29 @@ Status check_runnable(const Plan& plan) {
             fmt::format("'{}' is split along '{}' over {} beside expert parallelism over {}: "
                         "{} is simulated only (nnexec exchanges the tokens of data-parallel "
                         "ranks, the experts split along their width over tensor-parallel "
-                        "ones); plan with --cp 1 and --etp at the tensor-parallel degree",
+                        "ones or folded over them); plan with --cp 1",
                         r.match, to_string(s.dim), join(s.axes, "+"), join(ep_axes, "+"),
                         cp ? "expert parallelism with context parallelism"
-                           : "expert parallelism over tensor-parallel axes"));
+                           : "a split over the batch's expert-parallel axes"));
+      }
+    }
+    // Folded over tensor-parallel axes (--etp 1): each rank routes its slice of the sequence
+    // (Megatron-Core requires sequence parallelism for a mixture under tensor parallelism).
+    for (const std::string& a : ep_axes) {
+      if (std::find(batch_axes.begin(), batch_axes.end(), a) != batch_axes.end()) continue;
+      if (std::find(heads.begin(), heads.end(), a) == heads.end()) {
+        return refuse("partition",
+                      fmt::format("the experts are split over '{}', which neither splits the "
+                                  "batch nor the attention heads: expert parallelism over the "
+                                  "data-parallel ranks, folded over tensor-parallel ones only",
+                                  a));
+      }
+      if (split_of_op("attn.norm", Dim::kSeq).empty()) {
+        return refuse("partition",
+                      "experts folded over the tensor-parallel ranks (--etp 1) need sequence "
+                      "parallelism (each rank routes its slice of the sequence, as "
+                      "Megatron-Core requires for a mixture under tensor parallelism); plan "
+                      "with --sequence-parallel");
       }
     }
     if (!m.moe()) {
@@ -218,11 +251,11 @@ Status check_runnable(const Plan& plan) {
                                 "ranks; use an expert-parallel degree dividing {}",
                                 m.experts, ep, m.experts));
     }
-    if (plan.micro_batch % ep != 0) {
+    if (plan.micro_batch % batch_ep != 0) {
       return refuse("training.micro_batch",
                     fmt::format("{} sequences a micro-batch cannot be split over the {} "
                                 "expert-parallel ranks (each takes micro_batch / ep of them)",
-                                plan.micro_batch, ep));
+                                plan.micro_batch, batch_ep));
     }
     if (plan.moe_deepep) {
       return refuse("moe_deepep",
@@ -283,9 +316,9 @@ Status check_runnable(const Plan& plan) {
         if (axes.empty()) continue;
         // Expert parallelism: the experts' split, and every other operator's batch over the
         // same axes.
-        if (!ep_axes.empty() && axes == ep_axes &&
-            ((dim == Dim::kExpert && is_expert_op(op.name)) ||
-             (dim == Dim::kBatch && !is_expert_op(op.name)))) {
+        if (!ep_axes.empty() &&
+            ((dim == Dim::kExpert && is_expert_op(op.name) && axes == ep_axes) ||
+             (dim == Dim::kBatch && !is_expert_op(op.name) && axes == batch_axes))) {
           continue;
         }
         if (dim == Dim::kSeq && !cp_axes.empty() && axes == cp_axes) {
@@ -378,8 +411,10 @@ Status check_runnable(const Plan& plan) {
   if (m.moe()) {
     if (Status s = same({"moe.fc1", "moe.act", "moe.fc2"}); !s) return s;
     if (m.shared_expert_ffn_hidden > 0) {
-      if (Status s = same({"moe.fc1", "moe.shared.fc1", "moe.shared.act", "moe.shared.fc2"}); !s) {
-        return s;
+      if (Status s = same({"moe.shared.fc1", "moe.shared.act", "moe.shared.fc2"}); !s) return s;
+      // Split along their width, the routed experts like the shared one (folded, whole).
+      if (split_of.count("moe.fc1")) {
+        if (Status s = same({"moe.fc1", "moe.shared.fc1"}); !s) return s;
       }
     }
   }
@@ -438,7 +473,7 @@ Status check_runnable(const Plan& plan) {
         }
       }
     }
-    if (m.moe() && !split_of.count("moe.fc1")) {
+    if (m.moe() && !split_of.count("moe.fc1") && !folded) {
       return refuse("partition",
                     "sequence parallelism needs the experts split along their width over the "
                     "tensor-parallel ranks (each rank routes its slice of the sequence, whose "
@@ -508,7 +543,7 @@ Status check_runnable(const Plan& plan) {
             if (s.dim == Dim::kBatch) batch = s.axes;
           }
         }
-        if (batch != ep_axes) {
+        if (batch != batch_axes || (batch_axes.empty() && !folded)) {
           return refuse("partition",
                         fmt::format("operator '{}' splits its batch over {} but the experts are "
                                     "split over {} (expert parallelism splits the batch of every "

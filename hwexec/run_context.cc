@@ -85,13 +85,21 @@ at::Tensor RankContext::exchange_rows(const std::vector<int>& group, const std::
   if (nccl) {
     ok_or_throw(nccl->all_to_all(group, x.data_ptr(), send_bytes, out.data_ptr(), recv_bytes,
                                  stats->stream));
-    stats->coll(kind, axes, label, bytes, a, stats->mark());
+    if (kind) stats->coll(kind, axes, label, bytes, a, stats->mark());
     return out;
   }
 #endif
   ok_or_throw(comm->all_to_all(group, x.data_ptr(), send_bytes, out.data_ptr(), recv_bytes));
-  stats->coll(kind, axes, label, bytes, a, stats->mark());
+  if (kind) stats->coll(kind, axes, label, bytes, a, stats->mark());
   return out;
+}
+
+at::Tensor RankContext::all_to_all_over(const std::vector<int>& group, const std::string& axes,
+                                        const at::Tensor& in, const std::vector<int64_t>& send_rows,
+                                        const std::vector<int64_t>& recv_rows,
+                                        const std::string& label, double bytes, bool record) {
+  return exchange_rows(group, axes, record ? "all_to_all" : nullptr, in, send_rows, recv_rows,
+                       label, bytes);
 }
 
 at::Tensor RankContext::all_to_all(const at::Tensor& in, const std::vector<int64_t>& send_rows,

@@ -39,9 +39,17 @@ struct RankContext {
   std::string cp_axes = "cp";
   int cp_next = -1, cp_prev = -1;
   int tp_index = 0;
-  // Expert parallelism: the ranks that split the experts (and the batch of the rest).
+  // Expert parallelism: the ranks that split the experts (and the batch of the rest); with the
+  // experts folded over tensor-parallel axes too (--etp 1), one group an axis of them, in mesh
+  // order (the routed copies travel axis by axis).
   std::vector<int> ep_group{0};
   std::string ep_axes = "ep";
+  struct AxisGroup {
+    std::vector<int> ranks;
+    std::string axis;
+    int index = 0;  // this rank's place
+  };
+  std::vector<AxisGroup> ep_stages;
   std::vector<at::Tensor> in_flight;  // sent tensors, kept until the iteration's synchronize
   bool has_nccl() const { return nccl != nullptr; }
   // The socket Comm's channel of point-to-point transfers (pipeline, cp ring): apart from the
@@ -57,6 +65,12 @@ struct RankContext {
   at::Tensor all_to_all(const at::Tensor& in, const std::vector<int64_t>& send_rows,
                         const std::vector<int64_t>& recv_rows, const std::string& label,
                         double bytes);
+  // send_rows[i] of `in`'s rows (any dtype) to member i of `group`, recv_rows[i] from it;
+  // recorded as an all-to-all of `bytes` over `axes` (`record` false: metadata, not recorded).
+  at::Tensor all_to_all_over(const std::vector<int>& group, const std::string& axes,
+                             const at::Tensor& in, const std::vector<int64_t>& send_rows,
+                             const std::vector<int64_t>& recv_rows, const std::string& label,
+                             double bytes, bool record = true);
   // All-gather of `in`'s rows from members holding different numbers of them (recv_rows[i]
   // from member i, in group order; an all-gather-v, as Megatron-Core's gather of the routed
   // copies over tp), recorded as an all-gather of `bytes`.
@@ -130,7 +144,7 @@ struct RankContext {
 
  private:
   // send_rows[i] of `in`'s rows to member i of `group`, recv_rows[i] from it (in group order),
-  // recorded as a `kind` of `bytes`.
+  // recorded as a `kind` of `bytes` (null: not recorded).
   at::Tensor exchange_rows(const std::vector<int>& group, const std::string& axes, const char* kind,
                            const at::Tensor& in, const std::vector<int64_t>& send_rows,
                            const std::vector<int64_t>& recv_rows, const std::string& label,

@@ -48,6 +48,16 @@ RankLayout layout_of(const Plan& plan, int rank) {
   split_along(plan, rank, "attn.core", Dim::kSeq, L.cp_axes, L.split.cp, L.split.cp_index);
   // Expert parallelism: the routed experts' split (check_runnable: the batch of the rest alike).
   split_along(plan, rank, "moe.fc1", Dim::kExpert, L.ep_axes, L.split.ep, L.split.ep_index);
+  // ... in the mesh's order (the group's ranks are), and the batch's split of the rest.
+  std::vector<std::string> ep_in_mesh_order;
+  for (const MeshAxis& a : plan.mesh.axes) {
+    if (std::find(L.ep_axes.begin(), L.ep_axes.end(), a.name) != L.ep_axes.end()) {
+      ep_in_mesh_order.push_back(a.name);
+    }
+  }
+  L.ep_axes = ep_in_mesh_order;
+  split_along(plan, rank, "attn.norm", Dim::kBatch, L.batch_axes, L.split.batch_ep,
+              L.split.batch_ep_index);
   auto degree = [&](const char* op) {
     std::vector<std::string> axes;
     for (const PartitionRule& r : plan.partition) {

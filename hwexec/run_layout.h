@@ -31,8 +31,10 @@ struct Split {
   // of every sequence, through every operator.
   int cp = 1, cp_index = 0;
   // Expert parallelism: `ep` ranks each hold experts / ep of the routed experts (the
-  // ep_index-th run of them) and micro_batch / ep of each micro-batch's sequences.
-  int ep = 1, ep_index = 0;
+  // ep_index-th run of them), and `batch_ep` of them (the axes also splitting the batch: all of
+  // them, or without tensor-parallel axes when the experts are folded over those too, --etp 1)
+  // micro_batch / batch_ep of each micro-batch's sequences (the batch_ep_index-th share).
+  int ep = 1, ep_index = 0, batch_ep = 1, batch_ep_index = 0;
   // The rank's vocabulary shard of embed.word and head.proj when they are split along the
   // pipeline axes too (run_spanning.h); -1: its place in the tensor-parallel group.
   int embed_vocab_index = -1, head_vocab_index = -1;
@@ -41,7 +43,8 @@ struct Split {
 // The plan as this rank sees it.
 struct RankLayout {
   Split split;
-  std::vector<std::string> tp_axes, pp_axes, cp_axes, ep_axes;
+  // ep_axes: the routed experts' split (in mesh order); batch_axes: the batch's.
+  std::vector<std::string> tp_axes, pp_axes, cp_axes, ep_axes, batch_axes;
   // The segments this rank's order runs (several: an interleaved pipeline), in the order they
   // first appear, and each one's neighbours in pipeline order (-1: none).
   std::vector<int> segments;

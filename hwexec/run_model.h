@@ -104,6 +104,21 @@ struct ExpertExchange {
   std::vector<int64_t> got;
 };
 
+// Experts folded over tensor-parallel axes too (--etp 1): the routed copies travel to their
+// experts' ranks axis by axis, in mesh order (ep, then tp), each stage an all-to-all over one
+// axis whose received rows are ordered expert by expert (`to_experts`); and back to their
+// sources in the same axis order (the program's), each stage's rows sorted by their source's
+// place along its axis (`back`), the arrived rows finally put in this rank's copy order.
+struct FoldedExchange {
+  struct Stage {
+    std::vector<int64_t> send_rows, recv_rows;
+    at::Tensor order;  // to_experts: the received rows' expert-major order; back: the sent rows'
+  };
+  std::vector<Stage> to_experts, back;
+  std::vector<int64_t> local_counts;  // rows of each of this rank's experts
+  at::Tensor final_order;
+};
+
 // Tensor-parallel experts under sequence parallelism: the copies that reached this rank (its
 // own, or those the expert-parallel exchange brought) all-gathered over tp, member by member,
 // and ordered expert by expert (to_expert_major, `counts` rows an expert) for the experts' width
@@ -129,6 +144,7 @@ struct LayerTape {
   // `exchange` orders them), and the shared expert's (`shared_out`).
   ExpertExchange exchange;
   TpGather gather;
+  FoldedExchange folded;
   at::Tensor exchanged, returned, shared_out;
   DropoutKey key;           // the micro-batch's dropout masks (a recomputation draws them again)
   at::Tensor x;             // the layer's input, kept when the layer recomputes operators
@@ -359,6 +375,15 @@ class Model {
                            const std::string& label) const;
   at::Tensor return_gathered(RankContext& c, const LayerTape& t, const at::Tensor& rows,
                              const std::string& label) const;
+  // Folded experts (FoldedExchange): the stages' plan, from every member's counts and the
+  // copies' sources (exchanged as metadata, unrecorded); the copies to their experts, and the
+  // experts' rows back to their sources, recorded as the program's all-to-alls, one an axis,
+  // each with the bytes of the rank's own routed copies.
+  void plan_folded(RankContext& c, LayerTape& t) const;
+  at::Tensor folded_to_experts(RankContext& c, const LayerTape& t, const at::Tensor& rows,
+                               const std::string& label) const;
+  at::Tensor folded_back(RankContext& c, const LayerTape& t, const at::Tensor& rows,
+                         const std::string& label) const;
   // What the program moves for the gathered copies: every tp member's own routed copies.
   double nominal_gathered_bytes(const RankContext& c, const LayerTape& t,
                                 const at::Tensor& rows) const;

@@ -157,15 +157,23 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
   }
   // Expert parallelism: the copies go to their experts' ranks (with the dispatch, recomputed
   // with it), and the dispatch's output is not read again (its backward reads the indices).
+  // Folded over tensor-parallel axes too (--etp 1): axis by axis.
+  const bool folded = ep && !c.ep_stages.empty();
   if (ep && runs("moe.dispatch")) {
-    plan_exchange(c, t);
     // Labelled as the program's: the conversion into moe.fc1's input layout.
-    t.exchanged = to_experts(c, t, t.dispatch.out.detach(), "moe.fc1");
+    if (folded) {
+      plan_folded(c, t);
+      t.exchanged = folded_to_experts(c, t, t.dispatch.out.detach(), "moe.fc1");
+    } else {
+      plan_exchange(c, t);
+      t.exchanged = to_experts(c, t, t.dispatch.out.detach(), "moe.fc1");
+    }
     resize_storage(t.dispatch.out, 0);
   }
   const bool gathered = etp && sp;
   if (gathered && runs("moe.dispatch")) plan_tp_gather(c, t);
   const std::vector<int64_t>& counts = gathered ? t.gather.counts
+                                       : folded ? t.folded.local_counts
                                        : ep     ? t.exchange.local_counts
                                                 : t.routing.counts;
   if (runs("moe.fc1")) {
@@ -196,7 +204,8 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
     if (gathered) {
       t.returned = return_gathered(c, t, t.efc2.out.detach(), "moe.combine");
     } else if (ep) {
-      t.returned = from_experts(c, t, t.efc2.out.detach(), "moe.combine");
+      t.returned = folded ? folded_back(c, t, t.efc2.out.detach(), "moe.combine")
+                          : from_experts(c, t, t.efc2.out.detach(), "moe.combine");
       if (etp) c.tp_all_reduce(t.returned, "moe.combine");
     } else if (etp) {
       t.returned = t.efc2.out.detach().clone();
@@ -384,6 +393,118 @@ at::Tensor Model::return_gathered(RankContext& c, const LayerTape& t, const at::
   return c.reduce_scatter(back.reshape({-1}), c.tp_group, c.tp_axes, label).view({-1, width});
 }
 
+void Model::plan_folded(RankContext& c, LayerTape& t) const {
+  const std::vector<RankContext::AxisGroup>& stages = c.ep_stages;
+  const int64_t experts = spec_.experts, el = experts / split_.ep;
+  const std::size_t n_stages = stages.size();
+  // The place along stage k's axis of expert x's rank (its flat place x / el in the expert
+  // group, whose ranks are in mesh order: the last axis fastest).
+  auto owner = [&](int64_t x, std::size_t k) {
+    int64_t stride = 1;
+    for (std::size_t j = k + 1; j < n_stages; ++j)
+      stride *= static_cast<int64_t>(stages[j].ranks.size());
+    return (x / el / stride) % static_cast<int64_t>(stages[k].ranks.size());
+  };
+  FoldedExchange& f = t.folded;
+  // Each copy's source: its rank's place along every axis, and its position among its copies.
+  const int64_t n = t.routing.order.numel();
+  std::vector<int64_t> source;
+  source.reserve(static_cast<std::size_t>(n) * (n_stages + 1));
+  for (int64_t r = 0; r < n; ++r) {
+    for (const RankContext::AxisGroup& g : stages) source.push_back(g.index);
+    source.push_back(r);
+  }
+  at::Tensor meta =
+      at::tensor(source, at::kLong).view({n, static_cast<int64_t>(n_stages) + 1}).to(device_);
+  std::vector<int64_t> counts = t.routing.counts;  // of the rows held, expert by expert
+  for (std::size_t k = 0; k < n_stages; ++k) {
+    const RankContext::AxisGroup& g = stages[k];
+    const auto members = static_cast<int64_t>(g.ranks.size());
+    FoldedExchange::Stage st;
+    st.send_rows.assign(static_cast<std::size_t>(members), 0);
+    for (int64_t x = 0; x < experts; ++x) {
+      st.send_rows[static_cast<std::size_t>(owner(x, k))] += counts[static_cast<std::size_t>(x)];
+    }
+    std::vector<int64_t> mine;
+    for (int64_t m = 0; m < members; ++m) mine.insert(mine.end(), counts.begin(), counts.end());
+    const std::vector<int64_t> got = c.exchange_counts(g.ranks, mine, experts);
+    // Received member by member, each member's rows of this rank's experts along the axis in
+    // expert order; reordered expert by expert.
+    st.recv_rows.assign(static_cast<std::size_t>(members), 0);
+    std::vector<int64_t> first(static_cast<std::size_t>(members * experts), 0);
+    int64_t row = 0;
+    for (int64_t m = 0; m < members; ++m) {
+      for (int64_t x = 0; x < experts; ++x) {
+        if (owner(x, k) != g.index) continue;
+        const auto mx = static_cast<std::size_t>(m * experts + x);
+        first[mx] = row;
+        row += got[mx];
+        st.recv_rows[static_cast<std::size_t>(m)] += got[mx];
+      }
+    }
+    std::vector<int64_t> order, next(static_cast<std::size_t>(experts), 0);
+    order.reserve(static_cast<std::size_t>(row));
+    for (int64_t x = 0; x < experts; ++x) {
+      if (owner(x, k) != g.index) continue;
+      for (int64_t m = 0; m < members; ++m) {
+        const auto mx = static_cast<std::size_t>(m * experts + x);
+        for (int64_t r = 0; r < got[mx]; ++r) order.push_back(first[mx] + r);
+        next[static_cast<std::size_t>(x)] += got[mx];
+      }
+    }
+    st.order = at::tensor(order, at::kLong).to(device_);
+    meta = c.all_to_all_over(g.ranks, g.axis, meta, st.send_rows, st.recv_rows, "", 0,
+                             /*record=*/false)
+               .index_select(0, st.order);
+    counts = next;
+    f.to_experts.push_back(std::move(st));
+  }
+  const int64_t first_expert = split_.ep_index * el;
+  f.local_counts.assign(counts.begin() + first_expert, counts.begin() + first_expert + el);
+  // Back, axis by axis in the same order: each row to its source's place along the axis.
+  for (std::size_t k = 0; k < n_stages; ++k) {
+    const RankContext::AxisGroup& g = stages[k];
+    FoldedExchange::Stage st;
+    const at::Tensor dest = meta.select(1, static_cast<int64_t>(k)).contiguous();
+    st.order = std::get<1>(at::sort(dest, /*stable=*/true, 0, false));
+    const at::Tensor per = at::bincount(dest.cpu(), {}, static_cast<int64_t>(g.ranks.size()));
+    st.send_rows.assign(per.data_ptr<int64_t>(), per.data_ptr<int64_t>() + per.numel());
+    st.recv_rows = c.exchange_counts(g.ranks, st.send_rows, 1);
+    meta = c.all_to_all_over(g.ranks, g.axis, meta.index_select(0, st.order), st.send_rows,
+                             st.recv_rows, "", 0, /*record=*/false);
+    f.back.push_back(std::move(st));
+  }
+  f.final_order = std::get<1>(at::sort(meta.select(1, static_cast<int64_t>(n_stages)).contiguous(),
+                                       /*stable=*/true, 0, false));
+}
+
+at::Tensor Model::folded_to_experts(RankContext& c, const LayerTape& t, const at::Tensor& rows,
+                                    const std::string& label) const {
+  const double bytes = static_cast<double>(t.routing.order.numel()) *
+                       static_cast<double>(rows.size(1)) * static_cast<double>(rows.element_size());
+  at::Tensor x = rows;
+  for (std::size_t k = 0; k < c.ep_stages.size(); ++k) {
+    const FoldedExchange::Stage& st = t.folded.to_experts[k];
+    x = c.all_to_all_over(c.ep_stages[k].ranks, c.ep_stages[k].axis, x, st.send_rows, st.recv_rows,
+                          label, bytes)
+            .index_select(0, st.order);
+  }
+  return x;
+}
+
+at::Tensor Model::folded_back(RankContext& c, const LayerTape& t, const at::Tensor& rows,
+                              const std::string& label) const {
+  const double bytes = static_cast<double>(t.routing.order.numel()) *
+                       static_cast<double>(rows.size(1)) * static_cast<double>(rows.element_size());
+  at::Tensor x = rows;
+  for (std::size_t k = 0; k < c.ep_stages.size(); ++k) {
+    const FoldedExchange::Stage& st = t.folded.back[k];
+    x = c.all_to_all_over(c.ep_stages[k].ranks, c.ep_stages[k].axis, x.index_select(0, st.order),
+                          st.send_rows, st.recv_rows, label, bytes);
+  }
+  return x.index_select(0, t.folded.final_order);
+}
+
 at::Tensor Model::to_experts(RankContext& c, const LayerTape& t, const at::Tensor& rows,
                              const std::string& label) const {
   const ExpertExchange& x = t.exchange;
@@ -417,7 +538,11 @@ at::Tensor Model::moe_backward(RunStats& st, const LayerParams& L, LayerTape& t,
   // input gradients come back (the forward's exchanges reversed). Tensor-parallel experts
   // under sequence parallelism: the copies' and the shared expert's output gradients gathered
   // over tp (the program's conversions of the combine's inputs, reversed).
-  if (ep) g[0] = to_experts(c, t, g[0], "moe.combine");
+  const bool folded = ep && !c.ep_stages.empty();
+  if (ep) {
+    g[0] = folded ? folded_to_experts(c, t, g[0], "moe.combine")
+                  : to_experts(c, t, g[0], "moe.combine");
+  }
   if (gathered) g[0] = gather_copies(c, t, g[0], "moe.combine");
   if (L.sfc1_w && shared_tp && sp) g[2] = gather_seq(c, g[2], "moe.combine");
   const bool fc2_defers = defers_weights(t.efc2);
@@ -445,7 +570,7 @@ at::Tensor Model::moe_backward(RunStats& st, const LayerParams& L, LayerTape& t,
   if (gathered) {
     d = return_gathered(c, t, d, "moe.fc1");
   } else if (ep) {
-    d = from_experts(c, t, d, "moe.fc1");
+    d = folded ? folded_back(c, t, d, "moe.fc1") : from_experts(c, t, d, "moe.fc1");
     if (etp) c.tp_all_reduce(d, "moe.fc1");
   } else if (etp) {
     c.tp_all_reduce(d, "moe.fc1");
@@ -476,6 +601,7 @@ at::Tensor Model::moe_backward(RunStats& st, const LayerParams& L, LayerTape& t,
   t.routing = MoeRouting{};
   t.exchange = ExpertExchange{};
   t.gather = TpGather{};
+  t.folded = FoldedExchange{};
   t.exchanged = t.returned = t.shared_out = at::Tensor();
   return dx;
 }

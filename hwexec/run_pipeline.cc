@@ -12,7 +12,8 @@ PipelineTransfers::PipelineTransfers(const Plan& plan, int rank, const RankLayou
   const Split& split = layout.split;
   // The rank's sequences of a micro-batch (expert parallelism splits them over the ep ranks),
   // and its share of their tokens.
-  const int64_t b = plan.micro_batch / split.ep, s = plan.model.seq_len, h = plan.model.hidden;
+  const int64_t b = plan.micro_batch / split.batch_ep, s = plan.model.seq_len,
+                h = plan.model.hidden;
   shape_ = {b, s / split.seq / split.cp, h};
   const Mesh& mesh = plan.mesh;
   for (int sg : layout.segments) {

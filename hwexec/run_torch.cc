@@ -138,7 +138,14 @@ ExpertGroup set_groups(RankContext& ctx, const Plan& plan, int rank, RankLayout&
   if (L.split.ep > 1) {
     ctx.ep_group = mesh.ranks_along(rank, L.ep_axes);
     ctx.ep_axes = axes_name(L.ep_axes);
-    const std::vector<std::string> grad_axes = data_parallel_with(mesh, L.ep_axes);
+    for (const std::string& axis : L.ep_axes.size() > 1 ? L.ep_axes : std::vector<std::string>{}) {
+      RankContext::AxisGroup g;
+      g.ranks = mesh.ranks_along(rank, {axis});
+      g.axis = axis;
+      g.index = static_cast<int>(std::find(g.ranks.begin(), g.ranks.end(), rank) - g.ranks.begin());
+      ctx.ep_stages.push_back(g);
+    }
+    const std::vector<std::string> grad_axes = data_parallel_with(mesh, L.batch_axes);
     ctx.dp_group = mesh.ranks_along(rank, grad_axes);
     ctx.dp_axes = axes_name(grad_axes);
   }
@@ -279,6 +286,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     if (L.split.cp > 1) groups.push_back(ctx.cp_group);  // the keys' and values' all-gather
     if (L.split.ep > 1) {  // the tokens' all-to-alls, the experts' gradient sums
       groups.push_back(ctx.ep_group);
+      for (const RankContext::AxisGroup& g : ctx.ep_stages) groups.push_back(g.ranks);
       groups.push_back(experts.ranks);
     }
     auto made = NcclComms::create(comm, gpu_index, groups, edges);
@@ -313,7 +321,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   const int dp = plan.data_parallel();
   const int dp_index = out.coordinates[plan.mesh.axis_index(kDataParallelAxis)];
   const int M = plan.num_micro_batches();
-  const int b = plan.micro_batch / L.split.ep;
+  const int b = plan.micro_batch / L.split.batch_ep;
   const int64_t s = plan.model.seq_len;
   const at::Tensor positions =
       (L.split.cp > 1 ? cp_positions(s, L.split.cp, L.split.cp_index) : at::arange(s, at::kLong))
@@ -321,7 +329,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   // The loss of a micro-batch is its tokens' mean (under context parallelism, of the rank's
   // share of them): scaled so that the sum over replicas, micro-batches and cp ranks is the
   // global batch's mean.
-  const double loss_scale = 1.0 / (M * dp * L.split.cp * L.split.ep);
+  const double loss_scale = 1.0 / (M * dp * L.split.cp * L.split.batch_ep);
   for (int it = 0; it < opt.warmup + opt.iterations; ++it) {
     ok_or_throw(comm.barrier());
     stats.recording = it >= opt.warmup;
@@ -338,7 +346,7 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     for (const Block& blk : L.order->blocks) {
       const int m = blk.micro_batch, sg = blk.segment;
       const int64_t row = (static_cast<int64_t>(dp_index) * M + m) * plan.micro_batch +
-                          static_cast<int64_t>(L.split.ep_index) * b;
+                          static_cast<int64_t>(L.split.batch_ep_index) * b;
       Model& model = *models.at(sg);
       shards.before_block(static_cast<std::size_t>(&blk - L.order->blocks.data()), sg);
       MicroBatchTape& tape = tapes[{sg, m}];

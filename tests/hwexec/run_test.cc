@@ -837,6 +837,74 @@ INSTANTIATE_TEST_SUITE_P(
              &kMoe,
              "fp32",
              {"--ep", "2", "--vpp", "2", "--sequence-parallel"}},
+        // Experts folded over the tensor-parallel ranks too (--etp 1; whole experts, E / (ep tp)
+        // a rank): the copies travel by all-to-all over ep, then over tp, and back over ep,
+        // then over tp (the program's axis order), each stage ordering what arrives expert by
+        // expert, the return each row to its source's place along the axis.
+        Case{"moe_tp2_ep2_sp_etp1",
+             2,
+             1,
+             2,
+             "1f1b",
+             4,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--sequence-parallel", "--etp", "1"}},
+        Case{"moe_tp2_sp_etp1",
+             2,
+             1,
+             1,
+             "1f1b",
+             2,
+             &kMoe,
+             "fp32",
+             {"--ep", "1", "--sequence-parallel", "--etp", "1"}},
+        Case{"moe_tp2_ep2_sp_etp1_recompute_full",
+             2,
+             1,
+             2,
+             "1f1b",
+             4,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--sequence-parallel", "--etp", "1", "--recompute", "full"}},
+        Case{"moe_tp2_ep2_sp_etp1_zb_h1_pp2",
+             2,
+             2,
+             2,
+             "zb-h1",
+             8,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--sequence-parallel", "--etp", "1"}},
+        Case{"moe_tp2_ep2_sp_etp1_zero3_dp4",
+             2,
+             1,
+             4,
+             "1f1b",
+             8,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--sequence-parallel", "--etp", "1", "--zero", "3"}},
+        Case{"moe_tp2_ep2_sp_etp1_fsdp_recompute_full_early_stop_zb_h1_pp2",
+             2,
+             2,
+             2,
+             "zb-h1",
+             8,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--sequence-parallel", "--etp", "1", "--framework", "fsdp",
+              "--recompute", "full"}},
+        Case{"moe_tp2_ep2_sp_etp1_dualpipev_pp2",
+             2,
+             2,
+             2,
+             "dualpipev",
+             8,
+             &kMoe,
+             "fp32",
+             {"--ep", "2", "--vpp", "2", "--sequence-parallel", "--etp", "1"}},
         // ... over four ep ranks, one of which receives no copies of one layer (an empty piece).
         Case{"moe_tp2_ep4_sp",
              2,
@@ -1095,14 +1163,10 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
        "ZeRO-3 with expert parallelism is not supported"});
   ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2", "--moe-deepep"}, kMoe).status, 0);
   refused({"cannot run this plan: moe_deepep: DeepEP's exchange is simulated only"});
-  ASSERT_EQ(
-      make_plan(dir, 2, 1, 2, "1f1b", 4, {"--ep", "2", "--sequence-parallel", "--etp", "1"}, kMoe)
-          .status,
-      0);
+  ASSERT_EQ(make_plan(dir, 2, 1, 2, "1f1b", 4, {"--ep", "2", "--etp", "1"}, kMoe).status, 0);
   refused(
-      {"cannot run this plan: partition: '*' is split along 'batch' over ep beside expert "
-       "parallelism over ep+tp: expert parallelism over tensor-parallel axes is simulated "
-       "only"});
+      {"cannot run this plan: partition: experts folded over the tensor-parallel ranks "
+       "(--etp 1) need sequence parallelism"});
   // A mixture of experts in bf16 runs (under ZeRO-3 too, which gathers the routers' fp32
   // weights: the router scores in fp32), but is not checked against the fp32 reference:
   // rounding moves tokens to other experts.
@@ -1212,8 +1276,8 @@ TEST(NnexecRunRefuses, ExpertParallelPlansItCannotRunNameTheField) {
            if (r.match == "*") r.splits.front().axes = {};
          }
        },
-       "partition: operator 'embed.word' splits its batch over  but the experts are split "
-       "over ep"},
+       "partition: the experts are split over 'ep', which neither splits the batch nor the "
+       "attention heads"},
   };
   for (const auto& [change, message] : refused) {
     Plan p = *base;
@@ -1245,8 +1309,12 @@ TEST(NnexecRunRefuses, TensorParallelExpertPlansItCannotRunNameTheField) {
       {[&](Plan& q) { unsplit(q, {"moe.fc2"}); },
        "partition: operators moe.fc1, moe.act, moe.fc2 must be split alike"},
       {[&](Plan& q) { unsplit(q, {"moe.shared.fc1"}); },
-       "partition: operators moe.fc1, moe.shared.fc1, moe.shared.act, moe.shared.fc2 must be "
-       "split alike"},
+       "partition: operators moe.shared.fc1, moe.shared.act, moe.shared.fc2 must be split "
+       "alike"},
+      {[&](Plan& q) {
+         unsplit(q, {"moe.shared.fc1", "moe.shared.act", "moe.shared.fc2"});
+       },
+       "partition: operators moe.fc1, moe.shared.fc1 must be split alike"},
       {[&](Plan& q) {
          unsplit(q, {"moe.fc1", "moe.act", "moe.fc2", "moe.shared.fc1", "moe.shared.act",
                      "moe.shared.fc2"});
@@ -1263,12 +1331,13 @@ TEST(NnexecRunRefuses, TensorParallelExpertPlansItCannotRunNameTheField) {
     ASSERT_FALSE(s.ok()) << message;
     EXPECT_TRUE(contains(s.error().message(), message)) << s.error().message();
   }
-  // Beside expert parallelism: whole experts over the tensor-parallel ranks (--etp 1), context
-  // parallelism, and biases (each rank would add experts' biases it does not hold).
+  // Beside expert parallelism: whole experts over the tensor-parallel ranks (--etp 1) without
+  // sequence parallelism, context parallelism, and biases (each rank would add experts' biases
+  // it does not hold).
   const std::vector<std::tuple<std::vector<std::string>, int, const char*>> refused_plans = {
-      {{"--ep", "2", "--sequence-parallel", "--etp", "1"},
+      {{"--ep", "2", "--etp", "1"},
        1,
-       "expert parallelism over tensor-parallel axes is simulated only"},
+       "experts folded over the tensor-parallel ranks (--etp 1) need sequence parallelism"},
       {{"--ep", "2"}, 2, "expert parallelism with context parallelism is simulated only"},
   };
   for (const auto& [flags, cp, message] : refused_plans) {
