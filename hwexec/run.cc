@@ -479,7 +479,8 @@ Status check_runnable(const Plan& plan) {
                     "tensor-parallel ranks (each rank routes its slice of the sequence, whose "
                     "copies are gathered for the experts' column-parallel linears)");
     }
-    if (!split_of.count("attn.qkv") || !(split_of.count("mlp.fc1") || split_of.count("moe.fc1"))) {
+    if (!split_of.count("attn.qkv") ||
+        !(split_of.count("mlp.fc1") || split_of.count("moe.fc1") || folded)) {
       return refuse("partition",
                     "sequence parallelism needs tensor-parallel attention and MLP "
                     "(the sequence is gathered for their column-parallel linears)");

@@ -369,7 +369,7 @@ class Model {
   // over tp for the experts (each rank a slice of every expert's width), ordered expert by
   // expert (`plan_tp_gather`, from every member's counts; `gather_copies`); the experts'
   // partial sums go back to their sources, over ep first and then reduce-scattered over tp, as
-  // the program converts axis by axis in mesh order (`return_gathered`).
+  // the program converts axis by axis in mesh order (`return_gathered`, which frees `rows`).
   void plan_tp_gather(RankContext& c, LayerTape& t) const;
   at::Tensor gather_copies(RankContext& c, const LayerTape& t, const at::Tensor& rows,
                            const std::string& label) const;

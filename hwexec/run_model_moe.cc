@@ -383,12 +383,14 @@ at::Tensor Model::return_gathered(RankContext& c, const LayerTape& t, const at::
                                   const std::string& label) const {
   const TpGather& x = t.gather;
   const int64_t width = rows.size(1);
+  const double bytes = nominal_gathered_bytes(c, t, rows);
   at::Tensor back = rows.index_select(0, x.back_send_order);
+  // The rows are read once: their memory goes before the exchange's buffers are made.
+  resize_storage(rows, 0);
   if (split_.ep > 1) {
     // The partial sums whole over ep first (the program converts axis by axis, ep before tp).
-    back = c.all_to_all(back, x.back_send_rows, x.back_recv_rows, label,
-                        nominal_gathered_bytes(c, t, rows))
-               .index_select(0, x.back_recv_order);
+    back = c.all_to_all(back, x.back_send_rows, x.back_recv_rows, label, bytes);
+    back = back.index_select(0, x.back_recv_order);
   }
   return c.reduce_scatter(back.reshape({-1}), c.tp_group, c.tp_axes, label).view({-1, width});
 }
