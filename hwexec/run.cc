@@ -15,6 +15,7 @@
 
 #include "core/hdf5_io.h"
 #include "core/opgraph.h"
+#include "hwexec/run_layout.h"
 #include "hwexec/run_spanning.h"
 
 namespace nnsim::hwexec {
@@ -150,13 +151,7 @@ Status check_runnable(const Plan& plan) {
   std::vector<std::string> ep_axes;
   bool ep_set = false;
   for (const char* op : {"moe.fc1", "moe.act", "moe.fc2"}) {
-    std::vector<std::string> axes;
-    for (const PartitionRule& r : plan.partition) {
-      if (!match_pattern(r.match, op)) continue;
-      for (const DimSplit& s : r.splits) {
-        if (s.dim == Dim::kExpert) axes = s.axes;
-      }
-    }
+    const std::vector<std::string> axes = split_axes(plan, op, Dim::kExpert);
     if (ep_set && axes != ep_axes) {
       return refuse("partition", fmt::format("'{}' splits the experts over {} but moe.fc1 over "
                                              "{}; the experts' three operators split alike",
@@ -169,17 +164,7 @@ Status check_runnable(const Plan& plan) {
   for (const std::string& a : ep_axes) ep *= plan.mesh.axis_size(a);
   // The batch's split of every other operator: the expert-parallel axes, or those without the
   // tensor-parallel ones the experts are also folded over (--etp 1).
-  auto split_of_op = [&](const char* op, Dim dim) {
-    std::vector<std::string> axes;
-    for (const PartitionRule& r : plan.partition) {
-      if (!match_pattern(r.match, op)) continue;
-      for (const DimSplit& s : r.splits) {
-        if (s.dim == dim) axes = s.axes;
-      }
-    }
-    return axes;
-  };
-  const std::vector<std::string> batch_axes = split_of_op("attn.norm", Dim::kBatch);
+  const std::vector<std::string> batch_axes = split_axes(plan, "attn.norm", Dim::kBatch);
   bool folded = false;  // the experts split over axes the batch is not (--etp 1)
   for (const std::string& a : ep_axes) {
     folded = folded || std::find(batch_axes.begin(), batch_axes.end(), a) == batch_axes.end();
@@ -189,8 +174,8 @@ Status check_runnable(const Plan& plan) {
   if (!ep_axes.empty()) {
     // Beside the experts' split and the batch's: tensor (and sequence) parallelism over other
     // axes, which the experts may be folded over too; no context parallelism.
-    const std::vector<std::string> cp_of_core = split_of_op("attn.core", Dim::kSeq);
-    const std::vector<std::string> heads = split_of_op("attn.qkv", Dim::kHeads);
+    const std::vector<std::string> cp_of_core = split_axes(plan, "attn.core", Dim::kSeq);
+    const std::vector<std::string> heads = split_axes(plan, "attn.qkv", Dim::kHeads);
     for (const PartitionRule& r : plan.partition) {
       for (const DimSplit& s : r.splits) {
         if (s.axes.empty() || s.dim == Dim::kExpert) continue;
@@ -226,7 +211,7 @@ Status check_runnable(const Plan& plan) {
                                   "data-parallel ranks, folded over tensor-parallel ones only",
                                   a));
       }
-      if (split_of_op("attn.norm", Dim::kSeq).empty()) {
+      if (split_axes(plan, "attn.norm", Dim::kSeq).empty()) {
         return refuse("partition",
                       "experts folded over the tensor-parallel ranks (--etp 1) need sequence "
                       "parallelism (each rank routes its slice of the sequence, as "
@@ -276,13 +261,7 @@ Status check_runnable(const Plan& plan) {
   // Effective splits per operator (every matching rule, in file order).
   const OpGraph graph = lower_model(m, 1);
   // Context parallelism: attn.core's sequence split, which every operator must share.
-  std::vector<std::string> cp_axes;
-  for (const PartitionRule& r : plan.partition) {
-    if (!match_pattern(r.match, "attn.core")) continue;
-    for (const DimSplit& s : r.splits) {
-      if (s.dim == Dim::kSeq) cp_axes = s.axes;
-    }
-  }
+  const std::vector<std::string> cp_axes = split_axes(plan, "attn.core", Dim::kSeq);
   std::set<std::string> cp_split;  // operators split along the sequence over cp_axes
   std::vector<std::string> tp_axes;
   bool tp_set = false;
@@ -537,13 +516,7 @@ Status check_runnable(const Plan& plan) {
          {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
       for (const Op& op : part->ops) {
         if (is_expert_op(op.name)) continue;
-        std::vector<std::string> batch;
-        for (const PartitionRule& r : plan.partition) {
-          if (!match_pattern(r.match, op.name)) continue;
-          for (const DimSplit& s : r.splits) {
-            if (s.dim == Dim::kBatch) batch = s.axes;
-          }
-        }
+        const std::vector<std::string> batch = split_axes(plan, op.name, Dim::kBatch);
         if (batch != batch_axes || (batch_axes.empty() && !folded)) {
           return refuse("partition",
                         fmt::format("operator '{}' splits its batch over {} but the experts are "

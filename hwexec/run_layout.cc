@@ -8,24 +8,11 @@ namespace nnsim::hwexec {
 
 namespace {
 
-bool in_slice(const Mesh& mesh, const MeshSlice& slice, const std::vector<int>& coords) {
-  for (const auto& [axis, c] : slice) {
-    const int i = mesh.axis_index(axis);
-    if (i < 0 || coords[i] != c) return false;
-  }
-  return true;
-}
-
 // Operator `op`'s split along `dim` (the last matching rule's): its axes, how many ways and
 // this rank's place along them.
 void split_along(const Plan& plan, int rank, const char* op, Dim dim,
                  std::vector<std::string>& axes, int& ways, int& index) {
-  for (const PartitionRule& r : plan.partition) {
-    if (!match_pattern(r.match, op)) continue;
-    for (const DimSplit& sp : r.splits) {
-      if (sp.dim == dim) axes = sp.axes;
-    }
-  }
+  axes = split_axes(plan, op, dim);
   for (const std::string& a : axes) ways *= plan.mesh.axis_size(a);
   if (ways > 1) {
     const std::vector<int> g = plan.mesh.ranks_along(rank, axes);
@@ -34,6 +21,25 @@ void split_along(const Plan& plan, int rank, const char* op, Dim dim,
 }
 
 }  // namespace
+
+std::vector<std::string> split_axes(const Plan& plan, const std::string& op, Dim dim) {
+  std::vector<std::string> axes;
+  for (const PartitionRule& r : plan.partition) {
+    if (!match_pattern(r.match, op)) continue;
+    for (const DimSplit& s : r.splits) {
+      if (s.dim == dim) axes = s.axes;
+    }
+  }
+  return axes;
+}
+
+bool in_slice(const Mesh& mesh, const MeshSlice& slice, const std::vector<int>& coords) {
+  for (const auto& [axis, c] : slice) {
+    const int i = mesh.axis_index(axis);
+    if (i < 0 || coords[i] != c) return false;
+  }
+  return true;
+}
 
 RankLayout layout_of(const Plan& plan, int rank) {
   RankLayout L;

@@ -54,6 +54,12 @@ struct RankLayout {
 
 RankLayout layout_of(const Plan& plan, int rank);
 
+// The axes of operator `op`'s split along `dim` (the last matching rule's; none: unsplit).
+std::vector<std::string> split_axes(const Plan& plan, const std::string& op, Dim dim);
+
+// Whether the rank at `coords` lies in `slice` (a segment's or an order's devices).
+bool in_slice(const Mesh& mesh, const MeshSlice& slice, const std::vector<int>& coords);
+
 // The rank of `rank`'s coordinates with `seg`'s device coordinates (its pipeline stage): the
 // rank running `seg` beside it.
 int peer_in(const Mesh& mesh, int rank, const Segment& seg);

@@ -6,17 +6,11 @@
 
 #include <fmt/format.h>
 
+#include "hwexec/run_layout.h"
+
 namespace nnsim::hwexec {
 
 namespace {
-
-bool in_slice(const Mesh& mesh, const MeshSlice& slice, const std::vector<int>& coords) {
-  for (const auto& [axis, c] : slice) {
-    const int i = mesh.axis_index(axis);
-    if (i < 0 || coords[i] != c) return false;
-  }
-  return true;
-}
 
 // `rank`'s coordinates with those order `o` fixes: its counterpart in that order.
 int rank_in_order(const Plan& plan, int rank, int o) {
@@ -45,18 +39,6 @@ int first_order(const Plan& plan, int segment, int rank) {
     }
   }
   return -1;
-}
-
-// The axes of `op`'s `dim` split (the last matching rule's).
-std::vector<std::string> split_axes(const Plan& plan, const std::string& op, Dim dim) {
-  std::vector<std::string> axes;
-  for (const PartitionRule& r : plan.partition) {
-    if (!match_pattern(r.match, op)) continue;
-    for (const DimSplit& s : r.splits) {
-      if (s.dim == dim) axes = s.axes;
-    }
-  }
-  return axes;
 }
 
 }  // namespace
