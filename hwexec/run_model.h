@@ -369,12 +369,13 @@ class Model {
   // over tp for the experts (each rank a slice of every expert's width), ordered expert by
   // expert (`plan_tp_gather`, from every member's counts; `gather_copies`); the experts'
   // partial sums go back to their sources, over ep first and then reduce-scattered over tp, as
-  // the program converts axis by axis in mesh order (`return_gathered`, which frees `rows`).
+  // the program converts axis by axis in mesh order (`return_gathered`; `release`: `rows` are
+  // not read again, their memory goes first).
   void plan_tp_gather(RankContext& c, LayerTape& t) const;
   at::Tensor gather_copies(RankContext& c, const LayerTape& t, const at::Tensor& rows,
                            const std::string& label) const;
   at::Tensor return_gathered(RankContext& c, const LayerTape& t, const at::Tensor& rows,
-                             const std::string& label) const;
+                             const std::string& label, bool release) const;
   // Folded experts (FoldedExchange): the stages' plan, from every member's counts and the
   // copies' sources (exchanged as metadata, unrecorded); the copies to their experts, and the
   // experts' rows back to their sources, recorded as the program's all-to-alls, one an axis,

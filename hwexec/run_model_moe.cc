@@ -198,20 +198,28 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
       return expert_linear(in[0], L.efc2_w, etp ? nullptr : L.efc2_b, counts);
     });
     t.efc2.weights = weights_of({L.efc2_w, L.efc2_b});
-    // ... and their outputs come back to this rank's copies, in its expert order (labelled as
-    // the program's conversion into the combine's input); tensor-parallel experts' partial
-    // sums are summed over tp, under sequence parallelism into this rank's copies.
+  }
+  // The experts' outputs come back to this rank's copies, in its expert order; tensor-parallel
+  // experts' partial sums are summed over tp (under sequence parallelism into this rank's
+  // copies). These are the program's conversions into the combine's input (labelled so): run
+  // again when the combine is recomputed, and for an early-stopped combine's saved input.
+  const bool converts = ep || etp;
+  if (converts &&
+      (runs("moe.combine") || (again && stopped.count("moe.combine") && rc.count("moe.fc2")))) {
+    // The experts' outputs are read once, unless a recomputed combine converts them again.
+    const bool release = again || !rc.count("moe.combine");
+    const at::Tensor out = t.efc2.out.detach();
     if (gathered) {
-      t.returned = return_gathered(c, t, t.efc2.out.detach(), "moe.combine");
+      t.returned = return_gathered(c, t, out, "moe.combine", release);
     } else if (ep) {
-      t.returned = folded ? folded_back(c, t, t.efc2.out.detach(), "moe.combine")
-                          : from_experts(c, t, t.efc2.out.detach(), "moe.combine");
+      t.returned =
+          folded ? folded_back(c, t, out, "moe.combine") : from_experts(c, t, out, "moe.combine");
       if (etp) c.tp_all_reduce(t.returned, "moe.combine");
-    } else if (etp) {
-      t.returned = t.efc2.out.detach().clone();
+    } else {
+      t.returned = out.clone();
       c.tp_all_reduce(t.returned, "moe.combine");
     }
-    if (ep || etp) resize_storage(t.efc2.out, 0);
+    if (release) resize_storage(t.efc2.out, 0);
   }
   if (L.sfc1_w && shared_tp && runs("moe.combine")) {
     // The shared expert's partial sums, for the combine (after the routed experts', as the
@@ -222,7 +230,8 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
       t.shared_out = t.sfc2.out.detach().clone();
       c.tp_all_reduce(t.shared_out, "moe.combine");
     }
-    resize_storage(t.sfc2.out, 0);
+    // The partial sums go, unless a recomputed combine reduces them again.
+    if (again || !rc.count("moe.combine")) resize_storage(t.sfc2.out, 0);
   }
   if (runs("moe.combine")) {
     std::vector<at::Tensor> in = {leaf(ep || etp ? t.returned : t.efc2.out), leaf(t.router.out)};
@@ -250,8 +259,8 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
     if (etp && L.efc2_b && !rc.count("moe.combine")) resize_storage(t.returned, 0);
   } else if (again && stopped.count("moe.combine")) {
     // An early stop ends at the combine, which saved the experts' outputs and the scores.
-    // (With expert parallelism, as they came back: the recomputed return exchange's.)
-    if (rc.count("moe.fc2")) refill(t.combine.in[0], ep || etp ? t.returned : t.efc2.out);
+    // (With expert or tensor parallelism, as they came back: the conversion's above.)
+    if (rc.count("moe.fc2")) refill(t.combine.in[0], converts ? t.returned : t.efc2.out);
     if (rc.count("moe.router")) refill(t.combine.in[1], t.router.out);
   }
 }
@@ -380,13 +389,13 @@ double Model::nominal_gathered_bytes(const RankContext& c, const LayerTape& t,
 }
 
 at::Tensor Model::return_gathered(RankContext& c, const LayerTape& t, const at::Tensor& rows,
-                                  const std::string& label) const {
+                                  const std::string& label, bool release) const {
   const TpGather& x = t.gather;
   const int64_t width = rows.size(1);
   const double bytes = nominal_gathered_bytes(c, t, rows);
   at::Tensor back = rows.index_select(0, x.back_send_order);
-  // The rows are read once: their memory goes before the exchange's buffers are made.
-  resize_storage(rows, 0);
+  // Rows read once go before the exchange's buffers are made.
+  if (release) resize_storage(rows, 0);
   if (split_.ep > 1) {
     // The partial sums whole over ep first (the program converts axis by axis, ep before tp).
     back = c.all_to_all(back, x.back_send_rows, x.back_recv_rows, label, bytes);
@@ -570,7 +579,7 @@ at::Tensor Model::moe_backward(RunStats& st, const LayerParams& L, LayerTape& t,
   // The exchanged copies: fc1's input, or under sequence parallelism what its gathers read.
   if (ep && (gathered || !fc1_defers)) resize_storage(t.exchanged, 0);
   if (gathered) {
-    d = return_gathered(c, t, d, "moe.fc1");
+    d = return_gathered(c, t, d, "moe.fc1", /*release=*/true);
   } else if (ep) {
     d = folded ? folded_back(c, t, d, "moe.fc1") : from_experts(c, t, d, "moe.fc1");
     if (etp) c.tp_all_reduce(d, "moe.fc1");

@@ -299,6 +299,8 @@ struct Case {
   // The plan's split backwards made whole, as a hand-built order would have them: each BI block
   // a B, its BW dropped (see whole_backwards).
   bool whole_backwards = false;
+  // The plan's selective recompute rule (attn.core) made to recompute these operators instead.
+  const char* recompute_match = nullptr;
 };
 
 // A plan whose BI blocks are B blocks and whose BW blocks are gone: the same order of whole
@@ -364,6 +366,16 @@ Case moe_case(const char* name, int pp, int dp, const char* schedule, int global
   return Case{name, 1, pp, dp, schedule, global_batch, &kMoe, "fp32", std::move(flags)};
 }
 
+// A mixture (tiny-moe) in fp32 under 1F1B, two micro-batches a replica, recomputing the
+// operators `match` names in every layer.
+Case recompute_only(const char* name, int tp, int dp, std::vector<std::string> flags,
+                    const char* match) {
+  flags.insert(flags.end(), {"--recompute", "selective"});
+  Case c{name, tp, 1, dp, "1f1b", 2 * dp, &kMoe, "fp32", std::move(flags)};
+  c.recompute_match = match;
+  return c;
+}
+
 // A 1F1B case with more `nnsim plan` options.
 Case with(const char* name, int tp, int pp, int dp, int global_batch,
           std::vector<std::string> flags, const std::string* model = &kModel,
@@ -399,6 +411,11 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
   if (c.unranged_recompute) {
     ASSERT_NO_FATAL_FAILURE(
         edit_plan(dir, R"((\{"match": "[^"]*"), "layers": \[\d+, \d+\]\})", "$1}"));
+  }
+  if (c.recompute_match) {
+    ASSERT_NO_FATAL_FAILURE(
+        edit_plan(dir, R"("match": "attn.core", "layers")",
+                  fmt::format(R"("match": "{}", "layers")", c.recompute_match)));
   }
   if (c.hand_recycle > 1) {
     const std::string edited = with_passes(slurp(dir.file("plan.json")), c.hand_recycle);
@@ -905,6 +922,14 @@ INSTANTIATE_TEST_SUITE_P(
              &kMoe,
              "fp32",
              {"--ep", "2", "--vpp", "2", "--sequence-parallel", "--etp", "1"}},
+        // The combine alone recomputed: the conversions into its input (the experts' outputs
+        // back over ep, summed over tp, the shared expert's summed) run again, as the program's.
+        recompute_only("moe_ep2_recompute_combine", 1, 2, {"--ep", "2"}, "moe.combine"),
+        recompute_only("moe_tp2_recompute_combine", 2, 1, {}, "moe.combine"),
+        recompute_only("moe_tp2_ep2_sp_recompute_combine", 2, 2,
+                       {"--ep", "2", "--sequence-parallel"}, "moe.combine"),
+        recompute_only("moe_tp2_ep2_sp_etp1_recompute_moe", 2, 2,
+                       {"--ep", "2", "--sequence-parallel", "--etp", "1"}, "moe.*"),
         // ... over four ep ranks, one of which receives no copies of one layer (an empty piece).
         Case{"moe_tp2_ep4_sp",
              2,
