@@ -205,6 +205,10 @@ at::Tensor Model::layer_forward(RankContext& c, int l, const at::Tensor& x, Laye
     for (const auto& [name, u] : t.units()) {
       if (rc.count(name)) *u = Unit{};
     }
+    // A mixture's copies converted for a recomputed operator (moe.fc1's exchanged input, the
+    // combine's returned and summed inputs): converted again by the recomputation.
+    if (rc.count("moe.fc1")) t.exchanged = at::Tensor();
+    if (rc.count("moe.combine")) t.returned = t.shared_out = at::Tensor();
     // An early-stopped operator keeps its graph; what it read from a recomputed operator goes
     // (the recomputation brings back what its backward reads: refill).
     auto drop_input = [&](const char* stopped_op, Unit& u, std::size_t i, const char* producer) {

@@ -155,29 +155,32 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
       return dispatch_tokens(in[0].reshape({tokens, h}), t.routing);
     });
   }
-  // Expert parallelism: the copies go to their experts' ranks (with the dispatch, recomputed
-  // with it), and the dispatch's output is not read again (its backward reads the indices).
-  // Folded over tensor-parallel axes too (--etp 1): axis by axis.
+  // Expert parallelism: the copies go to their experts' ranks, folded over tensor-parallel
+  // axes too (--etp 1) axis by axis; under sequence parallelism the tensor-parallel experts'
+  // copies are gathered over tp. These are the program's conversions into moe.fc1's input
+  // (labelled so): run with moe.fc1, recomputed with it, from the dispatch's output, which the
+  // exchanges leave unread (its backward reads the indices) unless a recomputed fc1 exchanges
+  // again.
   const bool folded = ep && !c.ep_stages.empty();
-  if (ep && runs("moe.dispatch")) {
-    // Labelled as the program's: the conversion into moe.fc1's input layout.
-    if (folded) {
-      plan_folded(c, t);
-      t.exchanged = folded_to_experts(c, t, t.dispatch.out.detach(), "moe.fc1");
-    } else {
-      plan_exchange(c, t);
-      t.exchanged = to_experts(c, t, t.dispatch.out.detach(), "moe.fc1");
-    }
-    resize_storage(t.dispatch.out, 0);
-  }
   const bool gathered = etp && sp;
-  if (gathered && runs("moe.dispatch")) plan_tp_gather(c, t);
+  if (runs("moe.fc1")) {
+    if (ep) {
+      if (folded) {
+        plan_folded(c, t);
+        t.exchanged = folded_to_experts(c, t, t.dispatch.out.detach(), "moe.fc1");
+      } else {
+        plan_exchange(c, t);
+        t.exchanged = to_experts(c, t, t.dispatch.out.detach(), "moe.fc1");
+      }
+      if (again || !rc.count("moe.fc1")) resize_storage(t.dispatch.out, 0);
+    }
+    if (gathered) plan_tp_gather(c, t);
+  }
   const std::vector<int64_t>& counts = gathered ? t.gather.counts
                                        : folded ? t.folded.local_counts
                                        : ep     ? t.exchange.local_counts
                                                 : t.routing.counts;
   if (runs("moe.fc1")) {
-    // Under sequence parallelism the copies that reached this rank, gathered over tp.
     at::Tensor in =
         gathered ? gather_copies(c, t, (ep ? t.exchanged : t.dispatch.out).detach(), "moe.fc1")
         : ep     ? t.exchanged
