@@ -928,6 +928,10 @@ INSTANTIATE_TEST_SUITE_P(
         recompute_only("moe_tp2_recompute_combine", 2, 1, {}, "moe.combine"),
         recompute_only("moe_tp2_ep2_sp_recompute_combine", 2, 2,
                        {"--ep", "2", "--sequence-parallel"}, "moe.combine"),
+        // ... moe.fc1 alone: its input exchanged again; the dispatch alone: not.
+        recompute_only("moe_ep2_recompute_fc1", 1, 2, {"--ep", "2"}, "moe.fc1"),
+        recompute_only("moe_tp2_ep2_sp_recompute_dispatch", 2, 2,
+                       {"--ep", "2", "--sequence-parallel"}, "moe.dispatch"),
         recompute_only("moe_tp2_ep2_sp_etp1_recompute_moe", 2, 2,
                        {"--ep", "2", "--sequence-parallel", "--etp", "1"}, "moe.*"),
         // ... over four ep ranks, one of which receives no copies of one layer (an empty piece).
