@@ -30,7 +30,8 @@ at::Tensor Model::layer_forward(RankContext& c, int l, const at::Tensor& x, Laye
   // both are freed once summed, as one autograd graph over the layer frees them (Megatron
   // keeps the sum alone). Not when the add is recomputed, which reads the linear's output.
   auto release_summands = [&](const char* op, Unit& add, Unit& linear) {
-    if (rc.count(op)) return;
+    // (Kept for the recomputation in the first forward; in the recomputation itself, gone.)
+    if (rc.count(op) && !again) return;
     resize_storage(add.in[0], 0);
     if (linear.out.defined()) resize_storage(linear.out, 0);
   };

@@ -254,12 +254,12 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
           return out.reshape({b, s, h});
         });
     // The shared expert's output is only added: the combine's backward does not read it (as
-    // a residual's summands). Not when the combine is recomputed, which reads it again.
-    if (L.sfc1_w && !rc.count("moe.combine")) {
-      resize_storage(shared_tp ? t.shared_out : t.sfc2.out, 0);
-    }
+    // a residual's summands). Not when the combine is recomputed, which reads it again (the
+    // recomputation itself lets it go).
+    const bool reread = rc.count("moe.combine") && !again;
+    if (L.sfc1_w && !reread) resize_storage(shared_tp ? t.shared_out : t.sfc2.out, 0);
     // With the experts' biases added the combine saved the biased copies, not the summed ones.
-    if (etp && L.efc2_b && !rc.count("moe.combine")) resize_storage(t.returned, 0);
+    if (etp && L.efc2_b && !reread) resize_storage(t.returned, 0);
   } else if (again && stopped.count("moe.combine")) {
     // An early stop ends at the combine, which saved the experts' outputs and the scores.
     // (With expert or tensor parallelism, as they came back: the conversion's above.)
