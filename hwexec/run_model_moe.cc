@@ -37,6 +37,13 @@ void order_by_expert(const std::vector<int64_t>& got, int64_t members, int64_t e
   x.to_source_major = at::argsort(x.to_expert_major);
 }
 
+// The bytes of the rank's own routed copies at `rows`' width and type: what the program moves
+// for them, whichever way (and in however many pieces) they travel.
+double routed_bytes(const LayerTape& t, const at::Tensor& rows) {
+  return static_cast<double>(t.routing.order.numel()) * static_cast<double>(rows.size(1)) *
+         static_cast<double>(rows.element_size());
+}
+
 }  // namespace
 
 void Model::add_moe_params(const std::string& p, LayerParams& L) {
@@ -387,8 +394,7 @@ at::Tensor Model::gather_copies(RankContext& c, const LayerTape& t, const at::Te
 
 double Model::nominal_gathered_bytes(const RankContext& c, const LayerTape& t,
                                      const at::Tensor& rows) const {
-  return static_cast<double>(c.tp_group.size()) * static_cast<double>(t.routing.order.numel()) *
-         static_cast<double>(rows.size(1)) * static_cast<double>(rows.element_size());
+  return static_cast<double>(c.tp_group.size()) * routed_bytes(t, rows);
 }
 
 at::Tensor Model::return_gathered(RankContext& c, const LayerTape& t, const at::Tensor& rows,
@@ -494,8 +500,7 @@ void Model::plan_folded(RankContext& c, LayerTape& t) const {
 
 at::Tensor Model::folded_to_experts(RankContext& c, const LayerTape& t, const at::Tensor& rows,
                                     const std::string& label) const {
-  const double bytes = static_cast<double>(t.routing.order.numel()) *
-                       static_cast<double>(rows.size(1)) * static_cast<double>(rows.element_size());
+  const double bytes = routed_bytes(t, rows);
   at::Tensor x = rows;
   for (std::size_t k = 0; k < c.ep_stages.size(); ++k) {
     const FoldedExchange::Stage& st = t.folded.to_experts[k];
@@ -508,8 +513,7 @@ at::Tensor Model::folded_to_experts(RankContext& c, const LayerTape& t, const at
 
 at::Tensor Model::folded_back(RankContext& c, const LayerTape& t, const at::Tensor& rows,
                               const std::string& label) const {
-  const double bytes = static_cast<double>(t.routing.order.numel()) *
-                       static_cast<double>(rows.size(1)) * static_cast<double>(rows.element_size());
+  const double bytes = routed_bytes(t, rows);
   at::Tensor x = rows;
   for (std::size_t k = 0; k < c.ep_stages.size(); ++k) {
     const FoldedExchange::Stage& st = t.folded.back[k];
@@ -522,8 +526,7 @@ at::Tensor Model::folded_back(RankContext& c, const LayerTape& t, const at::Tens
 at::Tensor Model::to_experts(RankContext& c, const LayerTape& t, const at::Tensor& rows,
                              const std::string& label) const {
   const ExpertExchange& x = t.exchange;
-  const double bytes = static_cast<double>(t.routing.order.numel()) * rows.size(1) *
-                       static_cast<double>(rows.element_size());
+  const double bytes = routed_bytes(t, rows);
   return c.all_to_all(rows, x.send_rows, x.recv_rows, label, bytes)
       .index_select(0, x.to_expert_major);
 }
@@ -531,8 +534,7 @@ at::Tensor Model::to_experts(RankContext& c, const LayerTape& t, const at::Tenso
 at::Tensor Model::from_experts(RankContext& c, const LayerTape& t, const at::Tensor& rows,
                                const std::string& label) const {
   const ExpertExchange& x = t.exchange;
-  const double bytes = static_cast<double>(t.routing.order.numel()) * rows.size(1) *
-                       static_cast<double>(rows.element_size());
+  const double bytes = routed_bytes(t, rows);
   return c.all_to_all(rows.index_select(0, x.to_source_major), x.recv_rows, x.send_rows, label,
                       bytes);
 }
