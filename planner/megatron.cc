@@ -184,26 +184,9 @@ void add_mtp_rules(const GraphPart& head, int tp, Plan& plan) {
   if (tp > 1) plan.partition.push_back({"mtp.proj", {{Dim::kHidden, {"tp"}}}});
 }
 
-}  // namespace
-
-Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
-                                   const MegatronOptions& o) {
-  if (Status s = validate_model(model); !s) return s.error();
-  if (Status s = check_recompute_modules(model, o.recompute_modules); !s) {
-    return Error("--recompute-modules: " + s.error().message());
-  }
-  Expected<std::vector<int>> usable = usable_gpus(topo, o.avoid_gpus);
-  if (!usable) return usable.error();
-  const bool avoiding = !o.avoid_gpus.empty();
-  const int gpus = static_cast<int>(usable->size());
-  for (auto [name, v] : {std::pair{"--tp", o.tp},
-                         {"--pp", o.pp},
-                         {"--cp", o.cp},
-                         {"--ep", o.ep},
-                         {"--vpp", o.vpp},
-                         {"--micro-batch", o.micro_batch}}) {
-    if (v < 1) return Error(fmt::format("{} must be at least 1 (got {})", name, v));
-  }
+// The data-parallel degree: given, or what the usable GPUs leave the model-parallel ranks.
+Expected<int> data_parallel_degree(const MegatronOptions& o, const Topology& topo, int gpus,
+                                   bool avoiding) {
   const int model_parallel = o.tp * o.pp * o.cp;
   int dp = o.dp;
   if (dp <= 0 && avoiding) {
@@ -234,6 +217,16 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "adjust the degrees or resize the topology with --nodes",
         o.tp, o.pp, o.cp, dp, dp * model_parallel, topo.name, gpus));
   }
+  return dp;
+}
+
+// Experts whole on every tensor-parallel rank, spread over them instead (--etp 1).
+bool experts_folded(const ModelSpec& model, const MegatronOptions& o) {
+  return model.moe() && o.tp > 1 && o.expert_tp == 1;
+}
+
+// The mixture-of-experts options against the model and the data-parallel degree.
+Status check_expert_options(const ModelSpec& model, const MegatronOptions& o, int dp) {
   if (o.expert_tp != 0 && o.expert_tp != 1 && o.expert_tp != o.tp) {
     return Error(fmt::format(
         "--etp {}: the experts split over all the tensor-parallel ranks (--etp {}, the default) "
@@ -265,9 +258,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "(model.experts); drop --etp",
         model.name));
   }
-  // Experts whole on every tensor-parallel rank, spread over them instead.
-  const bool folded = model.moe() && o.tp > 1 && o.expert_tp == 1;
-  if (folded && model.experts % (static_cast<int64_t>(o.ep) * o.tp) != 0) {
+  if (experts_folded(model, o) && model.experts % (static_cast<int64_t>(o.ep) * o.tp) != 0) {
     return Error(fmt::format(
         "--etp 1 spreads the experts over ep x tp = {} x {} ranks, which does not divide the "
         "model's {} experts",
@@ -291,6 +282,11 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                       o.ep, dp, dp));
     }
   }
+  return Status::Ok();
+}
+
+// The degrees against the model's heads and sequence, and the batch against the degrees.
+Status check_shapes(const ModelSpec& model, const MegatronOptions& o, int dp) {
   if (model.heads % o.tp != 0) {
     return Error(
         fmt::format("--tp {} does not divide the model's {} attention heads", o.tp, model.heads));
@@ -313,6 +309,11 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     return Error(fmt::format("the sequence length {} is not divisible by the sequence split ({})",
                              model.seq_len, seq_split));
   }
+  return Status::Ok();
+}
+
+// Schedule, overlap and pipeline-layout options: what each needs and what excludes what.
+Status check_schedule_options(const ModelSpec& model, const MegatronOptions& o) {
   if (o.vpp > 1 && required_chunks(o.schedule) == 1) {
     return Error("--vpp > 1 needs --schedule interleaved (or zb-v or dualpipev with --vpp 2)");
   }
@@ -403,6 +404,11 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
         "--recycle with --shard-head or --shard-embedding is not built yet; build the plan "
         "without the sharded segment, or write the orders and run nnsim schedule --search");
   }
+  return Status::Ok();
+}
+
+// Layers per segment: the given ones, or as even as possible.
+Expected<std::vector<int>> segment_layers(const ModelSpec& model, const MegatronOptions& o) {
   const int segments = o.pp * o.vpp;
   if (segments > model.layers) {
     return Error(fmt::format("pp x vpp = {} segments, but the model has only {} layers", segments,
@@ -418,65 +424,45 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     return Error(fmt::format("--stage-layers adds up to {} layers; the model has {}",
                              std::accumulate(layers.begin(), layers.end(), 0), model.layers));
   }
+  return layers;
+}
 
-  Plan plan;
-  plan.model = model;
-  // Megatron pads the vocabulary to a multiple of 128 x tp (--make-vocab-size-divisible-by 128)
-  // so that every tensor-parallel shard is equal and aligned; other frameworks pad only to what
-  // the split needs.
-  // A head sharded over the pipeline splits the vocabulary pp ways more.
-  const int64_t vocab_split =
-      static_cast<int64_t>(o.tp) * (o.shard_head || o.shard_embedding ? o.pp : 1);
-  const int64_t pad = o.framework == "megatron" ? 128LL * vocab_split : vocab_split;
-  plan.model.vocab = (model.vocab + pad - 1) / pad * pad;
-  plan.global_batch = o.global_batch;
-  // A replica is ep data-parallel ranks: their micro-batches together are its micro-batch.
-  plan.micro_batch = o.micro_batch * o.ep;
-  plan.recycle = o.recycle;
-  plan.precision = o.precision.value_or(model.precision);
-  plan.framework = o.framework;
-  plan.topology_gpus = topo.num_gpus();
-  plan.topology_name = topo.name;
-  plan.schedule_name = std::string(to_string(o.schedule));
-  plan.name = fmt::format("{} tp{} pp{} dp{}{}{}{}{} {} recompute-{} zero{}", model.name, o.tp,
-                          o.pp, dp, o.ep > 1 ? fmt::format(" ep{}", o.ep) : "",
-                          folded ? " etp1" : "", o.cp > 1 ? fmt::format(" cp{}", o.cp) : "",
-                          o.vpp > 1 ? fmt::format(" vpp{}", o.vpp) : "", plan.schedule_name,
-                          to_string(o.recompute), o.zero);
+// The plan's name: its model, degrees, schedule and every option that sets it apart.
+std::string plan_name(const ModelSpec& model, const MegatronOptions& o, int dp) {
+  std::string name = fmt::format(
+      "{} tp{} pp{} dp{}{}{}{}{} {} recompute-{} zero{}", model.name, o.tp, o.pp, dp,
+      o.ep > 1 ? fmt::format(" ep{}", o.ep) : "", experts_folded(model, o) ? " etp1" : "",
+      o.cp > 1 ? fmt::format(" cp{}", o.cp) : "", o.vpp > 1 ? fmt::format(" vpp{}", o.vpp) : "",
+      to_string(o.schedule), to_string(o.recompute), o.zero);
   if (!o.recompute_layers.empty()) {
-    plan.name += fmt::format(" recompute-layers {}", fmt::join(o.recompute_layers, ","));
+    name += fmt::format(" recompute-layers {}", fmt::join(o.recompute_layers, ","));
   }
   if (!o.stage_recompute.empty()) {
     std::vector<std::string_view> modes;
     for (RecomputeMode m : o.stage_recompute) modes.push_back(to_string(m));
-    plan.name += fmt::format(" stage-recompute {}", fmt::join(modes, ","));
+    name += fmt::format(" stage-recompute {}", fmt::join(modes, ","));
   }
   if (!o.recompute_modules.empty()) {
-    plan.name += fmt::format(" recompute-modules {}", fmt::join(o.recompute_modules, ","));
+    name += fmt::format(" recompute-modules {}", fmt::join(o.recompute_modules, ","));
   }
   if (!o.stage_layers.empty()) {
-    plan.name += fmt::format(" layers {}", fmt::join(o.stage_layers, ","));
+    name += fmt::format(" layers {}", fmt::join(o.stage_layers, ","));
   }
-  if (o.shard_head) plan.name += " shard-head";
-  if (o.shard_embedding) plan.name += " shard-embedding";
-  if (o.recycle > 1) plan.name += fmt::format(" recycle{}", o.recycle);
-  if (o.tp_sub_batches > 1) plan.name += fmt::format(" tp-sub-batches{}", o.tp_sub_batches);
-  if (o.moe_deepep) plan.name += " deepep";
-  if (o.moe_shared_expert_overlap) plan.name += " shared-expert-overlap";
-  if (o.ep_overlap) plan.name += " ep-overlap";
-  plan.mesh = megatron_mesh(o, dp);
-  // Megatron's rank order tp-cp-ep-dp-pp: tensor parallel fastest, pipeline slowest.
-  Expected<Placement> placement =
-      placement_from_order(plan.mesh, with_expert_axis(o.placement, o.ep));
-  if (!placement) return placement.error();
-  plan.placement = *placement;
-  if (avoiding) {
-    // The factors number the ranks over the usable GPUs, in the order usable_gpus gives.
-    const std::vector<int> slot = plan.placement.gpu_of_rank(plan.mesh);
-    for (int s : slot) plan.placement.gpus.push_back((*usable)[s]);
-    plan.placement.factors.clear();
-  }
+  if (o.shard_head) name += " shard-head";
+  if (o.shard_embedding) name += " shard-embedding";
+  if (o.recycle > 1) name += fmt::format(" recycle{}", o.recycle);
+  if (o.tp_sub_batches > 1) name += fmt::format(" tp-sub-batches{}", o.tp_sub_batches);
+  if (o.moe_deepep) name += " deepep";
+  if (o.moe_shared_expert_overlap) name += " shared-expert-overlap";
+  if (o.ep_overlap) name += " ep-overlap";
+  return name;
+}
 
+// Consecutive layers per segment, the embedding on the first and the head on the last, or each
+// a segment of its own spanning the stages (--shard-embedding, --shard-head).
+void add_segments(const ModelSpec& model, const MegatronOptions& o, const std::vector<int>& layers,
+                  Plan& plan) {
+  const int segments = o.pp * o.vpp;
   int first = 0;
   for (int i = 0; i < segments; ++i) {
     Segment s;
@@ -505,8 +491,11 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     e.embedding = true;
     plan.segments.push_back(e);
   }
+}
 
-  // op-trans: Megatron tensor parallelism, sequence and context parallelism.
+// op-trans: Megatron tensor parallelism, sequence, context and expert parallelism.
+void add_partition_rules(const ModelSpec& model, const MegatronOptions& o, Plan& plan) {
+  const bool folded = experts_folded(model, o);
   auto rule = [&](const std::string& match, Dim d, std::vector<std::string> axes) {
     plan.partition.push_back({match, {{d, std::move(axes)}}});
   };
@@ -586,10 +575,14 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
       if (model.dropout) rule("embed.dropout", Dim::kSeq, axes);
     }
   }
-  // The head's operators, multi-token prediction modules included (their rules match them).
-  const GraphPart head = model.mtp_layers > 0 ? lower_model(model, 1).head : GraphPart{};
-  if (model.mtp_layers > 0) add_mtp_rules(head, o.tp, plan);
+}
 
+// Recomputation per segment (--recompute-layers), per stage (Merak's, --stage-recompute) or for
+// every layer, plus per-module patterns; multi-token prediction modules (the `head`'s operators)
+// recompute as the last stage.
+Status add_recompute_rules(const ModelSpec& model, const MegatronOptions& o, const GraphPart& head,
+                           Plan& plan) {
+  const int segments = o.pp * o.vpp;
   if (!o.recompute_layers.empty()) {
     if (static_cast<int>(o.recompute_layers.size()) != segments) {
       return Error(fmt::format("--recompute-layers lists {} segments; pp x vpp = {}",
@@ -657,7 +650,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
       }
     }
   }
+  return Status::Ok();
+}
 
+// The framework's conventions: gradient and optimizer precision, ZeRO-3's gathers, buckets and
+// overlaps.
+Status set_framework_conventions(const MegatronOptions& o, int dp, Plan& plan) {
   plan.optimizer.zero = o.zero;
   // Megatron accumulates bf16 gradients in fp32; fp16 training keeps fp16 gradients.
   plan.optimizer.grad_bytes = plan.precision == Precision::kFp16 ? 2 : 4;
@@ -742,7 +740,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   plan.moe_deepep = o.moe_deepep;
   plan.comm.ep_overlap = o.ep_overlap;
   plan.comm.moe_shared_expert_overlap = o.moe_shared_expert_overlap;
+  return Status::Ok();
+}
 
+// The pipeline's block orders: a closed form, list-scheduled or searched.
+Expected<Plan> add_schedule(Plan plan, const Topology& topo, const MegatronOptions& o, int dp) {
+  const int segments = o.pp * o.vpp;
   const int micro_batches = o.global_batch / (dp * o.micro_batch);
   // Segments whose recomputation Merak's schedule issues as its own block.
   std::vector<bool> recompute_segments(segments, false);
@@ -800,6 +803,78 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
     return s->plan;
   }
   return plan;
+}
+
+}  // namespace
+
+Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
+                                   const MegatronOptions& o) {
+  if (Status s = validate_model(model); !s) return s.error();
+  if (Status s = check_recompute_modules(model, o.recompute_modules); !s) {
+    return Error("--recompute-modules: " + s.error().message());
+  }
+  Expected<std::vector<int>> usable = usable_gpus(topo, o.avoid_gpus);
+  if (!usable) return usable.error();
+  const bool avoiding = !o.avoid_gpus.empty();
+  const int gpus = static_cast<int>(usable->size());
+  for (auto [name, v] : {std::pair{"--tp", o.tp},
+                         {"--pp", o.pp},
+                         {"--cp", o.cp},
+                         {"--ep", o.ep},
+                         {"--vpp", o.vpp},
+                         {"--micro-batch", o.micro_batch}}) {
+    if (v < 1) return Error(fmt::format("{} must be at least 1 (got {})", name, v));
+  }
+  Expected<int> data_parallel = data_parallel_degree(o, topo, gpus, avoiding);
+  if (!data_parallel) return data_parallel.error();
+  const int dp = *data_parallel;
+  if (Status s = check_expert_options(model, o, dp); !s) return s.error();
+  if (Status s = check_shapes(model, o, dp); !s) return s.error();
+  if (Status s = check_schedule_options(model, o); !s) return s.error();
+  Expected<std::vector<int>> layers = segment_layers(model, o);
+  if (!layers) return layers.error();
+
+  Plan plan;
+  plan.model = model;
+  // Megatron pads the vocabulary to a multiple of 128 x tp (--make-vocab-size-divisible-by 128)
+  // so that every tensor-parallel shard is equal and aligned; other frameworks pad only to what
+  // the split needs.
+  // A head sharded over the pipeline splits the vocabulary pp ways more.
+  const int64_t vocab_split =
+      static_cast<int64_t>(o.tp) * (o.shard_head || o.shard_embedding ? o.pp : 1);
+  const int64_t pad = o.framework == "megatron" ? 128LL * vocab_split : vocab_split;
+  plan.model.vocab = (model.vocab + pad - 1) / pad * pad;
+  plan.global_batch = o.global_batch;
+  // A replica is ep data-parallel ranks: their micro-batches together are its micro-batch.
+  plan.micro_batch = o.micro_batch * o.ep;
+  plan.recycle = o.recycle;
+  plan.precision = o.precision.value_or(model.precision);
+  plan.framework = o.framework;
+  plan.topology_gpus = topo.num_gpus();
+  plan.topology_name = topo.name;
+  plan.schedule_name = std::string(to_string(o.schedule));
+  plan.name = plan_name(model, o, dp);
+  plan.mesh = megatron_mesh(o, dp);
+  // Megatron's rank order tp-cp-ep-dp-pp: tensor parallel fastest, pipeline slowest.
+  Expected<Placement> placement =
+      placement_from_order(plan.mesh, with_expert_axis(o.placement, o.ep));
+  if (!placement) return placement.error();
+  plan.placement = *placement;
+  if (avoiding) {
+    // The factors number the ranks over the usable GPUs, in the order usable_gpus gives.
+    const std::vector<int> slot = plan.placement.gpu_of_rank(plan.mesh);
+    for (int s : slot) plan.placement.gpus.push_back((*usable)[s]);
+    plan.placement.factors.clear();
+  }
+
+  add_segments(model, o, *layers, plan);
+  add_partition_rules(model, o, plan);
+  // The head's operators, multi-token prediction modules included (their rules match them).
+  const GraphPart head = model.mtp_layers > 0 ? lower_model(model, 1).head : GraphPart{};
+  if (model.mtp_layers > 0) add_mtp_rules(head, o.tp, plan);
+  if (Status s = add_recompute_rules(model, o, head, plan); !s) return s.error();
+  if (Status s = set_framework_conventions(o, dp, plan); !s) return s.error();
+  return add_schedule(std::move(plan), topo, o, dp);
 }
 
 }  // namespace nnsim
