@@ -315,6 +315,660 @@ bool faster_estimate(const Candidate& a, const Candidate& b) {
              : a.describe() < b.describe();
 }
 
+// One search: what its phases share. Each phase adds feasible candidates (and what lost, with
+// why) for the next: enumerate the chains of degrees, estimate them, then try variants of the
+// best (other stage splits, schedules, sub-pipelining, combined 1F1B, placements), rank and
+// confirm.
+class Search {
+ public:
+  Search(const ModelSpec& model, const Topology& topo, const SearchOptions& o,
+         std::vector<int> avoid, int usable_gpus, double capacity)
+      : model_(model),
+        topo_(topo),
+        o_(o),
+        pin_(o.pins),
+        cons_(o.constraints),
+        avoid_(std::move(avoid)),
+        usable_gpus_(usable_gpus),
+        capacity_(capacity),
+        fixed_layers_(pin_.stage_layers            ? &*pin_.stage_layers
+                      : cons_.stage_layers.empty() ? nullptr
+                                                   : &cons_.stage_layers) {
+    placements_ = {{"tp-innermost", {"pp", "dp", "cp", "tp"}},
+                   {"dp-innermost", {"pp", "cp", "tp", "dp"}}};
+    if (pin_.placement) placements_ = {{"pinned", *pin_.placement}};
+  }
+
+  Expected<SearchResult> run();
+
+ private:
+  // One enumerated combination of degrees, before its layouts and levels.
+  struct Degrees {
+    int tp, pp, cp, dp, micro_batch, vpp;
+    bool sp;
+  };
+
+  void reject(const std::string& why);
+  void enumerate();
+  void add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleKind sched);
+  void evaluate_chains();
+  void balance_stages();
+  void try_schedules();
+  void try_sub_pipelining();
+  void try_ep_overlap();
+  void try_placements();
+  void estimate_variants(const std::vector<Candidate>& tries, const char* phase,
+                         const std::string& rejected);
+  template <class Eligible, class Apply>
+  std::vector<Candidate> best_variants(size_t most, const Eligible& eligible, const Apply& apply);
+  Status why_nothing_to_try() const;
+  Error none_feasible() const;
+  Expected<SearchResult> rank_and_confirm();
+
+  const ModelSpec& model_;
+  const Topology& topo_;
+  const SearchOptions& o_;
+  const SearchPins& pin_;
+  const Constraints& cons_;
+  const std::vector<int> avoid_;
+  const int usable_gpus_;
+  const double capacity_;
+  // Pinned layers per stage (constraints) or per segment (command line); null when free.
+  const std::vector<int>* fixed_layers_;
+  std::vector<PlacementChoice> placements_;
+
+  SearchResult result_;
+  std::map<std::string, size_t> reasons_;
+  std::mutex mutex_;
+  std::vector<Chain> chains_;
+  std::vector<Candidate> feasible_;
+  std::vector<Candidate> lost_;
+  std::atomic<size_t> evaluated_{0};
+  // Each chain's cheapest level's estimate, fitting or not: what its degrees could reach.
+  std::vector<double> first_estimate_;
+  // Each chain's feasible plan's estimate (infinite when none fits).
+  std::vector<double> chain_best_;
+};
+
+void Search::reject(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++reasons_[why];
+}
+
+Expected<SearchResult> Search::run() {
+  enumerate();
+  evaluate_chains();
+  if (!fixed_layers_ && !feasible_.empty()) balance_stages();
+  if (!pin_.schedule && !feasible_.empty()) try_schedules();
+  if (o_.tp_sub_batches > 1 && !feasible_.empty()) try_sub_pipelining();
+  if (o_.ep_overlap && !feasible_.empty()) try_ep_overlap();
+  if (!pin_.placement && !feasible_.empty()) try_placements();
+
+  result_.evaluated = evaluated_;
+  for (const auto& [why, n] : reasons_) result_.rejections.emplace_back(why, n);
+  if (chains_.empty() && result_.enumerated == 0) {
+    if (Status s = why_nothing_to_try(); !s) return s.error();
+  }
+  if (feasible_.empty()) return none_feasible();
+  return rank_and_confirm();
+}
+
+// The degrees (tp, pp, cp, sequence parallelism, micro-batch, virtual stages) and schedules
+// that divide the cluster, the model and the batch and obey the constraints.
+void Search::enumerate() {
+  const int gpus = topo_.num_gpus();
+  std::vector<int> tps;
+  for (int t : pinned_or(pin_.tp, divisors(gpus, 64))) {
+    if (model_.heads % t == 0 && model_.kv_heads % t == 0) tps.push_back(t);
+  }
+  for (int tp : tps) {
+    for (int pp : pinned_or(pin_.pp, divisors(gpus / tp, model_.layers))) {
+      if (gpus % (tp * pp) != 0) continue;
+      if (cons_.max_stages && pp > *cons_.max_stages) {
+        reject("max_stages");
+        continue;
+      }
+      if (!cons_.stage_layers.empty() && static_cast<int>(cons_.stage_layers.size()) != pp) {
+        reject("stage_layers");
+        continue;
+      }
+      if (!cons_.stage_recompute.empty() && static_cast<int>(cons_.stage_recompute.size()) != pp) {
+        reject("recompute (per stage)");
+        continue;
+      }
+      if (pin_.stage_layers && static_cast<int>(pin_.stage_layers->size()) % pp != 0) continue;
+      for (int cp : pinned_or(pin_.cp, std::vector<int>{1, 2, 4, 8})) {
+        if (gpus % (tp * pp * cp) != 0) continue;
+        const int dp = usable_gpus_ / (tp * pp * cp);
+        if (dp < 1) continue;
+        if (pin_.dp && *pin_.dp != dp) continue;
+        if (cp > 1 && model_.seq_len / cp < 1024) continue;  // too short to split
+        // Expert parallelism: the degrees dividing both the experts and the data-parallel ranks.
+        std::vector<int> eps;
+        const int most_ep = static_cast<int>(std::max<int64_t>(1, model_.experts));
+        for (int e : pinned_or(pin_.ep, divisors(dp, most_ep))) {
+          if (e == 1 || (model_.moe() && dp % e == 0 && model_.experts % e == 0)) eps.push_back(e);
+        }
+        for (bool sp : pinned_or(pin_.sequence_parallel, std::vector<bool>{tp > 1})) {
+          if (model_.seq_len % (static_cast<int64_t>(cp) * (sp ? tp : 1)) != 0) continue;
+          for (int mb : pinned_or(pin_.micro_batch, std::vector<int>{1, 2, 4, 8})) {
+            if (o_.global_batch % (dp * mb) != 0) continue;
+            const int micro_batches = o_.global_batch / (dp * mb);
+            std::vector<int> vpps = {1};
+            if (pp > 1) {
+              for (int v : {2, 3, 4, 6, 8}) vpps.push_back(v);
+            }
+            for (int vpp : pinned_or(pin_.vpp, vpps)) {
+              if (pp * vpp > model_.layers) continue;
+              if (!cons_.stage_layers.empty() && vpp > 1) {
+                reject("stage_layers");
+                continue;
+              }
+              if (fixed_layers_ && static_cast<int>(fixed_layers_->size()) != pp * vpp) continue;
+              if (vpp > 1 && micro_batches % pp != 0) continue;
+              std::vector<ScheduleKind> schedules =
+                  vpp > 1
+                      ? std::vector<ScheduleKind>{ScheduleKind::kInterleaved}
+                      : std::vector<ScheduleKind>{ScheduleKind::kOneFOneB, ScheduleKind::kGpipe};
+              if (pin_.schedule) schedules = {*pin_.schedule};
+              for (ScheduleKind sched : schedules) {
+                if ((sched == ScheduleKind::kInterleaved) != (vpp > 1)) continue;
+                if (!cons_.schedules.empty() &&
+                    std::find(cons_.schedules.begin(), cons_.schedules.end(), sched) ==
+                        cons_.schedules.end()) {
+                  reject("schedules");
+                  continue;
+                }
+                // GPipe holds every micro-batch's activations and takes as long as 1F1B:
+                // evaluated only when 1F1B is not allowed.
+                if (sched == ScheduleKind::kGpipe && !pin_.schedule &&
+                    (cons_.schedules.empty() ||
+                     std::find(cons_.schedules.begin(), cons_.schedules.end(),
+                               ScheduleKind::kOneFOneB) != cons_.schedules.end())) {
+                  reject("dominated (GPipe: as fast as 1F1B, more memory)");
+                  continue;
+                }
+                add_chains({tp, pp, cp, dp, mb, vpp, sp}, eps, sched);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// A chain per rank placement, expert-parallel degree and (folded or not) expert tensor
+// parallelism of the degrees `d`: its levels the recomputation and ZeRO stages whose static
+// memory could fit.
+void Search::add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleKind sched) {
+  const bool fsdp = o_.framework == "fsdp";
+  struct Layout {
+    const PlacementChoice* placement;
+    int ep, expert_tp;
+  };
+  std::vector<Layout> layouts;
+  for (const PlacementChoice& pl : placements_) {
+    for (int ep : eps) {
+      for (int etp : pinned_or(pin_.expert_tp, std::vector<int>{0, 1})) {
+        // Folding needs experts to spread over ep x tp; without tensor parallelism or experts it
+        // is the default plan again.
+        const bool folded = etp == 1 && d.tp > 1 && model_.moe();
+        if (etp == 1 && !folded && !pin_.expert_tp) continue;
+        if (folded && model_.experts % (static_cast<int64_t>(ep) * d.tp) != 0) continue;
+        layouts.push_back({&pl, ep, etp});
+      }
+    }
+  }
+  for (const auto& [choice, ep, etp] : layouts) {
+    const PlacementChoice& pl = *choice;
+    if (pl.name == "dp-innermost" && (d.tp == 1 || d.dp == 1)) continue;
+    Chain c;
+    c.placement = pl.name;
+    MegatronOptions& b = c.base;
+    b.tp = d.tp;
+    b.pp = d.pp;
+    b.cp = d.cp;
+    b.ep = ep;
+    b.expert_tp = etp;
+    b.dp = d.dp;
+    b.vpp = d.vpp;
+    b.sequence_parallel = d.sp;
+    b.micro_batch = d.micro_batch;
+    b.global_batch = o_.global_batch;
+    b.schedule = sched;
+    b.precision = o_.precision;
+    b.framework = o_.framework;
+    b.avoid_gpus = avoid_;
+    b.tp_comm_overlap = o_.tp_comm_overlap;
+    b.moe_grouped_gemm = o_.moe_grouped_gemm;
+    b.moe_deepep = o_.moe_deepep;
+    b.moe_shared_expert_overlap = o_.moe_shared_expert_overlap && ep > 1;
+    b.costs = o_.compile;
+    b.placement = pl.order;
+    if (fixed_layers_) b.stage_layers = *fixed_layers_;
+    std::vector<RecomputeMode> recs = {RecomputeMode::kNone, RecomputeMode::kSelective,
+                                       RecomputeMode::kFull};
+    if (pin_.recompute) recs = {*pin_.recompute};
+    if (cons_.recompute) recs = {*cons_.recompute};
+    // Per-stage modes pinned: the base mode is unused.
+    if (!cons_.stage_recompute.empty()) recs = {RecomputeMode::kNone};
+    b.stage_recompute = cons_.stage_recompute;
+    b.recompute_modules = cons_.recompute_modules;
+    std::vector<int> zeros =
+        d.tp == 1 && d.pp == 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 1};
+    if (fsdp) zeros = {3, 2};
+    // DeepSpeed's tensor-by-tensor ZeRO-3 has no expert group (compile_plan).
+    if (ep > 1 && o_.framework == "deepspeed") {
+      zeros.erase(std::remove(zeros.begin(), zeros.end(), 3), zeros.end());
+    }
+    if (pin_.zero) zeros = {*pin_.zero};
+    for (RecomputeMode r : recs) {
+      for (int z : zeros) {
+        if (static_bytes_lower_bound(model_, d.tp, d.pp, d.dp, d.cp, ep, z, fsdp) > capacity_) {
+          reject("does not fit in memory");
+          continue;
+        }
+        c.levels.emplace_back(r, z);
+      }
+    }
+    ++result_.enumerated;
+    if (!c.levels.empty()) chains_.push_back(c);
+  }
+}
+
+// Compiles and estimates each chain's levels until one fits.
+void Search::evaluate_chains() {
+  first_estimate_.assign(chains_.size(), std::numeric_limits<double>::infinity());
+  chain_best_.assign(chains_.size(), std::numeric_limits<double>::infinity());
+  std::atomic<size_t> next{0}, done{0};
+  auto worker = [&] {
+    for (size_t i = next++; i < chains_.size(); i = next++) {
+      const Chain& chain = chains_[i];
+      bool first = true;
+      for (const auto& [rec, zero] : chain.levels) {
+        Candidate cand;
+        cand.options = chain.base;
+        cand.options.recompute = rec;
+        cand.options.zero = zero;
+        cand.placement = chain.placement;
+        Expected<Plan> plan = build_megatron_plan(model_, topo_, cand.options);
+        if (!plan) {
+          reject("invalid");
+          break;
+        }
+        Expected<Program> prog = compile_plan(*plan, topo_, cand.options.costs);
+        if (!prog) {
+          reject("invalid");
+          break;
+        }
+        ++evaluated_;
+        cand.estimate = estimate_program(*prog);
+        if (first) first_estimate_[i] = cand.estimate.iteration_time;
+        first = false;
+        if (cand.estimate.peak_memory > capacity_) {
+          cand.status = fmt::format("does not fit: needs {:.1f} GiB of {:.1f} GiB usable",
+                                    cand.estimate.peak_memory / (1 << 30), capacity_ / (1 << 30));
+          reject("does not fit in memory");
+          std::lock_guard<std::mutex> lock(mutex_);
+          lost_.push_back(cand);
+          continue;
+        }
+        std::string why = violated_constraint(cons_, *plan, *prog, cand.estimate.bubble_fraction,
+                                              cand.estimate.peak_memory);
+        if (!why.empty()) {
+          cand.status = "violates " + why;
+          reject(why);
+          std::lock_guard<std::mutex> lock(mutex_);
+          lost_.push_back(cand);
+          if (why == "memory_cap") continue;  // cheaper memory may satisfy it
+          break;
+        }
+        cand.status = "ok";
+        chain_best_[i] = cand.estimate.iteration_time;
+        std::lock_guard<std::mutex> lock(mutex_);
+        feasible_.push_back(cand);
+        break;  // the rest of the chain costs more time
+      }
+      const size_t d = ++done;
+      if (o_.progress) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        o_.progress("estimating", d, chains_.size());
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int j = 1; j < std::max(1, o_.jobs); ++j) threads.emplace_back(worker);
+  worker();
+  for (auto& t : threads) t.join();
+}
+
+// Compiles and estimates variants of feasible plans (other schedules, other placements); those
+// that fit and obey the constraints join the feasible ones. `rejected`: the reason counted for
+// a variant that breaks a constraint (empty: not counted).
+void Search::estimate_variants(const std::vector<Candidate>& tries, const char* phase,
+                               const std::string& rejected) {
+  std::vector<std::optional<Candidate>> kept(tries.size());
+  parallel_for(
+      tries.size(), o_.jobs,
+      [&](size_t i) {
+        Candidate c = tries[i];
+        Expected<Plan> plan = build_megatron_plan(model_, topo_, c.options);
+        if (!plan) return;
+        Expected<Program> prog = compile_plan(*plan, topo_, c.options.costs);
+        if (!prog) return;
+        ++evaluated_;
+        c.estimate = estimate_program(*prog);
+        if (c.estimate.peak_memory > capacity_) return;
+        if (!violated_constraint(cons_, *plan, *prog, c.estimate.bubble_fraction,
+                                 c.estimate.peak_memory)
+                 .empty()) {
+          if (!rejected.empty()) reject(rejected);
+          return;
+        }
+        c.status = "ok";
+        kept[i] = c;
+      },
+      [&](size_t done_count, size_t all) {
+        if (o_.progress) o_.progress(phase, done_count, all);
+      });
+  for (auto& c : kept) {
+    if (c) feasible_.push_back(*c);
+  }
+}
+
+// Re-partitions the stages of the most promising pipelines: those whose cheapest level
+// estimates faster than the best plan found (or nearly), fitting or not.
+void Search::balance_stages() {
+  double best_time = std::numeric_limits<double>::infinity();
+  for (const Candidate& c : feasible_) best_time = std::min(best_time, c.estimate.iteration_time);
+  std::vector<size_t> promising;
+  for (size_t i = 0; i < chains_.size(); ++i) {
+    const MegatronOptions& b = chains_[i].base;
+    if (b.pp > 1 && first_estimate_[i] < best_time * (1 + kBalanceMargin)) {
+      promising.push_back(i);
+    }
+  }
+  std::sort(promising.begin(), promising.end(), [&](size_t a, size_t b) {
+    return first_estimate_[a] != first_estimate_[b] ? first_estimate_[a] < first_estimate_[b]
+                                                    : a < b;
+  });
+  if (promising.size() > kMaxBalanced) promising.resize(kMaxBalanced);
+  std::optional<RecomputeMode> pinned_recompute =
+      cons_.recompute ? cons_.recompute : pin_.recompute;
+  if (!cons_.stage_recompute.empty()) pinned_recompute = RecomputeMode::kNone;
+  std::vector<std::optional<Candidate>> balanced(promising.size());
+  parallel_for(
+      promising.size(), o_.jobs,
+      [&](size_t i) {
+        balanced[i] = balance_chain(model_, topo_, chains_[promising[i]], pinned_recompute,
+                                    capacity_, cons_, evaluated_);
+      },
+      [&](size_t done_count, size_t all) {
+        if (o_.progress) o_.progress("balancing stages", done_count, all);
+      });
+  result_.balanced = promising.size();
+  for (size_t i = 0; i < balanced.size(); ++i) {
+    if (!balanced[i]) continue;
+    if (balanced[i]->estimate.iteration_time < chain_best_[promising[i]]) {
+      ++result_.balanced_better;
+      feasible_.push_back(*balanced[i]);
+    }
+  }
+}
+
+// The list-scheduled pipelines (zero bubble, Merak) for the best pipelined plans: same degrees,
+// another schedule (ZB-V with two chunks per stage in a V).
+void Search::try_schedules() {
+  auto allowed = [&](ScheduleKind k) {
+    return cons_.schedules.empty() ||
+           std::find(cons_.schedules.begin(), cons_.schedules.end(), k) != cons_.schedules.end();
+  };
+  std::sort(feasible_.begin(), feasible_.end(), faster_estimate);
+  std::vector<Candidate> tries;
+  std::set<std::string> seen;
+  for (const Candidate& c : feasible_) {
+    if (seen.size() >= kMaxRescheduled) break;
+    if (c.options.pp < 2 || !c.options.recompute_layers.empty()) continue;
+    // The degrees, whatever the virtual stages and schedule.
+    Candidate key = c;
+    key.options.vpp = 1;
+    key.options.schedule = ScheduleKind::kOneFOneB;
+    key.options.stage_layers.clear();
+    key.placement = "tp-innermost";
+    if (!seen.insert(key.describe()).second) continue;
+    std::vector<std::pair<ScheduleKind, int>> kinds;
+    if (pin_.vpp.value_or(1) == 1) {
+      kinds = {{ScheduleKind::kZbH1, 1}, {ScheduleKind::kZbH2, 1}};
+      if (c.options.recompute != RecomputeMode::kNone) kinds.emplace_back(ScheduleKind::kMerak, 1);
+    }
+    if (2 * c.options.pp <= model_.layers && pin_.vpp.value_or(2) == 2) {
+      kinds.emplace_back(ScheduleKind::kZbV, 2);
+      // DualPipeV pairs blocks to hide expert all-to-alls: only where there are some.
+      if (c.options.ep > 1) kinds.emplace_back(ScheduleKind::kDualPipeV, 2);
+    }
+    // Tessel's search (a solver run per plan) only when the constraints ask for it, on the
+    // plan's own stages.
+    const bool tessel = c.options.pp <= kMaxTesselStages &&
+                        std::find(cons_.schedules.begin(), cons_.schedules.end(),
+                                  ScheduleKind::kTessel) != cons_.schedules.end();
+    if (tessel) kinds.emplace_back(ScheduleKind::kTessel, c.options.vpp);
+    for (const auto& [kind, vpp] : kinds) {
+      if (!allowed(kind)) continue;
+      Candidate t = c;
+      t.options.schedule = kind;
+      t.options.vpp = vpp;
+      if (kind == ScheduleKind::kDualPipeV) {
+        // Its pairs hide the all-to-alls; the builder refuses the other ways of hiding them.
+        t.options.ep_overlap = false;
+        t.options.moe_shared_expert_overlap = false;
+        t.options.tp_sub_batches = 1;
+      }
+      const bool same_stages = kind == ScheduleKind::kTessel;
+      if (!same_stages && (vpp != c.options.vpp || !fixed_layers_)) t.options.stage_layers.clear();
+      if (fixed_layers_) t.options.stage_layers = *fixed_layers_;
+      if (fixed_layers_ && static_cast<int>(fixed_layers_->size()) != c.options.pp * vpp) continue;
+      t.simulated.reset();
+      tries.push_back(t);
+    }
+  }
+  result_.schedules_tried = tries.size();
+  estimate_variants(tries, "scheduling", "");
+}
+
+// Variants of the fastest `most` feasible plans that `eligible` accepts, each as `apply`
+// changes it.
+template <class Eligible, class Apply>
+std::vector<Candidate> Search::best_variants(size_t most, const Eligible& eligible,
+                                             const Apply& apply) {
+  std::sort(feasible_.begin(), feasible_.end(), faster_estimate);
+  std::vector<Candidate> tries;
+  for (const Candidate& c : feasible_) {
+    if (tries.size() >= most) break;
+    if (!eligible(c.options)) continue;
+    Candidate t = c;
+    apply(t.options);
+    t.simulated.reset();
+    tries.push_back(t);
+  }
+  return tries;
+}
+
+// Merak's sub-pipelined tensor parallelism for the best plans whose GPUs exchange activations
+// inside a layer (tensor or expert parallel) and run sequences enough per micro-batch to split.
+void Search::try_sub_pipelining() {
+  const int k = o_.tp_sub_batches;
+  const std::vector<Candidate> tries = best_variants(
+      kMaxSubPipelined,
+      [&](const MegatronOptions& x) {
+        return (x.tp > 1 || x.ep > 1) && x.micro_batch % k == 0 && x.tp_sub_batches == 1 &&
+               !x.ep_overlap;
+      },
+      [&](MegatronOptions& x) { x.tp_sub_batches = k; });
+  result_.sub_pipelined_tried = tries.size();
+  estimate_variants(tries, "sub-pipelining", "");
+}
+
+// Megatron-Core's combined 1F1B for the best plans with expert parallelism that run without a
+// pipeline or with virtual stages (what it requires): pairs hide all-to-alls but make every
+// pair wait for both its inputs, so it is a variant to estimate, not a given.
+void Search::try_ep_overlap() {
+  const std::vector<Candidate> tries = best_variants(
+      kMaxEpOverlapped,
+      [](const MegatronOptions& x) {
+        return x.ep > 1 && !x.ep_overlap && x.tp_sub_batches == 1 &&
+               (x.pp == 1 || x.schedule == ScheduleKind::kInterleaved);
+      },
+      [](MegatronOptions& x) {
+        x.ep_overlap = true;
+        x.moe_shared_expert_overlap = false;  // Megatron-Core refuses the two together
+      });
+  result_.ep_overlap_tried = tries.size();
+  estimate_variants(tries, "combined 1F1B", "");
+}
+
+// Other rank placements for the best plans (nnScaler-M): every order of the mesh axes that
+// places ranks differently, priced on the topology by the estimator.
+void Search::try_placements() {
+  std::sort(feasible_.begin(), feasible_.end(), faster_estimate);
+  std::vector<Candidate> tries;
+  std::set<std::string> degrees_seen;
+  for (const Candidate& c : feasible_) {
+    if (degrees_seen.size() >= kMaxPlaced) break;
+    Candidate degrees = c;
+    degrees.placement = "tp-innermost";
+    if (!degrees_seen.insert(degrees.describe()).second) continue;
+    // The placements evaluated with the degrees.
+    std::vector<std::vector<std::string>> done = {{"pp", "dp", "cp", "tp"}};
+    if (c.options.tp > 1 && c.options.dp > 1) done.push_back({"pp", "cp", "tp", "dp"});
+    for (const auto& order : distinct_orders(c.options, done)) {
+      const std::string name = order_name(c.options, order);
+      Candidate t = c;
+      t.options.placement = order;
+      t.placement = name;
+      t.simulated.reset();
+      tries.push_back(t);
+    }
+  }
+  result_.placements_tried = tries.size();
+  estimate_variants(tries, "placing ranks", "placement constraints");
+}
+
+// Nothing even to try: the pinned choices themselves cannot work. The builder says why.
+Status Search::why_nothing_to_try() const {
+  MegatronOptions b;
+  b.global_batch = o_.global_batch;
+  b.framework = o_.framework;
+  b.costs = o_.compile;
+  b.avoid_gpus = avoid_;
+  if (pin_.tp) b.tp = *pin_.tp;
+  if (pin_.pp) b.pp = *pin_.pp;
+  if (pin_.cp) b.cp = *pin_.cp;
+  if (pin_.ep) b.ep = *pin_.ep;
+  if (pin_.expert_tp) b.expert_tp = *pin_.expert_tp;
+  if (pin_.dp) b.dp = *pin_.dp;
+  if (pin_.vpp) b.vpp = *pin_.vpp;
+  if (pin_.micro_batch) b.micro_batch = *pin_.micro_batch;
+  if (pin_.sequence_parallel) b.sequence_parallel = *pin_.sequence_parallel;
+  if (pin_.schedule) b.schedule = *pin_.schedule;
+  if (pin_.stage_layers) b.stage_layers = *pin_.stage_layers;
+  if (b.vpp > 1 && !pin_.schedule) b.schedule = ScheduleKind::kInterleaved;
+  Expected<Plan> p = build_megatron_plan(model_, topo_, b);
+  if (!p) return p.error();
+  return Status::Ok();
+}
+
+// No plan feasible: how many candidates each reason removed, most first.
+Error Search::none_feasible() const {
+  std::string msg = "no plan is feasible";
+  if (!cons_.file.empty()) msg += fmt::format(" under the constraints of {}", cons_.file);
+  msg += fmt::format(" ({} candidates enumerated):", result_.enumerated);
+  std::vector<std::pair<std::string, size_t>> sorted = result_.rejections;
+  std::sort(sorted.begin(), sorted.end(),
+            [](const auto& a, const auto& b) { return a.second > b.second; });
+  for (const auto& [why, n] : sorted) msg += fmt::format("\n  {:>7} removed by {}", n, why);
+  msg += "\nrelax the constraints that removed the most, or use more GPUs";
+  return Error(msg);
+}
+
+// Ranks the feasible plans by estimate, confirms the best by simulation, and builds the winner.
+Expected<SearchResult> Search::rank_and_confirm() {
+  // Rank by estimate; deterministic tie-break on the description.
+  auto by_time = [](const Candidate& a, const Candidate& b) {
+    if (a.time() != b.time()) return a.time() < b.time();
+    return a.describe() < b.describe();
+  };
+  std::sort(feasible_.begin(), feasible_.end(), by_time);
+  // The ranking keeps each set of degrees once, at its best placement; the other placements
+  // of the winner are reported beside it.
+  auto degrees_of = [](const Candidate& c) {
+    Candidate d = c;
+    d.placement = "tp-innermost";
+    return d.describe();
+  };
+  std::vector<Candidate> all_placed = feasible_;
+  {
+    std::set<std::string> seen_degrees;
+    std::vector<Candidate> unique;
+    for (const Candidate& c : feasible_) {
+      if (seen_degrees.insert(degrees_of(c)).second) unique.push_back(c);
+    }
+    feasible_ = unique;
+  }
+
+  // Confirm the best by simulation.
+  if (o_.simulate && o_.confirm > 0) {
+    const size_t n = std::min<size_t>(o_.confirm, feasible_.size());
+    // Several at once: each simulation runs in a child process of its own.
+    parallel_for(
+        n, o_.jobs,
+        [&](size_t i) {
+          Candidate& c = feasible_[i];
+          Expected<Plan> plan = build_megatron_plan(model_, topo_, c.options);
+          if (!plan) return;  // estimated already, so not expected; the estimate stands
+          Expected<Program> prog = compile_plan(*plan, topo_, c.options.costs);
+          if (!prog) return;
+          Expected<double> t = o_.simulate(*prog);
+          if (t) c.simulated = *t;
+        },
+        [&](size_t done, size_t total) {
+          if (o_.progress) o_.progress("simulating", done, total);
+        });
+    result_.confirmed = n;
+    // How often the estimator orders two confirmed plans differently from the simulator.
+    for (size_t a = 0; a < n; ++a) {
+      for (size_t b = a + 1; b < n; ++b) {
+        if (!feasible_[a].simulated || !feasible_[b].simulated) continue;
+        ++result_.rank_pairs;
+        const bool est =
+            feasible_[a].estimate.iteration_time <= feasible_[b].estimate.iteration_time;
+        const bool sim = *feasible_[a].simulated <= *feasible_[b].simulated;
+        if (est != sim) ++result_.rank_disagreements;
+      }
+    }
+    std::stable_sort(feasible_.begin(), feasible_.begin() + n, by_time);
+  }
+  std::set<std::string> seen;
+  for (const Candidate& c : all_placed) {
+    if (seen.insert(c.placement).second) result_.best_per_placement.push_back(c);
+  }
+  const std::string winner = degrees_of(feasible_.front());
+  for (const Candidate& c : all_placed) {
+    if (degrees_of(c) == winner && c.placement != feasible_.front().placement) {
+      result_.other_placements_of_best.push_back(c);
+    }
+  }
+  Expected<Plan> best = build_megatron_plan(model_, topo_, feasible_.front().options);
+  if (!best) return best.error();
+  result_.best = *best;
+  if (feasible_.size() > static_cast<size_t>(o_.top)) feasible_.resize(o_.top);
+  result_.ranked = feasible_;
+  std::sort(lost_.begin(), lost_.end(), by_time);
+  if (lost_.size() > static_cast<size_t>(o_.top)) lost_.resize(o_.top);
+  result_.rejected = lost_;
+  return result_;
+}
+
 }  // namespace
 
 Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo,
@@ -344,9 +998,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
         "(model.experts); drop the flag",
         model.name));
   }
-  const SearchPins& pin = o.pins;
   const Constraints& cons = o.constraints;
-  const int gpus = topo.num_gpus();
   // GPUs to avoid (constraints): degrees still divide the cluster, data parallelism takes what
   // the usable GPUs allow and the rest stay idle.
   std::vector<int> avoid = cons.avoid_gpus;
@@ -368,571 +1020,12 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
   if (Status st = check_recompute_modules(model, cons.recompute_modules); !st) {
     return Error(fmt::format("{}: field 'recompute_modules': {}", cons.file, st.error().message()));
   }
-  const bool fsdp = o.framework == "fsdp";
   // Plans keep headroom for the caching allocator's reserve and fragmentation, which the memory
   // model does not count; a memory_cap constraint replaces it.
   const double capacity = cons.memory_cap ? std::min(*cons.memory_cap, topo.gpu.hbm_bytes)
                                           : topo.gpu.hbm_bytes * (1 - o.memory_headroom);
-
-  SearchResult result;
-  std::map<std::string, size_t> reasons;
-  std::mutex mutex;
-  auto reject = [&](const std::string& why) {
-    std::lock_guard<std::mutex> lock(mutex);
-    ++reasons[why];
-  };
-
-  const std::vector<int>* fixed_layers = pin.stage_layers            ? &*pin.stage_layers
-                                         : cons.stage_layers.empty() ? nullptr
-                                                                     : &cons.stage_layers;
-
-  // Enumerate.
-  std::vector<PlacementChoice> placements = {{"tp-innermost", {"pp", "dp", "cp", "tp"}},
-                                             {"dp-innermost", {"pp", "cp", "tp", "dp"}}};
-  if (pin.placement) placements = {{"pinned", *pin.placement}};
-  std::vector<int> tps;
-  for (int t : pinned_or(pin.tp, divisors(gpus, 64))) {
-    if (model.heads % t == 0 && model.kv_heads % t == 0) tps.push_back(t);
-  }
-  std::vector<Chain> chains;
-  for (int tp : tps) {
-    for (int pp : pinned_or(pin.pp, divisors(gpus / tp, model.layers))) {
-      if (gpus % (tp * pp) != 0) continue;
-      if (cons.max_stages && pp > *cons.max_stages) {
-        reject("max_stages");
-        continue;
-      }
-      if (!cons.stage_layers.empty() && static_cast<int>(cons.stage_layers.size()) != pp) {
-        reject("stage_layers");
-        continue;
-      }
-      if (!cons.stage_recompute.empty() && static_cast<int>(cons.stage_recompute.size()) != pp) {
-        reject("recompute (per stage)");
-        continue;
-      }
-      if (pin.stage_layers && static_cast<int>(pin.stage_layers->size()) % pp != 0) continue;
-      for (int cp : pinned_or(pin.cp, std::vector<int>{1, 2, 4, 8})) {
-        if (gpus % (tp * pp * cp) != 0) continue;
-        const int dp = usable_count / (tp * pp * cp);
-        if (dp < 1) continue;
-        if (pin.dp && *pin.dp != dp) continue;
-        if (cp > 1 && model.seq_len / cp < 1024) continue;  // too short to split
-        // Expert parallelism: the degrees dividing both the experts and the data-parallel ranks.
-        std::vector<int> eps;
-        const int most_ep = static_cast<int>(std::max<int64_t>(1, model.experts));
-        for (int e : pinned_or(pin.ep, divisors(dp, most_ep))) {
-          if (e == 1 || (model.moe() && dp % e == 0 && model.experts % e == 0)) eps.push_back(e);
-        }
-        for (bool sp : pinned_or(pin.sequence_parallel, std::vector<bool>{tp > 1})) {
-          if (model.seq_len % (static_cast<int64_t>(cp) * (sp ? tp : 1)) != 0) continue;
-          for (int mb : pinned_or(pin.micro_batch, std::vector<int>{1, 2, 4, 8})) {
-            if (o.global_batch % (dp * mb) != 0) continue;
-            const int micro_batches = o.global_batch / (dp * mb);
-            std::vector<int> vpps = {1};
-            if (pp > 1) {
-              for (int v : {2, 3, 4, 6, 8}) vpps.push_back(v);
-            }
-            for (int vpp : pinned_or(pin.vpp, vpps)) {
-              if (pp * vpp > model.layers) continue;
-              // Pinned layers per stage (constraints) or per segment (command line).
-              if (!cons.stage_layers.empty() && vpp > 1) {
-                reject("stage_layers");
-                continue;
-              }
-              if (fixed_layers && static_cast<int>(fixed_layers->size()) != pp * vpp) continue;
-              if (vpp > 1 && micro_batches % pp != 0) continue;
-              std::vector<ScheduleKind> schedules =
-                  vpp > 1
-                      ? std::vector<ScheduleKind>{ScheduleKind::kInterleaved}
-                      : std::vector<ScheduleKind>{ScheduleKind::kOneFOneB, ScheduleKind::kGpipe};
-              if (pin.schedule) schedules = {*pin.schedule};
-              for (ScheduleKind sched : schedules) {
-                if ((sched == ScheduleKind::kInterleaved) != (vpp > 1)) continue;
-                if (!cons.schedules.empty() &&
-                    std::find(cons.schedules.begin(), cons.schedules.end(), sched) ==
-                        cons.schedules.end()) {
-                  reject("schedules");
-                  continue;
-                }
-                // GPipe holds every micro-batch's activations and takes as long as 1F1B:
-                // evaluated only when 1F1B is not allowed.
-                if (sched == ScheduleKind::kGpipe && !pin.schedule &&
-                    (cons.schedules.empty() ||
-                     std::find(cons.schedules.begin(), cons.schedules.end(),
-                               ScheduleKind::kOneFOneB) != cons.schedules.end())) {
-                  reject("dominated (GPipe: as fast as 1F1B, more memory)");
-                  continue;
-                }
-                // Rank placement, expert parallelism and (folded or not) expert tensor
-                // parallelism.
-                struct Layout {
-                  const PlacementChoice* placement;
-                  int ep, expert_tp;
-                };
-                std::vector<Layout> layouts;
-                for (const PlacementChoice& pl : placements) {
-                  for (int ep : eps) {
-                    for (int etp : pinned_or(pin.expert_tp, std::vector<int>{0, 1})) {
-                      // Folding needs experts to spread over ep x tp; without tensor parallelism
-                      // or experts it is the default plan again.
-                      const bool folded = etp == 1 && tp > 1 && model.moe();
-                      if (etp == 1 && !folded && !pin.expert_tp) continue;
-                      if (folded && model.experts % (static_cast<int64_t>(ep) * tp) != 0) continue;
-                      layouts.push_back({&pl, ep, etp});
-                    }
-                  }
-                }
-                for (const auto& [choice, ep, etp] : layouts) {
-                  const PlacementChoice& pl = *choice;
-                  if (pl.name == "dp-innermost" && (tp == 1 || dp == 1)) continue;
-                  Chain c;
-                  c.placement = pl.name;
-                  MegatronOptions& b = c.base;
-                  b.tp = tp;
-                  b.pp = pp;
-                  b.cp = cp;
-                  b.ep = ep;
-                  b.expert_tp = etp;
-                  b.dp = dp;
-                  b.vpp = vpp;
-                  b.sequence_parallel = sp;
-                  b.micro_batch = mb;
-                  b.global_batch = o.global_batch;
-                  b.schedule = sched;
-                  b.precision = o.precision;
-                  b.framework = o.framework;
-                  b.avoid_gpus = avoid;
-                  b.tp_comm_overlap = o.tp_comm_overlap;
-                  b.moe_grouped_gemm = o.moe_grouped_gemm;
-                  b.moe_deepep = o.moe_deepep;
-                  b.moe_shared_expert_overlap = o.moe_shared_expert_overlap && ep > 1;
-                  b.costs = o.compile;
-                  b.placement = pl.order;
-                  if (fixed_layers) b.stage_layers = *fixed_layers;
-                  std::vector<RecomputeMode> recs = {
-                      RecomputeMode::kNone, RecomputeMode::kSelective, RecomputeMode::kFull};
-                  if (pin.recompute) recs = {*pin.recompute};
-                  if (cons.recompute) recs = {*cons.recompute};
-                  // Per-stage modes pinned: the base mode is unused.
-                  if (!cons.stage_recompute.empty()) recs = {RecomputeMode::kNone};
-                  b.stage_recompute = cons.stage_recompute;
-                  b.recompute_modules = cons.recompute_modules;
-                  std::vector<int> zeros =
-                      tp == 1 && pp == 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 1};
-                  if (fsdp) zeros = {3, 2};
-                  // DeepSpeed's tensor-by-tensor ZeRO-3 has no expert group (compile_plan).
-                  if (ep > 1 && o.framework == "deepspeed") {
-                    zeros.erase(std::remove(zeros.begin(), zeros.end(), 3), zeros.end());
-                  }
-                  if (pin.zero) zeros = {*pin.zero};
-                  for (RecomputeMode r : recs) {
-                    for (int z : zeros) {
-                      if (static_bytes_lower_bound(model, tp, pp, dp, cp, ep, z, fsdp) > capacity) {
-                        reject("does not fit in memory");
-                        continue;
-                      }
-                      c.levels.emplace_back(r, z);
-                    }
-                  }
-                  ++result.enumerated;
-                  if (!c.levels.empty()) chains.push_back(c);
-                }
-              }
-            }
-          }
-        }
-      }
-    }
-  }
-
-  // Evaluate: compile and estimate each chain's levels until one fits.
-  std::vector<Candidate> feasible;
-  std::vector<Candidate> lost;
-  std::atomic<size_t> next{0}, done{0}, evaluated{0};
-
-  // Compiles and estimates variants of feasible plans (other schedules, other placements); those
-  // that fit and obey the constraints join the feasible ones. `rejected`: the reason counted for
-  // a variant that breaks a constraint (empty: not counted).
-  auto estimate_variants = [&](const std::vector<Candidate>& tries, const char* phase,
-                               const std::string& rejected) {
-    std::vector<std::optional<Candidate>> kept(tries.size());
-    parallel_for(
-        tries.size(), o.jobs,
-        [&](size_t i) {
-          Candidate c = tries[i];
-          Expected<Plan> plan = build_megatron_plan(model, topo, c.options);
-          if (!plan) return;
-          Expected<Program> prog = compile_plan(*plan, topo, c.options.costs);
-          if (!prog) return;
-          ++evaluated;
-          c.estimate = estimate_program(*prog);
-          if (c.estimate.peak_memory > capacity) return;
-          if (!violated_constraint(cons, *plan, *prog, c.estimate.bubble_fraction,
-                                   c.estimate.peak_memory)
-                   .empty()) {
-            if (!rejected.empty()) reject(rejected);
-            return;
-          }
-          c.status = "ok";
-          kept[i] = c;
-        },
-        [&](size_t done_count, size_t all) {
-          if (o.progress) o.progress(phase, done_count, all);
-        });
-    for (auto& c : kept) {
-      if (c) feasible.push_back(*c);
-    }
-  };
-
-  // Each chain's cheapest level's estimate, fitting or not: what its degrees could reach.
-  std::vector<double> first_estimate(chains.size(), std::numeric_limits<double>::infinity());
-  // Each chain's feasible plan's estimate (infinite when none fits).
-  std::vector<double> chain_best(chains.size(), std::numeric_limits<double>::infinity());
-  auto worker = [&] {
-    for (size_t i = next++; i < chains.size(); i = next++) {
-      const Chain& chain = chains[i];
-      bool first = true;
-      for (const auto& [rec, zero] : chain.levels) {
-        Candidate cand;
-        cand.options = chain.base;
-        cand.options.recompute = rec;
-        cand.options.zero = zero;
-        cand.placement = chain.placement;
-        Expected<Plan> plan = build_megatron_plan(model, topo, cand.options);
-        if (!plan) {
-          reject("invalid");
-          break;
-        }
-        Expected<Program> prog = compile_plan(*plan, topo, cand.options.costs);
-        if (!prog) {
-          reject("invalid");
-          break;
-        }
-        ++evaluated;
-        cand.estimate = estimate_program(*prog);
-        if (first) first_estimate[i] = cand.estimate.iteration_time;
-        first = false;
-        if (cand.estimate.peak_memory > capacity) {
-          cand.status = fmt::format("does not fit: needs {:.1f} GiB of {:.1f} GiB usable",
-                                    cand.estimate.peak_memory / (1 << 30), capacity / (1 << 30));
-          reject("does not fit in memory");
-          std::lock_guard<std::mutex> lock(mutex);
-          lost.push_back(cand);
-          continue;
-        }
-        std::string why = violated_constraint(cons, *plan, *prog, cand.estimate.bubble_fraction,
-                                              cand.estimate.peak_memory);
-        if (!why.empty()) {
-          cand.status = "violates " + why;
-          reject(why);
-          std::lock_guard<std::mutex> lock(mutex);
-          lost.push_back(cand);
-          if (why == "memory_cap") continue;  // cheaper memory may satisfy it
-          break;
-        }
-        cand.status = "ok";
-        chain_best[i] = cand.estimate.iteration_time;
-        std::lock_guard<std::mutex> lock(mutex);
-        feasible.push_back(cand);
-        break;  // the rest of the chain costs more time
-      }
-      const size_t d = ++done;
-      if (o.progress) {
-        std::lock_guard<std::mutex> lock(mutex);
-        o.progress("estimating", d, chains.size());
-      }
-    }
-  };
-  {
-    std::vector<std::thread> threads;
-    for (int j = 1; j < std::max(1, o.jobs); ++j) threads.emplace_back(worker);
-    worker();
-    for (auto& t : threads) t.join();
-  }
-
-  // Re-partition the stages of the most promising pipelines: those whose cheapest level
-  // estimates faster than the best plan found (or nearly), fitting or not.
-  if (!fixed_layers && !feasible.empty()) {
-    double best_time = std::numeric_limits<double>::infinity();
-    for (const Candidate& c : feasible) best_time = std::min(best_time, c.estimate.iteration_time);
-    std::vector<size_t> promising;
-    for (size_t i = 0; i < chains.size(); ++i) {
-      const MegatronOptions& b = chains[i].base;
-      if (b.pp > 1 && first_estimate[i] < best_time * (1 + kBalanceMargin)) {
-        promising.push_back(i);
-      }
-    }
-    std::sort(promising.begin(), promising.end(), [&](size_t a, size_t b) {
-      return first_estimate[a] != first_estimate[b] ? first_estimate[a] < first_estimate[b] : a < b;
-    });
-    if (promising.size() > kMaxBalanced) promising.resize(kMaxBalanced);
-    std::optional<RecomputeMode> pinned_recompute = cons.recompute ? cons.recompute : pin.recompute;
-    if (!cons.stage_recompute.empty()) pinned_recompute = RecomputeMode::kNone;
-    std::vector<std::optional<Candidate>> balanced(promising.size());
-    parallel_for(
-        promising.size(), o.jobs,
-        [&](size_t i) {
-          balanced[i] = balance_chain(model, topo, chains[promising[i]], pinned_recompute, capacity,
-                                      cons, evaluated);
-        },
-        [&](size_t done_count, size_t all) {
-          if (o.progress) o.progress("balancing stages", done_count, all);
-        });
-    result.balanced = promising.size();
-    for (size_t i = 0; i < balanced.size(); ++i) {
-      if (!balanced[i]) continue;
-      if (balanced[i]->estimate.iteration_time < chain_best[promising[i]]) {
-        ++result.balanced_better;
-        feasible.push_back(*balanced[i]);
-      }
-    }
-  }
-  // The list-scheduled pipelines (zero bubble, Merak) for the best pipelined plans: same
-  // degrees, another schedule (ZB-V with two chunks per stage in a V).
-  if (!pin.schedule && !feasible.empty()) {
-    auto allowed = [&](ScheduleKind k) {
-      return cons.schedules.empty() ||
-             std::find(cons.schedules.begin(), cons.schedules.end(), k) != cons.schedules.end();
-    };
-    std::sort(feasible.begin(), feasible.end(), faster_estimate);
-    std::vector<Candidate> tries;
-    std::set<std::string> seen;
-    for (const Candidate& c : feasible) {
-      if (seen.size() >= kMaxRescheduled) break;
-      if (c.options.pp < 2 || !c.options.recompute_layers.empty()) continue;
-      // The degrees, whatever the virtual stages and schedule.
-      Candidate key = c;
-      key.options.vpp = 1;
-      key.options.schedule = ScheduleKind::kOneFOneB;
-      key.options.stage_layers.clear();
-      key.placement = "tp-innermost";
-      if (!seen.insert(key.describe()).second) continue;
-      std::vector<std::pair<ScheduleKind, int>> kinds;
-      if (pin.vpp.value_or(1) == 1) {
-        kinds = {{ScheduleKind::kZbH1, 1}, {ScheduleKind::kZbH2, 1}};
-        if (c.options.recompute != RecomputeMode::kNone)
-          kinds.emplace_back(ScheduleKind::kMerak, 1);
-      }
-      if (2 * c.options.pp <= model.layers && pin.vpp.value_or(2) == 2) {
-        kinds.emplace_back(ScheduleKind::kZbV, 2);
-        // DualPipeV pairs blocks to hide expert all-to-alls: only where there are some.
-        if (c.options.ep > 1) kinds.emplace_back(ScheduleKind::kDualPipeV, 2);
-      }
-      // Tessel's search (a solver run per plan) only when the constraints ask for it, on the
-      // plan's own stages.
-      const bool tessel = c.options.pp <= kMaxTesselStages &&
-                          std::find(cons.schedules.begin(), cons.schedules.end(),
-                                    ScheduleKind::kTessel) != cons.schedules.end();
-      if (tessel) kinds.emplace_back(ScheduleKind::kTessel, c.options.vpp);
-      for (const auto& [kind, vpp] : kinds) {
-        if (!allowed(kind)) continue;
-        Candidate t = c;
-        t.options.schedule = kind;
-        t.options.vpp = vpp;
-        if (kind == ScheduleKind::kDualPipeV) {
-          // Its pairs hide the all-to-alls; the builder refuses the other ways of hiding them.
-          t.options.ep_overlap = false;
-          t.options.moe_shared_expert_overlap = false;
-          t.options.tp_sub_batches = 1;
-        }
-        const bool same_stages = kind == ScheduleKind::kTessel;
-        if (!same_stages && (vpp != c.options.vpp || !fixed_layers)) t.options.stage_layers.clear();
-        if (fixed_layers) t.options.stage_layers = *fixed_layers;
-        if (fixed_layers && static_cast<int>(fixed_layers->size()) != c.options.pp * vpp) continue;
-        t.simulated.reset();
-        tries.push_back(t);
-      }
-    }
-    result.schedules_tried = tries.size();
-    estimate_variants(tries, "scheduling", "");
-  }
-
-  // Variants of the fastest `most` feasible plans that `eligible` accepts, each as `apply`
-  // changes it.
-  auto best_variants = [&](size_t most, const auto& eligible, const auto& apply) {
-    std::sort(feasible.begin(), feasible.end(), faster_estimate);
-    std::vector<Candidate> tries;
-    for (const Candidate& c : feasible) {
-      if (tries.size() >= most) break;
-      if (!eligible(c.options)) continue;
-      Candidate t = c;
-      apply(t.options);
-      t.simulated.reset();
-      tries.push_back(t);
-    }
-    return tries;
-  };
-
-  // Merak's sub-pipelined tensor parallelism for the best plans whose GPUs exchange
-  // activations inside a layer (tensor or expert parallel) and run sequences enough per
-  // micro-batch to split.
-  if (const int k = o.tp_sub_batches; k > 1 && !feasible.empty()) {
-    const std::vector<Candidate> tries = best_variants(
-        kMaxSubPipelined,
-        [&](const MegatronOptions& x) {
-          return (x.tp > 1 || x.ep > 1) && x.micro_batch % k == 0 && x.tp_sub_batches == 1 &&
-                 !x.ep_overlap;
-        },
-        [&](MegatronOptions& x) { x.tp_sub_batches = k; });
-    result.sub_pipelined_tried = tries.size();
-    estimate_variants(tries, "sub-pipelining", "");
-  }
-
-  // Megatron-Core's combined 1F1B for the best plans with expert parallelism that run without a
-  // pipeline or with virtual stages (what it requires): pairs hide all-to-alls but make every
-  // pair wait for both its inputs, so it is a variant to estimate, not a given.
-  if (o.ep_overlap && !feasible.empty()) {
-    const std::vector<Candidate> tries = best_variants(
-        kMaxEpOverlapped,
-        [](const MegatronOptions& x) {
-          return x.ep > 1 && !x.ep_overlap && x.tp_sub_batches == 1 &&
-                 (x.pp == 1 || x.schedule == ScheduleKind::kInterleaved);
-        },
-        [](MegatronOptions& x) {
-          x.ep_overlap = true;
-          x.moe_shared_expert_overlap = false;  // Megatron-Core refuses the two together
-        });
-    result.ep_overlap_tried = tries.size();
-    estimate_variants(tries, "combined 1F1B", "");
-  }
-
-  // Other rank placements for the best plans (nnScaler-M): every order of the mesh axes that
-  // places ranks differently, priced on the topology by the estimator.
-  if (!pin.placement && !feasible.empty()) {
-    std::sort(feasible.begin(), feasible.end(), faster_estimate);
-    std::vector<Candidate> tries;
-    std::set<std::string> degrees_seen;
-    for (const Candidate& c : feasible) {
-      if (degrees_seen.size() >= kMaxPlaced) break;
-      Candidate degrees = c;
-      degrees.placement = "tp-innermost";
-      if (!degrees_seen.insert(degrees.describe()).second) continue;
-      // The placements evaluated with the degrees.
-      std::vector<std::vector<std::string>> done = {{"pp", "dp", "cp", "tp"}};
-      if (c.options.tp > 1 && c.options.dp > 1) done.push_back({"pp", "cp", "tp", "dp"});
-      for (const auto& order : distinct_orders(c.options, done)) {
-        const std::string name = order_name(c.options, order);
-        Candidate t = c;
-        t.options.placement = order;
-        t.placement = name;
-        t.simulated.reset();
-        tries.push_back(t);
-      }
-    }
-    result.placements_tried = tries.size();
-    estimate_variants(tries, "placing ranks", "placement constraints");
-  }
-
-  result.evaluated = evaluated;
-  for (const auto& [why, n] : reasons) result.rejections.emplace_back(why, n);
-
-  if (chains.empty() && result.enumerated == 0) {
-    // Nothing even to try: the pinned choices themselves cannot work. The builder says why.
-    MegatronOptions b;
-    b.global_batch = o.global_batch;
-    b.framework = o.framework;
-    b.costs = o.compile;
-    b.avoid_gpus = avoid;
-    if (pin.tp) b.tp = *pin.tp;
-    if (pin.pp) b.pp = *pin.pp;
-    if (pin.cp) b.cp = *pin.cp;
-    if (pin.ep) b.ep = *pin.ep;
-    if (pin.expert_tp) b.expert_tp = *pin.expert_tp;
-    if (pin.dp) b.dp = *pin.dp;
-    if (pin.vpp) b.vpp = *pin.vpp;
-    if (pin.micro_batch) b.micro_batch = *pin.micro_batch;
-    if (pin.sequence_parallel) b.sequence_parallel = *pin.sequence_parallel;
-    if (pin.schedule) b.schedule = *pin.schedule;
-    if (pin.stage_layers) b.stage_layers = *pin.stage_layers;
-    if (b.vpp > 1 && !pin.schedule) b.schedule = ScheduleKind::kInterleaved;
-    Expected<Plan> p = build_megatron_plan(model, topo, b);
-    if (!p) return p.error();
-  }
-  if (feasible.empty()) {
-    std::string msg = "no plan is feasible";
-    if (!cons.file.empty()) msg += fmt::format(" under the constraints of {}", cons.file);
-    msg += fmt::format(" ({} candidates enumerated):", result.enumerated);
-    std::vector<std::pair<std::string, size_t>> sorted = result.rejections;
-    std::sort(sorted.begin(), sorted.end(),
-              [](const auto& a, const auto& b) { return a.second > b.second; });
-    for (const auto& [why, n] : sorted) msg += fmt::format("\n  {:>7} removed by {}", n, why);
-    msg += "\nrelax the constraints that removed the most, or use more GPUs";
-    return Error(msg);
-  }
-
-  // Rank by estimate; deterministic tie-break on the description.
-  auto by_time = [](const Candidate& a, const Candidate& b) {
-    if (a.time() != b.time()) return a.time() < b.time();
-    return a.describe() < b.describe();
-  };
-  std::sort(feasible.begin(), feasible.end(), by_time);
-  // The ranking keeps each set of degrees once, at its best placement; the other placements
-  // of the winner are reported beside it.
-  auto degrees_of = [](const Candidate& c) {
-    Candidate d = c;
-    d.placement = "tp-innermost";
-    return d.describe();
-  };
-  std::vector<Candidate> all_placed = feasible;
-  {
-    std::set<std::string> seen_degrees;
-    std::vector<Candidate> unique;
-    for (const Candidate& c : feasible) {
-      if (seen_degrees.insert(degrees_of(c)).second) unique.push_back(c);
-    }
-    feasible = unique;
-  }
-
-  // Confirm the best by simulation.
-  if (o.simulate && o.confirm > 0) {
-    const size_t n = std::min<size_t>(o.confirm, feasible.size());
-    // Several at once: each simulation runs in a child process of its own.
-    parallel_for(
-        n, o.jobs,
-        [&](size_t i) {
-          Candidate& c = feasible[i];
-          Expected<Plan> plan = build_megatron_plan(model, topo, c.options);
-          if (!plan) return;  // estimated already, so not expected; the estimate stands
-          Expected<Program> prog = compile_plan(*plan, topo, c.options.costs);
-          if (!prog) return;
-          Expected<double> t = o.simulate(*prog);
-          if (t) c.simulated = *t;
-        },
-        [&](size_t done, size_t total) {
-          if (o.progress) o.progress("simulating", done, total);
-        });
-    result.confirmed = n;
-    // How often the estimator orders two confirmed plans differently from the simulator.
-    for (size_t a = 0; a < n; ++a) {
-      for (size_t b = a + 1; b < n; ++b) {
-        if (!feasible[a].simulated || !feasible[b].simulated) continue;
-        ++result.rank_pairs;
-        const bool est = feasible[a].estimate.iteration_time <= feasible[b].estimate.iteration_time;
-        const bool sim = *feasible[a].simulated <= *feasible[b].simulated;
-        if (est != sim) ++result.rank_disagreements;
-      }
-    }
-    std::stable_sort(feasible.begin(), feasible.begin() + n, by_time);
-  }
-  std::set<std::string> seen;
-  for (const Candidate& c : all_placed) {
-    if (seen.insert(c.placement).second) result.best_per_placement.push_back(c);
-  }
-  const std::string winner = degrees_of(feasible.front());
-  for (const Candidate& c : all_placed) {
-    if (degrees_of(c) == winner && c.placement != feasible.front().placement) {
-      result.other_placements_of_best.push_back(c);
-    }
-  }
-  Expected<Plan> best = build_megatron_plan(model, topo, feasible.front().options);
-  if (!best) return best.error();
-  result.best = *best;
-  if (feasible.size() > static_cast<size_t>(o.top)) feasible.resize(o.top);
-  result.ranked = feasible;
-  std::sort(lost.begin(), lost.end(), by_time);
-  if (lost.size() > static_cast<size_t>(o.top)) lost.resize(o.top);
-  result.rejected = lost;
-  return result;
+  Search search(model, topo, o, std::move(avoid), usable_count, capacity);
+  return search.run();
 }
 
 }  // namespace nnsim
