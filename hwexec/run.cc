@@ -32,47 +32,44 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
   return s;
 }
 
-}  // namespace
-
-// ---------------------------------------------------------------- what nnexec run supports
-
-Status check_checkable(const Plan& plan) {
-  const std::string dtype = run_dtype(plan);
-  if (plan.model.moe() && dtype != "fp32") {
-    return Error(fmt::format(
-        "a mixture of experts in {} cannot be checked against the unpartitioned fp32 "
-        "reference: {} rounding moves some tokens across the router's top-k boundary, to other "
-        "experts, where the reference does not; check the plan in fp32 (nnsim plan --precision "
-        "fp32), or run it without --check",
-        dtype, dtype));
-  }
-  return Status::Ok();
+// A refusal naming the plan's field, and what nnexec runs.
+Error refuse(const std::string& field, const std::string& why) {
+  return Error(fmt::format(
+      "{}: {} (nnexec run executes GPT- and Llama-style models: "
+      "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
+      "ReLU or squared-ReLU MLP, mixtures of experts (top-k, dropless, a shared expert, "
+      "group-limited routing, every expert on every rank, split along its width over the "
+      "tensor-parallel ranks (with sequence and context parallelism too), spread over "
+      "data-parallel ranks (expert parallelism, with ZeRO 0-3), or both, folded over the "
+      "tensor-parallel ranks too), learned, rotary or "
+      "ALiBi "
+      "positions, dropout with "
+      "deterministic masks (recomputed and repeated passes too); Megatron tensor, sequence "
+      "and context parallelism (together too), pipelines (interleaved too; the head and the "
+      "embedding also sharded over the stages, with context parallelism and repeated "
+      "forwards too) with F, B, R and zero-bubble BI/BW blocks, data parallelism with ZeRO "
+      "0-3, recompute rules, repeated forwards; tied embeddings (on two pipeline stages, and "
+      "in V-shaped placements, too); "
+      "ZeRO-3 also as FSDP keeps it gathered under "
+      "pipelines and as DeepSpeed gathers per tensor and again for recompute; in fp32, bf16, "
+      "fp16 or emulated fp8)",
+      field, why));
 }
 
-Status check_runnable(const Plan& plan) {
+bool is_expert_op(const std::string& name) {
+  return name == "moe.fc1" || name == "moe.act" || name == "moe.fc2";
+}
+
+// The product of the axes' sizes.
+int degree(const Plan& plan, const std::vector<std::string>& axes) {
+  int n = 1;
+  for (const std::string& a : axes) n *= plan.mesh.axis_size(a);
+  return n;
+}
+
+// What the model and the optimizer must be, whatever the partition.
+Status check_model_runnable(const Plan& plan) {
   const ModelSpec& m = plan.model;
-  auto refuse = [](const std::string& field, const std::string& why) {
-    return Error(fmt::format(
-        "{}: {} (nnexec run executes GPT- and Llama-style models: "
-        "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
-        "ReLU or squared-ReLU MLP, mixtures of experts (top-k, dropless, a shared expert, "
-        "group-limited routing, every expert on every rank, split along its width over the "
-        "tensor-parallel ranks (with sequence and context parallelism too), spread over "
-        "data-parallel ranks (expert parallelism, with ZeRO 0-3), or both, folded over the "
-        "tensor-parallel ranks too), learned, rotary or "
-        "ALiBi "
-        "positions, dropout with "
-        "deterministic masks (recomputed and repeated passes too); Megatron tensor, sequence "
-        "and context parallelism (together too), pipelines (interleaved too; the head and the "
-        "embedding also sharded over the stages, with context parallelism and repeated "
-        "forwards too) with F, B, R and zero-bubble BI/BW blocks, data parallelism with ZeRO "
-        "0-3, recompute rules, repeated forwards; tied embeddings (on two pipeline stages, and "
-        "in V-shaped placements, too); "
-        "ZeRO-3 also as FSDP keeps it gathered under "
-        "pipelines and as DeepSpeed gathers per tensor and again for recompute; in fp32, bf16, "
-        "fp16 or emulated fp8)",
-        field, why));
-  };
   if (m.mla()) {
     return refuse("model.kv_lora_rank",
                   "multi-head latent attention is simulated only; nnexec runs a fused Q, K, V "
@@ -128,27 +125,35 @@ Status check_runnable(const Plan& plan) {
     return refuse("optimizer.kind",
                   fmt::format("'{}' is not supported (adam only)", plan.optimizer.kind));
   }
+  return {};
+}
 
-  // Pipeline axes: those the schedule orders fix.
+// Pipeline axes: those the schedule orders fix.
+std::set<std::string> pipeline_axes(const Plan& plan) {
   std::set<std::string> pp_axes;
   for (const DeviceOrder& o : plan.schedule) {
     for (const auto& [axis, c] : o.devices) pp_axes.insert(axis);
   }
+  return pp_axes;
+}
 
-  // The head's and the embedding's segments may span the pipeline stages (--shard-head,
-  // --shard-embedding; run_spanning.h): their vocabulary-parallel operators may then be split
-  // along the pipeline axes too.
-  bool embedding_spans = false, head_spans = false;
-  for (std::size_t si = 0; si < plan.segments.size(); ++si) {
-    const bool spans = spans_orders(plan, static_cast<int>(si));
-    embedding_spans = embedding_spans || (spans && plan.segments[si].embedding);
-    head_spans = head_spans || (spans && plan.segments[si].head);
-  }
-
-  // Expert parallelism: the routed experts (moe.fc1, moe.act, moe.fc2) split over `ep_axes`,
-  // which split every other operator's batch (the expert-parallel ranks are data-parallel ranks
-  // of the rest, as Megatron-Core's), the routed copies exchanged by all-to-alls.
+// Expert parallelism as the partition sets it: the routed experts (moe.fc1, moe.act, moe.fc2)
+// split over `ep_axes`, which split every other operator's batch (the expert-parallel ranks are
+// data-parallel ranks of the rest, as Megatron-Core's), the routed copies exchanged by
+// all-to-alls.
+struct ExpertSplit {
   std::vector<std::string> ep_axes;
+  // The batch's split of every other operator: the expert-parallel axes, or those without the
+  // tensor-parallel ones the experts are also folded over (--etp 1).
+  std::vector<std::string> batch_axes;
+  bool folded = false;  // the experts split over axes the batch is not (--etp 1)
+};
+
+// The experts' split, refused where nnexec cannot run it.
+Expected<ExpertSplit> expert_split(const Plan& plan, const std::set<std::string>& pp_axes) {
+  const ModelSpec& m = plan.model;
+  ExpertSplit split;
+  std::vector<std::string>& ep_axes = split.ep_axes;
   bool ep_set = false;
   for (const char* op : {"moe.fc1", "moe.act", "moe.fc2"}) {
     const std::vector<std::string> axes = split_axes(plan, op, Dim::kExpert);
@@ -162,10 +167,9 @@ Status check_runnable(const Plan& plan) {
   }
   int ep = 1;
   for (const std::string& a : ep_axes) ep *= plan.mesh.axis_size(a);
-  // The batch's split of every other operator: the expert-parallel axes, or those without the
-  // tensor-parallel ones the experts are also folded over (--etp 1).
-  const std::vector<std::string> batch_axes = split_axes(plan, "attn.norm", Dim::kBatch);
-  bool folded = false;  // the experts split over axes the batch is not (--etp 1)
+  split.batch_axes = split_axes(plan, "attn.norm", Dim::kBatch);
+  const std::vector<std::string>& batch_axes = split.batch_axes;
+  bool& folded = split.folded;
   for (const std::string& a : ep_axes) {
     folded = folded || std::find(batch_axes.begin(), batch_axes.end(), a) == batch_axes.end();
   }
@@ -254,19 +258,42 @@ Status check_runnable(const Plan& plan) {
                     "use whole units (--framework fsdp or megatron)");
     }
   }
-  auto is_expert_op = [](const std::string& name) {
-    return name == "moe.fc1" || name == "moe.act" || name == "moe.fc2";
-  };
+  return split;
+}
 
-  // Effective splits per operator (every matching rule, in file order).
-  const OpGraph graph = lower_model(m, 1);
+// Each operator's split as the partition's rules give it (every matching rule, in file order).
+struct OperatorSplits {
   // Context parallelism: attn.core's sequence split, which every operator must share.
-  const std::vector<std::string> cp_axes = split_axes(plan, "attn.core", Dim::kSeq);
+  std::vector<std::string> cp_axes;
   std::set<std::string> cp_split;  // operators split along the sequence over cp_axes
   std::vector<std::string> tp_axes;
-  bool tp_set = false;
   std::map<std::string, std::vector<std::string>> split_of;  // op -> axes of its allowed dim
   std::set<std::string> seq_split;                           // sequence-parallel operators
+};
+
+// The operators' splits, refused where a split is not one nnexec runs.
+Expected<OperatorSplits> operator_splits(const Plan& plan, const OpGraph& graph,
+                                         const std::set<std::string>& pp_axes,
+                                         const ExpertSplit& experts) {
+  const std::vector<std::string>& ep_axes = experts.ep_axes;
+  const std::vector<std::string>& batch_axes = experts.batch_axes;
+  // The head's and the embedding's segments may span the pipeline stages (--shard-head,
+  // --shard-embedding; run_spanning.h): their vocabulary-parallel operators may then be split
+  // along the pipeline axes too.
+  bool embedding_spans = false, head_spans = false;
+  for (std::size_t si = 0; si < plan.segments.size(); ++si) {
+    const bool spans = spans_orders(plan, static_cast<int>(si));
+    embedding_spans = embedding_spans || (spans && plan.segments[si].embedding);
+    head_spans = head_spans || (spans && plan.segments[si].head);
+  }
+  OperatorSplits s;
+  s.cp_axes = split_axes(plan, "attn.core", Dim::kSeq);
+  const std::vector<std::string>& cp_axes = s.cp_axes;
+  std::set<std::string>& cp_split = s.cp_split;
+  std::vector<std::string>& tp_axes = s.tp_axes;
+  bool tp_set = false;
+  std::map<std::string, std::vector<std::string>>& split_of = s.split_of;
+  std::set<std::string>& seq_split = s.seq_split;
   for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
     for (const Op& op : part->ops) {
       std::map<Dim, std::vector<std::string>> splits;
@@ -369,11 +396,20 @@ Status check_runnable(const Plan& plan) {
       }
     }
   }
+  return s;
+}
+
+// Megatron's tensor parallelism: operators split alike, and degrees that divide the model.
+Status check_tensor_parallel(const Plan& plan, const OperatorSplits& s,
+                             const ExpertSplit& experts) {
+  const ModelSpec& m = plan.model;
+  const std::map<std::string, std::vector<std::string>>& split_of = s.split_of;
+  const std::vector<std::string>& ep_axes = experts.ep_axes;
   auto same = [&](std::initializer_list<const char*> names) -> Status {
     const auto first =
-        split_of.count(*names.begin()) ? split_of[*names.begin()] : std::vector<std::string>{};
+        split_of.count(*names.begin()) ? split_of.at(*names.begin()) : std::vector<std::string>{};
     for (const char* n : names) {
-      const auto a = split_of.count(n) ? split_of[n] : std::vector<std::string>{};
+      const auto a = split_of.count(n) ? split_of.at(n) : std::vector<std::string>{};
       if (a != first) {
         return refuse("partition", fmt::format("operators {} must be split alike (Megatron "
                                                "tensor parallelism); '{}' is not",
@@ -398,8 +434,7 @@ Status check_runnable(const Plan& plan) {
     }
   }
   if (Status s = same({"head.proj", "loss"}); !s) return s;
-  int tp = 1;
-  for (const std::string& a : tp_axes) tp *= plan.mesh.axis_size(a);
+  const int tp = degree(plan, s.tp_axes);
   if (m.moe() && split_of.count("moe.fc1")) {
     // The row-parallel experts' biases are added in the combine, to the summed copies: each
     // rank would need every expert's bias, which expert parallelism spreads.
@@ -423,7 +458,7 @@ Status check_runnable(const Plan& plan) {
   }
   for (const char* op : {"embed.word", "head.proj"}) {
     int ways = 1;
-    for (const std::string& a : split_of.count(op) ? split_of[op] : std::vector<std::string>{}) {
+    for (const std::string& a : split_of.count(op) ? split_of.at(op) : std::vector<std::string>{}) {
       ways *= plan.mesh.axis_size(a);
     }
     if (m.vocab % ways != 0) {
@@ -440,93 +475,128 @@ Status check_runnable(const Plan& plan) {
                               "groups); use a tensor-parallel degree dividing {}",
                               m.kv_heads, tp, m.kv_heads));
   }
-  if (!seq_split.empty()) {
-    for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
-      for (const Op& op : part->ops) {
-        if (kSequenceParallelOps.count(op.name) && !seq_split.count(op.name)) {
-          return refuse("partition",
-                        fmt::format("operator '{}' is not split along 'seq' but {} is "
-                                    "(sequence parallelism splits every norm, residual and the "
-                                    "position add alike)",
-                                    op.name, *seq_split.begin()));
-        }
-      }
-    }
-    if (m.moe() && !split_of.count("moe.fc1") && !folded) {
-      return refuse("partition",
-                    "sequence parallelism needs the experts split along their width over the "
-                    "tensor-parallel ranks (each rank routes its slice of the sequence, whose "
-                    "copies are gathered for the experts' column-parallel linears)");
-    }
-    if (!split_of.count("attn.qkv") ||
-        !(split_of.count("mlp.fc1") || split_of.count("moe.fc1") || folded)) {
-      return refuse("partition",
-                    "sequence parallelism needs tensor-parallel attention and MLP "
-                    "(the sequence is gathered for their column-parallel linears)");
-    }
-    // With context parallelism each cp rank's tokens are cut in tp slices.
-    int cp_ways = 1;
-    for (const std::string& a : cp_axes) cp_ways *= plan.mesh.axis_size(a);
-    if (m.seq_len % (static_cast<int64_t>(cp_ways) * tp) != 0) {
-      return refuse(
-          "partition",
-          fmt::format("seq_len {} is not divisible by the tensor-parallel degree {}{} "
-                      "(sequence parallelism)",
-                      m.seq_len, tp,
-                      cp_ways > 1 ? fmt::format(" x the context-parallel degree {}", cp_ways)
-                                  : std::string()));
-    }
-  }
-  if (!cp_axes.empty()) {
-    const std::string cp = join(cp_axes, "+");
-    for (const GraphPart* part :
-         {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
-      for (const Op& op : part->ops) {
-        if (!cp_split.count(op.name)) {
-          return refuse("partition",
-                        fmt::format("operator '{}' is not split along 'seq' over {} but attn.core "
-                                    "is (context parallelism splits every operator's sequence "
-                                    "alike)",
-                                    op.name, cp));
-        }
-      }
-    }
-    for (const std::string& a : cp_axes) {
-      if (pp_axes.count(a) || a == kDataParallelAxis ||
-          std::find(tp_axes.begin(), tp_axes.end(), a) != tp_axes.end()) {
+  return {};
+}
+
+// Megatron's sequence parallelism: every norm, residual and the position add split along the
+// sequence over the tensor-parallel axes, beside tensor-parallel attention and MLP.
+Status check_sequence_parallel(const Plan& plan, const OpGraph& graph, const OperatorSplits& s,
+                               const ExpertSplit& experts) {
+  if (s.seq_split.empty()) return {};
+  const ModelSpec& m = plan.model;
+  const std::set<std::string>& seq_split = s.seq_split;
+  const std::map<std::string, std::vector<std::string>>& split_of = s.split_of;
+  const std::vector<std::string>& cp_axes = s.cp_axes;
+  const bool folded = experts.folded;
+  const int tp = degree(plan, s.tp_axes);
+  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
+    for (const Op& op : part->ops) {
+      if (kSequenceParallelOps.count(op.name) && !seq_split.count(op.name)) {
         return refuse("partition",
-                      fmt::format("context parallelism over '{}', which is also a tensor-, "
-                                  "pipeline- or data-parallel axis, is not supported",
-                                  a));
-      }
-    }
-    int ways = 1;
-    for (const std::string& a : cp_axes) ways *= plan.mesh.axis_size(a);
-    if (ways > 1 && m.seq_len % (2 * static_cast<int64_t>(ways)) != 0) {
-      return refuse("model.seq_len",
-                    fmt::format("{} is not divisible by 2 x the context-parallel degree {} (each "
-                                "cp rank holds two chunks of the sequence: Megatron's "
-                                "load-balanced layout)",
-                                m.seq_len, ways));
-    }
-  }
-  if (!ep_axes.empty()) {
-    // Every operator but the experts' splits its batch over the expert-parallel axes.
-    for (const GraphPart* part :
-         {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
-      for (const Op& op : part->ops) {
-        if (is_expert_op(op.name)) continue;
-        const std::vector<std::string> batch = split_axes(plan, op.name, Dim::kBatch);
-        if (batch != batch_axes || (batch_axes.empty() && !folded)) {
-          return refuse("partition",
-                        fmt::format("operator '{}' splits its batch over {} but the experts are "
-                                    "split over {} (expert parallelism splits the batch of every "
-                                    "other operator over the same axes)",
-                                    op.name, join(batch, "+"), join(ep_axes, "+")));
-        }
+                      fmt::format("operator '{}' is not split along 'seq' but {} is "
+                                  "(sequence parallelism splits every norm, residual and the "
+                                  "position add alike)",
+                                  op.name, *seq_split.begin()));
       }
     }
   }
+  if (m.moe() && !split_of.count("moe.fc1") && !folded) {
+    return refuse("partition",
+                  "sequence parallelism needs the experts split along their width over the "
+                  "tensor-parallel ranks (each rank routes its slice of the sequence, whose "
+                  "copies are gathered for the experts' column-parallel linears)");
+  }
+  if (!split_of.count("attn.qkv") ||
+      !(split_of.count("mlp.fc1") || split_of.count("moe.fc1") || folded)) {
+    return refuse("partition",
+                  "sequence parallelism needs tensor-parallel attention and MLP "
+                  "(the sequence is gathered for their column-parallel linears)");
+  }
+  // With context parallelism each cp rank's tokens are cut in tp slices.
+  int cp_ways = 1;
+  for (const std::string& a : cp_axes) cp_ways *= plan.mesh.axis_size(a);
+  if (m.seq_len % (static_cast<int64_t>(cp_ways) * tp) != 0) {
+    return refuse(
+        "partition",
+        fmt::format("seq_len {} is not divisible by the tensor-parallel degree {}{} "
+                    "(sequence parallelism)",
+                    m.seq_len, tp,
+                    cp_ways > 1 ? fmt::format(" x the context-parallel degree {}", cp_ways)
+                                : std::string()));
+  }
+  return {};
+}
+
+// Context parallelism: every operator's sequence split over the same axes, of their own, in two
+// chunks a rank.
+Status check_context_parallel(const Plan& plan, const OpGraph& graph, const OperatorSplits& s,
+                              const std::set<std::string>& pp_axes) {
+  if (s.cp_axes.empty()) return {};
+  const ModelSpec& m = plan.model;
+  const std::vector<std::string>& cp_axes = s.cp_axes;
+  const std::vector<std::string>& tp_axes = s.tp_axes;
+  const std::set<std::string>& cp_split = s.cp_split;
+  const std::string cp = join(cp_axes, "+");
+  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
+    for (const Op& op : part->ops) {
+      if (!cp_split.count(op.name)) {
+        return refuse("partition",
+                      fmt::format("operator '{}' is not split along 'seq' over {} but attn.core "
+                                  "is (context parallelism splits every operator's sequence "
+                                  "alike)",
+                                  op.name, cp));
+      }
+    }
+  }
+  for (const std::string& a : cp_axes) {
+    if (pp_axes.count(a) || a == kDataParallelAxis ||
+        std::find(tp_axes.begin(), tp_axes.end(), a) != tp_axes.end()) {
+      return refuse("partition",
+                    fmt::format("context parallelism over '{}', which is also a tensor-, "
+                                "pipeline- or data-parallel axis, is not supported",
+                                a));
+    }
+  }
+  int ways = 1;
+  for (const std::string& a : cp_axes) ways *= plan.mesh.axis_size(a);
+  if (ways > 1 && m.seq_len % (2 * static_cast<int64_t>(ways)) != 0) {
+    return refuse("model.seq_len",
+                  fmt::format("{} is not divisible by 2 x the context-parallel degree {} (each "
+                              "cp rank holds two chunks of the sequence: Megatron's "
+                              "load-balanced layout)",
+                              m.seq_len, ways));
+  }
+  return {};
+}
+
+Status check_expert_batch(const Plan& plan, const OpGraph& graph, const ExpertSplit& experts) {
+  if (experts.ep_axes.empty()) return {};
+  const std::vector<std::string>& ep_axes = experts.ep_axes;
+  const std::vector<std::string>& batch_axes = experts.batch_axes;
+  const bool folded = experts.folded;
+  // Every operator but the experts' splits its batch over the expert-parallel axes.
+  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
+    for (const Op& op : part->ops) {
+      if (is_expert_op(op.name)) continue;
+      const std::vector<std::string> batch = split_axes(plan, op.name, Dim::kBatch);
+      if (batch != batch_axes || (batch_axes.empty() && !folded)) {
+        return refuse("partition",
+                      fmt::format("operator '{}' splits its batch over {} but the experts are "
+                                  "split over {} (expert parallelism splits the batch of every "
+                                  "other operator over the same axes)",
+                                  op.name, join(batch, "+"), join(ep_axes, "+")));
+      }
+    }
+  }
+  return {};
+}
+
+// Every mesh axis of more than one rank splits something.
+Status check_mesh_axes(const Plan& plan, const std::set<std::string>& pp_axes,
+                       const OperatorSplits& s, const ExpertSplit& experts) {
+  const std::vector<std::string>& ep_axes = experts.ep_axes;
+  const std::vector<std::string>& tp_axes = s.tp_axes;
+  const std::vector<std::string>& cp_axes = s.cp_axes;
   for (const MeshAxis& a : plan.mesh.axes) {
     if (a.size == 1 || a.name == kDataParallelAxis || pp_axes.count(a.name)) continue;
     if (std::find(ep_axes.begin(), ep_axes.end(), a.name) != ep_axes.end()) continue;
@@ -536,7 +606,11 @@ Status check_runnable(const Plan& plan) {
                                       a.name, a.size));
   }
 
-  // F, B, R, BI and BW blocks, each micro-batch's once (a spanning segment's in every order).
+  return {};
+}
+
+// F, B, R, BI and BW blocks, each micro-batch's once (a spanning segment's in every order).
+Status check_blocks(const Plan& plan) {
   const int mb = plan.num_micro_batches();
   if (mb < 1) return refuse("training", "no micro-batches per replica");
   if (plan.recycle < 1) {
@@ -619,47 +693,86 @@ Status check_runnable(const Plan& plan) {
       }
     }
   }
-  if (m.tied_embeddings) {
-    int emb = -1, head = -1;
-    for (std::size_t i = 0; i < plan.segments.size(); ++i) {
-      if (plan.segments[i].embedding) emb = static_cast<int>(i);
-      if (plan.segments[i].head) head = static_cast<int>(i);
-    }
-    // The head in another segment on the embedding's devices (a V-shaped or hand-built
-    // placement) projects with the embedding's matrix itself: one parameter whose gradient
-    // (both uses') ZeRO reduces with the embedding's unit, last after the embedding's last block
-    // computing weight gradients (B or BW; FSDP's kept-gathered ZeRO-3: its last micro-batch's).
-    // Every weight gradient of the head must be in the matrix by then.
-    if (emb != head && plan.optimizer.zero >= 1 &&
-        plan.segments[emb].devices == plan.segments[head].devices) {
-      const bool kept = plan.optimizer.zero == 3 && plan.optimizer.keep_gathered;
-      for (std::size_t oi = 0; oi < plan.schedule.size(); ++oi) {
-        const std::vector<Block>& blocks = plan.schedule[oi].blocks;
-        int head_last = -1, reduced = -1;
-        for (std::size_t k = 0; k < blocks.size(); ++k) {
-          const Block& b = blocks[k];
-          if (b.kind != BlockKind::kBackward && b.kind != BlockKind::kBackwardWeight) continue;
-          if (b.segment == head) head_last = static_cast<int>(k);
-          // The embedding's last reduction: after its last such block, or (kept gathered)
-          // after its last micro-batch's.
-          if (b.segment == emb && (!kept || b.micro_batch == mb - 1)) {
-            reduced = static_cast<int>(k);
-          }
+  return {};
+}
+
+// A tied head's weight gradients all in the embedding's matrix before ZeRO reduces it.
+Status check_tied_head_order(const Plan& plan) {
+  if (!plan.model.tied_embeddings) return {};
+  const int mb = plan.num_micro_batches();
+  int emb = -1, head = -1;
+  for (std::size_t i = 0; i < plan.segments.size(); ++i) {
+    if (plan.segments[i].embedding) emb = static_cast<int>(i);
+    if (plan.segments[i].head) head = static_cast<int>(i);
+  }
+  // The head in another segment on the embedding's devices (a V-shaped or hand-built
+  // placement) projects with the embedding's matrix itself: one parameter whose gradient
+  // (both uses') ZeRO reduces with the embedding's unit, last after the embedding's last block
+  // computing weight gradients (B or BW; FSDP's kept-gathered ZeRO-3: its last micro-batch's).
+  // Every weight gradient of the head must be in the matrix by then.
+  if (emb != head && plan.optimizer.zero >= 1 &&
+      plan.segments[emb].devices == plan.segments[head].devices) {
+    const bool kept = plan.optimizer.zero == 3 && plan.optimizer.keep_gathered;
+    for (std::size_t oi = 0; oi < plan.schedule.size(); ++oi) {
+      const std::vector<Block>& blocks = plan.schedule[oi].blocks;
+      int head_last = -1, reduced = -1;
+      for (std::size_t k = 0; k < blocks.size(); ++k) {
+        const Block& b = blocks[k];
+        if (b.kind != BlockKind::kBackward && b.kind != BlockKind::kBackwardWeight) continue;
+        if (b.segment == head) head_last = static_cast<int>(k);
+        // The embedding's last reduction: after its last such block, or (kept gathered)
+        // after its last micro-batch's.
+        if (b.segment == emb && (!kept || b.micro_batch == mb - 1)) {
+          reduced = static_cast<int>(k);
         }
-        if (head_last >= 0 && reduced >= 0 && head_last > reduced) {
-          return refuse(
-              fmt::format("schedule.orders[{}].blocks", oi),
-              fmt::format("block '{}' computes weight gradients of the head, whose tied "
-                          "projection is the embedding's matrix, after block '{}' reduced that "
-                          "matrix's gradients (ZeRO {}); order every B or BW block of segment "
-                          "{} before that block",
-                          to_string(blocks[head_last]), to_string(blocks[reduced]),
-                          plan.optimizer.zero, head));
-        }
+      }
+      if (head_last >= 0 && reduced >= 0 && head_last > reduced) {
+        return refuse(
+            fmt::format("schedule.orders[{}].blocks", oi),
+            fmt::format("block '{}' computes weight gradients of the head, whose tied "
+                        "projection is the embedding's matrix, after block '{}' reduced that "
+                        "matrix's gradients (ZeRO {}); order every B or BW block of segment "
+                        "{} before that block",
+                        to_string(blocks[head_last]), to_string(blocks[reduced]),
+                        plan.optimizer.zero, head));
       }
     }
   }
   return {};
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- what nnexec run supports
+
+Status check_checkable(const Plan& plan) {
+  const std::string dtype = run_dtype(plan);
+  if (plan.model.moe() && dtype != "fp32") {
+    return Error(fmt::format(
+        "a mixture of experts in {} cannot be checked against the unpartitioned fp32 "
+        "reference: {} rounding moves some tokens across the router's top-k boundary, to other "
+        "experts, where the reference does not; check the plan in fp32 (nnsim plan --precision "
+        "fp32), or run it without --check",
+        dtype, dtype));
+  }
+  return Status::Ok();
+}
+
+Status check_runnable(const Plan& plan) {
+  if (Status s = check_model_runnable(plan); !s) return s;
+  const std::set<std::string> pp_axes = pipeline_axes(plan);
+  Expected<ExpertSplit> experts = expert_split(plan, pp_axes);
+  if (!experts) return experts.error();
+  const OpGraph graph = lower_model(plan.model, 1);
+  Expected<OperatorSplits> splits = operator_splits(plan, graph, pp_axes, *experts);
+  if (!splits) return splits.error();
+  if (Status s = check_tensor_parallel(plan, *splits, *experts); !s) return s;
+  if (Status s = check_sequence_parallel(plan, graph, *splits, *experts); !s) return s;
+  if (Status s = check_context_parallel(plan, graph, *splits, pp_axes); !s) return s;
+  if (Status s = check_expert_batch(plan, graph, *experts); !s) return s;
+  if (Status s = check_mesh_axes(plan, pp_axes, *splits, *experts); !s) return s;
+  if (Status s = check_blocks(plan); !s) return s;
+  return check_tied_head_order(plan);
 }
 
 std::string run_dtype(const Plan& plan) {
