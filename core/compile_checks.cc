@@ -9,6 +9,8 @@
 
 #include <fmt/format.h>
 
+#include "core/schedule_check.h"
+
 namespace nnsim::detail {
 
 // A partition or recompute rule that matches no operator is a typo (or a rule for another
@@ -232,6 +234,46 @@ Status Compiler::check_spanning() {
         "them one order each");
   }
   return Status::Ok();
+}
+
+// Sub-batches (Merak's sub-pipelined tensor parallelism) split the sequences each GPU runs
+// through every operator: each operator's share must divide.
+Status Compiler::check_sub_batches() const {
+  const int k = plan.comm.tp_sub_batches;
+  if (k <= 1) return Status::Ok();
+  for (const PartInfo* p : parts()) {
+    for (size_t i = 0; i < p->part->ops.size(); ++i) {
+      const Op& op = p->part->ops[i];
+      const int64_t local = op.granularity[static_cast<int>(Dim::kBatch)] /
+                            p->partitions[i].factor(Dim::kBatch, plan.mesh);
+      if (local % k != 0) {
+        return Error(fmt::format(
+            "communication.tp_sub_batches: {} sub-batches do not divide the {} sequence{} "
+            "operator '{}' runs per micro-batch on a GPU; use a micro-batch whose share per "
+            "GPU is a multiple of {}",
+            k, local, local == 1 ? "" : "s", op.name, k));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// Every lane's order runs each micro-batch's blocks once, in an order that cannot deadlock.
+Status Compiler::check_lane_orders() const {
+  std::vector<OrderView> views;
+  for (size_t o = 0; o < prog.lanes.size(); ++o) {
+    const Lane& lane = prog.lanes[o];
+    std::string name;
+    for (const auto& [axis, v] : lane.slice)
+      name += fmt::format("{}{}={}", name.empty() ? "" : ",", axis, v);
+    if (name.empty()) name = "all devices";
+    auto [lo, hi] = std::minmax_element(lane.gpus.begin(), lane.gpus.end());
+    views.push_back({lane.gpus.size() == 1 ? fmt::format("{} (GPU {})", name, *lo)
+                                           : fmt::format("{} (GPUs {}-{})", name, *lo, *hi),
+                     plan.schedule[o].blocks});
+  }
+  return check_schedule(views, static_cast<int>(plan.segments.size()), prog.micro_batches,
+                        next_segment, lanes_of_segment, plan.recycle);
 }
 
 }  // namespace nnsim::detail

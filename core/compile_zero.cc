@@ -106,4 +106,36 @@ void Compiler::emit_grad_buckets(double bytes, double& pending, std::vector<Step
   }
 }
 
+// Each GradGroup's data-parallel axes: dp and the axes every weighted operator of the group
+// syncs over.
+Status Compiler::set_group_axes() {
+  const int dp_axis = mesh.axis_index(kDataParallelAxis);
+  // Each GradGroup's buckets sync over dp and the axes every weighted operator of the group
+  // syncs over (context parallelism; expert parallelism for the dense weights);
+  // operator-specific sync axes (sequence-parallel norms over tp) get their own small
+  // all-reduce at the end of the iteration.
+  std::array<uint32_t, kNumGradGroups> common;
+  common.fill(~0u);
+  for (const PartInfo* p : parts()) {
+    for (size_t i = 0; i < p->part->ops.size(); ++i) {
+      if (!p->part->ops[i].weights.empty()) common[p->grad_group[i]] &= p->sync_axes[i];
+    }
+  }
+  for (int g = 0; g < kNumGradGroups; ++g) {
+    group_axes[g] = (1u << dp_axis) | (common[g] == ~0u ? 0u : common[g]);
+  }
+  if (common[kExpertGrads] == ~0u) group_axes[kExpertGrads] = group_axes[kDenseGrads];
+  if (plan.optimizer.zero == 3 && plan.comm.zero3_per_tensor &&
+      group_axes[kExpertGrads] != group_axes[kDenseGrads]) {
+    return Error(
+        "communication.zero3_per_tensor: ZeRO-3 tensor by tensor (DeepSpeed) with experts spread "
+        "over a mesh axis (expert parallelism) is not supported, as DeepSpeed's engine does not "
+        "run it (\"MoE not supported with Stage 3\"): the experts' and the dense weights' "
+        "tensors shard over different groups; gather whole layers (FSDP: "
+        "zero3_per_tensor false), use optimizer.zero 0-2, or do not split the experts' 'expert' "
+        "dimension");
+  }
+  return Status::Ok();
+}
+
 }  // namespace nnsim::detail

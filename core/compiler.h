@@ -3,8 +3,9 @@
 // (segments onto devices), compile_ops.cc (operators' partitions, forward and backward steps),
 // compile_zero.cc (ZeRO's buckets, gathers and shards), compile_memory.cc (what a device holds),
 // compile_blocks.cc with block_builder.h (block templates), compile_overlap.cc (collectives
-// hidden behind a block's compute) and compile_pairs.cc (a forward and a backward block run as
-// one). Not part of the library's interface.
+// hidden behind a block's compute), compile_pairs.cc (a forward and a backward block run as
+// one) and compile_steps.cc (a lane's blocks, prologue and epilogue). Not part of the library's
+// interface.
 #pragma once
 
 #include <algorithm>
@@ -228,6 +229,19 @@ struct Compiler {
     return holds(from, to) ? -1 : lanes_of_segment[from].front();
   }
   Status check_segments();
+  // Sub-batches (communication.tp_sub_batches) divide every operator's sequences on a GPU.
+  Status check_sub_batches() const;
+  // Each GradGroup's axes (group_axes); refuses DeepSpeed's per-tensor ZeRO-3 with experts.
+  Status set_group_axes();
+  // The schedule's orders, lane by lane (core/schedule_check.h).
+  Status check_lane_orders() const;
+  // Lane `o`'s blocks, prologue and epilogue (compile_steps.cc).
+  void build_lane_steps(int o);
+  void add_lane_blocks(int o, Lane& lane);
+  void add_prologue_gathers(int o, Lane& lane);
+  void add_epilogue(int o, Lane& lane, const std::vector<int>& segs);
+  // The tied embedding's gradient sum between its first- and last-stage copies.
+  void add_tied_embedding_sync();
   // ZeRO-3 tensor by tensor with prefetch (comm.zero3_prefetch_elements): called before
   // operator `op` of part `p` runs its forward (`recompute`: inside the backward) or its
   // backward, to gather its tensors; set while a block is built.
