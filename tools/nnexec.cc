@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -211,6 +212,8 @@ int finish(const RunArgs& a, const nnsim::Plan& plan, const nnsim::hwexec::RunOp
 int run_as_rank(const RunArgs& a, const Role& role) {
   using namespace nnsim::hwexec;
   const int rank = role.who.rank;
+  // `ps` and `top` show which process is which rank (the command line stays the launcher's).
+  ::prctl(PR_SET_NAME, fmt::format("nnexec r{}", rank).c_str());
   auto fail_rank = [&](std::string m) {
     // The library's errors name the rank too; say it once.
     const std::string self = fmt::format("rank {}: ", rank);

@@ -751,7 +751,18 @@ TEST(NnexecRunLaunch, RanksAreForkedAndADeadRankStopsTheRun) {
     EXPECT_FALSE(contains(mine, "--worker-rank")) << mine;
   }
 
-  // Forked in rank order: the higher pid is rank 1.
+  // Each rank names itself (its comm, as ps shows it): pids alone do not say which is which,
+  // since they wrap around (at 32,768 on many machines).
+  std::map<std::string, pid_t> by_name;
+  EXPECT_TRUE(within(60, [&] {
+    by_name.clear();
+    for (pid_t p : ranks) {
+      by_name[testing::slurp(fmt::format("/proc/{}/comm", p))] = p;
+    }
+    return by_name.count("nnexec r0\n") && by_name.count("nnexec r1\n");
+  })) << "the ranks do not call themselves 'nnexec r0' and 'nnexec r1'";
+  ASSERT_EQ(by_name.count("nnexec r0\n") + by_name.count("nnexec r1\n"), 2u);
+  ranks = {by_name["nnexec r0\n"], by_name["nnexec r1\n"]};
   ASSERT_EQ(::kill(ranks[0], SIGSTOP), 0);
   ASSERT_EQ(::kill(ranks[1], SIGKILL), 0);
   EXPECT_TRUE(within(30, [&] { return pending(ranks[0], SIGTERM); }))
