@@ -441,334 +441,409 @@ double makespan_lower_bound(const TesselProblem& p) {
 // in micro-batch order (Tessel's rule; it also keeps the warm-up before period K + 1 and the
 // cool-down after period M - 2, so only those periods' fixed instances need checking), and
 // the memory limit at the start of every instance whose level the ends can change. The bound
-// bisected is the makespan (below `incumbent`, seconds), or W and the tail after it when the
-// two ends are solved apart; returns the orders of the shortest schedule found, if any.
-std::optional<std::vector<std::vector<Block>>> search_ends(const TesselProblem& p,
-                                                           const Discrete& d, const Repetend& r,
-                                                           double incumbent, int& calls,
-                                                           std::string& failure) {
-  const int n = static_cast<int>(p.blocks.size());
-  const int64_t M = p.micro_batches;
-  const int64_t K = *std::max_element(r.lag.begin(), r.lag.end());
-  const int64_t P = r.period;
-  const bool has_fixed = M > K;
+// bisected is the makespan (below the incumbent), or W and the tail after it when the two ends
+// are solved apart.
+class EndsSearch {
+ public:
+  EndsSearch(const TesselProblem& p, const Discrete& d, const Repetend& r);
+
+  // The orders of the shortest schedule found below `incumbent` seconds, if any; `calls`
+  // counts the solver's checks, `failure` says why the solver stopped, if it failed.
+  std::optional<std::vector<std::vector<Block>>> run(double incumbent, int& calls,
+                                                     std::string& failure);
+
+ private:
   // Zones: 0 warm-up (free), 1 period K, 2 periods strictly between the borders, 3 the last
   // two periods (fixed), 4 cool-down (free). Without a full period every instance is free (0).
-  const int total = n * static_cast<int>(M);
-  std::vector<int> zone(total), blk(total), mb(total);
-  std::vector<int64_t> offset(total, 0);  // fixed: start - W
-  int free_count = 0;
-  for (int b = 0; b < n; ++b) {
-    for (int64_t m = 0; m < M; ++m) {
-      const int id = b * static_cast<int>(M) + static_cast<int>(m);
-      blk[id] = b;
-      mb[id] = static_cast<int>(m);
-      const int64_t j = m + r.lag[b];
+  bool is_free(int id) const { return zone_[id] == 0 || zone_[id] == 4; }
+  // The ends a constraint on instance `id` involves: 1 the warm-up, 2 the cool-down.
+  int side(int id) const { return zone_[id] == 0 ? 1 : zone_[id] == 4 ? 2 : 0; }
+  int64_t natural(int id) const { return (mb_[id] + r_.lag[blk_[id]]) * P_ + r_.start[blk_[id]]; }
+  z3::expr ticks(int id) { return ctx_.int_val(d_.ticks[blk_[id]]); }
+  int derived(int i, int j) const;
+  int known(int i, int j) const;
+  void add_constraints();
+  z3::expr before(int i, int j);
+  std::optional<z3::model> minimize(int sides, const std::vector<z3::expr>& extra,
+                                    const std::function<std::vector<z3::expr>(int64_t)>& bounded,
+                                    const std::function<int64_t(const z3::model&)>& value,
+                                    int64_t lo, int64_t hi, uint64_t budget);
+  int64_t eval(const z3::model& model, const z3::expr& e) {
+    return model.eval(e, true).get_numeral_int64();
+  }
+  std::optional<std::vector<int64_t>> solve_apart();
+  std::optional<std::vector<int64_t>> solve_together(double incumbent);
+  std::vector<std::vector<Block>> orders_from(const std::vector<int64_t>& starts) const;
+
+  const TesselProblem& p_;
+  const Discrete& d_;
+  const Repetend& r_;
+  const int n_;
+  const int64_t M_, K_, P_;
+  const bool has_fixed_;
+  const int total_;
+  // Per instance (block b, micro-batch m at b * M + m): its zone, block, micro-batch and, when
+  // fixed, its start - W.
+  std::vector<int> zone_, blk_, mb_;
+  std::vector<int64_t> offset_;
+  int free_count_ = 0;
+  std::vector<std::vector<bool>> reach_;  // reach_[a][b]: block b depends on a, directly or not
+  // Instances whose unrolled starts are this far apart keep the unrolled order (0: none).
+  int64_t window_ = 0;
+  std::vector<std::vector<int>> on_device_;  // instances the ends can touch, per device
+  std::vector<int64_t> middle_bytes_;        // bytes the middle periods leave, per device
+
+  // The solver's model: every instance's start, W, the constraints with the ends they involve,
+  // one Boolean per unordered pair the solver decides.
+  z3::context ctx_;
+  std::vector<std::optional<z3::expr>> start_;
+  std::optional<z3::expr> W_;
+  std::vector<std::pair<z3::expr, int>> base_;
+  std::map<std::pair<int, int>, z3::expr> order_;
+  int64_t fixed_end_ = 0;
+  uint64_t counted_ = 0;  // the context's resource count so far
+  int* calls_ = nullptr;
+};
+
+EndsSearch::EndsSearch(const TesselProblem& p, const Discrete& d, const Repetend& r)
+    : p_(p),
+      d_(d),
+      r_(r),
+      n_(static_cast<int>(p.blocks.size())),
+      M_(p.micro_batches),
+      K_(*std::max_element(r.lag.begin(), r.lag.end())),
+      P_(r.period),
+      has_fixed_(M_ > K_),
+      total_(n_ * static_cast<int>(M_)),
+      zone_(total_),
+      blk_(total_),
+      mb_(total_),
+      offset_(total_, 0) {
+  for (int b = 0; b < n_; ++b) {
+    for (int64_t m = 0; m < M_; ++m) {
+      const int id = b * static_cast<int>(M_) + static_cast<int>(m);
+      blk_[id] = b;
+      mb_[id] = static_cast<int>(m);
+      const int64_t j = m + r_.lag[b];
       int z = 0;
-      if (has_fixed) {
-        z = j < K ? 0 : j == K ? 1 : j > M - 1 ? 4 : j >= M - 2 ? 3 : 2;
-        offset[id] = (j - K) * P + r.start[b];
+      if (has_fixed_) {
+        z = j < K_ ? 0 : j == K_ ? 1 : j > M_ - 1 ? 4 : j >= M_ - 2 ? 3 : 2;
+        offset_[id] = (j - K_) * P_ + r_.start[b];
       }
-      zone[id] = z;
-      free_count += (z == 0 || z == 4);
+      zone_[id] = z;
+      free_count_ += (z == 0 || z == 4);
     }
   }
-  if (free_count == 0) return std::nullopt;
+  reach_.assign(n_, std::vector<bool>(n_, false));
+  for (int b : topological_order(p_)) {
+    for (int a : p_.blocks[b].after) {
+      reach_[a][b] = true;
+      for (int x = 0; x < n_; ++x) reach_[x][b] = reach_[x][b] || reach_[x][a];
+    }
+  }
+}
+
+// Whether instance i runs before j as the rules already fix it: 1 before, 0 after, -1 the
+// solver decides.
+int EndsSearch::derived(int i, int j) const {
+  if (blk_[i] == blk_[j]) return mb_[i] < mb_[j] ? 1 : 0;
+  if (mb_[i] == mb_[j] && reach_[blk_[i]][blk_[j]]) return 1;
+  if (mb_[i] == mb_[j] && reach_[blk_[j]][blk_[i]]) return 0;
+  if (!is_free(i) && !is_free(j)) {
+    return std::make_pair(offset_[i], blk_[i]) < std::make_pair(offset_[j], blk_[j]) ? 1 : 0;
+  }
+  const int zi = zone_[i], zj = zone_[j];
+  if (zi == zj) return -1;
+  const int lo = std::min(zi, zj), hi = std::max(zi, zj);
+  bool ordered = false;
+  if (lo == 0) ordered = hi == 2 || hi == 3 || (hi == 4 && M_ - 1 - K_ >= 1);
+  if (lo == 1) ordered = hi == 4 && M_ - 1 - K_ >= 2;
+  if (lo == 2) ordered = true;
+  if (!ordered) return -1;
+  return zi < zj ? 1 : 0;
+}
+
+// As derived, and in large ends two instances whose unrolled starts are `window_` or more apart
+// keep the unrolled order (a neighbourhood of the unrolled repetend; the list schedule stays the
+// incumbent): too many orders otherwise for the solver to settle within its budget.
+int EndsSearch::known(int i, int j) const {
+  const int k = derived(i, j);
+  if (k >= 0 || window_ == 0 || std::abs(natural(i) - natural(j)) < window_) return k;
+  return natural(i) < natural(j) ? 1 : 0;
+}
+
+// i ends before j starts: a constant where known, else the pair's Boolean (created on first use
+// with the two implications it stands for). Shared by the devices a block spans, so they meet
+// their blocks in the same order.
+z3::expr EndsSearch::before(int i, int j) {
+  const int k = known(i, j);
+  if (k >= 0) return ctx_.bool_val(k == 1);
+  const std::pair<int, int> key = std::minmax(i, j);
+  auto it = order_.find(key);
+  if (it == order_.end()) {
+    const z3::expr o = ctx_.bool_const(fmt::format("o{}_{}", key.first, key.second).c_str());
+    const int sides = side(key.first) | side(key.second);
+    base_.emplace_back(z3::implies(o, *start_[key.first] + ticks(key.first) <= *start_[key.second]),
+                       sides);
+    base_.emplace_back(
+        z3::implies(!o, *start_[key.second] + ticks(key.second) <= *start_[key.first]), sides);
+    it = order_.emplace(key, o).first;
+  }
+  return i == key.first ? it->second : !it->second;
+}
+
+// The constraints of the ends: starts not negative, each block's instances in micro-batch order,
+// dependencies with their transfers, one block at a time per device and the memory limit.
+void EndsSearch::add_constraints() {
+  for (int id = 0; id < total_; ++id) {
+    for (int dev : p_.blocks[blk_[id]].devices) {
+      if (zone_[id] == 2) {
+        middle_bytes_[dev] += d_.bytes[blk_[id]];
+      } else {
+        on_device_[dev].push_back(id);
+      }
+    }
+  }
+  W_ = ctx_.int_const("W");
+  for (int id = 0; id < total_; ++id) {
+    if (is_free(id)) {
+      start_[id] = ctx_.int_const(fmt::format("x{}_{}", blk_[id], mb_[id]).c_str());
+    } else {
+      start_[id] = *W_ + ctx_.int_val(offset_[id]);
+    }
+  }
+  base_.emplace_back(*W_ >= 0, 0);
+  for (int id = 0; id < total_; ++id) {
+    if (is_free(id)) {
+      base_.emplace_back(*start_[id] >= 0, side(id));
+    } else {
+      fixed_end_ = std::max(fixed_end_, offset_[id] + d_.ticks[blk_[id]]);
+    }
+  }
+  // Micro-batch order of each block's instances.
+  for (int b = 0; b < n_; ++b) {
+    for (int64_t m = 0; m + 1 < M_; ++m) {
+      const int i = b * static_cast<int>(M_) + static_cast<int>(m);
+      if (is_free(i) || is_free(i + 1)) {
+        base_.emplace_back(*start_[i] + ticks(i) <= *start_[i + 1], side(i) | side(i + 1));
+      }
+    }
+  }
+  for (int c = 0; c < n_; ++c) {
+    for (size_t k = 0; k < p_.blocks[c].after.size(); ++k) {
+      const int b = p_.blocks[c].after[k];
+      for (int64_t m = 0; m < M_; ++m) {
+        const int i = b * static_cast<int>(M_) + static_cast<int>(m);
+        const int j = c * static_cast<int>(M_) + static_cast<int>(m);
+        if (!is_free(i) && !is_free(j)) continue;
+        base_.emplace_back(*start_[j] >= *start_[i] + ticks(i) + ctx_.int_val(d_.transfer[c][k]),
+                           side(i) | side(j));
+      }
+    }
+  }
+  for (int dev = 0; dev < p_.devices; ++dev) {
+    const std::vector<int>& ids = on_device_[dev];
+    for (size_t a = 0; a < ids.size(); ++a) {
+      for (size_t b = a + 1; b < ids.size(); ++b) {
+        const int i = ids[a], j = ids[b];
+        if (derived(i, j) >= 0) continue;
+        if (known(i, j) < 0) {
+          before(i, j);
+        } else {
+          const int first = known(i, j) == 1 ? i : j, second = first == i ? j : i;
+          base_.emplace_back(*start_[first] + ticks(first) <= *start_[second],
+                             side(first) | side(second));
+        }
+      }
+    }
+    if (d_.limit[dev] < 0) continue;
+    for (int i : ids) {
+      if (zone_[i] == 2) continue;
+      z3::expr level = ctx_.int_val(zone_[i] >= 3 ? middle_bytes_[dev] : 0);
+      int sides = zone_[i] == 1 ? 1 : zone_[i] == 3 ? 2 : side(i);
+      for (int j : ids) {
+        if (j == i || d_.bytes[blk_[j]] == 0) continue;
+        if (known(j, i) < 0) sides |= side(i) | side(j);
+        level = level + z3::ite(before(j, i), ctx_.int_val(d_.bytes[blk_[j]]), ctx_.int_val(0));
+      }
+      base_.emplace_back(level + ctx_.int_val(d_.peak[blk_[i]]) <= ctx_.int_val(d_.limit[dev]),
+                         sides);
+    }
+  }
+}
+
+// The smallest `value` of a model of the constraints of `sides` (and `extra`) under the bound
+// constraints, bisected in [lo, hi] down to the problem's precision; nullopt when none is found
+// within `budget` (Z3's resource units).
+std::optional<z3::model> EndsSearch::minimize(
+    int sides, const std::vector<z3::expr>& extra,
+    const std::function<std::vector<z3::expr>(int64_t)>& bounded,
+    const std::function<int64_t(const z3::model&)>& value, int64_t lo, int64_t hi,
+    uint64_t budget) {
+  const int64_t tolerance = std::max<int64_t>(
+      1, static_cast<int64_t>(p_.precision * static_cast<double>(d_.lower_bound)));
+  std::optional<z3::model> best;
+  while (lo <= hi && budget > 0 && (!best || hi - lo >= tolerance)) {
+    const int64_t bound = best ? lo + (hi - lo) / 2 : hi;
+    z3::solver solver(ctx_);
+    solver.set(solver_params(ctx_, std::min<uint64_t>(p_.solver_rlimit, budget)));
+    for (const auto& [e, s] : base_) {
+      if ((s & ~sides) == 0) solver.add(e);
+    }
+    for (const z3::expr& e : extra) solver.add(e);
+    for (const z3::expr& e : bounded(bound)) solver.add(e);
+    ++*calls_;
+    const z3::check_result result = solver.check();
+    const z3::stats stats = solver.statistics();
+    uint64_t used = 0;
+    for (unsigned i = 0; i < stats.size(); ++i) {
+      if (stats.key(i) == "rlimit count") {
+        used =
+            stats.is_uint(i) ? stats.uint_value(i) : static_cast<uint64_t>(stats.double_value(i));
+      }
+    }
+    // The count is the context's, over every check so far.
+    const uint64_t spent = used >= counted_ ? used - counted_ : used;
+    counted_ = std::max(counted_, used);
+    budget -= std::min(budget, std::max<uint64_t>(spent, 1));
+    if (result == z3::sat) {
+      best = solver.get_model();
+      hi = value(*best) - 1;
+    } else if (!best) {
+      break;
+    } else {
+      lo = bound + 1;
+    }
+  }
+  return best;
+}
+
+// No constraint involves both ends: the warm-up for the earliest W, then the cool-down for the
+// shortest tail after W, each a much smaller problem. Every instance's start, when either end
+// improved on the unrolled repetend (W = K P, the natural starts, a solution of each).
+std::optional<std::vector<int64_t>> EndsSearch::solve_apart() {
+  std::vector<int64_t> starts(total_);
+  for (int id = 0; id < total_; ++id) starts[id] = natural(id);
+  int64_t w = K_ * P_, tail = fixed_end_;
+  std::vector<int64_t> work(p_.devices, 0), cool(p_.devices, 0);
+  for (int id = 0; id < total_; ++id) {
+    if (zone_[id] == 4) tail = std::max(tail, starts[id] - w + d_.ticks[blk_[id]]);
+    for (int dev : p_.blocks[blk_[id]].devices) {
+      if (zone_[id] == 0) work[dev] += d_.ticks[blk_[id]];
+      if (zone_[id] == 4) cool[dev] += d_.ticks[blk_[id]];
+    }
+  }
+  // The warm-up ends by W + P; the cool-down starts after W + (M - 1 - K) P.
+  int64_t w_lo = 0, tail_lo = fixed_end_;
+  for (int dev = 0; dev < p_.devices; ++dev) {
+    w_lo = std::max(w_lo, work[dev] - P_);
+    tail_lo = std::max(tail_lo, (M_ - 1 - K_) * P_ + cool[dev]);
+  }
+  const z3::expr& W = *W_;
+  bool improved = false;
+  std::optional<z3::model> warm = minimize(
+      1, {}, [&](int64_t bound) { return std::vector<z3::expr>{W <= ctx_.int_val(bound)}; },
+      [&](const z3::model& m) { return eval(m, W); }, w_lo, w - 1, p_.ends_rlimit / 2);
+  if (warm) {
+    improved = true;
+    w = eval(*warm, W);
+    for (int id = 0; id < total_; ++id) {
+      if (zone_[id] == 0) starts[id] = eval(*warm, *start_[id]);
+    }
+  }
+  auto tail_of = [&](const z3::model& m) {
+    int64_t z = fixed_end_;
+    for (int id = 0; id < total_; ++id) {
+      if (zone_[id] == 4) z = std::max(z, eval(m, *start_[id]) + d_.ticks[blk_[id]]);
+    }
+    return z;
+  };
+  std::optional<z3::model> cold = minimize(
+      2, {W == 0},
+      [&](int64_t bound) {
+        std::vector<z3::expr> out = {ctx_.int_val(fixed_end_) <= ctx_.int_val(bound)};
+        for (int id = 0; id < total_; ++id) {
+          if (zone_[id] == 4) out.push_back(*start_[id] + ticks(id) <= ctx_.int_val(bound));
+        }
+        return out;
+      },
+      tail_of, tail_lo, tail - 1, p_.ends_rlimit - p_.ends_rlimit / 2);
+  for (int id = 0; id < total_; ++id) {
+    if (zone_[id] == 4) {
+      starts[id] = cold ? eval(*cold, *start_[id]) + w : starts[id] - K_ * P_ + w;
+    } else if (!is_free(id)) {
+      starts[id] = w + offset_[id];
+    }
+  }
+  if (!improved && !cold) return std::nullopt;
+  return starts;
+}
+
+// Both ends at once, the makespan bisected strictly below the incumbent, down to the busiest
+// device's total work.
+std::optional<std::vector<int64_t>> EndsSearch::solve_together(double incumbent) {
+  auto makespan_of = [&](const z3::model& model) {
+    int64_t z = has_fixed_ ? eval(model, *W_) + fixed_end_ : 0;
+    for (int id = 0; id < total_; ++id) {
+      if (is_free(id)) z = std::max(z, eval(model, *start_[id]) + d_.ticks[blk_[id]]);
+    }
+    return z;
+  };
+  const int64_t hi = static_cast<int64_t>(std::ceil(incumbent / d_.seconds_per_tick - 1e-9)) - 1;
+  std::optional<z3::model> model = minimize(
+      3, {},
+      [&](int64_t bound) {
+        std::vector<z3::expr> out;
+        if (has_fixed_) out.push_back(*W_ + ctx_.int_val(fixed_end_) <= ctx_.int_val(bound));
+        for (int id = 0; id < total_; ++id) {
+          if (is_free(id)) out.push_back(*start_[id] + ticks(id) <= ctx_.int_val(bound));
+        }
+        return out;
+      },
+      makespan_of, d_.lower_bound * M_, hi, p_.ends_rlimit);
+  if (!model) return std::nullopt;
+  std::vector<int64_t> starts(total_);
+  for (int id = 0; id < total_; ++id) starts[id] = eval(*model, *start_[id]);
+  return starts;
+}
+
+// Every device runs its instances by start, ties by dependency order then micro-batch, the same
+// on every device a block spans.
+std::vector<std::vector<Block>> EndsSearch::orders_from(const std::vector<int64_t>& starts) const {
+  const std::vector<int> topo = topological_order(p_);
+  std::vector<int> rank(n_);
+  for (int i = 0; i < n_; ++i) rank[topo[i]] = i;
+  std::vector<std::tuple<int64_t, int, int, int>> events;
+  for (int id = 0; id < total_; ++id) events.emplace_back(starts[id], rank[blk_[id]], mb_[id], id);
+  std::sort(events.begin(), events.end());
+  std::vector<std::vector<Block>> orders(p_.devices);
+  for (const auto& [time, rk, m, id] : events) {
+    for (int dev : p_.blocks[blk_[id]].devices) {
+      orders[dev].push_back(block_of(p_.blocks[blk_[id]], m));
+    }
+  }
+  return orders;
+}
+
+std::optional<std::vector<std::vector<Block>>> EndsSearch::run(double incumbent, int& calls,
+                                                               std::string& failure) {
+  if (free_count_ == 0) return std::nullopt;
   // Larger ends are beyond what the solver settles within its budget.
   constexpr int kMaxFree = 400, kFreeInFull = 100;
   constexpr int64_t kWindowPeriods = 2;
-  if (free_count > kMaxFree) return std::nullopt;
-  std::vector<std::vector<bool>> reach(n, std::vector<bool>(n, false));
-  for (int b : topological_order(p)) {
-    for (int a : p.blocks[b].after) {
-      reach[a][b] = true;
-      for (int x = 0; x < n; ++x) reach[x][b] = reach[x][b] || reach[x][a];
-    }
-  }
-  auto is_free = [&](int id) { return zone[id] == 0 || zone[id] == 4; };
-  // 1: i runs before j, 0: after, -1: the solver decides.
-  auto derived = [&](int i, int j) -> int {
-    if (blk[i] == blk[j]) return mb[i] < mb[j] ? 1 : 0;
-    if (mb[i] == mb[j] && reach[blk[i]][blk[j]]) return 1;
-    if (mb[i] == mb[j] && reach[blk[j]][blk[i]]) return 0;
-    if (!is_free(i) && !is_free(j)) {
-      return std::make_pair(offset[i], blk[i]) < std::make_pair(offset[j], blk[j]) ? 1 : 0;
-    }
-    const int zi = zone[i], zj = zone[j];
-    if (zi == zj) return -1;
-    const int lo = std::min(zi, zj), hi = std::max(zi, zj);
-    bool ordered = false;
-    if (lo == 0) ordered = hi == 2 || hi == 3 || (hi == 4 && M - 1 - K >= 1);
-    if (lo == 1) ordered = hi == 4 && M - 1 - K >= 2;
-    if (lo == 2) ordered = true;
-    if (!ordered) return -1;
-    return zi < zj ? 1 : 0;
-  };
-  // Large ends are too many orders for the solver to settle within its budget: there two
-  // instances whose unrolled starts are `window` or more apart keep the unrolled order (a
-  // neighbourhood of the unrolled repetend; the list schedule stays the incumbent).
-  const int64_t window = free_count > kFreeInFull ? kWindowPeriods * P : 0;
-  auto natural = [&](int id) { return (mb[id] + r.lag[blk[id]]) * P + r.start[blk[id]]; };
-  auto known = [&](int i, int j) -> int {
-    const int k = derived(i, j);
-    if (k >= 0 || window == 0 || std::abs(natural(i) - natural(j)) < window) return k;
-    return natural(i) < natural(j) ? 1 : 0;
-  };
-  std::vector<std::vector<int>> on_device(p.devices);  // instances the ends can touch
-  std::vector<int64_t> middle_bytes(p.devices, 0);
-  for (int id = 0; id < total; ++id) {
-    for (int dev : p.blocks[blk[id]].devices) {
-      if (zone[id] == 2) {
-        middle_bytes[dev] += d.bytes[blk[id]];
-      } else {
-        on_device[dev].push_back(id);
-      }
-    }
-  }
+  if (free_count_ > kMaxFree) return std::nullopt;
+  window_ = free_count_ > kFreeInFull ? kWindowPeriods * P_ : 0;
+  calls_ = &calls;
+  on_device_.assign(p_.devices, {});
+  middle_bytes_.assign(p_.devices, 0);
+  start_.assign(total_, std::nullopt);
   try {
-    z3::context ctx;
-    std::vector<std::optional<z3::expr>> start(total);
-    const z3::expr W = ctx.int_const("W");
-    for (int id = 0; id < total; ++id) {
-      if (is_free(id)) {
-        start[id] = ctx.int_const(fmt::format("x{}_{}", blk[id], mb[id]).c_str());
-      } else {
-        start[id] = W + ctx.int_val(offset[id]);
-      }
-    }
-    auto t = [&](int id) { return ctx.int_val(d.ticks[blk[id]]); };
-    // Every constraint with the ends it involves: 1 the warm-up, 2 the cool-down. When none
-    // involves both, the two are solved apart (much smaller problems): the warm-up for the
-    // earliest W, the cool-down for the shortest tail after W.
-    std::vector<std::pair<z3::expr, int>> base;
-    auto side = [&](int id) { return zone[id] == 0 ? 1 : zone[id] == 4 ? 2 : 0; };
-    base.emplace_back(W >= 0, 0);
-    int64_t fixed_end = 0;
-    for (int id = 0; id < total; ++id) {
-      if (is_free(id)) {
-        base.emplace_back(*start[id] >= 0, side(id));
-      } else {
-        fixed_end = std::max(fixed_end, offset[id] + d.ticks[blk[id]]);
-      }
-    }
-    // Micro-batch order of each block's instances.
-    for (int b = 0; b < n; ++b) {
-      for (int64_t m = 0; m + 1 < M; ++m) {
-        const int i = b * static_cast<int>(M) + static_cast<int>(m);
-        if (is_free(i) || is_free(i + 1)) {
-          base.emplace_back(*start[i] + t(i) <= *start[i + 1], side(i) | side(i + 1));
-        }
-      }
-    }
-    for (int c = 0; c < n; ++c) {
-      for (size_t k = 0; k < p.blocks[c].after.size(); ++k) {
-        const int b = p.blocks[c].after[k];
-        for (int64_t m = 0; m < M; ++m) {
-          const int i = b * static_cast<int>(M) + static_cast<int>(m);
-          const int j = c * static_cast<int>(M) + static_cast<int>(m);
-          if (!is_free(i) && !is_free(j)) continue;
-          base.emplace_back(*start[j] >= *start[i] + t(i) + ctx.int_val(d.transfer[c][k]),
-                            side(i) | side(j));
-        }
-      }
-    }
-    // One Boolean per unordered pair the solver decides: true when the first runs first. Shared
-    // by the devices a block spans, so they meet their blocks in the same order.
-    std::map<std::pair<int, int>, z3::expr> order;
-    auto before = [&](int i, int j) -> z3::expr {  // i ends before j starts
-      const int k = known(i, j);
-      if (k >= 0) return ctx.bool_val(k == 1);
-      const std::pair<int, int> key = std::minmax(i, j);
-      auto it = order.find(key);
-      if (it == order.end()) {
-        const z3::expr o = ctx.bool_const(fmt::format("o{}_{}", key.first, key.second).c_str());
-        const int sides = side(key.first) | side(key.second);
-        base.emplace_back(z3::implies(o, *start[key.first] + t(key.first) <= *start[key.second]),
-                          sides);
-        base.emplace_back(z3::implies(!o, *start[key.second] + t(key.second) <= *start[key.first]),
-                          sides);
-        it = order.emplace(key, o).first;
-      }
-      return i == key.first ? it->second : !it->second;
-    };
-    for (int dev = 0; dev < p.devices; ++dev) {
-      const std::vector<int>& ids = on_device[dev];
-      for (size_t a = 0; a < ids.size(); ++a) {
-        for (size_t b = a + 1; b < ids.size(); ++b) {
-          const int i = ids[a], j = ids[b];
-          if (derived(i, j) >= 0) continue;
-          if (known(i, j) < 0) {
-            before(i, j);
-          } else {
-            const int first = known(i, j) == 1 ? i : j, second = first == i ? j : i;
-            base.emplace_back(*start[first] + t(first) <= *start[second],
-                              side(first) | side(second));
-          }
-        }
-      }
-      if (d.limit[dev] < 0) continue;
-      for (int i : ids) {
-        if (zone[i] == 2) continue;
-        z3::expr level = ctx.int_val(zone[i] >= 3 ? middle_bytes[dev] : 0);
-        int sides = zone[i] == 1 ? 1 : zone[i] == 3 ? 2 : side(i);
-        for (int j : ids) {
-          if (j == i || d.bytes[blk[j]] == 0) continue;
-          if (known(j, i) < 0) sides |= side(i) | side(j);
-          level = level + z3::ite(before(j, i), ctx.int_val(d.bytes[blk[j]]), ctx.int_val(0));
-        }
-        base.emplace_back(level + ctx.int_val(d.peak[blk[i]]) <= ctx.int_val(d.limit[dev]), sides);
-      }
-    }
-    bool apart = has_fixed;
-    for (const auto& [e, sides] : base) apart = apart && sides != 3;
-    const int64_t tolerance = std::max<int64_t>(
-        1, static_cast<int64_t>(p.precision * static_cast<double>(d.lower_bound)));
-    // The smallest `value` of a model of the constraints of `sides` (and `extra`) under the
-    // bound constraints, bisected in [lo, hi]; nullopt when none is found within `budget`.
-    uint64_t counted = 0;
-    auto minimize = [&](int sides, const std::vector<z3::expr>& extra,
-                        const std::function<std::vector<z3::expr>(int64_t)>& bounded,
-                        const std::function<int64_t(const z3::model&)>& value, int64_t lo,
-                        int64_t hi, uint64_t budget) -> std::optional<z3::model> {
-      std::optional<z3::model> best;
-      while (lo <= hi && budget > 0 && (!best || hi - lo >= tolerance)) {
-        const int64_t bound = best ? lo + (hi - lo) / 2 : hi;
-        z3::solver solver(ctx);
-        solver.set(solver_params(ctx, std::min<uint64_t>(p.solver_rlimit, budget)));
-        for (const auto& [e, s] : base) {
-          if ((s & ~sides) == 0) solver.add(e);
-        }
-        for (const z3::expr& e : extra) solver.add(e);
-        for (const z3::expr& e : bounded(bound)) solver.add(e);
-        ++calls;
-        const z3::check_result result = solver.check();
-        const z3::stats stats = solver.statistics();
-        uint64_t used = 0;
-        for (unsigned i = 0; i < stats.size(); ++i) {
-          if (stats.key(i) == "rlimit count") {
-            used = stats.is_uint(i) ? stats.uint_value(i)
-                                    : static_cast<uint64_t>(stats.double_value(i));
-          }
-        }
-        // The count is the context's, over every check so far.
-        const uint64_t spent = used >= counted ? used - counted : used;
-        counted = std::max(counted, used);
-        budget -= std::min(budget, std::max<uint64_t>(spent, 1));
-        if (result == z3::sat) {
-          best = solver.get_model();
-          hi = value(*best) - 1;
-        } else if (!best) {
-          break;
-        } else {
-          lo = bound + 1;
-        }
-      }
-      return best;
-    };
-    auto eval = [&](const z3::model& model, const z3::expr& e) {
-      return model.eval(e, true).get_numeral_int64();
-    };
-    std::optional<std::vector<int64_t>> best;  // every instance's start
-    if (apart) {
-      // The unrolled repetend is one solution of each: W = K P, the natural starts.
-      std::vector<int64_t> starts(total);
-      for (int id = 0; id < total; ++id) {
-        starts[id] = (mb[id] + r.lag[blk[id]]) * P + r.start[blk[id]];
-      }
-      int64_t w = K * P, tail = fixed_end;
-      std::vector<int64_t> work(p.devices, 0), cool(p.devices, 0);
-      for (int id = 0; id < total; ++id) {
-        if (zone[id] == 4) tail = std::max(tail, starts[id] - w + d.ticks[blk[id]]);
-        for (int dev : p.blocks[blk[id]].devices) {
-          if (zone[id] == 0) work[dev] += d.ticks[blk[id]];
-          if (zone[id] == 4) cool[dev] += d.ticks[blk[id]];
-        }
-      }
-      // The warm-up ends by W + P; the cool-down starts after W + (M - 1 - K) P.
-      int64_t w_lo = 0, tail_lo = fixed_end;
-      for (int dev = 0; dev < p.devices; ++dev) {
-        w_lo = std::max(w_lo, work[dev] - P);
-        tail_lo = std::max(tail_lo, (M - 1 - K) * P + cool[dev]);
-      }
-      bool improved = false;
-      std::optional<z3::model> warm = minimize(
-          1, {}, [&](int64_t bound) { return std::vector<z3::expr>{W <= ctx.int_val(bound)}; },
-          [&](const z3::model& m) { return eval(m, W); }, w_lo, w - 1, p.ends_rlimit / 2);
-      if (warm) {
-        improved = true;
-        w = eval(*warm, W);
-        for (int id = 0; id < total; ++id) {
-          if (zone[id] == 0) starts[id] = eval(*warm, *start[id]);
-        }
-      }
-      auto tail_of = [&](const z3::model& m) {
-        int64_t z = fixed_end;
-        for (int id = 0; id < total; ++id) {
-          if (zone[id] == 4) z = std::max(z, eval(m, *start[id]) + d.ticks[blk[id]]);
-        }
-        return z;
-      };
-      std::optional<z3::model> cold = minimize(
-          2, {W == 0},
-          [&](int64_t bound) {
-            std::vector<z3::expr> out = {ctx.int_val(fixed_end) <= ctx.int_val(bound)};
-            for (int id = 0; id < total; ++id) {
-              if (zone[id] == 4) out.push_back(*start[id] + t(id) <= ctx.int_val(bound));
-            }
-            return out;
-          },
-          tail_of, tail_lo, tail - 1, p.ends_rlimit - p.ends_rlimit / 2);
-      for (int id = 0; id < total; ++id) {
-        if (zone[id] == 4) {
-          starts[id] = cold ? eval(*cold, *start[id]) + w : starts[id] - K * P + w;
-        } else if (!is_free(id)) {
-          starts[id] = w + offset[id];
-        }
-      }
-      if (improved || cold) best = std::move(starts);
-    } else {
-      auto makespan_of = [&](const z3::model& model) {
-        int64_t z = has_fixed ? eval(model, W) + fixed_end : 0;
-        for (int id = 0; id < total; ++id) {
-          if (is_free(id)) z = std::max(z, eval(model, *start[id]) + d.ticks[blk[id]]);
-        }
-        return z;
-      };
-      // Strictly below the incumbent, down to the busiest device's total work.
-      const int64_t hi = static_cast<int64_t>(std::ceil(incumbent / d.seconds_per_tick - 1e-9)) - 1;
-      std::optional<z3::model> model = minimize(
-          3, {},
-          [&](int64_t bound) {
-            std::vector<z3::expr> out;
-            if (has_fixed) out.push_back(W + ctx.int_val(fixed_end) <= ctx.int_val(bound));
-            for (int id = 0; id < total; ++id) {
-              if (is_free(id)) out.push_back(*start[id] + t(id) <= ctx.int_val(bound));
-            }
-            return out;
-          },
-          makespan_of, d.lower_bound * M, hi, p.ends_rlimit);
-      if (model) {
-        std::vector<int64_t> starts(total);
-        for (int id = 0; id < total; ++id) starts[id] = eval(*model, *start[id]);
-        best = std::move(starts);
-      }
-    }
-    if (!best) return std::nullopt;
-    // Every device runs its instances by start, ties by dependency order then micro-batch, the
-    // same on every device a block spans.
-    const std::vector<int> topo = topological_order(p);
-    std::vector<int> rank(n);
-    for (int i = 0; i < n; ++i) rank[topo[i]] = i;
-    std::vector<std::tuple<int64_t, int, int, int>> events;
-    for (int id = 0; id < total; ++id) events.emplace_back((*best)[id], rank[blk[id]], mb[id], id);
-    std::sort(events.begin(), events.end());
-    std::vector<std::vector<Block>> orders(p.devices);
-    for (const auto& [time, rk, m, id] : events) {
-      for (int dev : p.blocks[blk[id]].devices) {
-        orders[dev].push_back(block_of(p.blocks[blk[id]], m));
-      }
-    }
-    return orders;
+    add_constraints();
+    bool apart = has_fixed_;
+    for (const auto& [e, sides] : base_) apart = apart && sides != 3;
+    std::optional<std::vector<int64_t>> starts = apart ? solve_apart() : solve_together(incumbent);
+    if (!starts) return std::nullopt;
+    return orders_from(*starts);
   } catch (const z3::exception& e) {
     failure = e.msg();
     return std::nullopt;
@@ -1035,9 +1110,9 @@ Expected<TesselSchedule> tessel_search(const TesselProblem& p) {
   // and within the memory limit (the solver's bytes are rounded).
   out.ends_incumbent = chosen_run->makespan;
   const bool optimal = chosen_run->makespan <= makespan_lower_bound(p) * (1 + 1e-9);
-  if (auto orders = optimal
-                        ? std::nullopt
-                        : search_ends(p, d, r, chosen_run->makespan, out.solver_calls, failure)) {
+  if (auto orders =
+          optimal ? std::nullopt
+                  : EndsSearch(p, d, r).run(chosen_run->makespan, out.solver_calls, failure)) {
     Expected<OrdersRun> run = run_orders(p, *orders);
     if (!run) return run.error();
     bool fits = true;
