@@ -10,62 +10,97 @@ namespace {
 
 constexpr int kBlockKinds = 5;
 
-}  // namespace
-
-Status check_schedule(const std::vector<OrderView>& orders, int num_segments, int micro_batches,
-                      const std::vector<int>& next_segment, const std::vector<int>& lane_of_segment,
-                      int passes) {
-  std::vector<std::vector<int>> lanes;
-  for (int l : lane_of_segment) lanes.push_back({l});
-  return check_schedule(orders, num_segments, micro_batches, next_segment, lanes, passes);
-}
-
-Status check_schedule(const std::vector<OrderView>& orders, int num_segments, int micro_batches,
-                      const std::vector<int>& next_segment,
-                      const std::vector<std::vector<int>>& lanes_of_segment, int passes) {
-  if (passes < 1) return Error(fmt::format("{} forward passes per micro-batch", passes));
-  std::vector<int> prev_segment(num_segments, -1);
-  for (int s = 0; s < num_segments; ++s) {
-    if (next_segment[s] >= 0) prev_segment[next_segment[s]] = s;
-  }
+// The checks' shared state: the orders, the pipeline's segment order, and the dense tables of
+// where every block sits in its orders and, while replaying, which blocks have run.
+struct OrderChecker {
+  const std::vector<OrderView>& orders;
+  const int num_segments, micro_batches;
+  const std::vector<int>& next_segment;
+  const std::vector<std::vector<int>>& lanes_of_segment;
+  const int passes;
+  std::vector<int> prev_segment;
   // With repeated forwards, pass i + 1 of the first segment reads pass i's output of the last.
   int last_segment = -1;
-  for (int s = 0; s < num_segments; ++s) {
-    if (next_segment[s] < 0) last_segment = s;
-  }
-  // Where order o sits among the orders of segment s (-1: not one of them).
-  auto slot_of = [&](int s, int o) {
-    const auto& l = lanes_of_segment[s];
-    auto it = std::find(l.begin(), l.end(), o);
-    return it == l.end() ? -1 : static_cast<int>(it - l.begin());
-  };
   // Blocks are told apart by kind and, for the forwards before the last pass, by pass: the last
   // pass's forward has the kind's own index (the one its backward reads), pass i < passes - 1
   // index kBlockKinds + i.
-  const int kinds = kBlockKinds + passes - 1;
-  auto kind_of = [&](const Block& b) {
+  int kinds = 0;
+  // Where each segment's orders start in `position`'s slots.
+  std::vector<size_t> base;
+  // By (segment, its order, kind, micro-batch): where the block sits in that order (-1: absent).
+  std::vector<int> position;
+  // By (kind, micro-batch, segment), while replaying: whether the block has run (a block of a
+  // spanning segment runs once, jointly).
+  std::vector<char> done;
+  // While replaying: each order's next block.
+  std::vector<size_t> next;
+
+  OrderChecker(const std::vector<OrderView>& o, int segments, int mbs,
+               const std::vector<int>& next_seg, const std::vector<std::vector<int>>& lanes,
+               int forward_passes)
+      : orders(o),
+        num_segments(segments),
+        micro_batches(mbs),
+        next_segment(next_seg),
+        lanes_of_segment(lanes),
+        passes(forward_passes),
+        prev_segment(segments, -1),
+        kinds(kBlockKinds + forward_passes - 1),
+        base(segments + 1, 0) {
+    for (int s = 0; s < num_segments; ++s) {
+      if (next_segment[s] >= 0) prev_segment[next_segment[s]] = s;
+      if (next_segment[s] < 0) last_segment = s;
+    }
+    for (int s = 0; s < num_segments; ++s) base[s + 1] = base[s] + lanes_of_segment[s].size();
+    position.assign(base.back() * kinds * micro_batches, -1);
+    done.assign(static_cast<size_t>(kinds) * micro_batches * num_segments, 0);
+    next.assign(orders.size(), 0);
+  }
+
+  // Where order o sits among the orders of segment s (-1: not one of them).
+  int slot_of(int s, int o) const {
+    const auto& l = lanes_of_segment[s];
+    auto it = std::find(l.begin(), l.end(), o);
+    return it == l.end() ? -1 : static_cast<int>(it - l.begin());
+  }
+  int kind_of(const Block& b) const {
     return b.kind == BlockKind::kForward && b.pass < passes - 1 ? kBlockKinds + b.pass
                                                                 : static_cast<int>(b.kind);
-  };
-  auto forward_kind = [&](int pass) {
+  }
+  int forward_kind(int pass) const {
     return pass == passes - 1 ? static_cast<int>(BlockKind::kForward) : kBlockKinds + pass;
-  };
-  // Dense tables: `done` by (kind, micro-batch, segment): whether the block has run (a block of
-  // a spanning segment runs once, jointly); `position` by (segment, its order, kind,
-  // micro-batch): where the block sits in that order.
-  auto key = [&](int k, int mb, int seg) {
+  }
+  size_t key(int k, int mb, int seg) const {
     return (static_cast<size_t>(k) * micro_batches + mb) * num_segments + seg;
-  };
-  const size_t table = static_cast<size_t>(kinds) * micro_batches * num_segments;
-  std::vector<size_t> base(num_segments + 1, 0);
-  for (int s = 0; s < num_segments; ++s) base[s + 1] = base[s] + lanes_of_segment[s].size();
-  auto pkey = [&](int k, int mb, int seg, int slot) {
+  }
+  size_t pkey(int k, int mb, int seg, int slot) const {
     return ((base[seg] + slot) * kinds + static_cast<size_t>(k)) * micro_batches + mb;
-  };
-  auto pkey_kind = [&](BlockKind k, int mb, int seg, int slot) {
+  }
+  size_t pkey_kind(BlockKind k, int mb, int seg, int slot) const {
     return pkey(static_cast<int>(k), mb, seg, slot);
-  };
-  std::vector<int> position(base.back() * kinds * micro_batches, -1);
+  }
+  bool is_done(BlockKind k, int mb, int seg) const {
+    return done[key(static_cast<int>(k), mb, seg)] != 0;
+  }
+  bool backward_done(int mb, int seg) const {
+    return is_done(BlockKind::kBackward, mb, seg) || is_done(BlockKind::kBackwardInput, mb, seg);
+  }
+  std::string order_names(int seg) const {
+    std::string s;
+    for (int o : lanes_of_segment[seg]) s += (s.empty() ? "" : ", ") + orders[o].name;
+    return s;
+  }
+
+  Status place_blocks();
+  Status check_micro_batches() const;
+  Status check_counts() const;
+  std::string waits_for(const Block& b) const;
+  Status replay();
+};
+
+// Every block names a segment, micro-batch and pass that exist, on an order of its segment,
+// once; a pair is a forward and a whole backward of another micro-batch.
+Status OrderChecker::place_blocks() {
   for (size_t o = 0; o < orders.size(); ++o) {
     const auto& ord = orders[o];
     for (size_t i = 0; i < ord.blocks.size(); ++i) {
@@ -128,7 +163,11 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
       }
     }
   }
-  // Completeness and the order of each micro-batch's own blocks on every order of its segment.
+  return Status::Ok();
+}
+
+// Completeness and the order of each micro-batch's own blocks on every order of its segment.
+Status OrderChecker::check_micro_batches() const {
   for (int s = 0; s < num_segments; ++s) {
     const bool spanning = lanes_of_segment[s].size() > 1;
     const std::string note =
@@ -196,6 +235,11 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
       }
     }
   }
+  return Status::Ok();
+}
+
+// Each order holds exactly the blocks its segments need.
+Status OrderChecker::check_counts() const {
   for (size_t o = 0; o < orders.size(); ++o) {
     size_t expected = 0;
     for (int s = 0; s < num_segments; ++s) {
@@ -211,64 +255,53 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
                                orders[o].blocks.size(), expected));
     }
   }
+  return Status::Ok();
+}
 
-  // Deadlock: replay every order, a block may run once the blocks it receives data from have
-  // run; a block of a spanning segment runs once every order it spans has reached it. If no
-  // order can make progress before all are done, report what each waits for.
-  std::vector<size_t> next(orders.size(), 0);
-  std::vector<char> done(table, 0);
-  auto is_done = [&](BlockKind k, int mb, int seg) {
-    return done[key(static_cast<int>(k), mb, seg)] != 0;
-  };
-  auto backward_done = [&](int mb, int seg) {
-    return is_done(BlockKind::kBackward, mb, seg) || is_done(BlockKind::kBackwardInput, mb, seg);
-  };
-  auto order_names = [&](int seg) {
-    std::string s;
-    for (int o : lanes_of_segment[seg]) s += (s.empty() ? "" : ", ") + orders[o].name;
-    return s;
-  };
-  // What `b` needs that has not run yet ("" if nothing).
-  auto waits_for = [&](const Block& b) -> std::string {
-    if (b.kind == BlockKind::kForward) {
-      int p = prev_segment[b.segment];
-      if (p >= 0 && !done[key(forward_kind(b.pass), b.micro_batch, p)]) {
-        return fmt::format("the activation of {} from {}",
-                           to_string(Block{BlockKind::kForward, b.micro_batch, p, b.pass}),
-                           order_names(p));
-      }
-      if (p < 0 && b.pass > 0 &&
-          !done[key(forward_kind(b.pass - 1), b.micro_batch, last_segment)]) {
-        return fmt::format(
-            "the recycled output of {} from {}",
-            to_string(Block{BlockKind::kForward, b.micro_batch, last_segment, b.pass - 1}),
-            order_names(last_segment));
-      }
-    } else if (b.kind == BlockKind::kBackward || b.kind == BlockKind::kBackwardInput) {
-      int n = next_segment[b.segment];
-      if (n >= 0 && !backward_done(b.micro_batch, n)) {
-        return fmt::format(
-            "the gradient of the backward of micro-batch {} through segment {} "
-            "from {}",
-            b.micro_batch, n, order_names(n));
-      }
+// What `b` needs that has not run yet ("" if nothing).
+std::string OrderChecker::waits_for(const Block& b) const {
+  if (b.kind == BlockKind::kForward) {
+    int p = prev_segment[b.segment];
+    if (p >= 0 && !done[key(forward_kind(b.pass), b.micro_batch, p)]) {
+      return fmt::format("the activation of {} from {}",
+                         to_string(Block{BlockKind::kForward, b.micro_batch, p, b.pass}),
+                         order_names(p));
     }
-    if (lanes_of_segment[b.segment].size() > 1) {
-      std::string absent;
-      for (int o : lanes_of_segment[b.segment]) {
-        if (next[o] < orders[o].blocks.size() && orders[o].blocks[next[o]] == b) continue;
-        absent +=
-            fmt::format("{}{} ({})", absent.empty() ? "" : ", ", orders[o].name,
-                        next[o] < orders[o].blocks.size()
-                            ? fmt::format("waiting in {}", to_string(orders[o].blocks[next[o]]))
-                            : std::string("finished"));
-      }
-      if (!absent.empty()) {
-        return fmt::format("the other devices of the joint block {}: {}", to_string(b), absent);
-      }
+    if (p < 0 && b.pass > 0 && !done[key(forward_kind(b.pass - 1), b.micro_batch, last_segment)]) {
+      return fmt::format(
+          "the recycled output of {} from {}",
+          to_string(Block{BlockKind::kForward, b.micro_batch, last_segment, b.pass - 1}),
+          order_names(last_segment));
     }
-    return "";
-  };
+  } else if (b.kind == BlockKind::kBackward || b.kind == BlockKind::kBackwardInput) {
+    int n = next_segment[b.segment];
+    if (n >= 0 && !backward_done(b.micro_batch, n)) {
+      return fmt::format(
+          "the gradient of the backward of micro-batch {} through segment {} "
+          "from {}",
+          b.micro_batch, n, order_names(n));
+    }
+  }
+  if (lanes_of_segment[b.segment].size() > 1) {
+    std::string absent;
+    for (int o : lanes_of_segment[b.segment]) {
+      if (next[o] < orders[o].blocks.size() && orders[o].blocks[next[o]] == b) continue;
+      absent += fmt::format("{}{} ({})", absent.empty() ? "" : ", ", orders[o].name,
+                            next[o] < orders[o].blocks.size()
+                                ? fmt::format("waiting in {}", to_string(orders[o].blocks[next[o]]))
+                                : std::string("finished"));
+    }
+    if (!absent.empty()) {
+      return fmt::format("the other devices of the joint block {}: {}", to_string(b), absent);
+    }
+  }
+  return "";
+}
+
+// Deadlock: replay every order, a block may run once the blocks it receives data from have run;
+// a block of a spanning segment runs once every order it spans has reached it. If no order can
+// make progress before all are done, report what each waits for.
+Status OrderChecker::replay() {
   size_t total = 0, finished = 0;
   for (const auto& o : orders) total += o.blocks.size();
   while (finished < total) {
@@ -318,6 +351,27 @@ Status check_schedule(const std::vector<OrderView>& orders, int num_segments, in
     }
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Status check_schedule(const std::vector<OrderView>& orders, int num_segments, int micro_batches,
+                      const std::vector<int>& next_segment, const std::vector<int>& lane_of_segment,
+                      int passes) {
+  std::vector<std::vector<int>> lanes;
+  for (int l : lane_of_segment) lanes.push_back({l});
+  return check_schedule(orders, num_segments, micro_batches, next_segment, lanes, passes);
+}
+
+Status check_schedule(const std::vector<OrderView>& orders, int num_segments, int micro_batches,
+                      const std::vector<int>& next_segment,
+                      const std::vector<std::vector<int>>& lanes_of_segment, int passes) {
+  if (passes < 1) return Error(fmt::format("{} forward passes per micro-batch", passes));
+  OrderChecker c(orders, num_segments, micro_batches, next_segment, lanes_of_segment, passes);
+  if (Status s = c.place_blocks(); !s) return s;
+  if (Status s = c.check_micro_batches(); !s) return s;
+  if (Status s = c.check_counts(); !s) return s;
+  return c.replay();
 }
 
 }  // namespace nnsim
