@@ -284,31 +284,8 @@ std::pair<int, int> parse_range(const InputNode& n) {
   return {v[0], v[1]};
 }
 
-Plan parse_plan_node(const InputNode& root) {
-  root.check_keys({"format", "version", "name", "topology", "model", "training", "mesh",
-                   "placement", "segments", "partition", "recompute", "recompute_early_stop",
-                   "moe_grouped_gemm", "moe_deepep", "optimizer", "communication", "schedule"});
-  if (root["format"].as_string() != "nnsim-plan") {
-    root["format"].fail("expected \"nnsim-plan\" (is this a plan file?)");
-  }
-  Plan plan;
-  plan.version = root["version"].as_small_int();
-  if (plan.version != kPlanVersion) {
-    root["version"].fail(fmt::format(
-        "plan version {} is not supported by this nnsim (it reads version {}); rebuild the plan "
-        "with `nnsim plan`",
-        plan.version, kPlanVersion));
-  }
-  plan.name = root.get_string("name", "");
-  if (auto t = root.get("topology")) {
-    t->check_keys({"name", "gpus"});
-    plan.topology_name = t->get_string("name", "");
-    plan.topology_gpus = t->get_small_int("gpus", 0);
-    if (t->has("gpus") && plan.topology_gpus < 1) (*t)["gpus"].fail("must be at least 1");
-  }
-  plan.model = parse_model_node(root["model"]);
-
-  auto training = root["training"];
+// training: the batch, the precision, the framework and repeated forwards.
+void parse_training(const InputNode& training, Plan& plan) {
   training.check_keys({"global_batch", "micro_batch", "precision", "framework", "recycle"});
   plan.global_batch = training["global_batch"].as_small_int();
   plan.micro_batch = training["micro_batch"].as_small_int();
@@ -329,11 +306,11 @@ Plan parse_plan_node(const InputNode& root) {
       plan.framework != "other") {
     training["framework"].fail_unknown(plan.framework, {"megatron", "fsdp", "deepspeed", "other"});
   }
+}
 
-  plan.mesh = parse_mesh(root["mesh"]);
-  plan.placement = parse_placement(root["placement"], plan.mesh);
-
-  for (const auto& s : root["segments"].items()) {
+// segments (op-assign): consecutive layers, the embedding or head, the devices that hold them.
+void parse_segments(const InputNode& segments, Plan& plan) {
+  for (const auto& s : segments.items()) {
     s.check_keys({"name", "layers", "embedding", "head", "devices"});
     Segment seg;
     seg.name = s.get_string("name", fmt::format("s{}", plan.segments.size()));
@@ -343,162 +320,155 @@ Plan parse_plan_node(const InputNode& root) {
     seg.devices = parse_slice(s["devices"], plan.mesh);
     plan.segments.push_back(seg);
   }
+}
 
-  if (auto parts = root.get("partition")) {
-    for (const auto& r : parts->items()) {
-      r.check_keys({"match", "split"});
-      PartitionRule rule;
-      rule.match = r["match"].as_string();
-      for (const auto& [dim_name, axes] : r["split"].entries()) {
-        DimSplit split;
-        if (!parse_dim(dim_name, &split.dim)) {
-          axes.fail(
-              fmt::format("unknown dimension '{}'{}", dim_name, suggest(dim_name, dim_names())));
-        }
-        for (const auto& a : axes.items()) {
-          std::string axis = a.as_string();
-          if (plan.mesh.axis_index(axis) < 0) a.fail("no mesh axis '" + axis + "'");
-          if (axis == kDataParallelAxis) {
-            a.fail("the data-parallel axis 'dp' splits the batch implicitly; remove it here");
-          }
-          split.axes.push_back(axis);
-        }
-        rule.splits.push_back(split);
+// partition (op-trans): which dimensions of the operators a name matches split over which axes.
+void parse_partition(const InputNode& parts, Plan& plan) {
+  for (const auto& r : parts.items()) {
+    r.check_keys({"match", "split"});
+    PartitionRule rule;
+    rule.match = r["match"].as_string();
+    for (const auto& [dim_name, axes] : r["split"].entries()) {
+      DimSplit split;
+      if (!parse_dim(dim_name, &split.dim)) {
+        axes.fail(
+            fmt::format("unknown dimension '{}'{}", dim_name, suggest(dim_name, dim_names())));
       }
-      plan.partition.push_back(rule);
-    }
-  }
-
-  if (auto rec = root.get("recompute")) {
-    for (const auto& r : rec->items()) {
-      r.check_keys({"match", "layers"});
-      RecomputeRule rule;
-      rule.match = r["match"].as_string();
-      if (r.has("layers")) {
-        std::tie(rule.first_layer, rule.end_layer) = parse_range(r["layers"]);
-        if (rule.first_layer == rule.end_layer || rule.end_layer > plan.model.layers) {
-          r["layers"].fail(fmt::format("[{}, {}) is not a range of the model's layers [0, {})",
-                                       rule.first_layer, rule.end_layer, plan.model.layers));
+      for (const auto& a : axes.items()) {
+        std::string axis = a.as_string();
+        if (plan.mesh.axis_index(axis) < 0) a.fail("no mesh axis '" + axis + "'");
+        if (axis == kDataParallelAxis) {
+          a.fail("the data-parallel axis 'dp' splits the batch implicitly; remove it here");
         }
+        split.axes.push_back(axis);
       }
-      plan.recompute.push_back(rule);
+      rule.splits.push_back(split);
     }
+    plan.partition.push_back(rule);
   }
-  plan.recompute_early_stop = root.get_bool("recompute_early_stop", false);
-  plan.moe_grouped_gemm = root.get_bool("moe_grouped_gemm", false);
-  if (plan.moe_grouped_gemm && !plan.model.moe()) {
-    root["moe_grouped_gemm"].fail(
-        "groups a mixture of experts' GEMMs, but the model has no experts (model.experts); "
-        "remove it");
-  }
-  plan.moe_deepep = root.get_bool("moe_deepep", false);
-  if (plan.moe_deepep && !plan.model.moe()) {
-    root["moe_deepep"].fail(
-        "exchanges a mixture of experts' tokens, but the model has no experts (model.experts); "
-        "remove it");
-  }
+}
 
-  if (auto opt = root.get("optimizer")) {
-    opt->check_keys(
-        {"kind", "zero", "grad_bytes", "state_bytes", "weight_shard_bytes", "keep_gathered"});
-    plan.optimizer.kind = opt->get_string("kind", "adam");
-    if (plan.optimizer.kind != "adam") (*opt)["kind"].fail_unknown(plan.optimizer.kind, {"adam"});
-    plan.optimizer.zero = opt->get_small_int("zero", 0);
-    if (plan.optimizer.zero < 0 || plan.optimizer.zero > 3) {
-      (*opt)["zero"].fail("expected a ZeRO stage 0, 1, 2 or 3");
-    }
-    plan.optimizer.grad_bytes = read_element_bytes(*opt, "grad_bytes", plan.optimizer.grad_bytes, 1,
-                                                   8, "2 for 16-bit gradients, 4 for fp32");
-    plan.optimizer.state_bytes =
-        read_element_bytes(*opt, "state_bytes", plan.optimizer.state_bytes, 0, 64,
-                           "12 for an fp32 master copy and Adam's two moments, 8 without the copy");
-    plan.optimizer.weight_shard_bytes =
-        read_element_bytes(*opt, "weight_shard_bytes", plan.optimizer.weight_shard_bytes, 1, 8,
-                           "2 for 16-bit shards, 4 for fp32 ones");
-    plan.optimizer.keep_gathered = opt->get_bool("keep_gathered", false);
-    if (plan.optimizer.keep_gathered && plan.optimizer.zero != 3) {
-      (*opt)["keep_gathered"].fail(
-          "keeps ZeRO-3's gathered parameters; it needs \"zero\": 3 (or remove it)");
-    }
-  }
-
-  if (auto c = root.get("communication")) {
-    c->check_keys({"dp_bucket_bytes", "overlap_grad_reduce", "overlap_param_gather",
-                   "pp_scatter_gather", "algorithm", "grad_reduce_bytes", "tp_overlap",
-                   "zero3_per_tensor", "zero3_regather_for_recompute",
-                   "zero3_persistence_threshold", "zero3_reduce_bucket", "zero3_prefetch_elements",
-                   "save_gathered_inputs", "pp_buffers_per_micro_batch", "tp_sub_batches",
-                   "pp_blocking_sends", "ep_overlap", "moe_shared_expert_overlap"});
-    plan.comm.dp_bucket_bytes =
-        c->get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
-    if (plan.comm.dp_bucket_bytes < kMinBucketBytes) {
-      (*c)["dp_bucket_bytes"].fail(fmt::format(
-          "a gradient bucket of {} is below the 1 MiB minimum (PyTorch DDP's first bucket, the "
-          "smallest frameworks use; Megatron's hold 40M parameters)",
-          format_bytes(plan.comm.dp_bucket_bytes)));
-    }
-    plan.comm.overlap_grad_reduce = c->get_bool("overlap_grad_reduce", true);
-    plan.comm.overlap_param_gather = c->get_bool("overlap_param_gather", true);
-    plan.comm.pp_scatter_gather = c->get_bool("pp_scatter_gather", true);
-    plan.comm.algorithm = c->get_string("algorithm", "auto");
-    plan.comm.grad_reduce_bytes =
-        read_element_bytes(*c, "grad_reduce_bytes", 0, 0, 8,
-                           "0 reduces in the gradients' own dtype, 2 in 16 bits, 4 in fp32");
-    plan.comm.tp_overlap = c->get_bool("tp_overlap", false);
-    if (auto n = c->get("tp_sub_batches")) {
-      plan.comm.tp_sub_batches = n->as_small_int();
-      if (plan.comm.tp_sub_batches < 1) n->fail("must be at least 1 (1: no sub-pipelining)");
-      if (plan.comm.tp_sub_batches > 1 && plan.comm.tp_overlap) {
-        n->fail(
-            "sub-pipelines the collectives that \"tp_overlap\" pairs with GEMMs; use one of "
-            "the two");
+// recompute: the operators whose activations are dropped and recomputed, in which layers.
+void parse_recompute(const InputNode& rec, Plan& plan) {
+  for (const auto& r : rec.items()) {
+    r.check_keys({"match", "layers"});
+    RecomputeRule rule;
+    rule.match = r["match"].as_string();
+    if (r.has("layers")) {
+      std::tie(rule.first_layer, rule.end_layer) = parse_range(r["layers"]);
+      if (rule.first_layer == rule.end_layer || rule.end_layer > plan.model.layers) {
+        r["layers"].fail(fmt::format("[{}, {}) is not a range of the model's layers [0, {})",
+                                     rule.first_layer, rule.end_layer, plan.model.layers));
       }
     }
-    plan.comm.zero3_per_tensor = c->get_bool("zero3_per_tensor", false);
-    plan.comm.zero3_regather_for_recompute = c->get_bool("zero3_regather_for_recompute", false);
-    plan.comm.zero3_persistence_threshold = c->get_double("zero3_persistence_threshold", 0);
-    if (plan.comm.zero3_persistence_threshold < 0) {
-      (*c)["zero3_persistence_threshold"].fail(
-          "give a number of elements, 0 or more (0: every tensor is sharded)");
-    }
-    plan.comm.zero3_reduce_bucket = c->get_double("zero3_reduce_bucket", 0);
-    if (plan.comm.zero3_reduce_bucket < 0) {
-      (*c)["zero3_reduce_bucket"].fail(
-          "give a number of elements, 0 or more (0: each tensor reduced on its own)");
-    }
-    plan.comm.zero3_prefetch_elements = c->get_double("zero3_prefetch_elements", 0);
-    if (plan.comm.zero3_prefetch_elements < 0) {
-      (*c)["zero3_prefetch_elements"].fail(
-          "give a number of elements, 0 or more (0: a whole unit gathered ahead)");
-    }
-    if (plan.comm.zero3_prefetch_elements > 0 &&
-        (!plan.comm.zero3_per_tensor || !plan.comm.zero3_regather_for_recompute)) {
-      (*c)["zero3_prefetch_elements"].fail(
-          "prefetches ZeRO-3's gathers tensor by tensor, as DeepSpeed does; it needs "
-          "\"zero3_per_tensor\": true and \"zero3_regather_for_recompute\": true (or remove it)");
-    }
-    plan.comm.save_gathered_inputs = c->get_bool("save_gathered_inputs", false);
-    plan.comm.pp_buffers_per_micro_batch = c->get_bool("pp_buffers_per_micro_batch", false);
-    plan.comm.pp_blocking_sends = c->get_bool("pp_blocking_sends", false);
-    plan.comm.ep_overlap = c->get_bool("ep_overlap", false);
-    plan.comm.moe_shared_expert_overlap = c->get_bool("moe_shared_expert_overlap", false);
-    if (plan.comm.moe_shared_expert_overlap && plan.comm.ep_overlap) {
-      (*c)["moe_shared_expert_overlap"].fail(
-          "runs the shared expert beside the all-to-alls, which \"ep_overlap\" already hides "
-          "behind another micro-batch (Megatron-Core refuses the two together); use one");
-    }
-    if (plan.comm.ep_overlap && plan.comm.tp_sub_batches > 1) {
-      (*c)["ep_overlap"].fail(
-          "overlaps the expert all-to-alls across micro-batches, which \"tp_sub_batches\" "
-          "already sub-pipelines within one; use one of the two");
-    }
-    if (plan.comm.algorithm != "auto" && plan.comm.algorithm != "ring" &&
-        plan.comm.algorithm != "tree") {
-      (*c)["algorithm"].fail_unknown(plan.comm.algorithm, {"auto", "ring", "tree"});
+    plan.recompute.push_back(rule);
+  }
+}
+
+// optimizer: Adam's bytes per parameter and the ZeRO stage.
+void parse_optimizer(const InputNode& opt, Plan& plan) {
+  opt.check_keys(
+      {"kind", "zero", "grad_bytes", "state_bytes", "weight_shard_bytes", "keep_gathered"});
+  plan.optimizer.kind = opt.get_string("kind", "adam");
+  if (plan.optimizer.kind != "adam") opt["kind"].fail_unknown(plan.optimizer.kind, {"adam"});
+  plan.optimizer.zero = opt.get_small_int("zero", 0);
+  if (plan.optimizer.zero < 0 || plan.optimizer.zero > 3) {
+    opt["zero"].fail("expected a ZeRO stage 0, 1, 2 or 3");
+  }
+  plan.optimizer.grad_bytes = read_element_bytes(opt, "grad_bytes", plan.optimizer.grad_bytes, 1, 8,
+                                                 "2 for 16-bit gradients, 4 for fp32");
+  plan.optimizer.state_bytes =
+      read_element_bytes(opt, "state_bytes", plan.optimizer.state_bytes, 0, 64,
+                         "12 for an fp32 master copy and Adam's two moments, 8 without the copy");
+  plan.optimizer.weight_shard_bytes =
+      read_element_bytes(opt, "weight_shard_bytes", plan.optimizer.weight_shard_bytes, 1, 8,
+                         "2 for 16-bit shards, 4 for fp32 ones");
+  plan.optimizer.keep_gathered = opt.get_bool("keep_gathered", false);
+  if (plan.optimizer.keep_gathered && plan.optimizer.zero != 3) {
+    opt["keep_gathered"].fail(
+        "keeps ZeRO-3's gathered parameters; it needs \"zero\": 3 (or remove it)");
+  }
+}
+
+// communication: buckets, overlaps, algorithms and the frameworks' ZeRO-3 and pipeline habits.
+void parse_communication(const InputNode& c, Plan& plan) {
+  c.check_keys({"dp_bucket_bytes", "overlap_grad_reduce", "overlap_param_gather",
+                "pp_scatter_gather", "algorithm", "grad_reduce_bytes", "tp_overlap",
+                "zero3_per_tensor", "zero3_regather_for_recompute", "zero3_persistence_threshold",
+                "zero3_reduce_bucket", "zero3_prefetch_elements", "save_gathered_inputs",
+                "pp_buffers_per_micro_batch", "tp_sub_batches", "pp_blocking_sends", "ep_overlap",
+                "moe_shared_expert_overlap"});
+  plan.comm.dp_bucket_bytes =
+      c.get_quantity("dp_bucket_bytes", Dimension::kBytes, plan.comm.dp_bucket_bytes);
+  if (plan.comm.dp_bucket_bytes < kMinBucketBytes) {
+    c["dp_bucket_bytes"].fail(fmt::format(
+        "a gradient bucket of {} is below the 1 MiB minimum (PyTorch DDP's first bucket, the "
+        "smallest frameworks use; Megatron's hold 40M parameters)",
+        format_bytes(plan.comm.dp_bucket_bytes)));
+  }
+  plan.comm.overlap_grad_reduce = c.get_bool("overlap_grad_reduce", true);
+  plan.comm.overlap_param_gather = c.get_bool("overlap_param_gather", true);
+  plan.comm.pp_scatter_gather = c.get_bool("pp_scatter_gather", true);
+  plan.comm.algorithm = c.get_string("algorithm", "auto");
+  plan.comm.grad_reduce_bytes =
+      read_element_bytes(c, "grad_reduce_bytes", 0, 0, 8,
+                         "0 reduces in the gradients' own dtype, 2 in 16 bits, 4 in fp32");
+  plan.comm.tp_overlap = c.get_bool("tp_overlap", false);
+  if (auto n = c.get("tp_sub_batches")) {
+    plan.comm.tp_sub_batches = n->as_small_int();
+    if (plan.comm.tp_sub_batches < 1) n->fail("must be at least 1 (1: no sub-pipelining)");
+    if (plan.comm.tp_sub_batches > 1 && plan.comm.tp_overlap) {
+      n->fail(
+          "sub-pipelines the collectives that \"tp_overlap\" pairs with GEMMs; use one of "
+          "the two");
     }
   }
+  plan.comm.zero3_per_tensor = c.get_bool("zero3_per_tensor", false);
+  plan.comm.zero3_regather_for_recompute = c.get_bool("zero3_regather_for_recompute", false);
+  plan.comm.zero3_persistence_threshold = c.get_double("zero3_persistence_threshold", 0);
+  if (plan.comm.zero3_persistence_threshold < 0) {
+    c["zero3_persistence_threshold"].fail(
+        "give a number of elements, 0 or more (0: every tensor is sharded)");
+  }
+  plan.comm.zero3_reduce_bucket = c.get_double("zero3_reduce_bucket", 0);
+  if (plan.comm.zero3_reduce_bucket < 0) {
+    c["zero3_reduce_bucket"].fail(
+        "give a number of elements, 0 or more (0: each tensor reduced on its own)");
+  }
+  plan.comm.zero3_prefetch_elements = c.get_double("zero3_prefetch_elements", 0);
+  if (plan.comm.zero3_prefetch_elements < 0) {
+    c["zero3_prefetch_elements"].fail(
+        "give a number of elements, 0 or more (0: a whole unit gathered ahead)");
+  }
+  if (plan.comm.zero3_prefetch_elements > 0 &&
+      (!plan.comm.zero3_per_tensor || !plan.comm.zero3_regather_for_recompute)) {
+    c["zero3_prefetch_elements"].fail(
+        "prefetches ZeRO-3's gathers tensor by tensor, as DeepSpeed does; it needs "
+        "\"zero3_per_tensor\": true and \"zero3_regather_for_recompute\": true (or remove it)");
+  }
+  plan.comm.save_gathered_inputs = c.get_bool("save_gathered_inputs", false);
+  plan.comm.pp_buffers_per_micro_batch = c.get_bool("pp_buffers_per_micro_batch", false);
+  plan.comm.pp_blocking_sends = c.get_bool("pp_blocking_sends", false);
+  plan.comm.ep_overlap = c.get_bool("ep_overlap", false);
+  plan.comm.moe_shared_expert_overlap = c.get_bool("moe_shared_expert_overlap", false);
+  if (plan.comm.moe_shared_expert_overlap && plan.comm.ep_overlap) {
+    c["moe_shared_expert_overlap"].fail(
+        "runs the shared expert beside the all-to-alls, which \"ep_overlap\" already hides "
+        "behind another micro-batch (Megatron-Core refuses the two together); use one");
+  }
+  if (plan.comm.ep_overlap && plan.comm.tp_sub_batches > 1) {
+    c["ep_overlap"].fail(
+        "overlaps the expert all-to-alls across micro-batches, which \"tp_sub_batches\" "
+        "already sub-pipelines within one; use one of the two");
+  }
+  if (plan.comm.algorithm != "auto" && plan.comm.algorithm != "ring" &&
+      plan.comm.algorithm != "tree") {
+    c["algorithm"].fail_unknown(plan.comm.algorithm, {"auto", "ring", "tree"});
+  }
+}
 
-  auto sched = root["schedule"];
+// schedule (op-order): each order's devices and blocks ("F3@0", pairs "F3@0+B1@7").
+void parse_schedule(const InputNode& sched, Plan& plan) {
   sched.check_keys({"name", "orders"});
   plan.schedule_name = sched.get_string("name", "");
   for (const auto& o : sched["orders"].items()) {
@@ -543,6 +513,54 @@ Plan parse_plan_node(const InputNode& root) {
     }
     plan.schedule.push_back(order);
   }
+}
+
+Plan parse_plan_node(const InputNode& root) {
+  root.check_keys({"format", "version", "name", "topology", "model", "training", "mesh",
+                   "placement", "segments", "partition", "recompute", "recompute_early_stop",
+                   "moe_grouped_gemm", "moe_deepep", "optimizer", "communication", "schedule"});
+  if (root["format"].as_string() != "nnsim-plan") {
+    root["format"].fail("expected \"nnsim-plan\" (is this a plan file?)");
+  }
+  Plan plan;
+  plan.version = root["version"].as_small_int();
+  if (plan.version != kPlanVersion) {
+    root["version"].fail(fmt::format(
+        "plan version {} is not supported by this nnsim (it reads version {}); rebuild the plan "
+        "with `nnsim plan`",
+        plan.version, kPlanVersion));
+  }
+  plan.name = root.get_string("name", "");
+  if (auto t = root.get("topology")) {
+    t->check_keys({"name", "gpus"});
+    plan.topology_name = t->get_string("name", "");
+    plan.topology_gpus = t->get_small_int("gpus", 0);
+    if (t->has("gpus") && plan.topology_gpus < 1) (*t)["gpus"].fail("must be at least 1");
+  }
+  plan.model = parse_model_node(root["model"]);
+
+  parse_training(root["training"], plan);
+  plan.mesh = parse_mesh(root["mesh"]);
+  plan.placement = parse_placement(root["placement"], plan.mesh);
+  parse_segments(root["segments"], plan);
+  if (auto parts = root.get("partition")) parse_partition(*parts, plan);
+  if (auto rec = root.get("recompute")) parse_recompute(*rec, plan);
+  plan.recompute_early_stop = root.get_bool("recompute_early_stop", false);
+  plan.moe_grouped_gemm = root.get_bool("moe_grouped_gemm", false);
+  if (plan.moe_grouped_gemm && !plan.model.moe()) {
+    root["moe_grouped_gemm"].fail(
+        "groups a mixture of experts' GEMMs, but the model has no experts (model.experts); "
+        "remove it");
+  }
+  plan.moe_deepep = root.get_bool("moe_deepep", false);
+  if (plan.moe_deepep && !plan.model.moe()) {
+    root["moe_deepep"].fail(
+        "exchanges a mixture of experts' tokens, but the model has no experts (model.experts); "
+        "remove it");
+  }
+  if (auto opt = root.get("optimizer")) parse_optimizer(*opt, plan);
+  if (auto c = root.get("communication")) parse_communication(*c, plan);
+  parse_schedule(root["schedule"], plan);
   return plan;
 }
 
