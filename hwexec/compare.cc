@@ -350,25 +350,11 @@ Expected<Plan> plan_of_run(const RunResults& run, const std::string& run_path,
       given_path, run_path, embedded->name, field, given_path));
 }
 
-Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const Topology& topology,
-                                 const CompareOptions& options) {
-  if (plan.mesh.num_ranks() != run.world) {
-    return Error(fmt::format("the plan has {} mesh ranks but the run has {}", plan.mesh.num_ranks(),
-                             run.world));
-  }
-  CompileOptions compile;
-  compile.calibration = options.calibration;
-  Expected<Program> compiled = compile_plan(plan, topology, compile);
-  if (!compiled) return compiled.error().with_context("the plan on " + topology.name);
-  const Program& prog = *compiled;
+namespace {
 
-  Comparison c;
-  c.plan_name = plan.name;
-  c.topology = topology.name;
-  c.gpu = topology.gpu.name;
-  c.device = run.device;
-  c.dtype = run.dtype;
-  c.ranks = run.world;
+// The calibration the simulated side uses, and notes on what the two sides differ in.
+void describe_sides(const RunResults& run, const Plan& plan, const Topology& topology,
+                    const CompareOptions& options, Comparison& c) {
   c.calibration = "built-in cost model";
   if (options.calibration) {
     auto it = options.calibration->gpus.find(topology.gpu.name);
@@ -396,11 +382,15 @@ Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const 
     c.notes.push_back(fmt::format("the plan trains in {}, the run computed in {}",
                                   to_string(plan.precision), run.dtype));
   }
+}
 
-  Pricer pricer(prog);
-  const std::string pp_axes = pipeline_axes(plan);
-  const GraphIndex graph = index_graph(prog.graph);
-
+// Measured and simulated operators and collectives, summed rank by rank.
+struct Tally {
+  const Program& prog;
+  const Plan& plan;
+  Pricer pricer;
+  const std::string pp_axes;
+  const GraphIndex& graph;
   // Operators: per (name, phase), per rank, measured and simulated.
   struct Acc {
     int ranks = 0;
@@ -414,7 +404,13 @@ Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const 
   };
   std::map<std::tuple<std::string, std::string, std::string>, CollAcc> colls;
   std::map<std::string, std::pair<double, double>> kinds;
-  for (const RankResult& r : run.ranks) {
+  double measured_compute = 0, simulated_compute = 0;
+
+  Tally(const Program& p, const GraphIndex& g)
+      : prog(p), plan(p.plan), pricer(p), pp_axes(pipeline_axes(p.plan)), graph(g) {}
+
+  // One rank: its measured operators and collectives beside the simulator's for that rank.
+  void add_rank(const RankResult& r) {
     const SimulatedRank sim = simulate_rank(prog, r.rank, pricer, pp_axes);
     std::map<std::pair<std::string, std::string>, std::pair<double, double>> measured;
     for (const OpTime& o : r.ops) {
@@ -438,8 +434,8 @@ Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const 
       const std::string kind = graph.kind.count(k.first) ? graph.kind.at(k.first) : "other";
       kinds[kind].first += m.second;
       kinds[kind].second += s.second;
-      c.measured_compute += m.second;
-      c.simulated_compute += s.second;
+      measured_compute += m.second;
+      simulated_compute += s.second;
     }
     for (const auto& [k, v] : sim.traffic) {
       auto& t = traffic[k];
@@ -504,50 +500,55 @@ Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const 
       }
     }
   }
-  const double world = static_cast<double>(run.world);
-  c.measured_compute /= world;
-  c.simulated_compute /= world;
 
-  for (const auto& [k, a] : ops) {
-    OpRow row;
-    row.name = k.first;
-    row.phase = k.second;
-    row.kind = graph.kind.count(k.first) ? graph.kind.at(k.first) : "other";
-    row.ranks = a.ranks;
-    row.measured_calls = a.mc / a.ranks;
-    row.simulated_calls = a.sc / a.ranks;
-    row.measured = a.m / a.ranks;
-    row.simulated = a.s / a.ranks;
-    c.ops.push_back(row);
+  // The comparison's rows, per rank (over the ranks that ran each operator or collective, and
+  // over the world for the totals).
+  void fill(Comparison& c, double world) const {
+    for (const auto& [k, a] : ops) {
+      OpRow row;
+      row.name = k.first;
+      row.phase = k.second;
+      row.kind = graph.kind.count(k.first) ? graph.kind.at(k.first) : "other";
+      row.ranks = a.ranks;
+      row.measured_calls = a.mc / a.ranks;
+      row.simulated_calls = a.sc / a.ranks;
+      row.measured = a.m / a.ranks;
+      row.simulated = a.s / a.ranks;
+      c.ops.push_back(row);
+    }
+    std::stable_sort(c.ops.begin(), c.ops.end(), [&](const OpRow& x, const OpRow& y) {
+      const int px = phase_order(x.phase), py = phase_order(y.phase);
+      if (px != py) return px < py;
+      const int ox = graph.order.count(x.name) ? graph.order.at(x.name) : 1 << 20;
+      const int oy = graph.order.count(y.name) ? graph.order.at(y.name) : 1 << 20;
+      if (ox != oy) return ox < oy;
+      return x.name < y.name;
+    });
+    for (const auto& [kind, v] : kinds) {
+      c.kinds.push_back({kind, v.first / world, v.second / world});
+    }
+    for (const auto& [k, a] : colls) {
+      CollectiveRow row;
+      std::tie(row.kind, row.axes, row.label) = k;
+      row.ranks = a.ranks;
+      row.measured_calls = a.mc / a.ranks;
+      row.simulated_calls = a.sc / a.ranks;
+      row.measured_bytes = a.mb / a.ranks;
+      row.simulated_bytes = a.sb / a.ranks;
+      row.measured = a.m / a.ranks;
+      row.simulated = a.s / a.ranks;
+      c.collectives.push_back(row);
+    }
+    for (const auto& [k, t] : traffic) {
+      c.traffic.push_back({k.first, k.second, t[0] / world, t[1] / world, t[2] / world,
+                           t[3] / world, t[4] / world, t[5] / world});
+    }
   }
-  std::stable_sort(c.ops.begin(), c.ops.end(), [&](const OpRow& x, const OpRow& y) {
-    const int px = phase_order(x.phase), py = phase_order(y.phase);
-    if (px != py) return px < py;
-    const int ox = graph.order.count(x.name) ? graph.order.at(x.name) : 1 << 20;
-    const int oy = graph.order.count(y.name) ? graph.order.at(y.name) : 1 << 20;
-    if (ox != oy) return ox < oy;
-    return x.name < y.name;
-  });
-  for (const auto& [kind, v] : kinds) {
-    c.kinds.push_back({kind, v.first / world, v.second / world});
-  }
-  for (const auto& [k, a] : colls) {
-    CollectiveRow row;
-    std::tie(row.kind, row.axes, row.label) = k;
-    row.ranks = a.ranks;
-    row.measured_calls = a.mc / a.ranks;
-    row.simulated_calls = a.sc / a.ranks;
-    row.measured_bytes = a.mb / a.ranks;
-    row.simulated_bytes = a.sb / a.ranks;
-    row.measured = a.m / a.ranks;
-    row.simulated = a.s / a.ranks;
-    c.collectives.push_back(row);
-  }
-  for (const auto& [k, t] : traffic) {
-    c.traffic.push_back({k.first, k.second, t[0] / world, t[1] / world, t[2] / world, t[3] / world,
-                         t[4] / world, t[5] / world});
-  }
+};
 
+// Medians of the rows' errors, the iterations and the peak memory, measured and simulated.
+Status summarize(const RunResults& run, const Program& prog, const CompareOptions& options,
+                 Comparison& c) {
   std::vector<double> all, gemm, coll;
   for (const OpRow& r : c.ops) {
     all.push_back(r.error());
@@ -579,6 +580,39 @@ Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const 
     c.simulated_untracked_memory = worst.static_memory.runtime + worst.static_memory.comm_buffers;
     c.simulated_peak_memory = worst.peak_memory - c.simulated_untracked_memory;
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Expected<Comparison> compare_run(const RunResults& run, const Plan& plan, const Topology& topology,
+                                 const CompareOptions& options) {
+  if (plan.mesh.num_ranks() != run.world) {
+    return Error(fmt::format("the plan has {} mesh ranks but the run has {}", plan.mesh.num_ranks(),
+                             run.world));
+  }
+  CompileOptions compile;
+  compile.calibration = options.calibration;
+  Expected<Program> compiled = compile_plan(plan, topology, compile);
+  if (!compiled) return compiled.error().with_context("the plan on " + topology.name);
+  const Program& prog = *compiled;
+
+  Comparison c;
+  c.plan_name = plan.name;
+  c.topology = topology.name;
+  c.gpu = topology.gpu.name;
+  c.device = run.device;
+  c.dtype = run.dtype;
+  c.ranks = run.world;
+  describe_sides(run, plan, topology, options, c);
+  const GraphIndex graph = index_graph(prog.graph);
+  Tally tally(prog, graph);
+  for (const RankResult& r : run.ranks) tally.add_rank(r);
+  const double world = static_cast<double>(run.world);
+  c.measured_compute = tally.measured_compute / world;
+  c.simulated_compute = tally.simulated_compute / world;
+  tally.fill(c, world);
+  if (Status s = summarize(run, prog, options, c); !s) return s.error();
   return c;
 }
 
