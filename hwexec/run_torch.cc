@@ -225,6 +225,234 @@ std::map<std::string, at::Tensor> reference_gradients(const Plan& plan, const Ru
   return grads;
 }
 
+#ifdef NNSIM_TORCH_HAS_CUDA
+// One NCCL communicator per group and per pipeline direction of the rank: the pipeline
+// transfers, the cp ring, recycling and spanning segments' peers, and every collective group.
+Expected<std::unique_ptr<NcclComms>> connect_nccl(Comm& comm, int gpu_index, int rank,
+                                                  const RankLayout& L, const RankContext& ctx,
+                                                  const PipelineTransfers& pipeline,
+                                                  const ExpertGroup& experts) {
+  std::vector<int> others = pipeline.peers();
+  others.insert(others.end(), {ctx.cp_next, ctx.cp_prev});
+  std::set<std::pair<int, int>> edge_set;
+  for (int peer : others) {
+    if (peer < 0 || peer == rank) continue;
+    edge_set.insert({rank, peer});
+    edge_set.insert({peer, rank});
+  }
+  const std::vector<std::pair<int, int>> edges(edge_set.begin(), edge_set.end());
+  std::vector<std::vector<int>> groups = {ctx.tp_group, ctx.dp_group};
+  for (const VocabSplit* v : {&ctx.embed_vocab, &ctx.head_vocab}) {  // NcclComms dedupes
+    groups.push_back(v->group);
+    for (const VocabSplit::Axis& a : v->per_axis) groups.push_back(a.group);
+  }
+  if (L.split.cp > 1) groups.push_back(ctx.cp_group);  // the keys' and values' all-gather
+  if (L.split.ep > 1) {  // the tokens' all-to-alls, the experts' gradient sums
+    groups.push_back(ctx.ep_group);
+    for (const RankContext::AxisGroup& g : ctx.ep_stages) groups.push_back(g.ranks);
+    groups.push_back(experts.ranks);
+  }
+  return NcclComms::create(comm, gpu_index, groups, edges);
+}
+#endif
+
+// The rank's rows of the batch: its replica's micro-batches, under expert parallelism its
+// ep_index-th share of each (b sequences); under context parallelism its tokens' positions.
+struct BatchRows {
+  int dp_index = 0, M = 0, b = 0;
+  int64_t s = 0;
+  at::Tensor positions;
+  // The loss of a micro-batch is its tokens' mean (under context parallelism, of the rank's
+  // share of them): scaled so that the sum over replicas, micro-batches and cp ranks is the
+  // global batch's mean.
+  double loss_scale = 1;
+};
+
+BatchRows rows_of(const Plan& plan, const RankLayout& L, const std::vector<int>& coordinates,
+                  at::Device device) {
+  BatchRows r;
+  const int dp = plan.data_parallel();
+  r.dp_index = coordinates[plan.mesh.axis_index(kDataParallelAxis)];
+  r.M = plan.num_micro_batches();
+  r.b = plan.micro_batch / L.split.batch_ep;
+  r.s = plan.model.seq_len;
+  r.positions = (L.split.cp > 1 ? cp_positions(r.s, L.split.cp, L.split.cp_index)
+                                : at::arange(r.s, at::kLong))
+                    .to(device);
+  r.loss_scale = 1.0 / (r.M * dp * L.split.cp * L.split.batch_ep);
+  return r;
+}
+
+// One rank's iterations over what run() set up: the blocks of its order, then the epilogue's
+// sums, the --check comparison and the optimizer step.
+struct RankIterations {
+  const Plan& plan;
+  const RunOptions& opt;
+  Comm& comm;
+  const RankLayout& L;
+  RankContext& ctx;
+  RunStats& stats;
+  PipelineTransfers& pipeline;
+  ModelParts& models;
+  ZeroShards& shards;
+  const std::vector<Param*>& params;
+  const ExpertGroup& experts;
+  const at::Device device;
+  const at::ScalarType reduce_dtype;
+  const double fp16_scale;
+  const bool has_head;
+  std::map<std::string, at::Tensor>& reference;
+  RankResult& out;
+
+  const BatchRows rows;
+
+  // Block `blk` of iteration `it`: a forward (a pass of it), a backward (whole, or its input or
+  // weight half) or a recomputation, with the transfers around it.
+  void run_block(const Block& blk, int it, const at::Tensor& data,
+                 std::map<std::pair<int, int>, MicroBatchTape>& tapes, at::Tensor& loss_sum) {
+    const int m = blk.micro_batch, sg = blk.segment;
+    const int64_t row = (static_cast<int64_t>(rows.dp_index) * rows.M + m) * plan.micro_batch +
+                        static_cast<int64_t>(L.split.batch_ep_index) * rows.b;
+    Model& model = *models.at(sg);
+    shards.before_block(static_cast<std::size_t>(&blk - L.order->blocks.data()), sg);
+    MicroBatchTape& tape = tapes[{sg, m}];
+    tape.key = DropoutKey{opt.seed, it, row, plan.recycle - 1};  // the last pass's masks
+    if (blk.kind == BlockKind::kRecompute) {
+      model.recompute(ctx, tape);
+    } else if (blk.kind == BlockKind::kBackwardWeight) {
+      model.backward_weights(ctx, tape);
+      tapes.erase({sg, m});
+      shards.after_weight_gradients(sg, m);
+    } else if (blk.kind == BlockKind::kForward) {
+      // Repeated forwards: a pass before the last keeps nothing and has no gradient.
+      const bool earlier = blk.pass + 1 < plan.recycle;
+      std::optional<c10::NoGradGuard> no_grad;
+      if (earlier) no_grad.emplace();
+      MicroBatchTape scratch;
+      scratch.key = DropoutKey{opt.seed, it, row, blk.pass};  // the pass's own masks
+      MicroBatchTape& ftape = earlier ? scratch : tape;
+      at::Tensor x;
+      if (!model.has_embedding()) {
+        x = pipeline.receive_activation(sg, m, blk.pass);
+      } else if (blk.pass > 0) {
+        x = pipeline.receive_recycled(sg, m, blk.pass);
+      }
+      const at::Tensor sequences = data.narrow(0, row, rows.b);
+      at::Tensor y =
+          model.forward(ctx, sequences.narrow(1, 0, rows.s).index_select(1, rows.positions), x,
+                        sequences.narrow(1, 1, rows.s).index_select(1, rows.positions), ftape);
+      if (model.has_head() && earlier) {
+        pipeline.send_recycled(m, blk.pass, y);
+      } else if (model.has_head()) {
+        loss_sum.add_(tape.loss, rows.loss_scale);
+      } else {
+        pipeline.send_activation(sg, m, blk.pass, y);
+      }
+    } else {
+      at::Tensor dy;
+      if (!model.has_head()) dy = pipeline.receive_gradient(sg, m, blk.pass);
+      const bool input_only = blk.kind == BlockKind::kBackwardInput;
+      at::Tensor dx = model.backward(ctx, tape, dy, rows.loss_scale * fp16_scale, input_only);
+      if (!model.has_embedding()) pipeline.send_gradient(sg, m, blk.pass, dx);
+      if (!input_only) {
+        tapes.erase({sg, m});
+        shards.after_weight_gradients(sg, m);
+      }
+    }
+    shards.after_block(sg);
+  }
+
+  // After the blocks: the gradients' sums, the loss over the replicas, the --check comparison
+  // (first iteration) and the optimizer step; the iteration's loss.
+  double epilogue(int it, at::Tensor& loss_sum) {
+    const int zero = plan.optimizer.zero;
+    shards.finish_tied_zero1();
+    check_gradients_arrived(params, zero, it);
+    if (zero == 0) {
+      sum_data_parallel(plan, models, ctx, L.split.ep > 1, experts.ranks, experts.axes,
+                        reduce_dtype);
+    }
+    if (zero != 1) {
+      for (int sg : L.segments) shards.tied_sync(sg);
+    }
+    sum_sequence_parallel(models, shards, ctx, reduce_dtype);
+    if (fp16_scale != 1.0) unscale_fp16(params, shards, fp16_scale, it);
+    double loss = 0;
+    if (has_head) {
+      ctx.all_reduce(loss_sum, ctx.dp_group, ctx.dp_axes, "loss");
+      loss = loss_sum.item<double>();
+    }
+    if (it == 0 && opt.check) {
+      out.checked = true;
+      out.has_loss = has_head;
+      out.check_loss = loss;
+      out.checks = compare_gradients(params, shards, reference, opt.rtol, opt.atol,
+                                     opt.inject_fault && comm.rank() == comm.world() - 1);
+      reference.clear();  // checked: their memory is not the plan's
+    }
+    const Mark o0 = stats.mark();
+    adam_step(params, shards, it + 1);
+    shards.gather_after_step();
+    // bf16: the next iteration's weight copies (with autograd), timed with the step;
+    // ZeRO-3's come with each gather.
+    if (zero != 3) {
+      for (auto& [sg, model] : models) model->cast_weights();
+    }
+    stats.op("optimizer", "step", o0, stats.mark(), /*minus_collectives=*/true);
+    return loss;
+  }
+
+  // Iteration `it`: every block of the rank's order, then the epilogue; recorded after the
+  // warm-up.
+  void run_iteration(int it, MemoryProbe& memory) {
+    ok_or_throw(comm.barrier());
+    stats.recording = it >= opt.warmup;
+    // Memory over the measured iterations only: not the --check reference's forward, nor the
+    // first step's allocation of the optimizer's moments.
+    if (it == opt.warmup) memory.reset();
+    stats.memory_samples.clear();  // the last measured iteration's
+    for (Param* p : params) p->w.mutable_grad() = at::Tensor();
+    pipeline.start_iteration();
+    const auto t0 = RunClock::now();
+    const at::Tensor data = batch(plan, opt.seed, it, device);
+    std::map<std::pair<int, int>, MicroBatchTape> tapes;  // (segment, micro-batch)
+    at::Tensor loss_sum = at::zeros({1}, ctx.options.dtype(at::kFloat));
+    for (const Block& blk : L.order->blocks) run_block(blk, it, data, tapes, loss_sum);
+    const double loss = epilogue(it, loss_sum);
+#ifdef NNSIM_TORCH_HAS_CUDA
+    if (device.is_cuda()) ok_or_throw(cuda_synchronize());  // the iteration ends with its GPU work
+#endif
+    if (stats.recording) {
+      out.iteration_seconds.push_back(seconds_since(t0));
+      if (has_head) out.losses.push_back(loss);
+    }
+    stats.resolve();
+    ctx.in_flight.clear();
+  }
+};
+
+// The measured iterations' operators and collectives per iteration, and the memory figures.
+void record_results(RunStats& stats, MemoryProbe& memory, const RunOptions& opt, at::Device device,
+                    int gpu_index, RankResult& out) {
+  const double n = std::max(1, opt.iterations);
+  for (auto& [k, o] : stats.ops) {
+    o.calls /= n;
+    o.seconds /= n;
+    out.ops.push_back(o);
+  }
+  for (auto& [k, c] : stats.colls) {
+    c.calls /= n;
+    c.seconds /= n;
+    out.collectives.push_back(c);
+  }
+  rusage u{};
+  if (::getrusage(RUSAGE_SELF, &u) == 0) out.peak_rss_bytes = u.ru_maxrss * 1024.0;
+  out.peak_allocated_bytes = memory.peak();
+  out.peak_reserved_bytes = memory.reserved_peak();
+  out.memory = std::move(stats.memory_samples);
+  if (device.is_cuda()) out.gpu = gpu_index;
+}
+
 Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   if (Status s = check_runnable(plan); !s) return s.error();
   if (comm.world() != plan.mesh.num_ranks()) {
@@ -262,34 +490,12 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   const ExpertGroup experts = set_groups(ctx, plan, rank, L);
   PipelineTransfers pipeline(plan, rank, L, ctx);
 #ifdef NNSIM_TORCH_HAS_CUDA
-  // One NCCL communicator per group and per pipeline direction; the compute stream is a
-  // non-blocking one of LibTorch's pool (NCCL kernels waiting for a peer must not serialize with
-  // the legacy default stream).
+  // The compute stream is a non-blocking one of LibTorch's pool (NCCL kernels waiting for a
+  // peer must not serialize with the legacy default stream).
   std::unique_ptr<NcclComms> nccl;
   CudaEvents events;
   if (device.is_cuda()) {
-    // Pipeline transfers, the cp ring, recycling and spanning segments.
-    std::vector<int> others = pipeline.peers();
-    others.insert(others.end(), {ctx.cp_next, ctx.cp_prev});
-    std::set<std::pair<int, int>> edge_set;
-    for (int peer : others) {
-      if (peer < 0 || peer == rank) continue;
-      edge_set.insert({rank, peer});
-      edge_set.insert({peer, rank});
-    }
-    const std::vector<std::pair<int, int>> edges(edge_set.begin(), edge_set.end());
-    std::vector<std::vector<int>> groups = {ctx.tp_group, ctx.dp_group};
-    for (const VocabSplit* v : {&ctx.embed_vocab, &ctx.head_vocab}) {  // NcclComms dedupes
-      groups.push_back(v->group);
-      for (const VocabSplit::Axis& a : v->per_axis) groups.push_back(a.group);
-    }
-    if (L.split.cp > 1) groups.push_back(ctx.cp_group);  // the keys' and values' all-gather
-    if (L.split.ep > 1) {  // the tokens' all-to-alls, the experts' gradient sums
-      groups.push_back(ctx.ep_group);
-      for (const RankContext::AxisGroup& g : ctx.ep_stages) groups.push_back(g.ranks);
-      groups.push_back(experts.ranks);
-    }
-    auto made = NcclComms::create(comm, gpu_index, groups, edges);
+    auto made = connect_nccl(comm, gpu_index, rank, L, ctx, pipeline, experts);
     if (!made) return made.error();
     nccl = std::move(*made);
     ctx.nccl = nccl.get();
@@ -306,7 +512,6 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
     for (Param& p : models[sg]->params()) params.push_back(&p);
     has_head = has_head || plan.segments[sg].head;
   }
-  const int zero = plan.optimizer.zero;
   ZeroShards shards(plan, rank, L, models, ctx, dtype, reduce_dtype, experts.ranks, experts.axes);
 
   RankResult out;
@@ -316,146 +521,19 @@ Expected<RankResult> run(const Plan& plan, const RunOptions& opt, Comm& comm) {
   std::map<std::string, at::Tensor> reference;
   if (opt.check) reference = reference_gradients(plan, opt, comm, device, out.reference_loss);
 
-  // The rank's rows of the batch: its replica's micro-batches, under expert parallelism its
-  // ep_index-th share of each (b sequences); under context parallelism its tokens' positions.
-  const int dp = plan.data_parallel();
-  const int dp_index = out.coordinates[plan.mesh.axis_index(kDataParallelAxis)];
-  const int M = plan.num_micro_batches();
-  const int b = plan.micro_batch / L.split.batch_ep;
-  const int64_t s = plan.model.seq_len;
-  const at::Tensor positions =
-      (L.split.cp > 1 ? cp_positions(s, L.split.cp, L.split.cp_index) : at::arange(s, at::kLong))
-          .to(device);
-  // The loss of a micro-batch is its tokens' mean (under context parallelism, of the rank's
-  // share of them): scaled so that the sum over replicas, micro-batches and cp ranks is the
-  // global batch's mean.
-  const double loss_scale = 1.0 / (M * dp * L.split.cp * L.split.batch_ep);
-  for (int it = 0; it < opt.warmup + opt.iterations; ++it) {
-    ok_or_throw(comm.barrier());
-    stats.recording = it >= opt.warmup;
-    // Memory over the measured iterations only: not the --check reference's forward, nor the
-    // first step's allocation of the optimizer's moments.
-    if (it == opt.warmup) memory.reset();
-    stats.memory_samples.clear();  // the last measured iteration's
-    for (Param* p : params) p->w.mutable_grad() = at::Tensor();
-    pipeline.start_iteration();
-    const auto t0 = RunClock::now();
-    const at::Tensor data = batch(plan, opt.seed, it, device);
-    std::map<std::pair<int, int>, MicroBatchTape> tapes;  // (segment, micro-batch)
-    at::Tensor loss_sum = at::zeros({1}, ctx.options.dtype(at::kFloat));
-    for (const Block& blk : L.order->blocks) {
-      const int m = blk.micro_batch, sg = blk.segment;
-      const int64_t row = (static_cast<int64_t>(dp_index) * M + m) * plan.micro_batch +
-                          static_cast<int64_t>(L.split.batch_ep_index) * b;
-      Model& model = *models.at(sg);
-      shards.before_block(static_cast<std::size_t>(&blk - L.order->blocks.data()), sg);
-      MicroBatchTape& tape = tapes[{sg, m}];
-      tape.key = DropoutKey{opt.seed, it, row, plan.recycle - 1};  // the last pass's masks
-      if (blk.kind == BlockKind::kRecompute) {
-        model.recompute(ctx, tape);
-      } else if (blk.kind == BlockKind::kBackwardWeight) {
-        model.backward_weights(ctx, tape);
-        tapes.erase({sg, m});
-        shards.after_weight_gradients(sg, m);
-      } else if (blk.kind == BlockKind::kForward) {
-        // Repeated forwards: a pass before the last keeps nothing and has no gradient.
-        const bool earlier = blk.pass + 1 < plan.recycle;
-        std::optional<c10::NoGradGuard> no_grad;
-        if (earlier) no_grad.emplace();
-        MicroBatchTape scratch;
-        scratch.key = DropoutKey{opt.seed, it, row, blk.pass};  // the pass's own masks
-        MicroBatchTape& ftape = earlier ? scratch : tape;
-        at::Tensor x;
-        if (!model.has_embedding()) {
-          x = pipeline.receive_activation(sg, m, blk.pass);
-        } else if (blk.pass > 0) {
-          x = pipeline.receive_recycled(sg, m, blk.pass);
-        }
-        const at::Tensor rows = data.narrow(0, row, b);
-        at::Tensor y = model.forward(ctx, rows.narrow(1, 0, s).index_select(1, positions), x,
-                                     rows.narrow(1, 1, s).index_select(1, positions), ftape);
-        if (model.has_head() && earlier) {
-          pipeline.send_recycled(m, blk.pass, y);
-        } else if (model.has_head()) {
-          loss_sum.add_(tape.loss, loss_scale);
-        } else {
-          pipeline.send_activation(sg, m, blk.pass, y);
-        }
-      } else {
-        at::Tensor dy;
-        if (!model.has_head()) dy = pipeline.receive_gradient(sg, m, blk.pass);
-        const bool input_only = blk.kind == BlockKind::kBackwardInput;
-        at::Tensor dx = model.backward(ctx, tape, dy, loss_scale * fp16_scale, input_only);
-        if (!model.has_embedding()) pipeline.send_gradient(sg, m, blk.pass, dx);
-        if (!input_only) {
-          tapes.erase({sg, m});
-          shards.after_weight_gradients(sg, m);
-        }
-      }
-      shards.after_block(sg);
-    }
-    shards.finish_tied_zero1();
-    check_gradients_arrived(params, zero, it);
-    if (zero == 0) {
-      sum_data_parallel(plan, models, ctx, L.split.ep > 1, experts.ranks, experts.axes,
-                        reduce_dtype);
-    }
-    if (zero != 1) {
-      for (int sg : L.segments) shards.tied_sync(sg);
-    }
-    sum_sequence_parallel(models, shards, ctx, reduce_dtype);
-    if (fp16_scale != 1.0) unscale_fp16(params, shards, fp16_scale, it);
-    double loss = 0;
-    if (has_head) {
-      ctx.all_reduce(loss_sum, ctx.dp_group, ctx.dp_axes, "loss");
-      loss = loss_sum.item<double>();
-    }
-    if (it == 0 && opt.check) {
-      out.checked = true;
-      out.has_loss = has_head;
-      out.check_loss = loss;
-      out.checks = compare_gradients(params, shards, reference, opt.rtol, opt.atol,
-                                     opt.inject_fault && rank == comm.world() - 1);
-      reference.clear();  // checked: their memory is not the plan's
-    }
-    const Mark o0 = stats.mark();
-    adam_step(params, shards, it + 1);
-    shards.gather_after_step();
-    // bf16: the next iteration's weight copies (with autograd), timed with the step; ZeRO-3's
-    // come with each gather.
-    if (zero != 3) {
-      for (auto& [sg, model] : models) model->cast_weights();
-    }
-    stats.op("optimizer", "step", o0, stats.mark(), /*minus_collectives=*/true);
-#ifdef NNSIM_TORCH_HAS_CUDA
-    if (device.is_cuda()) ok_or_throw(cuda_synchronize());  // the iteration ends with its GPU work
-#endif
-    if (stats.recording) {
-      out.iteration_seconds.push_back(seconds_since(t0));
-      if (has_head) out.losses.push_back(loss);
-    }
-    stats.resolve();
-    ctx.in_flight.clear();
-  }
+  RankIterations iterations{plan,         opt,
+                            comm,         L,
+                            ctx,          stats,
+                            pipeline,     models,
+                            shards,       params,
+                            experts,      device,
+                            reduce_dtype, fp16_scale,
+                            has_head,     reference,
+                            out,          rows_of(plan, L, out.coordinates, device)};
+  for (int it = 0; it < opt.warmup + opt.iterations; ++it) iterations.run_iteration(it, memory);
   ok_or_throw(comm.flush());
   ok_or_throw(comm.barrier());
-  const double n = std::max(1, opt.iterations);
-  for (auto& [k, o] : stats.ops) {
-    o.calls /= n;
-    o.seconds /= n;
-    out.ops.push_back(o);
-  }
-  for (auto& [k, c] : stats.colls) {
-    c.calls /= n;
-    c.seconds /= n;
-    out.collectives.push_back(c);
-  }
-  rusage u{};
-  if (::getrusage(RUSAGE_SELF, &u) == 0) out.peak_rss_bytes = u.ru_maxrss * 1024.0;
-  out.peak_allocated_bytes = memory.peak();
-  out.peak_reserved_bytes = memory.reserved_peak();
-  out.memory = std::move(stats.memory_samples);
-  if (device.is_cuda()) out.gpu = gpu_index;
+  record_results(stats, memory, opt, device, gpu_index, out);
   return out;
 }
 
