@@ -115,26 +115,13 @@ bool holds_within(const ListScheduleProblem& p, const std::vector<std::vector<Bl
 
 }  // namespace
 
-Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleKind kind,
-                                 std::optional<double> memory_limit,
-                                 const CompileOptions& compile) {
-  if (kind == ScheduleKind::kTessel) {
-    Expected<SearchedSchedule> s = search_schedule(in, topo, memory_limit, compile);
-    if (!s) return s.error();
-    return s->plan;
-  }
-  Plan plan = in;
-  const int stages = static_cast<int>(plan.schedule.size());
-  const int segments = static_cast<int>(plan.segments.size());
-  if (stages < 1 || segments % stages != 0) {
-    return Error(
-        fmt::format("the plan has {} segments over {} schedule orders; a pipeline "
-                    "schedule needs the same number of segments on every stage",
-                    segments, stages));
-  }
-  const int chunks = segments / stages;
+namespace {
+
+// The plan as the generators need it: one schedule order per pipeline stage, its segments where
+// the `kind` schedule puts them, in layer order. Fills each pipeline rank's order index.
+Status check_pipeline(const Plan& plan, ScheduleKind kind, int stages, int segments,
+                      std::optional<double> memory_limit, std::map<int, int>& order_of_rank) {
   // Order index of each pipeline rank.
-  std::map<int, int> order_of_rank;
   for (int i = 0; i < stages; ++i) {
     const MeshSlice& d = plan.schedule[i].devices;
     auto it = d.find("pp");
@@ -173,7 +160,6 @@ Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleK
                     "schedule's memory follows from its shape",
                     to_string(kind)));
   }
-  const int micro_batches = plan.num_micro_batches();
   if (kind == ScheduleKind::kMerak) {
     bool any = false;
     for (const RecomputeRule& r : plan.recompute) {
@@ -185,6 +171,161 @@ Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleK
           "recomputes nothing before its last stage; build it with --recompute selective or full");
     }
   }
+  return Status::Ok();
+}
+
+// The list-scheduling problem of the plan's pipeline, timed with its compiled costs.
+ListScheduleProblem list_problem(ScheduleKind kind, int stages, int micro_batches,
+                                 const std::vector<SegmentCosts>& costs,
+                                 const std::vector<bool>& recompute_segments) {
+  const int segments = static_cast<int>(costs.size());
+  ListScheduleProblem p;
+  p.devices = stages;
+  p.micro_batches = micro_batches;
+  p.split_backward = splits_backward(kind);
+  for (int i = 0; i < segments; ++i) {
+    const SegmentCosts& c = costs[i];
+    p.device_of_segment.push_back(rank_of_segment(kind, i, stages));
+    p.forward.push_back(c.forward);
+    p.backward_input.push_back(p.split_backward ? c.backward_input : c.backward);
+    p.backward_weight.push_back(p.split_backward ? c.backward_weight : 0.0);
+    p.recompute_time.push_back(c.recompute);
+    p.forward_bytes.push_back(c.kept);
+    p.weight_input_bytes.push_back(p.split_backward ? c.weight_inputs : 0.0);
+  }
+  if (kind == ScheduleKind::kZbV) {
+    // As in a 2p-stage 1F1B: segment j keeps at most 2p - j micro-batches ahead.
+    for (int i = 0; i < segments; ++i) p.segment_lead_limit.push_back(segments - i);
+  }
+  if (kind == ScheduleKind::kMerak) {
+    p.recompute = recompute_segments;
+    p.recompute[segments - 1] = false;
+  }
+  return p;
+}
+
+// What the list schedule may hold on each rank: the activations a --memory-limit leaves room
+// for, Merak's in-flight micro-batches, or what the hand-built schedules hold (1F1B's peak;
+// ZB-H2's 2p - 1 micro-batches).
+Status set_memory_limits(ScheduleKind kind, int stages, const Program& prog,
+                         const std::vector<SegmentCosts>& costs, std::optional<double> memory_limit,
+                         ListScheduleProblem& p) {
+  const int segments = static_cast<int>(costs.size());
+  // Activation bytes each rank may hold.
+  std::vector<double> held(stages, 0);  // a micro-batch's activations per rank (all chunks)
+  for (int i = 0; i < segments; ++i) held[p.device_of_segment[i]] += costs[i].kept;
+  double one_f_one_b_peak = 0;  // the first stage's p micro-batches
+  for (int r = 0; r < stages; ++r) {
+    const int in_flight = kind == ScheduleKind::kZbV ? stages : stages - r;
+    one_f_one_b_peak = std::max(one_f_one_b_peak, in_flight * held[r]);
+  }
+  if (kind == ScheduleKind::kZbV) {
+    // The V-shaped 1F1B's: segment j keeps 2p - j micro-batches (p + 1/2 stages' worth per
+    // rank), or the shallow chunk can fill a rank before anything reaches the turn.
+    std::vector<double> v(stages, 0);
+    for (int i = 0; i < segments; ++i) v[p.device_of_segment[i]] += (segments - i) * costs[i].kept;
+    for (double x : v) one_f_one_b_peak = std::max(one_f_one_b_peak, x);
+  }
+  if (memory_limit) {
+    for (const Lane& lane : prog.lanes) {
+      const int rank = lane.slice.count("pp") ? lane.slice.at("pp") : 0;
+      if (static_cast<int>(p.memory_limit.size()) <= rank) p.memory_limit.resize(rank + 1, 0);
+      // Room for kept activations: the limit less static memory and the largest transient
+      // workspace a block of this rank needs on top of them.
+      double transient = 0;
+      for (const BlockInstance& b : lane.blocks) {
+        transient = std::max(transient, prog.templates[b.template_index].peak_bytes);
+      }
+      const double budget = *memory_limit - lane.memory.total() - transient;
+      if (budget <= 0) {
+        return Error(fmt::format(
+            "--memory-limit {} leaves no room for activations on pipeline stage {}: its "
+            "weights, gradients, optimizer state and buffers take {}",
+            format_bytes(*memory_limit), rank, format_bytes(lane.memory.total())));
+      }
+      p.memory_limit[rank] = budget;
+    }
+  } else if (kind == ScheduleKind::kMerak) {
+    for (int r = 0; r < stages; ++r) p.in_flight_limit.push_back(stages - r);
+  } else {
+    // ZB-H1 and ZB-V: 1F1B's peak on every rank (the later ranks' spare memory holds weight
+    // gradients back); ZB-H2: 2p - 1 micro-batches of the first stage.
+    const double scale = kind == ScheduleKind::kZbH2 ? (2.0 * stages - 1) / stages : 1.0;
+    p.memory_limit.assign(stages, scale * one_f_one_b_peak);
+  }
+  return Status::Ok();
+}
+
+// Variants of the priority rule; the one that finishes first in the plan's own costs wins:
+// - warm-up depth: free (as deep as memory allows), or the hand-built schedules' (1F1B's for
+//   ZB-H1, 2p - 1 on the first stage for ZB-H2);
+// - ZB-H1's weight-gradient delay: stage r runs a weight gradient once r - 1 more input
+//   gradients have followed it (the last stage: F B F B F B W F B W ..., Qi et al.), or as
+//   late as the other blocks let it;
+// - weight gradients wait for a backward about to arrive, or fill the device until it does;
+// - ZB-H1 and ZB-H2 also count micro-batches instead of bytes (a pending weight gradient counts
+//   as a whole one, as in the papers' schedules), kept only when the bytes fit.
+std::vector<ListScheduleProblem> schedule_variants(ScheduleKind kind, int stages,
+                                                   const ListScheduleProblem& p) {
+  std::vector<ListScheduleProblem> variants = {p};
+  if (kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbH2) {
+    ListScheduleProblem q = p;
+    for (int r = 0; r < stages; ++r) {
+      q.forward_lead_limit.push_back(kind == ScheduleKind::kZbH2 ? 2 * (stages - r) - 1
+                                                                 : stages - r);
+    }
+    variants.push_back(q);
+  }
+  if (kind == ScheduleKind::kZbH1) {
+    for (size_t i = 0, n = variants.size(); i < n; ++i) {
+      ListScheduleProblem q = variants[i];
+      for (int r = 0; r < stages; ++r) q.weight_delay_limit.push_back(std::max(0, r - 1));
+      variants.push_back(q);
+    }
+  }
+  if (p.split_backward) {
+    for (size_t i = 0, n = variants.size(); i < n; ++i) {
+      ListScheduleProblem q = variants[i];
+      q.weight_waits_for_backward = true;
+      variants.push_back(q);
+    }
+  }
+  if ((kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbH2) && !p.memory_limit.empty()) {
+    for (size_t i = 0, n = variants.size(); i < n; ++i) {
+      ListScheduleProblem q = variants[i];
+      q.memory_limit.clear();
+      q.in_flight_limit.assign(stages, kind == ScheduleKind::kZbH2 ? 2 * stages - 1 : stages);
+      variants.push_back(q);
+    }
+  }
+  return variants;
+}
+
+}  // namespace
+
+Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleKind kind,
+                                 std::optional<double> memory_limit,
+                                 const CompileOptions& compile) {
+  if (kind == ScheduleKind::kTessel) {
+    Expected<SearchedSchedule> s = search_schedule(in, topo, memory_limit, compile);
+    if (!s) return s.error();
+    return s->plan;
+  }
+  Plan plan = in;
+  const int stages = static_cast<int>(plan.schedule.size());
+  const int segments = static_cast<int>(plan.segments.size());
+  if (stages < 1 || segments % stages != 0) {
+    return Error(
+        fmt::format("the plan has {} segments over {} schedule orders; a pipeline "
+                    "schedule needs the same number of segments on every stage",
+                    segments, stages));
+  }
+  const int chunks = segments / stages;
+  std::map<int, int> order_of_rank;
+  if (Status s = check_pipeline(plan, kind, stages, segments, memory_limit, order_of_rank); !s) {
+    return s.error();
+  }
+  const int micro_batches = plan.num_micro_batches();
   std::vector<bool> recompute_segments(segments, false);
   for (const RecomputeRule& r : plan.recompute) {
     for (int i = 0; i < segments; ++i) {
@@ -210,110 +351,11 @@ Expected<Plan> generate_schedule(const Plan& in, const Topology& topo, ScheduleK
   Expected<Program> prog = compile_plan(plan, topo, compile);
   if (!prog) return prog.error();
   const std::vector<SegmentCosts> costs = segment_costs(*prog);
-  ListScheduleProblem p;
-  p.devices = stages;
-  p.micro_batches = micro_batches;
-  p.split_backward = splits_backward(kind);
-  for (int i = 0; i < segments; ++i) {
-    const SegmentCosts& c = costs[i];
-    p.device_of_segment.push_back(rank_of_segment(kind, i, stages));
-    p.forward.push_back(c.forward);
-    p.backward_input.push_back(p.split_backward ? c.backward_input : c.backward);
-    p.backward_weight.push_back(p.split_backward ? c.backward_weight : 0.0);
-    p.recompute_time.push_back(c.recompute);
-    p.forward_bytes.push_back(c.kept);
-    p.weight_input_bytes.push_back(p.split_backward ? c.weight_inputs : 0.0);
+  ListScheduleProblem p = list_problem(kind, stages, micro_batches, costs, recompute_segments);
+  if (Status s = set_memory_limits(kind, stages, *prog, costs, memory_limit, p); !s) {
+    return s.error();
   }
-  if (kind == ScheduleKind::kZbV) {
-    // As in a 2p-stage 1F1B: segment j keeps at most 2p - j micro-batches ahead.
-    for (int i = 0; i < segments; ++i) p.segment_lead_limit.push_back(segments - i);
-  }
-  if (kind == ScheduleKind::kMerak) {
-    p.recompute = recompute_segments;
-    p.recompute[segments - 1] = false;
-  }
-  // Activation bytes each rank may hold.
-  std::vector<double> held(stages, 0);  // a micro-batch's activations per rank (all chunks)
-  for (int i = 0; i < segments; ++i) held[p.device_of_segment[i]] += costs[i].kept;
-  double one_f_one_b_peak = 0;  // the first stage's p micro-batches
-  for (int r = 0; r < stages; ++r) {
-    const int in_flight = kind == ScheduleKind::kZbV ? stages : stages - r;
-    one_f_one_b_peak = std::max(one_f_one_b_peak, in_flight * held[r]);
-  }
-  if (kind == ScheduleKind::kZbV) {
-    // The V-shaped 1F1B's: segment j keeps 2p - j micro-batches (p + 1/2 stages' worth per
-    // rank), or the shallow chunk can fill a rank before anything reaches the turn.
-    std::vector<double> v(stages, 0);
-    for (int i = 0; i < segments; ++i) v[p.device_of_segment[i]] += (segments - i) * costs[i].kept;
-    for (double x : v) one_f_one_b_peak = std::max(one_f_one_b_peak, x);
-  }
-  if (memory_limit) {
-    for (const Lane& lane : prog->lanes) {
-      const int rank = lane.slice.count("pp") ? lane.slice.at("pp") : 0;
-      if (static_cast<int>(p.memory_limit.size()) <= rank) p.memory_limit.resize(rank + 1, 0);
-      // Room for kept activations: the limit less static memory and the largest transient
-      // workspace a block of this rank needs on top of them.
-      double transient = 0;
-      for (const BlockInstance& b : lane.blocks) {
-        transient = std::max(transient, prog->templates[b.template_index].peak_bytes);
-      }
-      const double budget = *memory_limit - lane.memory.total() - transient;
-      if (budget <= 0) {
-        return Error(fmt::format(
-            "--memory-limit {} leaves no room for activations on pipeline stage {}: its "
-            "weights, gradients, optimizer state and buffers take {}",
-            format_bytes(*memory_limit), rank, format_bytes(lane.memory.total())));
-      }
-      p.memory_limit[rank] = budget;
-    }
-  } else if (kind == ScheduleKind::kMerak) {
-    for (int r = 0; r < stages; ++r) p.in_flight_limit.push_back(stages - r);
-  } else {
-    // ZB-H1 and ZB-V: 1F1B's peak on every rank (the later ranks' spare memory holds weight
-    // gradients back); ZB-H2: 2p - 1 micro-batches of the first stage.
-    const double scale = kind == ScheduleKind::kZbH2 ? (2.0 * stages - 1) / stages : 1.0;
-    p.memory_limit.assign(stages, scale * one_f_one_b_peak);
-  }
-  // Variants of the priority rule; the one that finishes first in the plan's own costs wins:
-  // - warm-up depth: free (as deep as memory allows), or the hand-built schedules' (1F1B's for
-  //   ZB-H1, 2p - 1 on the first stage for ZB-H2);
-  // - ZB-H1's weight-gradient delay: stage r runs a weight gradient once r - 1 more input
-  //   gradients have followed it (the last stage: F B F B F B W F B W ..., Qi et al.), or as
-  //   late as the other blocks let it;
-  // - weight gradients wait for a backward about to arrive, or fill the device until it does.
-  std::vector<ListScheduleProblem> variants = {p};
-  if (kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbH2) {
-    ListScheduleProblem q = p;
-    for (int r = 0; r < stages; ++r) {
-      q.forward_lead_limit.push_back(kind == ScheduleKind::kZbH2 ? 2 * (stages - r) - 1
-                                                                 : stages - r);
-    }
-    variants.push_back(q);
-  }
-  if (kind == ScheduleKind::kZbH1) {
-    for (size_t i = 0, n = variants.size(); i < n; ++i) {
-      ListScheduleProblem q = variants[i];
-      for (int r = 0; r < stages; ++r) q.weight_delay_limit.push_back(std::max(0, r - 1));
-      variants.push_back(q);
-    }
-  }
-  if (p.split_backward) {
-    for (size_t i = 0, n = variants.size(); i < n; ++i) {
-      ListScheduleProblem q = variants[i];
-      q.weight_waits_for_backward = true;
-      variants.push_back(q);
-    }
-  }
-  // - ZB-H1 and ZB-H2 also count micro-batches instead of bytes (a pending weight gradient
-  //   counts as a whole one, as in the papers' schedules), kept only when the bytes fit.
-  if ((kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbH2) && !p.memory_limit.empty()) {
-    for (size_t i = 0, n = variants.size(); i < n; ++i) {
-      ListScheduleProblem q = variants[i];
-      q.memory_limit.clear();
-      q.in_flight_limit.assign(stages, kind == ScheduleKind::kZbH2 ? 2 * stages - 1 : stages);
-      variants.push_back(q);
-    }
-  }
+  const std::vector<ListScheduleProblem> variants = schedule_variants(kind, stages, p);
   Expected<ListSchedule> ls = list_schedule(variants.front());
   if (!ls) return ls.error();
   for (size_t i = 1; i < variants.size(); ++i) {
