@@ -33,7 +33,7 @@ class Writer {
   template <class T>
   void pods(const std::vector<T>& v) {
     pod<uint64_t>(v.size());
-    buf_.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+    if (!v.empty()) buf_.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
   }
   std::string& buffer() { return buf_; }
 
@@ -61,7 +61,7 @@ class Reader {
   std::vector<T> pods() {
     auto n = pod<uint64_t>();
     std::vector<T> v(n);
-    std::memcpy(v.data(), buf_.data() + pos_, n * sizeof(T));
+    if (n > 0) std::memcpy(v.data(), buf_.data() + pos_, n * sizeof(T));  // data() may be null
     pos_ += n * sizeof(T);
     return v;
   }
