@@ -9,6 +9,25 @@
 
 namespace nnsim::detail {
 
+namespace {
+
+// A collective launched on the data-parallel stream (gradient sums, parameter gathers).
+Step dp_launch(CollectiveKind kind, uint32_t axes, double bytes, int label) {
+  Step l = collective_step(kind, axes, bytes, label);
+  l.kind = StepKind::kDpLaunch;
+  return l;
+}
+
+// The compute stream waiting for what the data-parallel stream launched.
+Step dp_wait(int label) {
+  Step w;
+  w.kind = StepKind::kDpWait;
+  w.label = label;
+  return w;
+}
+
+}  // namespace
+
 void Compiler::build_lane_steps(int o) {
   Lane& lane = prog.lanes[o];
   std::vector<int> segs;
@@ -63,13 +82,9 @@ void Compiler::add_prologue_gathers(int o, Lane& lane) {
     std::stable_sort(launches.begin(), launches.end(),
                      [](const Launch& x, const Launch& y) { return x.first_unit < y.first_unit; });
     for (const Launch& x : launches) {
-      Step l;
-      l.kind = StepKind::kDpLaunch;
-      l.collective = CollectiveKind::kAllGather;
-      l.axes = group_axes[x.group];
-      l.bytes = x.params * compute_weight_bytes(plan);
+      Step l = dp_launch(CollectiveKind::kAllGather, group_axes[x.group],
+                         x.params * compute_weight_bytes(plan), label("param gather"));
       l.tag = gather_tag(b.segment, x.group, x.bucket);
-      l.label = label("param gather");
       lane.prologue.push_back(l);
     }
   }
@@ -87,13 +102,9 @@ void Compiler::add_epilogue(int o, Lane& lane, const std::vector<int>& segs) {
       for (int g = 0; g < kNumGradGroups; ++g) {
         const double params = segment_params(s, g);
         if (params <= 0 || shard_degree(g) == 1) continue;
-        Step l;
-        l.kind = StepKind::kDpLaunch;
-        l.collective = zero >= 1 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce;
-        l.axes = group_axes[g];
-        l.bytes = params * grad_bytes;
-        l.label = label("grad sync");
-        lane.epilogue.push_back(l);
+        lane.epilogue.push_back(
+            dp_launch(zero >= 1 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce,
+                      group_axes[g], params * grad_bytes, label("grad sync")));
       }
     }
   }
@@ -105,18 +116,10 @@ void Compiler::add_epilogue(int o, Lane& lane, const std::vector<int>& segs) {
   for (int s : segs) holds_head = holds_head || plan.segments[s].head;
   if (holds_head && !lane.ranks.empty() &&
       prog.group_of(lane.ranks[0], group_axes[kDenseGrads]).size() > 1) {
-    Step l;
-    l.kind = StepKind::kDpLaunch;
-    l.collective = CollectiveKind::kAllReduce;
-    l.axes = group_axes[kDenseGrads];
-    l.bytes = kLossBytes;
-    l.label = label("loss");
-    lane.epilogue.push_back(l);
+    lane.epilogue.push_back(
+        dp_launch(CollectiveKind::kAllReduce, group_axes[kDenseGrads], kLossBytes, label("loss")));
   }
-  Step wait;
-  wait.kind = StepKind::kDpWait;
-  wait.label = label("grad sync wait");
-  lane.epilogue.push_back(wait);
+  lane.epilogue.push_back(dp_wait(label("grad sync wait")));
   // Operator-specific gradient sums (sequence-parallel norm weights over tp).
   std::map<std::pair<uint32_t, int>, double> extra_sync;  // (axes, GradGroup) -> bytes
   for (int s : segs) {
@@ -163,18 +166,10 @@ void Compiler::add_epilogue(int o, Lane& lane, const std::vector<int>& segs) {
   auto gather_after_step = [&](const std::vector<std::pair<double, int>>& params) {
     if (params.empty()) return;
     for (const auto& [p, g] : params) {
-      Step l;
-      l.kind = StepKind::kDpLaunch;
-      l.collective = CollectiveKind::kAllGather;
-      l.axes = group_axes[g];
-      l.bytes = p * compute_weight_bytes(plan);
-      l.label = label("param gather");
-      lane.epilogue.push_back(l);
+      lane.epilogue.push_back(dp_launch(CollectiveKind::kAllGather, group_axes[g],
+                                        p * compute_weight_bytes(plan), label("param gather")));
     }
-    Step w;
-    w.kind = StepKind::kDpWait;
-    w.label = label("param gather wait");
-    lane.epilogue.push_back(w);
+    lane.epilogue.push_back(dp_wait(label("param gather wait")));
   };
   if ((zero == 1 || zero == 2) && !plan.comm.overlap_param_gather) {
     std::vector<std::pair<double, int>> per_segment;

@@ -188,6 +188,18 @@ z3::params solver_params(z3::context& ctx, uint64_t rlimit) {
   return params;
 }
 
+// The context's resource count so far (Z3's "rlimit count" statistic) after a check.
+uint64_t rlimit_count(const z3::solver& solver) {
+  const z3::stats stats = solver.statistics();
+  uint64_t used = 0;
+  for (unsigned i = 0; i < stats.size(); ++i) {
+    if (stats.key(i) == "rlimit count") {
+      used = stats.is_uint(i) ? stats.uint_value(i) : static_cast<uint64_t>(stats.double_value(i));
+    }
+  }
+  return used;
+}
+
 struct Repetend {
   int64_t period = 0;
   std::vector<int64_t> start, lag;
@@ -274,14 +286,7 @@ std::optional<Repetend> find_repetend(const TesselProblem& p, const Discrete& d,
       }
     }
     const z3::check_result result = solver.check();
-    const z3::stats stats = solver.statistics();
-    uint64_t used = 0;
-    for (unsigned i = 0; i < stats.size(); ++i) {
-      if (stats.key(i) == "rlimit count") {
-        used =
-            stats.is_uint(i) ? stats.uint_value(i) : static_cast<uint64_t>(stats.double_value(i));
-      }
-    }
+    const uint64_t used = rlimit_count(solver);
     budget -= std::min(budget, std::max<uint64_t>(used, 1));
     if (result != z3::sat) return std::nullopt;
     const z3::model m = solver.get_model();
@@ -694,14 +699,7 @@ std::optional<z3::model> EndsSearch::minimize(
     for (const z3::expr& e : bounded(bound)) solver.add(e);
     ++*calls_;
     const z3::check_result result = solver.check();
-    const z3::stats stats = solver.statistics();
-    uint64_t used = 0;
-    for (unsigned i = 0; i < stats.size(); ++i) {
-      if (stats.key(i) == "rlimit count") {
-        used =
-            stats.is_uint(i) ? stats.uint_value(i) : static_cast<uint64_t>(stats.double_value(i));
-      }
-    }
+    const uint64_t used = rlimit_count(solver);
     // The count is the context's, over every check so far.
     const uint64_t spent = used >= counted_ ? used - counted_ : used;
     counted_ = std::max(counted_, used);
