@@ -74,6 +74,8 @@ TEST(Model, PresetParameterCountsArePinned) {
       {"mixtral-8x7b", 46'702'792'704},     {"qwen1.5-moe-a2.7b", 14'315'587'584},
       {"deepseek-moe-16b", 16'375'728'128}, {"deepseek-v2-lite", 15'706'484'224},
       {"deepseek-v3", 682'636'472'320},     {"qwen3-30b-a3b", 30'532'122'624},
+      {"qwen3-235b-a22b", 235'093'634'560}, {"glm-4.5", 356'784'551'168},
+      {"kimi-k2", 1'026'408'209'408},
   };
   for (const auto& [name, count] : counts) {
     auto m = load_model(name);
@@ -264,6 +266,22 @@ TEST(Model, Qwen3CountsMatchTheModelCard) {
   // The norm, Q, K, V (32 + 2 x 4 heads), the query and key norms and the output projection from
   // the 4,096-wide heads.
   EXPECT_EQ(m->attention_parameters(), h + h * (32 + 2 * 4) * d + 2 * d + 32 * d * h);
+}
+
+// The 2025 mixtures of experts against their model cards: Qwen3-235B-A22B's 235B; GLM-4.5's 355B
+// (nnsim's 356.8B hold the multi-token prediction module, 4.0B of them); Kimi K2's "1T".
+TEST(Model, LargeMixturesMatchTheirModelCards) {
+  auto qwen = load_model("qwen3-235b-a22b");
+  ASSERT_TRUE(qwen.ok()) << qwen.error().message();
+  EXPECT_NEAR(static_cast<double>(qwen->parameters()), 235e9, 235e9 * 0.002);
+  auto glm = load_model("glm-4.5");
+  ASSERT_TRUE(glm.ok()) << glm.error().message();
+  EXPECT_NEAR(static_cast<double>(glm->parameters()), 355e9, 355e9 * 0.006);
+  auto kimi = load_model("kimi-k2");
+  ASSERT_TRUE(kimi.ok()) << kimi.error().message();
+  EXPECT_NEAR(static_cast<double>(kimi->parameters()), 1.0e12, 1.0e12 * 0.04);
+  EXPECT_EQ(kimi->experts, 384);
+  EXPECT_EQ(kimi->first_dense_layers, 1);
 }
 
 TEST(Model, HeadDimGivesTheHeadsTheirOwnWidth) {
