@@ -160,6 +160,17 @@ struct LayerTape {
   }
 };
 
+// One pass of a layer's forward: the first (every operator) or the recomputation (`again`: only
+// the recomputed operators, `rc`), with the operators an early stop leaves in their first
+// forward's graph (`stopped`).
+struct LayerPass {
+  bool again = false;
+  const char* phase = "fwd";
+  std::set<std::string> rc;
+  const std::set<std::string>* stopped = nullptr;
+  bool runs(const char* op) const { return !again || rc.count(op) > 0; }
+};
+
 struct MicroBatchTape {
   DropoutKey key;  // which masks model.dropout applies: the iteration and the samples' rows
   Unit word, pos, drop;
@@ -410,6 +421,14 @@ class Model {
   // as phase "recompute".
   at::Tensor layer_forward(RankContext& c, int l, const at::Tensor& x, LayerTape& t,
                            bool again = false);
+  // The layer forward's parts (run_model_layer.cc).
+  void attention_forward(RankContext& c, int l, const at::Tensor& in_x, LayerTape& t,
+                         const LayerPass& p);
+  at::Tensor attention_core(const std::vector<at::Tensor>& in, const DropoutKey& key, int l);
+  void mlp_forward(RankContext& c, int l, LayerTape& t, const LayerPass& p);
+  void keep_checkpoint(const at::Tensor& x, LayerTape& t, const LayerPass& p);
+  void release_summands(const LayerPass& p, const char* op, Unit& add, Unit& linear);
+  void drop_gathered(const LayerPass& p, const char* op, Unit& u);
 
   // An early-stopped operator's input `leaf` (its storage released after the forward) refilled
   // with `value`, the recomputation's, for its backward. `take`: the value's memory itself

@@ -12,51 +12,62 @@ namespace nnsim::hwexec {
 
 at::Tensor Model::layer_forward(RankContext& c, int l, const at::Tensor& x, LayerTape& t,
                                 bool again) {
+  LayerPass p;
+  p.again = again;
+  p.phase = again ? "recompute" : "fwd";
+  // The operators recomputed and run again (an early stop leaves the last ones out).
+  for (const std::string& op : recompute_[l]) {
+    if (!stopped_[l].count(op)) p.rc.insert(op);
+  }
+  p.stopped = &stopped_[l];
+  attention_forward(c, l, again ? t.x : x, t, p);
+  mlp_forward(c, l, t, p);
+  at::Tensor out = t.res2.out.detach();
+  if (!again && !recompute_[l].empty()) keep_checkpoint(x, t, p);
+  return out;
+}
+
+// A residual add's backward reads neither summand, nor the linear's backward its output: both
+// are freed once summed, as one autograd graph over the layer frees them (Megatron keeps the sum
+// alone). Not when the add is recomputed, which reads the linear's output (kept for the
+// recomputation in the first forward; in the recomputation itself, gone).
+void Model::release_summands(const LayerPass& p, const char* op, Unit& add, Unit& linear) {
+  if (p.rc.count(op) && !p.again) return;
+  resize_storage(add.in[0], 0);
+  if (linear.out.defined()) resize_storage(linear.out, 0);
+}
+
+// Sequence parallelism: a linear's gathered input is dropped unless the linear is recomputed
+// (then the recomputation gathers it, just before the backward).
+void Model::drop_gathered(const LayerPass& p, const char* op, Unit& u) {
+  if (split_.seq > 1 && !p.again && !p.rc.count(op)) dropped(u.in[0]);
+}
+
+// attn.norm to attn.residual, from the layer's input `in_x`.
+void Model::attention_forward(RankContext& c, int l, const at::Tensor& in_x, LayerTape& t,
+                              const LayerPass& p) {
   RunStats& st = *c.stats;
   const LayerParams& L = layers_[l];
-  // The operators recomputed and run again (an early stop leaves the last ones out).
-  std::set<std::string> rc;
-  for (const std::string& op : recompute_[l]) {
-    if (!stopped_[l].count(op)) rc.insert(op);
-  }
-  const std::set<std::string>& stopped = stopped_[l];
-  auto runs = [&](const char* op) { return !again || rc.count(op) > 0; };
-  const char* phase = again ? "recompute" : "fwd";
-  const at::Tensor& in_x = again ? t.x : x;
   const int64_t d = spec_.head_dim(), g = spec_.heads / spec_.kv_heads,
-                kl = spec_.kv_heads / split_.heads, al = kl * g;
+                kl = spec_.kv_heads / split_.heads;
   const bool sp = split_.seq > 1;
-  // A residual add's backward reads neither summand, nor the linear's backward its output:
-  // both are freed once summed, as one autograd graph over the layer frees them (Megatron
-  // keeps the sum alone). Not when the add is recomputed, which reads the linear's output.
-  auto release_summands = [&](const char* op, Unit& add, Unit& linear) {
-    // (Kept for the recomputation in the first forward; in the recomputation itself, gone.)
-    if (rc.count(op) && !again) return;
-    resize_storage(add.in[0], 0);
-    if (linear.out.defined()) resize_storage(linear.out, 0);
-  };
-  // Sequence parallelism: a linear's gathered input is dropped unless the linear is
-  // recomputed (then the recomputation gathers it, just before the backward).
-  auto drop_gathered = [&](const char* op, Unit& u) {
-    if (sp && !again && !rc.count(op)) dropped(u.in[0]);
-  };
-  if (runs("attn.norm")) {
-    t.n1 = fwd(st, "attn.norm", phase, {leaf(in_x)},
+  if (p.runs("attn.norm")) {
+    t.n1 = fwd(st, "attn.norm", p.phase, {leaf(in_x)},
                [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.ln1g, L.ln1b); });
   }
-  if (runs("attn.qkv")) {
-    t.qkv = fwd(st, "attn.qkv", phase,
+  if (p.runs("attn.qkv")) {
+    t.qkv = fwd(st, "attn.qkv", p.phase,
                 {leaf(sp ? gather_seq(c, t.n1.out.detach(), "attn.qkv") : t.n1.out)},
                 [&](const std::vector<at::Tensor>& in) {
                   at::Tensor y = block_linear(in[0], W(L.qkv_w));
                   return L.qkv_b ? y + W(L.qkv_b) : y;
                 });
     t.qkv.weights = weights_of({L.qkv_w, L.qkv_b});
-    drop_gathered("attn.qkv", t.qkv);
+    drop_gathered(p, "attn.qkv", t.qkv);
   }
-  if (spec_.qk_norm && runs("attn.qk_norm")) {  // each head's query and key normalized
+  if (spec_.qk_norm && p.runs("attn.qk_norm")) {  // each head's query and key normalized
     t.qkn =
-        fwd(st, "attn.qk_norm", phase, {leaf(t.qkv.out)}, [&](const std::vector<at::Tensor>& in) {
+        fwd(st, "attn.qk_norm", p.phase, {leaf(t.qkv.out)}, [&](const std::vector<at::Tensor>& in) {
           const int64_t b = in[0].size(0), s = in[0].size(1);
           at::Tensor v5 = in[0].view({b, s, kl, g + 2, d});
           at::Tensor q = norm(v5.narrow(3, 0, g), L.qn_g, L.qn_b);
@@ -64,76 +75,24 @@ at::Tensor Model::layer_forward(RankContext& c, int l, const at::Tensor& x, Laye
           return at::cat({q, k}, 3).reshape({b, s, kl * (g + 1) * d});
         });
   }
-  if (runs("attn.core") && split_.cp > 1) {
-    t.core = cp_core_forward(c, t.qkv.out, spec_.qk_norm ? t.qkn.out : at::Tensor(), phase, t.key,
+  if (p.runs("attn.core") && split_.cp > 1) {
+    t.core = cp_core_forward(c, t.qkv.out, spec_.qk_norm ? t.qkn.out : at::Tensor(), p.phase, t.key,
                              first_ + l);
-  } else if (runs("attn.core")) {
+  } else if (p.runs("attn.core")) {
     // With qk_norm the queries and keys are the norm's and the values the projection's.
     std::vector<at::Tensor> core_in = {leaf(t.qkv.out)};
     if (spec_.qk_norm) core_in = {leaf(t.qkn.out), leaf(t.qkv.out)};
-    t.core = fwd(st, "attn.core", phase, core_in, [&](const std::vector<at::Tensor>& in) {
-      const int64_t b = in.back().size(0), s = in.back().size(1);
-      // [b, s, kv heads, group + 2, d]: the group's queries, then its key and value.
-      at::Tensor v5 = in.back().view({b, s, kl, g + 2, d});
-      at::Tensor q = v5.narrow(3, 0, g).reshape({b, s, al, d});
-      at::Tensor k = v5.select(3, g), v = v5.select(3, g + 1);
-      if (in.size() > 1) {  // [b, s, kv heads, group + 1, d]: normalized queries, key
-        at::Tensor n5 = in[0].view({b, s, kl, g + 1, d});
-        q = n5.narrow(3, 0, g).reshape({b, s, al, d});
-        k = n5.select(3, g);
-      }
-      if (spec_.position == PositionKind::kRope) {
-        q = rope(q);
-        k = rope(k);
-      }
-      if (g > 1) {  // grouped-query attention: each key/value head serves its g query heads
-        k = k.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
-        v = v.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
-      }
-      q = q.permute({0, 2, 1, 3});
-      k = k.permute({0, 2, 1, 3});
-      v = v.permute({0, 2, 1, 3});
-#if TORCH_VERSION_MAJOR >= 2
-      // The model's fused attention (FlashAttention or memory-efficient attention, as
-      // LibTorch picks), where it computes what the plan asks for: ALiBi and the
-      // probabilities' dropout need the explicit chain below.
-      if (spec_.attention == AttentionKernel::kFlash && !alibi_.defined() && !spec_.dropout) {
-        return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true)
-            .permute({0, 2, 1, 3})
-            .reshape({b, s, al * d});
-      }
-#endif
-      // Unfused, as Megatron without FlashAttention: the two batched products read q, k
-      // and v as views of the QKV output and keep no copies of them
-      // (run_attention_products.h); the scale on the scores in place (Megatron folds it
-      // into the product), the causal mask in place, the softmax in the compute dtype
-      // (LibTorch accumulates a 16-bit softmax in fp32, as Megatron's fused
-      // scaled-masked softmax does) and only its output kept for the backward.
-      at::Tensor scores = per_sequence_bmm(q, k.transpose(-2, -1), cpu_fp16());
-      scores.mul_(1 / std::sqrt(double(d)));
-      if (alibi_.defined()) {  // ALiBi: in fp32, at the tokens' positions
-        scores = scores.to(at::kFloat) + alibi_bias(alibi_, positions_, positions_);
-      }
-      scores.masked_fill_(causal_mask(s), -std::numeric_limits<float>::infinity());
-      // (LibTorch's CPU softmax has no fp16 kernel: there, in fp32, the same values.)
-      at::Tensor p = (cpu_fp16() ? at::softmax(scores, -1, at::kFloat) : at::softmax(scores, -1))
-                         .to(q.scalar_type());
-      if (spec_.dropout) {  // the probabilities' dropout
-        p = p * dropout_multipliers(t.key, first_ + l, DropoutSite::kAttention, b, spec_.seq_len,
-                                    spec_.heads, positions_, first_head_, al, device_)
-                    .to(p.scalar_type());
-      }
-      return per_sequence_bmm(p, v, cpu_fp16()).permute({0, 2, 1, 3}).reshape({b, s, al * d});
-    });
+    t.core = fwd(st, "attn.core", p.phase, core_in,
+                 [&](const std::vector<at::Tensor>& in) { return attention_core(in, t.key, l); });
   }
-  if (runs("attn.proj")) {
+  if (p.runs("attn.proj")) {
     t.proj =
-        fwd(st, "attn.proj", phase, {leaf(t.core.out)},
+        fwd(st, "attn.proj", p.phase, {leaf(t.core.out)},
             [&](const std::vector<at::Tensor>& in) { return block_linear(in[0], W(L.proj_w)); });
     t.proj.weights = weights_of({L.proj_w});
   }
   // The row-parallel sums feed the residual (the program's conversion for its input).
-  if (runs("attn.residual")) {
+  if (p.runs("attn.residual")) {
     at::Tensor y;
     if (sp) {
       y = scatter_seq(c, t.proj.out.detach(), "attn.residual");
@@ -141,7 +100,7 @@ at::Tensor Model::layer_forward(RankContext& c, int l, const at::Tensor& x, Laye
       y = t.proj.out.detach().clone();
       if (split_.heads > 1) c.tp_all_reduce(y, "attn.residual");
     }
-    t.res1 = fwd(st, "attn.residual", phase, {leaf(y), leaf(in_x)},
+    t.res1 = fwd(st, "attn.residual", p.phase, {leaf(y), leaf(in_x)},
                  [&](const std::vector<at::Tensor>& in) {
                    at::Tensor z = L.proj_b ? in[0] + W(L.proj_b) : in[0];
                    // Bias, dropout, add (Megatron's fused bias-dropout-add).
@@ -150,38 +109,104 @@ at::Tensor Model::layer_forward(RankContext& c, int l, const at::Tensor& x, Laye
                    }
                    return z + in[1];
                  });
-    release_summands("attn.residual", t.res1, t.proj);
+    release_summands(p, "attn.residual", t.res1, t.proj);
   }
-  if (runs("mlp.norm")) {
-    t.n2 = fwd(st, "mlp.norm", phase, {leaf(t.res1.out)},
+}
+
+// The attention of this rank's heads over the whole sequence: q, k and v from the QKV output
+// (`in.back()`), with qk_norm the queries and keys from the norm (`in[0]`).
+at::Tensor Model::attention_core(const std::vector<at::Tensor>& in, const DropoutKey& key, int l) {
+  const int64_t d = spec_.head_dim(), g = spec_.heads / spec_.kv_heads,
+                kl = spec_.kv_heads / split_.heads, al = kl * g;
+  const int64_t b = in.back().size(0), s = in.back().size(1);
+  // [b, s, kv heads, group + 2, d]: the group's queries, then its key and value.
+  at::Tensor v5 = in.back().view({b, s, kl, g + 2, d});
+  at::Tensor q = v5.narrow(3, 0, g).reshape({b, s, al, d});
+  at::Tensor k = v5.select(3, g), v = v5.select(3, g + 1);
+  if (in.size() > 1) {  // [b, s, kv heads, group + 1, d]: normalized queries, key
+    at::Tensor n5 = in[0].view({b, s, kl, g + 1, d});
+    q = n5.narrow(3, 0, g).reshape({b, s, al, d});
+    k = n5.select(3, g);
+  }
+  if (spec_.position == PositionKind::kRope) {
+    q = rope(q);
+    k = rope(k);
+  }
+  if (g > 1) {  // grouped-query attention: each key/value head serves its g query heads
+    k = k.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
+    v = v.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
+  }
+  q = q.permute({0, 2, 1, 3});
+  k = k.permute({0, 2, 1, 3});
+  v = v.permute({0, 2, 1, 3});
+#if TORCH_VERSION_MAJOR >= 2
+  // The model's fused attention (FlashAttention or memory-efficient attention, as
+  // LibTorch picks), where it computes what the plan asks for: ALiBi and the
+  // probabilities' dropout need the explicit chain below.
+  if (spec_.attention == AttentionKernel::kFlash && !alibi_.defined() && !spec_.dropout) {
+    return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true)
+        .permute({0, 2, 1, 3})
+        .reshape({b, s, al * d});
+  }
+#endif
+  // Unfused, as Megatron without FlashAttention: the two batched products read q, k
+  // and v as views of the QKV output and keep no copies of them
+  // (run_attention_products.h); the scale on the scores in place (Megatron folds it
+  // into the product), the causal mask in place, the softmax in the compute dtype
+  // (LibTorch accumulates a 16-bit softmax in fp32, as Megatron's fused
+  // scaled-masked softmax does) and only its output kept for the backward.
+  at::Tensor scores = per_sequence_bmm(q, k.transpose(-2, -1), cpu_fp16());
+  scores.mul_(1 / std::sqrt(double(d)));
+  if (alibi_.defined()) {  // ALiBi: in fp32, at the tokens' positions
+    scores = scores.to(at::kFloat) + alibi_bias(alibi_, positions_, positions_);
+  }
+  scores.masked_fill_(causal_mask(s), -std::numeric_limits<float>::infinity());
+  // (LibTorch's CPU softmax has no fp16 kernel: there, in fp32, the same values.)
+  at::Tensor p = (cpu_fp16() ? at::softmax(scores, -1, at::kFloat) : at::softmax(scores, -1))
+                     .to(q.scalar_type());
+  if (spec_.dropout) {  // the probabilities' dropout
+    p = p * dropout_multipliers(key, first_ + l, DropoutSite::kAttention, b, spec_.seq_len,
+                                spec_.heads, positions_, first_head_, al, device_)
+                .to(p.scalar_type());
+  }
+  return per_sequence_bmm(p, v, cpu_fp16()).permute({0, 2, 1, 3}).reshape({b, s, al * d});
+}
+
+// mlp.norm to mlp.residual: the dense MLP or a mixture of experts.
+void Model::mlp_forward(RankContext& c, int l, LayerTape& t, const LayerPass& p) {
+  RunStats& st = *c.stats;
+  const LayerParams& L = layers_[l];
+  const bool sp = split_.seq > 1;
+  if (p.runs("mlp.norm")) {
+    t.n2 = fwd(st, "mlp.norm", p.phase, {leaf(t.res1.out)},
                [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.ln2g, L.ln2b); });
   }
-  if (L.moe) moe_forward(st, L, t, again, rc, stopped);
-  if (!L.moe && runs("mlp.fc1")) {
-    t.fc1 = fwd(st, "mlp.fc1", phase,
+  if (L.moe) moe_forward(st, L, t, p.again, p.rc, *p.stopped);
+  if (!L.moe && p.runs("mlp.fc1")) {
+    t.fc1 = fwd(st, "mlp.fc1", p.phase,
                 {leaf(sp ? gather_seq(c, t.n2.out.detach(), "mlp.fc1") : t.n2.out)},
                 [&](const std::vector<at::Tensor>& in) {
                   at::Tensor z = block_linear(in[0], W(L.fc1_w));
                   return L.fc1_b ? z + W(L.fc1_b) : z;
                 });
     t.fc1.weights = weights_of({L.fc1_w, L.fc1_b});
-    drop_gathered("mlp.fc1", t.fc1);
+    drop_gathered(p, "mlp.fc1", t.fc1);
   }
-  if (!L.moe && runs("mlp.act")) {
-    t.act = fwd(st, "mlp.act", phase, {leaf(t.fc1.out)}, [&](const std::vector<at::Tensor>& in) {
+  if (!L.moe && p.runs("mlp.act")) {
+    t.act = fwd(st, "mlp.act", p.phase, {leaf(t.fc1.out)}, [&](const std::vector<at::Tensor>& in) {
       if (cpu_fp16()) return activation(in[0].to(at::kFloat)).to(at::kHalf);
       return activation(in[0]);
     });
   }
-  if (!L.moe && runs("mlp.fc2")) {
-    t.fc2 = fwd(st, "mlp.fc2", phase, {leaf(t.act.out)},
+  if (!L.moe && p.runs("mlp.fc2")) {
+    t.fc2 = fwd(st, "mlp.fc2", p.phase, {leaf(t.act.out)},
                 [&](const std::vector<at::Tensor>& in) { return block_linear(in[0], W(L.fc2_w)); });
     t.fc2.weights = weights_of({L.fc2_w});
-  } else if (!L.moe && again && stopped.count("mlp.fc2") && rc.count("mlp.act")) {
+  } else if (!L.moe && p.again && p.stopped->count("mlp.fc2") && p.rc.count("mlp.act")) {
     // What it saved, recomputed (ReLU's backward reads its output too: a copy).
     refill(t.fc2.in[0], t.act.out, spec_.mlp != MlpKind::kRelu);
   }
-  if (runs("mlp.residual")) {
+  if (p.runs("mlp.residual")) {
     Unit& mlp_out = L.moe ? t.combine : t.fc2;
     at::Tensor y2;
     if (sp && !L.moe) {
@@ -190,7 +215,7 @@ at::Tensor Model::layer_forward(RankContext& c, int l, const at::Tensor& x, Laye
       y2 = mlp_out.out.detach().clone();
       if (split_.ffn > 1 && !L.moe) c.tp_all_reduce(y2, "mlp.residual");
     }
-    t.res2 = fwd(st, "mlp.residual", phase, {leaf(y2), leaf(t.res1.out)},
+    t.res2 = fwd(st, "mlp.residual", p.phase, {leaf(y2), leaf(t.res1.out)},
                  [&](const std::vector<at::Tensor>& in) {
                    at::Tensor z = L.fc2_b ? in[0] + W(L.fc2_b) : in[0];
                    if (spec_.dropout) {
@@ -198,31 +223,32 @@ at::Tensor Model::layer_forward(RankContext& c, int l, const at::Tensor& x, Laye
                    }
                    return z + in[1];
                  });
-    release_summands("mlp.residual", t.res2, mlp_out);
+    release_summands(p, "mlp.residual", t.res2, mlp_out);
   }
-  at::Tensor out = t.res2.out.detach();
-  if (!again && !recompute_[l].empty()) {
-    t.x = x;  // the checkpoint
-    for (const auto& [name, u] : t.units()) {
-      if (rc.count(name)) *u = Unit{};
+}
+
+// After a first forward that recomputes operators: the layer's input kept as the checkpoint, the
+// recomputed operators' pieces dropped.
+void Model::keep_checkpoint(const at::Tensor& x, LayerTape& t, const LayerPass& p) {
+  t.x = x;  // the checkpoint
+  for (const auto& [name, u] : t.units()) {
+    if (p.rc.count(name)) *u = Unit{};
+  }
+  // A mixture's copies converted for a recomputed operator (moe.fc1's exchanged input, the
+  // combine's returned and summed inputs): converted again by the recomputation.
+  if (p.rc.count("moe.fc1")) t.exchanged = at::Tensor();
+  if (p.rc.count("moe.combine")) t.returned = t.shared_out = at::Tensor();
+  // An early-stopped operator keeps its graph; what it read from a recomputed operator goes
+  // (the recomputation brings back what its backward reads: refill).
+  auto drop_input = [&](const char* stopped_op, Unit& u, std::size_t i, const char* producer) {
+    if (p.stopped->count(stopped_op) && p.rc.count(producer) && u.in.size() > i) {
+      resize_storage(u.in[i], 0);
     }
-    // A mixture's copies converted for a recomputed operator (moe.fc1's exchanged input, the
-    // combine's returned and summed inputs): converted again by the recomputation.
-    if (rc.count("moe.fc1")) t.exchanged = at::Tensor();
-    if (rc.count("moe.combine")) t.returned = t.shared_out = at::Tensor();
-    // An early-stopped operator keeps its graph; what it read from a recomputed operator goes
-    // (the recomputation brings back what its backward reads: refill).
-    auto drop_input = [&](const char* stopped_op, Unit& u, std::size_t i, const char* producer) {
-      if (stopped.count(stopped_op) && rc.count(producer) && u.in.size() > i) {
-        resize_storage(u.in[i], 0);
-      }
-    };
-    drop_input("mlp.fc2", t.fc2, 0, "mlp.act");
-    drop_input("moe.combine", t.combine, 0, "moe.fc2");
-    drop_input("moe.combine", t.combine, 1, "moe.router");
-    drop_input("mlp.residual", t.res2, 1, "attn.residual");
-  }
-  return out;
+  };
+  drop_input("mlp.fc2", t.fc2, 0, "mlp.act");
+  drop_input("moe.combine", t.combine, 0, "moe.fc2");
+  drop_input("moe.combine", t.combine, 1, "moe.router");
+  drop_input("mlp.residual", t.res2, 1, "attn.residual");
 }
 
 Unit Model::cp_core_forward(RankContext& c, const at::Tensor& qkv, const at::Tensor& qkn,
