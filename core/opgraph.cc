@@ -147,9 +147,11 @@ TensorRef out(int op) {
   return TensorRef{op, 0};
 }
 
-// A norm over `width` elements of dimension `dim` (the hidden state's, or a latent's).
+// A norm over `width` elements of dimension `dim` (the hidden state's, or a latent's). Its
+// output carries `carried` more elements a token through unnormalized (the rotary key part
+// riding with the key/value latent).
 Op norm_op(const std::string& name, int self, TensorRef input, const ModelSpec& m, const Shape& x,
-           Dim dim = Dim::kHidden, double width = 0) {
+           Dim dim = Dim::kHidden, double width = 0, double carried = 0) {
   if (width == 0) width = x.h;
   Op op;
   op.name = name;
@@ -159,7 +161,7 @@ Op norm_op(const std::string& name, int self, TensorRef input, const ModelSpec& 
   op.unsplittable = {dim};  // statistics over the width need all of it
   op.inputs = {input};
   const double elements = x.b * x.s * width;
-  op.output = tensor(out(self), elements, bsw, x.p);
+  op.output = tensor(out(self), x.b * x.s * (width + carried), bsw, x.p);
   // Its scale and, for LayerNorm with biases, its shift: two tensors (two parameters in every
   // framework; DeepSpeed's ZeRO-3 gathers each on its own).
   op.weights = {tensor(TensorRef{self, 1}, width, {dim}, x.p)};
@@ -170,7 +172,9 @@ Op norm_op(const std::string& name, int self, TensorRef input, const ModelSpec& 
   op.fwd_bytes = 2 * elements * x.p;  // read x, write y
   op.bwd_bytes = 3 * elements * x.p;  // read x and dy, write dx
   set_granularity(op, x);
-  if (dim == Dim::kLatent) op.granularity[static_cast<int>(Dim::kLatent)] = std::llround(width);
+  if (dim == Dim::kLatent) {
+    op.granularity[static_cast<int>(Dim::kLatent)] = std::llround(width + carried);
+  }
   return op;
 }
 
@@ -365,8 +369,10 @@ Op mla_attention_op(int self, TensorRef q, TensorRef kv, const ModelSpec& m, con
 // Multi-head latent attention after the block's norm (operator 0), appended to `ops`: the
 // queries (through their latent when q_lora_rank > 0), the key/value latent with the rotary key
 // part, its norm and up-projection, the core and the output projection. Returns the output
-// projection's index. The rotary key part reaches the core through the latent (its 64-odd
-// elements a token are not a tensor of their own here).
+// projection's index. The rotary key part rides with the key/value latent through its norm
+// (unnormalized) and the up-projection's input, which reads only the latent: so it travels with
+// the latent wherever that is gathered or its gradient summed, as Megatron-Core moves it beside
+// the latent (its own all-gather under sequence parallelism); the core reads it from there.
 int add_mla_ops(std::vector<Op>& ops, const ModelSpec& m, const Shape& x) {
   auto next = [&] { return static_cast<int>(ops.size()); };
   auto latent = [&](Op op, double width) {
@@ -393,7 +399,7 @@ int add_mla_ops(std::vector<Op>& ops, const ModelSpec& m, const Shape& x) {
   ops.push_back(latent(linear_op("attn.kv_down", kv, out(0), Dim::kHidden, x.h, Dim::kLatent,
                                  kv_down_width, m.bias, x),
                        kv_down_width));
-  ops.push_back(norm_op("attn.kv_norm", kv + 1, out(kv), m, x, Dim::kLatent, x.kv_lora));
+  ops.push_back(norm_op("attn.kv_norm", kv + 1, out(kv), m, x, Dim::kLatent, x.kv_lora, x.rope));
   ops.push_back(latent(linear_op("attn.kv_up", kv + 2, out(kv + 1), Dim::kLatent, x.kv_lora,
                                  Dim::kHeads, x.a * (x.dqk - x.rope + x.dv), m.bias, x),
                        x.kv_lora));

@@ -558,11 +558,16 @@ void add_partition_rules(const ModelSpec& model, const MegatronOptions& o, Plan&
           o.cp > 1 ? std::vector<std::string>{"cp", "tp"} : std::vector<std::string>{"tp"};
       rule("*.norm", Dim::kSeq, axes);
       rule("*.residual", Dim::kSeq, axes);
-      // Latent attention projects each GPU's share of the sequence down; its latents are
-      // gathered over tp before their norms (Megatron-Core's MLA under sequence parallelism).
+      // Latent attention projects each GPU's share of the sequence down and normalizes it
+      // there; the up-projections gather the latents over tp (Megatron-Core's MLA under
+      // sequence parallelism: "duplicated" down-projections, column-parallel up-projections).
       if (model.mla()) {
-        if (model.q_lora_rank > 0) rule("attn.q_down", Dim::kSeq, axes);
+        if (model.q_lora_rank > 0) {
+          rule("attn.q_down", Dim::kSeq, axes);
+          rule("attn.q_norm", Dim::kSeq, axes);
+        }
         rule("attn.kv_down", Dim::kSeq, axes);
+        rule("attn.kv_norm", Dim::kSeq, axes);
       }
       // Tokens are routed where they are, gathered over tp for the experts and their outputs
       // reduce-scattered back before the combine (Megatron's all-to-all token dispatcher).

@@ -531,7 +531,13 @@ TEST(OpGraph, LatentAttention) {
   for (const TensorSpec& t : core.saved) saved += t.bytes();
   EXPECT_DOUBLE_EQ(saved, s * a * (2 * 192 + 256 + 128) * 2 + s * a * 4);
   EXPECT_EQ(g.layer.ops[4].gemm.n, 512 + 64);  // the latent and the rotary key part
-  EXPECT_EQ(g.layer.ops[5].output.elements, s * 512);
+  // The key/value norm normalizes the latent and carries the rotary key part through (so it
+  // travels with the latent), its scale the latent's width; the up-projection reads the latent.
+  const Op& kv_norm = g.layer.ops[5];
+  EXPECT_EQ(kv_norm.output.elements, s * (512 + 64));
+  EXPECT_EQ(kv_norm.weights[0].elements, 512);
+  EXPECT_EQ(kv_norm.saved[0].elements, s * 512);
+  EXPECT_EQ(g.layer.ops[6].gemm.k, 512);
 }
 
 TEST(OpGraph, DimensionNames) {

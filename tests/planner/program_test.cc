@@ -364,9 +364,11 @@ TEST(Program, SequenceParallelLayerCollectives) {
 
 // Multi-head latent attention under tensor parallelism (Megatron-Core's MLA): the heads split,
 // the down-projections and latent norms stay whole. Without sequence parallelism nothing but
-// the two all-reduces a dense block has; with it, each GPU projects its share of the sequence
-// down and the key/value latent (576 wide here) is all-gathered before its norm: one all-gather
-// more, of a quarter of the hidden state's bytes.
+// the two all-reduces a dense block has, and in the backward the latent's gradient summed (the
+// up-projection's partial sums, the rotary key part's with it); with it, each GPU projects and
+// normalizes its share of the sequence and the up-projection all-gathers the key/value latent
+// with its rotary key part (512 + 64 wide here): one all-gather more, of a quarter of the hidden
+// state's bytes, whose backward is one reduce-scatter (no all-reduce).
 TEST(Program, LatentAttentionUnderTensorParallelism) {
   ModelSpec m = preset("deepseek-v2-lite");
   m.experts = m.experts_per_token = m.expert_ffn_hidden = m.shared_expert_ffn_hidden = 0;
@@ -386,6 +388,22 @@ TEST(Program, LatentAttentionUnderTensorParallelism) {
   const double tokens = m.seq_len;  // one sequence a micro-batch
   EXPECT_EQ(gathered[tokens * (512 + 64) * 2], 4) << gathered.size();
   EXPECT_EQ(gathered[tokens * 2048 * 2], 2 * 4 + 1);  // and the head's input
+  std::map<std::string, double> backward;  // "label kind" -> bytes
+  for (const BlockTemplate& t : sp.templates) {
+    if (t.kind != BlockKind::kBackward) continue;
+    for (const Step& s : t.steps) {
+      if (s.kind == StepKind::kCollective && s.label >= 0) {
+        backward[fmt::format("{} {}", sp.labels[s.label], to_string(s.collective))] = s.bytes;
+      }
+    }
+    break;
+  }
+  EXPECT_DOUBLE_EQ(backward["attn.kv_up reduce-scatter"], tokens * (512 + 64) * 2)
+      << backward.size();
+  EXPECT_EQ(backward.count("attn.kv_norm all-reduce") + backward.count("attn.kv_up all-reduce") +
+                backward.count("attn.kv_norm reduce-scatter"),
+            0u);
+  EXPECT_EQ(layer_collectives(plain, 0, BlockKind::kBackward), (Counts{{kAR, 3 * 4}}));
 }
 
 // Experts under tensor and sequence parallelism, as Megatron's all-to-all token dispatcher runs
