@@ -363,6 +363,9 @@ Op mla_attention_op(int self, TensorRef q, TensorRef kv, const ModelSpec& m, con
   // writes the output. Context parallelism passes every head's K and V around the ring.
   const double io = tokens * (qk_width + kv_width + 2 * qk_width + 2 * qk_width + 2 * v_width);
   finish_attention(op, self, io * x.p, tokens * (qk_width + v_width) * x.p, m, x);
+  // The kernel's backward writes the gradients of the fresh Q and K, which the concatenation's
+  // backward then takes apart into the projections' gradients: both held at once.
+  op.transient_bytes += tokens * 2 * qk_width * x.p;
   return op;
 }
 

@@ -22,9 +22,12 @@ namespace nnsim::hwexec {
 
 namespace {
 
+// (Latent attention's down-projections and latent norms too: Megatron-Core's MLA runs them on
+// the rank's sequence slice.)
 const std::set<std::string> kSequenceParallelOps = {
-    "attn.norm",      "attn.residual", "mlp.norm",   "mlp.residual", "head.norm",
-    "embed.position", "embed.dropout", "moe.router", "moe.dispatch", "moe.combine"};
+    "attn.norm",      "attn.residual", "mlp.norm",     "mlp.residual", "head.norm",
+    "embed.position", "embed.dropout", "moe.router",   "moe.dispatch", "moe.combine",
+    "attn.q_down",    "attn.q_norm",   "attn.kv_down", "attn.kv_norm"};
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
   std::string s;
@@ -36,7 +39,7 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 Error refuse(const std::string& field, const std::string& why) {
   return Error(fmt::format(
       "{}: {} (nnexec run executes GPT- and Llama-style models: "
-      "LayerNorm or RMSNorm, multi-head or grouped-query attention, GeLU, SwiGLU, "
+      "LayerNorm or RMSNorm, multi-head, grouped-query or latent attention, GeLU, SwiGLU, "
       "ReLU or squared-ReLU MLP, mixtures of experts (top-k, dropless, a shared expert, "
       "group-limited routing, every expert on every rank, split along its width over the "
       "tensor-parallel ranks (with sequence and context parallelism too), spread over "
@@ -70,10 +73,10 @@ int degree(const Plan& plan, const std::vector<std::string>& axes) {
 // What the model and the optimizer must be, whatever the partition.
 Status check_model_runnable(const Plan& plan) {
   const ModelSpec& m = plan.model;
-  if (m.mla()) {
-    return refuse("model.kv_lora_rank",
-                  "multi-head latent attention is simulated only; nnexec runs a fused Q, K, V "
-                  "projection (drop 'kv_lora_rank')");
+  if (m.mla() && m.qk_norm) {
+    return refuse("model.qk_norm",
+                  "query and key norms beside multi-head latent attention (whose latents have "
+                  "norms of their own) are not supported; drop 'qk_norm'");
   }
   if (m.mtp_layers > 0) {
     return refuse("model.mtp_layers",
@@ -179,7 +182,7 @@ Expected<ExpertSplit> expert_split(const Plan& plan, const std::set<std::string>
     // Beside the experts' split and the batch's: tensor (and sequence) parallelism over other
     // axes, which the experts may be folded over too; no context parallelism.
     const std::vector<std::string> cp_of_core = split_axes(plan, "attn.core", Dim::kSeq);
-    const std::vector<std::string> heads = split_axes(plan, "attn.qkv", Dim::kHeads);
+    const std::vector<std::string> heads = split_axes(plan, "attn.core", Dim::kHeads);
     for (const PartitionRule& r : plan.partition) {
       for (const DimSplit& s : r.splits) {
         if (s.axes.empty() || s.dim == Dim::kExpert) continue;
@@ -304,7 +307,8 @@ Expected<OperatorSplits> operator_splits(const Plan& plan, const OpGraph& graph,
       Dim allowed = Dim::kBatch;
       bool has_allowed = true;
       if (op.name == "attn.qkv" || op.name == "attn.qk_norm" || op.name == "attn.core" ||
-          op.name == "attn.proj") {
+          op.name == "attn.proj" || op.name == "attn.q" || op.name == "attn.q_up" ||
+          op.name == "attn.kv_up") {
         allowed = Dim::kHeads;
       } else if (op.name == "mlp.fc1" || op.name == "mlp.act" || op.name == "mlp.fc2" ||
                  op.name == "moe.fc1" || op.name == "moe.act" || op.name == "moe.fc2" ||
@@ -418,7 +422,12 @@ Status check_tensor_parallel(const Plan& plan, const OperatorSplits& s,
     }
     return {};
   };
-  if (Status s = same({"attn.qkv", "attn.core", "attn.proj"}); !s) return s;
+  if (m.mla()) {
+    const char* q = m.q_lora_rank > 0 ? "attn.q_up" : "attn.q";
+    if (Status s = same({q, "attn.kv_up", "attn.core", "attn.proj"}); !s) return s;
+  } else if (Status s = same({"attn.qkv", "attn.core", "attn.proj"}); !s) {
+    return s;
+  }
   if (m.qk_norm) {
     if (Status s = same({"attn.qkv", "attn.qk_norm"}); !s) return s;
   }
@@ -506,7 +515,7 @@ Status check_sequence_parallel(const Plan& plan, const OpGraph& graph, const Ope
                   "tensor-parallel ranks (each rank routes its slice of the sequence, whose "
                   "copies are gathered for the experts' column-parallel linears)");
   }
-  if (!split_of.count("attn.qkv") ||
+  if (!split_of.count("attn.core") ||
       !(split_of.count("mlp.fc1") || split_of.count("moe.fc1") || folded)) {
     return refuse("partition",
                   "sequence parallelism needs tensor-parallel attention and MLP "
@@ -537,6 +546,13 @@ Status check_context_parallel(const Plan& plan, const OpGraph& graph, const Oper
   const std::vector<std::string>& tp_axes = s.tp_axes;
   const std::set<std::string>& cp_split = s.cp_split;
   const std::string cp = join(cp_axes, "+");
+  if (m.mla()) {
+    return refuse("partition",
+                  fmt::format("context parallelism over {} with multi-head latent attention is "
+                              "simulated only (nnexec's ring attention passes a fused Q, K, V "
+                              "projection's keys and values); plan with --cp 1",
+                              cp));
+  }
   for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
     for (const Op& op : part->ops) {
       if (!cp_split.count(op.name)) {

@@ -82,7 +82,7 @@ RankLayout layout_of(const Plan& plan, int rank) {
     if (!tensor.empty()) L.tp_axes = tensor;
     return n;
   };
-  L.split.heads = degree("attn.qkv");
+  L.split.heads = degree("attn.core");
   L.split.ffn = degree("mlp.fc1");
   L.split.embed_vocab = degree("embed.word");
   L.split.head_vocab = degree("head.proj");

@@ -70,10 +70,13 @@ Model::Model(const ModelSpec& spec, int first, int end, bool embedding, bool hea
     LayerParams L;
     L.ln1g = add(p + "attn.norm.weight", {h}, 0.1, 1, whole);
     if (spec.bias) L.ln1b = add(p + "attn.norm.bias", {h}, 0.1, 0, whole);
-    L.qkv_w = add(p + "attn.qkv.weight", {h, k * (g + 2) * d}, 0.05, 0, [=](const at::Tensor& x) {
-      return x.view({h, k, g + 2, d}).narrow(1, ta * kl, kl).reshape({h, kl * (g + 2) * d});
-    });
-    if (spec.bias) {
+    if (spec.mla()) add_latent_params(p, L, ta * kl * g);
+    if (!spec.mla()) {
+      L.qkv_w = add(p + "attn.qkv.weight", {h, k * (g + 2) * d}, 0.05, 0, [=](const at::Tensor& x) {
+        return x.view({h, k, g + 2, d}).narrow(1, ta * kl, kl).reshape({h, kl * (g + 2) * d});
+      });
+    }
+    if (spec.bias && !spec.mla()) {
       L.qkv_b = add(p + "attn.qkv.bias", {k * (g + 2) * d}, 0.05, 0, [=](const at::Tensor& x) {
         return x.view({k, g + 2, d}).narrow(0, ta * kl, kl).reshape({kl * (g + 2) * d});
       });
@@ -85,8 +88,10 @@ Model::Model(const ModelSpec& spec, int first, int end, bool embedding, bool hea
       if (shift) L.qn_b = add(p + "attn.qk_norm.q_bias", {d}, 0.1, 0, whole);
       if (shift) L.kn_b = add(p + "attn.qk_norm.k_bias", {d}, 0.1, 0, whole);
     }
-    L.proj_w = add(p + "attn.proj.weight", {a * d, h}, 0.05, 0,
-                   [=](const at::Tensor& x) { return x.narrow(0, ta * kl * g * d, kl * g * d); });
+    // The output projection's rows of the rank's heads (each v_head_dim wide with latents).
+    const int64_t dv = spec.mla() ? spec.v_head_dim : d;
+    L.proj_w = add(p + "attn.proj.weight", {a * dv, h}, 0.05, 0,
+                   [=](const at::Tensor& x) { return x.narrow(0, ta * kl * g * dv, kl * g * dv); });
     if (spec.bias) L.proj_b = add(p + "attn.proj.bias", {h}, 0.05, 0, whole);
     L.ln2g = add(p + "mlp.norm.weight", {h}, 0.1, 1, whole);
     if (spec.bias) L.ln2b = add(p + "mlp.norm.bias", {h}, 0.1, 0, whole);
@@ -161,10 +166,12 @@ void Model::set_recompute(const std::vector<RecomputeRule>& rules, bool early_st
     for (const RecomputeRule& rule : rules) {
       if (l < rule.first_layer || (rule.end_layer >= 0 && l >= rule.end_layer)) continue;
       for (const char* op :
-           {"attn.norm",      "attn.qkv",       "attn.qk_norm",   "attn.core",   "attn.proj",
-            "attn.residual",  "mlp.norm",       "mlp.fc1",        "mlp.act",     "mlp.fc2",
-            "moe.shared.fc1", "moe.shared.act", "moe.shared.fc2", "moe.router",  "moe.dispatch",
-            "moe.fc1",        "moe.act",        "moe.fc2",        "moe.combine", "mlp.residual"}) {
+           {"attn.norm",   "attn.qkv",     "attn.qk_norm",   "attn.q_down",    "attn.q_norm",
+            "attn.q_up",   "attn.q",       "attn.kv_down",   "attn.kv_norm",   "attn.kv_up",
+            "attn.core",   "attn.proj",    "attn.residual",  "mlp.norm",       "mlp.fc1",
+            "mlp.act",     "mlp.fc2",      "moe.shared.fc1", "moe.shared.act", "moe.shared.fc2",
+            "moe.router",  "moe.dispatch", "moe.fc1",        "moe.act",        "moe.fc2",
+            "moe.combine", "mlp.residual"}) {
         if (match_pattern(rule.match, op)) r.insert(op);
       }
     }
@@ -199,10 +206,12 @@ std::vector<std::vector<Param*>> Model::units() {
   if (embedding_) u.push_back(some({word_, pos_}));
   for (const LayerParams& L : layers_) {
     // In the order the operators use them (the program's ZeRO-3 units).
-    u.push_back(some({L.ln1g,   L.ln1b,   L.qkv_w,  L.qkv_b,  L.qn_g,   L.kn_g,   L.qn_b,
-                      L.kn_b,   L.proj_w, L.proj_b, L.ln2g,   L.ln2b,   L.fc1_w,  L.fc1_b,
-                      L.fc2_w,  L.fc2_b,  L.sfc1_w, L.sfc1_b, L.sfc2_w, L.sfc2_b, L.router_w,
-                      L.efc1_w, L.efc1_b, L.efc2_w, L.efc2_b}));
+    u.push_back(
+        some({L.ln1g,     L.ln1b,   L.qkv_w,  L.qkv_b,  L.qd_w,   L.qd_b,   L.qdn_g,  L.qdn_b,
+              L.q_w,      L.q_b,    L.kvd_w,  L.kvd_b,  L.kvn_g,  L.kvn_b,  L.kvu_w,  L.kvu_b,
+              L.qn_g,     L.kn_g,   L.qn_b,   L.kn_b,   L.proj_w, L.proj_b, L.ln2g,   L.ln2b,
+              L.fc1_w,    L.fc1_b,  L.fc2_w,  L.fc2_b,  L.sfc1_w, L.sfc1_b, L.sfc2_w, L.sfc2_b,
+              L.router_w, L.efc1_w, L.efc1_b, L.efc2_w, L.efc2_b}));
   }
   if (head_) {
     u.push_back(some({hn_g_, hn_b_, head_w_, embedding_ || shared_word_ ? nullptr : word_}));
@@ -224,7 +233,8 @@ std::vector<const Param*> Model::fp32_reads() const {
     }
   };
   for (const LayerParams& L : layers_) {
-    add({L.ln1g, L.ln1b, L.qn_g, L.kn_g, L.qn_b, L.kn_b, L.ln2g, L.ln2b});
+    add({L.ln1g, L.ln1b, L.qn_g, L.kn_g, L.qn_b, L.kn_b, L.qdn_g, L.qdn_b, L.kvn_g, L.kvn_b, L.ln2g,
+         L.ln2b});
   }
   add({hn_g_, hn_b_});
   return v;
@@ -251,6 +261,10 @@ std::vector<Param*> Model::sequence_parallel_params() {
     for (const LayerParams& L : layers_) add({L.efc2_b, L.sfc2_b});
   }
   for (const LayerParams& L : layers_) add({L.ln1g, L.ln1b, L.proj_b, L.ln2g, L.ln2b, L.fc2_b});
+  // Latent attention's down-projections and latent norms, applied to the rank's slice.
+  for (const LayerParams& L : layers_) {
+    add({L.qd_w, L.qd_b, L.qdn_g, L.qdn_b, L.kvd_w, L.kvd_b, L.kvn_g, L.kvn_b});
+  }
   add({hn_g_, hn_b_});
   return v;
 }
@@ -561,8 +575,9 @@ void Model::dropped(const at::Tensor& gathered) {
 
 void Model::regather(RankContext& c, const at::Tensor& shard, Unit& u, const std::string& label) {
   if (split_.save_gathered) return;
-  const at::Tensor full = gather_seq(c, shard, label);
-  resize_storage(u.in[0], full.nbytes());
+  at::Tensor full = gather_seq(c, shard, label);
+  if (full.size(-1) > u.in[0].size(-1)) full = full.narrow(-1, 0, u.in[0].size(-1));
+  resize_storage(u.in[0], static_cast<std::size_t>(u.in[0].numel()) * u.in[0].element_size());
   c10::NoGradGuard no_grad;
   u.in[0].variable_data().copy_(full);
 }

@@ -75,6 +75,13 @@ struct LayerParams {
         *fc2_w = nullptr, *fc2_b = nullptr;
   // model.qk_norm: the queries' and the keys' scales (and shifts), shared by the heads.
   Param *qn_g = nullptr, *kn_g = nullptr, *qn_b = nullptr, *kn_b = nullptr;
+  // Multi-head latent attention (ModelSpec::mla(); qkv_w null): the queries' down-projection,
+  // their latent's norm and up-projection (without a query latent, q_w is attn.q from the
+  // block's norm), the key/value latent's down-projection (with the rotary key part), norm and
+  // up-projection.
+  Param *qd_w = nullptr, *qd_b = nullptr, *qdn_g = nullptr, *qdn_b = nullptr, *q_w = nullptr,
+        *q_b = nullptr, *kvd_w = nullptr, *kvd_b = nullptr, *kvn_g = nullptr, *kvn_b = nullptr,
+        *kvu_w = nullptr, *kvu_b = nullptr;
   // A mixture-of-experts block (ModelSpec::is_moe_layer; fc1_w and fc2_w null): the router, the
   // experts' weights stacked ([experts, in, out]) and the shared expert's MLP.
   bool moe = false;
@@ -133,6 +140,10 @@ struct TpGather {
 
 struct LayerTape {
   Unit n1, qkv, qkn, core, proj, res1, n2, fc1, act, fc2, res2;
+  // Latent attention's operators (`q`: attn.q_up, or attn.q without a query latent), and the
+  // rotary key part of the key/value latent as the core reads it (the whole sequence).
+  Unit qdown, qnorm, q, kvdown, kvnorm, kvup;
+  at::Tensor kpe;
   // A mixture-of-experts block's operators, and its routing: each token's experts ([tokens,
   // k]), the routed copies in expert order (their token) and each expert's count.
   Unit sfc1, sact, sfc2, router, dispatch, efc1, eact, efc2, combine;
@@ -150,13 +161,33 @@ struct LayerTape {
   at::Tensor x;             // the layer's input, kept when the layer recomputes operators
   bool recomputed = false;  // an R block has run the recomputation already
   std::vector<std::pair<const char*, Unit*>> units() {
-    return {{"attn.norm", &n1},        {"attn.qkv", &qkv},        {"attn.qk_norm", &qkn},
-            {"attn.core", &core},      {"attn.proj", &proj},      {"attn.residual", &res1},
-            {"mlp.norm", &n2},         {"mlp.fc1", &fc1},         {"mlp.act", &act},
-            {"mlp.fc2", &fc2},         {"moe.shared.fc1", &sfc1}, {"moe.shared.act", &sact},
-            {"moe.shared.fc2", &sfc2}, {"moe.router", &router},   {"moe.dispatch", &dispatch},
-            {"moe.fc1", &efc1},        {"moe.act", &eact},        {"moe.fc2", &efc2},
-            {"moe.combine", &combine}, {"mlp.residual", &res2}};
+    return {{"attn.norm", &n1},
+            {"attn.qkv", &qkv},
+            {"attn.qk_norm", &qkn},
+            {"attn.q_down", &qdown},
+            {"attn.q_norm", &qnorm},
+            {"attn.q_up", &q},
+            {"attn.q", &q},
+            {"attn.kv_down", &kvdown},
+            {"attn.kv_norm", &kvnorm},
+            {"attn.kv_up", &kvup},
+            {"attn.core", &core},
+            {"attn.proj", &proj},
+            {"attn.residual", &res1},
+            {"mlp.norm", &n2},
+            {"mlp.fc1", &fc1},
+            {"mlp.act", &act},
+            {"mlp.fc2", &fc2},
+            {"moe.shared.fc1", &sfc1},
+            {"moe.shared.act", &sact},
+            {"moe.shared.fc2", &sfc2},
+            {"moe.router", &router},
+            {"moe.dispatch", &dispatch},
+            {"moe.fc1", &efc1},
+            {"moe.act", &eact},
+            {"moe.fc2", &efc2},
+            {"moe.combine", &combine},
+            {"mlp.residual", &res2}};
   }
 };
 
@@ -263,6 +294,9 @@ class Model {
 
   // A mixture-of-experts block's parameters (prefix `p`, "layers.3."), whole on every rank.
   void add_moe_params(const std::string& p, LayerParams& L);
+  // Latent attention's projections and norms (run_model_mla.cc): the down-projections and
+  // norms whole on every rank, the up-projections' columns of the rank's heads (from `head`).
+  void add_latent_params(const std::string& p, LayerParams& L, int64_t head);
 
   Param* add(const std::string& name, const std::vector<int64_t>& shape, double scale,
              double offset, std::function<at::Tensor(const at::Tensor&)> cut);
@@ -334,6 +368,8 @@ class Model {
   // storage `dropped` frees after the forward (Megatron keeps only the shard) and `regather`
   // fills again from the shard (the norm's output, kept for its own backward).
   void dropped(const at::Tensor& gathered);
+  // (A linear reading the first columns of what is gathered, latent attention's key/value
+  // up-projection, gets those.)
   void regather(RankContext& c, const at::Tensor& shard, Unit& u, const std::string& label);
 
   // The embedding's forward (tokens, and the recycled hidden state of the pass before or
@@ -425,6 +461,17 @@ class Model {
   void attention_forward(RankContext& c, int l, const at::Tensor& in_x, LayerTape& t,
                          const LayerPass& p);
   at::Tensor attention_core(const std::vector<at::Tensor>& in, const DropoutKey& key, int l);
+  // The attention of q [b, s, heads, d] over k (the same shape) and v [b, s, heads, dv], after
+  // the rotary embedding and the grouped queries' expansion: [b, s, heads dv].
+  at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, const DropoutKey& key, int l);
+  // Latent attention (run_model_mla.cc): from the block's norm (t.n1) to attn.core's output,
+  // the core's inputs being the query projection's output, the key/value up-projection's and
+  // the rotary key part; and the backward from the core's output gradient to the norm's output
+  // gradient.
+  void latent_attention_forward(RankContext& c, int l, LayerTape& t, const LayerPass& p);
+  at::Tensor latent_attention_core(const std::vector<at::Tensor>& in, const DropoutKey& key, int l);
+  at::Tensor latent_attention_backward(RankContext& c, LayerTape& t, const at::Tensor& d,
+                                       const std::set<std::string>& rc);
   void mlp_forward(RankContext& c, int l, LayerTape& t, const LayerPass& p);
   void keep_checkpoint(const at::Tensor& x, LayerTape& t, const LayerPass& p);
   void release_summands(const LayerPass& p, const char* op, Unit& add, Unit& linear);
@@ -454,9 +501,14 @@ class Model {
   // it), then its input's producer `norm` released (unless the linear's deferred weight gradient
   // reads it later), and the input gradient reduce-scattered back to the sequence slices, or
   // summed over the tensor-parallel group (`ways` > 1).
+  // `tail_grad`: the gradient of columns of the norm's output after those the linear reads
+  // (latent attention's rotary key part, which the core reads), appended before the sum;
+  // `norm_read_later`: the norm's
+  // output is read by another operator's backward still (latent attention's down-projection).
   at::Tensor column_parallel_backward(RankContext& c, const char* op, Unit& linear, Unit& norm,
                                       const at::Tensor& d, const std::set<std::string>& rc,
-                                      int ways);
+                                      int ways, const at::Tensor& tail_grad = at::Tensor(),
+                                      bool norm_read_later = false);
 
   at::Tensor layer_backward(RankContext& c, int l, LayerTape& t, const at::Tensor& dy);
 

@@ -55,7 +55,8 @@ void Model::attention_forward(RankContext& c, int l, const at::Tensor& in_x, Lay
     t.n1 = fwd(st, "attn.norm", p.phase, {leaf(in_x)},
                [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.ln1g, L.ln1b); });
   }
-  if (p.runs("attn.qkv")) {
+  if (spec_.mla()) latent_attention_forward(c, l, t, p);
+  if (!spec_.mla() && p.runs("attn.qkv")) {
     t.qkv = fwd(st, "attn.qkv", p.phase,
                 {leaf(sp ? gather_seq(c, t.n1.out.detach(), "attn.qkv") : t.n1.out)},
                 [&](const std::vector<at::Tensor>& in) {
@@ -65,7 +66,8 @@ void Model::attention_forward(RankContext& c, int l, const at::Tensor& in_x, Lay
     t.qkv.weights = weights_of({L.qkv_w, L.qkv_b});
     drop_gathered(p, "attn.qkv", t.qkv);
   }
-  if (spec_.qk_norm && p.runs("attn.qk_norm")) {  // each head's query and key normalized
+  if (!spec_.mla() && spec_.qk_norm &&
+      p.runs("attn.qk_norm")) {  // each head's query and key normalized
     t.qkn =
         fwd(st, "attn.qk_norm", p.phase, {leaf(t.qkv.out)}, [&](const std::vector<at::Tensor>& in) {
           const int64_t b = in[0].size(0), s = in[0].size(1);
@@ -75,7 +77,8 @@ void Model::attention_forward(RankContext& c, int l, const at::Tensor& in_x, Lay
           return at::cat({q, k}, 3).reshape({b, s, kl * (g + 1) * d});
         });
   }
-  if (p.runs("attn.core") && split_.cp > 1) {
+  if (spec_.mla()) {  // (its core ran in latent_attention_forward)
+  } else if (p.runs("attn.core") && split_.cp > 1) {
     t.core = cp_core_forward(c, t.qkv.out, spec_.qk_norm ? t.qkn.out : at::Tensor(), p.phase, t.key,
                              first_ + l);
   } else if (p.runs("attn.core")) {
@@ -136,6 +139,11 @@ at::Tensor Model::attention_core(const std::vector<at::Tensor>& in, const Dropou
     k = k.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
     v = v.unsqueeze(3).expand({b, s, kl, g, d}).reshape({b, s, al, d});
   }
+  return attend(q, k, v, key, l);
+}
+
+at::Tensor Model::attend(at::Tensor q, at::Tensor k, at::Tensor v, const DropoutKey& key, int l) {
+  const int64_t b = q.size(0), s = q.size(1), al = q.size(2), d = q.size(3), dv = v.size(3);
   q = q.permute({0, 2, 1, 3});
   k = k.permute({0, 2, 1, 3});
   v = v.permute({0, 2, 1, 3});
@@ -146,7 +154,7 @@ at::Tensor Model::attention_core(const std::vector<at::Tensor>& in, const Dropou
   if (spec_.attention == AttentionKernel::kFlash && !alibi_.defined() && !spec_.dropout) {
     return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true)
         .permute({0, 2, 1, 3})
-        .reshape({b, s, al * d});
+        .reshape({b, s, al * dv});
   }
 #endif
   // Unfused, as Megatron without FlashAttention: the two batched products read q, k
@@ -169,7 +177,7 @@ at::Tensor Model::attention_core(const std::vector<at::Tensor>& in, const Dropou
                                 spec_.heads, positions_, first_head_, al, device_)
                 .to(p.scalar_type());
   }
-  return per_sequence_bmm(p, v, cpu_fp16()).permute({0, 2, 1, 3}).reshape({b, s, al * d});
+  return per_sequence_bmm(p, v, cpu_fp16()).permute({0, 2, 1, 3}).reshape({b, s, al * dv});
 }
 
 // mlp.norm to mlp.residual: the dense MLP or a mixture of experts.
@@ -237,6 +245,7 @@ void Model::keep_checkpoint(const at::Tensor& x, LayerTape& t, const LayerPass& 
   // A mixture's copies converted for a recomputed operator (moe.fc1's exchanged input, the
   // combine's returned and summed inputs): converted again by the recomputation.
   if (p.rc.count("moe.fc1")) t.exchanged = at::Tensor();
+  if (p.rc.count("attn.kv_up")) t.kpe = at::Tensor();  // latent attention's, gathered again
   if (p.rc.count("moe.combine")) t.returned = t.shared_out = at::Tensor();
   // An early-stopped operator keeps its graph; what it read from a recomputed operator goes
   // (the recomputation brings back what its backward reads: refill).
@@ -323,12 +332,14 @@ std::vector<at::Tensor> Model::cp_core_backward(RankContext& c, Unit& u, const a
 
 at::Tensor Model::column_parallel_backward(RankContext& c, const char* op, Unit& linear, Unit& norm,
                                            const at::Tensor& d, const std::set<std::string>& rc,
-                                           int ways) {
+                                           int ways, const at::Tensor& tail_grad,
+                                           bool norm_read_later) {
   const bool sp = split_.seq > 1;
   if (sp && !rc.count(op)) regather(c, norm.out.detach(), linear, op);
   const bool linear_defers = defers_weights(linear);
   at::Tensor dx = bwd(*c.stats, op, linear, d)[0];
-  release_output(norm, linear_defers);
+  if (tail_grad.defined()) dx = at::cat({dx, tail_grad}, -1);
+  release_output(norm, linear_defers || norm_read_later);
   if (sp) return scatter_seq(c, dx, op);
   if (ways > 1) c.tp_all_reduce(dx, op);
   return dx;
@@ -365,6 +376,11 @@ at::Tensor Model::layer_backward(RankContext& c, int l, LayerTape& t, const at::
   const bool proj_defers = defers(t.proj);
   d = bwd(st, "attn.proj", t.proj, sp ? gather_seq(c, g[0], "attn.residual") : g[0])[0];
   release(t.core, proj_defers);
+  if (spec_.mla()) {
+    d = latent_attention_backward(c, t, d, rc);
+    t.x = at::Tensor();
+    return bwd(st, "attn.norm", t.n1, d)[0] + g[1];
+  }
   if (spec_.qk_norm) {
     // The values' gradient, and the queries' and keys' through their norms.
     std::vector<at::Tensor> dc =

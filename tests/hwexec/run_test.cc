@@ -59,6 +59,11 @@ const std::string kMoe = std::string(NNSIM_TEST_DATA) + "/tiny-moe.yaml";
 const std::string kMoeGrouped = std::string(NNSIM_TEST_DATA) + "/tiny-moe-grouped.yaml";
 // tiny-moe with biases (GeLU, LayerNorm, learned positions: tiny-gpt's blocks).
 const std::string kMoeBias = std::string(NNSIM_TEST_DATA) + "/tiny-moe-bias.yaml";
+// Multi-head latent attention: with the queries' latent, without it (LayerNorm and biases),
+// and in a mixture of experts (DeepSeek-V2/V3's blocks).
+const std::string kMla = std::string(NNSIM_TEST_DATA) + "/tiny-mla.yaml";
+const std::string kMlaNoQLatent = std::string(NNSIM_TEST_DATA) + "/tiny-mla-no-q-latent.yaml";
+const std::string kMlaMoe = std::string(NNSIM_TEST_DATA) + "/tiny-mla-moe.yaml";
 // ReLU MLP (OPT), and squared ReLU with rope and GQA (Nemotron).
 const std::string kOpt = std::string(NNSIM_TEST_DATA) + "/tiny-opt.yaml";
 const std::string kNemotron = std::string(NNSIM_TEST_DATA) + "/tiny-nemotron.yaml";
@@ -530,6 +535,28 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"tp2", 2, 1, 1, "1f1b", 2}, Case{"pp2_1f1b", 1, 2, 1, "1f1b", 4},
         Case{"pp2_gpipe", 1, 2, 1, "gpipe", 4}, Case{"dp2", 1, 1, 2, "1f1b", 4},
         Case{"tp2_pp2_dp2", 2, 2, 2, "1f1b", 8}, Case{"llama_tp2", 2, 1, 1, "1f1b", 2, &kLlama},
+        // Latent attention: the heads' up-projections split, the latents' gradients summed
+        // over tp (with the rotary key part's); under sequence parallelism the down-projections
+        // and latent norms on the rank's slice, the latents gathered for the up-projections.
+        // Unsplit on two stages, the ranks hold the simulator's parameter count.
+        Case{"mla_pp2", 1, 2, 1, "1f1b", 4, &kMla}, Case{"mla_tp2", 2, 1, 1, "1f1b", 2, &kMla},
+        with("mla_tp2_sp_pp2_dp2_zero1", 2, 2, 2, 8, {"--sequence-parallel", "--zero", "1"}, &kMla),
+        with("mla_no_q_latent_tp2_sp", 2, 1, 1, 2, {"--sequence-parallel"}, &kMlaNoQLatent),
+        with("mla_recompute_selective_tp2_sp", 2, 1, 1, 2,
+             {"--sequence-parallel", "--recompute", "selective"}, &kMla),
+        with("mla_recompute_full_zero3_tp2_dp2", 2, 1, 2, 4, {"--recompute", "full", "--zero", "3"},
+             &kMla),
+        Case{"mla_no_q_latent_zb_h1_tp2_pp2",
+             2,
+             2,
+             1,
+             "zb-h1",
+             8,
+             &kMlaNoQLatent,
+             "fp32",
+             {"--sequence-parallel"}},
+        with("bf16_mla_tp2_sp", 2, 1, 1, 2, {"--sequence-parallel"}, &kMla, "bf16"),
+        with("mla_moe_ep2_tp2_sp", 2, 1, 2, 4, {"--sequence-parallel", "--ep", "2"}, &kMlaMoe),
         Case{"llama_pp2", 1, 2, 1, "1f1b", 4, &kLlama},
         Case{"llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama},
         Case{"head_dim_tp2_pp2", 2, 2, 1, "1f1b", 4, &kHeadDim},
@@ -1192,6 +1219,12 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
        "ZeRO-3 with expert parallelism is not supported"});
   ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2", "--moe-deepep"}, kMoe).status, 0);
   refused({"cannot run this plan: moe_deepep: DeepEP's exchange is simulated only"});
+  // Latent attention runs, but not beside context parallelism.
+  ASSERT_EQ(make_plan(dir, 1, 1, 1, "1f1b", 2, {}, kMla, "fp32", 2).status, 0);
+  refused(
+      {"cannot run this plan: partition: context parallelism over cp with multi-head "
+       "latent attention is simulated only",
+       "plan with --cp 1"});
   ASSERT_EQ(make_plan(dir, 2, 1, 2, "1f1b", 4, {"--ep", "2", "--etp", "1"}, kMoe).status, 0);
   refused(
       {"cannot run this plan: partition: experts folded over the tensor-parallel ranks "
@@ -1450,8 +1483,14 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
        "model.router_group_topk: 2 groups a token, more than its 1 experts"},
       {[](Plan& q) { q.model.mtp_layers = 1; },
        "model.mtp_layers: multi-token prediction is simulated"},
-      {[](Plan& q) { q.model.kv_lora_rank = 16; },
-       "model.kv_lora_rank: multi-head latent attention is simulated only"},
+      {[](Plan& q) {
+         q.model.kv_lora_rank = 16;
+         q.model.qk_nope_head_dim = 16;
+         q.model.qk_rope_head_dim = 8;
+         q.model.v_head_dim = 16;
+         q.model.qk_norm = true;
+       },
+       "model.qk_norm: query and key norms beside multi-head latent attention"},
       {[](Plan& q) { q.comm.tp_sub_batches = 2; }, "communication.tp_sub_batches: sub-pipelined"},
   };
   for (const auto& [change, message] : simulated_only) {
