@@ -68,8 +68,9 @@ void Model::latent_attention_forward(RankContext& c, int l, LayerTape& t, const 
       t.qdown.weights = weights_of({L.qd_w, L.qd_b});
     }
     if (p.runs("attn.q_norm")) {
-      t.qnorm = fwd(st, "attn.q_norm", p.phase, {leaf(t.qdown.out)},
-                    [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.qdn_g, L.qdn_b); });
+      t.qnorm =
+          fwd(st, "attn.q_norm", p.phase, {leaf(t.qdown.out)},
+              [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.qdn_g, L.qdn_b); });
     }
   }
   if (p.runs(q_op)) {
@@ -83,12 +84,11 @@ void Model::latent_attention_forward(RankContext& c, int l, LayerTape& t, const 
     t.kvdown.weights = weights_of({L.kvd_w, L.kvd_b});
   }
   if (p.runs("attn.kv_norm")) {
-    t.kvnorm = fwd(st, "attn.kv_norm", p.phase, {leaf(t.kvdown.out)},
-                   [&](const std::vector<at::Tensor>& in) {
-                     return at::cat({norm(in[0].narrow(-1, 0, rkv), L.kvn_g, L.kvn_b),
-                                     in[0].narrow(-1, rkv, dr)},
-                                    -1);
-                   });
+    t.kvnorm = fwd(
+        st, "attn.kv_norm", p.phase, {leaf(t.kvdown.out)}, [&](const std::vector<at::Tensor>& in) {
+          return at::cat(
+              {norm(in[0].narrow(-1, 0, rkv), L.kvn_g, L.kvn_b), in[0].narrow(-1, rkv, dr)}, -1);
+        });
   }
   if (p.runs("attn.kv_up")) {
     // The latent and the rotary key part (gathered together under sequence parallelism), taken
@@ -108,10 +108,9 @@ void Model::latent_attention_forward(RankContext& c, int l, LayerTape& t, const 
     }
   }
   if (p.runs("attn.core")) {
-    t.core = fwd(st, "attn.core", p.phase, {leaf(t.q.out), leaf(t.kvup.out), leaf(t.kpe)},
-                 [&](const std::vector<at::Tensor>& in) {
-                   return latent_attention_core(in, t.key, l);
-                 });
+    t.core =
+        fwd(st, "attn.core", p.phase, {leaf(t.q.out), leaf(t.kvup.out), leaf(t.kpe)},
+            [&](const std::vector<at::Tensor>& in) { return latent_attention_core(in, t.key, l); });
   }
 }
 
@@ -121,8 +120,8 @@ void Model::latent_attention_forward(RankContext& c, int l, LayerTape& t, const 
 // queries' and the key's rotary parts.
 at::Tensor Model::latent_attention_core(const std::vector<at::Tensor>& in, const DropoutKey& key,
                                         int l) {
-  const int64_t dn = spec_.qk_nope_head_dim, dr = spec_.qk_rope_head_dim,
-                dv = spec_.v_head_dim, al = spec_.heads / split_.heads;
+  const int64_t dn = spec_.qk_nope_head_dim, dr = spec_.qk_rope_head_dim, dv = spec_.v_head_dim,
+                al = spec_.heads / split_.heads;
   const int64_t b = in[0].size(0), s = in[0].size(1);
   const at::Tensor q = in[0].view({b, s, al, dn + dr});
   const at::Tensor kv = in[1].view({b, s, al, dn + dv});
@@ -146,8 +145,8 @@ at::Tensor Model::latent_attention_backward(RankContext& c, LayerTape& t, const 
   release_output(t.kvup, false);
   // The key/value latent: the up-projection's input gradient and the core's rotary key part's
   // beside it, summed over tp (reduce-scattered under sequence parallelism).
-  at::Tensor dl = column_parallel_backward(c, "attn.kv_up", t.kvup, t.kvnorm, dc[1], rc,
-                                           split_.heads, dc[2]);
+  at::Tensor dl =
+      column_parallel_backward(c, "attn.kv_up", t.kvup, t.kvnorm, dc[1], rc, split_.heads, dc[2]);
   dl = bwd(st, "attn.kv_norm", t.kvnorm, dl)[0];
   release_output(t.kvdown, false);
   const bool kv_down_defers = defers_weights(t.kvdown);
