@@ -131,7 +131,9 @@ double op_seconds(const Op& op, Pass pass, double flops, double bytes, const Pie
         pass == Pass::kForward ? model.attention_fwd_efficiency : model.attention_bwd_efficiency;
     efficiency *= shape.seq / (shape.seq + model.attention_seq_half);
     efficiency *= std::pow(std::min(1.0, shape.head_dim / 128), model.attention_head_dim_exponent);
-    const double executed = op.causal ? flops * model.causal_fraction : flops;
+    // The unfused chain computes the scores a sliding window leaves out too.
+    const double executed =
+        op.causal ? flops * model.causal_fraction : flops / op.attended_fraction;
     compute = executed / (gpu.peak_flops(p) * efficiency * model.sustained);
   } else if (flops > 0) {
     auto it = model.gemm_efficiency.find(precision);

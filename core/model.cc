@@ -262,6 +262,12 @@ int64_t ModelSpec::attention_parameters() const {
   return p;
 }
 
+int ModelSpec::windowed_layers() const {
+  int n = 0;
+  for (int l = 0; l < layers; ++l) n += is_windowed_layer(l) ? 1 : 0;
+  return n;
+}
+
 int64_t ModelSpec::dense_layer_parameters() const {
   const int64_t h = hidden;
   const int64_t mlp_norm = h + (norm == NormKind::kLayerNorm && bias ? h : 0);
@@ -350,7 +356,9 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                    "kv_lora_rank",
                    "qk_nope_head_dim",
                    "qk_rope_head_dim",
-                   "v_head_dim"});
+                   "v_head_dim",
+                   "sliding_window",
+                   "full_attention_interval"});
   ModelSpec m;
   m.name = node.get_string("name", default_name);
   m.family = node.get_string("family", "");
@@ -461,6 +469,30 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
       }
     }
   }
+  if (node.has("sliding_window")) {
+    InputNode n = node["sliding_window"];
+    m.sliding_window = n.as_int();
+    if (m.sliding_window <= 0) {
+      n.fail(
+          fmt::format("must be a positive number of tokens (or absent: every layer attends "
+                      "to the whole causal prefix), got {}",
+                      m.sliding_window));
+    }
+    if (node.has("full_attention_interval")) {
+      InputNode f = node["full_attention_interval"];
+      const int64_t v = f.as_int();
+      if (v < 0 || v > m.layers) {
+        f.fail(
+            fmt::format("must be between 0 (every layer attends within the window) and "
+                        "layers ({}), got {}",
+                        m.layers, v));
+      }
+      m.full_attention_interval = static_cast<int>(v);
+    }
+  } else if (node.has("full_attention_interval")) {
+    node["full_attention_interval"].fail(
+        "says which layers attend beyond a sliding window; give 'sliding_window' too");
+  }
   if (auto p = find_problem(m)) {
     // Point at the offending field; kv_heads may be absent (defaulted), then at the mapping.
     if (node.has(p->field)) node[p->field].fail(p->message);
@@ -504,6 +536,10 @@ std::string model_to_json(const ModelSpec& m) {
       j["router_groups"] = m.router_groups;
       j["router_group_topk"] = m.router_group_topk;
     }
+  }
+  if (m.sliding_window > 0) {
+    j["sliding_window"] = m.sliding_window;
+    j["full_attention_interval"] = m.full_attention_interval;
   }
   if (m.mla()) {
     if (m.q_lora_rank > 0) j["q_lora_rank"] = m.q_lora_rank;

@@ -99,6 +99,19 @@ struct ModelSpec {
   // token's embedding, through a block of the model's kind, the shared output head and a loss
   // of its own. 0: none.
   int mtp_layers = 0;
+  // Sliding-window attention (Mistral's, GPT-OSS's, Gemma's): a layer's query attends to the
+  // sliding_window keys up to its own position (0: every layer attends to the whole causal
+  // prefix). With full_attention_interval n >= 1 every n-th layer (l + 1 divisible by n)
+  // attends fully and the others within the window (GPT-OSS: 2; Gemma 3: 6); 0: every layer
+  // within the window.
+  int64_t sliding_window = 0;
+  int full_attention_interval = 0;
+  bool windowed() const { return sliding_window > 0 && sliding_window < seq_len; }
+  bool is_windowed_layer(int layer) const {
+    return sliding_window > 0 &&
+           (full_attention_interval == 0 || (layer + 1) % full_attention_interval != 0);
+  }
+  int windowed_layers() const;  // how many layers attend within the window
   // Whether the head's devices use the embedding's matrix: a tied output projection, or the
   // multi-token prediction modules' embedding lookup. Where the head is not on the embedding's
   // devices they hold a copy, whose gradient is summed with the embedding's.

@@ -238,11 +238,27 @@ Op dropout_add_op(const std::string& name, int self, std::vector<TensorRef> inpu
 // The rest of an attention core once its inputs, output and saved inputs are set: what either
 // kernel keeps and moves beyond them and the context-parallel ring. `io`: bytes its kernels read
 // and write besides the scores; `kv_bytes`: the K and V a device passes to its ring neighbour.
+// The share of a causal attention's query-key pairs that a model with sliding windows
+// attends to, averaged over its layers: a windowed layer's query at position i sees min(i + 1,
+// w) keys, w s - w (w - 1) / 2 pairs of the full s (s + 1) / 2; the other layers see them all.
+// (The layers of a part share one operator graph, so a pipeline stage is priced at the model's
+// average: exact over each full_attention_interval of layers.)
+double attended_fraction(const ModelSpec& m) {
+  if (!m.windowed() || m.layers == 0) return 1;
+  const double s = static_cast<double>(m.seq_len), w = static_cast<double>(m.sliding_window);
+  const double windowed = (w * s - w * (w - 1) / 2) / (s * (s + 1) / 2);
+  const double n = m.windowed_layers();
+  return (n * windowed + (m.layers - n)) / m.layers;
+}
+
 void finish_attention(Op& op, int self, double io, double kv_bytes, const ModelSpec& m,
                       const Shape& x) {
-  // A fused causal kernel skips the masked half of the scores; the unfused chain (batched
-  // matmul, masked softmax, batched matmul) computes all of them.
+  // A fused causal kernel skips the masked half of the scores, and the keys outside a sliding
+  // window; the unfused chain (batched matmul, masked softmax, batched matmul) computes all of
+  // them.
   op.causal = m.attention == AttentionKernel::kFlash;
+  op.attended_fraction = attended_fraction(m);
+  op.fwd_flops *= op.attended_fraction;
   const DimSet bsn{Dim::kBatch, Dim::kSeq, Dim::kHeads};
   const double scores = x.b * x.a * x.s * x.s;  // spans batch, heads and the query sequence
   if (m.attention == AttentionKernel::kUnfused) {

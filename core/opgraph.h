@@ -131,7 +131,11 @@ struct Op {
   // Works in place on its input and counts the input's copies in its own transient: the
   // producer's output and output gradient are not held beside it.
   bool in_place_input = false;
-  bool causal = false;             // causal attention that skips the masked half (fused)
+  bool causal = false;  // causal attention that skips the masked half (fused)
+  // kAttention: the share of the causal query-key pairs the model attends to, averaged over its
+  // layers (sliding windows; 1 without). The counted FLOPs are that share of the full count; a
+  // fused kernel computes only them, the unfused chain every score.
+  double attended_fraction = 1;
   bool tied_to_embedding = false;  // the head projection sharing the word embedding matrix
   GemmShape gemm;                  // kLinear only
   double head_dim = 0;             // kAttention: per-head width

@@ -39,7 +39,8 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 Error refuse(const std::string& field, const std::string& why) {
   return Error(fmt::format(
       "{}: {} (nnexec run executes GPT- and Llama-style models: "
-      "LayerNorm or RMSNorm, multi-head, grouped-query or latent attention, GeLU, SwiGLU, "
+      "LayerNorm or RMSNorm, multi-head, grouped-query or latent attention (sliding windows "
+      "too), GeLU, SwiGLU, "
       "ReLU or squared-ReLU MLP, mixtures of experts (top-k, dropless, a shared expert, "
       "group-limited routing, every expert on every rank, split along its width over the "
       "tensor-parallel ranks (with sequence and context parallelism too), spread over "
@@ -546,6 +547,13 @@ Status check_context_parallel(const Plan& plan, const OpGraph& graph, const Oper
   const std::vector<std::string>& tp_axes = s.tp_axes;
   const std::set<std::string>& cp_split = s.cp_split;
   const std::string cp = join(cp_axes, "+");
+  if (m.windowed()) {
+    return refuse("partition",
+                  fmt::format("context parallelism over {} with sliding-window attention is "
+                              "simulated only (nnexec's ring attention masks causally, not by "
+                              "window); plan with --cp 1",
+                              cp));
+  }
   if (m.mla()) {
     return refuse("partition",
                   fmt::format("context parallelism over {} with multi-head latent attention is "

@@ -534,11 +534,16 @@ at::Tensor Model::hidden_dropout(const DropoutKey& key, int layer, DropoutSite s
       .to(x.scalar_type());
 }
 
-const at::Tensor& Model::causal_mask(int64_t s) {
+const at::Tensor& Model::causal_mask(int64_t s, int layer) {
   if (!causal_.defined() || causal_.size(0) != s) {
     causal_ = at::ones({s, s}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(1);
   }
-  return causal_;
+  if (layer < 0 || !spec_.is_windowed_layer(layer) || spec_.sliding_window >= s) return causal_;
+  if (!windowed_.defined() || windowed_.size(0) != s) {
+    const at::Tensor ones = at::ones({s, s}, at::TensorOptions().dtype(at::kBool).device(device_));
+    windowed_ = ones.triu(1).logical_or(ones.tril(-spec_.sliding_window));
+  }
+  return windowed_;
 }
 
 at::Tensor Model::rope(const at::Tensor& x) const {

@@ -352,7 +352,9 @@ class Model {
 
   // The [s, s] causal mask (true where a query must not see a key), made once per length rather
   // than once per layer and micro-batch.
-  const at::Tensor& causal_mask(int64_t s);
+  // A layer within a sliding window (model.sliding_window) also masks the keys a window or more
+  // behind its query: its own mask, made once.
+  const at::Tensor& causal_mask(int64_t s, int layer = -1);
   // Rotary position embedding (rotate-half form, base 10000) of x [b, s, heads, d] at the
   // rank's positions (0 .. s-1; under context parallelism, its share), angles in fp32.
   at::Tensor rope(const at::Tensor& x) const;
@@ -542,6 +544,7 @@ class Model {
   bool reduce_input_ = false;  // set_reduce_input
   at::Tensor alibi_;           // ALiBi: the slopes of the rank's heads (fp32); else undefined
   at::Tensor causal_;          // causal_mask's last mask (true above the diagonal)
+  at::Tensor windowed_;        // ... and its last sliding-window mask
 };
 
 }  // namespace nnsim::hwexec

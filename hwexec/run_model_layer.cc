@@ -152,7 +152,10 @@ at::Tensor Model::attend(at::Tensor q, at::Tensor k, at::Tensor v, const Dropout
   // LibTorch picks), where it computes what the plan asks for: ALiBi and the
   // probabilities' dropout need the explicit chain below.
   if (spec_.attention == AttentionKernel::kFlash && !alibi_.defined() && !spec_.dropout) {
-    return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true)
+    // A sliding window's layer: its mask (true where a query may see the key).
+    const bool window = spec_.is_windowed_layer(first_ + l) && spec_.sliding_window < s;
+    const at::Tensor mask = window ? causal_mask(s, first_ + l).logical_not() : at::Tensor();
+    return at::scaled_dot_product_attention(q, k, v, mask, 0.0, !window)
         .permute({0, 2, 1, 3})
         .reshape({b, s, al * dv});
   }
@@ -168,7 +171,7 @@ at::Tensor Model::attend(at::Tensor q, at::Tensor k, at::Tensor v, const Dropout
   if (alibi_.defined()) {  // ALiBi: in fp32, at the tokens' positions
     scores = scores.to(at::kFloat) + alibi_bias(alibi_, positions_, positions_);
   }
-  scores.masked_fill_(causal_mask(s), -std::numeric_limits<float>::infinity());
+  scores.masked_fill_(causal_mask(s, first_ + l), -std::numeric_limits<float>::infinity());
   // (LibTorch's CPU softmax has no fp16 kernel: there, in fp32, the same values.)
   at::Tensor p = (cpu_fp16() ? at::softmax(scores, -1, at::kFloat) : at::softmax(scores, -1))
                      .to(q.scalar_type());

@@ -50,6 +50,31 @@ TEST(CostModel, ComputeBesideDeepEpRunsOnTheSmsItLeaves) {
   EXPECT_DOUBLE_EQ(interference_beside(tiny, true), tiny.comm_interference);
 }
 
+// A sliding window: the fused kernel computes only the pairs the model attends to (its counted
+// FLOPs), the unfused chain every score.
+TEST(CostModel, OnlyAFusedKernelSkipsWhatASlidingWindowLeavesOut) {
+  const GpuSpec h100 = gpu("h100-sxm5-80gb");
+  const ComputeModel m = ComputeModel::defaults_for(h100);
+  Op op;
+  op.kind = OpKind::kAttention;
+  PieceShape shape;
+  shape.seq = 4096;
+  shape.head_dim = 128;
+  const double full = 4.0 * 4096 * 4096 * 32 * 128;
+  op.causal = true;
+  const double fused = op_seconds(op, Pass::kForward, full, 0, shape, Precision::kBf16, h100, m);
+  op.attended_fraction = 0.25;
+  const double fused_window =
+      op_seconds(op, Pass::kForward, full * 0.25, 0, shape, Precision::kBf16, h100, m);
+  EXPECT_NEAR(fused_window - m.kernel_overhead, (fused - m.kernel_overhead) * 0.25, 1e-12 * fused);
+  op.causal = false;
+  op.attended_fraction = 1;
+  const double unfused = op_seconds(op, Pass::kForward, full, 0, shape, Precision::kBf16, h100, m);
+  op.attended_fraction = 0.25;
+  EXPECT_DOUBLE_EQ(op_seconds(op, Pass::kForward, full * 0.25, 0, shape, Precision::kBf16, h100, m),
+                   unfused);
+}
+
 TEST(CostModel, Fp8WithoutFp8TensorCoresRunsAsBf16) {
   const GpuSpec a100 = gpu("a100-sxm4-80gb");
   ComputeModel m = ComputeModel::defaults_for(a100);

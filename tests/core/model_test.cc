@@ -75,7 +75,8 @@ TEST(Model, PresetParameterCountsArePinned) {
       {"deepseek-moe-16b", 16'375'728'128}, {"deepseek-v2-lite", 15'706'484'224},
       {"deepseek-v3", 682'636'472'320},     {"qwen3-30b-a3b", 30'532'122'624},
       {"qwen3-235b-a22b", 235'093'634'560}, {"glm-4.5", 356'784'551'168},
-      {"kimi-k2", 1'026'408'209'408},
+      {"kimi-k2", 1'026'408'209'408},       {"gpt-oss-20b", 20'914'754'880},
+      {"gpt-oss-120b", 116'829'149'760},
   };
   for (const auto& [name, count] : counts) {
     auto m = load_model(name);
@@ -282,6 +283,50 @@ TEST(Model, LargeMixturesMatchTheirModelCards) {
   EXPECT_NEAR(static_cast<double>(kimi->parameters()), 1.0e12, 1.0e12 * 0.04);
   EXPECT_EQ(kimi->experts, 384);
   EXPECT_EQ(kimi->first_dense_layers, 1);
+}
+
+// GPT-OSS against its model card (116.83B and 20.91B; the heads' attention sinks and the
+// routers' biases, 6,912 and 2,304 parameters, are not modelled), and its alternating sliding
+// windows: the first block and every other one after it attend within 128 tokens.
+TEST(Model, GptOssMatchesItsModelCardAndAlternatesWindows) {
+  auto big = load_model("gpt-oss-120b");
+  ASSERT_TRUE(big.ok()) << big.error().message();
+  EXPECT_NEAR(static_cast<double>(big->parameters()), 116.83e9, 0.01e9);
+  auto small = load_model("gpt-oss-20b");
+  ASSERT_TRUE(small.ok()) << small.error().message();
+  EXPECT_NEAR(static_cast<double>(small->parameters()), 20.91e9, 0.01e9);
+  EXPECT_EQ(big->sliding_window, 128);
+  EXPECT_TRUE(big->windowed());
+  EXPECT_TRUE(big->is_windowed_layer(0));
+  EXPECT_FALSE(big->is_windowed_layer(1));
+  EXPECT_TRUE(big->is_windowed_layer(34));
+  EXPECT_FALSE(big->is_windowed_layer(35));
+  EXPECT_EQ(big->windowed_layers(), 18);
+}
+
+TEST(Model, SlidingWindowFieldsAreCheckedAndRoundTrip) {
+  // Every layer within the window unless an interval says which attend fully.
+  auto all = parse_model(std::string(kSmall) + "sliding_window: 32\n", "m.yaml");
+  ASSERT_TRUE(all.ok()) << all.error().message();
+  EXPECT_EQ(all->windowed_layers(), all->layers);
+  auto back = parse_model(model_to_json(*all), "plan.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_EQ(back->sliding_window, 32);
+  EXPECT_EQ(back->full_attention_interval, 0);
+  auto alternate = parse_model(
+      std::string(kSmall) + "sliding_window: 32\nfull_attention_interval: 2\n", "m.yaml");
+  ASSERT_TRUE(alternate.ok()) << alternate.error().message();
+  EXPECT_EQ(alternate->windowed_layers(), alternate->layers - alternate->layers / 2);
+  EXPECT_FALSE(contains(model_to_json(*parse_model(kSmall, "m.yaml")), "sliding_window"));
+
+  std::string msg = parse_error(std::string(kSmall) + "sliding_window: 0\n");
+  EXPECT_TRUE(contains(msg, "sliding_window")) << msg;
+  EXPECT_TRUE(contains(msg, "must be a positive number of tokens")) << msg;
+  msg = parse_error(std::string(kSmall) + "full_attention_interval: 2\n");
+  EXPECT_TRUE(contains(msg, "full_attention_interval")) << msg;
+  EXPECT_TRUE(contains(msg, "give 'sliding_window' too")) << msg;
+  msg = parse_error(std::string(kSmall) + "sliding_window: 8\nfull_attention_interval: -1\n");
+  EXPECT_TRUE(contains(msg, "must be between 0 (every layer attends within the window)")) << msg;
 }
 
 TEST(Model, HeadDimGivesTheHeadsTheirOwnWidth) {

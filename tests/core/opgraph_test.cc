@@ -540,6 +540,26 @@ TEST(OpGraph, LatentAttention) {
   EXPECT_EQ(g.layer.ops[6].gemm.k, 512);
 }
 
+// GPT-OSS's alternating sliding windows (128 tokens, every other layer, 4,096-token sequences):
+// a windowed layer's queries see 128 w - 128 x 127 / 2 ... pairs, the model's average is
+// counted in the attention's FLOPs and its backward.
+TEST(OpGraph, SlidingWindowsCountTheAttendedPairs) {
+  const ModelSpec m = preset("gpt-oss-20b");
+  const OpGraph g = lower_model(m, 1);
+  const Op* core = find_op(g.layer, "attn.core");
+  ASSERT_NE(core, nullptr);
+  const double s = 4096, w = 128, a = 64, d = 64;
+  const double windowed = (w * s - w * (w - 1) / 2) / (s * (s + 1) / 2);
+  const double expected = (12 * windowed + 12) / 24;
+  EXPECT_NEAR(core->attended_fraction, expected, 1e-12);
+  EXPECT_NEAR(core->fwd_flops, 4 * s * s * a * d * expected, 1e-6 * core->fwd_flops);
+  EXPECT_DOUBLE_EQ(core->bwd_input_flops, 2 * core->fwd_flops);
+  // A window as long as the sequence leaves every pair.
+  ModelSpec wide = m;
+  wide.sliding_window = 4096;
+  EXPECT_DOUBLE_EQ(find_op(lower_model(wide, 1).layer, "attn.core")->attended_fraction, 1);
+}
+
 TEST(OpGraph, DimensionNames) {
   for (int i = 0; i < kNumDims; ++i) {
     Dim d{};

@@ -64,6 +64,8 @@ const std::string kMoeBias = std::string(NNSIM_TEST_DATA) + "/tiny-moe-bias.yaml
 const std::string kMla = std::string(NNSIM_TEST_DATA) + "/tiny-mla.yaml";
 const std::string kMlaNoQLatent = std::string(NNSIM_TEST_DATA) + "/tiny-mla-no-q-latent.yaml";
 const std::string kMlaMoe = std::string(NNSIM_TEST_DATA) + "/tiny-mla-moe.yaml";
+// Sliding-window attention in every other layer (GPT-OSS's pattern).
+const std::string kSlidingWindow = std::string(NNSIM_TEST_DATA) + "/tiny-sliding-window.yaml";
 // ReLU MLP (OPT), and squared ReLU with rope and GQA (Nemotron).
 const std::string kOpt = std::string(NNSIM_TEST_DATA) + "/tiny-opt.yaml";
 const std::string kNemotron = std::string(NNSIM_TEST_DATA) + "/tiny-nemotron.yaml";
@@ -557,6 +559,9 @@ INSTANTIATE_TEST_SUITE_P(
              {"--sequence-parallel"}},
         with("bf16_mla_tp2_sp", 2, 1, 1, 2, {"--sequence-parallel"}, &kMla, "bf16"),
         with("mla_moe_ep2_tp2_sp", 2, 1, 2, 4, {"--sequence-parallel", "--ep", "2"}, &kMlaMoe),
+        // Sliding windows in every other layer, the mask by the layer's global index.
+        with("sliding_window_tp2_sp", 2, 1, 1, 2, {"--sequence-parallel"}, &kSlidingWindow),
+        Case{"sliding_window_pp2", 1, 2, 1, "1f1b", 4, &kSlidingWindow},
         Case{"llama_pp2", 1, 2, 1, "1f1b", 4, &kLlama},
         Case{"llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama},
         Case{"head_dim_tp2_pp2", 2, 2, 1, "1f1b", 4, &kHeadDim},
@@ -1225,6 +1230,10 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
       {"cannot run this plan: partition: context parallelism over cp with multi-head "
        "latent attention is simulated only",
        "plan with --cp 1"});
+  ASSERT_EQ(make_plan(dir, 1, 1, 1, "1f1b", 2, {}, kSlidingWindow, "fp32", 2).status, 0);
+  refused(
+      {"cannot run this plan: partition: context parallelism over cp with sliding-window "
+       "attention is simulated only"});
   ASSERT_EQ(make_plan(dir, 2, 1, 2, "1f1b", 4, {"--ep", "2", "--etp", "1"}, kMoe).status, 0);
   refused(
       {"cannot run this plan: partition: experts folded over the tensor-parallel ranks "
@@ -1761,6 +1770,36 @@ TEST(NnexecRunAlibi, SlopesArePressEtAls) {
   ASSERT_EQ(six.size(), want.size());
   for (std::size_t i = 0; i < want.size(); ++i) EXPECT_DOUBLE_EQ(six[i], want[i]) << i;
   EXPECT_TRUE(alibi_slopes(0).empty());
+}
+
+// Sliding windows really mask (the check alone compares the executor with itself): the fused
+// kernel's path (LibTorch's scaled_dot_product_attention with the window's mask) and the
+// unfused chain (the scores masked in place) give the same loss, and another than the same
+// model whose window spans the sequence.
+TEST(NnexecRunSlidingWindow, FusedAndUnfusedMaskAlikeAndChangeTheLoss) {
+  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  const std::string text = slurp(kSlidingWindow);
+  auto first_loss = [&](const std::string& from, const std::string& to) {
+    TempDir dir;
+    const std::string edited = std::regex_replace(text, std::regex(from), to);
+    EXPECT_TRUE(from == to || edited != text) << from;
+    std::ofstream(dir.file("model.yaml")) << edited;
+    EXPECT_EQ(make_plan(dir, 1, 1, 1, "1f1b", 2, {}, dir.file("model.yaml")).status, 0);
+    RunResult r = run(
+        dir, NNEXEC_BINARY,
+        {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "1", "--warmup", "0"});
+    EXPECT_EQ(r.status, 0) << r;
+    Expected<RunResults> file = read_run(dir.file("run.h5"));
+    EXPECT_TRUE(file.ok()) << (file.ok() ? "" : file.error().message());
+    return file.ok() && !file->ranks.empty() && !file->ranks[0].losses.empty()
+               ? file->ranks[0].losses[0]
+               : 0.0;
+  };
+  const double unfused = first_loss("attention: unfused", "attention: unfused");
+  const double fused = first_loss("attention: unfused", "attention: flash");
+  const double unwindowed = first_loss("sliding_window: 8", "sliding_window: 32");
+  EXPECT_NEAR(fused, unfused, 1e-6 * std::abs(unfused));
+  EXPECT_GT(std::abs(unfused - unwindowed), 1e-3) << unfused << " vs " << unwindowed;
 }
 
 // Dropout really applies (the check alone would pass with none): the model with dropout has
