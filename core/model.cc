@@ -378,6 +378,7 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
   m.seq_len = read_size(node, "seq_len");
   m.mlp = node["mlp"].as_enum<MlpKind>({{"gelu", MlpKind::kGelu},
                                         {"swiglu", MlpKind::kSwiglu},
+                                        {"geglu", MlpKind::kGeglu},
                                         {"squared_relu", MlpKind::kSquaredRelu},
                                         {"relu", MlpKind::kRelu}});
   m.tied_embeddings = node.get_bool("tied_embeddings", false);
@@ -600,6 +601,8 @@ std::string_view to_string(MlpKind k) {
       return "squared_relu";
     case MlpKind::kRelu:
       return "relu";
+    case MlpKind::kGeglu:
+      return "geglu";
   }
   return "?";
 }

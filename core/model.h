@@ -12,7 +12,8 @@
 
 namespace nnsim {
 
-enum class MlpKind { kGelu, kSwiglu, kSquaredRelu, kRelu };
+// kSwiglu and kGeglu are gated: silu or GeLU (tanh form) of a gate branch times an up branch.
+enum class MlpKind { kGelu, kSwiglu, kSquaredRelu, kRelu, kGeglu };
 enum class PositionKind { kLearned, kRope, kAlibi };
 enum class NormKind { kLayerNorm, kRmsNorm };
 // kFlash: fused attention that keeps only Q, K, V, the output and the softmax statistics.
@@ -121,7 +122,7 @@ struct ModelSpec {
   bool mla() const { return kv_lora_rank > 0; }
   // Parameters of a block's attention (its norm included).
   int64_t attention_parameters() const;
-  bool gated_mlp() const { return mlp == MlpKind::kSwiglu; }
+  bool gated_mlp() const { return mlp == MlpKind::kSwiglu || mlp == MlpKind::kGeglu; }
   bool moe() const { return experts > 0; }
   bool is_moe_layer(int layer) const {
     return moe() && layer >= first_dense_layers &&

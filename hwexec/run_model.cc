@@ -518,6 +518,11 @@ at::Tensor Model::activation(const at::Tensor& x) const {
       const int64_t fl = x.size(-1) / 2;
       return at::silu(x.narrow(-1, 0, fl)) * x.narrow(-1, fl, fl);
     }
+    case MlpKind::kGeglu: {
+      // GeGLU (Shazeer 2020; Gemma's, T5 v1.1's): gelu(gate) * up, GeLU in its tanh form.
+      const int64_t fl = x.size(-1) / 2;
+      return at::gelu(x.narrow(-1, 0, fl), "tanh") * x.narrow(-1, fl, fl);
+    }
     case MlpKind::kGelu:
       break;
   }

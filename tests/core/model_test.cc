@@ -304,6 +304,19 @@ TEST(Model, GptOssMatchesItsModelCardAndAlternatesWindows) {
   EXPECT_EQ(big->windowed_layers(), 18);
 }
 
+// GeGLU is gated as SwiGLU is: three matrices, and the plan records it.
+TEST(Model, GegluIsAGatedMlp) {
+  auto geglu = parse_model(replace(kSmall, "mlp: gelu", "mlp: geglu"), "m.yaml");
+  ASSERT_TRUE(geglu.ok()) << geglu.error().message();
+  auto swiglu = parse_model(replace(kSmall, "mlp: gelu", "mlp: swiglu"), "m.yaml");
+  ASSERT_TRUE(swiglu.ok()) << swiglu.error().message();
+  EXPECT_TRUE(geglu->gated_mlp());
+  EXPECT_EQ(geglu->parameters(), swiglu->parameters());
+  auto back = parse_model(model_to_json(*geglu), "plan.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_EQ(back->mlp, MlpKind::kGeglu);
+}
+
 TEST(Model, SlidingWindowFieldsAreCheckedAndRoundTrip) {
   // Every layer within the window unless an interval says which attend fully.
   auto all = parse_model(std::string(kSmall) + "sliding_window: 32\n", "m.yaml");

@@ -64,6 +64,8 @@ const std::string kMoeBias = std::string(NNSIM_TEST_DATA) + "/tiny-moe-bias.yaml
 const std::string kMla = std::string(NNSIM_TEST_DATA) + "/tiny-mla.yaml";
 const std::string kMlaNoQLatent = std::string(NNSIM_TEST_DATA) + "/tiny-mla-no-q-latent.yaml";
 const std::string kMlaMoe = std::string(NNSIM_TEST_DATA) + "/tiny-mla-moe.yaml";
+// A GeGLU MLP (Gemma's).
+const std::string kGeglu = std::string(NNSIM_TEST_DATA) + "/tiny-geglu.yaml";
 // Sliding-window attention in every other layer (GPT-OSS's pattern).
 const std::string kSlidingWindow = std::string(NNSIM_TEST_DATA) + "/tiny-sliding-window.yaml";
 // ReLU MLP (OPT), and squared ReLU with rope and GQA (Nemotron).
@@ -562,6 +564,8 @@ INSTANTIATE_TEST_SUITE_P(
         // Sliding windows in every other layer, the mask by the layer's global index.
         with("sliding_window_tp2_sp", 2, 1, 1, 2, {"--sequence-parallel"}, &kSlidingWindow),
         Case{"sliding_window_pp2", 1, 2, 1, "1f1b", 4, &kSlidingWindow},
+        // GeGLU's two branches split alike over tp, as SwiGLU's.
+        Case{"geglu_tp2_pp2", 2, 2, 1, "1f1b", 4, &kGeglu},
         Case{"llama_pp2", 1, 2, 1, "1f1b", 4, &kLlama},
         Case{"llama_tp2_pp2", 2, 2, 1, "1f1b", 4, &kLlama},
         Case{"head_dim_tp2_pp2", 2, 2, 1, "1f1b", 4, &kHeadDim},
@@ -1461,7 +1465,8 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
   EXPECT_TRUE(check_runnable(p).ok()) << check_runnable(p).error().message();
   p.recompute = {{"*", 0, -1}};  // no layers: the embedding's dropout recomputed
   EXPECT_TRUE(check_runnable(p).ok()) << check_runnable(p).error().message();
-  for (MlpKind k : {MlpKind::kGelu, MlpKind::kSwiglu, MlpKind::kRelu, MlpKind::kSquaredRelu}) {
+  for (MlpKind k :
+       {MlpKind::kGelu, MlpKind::kSwiglu, MlpKind::kRelu, MlpKind::kSquaredRelu, MlpKind::kGeglu}) {
     p = *base;
     p.model.mlp = k;  // every MLP of the operator graph runs
     EXPECT_TRUE(check_runnable(p).ok())
