@@ -1777,6 +1777,21 @@ TEST(NnexecRunAlibi, SlopesArePressEtAls) {
   EXPECT_TRUE(alibi_slopes(0).empty());
 }
 
+// The first iteration's loss of `model` on one rank, two sequences.
+double one_rank_first_loss(const std::string& model) {
+  TempDir dir;
+  EXPECT_EQ(make_plan(dir, 1, 1, 1, "1f1b", 2, {}, model).status, 0);
+  RunResult r =
+      run(dir, NNEXEC_BINARY,
+          {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "1", "--warmup", "0"});
+  EXPECT_EQ(r.status, 0) << r;
+  Expected<RunResults> file = read_run(dir.file("run.h5"));
+  EXPECT_TRUE(file.ok()) << (file.ok() ? "" : file.error().message());
+  return file.ok() && !file->ranks.empty() && !file->ranks[0].losses.empty()
+             ? file->ranks[0].losses[0]
+             : 0.0;
+}
+
 // Sliding windows really mask (the check alone compares the executor with itself): the fused
 // kernel's path (LibTorch's scaled_dot_product_attention with the window's mask) and the
 // unfused chain (the scores masked in place) give the same loss, and another than the same
@@ -1785,20 +1800,11 @@ TEST(NnexecRunSlidingWindow, FusedAndUnfusedMaskAlikeAndChangeTheLoss) {
   if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const std::string text = slurp(kSlidingWindow);
   auto first_loss = [&](const std::string& from, const std::string& to) {
-    TempDir dir;
+    TempDir models;
     const std::string edited = std::regex_replace(text, std::regex(from), to);
     EXPECT_TRUE(from == to || edited != text) << from;
-    std::ofstream(dir.file("model.yaml")) << edited;
-    EXPECT_EQ(make_plan(dir, 1, 1, 1, "1f1b", 2, {}, dir.file("model.yaml")).status, 0);
-    RunResult r = run(
-        dir, NNEXEC_BINARY,
-        {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "1", "--warmup", "0"});
-    EXPECT_EQ(r.status, 0) << r;
-    Expected<RunResults> file = read_run(dir.file("run.h5"));
-    EXPECT_TRUE(file.ok()) << (file.ok() ? "" : file.error().message());
-    return file.ok() && !file->ranks.empty() && !file->ranks[0].losses.empty()
-               ? file->ranks[0].losses[0]
-               : 0.0;
+    std::ofstream(models.file("model.yaml")) << edited;
+    return one_rank_first_loss(models.file("model.yaml"));
   };
   const double unfused = first_loss("attention: unfused", "attention: unfused");
   const double fused = first_loss("attention: unfused", "attention: flash");
@@ -1812,20 +1818,7 @@ TEST(NnexecRunSlidingWindow, FusedAndUnfusedMaskAlikeAndChangeTheLoss) {
 // iteration, the layer, the site, the sample and the forward pass only (dropout_seed).
 TEST(NnexecRunDropout, MasksChangeTheLoss) {
   if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
-  auto first_loss = [](const std::string& model) {
-    TempDir dir;
-    EXPECT_EQ(make_plan(dir, 1, 1, 1, "1f1b", 2, {}, model).status, 0);
-    RunResult r = run(
-        dir, NNEXEC_BINARY,
-        {"run", "--plan", "plan.json", "--out", "run.h5", "--iterations", "1", "--warmup", "0"});
-    EXPECT_EQ(r.status, 0) << r;
-    Expected<RunResults> file = read_run(dir.file("run.h5"));
-    EXPECT_TRUE(file.ok()) << (file.ok() ? "" : file.error().message());
-    return file.ok() && !file->ranks.empty() && !file->ranks[0].losses.empty()
-               ? file->ranks[0].losses[0]
-               : 0.0;
-  };
-  const double with = first_loss(kDropout), without = first_loss(kModel);
+  const double with = one_rank_first_loss(kDropout), without = one_rank_first_loss(kModel);
   EXPECT_GT(std::abs(with - without), 1e-4) << with << " vs " << without;
   EXPECT_NE(dropout_seed(1, 0, 0, DropoutSite::kAttention, 0),
             dropout_seed(1, 0, 0, DropoutSite::kAttention, 1));
