@@ -184,6 +184,17 @@ TEST(MutatedPlans, AreRefusedWithAReasonOrRunNeverACrash) {
     o.framework = "fsdp";
     o.zero = 3;
   });
+  // (Added after the five above, so that their edits stay the ones they were.)
+  add("tiny-mla-moe.yaml", [](MegatronOptions& o) {
+    o.tp = 2;
+    o.ep = 2;
+    o.sequence_parallel = true;
+    o.recompute = RecomputeMode::kSelective;
+  });
+  add("tiny-sliding-window.yaml", [](MegatronOptions& o) {
+    o.pp = 2;
+    o.schedule = ScheduleKind::kZbH1;
+  });
   std::mt19937 rng(20261206);
   Outcome out;
   constexpr int kPerSource = 240;
