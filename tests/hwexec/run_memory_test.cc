@@ -163,6 +163,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         MemoryCase{"fp32", 1, 1, 1, "fp32", {}}, MemoryCase{"bf16", 1, 1, 1, "bf16", {}},
         MemoryCase{"tp2", 2, 1, 1, "fp32", {}}, MemoryCase{"pp2", 1, 2, 1, "fp32", {}},
+        // Sequence parallelism: the norms and residuals on the rank's slice, the linears'
+        // gathered inputs dropped after the forward and gathered again for the backward.
+        MemoryCase{"tp2_sp", 2, 1, 1, "fp32", {"--sequence-parallel"}},
         // Heads wider together than the hidden size (head_dim): Q, K, V and the attention's
         // output are 192 wide where the hidden state is 128.
         MemoryCase{"head_dim_tp2", 2, 1, 1, "fp32", {}, "small-head-dim-memory.yaml"},
