@@ -388,7 +388,7 @@ TEST(Program, LatentAttentionUnderTensorParallelism) {
   const double tokens = m.seq_len;  // one sequence a micro-batch
   EXPECT_EQ(gathered[tokens * (512 + 64) * 2], 4) << gathered.size();
   EXPECT_EQ(gathered[tokens * 2048 * 2], 2 * 4 + 1);  // and the head's input
-  std::map<std::string, double> backward;  // "label kind" -> bytes
+  std::map<std::string, double> backward;             // "label kind" -> bytes
   for (const BlockTemplate& t : sp.templates) {
     if (t.kind != BlockKind::kBackward) continue;
     for (const Step& s : t.steps) {
