@@ -235,9 +235,6 @@ Op dropout_add_op(const std::string& name, int self, std::vector<TensorRef> inpu
   return op;
 }
 
-// The rest of an attention core once its inputs, output and saved inputs are set: what either
-// kernel keeps and moves beyond them and the context-parallel ring. `io`: bytes its kernels read
-// and write besides the scores; `kv_bytes`: the K and V a device passes to its ring neighbour.
 // The share of a causal attention's query-key pairs that a model with sliding windows
 // attends to, averaged over its layers: a windowed layer's query at position i sees min(i + 1,
 // w) keys, w s - w (w - 1) / 2 pairs of the full s (s + 1) / 2; the other layers see them all.
@@ -251,6 +248,9 @@ double attended_fraction(const ModelSpec& m) {
   return (n * windowed + (m.layers - n)) / m.layers;
 }
 
+// The rest of an attention core once its inputs, output and saved inputs are set: what either
+// kernel keeps and moves beyond them and the context-parallel ring. `io`: bytes its kernels read
+// and write besides the scores; `kv_bytes`: the K and V a device passes to its ring neighbour.
 void finish_attention(Op& op, int self, double io, double kv_bytes, const ModelSpec& m,
                       const Shape& x) {
   // A fused causal kernel skips the masked half of the scores, and the keys outside a sliding
