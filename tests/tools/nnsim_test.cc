@@ -417,6 +417,10 @@ TEST(NnsimTool, MixtureOfExpertsPlansAndSimulates) {
     RunResult r =
         box.nnsim({"--topo", "dgx-a100x4", "--nodes", "1", model + ".json", "--json", "r.json"});
     EXPECT_EQ(r.status, 0) << r;
+    // A mixture's report says its step times are not validated yet (docs/moe.md).
+    EXPECT_EQ(contains(r.out, "mixture-of-experts step times are not validated yet"),
+              model == "moe")
+        << r;
     return json::parse(box.read("r.json"));
   };
   const json d = run("dense"), m = run("moe");
