@@ -396,40 +396,37 @@ TEST(Validate, DevSetAccuracyRegressionBound) {
   EXPECT_LT(k.max, 8.9);
 }
 
-// torchtitan's other Llama 3.1 405B rows (validate/sets/, docs/VALIDATION.md "Beyond the dev
-// set"): a check of the memory model across pipeline schedules and context-parallel degrees,
-// held to what it reached when added (median 8.3 %, worst 16.4 %: the interleaved row).
-TEST(Validate, TorchtitanOtherRowsMemoryBound) {
-  const std::string rows =
-      std::string(NNSIM_TEST_DATA) + "/../../validate/sets/torchtitan-2412-405b-rows.yaml";
-  auto set = load_validation_set(rows);
-  ASSERT_TRUE(set.ok()) << set.error().message();
+// A set of validate/sets/ (docs/VALIDATION.md "Beyond the dev set"), every case simulated, two
+// at a time.
+std::vector<CaseOutcome> run_project_set(const std::string& name) {
+  auto set = load_validation_set(std::string(NNSIM_TEST_DATA) + "/../../validate/sets/" + name);
+  EXPECT_TRUE(set.ok()) << set.error().message();
+  if (!set.ok()) return {};
   ValidateOptions o;
   o.jobs = 2;
-  auto out = run_validation(*set, o);
+  std::vector<CaseOutcome> out = run_validation(*set, o);
+  for (const auto& c : out) EXPECT_TRUE(c.ok()) << c.id << ": " << c.status;
+  return out;
+}
+
+// torchtitan's other Llama 3.1 405B rows: a check of the memory model across pipeline schedules
+// and context-parallel degrees, held to what it reached when added (median 8.3 %, worst
+// 16.4 %: the interleaved row).
+TEST(Validate, TorchtitanOtherRowsMemoryBound) {
+  const std::vector<CaseOutcome> out = run_project_set("torchtitan-2412-405b-rows.yaml");
   ASSERT_EQ(out.size(), 5u);
-  for (const auto& c : out) {
-    EXPECT_TRUE(c.ok()) << c.id << ": " << c.status;
-    EXPECT_TRUE(c.memory_error_pct.has_value()) << c.id;
-  }
+  for (const auto& c : out) EXPECT_TRUE(c.memory_error_pct.has_value()) << c.id;
   const ValidationSummary s = summarize(out);
   EXPECT_LE(s.memory.median, 9.0);
   EXPECT_LE(s.memory.max, 17.0);
 }
 
-// The dense rows of NVIDIA's newer Megatron-Bridge tables on H100s (validate/sets/,
-// docs/VALIDATION.md "Beyond the dev set"): runs the cost model never saw, held to what it
-// reached when they were added (median 10.1 %, worst 15.8 %: the FSDP row).
+// The dense rows of NVIDIA's newer Megatron-Bridge tables on H100s: runs the cost model never
+// saw, held to what it reached when they were added (median 10.1 %, worst 15.8 %: the FSDP
+// row).
 TEST(Validate, NemoBridgeDenseRowsHeldOut) {
-  const std::string rows =
-      std::string(NNSIM_TEST_DATA) + "/../../validate/sets/nemo-bridge-h100-dense.yaml";
-  auto set = load_validation_set(rows);
-  ASSERT_TRUE(set.ok()) << set.error().message();
-  ValidateOptions o;
-  o.jobs = 2;
-  auto out = run_validation(*set, o);
+  const std::vector<CaseOutcome> out = run_project_set("nemo-bridge-h100-dense.yaml");
   ASSERT_EQ(out.size(), 5u);
-  for (const auto& c : out) EXPECT_TRUE(c.ok()) << c.id << ": " << c.status;
   const ValidationSummary s = summarize(out);
   EXPECT_LE(s.time.median, 10.5);
   EXPECT_LE(s.time.max, 16.0);
