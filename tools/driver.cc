@@ -40,4 +40,11 @@ Expected<Topology> load_topology_sized(const std::string& path, int nodes) {
   return resize_topology(*topo, nodes);
 }
 
+void note_unvalidated_moe(const ModelSpec& model) {
+  if (!model.moe()) return;
+  std::printf(
+      "note: mixture-of-experts step times are not validated yet: NVIDIA's published H100 runs "
+      "of Qwen3-30B-A3B and GPT-OSS 120B took 1.4-3x nnsim's time (docs/moe.md)\n");
+}
+
 }  // namespace nnsim::tool

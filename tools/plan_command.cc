@@ -139,6 +139,7 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
     std::printf("estimator vs simulator: %zu of %zu pairs of confirmed plans ranked differently\n",
                 r->rank_disagreements, r->rank_pairs);
   }
+  note_unvalidated_moe(r->best.model);
   std::string error;
   if (!a.csv.empty()) {
     std::string csv =

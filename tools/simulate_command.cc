@@ -80,12 +80,7 @@ void print_report(const Program& prog, const SimResult& r) {
     std::printf("  (simulated 1 of %d data-parallel replicas; the others mirror it)\n",
                 prog.replicas);
   }
-  // The published MoE runs nnsim has been set against ran slower than it predicts.
-  if (prog.plan.model.moe()) {
-    std::printf(
-        "note: mixture-of-experts step times are not validated yet: NVIDIA's published H100 "
-        "runs of Qwen3-30B-A3B and GPT-OSS 120B took 1.4-3x nnsim's time (docs/moe.md)\n");
-  }
+  note_unvalidated_moe(prog.plan.model);
 }
 
 }  // namespace

@@ -527,6 +527,10 @@ TEST(NnsimTool, ExpertParallelismPlansSearchesAndSimulates) {
                              "1", "--global-batch", "16", "--confirm", "0", "--top", "100000",
                              "--csv", model + ".csv", "-o", model + "-best.json"});
     EXPECT_EQ(r.status, 0) << r;
+    // The search's table over a mixture carries the report's note on MoE step times.
+    EXPECT_EQ(contains(r.out, "mixture-of-experts step times are not validated yet"),
+              model == "moe")
+        << r;
     std::set<std::string> eps;
     std::istringstream csv(box.read(model + ".csv"));
     std::string line;
