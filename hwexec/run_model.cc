@@ -574,6 +574,10 @@ at::Tensor Model::scatter_seq(RankContext& c, const at::Tensor& x, const std::st
   return c.reduce_scatter(chunks, c.tp_group, c.tp_axes, label).view({b, sl, h});
 }
 
+at::Tensor Model::column_input(RankContext& c, const at::Tensor& x, const char* op) {
+  return leaf(split_.seq > 1 ? gather_seq(c, x.detach(), op) : x);
+}
+
 at::Tensor Model::my_seq(const at::Tensor& x) const {
   const int64_t sl = x.size(1) / split_.seq;
   return x.narrow(1, t_ * sl, sl).contiguous();

@@ -366,6 +366,9 @@ class Model {
   at::Tensor scatter_seq(RankContext& c, const at::Tensor& x, const std::string& label);
   // A replicated tensor's slice (no communication).
   at::Tensor my_seq(const at::Tensor& x) const;
+  // A column-parallel linear's input, as a leaf for its backward: its producer's output `x`, under
+  // sequence parallelism gathered over tp first (labelled with the linear `op`).
+  at::Tensor column_input(RankContext& c, const at::Tensor& x, const char* op);
   // A column-parallel linear's input under sequence parallelism: the gathered sequence, whose
   // storage `dropped` frees after the forward (Megatron keeps only the shard) and `regather`
   // fills again from the shard (the norm's output, kept for its own backward).

@@ -111,12 +111,10 @@ void Model::head_forward(RankContext& c, const at::Tensor& x, const at::Tensor& 
   const int vsplit = tied ? split_.embed_vocab : split_.head_vocab;
   const bool sp = split_.seq > 1;
   if (runs("head.proj")) {
-    tape.hproj =
-        fwd(st, "head.proj", phase,
-            {leaf(sp ? gather_seq(c, tape.hnorm.out.detach(), "head.proj") : tape.hnorm.out)},
-            [&](const std::vector<at::Tensor>& in) {
-              return mm(in[0], tied ? W(word_).t() : W(head_w_));
-            });
+    tape.hproj = fwd(st, "head.proj", phase, {column_input(c, tape.hnorm.out, "head.proj")},
+                     [&](const std::vector<at::Tensor>& in) {
+                       return mm(in[0], tied ? W(word_).t() : W(head_w_));
+                     });
     tape.hproj.weights = weights_of({tied ? word_ : head_w_});
     // Sequence parallelism: the gathered input is dropped unless the recomputation gathers it.
     if (sp && !again && !rc.count("head.proj")) dropped(tape.hproj.in[0]);

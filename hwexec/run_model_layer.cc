@@ -57,8 +57,7 @@ void Model::attention_forward(RankContext& c, int l, const at::Tensor& in_x, Lay
   }
   if (spec_.mla()) latent_attention_forward(c, l, t, p);
   if (!spec_.mla() && p.runs("attn.qkv")) {
-    t.qkv = fwd(st, "attn.qkv", p.phase,
-                {leaf(sp ? gather_seq(c, t.n1.out.detach(), "attn.qkv") : t.n1.out)},
+    t.qkv = fwd(st, "attn.qkv", p.phase, {column_input(c, t.n1.out, "attn.qkv")},
                 [&](const std::vector<at::Tensor>& in) {
                   at::Tensor y = block_linear(in[0], W(L.qkv_w));
                   return L.qkv_b ? y + W(L.qkv_b) : y;
@@ -194,8 +193,7 @@ void Model::mlp_forward(RankContext& c, int l, LayerTape& t, const LayerPass& p)
   }
   if (L.moe) moe_forward(st, L, t, p.again, p.rc, *p.stopped);
   if (!L.moe && p.runs("mlp.fc1")) {
-    t.fc1 = fwd(st, "mlp.fc1", p.phase,
-                {leaf(sp ? gather_seq(c, t.n2.out.detach(), "mlp.fc1") : t.n2.out)},
+    t.fc1 = fwd(st, "mlp.fc1", p.phase, {column_input(c, t.n2.out, "mlp.fc1")},
                 [&](const std::vector<at::Tensor>& in) {
                   at::Tensor z = block_linear(in[0], W(L.fc1_w));
                   return L.fc1_b ? z + W(L.fc1_b) : z;

@@ -56,11 +56,6 @@ void Model::latent_attention_forward(RankContext& c, int l, LayerTape& t, const 
       return b ? y + W(b) : y;
     };
   };
-  // A column-parallel projection's input: the producer's output, under sequence parallelism
-  // gathered over tp (its storage dropped after the forward, gathered again for the backward).
-  auto whole_sequence = [&](const Unit& producer, const char* op) {
-    return leaf(sp ? gather_seq(c, producer.out.detach(), op) : producer.out);
-  };
   const char* q_op = spec_.q_lora_rank > 0 ? "attn.q_up" : "attn.q";
   if (spec_.q_lora_rank > 0) {
     if (p.runs("attn.q_down")) {
@@ -74,7 +69,8 @@ void Model::latent_attention_forward(RankContext& c, int l, LayerTape& t, const 
     }
   }
   if (p.runs(q_op)) {
-    t.q = fwd(st, q_op, p.phase, {whole_sequence(spec_.q_lora_rank > 0 ? t.qnorm : t.n1, q_op)},
+    t.q = fwd(st, q_op, p.phase,
+              {column_input(c, (spec_.q_lora_rank > 0 ? t.qnorm : t.n1).out, q_op)},
               linear(L.q_w, L.q_b));
     t.q.weights = weights_of({L.q_w, L.q_b});
     drop_gathered(p, q_op, t.q);

@@ -129,9 +129,9 @@ void Model::moe_forward(RunStats& st, const LayerParams& L, LayerTape& t, bool a
   if (L.sfc1_w && runs("moe.shared.fc1")) {
     // Under sequence parallelism its input gathered as mlp.fc1's, dropped after the forward
     // unless recomputed, gathered again for its backward.
-    t.sfc1 = fwd(
-        st, "moe.shared.fc1", phase, {leaf(sp ? gather_seq(c, xn.detach(), "moe.shared.fc1") : xn)},
-        [&](const std::vector<at::Tensor>& in) { return linear(in[0], L.sfc1_w, L.sfc1_b); });
+    t.sfc1 =
+        fwd(st, "moe.shared.fc1", phase, {column_input(c, xn, "moe.shared.fc1")},
+            [&](const std::vector<at::Tensor>& in) { return linear(in[0], L.sfc1_w, L.sfc1_b); });
     t.sfc1.weights = weights_of({L.sfc1_w, L.sfc1_b});
     if (sp && !again && !rc.count("moe.shared.fc1")) dropped(t.sfc1.in[0]);
   }
