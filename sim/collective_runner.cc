@@ -12,8 +12,11 @@ namespace nnsim {
 namespace sg4 = simgrid::s4u;
 
 namespace {
-// A parallel task's bytes matrix is dense (hosts x hosts); long rings are cut into tasks of at
-// most this many flows. Flows of different tasks still share links fairly.
+// A collective is one parallel task, so all its flows advance together, unless it spans more
+// than kMaxTaskHosts GPUs: a task's bytes matrix is dense (hosts x hosts, 2 MiB at 512), so
+// those are cut into tasks of at most kMaxFlowsPerTask flows. Flows of different tasks still
+// share links fairly.
+constexpr size_t kMaxTaskHosts = 512;
 constexpr size_t kMaxFlowsPerTask = 256;
 }  // namespace
 
@@ -137,8 +140,17 @@ void CollectiveRunner::finish(PreparedComm& out) {
 }
 
 void CollectiveRunner::add_flows(const std::vector<Flow>& flows, PreparedComm& out) {
-  for (size_t begin = 0; begin < flows.size(); begin += kMaxFlowsPerTask) {
-    size_t end = std::min(flows.size(), begin + kMaxFlowsPerTask);
+  std::vector<int> hosts;
+  for (const Flow& f : flows) {
+    hosts.push_back(f.src);
+    hosts.push_back(f.dst);
+  }
+  std::sort(hosts.begin(), hosts.end());
+  const bool whole = std::unique(hosts.begin(), hosts.end()) - hosts.begin() <=
+                     static_cast<std::ptrdiff_t>(kMaxTaskHosts);
+  const size_t per_task = whole ? flows.size() : kMaxFlowsPerTask;
+  for (size_t begin = 0; begin < flows.size(); begin += per_task) {
+    size_t end = std::min(flows.size(), begin + per_task);
     PreparedComm::Task task;
     std::unordered_map<int, int> index;
     auto host_index = [&](int gpu) {

@@ -10,7 +10,9 @@
 #include <map>
 #include <optional>
 
+#include "core/collective.h"
 #include "core/model.h"
+#include "core/network.h"
 #include "core/program.h"
 #include "core/topology.h"
 #include "planner/estimator.h"
@@ -299,6 +301,30 @@ TEST(Simulator, NcclModelReproducesTheNcclTestsTablesItCameFrom) {
   }
 }
 
+TEST(Simulator, LoneAllToAllTakesItsClosedForm) {
+  // 64 GPUs, four on each of 16 nodes (an expert-parallel group beside tensor parallelism of
+  // two): 4,032 flows. As one parallel task they all arrive when the busiest link has carried
+  // its bytes; cut into tasks of 256 flows, the pieces' boundaries fall inside GPUs' flows,
+  // the pieces finish apart, and the busiest link idled while the last one ran (19 % longer).
+  const Topology t = load("dgx-h100-superpod", 16);
+  std::vector<int> gpus;
+  for (int node = 0; node < 16; ++node) {
+    for (int local = 0; local < 8; local += 2) gpus.push_back(node * 8 + local);
+  }
+  const double bytes = 256e6;
+  CommRequest a2a{CommRequest::Kind::kCollective, CollectiveKind::kAllToAll, Algorithm::kAuto,
+                  gpus, bytes};
+  Expected<std::vector<double>> r = simulate_communication(t, CommModel::ideal(), {a2a});
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  const Network net(t);
+  LinkLoadScratch scratch;
+  const CollectiveFlows flows = decompose_collective(CollectiveKind::kAllToAll, gpus, bytes,
+                                                     Algorithm::kAuto, net, CommModel::ideal());
+  ASSERT_EQ(flows.flows.size(), 64u * 63u);
+  const double closed_form = isolated_seconds(flows, net, scratch);
+  EXPECT_NEAR((*r)[0], closed_form, 1e-9 * closed_form);
+}
+
 TEST(Simulator, TwoFlowsSharingALinkGetHalfEach) {
   const Topology t = load("dgx-a100x4");
   const double S = 1e9;
@@ -449,12 +475,13 @@ TEST(Simulator, MirroringLanesWhoseRingsShareRailUplinks) {
 }
 
 TEST(Simulator, FoldingMatchesSimGridForRingsCutIntoSeveralTasks) {
-  // 64 GPUs in one data-parallel group: 8 channel rings of 64 flows, run as two parallel tasks
-  // that share every NVSwitch port. The fluid closed form must agree with SimGrid.
+  // 520 GPUs in one data-parallel group: 8 channel rings of 520 flows, more GPUs than one
+  // parallel task holds, run as 17 tasks that share every NVSwitch port and NIC. The fluid
+  // closed form must agree with SimGrid.
   MegatronOptions o;
   o.zero = 3;
-  o.global_batch = 64;
-  Program p = compile(model("gpt3-1.3b"), load("dgx-a100x4", 8), o);
+  o.global_batch = 520;
+  Program p = compile(model("gpt3-1.3b"), load("dgx-a100x4", 65), o);
   SimOptions unfolded;
   unfolded.fold_exclusive_collectives = false;
   SimResult a = run(p);
