@@ -118,35 +118,96 @@ int Network::add_duplex(const std::string& name, LinkKind kind, double bandwidth
   return id;
 }
 
-void Network::intra_route(int node, int a, int b, std::vector<int>& out) const {
+Network::Waypoint Network::waypoint(int src, int dst) const {
   const int g = topo_.gpus_per_node;
-  const size_t gpu_base = static_cast<size_t>(node) * g;
-  switch (topo_.intra.kind) {
-    case IntraNodeKind::kNvSwitch:
-      out.push_back(nvswitch_port_[gpu_base + a]);
-      out.push_back(nvswitch_port_[gpu_base + b] + 1);
-      return;
-    case IntraNodeKind::kNvLinkMesh: {
-      int id = mesh_link_[gpu_base * g + static_cast<size_t>(a) * g + b];
-      if (id >= 0) {
-        out.push_back(a < b ? id : id + 1);  // the up entry carries lower -> higher index
-        return;
-      }
-      break;  // no NVLink between them: PCIe, below
+  const int ls = src % g;
+  const int ld = dst % g;
+  if (src / g == dst / g) {
+    switch (topo_.intra.kind) {
+      case IntraNodeKind::kNvSwitch:
+        return Waypoint::kNvSwitch;
+      case IntraNodeKind::kNvLinkMesh:
+        if (mesh_link_[static_cast<size_t>(src / g) * g * g + static_cast<size_t>(ls) * g + ld] >=
+            0) {
+          return Waypoint::kNone;  // one direct NVLink
+        }
+        break;  // no NVLink between them: PCIe
+      case IntraNodeKind::kPcie:
+        break;
     }
-    case IntraNodeKind::kPcie:
-      break;
+    return local_switch_[ls] == local_switch_[ld] ? Waypoint::kPcieSwitch : Waypoint::kPcieRoot;
   }
-  const int switches = static_cast<int>(topo_.intra.pcie.switches.size());
-  const size_t switch_base = static_cast<size_t>(node) * switches;
-  const int sa = local_switch_[a];
-  const int sb = local_switch_[b];
-  out.push_back(pcie_gpu_[gpu_base + a]);
-  if (sa != sb) {
-    out.push_back(pcie_uplink_[switch_base + sa]);
-    out.push_back(pcie_uplink_[switch_base + sb] + 1);
+  if (fabric_uplink_.empty()) return Waypoint::kFabricLeaf;
+  const FabricSpec& f = topo_.fabric;
+  const bool other_group = src / g / f.nodes_per_group != dst / g / f.nodes_per_group;
+  // Rail-optimized: only the same rail of the same unit shares a leaf switch.
+  const bool other_rail = f.kind == FabricKind::kRailOptimized && local_nic_[ls] != local_nic_[ld];
+  return other_group || other_rail ? Waypoint::kFabricSpine : Waypoint::kFabricLeaf;
+}
+
+void Network::route_to(int gpu, Waypoint w, std::vector<int>& out) const {
+  const int g = topo_.gpus_per_node;
+  const int node = gpu / g;
+  const int local = gpu % g;
+  const size_t switch_base = static_cast<size_t>(node) * topo_.intra.pcie.switches.size();
+  switch (w) {
+    case Waypoint::kNone:
+      return;
+    case Waypoint::kNvSwitch:
+      out.push_back(nvswitch_port_[gpu]);
+      return;
+    case Waypoint::kPcieSwitch:
+      out.push_back(pcie_gpu_[gpu]);
+      return;
+    case Waypoint::kPcieRoot:
+      out.push_back(pcie_gpu_[gpu]);
+      out.push_back(pcie_uplink_[switch_base + local_switch_[local]]);
+      return;
+    case Waypoint::kFabricLeaf:
+    case Waypoint::kFabricSpine: {
+      const int nic = local_nic_[local];
+      if (topo_.intra.has_pcie) gpu_to_nic(node, local, nic, true, out);
+      out.push_back(nic_[static_cast<size_t>(node) * topo_.nics.size() + nic]);
+      if (w == Waypoint::kFabricSpine) out.push_back(fabric_uplink_[uplink_index(node, nic)]);
+      return;
+    }
   }
-  out.push_back(pcie_gpu_[gpu_base + b] + 1);
+}
+
+void Network::route_from(Waypoint w, int gpu, std::vector<int>& out) const {
+  const int g = topo_.gpus_per_node;
+  const int node = gpu / g;
+  const int local = gpu % g;
+  const size_t switch_base = static_cast<size_t>(node) * topo_.intra.pcie.switches.size();
+  switch (w) {
+    case Waypoint::kNone:
+      return;
+    case Waypoint::kNvSwitch:
+      out.push_back(nvswitch_port_[gpu] + 1);
+      return;
+    case Waypoint::kPcieSwitch:
+      out.push_back(pcie_gpu_[gpu] + 1);
+      return;
+    case Waypoint::kPcieRoot:
+      out.push_back(pcie_uplink_[switch_base + local_switch_[local]] + 1);
+      out.push_back(pcie_gpu_[gpu] + 1);
+      return;
+    case Waypoint::kFabricLeaf:
+    case Waypoint::kFabricSpine: {
+      const int nic = local_nic_[local];
+      if (w == Waypoint::kFabricSpine) out.push_back(fabric_uplink_[uplink_index(node, nic)] + 1);
+      out.push_back(nic_[static_cast<size_t>(node) * topo_.nics.size() + nic] + 1);
+      if (topo_.intra.has_pcie) gpu_to_nic(node, local, nic, false, out);
+      return;
+    }
+  }
+}
+
+size_t Network::uplink_index(int node, int nic) const {
+  const FabricSpec& f = topo_.fabric;
+  const size_t group = static_cast<size_t>(node / f.nodes_per_group);
+  if (f.kind == FabricKind::kFatTree) return group;
+  return group * topo_.nics.size() + nic;
 }
 
 void Network::gpu_to_nic(int node, int local, int nic, bool outbound, std::vector<int>& out) const {
@@ -175,38 +236,16 @@ double Network::route(int src, int dst, std::vector<int>& out) const {
   assert(src >= 0 && src < topo_.num_gpus() && dst >= 0 && dst < topo_.num_gpus());
   if (src == dst) return 0;
   const size_t start = out.size();
-  const int g = topo_.gpus_per_node;
-  const int ns = src / g;
-  const int nd = dst / g;
-  const int ls = src % g;
-  const int ld = dst % g;
-  if (ns == nd) {
-    intra_route(ns, ls, ld, out);
+  const Waypoint w = waypoint(src, dst);
+  if (w == Waypoint::kNone) {
+    // A direct NVLink of a mesh: the up entry carries lower -> higher index.
+    const int g = topo_.gpus_per_node;
+    const int id = mesh_link_[static_cast<size_t>(src / g) * g * g +
+                              static_cast<size_t>(src % g) * g + dst % g];
+    out.push_back(src % g < dst % g ? id : id + 1);
   } else {
-    const int nics = static_cast<int>(topo_.nics.size());
-    const int nic_s = local_nic_[ls];
-    const int nic_d = local_nic_[ld];
-    assert(nic_s >= 0 && nic_d >= 0);
-    const bool pcie = topo_.intra.has_pcie;
-    if (pcie) gpu_to_nic(ns, ls, nic_s, true, out);
-    out.push_back(nic_[static_cast<size_t>(ns) * nics + nic_s]);
-    const FabricSpec& f = topo_.fabric;
-    if (!fabric_uplink_.empty()) {
-      const int gs = ns / f.nodes_per_group;
-      const int gd = nd / f.nodes_per_group;
-      if (f.kind == FabricKind::kFatTree) {
-        if (gs != gd) {
-          out.push_back(fabric_uplink_[gs]);
-          out.push_back(fabric_uplink_[gd] + 1);
-        }
-      } else if (gs != gd || nic_s != nic_d) {
-        // Rail-optimized: only the same rail of the same unit shares a leaf switch.
-        out.push_back(fabric_uplink_[static_cast<size_t>(gs) * nics + nic_s]);
-        out.push_back(fabric_uplink_[static_cast<size_t>(gd) * nics + nic_d] + 1);
-      }
-    }
-    out.push_back(nic_[static_cast<size_t>(nd) * nics + nic_d] + 1);
-    if (pcie) gpu_to_nic(nd, ld, nic_d, false, out);
+    route_to(src, w, out);
+    route_from(w, dst, out);
   }
   double latency = 0;
   for (size_t i = start; i < out.size(); ++i) latency += links_[out[i]].latency;

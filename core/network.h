@@ -29,13 +29,25 @@ class Network {
   // Appends the links a transfer from `src` to `dst` (global GPU indices) crosses, in order, and
   // returns the route latency (sum of the link latencies). src == dst gives an empty route.
   double route(int src, int dst, std::vector<int>& out) const;
+  // A point where a route splits into a part that depends on its source alone and a part that
+  // depends on its destination alone: the NVSwitch, a PCIe switch or the PCIe root, the
+  // fabric's leaf or its spine. A direct NVLink of a mesh has none. The simulator sums the
+  // flows of one parallel task per (source, waypoint) and (waypoint, destination): every link
+  // carries the same bytes in fewer route lookups (sim/collective_runner.h).
+  enum class Waypoint { kNone = -1, kNvSwitch, kPcieSwitch, kPcieRoot, kFabricLeaf, kFabricSpine };
+  static constexpr int kWaypoints = 5;
+  Waypoint waypoint(int src, int dst) const;
+  // The links from `gpu` to waypoint `w` and from `w` to `gpu`: route(src, dst) is exactly
+  // route_to(src, waypoint(src, dst)) followed by route_from(waypoint(src, dst), dst).
+  void route_to(int gpu, Waypoint w, std::vector<int>& out) const;
+  void route_from(Waypoint w, int gpu, std::vector<int>& out) const;
   // True when both GPUs are in the same node.
   bool same_node(int a, int b) const { return topo_.node_of(a) == topo_.node_of(b); }
 
  private:
   int add_duplex(const std::string& name, LinkKind kind, double bandwidth, double latency);
-  void intra_route(int node, int a, int b, std::vector<int>& out) const;
   void gpu_to_nic(int node, int local, int nic, bool outbound, std::vector<int>& out) const;
+  size_t uplink_index(int node, int nic) const;  // into fabric_uplink_
 
   Topology topo_;
   std::vector<NetLink> links_;  // a duplex link is two consecutive entries: up (out), down (in)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <unordered_map>
 
 #include <simgrid/s4u/Actor.hpp>
@@ -121,6 +122,7 @@ void CollectiveRunner::finish(PreparedComm& out) {
       task.latency = std::max(task.latency, net_.route(src, dst, scratch_.route));
       for (int l : scratch_.route) load.emplace_back(l, task.bytes[p]);
     }
+    const size_t route_links = load.size();
     std::sort(load.begin(), load.end());
     task.link_load.clear();
     for (size_t k = 0; k < load.size();) {
@@ -131,12 +133,54 @@ void CollectiveRunner::finish(PreparedComm& out) {
       out.links.push_back(l);
     }
     out.gpus.insert(out.gpus.end(), task.gpus.begin(), task.gpus.end());
+    split_at_waypoints(task, route_links);
   }
   std::sort(out.links.begin(), out.links.end());
   out.links.erase(std::unique(out.links.begin(), out.links.end()), out.links.end());
   std::sort(out.gpus.begin(), out.gpus.end());
   out.gpus.erase(std::unique(out.gpus.begin(), out.gpus.end()), out.gpus.end());
   out.alone_seconds = out.extra_latency + fluid_seconds(out.tasks, net_.links());
+}
+
+void CollectiveRunner::split_at_waypoints(PreparedComm::Task& task, size_t route_links) {
+  const int gpus = net_.topology().num_gpus();
+  std::map<std::pair<int, int>, double> halves;  // (source, destination) host -> bytes
+  for (size_t p = 0; p < task.pairs.size(); ++p) {
+    const int src = task.gpus[task.pairs[p].first];
+    const int dst = task.gpus[task.pairs[p].second];
+    const Network::Waypoint w = net_.waypoint(src, dst);
+    if (w == Network::Waypoint::kNone) {
+      halves[{src, dst}] += task.bytes[p];
+    } else {
+      const int host = gpus + static_cast<int>(w);
+      halves[{src, host}] += task.bytes[p];
+      halves[{host, dst}] += task.bytes[p];
+    }
+  }
+  size_t split_links = 0;
+  for (const auto& [ends, bytes] : halves) {
+    scratch_.route.clear();
+    const auto [src, dst] = ends;
+    if (dst >= gpus) {
+      net_.route_to(src, static_cast<Network::Waypoint>(dst - gpus), scratch_.route);
+    } else if (src >= gpus) {
+      net_.route_from(static_cast<Network::Waypoint>(src - gpus), dst, scratch_.route);
+    } else {
+      net_.route(src, dst, scratch_.route);
+    }
+    split_links += scratch_.route.size();
+  }
+  if (split_links >= route_links) return;  // rings and trees: their flows share few links
+  std::unordered_map<int, int> index;
+  auto host_index = [&](int host) {
+    auto [it, inserted] = index.emplace(host, static_cast<int>(task.split_hosts.size()));
+    if (inserted) task.split_hosts.push_back(host);
+    return it->second;
+  };
+  for (const auto& [ends, bytes] : halves) {
+    task.split_pairs.emplace_back(host_index(ends.first), host_index(ends.second));
+    task.split_bytes.push_back(bytes);
+  }
 }
 
 void CollectiveRunner::add_flows(const std::vector<Flow>& flows, PreparedComm& out) {
@@ -211,33 +255,42 @@ int CollectiveRunner::run(const PreparedComm& comm, double overlap_seconds) {
   }
   std::vector<sg4::ExecPtr> running;
   running.reserve(comm.tasks.size());
-  auto start_tasks = [&] {
-    for (const auto& t : comm.tasks) {
-      const size_t n = t.gpus.size();
-      std::vector<sg4::Host*> hosts(n);
-      for (size_t i = 0; i < n; ++i) hosts[i] = hosts_[t.gpus[i]];
-      std::vector<double> matrix(n * n, 0.0);
-      for (size_t p = 0; p < t.pairs.size(); ++p) {
-        matrix[t.pairs[p].first * n + t.pairs[p].second] += t.bytes[p];
-      }
-      sg4::ExecPtr e = sg4::Exec::init();
-      e->set_hosts(hosts);
-      e->set_flops_amounts(std::vector<double>(n, 0.0));
-      e->set_bytes_amounts(matrix);
-      e->start();
-      running.push_back(e);
-      ++activities;
+  auto start_task = [&](const PreparedComm::Task& t) {
+    const bool split = !t.split_pairs.empty();
+    const std::vector<int>& task_hosts = split ? t.split_hosts : t.gpus;
+    const auto& pairs = split ? t.split_pairs : t.pairs;
+    const auto& bytes = split ? t.split_bytes : t.bytes;
+    const size_t n = task_hosts.size();
+    std::vector<sg4::Host*> hosts(n);
+    for (size_t i = 0; i < n; ++i) hosts[i] = hosts_[task_hosts[i]];
+    std::vector<double> matrix(n * n, 0.0);
+    for (size_t p = 0; p < pairs.size(); ++p) {
+      matrix[pairs[p].first * n + pairs[p].second] += bytes[p];
     }
+    sg4::ExecPtr e = sg4::Exec::init();
+    e->set_hosts(hosts);
+    e->set_flops_amounts(std::vector<double>(n, 0.0));
+    e->set_bytes_amounts(matrix);
+    e->start();
+    running.push_back(e);
+    ++activities;
   };
-  if (overlap_seconds > comm.extra_latency) {
-    // Compute and communication start together; the latency delays only the transfer.
-    sleep(comm.extra_latency);
-    start_tasks();
-    sleep(overlap_seconds - comm.extra_latency);
-  } else {
-    sleep(comm.extra_latency);
-    start_tasks();
+  // Tasks start after the steps' latency, and a task split at its waypoints after its route
+  // latency too (SimGrid pays it for the others). Compute of `overlap_seconds` runs alongside.
+  std::vector<std::pair<double, size_t>> starts;  // (seconds from now, task)
+  for (size_t i = 0; i < comm.tasks.size(); ++i) {
+    const PreparedComm::Task& t = comm.tasks[i];
+    starts.emplace_back(comm.extra_latency + (t.split_pairs.empty() ? 0.0 : t.latency), i);
   }
+  std::stable_sort(starts.begin(), starts.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  double now = 0;
+  for (const auto& [at, i] : starts) {
+    sleep(at - now);
+    now = std::max(now, at);
+    start_task(comm.tasks[i]);
+  }
+  sleep(overlap_seconds - now);
   for (auto& e : running) e->wait();
   return activities;
 }

@@ -22,6 +22,17 @@ struct PreparedComm {
     std::vector<double> bytes;                      // per pair
     std::vector<std::pair<int, double>> link_load;  // bytes each link carries
     double latency = 0;                             // largest route latency (paid once by L07)
+    // What SimGrid runs, when it has fewer route links than the pairs above: every flow split
+    // at its route's waypoint (Network::waypoint), the halves summed per (source, waypoint) and
+    // (waypoint, destination). L07 sums a task's bytes per link and advances the task at one
+    // rate, so every link carries the same bytes and the task ends at the same time; what it
+    // saves is L07 looking up every flow's route at every start, n(n-1) of them for an
+    // all-to-all over n GPUs against a few halves per GPU. Hosts from the GPU count on are
+    // waypoints (GPU count + Waypoint). Halves report no latency: the task waits `latency`
+    // before it starts.
+    std::vector<int> split_hosts;
+    std::vector<std::pair<int, int>> split_pairs;  // indices into split_hosts
+    std::vector<double> split_bytes;
   };
   std::vector<Task> tasks;
   double extra_latency = 0;  // seconds before the tasks start
@@ -42,6 +53,7 @@ double fluid_seconds(const std::vector<PreparedComm::Task>& tasks,
 
 class CollectiveRunner {
  public:
+  // `hosts` holds the GPUs' hosts, then the network's waypoints' (sim/platform.h).
   CollectiveRunner(const Network& net, const std::vector<simgrid::s4u::Host*>& hosts,
                    Algorithm algorithm, const CommModel& comm, const ExpertRouting& routing = {})
       : net_(net), hosts_(hosts), algorithm_(algorithm), comm_(comm), routing_(routing) {}
@@ -60,6 +72,7 @@ class CollectiveRunner {
  private:
   void add_flows(const std::vector<Flow>& flows, PreparedComm& out);
   void finish(PreparedComm& out);
+  void split_at_waypoints(PreparedComm::Task& task, size_t route_links);
 
   const Network& net_;
   const std::vector<simgrid::s4u::Host*>& hosts_;

@@ -12,7 +12,8 @@
 namespace nnsim {
 
 // Must be called once, after the engine is created and before anything runs.
-// Hosts are indexed by GPU.
+// Hosts are indexed by GPU, then come the network's waypoints (GPU count + Network::Waypoint),
+// where the halves of a parallel task's flows meet (sim/collective_runner.h).
 std::vector<simgrid::s4u::Host*> build_platform(const Network& net);
 
 }  // namespace nnsim

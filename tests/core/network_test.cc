@@ -1,5 +1,6 @@
 #include "core/network.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <set>
 #include <string>
@@ -195,6 +196,60 @@ node:
   EXPECT_DOUBLE_EQ(lat, 2e-6);
   EXPECT_EQ(route_names(net, 1, 2),
             (Names{"n0.g1.pcie.up", "n0.psw0.up", "n0.psw1.down", "n0.g2.pcie.down"}));
+}
+
+// The names of the links from `gpu` to waypoint `w` (to_waypoint) or from `w` to `gpu`.
+Names half_names(const Network& net, int gpu, Network::Waypoint w, bool to_waypoint) {
+  std::vector<int> ids;
+  if (to_waypoint) {
+    net.route_to(gpu, w, ids);
+  } else {
+    net.route_from(w, gpu, ids);
+  }
+  Names names;
+  for (int id : ids) names.push_back(net.links()[id].name);
+  return names;
+}
+
+TEST(Network, RoutesSplitWhereTheyStopDependingOnTheSource) {
+  using W = Network::Waypoint;
+  Network pod(preset("dgx-h100-superpod"));
+  EXPECT_EQ(pod.waypoint(0, 5), W::kNvSwitch);
+  EXPECT_EQ(half_names(pod, 0, W::kNvSwitch, true), (Names{"n0.g0.nvl.up"}));
+  EXPECT_EQ(half_names(pod, 5, W::kNvSwitch, false), (Names{"n0.g5.nvl.down"}));
+  EXPECT_EQ(pod.waypoint(3, 5 * 8 + 3), W::kFabricLeaf);    // same rail, same unit
+  EXPECT_EQ(pod.waypoint(3, 5 * 8 + 4), W::kFabricSpine);   // another rail
+  EXPECT_EQ(pod.waypoint(3, 40 * 8 + 3), W::kFabricSpine);  // another unit
+  EXPECT_EQ(half_names(pod, 3, W::kFabricSpine, true), (Names{"n0.nic3.up", "su0.rail3.up"}));
+  EXPECT_EQ(half_names(pod, 40 * 8 + 3, W::kFabricSpine, false),
+            (Names{"su1.rail3.down", "n40.nic3.down"}));
+
+  Network pcie(preset("pcie-a100x8", 2));
+  EXPECT_EQ(pcie.waypoint(0, 1), W::kPcieSwitch);
+  EXPECT_EQ(pcie.waypoint(0, 7), W::kPcieRoot);
+  EXPECT_EQ(half_names(pcie, 7, W::kPcieRoot, false), (Names{"n0.psw3.down", "n0.g7.pcie.down"}));
+  // Across nodes the NIC is reached over PCIe on both sides.
+  EXPECT_EQ(half_names(pcie, 2, W::kFabricLeaf, true),
+            (Names{"n0.g2.pcie.up", "n0.psw1.up", "n0.psw0.down", "n0.nic0.up"}));
+  EXPECT_EQ(half_names(pcie, 8 + 6, W::kFabricLeaf, false),
+            (Names{"n1.nic1.down", "n1.psw2.up", "n1.psw3.down", "n1.g6.pcie.down"}));
+}
+
+TEST(Network, ADirectNvLinkHasNoWaypoint) {
+  Network net(parse(R"(gpu: a100-sxm4-80gb
+nodes: 1
+node:
+  gpus: 4
+  intra:
+    kind: nvlink_mesh
+    bandwidth: 25 GB/s
+    latency: 1 us
+    links: [[0, 1, 4], [2, 3, 4], [0, 2], [3, 1]]
+  pcie: {gpu_link_bandwidth: 32 GB/s, switch_uplink_bandwidth: 32 GB/s, latency: 0.5 us,
+         switches: [[0, 1], [2, 3]]}
+)"));
+  EXPECT_EQ(net.waypoint(0, 1), Network::Waypoint::kNone);
+  EXPECT_EQ(net.waypoint(0, 3), Network::Waypoint::kPcieRoot);  // no NVLink: PCIe
 }
 
 TEST(Network, SuperpodOf16kGpus) {

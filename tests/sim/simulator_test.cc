@@ -18,6 +18,7 @@
 #include "planner/estimator.h"
 #include "planner/megatron.h"
 #include "planner/schedule_gen.h"
+#include "sim/collective_runner.h"
 #include "sim/report.h"
 #include "tests/support/communication_free.h"
 
@@ -323,6 +324,45 @@ TEST(Simulator, LoneAllToAllTakesItsClosedForm) {
   ASSERT_EQ(flows.flows.size(), 64u * 63u);
   const double closed_form = isolated_seconds(flows, net, scratch);
   EXPECT_NEAR((*r)[0], closed_form, 1e-9 * closed_form);
+}
+
+// The flows of one parallel task, as the fluid closed form (sim/collective_runner.h) takes them.
+PreparedComm::Task fluid_task(const CollectiveFlows& c, const Network& net) {
+  PreparedComm::Task task;
+  std::map<int, double> load;
+  for (const Flow& f : c.flows) {
+    std::vector<int> route;
+    task.latency = std::max(task.latency, net.route(f.src, f.dst, route));
+    for (int l : route) load[l] += f.bytes;
+  }
+  task.link_load.assign(load.begin(), load.end());
+  return task;
+}
+
+TEST(Simulator, AnAllToAllSharesItsLinksAsItsFlowsDo) {
+  // SimGrid runs the all-to-all's flows split at their waypoints (summed per GPU and waypoint);
+  // beside a transfer through one of its NICs and NVSwitch ports, the two must still end when
+  // max-min sharing of the flows themselves says.
+  const Topology t = load("dgx-h100-superpod", 4);
+  std::vector<int> gpus;
+  for (int node = 0; node < 4; ++node) {
+    for (int local = 0; local < 8; local += 2) gpus.push_back(node * 8 + local);
+  }
+  CommRequest a2a{CommRequest::Kind::kCollective, CollectiveKind::kAllToAll, Algorithm::kAuto,
+                  gpus, 64e6};
+  CommRequest transfer{CommRequest::Kind::kTransfer, CollectiveKind::kAllReduce, Algorithm::kRing,
+                       {0, 8 + 2}, 32e6};
+  Expected<std::vector<double>> r = simulate_communication(t, CommModel::ideal(), {a2a, transfer});
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  const Network net(t);
+  const CommModel ideal = CommModel::ideal();
+  const CollectiveFlows a = decompose_collective(CollectiveKind::kAllToAll, gpus, 64e6,
+                                                 Algorithm::kAuto, net, ideal);
+  const CollectiveFlows b = decompose_transfer({0}, {8 + 2}, 32e6, net, ideal);
+  const double both = fluid_seconds({fluid_task(a, net), fluid_task(b, net)}, net.links());
+  LinkLoadScratch scratch;
+  EXPECT_GT(both, isolated_seconds(a, net, scratch) * 1.01);  // they do contend
+  EXPECT_NEAR(std::max((*r)[0], (*r)[1]), both, 1e-9 * both);
 }
 
 TEST(Simulator, TwoFlowsSharingALinkGetHalfEach) {
