@@ -313,8 +313,8 @@ TEST(Simulator, LoneAllToAllTakesItsClosedForm) {
     for (int local = 0; local < 8; local += 2) gpus.push_back(node * 8 + local);
   }
   const double bytes = 256e6;
-  CommRequest a2a{CommRequest::Kind::kCollective, CollectiveKind::kAllToAll, Algorithm::kAuto,
-                  gpus, bytes};
+  CommRequest a2a{CommRequest::Kind::kCollective, CollectiveKind::kAllToAll, Algorithm::kAuto, gpus,
+                  bytes};
   Expected<std::vector<double>> r = simulate_communication(t, CommModel::ideal(), {a2a});
   ASSERT_TRUE(r.ok()) << r.error().message();
   const Network net(t);
@@ -348,16 +348,16 @@ TEST(Simulator, AnAllToAllSharesItsLinksAsItsFlowsDo) {
   for (int node = 0; node < 4; ++node) {
     for (int local = 0; local < 8; local += 2) gpus.push_back(node * 8 + local);
   }
-  CommRequest a2a{CommRequest::Kind::kCollective, CollectiveKind::kAllToAll, Algorithm::kAuto,
-                  gpus, 64e6};
-  CommRequest transfer{CommRequest::Kind::kTransfer, CollectiveKind::kAllReduce, Algorithm::kRing,
-                       {0, 8 + 2}, 32e6};
+  CommRequest a2a{CommRequest::Kind::kCollective, CollectiveKind::kAllToAll, Algorithm::kAuto, gpus,
+                  64e6};
+  CommRequest transfer{
+      CommRequest::Kind::kTransfer, CollectiveKind::kAllReduce, Algorithm::kRing, {0, 8 + 2}, 32e6};
   Expected<std::vector<double>> r = simulate_communication(t, CommModel::ideal(), {a2a, transfer});
   ASSERT_TRUE(r.ok()) << r.error().message();
   const Network net(t);
   const CommModel ideal = CommModel::ideal();
-  const CollectiveFlows a = decompose_collective(CollectiveKind::kAllToAll, gpus, 64e6,
-                                                 Algorithm::kAuto, net, ideal);
+  const CollectiveFlows a =
+      decompose_collective(CollectiveKind::kAllToAll, gpus, 64e6, Algorithm::kAuto, net, ideal);
   const CollectiveFlows b = decompose_transfer({0}, {8 + 2}, 32e6, net, ideal);
   const double both = fluid_seconds({fluid_task(a, net), fluid_task(b, net)}, net.links());
   LinkLoadScratch scratch;
