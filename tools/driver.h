@@ -27,7 +27,7 @@ bool write_file(const std::string& path, const std::string& text, std::string* e
 Expected<Topology> load_topology_sized(const std::string& path, int nodes);
 
 // For a mixture of experts, a note that its step times are not validated yet: the published
-// MoE runs nnsim has been set against ran slower than it predicts (docs/moe.md).
+// MoE runs nnsim has been set against ran slower or faster than it predicts (docs/moe.md).
 void note_unvalidated_moe(const ModelSpec& model);
 
 // Progress on a terminal only; pipes and files stay quiet.
