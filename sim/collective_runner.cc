@@ -1,4 +1,5 @@
 #include "sim/collective_runner.h"
+#include "sim/wait.h"
 
 #include <algorithm>
 #include <limits>
@@ -246,7 +247,7 @@ int CollectiveRunner::run(const PreparedComm& comm, double overlap_seconds) {
   int activities = 0;
   auto sleep = [&](double seconds) {
     if (seconds <= 0) return;
-    sg4::this_actor::sleep_for(seconds);
+    wait_for(seconds);
     ++activities;
   };
   if (comm.tasks.empty()) {

@@ -9,6 +9,7 @@
 #include <xbt/log.h>
 
 #include "sim/platform.h"
+#include "sim/wait.h"
 
 namespace nnsim {
 
@@ -72,7 +73,7 @@ void Simulation::flush_compute(Instance& inst, int block) {
         !comm_busy ? 0 : interference_beside(prog_.compute_model, inst.exchanges_in_flight > 0);
     const double slowdown = p.compute_seconds * interference;
     inst.breakdown.compute += slowdown;
-    sg4::this_actor::sleep_for(p.seconds + slowdown);
+    wait_for(p.seconds + slowdown);
     ++activities_;
   }
   if (options_.record_tasks && inst.replica == 0) {
@@ -567,7 +568,7 @@ double Simulation::run_on_stream(Instance& inst, const Step& step, const Rendezv
   const PreparedComm& comm = prepared_collective(inst, step);
   if (!foldable(inst, step)) return joint_collective(inst, comm, key, participants(inst, step), 0);
   const double t0 = sg4::Engine::get_clock();
-  sg4::this_actor::sleep_for(comm.alone_seconds);  // nothing else crosses its links
+  wait_for(comm.alone_seconds);  // nothing else crosses its links
   ++activities_;
   return t0;
 }
