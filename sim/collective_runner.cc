@@ -1,13 +1,13 @@
 #include "sim/collective_runner.h"
-#include "sim/wait.h"
 
 #include <algorithm>
 #include <limits>
 #include <map>
 #include <unordered_map>
 
-#include <simgrid/s4u/Actor.hpp>
 #include <simgrid/s4u/Exec.hpp>
+
+#include "sim/wait.h"
 
 namespace nnsim {
 
@@ -245,13 +245,13 @@ PreparedComm CollectiveRunner::prepare_transfer(const std::vector<int>& src_gpus
 
 int CollectiveRunner::run(const PreparedComm& comm, double overlap_seconds) {
   int activities = 0;
-  auto sleep = [&](double seconds) {
+  auto wait = [&](double seconds) {
     if (seconds <= 0) return;
     wait_for(seconds);
     ++activities;
   };
   if (comm.tasks.empty()) {
-    sleep(overlap_seconds);
+    wait(overlap_seconds);
     return activities;
   }
   std::vector<sg4::ExecPtr> running;
@@ -287,11 +287,11 @@ int CollectiveRunner::run(const PreparedComm& comm, double overlap_seconds) {
                    [](const auto& a, const auto& b) { return a.first < b.first; });
   double now = 0;
   for (const auto& [at, i] : starts) {
-    sleep(at - now);
+    wait(at - now);
     now = std::max(now, at);
     start_task(comm.tasks[i]);
   }
-  sleep(overlap_seconds - now);
+  wait(overlap_seconds - now);
   for (auto& e : running) e->wait();
   return activities;
 }
