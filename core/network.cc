@@ -112,7 +112,7 @@ Network::Network(const Topology& topo) : topo_(topo) {
 }
 
 int Network::add_duplex(const std::string& name, LinkKind kind, double bandwidth, double latency) {
-  int id = static_cast<int>(links_.size());
+  int id = static_cast<int>(links_.size());  // even: every link is added here, in pairs
   links_.push_back({name + ".up", kind, bandwidth, latency});
   links_.push_back({name + ".down", kind, bandwidth, latency});
   return id;
@@ -175,32 +175,12 @@ void Network::route_to(int gpu, Waypoint w, std::vector<int>& out) const {
 }
 
 void Network::route_from(Waypoint w, int gpu, std::vector<int>& out) const {
-  const int g = topo_.gpus_per_node;
-  const int node = gpu / g;
-  const int local = gpu % g;
-  const size_t switch_base = static_cast<size_t>(node) * topo_.intra.pcie.switches.size();
-  switch (w) {
-    case Waypoint::kNone:
-      return;
-    case Waypoint::kNvSwitch:
-      out.push_back(nvswitch_port_[gpu] + 1);
-      return;
-    case Waypoint::kPcieSwitch:
-      out.push_back(pcie_gpu_[gpu] + 1);
-      return;
-    case Waypoint::kPcieRoot:
-      out.push_back(pcie_uplink_[switch_base + local_switch_[local]] + 1);
-      out.push_back(pcie_gpu_[gpu] + 1);
-      return;
-    case Waypoint::kFabricLeaf:
-    case Waypoint::kFabricSpine: {
-      const int nic = local_nic_[local];
-      if (w == Waypoint::kFabricSpine) out.push_back(fabric_uplink_[uplink_index(node, nic)] + 1);
-      out.push_back(nic_[static_cast<size_t>(node) * topo_.nics.size() + nic] + 1);
-      if (topo_.intra.has_pcie) gpu_to_nic(node, local, nic, false, out);
-      return;
-    }
-  }
+  // The way in is the way out backwards, every link crossed in its other direction (the two
+  // entries of a duplex link are an even index and the next).
+  const size_t start = out.size();
+  route_to(gpu, w, out);
+  std::reverse(out.begin() + static_cast<std::ptrdiff_t>(start), out.end());
+  for (size_t i = start; i < out.size(); ++i) out[i] ^= 1;
 }
 
 size_t Network::uplink_index(int node, int nic) const {

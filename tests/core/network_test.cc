@@ -167,8 +167,8 @@ TEST(Network, PcieNodesReachTheirNicOverPcie) {
             (Names{"n0.g0.pcie.up", "n0.nic0.up", "n1.nic1.down", "n1.g4.pcie.down"}));
 }
 
-TEST(Network, NvLinkMeshUsesDirectLinksAndFallsBackToPcie) {
-  Network net(parse(R"(gpu: a100-sxm4-80gb
+// Four GPUs, NVLinks between some pairs only, PCIe for the rest.
+const char* const kMesh = R"(gpu: a100-sxm4-80gb
 nodes: 1
 node:
   gpus: 4
@@ -179,7 +179,10 @@ node:
     links: [[0, 1, 4], [2, 3, 4], [0, 2], [3, 1]]
   pcie: {gpu_link_bandwidth: 32 GB/s, switch_uplink_bandwidth: 32 GB/s, latency: 0.5 us,
          switches: [[0, 1], [2, 3]]}
-)"));
+)";
+
+TEST(Network, NvLinkMeshUsesDirectLinksAndFallsBackToPcie) {
+  Network net(parse(kMesh));
   double lat = 0;
   EXPECT_EQ(route_names(net, 0, 1, &lat), (Names{"n0.g0-g1.nvl.up"}));
   EXPECT_DOUBLE_EQ(lat, 1e-6);
@@ -236,18 +239,7 @@ TEST(Network, RoutesSplitWhereTheyStopDependingOnTheSource) {
 }
 
 TEST(Network, ADirectNvLinkHasNoWaypoint) {
-  Network net(parse(R"(gpu: a100-sxm4-80gb
-nodes: 1
-node:
-  gpus: 4
-  intra:
-    kind: nvlink_mesh
-    bandwidth: 25 GB/s
-    latency: 1 us
-    links: [[0, 1, 4], [2, 3, 4], [0, 2], [3, 1]]
-  pcie: {gpu_link_bandwidth: 32 GB/s, switch_uplink_bandwidth: 32 GB/s, latency: 0.5 us,
-         switches: [[0, 1], [2, 3]]}
-)"));
+  Network net(parse(kMesh));
   EXPECT_EQ(net.waypoint(0, 1), Network::Waypoint::kNone);
   EXPECT_EQ(net.waypoint(0, 3), Network::Waypoint::kPcieRoot);  // no NVLink: PCIe
 }
