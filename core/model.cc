@@ -249,7 +249,8 @@ int64_t ModelSpec::attention_parameters() const {
     const int64_t d = head_dim();
     const int64_t qkv_out = (heads + 2 * kv_heads) * d;
     // The norm, the fused Q, K, V projection, the query and key norms and the output projection.
-    return norm_of(h) + linear(h, qkv_out) + (qk_norm ? 2 * norm_of(d) : 0) + linear(heads * d, h);
+    return norm_of(h) + linear(h, qkv_out) + (qk_norm ? 2 * norm_of(d) : 0) + linear(heads * d, h) +
+           (post_norms ? norm_of(h) : 0);
   }
   const int64_t qk = qk_nope_head_dim + qk_rope_head_dim;
   int64_t p = norm_of(h);
@@ -259,6 +260,7 @@ int64_t ModelSpec::attention_parameters() const {
   p += linear(h, kv_lora_rank + qk_rope_head_dim) + norm_of(kv_lora_rank);
   p += linear(kv_lora_rank, heads * (qk_nope_head_dim + v_head_dim));
   p += linear(heads * v_head_dim, h);
+  if (post_norms) p += norm_of(h);
   return p;
 }
 
@@ -270,7 +272,9 @@ int ModelSpec::windowed_layers() const {
 
 int64_t ModelSpec::dense_layer_parameters() const {
   const int64_t h = hidden;
-  const int64_t mlp_norm = h + (norm == NormKind::kLayerNorm && bias ? h : 0);
+  // The norm before the MLP and, with post_norms, the one after it.
+  const int64_t mlp_norm =
+      (h + (norm == NormKind::kLayerNorm && bias ? h : 0)) * (post_norms ? 2 : 1);
   return attention_parameters() + mlp_norm + mlp_parameters(ffn_hidden);
 }
 
@@ -330,6 +334,7 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                    "kv_heads",
                    "head_dim",
                    "qk_norm",
+                   "post_norms",
                    "mtp_layers",
                    "ffn_hidden",
                    "mlp",
@@ -393,6 +398,7 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
   }
   m.bias = node.get_bool("bias", true);
   m.qk_norm = node.get_bool("qk_norm", false);
+  m.post_norms = node.get_bool("post_norms", false);
   if (node.has("mtp_layers")) {
     InputNode n = node["mtp_layers"];
     const int64_t v = n.as_int();
@@ -512,6 +518,7 @@ std::string model_to_json(const ModelSpec& m) {
   j["kv_heads"] = m.kv_heads;
   if (m.head_width > 0) j["head_dim"] = m.head_width;
   if (m.qk_norm) j["qk_norm"] = true;
+  if (m.post_norms) j["post_norms"] = true;
   if (m.mtp_layers > 0) j["mtp_layers"] = m.mtp_layers;
   j["ffn_hidden"] = m.ffn_hidden;
   j["mlp"] = to_string(m.mlp);

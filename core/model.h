@@ -95,6 +95,10 @@ struct ModelSpec {
   // Per-head norms of the queries and keys (Qwen3, OLMo 2; Megatron-Core's --qk-layernorm), of
   // the model's `norm` kind, one scale for the queries and one for the keys.
   bool qk_norm = false;
+  // A norm of the model's `norm` kind on the attention's and on the MLP's output, before each
+  // is added to the residual stream (Gemma 2 and 3's post_attention_layernorm and
+  // post_feedforward_layernorm, beside the usual norms before them).
+  bool post_norms = false;
   // DeepSeek-V3's multi-token prediction (Megatron-Core's --mtp-num-layers): modules after the
   // head, each predicting one token further ahead from the previous one's hidden state and the
   // token's embedding, through a block of the model's kind, the shared output head and a loss

@@ -612,12 +612,21 @@ GraphPart build_layer(const ModelSpec& m, const Shape& x) {
     ops.push_back(linear_op("attn.proj", proj, out(core), Dim::kHeads, x.a * x.dh, Dim::kHidden,
                             x.h, m.bias, x));
   }
-  const int residual = proj + 1, norm = proj + 2;
-  ops.push_back(dropout_add_op("attn.residual", residual, {out(proj), kPartInput}, m.dropout, x));
+  // With post_norms (Gemma's) the attention's and the MLP's outputs are normalized before the
+  // residual adds them. Returns the operator whose output the residual adds.
+  auto post_norm = [&](const char* name, int output) {
+    if (!m.post_norms) return output;
+    ops.push_back(norm_op(name, output + 1, out(output), m, x));
+    return output + 1;
+  };
+  const int attn_out = post_norm("attn.post_norm", proj);
+  const int residual = attn_out + 1, norm = attn_out + 2;
+  ops.push_back(
+      dropout_add_op("attn.residual", residual, {out(attn_out), kPartInput}, m.dropout, x));
   ops.push_back(norm_op("mlp.norm", norm, out(residual), m, x));
   if (m.moe()) {
     add_moe_ops(ops, out(norm), m, x);
-    const int last = static_cast<int>(ops.size()) - 1;
+    const int last = post_norm("mlp.post_norm", static_cast<int>(ops.size()) - 1);
     ops.push_back(
         dropout_add_op("mlp.residual", last + 1, {out(last), out(residual)}, m.dropout, x));
     return part;
@@ -629,8 +638,9 @@ GraphPart build_layer(const ModelSpec& m, const Shape& x) {
   ops.push_back(activation_op("mlp.act", fc1 + 1, out(fc1), m, x, m.ffn_hidden));
   ops.push_back(
       linear_op("mlp.fc2", fc1 + 2, out(fc1 + 1), Dim::kFfn, x.f, Dim::kHidden, x.h, m.bias, x));
+  const int mlp_out = post_norm("mlp.post_norm", fc1 + 2);
   ops.push_back(
-      dropout_add_op("mlp.residual", fc1 + 3, {out(fc1 + 2), out(residual)}, m.dropout, x));
+      dropout_add_op("mlp.residual", mlp_out + 1, {out(mlp_out), out(residual)}, m.dropout, x));
   return part;
 }
 

@@ -83,6 +83,11 @@ Status check_model_runnable(const Plan& plan) {
     return refuse("model.mtp_layers",
                   "multi-token prediction is simulated only (drop 'mtp_layers')");
   }
+  if (m.post_norms) {
+    return refuse("model.post_norms",
+                  "norms after the attention and the MLP (Gemma's) are simulated only (drop "
+                  "'post_norms')");
+  }
   // Mixtures of experts run with every expert on every rank, split along their width over the
   // tensor-parallel ranks, spread over ranks that split the batch (expert parallelism, checked
   // below), or both, routed dropless as Megatron-Core's default: each expert takes exactly the

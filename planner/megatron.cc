@@ -558,6 +558,7 @@ void add_partition_rules(const ModelSpec& model, const MegatronOptions& o, Plan&
           o.cp > 1 ? std::vector<std::string>{"cp", "tp"} : std::vector<std::string>{"tp"};
       rule("*.norm", Dim::kSeq, axes);
       rule("*.residual", Dim::kSeq, axes);
+      if (model.post_norms) rule("*.post_norm", Dim::kSeq, axes);
       // Latent attention projects each GPU's share of the sequence down and normalizes it
       // there; the up-projections gather the latents over tp (Megatron-Core's MLA under
       // sequence parallelism: "duplicated" down-projections, column-parallel up-projections).

@@ -317,6 +317,36 @@ TEST(Model, GegluIsAGatedMlp) {
   EXPECT_EQ(back->mlp, MlpKind::kGeglu);
 }
 
+TEST(Model, PostNormsAddANormAfterTheAttentionAndTheMlp) {
+  auto plain = parse_model(kSmall, "m.yaml");
+  ASSERT_TRUE(plain.ok()) << plain.error().message();
+  auto post = parse_model(std::string(kSmall) + "post_norms: true\n", "m.yaml");
+  ASSERT_TRUE(post.ok()) << post.error().message();
+  // Two norms a block, each a scale and (LayerNorm with biases) a shift of hidden's width.
+  const int64_t per_norm =
+      plain->hidden * (plain->norm == NormKind::kLayerNorm && plain->bias ? 2 : 1);
+  EXPECT_EQ(post->parameters() - plain->parameters(), plain->layers * 2 * per_norm);
+  auto back = parse_model(model_to_json(*post), "plan.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_TRUE(back->post_norms);
+  EXPECT_FALSE(contains(model_to_json(*plain), "post_norms"));
+  auto bad = parse_model(std::string(kSmall) + "post_norms: sometimes\n", "m.yaml");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_TRUE(contains(bad.error().message(), "post_norms")) << bad.error().message();
+}
+
+TEST(Model, Gemma3LanguageModel) {
+  // google/gemma-3-27b-pt's text_config: 62 blocks of 32 query and 16 key/value heads of width
+  // 128 over 5,376, GeGLU of 21,504, a 262,208-token vocabulary tied to the head: 27.0B (the
+  // checkpoint's "27B" without its SigLIP vision encoder). Five windowed blocks to one global.
+  auto m = load_model("gemma-3-27b");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_EQ(m->parameters(), 27'009'346'304);
+  EXPECT_TRUE(m->post_norms);
+  EXPECT_TRUE(m->qk_norm);
+  EXPECT_EQ(m->windowed_layers(), 62 - 62 / 6);
+}
+
 TEST(Model, SlidingWindowFieldsAreCheckedAndRoundTrip) {
   // Every layer within the window unless an interval says which attend fully.
   auto all = parse_model(std::string(kSmall) + "sliding_window: 32\n", "m.yaml");

@@ -208,7 +208,7 @@ TEST(OpGraph, MultiTokenPredictionFollowsTheHead) {
 
 TEST(OpGraph, PartsHoldTheModelsParameters) {
   for (const char* name : {"gpt3-175b", "gpt3-1.3b", "llama2-70b", "llama3-8b", "mixtral-8x7b",
-                           "deepseek-v2-lite", "deepseek-v3", "qwen3-30b-a3b"}) {
+                           "deepseek-v2-lite", "deepseek-v3", "qwen3-30b-a3b", "gemma-3-27b"}) {
     ModelSpec m = preset(name);
     OpGraph g = lower_model(m, 1);
     auto params = [](const GraphPart& p) {
@@ -240,6 +240,37 @@ TEST(OpGraph, LayerOperatorsInOrder) {
   OpGraph llama = lower_model(preset("llama3-8b"), 1);
   ASSERT_EQ(llama.embedding.ops.size(), 1u);
   EXPECT_EQ(llama.embedding.ops[0].name, "embed.word");
+}
+
+// Gemma's post-norms: the attention's and the MLP's outputs are normalized before the residual
+// adds them.
+TEST(OpGraph, PostNormsComeBeforeTheResiduals) {
+  ModelSpec m = preset("llama3-8b");
+  m.post_norms = true;
+  const OpGraph g = lower_model(m, 1);
+  EXPECT_EQ(layer_op_names(g),
+            (std::vector<std::string>{"attn.norm", "attn.qkv", "attn.core", "attn.proj",
+                                      "attn.post_norm", "attn.residual", "mlp.norm", "mlp.fc1",
+                                      "mlp.act", "mlp.fc2", "mlp.post_norm", "mlp.residual"}));
+  const auto& ops = g.layer.ops;
+  auto index = [&](const std::string& name) {
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (ops[i].name == name) return static_cast<int>(i);
+    }
+    return -1;
+  };
+  EXPECT_EQ(ops[index("attn.post_norm")].inputs[0].op, index("attn.proj"));
+  EXPECT_EQ(ops[index("attn.residual")].inputs[0].op, index("attn.post_norm"));
+  EXPECT_EQ(ops[index("mlp.residual")].inputs[0].op, index("mlp.post_norm"));
+  EXPECT_EQ(ops[index("mlp.residual")].inputs[1].op, index("attn.residual"));
+  // In a mixture of experts the norm follows the combine.
+  ModelSpec moe = preset("mixtral-8x7b");
+  moe.post_norms = true;
+  const OpGraph e = lower_model(moe, 1);
+  const auto& eops = e.layer.ops;
+  ASSERT_GE(eops.size(), 3u);
+  EXPECT_EQ(eops[eops.size() - 2].name, "mlp.post_norm");
+  EXPECT_EQ(eops[eops.size() - 3].name, "moe.combine");
 }
 
 // A mixture of experts: the MLP becomes a router, the dispatch of each token to its top-k

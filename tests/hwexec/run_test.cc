@@ -1497,6 +1497,8 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
        "model.router_group_topk: 2 groups a token, more than its 1 experts"},
       {[](Plan& q) { q.model.mtp_layers = 1; },
        "model.mtp_layers: multi-token prediction is simulated"},
+      {[](Plan& q) { q.model.post_norms = true; },
+       "model.post_norms: norms after the attention and the MLP (Gemma's) are simulated only"},
       {[](Plan& q) {
          q.model.kv_lora_rank = 16;
          q.model.qk_nope_head_dim = 16;

@@ -328,6 +328,12 @@ const std::vector<Step>& first_forward(const Program& prog) {
 }
 
 using Counts = std::map<CollectiveKind, int>;
+
+std::string listed_counts(const std::map<std::string, int>& m) {
+  std::string out;
+  for (const auto& [k, v] : m) out += fmt::format("{}: {}; ", k, v);
+  return out;
+}
 constexpr auto kAR = CollectiveKind::kAllReduce;
 constexpr auto kAG = CollectiveKind::kAllGather;
 constexpr auto kRS = CollectiveKind::kReduceScatter;
@@ -360,6 +366,27 @@ TEST(Program, SequenceParallelLayerCollectives) {
     EXPECT_EQ(layer_collectives(prog, seg, BlockKind::kBackward),
               (Counts{{kAG, 2 * n + 2 * n}, {kRS, 2 * n}}));
   }
+}
+
+// Gemma's post-norms normalize the row-parallel matmuls' outputs: the all-reduce (or, under
+// sequence parallelism, the reduce-scatter) comes before them, so a layer keeps the collectives
+// of one without them, and the norms run on each GPU's share of the sequence.
+TEST(Program, PostNormsFollowTheRowParallelCollectives) {
+  ModelSpec m = korthikanti("gpt3-1.3b");
+  m.post_norms = true;
+  const int n = m.layers;
+  Program plain = compile(m, options(8, 1, false, RecomputeMode::kNone, 1));
+  EXPECT_EQ(layer_collectives(plain, 0, BlockKind::kForward), (Counts{{kAR, 2 * n}}));
+  Program sp = compile(m, options(8, 1, true, RecomputeMode::kNone, 1));
+  EXPECT_EQ(layer_collectives(sp, 0, BlockKind::kForward), (Counts{{kAG, 2 * n}, {kRS, 2 * n}}));
+  std::map<std::string, int> scattered;  // label -> count
+  for (const Step& step : first_forward(sp)) {
+    if (step.kind == StepKind::kCollective && step.collective == kRS && step.label >= 0) {
+      ++scattered[sp.labels[step.label]];
+    }
+  }
+  EXPECT_EQ(scattered["attn.post_norm"], n) << listed_counts(scattered);
+  EXPECT_EQ(scattered["mlp.post_norm"], n) << listed_counts(scattered);
 }
 
 // Multi-head latent attention under tensor parallelism (Megatron-Core's MLA): the heads split,
