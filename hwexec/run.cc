@@ -40,7 +40,7 @@ Error refuse(const std::string& field, const std::string& why) {
   return Error(fmt::format(
       "{}: {} (nnexec run executes GPT- and Llama-style models: "
       "LayerNorm or RMSNorm, multi-head, grouped-query or latent attention (sliding windows "
-      "too), GeLU, SwiGLU, "
+      "too), GeLU, SwiGLU, GeGLU, "
       "ReLU or squared-ReLU MLP, mixtures of experts (top-k, dropless, a shared expert, "
       "group-limited routing, every expert on every rank, split along its width over the "
       "tensor-parallel ranks (with sequence and context parallelism too), spread over "

@@ -195,6 +195,12 @@ TEST(MutatedPlans, AreRefusedWithAReasonOrRunNeverACrash) {
     o.pp = 2;
     o.schedule = ScheduleKind::kZbH1;
   });
+  add("tiny-gemma.yaml", [](MegatronOptions& o) {
+    o.tp = 2;
+    o.pp = 2;
+    o.sequence_parallel = true;
+    o.zero = 1;
+  });
   std::mt19937 rng(20261206);
   Outcome out;
   constexpr int kPerSource = 240;
