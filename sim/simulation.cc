@@ -59,7 +59,7 @@ void Simulation::block_done() {
   }
 }
 
-// Consecutive compute steps (and folded collectives) run as one sleep; the breakdown and the
+// Consecutive compute steps (and folded collectives) run as one wait; the breakdown and the
 // records keep every step.
 void Simulation::flush_compute(Instance& inst, int block) {
   PendingCompute& p = pending_[&inst];
@@ -321,7 +321,7 @@ void Simulation::run_collective(Instance& inst, const Step& step, int block) {
   const PreparedComm& comm = prepared_collective(inst, step);
   if (foldable(inst, step)) {
     // Nothing else ever crosses its links: its time alone is its time, so it joins the
-    // compute stream's pending sleep.
+    // compute stream's pending wait.
     PendingCompute& p = pending_[&inst];
     if (p.parts.empty()) p.start = sg4::Engine::get_clock();
     const double seconds = comm.alone_with_overlap(step.seconds);
