@@ -330,9 +330,8 @@ TEST(Model, PostNormsAddANormAfterTheAttentionAndTheMlp) {
   ASSERT_TRUE(back.ok()) << back.error().message();
   EXPECT_TRUE(back->post_norms);
   EXPECT_FALSE(contains(model_to_json(*plain), "post_norms"));
-  auto bad = parse_model(std::string(kSmall) + "post_norms: sometimes\n", "m.yaml");
-  ASSERT_FALSE(bad.ok());
-  EXPECT_TRUE(contains(bad.error().message(), "post_norms")) << bad.error().message();
+  const std::string msg = parse_error(std::string(kSmall) + "post_norms: sometimes\n");
+  EXPECT_TRUE(contains(msg, "post_norms")) << msg;
 }
 
 TEST(Model, Gemma3LanguageModel) {
