@@ -23,11 +23,12 @@ namespace nnsim::hwexec {
 namespace {
 
 // (Latent attention's down-projections and latent norms too: Megatron-Core's MLA runs them on
-// the rank's sequence slice.)
+// the rank's sequence slice; and post_norms' norms, which take the row-parallel sums.)
 const std::set<std::string> kSequenceParallelOps = {
-    "attn.norm",      "attn.residual", "mlp.norm",     "mlp.residual", "head.norm",
-    "embed.position", "embed.dropout", "moe.router",   "moe.dispatch", "moe.combine",
-    "attn.q_down",    "attn.q_norm",   "attn.kv_down", "attn.kv_norm"};
+    "attn.norm",    "attn.residual",  "mlp.norm",       "mlp.residual",
+    "head.norm",    "embed.position", "embed.dropout",  "moe.router",
+    "moe.dispatch", "moe.combine",    "attn.q_down",    "attn.q_norm",
+    "attn.kv_down", "attn.kv_norm",   "attn.post_norm", "mlp.post_norm"};
 
 std::string join(const std::vector<std::string>& v, const char* sep) {
   std::string s;
@@ -39,8 +40,8 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 Error refuse(const std::string& field, const std::string& why) {
   return Error(fmt::format(
       "{}: {} (nnexec run executes GPT- and Llama-style models: "
-      "LayerNorm or RMSNorm, multi-head, grouped-query or latent attention (sliding windows "
-      "too), GeLU, SwiGLU, GeGLU, "
+      "LayerNorm or RMSNorm (after the attention and the MLP too), multi-head, grouped-query "
+      "or latent attention (sliding windows too), GeLU, SwiGLU, GeGLU, "
       "ReLU or squared-ReLU MLP, mixtures of experts (top-k, dropless, a shared expert, "
       "group-limited routing, every expert on every rank, split along its width over the "
       "tensor-parallel ranks (with sequence and context parallelism too), spread over "
@@ -82,11 +83,6 @@ Status check_model_runnable(const Plan& plan) {
   if (m.mtp_layers > 0) {
     return refuse("model.mtp_layers",
                   "multi-token prediction is simulated only (drop 'mtp_layers')");
-  }
-  if (m.post_norms) {
-    return refuse("model.post_norms",
-                  "norms after the attention and the MLP (Gemma's) are simulated only (drop "
-                  "'post_norms')");
   }
   // Mixtures of experts run with every expert on every rank, split along their width over the
   // tensor-parallel ranks, spread over ranks that split the batch (expert parallelism, checked

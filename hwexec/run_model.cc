@@ -93,10 +93,21 @@ Model::Model(const ModelSpec& spec, int first, int end, bool embedding, bool hea
     L.proj_w = add(p + "attn.proj.weight", {a * dv, h}, 0.05, 0,
                    [=](const at::Tensor& x) { return x.narrow(0, ta * kl * g * dv, kl * g * dv); });
     if (spec.bias) L.proj_b = add(p + "attn.proj.bias", {h}, 0.05, 0, whole);
+    const bool norm_shift = spec.norm == NormKind::kLayerNorm && spec.bias;
+    if (spec.post_norms) {
+      L.pn1g = add(p + "attn.post_norm.weight", {h}, 0.1, 1, whole);
+      if (norm_shift) L.pn1b = add(p + "attn.post_norm.bias", {h}, 0.1, 0, whole);
+    }
     L.ln2g = add(p + "mlp.norm.weight", {h}, 0.1, 1, whole);
     if (spec.bias) L.ln2b = add(p + "mlp.norm.bias", {h}, 0.1, 0, whole);
+    auto add_mlp_post_norm = [&] {
+      if (!spec.post_norms) return;
+      L.pn2g = add(p + "mlp.post_norm.weight", {h}, 0.1, 1, whole);
+      if (norm_shift) L.pn2b = add(p + "mlp.post_norm.bias", {h}, 0.1, 0, whole);
+    };
     if (spec.is_moe_layer(l)) {
       add_moe_params(p, L);
+      add_mlp_post_norm();
       layers_.push_back(L);
       recompute_.emplace_back();
       stopped_.emplace_back();
@@ -113,6 +124,7 @@ Model::Model(const ModelSpec& spec, int first, int end, bool embedding, bool hea
     L.fc2_w = add(p + "mlp.fc2.weight", {f, h}, 0.05, 0,
                   [=](const at::Tensor& x) { return x.narrow(0, tf * fl, fl); });
     if (spec.bias) L.fc2_b = add(p + "mlp.fc2.bias", {h}, 0.05, 0, whole);
+    add_mlp_post_norm();
     layers_.push_back(L);
     recompute_.emplace_back();
     stopped_.emplace_back();
@@ -166,12 +178,12 @@ void Model::set_recompute(const std::vector<RecomputeRule>& rules, bool early_st
     for (const RecomputeRule& rule : rules) {
       if (l < rule.first_layer || (rule.end_layer >= 0 && l >= rule.end_layer)) continue;
       for (const char* op :
-           {"attn.norm",   "attn.qkv",     "attn.qk_norm",   "attn.q_down",    "attn.q_norm",
-            "attn.q_up",   "attn.q",       "attn.kv_down",   "attn.kv_norm",   "attn.kv_up",
-            "attn.core",   "attn.proj",    "attn.residual",  "mlp.norm",       "mlp.fc1",
-            "mlp.act",     "mlp.fc2",      "moe.shared.fc1", "moe.shared.act", "moe.shared.fc2",
-            "moe.router",  "moe.dispatch", "moe.fc1",        "moe.act",        "moe.fc2",
-            "moe.combine", "mlp.residual"}) {
+           {"attn.norm",      "attn.qkv",    "attn.qk_norm",   "attn.q_down",    "attn.q_norm",
+            "attn.q_up",      "attn.q",      "attn.kv_down",   "attn.kv_norm",   "attn.kv_up",
+            "attn.core",      "attn.proj",   "attn.post_norm", "attn.residual",  "mlp.norm",
+            "mlp.fc1",        "mlp.act",     "mlp.fc2",        "moe.shared.fc1", "moe.shared.act",
+            "moe.shared.fc2", "moe.router",  "moe.dispatch",   "moe.fc1",        "moe.act",
+            "moe.fc2",        "moe.combine", "mlp.post_norm",  "mlp.residual"}) {
         if (match_pattern(rule.match, op)) r.insert(op);
       }
     }
@@ -206,12 +218,12 @@ std::vector<std::vector<Param*>> Model::units() {
   if (embedding_) u.push_back(some({word_, pos_}));
   for (const LayerParams& L : layers_) {
     // In the order the operators use them (the program's ZeRO-3 units).
-    u.push_back(
-        some({L.ln1g,     L.ln1b,   L.qkv_w,  L.qkv_b,  L.qd_w,   L.qd_b,   L.qdn_g,  L.qdn_b,
-              L.q_w,      L.q_b,    L.kvd_w,  L.kvd_b,  L.kvn_g,  L.kvn_b,  L.kvu_w,  L.kvu_b,
-              L.qn_g,     L.kn_g,   L.qn_b,   L.kn_b,   L.proj_w, L.proj_b, L.ln2g,   L.ln2b,
-              L.fc1_w,    L.fc1_b,  L.fc2_w,  L.fc2_b,  L.sfc1_w, L.sfc1_b, L.sfc2_w, L.sfc2_b,
-              L.router_w, L.efc1_w, L.efc1_b, L.efc2_w, L.efc2_b}));
+    u.push_back(some({L.ln1g,   L.ln1b,   L.qkv_w,  L.qkv_b,  L.qd_w,   L.qd_b,   L.qdn_g,
+                      L.qdn_b,  L.q_w,    L.q_b,    L.kvd_w,  L.kvd_b,  L.kvn_g,  L.kvn_b,
+                      L.kvu_w,  L.kvu_b,  L.qn_g,   L.kn_g,   L.qn_b,   L.kn_b,   L.proj_w,
+                      L.proj_b, L.pn1g,   L.pn1b,   L.ln2g,   L.ln2b,   L.fc1_w,  L.fc1_b,
+                      L.fc2_w,  L.fc2_b,  L.sfc1_w, L.sfc1_b, L.sfc2_w, L.sfc2_b, L.router_w,
+                      L.efc1_w, L.efc1_b, L.efc2_w, L.efc2_b, L.pn2g,   L.pn2b}));
   }
   if (head_) {
     u.push_back(some({hn_g_, hn_b_, head_w_, embedding_ || shared_word_ ? nullptr : word_}));
@@ -233,8 +245,8 @@ std::vector<const Param*> Model::fp32_reads() const {
     }
   };
   for (const LayerParams& L : layers_) {
-    add({L.ln1g, L.ln1b, L.qn_g, L.kn_g, L.qn_b, L.kn_b, L.qdn_g, L.qdn_b, L.kvn_g, L.kvn_b, L.ln2g,
-         L.ln2b});
+    add({L.ln1g, L.ln1b, L.qn_g, L.kn_g, L.qn_b, L.kn_b, L.qdn_g, L.qdn_b, L.kvn_g, L.kvn_b, L.pn1g,
+         L.pn1b, L.ln2g, L.ln2b, L.pn2g, L.pn2b});
   }
   add({hn_g_, hn_b_});
   return v;
@@ -260,7 +272,9 @@ std::vector<Param*> Model::sequence_parallel_params() {
   if (split_.expert_ffn > 1) {
     for (const LayerParams& L : layers_) add({L.efc2_b, L.sfc2_b});
   }
-  for (const LayerParams& L : layers_) add({L.ln1g, L.ln1b, L.proj_b, L.ln2g, L.ln2b, L.fc2_b});
+  for (const LayerParams& L : layers_) {
+    add({L.ln1g, L.ln1b, L.proj_b, L.pn1g, L.pn1b, L.ln2g, L.ln2b, L.fc2_b, L.pn2g, L.pn2b});
+  }
   // Latent attention's down-projections and latent norms, applied to the rank's slice.
   for (const LayerParams& L : layers_) {
     add({L.qd_w, L.qd_b, L.qdn_g, L.qdn_b, L.kvd_w, L.kvd_b, L.kvn_g, L.kvn_b});

@@ -75,6 +75,8 @@ struct LayerParams {
         *fc2_w = nullptr, *fc2_b = nullptr;
   // model.qk_norm: the queries' and the keys' scales (and shifts), shared by the heads.
   Param *qn_g = nullptr, *kn_g = nullptr, *qn_b = nullptr, *kn_b = nullptr;
+  // model.post_norms: the norms of the attention's output and of the MLP's (Gemma's).
+  Param *pn1g = nullptr, *pn1b = nullptr, *pn2g = nullptr, *pn2b = nullptr;
   // Multi-head latent attention (ModelSpec::mla(); qkv_w null): the queries' down-projection,
   // their latent's norm and up-projection (without a query latent, q_w is attn.q from the
   // block's norm), the key/value latent's down-projection (with the rotary key part), norm and
@@ -140,6 +142,7 @@ struct TpGather {
 
 struct LayerTape {
   Unit n1, qkv, qkn, core, proj, res1, n2, fc1, act, fc2, res2;
+  Unit pn1, pn2;  // model.post_norms: attn.post_norm, mlp.post_norm
   // Latent attention's operators (`q`: attn.q_up, or attn.q without a query latent), and the
   // rotary key part of the key/value latent as the core reads it (the whole sequence).
   Unit qdown, qnorm, q, kvdown, kvnorm, kvup;
@@ -173,6 +176,7 @@ struct LayerTape {
             {"attn.kv_up", &kvup},
             {"attn.core", &core},
             {"attn.proj", &proj},
+            {"attn.post_norm", &pn1},
             {"attn.residual", &res1},
             {"mlp.norm", &n2},
             {"mlp.fc1", &fc1},
@@ -187,6 +191,7 @@ struct LayerTape {
             {"moe.act", &eact},
             {"moe.fc2", &efc2},
             {"moe.combine", &combine},
+            {"mlp.post_norm", &pn2},
             {"mlp.residual", &res2}};
   }
 };
@@ -480,6 +485,8 @@ class Model {
   void mlp_forward(RankContext& c, int l, LayerTape& t, const LayerPass& p);
   void keep_checkpoint(const at::Tensor& x, LayerTape& t, const LayerPass& p);
   void release_summands(const LayerPass& p, const char* op, Unit& add, Unit& linear);
+  void release_summed(const LayerPass& p, const char* norm_op, Unit& norm, Unit& linear,
+                      const Param* bias);
   void drop_gathered(const LayerPass& p, const char* op, Unit& u);
 
   // An early-stopped operator's input `leaf` (its storage released after the forward) refilled

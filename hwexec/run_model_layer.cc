@@ -37,6 +37,16 @@ void Model::release_summands(const LayerPass& p, const char* op, Unit& add, Unit
   if (linear.out.defined()) resize_storage(linear.out, 0);
 }
 
+// With post_norms: the linear's output, once reduced into the norm's input, goes, unless the
+// norm is recomputed (then the recomputation reduces it again). With the bias added first, the
+// norm saved the biased sum, not the sums it read: those go too.
+void Model::release_summed(const LayerPass& p, const char* norm_op, Unit& norm, Unit& linear,
+                           const Param* bias) {
+  if (bias) resize_storage(norm.in[0], 0);
+  if (p.rc.count(norm_op) && !p.again) return;
+  if (linear.out.defined()) resize_storage(linear.out, 0);
+}
+
 // Sequence parallelism: a linear's gathered input is dropped unless the linear is recomputed
 // (then the recomputation gathers it, just before the backward).
 void Model::drop_gathered(const LayerPass& p, const char* op, Unit& u) {
@@ -93,25 +103,34 @@ void Model::attention_forward(RankContext& c, int l, const at::Tensor& in_x, Lay
             [&](const std::vector<at::Tensor>& in) { return block_linear(in[0], W(L.proj_w)); });
     t.proj.weights = weights_of({L.proj_w});
   }
-  // The row-parallel sums feed the residual (the program's conversion for its input).
+  // The row-parallel sums feed the residual (the program's conversion for its input), or with
+  // post_norms the norm before it, which adds the projection's bias.
+  auto summed = [&](const char* label) {
+    if (sp) return scatter_seq(c, t.proj.out.detach(), label);
+    at::Tensor y = t.proj.out.detach().clone();
+    if (split_.heads > 1) c.tp_all_reduce(y, label);
+    return y;
+  };
+  if (spec_.post_norms && p.runs("attn.post_norm")) {
+    t.pn1 = fwd(st, "attn.post_norm", p.phase, {leaf(summed("attn.post_norm"))},
+                [&](const std::vector<at::Tensor>& in) {
+                  return norm(L.proj_b ? in[0] + W(L.proj_b) : in[0], L.pn1g, L.pn1b);
+                });
+    release_summed(p, "attn.post_norm", t.pn1, t.proj, L.proj_b);
+  }
   if (p.runs("attn.residual")) {
-    at::Tensor y;
-    if (sp) {
-      y = scatter_seq(c, t.proj.out.detach(), "attn.residual");
-    } else {
-      y = t.proj.out.detach().clone();
-      if (split_.heads > 1) c.tp_all_reduce(y, "attn.residual");
-    }
+    const bool post = spec_.post_norms;
+    at::Tensor y = post ? t.pn1.out.detach() : summed("attn.residual");
     t.res1 = fwd(st, "attn.residual", p.phase, {leaf(y), leaf(in_x)},
                  [&](const std::vector<at::Tensor>& in) {
-                   at::Tensor z = L.proj_b ? in[0] + W(L.proj_b) : in[0];
+                   at::Tensor z = L.proj_b && !post ? in[0] + W(L.proj_b) : in[0];
                    // Bias, dropout, add (Megatron's fused bias-dropout-add).
                    if (spec_.dropout) {
                      z = z * hidden_dropout(t.key, first_ + l, DropoutSite::kAttnResidual, z);
                    }
                    return z + in[1];
                  });
-    release_summands(p, "attn.residual", t.res1, t.proj);
+    release_summands(p, "attn.residual", t.res1, post ? t.pn1 : t.proj);
   }
 }
 
@@ -215,24 +234,35 @@ void Model::mlp_forward(RankContext& c, int l, LayerTape& t, const LayerPass& p)
     // What it saved, recomputed (ReLU's backward reads its output too: a copy).
     refill(t.fc2.in[0], t.act.out, spec_.mlp != MlpKind::kRelu);
   }
+  // The MLP's output as the residual (or with post_norms the norm before it) reads it: the
+  // row-parallel sums reduced (a mixture's combine sums its experts' outputs itself, on the
+  // rank's slice), the fc2 bias added by the reader.
+  Unit& mlp_out = L.moe ? t.combine : t.fc2;
+  auto summed = [&](const char* label) {
+    if (sp && !L.moe) return scatter_seq(c, mlp_out.out.detach(), label);
+    at::Tensor y = mlp_out.out.detach().clone();
+    if (split_.ffn > 1 && !L.moe) c.tp_all_reduce(y, label);
+    return y;
+  };
+  if (spec_.post_norms && p.runs("mlp.post_norm")) {
+    t.pn2 = fwd(st, "mlp.post_norm", p.phase, {leaf(summed("mlp.post_norm"))},
+                [&](const std::vector<at::Tensor>& in) {
+                  return norm(L.fc2_b ? in[0] + W(L.fc2_b) : in[0], L.pn2g, L.pn2b);
+                });
+    release_summed(p, "mlp.post_norm", t.pn2, mlp_out, L.fc2_b);
+  }
   if (p.runs("mlp.residual")) {
-    Unit& mlp_out = L.moe ? t.combine : t.fc2;
-    at::Tensor y2;
-    if (sp && !L.moe) {
-      y2 = scatter_seq(c, mlp_out.out.detach(), "mlp.residual");
-    } else {  // (a mixture's combine sums its experts' outputs itself, on the rank's slice)
-      y2 = mlp_out.out.detach().clone();
-      if (split_.ffn > 1 && !L.moe) c.tp_all_reduce(y2, "mlp.residual");
-    }
+    const bool post = spec_.post_norms;
+    at::Tensor y2 = post ? t.pn2.out.detach() : summed("mlp.residual");
     t.res2 = fwd(st, "mlp.residual", p.phase, {leaf(y2), leaf(t.res1.out)},
                  [&](const std::vector<at::Tensor>& in) {
-                   at::Tensor z = L.fc2_b ? in[0] + W(L.fc2_b) : in[0];
+                   at::Tensor z = L.fc2_b && !post ? in[0] + W(L.fc2_b) : in[0];
                    if (spec_.dropout) {
                      z = z * hidden_dropout(t.key, first_ + l, DropoutSite::kMlpResidual, z);
                    }
                    return z + in[1];
                  });
-    release_summands(p, "mlp.residual", t.res2, mlp_out);
+    release_summands(p, "mlp.residual", t.res2, post ? t.pn2 : mlp_out);
   }
 }
 
@@ -359,13 +389,18 @@ at::Tensor Model::layer_backward(RankContext& c, int l, LayerTape& t, const at::
   auto release = [](Unit& producer, bool consumer_defers) {
     release_output(producer, consumer_defers);
   };
+  // With post_norms the residual's summand is the norm's output: its gradient goes through
+  // the norm first, and under sequence parallelism is gathered under the norm's label (the
+  // program's conversion into the norm's input).
+  const bool post = spec_.post_norms;
   std::vector<at::Tensor> g = bwd(st, "mlp.residual", t.res2, dy);
-  at::Tensor d;
+  at::Tensor d = post ? bwd(st, "mlp.post_norm", t.pn2, g[0])[0] : g[0];
   if (layers_[l].moe) {
-    d = moe_backward(st, layers_[l], t, g[0]);
+    d = moe_backward(st, layers_[l], t, d);
   } else {
     const bool fc2_defers = defers(t.fc2);
-    d = bwd(st, "mlp.fc2", t.fc2, sp ? gather_seq(c, g[0], "mlp.residual") : g[0])[0];
+    const char* mlp_label = post ? "mlp.post_norm" : "mlp.residual";
+    d = bwd(st, "mlp.fc2", t.fc2, sp ? gather_seq(c, d, mlp_label) : d)[0];
     if (spec_.mlp != MlpKind::kRelu) release(t.act, fc2_defers);
     d = bwd(st, "mlp.act", t.act, d)[0];
     release(t.fc1, false);
@@ -374,8 +409,10 @@ at::Tensor Model::layer_backward(RankContext& c, int l, LayerTape& t, const at::
   at::Tensor dx1 = bwd(st, "mlp.norm", t.n2, d)[0] + g[1];
   g = bwd(st, "attn.residual", t.res1, dx1);
   dx1 = at::Tensor();
+  d = post ? bwd(st, "attn.post_norm", t.pn1, g[0])[0] : g[0];
   const bool proj_defers = defers(t.proj);
-  d = bwd(st, "attn.proj", t.proj, sp ? gather_seq(c, g[0], "attn.residual") : g[0])[0];
+  const char* attn_label = post ? "attn.post_norm" : "attn.residual";
+  d = bwd(st, "attn.proj", t.proj, sp ? gather_seq(c, d, attn_label) : d)[0];
   release(t.core, proj_defers);
   if (spec_.mla()) {
     d = latent_attention_backward(c, t, d, rc);

@@ -171,6 +171,23 @@ INSTANTIATE_TEST_SUITE_P(
         MemoryCase{"head_dim_tp2", 2, 1, 1, "fp32", {}, "small-head-dim-memory.yaml"},
         // Per-head query and key norms: their normalized Q and K kept beside the QKV output.
         MemoryCase{"qk_norm_tp2", 2, 1, 1, "fp32", {}, "small-qk-norm-memory.yaml"},
+        // Norms after the attention and the MLP: each keeps its input, the row-parallel sums
+        // (under sequence parallelism the rank's slice).
+        MemoryCase{"post_norms_tp2", 2, 1, 1, "fp32", {}, "small-post-norms-memory.yaml"},
+        MemoryCase{"post_norms_tp2_sp",
+                   2,
+                   1,
+                   1,
+                   "fp32",
+                   {"--sequence-parallel"},
+                   "small-post-norms-memory.yaml"},
+        MemoryCase{"post_norms_recompute_full",
+                   1,
+                   1,
+                   1,
+                   "fp32",
+                   {"--recompute", "full"},
+                   "small-post-norms-memory.yaml"},
         // Latent attention: the latents and their norms' outputs, the core's fresh Q and K
         // beside the up-projections' outputs, and in the core's backward their gradients
         // (2026-12-06: -7.4 % before the simulator counted those). Under sequence parallelism

@@ -66,6 +66,12 @@ const std::string kMlaNoQLatent = std::string(NNSIM_TEST_DATA) + "/tiny-mla-no-q
 const std::string kMlaMoe = std::string(NNSIM_TEST_DATA) + "/tiny-mla-moe.yaml";
 // A GeGLU MLP (Gemma's).
 const std::string kGeglu = std::string(NNSIM_TEST_DATA) + "/tiny-geglu.yaml";
+// Gemma 3's block (tiny-gemma: norms after the attention and the MLP, post_norms, with query
+// and key norms, GeGLU, tied embeddings and sliding windows), and post_norms' LayerNorms with
+// shifts after biased projections, in a mixture of experts with a dense first block.
+const std::string kGemma = std::string(NNSIM_TEST_DATA) + "/tiny-gemma.yaml";
+const std::string kMoePostNorms = std::string(NNSIM_TEST_DATA) + "/tiny-moe-post-norms.yaml";
+const std::string kGemma2 = std::string(NNSIM_TEST_DATA) + "/tiny-gemma2.yaml";  // no qk norms
 // Sliding-window attention in every other layer (GPT-OSS's pattern).
 const std::string kSlidingWindow = std::string(NNSIM_TEST_DATA) + "/tiny-sliding-window.yaml";
 // ReLU MLP (OPT), and squared ReLU with rope and GQA (Nemotron).
@@ -464,9 +470,16 @@ TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
     if (flag("--shard-embedding") && m.position == PositionKind::kLearned) {
       copies += static_cast<double>(m.seq_len) * m.hidden;
     }
+    // A tied head on another stage than the embedding holds a copy of the word matrix
+    // (Megatron's, whose gradient joins the embedding's); V-shaped placements put the head on
+    // the embedding's rank, which projects with the matrix itself.
+    const std::string schedule = c.schedule;
+    const bool v_shaped = schedule == "zb-v" || schedule == "dualpipev";
+    const double tied_copy =
+        m.tied_embeddings && c.pp > 1 && !v_shaped ? static_cast<double>(m.vocab) * m.hidden : 0;
     double held = 0;
     for (const RankResult& k : file->ranks) held += k.parameters;
-    EXPECT_EQ(held, static_cast<double>(m.parameters()) + (c.pp - 1) * copies);
+    EXPECT_EQ(held, static_cast<double>(m.parameters()) + (c.pp - 1) * copies + tied_copy);
   }
   // The worst shard's error relative to its reference: fp32 runs agree to rounding; bf16 runs
   // must show bf16's rounding (they really computed in bf16) and stay within its tolerance.
@@ -564,6 +577,24 @@ INSTANTIATE_TEST_SUITE_P(
         // Sliding windows in every other layer, the mask by the layer's global index.
         with("sliding_window_tp2_sp", 2, 1, 1, 2, {"--sequence-parallel"}, &kSlidingWindow),
         Case{"sliding_window_pp2", 1, 2, 1, "1f1b", 4, &kSlidingWindow},
+        // Post-norms take the row-parallel sums (all-reduced, or reduce-scattered under
+        // sequence parallelism, labelled with the norm), their scales' gradients summed over tp
+        // with the other norms'; unsplit on two stages, the simulator's parameter count.
+        with("gemma_tp2_sp", 2, 1, 1, 2, {"--sequence-parallel"}, &kGemma),
+        Case{"gemma_tp2_pp2", 2, 2, 1, "1f1b", 4, &kGemma},
+        Case{"gemma_pp2", 1, 2, 1, "1f1b", 4, &kGemma},
+        with("bf16_gemma2_tp2_sp", 2, 1, 1, 2, {"--sequence-parallel"}, &kGemma2, "bf16"),
+        Case{"bf16_gemma2_pp2", 1, 2, 1, "1f1b", 4, &kGemma2, "bf16"},
+        with("gemma_recompute_full_zero3_tp2_dp2", 2, 1, 2, 4,
+             {"--recompute", "full", "--zero", "3"}, &kGemma),
+        with("gemma_recompute_selective_tp2_sp", 2, 1, 1, 2,
+             {"--sequence-parallel", "--recompute", "selective"}, &kGemma),
+        // PyTorch's early stop ends at the MLP's post-norm, the last operator saving a tensor.
+        with("gemma_fsdp_recompute_full_early_stop_zero3_dp2", 1, 1, 2, 4,
+             {"--zero", "3", "--framework", "fsdp", "--recompute", "full"}, &kGemma),
+        with("moe_post_norms_tp2_sp", 2, 1, 1, 2, {"--sequence-parallel"}, &kMoePostNorms),
+        with("moe_post_norms_ep2_dp2_recompute_full", 1, 1, 2, 4,
+             {"--ep", "2", "--recompute", "full"}, &kMoePostNorms),
         // GeGLU's two branches split alike over tp, as SwiGLU's.
         Case{"geglu_tp2_pp2", 2, 2, 1, "1f1b", 4, &kGeglu},
         Case{"llama_pp2", 1, 2, 1, "1f1b", 4, &kLlama},
@@ -1472,6 +1503,9 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
     EXPECT_TRUE(check_runnable(p).ok())
         << to_string(k) << ": " << check_runnable(p).error().message();
   }
+  p = *base;
+  p.model.post_norms = true;  // Gemma's norms after the attention and the MLP
+  EXPECT_TRUE(check_runnable(p).ok()) << check_runnable(p).error().message();
   // What only the simulator has is refused by its field. A mixture of experts runs, but not
   // every kind (`experts` makes the model one).
   auto experts = [](Plan& q) {
@@ -1497,8 +1531,6 @@ TEST(NnexecRunRefuses, ModelsItCannotRunNameTheField) {
        "model.router_group_topk: 2 groups a token, more than its 1 experts"},
       {[](Plan& q) { q.model.mtp_layers = 1; },
        "model.mtp_layers: multi-token prediction is simulated"},
-      {[](Plan& q) { q.model.post_norms = true; },
-       "model.post_norms: norms after the attention and the MLP (Gemma's) are simulated only"},
       {[](Plan& q) {
          q.model.kv_lora_rank = 16;
          q.model.qk_nope_head_dim = 16;
