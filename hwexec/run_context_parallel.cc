@@ -25,9 +25,13 @@ at::Tensor sum_groups(const at::Tensor& x, int64_t kv_heads) {
   return x.view({b, kv_heads, heads / kv_heads, n, d}).sum(2);
 }
 
-// True where query position i may not see key position j (j after i): [sl, n].
-at::Tensor future(const at::Tensor& q_pos, const at::Tensor& k_pos) {
-  return q_pos.unsqueeze(1) < k_pos.unsqueeze(0);
+// True where query position i may not see key position j: j after i, or (window > 0) j a
+// window or more behind it. [sl, n].
+at::Tensor hidden_keys(const at::Tensor& q_pos, const at::Tensor& k_pos, int64_t window) {
+  const at::Tensor behind = q_pos.unsqueeze(1) - k_pos.unsqueeze(0);  // i - j
+  at::Tensor hidden = behind < 0;
+  if (window > 0) hidden = hidden.logical_or(behind >= window);
+  return hidden;
 }
 
 }  // namespace
@@ -59,7 +63,8 @@ at::Tensor cp_attention_forward(const at::Tensor& q, const at::Tensor& kv_all, i
   const at::Tensor qf = q.to(at::kFloat);
   at::Tensor scores = at::matmul(qf, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
   if (s->slopes.defined()) scores = scores + alibi_bias(s->slopes, q_pos, k_pos);
-  scores = scores.masked_fill(future(q_pos, k_pos), -std::numeric_limits<float>::infinity());
+  scores = scores.masked_fill(hidden_keys(q_pos, k_pos, s->window),
+                              -std::numeric_limits<float>::infinity());
   s->lse = at::logsumexp(scores, -1);
   at::Tensor p = at::exp(scores - s->lse.unsqueeze(-1));
   if (s->drop.defined()) p = p * s->drop.index_select(-1, k_pos);
@@ -94,9 +99,9 @@ std::array<at::Tensor, 3> cp_attention_backward(const CpAttentionSaved& s, const
     // The probabilities of this rank's queries over chunk j (0 where masked).
     at::Tensor logits = at::matmul(s.q, ke.transpose(-2, -1)) * scale;
     if (s.slopes.defined()) logits = logits + alibi_bias(s.slopes, q_pos, k_pos);
-    const at::Tensor p =
-        at::exp(logits.masked_fill(future(q_pos, k_pos), -std::numeric_limits<float>::infinity()) -
-                s.lse.unsqueeze(-1));
+    const at::Tensor p = at::exp(logits.masked_fill(hidden_keys(q_pos, k_pos, s.window),
+                                                    -std::numeric_limits<float>::infinity()) -
+                                 s.lse.unsqueeze(-1));
     // Dropout: the output used the kept probabilities (p m); D = sum dO O is still the sum of
     // p times the kept gradient dP m.
     const at::Tensor m = s.drop.defined() ? s.drop.index_select(-1, k_pos) : at::Tensor();

@@ -28,7 +28,10 @@ struct CpAttentionSaved {
   at::Tensor out;   // [b, heads, sl, d], fp32
   at::Tensor lse;   // [b, heads, sl]: each query's log-sum-exp over all keys, fp32
   int ways = 1, index = 0;
-  int64_t seq = 0;   // the whole sequence
+  int64_t seq = 0;  // the whole sequence
+  // Set before the forward: a sliding-window layer's window (a query sees the `window` keys up
+  // to its own position); 0: the whole causal prefix.
+  int64_t window = 0;
   at::Tensor graph;  // the queries, keys and values flattened, with their autograd graph
   // Set before the forward, or undefined: ALiBi's slopes of the rank's heads [heads] (fp32), and
   // dropout's multipliers of the attention probabilities [b, heads, sl, seq] (fp32; the rank's
@@ -39,7 +42,8 @@ struct CpAttentionSaved {
 // Forward: the queries q [b, heads, sl, d] of cp rank `index` (of a sequence of `seq`) against
 // every rank's keys and values,
 // `kv_all` [ways, 2, b, kv_heads, sl, d] (all-gathered, rank order), under the causal mask of
-// the tokens' positions (cp_positions). Each key/value head serves heads / kv_heads query heads.
+// the tokens' positions (cp_positions), within saved->window of each query when set. Each
+// key/value head serves heads / kv_heads query heads.
 // Computes in fp32; returns the output [b, heads, sl, d] in fp32 and fills `saved` (q, out, lse,
 // and this rank's k and v from kv_all). With saved->slopes, ALiBi's bias is added to the scores
 // at the tokens' global positions; with saved->drop, the probabilities are multiplied by it.

@@ -316,6 +316,7 @@ Unit Model::cp_core_forward(RankContext& c, const at::Tensor& qkv, const at::Ten
   u.cp = std::make_shared<CpAttentionSaved>();
   CpAttentionSaved& cs = *u.cp;
   cs.slopes = alibi_;
+  if (spec_.is_windowed_layer(layer)) cs.window = spec_.sliding_window;
   if (spec_.dropout) {
     cs.drop = dropout_multipliers(key, layer, DropoutSite::kAttention, b, spec_.seq_len,
                                   spec_.heads, positions_, first_head_, al, device_);

@@ -800,6 +800,11 @@ INSTANTIATE_TEST_SUITE_P(
         // tokens' queries and keys before the key and value exchange; the scales' gradients
         // sum over cp (and tp) with the rest.
         Case{"qk_norm_cp2", 1, 1, 1, "1f1b", 2, &kQkNorm, "fp32", {}, 2},
+        // Sliding windows (8 of 32 tokens) over the gathered keys at their global positions:
+        // across two ranks' chunks of 8, and four's of 4; Gemma's block with tp.
+        Case{"sliding_window_cp2", 1, 1, 1, "1f1b", 2, &kSlidingWindow, "fp32", {}, 2},
+        Case{"sliding_window_cp4", 1, 1, 1, "1f1b", 2, &kSlidingWindow, "fp32", {}, 4},
+        Case{"gemma_cp2_tp2", 2, 1, 1, "1f1b", 2, &kGemma, "fp32", {}, 2},
         // Mixtures of experts, every expert on every rank: the router's top-2, the routed
         // copies in expert order, one GEMM an expert, the weighted sum with the shared expert's
         // output; under data, pipeline and context parallelism, DeepSpeed's per-tensor ZeRO-3,
@@ -1265,10 +1270,6 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
       {"cannot run this plan: partition: context parallelism over cp with multi-head "
        "latent attention is simulated only",
        "plan with --cp 1"});
-  ASSERT_EQ(make_plan(dir, 1, 1, 1, "1f1b", 2, {}, kSlidingWindow, "fp32", 2).status, 0);
-  refused(
-      {"cannot run this plan: partition: context parallelism over cp with sliding-window "
-       "attention is simulated only"});
   ASSERT_EQ(make_plan(dir, 2, 1, 2, "1f1b", 4, {"--ep", "2", "--etp", "1"}, kMoe).status, 0);
   refused(
       {"cannot run this plan: partition: experts folded over the tensor-parallel ranks "
