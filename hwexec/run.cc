@@ -548,13 +548,6 @@ Status check_context_parallel(const Plan& plan, const OpGraph& graph, const Oper
   const std::vector<std::string>& tp_axes = s.tp_axes;
   const std::set<std::string>& cp_split = s.cp_split;
   const std::string cp = join(cp_axes, "+");
-  // nnexec's ring attention passes a fused Q, K, V projection's keys and values.
-  if (m.mla()) {
-    return refuse("partition",
-                  fmt::format("context parallelism over {} with multi-head latent attention is "
-                              "simulated only; plan with --cp 1",
-                              cp));
-  }
   for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
     for (const Op& op : part->ops) {
       if (!cp_split.count(op.name)) {

@@ -42,19 +42,20 @@ at::Tensor cp_positions(int64_t seq, int ways, int index) {
                   at::arange((2 * ways - 1 - index) * c, (2 * ways - index) * c, at::kLong)});
 }
 
-at::Tensor cp_attention_forward(const at::Tensor& q, const at::Tensor& kv_all, int index,
-                                int64_t seq, CpAttentionSaved* s) {
+at::Tensor cp_attention_forward(const at::Tensor& q, const at::Tensor& k_all,
+                                const at::Tensor& v_all, int index, int64_t seq,
+                                CpAttentionSaved* s) {
   s->index = index;
   s->seq = seq;
-  const int64_t ways = kv_all.size(0), b = kv_all.size(2), kh = kv_all.size(3), sl = kv_all.size(4),
-                d = kv_all.size(5), heads = q.size(1);
+  const int64_t ways = k_all.size(0), b = k_all.size(1), kh = k_all.size(2), sl = k_all.size(3),
+                d = k_all.size(4), heads = q.size(1);
   const auto dev = q.device();
   // Every rank's keys and values side by side along the sequence, with their positions.
-  auto side_by_side = [&](int which) {
-    return kv_all.select(1, which).permute({1, 2, 0, 3, 4}).reshape({b, kh, ways * sl, d});
+  auto side_by_side = [&](const at::Tensor& all) {
+    return all.permute({1, 2, 0, 3, 4}).reshape({b, kh, ways * sl, all.size(4)});
   };
-  const at::Tensor k = expand_heads(side_by_side(0).to(at::kFloat), heads);
-  const at::Tensor v = expand_heads(side_by_side(1).to(at::kFloat), heads);
+  const at::Tensor k = expand_heads(side_by_side(k_all).to(at::kFloat), heads);
+  const at::Tensor v = expand_heads(side_by_side(v_all).to(at::kFloat), heads);
   std::vector<at::Tensor> pos;
   for (int64_t j = 0; j < ways; ++j) {
     pos.push_back(cp_positions(s->seq, static_cast<int>(ways), static_cast<int>(j)));
@@ -71,8 +72,8 @@ at::Tensor cp_attention_forward(const at::Tensor& q, const at::Tensor& kv_all, i
   s->out = at::matmul(p, v);
   s->q = qf;
   // Copies: a view would keep every rank's keys and values alive until the backward.
-  s->k = kv_all.select(0, s->index).select(0, 0).clone();
-  s->v = kv_all.select(0, s->index).select(0, 1).clone();
+  s->k = k_all.select(0, s->index).clone();
+  s->v = v_all.select(0, s->index).clone();
   s->ways = static_cast<int>(ways);
   return s->out;
 }
@@ -81,9 +82,20 @@ std::array<at::Tensor, 3> cp_attention_backward(const CpAttentionSaved& s, const
                                                 const RingStep& step) {
   const int f = s.ways;
   const int64_t heads = s.q.size(1), kh = s.k.size(1), d = s.q.size(3);
+  // What a ring step carries: tensors flattened one after another (keys and values may differ in
+  // width), and taken apart again in their shapes.
+  auto pass = [&](std::vector<at::Tensor*> ts) {
+    std::vector<at::Tensor> flat;
+    for (const at::Tensor* t : ts) flat.push_back(t->reshape({-1}));
+    const at::Tensor got = step(at::cat(flat).to(s.k.scalar_type())).to(at::kFloat);
+    int64_t offset = 0;
+    for (at::Tensor* t : ts) {
+      *t = got.narrow(0, offset, t->numel()).view(t->sizes());
+      offset += t->numel();
+    }
+  };
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   const auto dev = s.q.device();
-  const at::ScalarType wire = s.k.scalar_type();  // what travels: the compute dtype
   const at::Tensor q_pos = cp_positions(s.seq, f, s.index).to(dev);
   const at::Tensor dO = dout.to(at::kFloat);
   // D_i = sum_d dO_i O_i: softmax's backward term of each query.
@@ -111,18 +123,12 @@ std::array<at::Tensor, 3> cp_attention_backward(const CpAttentionSaved& s, const
     const at::Tensor ds = p * (dp - D);
     dq += at::matmul(ds, ke) * scale;
     dk += sum_groups(at::matmul(ds.transpose(-2, -1), s.q), kh) * scale;
-    if (i + 1 < f) {
-      // Pass the chunk on; take the previous rank's (chunk j - 1).
-      const at::Tensor got = step(at::stack({k, v, dk, dv}).to(wire)).to(at::kFloat);
-      k = got[0];
-      v = got[1];
-      dk = got[2];
-      dv = got[3];
-    }
+    // Pass the chunk on (in the compute dtype); take the previous rank's (chunk j - 1).
+    if (i + 1 < f) pass({&k, &v, &dk, &dv});
   }
   // Every rank has added to the chunk held now (rank index + 1's): its owner is next.
-  const at::Tensor mine = step(at::stack({dk, dv}).to(wire)).to(at::kFloat);
-  return {dq, mine[0], mine[1]};
+  pass({&dk, &dv});
+  return {dq, dk, dv};
 }
 
 }  // namespace nnsim::hwexec

@@ -23,9 +23,9 @@ at::Tensor cp_positions(int64_t seq, int ways, int index);
 
 // What the forward keeps for the ring backward.
 struct CpAttentionSaved {
-  at::Tensor q;     // this rank's queries [b, heads, sl, d], fp32
-  at::Tensor k, v;  // this rank's keys and values [b, kv_heads, sl, d], the compute dtype
-  at::Tensor out;   // [b, heads, sl, d], fp32
+  at::Tensor q;     // this rank's queries [b, heads, sl, dk], fp32
+  at::Tensor k, v;  // this rank's keys and values [b, kv_heads, sl, dk or dv], the compute dtype
+  at::Tensor out;   // [b, heads, sl, dv], fp32
   at::Tensor lse;   // [b, heads, sl]: each query's log-sum-exp over all keys, fp32
   int ways = 1, index = 0;
   int64_t seq = 0;  // the whole sequence
@@ -39,23 +39,24 @@ struct CpAttentionSaved {
   at::Tensor slopes, drop;
 };
 
-// Forward: the queries q [b, heads, sl, d] of cp rank `index` (of a sequence of `seq`) against
-// every rank's keys and values,
-// `kv_all` [ways, 2, b, kv_heads, sl, d] (all-gathered, rank order), under the causal mask of
-// the tokens' positions (cp_positions), within saved->window of each query when set. Each
-// key/value head serves heads / kv_heads query heads.
-// Computes in fp32; returns the output [b, heads, sl, d] in fp32 and fills `saved` (q, out, lse,
-// and this rank's k and v from kv_all). With saved->slopes, ALiBi's bias is added to the scores
-// at the tokens' global positions; with saved->drop, the probabilities are multiplied by it.
-at::Tensor cp_attention_forward(const at::Tensor& q, const at::Tensor& kv_all, int index,
-                                int64_t seq, CpAttentionSaved* saved);
+// Forward: the queries q [b, heads, sl, dk] of cp rank `index` (of a sequence of `seq`) against
+// every rank's keys `k_all` [ways, b, kv_heads, sl, dk] and values `v_all` [ways, b, kv_heads,
+// sl, dv] (all-gathered, rank order), under the causal mask of the tokens' positions
+// (cp_positions), within saved->window of each query when set. Each key/value head serves
+// heads / kv_heads query heads. Computes in fp32; returns the output [b, heads, sl, dv] in fp32
+// and fills `saved` (q, out, lse, and this rank's k and v). With saved->slopes, ALiBi's bias is
+// added to the scores at the tokens' global positions; with saved->drop, the probabilities are
+// multiplied by it.
+at::Tensor cp_attention_forward(const at::Tensor& q, const at::Tensor& k_all,
+                                const at::Tensor& v_all, int index, int64_t seq,
+                                CpAttentionSaved* saved);
 
 // One step of the ring: sends `t` to the next rank of the cp group and returns what the
 // previous one sent (the same shape and dtype).
 using RingStep = std::function<at::Tensor(const at::Tensor&)>;
 
 // Backward: the gradients of this rank's q, k and v (fp32) from the output's gradient `dout`
-// [b, heads, sl, d]. Each rank's keys and values travel around the ring with the gradients
+// [b, heads, sl, dv]. Each rank's keys and values travel around the ring with the gradients
 // every rank adds to them (ways - 1 steps carrying keys, values and their gradients), and a last
 // step returns the completed gradients to their owner: `ways` calls of `step`.
 std::array<at::Tensor, 3> cp_attention_backward(const CpAttentionSaved& s, const at::Tensor& dout,

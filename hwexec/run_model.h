@@ -504,6 +504,15 @@ class Model {
   // With qk_norm the queries and keys are the norm's output `qkn` and the values the projection's.
   Unit cp_core_forward(RankContext& c, const at::Tensor& qkv, const at::Tensor& qkn,
                        const char* phase, const DropoutKey& key, int layer);
+  // Latent attention's (run_model_mla.cc): the query projection's output, the key/value
+  // up-projection's and the rotary key part, as latent_attention_core takes them apart.
+  Unit cp_latent_core_forward(RankContext& c, const at::Tensor& q, const at::Tensor& kv,
+                              const at::Tensor& kpe, const char* phase, const DropoutKey& key,
+                              int layer);
+  // Their shared part: from q [b, sl, heads, dk], k [b, sl, kv heads, dk] and v [b, sl, kv
+  // heads, dv], computed under autograd from u.in, the attention's output and ring state in u.
+  void cp_attend(RankContext& c, Unit& u, const at::Tensor& q, const at::Tensor& k,
+                 const at::Tensor& v, const DropoutKey& key, int layer);
   // The gradients of the unit's inputs: the projection's output's, and with qk_norm first the
   // normalized queries' and keys'.
   std::vector<at::Tensor> cp_core_backward(RankContext& c, Unit& u, const at::Tensor& dy);

@@ -312,7 +312,15 @@ Unit Model::cp_core_forward(RankContext& c, const at::Tensor& qkv, const at::Ten
     q = rope(q);
     k = rope(k);
   }
-  // [b, heads, sl, d], flattened into one tensor whose backward takes all three gradients.
+  cp_attend(c, u, q, k, v, key, layer);
+  st.op("attn.core", phase, t0, st.mark(), /*minus_collectives=*/true);
+  return u;
+}
+
+void Model::cp_attend(RankContext& c, Unit& u, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& v, const DropoutKey& key, int layer) {
+  const int64_t b = q.size(0), sl = q.size(1), al = q.size(2), dk = q.size(3), kl = k.size(2),
+                dv = v.size(3);
   u.cp = std::make_shared<CpAttentionSaved>();
   CpAttentionSaved& cs = *u.cp;
   cs.slopes = alibi_;
@@ -321,33 +329,34 @@ Unit Model::cp_core_forward(RankContext& c, const at::Tensor& qkv, const at::Ten
     cs.drop = dropout_multipliers(key, layer, DropoutSite::kAttention, b, spec_.seq_len,
                                   spec_.heads, positions_, first_head_, al, device_);
   }
+  // [b, heads, sl, d], flattened into one tensor whose backward takes all three gradients.
   cs.graph = at::cat({q.permute({0, 2, 1, 3}).reshape({-1}), k.permute({0, 2, 1, 3}).reshape({-1}),
                       v.permute({0, 2, 1, 3}).reshape({-1})});
   const at::Tensor flat = cs.graph.detach();
-  const int64_t nq = b * al * sl * d, nk = b * kl * sl * d;
-  const at::Tensor local =
-      at::stack({flat.narrow(0, nq, nk), flat.narrow(0, nq + nk, nk)}).contiguous();
-  const at::Tensor all = c.all_gather(local.reshape({-1}), c.cp_group, c.cp_axes, "attn.core")
-                             .view({split_.cp, 2, b, kl, sl, d});
-  const at::Tensor out = cp_attention_forward(flat.narrow(0, 0, nq).view({b, al, sl, d}), all,
-                                              split_.cp_index, spec_.seq_len, &cs);
-  u.out = out.to(dtype_).permute({0, 2, 1, 3}).reshape({b, sl, al * d});
-  st.op("attn.core", phase, t0, st.mark(), /*minus_collectives=*/true);
-  return u;
+  const int64_t nq = b * al * sl * dk, nk = b * kl * sl * dk, nv = b * kl * sl * dv;
+  // Every rank's keys and values, gathered as one buffer: [cp, keys then values].
+  const at::Tensor all =
+      c.all_gather(flat.narrow(0, nq, nk + nv).contiguous(), c.cp_group, c.cp_axes, "attn.core")
+          .view({split_.cp, nk + nv});
+  const at::Tensor k_all = all.narrow(1, 0, nk).reshape({split_.cp, b, kl, sl, dk});
+  const at::Tensor v_all = all.narrow(1, nk, nv).reshape({split_.cp, b, kl, sl, dv});
+  const at::Tensor out = cp_attention_forward(flat.narrow(0, 0, nq).view({b, al, sl, dk}), k_all,
+                                              v_all, split_.cp_index, spec_.seq_len, &cs);
+  u.out = out.to(dtype_).permute({0, 2, 1, 3}).reshape({b, sl, al * dv});
 }
 
 std::vector<at::Tensor> Model::cp_core_backward(RankContext& c, Unit& u, const at::Tensor& dy) {
   RunStats& st = *c.stats;
   const Mark t0 = st.mark();
   CpAttentionSaved& cs = *u.cp;
-  const int64_t b = dy.size(0), sl = dy.size(1), al = cs.q.size(1), d = cs.q.size(3);
+  const int64_t b = dy.size(0), sl = dy.size(1), al = cs.q.size(1), width = cs.v.size(3);
   auto step = [&](const at::Tensor& t) {
     c.send(c.cp_next, t, "", /*record=*/false);
     return c.recv(c.cp_prev, t.sizes(), "", /*record=*/false, t.scalar_type(),
                   /*compute_dtype=*/false);
   };
   const auto [dq, dk, dv] =
-      cp_attention_backward(cs, dy.reshape({b, sl, al, d}).permute({0, 2, 1, 3}), step);
+      cp_attention_backward(cs, dy.reshape({b, sl, al, width}).permute({0, 2, 1, 3}), step);
   const Mark t1 = st.mark();
   // The program's convention: the ring moves what an all-gather of (k, v, dk, dv) moves.
   st.coll("all_gather", c.cp_axes, "attn.core",

@@ -103,11 +103,38 @@ void Model::latent_attention_forward(RankContext& c, int l, LayerTape& t, const 
       release_output(t.kvnorm, false);
     }
   }
-  if (p.runs("attn.core")) {
+  if (p.runs("attn.core") && split_.cp > 1) {
+    t.core = cp_latent_core_forward(c, t.q.out, t.kvup.out, t.kpe, p.phase, t.key, first_ + l);
+  } else if (p.runs("attn.core")) {
     t.core =
         fwd(st, "attn.core", p.phase, {leaf(t.q.out), leaf(t.kvup.out), leaf(t.kpe)},
             [&](const std::vector<at::Tensor>& in) { return latent_attention_core(in, t.key, l); });
   }
+}
+
+// The queries, keys and values as latent_attention_core forms them, for the ring attention.
+Unit Model::cp_latent_core_forward(RankContext& c, const at::Tensor& q, const at::Tensor& kv,
+                                   const at::Tensor& kpe, const char* phase, const DropoutKey& key,
+                                   int layer) {
+  RunStats& st = *c.stats;
+  const Mark t0 = st.mark();
+  Unit u;
+  u.in = {leaf(q), leaf(kv), leaf(kpe)};
+  const int64_t dn = spec_.qk_nope_head_dim, dr = spec_.qk_rope_head_dim, dv = spec_.v_head_dim,
+                al = spec_.heads / split_.heads;
+  const int64_t b = q.size(0), sl = q.size(1);
+  const at::Tensor qh = u.in[0].view({b, sl, al, dn + dr});
+  const at::Tensor kvh = u.in[1].view({b, sl, al, dn + dv});
+  at::Tensor q_rope = qh.narrow(3, dn, dr), k_rope = u.in[2].view({b, sl, 1, dr});
+  if (spec_.position == PositionKind::kRope) {
+    q_rope = rope(q_rope);
+    k_rope = rope(k_rope);
+  }
+  const at::Tensor queries = at::cat({qh.narrow(3, 0, dn), q_rope}, 3);
+  const at::Tensor keys = at::cat({kvh.narrow(3, 0, dn), k_rope.expand({b, sl, al, dr})}, 3);
+  cp_attend(c, u, queries, keys, kvh.narrow(3, dn, dv), key, layer);
+  st.op("attn.core", phase, t0, st.mark(), /*minus_collectives=*/true);
+  return u;
 }
 
 // Each head's query is its d_nope + d_rope columns of the query projection; its key the first
@@ -135,7 +162,9 @@ at::Tensor Model::latent_attention_core(const std::vector<at::Tensor>& in, const
 at::Tensor Model::latent_attention_backward(RankContext& c, LayerTape& t, const at::Tensor& d,
                                             const std::set<std::string>& rc) {
   RunStats& st = *c.stats;
-  std::vector<at::Tensor> dc = bwd(st, "attn.core", t.core, d);  // query, key/value, rotary key
+  // The query's, the key/value up-projection's and the rotary key part's gradients.
+  std::vector<at::Tensor> dc =
+      split_.cp > 1 ? cp_core_backward(c, t.core, d) : bwd(st, "attn.core", t.core, d);
   t.kpe = at::Tensor();
   release_output(t.q, false);
   release_output(t.kvup, false);

@@ -805,6 +805,14 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"sliding_window_cp2", 1, 1, 1, "1f1b", 2, &kSlidingWindow, "fp32", {}, 2},
         Case{"sliding_window_cp4", 1, 1, 1, "1f1b", 2, &kSlidingWindow, "fp32", {}, 4},
         Case{"gemma_cp2_tp2", 2, 1, 1, "1f1b", 2, &kGemma, "fp32", {}, 2},
+        // Latent attention: every head's key (its rotary part the shared one's) and value, of
+        // their own widths, gathered and passed around the ring; with tp, the query's latent,
+        // and in a mixture of experts under sequence parallelism.
+        Case{"mla_cp2", 1, 1, 1, "1f1b", 2, &kMla, "fp32", {}, 2},
+        Case{"mla_cp2_tp2", 2, 1, 1, "1f1b", 2, &kMla, "fp32", {}, 2},
+        Case{"mla_no_q_latent_cp4", 1, 1, 1, "1f1b", 2, &kMlaNoQLatent, "fp32", {}, 4},
+        Case{
+            "mla_moe_cp2_tp2_sp", 2, 1, 1, "1f1b", 2, &kMlaMoe, "fp32", {"--sequence-parallel"}, 2},
         // Mixtures of experts, every expert on every rank: the router's top-2, the routed
         // copies in expert order, one GEMM an expert, the weighted sum with the shared expert's
         // output; under data, pipeline and context parallelism, DeepSpeed's per-tensor ZeRO-3,
@@ -1264,12 +1272,6 @@ TEST(NnexecRunRefuses, PlansItCannotRunNameTheField) {
        "ZeRO-3 with expert parallelism is not supported"});
   ASSERT_EQ(make_plan(dir, 1, 1, 2, "1f1b", 4, {"--ep", "2", "--moe-deepep"}, kMoe).status, 0);
   refused({"cannot run this plan: moe_deepep: DeepEP's exchange is simulated only"});
-  // Latent attention runs, but not beside context parallelism.
-  ASSERT_EQ(make_plan(dir, 1, 1, 1, "1f1b", 2, {}, kMla, "fp32", 2).status, 0);
-  refused(
-      {"cannot run this plan: partition: context parallelism over cp with multi-head "
-       "latent attention is simulated only",
-       "plan with --cp 1"});
   ASSERT_EQ(make_plan(dir, 2, 1, 2, "1f1b", 4, {"--ep", "2", "--etp", "1"}, kMoe).status, 0);
   refused(
       {"cannot run this plan: partition: experts folded over the tensor-parallel ranks "
