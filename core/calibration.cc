@@ -128,6 +128,11 @@ void apply_calibration(const Calibration& c, const std::string& gpu, ComputeMode
   if (g.network) apply_link(*g.network, comm.network);
 }
 
+void apply_calibration(const Calibration& c, const GpuSpec& gpu, ComputeModel& compute,
+                       CommModel& comm) {
+  apply_calibration(c, c.gpus.count(gpu.name) > 0 ? gpu.name : gpu.lineage(), compute, comm);
+}
+
 GpuCalibration describe_models(const ComputeModel& compute, const CommModel& comm,
                                const std::string& source) {
   GpuCalibration g;

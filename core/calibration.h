@@ -37,6 +37,10 @@ const std::vector<std::string>& compute_parameter_names();
 // Applies the calibration for `gpu` (if the file has one) on top of the models.
 void apply_calibration(const Calibration& c, const std::string& gpu, ComputeModel& compute,
                        CommModel& comm);
+// ... for a GPU: its own entry, or else its base's (a hypothetical GPU keeps its base's
+// measured behaviour).
+void apply_calibration(const Calibration& c, const GpuSpec& gpu, ComputeModel& compute,
+                       CommModel& comm);
 // The built-in models of a GPU as a calibration entry.
 GpuCalibration describe_models(const ComputeModel& compute, const CommModel& comm,
                                const std::string& source);

@@ -68,8 +68,7 @@ const std::vector<Measured> kH100AllReduce = {
 
 CommModel CommModel::defaults_for(const GpuSpec& gpu) {
   CommModel m;
-  const bool hopper = gpu.name.rfind("h100", 0) == 0 || gpu.name.rfind("h200", 0) == 0;
-  if (hopper) {
+  if (gpu.hopper()) {
     m.nvlink = from_all_reduce(kH100AllReduce, 8, 450e9);
     // Without NVLink SHARP (all-gather, reduce-scatter, point-to-point) a ring reaches about
     // 365 GB/s of bus bandwidth on 450 GB/s links (refs.yaml: nccl-allreduce-h200-8gpu-nvls-

@@ -12,10 +12,10 @@ std::string_view to_string(AttentionLibrary a) {
 namespace {
 
 bool is_a100(const GpuSpec& g) {
-  return g.name.rfind("a100", 0) == 0;
+  return g.ampere();
 }
 bool is_hopper(const GpuSpec& g) {
-  return g.name.rfind("h100", 0) == 0 || g.name.rfind("h200", 0) == 0;
+  return g.hopper();
 }
 
 }  // namespace
@@ -39,7 +39,7 @@ ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu, AttentionLibrary att
                          {Precision::kTf32, 271.2 / 312},
                          {Precision::kFp32, 0.9}};
   } else if (is_hopper(gpu)) {
-    const bool h200 = gpu.name.rfind("h200", 0) == 0;
+    const bool h200 = gpu.lineage().rfind("h200", 0) == 0;
     m.gemm_efficiency = {{Precision::kBf16, 794.5 / 989},
                          {Precision::kFp16, 794.5 / 989},
                          {Precision::kTf32, 794.5 / 989},

@@ -6,8 +6,10 @@
 #include "core/gpu.h"
 
 #include <algorithm>
+#include <map>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/suggest.h"
@@ -41,26 +43,41 @@ std::map<Precision, double> h100_sxm_flops() {
           {Precision::kFp8, 1979 * kT}};
 }
 
+// A catalog entry: its own base.
+GpuSpec entry(const std::string& name, std::map<Precision, double> flops, double hbm_bytes,
+              double hbm_bandwidth, double nvlink_bandwidth, int sms, const std::string& source) {
+  GpuSpec g;
+  g.name = name;
+  g.dense_flops = std::move(flops);
+  g.hbm_bytes = hbm_bytes;
+  g.hbm_bandwidth = hbm_bandwidth;
+  g.nvlink_bandwidth = nvlink_bandwidth;
+  g.sms = sms;
+  g.source = source;
+  g.base = name;
+  return g;
+}
+
 std::vector<GpuSpec> build_catalog() {
   std::vector<GpuSpec> c;
   // The optional NVLink bridge between two A100 PCIe cards is not modeled: PCIe-only.
-  c.push_back({"a100-pcie-80gb", a100_flops(), 81920 * kMiB, 1935 * kG, 0, 108,
-               std::string(kA100Source) + ", A100 80GB PCIe column"});
-  c.push_back({"a100-sxm4-40gb", a100_flops(), 40960 * kMiB, 1555 * kG, 300 * kG, 108,
-               std::string(kA100Source) + ", A100 40GB SXM column"});
-  c.push_back({"a100-sxm4-80gb", a100_flops(), 81920 * kMiB, 2039 * kG, 300 * kG, 108,
-               std::string(kA100Source) + ", A100 80GB SXM column"});
+  c.push_back(entry("a100-pcie-80gb", a100_flops(), 81920 * kMiB, 1935 * kG, 0, 108,
+                    std::string(kA100Source) + ", A100 80GB PCIe column"));
+  c.push_back(entry("a100-sxm4-40gb", a100_flops(), 40960 * kMiB, 1555 * kG, 300 * kG, 108,
+                    std::string(kA100Source) + ", A100 40GB SXM column"));
+  c.push_back(entry("a100-sxm4-80gb", a100_flops(), 81920 * kMiB, 2039 * kG, 300 * kG, 108,
+                    std::string(kA100Source) + ", A100 80GB SXM column"));
+  c.push_back(entry("h100-sxm5-80gb", h100_sxm_flops(), 81559 * kMiB, 3350 * kG, 450 * kG, 132,
+                    kH100Source));
   c.push_back(
-      {"h100-sxm5-80gb", h100_sxm_flops(), 81559 * kMiB, 3350 * kG, 450 * kG, 132, kH100Source});
-  c.push_back(
-      {"h100-sxm5-96gb", h100_sxm_flops(), 97871 * kMiB, 3350 * kG, 450 * kG, 132,
-       std::string("derived from h100-sxm5-80gb (same compute, NVLink and HBM bandwidth; ") +
-           kH100Source + ") with 96 GB of HBM (97871 MiB usable)"});
+      entry("h100-sxm5-96gb", h100_sxm_flops(), 97871 * kMiB, 3350 * kG, 450 * kG, 132,
+            std::string("derived from h100-sxm5-80gb (same compute, NVLink and HBM bandwidth; ") +
+                kH100Source + ") with 96 GB of HBM (97871 MiB usable)"));
   // refs.yaml lists bf16, fp8, HBM and NVLink for the H200; fp32, tf32, fp16 and the SM count
   // are those of the H100 SXM5, which the H200 datasheet repeats (same die).
-  c.push_back({"h200-sxm-141gb", h100_sxm_flops(), 143771 * kMiB, 4800 * kG, 450 * kG, 132,
-               "https://www.nvidia.com/en-us/data-center/h200/ (NVIDIA H200 datasheet, SXM "
-               "column)"});
+  c.push_back(entry("h200-sxm-141gb", h100_sxm_flops(), 143771 * kMiB, 4800 * kG, 450 * kG, 132,
+                    "https://www.nvidia.com/en-us/data-center/h200/ (NVIDIA H200 datasheet, SXM "
+                    "column)"));
   std::sort(c.begin(), c.end(), [](const GpuSpec& a, const GpuSpec& b) { return a.name < b.name; });
   return c;
 }

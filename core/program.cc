@@ -171,9 +171,8 @@ ComputeModel default_compute_model(const Plan& plan, const GpuSpec& gpu) {
   // Megatron-Core / NeMo run Transformer Engine's cuDNN fused attention on Hopper; elsewhere
   // FlashAttention-2 (docs/cost-model.md).
   const bool megatron = plan.framework == "megatron";
-  const AttentionLibrary attention = megatron && gpu.name.rfind("a100", 0) != 0
-                                         ? AttentionLibrary::kFused3
-                                         : AttentionLibrary::kFlash2;
+  const AttentionLibrary attention =
+      megatron && !gpu.ampere() ? AttentionLibrary::kFused3 : AttentionLibrary::kFlash2;
   ComputeModel m = ComputeModel::defaults_for(gpu, attention);
   // Megatron fuses its elementwise kernels (bias-GeLU, bias-dropout-add, LayerNorm, the masked
   // softmax): they move the operator graph's minimal traffic.
@@ -192,7 +191,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   prog.comm_model =
       options.use_default_comm_model ? CommModel::defaults_for(topology.gpu) : options.comm_model;
   if (options.calibration) {
-    apply_calibration(*options.calibration, topology.gpu.name, prog.compute_model, prog.comm_model);
+    apply_calibration(*options.calibration, topology.gpu, prog.compute_model, prog.comm_model);
   }
   if (plan.moe_deepep) {
     const ModelSpec& m = plan.model;

@@ -54,11 +54,16 @@ Expected<YAML::Node> gpu_node(const GpuSpec& gpu) {
   for (const GpuSpec& c : catalog) {
     if (c.name == gpu.name && same_figures(c, gpu)) return YAML::Node(gpu.name);
   }
-  // A base with the same precisions (a hypothetical GPU overrides figures, not which formats it
-  // has); the one its name starts with when there is one ("h100-sxm5-80gb-custom").
+  // Its own base (whose measured behaviour it keeps), or one with the same precisions (a
+  // hypothetical GPU overrides figures, not which formats it has): the one its name starts
+  // with when there is one ("h100-sxm5-80gb-custom").
   const GpuSpec* base = nullptr;
   for (const GpuSpec& c : catalog) {
     if (!same_precisions(c, gpu)) continue;
+    if (c.name == gpu.base) {
+      base = &c;
+      break;
+    }
     if (!base || gpu.name.rfind(c.name, 0) == 0) base = &c;
   }
   if (!base) {

@@ -45,6 +45,27 @@ TEST(Calibration, RoundTripsAndOverridesOnlyWhatItSets) {
   EXPECT_DOUBLE_EQ(a100.sustained, before);
 }
 
+// A hypothetical GPU (a what-if part named after itself) takes its base's entry, unless the file
+// has one of its own.
+TEST(Calibration, AHypotheticalGpuTakesItsBasesEntry) {
+  const GpuSpec h100 = *find_gpu("h100-sxm5-80gb");
+  GpuSpec b200 = h100;
+  b200.name = "b200";
+  b200.dense_flops[Precision::kBf16] = 2250e12;
+  Calibration c;
+  c.gpus["h100-sxm5-80gb"] = describe_models(ComputeModel::defaults_for(h100),
+                                             CommModel::defaults_for(h100), "measured on H100s");
+  c.gpus["h100-sxm5-80gb"].compute["sustained"] = 0.5;
+  ComputeModel m = ComputeModel::defaults_for(b200);
+  CommModel n = CommModel::defaults_for(b200);
+  apply_calibration(c, b200, m, n);
+  EXPECT_DOUBLE_EQ(m.sustained, 0.5);
+  c.gpus["b200"] = c.gpus["h100-sxm5-80gb"];
+  c.gpus["b200"].compute["sustained"] = 0.7;
+  apply_calibration(c, b200, m, n);
+  EXPECT_DOUBLE_EQ(m.sustained, 0.7);
+}
+
 TEST(Calibration, RejectsFilesThatAreNotCalibrations) {
   const std::string path = temp_path("not.h5");
   { std::ofstream(path) << "hello"; }

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include "core/comm_model.h"
 #include "core/gpu.h"
 #include "core/opgraph.h"
 
@@ -34,6 +35,33 @@ TEST(CostModel, SustainedFp8SlowsOnlyFp8Gemms) {
   const double ratio = (1979e12 * (1402.6 / 1979) * m.sustained_fp8) / (989e12 * (794.5 / 989));
   EXPECT_NEAR(bf16 / fp8, ratio, 1e-9 * ratio);
   EXPECT_LT(m.sustained_fp8, 1.0);
+}
+
+// A hypothetical GPU keeps its base's measured behaviour whatever it is called: a "b200" drawn
+// from an H200 with Blackwell's peaks has the H200's GEMM, attention and NCCL efficiencies, not
+// the defaults of a GPU nnsim has no measurements of.
+TEST(CostModel, AHypotheticalGpuKeepsItsBasesEfficiencies) {
+  const GpuSpec h200 = gpu("h200-sxm-141gb");
+  GpuSpec b200 = h200;
+  b200.name = "b200";
+  b200.dense_flops[Precision::kBf16] = 2250e12;
+  b200.dense_flops[Precision::kFp8] = 4500e12;
+  EXPECT_TRUE(b200.hopper());
+  for (AttentionLibrary a : {AttentionLibrary::kFlash2, AttentionLibrary::kFused3}) {
+    const ComputeModel base = ComputeModel::defaults_for(h200, a);
+    const ComputeModel what_if = ComputeModel::defaults_for(b200, a);
+    EXPECT_EQ(what_if.gemm_efficiency, base.gemm_efficiency);
+    EXPECT_DOUBLE_EQ(what_if.sustained, base.sustained);
+    EXPECT_DOUBLE_EQ(what_if.sustained_fp8, base.sustained_fp8);
+    EXPECT_DOUBLE_EQ(what_if.attention_fwd_efficiency, base.attention_fwd_efficiency);
+    EXPECT_DOUBLE_EQ(what_if.attention_bwd_efficiency, base.attention_bwd_efficiency);
+  }
+  EXPECT_DOUBLE_EQ(CommModel::defaults_for(b200).nvlink.max_efficiency,
+                   CommModel::defaults_for(h200).nvlink.max_efficiency);
+  // Twice the peak, the same efficiencies: half the time.
+  const ComputeModel m = ComputeModel::defaults_for(h200);
+  EXPECT_NEAR(gemm_seconds(kM, kN, kK, Precision::kFp8, b200, m),
+              gemm_seconds(kM, kN, kK, Precision::kFp8, h200, m) * 1979 / 4500, 1e-15);
 }
 
 // Beside DeepEP's exchange compute runs on the SMs its 20 leave; beside NCCL's collectives it

@@ -360,6 +360,8 @@ TEST(Topology, HypotheticalGpu) {
   EXPECT_DOUBLE_EQ(t->gpu.peak_flops(Precision::kBf16), 2000e12);
   EXPECT_DOUBLE_EQ(t->gpu.peak_flops(Precision::kFp8), 1979e12);
   EXPECT_NE(t->gpu.source.find("hypothetical"), std::string::npos);
+  EXPECT_EQ(t->gpu.base, "h100-sxm5-80gb");  // whose measured behaviour it keeps
+  EXPECT_TRUE(t->gpu.hopper());
 
   std::string msg = parse_error(replace(yaml, "hbm_bytes: 192 GB", "hbm_bytes: 192 GB/s"));
   EXPECT_NE(msg.find("field 'gpu.hbm_bytes': unknown unit 'GB/s'"), std::string::npos) << msg;

@@ -19,6 +19,7 @@ void expect_same_cluster(const Topology& a, const Topology& b) {
   EXPECT_EQ(a.gpu.hbm_bandwidth, b.gpu.hbm_bandwidth);
   EXPECT_EQ(a.gpu.nvlink_bandwidth, b.gpu.nvlink_bandwidth);
   EXPECT_EQ(a.gpu.sms, b.gpu.sms);
+  EXPECT_EQ(a.gpu.base, b.gpu.base);  // whose measured behaviour it keeps
   EXPECT_EQ(a.nodes, b.nodes);
   EXPECT_EQ(a.gpus_per_node, b.gpus_per_node);
   EXPECT_EQ(a.intra.kind, b.intra.kind);
@@ -98,6 +99,13 @@ fabric: {kind: fat_tree, nodes_per_group: 4, oversubscription: 2.5, switch_laten
                                            "mesh.yaml");
   ASSERT_TRUE(mesh.ok()) << mesh.error().message();
   expect_same_cluster(*mesh, read_back(*mesh));
+
+  // A hypothetical GPU named after itself keeps its own base, not another with its formats.
+  Topology what_if = *mesh;
+  what_if.gpu = *find_gpu("h200-sxm-141gb");
+  what_if.gpu.name = "b200";
+  what_if.gpu.dense_flops[Precision::kBf16] = 2250e12;
+  expect_same_cluster(what_if, read_back(what_if));
 }
 
 TEST(TopologyWriter, WhatTheFormatCannotSayIsAnError) {
