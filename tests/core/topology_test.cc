@@ -94,7 +94,8 @@ TEST(GpuCatalog, UnknownNameSuggestsAndListsTheCatalog) {
 
 TEST(Topology, EveryPresetLoadsAndValidates) {
   auto names = topology_preset_names();
-  for (const char* expected : {"dgx-a100x4", "dgx-h100-superpod", "h200x8", "pcie-a100x8"}) {
+  for (const char* expected :
+       {"dgx-a100x4", "dgx-h100-superpod", "gb200-nvl72-whatif", "h200x8", "pcie-a100x8"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), expected), names.end()) << expected;
   }
   for (const auto& name : names) {
@@ -371,6 +372,20 @@ TEST(Topology, HypotheticalGpu) {
   EXPECT_NE(msg.find("test.yaml:2: field 'gpu.hbm_bytes': the GPU needs a positive memory size"),
             std::string::npos)
       << msg;
+}
+
+// The what-if preset's GPU is hypothetical: Blackwell's peaks over the H200's measured behaviour,
+// in 72-GPU NVLink domains.
+TEST(Topology, TheGb200WhatIfKeepsTheH200sMeasuredBehaviour) {
+  auto t = load_topology("gb200-nvl72-whatif");
+  ASSERT_TRUE(t.ok()) << t.error().message();
+  EXPECT_EQ(t->gpu.base, "h200-sxm-141gb");
+  EXPECT_TRUE(t->gpu.hopper());
+  EXPECT_DOUBLE_EQ(t->gpu.peak_flops(Precision::kBf16), 2500e12);
+  EXPECT_DOUBLE_EQ(t->gpu.peak_flops(Precision::kFp8), 5000e12);
+  EXPECT_EQ(t->gpus_per_node, 72);
+  EXPECT_DOUBLE_EQ(t->intra.bandwidth, 900e9);
+  EXPECT_NE(t->gpu.source.find("hypothetical"), std::string::npos);
 }
 
 TEST(Topology, ValidateNamesTheField) {
