@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <utility>
 
 namespace nnsim::detail {
 
@@ -13,13 +14,20 @@ namespace nnsim::detail {
 // made by that half.
 double Compiler::kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
                             const std::vector<bool>& recomputed, bool weight_inputs_only) const {
-  const std::vector<double> after = kept_bytes_after(p, in_layout, recomputed, weight_inputs_only);
+  const std::vector<double>& after = kept_bytes_after(p, in_layout, recomputed, weight_inputs_only);
   return after.empty() ? 0.0 : after.back();
 }
 
-std::vector<double> Compiler::kept_bytes_after(const PartInfo& p, const TensorLayout& in_layout,
-                                               const std::vector<bool>& recomputed,
-                                               bool weight_inputs_only) const {
+const std::vector<double>& Compiler::kept_bytes_after(const PartInfo& p,
+                                                      const TensorLayout& in_layout,
+                                                      const std::vector<bool>& recomputed,
+                                                      bool weight_inputs_only) const {
+  for (const KeptMemo& m : kept_memo) {
+    if (m.part == &p && m.weight_inputs_only == weight_inputs_only && m.in_layout == in_layout &&
+        m.recomputed == recomputed) {
+      return m.after;
+    }
+  }
   const auto& ops = p.part->ops;
   std::vector<TensorRef> kept;
   std::vector<double> after;
@@ -67,7 +75,8 @@ std::vector<double> Compiler::kept_bytes_after(const PartInfo& p, const TensorLa
     }
     after.back() = bytes;
   }
-  return after;
+  kept_memo.push_back({&p, in_layout, recomputed, weight_inputs_only, std::move(after)});
+  return kept_memo.back().after;
 }
 
 double Compiler::recomputed_bytes(const PartInfo& p, const TensorLayout& in, int layer) const {
@@ -91,8 +100,12 @@ double Compiler::op_transient_bytes(const PartInfo& p, size_t i) const {
 }
 
 double Compiler::transient_bytes(const PartInfo& p) const {
+  for (const auto& [part, bytes] : transient_memo) {
+    if (part == &p) return bytes;
+  }
   double worst = 0;
   for (size_t i = 0; i < p.part->ops.size(); ++i) worst = std::max(worst, op_transient_bytes(p, i));
+  transient_memo.emplace_back(&p, worst);
   return worst;
 }
 
@@ -107,8 +120,8 @@ double Compiler::weight_transient_bytes(const PartInfo& p) const {
 double Compiler::running_transient_bytes(const PartInfo& p, const TensorLayout& in_layout,
                                          const std::vector<bool>& recomputed,
                                          bool keeps_weight_inputs) const {
-  const std::vector<double> kept = kept_bytes_after(p, in_layout, recomputed, false);
-  const std::vector<double> weight_inputs = kept_bytes_after(p, in_layout, recomputed, true);
+  const std::vector<double>& kept = kept_bytes_after(p, in_layout, recomputed, false);
+  const std::vector<double>& weight_inputs = kept_bytes_after(p, in_layout, recomputed, true);
   double worst = 0;
   for (size_t i = 0; i < kept.size(); ++i) {
     const double later_weight_inputs =

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <deque>
 #include <functional>
 #include <map>
 #include <string>
@@ -190,6 +191,17 @@ struct Compiler {
   std::vector<std::vector<int>> lanes_of_segment;
   std::vector<int> lane_of_rank;  // replica 0's ranks
   std::map<std::string, int> label_index;
+  // kept_bytes_after's and transient_bytes's results, computed once per argument set: every
+  // block template asks them of every layer, and a compile has a few distinct sets.
+  struct KeptMemo {
+    const PartInfo* part;
+    TensorLayout in_layout;
+    std::vector<bool> recomputed;
+    bool weight_inputs_only;
+    std::vector<double> after;
+  };
+  mutable std::deque<KeptMemo> kept_memo;
+  mutable std::vector<std::pair<const PartInfo*, double>> transient_memo;
 
   Compiler(const Plan& p, const Topology& t, Program& out)
       : plan(p), topo(t), prog(out), mesh(p.mesh), net(t) {}
@@ -267,9 +279,9 @@ struct Compiler {
   double kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
                     const std::vector<bool>& recomputed, bool weight_inputs_only) const;
   // The same after each operator: element i is what operators 0..i save.
-  std::vector<double> kept_bytes_after(const PartInfo& p, const TensorLayout& in_layout,
-                                       const std::vector<bool>& recomputed,
-                                       bool weight_inputs_only) const;
+  const std::vector<double>& kept_bytes_after(const PartInfo& p, const TensorLayout& in_layout,
+                                              const std::vector<bool>& recomputed,
+                                              bool weight_inputs_only) const;
   double op_transient_bytes(const PartInfo& p, size_t i) const;
   double transient_bytes(const PartInfo& p) const;
   // The largest transient of the part's operators with weights (a split backward's weight half).

@@ -17,7 +17,12 @@
 // sequence parallelism as an example.
 #pragma once
 
+#include <algorithm>
+#include <array>
+#include <cassert>
+#include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -47,7 +52,38 @@ struct AxisLayout {
   bool operator==(const AxisLayout&) const = default;
 };
 
-using TensorLayout = std::vector<AxisLayout>;  // one entry per mesh axis
+// A tensor's layout: one entry per mesh axis, stored inline (a mesh has at most kMaxMeshAxes):
+// the compiler makes layouts by the million in a plan search, and a heap block each took a
+// quarter of its time (docs/PERFORMANCE.md).
+class TensorLayout {
+ public:
+  TensorLayout() = default;
+  explicit TensorLayout(std::size_t axes) : size_(static_cast<uint8_t>(axes)) {
+    assert(axes <= axes_.size());
+  }
+  TensorLayout(std::initializer_list<AxisLayout> axes) {
+    for (const AxisLayout& a : axes) push_back(a);
+  }
+  std::size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  AxisLayout& operator[](std::size_t a) { return axes_[a]; }
+  const AxisLayout& operator[](std::size_t a) const { return axes_[a]; }
+  AxisLayout* begin() { return axes_.data(); }
+  AxisLayout* end() { return axes_.data() + size_; }
+  const AxisLayout* begin() const { return axes_.data(); }
+  const AxisLayout* end() const { return axes_.data() + size_; }
+  void push_back(const AxisLayout& x) {
+    assert(size_ < axes_.size());
+    axes_[size_++] = x;
+  }
+  bool operator==(const TensorLayout& o) const {
+    return std::equal(begin(), end(), o.begin(), o.end());
+  }
+
+ private:
+  std::array<AxisLayout, kMaxMeshAxes> axes_{};
+  uint8_t size_ = 0;
+};
 
 // kExpertExchange: a mixture of experts' routed tokens exchanged through DeepEP's kernels
 // (Plan::moe_deepep), an all-to-all that crosses nodes once per token and node

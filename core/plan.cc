@@ -221,6 +221,10 @@ Mesh parse_mesh(const InputNode& n) {
     MeshAxis a{pair[0].as_string(), pair[1].as_small_int()};
     if (a.size < 1) pair[1].fail("an axis size must be at least 1");
     if (!seen.insert(a.name).second) pair[0].fail("axis '" + a.name + "' appears twice");
+    if (static_cast<int>(mesh.axes.size()) == kMaxMeshAxes) {
+      item.fail(fmt::format("a mesh has at most {} axes; merge axes that split the same way",
+                            kMaxMeshAxes));
+    }
     mesh.axes.push_back(a);
   }
   if (mesh.axes.empty()) n.fail("the mesh needs at least one axis");

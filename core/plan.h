@@ -38,6 +38,10 @@ struct MeshAxis {
   int size = 1;
 };
 
+// Axis sets travel as bit masks (collectives, gradient groups) and layouts hold one entry per
+// axis inline (core/layout.h): a plan's mesh has at most this many axes.
+inline constexpr int kMaxMeshAxes = 16;
+
 struct Mesh {
   std::vector<MeshAxis> axes;
 

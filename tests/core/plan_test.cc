@@ -290,6 +290,11 @@ TEST(Plan, PartitionNamesDimensionsAndAxes) {
 TEST(Plan, OtherFieldChecks) {
   expect_error("[[\"dp\", 2], [\"pp\", 2]", "[[\"dp\", 2], [\"dp\", 2]", "mesh[1][0]",
                "axis 'dp' appears twice");
+  // Seventeen axes, sixteen of size 1: one too many.
+  std::string many = "[[\"dp\", 2], [\"pp\", 2]";
+  for (int a = 0; a < 15; ++a) many += fmt::format(", [\"x{}\", 1]", a);
+  expect_error("[[\"dp\", 2], [\"pp\", 2]", many, "mesh[16]",
+               "a mesh has at most 16 axes; merge axes that split the same way");
   expect_error("\"layers\": [2, 4]", "\"layers\": [4, 2]", "segments[1].layers",
                "expected [first, end) as two integers with first <= end");
   expect_error("{\"zero\": 1}", "{\"zero\": 4}", "optimizer.zero",
