@@ -303,18 +303,15 @@ BlockBuilder::Activations BlockBuilder::activations() const {
     a.kept += c_.kept_bytes(embed, embed_out_, c_.recomputed_ops(embed, -1), false);
     a.kept_weight_inputs += c_.kept_bytes(embed, embed_out_, c_.recomputed_ops(embed, -1), true);
   }
-  LayerMemo memo;  // here `peak` is what the layer keeps, `freed` its weight gradients' inputs
   for (int l = s_.first_layer; l < s_.end_layer; ++l) {
     const PartInfo& p = c_.layer_at(l);
     const std::vector<bool> r = c_.recomputed_ops(p, l);
-    if (!memo.holds(&p, r, l == 0)) {
-      memo.set(&p, r, l == 0, c_.kept_bytes(p, layer_in(l), r, false),
-               c_.kept_bytes(p, layer_in(l), r, true));
-    }
-    a.kept_layers += memo.peak;
-    a.kept += memo.peak;
-    a.layers_weight_inputs += memo.freed;
-    a.kept_weight_inputs += memo.freed;
+    const double layer_kept = c_.kept_bytes(p, layer_in(l), r, false);
+    const double layer_weight_inputs = c_.kept_bytes(p, layer_in(l), r, true);
+    a.kept_layers += layer_kept;
+    a.kept += layer_kept;
+    a.layers_weight_inputs += layer_weight_inputs;
+    a.kept_weight_inputs += layer_weight_inputs;
   }
   if (s_.head) {
     a.kept_head = c_.kept_bytes(head, layer_out_, c_.recomputed_ops(head, -1), false);
