@@ -595,6 +595,9 @@ INSTANTIATE_TEST_SUITE_P(
         with("moe_post_norms_tp2_sp", 2, 1, 1, 2, {"--sequence-parallel"}, &kMoePostNorms),
         with("moe_post_norms_ep2_dp2_recompute_full", 1, 1, 2, 4,
              {"--ep", "2", "--recompute", "full"}, &kMoePostNorms),
+        // ... whose early stop ends at the post-norm after the combine, not at the combine.
+        with("moe_post_norms_fsdp_recompute_full_early_stop_dp2", 1, 1, 2, 4,
+             {"--framework", "fsdp", "--recompute", "full"}, &kMoePostNorms),
         // GeGLU's two branches split alike over tp, as SwiGLU's.
         Case{"geglu_tp2_pp2", 2, 2, 1, "1f1b", 4, &kGeglu},
         Case{"llama_pp2", 1, 2, 1, "1f1b", 4, &kLlama},
