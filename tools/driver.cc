@@ -40,6 +40,14 @@ Expected<Topology> load_topology_sized(const std::string& path, int nodes) {
   return resize_topology(*topo, nodes);
 }
 
+void note_hypothetical_gpu(const GpuSpec& gpu) {
+  if (gpu.base.empty() || gpu.base == gpu.name) return;
+  std::printf(
+      "note: %s is a hypothetical GPU: its peaks, memory and NVLink as the topology gives them, "
+      "its GEMM, attention and NCCL efficiencies %s's measured ones (docs/topology.md)\n",
+      gpu.name.c_str(), gpu.base.c_str());
+}
+
 void note_unvalidated_moe(const ModelSpec& model) {
   if (!model.moe()) return;
   std::printf(

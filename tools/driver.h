@@ -30,6 +30,10 @@ Expected<Topology> load_topology_sized(const std::string& path, int nodes);
 // MoE runs nnsim has been set against ran slower or faster than it predicts (docs/moe.md).
 void note_unvalidated_moe(const ModelSpec& model);
 
+// For a hypothetical GPU (a what-if part), a note that its figures are as given and its
+// efficiencies its base GPU's measured ones (docs/topology.md).
+void note_hypothetical_gpu(const GpuSpec& gpu);
+
 // Progress on a terminal only; pipes and files stay quiet.
 class Progress {
  public:

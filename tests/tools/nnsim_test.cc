@@ -421,6 +421,7 @@ TEST(NnsimTool, MixtureOfExpertsPlansAndSimulates) {
     EXPECT_EQ(contains(r.out, "mixture-of-experts step times are not validated yet"),
               model == "moe")
         << r;
+    EXPECT_FALSE(contains(r.out, "hypothetical GPU")) << r;  // an A100 of the catalog
     return json::parse(box.read("r.json"));
   };
   const json d = run("dense"), m = run("moe");
@@ -1082,6 +1083,27 @@ TEST(NnsimTool, RecomputeModulesOnTheCommandLine) {
                  {"--recompute-modules: 'mlp.acts' matches no operator of a layer",
                   "did you mean 'mlp.act'?"});
   }
+}
+
+// A what-if GPU's report says whose measured efficiencies it runs at (docs/topology.md): the
+// simulation's and the search's.
+TEST(NnsimTool, AHypotheticalGpusReportNamesItsBase) {
+  Sandbox box;
+  const std::string note =
+      "note: gb200-whatif is a hypothetical GPU: its peaks, memory and NVLink as the topology "
+      "gives them, its GEMM, attention and NCCL efficiencies h200-sxm-141gb's measured ones";
+  RunResult r =
+      box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "gb200-nvl72-whatif", "--nodes", "1",
+                 "--tp", "8", "--pp", "1", "--global-batch", "72", "-o", "p.json"});
+  ASSERT_EQ(r.status, 0) << r;
+  RunResult sim = box.nnsim({"--topo", "gb200-nvl72-whatif", "--nodes", "1", "p.json"});
+  ASSERT_EQ(sim.status, 0) << sim;
+  EXPECT_TRUE(contains(sim.out, note)) << sim;
+  RunResult search =
+      box.nnsim({"plan", "--model", "gpt3-1.3b", "--topo", "gb200-nvl72-whatif", "--nodes", "1",
+                 "--tp", "8", "--global-batch", "72", "--search", "-o", "s.json"});
+  ASSERT_EQ(search.status, 0) << search;
+  EXPECT_TRUE(contains(search.out, note)) << search;
 }
 
 TEST(NnsimTool, AvoidedGpusAreIdleInTheReport) {
