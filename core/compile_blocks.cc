@@ -101,7 +101,7 @@ void BlockBuilder::forward() {
     wait_gather(next_unit_);
     zero3_before(units_, next_unit_++);
     c_.emit_forward(p, in_layout, c_.recomputed_ops(p, layer), false, ComputeClass::kCompute,
-                    t_.steps);
+                    t_.steps, layer);
   };
   if (s_.embedding) {
     forward_part(embed, -1, embed_out_);
@@ -135,7 +135,7 @@ void BlockBuilder::recompute() {
   for (int l = s_.first_layer; l < s_.end_layer; ++l) {
     const PartInfo& p = c_.layer_at(l);
     c_.emit_forward(p, layer_in(l), c_.recomputed_ops(p, l), true, ComputeClass::kRecompute,
-                    t_.steps);
+                    t_.steps, l);
     extra += c_.recomputed_bytes(p, layer_in(l), l);
   }
   if (s_.head) recompute_part(c_.head, layer_out_);
@@ -199,9 +199,9 @@ void BlockBuilder::backward() {
     zero3_before(backward_units_, next_unit_++);
     const std::vector<bool> r = c_.recomputed_ops(p, layer);
     if (input_grads && !explicit_recompute_ && std::find(r.begin(), r.end(), true) != r.end()) {
-      c_.emit_forward(p, in_layout, r, true, ComputeClass::kRecompute, t_.steps);
+      c_.emit_forward(p, in_layout, r, true, ComputeClass::kRecompute, t_.steps, layer);
     }
-    c_.emit_backward(p, in_layout, in_grad_layout, r, input_grads, weight_grads, t_.steps);
+    c_.emit_backward(p, in_layout, in_grad_layout, r, input_grads, weight_grads, t_.steps, layer);
     grads_ready(backward_units_[next_unit_ - 1]);
   };
   if (s_.head) backward_part(head, -1, layer_out_, layer_out_grad_);

@@ -56,6 +56,25 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
         has_weight_grad ? op_seconds(op, Pass::kBackwardWeight, info.bwd_weight_flops.back(),
                                      bb / 2, shape, precision, gpu, cm)
                         : 0.0);
+    if (plan.model.windowed()) {
+      // Each kind of layer at its own share of the query-key pairs: a fused kernel computes
+      // only those; the unfused chain every score either way (op_seconds).
+      std::array<PartInfo::WindowCost, 2>& costs = info.window_costs.emplace_back();
+      if (op.kind == OpKind::kAttention && op.attended_fraction > 0) {
+        for (int k : {0, 1}) {
+          Op layer_op = op;
+          layer_op.attended_fraction = k == 0 ? 1.0 : window_attended_fraction(plan.model);
+          const double scale = layer_op.attended_fraction / op.attended_fraction;
+          PartInfo::WindowCost& c = costs[k];
+          c.fwd_flops = info.fwd_flops.back() * scale;
+          c.bwd_input_flops = info.bwd_input_flops.back() * scale;
+          c.fwd_seconds =
+              op_seconds(layer_op, Pass::kForward, c.fwd_flops, fb, shape, precision, gpu, cm);
+          c.bwd_input_seconds = op_seconds(layer_op, Pass::kBackwardInput, c.bwd_input_flops, bb,
+                                           shape, precision, gpu, cm);
+        }
+      }
+    }
     double params = 0;
     uint32_t sync = 0;
     int group = kDenseGrads;
@@ -125,7 +144,7 @@ void Compiler::append_tensor_conversions(const TensorSpec& t, const TensorLayout
 
 void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
                             const std::vector<bool>& recomputed, bool only_recomputed,
-                            ComputeClass cls, std::vector<Step>& steps) {
+                            ComputeClass cls, std::vector<Step>& steps, int layer) {
   const auto& ops = p.part->ops;
   std::vector<std::pair<TensorRef, TensorLayout>> converted;
   const std::vector<bool> replayed =
@@ -178,8 +197,9 @@ void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
     Step s;
     s.kind = StepKind::kCompute;
     s.compute_class = cls;
-    s.seconds = p.fwd_seconds[i];
-    s.flops = cls == ComputeClass::kRecompute ? 0 : p.fwd_flops[i];
+    const PartInfo::WindowCost* window = window_cost(p, i, layer);
+    s.seconds = window ? window->fwd_seconds : p.fwd_seconds[i];
+    s.flops = cls == ComputeClass::kRecompute ? 0 : (window ? window->fwd_flops : p.fwd_flops[i]);
     s.label = p.labels[i];
     s.matmul = op.kind == OpKind::kLinear;
     // Internal communication of a split operator.
@@ -210,7 +230,7 @@ void Compiler::emit_forward(const PartInfo& p, const TensorLayout& in_layout,
 void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
                              const TensorLayout& in_grad_layout,
                              const std::vector<bool>& recomputed, bool input_grads,
-                             bool weight_grads, std::vector<Step>& steps) {
+                             bool weight_grads, std::vector<Step>& steps, int layer) {
   const auto& ops = p.part->ops;
   std::vector<std::pair<TensorRef, TensorLayout>> converted;
   for (int i = static_cast<int>(ops.size()) - 1; i >= 0; --i) {
@@ -235,9 +255,12 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
     }
     Step s;
     s.kind = StepKind::kCompute;
-    s.seconds =
-        (input_grads ? p.bwd_input_seconds[i] : 0) + (weight_grads ? p.bwd_weight_seconds[i] : 0);
-    s.flops = (input_grads ? p.bwd_input_flops[i] : 0) + (weight_grads ? p.bwd_weight_flops[i] : 0);
+    // (Attention has no weight gradient: a window changes only the input-gradient half.)
+    const PartInfo::WindowCost* window = window_cost(p, static_cast<size_t>(i), layer);
+    const double input_seconds = window ? window->bwd_input_seconds : p.bwd_input_seconds[i];
+    const double input_flops = window ? window->bwd_input_flops : p.bwd_input_flops[i];
+    s.seconds = (input_grads ? input_seconds : 0) + (weight_grads ? p.bwd_weight_seconds[i] : 0);
+    s.flops = (input_grads ? input_flops : 0) + (weight_grads ? p.bwd_weight_flops[i] : 0);
     s.label = p.labels[i];
     s.matmul = op.kind == OpKind::kLinear;
     bool overlapped = false;
@@ -262,8 +285,8 @@ void Compiler::emit_backward(const PartInfo& p, const TensorLayout& in_layout,
         // all-gather before it and the weight-gradient GEMM alongside the reduce-scatter after
         // it (overlap_tp_collectives): the two GEMMs are separate steps.
         Step wgrad = s;
-        s.seconds = p.bwd_input_seconds[i];
-        s.flops = p.bwd_input_flops[i];
+        s.seconds = input_seconds;
+        s.flops = input_flops;
         wgrad.seconds = p.bwd_weight_seconds[i];
         wgrad.flops = p.bwd_weight_flops[i];
         if (s.seconds > 0) steps.push_back(s);

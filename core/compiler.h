@@ -73,6 +73,14 @@ struct PartInfo {
   std::vector<TensorLayout> out_layouts;
   std::vector<double> fwd_seconds, bwd_input_seconds, bwd_weight_seconds;
   std::vector<double> fwd_flops, bwd_input_flops, bwd_weight_flops;
+  // Sliding windows: an attention operator's forward and input-gradient seconds and FLOPs in a
+  // layer attending fully ([0]) and in one within its window ([1]); the vectors above hold the
+  // model's average, which the embedding's and head's callers (no layer) never need. Empty
+  // without windows; per op, zeros for operators other than attention.
+  struct WindowCost {
+    double fwd_seconds = 0, bwd_input_seconds = 0, fwd_flops = 0, bwd_input_flops = 0;
+  };
+  std::vector<std::array<WindowCost, 2>> window_costs;
   std::vector<double> local_params;    // parameters of each op's piece
   std::vector<double> weight_tensors;  // local size of every weight tensor, in op order
   std::vector<uint32_t> sync_axes;     // axes (besides dp) each op's weight gradients sum over
@@ -270,12 +278,22 @@ struct Compiler {
   void append_tensor_conversions(const TensorSpec& t, const TensorLayout& have,
                                  const TensorLayout& want, int label,
                                  std::vector<Step>& steps) const;
+  // A part's operators as steps; `layer`: the model layer a block part runs as (-1: the
+  // embedding's or head's), whose sliding window prices its attention (PartInfo::window_costs).
   void emit_forward(const PartInfo& p, const TensorLayout& in_layout,
                     const std::vector<bool>& recomputed, bool only_recomputed, ComputeClass cls,
-                    std::vector<Step>& steps);
+                    std::vector<Step>& steps, int layer = -1);
   void emit_backward(const PartInfo& p, const TensorLayout& in_layout,
                      const TensorLayout& in_grad_layout, const std::vector<bool>& recomputed,
-                     bool input_grads, bool weight_grads, std::vector<Step>& steps);
+                     bool input_grads, bool weight_grads, std::vector<Step>& steps, int layer = -1);
+  // The window costs of operator `i` of part `p` in `layer`, or null (no windows, no layer, or
+  // not an attention operator).
+  const PartInfo::WindowCost* window_cost(const PartInfo& p, size_t i, int layer) const {
+    if (layer < 0 || p.window_costs.empty() || p.part->ops[i].kind != OpKind::kAttention) {
+      return nullptr;
+    }
+    return &p.window_costs[i][plan.model.is_windowed_layer(layer) ? 1 : 0];
+  }
   double kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
                     const std::vector<bool>& recomputed, bool weight_inputs_only) const;
   // The same after each operator: element i is what operators 0..i save.

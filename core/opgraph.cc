@@ -74,6 +74,27 @@ double Op::parameters() const {
   return n;
 }
 
+// A windowed layer's query at position i sees min(i + 1, w) keys: w s - w (w - 1) / 2 pairs of
+// the full s (s + 1) / 2; the other layers see them all. The layers of a part share one
+// operator graph, priced at the model's average; the compiler prices each layer's attention
+// at its own share (PartInfo::window_costs).
+double window_attended_fraction(const ModelSpec& m) {
+  if (!m.windowed()) return 1;
+  const double s = static_cast<double>(m.seq_len), w = static_cast<double>(m.sliding_window);
+  return (w * s - w * (w - 1) / 2) / (s * (s + 1) / 2);
+}
+
+double layer_attended_fraction(const ModelSpec& m, int layer) {
+  return m.is_windowed_layer(layer) ? window_attended_fraction(m) : 1;
+}
+
+double attended_fraction(const ModelSpec& m) {
+  if (!m.windowed() || m.layers == 0) return 1;
+  double sum = 0;
+  for (int l = 0; l < m.layers; ++l) sum += layer_attended_fraction(m, l);
+  return sum / m.layers;
+}
+
 namespace {
 
 constexpr TensorRef kPartInput{-1, 0};
@@ -233,19 +254,6 @@ Op dropout_add_op(const std::string& name, int self, std::vector<TensorRef> inpu
   op.bwd_bytes = (reads + 1) * bsh * x.p + (dropout ? bsh : 0);
   set_granularity(op, x);
   return op;
-}
-
-// The share of a causal attention's query-key pairs that a model with sliding windows
-// attends to, averaged over its layers: a windowed layer's query at position i sees min(i + 1,
-// w) keys, w s - w (w - 1) / 2 pairs of the full s (s + 1) / 2; the other layers see them all.
-// (The layers of a part share one operator graph, so a pipeline stage is priced at the model's
-// average: exact over each full_attention_interval of layers.)
-double attended_fraction(const ModelSpec& m) {
-  if (!m.windowed() || m.layers == 0) return 1;
-  const double s = static_cast<double>(m.seq_len), w = static_cast<double>(m.sliding_window);
-  const double windowed = (w * s - w * (w - 1) / 2) / (s * (s + 1) / 2);
-  const double n = m.windowed_layers();
-  return (n * windowed + (m.layers - n)) / m.layers;
 }
 
 // The rest of an attention core once its inputs, output and saved inputs are set: what either

@@ -179,6 +179,13 @@ struct OpGraph {
 // Lowers a model for a micro-batch of `micro_batch` sequences of model.seq_len tokens.
 OpGraph lower_model(const ModelSpec& model, int64_t micro_batch);
 
+// Sliding windows: the share of a causal attention's query-key pairs a windowed layer attends to
+// (1 without windows), layer `layer`'s (1 unless it is a windowed layer), and the average over
+// the model's layers (the attention operator's Op::attended_fraction).
+double window_attended_fraction(const ModelSpec& m);
+double layer_attended_fraction(const ModelSpec& m, int layer);
+double attended_fraction(const ModelSpec& m);
+
 // Activation bytes one layer keeps for backward, unpartitioned, with the given ops recomputed
 // (by name); full recompute keeps only the layer input.
 double layer_activation_bytes(const OpGraph& graph, const std::vector<std::string>& recomputed);
