@@ -9,36 +9,25 @@ std::string_view to_string(AttentionLibrary a) {
   return a == AttentionLibrary::kFused3 ? "fused3" : "flash2";
 }
 
-namespace {
-
-bool is_a100(const GpuSpec& g) {
-  return g.ampere();
-}
-bool is_hopper(const GpuSpec& g) {
-  return g.hopper();
-}
-
-}  // namespace
-
 ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu, AttentionLibrary attention) {
   ComputeModel m;
   // Sustained tensor throughput in training relative to the short benchmarks above (clocks
   // under the power limit): calibrated on the validation set (docs/VALIDATION.md).
-  m.sustained = is_a100(gpu) ? 0.90 : (is_hopper(gpu) ? 0.81 : 0.9);
+  m.sustained = gpu.ampere() ? 0.90 : (gpu.hopper() ? 0.81 : 0.9);
   // fp8 GEMMs sustain less again (more power per clock): calibrated on the fp8 runs
   // (docs/VALIDATION.md). Only Hopper has fp8 tensor cores here.
-  if (is_hopper(gpu)) m.sustained_fp8 = 0.91;
+  if (gpu.hopper()) m.sustained_fp8 = 0.91;
   m.sms = gpu.sms > 0 ? gpu.sms : 108;
   m.attention = attention;
   // Maximum achievable matmul FLOP/s over the datasheet peak, measured by mamf-finder
   // (shared/calibration/refs.yaml, gemm_measured): A100 SXM bf16 271.2/312; H100 SXM bf16
   // 794.5/989 (H200 the same); fp8 H100 1402.6/1979, H200 1453.4/1979. fp16 runs as bf16.
-  if (is_a100(gpu)) {
+  if (gpu.ampere()) {
     m.gemm_efficiency = {{Precision::kBf16, 271.2 / 312},
                          {Precision::kFp16, 271.2 / 312},
                          {Precision::kTf32, 271.2 / 312},
                          {Precision::kFp32, 0.9}};
-  } else if (is_hopper(gpu)) {
+  } else if (gpu.hopper()) {
     const bool h200 = gpu.lineage().rfind("h200", 0) == 0;
     m.gemm_efficiency = {{Precision::kBf16, 794.5 / 989},
                          {Precision::kFp16, 794.5 / 989},
@@ -52,10 +41,10 @@ ComputeModel ComputeModel::defaults_for(const GpuSpec& gpu, AttentionLibrary att
   // fused kernels (FlashAttention-3, cuDNN) about 60 % / 45 % of the H100's. FlashAttention-2's
   // values are calibrated on the validation set's training runs, which ran it slower than the
   // microbenchmarks (the H100 pair fitted jointly with `sustained`: docs/VALIDATION.md).
-  if (attention == AttentionLibrary::kFused3 && is_hopper(gpu)) {
+  if (attention == AttentionLibrary::kFused3 && gpu.hopper()) {
     m.attention_fwd_efficiency = 0.60;
     m.attention_bwd_efficiency = 0.45;
-  } else if (is_hopper(gpu)) {
+  } else if (gpu.hopper()) {
     m.attention_fwd_efficiency = 0.2475;
     m.attention_bwd_efficiency = 0.197;
   } else {

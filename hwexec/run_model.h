@@ -485,6 +485,7 @@ class Model {
   void mlp_forward(RankContext& c, int l, LayerTape& t, const LayerPass& p);
   void keep_checkpoint(const at::Tensor& x, LayerTape& t, const LayerPass& p);
   void release_summands(const LayerPass& p, const char* op, Unit& add, Unit& linear);
+  at::Tensor row_parallel_sum(RankContext& c, const Unit& linear, int ways, const char* label);
   void release_summed(const LayerPass& p, const char* norm_op, Unit& norm, Unit& linear,
                       const Param* bias);
   void drop_gathered(const LayerPass& p, const char* op, Unit& u);

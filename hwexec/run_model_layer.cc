@@ -37,6 +37,16 @@ void Model::release_summands(const LayerPass& p, const char* op, Unit& add, Unit
   if (linear.out.defined()) resize_storage(linear.out, 0);
 }
 
+// A row-parallel linear's partial sums, summed over its `ways` tensor-parallel ranks: a new
+// tensor (the linear's output can go), under sequence parallelism the rank's slice.
+at::Tensor Model::row_parallel_sum(RankContext& c, const Unit& linear, int ways,
+                                   const char* label) {
+  if (split_.seq > 1) return scatter_seq(c, linear.out.detach(), label);
+  at::Tensor y = linear.out.detach().clone();
+  if (ways > 1) c.tp_all_reduce(y, label);
+  return y;
+}
+
 // With post_norms: the linear's output, once reduced into the norm's input, goes, unless the
 // norm is recomputed (then the recomputation reduces it again). With the bias added first, the
 // norm saved the biased sum, not the sums it read: those go too.
@@ -60,7 +70,6 @@ void Model::attention_forward(RankContext& c, int l, const at::Tensor& in_x, Lay
   const LayerParams& L = layers_[l];
   const int64_t d = spec_.head_dim(), g = spec_.heads / spec_.kv_heads,
                 kl = spec_.kv_heads / split_.heads;
-  const bool sp = split_.seq > 1;
   if (p.runs("attn.norm")) {
     t.n1 = fwd(st, "attn.norm", p.phase, {leaf(in_x)},
                [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.ln1g, L.ln1b); });
@@ -105,12 +114,7 @@ void Model::attention_forward(RankContext& c, int l, const at::Tensor& in_x, Lay
   }
   // The row-parallel sums feed the residual (the program's conversion for its input), or with
   // post_norms the norm before it, which adds the projection's bias.
-  auto summed = [&](const char* label) {
-    if (sp) return scatter_seq(c, t.proj.out.detach(), label);
-    at::Tensor y = t.proj.out.detach().clone();
-    if (split_.heads > 1) c.tp_all_reduce(y, label);
-    return y;
-  };
+  auto summed = [&](const char* label) { return row_parallel_sum(c, t.proj, split_.heads, label); };
   if (spec_.post_norms && p.runs("attn.post_norm")) {
     t.pn1 = fwd(st, "attn.post_norm", p.phase, {leaf(summed("attn.post_norm"))},
                 [&](const std::vector<at::Tensor>& in) {
@@ -205,7 +209,6 @@ at::Tensor Model::attend(at::Tensor q, at::Tensor k, at::Tensor v, const Dropout
 void Model::mlp_forward(RankContext& c, int l, LayerTape& t, const LayerPass& p) {
   RunStats& st = *c.stats;
   const LayerParams& L = layers_[l];
-  const bool sp = split_.seq > 1;
   if (p.runs("mlp.norm")) {
     t.n2 = fwd(st, "mlp.norm", p.phase, {leaf(t.res1.out)},
                [&](const std::vector<at::Tensor>& in) { return norm(in[0], L.ln2g, L.ln2b); });
@@ -239,10 +242,8 @@ void Model::mlp_forward(RankContext& c, int l, LayerTape& t, const LayerPass& p)
   // rank's slice), the fc2 bias added by the reader.
   Unit& mlp_out = L.moe ? t.combine : t.fc2;
   auto summed = [&](const char* label) {
-    if (sp && !L.moe) return scatter_seq(c, mlp_out.out.detach(), label);
-    at::Tensor y = mlp_out.out.detach().clone();
-    if (split_.ffn > 1 && !L.moe) c.tp_all_reduce(y, label);
-    return y;
+    if (L.moe) return mlp_out.out.detach().clone();
+    return row_parallel_sum(c, mlp_out, split_.ffn, label);
   };
   if (spec_.post_norms && p.runs("mlp.post_norm")) {
     t.pn2 = fwd(st, "mlp.post_norm", p.phase, {leaf(summed("mlp.post_norm"))},
