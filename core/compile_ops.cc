@@ -107,6 +107,21 @@ std::vector<bool> Compiler::recomputed_ops(const PartInfo& p, int layer_index) c
   return nnsim::recomputed_ops(plan, *p.part, layer_index);
 }
 
+double Compiler::window_seconds_saved(const PartInfo& p, int layer) const {
+  if (p.window_costs.empty() || !plan.model.is_windowed_layer(layer)) return 0;
+  const std::vector<bool> recomputed = recomputed_ops(p, layer);
+  double saved = 0;
+  for (size_t i = 0; i < p.part->ops.size(); ++i) {
+    if (p.part->ops[i].kind != OpKind::kAttention) continue;
+    const PartInfo::WindowCost& full = p.window_costs[i][0];
+    const PartInfo::WindowCost& windowed = p.window_costs[i][1];
+    const double forward = full.fwd_seconds - windowed.fwd_seconds;
+    saved +=
+        forward * (recomputed[i] ? 2 : 1) + full.bwd_input_seconds - windowed.bwd_input_seconds;
+  }
+  return saved;
+}
+
 bool Compiler::has_recompute(int segment) const {
   const Segment& s = plan.segments[segment];
   for (int l = s.first_layer; l < s.end_layer; ++l) {

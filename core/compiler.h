@@ -294,6 +294,9 @@ struct Compiler {
     }
     return &p.window_costs[i][plan.model.is_windowed_layer(layer) ? 1 : 0];
   }
+  // The compute seconds a micro-batch's forward, backward and recomputation of layer `layer`
+  // (part `p`) save through its sliding window, against attending fully (0 for a full layer).
+  double window_seconds_saved(const PartInfo& p, int layer) const;
   double kept_bytes(const PartInfo& p, const TensorLayout& in_layout,
                     const std::vector<bool>& recomputed, bool weight_inputs_only) const;
   // The same after each operator: element i is what operators 0..i save.

@@ -250,6 +250,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     const TensorLayout in = l == 0 ? input_layout_of(c.embed) : input_layout_of(c.layer);
     const PartInfo& p = c.layer_at(l);
     prog.layer_activation_bytes.push_back(c.kept_bytes(p, in, c.recomputed_ops(p, l), false));
+    if (plan.model.windowed()) prog.layer_window_seconds.push_back(c.window_seconds_saved(p, l));
   }
 
   // Throughput bookkeeping. Every forward pass of repeated forwards is the model's work.

@@ -150,6 +150,10 @@ struct Program {
   // Activation bytes one device keeps for the backward pass per micro-batch, for each layer
   // (under that layer's partitioning and recompute rules).
   std::vector<double> layer_activation_bytes;
+  // Sliding windows: for each layer, the compute seconds a micro-batch's forward, backward and
+  // recomputation save through its window, against attending fully (0 for a full layer). Empty
+  // for a model without windows.
+  std::vector<double> layer_window_seconds;
   double model_flops_per_iteration = 0;  // Megatron-convention FLOPs, whole job
   double tokens_per_iteration = 0;
 

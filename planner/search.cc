@@ -52,8 +52,8 @@ std::string Candidate::describe() const {
 
 namespace {
 
-// Stage re-partitioning is tried on at most this many pipelines whose cheapest estimate is
-// within this margin of the best plan (balancing the head and embedding gains a few percent).
+// Stage re-partitioning is tried on at most this many pipelines whose cheapest estimate, with
+// its stages' compute evened out, is within this margin of the best plan.
 constexpr size_t kMaxBalanced = 48;
 constexpr double kBalanceMargin = 0.05;
 // Every other rank placement is tried for the best plans of this many sets of degrees.
@@ -273,7 +273,8 @@ std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& t
     if (chain.base.vpp == 1) {
       Expected<std::vector<StageCosts>> costs = measure_stage_costs(*p0, p1 ? *p1 : *p0);
       if (!costs) return std::nullopt;
-      Expected<StagePartition> part = partition_stages(*costs, dense_blocks(model), capacity);
+      Expected<StagePartition> part =
+          partition_stages(*costs, layer_traits(*p0, p1 ? *p1 : *p0), capacity);
       if (!part) continue;
       const bool uniform = part->layers == split_layers(model.layers, chain.base.pp);
       if (uniform && std::all_of(part->recomputed.begin(), part->recomputed.end(),
@@ -283,9 +284,11 @@ std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& t
       if (std::optional<Candidate> c = try_split(part->layers, part->recomputed)) return c;
       continue;
     }
-    // Virtual stages: each device recomputes what it needs to fit, and the head's segment (the
-    // last stage's last chunk) sheds up to three layers to the others, as Megatron-Core's
-    // --decoder-last-pipeline-num-layers or a pipeline layout would; the fastest wins.
+    // Virtual stages: each device recomputes what it needs to fit; the splits tried are the
+    // even one, the head's segment (the last stage's last chunk) shedding up to three layers
+    // to the others (Megatron-Core's --decoder-last-pipeline-num-layers), and the devices'
+    // time evened out segment by segment (any split a --pipeline-model-parallel-layout can
+    // give); the fastest wins.
     if (!pinned_recompute) {
       Expected<std::vector<int>> fit = recompute_to_fit(*p0, recomputed, saved_per_layer, capacity);
       if (!fit) continue;
@@ -293,11 +296,23 @@ std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& t
     }
     const int segments = chain.base.pp * chain.base.vpp;
     const std::vector<int> even = split_layers(model.layers, segments);
-    std::optional<Candidate> best = try_split({}, recomputed);
+    std::vector<std::vector<int>> splits;
     for (int shed = 1; shed <= 3 && even.back() - shed >= 0; ++shed) {
       const int last = even.back() - shed;
       std::vector<int> layers = split_layers(model.layers - last, segments - 1);
       layers.push_back(last);
+      splits.push_back(layers);
+    }
+    // And the segments' layers moved one by one to even out the devices' time.
+    if (Expected<std::vector<StageCosts>> times = measure_segment_times(*p0, p1 ? *p1 : *p0)) {
+      std::vector<int> layers =
+          balance_virtual_stages(*times, layer_traits(*p0, p1 ? *p1 : *p0), chain.base.pp, even);
+      if (std::find(splits.begin(), splits.end(), layers) == splits.end()) {
+        splits.push_back(layers);
+      }
+    }
+    std::optional<Candidate> best = try_split({}, recomputed);
+    for (const std::vector<int>& layers : splits) {
       std::vector<int> r = recomputed;
       for (size_t i = 0; i < r.size(); ++i) r[i] = std::min(r[i], layers[i]);
       std::optional<Candidate> c = try_split(layers, r);
@@ -306,6 +321,25 @@ std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& t
     if (best) return best;
   }
   return std::nullopt;
+}
+
+// What a pipeline (one segment a stage) could take with its layers re-partitioned, memory
+// aside: its estimate scaled by the slowest stage's time under the best split over that under
+// its own (the partitioner's linear model; a pipeline's steady state and its bubble both go
+// with the slowest stage).
+double balanced_bound(const Program& prog, const Estimate& e) {
+  Expected<std::vector<StageCosts>> costs = measure_stage_costs(prog, prog);
+  if (!costs) return e.iteration_time;
+  const std::vector<LayerTraits> layers = layer_traits(prog, prog);
+  const double unlimited = std::numeric_limits<double>::infinity();
+  Expected<StagePartition> best = partition_stages(*costs, layers, unlimited);
+  if (!best) return e.iteration_time;
+  std::vector<int> own;
+  for (const Segment& s : prog.plan.segments) own.push_back(s.end_layer - s.first_layer);
+  const std::vector<double> now = stage_seconds(*costs, layers, own);
+  if (now.size() != own.size()) return e.iteration_time;
+  const double slowest = *std::max_element(now.begin(), now.end());
+  return slowest > 0 ? e.iteration_time * best->slowest_stage_seconds / slowest : e.iteration_time;
 }
 
 // Faster estimate first; ties by description, so the order never depends on the input's.
@@ -386,6 +420,7 @@ class Search {
   std::atomic<size_t> evaluated_{0};
   // Each chain's cheapest level's estimate, fitting or not: what its degrees could reach.
   std::vector<double> first_estimate_;
+  std::vector<double> balanced_bound_;  // first_estimate_ with its stages evened out
   // Each chain's feasible plan's estimate (infinite when none fits).
   std::vector<double> chain_best_;
 };
@@ -580,6 +615,7 @@ void Search::add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleK
 // Compiles and estimates each chain's levels until one fits.
 void Search::evaluate_chains() {
   first_estimate_.assign(chains_.size(), std::numeric_limits<double>::infinity());
+  balanced_bound_.assign(chains_.size(), std::numeric_limits<double>::infinity());
   chain_best_.assign(chains_.size(), std::numeric_limits<double>::infinity());
   std::atomic<size_t> next{0}, done{0};
   auto worker = [&] {
@@ -604,7 +640,13 @@ void Search::evaluate_chains() {
         }
         ++evaluated_;
         cand.estimate = estimate_program(*prog);
-        if (first) first_estimate_[i] = cand.estimate.iteration_time;
+        if (first) {
+          first_estimate_[i] = cand.estimate.iteration_time;
+          // Virtual stages keep their even split but for the head's segment (balance_chain).
+          balanced_bound_[i] = chain.base.pp > 1 && chain.base.vpp == 1
+                                   ? balanced_bound(*prog, cand.estimate)
+                                   : cand.estimate.iteration_time;
+        }
         first = false;
         if (cand.estimate.peak_memory > capacity_) {
           cand.status = fmt::format("does not fit: needs {:.1f} GiB of {:.1f} GiB usable",
@@ -685,12 +727,12 @@ void Search::balance_stages() {
   std::vector<size_t> promising;
   for (size_t i = 0; i < chains_.size(); ++i) {
     const MegatronOptions& b = chains_[i].base;
-    if (b.pp > 1 && first_estimate_[i] < best_time * (1 + kBalanceMargin)) {
+    if (b.pp > 1 && balanced_bound_[i] < best_time * (1 + kBalanceMargin)) {
       promising.push_back(i);
     }
   }
   std::sort(promising.begin(), promising.end(), [&](size_t a, size_t b) {
-    return first_estimate_[a] != first_estimate_[b] ? first_estimate_[a] < first_estimate_[b]
+    return balanced_bound_[a] != balanced_bound_[b] ? balanced_bound_[a] < balanced_bound_[b]
                                                     : a < b;
   });
   if (promising.size() > kMaxBalanced) promising.resize(kMaxBalanced);

@@ -117,30 +117,52 @@ std::vector<bool> dense_blocks(const ModelSpec& model) {
   return out;
 }
 
-Expected<std::vector<StageCosts>> measure_stage_costs(const Program& plain,
-                                                      const Program& recomputed) {
+std::vector<LayerTraits> layer_traits(const Program& plain, const Program& recomputed) {
+  const std::vector<bool> dense = dense_blocks(plain.graph.model);
+  std::vector<LayerTraits> out(dense.size());
+  for (size_t l = 0; l < out.size(); ++l) {
+    out[l].dense = dense[l];
+    if (l < plain.layer_window_seconds.size() && l < recomputed.layer_window_seconds.size()) {
+      out[l].window_seconds = plain.layer_window_seconds[l];
+      out[l].recompute_window_seconds =
+          recomputed.layer_window_seconds[l] - plain.layer_window_seconds[l];
+    }
+  }
+  return out;
+}
+
+namespace {
+
+// measure_stage_costs, or without `memory` its times alone (any segments a device).
+Expected<std::vector<StageCosts>> measure_costs(const Program& plain, const Program& recomputed,
+                                                bool memory) {
   const auto& segments = plain.plan.segments;
   if (segments.size() != recomputed.plan.segments.size()) {
     return Error("stage costs: the two programs have different segments");
   }
+  const std::vector<bool> dense = dense_blocks(plain.graph.model);
+  std::vector<SegmentTimes> t0 = segment_times(plain);
+  std::vector<SegmentTimes> t1 = segment_times(recomputed);
+  // Costs of layers attending fully: what the segments' windows saved goes back on.
+  const std::vector<LayerTraits> traits = layer_traits(plain, recomputed);
   for (size_t s = 0; s < segments.size(); ++s) {
-    for (size_t o = s + 1; o < segments.size(); ++o) {
-      if (lane_of_segment(plain, static_cast<int>(s)) ==
-          lane_of_segment(plain, static_cast<int>(o))) {
-        return Error(
-            "stage costs: a device holds several segments (virtual stages); the "
-            "partitioner handles one segment per stage");
-      }
+    for (int l = segments[s].first_layer;
+         l < segments[s].end_layer && l < static_cast<int>(traits.size()); ++l) {
+      t0[s].layers += traits[l].window_seconds;
+      t1[s].layers += traits[l].window_seconds + traits[l].recompute_window_seconds;
     }
   }
-  const std::vector<bool> dense = dense_blocks(plain.graph.model);
-  const std::vector<SegmentTimes> t0 = segment_times(plain);
-  const std::vector<SegmentTimes> t1 = segment_times(recomputed);
-  const std::vector<LaneMemoryPeak> peaks = lane_memory_peaks(plain);
-  const Expected<double> expert_params = layer_parameters_per_device(plain, plain.graph.layer);
-  if (!expert_params) return expert_params.error();
-  const Expected<double> dense_params = layer_parameters_per_device(plain, plain.graph.dense_layer);
-  if (!dense_params) return dense_params.error();
+  std::vector<LaneMemoryPeak> peaks;
+  double expert_params = 0, dense_params = 0;
+  if (memory) {
+    peaks = lane_memory_peaks(plain);
+    const Expected<double> e = layer_parameters_per_device(plain, plain.graph.layer);
+    if (!e) return e.error();
+    const Expected<double> d = layer_parameters_per_device(plain, plain.graph.dense_layer);
+    if (!d) return d.error();
+    expert_params = *e;
+    dense_params = *d;
+  }
   std::vector<StageCosts> out;
   std::vector<bool> has_expert, has_dense;
   for (size_t s = 0; s < segments.size(); ++s) {
@@ -158,7 +180,7 @@ Expected<std::vector<StageCosts>> measure_stage_costs(const Program& plain,
     const double static_bytes =
         ln.memory.weights + ln.memory.gradients + ln.memory.optimizer + ln.memory.gathered;
     const double bytes_per_parameter = ln.parameters > 0 ? static_bytes / ln.parameters : 0;
-    const double in_flight = std::max(1, peaks[lane].in_flight);
+    const double in_flight = memory ? std::max(1, peaks[lane].in_flight) : 1;
     StageCosts c;
     c.in_flight = static_cast<int>(in_flight);
     c.other_seconds = t0[s].other;
@@ -168,6 +190,7 @@ Expected<std::vector<StageCosts>> measure_stage_costs(const Program& plain,
       const double t = shape_seconds(t0[s], n, shape_n, only0);
       c.seconds = t / shape_n;
       c.recompute_seconds = std::max(0.0, (shape_seconds(t1[s], n, shape_n, only1) - t) / shape_n);
+      if (!memory) return;
       c.static_bytes = bytes_per_parameter * params;
       // Every layer of a shape keeps the same activations: the segment's first one's.
       const int l = static_cast<int>(
@@ -177,19 +200,42 @@ Expected<std::vector<StageCosts>> measure_stage_costs(const Program& plain,
       layer_bytes += shape_n * (c.static_bytes + in_flight * c.activation_bytes);
     };
     if (n_expert > 0) {
-      measure(c.layer, false, n_expert, *expert_params, t0[s].expert_block_only,
+      measure(c.layer, false, n_expert, expert_params, t0[s].expert_block_only,
               t1[s].expert_block_only);
     }
     if (n_dense > 0) {
-      measure(c.dense_layer, true, n_dense, *dense_params, t0[s].dense_block_only,
+      measure(c.dense_layer, true, n_dense, dense_params, t0[s].dense_block_only,
               t1[s].dense_block_only);
     }
-    c.fixed_bytes = peaks[lane].peak - layer_bytes;
+    if (memory) c.fixed_bytes = peaks[lane].peak - layer_bytes;
     out.push_back(c);
   }
   fill_missing(out, has_expert, &StageCosts::layer);
   fill_missing(out, has_dense, &StageCosts::dense_layer);
   return out;
+}
+
+}  // namespace
+
+Expected<std::vector<StageCosts>> measure_stage_costs(const Program& plain,
+                                                      const Program& recomputed) {
+  const size_t segments = plain.plan.segments.size();
+  for (size_t s = 0; s < segments; ++s) {
+    for (size_t o = s + 1; o < segments; ++o) {
+      if (lane_of_segment(plain, static_cast<int>(s)) ==
+          lane_of_segment(plain, static_cast<int>(o))) {
+        return Error(
+            "stage costs: a device holds several segments (virtual stages); the "
+            "partitioner handles one segment per stage");
+      }
+    }
+  }
+  return measure_costs(plain, recomputed, true);
+}
+
+Expected<std::vector<StageCosts>> measure_segment_times(const Program& plain,
+                                                        const Program& recomputed) {
+  return measure_costs(plain, recomputed, false);
 }
 
 namespace {
@@ -201,13 +247,30 @@ struct StageChoice {
   double seconds = 0;
 };
 
-// The stage holding layers [first, first + n), recomputing its first layers; `dense_before[l]`
-// counts the dense blocks before layer l.
-StageChoice choose(const StageCosts& c, const std::vector<int>& dense_before, int first, int n,
+// Sums over the layers before each one (entry l: layers 0..l-1).
+struct LayerPrefix {
+  std::vector<int> dense;
+  std::vector<double> window_seconds, recompute_window_seconds;
+
+  explicit LayerPrefix(const std::vector<LayerTraits>& layers)
+      : dense(layers.size() + 1, 0),
+        window_seconds(layers.size() + 1, 0),
+        recompute_window_seconds(layers.size() + 1, 0) {
+    for (size_t l = 0; l < layers.size(); ++l) {
+      dense[l + 1] = dense[l] + (layers[l].dense ? 1 : 0);
+      window_seconds[l + 1] = window_seconds[l] + layers[l].window_seconds;
+      recompute_window_seconds[l + 1] =
+          recompute_window_seconds[l] + layers[l].recompute_window_seconds;
+    }
+  }
+};
+
+// The stage holding layers [first, first + n), recomputing its first layers.
+StageChoice choose(const StageCosts& c, const LayerPrefix& before, int first, int n,
                    double capacity) {
   const LayerCosts& e = c.layer;
   const LayerCosts& d = c.dense_layer;
-  const auto dense_in = [&](int k) { return dense_before[first + k] - dense_before[first]; };
+  const auto dense_in = [&](int k) { return before.dense[first + k] - before.dense[first]; };
   const int n_dense = dense_in(n);
   const int n_expert = n - n_dense;
   StageChoice ch;
@@ -236,8 +299,11 @@ StageChoice choose(const StageCosts& c, const std::vector<int>& dense_before, in
   const int k_dense = dense_in(k);
   ch.fits = true;
   ch.recomputed = k;
-  ch.seconds = c.other_seconds + n_expert * e.seconds + n_dense * d.seconds +
-               (k - k_dense) * e.recompute_seconds + k_dense * d.recompute_seconds;
+  ch.seconds =
+      c.other_seconds + n_expert * e.seconds + n_dense * d.seconds +
+      (k - k_dense) * e.recompute_seconds + k_dense * d.recompute_seconds -
+      (before.window_seconds[first + n] - before.window_seconds[first]) -
+      (before.recompute_window_seconds[first + k] - before.recompute_window_seconds[first]);
   return ch;
 }
 
@@ -258,14 +324,13 @@ struct Score {
 }  // namespace
 
 Expected<StagePartition> partition_stages(const std::vector<StageCosts>& stages,
-                                          const std::vector<bool>& dense, double capacity) {
+                                          const std::vector<LayerTraits>& traits, double capacity) {
   const int p = static_cast<int>(stages.size());
-  const int layers = static_cast<int>(dense.size());
+  const int layers = static_cast<int>(traits.size());
   if (p < 1 || layers < p) {
     return Error(fmt::format("cannot split {} layers over {} stages", layers, p));
   }
-  std::vector<int> dense_before(layers + 1, 0);
-  for (int l = 0; l < layers; ++l) dense_before[l + 1] = dense_before[l] + (dense[l] ? 1 : 0);
+  const LayerPrefix before(traits);
   // best[s][k]: stages s.. holding the last k layers; choice[s][k]: layers of stage s.
   std::vector<std::vector<Score>> best(p + 1, std::vector<Score>(layers + 1));
   std::vector<std::vector<int>> pick(p, std::vector<int>(layers + 1, -1));
@@ -276,7 +341,7 @@ Expected<StagePartition> partition_stages(const std::vector<StageCosts>& stages,
       for (int n = 1; n + later <= k; ++n) {
         const Score& rest = best[s + 1][k - n];
         if (std::isinf(rest.slowest)) continue;
-        const StageChoice ch = choose(stages[s], dense_before, layers - k, n, capacity);
+        const StageChoice ch = choose(stages[s], before, layers - k, n, capacity);
         if (!ch.fits) continue;
         Score sc{std::max(rest.slowest, ch.seconds), rest.recomputed + ch.recomputed};
         // Strictly better only: on ties the smallest n (earlier stages hold more micro-batches).
@@ -298,10 +363,93 @@ Expected<StagePartition> partition_stages(const std::vector<StageCosts>& stages,
   for (int s = 0; s < p; ++s) {
     const int n = pick[s][k];
     out.layers.push_back(n);
-    out.recomputed.push_back(choose(stages[s], dense_before, layers - k, n, capacity).recomputed);
+    out.recomputed.push_back(choose(stages[s], before, layers - k, n, capacity).recomputed);
     k -= n;
   }
   return out;
+}
+
+std::vector<double> stage_seconds(const std::vector<StageCosts>& stages,
+                                  const std::vector<LayerTraits>& traits,
+                                  const std::vector<int>& layers) {
+  const LayerPrefix before(traits);
+  const double unlimited = std::numeric_limits<double>::infinity();
+  std::vector<double> out;
+  int first = 0;
+  for (size_t s = 0; s < stages.size() && s < layers.size(); ++s) {
+    if (first + layers[s] > static_cast<int>(traits.size())) break;
+    out.push_back(choose(stages[s], before, first, layers[s], unlimited).seconds);
+    first += layers[s];
+  }
+  return out;
+}
+
+namespace {
+
+// The busiest device's time and the slowest segment's of a split over virtual stages (segment
+// k on device k mod `devices`).
+struct VirtualScore {
+  double busiest = 0;
+  double slowest = 0;
+  // Lexicographic, equal within a part in a billion (sums of the same costs).
+  bool operator<(const VirtualScore& o) const {
+    const auto less = [](double a, double b) { return a < b * (1 - 1e-9); };
+    if (less(busiest, o.busiest)) return true;
+    if (less(o.busiest, busiest)) return false;
+    return less(slowest, o.slowest);
+  }
+};
+
+VirtualScore virtual_score(const std::vector<StageCosts>& segments,
+                           const std::vector<LayerTraits>& traits, int devices,
+                           const std::vector<int>& layers) {
+  const std::vector<double> t = stage_seconds(segments, traits, layers);
+  std::vector<double> device(devices, 0);
+  VirtualScore out;
+  for (size_t k = 0; k < t.size(); ++k) {
+    device[k % devices] += t[k];
+    out.slowest = std::max(out.slowest, t[k]);
+  }
+  out.busiest = *std::max_element(device.begin(), device.end());
+  return out;
+}
+
+}  // namespace
+
+std::vector<int> balance_virtual_stages(const std::vector<StageCosts>& segments,
+                                        const std::vector<LayerTraits>& traits, int devices,
+                                        std::vector<int> layers) {
+  const int n = static_cast<int>(segments.size());
+  if (devices < 1 || static_cast<int>(layers.size()) != n ||
+      stage_seconds(segments, traits, layers).size() != layers.size()) {
+    return layers;
+  }
+  VirtualScore now = virtual_score(segments, traits, devices, layers);
+  // Each pass moves the layer whose move helps most; a pass that finds none ends the search.
+  const int passes = n * static_cast<int>(traits.size());
+  for (int pass = 0; pass < passes; ++pass) {
+    std::vector<int> pick;
+    VirtualScore best = now;
+    for (int from = 0; from < n; ++from) {
+      // Every segment keeps a layer but the last, which may hold the head alone.
+      if (layers[from] <= (from == n - 1 ? 0 : 1)) continue;
+      for (int to = 0; to < n; ++to) {
+        if (to == from) continue;
+        std::vector<int> moved = layers;
+        --moved[from];
+        ++moved[to];
+        const VirtualScore s = virtual_score(segments, traits, devices, moved);
+        if (s < best) {
+          best = s;
+          pick = std::move(moved);
+        }
+      }
+    }
+    if (pick.empty()) break;
+    layers = std::move(pick);
+    now = best;
+  }
+  return layers;
 }
 
 Expected<std::vector<int>> recompute_to_fit(const Program& program, std::vector<int> recomputed,

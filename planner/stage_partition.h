@@ -7,9 +7,10 @@
 // what is not a layer (the embedding on the first stage, the head and loss on the last), and
 // the memory at the stage's peak broken into static bytes per layer, activation bytes per layer
 // per in-flight micro-batch, and the rest. A mixture of experts with dense blocks too
-// (ModelSpec::mixed_layers) has these per layer for each of its two block shapes. A stage's time
-// and memory are linear in how many layers of each shape it holds; dynamic programming over
-// (stage, layers placed) finds the split.
+// (ModelSpec::mixed_layers) has these per layer for each of its two block shapes; with sliding
+// windows they are a layer's attending fully, and each windowed layer takes off what its window
+// saves. A stage's time and memory are linear in its layers; dynamic programming over (stage,
+// layers placed) finds the split.
 #pragma once
 
 #include <vector>
@@ -27,6 +28,13 @@ struct LayerCosts {
   double static_bytes = 0;                 // weights, gradients, optimizer state
   double activation_bytes = 0;             // kept per micro-batch, not recomputed
   double recomputed_activation_bytes = 0;  // kept per micro-batch, recomputed
+};
+
+// What sets one layer apart from the others (LayerCosts are a block shape's, attending fully).
+struct LayerTraits {
+  bool dense = false;                   // a mixture of experts' dense block
+  double window_seconds = 0;            // what its sliding window saves, forward + backward
+  double recompute_window_seconds = 0;  // the same of its recomputation, when fully recomputed
 };
 
 // One pipeline stage's costs, per micro-batch (times) and at its memory peak (bytes).
@@ -51,15 +59,39 @@ struct StagePartition {
 Expected<std::vector<StageCosts>> measure_stage_costs(const Program& plain,
                                                       const Program& recomputed);
 
+// The times of measure_stage_costs (LayerCosts' seconds and recompute_seconds, StageCosts'
+// other_seconds; the memory fields zero) per segment, several a device allowed (virtual
+// stages).
+Expected<std::vector<StageCosts>> measure_segment_times(const Program& plain,
+                                                        const Program& recomputed);
+
 // Which layers are a mixture of experts' dense blocks (all false for a model of one shape).
 std::vector<bool> dense_blocks(const ModelSpec& model);
 
-// The split of the layers (`dense`: one entry per layer, true for a dense block) over the stages
-// (at least one layer each) that minimizes the slowest stage's time per micro-batch,
-// recomputing in each stage only the layers it needs to fit in `capacity` bytes. Ties go to less
-// recomputation, then to later stages holding more layers. Fails when no split fits.
+// Each layer's traits, from the same two programs as measure_stage_costs.
+std::vector<LayerTraits> layer_traits(const Program& plain, const Program& recomputed);
+
+// The split of the layers (one entry each) over the stages (at least one layer each) that
+// minimizes the slowest stage's time per micro-batch, recomputing in each stage only the layers
+// it needs to fit in `capacity` bytes. Ties go to less recomputation, then to later stages
+// holding more layers. Fails when no split fits.
 Expected<StagePartition> partition_stages(const std::vector<StageCosts>& stages,
-                                          const std::vector<bool>& dense, double capacity);
+                                          const std::vector<LayerTraits>& layers, double capacity);
+
+// The time per micro-batch of each stage holding the next `layers[s]` layers, none recomputed.
+std::vector<double> stage_seconds(const std::vector<StageCosts>& stages,
+                                  const std::vector<LayerTraits>& traits,
+                                  const std::vector<int>& layers);
+
+// Virtual stages (segment k on device k mod `devices`): from the split `layers`, takes a layer
+// from one segment and gives one to another (the boundaries between them shift by one), the
+// move that helps most first, while that makes the busiest device's time per micro-batch (then
+// the slowest segment's) smaller: a local search, not always the best split. Every segment
+// keeps a layer but the last (the head's), which may hold none. Memory aside: the caller checks
+// the compiled plan. `segments` from measure_segment_times.
+std::vector<int> balance_virtual_stages(const std::vector<StageCosts>& segments,
+                                        const std::vector<LayerTraits>& traits, int devices,
+                                        std::vector<int> layers);
 
 // Stage-aware recomputation for a given split, also with virtual stages (a device holding
 // several segments): from `recomputed` (per segment), every device of `program` whose exact

@@ -2,8 +2,10 @@
 // from compiled plans, and the plans it gives (balanced head, stage-aware recomputation).
 #include "planner/stage_partition.h"
 
+#include <algorithm>
 #include <functional>
 #include <initializer_list>
+#include <map>
 #include <numeric>
 
 #include <gtest/gtest.h>
@@ -41,30 +43,40 @@ StageCosts mixed_stage(int in_flight, double other_seconds = 0) {
   return c;
 }
 
-std::vector<bool> uniform(int layers) {
-  return std::vector<bool>(layers, false);
+using Layers = std::vector<LayerTraits>;
+
+Layers uniform(int layers) {
+  return Layers(layers);
 }
 
-const LayerCosts& shape(const StageCosts& c, bool dense) {
-  return dense ? c.dense_layer : c.layer;
+// One layer per entry, dense where true.
+Layers with_dense(const std::vector<bool>& dense) {
+  Layers out(dense.size());
+  for (size_t l = 0; l < dense.size(); ++l) out[l].dense = dense[l];
+  return out;
 }
 
-// A stage holding layers [first, first + n) of `dense`, recomputing its first k.
-double bytes(const StageCosts& c, const std::vector<bool>& dense, int first, int n, int k) {
+const LayerCosts& shape(const StageCosts& c, const LayerTraits& layer) {
+  return layer.dense ? c.dense_layer : c.layer;
+}
+
+// A stage holding layers [first, first + n) of `layers`, recomputing its first k.
+double bytes(const StageCosts& c, const Layers& layers, int first, int n, int k) {
   double b = c.fixed_bytes;
   for (int l = first; l < first + n; ++l) {
-    const LayerCosts& x = shape(c, dense[l]);
+    const LayerCosts& x = shape(c, layers[l]);
     b += x.static_bytes +
          c.in_flight * (l < first + k ? x.recomputed_activation_bytes : x.activation_bytes);
   }
   return b;
 }
 
-double seconds(const StageCosts& c, const std::vector<bool>& dense, int first, int n, int k) {
+double seconds(const StageCosts& c, const Layers& layers, int first, int n, int k) {
   double t = c.other_seconds;
   for (int l = first; l < first + n; ++l) {
-    const LayerCosts& x = shape(c, dense[l]);
-    t += x.seconds + (l < first + k ? x.recompute_seconds : 0);
+    const LayerCosts& x = shape(c, layers[l]);
+    t += x.seconds - layers[l].window_seconds +
+         (l < first + k ? x.recompute_seconds - layers[l].recompute_window_seconds : 0);
   }
   return t;
 }
@@ -74,8 +86,7 @@ double bytes(const StageCosts& c, int n, int k) {
 }
 
 // The best slowest-stage time over every split and every recompute count, by enumeration.
-double brute_force(const std::vector<StageCosts>& stages, const std::vector<bool>& dense,
-                   double capacity) {
+double brute_force(const std::vector<StageCosts>& stages, const Layers& dense, double capacity) {
   const int layers = static_cast<int>(dense.size());
   double best = 1e300;
   std::function<void(size_t, int, double)> walk = [&](size_t s, int first, double slowest) {
@@ -97,7 +108,7 @@ double brute_force(const std::vector<StageCosts>& stages, const std::vector<bool
 }
 
 void expect_valid(const StagePartition& p, const std::vector<StageCosts>& stages,
-                  const std::vector<bool>& dense, double capacity) {
+                  const Layers& dense, double capacity) {
   ASSERT_EQ(p.layers.size(), stages.size());
   EXPECT_EQ(std::accumulate(p.layers.begin(), p.layers.end(), 0), static_cast<int>(dense.size()));
   double slowest = 0;
@@ -153,7 +164,7 @@ TEST(StagePartition, SaysWhenNothingFits) {
 }
 
 // The split at each capacity is valid and as fast as the best of every split (brute force).
-void expect_best_at(const std::vector<StageCosts>& stages, const std::vector<bool>& dense,
+void expect_best_at(const std::vector<StageCosts>& stages, const Layers& dense,
                     std::initializer_list<double> capacities) {
   for (double capacity : capacities) {
     Expected<StagePartition> p = partition_stages(stages, dense, capacity);
@@ -172,10 +183,10 @@ TEST(StagePartition, DenseBlocksCountAtTheirOwnCost) {
   for (int l = 0; l < 3; ++l) dense[l] = true;
   std::vector<StageCosts> stages;
   for (int s = 0; s < 3; ++s) stages.push_back(mixed_stage(3 - s, s == 2 ? 1.0 : 0));
-  expect_best_at(stages, dense, {1000 * kGiB, 16 * kGiB, 12 * kGiB});
+  expect_best_at(stages, with_dense(dense), {1000 * kGiB, 16 * kGiB, 12 * kGiB});
   // Without a memory limit: 9 layers per stage take 3 x 0.6 + 6 = 7.8 s, 9 s and 10 s (the
   // head); 10, 9 and 8 layers take 8.8 s, 9 s and 9 s.
-  Expected<StagePartition> p = partition_stages(stages, dense, 1000 * kGiB);
+  Expected<StagePartition> p = partition_stages(stages, with_dense(dense), 1000 * kGiB);
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->layers, (std::vector<int>{10, 9, 8}));
   EXPECT_DOUBLE_EQ(p->slowest_stage_seconds, 9.0);
@@ -184,7 +195,87 @@ TEST(StagePartition, DenseBlocksCountAtTheirOwnCost) {
   for (int l = 0; l < 24; l += 2) odd[l] = true;
   std::vector<StageCosts> four;
   for (int s = 0; s < 4; ++s) four.push_back(mixed_stage(4 - s, s == 3 ? 1.5 : 0));
-  expect_best_at(four, odd, {1000 * kGiB, 10 * kGiB, 8 * kGiB});
+  expect_best_at(four, with_dense(odd), {1000 * kGiB, 10 * kGiB, 8 * kGiB});
+}
+
+// Gemma's layout: a full-attention layer every third, the others within a window and cheaper
+// (their recomputation too). The split weighs each layer at its own cost, as the brute force
+// over every split does.
+TEST(StagePartition, WindowedLayersCountAtTheirOwnCost) {
+  Layers layers(24);
+  for (int l = 0; l < 24; ++l) {
+    if ((l + 1) % 3 == 0) continue;
+    layers[l].window_seconds = 0.5;
+    layers[l].recompute_window_seconds = 0.1;
+  }
+  std::vector<StageCosts> stages;
+  for (int s = 0; s < 4; ++s) stages.push_back(stage(4 - s, s == 3 ? 1.0 : 0));
+  expect_best_at(stages, layers, {1000 * kGiB, 14 * kGiB, 11 * kGiB});
+  // Without a memory limit: 16 windowed layers at 0.5 s and 8 full ones at 1 s (16 s) and the
+  // head (1 s) over 4 stages: 4.25 s at best. The even split's stages take 4, 4, 4 and 5 s.
+  Expected<StagePartition> p = partition_stages(stages, layers, 1000 * kGiB);
+  ASSERT_TRUE(p.ok());
+  EXPECT_LE(p->slowest_stage_seconds, 4.5);
+  EXPECT_LT(p->layers.back(), 6);
+  const std::vector<double> split = stage_seconds(stages, layers, p->layers);
+  EXPECT_DOUBLE_EQ(*std::max_element(split.begin(), split.end()), p->slowest_stage_seconds);
+  EXPECT_EQ(stage_seconds(stages, layers, {6, 6, 6, 6}), (std::vector<double>{4, 4, 4, 5}));
+}
+
+// The busiest device's time of a split over virtual stages (segment k on device k mod devices).
+double busiest_device(const std::vector<StageCosts>& segments, const Layers& layers, int devices,
+                      const std::vector<int>& split) {
+  std::vector<double> device(devices, 0);
+  int first = 0;
+  for (size_t k = 0; k < split.size(); ++k) {
+    device[k % devices] += seconds(segments[k], layers, first, split[k], 0);
+    first += split[k];
+  }
+  return *std::max_element(device.begin(), device.end());
+}
+
+// The least busiest-device time over every split (each segment a layer at least, the last
+// none at least), by enumeration.
+double best_busiest_device(const std::vector<StageCosts>& segments, const Layers& layers,
+                           int devices) {
+  const int n = static_cast<int>(segments.size());
+  const int total = static_cast<int>(layers.size());
+  double best = 1e300;
+  std::vector<int> split(n, 0);
+  std::function<void(int, int)> walk = [&](int k, int left) {
+    if (k == n - 1) {
+      split[k] = left;
+      best = std::min(best, busiest_device(segments, layers, devices, split));
+      return;
+    }
+    for (int x = 1; x <= left - (n - 2 - k); ++x) {
+      split[k] = x;
+      walk(k + 1, left - x);
+    }
+  };
+  walk(0, total);
+  return best;
+}
+
+// Two devices, two chunks each, 16 layers, the head (2.5 layers' time) on the last chunk: the
+// even split loads the head's device with 10.5 s against 8. Moving layers one at a time evens
+// the two out as well as any split does, with sliding windows too.
+TEST(StagePartition, VirtualStagesEvenOutTheDevices) {
+  std::vector<StageCosts> segments = {stage(1), stage(1), stage(1), stage(1, 2.5)};
+  const std::vector<int> even = {4, 4, 4, 4};
+  EXPECT_DOUBLE_EQ(busiest_device(segments, uniform(16), 2, even), 10.5);
+  std::vector<int> split = balance_virtual_stages(segments, uniform(16), 2, even);
+  EXPECT_EQ(std::accumulate(split.begin(), split.end(), 0), 16);
+  EXPECT_DOUBLE_EQ(busiest_device(segments, uniform(16), 2, split), 9.5);
+  EXPECT_DOUBLE_EQ(busiest_device(segments, uniform(16), 2, split),
+                   best_busiest_device(segments, uniform(16), 2));
+  Layers windowed(16);
+  for (int l = 0; l < 16; ++l) windowed[l].window_seconds = (l + 1) % 4 == 0 ? 0 : 0.6;
+  split = balance_virtual_stages(segments, windowed, 2, even);
+  EXPECT_LT(busiest_device(segments, windowed, 2, split),
+            busiest_device(segments, windowed, 2, even));
+  EXPECT_DOUBLE_EQ(busiest_device(segments, windowed, 2, split),
+                   best_busiest_device(segments, windowed, 2));
 }
 
 Program compile(const ModelSpec& model, const Topology& topo, const MegatronOptions& o) {
@@ -262,7 +353,46 @@ TEST_F(Llama8bOnOneNode, MixedBlocksArePricedPerShape) {
     EXPECT_GT(c.dense_layer.seconds, 0.5 * c.layer.seconds);
     EXPECT_NEAR(c.layer.seconds, (*costs)[1].layer.seconds, 0.01 * c.layer.seconds);
     EXPECT_DOUBLE_EQ(c.dense_layer.seconds, (*costs)[0].dense_layer.seconds);
-    EXPECT_NEAR(bytes(c, dense, 2 * s, 2, 0), peaks[s].peak, 1e-6 * peaks[s].peak);
+    EXPECT_NEAR(bytes(c, with_dense(dense), 2 * s, 2, 0), peaks[s].peak, 1e-6 * peaks[s].peak);
+  }
+}
+
+// The busy time of each segment's blocks (forward and backward, the slowest variant of each).
+std::vector<double> measured_stage_seconds(const Program& p) {
+  const std::vector<TemplateTime> times = template_times(p);
+  std::map<std::pair<int, int>, double> worst;
+  for (size_t t = 0; t < p.templates.size(); ++t) {
+    const TemplateTime& x = times[t];
+    double& w = worst[{p.templates[t].segment, static_cast<int>(p.templates[t].kind)}];
+    w = std::max(w, x.layers + x.layers_recompute + x.other);
+  }
+  std::vector<double> out(p.plan.segments.size(), 0);
+  for (const auto& [key, seconds] : worst) out[key.first] += seconds;
+  return out;
+}
+
+// Sliding windows with a full layer every third (32 layers: 2, 5, ..., 29): stages 1 and 2 hold
+// three full layers, stages 0 and 3 two. Every stage's costs are a full layer's, and each
+// windowed layer takes off what its window saves, which reproduces every stage's time.
+TEST_F(Llama8bOnOneNode, WindowedLayersArePricedApartFromFullOnes) {
+  model.sliding_window = 1024;
+  model.full_attention_interval = 3;
+  Program plain = compile(model, topo, o);
+  Expected<std::vector<StageCosts>> costs = measure_stage_costs(plain, plain);
+  ASSERT_TRUE(costs.ok()) << costs.error().message();
+  const Layers layers = layer_traits(plain, plain);
+  ASSERT_EQ(layers.size(), 32u);
+  for (int l = 0; l < 32; ++l) {
+    EXPECT_EQ(layers[l].window_seconds > 0, model.is_windowed_layer(l)) << "layer " << l;
+    EXPECT_EQ(layers[l].recompute_window_seconds, 0);
+  }
+  const double full = costs->front().layer.seconds;
+  EXPECT_GT(layers[0].window_seconds, 0.05 * full);
+  const std::vector<double> measured = measured_stage_seconds(plain);
+  for (int s = 0; s < 4; ++s) {
+    EXPECT_NEAR((*costs)[s].layer.seconds, full, 0.01 * full) << "stage " << s;
+    EXPECT_NEAR(seconds((*costs)[s], layers, 8 * s, 8, 0), measured[s], 1e-6 * measured[s])
+        << "stage " << s;
   }
 }
 
@@ -350,6 +480,28 @@ TEST_F(Llama8bOnOneNode, MultiTokenPredictionWeighsOnTheLastStage) {
   EXPECT_LT(b.back(), a.back());
 }
 
+// A 512K-token vocabulary makes the head's stage so slow that a pipeline's even split estimates
+// more than 5 % behind the best plan without a pipeline. The search re-partitions the pipelines
+// whose estimate, scaled to their best split on the partitioner's linear model, comes close, and
+// the balanced pipeline wins.
+TEST_F(Llama8bOnOneNode, APipelineBehindOnlyForItsSplitIsBalanced) {
+  model.vocab = 524288;
+  SearchOptions so = pinned_1f1b(1, 2, 1);
+  so.pins.pp.reset();
+  so.pins.micro_batch.reset();
+  Expected<SearchResult> r = search_plans(model, topo, so);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  const Candidate& best = r->ranked.front();
+  ASSERT_GT(best.options.pp, 1) << best.describe();
+  ASSERT_EQ(best.options.stage_layers.size(), static_cast<size_t>(best.options.pp));
+  EXPECT_LT(best.options.stage_layers.back(), best.options.stage_layers.front());
+  MegatronOptions even = best.options;
+  even.stage_layers.clear();
+  even.recompute_layers.clear();
+  EXPECT_GT(estimate_program(compile(model, topo, even)).iteration_time,
+            1.05 * best.estimate.iteration_time);
+}
+
 // Interleaved stages keep the even split but for the head's segment (the last stage's last
 // chunk), which gives layers to the others when that is faster: Llama 3's 128K-vocabulary head
 // costs more than a layer.
@@ -393,6 +545,33 @@ TEST_F(Llama8bOnOneNode, BalancedStagesWithADenseFirstLayer) {
   even.recompute_layers.clear();
   EXPECT_LT(best.estimate.iteration_time,
             0.97 * estimate_program(compile(*m, topo, even)).iteration_time);
+}
+
+// Interleaved, DeepSeekMoE's dense first layer makes the first chunk cheaper: the chunks'
+// layers moved one by one give it more than the others, which neither the even split nor the
+// head's shedding does, and the plan is faster.
+TEST_F(Llama8bOnOneNode, InterleavedChunksEvenOutADenseFirstLayer) {
+  Expected<ModelSpec> m = load_model("deepseek-moe-16b");  // 28 layers, the first dense
+  ASSERT_TRUE(m.ok());
+  Expected<Topology> t = load_topology("dgx-h100-superpod");
+  ASSERT_TRUE(t.ok());
+  Expected<Topology> four = resize_topology(*t, 4);
+  ASSERT_TRUE(four.ok());
+  topo = *four;
+  SearchOptions so = pinned_1f1b(1, 4, 4);
+  so.global_batch = 256;
+  so.pins.cp = 2;
+  so.pins.vpp = 2;
+  so.pins.schedule = ScheduleKind::kInterleaved;
+  Expected<SearchResult> r = search_plans(*m, topo, so);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  const Candidate& best = r->ranked.front();
+  ASSERT_EQ(best.options.stage_layers.size(), 8u) << best.describe();
+  EXPECT_GT(best.options.stage_layers.front(), best.options.stage_layers[1]) << best.describe();
+  MegatronOptions even = best.options;
+  even.stage_layers.clear();
+  even.recompute_layers.clear();
+  EXPECT_LT(best.estimate.iteration_time, estimate_program(compile(*m, topo, even)).iteration_time);
 }
 
 TEST_F(Llama8bOnOneNode, StageAwareRecomputeFitsWhereNoRecomputeDoesNot) {
