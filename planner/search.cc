@@ -306,7 +306,7 @@ std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& t
     // And the segments' layers moved one by one to even out the devices' time.
     if (Expected<std::vector<StageCosts>> times = measure_segment_times(*p0, p1 ? *p1 : *p0)) {
       std::vector<int> layers =
-          balance_virtual_stages(*times, layer_traits(*p0, p1 ? *p1 : *p0), chain.base.pp, even);
+          balance_virtual_stages(*times, layer_traits(*p0, p1 ? *p1 : *p0), even);
       if (std::find(splits.begin(), splits.end(), layers) == splits.end()) {
         splits.push_back(layers);
       }
@@ -340,6 +340,23 @@ double balanced_bound(const Program& prog, const Estimate& e) {
   if (now.size() != own.size()) return e.iteration_time;
   const double slowest = *std::max_element(now.begin(), now.end());
   return slowest > 0 ? e.iteration_time * best->slowest_stage_seconds / slowest : e.iteration_time;
+}
+
+// The split of a plan with virtual stages (built with an even one) whose devices' time the
+// local search evens out (balance_virtual_stages), or nothing when it is the even split.
+std::optional<std::vector<int>> evened_layers(const ModelSpec& model, const Topology& topo,
+                                              const MegatronOptions& options) {
+  Expected<Plan> plan = build_megatron_plan(model, topo, options);
+  if (!plan) return std::nullopt;
+  Expected<Program> prog = compile_plan(*plan, topo, options.costs);
+  if (!prog) return std::nullopt;
+  Expected<std::vector<StageCosts>> times = measure_segment_times(*prog, *prog);
+  if (!times) return std::nullopt;
+  std::vector<int> even;
+  for (const Segment& s : prog->plan.segments) even.push_back(s.end_layer - s.first_layer);
+  std::vector<int> layers = balance_virtual_stages(*times, layer_traits(*prog, *prog), even);
+  if (layers == even) return std::nullopt;
+  return layers;
 }
 
 // Faster estimate first; ties by description, so the order never depends on the input's.
@@ -507,7 +524,15 @@ void Search::enumerate() {
                       : std::vector<ScheduleKind>{ScheduleKind::kOneFOneB, ScheduleKind::kGpipe};
               if (pin_.schedule) schedules = {*pin_.schedule};
               for (ScheduleKind sched : schedules) {
-                if ((sched == ScheduleKind::kInterleaved) != (vpp > 1)) continue;
+                // The chunks a rank each schedule runs: interleaved several, ZB-V and DualPipeV
+                // two (a V), the rest one; Tessel any, but one unless --vpp says (a solver run
+                // per plan).
+                const int chunks = required_chunks(sched);
+                if (chunks == 0
+                        ? (sched == ScheduleKind::kInterleaved ? vpp == 1 : !pin_.vpp && vpp != 1)
+                        : vpp != chunks) {
+                  continue;
+                }
                 if (!cons_.schedules.empty() &&
                     std::find(cons_.schedules.begin(), cons_.schedules.end(), sched) ==
                         cons_.schedules.end()) {
@@ -813,6 +838,27 @@ void Search::try_schedules() {
       t.simulated.reset();
       tries.push_back(t);
     }
+  }
+  // A V's first device runs both the embedding's segment and the head's: the segments' layers
+  // evened out over the devices are tried beside the even split.
+  std::vector<std::optional<Candidate>> evened(tries.size());
+  parallel_for(
+      tries.size(), o_.jobs,
+      [&](size_t i) {
+        const ScheduleKind kind = tries[i].options.schedule;
+        const bool v = kind == ScheduleKind::kZbV || kind == ScheduleKind::kDualPipeV;
+        if (fixed_layers_ || !v) return;
+        if (std::optional<std::vector<int>> layers =
+                evened_layers(model_, topo_, tries[i].options)) {
+          evened[i] = tries[i];
+          evened[i]->options.stage_layers = *layers;
+        }
+      },
+      [&](size_t done_count, size_t all) {
+        if (o_.progress) o_.progress("evening out V stages", done_count, all);
+      });
+  for (const std::optional<Candidate>& c : evened) {
+    if (c) tries.push_back(*c);
   }
   result_.schedules_tried = tries.size();
   estimate_variants(tries, "scheduling", "");

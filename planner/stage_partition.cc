@@ -45,13 +45,16 @@ std::vector<SegmentTimes> segment_times(const Program& p) {
   return out;
 }
 
-int lane_of_segment(const Program& p, int segment) {
+// The lane running each segment (the first, for a segment spanning several; -1: none).
+std::vector<int> segment_lanes(const Program& p) {
+  std::vector<int> out(p.plan.segments.size(), -1);
   for (size_t l = 0; l < p.lanes.size(); ++l) {
     for (const auto& b : p.lanes[l].blocks) {
-      if (b.block.segment == segment) return static_cast<int>(l);
+      const size_t s = static_cast<size_t>(b.block.segment);
+      if (s < out.size() && out[s] < 0) out[s] = static_cast<int>(l);
     }
   }
-  return -1;
+  return out;
 }
 
 // A layer's parameters on one device, each weight divided by its split factors (tensor
@@ -152,6 +155,7 @@ Expected<std::vector<StageCosts>> measure_costs(const Program& plain, const Prog
       t1[s].layers += traits[l].window_seconds + traits[l].recompute_window_seconds;
     }
   }
+  const std::vector<int> lanes = segment_lanes(plain);
   std::vector<LaneMemoryPeak> peaks;
   double expert_params = 0, dense_params = 0;
   if (memory) {
@@ -168,7 +172,7 @@ Expected<std::vector<StageCosts>> measure_costs(const Program& plain, const Prog
   for (size_t s = 0; s < segments.size(); ++s) {
     const int first = segments[s].first_layer;
     const int n = segments[s].end_layer - first;
-    const int lane = lane_of_segment(plain, static_cast<int>(s));
+    const int lane = lanes[s];
     if (n < 1 || lane < 0 || segments[s].end_layer > static_cast<int>(dense.size())) {
       return Error(fmt::format("stage costs: segment {} has no layers or no device", s));
     }
@@ -182,6 +186,7 @@ Expected<std::vector<StageCosts>> measure_costs(const Program& plain, const Prog
     const double bytes_per_parameter = ln.parameters > 0 ? static_bytes / ln.parameters : 0;
     const double in_flight = memory ? std::max(1, peaks[lane].in_flight) : 1;
     StageCosts c;
+    c.device = lane;
     c.in_flight = static_cast<int>(in_flight);
     c.other_seconds = t0[s].other;
     double layer_bytes = 0;  // the stage's layers' share of its peak
@@ -219,16 +224,12 @@ Expected<std::vector<StageCosts>> measure_costs(const Program& plain, const Prog
 
 Expected<std::vector<StageCosts>> measure_stage_costs(const Program& plain,
                                                       const Program& recomputed) {
-  const size_t segments = plain.plan.segments.size();
-  for (size_t s = 0; s < segments; ++s) {
-    for (size_t o = s + 1; o < segments; ++o) {
-      if (lane_of_segment(plain, static_cast<int>(s)) ==
-          lane_of_segment(plain, static_cast<int>(o))) {
-        return Error(
-            "stage costs: a device holds several segments (virtual stages); the "
-            "partitioner handles one segment per stage");
-      }
-    }
+  std::vector<int> lanes = segment_lanes(plain);
+  std::sort(lanes.begin(), lanes.end());
+  if (std::adjacent_find(lanes.begin(), lanes.end()) != lanes.end()) {
+    return Error(
+        "stage costs: a device holds several segments (virtual stages); the partitioner "
+        "handles one segment per stage");
   }
   return measure_costs(plain, recomputed, true);
 }
@@ -386,8 +387,7 @@ std::vector<double> stage_seconds(const std::vector<StageCosts>& stages,
 
 namespace {
 
-// The busiest device's time and the slowest segment's of a split over virtual stages (segment
-// k on device k mod `devices`).
+// The busiest device's time and the slowest segment's of a split over virtual stages.
 struct VirtualScore {
   double busiest = 0;
   double slowest = 0;
@@ -401,30 +401,29 @@ struct VirtualScore {
 };
 
 VirtualScore virtual_score(const std::vector<StageCosts>& segments,
-                           const std::vector<LayerTraits>& traits, int devices,
-                           const std::vector<int>& layers) {
+                           const std::vector<LayerTraits>& traits, const std::vector<int>& layers) {
   const std::vector<double> t = stage_seconds(segments, traits, layers);
-  std::vector<double> device(devices, 0);
+  std::map<int, double> device;
   VirtualScore out;
   for (size_t k = 0; k < t.size(); ++k) {
-    device[k % devices] += t[k];
+    device[segments[k].device] += t[k];
     out.slowest = std::max(out.slowest, t[k]);
   }
-  out.busiest = *std::max_element(device.begin(), device.end());
+  for (const auto& [d, seconds] : device) out.busiest = std::max(out.busiest, seconds);
   return out;
 }
 
 }  // namespace
 
 std::vector<int> balance_virtual_stages(const std::vector<StageCosts>& segments,
-                                        const std::vector<LayerTraits>& traits, int devices,
+                                        const std::vector<LayerTraits>& traits,
                                         std::vector<int> layers) {
   const int n = static_cast<int>(segments.size());
-  if (devices < 1 || static_cast<int>(layers.size()) != n ||
+  if (static_cast<int>(layers.size()) != n ||
       stage_seconds(segments, traits, layers).size() != layers.size()) {
     return layers;
   }
-  VirtualScore now = virtual_score(segments, traits, devices, layers);
+  VirtualScore now = virtual_score(segments, traits, layers);
   // Each pass moves the layer whose move helps most; a pass that finds none ends the search.
   const int passes = n * static_cast<int>(traits.size());
   for (int pass = 0; pass < passes; ++pass) {
@@ -438,7 +437,7 @@ std::vector<int> balance_virtual_stages(const std::vector<StageCosts>& segments,
         std::vector<int> moved = layers;
         --moved[from];
         ++moved[to];
-        const VirtualScore s = virtual_score(segments, traits, devices, moved);
+        const VirtualScore s = virtual_score(segments, traits, moved);
         if (s < best) {
           best = s;
           pick = std::move(moved);

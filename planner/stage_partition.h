@@ -44,6 +44,7 @@ struct StageCosts {
   double other_seconds = 0;  // the stage's operators that are not layers
   int in_flight = 1;         // micro-batches whose activations are alive at the peak
   double fixed_bytes = 0;    // the rest of the peak (embedding, head, buffers, runtime)
+  int device = 0;            // the pipeline device (lane) that runs it
 };
 
 struct StagePartition {
@@ -83,14 +84,15 @@ std::vector<double> stage_seconds(const std::vector<StageCosts>& stages,
                                   const std::vector<LayerTraits>& traits,
                                   const std::vector<int>& layers);
 
-// Virtual stages (segment k on device k mod `devices`): from the split `layers`, takes a layer
-// from one segment and gives one to another (the boundaries between them shift by one), the
-// move that helps most first, while that makes the busiest device's time per micro-batch (then
-// the slowest segment's) smaller: a local search, not always the best split. Every segment
-// keeps a layer but the last (the head's), which may hold none. Memory aside: the caller checks
-// the compiled plan. `segments` from measure_segment_times.
+// Virtual stages (a device running several segments: interleaved, or in a V): from the split
+// `layers`, takes a layer from one segment and gives one to another (the boundaries between
+// them shift by one), the move that helps most first, while that makes the busiest device's
+// time per micro-batch (the sum of its segments', StageCosts::device) and then the slowest
+// segment's smaller: a local search, not always the best split. Every segment keeps a layer but
+// the last (the head's), which may hold none. Memory aside: the caller checks the compiled
+// plan. `segments` from measure_segment_times.
 std::vector<int> balance_virtual_stages(const std::vector<StageCosts>& segments,
-                                        const std::vector<LayerTraits>& traits, int devices,
+                                        const std::vector<LayerTraits>& traits,
                                         std::vector<int> layers);
 
 // Stage-aware recomputation for a given split, also with virtual stages (a device holding

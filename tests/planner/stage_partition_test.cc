@@ -222,13 +222,13 @@ TEST(StagePartition, WindowedLayersCountAtTheirOwnCost) {
   EXPECT_EQ(stage_seconds(stages, layers, {6, 6, 6, 6}), (std::vector<double>{4, 4, 4, 5}));
 }
 
-// The busiest device's time of a split over virtual stages (segment k on device k mod devices).
+// The busiest device's time of a split over virtual stages (StageCosts::device).
 double busiest_device(const std::vector<StageCosts>& segments, const Layers& layers, int devices,
                       const std::vector<int>& split) {
   std::vector<double> device(devices, 0);
   int first = 0;
   for (size_t k = 0; k < split.size(); ++k) {
-    device[k % devices] += seconds(segments[k], layers, first, split[k], 0);
+    device[segments[k].device] += seconds(segments[k], layers, first, split[k], 0);
     first += split[k];
   }
   return *std::max_element(device.begin(), device.end());
@@ -262,16 +262,17 @@ double best_busiest_device(const std::vector<StageCosts>& segments, const Layers
 // the two out as well as any split does, with sliding windows too.
 TEST(StagePartition, VirtualStagesEvenOutTheDevices) {
   std::vector<StageCosts> segments = {stage(1), stage(1), stage(1), stage(1, 2.5)};
+  for (int k = 0; k < 4; ++k) segments[k].device = k % 2;
   const std::vector<int> even = {4, 4, 4, 4};
   EXPECT_DOUBLE_EQ(busiest_device(segments, uniform(16), 2, even), 10.5);
-  std::vector<int> split = balance_virtual_stages(segments, uniform(16), 2, even);
+  std::vector<int> split = balance_virtual_stages(segments, uniform(16), even);
   EXPECT_EQ(std::accumulate(split.begin(), split.end(), 0), 16);
   EXPECT_DOUBLE_EQ(busiest_device(segments, uniform(16), 2, split), 9.5);
   EXPECT_DOUBLE_EQ(busiest_device(segments, uniform(16), 2, split),
                    best_busiest_device(segments, uniform(16), 2));
   Layers windowed(16);
   for (int l = 0; l < 16; ++l) windowed[l].window_seconds = (l + 1) % 4 == 0 ? 0 : 0.6;
-  split = balance_virtual_stages(segments, windowed, 2, even);
+  split = balance_virtual_stages(segments, windowed, even);
   EXPECT_LT(busiest_device(segments, windowed, 2, split),
             busiest_device(segments, windowed, 2, even));
   EXPECT_DOUBLE_EQ(busiest_device(segments, windowed, 2, split),
@@ -572,6 +573,50 @@ TEST_F(Llama8bOnOneNode, InterleavedChunksEvenOutADenseFirstLayer) {
   even.stage_layers.clear();
   even.recompute_layers.clear();
   EXPECT_LT(best.estimate.iteration_time, estimate_program(compile(*m, topo, even)).iteration_time);
+}
+
+// A V (ZB-V, DualPipeV) puts the embedding's segment and the head's on the first device. Pinned,
+// the search runs it with its two chunks a rank (it found no plan before), and the local search
+// gives that device fewer layers than the even split, which it beats.
+TEST_F(Llama8bOnOneNode, APinnedVScheduleIsSearchedAndItsFirstDeviceEvenedOut) {
+  for (ScheduleKind kind : {ScheduleKind::kZbV, ScheduleKind::kDualPipeV}) {
+    SearchOptions so = pinned_1f1b(2, 4, 1);
+    so.pins.sequence_parallel = true;
+    so.pins.vpp.reset();
+    so.pins.schedule = kind;
+    Expected<SearchResult> r = search_plans(model, topo, so);
+    ASSERT_TRUE(r.ok()) << r.error().message();
+    const Candidate& best = r->ranked.front();
+    EXPECT_EQ(best.options.schedule, kind);
+    EXPECT_EQ(best.options.vpp, 2);
+    ASSERT_EQ(best.options.stage_layers.size(), 8u) << best.describe();
+    const std::vector<int>& l = best.options.stage_layers;
+    EXPECT_LT(l.front() + l.back(), 8) << best.describe();  // device 0: segments 0 and 7
+    MegatronOptions even = best.options;
+    even.stage_layers.clear();
+    even.recompute_layers.clear();
+    EXPECT_LT(best.estimate.iteration_time,
+              0.95 * estimate_program(compile(model, topo, even)).iteration_time);
+  }
+}
+
+// Unpinned, the search tries ZB-V for its best pipelines both evenly split and evened out.
+TEST_F(Llama8bOnOneNode, SearchedVSchedulesAreEvenedOutToo) {
+  SearchOptions so = pinned_1f1b(2, 4, 1);
+  so.pins.sequence_parallel = true;
+  so.pins.vpp.reset();
+  so.pins.schedule.reset();
+  Expected<SearchResult> r = search_plans(model, topo, so);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  const Candidate* even = nullptr;
+  const Candidate* evened = nullptr;
+  for (const Candidate& c : r->ranked) {
+    if (c.options.schedule != ScheduleKind::kZbV || c.options.micro_batch != 1) continue;
+    const Candidate*& slot = c.options.stage_layers.empty() ? even : evened;
+    if (!slot) slot = &c;
+  }
+  ASSERT_TRUE(even && evened);
+  EXPECT_LT(evened->estimate.iteration_time, 0.95 * even->estimate.iteration_time);
 }
 
 TEST_F(Llama8bOnOneNode, StageAwareRecomputeFitsWhereNoRecomputeDoesNot) {
