@@ -52,8 +52,8 @@ std::string Candidate::describe() const {
 
 namespace {
 
-// Stage re-partitioning is tried on at most this many pipelines whose cheapest estimate, with
-// its stages' compute evened out, is within this margin of the best plan.
+// Stage re-partitioning is tried on at most this many pipelines whose cheapest estimate, scaled
+// to their best split (Search::balanced_bound_), is within this margin of the best plan.
 constexpr size_t kMaxBalanced = 48;
 constexpr double kBalanceMargin = 0.05;
 // Every other rank placement is tried for the best plans of this many sets of degrees.
@@ -359,6 +359,16 @@ std::optional<std::vector<int>> evened_layers(const ModelSpec& model, const Topo
   return layers;
 }
 
+// Whether the search runs schedule `sched` with `vpp` chunks a pipeline rank: interleaved with
+// several, ZB-V and DualPipeV with two (a V), the rest with one; Tessel with any, but one unless
+// --vpp pins it (a solver run per plan).
+bool runs_chunks(ScheduleKind sched, int vpp, bool vpp_pinned) {
+  const int chunks = required_chunks(sched);
+  if (chunks > 0) return vpp == chunks;
+  if (sched == ScheduleKind::kInterleaved) return vpp > 1;
+  return vpp_pinned || vpp == 1;
+}
+
 // Faster estimate first; ties by description, so the order never depends on the input's.
 bool faster_estimate(const Candidate& a, const Candidate& b) {
   return a.estimate.iteration_time != b.estimate.iteration_time
@@ -524,15 +534,7 @@ void Search::enumerate() {
                       : std::vector<ScheduleKind>{ScheduleKind::kOneFOneB, ScheduleKind::kGpipe};
               if (pin_.schedule) schedules = {*pin_.schedule};
               for (ScheduleKind sched : schedules) {
-                // The chunks a rank each schedule runs: interleaved several, ZB-V and DualPipeV
-                // two (a V), the rest one; Tessel any, but one unless --vpp says (a solver run
-                // per plan).
-                const int chunks = required_chunks(sched);
-                if (chunks == 0
-                        ? (sched == ScheduleKind::kInterleaved ? vpp == 1 : !pin_.vpp && vpp != 1)
-                        : vpp != chunks) {
-                  continue;
-                }
+                if (!runs_chunks(sched, vpp, pin_.vpp.has_value())) continue;
                 if (!cons_.schedules.empty() &&
                     std::find(cons_.schedules.begin(), cons_.schedules.end(), sched) ==
                         cons_.schedules.end()) {
@@ -667,7 +669,8 @@ void Search::evaluate_chains() {
         cand.estimate = estimate_program(*prog);
         if (first) {
           first_estimate_[i] = cand.estimate.iteration_time;
-          // Virtual stages keep their even split but for the head's segment (balance_chain).
+          // The bound is the dynamic programme's, for one chunk a stage; interleaved chunks go
+          // by their uniform estimate.
           balanced_bound_[i] = chain.base.pp > 1 && chain.base.vpp == 1
                                    ? balanced_bound(*prog, cand.estimate)
                                    : cand.estimate.iteration_time;
