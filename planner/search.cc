@@ -840,6 +840,13 @@ void Search::try_schedules() {
       if (fixed_layers_ && static_cast<int>(fixed_layers_->size()) != c.options.pp * vpp) continue;
       t.simulated.reset();
       tries.push_back(t);
+      // The same chunks a rank as the plan's: its balanced split too (one chunk a stage: the
+      // partitioner's), beside the even one.
+      if (!same_stages && !fixed_layers_ && vpp == c.options.vpp &&
+          !c.options.stage_layers.empty()) {
+        t.options.stage_layers = c.options.stage_layers;
+        tries.push_back(t);
+      }
     }
   }
   // A V's first device runs both the embedding's segment and the head's: the segments' layers

@@ -619,6 +619,25 @@ TEST_F(Llama8bOnOneNode, SearchedVSchedulesAreEvenedOutToo) {
   EXPECT_LT(evened->estimate.iteration_time, 0.95 * even->estimate.iteration_time);
 }
 
+// The zero-bubble schedules of one chunk a stage are tried with the balanced 1F1B plan's split
+// as well as evenly.
+TEST_F(Llama8bOnOneNode, ZeroBubbleSchedulesKeepTheBalancedSplit) {
+  SearchOptions so = pinned_1f1b(2, 4, 1);
+  so.pins.sequence_parallel = true;
+  so.pins.schedule.reset();
+  Expected<SearchResult> r = search_plans(model, topo, so);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  const Candidate* even = nullptr;
+  const Candidate* balanced = nullptr;
+  for (const Candidate& c : r->ranked) {
+    if (c.options.schedule != ScheduleKind::kZbH1) continue;
+    const Candidate*& slot = c.options.stage_layers.empty() ? even : balanced;
+    if (!slot) slot = &c;
+  }
+  ASSERT_TRUE(even && balanced);
+  EXPECT_LT(balanced->estimate.iteration_time, 0.95 * even->estimate.iteration_time);
+}
+
 TEST_F(Llama8bOnOneNode, StageAwareRecomputeFitsWhereNoRecomputeDoesNot) {
   // tp1 pp8 micro-batch 4: without recomputation stage 0 does not fit in 80 GB; recomputing
   // every layer fits but costs a third more.
