@@ -112,12 +112,12 @@ double Compiler::window_seconds_saved(const PartInfo& p, int layer) const {
   const std::vector<bool> recomputed = recomputed_ops(p, layer);
   double saved = 0;
   for (size_t i = 0; i < p.part->ops.size(); ++i) {
-    if (p.part->ops[i].kind != OpKind::kAttention) continue;
+    const PartInfo::WindowCost* windowed = window_cost(p, i, layer);
+    if (!windowed) continue;
     const PartInfo::WindowCost& full = p.window_costs[i][0];
-    const PartInfo::WindowCost& windowed = p.window_costs[i][1];
-    const double forward = full.fwd_seconds - windowed.fwd_seconds;
+    const double forward = full.fwd_seconds - windowed->fwd_seconds;
     saved +=
-        forward * (recomputed[i] ? 2 : 1) + full.bwd_input_seconds - windowed.bwd_input_seconds;
+        forward * (recomputed[i] ? 2 : 1) + full.bwd_input_seconds - windowed->bwd_input_seconds;
   }
   return saved;
 }

@@ -323,19 +323,25 @@ std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& t
   return std::nullopt;
 }
 
+// The layers each segment of a plan holds.
+std::vector<int> layers_per_segment(const Plan& plan) {
+  std::vector<int> out;
+  for (const Segment& s : plan.segments) out.push_back(s.end_layer - s.first_layer);
+  return out;
+}
+
 // What a pipeline (one segment a stage) could take with its layers re-partitioned, memory
 // aside: its estimate scaled by the slowest stage's time under the best split over that under
 // its own (the partitioner's linear model; a pipeline's steady state and its bubble both go
-// with the slowest stage).
+// with the slowest stage). Times only: the memory costs would go unused.
 double balanced_bound(const Program& prog, const Estimate& e) {
-  Expected<std::vector<StageCosts>> costs = measure_stage_costs(prog, prog);
+  Expected<std::vector<StageCosts>> costs = measure_segment_times(prog, prog);
   if (!costs) return e.iteration_time;
   const std::vector<LayerTraits> layers = layer_traits(prog, prog);
   const double unlimited = std::numeric_limits<double>::infinity();
   Expected<StagePartition> best = partition_stages(*costs, layers, unlimited);
   if (!best) return e.iteration_time;
-  std::vector<int> own;
-  for (const Segment& s : prog.plan.segments) own.push_back(s.end_layer - s.first_layer);
+  const std::vector<int> own = layers_per_segment(prog.plan);
   const std::vector<double> now = stage_seconds(*costs, layers, own);
   if (now.size() != own.size()) return e.iteration_time;
   const double slowest = *std::max_element(now.begin(), now.end());
@@ -352,8 +358,7 @@ std::optional<std::vector<int>> evened_layers(const ModelSpec& model, const Topo
   if (!prog) return std::nullopt;
   Expected<std::vector<StageCosts>> times = measure_segment_times(*prog, *prog);
   if (!times) return std::nullopt;
-  std::vector<int> even;
-  for (const Segment& s : prog->plan.segments) even.push_back(s.end_layer - s.first_layer);
+  const std::vector<int> even = layers_per_segment(prog->plan);
   std::vector<int> layers = balance_virtual_stages(*times, layer_traits(*prog, *prog), even);
   if (layers == even) return std::nullopt;
   return layers;
