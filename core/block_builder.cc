@@ -22,7 +22,7 @@ BlockBuilder::BlockBuilder(Compiler& c, BlockTemplate& t, bool grad_sync, bool e
       zero_(c.plan.optimizer.zero),
       tensor_prefetch_(zero3_prefetches_tensors(c.plan)) {
   embed_out_ = input_layout_of(c.embed);
-  layer_out_ = input_layout_of(c.layer);
+  layer_out_ = input_layout_of(c.blocks.front());  // every block leaves one layout
   embed_boundary_ = embed_out_;
   for (size_t a = 0; a < embed_boundary_.size(); ++a) {
     if (!(c.lane_axes & (1u << a)) && embed_boundary_[a].kind == AxisLayoutKind::kPartial) {
@@ -32,7 +32,8 @@ BlockBuilder::BlockBuilder(Compiler& c, BlockTemplate& t, bool grad_sync, bool e
   segment_out_ =
       s_.embedding && s_.end_layer == s_.first_layer && !s_.head ? embed_boundary_ : layer_out_;
   embed_out_grad_ = output_grad_layout(c.embed.part->ops.back(), c.embed.partitions.back());
-  layer_out_grad_ = output_grad_layout(c.layer.part->ops.back(), c.layer.partitions.back());
+  layer_out_grad_ =
+      output_grad_layout(c.blocks.front().part->ops.back(), c.blocks.front().partitions.back());
 
   prev_ = c.prev_segment[seg_];
   next_ = c.next_segment[seg_];

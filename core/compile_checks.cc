@@ -17,7 +17,7 @@ namespace nnsim::detail {
 // model), never a silent no-op.
 Status check_rules_match(const Plan& plan, const OpGraph& graph) {
   std::vector<std::string> names;
-  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
+  for (const GraphPart* part : graph.parts()) {
     for (const Op& op : part->ops) {
       if (std::find(names.begin(), names.end(), op.name) == names.end()) names.push_back(op.name);
     }
@@ -174,6 +174,20 @@ Status Compiler::check_segments() {
   return Status::Ok();
 }
 
+Status Compiler::check_block_outputs() const {
+  for (size_t b = 1; b < blocks.size(); ++b) {
+    if (input_layout_of(blocks[b]) == input_layout_of(blocks.front())) continue;
+    const std::string& last = blocks[b].part->ops.back().name;
+    const std::string& first = blocks.front().part->ops.back().name;
+    return Error(fmt::format(
+        "partition: the layers' outputs '{}' and '{}' are split differently; each layer hands "
+        "the next the hidden state, so give both the same partition rule (as 'partition: "
+        "[{{match: \"*.residual\", ...}}]' does)",
+        last, first));
+  }
+  return Status::Ok();
+}
+
 // Operators may be split along an axis that separates schedule orders (the pipeline axis) only
 // in a segment spanning every order its groups along that axis reach: their collectives join
 // those lanes.
@@ -183,9 +197,10 @@ Status Compiler::check_spanning() {
     const Segment& seg = plan.segments[s];
     std::vector<const PartInfo*> parts;
     if (seg.embedding) parts.push_back(&embed);
-    const std::array<int, 2> count = layer_counts(seg);
-    if (count[0] > 0) parts.push_back(&layer);
-    if (count[1] > 0) parts.push_back(&dense_layer);
+    const std::vector<int> count = layer_counts(seg);
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      if (count[b] > 0) parts.push_back(&blocks[b]);
+    }
     if (seg.head) parts.push_back(&head);
     for (const PartInfo* p : parts) {
       for (size_t i = 0; i < p->partitions.size(); ++i) {

@@ -202,7 +202,7 @@ void Compiler::build_memory(Lane& lane, int lane_index, const std::vector<int>& 
 }
 
 double Compiler::receive_buffer_bytes() const {
-  return piece_bytes(boundary, input_layout_of(layer), mesh);
+  return piece_bytes(boundary, input_layout_of(blocks.front()), mesh);
 }
 
 double Compiler::retained_output_bytes(int segment) const {

@@ -27,7 +27,7 @@ Status Compiler::resolve_part(const GraphPart& part, PartInfo& info) {
     // (and everything that is not a linear layer) stays in bf16 (Transformer Engine modules
     // replace only the blocks' linears; torchao's float8 skips the output layer too).
     const bool fp8 = plan.precision == Precision::kFp8 && part.ops.size() > 0 &&
-                     (&part == &prog.graph.layer || &part == &prog.graph.dense_layer);
+                     &part != &prog.graph.embedding && &part != &prog.graph.head;
     const Precision precision =
         plan.precision == Precision::kFp8 && !fp8 ? Precision::kBf16 : plan.precision;
     if (op.kind == OpKind::kLinear) {

@@ -138,9 +138,10 @@ void Compiler::add_epilogue(int o, Lane& lane, const std::vector<int>& segs) {
         }
       }
     };
-    const std::array<int, 2> count = layer_counts(seg);
-    add(layer, count[0]);
-    if (count[1] > 0) add(dense_layer, count[1]);
+    const std::vector<int> count = layer_counts(seg);
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      if (count[b] > 0) add(blocks[b], count[b]);
+    }
     if (seg.embedding) add(embed, 1);
     if (seg.head) add(head, 1);
   }

@@ -41,10 +41,7 @@ std::vector<TensorGather> Compiler::zero3_tensor_queue(int segment, BlockKind ki
                                                        bool explicit_recompute) const {
   std::vector<TensorGather> queue;
   for (const Zero3Use& u : zero3_uses(plan, prog.graph, segment, kind, explicit_recompute)) {
-    const PartInfo& p = u.part == &prog.graph.embedding ? embed
-                        : u.part == &prog.graph.head    ? head
-                        : u.part == &prog.graph.layer   ? layer
-                                                        : dense_layer;
+    const PartInfo& p = info_of(*u.part);
     for (double n : sharded_tensors(p, u.op)) {
       queue.push_back({static_cast<size_t>(u.unit), &p, u.op, u.recompute, n});
     }
@@ -80,9 +77,11 @@ double Compiler::segment_params(int segment, int group) const {
 
 double Compiler::segment_sum(const Segment& s,
                              const std::function<double(const PartInfo&)>& per_part) const {
-  const std::array<int, 2> count = layer_counts(s);
-  double n = count[0] * per_part(layer);
-  if (count[1] > 0) n += count[1] * per_part(dense_layer);
+  const std::vector<int> count = layer_counts(s);
+  double n = 0;
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    if (count[b] > 0) n += count[b] * per_part(blocks[b]);
+  }
   if (s.embedding) n += per_part(embed);
   if (s.head) n += per_part(head);
   return n;

@@ -187,9 +187,9 @@ struct Compiler {
   Program& prog;
   const Mesh& mesh;
   Network net;
-  PartInfo embed, layer, head;
-  PartInfo dense_layer;  // a mixed mixture of experts' dense block (graph.dense_layer)
-  TensorSpec boundary;   // the hidden-state tensor passed between parts: [b, s, h]
+  PartInfo embed, head;
+  std::vector<PartInfo> blocks;  // graph.blocks'
+  TensorSpec boundary;           // the hidden-state tensor passed between parts: [b, s, h]
   uint32_t lane_axes = 0;
   // Per GradGroup: dp and the axes every weight of the group syncs over (context parallel;
   // expert parallel for dense weights). An empty expert group has the dense group's axes.
@@ -221,21 +221,30 @@ struct Compiler {
   }
 
   // The block layer `l` runs (graph.layer_at).
-  const PartInfo& layer_at(int l) const {
-    return &prog.graph.layer_at(l) == &prog.graph.layer ? layer : dense_layer;
+  const PartInfo& layer_at(int l) const { return blocks[prog.graph.block_index(l)]; }
+  // The resolved part of one of the graph's parts.
+  const PartInfo& info_of(const GraphPart& part) const {
+    if (&part == &prog.graph.embedding) return embed;
+    if (&part == &prog.graph.head) return head;
+    return blocks[&part - prog.graph.blocks.data()];
   }
-  // How many of a segment's layers run `layer` and how many `dense_layer`.
-  std::array<int, 2> layer_counts(const Segment& s) const {
-    std::array<int, 2> n{};
-    for (int l = s.first_layer; l < s.end_layer; ++l) ++n[&layer_at(l) == &layer ? 0 : 1];
+  // How many of a segment's layers run each block.
+  std::vector<int> layer_counts(const Segment& s) const {
+    std::vector<int> n(blocks.size(), 0);
+    for (int l = s.first_layer; l < s.end_layer; ++l) ++n[prog.graph.block_index(l)];
     return n;
   }
-  // The resolved parts: the embedding, the block(s) and the head.
+  // The resolved parts: the embedding, the blocks and the head.
   std::vector<const PartInfo*> parts() const {
-    if (dense_layer.part == nullptr) return {&embed, &layer, &head};
-    return {&embed, &layer, &dense_layer, &head};
+    std::vector<const PartInfo*> out{&embed};
+    for (const PartInfo& b : blocks) out.push_back(&b);
+    out.push_back(&head);
+    return out;
   }
   Status check_basics();
+  // Every block shape leaves the hidden state in the first one's layout (a hybrid model's
+  // residuals split alike).
+  Status check_block_outputs() const;
   Status resolve_part(const GraphPart& part, PartInfo& info);
   Status build_lanes();
   Status check_spanning();

@@ -125,9 +125,11 @@ double op_seconds(const Op& op, Pass pass, double flops, double bytes, const Pie
         op.causal ? flops * model.causal_fraction : flops / op.attended_fraction;
     compute = executed / (gpu.peak_flops(p) * efficiency * model.sustained);
   } else if (flops > 0) {
-    auto it = model.gemm_efficiency.find(precision);
-    compute = flops /
-              (gpu.peak_flops(precision) * (it != model.gemm_efficiency.end() ? it->second : 0.8));
+    // Mamba-2's scan runs its small matrix products in 16-bit even in fp8 training.
+    const Precision p =
+        op.kind == OpKind::kScan && precision == Precision::kFp8 ? Precision::kBf16 : precision;
+    auto it = model.gemm_efficiency.find(p);
+    compute = flops / (gpu.peak_flops(p) * (it != model.gemm_efficiency.end() ? it->second : 0.8));
   }
   // Elementwise operators move more than the operator graph's minimal traffic (casts, layout
   // copies, unfused steps): elementwise_traffic times it.

@@ -63,6 +63,87 @@ std::string too_large(int64_t value, std::string_view field) {
   return fmt::format("{} is too large (at most {})", value, size_limit(field));
 }
 
+// A hybrid model's pattern and Mamba-2 mixer; a mixer's fields without 'M' layers.
+std::optional<Problem> find_hybrid_problem(const ModelSpec& m) {
+  if (!m.hybrid()) {
+    if (m.mamba_heads != 0) {
+      return Problem{"mamba_heads",
+                     "only a hybrid model has Mamba-2 layers: give 'layer_pattern' with 'M' "
+                     "layers, or remove the mamba_ fields"};
+    }
+    return std::nullopt;
+  }
+  const std::string_view kinds = "M*-E";
+  for (size_t i = 0; i < m.layer_pattern.size(); ++i) {
+    if (kinds.find(m.layer_pattern[i]) == std::string_view::npos) {
+      return Problem{"layer_pattern",
+                     fmt::format("character {} ('{}') is not a layer kind; use 'M' (Mamba-2), "
+                                 "'*' (attention), '-' (MLP) or 'E' (experts), one per layer",
+                                 i + 1, m.layer_pattern[i])};
+    }
+  }
+  if (static_cast<int64_t>(m.layer_pattern.size()) != m.layers) {
+    return Problem{"layers", fmt::format("must equal the length of layer_pattern ({}), got {}; "
+                                         "omit it to take the pattern's",
+                                         m.layer_pattern.size(), m.layers)};
+  }
+  if (m.has_layer_kind('E') != m.moe()) {
+    return Problem{m.moe() ? "experts" : "layer_pattern",
+                   m.moe() ? "a hybrid model's experts sit in its 'E' layers, and layer_pattern "
+                             "has none; add 'E' layers or remove the expert fields"
+                           : "'E' layers need experts: give experts, experts_per_token and "
+                             "expert_ffn_hidden"};
+  }
+  if (m.moe() && (m.first_dense_layers != 0 || m.moe_layer_interval != 1)) {
+    return Problem{m.first_dense_layers != 0 ? "first_dense_layers" : "moe_layer_interval",
+                   "a hybrid model's layer_pattern says which layers have experts ('E'); remove "
+                   "this field"};
+  }
+  if (m.sliding_window > 0) {
+    return Problem{"sliding_window",
+                   "sliding windows in a hybrid model's attention layers are not modelled; "
+                   "remove sliding_window or layer_pattern"};
+  }
+  if (m.mtp_layers > 0) {
+    return Problem{"mtp_layers",
+                   "multi-token prediction modules of a hybrid model are not modelled; remove "
+                   "mtp_layers or layer_pattern"};
+  }
+  if (!m.has_layer_kind('M')) {
+    if (m.mamba_heads != 0) {
+      return Problem{"mamba_heads", "layer_pattern has no 'M' layer to use it; remove it"};
+    }
+    return std::nullopt;
+  }
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"mamba_heads", m.mamba_heads}, {"mamba_head_dim", m.mamba_head_dim},
+      {"mamba_state", m.mamba_state}, {"mamba_groups", m.mamba_groups},
+      {"mamba_conv", m.mamba_conv},   {"mamba_chunk", m.mamba_chunk},
+  };
+  for (const auto& [field, value] : sizes) {
+    if (value <= 0 || value > kMaxWidth) {
+      return Problem{field, fmt::format("must be a positive integer up to {} for 'M' layers, "
+                                        "got {}",
+                                        kMaxWidth, value)};
+    }
+  }
+  if (m.mamba_heads % m.mamba_groups != 0) {
+    return Problem{"mamba_groups",
+                   fmt::format("must divide mamba_heads ({}): each group of heads shares its B "
+                               "and C; use mamba_groups = {}",
+                               m.mamba_heads, nearby_divisors(m.mamba_heads, m.mamba_groups))};
+  }
+  if (m.mamba_heads * m.mamba_head_dim > kMaxHeadWidths ||
+      m.mamba_groups * m.mamba_state > kMaxHeadWidths) {
+    return Problem{"mamba_heads",
+                   fmt::format("the mixer's widths (heads x head_dim {}, groups x state {}) are "
+                               "over the {} nnsim handles",
+                               m.mamba_heads * m.mamba_head_dim, m.mamba_groups * m.mamba_state,
+                               kMaxHeadWidths)};
+  }
+  return std::nullopt;
+}
+
 std::optional<Problem> find_problem(const ModelSpec& m) {
   const std::pair<const char*, int64_t> sizes[] = {
       {"layers", m.layers},     {"hidden", m.hidden},         {"heads", m.heads},
@@ -75,6 +156,7 @@ std::optional<Problem> find_problem(const ModelSpec& m) {
     }
     if (value > size_limit(field)) return Problem{field, too_large(value, field)};
   }
+  if (auto p = find_hybrid_problem(m)) return p;
   if (m.moe()) {
     if (m.experts < 2 || m.experts > kMaxWidth) {
       return Problem{"experts", fmt::format("must be between 2 and {} for a mixture of experts "
@@ -312,7 +394,49 @@ int64_t ModelSpec::mtp_parameters() const {
   return 3 * norm_params + 2 * hidden * hidden + layer_parameters();
 }
 
+std::string ModelSpec::layer_kinds() const {
+  std::string kinds;
+  for (char c : layer_pattern) {
+    if (kinds.find(c) == std::string::npos) kinds += c;
+  }
+  return kinds;
+}
+
+int ModelSpec::block_shapes() const {
+  if (!hybrid()) return mixed_layers() ? 2 : 1;
+  return static_cast<int>(layer_kinds().size());
+}
+
+int ModelSpec::block_shape(int layer) const {
+  if (!hybrid()) return mixed_layers() && !is_moe_layer(layer) ? 1 : 0;
+  return static_cast<int>(layer_kinds().find(layer_pattern[layer]));
+}
+
+int64_t ModelSpec::mamba_layer_parameters() const {
+  const int64_t h = hidden, d = mamba_inner(), c = mamba_conv_width();
+  const int64_t norm_params = h + (norm == NormKind::kLayerNorm && bias ? h : 0);
+  // The norm, the input projection, the convolution's taps and bias, each head's dt bias, decay
+  // (A) and skip (D), the gated norm's scale and the output projection.
+  return norm_params + h * mamba_in_width() + c * mamba_conv + c + 3 * mamba_heads + d + d * h;
+}
+
 int64_t ModelSpec::parameters() const {
+  if (hybrid()) {
+    const int64_t norm_params = hidden + (norm == NormKind::kLayerNorm && bias ? hidden : 0);
+    // An 'E' layer's router, experts and shared expert.
+    const int64_t shared =
+        shared_expert_ffn_hidden > 0 ? mlp_parameters(shared_expert_ffn_hidden) : 0;
+    const int64_t experts_mlp =
+        hidden * experts + experts * mlp_parameters(expert_ffn_hidden) + shared;
+    int64_t p = embedding_parameters() + head_parameters();
+    for (char c : layer_pattern) {
+      p += c == 'M'   ? mamba_layer_parameters()
+           : c == '*' ? attention_parameters()
+           : c == '-' ? norm_params + mlp_parameters(ffn_hidden)
+                      : norm_params + experts_mlp;
+    }
+    return p;
+  }
   const int64_t moe_blocks = moe() ? moe_layers() : layers;
   return moe_blocks * layer_parameters() + (layers - moe_blocks) * dense_layer_parameters() +
          embedding_parameters() + head_parameters();
@@ -363,11 +487,27 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                    "qk_rope_head_dim",
                    "v_head_dim",
                    "sliding_window",
-                   "full_attention_interval"});
+                   "full_attention_interval",
+                   "layer_pattern",
+                   "mamba_heads",
+                   "mamba_head_dim",
+                   "mamba_state",
+                   "mamba_groups",
+                   "mamba_conv",
+                   "mamba_chunk"});
   ModelSpec m;
   m.name = node.get_string("name", default_name);
   m.family = node.get_string("family", "");
-  m.layers = static_cast<int>(read_size(node, "layers"));
+  m.layer_pattern = node.get_string("layer_pattern", "");
+  if (node.has("layer_pattern") && m.layer_pattern.empty()) {
+    node["layer_pattern"].fail(
+        "must name one kind a layer ('M', '*', '-', 'E'), or be absent (transformer blocks)");
+  }
+  const bool layers_from_pattern = m.hybrid() && !node.has("layers");
+  m.layers =
+      layers_from_pattern
+          ? static_cast<int>(std::min<size_t>(m.layer_pattern.size(), size_limit("layers") + 1))
+          : static_cast<int>(read_size(node, "layers"));
   m.hidden = read_size(node, "hidden");
   m.heads = read_size(node, "heads");
   m.kv_heads = node.has("kv_heads") ? read_size(node, "kv_heads") : m.heads;
@@ -390,7 +530,8 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
   if (auto n = node.get("position")) {
     m.position = n->as_enum<PositionKind>({{"learned", PositionKind::kLearned},
                                            {"rope", PositionKind::kRope},
-                                           {"alibi", PositionKind::kAlibi}});
+                                           {"alibi", PositionKind::kAlibi},
+                                           {"none", PositionKind::kNone}});
   }
   if (auto n = node.get("norm")) {
     m.norm = n->as_enum<NormKind>(
@@ -500,6 +641,18 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
     node["full_attention_interval"].fail(
         "says which layers attend beyond a sliding window; give 'sliding_window' too");
   }
+  for (auto [field, value] :
+       {std::pair{"mamba_heads", &m.mamba_heads}, std::pair{"mamba_head_dim", &m.mamba_head_dim},
+        std::pair{"mamba_state", &m.mamba_state}, std::pair{"mamba_groups", &m.mamba_groups},
+        std::pair{"mamba_conv", &m.mamba_conv}, std::pair{"mamba_chunk", &m.mamba_chunk}}) {
+    if (node.has(field)) *value = node[field].as_int();
+  }
+  if (!m.has_layer_kind('M')) {
+    for (const char* f :
+         {"mamba_head_dim", "mamba_state", "mamba_groups", "mamba_conv", "mamba_chunk"}) {
+      if (node.has(f)) node[f].fail("only 'M' layers (layer_pattern) have it; remove it");
+    }
+  }
   if (auto p = find_problem(m)) {
     // Point at the offending field; kv_heads may be absent (defaulted), then at the mapping.
     if (node.has(p->field)) node[p->field].fail(p->message);
@@ -548,6 +701,17 @@ std::string model_to_json(const ModelSpec& m) {
   if (m.sliding_window > 0) {
     j["sliding_window"] = m.sliding_window;
     j["full_attention_interval"] = m.full_attention_interval;
+  }
+  if (m.hybrid()) {
+    j["layer_pattern"] = m.layer_pattern;
+    if (m.has_layer_kind('M')) {
+      j["mamba_heads"] = m.mamba_heads;
+      j["mamba_head_dim"] = m.mamba_head_dim;
+      j["mamba_state"] = m.mamba_state;
+      j["mamba_groups"] = m.mamba_groups;
+      j["mamba_conv"] = m.mamba_conv;
+      j["mamba_chunk"] = m.mamba_chunk;
+    }
   }
   if (m.mla()) {
     if (m.q_lora_rank > 0) j["q_lora_rank"] = m.q_lora_rank;
@@ -622,6 +786,8 @@ std::string_view to_string(PositionKind k) {
       return "rope";
     case PositionKind::kAlibi:
       return "alibi";
+    case PositionKind::kNone:
+      return "none";
   }
   return "?";
 }

@@ -14,7 +14,7 @@ namespace nnsim {
 
 // kSwiglu and kGeglu are gated: silu or GeLU (tanh form) of a gate branch times an up branch.
 enum class MlpKind { kGelu, kSwiglu, kSquaredRelu, kRelu, kGeglu };
-enum class PositionKind { kLearned, kRope, kAlibi };
+enum class PositionKind { kLearned, kRope, kAlibi, kNone };
 enum class NormKind { kLayerNorm, kRmsNorm };
 // kFlash: fused attention that keeps only Q, K, V, the output and the softmax statistics.
 // kUnfused: the scores, softmax output and dropout mask are materialized and kept.
@@ -111,6 +111,36 @@ struct ModelSpec {
   // within the window.
   int64_t sliding_window = 0;
   int full_attention_interval = 0;
+  // Hybrid models (Megatron-LM's --hybrid-override-pattern): one character per layer, each its
+  // own pre-norm and residual: 'M' a Mamba-2 mixer, '*' self-attention alone, '-' an MLP of
+  // ffn_hidden alone, 'E' a mixture of experts' MLP alone. Empty: every layer is a transformer
+  // block (attention and an MLP or experts).
+  std::string layer_pattern;
+  // The Mamba-2 mixer (Dao and Gu 2024; 'M' layers): mamba_heads heads of mamba_head_dim
+  // channels (the inner width d = heads x head_dim), a state of mamba_state per head, B and C
+  // shared by mamba_groups groups of heads, a causal depthwise convolution of mamba_conv taps
+  // and the chunked scan's chunks of mamba_chunk tokens.
+  int64_t mamba_heads = 0;
+  int64_t mamba_head_dim = 64;
+  int64_t mamba_state = 128;
+  int64_t mamba_groups = 8;
+  int64_t mamba_conv = 4;
+  int64_t mamba_chunk = 128;
+  bool hybrid() const { return !layer_pattern.empty(); }
+  // The pattern character of layer l ('T' for a transformer block of a model without pattern).
+  char layer_kind(int layer) const { return hybrid() ? layer_pattern[layer] : 'T'; }
+  bool has_layer_kind(char kind) const {
+    return hybrid() ? layer_pattern.find(kind) != std::string::npos : kind == 'T';
+  }
+  int64_t mamba_inner() const { return mamba_heads * mamba_head_dim; }
+  // The Mamba-2 input projection's width: z and x (inner each), B and C (groups x state each)
+  // and one dt per head.
+  int64_t mamba_in_width() const {
+    return 2 * mamba_inner() + 2 * mamba_groups * mamba_state + mamba_heads;
+  }
+  // The channels the convolution runs over: x, B and C.
+  int64_t mamba_conv_width() const { return mamba_inner() + 2 * mamba_groups * mamba_state; }
+  int64_t mamba_layer_parameters() const;
   bool windowed() const { return sliding_window > 0 && sliding_window < seq_len; }
   bool is_windowed_layer(int layer) const {
     return sliding_window > 0 &&
@@ -129,12 +159,21 @@ struct ModelSpec {
   bool gated_mlp() const { return mlp == MlpKind::kSwiglu || mlp == MlpKind::kGeglu; }
   bool moe() const { return experts > 0; }
   bool is_moe_layer(int layer) const {
+    if (hybrid()) return layer_pattern[layer] == 'E';
     return moe() && layer >= first_dense_layers &&
            (layer - first_dense_layers) % moe_layer_interval == 0;
   }
   int moe_layers() const;  // how many blocks have experts
   // A mixture of experts with dense blocks too (two block shapes).
   bool mixed_layers() const { return moe() && moe_layers() < layers; }
+  // Layers of one block shape run the same operators (sliding windows aside, which price the
+  // attention only). Shapes are numbered from 0: the expert block (or a model's only block),
+  // then a mixed model's dense block; in a hybrid model, the pattern's characters in the order
+  // they first appear.
+  int block_shapes() const;
+  int block_shape(int layer) const;
+  // A hybrid model's pattern characters, each once, in the order they first appear.
+  std::string layer_kinds() const;
   // Parameters of one transformer block (an expert block in a mixture of experts), of a dense
   // block of a mixed model, of the embedding(s) and in total.
   int64_t layer_parameters() const;

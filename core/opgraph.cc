@@ -63,6 +63,8 @@ std::string_view to_string(OpKind k) {
       return "loss";
     case OpKind::kPermute:
       return "permute";
+    case OpKind::kScan:
+      return "scan";
   }
   return "?";
 }
@@ -108,7 +110,9 @@ struct Shape {
   // Multi-head latent attention (0 without): the latents' widths, the query/key and the value
   // head widths, and the rotary part of the query/key.
   double q_lora, kv_lora, dqk, dv, rope;
-  int64_t mb, seq, hidden, kv_heads, ffn, vocab, experts;
+  // Mamba-2 (0 without 'M' layers): heads, head width, state, groups, convolution taps, chunk.
+  double mh, mp, mn, mg, mk, mq;
+  int64_t mb, seq, hidden, kv_heads, ffn, vocab, experts, mamba_groups;
   double qkv_width() const { return (a + 2 * k) * dh; }
 };
 
@@ -133,6 +137,15 @@ Shape shape_of(const ModelSpec& m, int64_t micro_batch) {
     x.rope = static_cast<double>(m.qk_rope_head_dim);
     x.dqk = static_cast<double>(m.qk_nope_head_dim + m.qk_rope_head_dim);
     x.dv = static_cast<double>(m.v_head_dim);
+  }
+  if (m.has_layer_kind('M')) {
+    x.mh = static_cast<double>(m.mamba_heads);
+    x.mp = static_cast<double>(m.mamba_head_dim);
+    x.mn = static_cast<double>(m.mamba_state);
+    x.mg = static_cast<double>(m.mamba_groups);
+    x.mk = static_cast<double>(m.mamba_conv);
+    x.mq = static_cast<double>(m.mamba_chunk);
+    x.mamba_groups = m.mamba_groups;
   }
   x.mb = micro_batch;
   x.seq = m.seq_len;
@@ -603,52 +616,167 @@ GraphPart build_embedding(const ModelSpec& m, const Shape& x) {
   return part;
 }
 
-GraphPart build_layer(const ModelSpec& m, const Shape& x) {
+// Mamba-2's convolution, chunked scan and gate over the input projection's z, x, B, C and dt
+// (Megatron-Core's mamba_split_conv1d_scan_combined, one autograd function of a causal
+// depthwise convolution and the SSD algorithm's Triton kernels; docs/opgraph.md#mamba-2-layers).
+// It keeps its input and the ungated output for the backward, which recomputes the convolution
+// and the chunk states.
+Op ssm_scan_op(int self, TensorRef in, const ModelSpec& m, const Shape& x) {
+  Op op;
+  op.name = "ssm.scan";
+  op.kind = OpKind::kScan;
+  const DimSet bsh{Dim::kBatch, Dim::kSeq, Dim::kHeads};
+  op.dims = bsh;
+  // The recurrence runs along the whole sequence (context parallelism would exchange heads for
+  // sequence by all-to-all first, Megatron-Core's MambaContextParallel: not modelled).
+  op.unsplittable = {Dim::kSeq};
+  op.inputs = {in};
+  const double tokens = x.b * x.s;
+  const double d = x.mh * x.mp, gn = x.mg * x.mn, conv = d + 2 * gn;
+  const double in_width = static_cast<double>(m.mamba_in_width());
+  op.output = tensor(out(self), tokens * d, bsh, x.p);
+  op.weights = {tensor(TensorRef{self, 1}, conv * x.mk, {Dim::kHeads}, x.p),  // taps
+                tensor(TensorRef{self, 2}, conv, {Dim::kHeads}, x.p),         // conv bias
+                tensor(TensorRef{self, 3}, x.mh, {Dim::kHeads}, x.p),         // dt bias
+                tensor(TensorRef{self, 4}, x.mh, {Dim::kHeads}, x.p),         // A (its log)
+                tensor(TensorRef{self, 5}, x.mh, {Dim::kHeads}, x.p)};        // D
+  op.saved = {tensor(in, tokens * in_width, bsh, x.p),
+              tensor(TensorRef{self, 6}, tokens * d, bsh, x.p)};  // the ungated output
+  // Per token: the convolution's taps; C.B^T within a chunk (per group), the masked scores
+  // times x (per head, the causal half of the chunk), the chunk states B^T.x and the states'
+  // contribution C.S (per head, state x head width each), the state passing between chunks.
+  const double per_token =
+      2 * x.mk * conv + 2 * x.mq * gn + x.mq * d + 4 * x.mn * d + 2 * x.mn * d / x.mq;
+  op.fwd_flops = tokens * per_token;
+  // The backward recomputes the convolution and the chunk states, then takes two gradients of
+  // every product.
+  op.bwd_input_flops = 3 * op.fwd_flops;
+  // 16-bit: the convolution reads its input and writes its output, which the four SSD kernels
+  // read (x twice, B three times, C twice) beside z and dt, and the gated and ungated outputs;
+  // fp32: dt and its cumulative sums, the chunk states written, passed (read and written) and
+  // read, and C.B^T written and read.
+  const double per_chunk_state = x.mn * d / x.mq;
+  op.fwd_bytes = tokens * (x.p * (2 * conv + 5 * d + 4 * gn + x.mh) +
+                           4 * (8 * x.mh + 4 * per_chunk_state + 2 * x.mg * x.mq));
+  // The recomputation's traffic again, and each tensor's gradient read or written once.
+  op.bwd_bytes = 2 * op.fwd_bytes;
+  op.transient_bytes = tokens * (x.p * conv + 4 * (per_chunk_state + x.mg * x.mq + 2 * x.mh));
+  set_granularity(op, x);
+  return op;
+}
+
+// Mamba-2's norm of the gated output, per group of heads (RMSNorm, norm after the gate).
+Op gated_norm_op(int self, TensorRef in, const Shape& x) {
+  Op op;
+  op.name = "ssm.gate_norm";
+  op.kind = OpKind::kNorm;
+  const DimSet bsh{Dim::kBatch, Dim::kSeq, Dim::kHeads};
+  op.dims = bsh;
+  op.inputs = {in};
+  const double elements = x.b * x.s * x.mh * x.mp;
+  op.output = tensor(out(self), elements, bsh, x.p);
+  op.weights = {tensor(TensorRef{self, 1}, x.mh * x.mp, {Dim::kHeads}, x.p)};
+  op.saved = {tensor(in, elements, bsh, x.p)};
+  op.fwd_bytes = 2 * elements * x.p;
+  op.bwd_bytes = 3 * elements * x.p;
+  set_granularity(op, x);
+  return op;
+}
+
+// A Mamba-2 layer ('M', Megatron-Core's MambaLayer): the norm, the input projection (z, x, B, C
+// and dt; no bias), the scan, the gated norm, the output projection (no bias) and the residual.
+// Its heads split by group of heads (B and C are per group).
+GraphPart build_mamba_layer(const ModelSpec& m, const Shape& x) {
   GraphPart part;
   auto& ops = part.ops;
-  ops.push_back(norm_op("attn.norm", 0, kPartInput, m, x));
-  int proj = 3;
+  const double d = x.mh * x.mp;
+  ops.push_back(norm_op("ssm.norm", 0, kPartInput, m, x));
+  ops.push_back(linear_op("ssm.in_proj", 1, out(0), Dim::kHidden, x.h, Dim::kHeads,
+                          static_cast<double>(m.mamba_in_width()), false, x));
+  ops.push_back(ssm_scan_op(2, out(1), m, x));
+  ops.push_back(gated_norm_op(3, out(2), x));
+  ops.push_back(linear_op("ssm.out_proj", 4, out(3), Dim::kHeads, d, Dim::kHidden, x.h, false, x));
+  ops.push_back(dropout_add_op("ssm.residual", 5, {out(4), kPartInput}, m.dropout, x));
+  for (Op& op : ops) op.granularity[static_cast<int>(Dim::kHeads)] = x.mamba_groups;
+  return part;
+}
+
+// With post_norms (Gemma's) a sub-block's output is normalized before the residual adds it:
+// appends that norm after operator `output` and returns it; without, returns `output`.
+int add_post_norm(std::vector<Op>& ops, const char* name, int output, const ModelSpec& m,
+                  const Shape& x) {
+  if (!m.post_norms) return output;
+  ops.push_back(norm_op(name, output + 1, out(output), m, x));
+  return output + 1;
+}
+
+// A block's attention half, appended to `ops` (whose next index it takes): the norm, the
+// attention operators, [the post-norm] and `attn.residual`, which adds the part's input. Returns
+// the residual's index.
+int add_attention_half(std::vector<Op>& ops, const ModelSpec& m, const Shape& x) {
+  const int norm = static_cast<int>(ops.size());
+  ops.push_back(norm_op("attn.norm", norm, kPartInput, m, x));
+  int proj = norm + 3;
   if (m.mla()) {
     proj = add_mla_ops(ops, m, x);
   } else {
-    ops.push_back(
-        linear_op("attn.qkv", 1, out(0), Dim::kHidden, x.h, Dim::kHeads, x.qkv_width(), m.bias, x));
-    int core = 2;
-    if (m.qk_norm) ops.push_back(qk_norm_op(core++, out(1), m, x));
-    ops.push_back(attention_op(core, out(1), m, x, m.qk_norm ? 2 : -1));
+    ops.push_back(linear_op("attn.qkv", norm + 1, out(norm), Dim::kHidden, x.h, Dim::kHeads,
+                            x.qkv_width(), m.bias, x));
+    int core = norm + 2;
+    if (m.qk_norm) ops.push_back(qk_norm_op(core++, out(norm + 1), m, x));
+    ops.push_back(attention_op(core, out(norm + 1), m, x, m.qk_norm ? norm + 2 : -1));
     proj = core + 1;
     ops.push_back(linear_op("attn.proj", proj, out(core), Dim::kHeads, x.a * x.dh, Dim::kHidden,
                             x.h, m.bias, x));
   }
-  // With post_norms (Gemma's) the attention's and the MLP's outputs are normalized before the
-  // residual adds them. Returns the operator whose output the residual adds.
-  auto post_norm = [&](const char* name, int output) {
-    if (!m.post_norms) return output;
-    ops.push_back(norm_op(name, output + 1, out(output), m, x));
-    return output + 1;
-  };
-  const int attn_out = post_norm("attn.post_norm", proj);
-  const int residual = attn_out + 1, norm = attn_out + 2;
+  const int attn_out = add_post_norm(ops, "attn.post_norm", proj, m, x);
+  const int residual = attn_out + 1;
   ops.push_back(
       dropout_add_op("attn.residual", residual, {out(attn_out), kPartInput}, m.dropout, x));
-  ops.push_back(norm_op("mlp.norm", norm, out(residual), m, x));
-  if (m.moe()) {
+  return residual;
+}
+
+// A block's MLP half (its experts' with `experts`), appended to `ops`: the norm over `input`,
+// the MLP, [the post-norm] and `mlp.residual`, which adds `input`.
+void add_mlp_half(std::vector<Op>& ops, TensorRef input, bool experts, const ModelSpec& m,
+                  const Shape& x) {
+  const int norm = static_cast<int>(ops.size());
+  ops.push_back(norm_op("mlp.norm", norm, input, m, x));
+  int last = 0;
+  if (experts) {
     add_moe_ops(ops, out(norm), m, x);
-    const int last = post_norm("mlp.post_norm", static_cast<int>(ops.size()) - 1);
+    last = static_cast<int>(ops.size()) - 1;
+  } else {
+    const int fc1 = norm + 1;
+    const double fc1_width = m.gated_mlp() ? 2 * x.f : x.f;
     ops.push_back(
-        dropout_add_op("mlp.residual", last + 1, {out(last), out(residual)}, m.dropout, x));
-    return part;
+        linear_op("mlp.fc1", fc1, out(norm), Dim::kHidden, x.h, Dim::kFfn, fc1_width, m.bias, x));
+    ops.push_back(activation_op("mlp.act", fc1 + 1, out(fc1), m, x, m.ffn_hidden));
+    ops.push_back(
+        linear_op("mlp.fc2", fc1 + 2, out(fc1 + 1), Dim::kFfn, x.f, Dim::kHidden, x.h, m.bias, x));
+    last = fc1 + 2;
   }
-  const int fc1 = norm + 1;
-  const double fc1_width = m.gated_mlp() ? 2 * x.f : x.f;
-  ops.push_back(
-      linear_op("mlp.fc1", fc1, out(norm), Dim::kHidden, x.h, Dim::kFfn, fc1_width, m.bias, x));
-  ops.push_back(activation_op("mlp.act", fc1 + 1, out(fc1), m, x, m.ffn_hidden));
-  ops.push_back(
-      linear_op("mlp.fc2", fc1 + 2, out(fc1 + 1), Dim::kFfn, x.f, Dim::kHidden, x.h, m.bias, x));
-  const int mlp_out = post_norm("mlp.post_norm", fc1 + 2);
-  ops.push_back(
-      dropout_add_op("mlp.residual", mlp_out + 1, {out(mlp_out), out(residual)}, m.dropout, x));
+  last = add_post_norm(ops, "mlp.post_norm", last, m, x);
+  ops.push_back(dropout_add_op("mlp.residual", last + 1, {out(last), input}, m.dropout, x));
+}
+
+// A transformer block: attention, then the MLP (experts in a mixture of experts).
+GraphPart build_layer(const ModelSpec& m, const Shape& x) {
+  GraphPart part;
+  const int residual = add_attention_half(part.ops, m, x);
+  add_mlp_half(part.ops, out(residual), m.moe(), m, x);
+  return part;
+}
+
+// A hybrid model's layer of pattern character `kind` (ModelSpec::layer_pattern).
+GraphPart build_hybrid_layer(char kind, const ModelSpec& m, const Shape& x) {
+  if (kind == 'M') return build_mamba_layer(m, x);
+  GraphPart part;
+  if (kind == '*') {
+    add_attention_half(part.ops, m, x);
+  } else {
+    add_mlp_half(part.ops, kPartInput, kind == 'E', m, x);
+  }
   return part;
 }
 
@@ -831,19 +959,24 @@ OpGraph lower_model(const ModelSpec& model, int64_t micro_batch) {
   g.micro_batch = micro_batch;
   g.activation_precision = x.p == 4 ? Precision::kFp32 : Precision::kBf16;
   g.embedding = build_embedding(model, x);
-  g.layer = build_layer(model, x);
-  if (model.mixed_layers()) {
+  if (model.hybrid()) {
+    for (char c : model.layer_kinds()) g.blocks.push_back(build_hybrid_layer(c, model, x));
+  } else {
+    g.blocks.push_back(build_layer(model, x));
+  }
+  if (!model.hybrid() && model.mixed_layers()) {
     ModelSpec dense = model;
     dense.experts = 0;
     dense.shared_expert_ffn_hidden = 0;
-    g.dense_layer = build_layer(dense, shape_of(dense, micro_batch));
+    g.blocks.push_back(build_layer(dense, shape_of(dense, micro_batch)));
   }
+  for (int l = 0; l < model.layers; ++l) g.block_of_layer.push_back(model.block_shape(l));
   g.head = build_head(model, x);
   return g;
 }
 
 double layer_activation_bytes(const OpGraph& graph, const std::vector<std::string>& recomputed) {
-  const auto& ops = graph.layer.ops;
+  const auto& ops = graph.blocks.front().ops;
   auto is_recomputed = [&](int i) {
     return i >= 0 &&
            std::find(recomputed.begin(), recomputed.end(), ops[i].name) != recomputed.end();

@@ -61,10 +61,11 @@ enum class OpKind {
   kAdd,         // elementwise add of a learned position embedding
   kLoss,        // softmax cross-entropy over the vocabulary
   kPermute,     // mixture of experts: tokens to their experts (with the routing) and back
+  kScan,        // Mamba-2's convolution, chunked state-space scan and gate (one fused kernel chain)
 };
-inline constexpr OpKind kOpKinds[] = {OpKind::kEmbedding, OpKind::kNorm,       OpKind::kLinear,
-                                      OpKind::kAttention, OpKind::kActivation, OpKind::kDropoutAdd,
-                                      OpKind::kAdd,       OpKind::kLoss,       OpKind::kPermute};
+inline constexpr OpKind kOpKinds[] = {
+    OpKind::kEmbedding,  OpKind::kNorm, OpKind::kLinear, OpKind::kAttention, OpKind::kActivation,
+    OpKind::kDropoutAdd, OpKind::kAdd,  OpKind::kLoss,   OpKind::kPermute,   OpKind::kScan};
 std::string_view to_string(OpKind k);
 
 // Which tensor a saved activation is, so that two operators keeping the same tensor (the
@@ -160,16 +161,22 @@ struct OpGraph {
   int64_t micro_batch = 1;
   Precision activation_precision = Precision::kBf16;
   GraphPart embedding;  // token (+ position) embedding
-  GraphPart layer;      // one transformer block; the model has model.layers of them
-  // A mixture of experts with dense blocks too (model.mixed_layers()): `layer` is the expert
-  // block and this the dense one; empty otherwise.
-  GraphPart dense_layer;
-  GraphPart head;  // final norm, output projection, loss
+  // The transformer blocks, one per block shape (ModelSpec::block_shapes): one for most models;
+  // a mixture of experts with dense blocks too has the expert block first, then the dense one.
+  std::vector<GraphPart> blocks;
+  std::vector<int> block_of_layer;  // per model layer, the index of the block it runs
+  GraphPart head;                   // final norm, output projection, loss
 
-  // The block layer `l` (from 0) runs.
-  const GraphPart& layer_at(int l) const {
-    return dense_layer.ops.empty() || model.is_moe_layer(l) ? layer : dense_layer;
+  // The embedding, the blocks and the head, in that order.
+  std::vector<const GraphPart*> parts() const {
+    std::vector<const GraphPart*> out{&embedding};
+    for (const GraphPart& b : blocks) out.push_back(&b);
+    out.push_back(&head);
+    return out;
   }
+  // The block layer `l` (from 0) runs, and its index in `blocks`.
+  const GraphPart& layer_at(int l) const { return blocks[block_of_layer[l]]; }
+  int block_index(int l) const { return block_of_layer[l]; }
 
   // Model FLOPs of one micro-batch through the whole model (fwd, bwd), unpartitioned.
   double forward_flops() const;
@@ -186,8 +193,8 @@ double window_attended_fraction(const ModelSpec& m);
 double layer_attended_fraction(const ModelSpec& m, int layer);
 double attended_fraction(const ModelSpec& m);
 
-// Activation bytes one layer keeps for backward, unpartitioned, with the given ops recomputed
-// (by name); full recompute keeps only the layer input.
+// Activation bytes one layer of the first block shape keeps for backward, unpartitioned, with
+// the given ops recomputed (by name); full recompute keeps only the layer input.
 double layer_activation_bytes(const OpGraph& graph, const std::vector<std::string>& recomputed);
 
 }  // namespace nnsim

@@ -209,15 +209,15 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   prog.graph = lower_model(model, plan.micro_batch);
   if (Status s = check_rules_match(plan, prog.graph); !s) return s.error();
   if (Status s = c.resolve_part(prog.graph.embedding, c.embed); !s) return s.error();
-  if (Status s = c.resolve_part(prog.graph.layer, c.layer); !s) return s.error();
-  if (!prog.graph.dense_layer.ops.empty()) {
-    if (Status s = c.resolve_part(prog.graph.dense_layer, c.dense_layer); !s) return s.error();
-    // Blocks hand each other the hidden state: both shapes end in `mlp.residual`, whose
-    // partition rules apply to both, so they leave it in one layout.
+  c.blocks.resize(prog.graph.blocks.size());  // sized once: memos point into it
+  for (size_t b = 0; b < c.blocks.size(); ++b) {
+    if (Status s = c.resolve_part(prog.graph.blocks[b], c.blocks[b]); !s) return s.error();
   }
+  // Blocks hand each other the hidden state, which every shape leaves in one layout.
+  if (Status s = c.check_block_outputs(); !s) return s.error();
   if (Status s = c.resolve_part(prog.graph.head, c.head); !s) return s.error();
   if (Status s = c.check_sub_batches(); !s) return s.error();
-  c.boundary = prog.graph.layer.ops.back().output;
+  c.boundary = prog.graph.blocks.front().ops.back().output;
   c.boundary.ref = TensorRef{-1, 0};
   if (Status s = c.check_segments(); !s) return s.error();
   if (Status s = c.build_lanes(); !s) return s.error();
@@ -247,7 +247,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   c.add_tied_embedding_sync();
 
   for (int l = 0; l < plan.model.layers; ++l) {
-    const TensorLayout in = l == 0 ? input_layout_of(c.embed) : input_layout_of(c.layer);
+    const TensorLayout in = l == 0 ? input_layout_of(c.embed) : input_layout_of(c.layer_at(l - 1));
     const PartInfo& p = c.layer_at(l);
     prog.layer_activation_bytes.push_back(c.kept_bytes(p, in, c.recomputed_ops(p, l), false));
     if (plan.model.windowed()) prog.layer_window_seconds.push_back(c.window_seconds_saved(p, l));

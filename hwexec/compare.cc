@@ -267,7 +267,7 @@ struct GraphIndex {
 
 GraphIndex index_graph(const OpGraph& g) {
   GraphIndex x;
-  for (const GraphPart* part : {&g.embedding, &g.layer, &g.dense_layer, &g.head}) {
+  for (const GraphPart* part : g.parts()) {
     for (const Op& op : part->ops) {
       x.order.emplace(op.name, static_cast<int>(x.order.size()));
       x.kind.emplace(op.name, std::string(to_string(op.kind)));

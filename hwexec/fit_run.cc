@@ -117,7 +117,7 @@ Expected<RunPoints> run_points(const RunResults& run, const Plan& plan, const Gp
   model.precision = plan.precision;
   const OpGraph graph = lower_model(model, plan.micro_batch);
   std::map<std::string, PricedOp> ops;
-  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
+  for (const GraphPart* part : graph.parts()) {
     Expected<std::vector<OpPartition>> parts = resolve_partitions(*part, plan);
     if (!parts) return parts.error().with_context(path + ": the plan");
     for (size_t i = 0; i < part->ops.size(); ++i) {

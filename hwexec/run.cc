@@ -112,6 +112,11 @@ Status check_model_runnable(const Plan& plan) {
                   "sub-pipelined tensor parallelism is simulated only; nnexec runs each "
                   "micro-batch whole (remove the field)");
   }
+  if (m.hybrid()) {
+    return refuse("model.layer_pattern",
+                  "hybrid models (Mamba-2, attention-only, MLP-only and expert-only layers) are "
+                  "simulated only; nnexec runs transformer blocks (remove layer_pattern)");
+  }
   if (m.kv_heads < 1 || m.heads % m.kv_heads != 0) {
     return refuse("model.kv_heads", fmt::format("{} key/value heads do not divide {} heads; set "
                                                 "kv_heads to a divisor of heads",
@@ -299,7 +304,7 @@ Expected<OperatorSplits> operator_splits(const Plan& plan, const OpGraph& graph,
   bool tp_set = false;
   std::map<std::string, std::vector<std::string>>& split_of = s.split_of;
   std::set<std::string>& seq_split = s.seq_split;
-  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
+  for (const GraphPart* part : graph.parts()) {
     for (const Op& op : part->ops) {
       std::map<Dim, std::vector<std::string>> splits;
       for (const PartitionRule& r : plan.partition) {
@@ -500,7 +505,7 @@ Status check_sequence_parallel(const Plan& plan, const OpGraph& graph, const Ope
   const std::vector<std::string>& cp_axes = s.cp_axes;
   const bool folded = experts.folded;
   const int tp = degree(plan, s.tp_axes);
-  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
+  for (const GraphPart* part : graph.parts()) {
     for (const Op& op : part->ops) {
       if (kSequenceParallelOps.count(op.name) && !seq_split.count(op.name)) {
         return refuse("partition",
@@ -548,7 +553,7 @@ Status check_context_parallel(const Plan& plan, const OpGraph& graph, const Oper
   const std::vector<std::string>& tp_axes = s.tp_axes;
   const std::set<std::string>& cp_split = s.cp_split;
   const std::string cp = join(cp_axes, "+");
-  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
+  for (const GraphPart* part : graph.parts()) {
     for (const Op& op : part->ops) {
       if (!cp_split.count(op.name)) {
         return refuse("partition",
@@ -586,7 +591,7 @@ Status check_expert_batch(const Plan& plan, const OpGraph& graph, const ExpertSp
   const std::vector<std::string>& batch_axes = experts.batch_axes;
   const bool folded = experts.folded;
   // Every operator but the experts' splits its batch over the expert-parallel axes.
-  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
+  for (const GraphPart* part : graph.parts()) {
     for (const Op& op : part->ops) {
       if (is_expert_op(op.name)) continue;
       const std::vector<std::string> batch = split_axes(plan, op.name, Dim::kBatch);

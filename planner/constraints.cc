@@ -168,8 +168,7 @@ std::string violated_constraint(const Constraints& c, const Plan& plan, const Pr
   for (size_t i = 0; i < c.operators.size(); ++i) {
     const OperatorConstraint& oc = c.operators[i];
     const OpGraph& graph = program.graph;
-    for (const GraphPart* part :
-         {&graph.embedding, &graph.layer, &graph.dense_layer, &graph.head}) {
+    for (const GraphPart* part : graph.parts()) {
       // Partition rules apply to every block of a shape alike: a layer range selects a block
       // shape's operators when it covers a layer of that shape.
       if (oc.layers) {

@@ -207,13 +207,19 @@ std::vector<TemplateTime> Estimator::template_times() {
     }
     return out;
   };
-  const std::set<int> expert_labels = labels_of(prog_.graph.layer);
-  const std::set<int> dense_labels = labels_of(prog_.graph.dense_layer);
-  std::set<int> layer_labels = expert_labels;
-  layer_labels.insert(dense_labels.begin(), dense_labels.end());
-  const bool two_shapes = !dense_labels.empty();
+  const size_t shapes = prog_.graph.blocks.size();
+  std::set<int> layer_labels;
+  std::map<int, int> only_shape;  // label -> the one shape that has it (-1: several)
+  for (size_t b = 0; b < shapes; ++b) {
+    for (int label : labels_of(prog_.graph.blocks[b])) {
+      layer_labels.insert(label);
+      const auto [it, inserted] = only_shape.emplace(label, static_cast<int>(b));
+      if (!inserted) it->second = -1;
+    }
+  }
   std::vector<TemplateTime> out(prog_.templates.size());
   for (size_t t = 0; t < prog_.templates.size(); ++t) {
+    if (shapes > 1) out[t].block_only.assign(shapes, 0);
     const BlockTemplate& tpl = prog_.templates[t];
     const Lane& lane = prog_.lanes[tpl.lane];
     for (const Step& s : tpl.steps) {
@@ -235,8 +241,7 @@ std::vector<TemplateTime> Estimator::template_times() {
       } else {
         out[t].layers += busy;
       }
-      if (two_shapes && !dense_labels.count(s.label)) out[t].expert_block_only += busy;
-      if (two_shapes && !expert_labels.count(s.label)) out[t].dense_block_only += busy;
+      if (shapes > 1 && only_shape[s.label] >= 0) out[t].block_only[only_shape[s.label]] += busy;
     }
   }
   return out;

@@ -31,10 +31,9 @@ Estimate estimate_program(const Program& program);
 struct TemplateTime {
   double layers = 0;            // forward / backward of the layers' operators
   double layers_recompute = 0;  // recomputing the layers' dropped activations
-  // Of the two above, the operators only one block shape has when a mixture of experts has two
-  // (OpGraph::layer, the expert block, and OpGraph::dense_layer); the rest are in both.
-  double expert_block_only = 0;
-  double dense_block_only = 0;
+  // Of the two above, per block shape (OpGraph::blocks) when the model has several: the
+  // operators only that shape has; the rest are in every shape. Empty with one shape.
+  std::vector<double> block_only;
   double other = 0;  // everything else on the compute stream
   // Point-to-point transfers the block starts to neighbouring segments' lanes (pipeline sends
   // of activations or gradients, at the block's end), each at its time alone on the network:

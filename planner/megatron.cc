@@ -117,8 +117,8 @@ Status check_recompute_modules(const ModelSpec& model, const std::vector<std::st
   if (modules.empty()) return Status::Ok();
   const OpGraph graph = lower_model(model, 1);
   std::vector<std::string> names;
-  for (const GraphPart* part : {&graph.layer, &graph.dense_layer}) {
-    for (const Op& op : part->ops) {
+  for (const GraphPart& part : graph.blocks) {
+    for (const Op& op : part.ops) {
       if (std::find(names.begin(), names.end(), op.name) == names.end()) names.push_back(op.name);
     }
   }
@@ -294,6 +294,21 @@ Status check_shapes(const ModelSpec& model, const MegatronOptions& o, int dp) {
   if (model.kv_heads % o.tp != 0) {
     return Error(fmt::format("--tp {} does not divide the model's {} key/value heads", o.tp,
                              model.kv_heads));
+  }
+  if (model.has_layer_kind('M')) {
+    // Megatron-Core splits a Mamba-2 mixer's heads by group of heads (B and C are per group).
+    if (model.mamba_groups % o.tp != 0) {
+      return Error(
+          fmt::format("--tp {} does not divide the model's {} Mamba-2 groups "
+                      "(mamba_groups); use a divisor of it",
+                      o.tp, model.mamba_groups));
+    }
+    if (o.cp > 1) {
+      return Error(
+          "--cp with Mamba-2 layers is not modelled: their scan runs along the whole sequence, "
+          "and Megatron-Core's context parallelism for them exchanges heads for sequence by "
+          "all-to-all, which nnsim does not price; use --cp 1");
+    }
   }
   if (o.global_batch < 1) {
     return Error("--global-batch is required (sequences per optimizer step, whole job)");
@@ -518,18 +533,31 @@ void add_partition_rules(const ModelSpec& model, const MegatronOptions& o, Plan&
   if (o.tp > 1) {
     // Heads split over tp; multi-head latent attention's down-projections and latent norms stay
     // whole (Megatron-Core's "duplicated" linears).
-    std::vector<std::string> heads = {"attn.qkv", "attn.core", "attn.proj"};
-    if (model.qk_norm) heads.emplace_back("attn.qk_norm");
-    if (model.mla()) {
-      heads = {model.q_lora_rank > 0 ? "attn.q_up" : "attn.q", "attn.kv_up", "attn.core",
-               "attn.proj"};
+    std::vector<std::string> heads;
+    if (model.has_layer_kind('T') || model.has_layer_kind('*')) {
+      heads = {"attn.qkv", "attn.core", "attn.proj"};
+      if (model.qk_norm) heads.emplace_back("attn.qk_norm");
+      if (model.mla()) {
+        heads = {model.q_lora_rank > 0 ? "attn.q_up" : "attn.q", "attn.kv_up", "attn.core",
+                 "attn.proj"};
+      }
+    }
+    // A hybrid model's Mamba-2 mixers: the input projection column-parallel, the scan and the
+    // gated norm on each rank's heads, the output projection row-parallel.
+    if (model.has_layer_kind('M')) {
+      for (const char* m : {"ssm.in_proj", "ssm.scan", "ssm.gate_norm", "ssm.out_proj"}) {
+        heads.emplace_back(m);
+      }
     }
     for (const std::string& m : heads) rule(m, Dim::kHeads, {"tp"});
     // Experts split as the MLP they replace (Megatron's expert tensor parallelism), unless
     // folded (above).
     std::vector<std::string> mlp;
-    // Dense blocks (all of a dense model's, some of a mixed mixture of experts').
-    if (!model.moe() || model.mixed_layers()) mlp = {"mlp.fc1", "mlp.act", "mlp.fc2"};
+    // Dense MLPs (all of a dense model's blocks, some of a mixed mixture of experts', a hybrid
+    // model's '-' layers).
+    const bool dense_mlp =
+        model.hybrid() ? model.has_layer_kind('-') : !model.moe() || model.mixed_layers();
+    if (dense_mlp) mlp = {"mlp.fc1", "mlp.act", "mlp.fc2"};
     if (model.moe() && !folded) {
       for (const char* m : {"moe.fc1", "moe.act", "moe.fc2"}) mlp.emplace_back(m);
     }

@@ -224,11 +224,11 @@ std::optional<Candidate> balance_chain(const ModelSpec& model, const Topology& t
     Candidate cand;
     cand.options = plain;
     cand.placement = chain.placement;
-    // What recomputing a layer saves; with dense and expert blocks, the smaller of the two.
+    // What recomputing a layer saves; with several block shapes, the least of them.
     double saved_per_layer = 0;
     if (p1) {
       saved_per_layer = p0->layer_activation_bytes.front() - p1->layer_activation_bytes.front();
-      for (size_t l = 0; model.mixed_layers() && l < p0->layer_activation_bytes.size(); ++l) {
+      for (size_t l = 0; model.block_shapes() > 1 && l < p0->layer_activation_bytes.size(); ++l) {
         saved_per_layer = std::min(saved_per_layer,
                                    p0->layer_activation_bytes[l] - p1->layer_activation_bytes[l]);
       }

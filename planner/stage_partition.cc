@@ -19,9 +19,8 @@ namespace {
 // Per segment, of the slowest variant of each block kind summed over the kinds: the layers'
 // time split by block shape (planner/estimator.h, TemplateTime) and the rest.
 struct SegmentTimes {
-  double layers = 0;  // layers' forward, backward and any uniform recomputation
-  double expert_block_only = 0;
-  double dense_block_only = 0;
+  double layers = 0;               // layers' forward, backward and any uniform recomputation
+  std::vector<double> block_only;  // per block shape, with several (TemplateTime::block_only)
   double other = 0;
 };
 
@@ -37,10 +36,11 @@ std::vector<SegmentTimes> segment_times(const Program& p) {
   }
   std::vector<SegmentTimes> out(p.plan.segments.size());
   for (const auto& [key, t] : worst) {
-    out[key.first].layers += t.layers + t.layers_recompute;
-    out[key.first].expert_block_only += t.expert_block_only;
-    out[key.first].dense_block_only += t.dense_block_only;
-    out[key.first].other += t.other;
+    SegmentTimes& o = out[key.first];
+    o.layers += t.layers + t.layers_recompute;
+    o.block_only.resize(t.block_only.size(), 0);
+    for (size_t b = 0; b < t.block_only.size(); ++b) o.block_only[b] += t.block_only[b];
+    o.other += t.other;
   }
   return out;
 }
@@ -71,27 +71,22 @@ Expected<double> layer_parameters_per_device(const Program& p, const GraphPart& 
   return params;
 }
 
-// How many of layers [first, end) are dense blocks.
-int count_dense(const std::vector<bool>& dense, int first, int end) {
-  return static_cast<int>(std::count(dense.begin() + first, dense.begin() + end, true));
-}
-
-// The time of a segment's `shape_n` layers of one shape, of its `n`: their own operators and
-// their share of what every shape has.
-double shape_seconds(const SegmentTimes& t, int n, int shape_n, double shape_only) {
+// The time of a segment's `shape_n` layers of block shape `b`, of its `n`: their own operators
+// and their share of what every shape has.
+double shape_seconds(const SegmentTimes& t, int n, int shape_n, size_t b) {
   if (shape_n == n) return t.layers;
-  const double shared = t.layers - t.expert_block_only - t.dense_block_only;
-  return shared * shape_n / n + shape_only;
+  double shared = t.layers;
+  for (double only : t.block_only) shared -= only;
+  return shared * shape_n / n + (b < t.block_only.size() ? t.block_only[b] : 0);
 }
 
 // A block shape no stage holds keeps zero costs; one some stages lack gets the mean of the rest.
-void fill_missing(std::vector<StageCosts>& out, const std::vector<bool>& has,
-                  LayerCosts StageCosts::*shape) {
+void fill_missing(std::vector<StageCosts>& out, const std::vector<bool>& has, size_t shape) {
   LayerCosts mean;
   int n = 0;
   for (size_t s = 0; s < out.size(); ++s) {
     if (!has[s]) continue;
-    const LayerCosts& c = out[s].*shape;
+    const LayerCosts& c = out[s].blocks[shape];
     mean.seconds += c.seconds;
     mean.recompute_seconds += c.recompute_seconds;
     mean.static_bytes += c.static_bytes;
@@ -102,7 +97,7 @@ void fill_missing(std::vector<StageCosts>& out, const std::vector<bool>& has,
   if (n == 0) return;
   for (size_t s = 0; s < out.size(); ++s) {
     if (has[s]) continue;
-    LayerCosts& c = out[s].*shape;
+    LayerCosts& c = out[s].blocks[shape];
     c.seconds = mean.seconds / n;
     c.recompute_seconds = mean.recompute_seconds / n;
     c.static_bytes = mean.static_bytes / n;
@@ -113,18 +108,10 @@ void fill_missing(std::vector<StageCosts>& out, const std::vector<bool>& has,
 
 }  // namespace
 
-std::vector<bool> dense_blocks(const ModelSpec& model) {
-  std::vector<bool> out(std::max(0, model.layers), false);
-  if (!model.mixed_layers()) return out;
-  for (int l = 0; l < model.layers; ++l) out[l] = !model.is_moe_layer(l);
-  return out;
-}
-
 std::vector<LayerTraits> layer_traits(const Program& plain, const Program& recomputed) {
-  const std::vector<bool> dense = dense_blocks(plain.graph.model);
-  std::vector<LayerTraits> out(dense.size());
+  std::vector<LayerTraits> out(plain.graph.block_of_layer.size());
   for (size_t l = 0; l < out.size(); ++l) {
-    out[l].dense = dense[l];
+    out[l].block = plain.graph.block_of_layer[l];
     if (l < plain.layer_window_seconds.size() && l < recomputed.layer_window_seconds.size()) {
       out[l].window_seconds = plain.layer_window_seconds[l];
       out[l].recompute_window_seconds =
@@ -143,7 +130,8 @@ Expected<std::vector<StageCosts>> measure_costs(const Program& plain, const Prog
   if (segments.size() != recomputed.plan.segments.size()) {
     return Error("stage costs: the two programs have different segments");
   }
-  const std::vector<bool> dense = dense_blocks(plain.graph.model);
+  const std::vector<int>& shape_of = plain.graph.block_of_layer;
+  const size_t shapes = plain.graph.blocks.size();
   std::vector<SegmentTimes> t0 = segment_times(plain);
   std::vector<SegmentTimes> t1 = segment_times(recomputed);
   // Costs of layers attending fully: what the segments' windows saved goes back on.
@@ -157,66 +145,59 @@ Expected<std::vector<StageCosts>> measure_costs(const Program& plain, const Prog
   }
   const std::vector<int> lanes = segment_lanes(plain);
   std::vector<LaneMemoryPeak> peaks;
-  double expert_params = 0, dense_params = 0;
+  std::vector<double> shape_params(shapes, 0);  // a layer's parameters on one device
   if (memory) {
     peaks = lane_memory_peaks(plain);
-    const Expected<double> e = layer_parameters_per_device(plain, plain.graph.layer);
-    if (!e) return e.error();
-    const Expected<double> d = layer_parameters_per_device(plain, plain.graph.dense_layer);
-    if (!d) return d.error();
-    expert_params = *e;
-    dense_params = *d;
+    for (size_t b = 0; b < shapes; ++b) {
+      const Expected<double> e = layer_parameters_per_device(plain, plain.graph.blocks[b]);
+      if (!e) return e.error();
+      shape_params[b] = *e;
+    }
   }
   std::vector<StageCosts> out;
-  std::vector<bool> has_expert, has_dense;
+  std::vector<std::vector<bool>> has(shapes);  // per shape, per stage
   for (size_t s = 0; s < segments.size(); ++s) {
     const int first = segments[s].first_layer;
     const int n = segments[s].end_layer - first;
     const int lane = lanes[s];
-    if (n < 1 || lane < 0 || segments[s].end_layer > static_cast<int>(dense.size())) {
+    if (n < 1 || lane < 0 || segments[s].end_layer > static_cast<int>(shape_of.size())) {
       return Error(fmt::format("stage costs: segment {} has no layers or no device", s));
     }
-    const int n_dense = count_dense(dense, first, first + n);
-    const int n_expert = n - n_dense;
-    has_expert.push_back(n_expert > 0);
-    has_dense.push_back(n_dense > 0);
+    std::vector<int> shape_n(shapes, 0);
+    for (int l = first; l < first + n; ++l) ++shape_n[shape_of[l]];
+    for (size_t b = 0; b < shapes; ++b) has[b].push_back(shape_n[b] > 0);
     const Lane& ln = plain.lanes[lane];
     const double static_bytes =
         ln.memory.weights + ln.memory.gradients + ln.memory.optimizer + ln.memory.gathered;
     const double bytes_per_parameter = ln.parameters > 0 ? static_bytes / ln.parameters : 0;
     const double in_flight = memory ? std::max(1, peaks[lane].in_flight) : 1;
     StageCosts c;
+    c.blocks.resize(shapes);
     c.device = lane;
     c.in_flight = static_cast<int>(in_flight);
     c.other_seconds = t0[s].other;
     double layer_bytes = 0;  // the stage's layers' share of its peak
-    const auto measure = [&](LayerCosts& c, bool is_dense, int shape_n, double params, double only0,
-                             double only1) {
-      const double t = shape_seconds(t0[s], n, shape_n, only0);
-      c.seconds = t / shape_n;
-      c.recompute_seconds = std::max(0.0, (shape_seconds(t1[s], n, shape_n, only1) - t) / shape_n);
-      if (!memory) return;
-      c.static_bytes = bytes_per_parameter * params;
+    for (size_t b = 0; b < shapes; ++b) {
+      const int k = shape_n[b];
+      if (k == 0) continue;
+      LayerCosts& lc = c.blocks[b];
+      const double t = shape_seconds(t0[s], n, k, b);
+      lc.seconds = t / k;
+      lc.recompute_seconds = std::max(0.0, (shape_seconds(t1[s], n, k, b) - t) / k);
+      if (!memory) continue;
+      lc.static_bytes = bytes_per_parameter * shape_params[b];
       // Every layer of a shape keeps the same activations: the segment's first one's.
       const int l = static_cast<int>(
-          std::find(dense.begin() + first, dense.begin() + first + n, is_dense) - dense.begin());
-      c.activation_bytes = plain.layer_activation_bytes.at(l);
-      c.recomputed_activation_bytes = recomputed.layer_activation_bytes.at(l);
-      layer_bytes += shape_n * (c.static_bytes + in_flight * c.activation_bytes);
-    };
-    if (n_expert > 0) {
-      measure(c.layer, false, n_expert, expert_params, t0[s].expert_block_only,
-              t1[s].expert_block_only);
-    }
-    if (n_dense > 0) {
-      measure(c.dense_layer, true, n_dense, dense_params, t0[s].dense_block_only,
-              t1[s].dense_block_only);
+          std::find(shape_of.begin() + first, shape_of.begin() + first + n, static_cast<int>(b)) -
+          shape_of.begin());
+      lc.activation_bytes = plain.layer_activation_bytes.at(l);
+      lc.recomputed_activation_bytes = recomputed.layer_activation_bytes.at(l);
+      layer_bytes += k * (lc.static_bytes + in_flight * lc.activation_bytes);
     }
     if (memory) c.fixed_bytes = peaks[lane].peak - layer_bytes;
     out.push_back(c);
   }
-  fill_missing(out, has_expert, &StageCosts::layer);
-  fill_missing(out, has_dense, &StageCosts::dense_layer);
+  for (size_t b = 0; b < shapes; ++b) fill_missing(out, has[b], b);
   return out;
 }
 
@@ -250,15 +231,17 @@ struct StageChoice {
 
 // Sums over the layers before each one (entry l: layers 0..l-1).
 struct LayerPrefix {
-  std::vector<int> dense;
+  std::vector<std::vector<int>> count;  // per block shape, the layers of that shape
   std::vector<double> window_seconds, recompute_window_seconds;
 
-  explicit LayerPrefix(const std::vector<LayerTraits>& layers)
-      : dense(layers.size() + 1, 0),
+  LayerPrefix(const std::vector<LayerTraits>& layers, size_t shapes)
+      : count(shapes, std::vector<int>(layers.size() + 1, 0)),
         window_seconds(layers.size() + 1, 0),
         recompute_window_seconds(layers.size() + 1, 0) {
     for (size_t l = 0; l < layers.size(); ++l) {
-      dense[l + 1] = dense[l] + (layers[l].dense ? 1 : 0);
+      for (size_t b = 0; b < shapes; ++b) {
+        count[b][l + 1] = count[b][l] + (layers[l].block == static_cast<int>(b) ? 1 : 0);
+      }
       window_seconds[l + 1] = window_seconds[l] + layers[l].window_seconds;
       recompute_window_seconds[l + 1] =
           recompute_window_seconds[l] + layers[l].recompute_window_seconds;
@@ -266,44 +249,68 @@ struct LayerPrefix {
   }
 };
 
+// How many block shapes the stages and layers name between them.
+size_t shape_count(const std::vector<StageCosts>& stages, const std::vector<LayerTraits>& layers) {
+  size_t n = 1;
+  for (const StageCosts& s : stages) n = std::max(n, s.blocks.size());
+  for (const LayerTraits& l : layers)
+    n = std::max(n, static_cast<size_t>(std::max(0, l.block)) + 1);
+  return n;
+}
+
+// One layer of block shape `b` on stage `c` (zero costs for a shape it was not measured with).
+const LayerCosts& costs_of(const StageCosts& c, size_t b) {
+  static const LayerCosts kNone;
+  return b < c.blocks.size() ? c.blocks[b] : kNone;
+}
+
 // The stage holding layers [first, first + n), recomputing its first layers.
 StageChoice choose(const StageCosts& c, const LayerPrefix& before, int first, int n,
                    double capacity) {
-  const LayerCosts& e = c.layer;
-  const LayerCosts& d = c.dense_layer;
-  const auto dense_in = [&](int k) { return before.dense[first + k] - before.dense[first]; };
-  const int n_dense = dense_in(n);
-  const int n_expert = n - n_dense;
+  const size_t shapes = before.count.size();
+  // Layers of shape b among the stage's first k.
+  const auto in_first = [&](size_t b, int k) {
+    return before.count[b][first + k] - before.count[b][first];
+  };
   StageChoice ch;
-  const double need = c.fixed_bytes +
-                      n_expert * (e.static_bytes + c.in_flight * e.activation_bytes) +
-                      n_dense * (d.static_bytes + c.in_flight * d.activation_bytes);
-  const double saved_expert = c.in_flight * (e.activation_bytes - e.recomputed_activation_bytes);
-  const double saved_dense = c.in_flight * (d.activation_bytes - d.recomputed_activation_bytes);
+  double need = c.fixed_bytes;
+  std::vector<double> saved_per_layer(shapes);  // what recomputing one layer of a shape frees
+  size_t held = 0, only = 0;                    // shapes the stage holds; the last of them
+  for (size_t b = 0; b < shapes; ++b) {
+    const LayerCosts& lc = costs_of(c, b);
+    const int nb = in_first(b, n);
+    need += nb * (lc.static_bytes + c.in_flight * lc.activation_bytes);
+    saved_per_layer[b] = c.in_flight * (lc.activation_bytes - lc.recomputed_activation_bytes);
+    if (nb > 0) ++held, only = b;
+  }
   int k = 0;
   if (need > capacity) {
-    if (n_dense == 0 || n_expert == 0) {
-      const double saved = n_dense == 0 ? saved_expert : saved_dense;
+    if (held <= 1) {
+      const double saved = saved_per_layer[only];
       if (saved <= 0) return ch;
       k = static_cast<int>(std::ceil((need - capacity) / saved - 1e-9));
     } else {
-      // The first k layers' savings grow with k (neither shape keeps more when recomputed).
+      // The first k layers' savings grow with k (no shape keeps more when recomputed).
       const auto saved = [&](int k) {
-        return dense_in(k) * std::max(0.0, saved_dense) +
-               (k - dense_in(k)) * std::max(0.0, saved_expert);
+        double sum = 0;
+        for (size_t b = 0; b < shapes; ++b)
+          sum += in_first(b, k) * std::max(0.0, saved_per_layer[b]);
+        return sum;
       };
       const double excess = need - capacity;
       while (k <= n && saved(k) < excess * (1 - 1e-9)) ++k;
     }
     if (k > n) return ch;
   }
-  const int k_dense = dense_in(k);
   ch.fits = true;
   ch.recomputed = k;
+  ch.seconds = c.other_seconds;
+  for (size_t b = 0; b < shapes; ++b) ch.seconds += in_first(b, n) * costs_of(c, b).seconds;
+  for (size_t b = 0; b < shapes; ++b) {
+    ch.seconds += in_first(b, k) * costs_of(c, b).recompute_seconds;
+  }
   ch.seconds =
-      c.other_seconds + n_expert * e.seconds + n_dense * d.seconds +
-      (k - k_dense) * e.recompute_seconds + k_dense * d.recompute_seconds -
-      (before.window_seconds[first + n] - before.window_seconds[first]) -
+      ch.seconds - (before.window_seconds[first + n] - before.window_seconds[first]) -
       (before.recompute_window_seconds[first + k] - before.recompute_window_seconds[first]);
   return ch;
 }
@@ -331,7 +338,7 @@ Expected<StagePartition> partition_stages(const std::vector<StageCosts>& stages,
   if (p < 1 || layers < p) {
     return Error(fmt::format("cannot split {} layers over {} stages", layers, p));
   }
-  const LayerPrefix before(traits);
+  const LayerPrefix before(traits, shape_count(stages, traits));
   // best[s][k]: stages s.. holding the last k layers; choice[s][k]: layers of stage s.
   std::vector<std::vector<Score>> best(p + 1, std::vector<Score>(layers + 1));
   std::vector<std::vector<int>> pick(p, std::vector<int>(layers + 1, -1));
@@ -373,7 +380,7 @@ Expected<StagePartition> partition_stages(const std::vector<StageCosts>& stages,
 std::vector<double> stage_seconds(const std::vector<StageCosts>& stages,
                                   const std::vector<LayerTraits>& traits,
                                   const std::vector<int>& layers) {
-  const LayerPrefix before(traits);
+  const LayerPrefix before(traits, shape_count(stages, traits));
   const double unlimited = std::numeric_limits<double>::infinity();
   std::vector<double> out;
   int first = 0;

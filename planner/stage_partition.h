@@ -6,8 +6,9 @@
 // the time of a layer's forward and backward, the extra time of recomputing one, the time of
 // what is not a layer (the embedding on the first stage, the head and loss on the last), and
 // the memory at the stage's peak broken into static bytes per layer, activation bytes per layer
-// per in-flight micro-batch, and the rest. A mixture of experts with dense blocks too
-// (ModelSpec::mixed_layers) has these per layer for each of its two block shapes; with sliding
+// per in-flight micro-batch, and the rest. A model of several block shapes
+// (ModelSpec::block_shapes: a mixture of experts with dense blocks too) has these per layer
+// for each shape; with sliding
 // windows they are a layer's attending fully, and each windowed layer takes off what its window
 // saves. A stage's time and memory are linear in its layers; dynamic programming over (stage,
 // layers placed) finds the split.
@@ -32,19 +33,18 @@ struct LayerCosts {
 
 // What sets one layer apart from the others (LayerCosts are a block shape's, attending fully).
 struct LayerTraits {
-  bool dense = false;                   // a mixture of experts' dense block
+  int block = 0;                        // its block shape (ModelSpec::block_shape)
   double window_seconds = 0;            // what its sliding window saves, forward + backward
   double recompute_window_seconds = 0;  // the same of its recomputation, when fully recomputed
 };
 
 // One pipeline stage's costs, per micro-batch (times) and at its memory peak (bytes).
 struct StageCosts {
-  LayerCosts layer;          // the model's block (the expert one in a mixture of experts)
-  LayerCosts dense_layer;    // a mixture of experts' dense block, when it has both shapes
-  double other_seconds = 0;  // the stage's operators that are not layers
-  int in_flight = 1;         // micro-batches whose activations are alive at the peak
-  double fixed_bytes = 0;    // the rest of the peak (embedding, head, buffers, runtime)
-  int device = 0;            // the pipeline device (lane) that runs it
+  std::vector<LayerCosts> blocks;  // per block shape (ModelSpec::block_shape)
+  double other_seconds = 0;        // the stage's operators that are not layers
+  int in_flight = 1;               // micro-batches whose activations are alive at the peak
+  double fixed_bytes = 0;          // the rest of the peak (embedding, head, buffers, runtime)
+  int device = 0;                  // the pipeline device (lane) that runs it
 };
 
 struct StagePartition {
@@ -65,9 +65,6 @@ Expected<std::vector<StageCosts>> measure_stage_costs(const Program& plain,
 // stages).
 Expected<std::vector<StageCosts>> measure_segment_times(const Program& plain,
                                                         const Program& recomputed);
-
-// Which layers are a mixture of experts' dense blocks (all false for a model of one shape).
-std::vector<bool> dense_blocks(const ModelSpec& model);
 
 // Each layer's traits, from the same two programs as measure_stage_costs.
 std::vector<LayerTraits> layer_traits(const Program& plain, const Program& recomputed);

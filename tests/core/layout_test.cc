@@ -149,12 +149,12 @@ TEST(Layout, MegatronTensorParallelLayouts) {
                                                  {"attn.proj", {{Dim::kHeads, {"tp"}}}},
                                                  {"*.norm", {{Dim::kSeq, {"tp"}}}},
                                                  {"*.residual", {{Dim::kSeq, {"tp"}}}}});
-  auto parts = resolve_partitions(g.layer, plan);
+  auto parts = resolve_partitions(g.blocks[0], plan);
   ASSERT_TRUE(parts.ok()) << parts.error().message();
   int qkv = 0, proj = 0, norm = 0;
-  const Op& q = op_named(g.layer, "attn.qkv", &qkv);
-  const Op& o = op_named(g.layer, "attn.proj", &proj);
-  const Op& n = op_named(g.layer, "attn.norm", &norm);
+  const Op& q = op_named(g.blocks[0], "attn.qkv", &qkv);
+  const Op& o = op_named(g.blocks[0], "attn.proj", &proj);
+  const Op& n = op_named(g.blocks[0], "attn.norm", &norm);
   EXPECT_EQ((*parts)[qkv].factor(Dim::kHeads, plan.mesh), 2);
   EXPECT_EQ((*parts)[norm].factor(Dim::kSeq, plan.mesh), 2);
   EXPECT_EQ((*parts)[norm].factor(Dim::kHeads, plan.mesh), 1);
@@ -177,26 +177,26 @@ TEST(Layout, LaterRulesReplaceEarlierOnes) {
   OpGraph g = lower_model(small_model(), 1);
   Plan plan = plan_with({{"dp", 1}, {"cp", 2}, {"tp", 2}},
                         {{"*", {{Dim::kSeq, {"cp"}}}}, {"mlp.fc1", {{Dim::kSeq, {}}}}});
-  auto parts = resolve_partitions(g.layer, plan);
+  auto parts = resolve_partitions(g.blocks[0], plan);
   ASSERT_TRUE(parts.ok()) << parts.error().message();
   int fc1 = 0, fc2 = 0;
-  op_named(g.layer, "mlp.fc1", &fc1);
-  op_named(g.layer, "mlp.fc2", &fc2);
+  op_named(g.blocks[0], "mlp.fc1", &fc1);
+  op_named(g.blocks[0], "mlp.fc2", &fc2);
   EXPECT_EQ((*parts)[fc1].factor(Dim::kSeq, plan.mesh), 1);
   EXPECT_EQ((*parts)[fc2].factor(Dim::kSeq, plan.mesh), 2);
   // A dimension split over two axes: the product.
   plan = plan_with({{"dp", 1}, {"cp", 2}, {"tp", 2}}, {{"*.norm", {{Dim::kSeq, {"cp", "tp"}}}}});
-  parts = resolve_partitions(g.layer, plan);
+  parts = resolve_partitions(g.blocks[0], plan);
   ASSERT_TRUE(parts.ok()) << parts.error().message();
   int norm = 0;
-  op_named(g.layer, "mlp.norm", &norm);
+  op_named(g.blocks[0], "mlp.norm", &norm);
   EXPECT_EQ((*parts)[norm].factor(Dim::kSeq, plan.mesh), 4);
   EXPECT_EQ((*parts)[norm].factor(DimSet{Dim::kSeq, Dim::kHidden}, plan.mesh), 4);
 }
 
 std::string resolve_error(const Plan& plan) {
   OpGraph g = lower_model(small_model(), 1);
-  auto parts = resolve_partitions(g.layer, plan);
+  auto parts = resolve_partitions(g.blocks[0], plan);
   EXPECT_FALSE(parts.ok());
   return parts.ok() ? "" : parts.error().message();
 }

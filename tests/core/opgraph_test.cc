@@ -29,7 +29,7 @@ double bwd(const GraphPart& part) {
 // backward.
 double graph_flops(const ModelSpec& m, int64_t global_batch, int64_t micro_batch, bool recompute) {
   OpGraph g = lower_model(m, micro_batch);
-  const double per_layer = (recompute ? 2 : 1) * fwd(g.layer) + bwd(g.layer);
+  const double per_layer = (recompute ? 2 : 1) * fwd(g.blocks[0]) + bwd(g.blocks[0]);
   const double per_micro_batch =
       m.layers * per_layer + fwd(g.head) + bwd(g.head) + fwd(g.embedding) + bwd(g.embedding);
   return static_cast<double>(global_batch / micro_batch) * per_micro_batch;
@@ -62,7 +62,7 @@ ModelSpec korthikanti(const std::string& name) {
 
 std::vector<std::string> layer_op_names(const OpGraph& g) {
   std::vector<std::string> names;
-  for (const auto& op : g.layer.ops) names.push_back(op.name);
+  for (const auto& op : g.blocks[0].ops) names.push_back(op.name);
   return names;
 }
 
@@ -104,14 +104,14 @@ TEST(OpGraph, LayerFlopsAndBackwardRatio) {
   const double b = 3, s = m.seq_len, h = m.hidden;
   OpGraph g = lower_model(m, 3);
   // 24 b s h^2 (QKV 6, projection 2, MLP 16) + 4 b s^2 h (scores and weighted values).
-  EXPECT_DOUBLE_EQ(fwd(g.layer), 24 * b * s * h * h + 4 * b * s * s * h);
-  EXPECT_DOUBLE_EQ(bwd(g.layer), 2 * fwd(g.layer));
+  EXPECT_DOUBLE_EQ(fwd(g.blocks[0]), 24 * b * s * h * h + 4 * b * s * s * h);
+  EXPECT_DOUBLE_EQ(bwd(g.blocks[0]), 2 * fwd(g.blocks[0]));
   // Head: 2 b s h V forward, twice that backward; the embedding lookup is free.
   EXPECT_DOUBLE_EQ(fwd(g.head), 2 * b * s * h * m.vocab);
   EXPECT_DOUBLE_EQ(bwd(g.head), 4 * b * s * h * m.vocab);
   EXPECT_EQ(fwd(g.embedding), 0);
   EXPECT_EQ(bwd(g.embedding), 0);
-  const Op* core = find_op(g.layer, "attn.core");
+  const Op* core = find_op(g.blocks[0], "attn.core");
   ASSERT_NE(core, nullptr);
   EXPECT_EQ(core->bwd_weight_flops, 0);
   EXPECT_DOUBLE_EQ(core->bwd_input_flops, 2 * core->fwd_flops);
@@ -126,7 +126,7 @@ TEST(OpGraph, GatedMlpAndGqaFlops) {
   const double proj = 2 * s * h * h;
   const double mlp = 2 * s * h * 2 * f + 2 * s * f * h;
   const double attn = 4 * s * s * h;
-  EXPECT_DOUBLE_EQ(fwd(g.layer), qkv + proj + mlp + attn);
+  EXPECT_DOUBLE_EQ(fwd(g.blocks[0]), qkv + proj + mlp + attn);
 }
 
 // Heads wider than hidden / heads (Qwen3: 32 of 128 over 2,048): Q, K and V come out
@@ -136,9 +136,9 @@ TEST(OpGraph, HeadDimSetsTheAttentionWidths) {
   const double s = m.seq_len, h = m.hidden, a = m.heads, k = m.kv_heads, d = 128;
   ASSERT_NE(a * d, h);
   OpGraph g = lower_model(m, 1);
-  const Op* qkv = find_op(g.layer, "attn.qkv");
-  const Op* core = find_op(g.layer, "attn.core");
-  const Op* proj = find_op(g.layer, "attn.proj");
+  const Op* qkv = find_op(g.blocks[0], "attn.qkv");
+  const Op* core = find_op(g.blocks[0], "attn.core");
+  const Op* proj = find_op(g.blocks[0], "attn.proj");
   ASSERT_TRUE(qkv && core && proj);
   EXPECT_DOUBLE_EQ(qkv->fwd_flops, 2 * s * h * (a + 2 * k) * d);
   EXPECT_DOUBLE_EQ(core->fwd_flops, 4 * s * s * a * d);
@@ -155,17 +155,17 @@ TEST(OpGraph, QkNormKeepsTheNormalizedQueriesAndKeys) {
   ASSERT_TRUE(m.qk_norm);
   const double b = 2, s = m.seq_len, a = m.heads, k = m.kv_heads, d = m.head_dim();
   OpGraph with = lower_model(m, 2);
-  const Op* norm = find_op(with.layer, "attn.qk_norm");
+  const Op* norm = find_op(with.blocks[0], "attn.qk_norm");
   ASSERT_NE(norm, nullptr);
-  EXPECT_EQ(&with.layer.ops[2], norm);
-  EXPECT_EQ(with.layer.ops[3].name, "attn.core");
-  EXPECT_EQ(with.layer.ops[3].inputs.size(), 2u);  // normalized Q and K; V from the projection
+  EXPECT_EQ(&with.blocks[0].ops[2], norm);
+  EXPECT_EQ(with.blocks[0].ops[3].name, "attn.core");
+  EXPECT_EQ(with.blocks[0].ops[3].inputs.size(), 2u);  // normalized Q and K; V from the projection
   EXPECT_FALSE(norm->unsplittable.contains(Dim::kHeads));
   EXPECT_DOUBLE_EQ(norm->parameters(), 2 * d);
   EXPECT_DOUBLE_EQ(norm->fwd_bytes, 2 * b * s * (a + k) * d * 2);
   m.qk_norm = false;
   OpGraph without = lower_model(m, 2);
-  EXPECT_EQ(find_op(without.layer, "attn.qk_norm"), nullptr);
+  EXPECT_EQ(find_op(without.blocks[0], "attn.qk_norm"), nullptr);
   EXPECT_DOUBLE_EQ(layer_activation_bytes(with, {}) - layer_activation_bytes(without, {}),
                    b * s * (a + k) * d * 2);
   EXPECT_DOUBLE_EQ(with.forward_flops(), without.forward_flops());
@@ -180,14 +180,14 @@ TEST(OpGraph, MultiTokenPredictionFollowsTheHead) {
   const OpGraph plain = lower_model(m, 2);
   m.mtp_layers = 1;
   const OpGraph g = lower_model(m, 2);
-  const size_t main_ops = plain.head.ops.size(), block = plain.layer.ops.size();
+  const size_t main_ops = plain.head.ops.size(), block = plain.blocks[0].ops.size();
   ASSERT_EQ(g.head.ops.size(), main_ops + 4 + block + 3);
   EXPECT_EQ(g.head.ops[main_ops].name, "mtp.embed");
   EXPECT_TRUE(g.head.ops[main_ops].tied_to_embedding);  // untied model: a copy of the matrix
   EXPECT_EQ(g.head.ops[main_ops + 3].name, "mtp.proj");
   EXPECT_EQ(g.head.ops[main_ops + 3].inputs.size(), 2u);  // [embedding; hidden]
   for (size_t i = 0; i < block; ++i) {
-    EXPECT_EQ(g.head.ops[main_ops + 4 + i].name, "mtp." + plain.layer.ops[i].name);
+    EXPECT_EQ(g.head.ops[main_ops + 4 + i].name, "mtp." + plain.blocks[0].ops[i].name);
   }
   EXPECT_EQ(g.head.ops.back().name, "mtp.loss");
   const Op* logits = find_op(g.head, "mtp.head.proj");
@@ -195,7 +195,7 @@ TEST(OpGraph, MultiTokenPredictionFollowsTheHead) {
   EXPECT_EQ(logits->parameters(), 0);
   // FLOPs: the projection, a block and another pass through the output projection.
   EXPECT_DOUBLE_EQ(fwd(g.head) - fwd(plain.head),
-                   2 * b * s * 2 * h * h + fwd(plain.layer) + 2 * b * s * h * v);
+                   2 * b * s * 2 * h * h + fwd(plain.blocks[0]) + 2 * b * s * h * v);
   EXPECT_DOUBLE_EQ(g.forward_flops() - plain.forward_flops(), fwd(g.head) - fwd(plain.head));
   // The block reads the projection's output where a layer reads its input.
   const Op& first = g.head.ops[main_ops + 4];
@@ -216,9 +216,9 @@ TEST(OpGraph, PartsHoldTheModelsParameters) {
       for (const auto& op : p.ops) n += op.parameters();
       return n;
     };
-    EXPECT_EQ(params(g.layer), static_cast<double>(m.layer_parameters())) << name;
+    EXPECT_EQ(params(g.blocks[0]), static_cast<double>(m.layer_parameters())) << name;
     if (m.mixed_layers()) {
-      EXPECT_EQ(params(g.dense_layer), static_cast<double>(m.dense_layer_parameters())) << name;
+      EXPECT_EQ(params(g.blocks[1]), static_cast<double>(m.dense_layer_parameters())) << name;
     }
     EXPECT_EQ(params(g.embedding), static_cast<double>(m.embedding_parameters())) << name;
     EXPECT_EQ(params(g.head), static_cast<double>(m.head_parameters())) << name;
@@ -252,7 +252,7 @@ TEST(OpGraph, PostNormsComeBeforeTheResiduals) {
             (std::vector<std::string>{"attn.norm", "attn.qkv", "attn.core", "attn.proj",
                                       "attn.post_norm", "attn.residual", "mlp.norm", "mlp.fc1",
                                       "mlp.act", "mlp.fc2", "mlp.post_norm", "mlp.residual"}));
-  const auto& ops = g.layer.ops;
+  const auto& ops = g.blocks[0].ops;
   auto index = [&](const std::string& name) {
     for (size_t i = 0; i < ops.size(); ++i) {
       if (ops[i].name == name) return static_cast<int>(i);
@@ -267,7 +267,7 @@ TEST(OpGraph, PostNormsComeBeforeTheResiduals) {
   ModelSpec moe = preset("mixtral-8x7b");
   moe.post_norms = true;
   const OpGraph e = lower_model(moe, 1);
-  const auto& eops = e.layer.ops;
+  const auto& eops = e.blocks[0].ops;
   ASSERT_GE(eops.size(), 3u);
   EXPECT_EQ(eops[eops.size() - 2].name, "mlp.post_norm");
   EXPECT_EQ(eops[eops.size() - 3].name, "moe.combine");
@@ -289,19 +289,19 @@ TEST(OpGraph, MixtureOfExpertsBlock) {
   const OpGraph d = lower_model(dense, 2);
   const double b = 2, s = moe.seq_len, h = moe.hidden, f = moe.expert_ffn_hidden, k = 2, E = 8;
   const double mlp =
-      find_op(d.layer, "mlp.fc1")->fwd_flops + find_op(d.layer, "mlp.fc2")->fwd_flops;
+      find_op(d.blocks[0], "mlp.fc1")->fwd_flops + find_op(d.blocks[0], "mlp.fc2")->fwd_flops;
   const double router = 2 * b * s * h * E;
-  EXPECT_DOUBLE_EQ(fwd(g.layer), fwd(d.layer) - mlp + k * mlp + router);
-  EXPECT_DOUBLE_EQ(bwd(g.layer), bwd(d.layer) + 2 * ((k - 1) * mlp + router));
+  EXPECT_DOUBLE_EQ(fwd(g.blocks[0]), fwd(d.blocks[0]) - mlp + k * mlp + router);
+  EXPECT_DOUBLE_EQ(bwd(g.blocks[0]), bwd(d.blocks[0]) + 2 * ((k - 1) * mlp + router));
   // The experts' weights span the expert dimension; their GEMM counts every routed token.
-  const Op& fc1 = *find_op(g.layer, "moe.fc1");
+  const Op& fc1 = *find_op(g.blocks[0], "moe.fc1");
   EXPECT_TRUE(fc1.weights[0].dims.contains(Dim::kExpert));
   EXPECT_DOUBLE_EQ(fc1.weights[0].elements, E * h * 2 * f);
   EXPECT_DOUBLE_EQ(fc1.gemm.m, b * s * k);
   EXPECT_EQ(fc1.granularity[static_cast<int>(Dim::kExpert)], 8);
   // The routed tokens are k copies of the block's input: what the experts keep for backward.
   EXPECT_DOUBLE_EQ(fc1.saved[0].elements, b * s * k * h);
-  const Op& combine = *find_op(g.layer, "moe.combine");
+  const Op& combine = *find_op(g.blocks[0], "moe.combine");
   EXPECT_TRUE(combine.reduced.contains(Dim::kExpert));
   EXPECT_DOUBLE_EQ(combine.output.elements, b * s * h);
 }
@@ -314,16 +314,16 @@ TEST(OpGraph, SharedExpertIsAnMlpBesideTheRoutedOnes) {
   moe.shared_expert_ffn_hidden = 4096;
   const OpGraph both = lower_model(moe, 2);
   const double b = 2, s = moe.seq_len, h = moe.hidden, fs = 4096;
-  EXPECT_DOUBLE_EQ(fwd(both.layer), fwd(routed.layer) + 2 * b * s * h * 3 * fs);
+  EXPECT_DOUBLE_EQ(fwd(both.blocks[0]), fwd(routed.blocks[0]) + 2 * b * s * h * 3 * fs);
   for (const char* name : {"moe.shared.fc1", "moe.shared.act", "moe.shared.fc2"}) {
-    const Op* op = find_op(both.layer, name);
+    const Op* op = find_op(both.blocks[0], name);
     ASSERT_NE(op, nullptr) << name;
     EXPECT_FALSE(op->dims.contains(Dim::kExpert)) << name;
     EXPECT_EQ(op->granularity[static_cast<int>(Dim::kFfn)], 4096) << name;
   }
-  const Op& combine = *find_op(both.layer, "moe.combine");
+  const Op& combine = *find_op(both.blocks[0], "moe.combine");
   ASSERT_EQ(combine.inputs.size(), 2u);
-  EXPECT_EQ(both.layer.ops[combine.inputs[1].op].name, "moe.shared.fc2");
+  EXPECT_EQ(both.blocks[0].ops[combine.inputs[1].op].name, "moe.shared.fc2");
 }
 
 // A capacity factor c sizes every expert for c times its share: the grouped GEMMs, the
@@ -334,21 +334,21 @@ TEST(OpGraph, ExpertCapacityFactorPadsTheExpertsNotTheirFlops) {
   const OpGraph even = lower_model(moe, 2);
   moe.expert_capacity_factor = 1.25;
   const OpGraph padded = lower_model(moe, 2);
-  EXPECT_DOUBLE_EQ(fwd(padded.layer), fwd(even.layer));
-  EXPECT_DOUBLE_EQ(bwd(padded.layer), bwd(even.layer));
+  EXPECT_DOUBLE_EQ(fwd(padded.blocks[0]), fwd(even.blocks[0]));
+  EXPECT_DOUBLE_EQ(bwd(padded.blocks[0]), bwd(even.blocks[0]));
   for (const char* name : {"moe.fc1", "moe.fc2"}) {
-    const Op& p = *find_op(padded.layer, name);
-    const Op& e = *find_op(even.layer, name);
+    const Op& p = *find_op(padded.blocks[0], name);
+    const Op& e = *find_op(even.blocks[0], name);
     EXPECT_DOUBLE_EQ(p.gemm.m, 1.25 * e.gemm.m) << name;
     EXPECT_DOUBLE_EQ(p.saved[0].elements, 1.25 * e.saved[0].elements) << name;
   }
   for (const char* name : {"moe.dispatch", "moe.act"}) {
-    EXPECT_DOUBLE_EQ(find_op(padded.layer, name)->output.elements,
-                     1.25 * find_op(even.layer, name)->output.elements)
+    EXPECT_DOUBLE_EQ(find_op(padded.blocks[0], name)->output.elements,
+                     1.25 * find_op(even.blocks[0], name)->output.elements)
         << name;
   }
-  EXPECT_DOUBLE_EQ(find_op(padded.layer, "moe.combine")->output.elements,
-                   find_op(even.layer, "moe.combine")->output.elements);
+  EXPECT_DOUBLE_EQ(find_op(padded.blocks[0], "moe.combine")->output.elements,
+                   find_op(even.blocks[0], "moe.combine")->output.elements);
 }
 
 // Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
@@ -375,7 +375,7 @@ TEST(OpGraph, SavedActivationsPerOperator) {
   const double sbh = static_cast<double>(m.seq_len) * m.hidden;
   const double as2 = static_cast<double>(m.heads) * m.seq_len * m.seq_len;
   auto saved = [&](const std::string& name) {
-    const Op* op = find_op(g.layer, name);
+    const Op* op = find_op(g.blocks[0], name);
     EXPECT_NE(op, nullptr) << name;
     double n = 0;
     for (const auto& t : op->saved) n += t.bytes();
@@ -514,25 +514,25 @@ TEST(OpGraph, MixedModelLowersADenseAndAnExpertBlock) {
   Expected<ModelSpec> m = load_model("deepseek-moe-16b");
   ASSERT_TRUE(m.ok()) << m.error().message();
   const OpGraph g = lower_model(*m, 1);
-  EXPECT_EQ(&g.layer_at(0), &g.dense_layer);
-  EXPECT_EQ(&g.layer_at(1), &g.layer);
+  EXPECT_EQ(&g.layer_at(0), &g.blocks[1]);
+  EXPECT_EQ(&g.layer_at(1), &g.blocks[0]);
   auto names = [](const GraphPart& p) {
     std::vector<std::string> n;
     for (const Op& op : p.ops) n.push_back(op.name);
     return n;
   };
-  const std::vector<std::string> dense = names(g.dense_layer);
+  const std::vector<std::string> dense = names(g.blocks[1]);
   EXPECT_NE(std::find(dense.begin(), dense.end(), "mlp.fc1"), dense.end());
   EXPECT_EQ(std::find(dense.begin(), dense.end(), "moe.router"), dense.end());
-  EXPECT_EQ(g.dense_layer.ops.back().name, g.layer.ops.back().name);
+  EXPECT_EQ(g.blocks[1].ops.back().name, g.blocks[0].ops.back().name);
   double params = 0;
-  for (const Op& op : g.dense_layer.ops) params += op.parameters();
+  for (const Op& op : g.blocks[1].ops) params += op.parameters();
   EXPECT_EQ(params, static_cast<double>(m->dense_layer_parameters()));
 
   ModelSpec all_experts = *m;
   all_experts.first_dense_layers = 0;
   const OpGraph uniform = lower_model(all_experts, 1);
-  EXPECT_TRUE(uniform.dense_layer.ops.empty());
+  EXPECT_EQ(uniform.blocks.size(), 1u);  // one block shape
   ModelSpec all_dense = *m;
   all_dense.experts = all_dense.experts_per_token = all_dense.shared_expert_ffn_hidden = 0;
   all_dense.first_dense_layers = 0;
@@ -548,11 +548,11 @@ TEST(OpGraph, LatentAttention) {
   ModelSpec m = preset("deepseek-v3");
   const OpGraph g = lower_model(m, 1);
   std::vector<std::string> names;
-  for (size_t i = 0; i < 9; ++i) names.push_back(g.layer.ops[i].name);
+  for (size_t i = 0; i < 9; ++i) names.push_back(g.blocks[0].ops[i].name);
   EXPECT_EQ(names, (std::vector<std::string>{"attn.norm", "attn.q_down", "attn.q_norm", "attn.q_up",
                                              "attn.kv_down", "attn.kv_norm", "attn.kv_up",
                                              "attn.core", "attn.proj"}));
-  const Op& core = g.layer.ops[7];
+  const Op& core = g.blocks[0].ops[7];
   const double s = 4096, a = 128;
   EXPECT_DOUBLE_EQ(core.fwd_flops, 2 * s * s * a * (192 + 128));
   EXPECT_DOUBLE_EQ(core.head_dim, 192);
@@ -561,14 +561,14 @@ TEST(OpGraph, LatentAttention) {
   double saved = 0;
   for (const TensorSpec& t : core.saved) saved += t.bytes();
   EXPECT_DOUBLE_EQ(saved, s * a * (2 * 192 + 256 + 128) * 2 + s * a * 4);
-  EXPECT_EQ(g.layer.ops[4].gemm.n, 512 + 64);  // the latent and the rotary key part
+  EXPECT_EQ(g.blocks[0].ops[4].gemm.n, 512 + 64);  // the latent and the rotary key part
   // The key/value norm normalizes the latent and carries the rotary key part through (so it
   // travels with the latent), its scale the latent's width; the up-projection reads the latent.
-  const Op& kv_norm = g.layer.ops[5];
+  const Op& kv_norm = g.blocks[0].ops[5];
   EXPECT_EQ(kv_norm.output.elements, s * (512 + 64));
   EXPECT_EQ(kv_norm.weights[0].elements, 512);
   EXPECT_EQ(kv_norm.saved[0].elements, s * 512);
-  EXPECT_EQ(g.layer.ops[6].gemm.k, 512);
+  EXPECT_EQ(g.blocks[0].ops[6].gemm.k, 512);
 }
 
 // GPT-OSS's alternating sliding windows (128 tokens, every other layer, 4,096-token sequences):
@@ -577,7 +577,7 @@ TEST(OpGraph, LatentAttention) {
 TEST(OpGraph, SlidingWindowsCountTheAttendedPairs) {
   const ModelSpec m = preset("gpt-oss-20b");
   const OpGraph g = lower_model(m, 1);
-  const Op* core = find_op(g.layer, "attn.core");
+  const Op* core = find_op(g.blocks[0], "attn.core");
   ASSERT_NE(core, nullptr);
   const double s = 4096, w = 128, a = 64, d = 64;
   const double windowed = (w * s - w * (w - 1) / 2) / (s * (s + 1) / 2);
@@ -588,7 +588,7 @@ TEST(OpGraph, SlidingWindowsCountTheAttendedPairs) {
   // A window as long as the sequence leaves every pair.
   ModelSpec wide = m;
   wide.sliding_window = 4096;
-  EXPECT_DOUBLE_EQ(find_op(lower_model(wide, 1).layer, "attn.core")->attended_fraction, 1);
+  EXPECT_DOUBLE_EQ(find_op(lower_model(wide, 1).blocks[0], "attn.core")->attended_fraction, 1);
 }
 
 TEST(OpGraph, DimensionNames) {
@@ -608,11 +608,11 @@ TEST(OpGraph, DimensionNames) {
 
 TEST(OpGraph, HeadsSplitByKeyValueGroup) {
   OpGraph g = lower_model(preset("llama3-8b"), 1);
-  const Op* qkv = find_op(g.layer, "attn.qkv");
+  const Op* qkv = find_op(g.blocks[0], "attn.qkv");
   ASSERT_NE(qkv, nullptr);
   EXPECT_EQ(qkv->granularity[static_cast<int>(Dim::kHeads)], 8);
   EXPECT_TRUE(qkv->reduced.contains(Dim::kHidden));
-  const Op* norm = find_op(g.layer, "attn.norm");
+  const Op* norm = find_op(g.blocks[0], "attn.norm");
   ASSERT_NE(norm, nullptr);
   EXPECT_TRUE(norm->unsplittable.contains(Dim::kHidden));
 }

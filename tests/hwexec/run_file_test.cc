@@ -210,7 +210,7 @@ RunResults synthetic_run(const Plan& plan, const GpuSpec& gpu, const RunTruth& t
     k.rank = rank;
     k.coordinates = plan.mesh.coordinates(rank);
     k.iteration_seconds = {1.0};
-    for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
+    for (const GraphPart* part : graph.parts()) {
       const std::vector<OpPartition> parts = *resolve_partitions(*part, plan);
       for (size_t i = 0; i < part->ops.size(); ++i) {
         const Op& op = part->ops[i];
@@ -297,7 +297,7 @@ TEST(HwexecFitRun, SplitBackwardPhasesAreTheirTwoGemms) {
   model.precision = plan.precision;
   const OpGraph graph = lower_model(model, plan.micro_batch);
   std::map<std::string, PieceShape> linear;
-  for (const GraphPart* part : {&graph.embedding, &graph.layer, &graph.head}) {
+  for (const GraphPart* part : graph.parts()) {
     const std::vector<OpPartition> parts = *resolve_partitions(*part, plan);
     for (size_t i = 0; i < part->ops.size(); ++i) {
       if (part->ops[i].kind == OpKind::kLinear) {

@@ -1349,6 +1349,21 @@ TEST(NnexecRunRefuses, AHeadWeightGradientAfterTheTiedMatrixIsReduced) {
   EXPECT_TRUE(check_runnable(p).ok()) << check_runnable(p).error().message();
 }
 
+// Hybrid models (Mamba-2 layers and layers of attention or an MLP alone) are simulated only.
+TEST(NnexecRunRefuses, HybridModelsNameTheField) {
+  TempDir dir;
+  ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
+  Expected<Plan> base = load_plan(dir.file("plan.json"));
+  ASSERT_TRUE(base.ok()) << base.error().message();
+  EXPECT_TRUE(check_runnable(*base).ok()) << check_runnable(*base).error().message();
+  Plan p = *base;
+  p.model.layer_pattern = std::string(static_cast<size_t>(p.model.layers), '-');
+  const Status s = check_runnable(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.error().message(), "model.layer_pattern")) << s.error().message();
+  EXPECT_TRUE(contains(s.error().message(), "simulated only")) << s.error().message();
+}
+
 // Expert-parallel plans nnsim plan does not write, edited by hand: each refusal names its field.
 TEST(NnexecRunRefuses, ExpertParallelPlansItCannotRunNameTheField) {
   Expected<Plan> base = [] {

@@ -300,7 +300,7 @@ TEST(Program, MultiTokenPredictionHoldsAnEmbeddingCopyOnTheLastStage) {
 std::map<CollectiveKind, int> layer_collectives(const Program& prog, int segment, BlockKind kind,
                                                 const char* axis = "tp") {
   std::set<std::string> layer_ops;
-  for (const auto& op : prog.graph.layer.ops) layer_ops.insert(op.name);
+  for (const auto& op : prog.graph.blocks[0].ops) layer_ops.insert(op.name);
   const uint32_t tp = 1u << prog.plan.mesh.axis_index(axis);
   std::map<CollectiveKind, int> count;
   for (const BlockTemplate& t : prog.templates) {
@@ -400,7 +400,7 @@ TEST(Program, EachLayersAttentionIsPricedAtItsOwnWindow) {
     EXPECT_GT(seconds[stage + 1], 1.5 * seconds[stage]) << stage;
   }
   double average = 0;  // the operator graph's per-layer FLOPs: the model's average share
-  for (const Op& op : prog.graph.layer.ops) {
+  for (const Op& op : prog.graph.blocks[0].ops) {
     if (op.name == "attn.core") average = op.fwd_flops;
   }
   double total = 0;
@@ -730,7 +730,7 @@ TEST(Program, FoldedExpertTensorParallelismExchangesTokensOverTp) {
     o.global_batch = 32;
     const Program prog = compile(m, o);
     std::set<std::string> layer_ops;
-    for (const auto& op : prog.graph.layer.ops) layer_ops.insert(op.name);
+    for (const auto& op : prog.graph.blocks[0].ops) layer_ops.insert(op.name);
     std::map<std::string, int> count;  // "axis kind" -> collectives of one layer's forward
     for (const BlockTemplate& t : prog.templates) {
       if (t.kind != BlockKind::kForward) continue;
@@ -816,7 +816,7 @@ TEST(Program, TensorParallelOverlapHidesEveryBackwardLayerCollective) {
     MegatronOptions o = options(8, 1, true, RecomputeMode::kNone, 1);
     o.tp_comm_overlap = overlap;
     Program prog = compile(m, o);
-    for (const auto& op : prog.graph.layer.ops) layer_ops.insert(op.name);
+    for (const auto& op : prog.graph.blocks[0].ops) layer_ops.insert(op.name);
     std::vector<Step> steps;
     for (const BlockTemplate& t : prog.templates) {
       if (t.kind != BlockKind::kBackward) continue;
@@ -1565,7 +1565,7 @@ TEST(Program, TensorParallelCollectiveBytes) {
   for (bool sp : {false, true}) {
     Program prog = compile(m, options(8, 1, sp, RecomputeMode::kNone, 2));
     std::set<std::string> layer_ops;
-    for (const auto& op : prog.graph.layer.ops) layer_ops.insert(op.name);
+    for (const auto& op : prog.graph.blocks[0].ops) layer_ops.insert(op.name);
     int seen = 0;
     for (const BlockTemplate& t : prog.templates) {
       for (const Step& s : t.steps) {

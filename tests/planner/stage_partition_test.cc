@@ -22,11 +22,12 @@ constexpr double kGiB = 1024.0 * 1024 * 1024;
 
 StageCosts stage(int in_flight, double other_seconds = 0) {
   StageCosts c;
-  c.layer.seconds = 1.0;
-  c.layer.recompute_seconds = 0.3;
-  c.layer.static_bytes = 1 * kGiB;
-  c.layer.activation_bytes = 0.5 * kGiB;
-  c.layer.recomputed_activation_bytes = 0.05 * kGiB;
+  c.blocks.resize(1);
+  c.blocks[0].seconds = 1.0;
+  c.blocks[0].recompute_seconds = 0.3;
+  c.blocks[0].static_bytes = 1 * kGiB;
+  c.blocks[0].activation_bytes = 0.5 * kGiB;
+  c.blocks[0].recomputed_activation_bytes = 0.05 * kGiB;
   c.other_seconds = other_seconds;
   c.in_flight = in_flight;
   c.fixed_bytes = 2 * kGiB;
@@ -36,10 +37,10 @@ StageCosts stage(int in_flight, double other_seconds = 0) {
 // `stage` with a dense block too: cheaper to run, much smaller (no experts), same activations.
 StageCosts mixed_stage(int in_flight, double other_seconds = 0) {
   StageCosts c = stage(in_flight, other_seconds);
-  c.dense_layer = c.layer;
-  c.dense_layer.seconds = 0.6;
-  c.dense_layer.recompute_seconds = 0.2;
-  c.dense_layer.static_bytes = 0.1 * kGiB;
+  c.blocks.push_back(c.blocks[0]);
+  c.blocks[1].seconds = 0.6;
+  c.blocks[1].recompute_seconds = 0.2;
+  c.blocks[1].static_bytes = 0.1 * kGiB;
   return c;
 }
 
@@ -52,12 +53,12 @@ Layers uniform(int layers) {
 // One layer per entry, dense where true.
 Layers with_dense(const std::vector<bool>& dense) {
   Layers out(dense.size());
-  for (size_t l = 0; l < dense.size(); ++l) out[l].dense = dense[l];
+  for (size_t l = 0; l < dense.size(); ++l) out[l].block = dense[l] ? 1 : 0;
   return out;
 }
 
 const LayerCosts& shape(const StageCosts& c, const LayerTraits& layer) {
-  return layer.dense ? c.dense_layer : c.layer;
+  return c.blocks[layer.block];
 }
 
 // A stage holding layers [first, first + n) of `layers`, recomputing its first k.
@@ -173,6 +174,35 @@ void expect_best_at(const std::vector<StageCosts>& stages, const Layers& dense,
     EXPECT_NEAR(p->slowest_stage_seconds, brute_force(stages, dense, capacity), 1e-9)
         << "capacity " << capacity / kGiB << " GiB";
   }
+}
+
+// A hybrid model's three layer kinds (Nemotron-H's pattern: Mamba-2, MLP and now and then
+// attention), each at its own time, size and activations: the split and the recomputation are
+// the best of every split (brute force), recomputing the layers in the order they come.
+TEST(StagePartition, HybridLayersCountAtTheirOwnCost) {
+  const std::string pattern = "M-M-M*-M-M-M*-M-M-M*-M-";
+  Layers layers(pattern.size());
+  for (size_t l = 0; l < pattern.size(); ++l) {
+    layers[l].block = pattern[l] == 'M' ? 0 : pattern[l] == '-' ? 1 : 2;
+  }
+  std::vector<StageCosts> stages;
+  for (int s = 0; s < 3; ++s) {
+    StageCosts c = stage(3 - s, s == 2 ? 1.2 : 0);  // shape 0: the Mamba-2 layer
+    LayerCosts mlp = c.blocks[0];
+    mlp.seconds = 0.8;
+    mlp.recompute_seconds = 0.25;
+    mlp.static_bytes = 1.5 * kGiB;
+    mlp.activation_bytes = 0.3 * kGiB;
+    LayerCosts attention = c.blocks[0];
+    attention.seconds = 0.6;
+    attention.recompute_seconds = 0.2;
+    attention.static_bytes = 0.3 * kGiB;
+    attention.activation_bytes = 0.7 * kGiB;
+    c.blocks.push_back(mlp);
+    c.blocks.push_back(attention);
+    stages.push_back(c);
+  }
+  expect_best_at(stages, layers, {1000 * kGiB, 18 * kGiB, 15 * kGiB, 13 * kGiB});
 }
 
 // DeepSeek's layout: the first 3 of 27 layers dense, cheaper and without experts. The stage
@@ -343,17 +373,18 @@ TEST_F(Llama8bOnOneNode, MixedBlocksArePricedPerShape) {
   Expected<std::vector<StageCosts>> costs = measure_stage_costs(plain, plain);
   ASSERT_TRUE(costs.ok()) << costs.error().message();
   ASSERT_EQ(costs->size(), 4u);
-  const std::vector<bool> dense = dense_blocks(plain.graph.model);
-  ASSERT_EQ(dense, (std::vector<bool>{true, false, false, false, false, false, false, false}));
+  // The expert block is shape 0, the first (dense) layer's shape 1.
+  ASSERT_EQ(plain.graph.block_of_layer, (std::vector<int>{1, 0, 0, 0, 0, 0, 0, 0}));
+  const std::vector<bool> dense{true, false, false, false, false, false, false, false};
   const std::vector<LaneMemoryPeak> peaks = lane_memory_peaks(plain);
   for (int s = 0; s < 4; ++s) {
     const StageCosts& c = (*costs)[s];
     // 64 experts over ep 2 against one 10,944-wide MLP; the all-to-alls and the router.
-    EXPECT_LT(c.dense_layer.static_bytes, c.layer.static_bytes / 3);
-    EXPECT_LT(c.dense_layer.seconds, c.layer.seconds);
-    EXPECT_GT(c.dense_layer.seconds, 0.5 * c.layer.seconds);
-    EXPECT_NEAR(c.layer.seconds, (*costs)[1].layer.seconds, 0.01 * c.layer.seconds);
-    EXPECT_DOUBLE_EQ(c.dense_layer.seconds, (*costs)[0].dense_layer.seconds);
+    EXPECT_LT(c.blocks[1].static_bytes, c.blocks[0].static_bytes / 3);
+    EXPECT_LT(c.blocks[1].seconds, c.blocks[0].seconds);
+    EXPECT_GT(c.blocks[1].seconds, 0.5 * c.blocks[0].seconds);
+    EXPECT_NEAR(c.blocks[0].seconds, (*costs)[1].blocks[0].seconds, 0.01 * c.blocks[0].seconds);
+    EXPECT_DOUBLE_EQ(c.blocks[1].seconds, (*costs)[0].blocks[1].seconds);
     EXPECT_NEAR(bytes(c, with_dense(dense), 2 * s, 2, 0), peaks[s].peak, 1e-6 * peaks[s].peak);
   }
 }
@@ -387,12 +418,44 @@ TEST_F(Llama8bOnOneNode, WindowedLayersArePricedApartFromFullOnes) {
     EXPECT_EQ(layers[l].window_seconds > 0, model.is_windowed_layer(l)) << "layer " << l;
     EXPECT_EQ(layers[l].recompute_window_seconds, 0);
   }
-  const double full = costs->front().layer.seconds;
+  const double full = costs->front().blocks[0].seconds;
   EXPECT_GT(layers[0].window_seconds, 0.05 * full);
   const std::vector<double> measured = measured_stage_seconds(plain);
   for (int s = 0; s < 4; ++s) {
-    EXPECT_NEAR((*costs)[s].layer.seconds, full, 0.01 * full) << "stage " << s;
+    EXPECT_NEAR((*costs)[s].blocks[0].seconds, full, 0.01 * full) << "stage " << s;
     EXPECT_NEAR(seconds((*costs)[s], layers, 8 * s, 8, 0), measured[s], 1e-6 * measured[s])
+        << "stage " << s;
+  }
+}
+
+// Nemotron-H 8B's layers (Mamba-2, MLP, attention) over 4 stages of 13: each kind is priced on
+// its own, and the linear model reproduces every stage's measured time and memory peak.
+TEST_F(Llama8bOnOneNode, HybridLayersArePricedPerKind) {
+  Expected<ModelSpec> m = load_model("nemotron-h-8b");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  o.global_batch = 16;
+  Program plain = compile(*m, topo, o);
+  Expected<std::vector<StageCosts>> costs = measure_stage_costs(plain, plain);
+  ASSERT_TRUE(costs.ok()) << costs.error().message();
+  const Layers layers = layer_traits(plain, plain);
+  ASSERT_EQ(layers.size(), 52u);
+  EXPECT_EQ(layers[7].block, 2);  // the first attention layer
+  const std::vector<double> measured = measured_stage_seconds(plain);
+  const std::vector<LaneMemoryPeak> peaks = lane_memory_peaks(plain);
+  for (int s = 0; s < 4; ++s) {
+    const StageCosts& c = (*costs)[s];
+    ASSERT_EQ(c.blocks.size(), 3u);
+    // The kinds differ: no shape's cost is another's.
+    EXPECT_GT(std::abs(c.blocks[0].seconds / c.blocks[1].seconds - 1), 0.05) << "stage " << s;
+    EXPECT_GT(std::abs(c.blocks[0].seconds / c.blocks[2].seconds - 1), 0.05) << "stage " << s;
+    EXPECT_GT(std::abs(c.blocks[1].seconds / c.blocks[2].seconds - 1), 0.05) << "stage " << s;
+    // The MLP layer holds the most weights (2 x 4096 x 21504 against the mixer's 4096 x 26,752
+    // and 8,192 x 4096, the attention's 4096 x 6,144 and 4096 x 4096).
+    EXPECT_GT(c.blocks[1].static_bytes, c.blocks[0].static_bytes);
+    EXPECT_GT(c.blocks[0].static_bytes, 2 * c.blocks[2].static_bytes);
+    EXPECT_NEAR(seconds(c, layers, 13 * s, 13, 0), measured[s], 1e-6 * measured[s])
+        << "stage " << s;
+    EXPECT_NEAR(bytes(c, layers, 13 * s, 13, 0), peaks[s].peak, 1e-6 * peaks[s].peak)
         << "stage " << s;
   }
 }
@@ -407,7 +470,7 @@ TEST_F(Llama8bOnOneNode, StaticBytesPerLayerFollowExpertParallelism) {
   const Lane& middle = plain.lanes[1];
   const double static_bytes = middle.memory.weights + middle.memory.gradients +
                               middle.memory.optimizer + middle.memory.gathered;
-  EXPECT_NEAR(2 * (*costs)[1].layer.static_bytes, static_bytes, 1e-9 * static_bytes);
+  EXPECT_NEAR(2 * (*costs)[1].blocks[0].static_bytes, static_bytes, 1e-9 * static_bytes);
 }
 
 TEST_F(Llama8bOnOneNode, MeasuredCostsSeparateLayersFromTheHead) {
@@ -422,16 +485,16 @@ TEST_F(Llama8bOnOneNode, MeasuredCostsSeparateLayersFromTheHead) {
   const StageCosts& last = costs->back();
   for (const StageCosts& c : *costs) {
     // Identical layers cost the same on every stage.
-    EXPECT_NEAR(c.layer.seconds, first.layer.seconds, 0.01 * first.layer.seconds);
-    EXPECT_GT(c.layer.recompute_seconds, 0);
+    EXPECT_NEAR(c.blocks[0].seconds, first.blocks[0].seconds, 0.01 * first.blocks[0].seconds);
+    EXPECT_GT(c.blocks[0].recompute_seconds, 0);
     // A forward, not a forward and backward.
-    EXPECT_LT(c.layer.recompute_seconds, c.layer.seconds);
-    EXPECT_LT(c.layer.recomputed_activation_bytes, c.layer.activation_bytes / 10);
-    EXPECT_EQ(c.dense_layer.seconds, 0);  // one block shape
+    EXPECT_LT(c.blocks[0].recompute_seconds, c.blocks[0].seconds);
+    EXPECT_LT(c.blocks[0].recomputed_activation_bytes, c.blocks[0].activation_bytes / 10);
+    EXPECT_EQ(c.blocks.size(), 1u);  // one block shape
   }
   // Llama 3's 128K vocabulary: the head and loss cost more than a layer; the embedding little.
-  EXPECT_GT(last.other_seconds, first.layer.seconds);
-  EXPECT_LT(first.other_seconds, 0.1 * first.layer.seconds);
+  EXPECT_GT(last.other_seconds, first.blocks[0].seconds);
+  EXPECT_LT(first.other_seconds, 0.1 * first.blocks[0].seconds);
   // 1F1B: stage s holds p - s micro-batches at its peak.
   for (int s = 0; s < 4; ++s) EXPECT_EQ((*costs)[s].in_flight, 4 - s);
   // The linear memory model reproduces each stage's measured peak with the uniform split.
@@ -465,10 +528,10 @@ TEST_F(Llama8bOnOneNode, MultiTokenPredictionWeighsOnTheLastStage) {
   Expected<std::vector<StageCosts>> before = measure_stage_costs(plain, plain);
   Expected<std::vector<StageCosts>> after = measure_stage_costs(with, with);
   ASSERT_TRUE(before.ok() && after.ok());
-  const double layer = before->back().layer.seconds;
+  const double layer = before->back().blocks[0].seconds;
   EXPECT_GT(after->back().other_seconds - before->back().other_seconds, 1.5 * layer);
   EXPECT_NEAR(after->front().other_seconds, before->front().other_seconds, 1e-3 * layer);
-  EXPECT_NEAR(after->back().layer.seconds, layer, 0.01 * layer);
+  EXPECT_NEAR(after->back().blocks[0].seconds, layer, 0.01 * layer);
   SearchOptions so = pinned_1f1b(2, 4, 1);
   so.pins.sequence_parallel = true;
   Expected<SearchResult> without_module = search_plans(model, topo, so);

@@ -201,8 +201,8 @@ TEST(SpanningSim, ShardedEmbeddingGetsTheWholeGradientUnderSequenceParallelism) 
     if (p->segments[s].embedding) embedding = static_cast<int>(s);
   }
   ASSERT_GE(embedding, 0);
-  ASSERT_EQ(p->segments[embedding].end_layer, 0);                    // a segment of its own
-  const double whole = prog->graph.layer.ops.back().output.bytes();  // [b, s, h]
+  ASSERT_EQ(p->segments[embedding].end_layer, 0);                        // a segment of its own
+  const double whole = prog->graph.blocks[0].ops.back().output.bytes();  // [b, s, h]
   const uint32_t tp = 1u << p->mesh.axis_index("tp");
   int checked = 0;
   for (const BlockTemplate& t : prog->templates) {
