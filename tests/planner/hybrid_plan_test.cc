@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include "core/model.h"
 #include "core/program.h"
 #include "core/topology.h"
 #include "planner/megatron.h"
@@ -81,6 +82,35 @@ TEST_F(NemotronH8bOnOneNode, DegreesAMixerCannotTakeAreRefused) {
   ASSERT_FALSE(tp.ok());
   EXPECT_NE(tp.error().message().find("2 Mamba-2 groups (mamba_groups)"), std::string::npos)
       << tp.error().message();
+}
+
+// A hybrid mixture of experts (Nemotron 3's kind: Mamba-2 and expert layers, a few attention
+// layers): expert parallelism spreads the 'E' layers' experts, whose parameters a GPU holds a
+// share of, beside tensor, sequence and pipeline parallelism.
+TEST_F(NemotronH8bOnOneNode, ExpertLayersTakeExpertParallelism) {
+  Expected<ModelSpec> m = parse_model(
+      "name: hybrid-moe\n"
+      "layer_pattern: \"MEM*EMEM*E\"\n"
+      "hidden: 1024\nheads: 16\nkv_heads: 4\nffn_hidden: 1024\nmlp: squared_relu\n"
+      "vocab: 32768\nseq_len: 4096\nposition: none\nnorm: rmsnorm\nbias: false\n"
+      "experts: 16\nexperts_per_token: 4\nexpert_ffn_hidden: 512\n"
+      "shared_expert_ffn_hidden: 1024\n"
+      "mamba_heads: 32\nmamba_head_dim: 64\nmamba_state: 64\nmamba_groups: 4\n",
+      "hybrid-moe.yaml");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  model = *m;
+  o.tp = 2;
+  o.sequence_parallel = true;
+  o.pp = 2;
+  Expected<Program> without = compile(o);
+  ASSERT_TRUE(without.ok()) << without.error().message();
+  o.ep = 2;
+  Expected<Program> with = compile(o);
+  ASSERT_TRUE(with.ok()) << with.error().message();
+  // Stage 0 holds layers 0-4 ("MEM*E"): two expert layers, whose experts ep halves.
+  const double experts_here = 2.0 * 16 * 2 * 1024 * 512 / 2;  // two layers' experts over tp
+  EXPECT_NEAR(without->lanes[0].parameters - with->lanes[0].parameters, experts_here / 2,
+              1e-9 * experts_here);
 }
 
 // The search plans a hybrid model: every plan it ranks compiles, and its best fits the GPUs.
