@@ -1,5 +1,8 @@
 #include "core/layout.h"
 
+#include <array>
+#include <string>
+
 #include <fmt/format.h>
 
 namespace nnsim {
@@ -131,6 +134,20 @@ std::vector<Conversion> conversions(const TensorSpec& t, TensorLayout have,
   return out;
 }
 
+namespace {
+
+// What an operator's granularity along `d` counts, for messages.
+std::string head_units(const Op& op, Dim d) {
+  if (d != Dim::kHeads) return "elements";
+  if (op.kind == OpKind::kScan) return "Mamba-2 heads (mamba_heads must be divisible by the split)";
+  if (op.name.rfind("ssm.", 0) == 0) {
+    return "Mamba-2 head groups (mamba_groups must be divisible by the split)";
+  }
+  return "key/value head groups (kv_heads must be divisible by the split)";
+}
+
+}  // namespace
+
 Expected<std::vector<OpPartition>> resolve_partitions(const GraphPart& part, const Plan& plan) {
   const Mesh& mesh = plan.mesh;
   std::vector<OpPartition> out;
@@ -138,25 +155,21 @@ Expected<std::vector<OpPartition>> resolve_partitions(const GraphPart& part, con
     OpPartition p;
     p.axis_dim.assign(mesh.axes.size(), OpPartition::kNone);
     // Every matching rule applies in file order; a later rule replaces the axes of a dimension
-    // an earlier one split ("seq": [] un-splits it).
+    // an earlier one split ("seq": [] un-splits it). The rule that split each dimension last.
+    std::array<const PartitionRule*, kNumDims> split_by{};
     for (const auto& rule : plan.partition) {
       if (!match_pattern(rule.match, op.name)) continue;
       for (const auto& split : rule.splits) {
         for (auto& d : p.axis_dim) {
           if (d == static_cast<int8_t>(split.dim)) d = OpPartition::kNone;
         }
+        split_by[static_cast<int>(split.dim)] = split.axes.empty() ? nullptr : &rule;
         if (split.axes.empty()) continue;
         if (!op.dims.contains(split.dim)) {
           return Error(fmt::format(
               "partition rule '{}' splits dimension '{}' of operator '{}', which has no such "
               "dimension; narrow the rule's match",
               rule.match, to_string(split.dim), op.name));
-        }
-        if (op.unsplittable.contains(split.dim)) {
-          return Error(fmt::format(
-              "partition rule '{}' splits dimension '{}' of operator '{}' ({}), which cannot be "
-              "split; narrow the rule's match",
-              rule.match, to_string(split.dim), op.name, to_string(op.kind)));
         }
         for (const auto& axis : split.axes) {
           int ai = mesh.axis_index(axis);
@@ -171,15 +184,21 @@ Expected<std::vector<OpPartition>> resolve_partitions(const GraphPart& part, con
       }
     }
     for (int d = 0; d < kNumDims; ++d) {
-      int f = p.factor(static_cast<Dim>(d), mesh);
+      const Dim dim = static_cast<Dim>(d);
+      // Checked once every rule has applied: a later rule may take back an earlier split.
+      if (split_by[d] != nullptr && op.unsplittable.contains(dim)) {
+        return Error(fmt::format(
+            "partition rule '{}' splits dimension '{}' of operator '{}' ({}), which cannot be "
+            "split; narrow the rule's match",
+            split_by[d]->match, to_string(dim), op.name, to_string(op.kind)));
+      }
+      int f = p.factor(dim, mesh);
       int64_t g = op.granularity[d];
       if (f > 1 && g % f != 0) {
-        return Error(fmt::format(
-            "operator '{}' splits '{}' {} ways, which does not divide its {} {}{}", op.name,
-            to_string(static_cast<Dim>(d)), f, g,
-            static_cast<Dim>(d) == Dim::kHeads ? "key/value head groups" : "elements",
-            static_cast<Dim>(d) == Dim::kHeads ? " (kv_heads must be divisible by the split)"
-                                               : ""));
+        return Error(
+            fmt::format("operator '{}' splits '{}' {} ways, which does not divide its {} "
+                        "{}",
+                        op.name, to_string(dim), f, g, head_units(op, dim)));
       }
     }
     out.push_back(p);

@@ -698,6 +698,9 @@ GraphPart build_mamba_layer(const ModelSpec& m, const Shape& x) {
   ops.push_back(linear_op("ssm.out_proj", 4, out(3), Dim::kHeads, d, Dim::kHidden, x.h, false, x));
   ops.push_back(dropout_add_op("ssm.residual", 5, {out(4), kPartInput}, m.dropout, x));
   for (Op& op : ops) op.granularity[static_cast<int>(Dim::kHeads)] = x.mamba_groups;
+  // The scan alone may split a group's heads (context parallelism over more ranks than a
+  // tensor-parallel rank has groups: each rank repeats its group's B and C).
+  ops[2].granularity[static_cast<int>(Dim::kHeads)] = m.mamba_heads;
   return part;
 }
 

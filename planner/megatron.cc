@@ -303,11 +303,21 @@ Status check_shapes(const ModelSpec& model, const MegatronOptions& o, int dp) {
                       "(mamba_groups); use a divisor of it",
                       o.tp, model.mamba_groups));
     }
-    if (o.cp > 1) {
+    // Context parallelism hands each rank its tensor-parallel heads' share of heads for the
+    // whole sequence around the scan (Megatron-Core's MambaContextParallel); a rank's groups
+    // split over cp or, fewer than cp, are repeated.
+    const int64_t heads = model.mamba_heads / o.tp, groups = model.mamba_groups / o.tp;
+    if (o.cp > 1 && heads % o.cp != 0) {
       return Error(
-          "--cp with Mamba-2 layers is not modelled: their scan runs along the whole sequence, "
-          "and Megatron-Core's context parallelism for them exchanges heads for sequence by "
-          "all-to-all, which nnsim does not price; use --cp 1");
+          fmt::format("--cp {} does not divide a tensor-parallel rank's {} Mamba-2 heads "
+                      "(mamba_heads / tp); use a divisor of it",
+                      o.cp, heads));
+    }
+    if (o.cp > 1 && groups % o.cp != 0 && o.cp % groups != 0) {
+      return Error(
+          fmt::format("--cp {} and a tensor-parallel rank's {} Mamba-2 groups "
+                      "(mamba_groups / tp): one must divide the other",
+                      o.cp, groups));
     }
   }
   if (o.global_batch < 1) {
@@ -608,6 +618,14 @@ void add_partition_rules(const ModelSpec& model, const MegatronOptions& o, Plan&
       if (model.position == PositionKind::kLearned) rule("embed.position", Dim::kSeq, axes);
       if (model.dropout) rule("embed.dropout", Dim::kSeq, axes);
     }
+  }
+  // Context parallelism over Mamba-2 layers: the scan runs on the whole sequence, its heads
+  // split over tp and cp; the all-to-alls around it are the layout changes (Megatron-Core's
+  // MambaContextParallel: the input projection's output in, the scan's output back).
+  if (o.cp > 1 && model.has_layer_kind('M')) {
+    std::vector<std::string> axes = {"cp"};
+    if (o.tp > 1) axes.insert(axes.begin(), "tp");
+    plan.partition.push_back({"ssm.scan", {{Dim::kSeq, {}}, {Dim::kHeads, axes}}});
   }
 }
 

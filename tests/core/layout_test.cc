@@ -217,6 +217,21 @@ TEST(Layout, SplittingAnUnsplittableDimensionFails) {
       << e;
 }
 
+// A later rule that takes the split back ("hidden": []) leaves the norm whole: the check is on
+// what every matching rule gives together.
+TEST(Layout, ALaterRuleMayTakeBackAnUnsplittableSplit) {
+  const Plan plan = plan_with({{"dp", 1}, {"tp", 2}}, {{"*.norm", {{Dim::kHidden, {"tp"}}}},
+                                                       {"mlp.norm", {{Dim::kHidden, {}}}}});
+  OpGraph g = lower_model(small_model(), 1);
+  auto parts = resolve_partitions(g.blocks[0], plan);
+  ASSERT_FALSE(parts.ok());  // attn.norm is still split
+  EXPECT_TRUE(contains(parts.error().message(), "'attn.norm'")) << parts.error().message();
+  const Plan both = plan_with({{"dp", 1}, {"tp", 2}}, {{"*.norm", {{Dim::kHidden, {"tp"}}}},
+                                                       {"*.norm", {{Dim::kHidden, {}}}}});
+  auto whole = resolve_partitions(g.blocks[0], both);
+  ASSERT_TRUE(whole.ok()) << whole.error().message();
+}
+
 TEST(Layout, FactorMustDivideKeyValueGroups) {
   // 8 query heads in 2 key/value groups: a 4-way head split does not divide the groups.
   std::string e =

@@ -1,6 +1,7 @@
 // Megatron-style plans of hybrid models (Nemotron-H): Mamba-2 mixers split by group of heads,
 // the degrees a mixer refuses, and the search over them.
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -70,18 +71,54 @@ TEST_F(NemotronH8bOnOneNode, TensorParallelismSplitsTheMixers) {
 }
 
 TEST_F(NemotronH8bOnOneNode, DegreesAMixerCannotTakeAreRefused) {
-  o.cp = 2;
-  Expected<Program> cp = compile(o);
-  ASSERT_FALSE(cp.ok());
-  EXPECT_NE(cp.error().message().find("--cp with Mamba-2 layers"), std::string::npos)
-      << cp.error().message();
-  o.cp = 1;
   model.mamba_groups = 2;  // 128 heads in 2 groups: tp 4 would split a group
   o.tp = 4;
   Expected<Program> tp = compile(o);
   ASSERT_FALSE(tp.ok());
   EXPECT_NE(tp.error().message().find("2 Mamba-2 groups (mamba_groups)"), std::string::npos)
       << tp.error().message();
+  // Context parallelism splits a tensor-parallel rank's heads: 6 heads over tp 2 leave 3.
+  o.tp = 2;
+  o.cp = 2;
+  model.mamba_heads = 6;
+  Expected<Program> heads = compile(o);
+  ASSERT_FALSE(heads.ok());
+  EXPECT_NE(heads.error().message().find("3 Mamba-2 heads"), std::string::npos)
+      << heads.error().message();
+  // 12 heads in 6 groups over tp 2: 3 groups a rank, which cp 2 neither splits nor repeats.
+  model.mamba_heads = 12;
+  model.mamba_groups = 6;
+  Expected<Program> groups = compile(o);
+  ASSERT_FALSE(groups.ok());
+  EXPECT_NE(groups.error().message().find("3 Mamba-2 groups"), std::string::npos)
+      << groups.error().message();
+}
+
+// Context parallelism (Megatron-Core's MambaContextParallel): around each scan an all-to-all
+// hands every rank its heads for the whole sequence (the input projection's output) and one
+// hands the scan's output back, so a Mamba-2 layer's forward has two all-to-alls over cp.
+TEST_F(NemotronH8bOnOneNode, ContextParallelismExchangesHeadsAroundTheScan) {
+  o.tp = 2;
+  o.cp = 2;
+  o.sequence_parallel = true;
+  Expected<Program> p = compile(o);
+  ASSERT_TRUE(p.ok()) << p.error().message();
+  std::vector<double> bytes;
+  for (const BlockTemplate& t : p->templates) {
+    if (t.lane != 0 || t.kind != BlockKind::kForward) continue;
+    for (const Step& s : t.steps) {
+      if (s.kind == StepKind::kCollective && s.collective == CollectiveKind::kAllToAll) {
+        bytes.push_back(s.bytes);
+      }
+    }
+    break;
+  }
+  ASSERT_EQ(bytes.size(), 2u * 24);
+  // A rank's half of the sequence, its tensor-parallel half of z, x, B, C and dt, in 16-bit;
+  // then its quarter of the heads' outputs for the whole sequence.
+  const double in_width = 2 * 8192 + 2 * 8 * 128 + 128;
+  EXPECT_DOUBLE_EQ(bytes[0], 8192 / 2 * in_width / 2 * 2);
+  EXPECT_DOUBLE_EQ(bytes[1], 8192 * 8192.0 / 4 * 2);
 }
 
 // A hybrid mixture of experts (Nemotron 3's kind: Mamba-2 and expert layers, a few attention
