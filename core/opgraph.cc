@@ -618,17 +618,17 @@ GraphPart build_embedding(const ModelSpec& m, const Shape& x) {
 
 // Mamba-2's convolution, chunked scan and gate over the input projection's z, x, B, C and dt
 // (Megatron-Core's mamba_split_conv1d_scan_combined, one autograd function of a causal
-// depthwise convolution and the SSD algorithm's Triton kernels; docs/opgraph.md#mamba-2-layers).
-// It keeps its input and the ungated output for the backward, which recomputes the convolution
-// and the chunk states.
+// depthwise convolution and the SSD algorithm's Triton kernels; docs/opgraph.md, "Hybrid models
+// and Mamba-2 layers"). It keeps its input and the ungated output for the backward, which
+// recomputes the convolution and the chunk states.
 Op ssm_scan_op(int self, TensorRef in, const ModelSpec& m, const Shape& x) {
   Op op;
   op.name = "ssm.scan";
   op.kind = OpKind::kScan;
   const DimSet bsh{Dim::kBatch, Dim::kSeq, Dim::kHeads};
   op.dims = bsh;
-  // The recurrence runs along the whole sequence (context parallelism would exchange heads for
-  // sequence by all-to-all first, Megatron-Core's MambaContextParallel: not modelled).
+  // The recurrence runs along the whole sequence: context parallelism splits its heads instead,
+  // with all-to-alls around it (Megatron-Core's MambaContextParallel).
   op.unsplittable = {Dim::kSeq};
   op.inputs = {in};
   const double tokens = x.b * x.s;
