@@ -303,8 +303,8 @@ Status check_shapes(const ModelSpec& model, const MegatronOptions& o, int dp) {
                       "(mamba_groups); use a divisor of it",
                       o.tp, model.mamba_groups));
     }
-    // Context parallelism hands each rank its tensor-parallel heads' share of heads for the
-    // whole sequence around the scan (Megatron-Core's MambaContextParallel); a rank's groups
+    // Context parallelism gives each rank a share of its tensor-parallel rank's heads for the
+    // whole sequence around the scan (Megatron-Core's MambaContextParallel); those heads' groups
     // split over cp or, fewer than cp, are repeated.
     const int64_t heads = model.mamba_heads / o.tp, groups = model.mamba_groups / o.tp;
     if (o.cp > 1 && heads % o.cp != 0) {
