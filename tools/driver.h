@@ -29,6 +29,8 @@ Expected<Topology> load_topology_sized(const std::string& path, int nodes);
 // For a mixture of experts, a note that its step times are not validated yet: the published
 // MoE runs nnsim has been set against ran slower or faster than it predicts (docs/moe.md).
 void note_unvalidated_moe(const ModelSpec& model);
+// A hybrid model's Mamba-2 pricing has no kernel measurement behind it (docs/hybrid.md).
+void note_unvalidated_hybrid(const ModelSpec& model);
 
 // For a hypothetical GPU (a what-if part), a note that its figures are as given and its
 // efficiencies its base GPU's measured ones (docs/topology.md).

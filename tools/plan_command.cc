@@ -140,6 +140,7 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
                 r->rank_disagreements, r->rank_pairs);
   }
   note_unvalidated_moe(r->best.model);
+  note_unvalidated_hybrid(r->best.model);
   note_hypothetical_gpu(topo.gpu);
   std::string error;
   if (!a.csv.empty()) {

@@ -81,6 +81,7 @@ void print_report(const Program& prog, const SimResult& r) {
                 prog.replicas);
   }
   note_unvalidated_moe(prog.plan.model);
+  note_unvalidated_hybrid(prog.plan.model);
   note_hypothetical_gpu(prog.topology.gpu);
 }
 

@@ -422,12 +422,30 @@ TEST(NnsimTool, MixtureOfExpertsPlansAndSimulates) {
               model == "moe")
         << r;
     EXPECT_FALSE(contains(r.out, "hypothetical GPU")) << r;  // an A100 of the catalog
+    EXPECT_FALSE(contains(r.out, "Mamba-2")) << r;
     return json::parse(box.read("r.json"));
   };
   const json d = run("dense"), m = run("moe");
   EXPECT_EQ(json::parse(box.read("moe.json"))["model"]["experts"], 8);
   EXPECT_GT(m["iteration_time_s"].get<double>(), d["iteration_time_s"].get<double>());
   EXPECT_LT(m["iteration_time_s"].get<double>(), 1.5 * d["iteration_time_s"].get<double>());
+}
+
+// A hybrid preset plans and simulates from the command line; the report says what backs the
+// Mamba-2 layers' pricing (docs/hybrid.md), as the search's table does.
+TEST(NnsimTool, HybridModelPlansAndSimulates) {
+  Sandbox box;
+  RunResult p = box.nnsim({"plan", "--model", "nemotron-h-8b", "--topo", "dgx-h100-superpod",
+                           "--nodes", "1", "--tp", "2", "--pp", "2", "--sequence-parallel",
+                           "--zero", "1", "--global-batch", "16", "-o", "h.json"});
+  EXPECT_EQ(p.status, 0) << p;
+  RunResult r = box.nnsim({"--topo", "dgx-h100-superpod", "--nodes", "1", "h.json"});
+  EXPECT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "Mamba-2 layers are priced by their kernels' traffic")) << r;
+  EXPECT_FALSE(contains(r.out, "mixture-of-experts")) << r;
+  const json plan = json::parse(box.read("h.json"));
+  EXPECT_EQ(plan["model"]["layer_pattern"].get<std::string>().size(), 52u);
+  EXPECT_EQ(plan["model"]["mamba_heads"], 128);
 }
 
 // Expert parallelism from the command line: the builder spreads the experts over --ep of the
