@@ -412,6 +412,15 @@ int ModelSpec::block_shape(int layer) const {
   return static_cast<int>(layer_kinds().find(layer_pattern[layer]));
 }
 
+std::vector<int> ModelSpec::block_shape_of_layers() const {
+  std::vector<int> out(std::max(0, layers), 0);
+  const std::string kinds = layer_kinds();
+  for (int l = 0; l < layers; ++l) {
+    out[l] = hybrid() ? static_cast<int>(kinds.find(layer_pattern[l])) : block_shape(l);
+  }
+  return out;
+}
+
 int64_t ModelSpec::mamba_layer_parameters() const {
   const int64_t h = hidden, d = mamba_inner(), c = mamba_conv_width();
   const int64_t norm_params = h + (norm == NormKind::kLayerNorm && bias ? h : 0);

@@ -172,6 +172,7 @@ struct ModelSpec {
   // they first appear.
   int block_shapes() const;
   int block_shape(int layer) const;
+  std::vector<int> block_shape_of_layers() const;  // block_shape of every layer, in one pass
   // A hybrid model's pattern characters, each once, in the order they first appear.
   std::string layer_kinds() const;
   // Parameters of one transformer block (an expert block in a mixture of experts), of a dense

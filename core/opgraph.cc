@@ -973,7 +973,7 @@ OpGraph lower_model(const ModelSpec& model, int64_t micro_batch) {
     dense.shared_expert_ffn_hidden = 0;
     g.blocks.push_back(build_layer(dense, shape_of(dense, micro_batch)));
   }
-  for (int l = 0; l < model.layers; ++l) g.block_of_layer.push_back(model.block_shape(l));
+  g.block_of_layer = model.block_shape_of_layers();
   g.head = build_head(model, x);
   return g;
 }
