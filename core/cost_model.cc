@@ -125,7 +125,8 @@ double op_seconds(const Op& op, Pass pass, double flops, double bytes, const Pie
         op.causal ? flops * model.causal_fraction : flops / op.attended_fraction;
     compute = executed / (gpu.peak_flops(p) * efficiency * model.sustained);
   } else if (flops > 0) {
-    // Mamba-2's scan runs its small matrix products in 16-bit even in fp8 training.
+    // Mamba-2's scan and Gated DeltaNet's delta rule run their small matrix products in 16-bit
+    // even in fp8 training.
     const Precision p =
         op.kind == OpKind::kScan && precision == Precision::kFp8 ? Precision::kBf16 : precision;
     auto it = model.gemm_efficiency.find(p);

@@ -139,6 +139,9 @@ namespace {
 // What an operator's granularity along `d` counts, for messages.
 std::string head_units(const Op& op, Dim d) {
   if (d != Dim::kHeads) return "elements";
+  if (op.name.rfind("gdn.", 0) == 0) {
+    return "Gated DeltaNet key heads (gdn_key_heads must be divisible by the split)";
+  }
   if (op.kind == OpKind::kScan) return "Mamba-2 heads (mamba_heads must be divisible by the split)";
   if (op.name.rfind("ssm.", 0) == 0) {
     return "Mamba-2 head groups (mamba_groups must be divisible by the split)";

@@ -63,8 +63,49 @@ std::string too_large(int64_t value, std::string_view field) {
   return fmt::format("{} is too large (at most {})", value, size_limit(field));
 }
 
-// A hybrid model's pattern and Mamba-2 mixer; a mixer's fields without 'M' layers.
+// A Gated DeltaNet mixer's fields; those fields without 'G' layers.
+std::optional<Problem> find_gdn_problem(const ModelSpec& m) {
+  if (!m.has_layer_kind('G')) {
+    if (m.gdn_key_heads != 0 || m.gdn_value_heads != 0) {
+      return Problem{m.gdn_key_heads != 0 ? "gdn_key_heads" : "gdn_value_heads",
+                     "only 'G' layers (layer_pattern) have it; add them or remove the gdn_ "
+                     "fields"};
+    }
+    return std::nullopt;
+  }
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"gdn_key_heads", m.gdn_key_heads},
+      {"gdn_value_heads", m.gdn_value_heads},
+      {"gdn_key_head_dim", m.gdn_key_head_dim},
+      {"gdn_value_head_dim", m.gdn_value_head_dim},
+      {"gdn_conv", m.gdn_conv},
+      {"gdn_chunk", m.gdn_chunk},
+  };
+  for (const auto& [field, value] : sizes) {
+    if (value <= 0 || value > kMaxWidth) {
+      return Problem{field, fmt::format("must be a positive integer up to {} for 'G' layers, "
+                                        "got {}",
+                                        kMaxWidth, value)};
+    }
+  }
+  if (m.gdn_value_heads % m.gdn_key_heads != 0) {
+    return Problem{"gdn_value_heads",
+                   fmt::format("must be a multiple of gdn_key_heads ({}): each query/key head "
+                               "serves the same number of value heads, got {}",
+                               m.gdn_key_heads, m.gdn_value_heads)};
+  }
+  if (m.gdn_qk_width() > kMaxHeadWidths || m.gdn_v_width() > kMaxHeadWidths) {
+    return Problem{"gdn_value_heads",
+                   fmt::format("the mixer's widths (key heads x dim {}, value heads x dim {}) "
+                               "are over the {} nnsim handles",
+                               m.gdn_qk_width(), m.gdn_v_width(), kMaxHeadWidths)};
+  }
+  return std::nullopt;
+}
+
+// A hybrid model's pattern and its mixers; a mixer's fields without its layers.
 std::optional<Problem> find_hybrid_problem(const ModelSpec& m) {
+  if (auto p = find_gdn_problem(m)) return p;
   if (!m.hybrid()) {
     if (m.mamba_heads != 0) {
       return Problem{"mamba_heads",
@@ -73,12 +114,13 @@ std::optional<Problem> find_hybrid_problem(const ModelSpec& m) {
     }
     return std::nullopt;
   }
-  const std::string_view kinds = "M*-E";
+  const std::string_view kinds = "MG*-E";
   for (size_t i = 0; i < m.layer_pattern.size(); ++i) {
     if (kinds.find(m.layer_pattern[i]) == std::string_view::npos) {
       return Problem{"layer_pattern",
                      fmt::format("character {} ('{}') is not a layer kind; use 'M' (Mamba-2), "
-                                 "'*' (attention), '-' (MLP) or 'E' (experts), one per layer",
+                                 "'G' (Gated DeltaNet), '*' (attention), '-' (MLP) or 'E' "
+                                 "(experts), one per layer",
                                  i + 1, m.layer_pattern[i])};
     }
   }
@@ -104,10 +146,16 @@ std::optional<Problem> find_hybrid_problem(const ModelSpec& m) {
                    "sliding windows in a hybrid model's attention layers are not modelled; "
                    "remove sliding_window or layer_pattern"};
   }
-  if (m.mtp_layers > 0) {
+  // A multi-token prediction module's block is an attention layer and the model's MLP (its
+  // experts in a mixture), split as the pattern's layers of those kinds are (Qwen3-Next's).
+  const char mlp_kind = m.moe() ? 'E' : '-';
+  if (m.mtp_layers > 0 && (!m.has_layer_kind('*') || !m.has_layer_kind(mlp_kind))) {
     return Problem{"mtp_layers",
-                   "multi-token prediction modules of a hybrid model are not modelled; remove "
-                   "mtp_layers or layer_pattern"};
+                   fmt::format("a hybrid model's multi-token prediction module is an attention "
+                               "layer and an {} layer, parallelized as the pattern's are: "
+                               "layer_pattern needs '*' and '{}' layers; add them or remove "
+                               "mtp_layers",
+                               m.moe() ? "expert" : "MLP", mlp_kind)};
   }
   if (!m.has_layer_kind('M')) {
     if (m.mamba_heads != 0) {
@@ -157,6 +205,10 @@ std::optional<Problem> find_problem(const ModelSpec& m) {
     if (value > size_limit(field)) return Problem{field, too_large(value, field)};
   }
   if (auto p = find_hybrid_problem(m)) return p;
+  if (m.attention_output_gate && !m.has_layer_kind('T') && !m.has_layer_kind('*')) {
+    return Problem{"attention_output_gate",
+                   "layer_pattern has no attention layer ('*') to gate; remove it"};
+  }
   if (m.moe()) {
     if (m.experts < 2 || m.experts > kMaxWidth) {
       return Problem{"experts", fmt::format("must be between 2 and {} for a mixture of experts "
@@ -250,6 +302,11 @@ std::optional<Problem> find_problem(const ModelSpec& m) {
                      "multi-head latent attention normalizes its latents, not per-head queries "
                      "and keys; remove qk_norm"};
     }
+    if (m.attention_output_gate) {
+      return Problem{"attention_output_gate",
+                     "an output gate on multi-head latent attention is not modelled; remove "
+                     "attention_output_gate"};
+    }
     if (m.head_width > 0) {
       return Problem{"head_dim",
                      "multi-head latent attention's heads are qk_nope_head_dim + "
@@ -329,7 +386,8 @@ int64_t ModelSpec::attention_parameters() const {
   auto linear = [&](int64_t in, int64_t out) { return in * out + (bias ? out : 0); };
   if (!mla()) {
     const int64_t d = head_dim();
-    const int64_t qkv_out = (heads + 2 * kv_heads) * d;
+    // Q, K, V and, with an output gate, the gate (one channel per query channel).
+    const int64_t qkv_out = (heads + 2 * kv_heads + (attention_output_gate ? heads : 0)) * d;
     // The norm, the fused Q, K, V projection, the query and key norms and the output projection.
     return norm_of(h) + linear(h, qkv_out) + (qk_norm ? 2 * norm_of(d) : 0) + linear(heads * d, h) +
            (post_norms ? norm_of(h) : 0);
@@ -429,6 +487,16 @@ int64_t ModelSpec::mamba_layer_parameters() const {
   return norm_params + h * mamba_in_width() + c * mamba_conv + c + 3 * mamba_heads + d + d * h;
 }
 
+int64_t ModelSpec::gdn_layer_parameters() const {
+  const int64_t h = hidden;
+  const int64_t norm_params = h + (norm == NormKind::kLayerNorm && bias ? h : 0);
+  // The norm, the input projection, the convolution's taps (no bias: Megatron-Core's and
+  // Qwen3-Next's), each value head's dt bias and decay (A), the gated norm's scale (one value
+  // head's width, shared by the heads) and the output projection.
+  return norm_params + h * gdn_in_width() + gdn_conv_width() * gdn_conv + 2 * gdn_value_heads +
+         gdn_value_head_dim + gdn_v_width() * h;
+}
+
 int64_t ModelSpec::parameters() const {
   if (hybrid()) {
     const int64_t norm_params = hidden + (norm == NormKind::kLayerNorm && bias ? hidden : 0);
@@ -440,6 +508,7 @@ int64_t ModelSpec::parameters() const {
     int64_t p = embedding_parameters() + head_parameters();
     for (char c : layer_pattern) {
       p += c == 'M'   ? mamba_layer_parameters()
+           : c == 'G' ? gdn_layer_parameters()
            : c == '*' ? attention_parameters()
            : c == '-' ? norm_params + mlp_parameters(ffn_hidden)
                       : norm_params + experts_mlp;
@@ -503,14 +572,22 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                    "mamba_state",
                    "mamba_groups",
                    "mamba_conv",
-                   "mamba_chunk"});
+                   "mamba_chunk",
+                   "gdn_key_heads",
+                   "gdn_value_heads",
+                   "gdn_key_head_dim",
+                   "gdn_value_head_dim",
+                   "gdn_conv",
+                   "gdn_chunk",
+                   "attention_output_gate"});
   ModelSpec m;
   m.name = node.get_string("name", default_name);
   m.family = node.get_string("family", "");
   m.layer_pattern = node.get_string("layer_pattern", "");
   if (node.has("layer_pattern") && m.layer_pattern.empty()) {
     node["layer_pattern"].fail(
-        "must name one kind a layer ('M', '*', '-', 'E'), or be absent (transformer blocks)");
+        "must name one kind a layer ('M', 'G', '*', '-', 'E'), or be absent (transformer "
+        "blocks)");
   }
   const bool layers_from_pattern = m.hybrid() && !node.has("layers");
   m.layers =
@@ -662,6 +739,21 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
       if (node.has(f)) node[f].fail("only 'M' layers (layer_pattern) have it; remove it");
     }
   }
+  for (auto [field, value] :
+       {std::pair{"gdn_key_heads", &m.gdn_key_heads},
+        std::pair{"gdn_value_heads", &m.gdn_value_heads},
+        std::pair{"gdn_key_head_dim", &m.gdn_key_head_dim},
+        std::pair{"gdn_value_head_dim", &m.gdn_value_head_dim}, std::pair{"gdn_conv", &m.gdn_conv},
+        std::pair{"gdn_chunk", &m.gdn_chunk}}) {
+    if (node.has(field)) *value = node[field].as_int();
+  }
+  if (!m.has_layer_kind('G')) {
+    for (const char* f : {"gdn_key_heads", "gdn_value_heads", "gdn_key_head_dim",
+                          "gdn_value_head_dim", "gdn_conv", "gdn_chunk"}) {
+      if (node.has(f)) node[f].fail("only 'G' layers (layer_pattern) have it; remove it");
+    }
+  }
+  m.attention_output_gate = node.get_bool("attention_output_gate", false);
   if (auto p = find_problem(m)) {
     // Point at the offending field; kv_heads may be absent (defaulted), then at the mapping.
     if (node.has(p->field)) node[p->field].fail(p->message);
@@ -681,6 +773,7 @@ std::string model_to_json(const ModelSpec& m) {
   if (m.head_width > 0) j["head_dim"] = m.head_width;
   if (m.qk_norm) j["qk_norm"] = true;
   if (m.post_norms) j["post_norms"] = true;
+  if (m.attention_output_gate) j["attention_output_gate"] = true;
   if (m.mtp_layers > 0) j["mtp_layers"] = m.mtp_layers;
   j["ffn_hidden"] = m.ffn_hidden;
   j["mlp"] = to_string(m.mlp);
@@ -720,6 +813,14 @@ std::string model_to_json(const ModelSpec& m) {
       j["mamba_groups"] = m.mamba_groups;
       j["mamba_conv"] = m.mamba_conv;
       j["mamba_chunk"] = m.mamba_chunk;
+    }
+    if (m.has_layer_kind('G')) {
+      j["gdn_key_heads"] = m.gdn_key_heads;
+      j["gdn_value_heads"] = m.gdn_value_heads;
+      j["gdn_key_head_dim"] = m.gdn_key_head_dim;
+      j["gdn_value_head_dim"] = m.gdn_value_head_dim;
+      j["gdn_conv"] = m.gdn_conv;
+      j["gdn_chunk"] = m.gdn_chunk;
     }
   }
   if (m.mla()) {

@@ -111,10 +111,13 @@ struct ModelSpec {
   // within the window.
   int64_t sliding_window = 0;
   int full_attention_interval = 0;
+  // A sigmoid gate on the attention's output, per channel, projected from the hidden state beside
+  // the queries (Qwen3-Next's gated attention; Megatron-Core's --attention-output-gate).
+  bool attention_output_gate = false;
   // Hybrid models (Megatron-LM's --hybrid-override-pattern): one character per layer, each its
-  // own pre-norm and residual: 'M' a Mamba-2 mixer, '*' self-attention alone, '-' an MLP of
-  // ffn_hidden alone, 'E' a mixture of experts' MLP alone. Empty: every layer is a transformer
-  // block (attention and an MLP or experts).
+  // own pre-norm and residual: 'M' a Mamba-2 mixer, 'G' a Gated DeltaNet mixer, '*'
+  // self-attention alone, '-' an MLP of ffn_hidden alone, 'E' a mixture of experts' MLP alone.
+  // Empty: every layer is a transformer block (attention and an MLP or experts).
   std::string layer_pattern;
   // The Mamba-2 mixer (Dao and Gu 2024; 'M' layers): mamba_heads heads of mamba_head_dim
   // channels (the inner width d = heads x head_dim), a state of mamba_state per head, B and C
@@ -126,6 +129,17 @@ struct ModelSpec {
   int64_t mamba_groups = 8;
   int64_t mamba_conv = 4;
   int64_t mamba_chunk = 128;
+  // The Gated DeltaNet mixer (Yang, Kautz and Hatamizadeh 2025; 'G' layers, Qwen3-Next's linear
+  // attention): gdn_key_heads query/key heads of gdn_key_head_dim channels, gdn_value_heads value
+  // heads of gdn_value_head_dim (a multiple of the key heads, which each serve value_heads /
+  // key_heads of them), a causal depthwise convolution of gdn_conv taps over Q, K and V, and the
+  // chunked delta rule's chunks of gdn_chunk tokens.
+  int64_t gdn_key_heads = 0;
+  int64_t gdn_value_heads = 0;
+  int64_t gdn_key_head_dim = 128;
+  int64_t gdn_value_head_dim = 128;
+  int64_t gdn_conv = 4;
+  int64_t gdn_chunk = 64;
   bool hybrid() const { return !layer_pattern.empty(); }
   // The pattern character of layer l ('T' for a transformer block of a model without pattern).
   char layer_kind(int layer) const { return hybrid() ? layer_pattern[layer] : 'T'; }
@@ -141,6 +155,16 @@ struct ModelSpec {
   // The channels the convolution runs over: x, B and C.
   int64_t mamba_conv_width() const { return mamba_inner() + 2 * mamba_groups * mamba_state; }
   int64_t mamba_layer_parameters() const;
+  int64_t gdn_qk_width() const { return gdn_key_heads * gdn_key_head_dim; }     // Q's (and K's)
+  int64_t gdn_v_width() const { return gdn_value_heads * gdn_value_head_dim; }  // V's (and z's)
+  // The Gated DeltaNet input projection's width: Q, K, V, the output gate z, and beta and the
+  // decay's input (one each per value head).
+  int64_t gdn_in_width() const {
+    return 2 * gdn_qk_width() + 2 * gdn_v_width() + 2 * gdn_value_heads;
+  }
+  // The channels its convolution runs over: Q, K and V.
+  int64_t gdn_conv_width() const { return 2 * gdn_qk_width() + gdn_v_width(); }
+  int64_t gdn_layer_parameters() const;
   bool windowed() const { return sliding_window > 0 && sliding_window < seq_len; }
   bool is_windowed_layer(int layer) const {
     return sliding_window > 0 &&

@@ -112,8 +112,14 @@ struct Shape {
   double q_lora, kv_lora, dqk, dv, rope;
   // Mamba-2 (0 without 'M' layers): heads, head width, state, groups, convolution taps, chunk.
   double mh, mp, mn, mg, mk, mq;
-  int64_t mb, seq, hidden, kv_heads, ffn, vocab, experts, mamba_groups;
+  // Gated DeltaNet (0 without 'G' layers): key and value heads, their widths, convolution taps,
+  // chunk.
+  double gk, gv, gdk, gdv, gconv, gchunk;
+  double gate;  // the attention output gate's channels (0 without)
+  int64_t mb, seq, hidden, kv_heads, ffn, vocab, experts, mamba_groups, gdn_key_heads;
   double qkv_width() const { return (a + 2 * k) * dh; }
+  // The Q, K, V projection's output: Q, K, V and the output gate's channels.
+  double qkv_out_width() const { return qkv_width() + gate; }
 };
 
 Shape shape_of(const ModelSpec& m, int64_t micro_batch) {
@@ -147,6 +153,16 @@ Shape shape_of(const ModelSpec& m, int64_t micro_batch) {
     x.mq = static_cast<double>(m.mamba_chunk);
     x.mamba_groups = m.mamba_groups;
   }
+  if (m.has_layer_kind('G')) {
+    x.gk = static_cast<double>(m.gdn_key_heads);
+    x.gv = static_cast<double>(m.gdn_value_heads);
+    x.gdk = static_cast<double>(m.gdn_key_head_dim);
+    x.gdv = static_cast<double>(m.gdn_value_head_dim);
+    x.gconv = static_cast<double>(m.gdn_conv);
+    x.gchunk = static_cast<double>(m.gdn_chunk);
+    x.gdn_key_heads = m.gdn_key_heads;
+  }
+  if (m.attention_output_gate) x.gate = x.a * x.dh;
   x.mb = micro_batch;
   x.seq = m.seq_len;
   x.hidden = m.hidden;
@@ -344,7 +360,7 @@ Op qk_norm_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x) {
     op.weights.push_back(tensor(TensorRef{self, 4}, x.dh, {}, x.p));
   }
   // Its input is a view of the projection's output, whose storage the attention keeps for V.
-  op.saved = {tensor(qkv, tokens * x.qkv_width(), bsn, x.p)};
+  op.saved = {tensor(qkv, tokens * x.qkv_out_width(), bsn, x.p)};
   op.fwd_bytes = 2 * qk * x.p;  // read x, write y
   op.bwd_bytes = 3 * qk * x.p;  // read x and dy, write dx
   set_granularity(op, x);
@@ -362,8 +378,9 @@ Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x, int
   const double tokens = x.b * x.s;
   const DimSet bsn{Dim::kBatch, Dim::kSeq, Dim::kHeads};
   op.output = tensor(out(self), tokens * x.a * x.dh, bsn, x.p);
-  // Q, K and V are the projection's output: kept as one tensor.
-  op.saved = {tensor(qkv, tokens * x.qkv_width(), bsn, x.p)};
+  // Q, K and V are the projection's output: kept as one tensor (with the output gate's channels,
+  // views of the same storage).
+  op.saved = {tensor(qkv, tokens * x.qkv_out_width(), bsn, x.p)};
   if (qk_norm >= 0) {
     op.inputs = {out(qk_norm), qkv};
     op.saved.insert(op.saved.begin(), tensor(out(qk_norm), tokens * (x.a + x.k) * x.dh, bsn, x.p));
@@ -373,6 +390,25 @@ Op attention_op(int self, TensorRef qkv, const ModelSpec& m, const Shape& x, int
   op.head_dim = x.dh;
   finish_attention(op, self, tokens * (x.qkv_width() + x.a * x.dh) * x.p,
                    tokens * 2 * x.k * x.dh * x.p, m, x);
+  return op;
+}
+
+// The attention's output gated per channel by the sigmoid of the projection's gate channels
+// (Qwen3-Next; Megatron-Core's --attention-output-gate): it keeps both for the backward.
+Op attention_gate_op(int self, TensorRef core, TensorRef qkv, const Shape& x) {
+  Op op;
+  op.name = "attn.gate";
+  op.kind = OpKind::kActivation;
+  const DimSet bsn{Dim::kBatch, Dim::kSeq, Dim::kHeads};
+  op.dims = bsn;
+  op.inputs = {core, qkv};
+  const double elements = x.b * x.s * x.gate;
+  op.output = tensor(out(self), elements, bsn, x.p);
+  op.saved = {tensor(core, elements, bsn, x.p),
+              tensor(qkv, x.b * x.s * x.qkv_out_width(), bsn, x.p)};
+  op.fwd_bytes = 3 * elements * x.p;  // read the output and the gate, write
+  op.bwd_bytes = 5 * elements * x.p;  // read dy, the output and the gate, write both gradients
+  set_granularity(op, x);
   return op;
 }
 
@@ -704,6 +740,99 @@ GraphPart build_mamba_layer(const ModelSpec& m, const Shape& x) {
   return part;
 }
 
+// Gated DeltaNet's convolution, gates and chunked delta rule over the input projection's Q, K,
+// V, beta and decay input (Megatron-Core's GatedDeltaNet: causal_conv1d, the L2 norms of Q and K,
+// their repetition to the value heads, and flash-linear-attention's chunk_gated_delta_rule
+// kernels; docs/opgraph.md, "Gated DeltaNet layers"). The backward recomputes the chunk
+// states.
+Op gdn_scan_op(int self, TensorRef in, const ModelSpec& m, const Shape& x) {
+  Op op;
+  op.name = "gdn.scan";
+  op.kind = OpKind::kScan;
+  const DimSet bsh{Dim::kBatch, Dim::kSeq, Dim::kHeads};
+  op.dims = bsh;
+  // The recurrence runs along the whole sequence (context parallelism splits heads instead).
+  op.unsplittable = {Dim::kSeq};
+  op.inputs = {in};
+  const double tokens = x.b * x.s, c = x.gchunk, dk = x.gdk, dv = x.gdv;
+  const double qk = x.gk * dk, v = x.gv * dv, conv = 2 * qk + v;
+  const double in_width = static_cast<double>(m.gdn_in_width());
+  // Q and K repeated to the value heads when those are more (grouped value heads).
+  const double repeated = x.gv > x.gk ? 2 * x.gv * dk : 0;
+  op.output = tensor(out(self), tokens * v, bsh, x.p);
+  op.weights = {tensor(TensorRef{self, 1}, conv * x.gconv, {Dim::kHeads}, x.p),  // taps
+                tensor(TensorRef{self, 2}, x.gv, {Dim::kHeads}, x.p),            // dt bias
+                tensor(TensorRef{self, 3}, x.gv, {Dim::kHeads}, x.p)};           // decay (A)
+  // The convolution's input (the projection's output), its output (V read from it), the
+  // normalized and repeated Q and K, the gates g and beta (fp32) and the chunks' inverted
+  // triangular matrices (16-bit, chunk wide a value head).
+  op.saved = {tensor(in, tokens * in_width, bsh, x.p),
+              tensor(TensorRef{self, 4}, tokens * (conv + 2 * qk + repeated), bsh, x.p),
+              tensor(TensorRef{self, 5}, tokens * x.gv * 2, bsh, 4),
+              tensor(TensorRef{self, 6}, tokens * x.gv * c, bsh, x.p)};
+  // Per token and value head: K.K^T within the chunk, its triangular inverse, W and U from it,
+  // the chunk states' pass (U - W.S and S += K^T.(...)), and the output (Q.S and the masked
+  // Q.K^T times the new values); plus the convolution's taps.
+  const double per_head = 6 * c * dk + 4 * c * dv + 6 * dk * dv + 2 * c * c / 3;
+  op.fwd_flops = tokens * (x.gv * per_head + 2 * x.gconv * conv);
+  // The backward recomputes the chunk states, then takes two gradients of every product.
+  op.bwd_input_flops = 3 * op.fwd_flops;
+  // 16-bit: the convolution reads and writes its channels, the L2 norms Q and K, the repetition
+  // writes the repeated Q and K, the gates read beta's and the decay's inputs; fp32: g and beta
+  // written. Then per value head the delta rule's kernels: K (five reads) and Q (one), V and the
+  // new values, W, U and the output, the chunk states written and read, the chunks' matrices
+  // (fp32 K.K^T written and read, its inverse written and read) and g and beta read (fp32).
+  const double per_value_head = x.p * (7 * dk + 6 * dv + 2 * dk * dv / c + 2 * c) + 8 * c + 32;
+  op.fwd_bytes =
+      tokens * (x.p * (2 * conv + 4 * qk + (repeated > 0 ? 2 * qk + repeated : 0) + 2 * x.gv) +
+                8 * x.gv + x.gv * per_value_head);
+  // The recomputation's traffic again, and each tensor's gradient read or written once.
+  op.bwd_bytes = 2 * op.fwd_bytes;
+  // Freed after the forward: K.K^T (fp32), W, U, the chunk states and the new values.
+  op.transient_bytes = tokens * x.gv * (4 * c + x.p * (dk + 2 * dv + dk * dv / c));
+  set_granularity(op, x);
+  return op;
+}
+
+// Gated DeltaNet's output norm: each value head's output normalized (RMSNorm, one scale a head's
+// width shared by the heads) and gated by silu(z), z from the input projection.
+Op gdn_gate_norm_op(int self, TensorRef in, TensorRef proj, const ModelSpec& m, const Shape& x) {
+  Op op;
+  op.name = "gdn.gate_norm";
+  op.kind = OpKind::kNorm;
+  const DimSet bsh{Dim::kBatch, Dim::kSeq, Dim::kHeads};
+  op.dims = bsh;
+  op.inputs = {in, proj};
+  const double elements = x.b * x.s * x.gv * x.gdv;
+  op.output = tensor(out(self), elements, bsh, x.p);
+  op.weights = {tensor(TensorRef{self, 1}, x.gdv, {}, x.p)};
+  op.saved = {tensor(in, elements, bsh, x.p),
+              tensor(proj, x.b * x.s * static_cast<double>(m.gdn_in_width()), bsh, x.p)};
+  op.fwd_bytes = 3 * elements * x.p;  // read the output and z, write
+  op.bwd_bytes = 5 * elements * x.p;  // read dy, the output and z, write both gradients
+  set_granularity(op, x);
+  return op;
+}
+
+// A Gated DeltaNet layer ('G', Megatron-Core's GatedDeltaNet): the norm, the input projection
+// (Q, K, V, z, beta, the decay's input; no bias), the scan, the gated norm, the output
+// projection (no bias) and the residual. Its heads split by query/key head (each with its value
+// heads).
+GraphPart build_gdn_layer(const ModelSpec& m, const Shape& x) {
+  GraphPart part;
+  auto& ops = part.ops;
+  ops.push_back(norm_op("gdn.norm", 0, kPartInput, m, x));
+  ops.push_back(linear_op("gdn.in_proj", 1, out(0), Dim::kHidden, x.h, Dim::kHeads,
+                          static_cast<double>(m.gdn_in_width()), false, x));
+  ops.push_back(gdn_scan_op(2, out(1), m, x));
+  ops.push_back(gdn_gate_norm_op(3, out(2), out(1), m, x));
+  ops.push_back(
+      linear_op("gdn.out_proj", 4, out(3), Dim::kHeads, x.gv * x.gdv, Dim::kHidden, x.h, false, x));
+  ops.push_back(dropout_add_op("gdn.residual", 5, {out(4), kPartInput}, m.dropout, x));
+  for (Op& op : ops) op.granularity[static_cast<int>(Dim::kHeads)] = x.gdn_key_heads;
+  return part;
+}
+
 // With post_norms (Gemma's) a sub-block's output is normalized before the residual adds it:
 // appends that norm after operator `output` and returns it; without, returns `output`.
 int add_post_norm(std::vector<Op>& ops, const char* name, int output, const ModelSpec& m,
@@ -724,12 +853,16 @@ int add_attention_half(std::vector<Op>& ops, const ModelSpec& m, const Shape& x)
     proj = add_mla_ops(ops, m, x);
   } else {
     ops.push_back(linear_op("attn.qkv", norm + 1, out(norm), Dim::kHidden, x.h, Dim::kHeads,
-                            x.qkv_width(), m.bias, x));
+                            x.qkv_out_width(), m.bias, x));
     int core = norm + 2;
     if (m.qk_norm) ops.push_back(qk_norm_op(core++, out(norm + 1), m, x));
     ops.push_back(attention_op(core, out(norm + 1), m, x, m.qk_norm ? norm + 2 : -1));
-    proj = core + 1;
-    ops.push_back(linear_op("attn.proj", proj, out(core), Dim::kHeads, x.a * x.dh, Dim::kHidden,
+    int attn = core;
+    if (m.attention_output_gate) {
+      ops.push_back(attention_gate_op(++attn, out(core), out(norm + 1), x));
+    }
+    proj = attn + 1;
+    ops.push_back(linear_op("attn.proj", proj, out(attn), Dim::kHeads, x.a * x.dh, Dim::kHidden,
                             x.h, m.bias, x));
   }
   const int attn_out = add_post_norm(ops, "attn.post_norm", proj, m, x);
@@ -774,6 +907,7 @@ GraphPart build_layer(const ModelSpec& m, const Shape& x) {
 // A hybrid model's layer of pattern character `kind` (ModelSpec::layer_pattern).
 GraphPart build_hybrid_layer(char kind, const ModelSpec& m, const Shape& x) {
   if (kind == 'M') return build_mamba_layer(m, x);
+  if (kind == 'G') return build_gdn_layer(m, x);
   GraphPart part;
   if (kind == '*') {
     add_attention_half(part.ops, m, x);

@@ -61,7 +61,8 @@ enum class OpKind {
   kAdd,         // elementwise add of a learned position embedding
   kLoss,        // softmax cross-entropy over the vocabulary
   kPermute,     // mixture of experts: tokens to their experts (with the routing) and back
-  kScan,        // Mamba-2's convolution, chunked state-space scan and gate (one fused kernel chain)
+  kScan,        // a recurrent mixer's kernel chain: Mamba-2's convolution, scan and gate; Gated
+          // DeltaNet's convolution, gates and chunked delta rule
 };
 inline constexpr OpKind kOpKinds[] = {
     OpKind::kEmbedding,  OpKind::kNorm, OpKind::kLinear, OpKind::kAttention, OpKind::kActivation,

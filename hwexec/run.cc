@@ -114,8 +114,14 @@ Status check_model_runnable(const Plan& plan) {
   }
   if (m.hybrid()) {
     return refuse("model.layer_pattern",
-                  "hybrid models (Mamba-2, attention-only, MLP-only and expert-only layers) are "
-                  "simulated only; nnexec runs transformer blocks (remove layer_pattern)");
+                  "hybrid models (Mamba-2, Gated DeltaNet, attention-only, MLP-only and "
+                  "expert-only layers) are simulated only; nnexec runs transformer blocks "
+                  "(remove layer_pattern)");
+  }
+  if (m.attention_output_gate) {
+    return refuse("model.attention_output_gate",
+                  "gated attention outputs are simulated only; nnexec's attention has no output "
+                  "gate (remove the field)");
   }
   if (m.kv_heads < 1 || m.heads % m.kv_heads != 0) {
     return refuse("model.kv_heads", fmt::format("{} key/value heads do not divide {} heads; set "

@@ -320,6 +320,23 @@ Status check_shapes(const ModelSpec& model, const MegatronOptions& o, int dp) {
                       o.cp, groups));
     }
   }
+  if (model.has_layer_kind('G')) {
+    // Megatron-Core splits a Gated DeltaNet mixer's query/key heads (and with each its value
+    // heads) over tp, and over cp around the delta rule, which runs on the whole sequence.
+    if (model.gdn_key_heads % o.tp != 0) {
+      return Error(
+          fmt::format("--tp {} does not divide the model's {} Gated DeltaNet key heads "
+                      "(gdn_key_heads); use a divisor of it",
+                      o.tp, model.gdn_key_heads));
+    }
+    const int64_t heads = model.gdn_key_heads / o.tp;
+    if (o.cp > 1 && heads % o.cp != 0) {
+      return Error(
+          fmt::format("--cp {} does not divide a tensor-parallel rank's {} Gated DeltaNet key "
+                      "heads (gdn_key_heads / tp); use a divisor of it",
+                      o.cp, heads));
+    }
+  }
   if (o.global_batch < 1) {
     return Error("--global-batch is required (sequences per optimizer step, whole job)");
   }
@@ -547,6 +564,7 @@ void add_partition_rules(const ModelSpec& model, const MegatronOptions& o, Plan&
     if (model.has_layer_kind('T') || model.has_layer_kind('*')) {
       heads = {"attn.qkv", "attn.core", "attn.proj"};
       if (model.qk_norm) heads.emplace_back("attn.qk_norm");
+      if (model.attention_output_gate) heads.emplace_back("attn.gate");
       if (model.mla()) {
         heads = {model.q_lora_rank > 0 ? "attn.q_up" : "attn.q", "attn.kv_up", "attn.core",
                  "attn.proj"};
@@ -556,6 +574,12 @@ void add_partition_rules(const ModelSpec& model, const MegatronOptions& o, Plan&
     // gated norm on each rank's heads, the output projection row-parallel.
     if (model.has_layer_kind('M')) {
       for (const char* m : {"ssm.in_proj", "ssm.scan", "ssm.gate_norm", "ssm.out_proj"}) {
+        heads.emplace_back(m);
+      }
+    }
+    // Gated DeltaNet mixers likewise.
+    if (model.has_layer_kind('G')) {
+      for (const char* m : {"gdn.in_proj", "gdn.scan", "gdn.gate_norm", "gdn.out_proj"}) {
         heads.emplace_back(m);
       }
     }
@@ -626,6 +650,13 @@ void add_partition_rules(const ModelSpec& model, const MegatronOptions& o, Plan&
     std::vector<std::string> axes = {"cp"};
     if (o.tp > 1) axes.insert(axes.begin(), "tp");
     plan.partition.push_back({"ssm.scan", {{Dim::kSeq, {}}, {Dim::kHeads, axes}}});
+  }
+  // Gated DeltaNet's delta rule likewise (Megatron-Core's GatedDeltaNet: all-to-alls from
+  // sequence to heads after the input projection and back before the output projection).
+  if (o.cp > 1 && model.has_layer_kind('G')) {
+    std::vector<std::string> axes = {"cp"};
+    if (o.tp > 1) axes.insert(axes.begin(), "tp");
+    plan.partition.push_back({"gdn.scan", {{Dim::kSeq, {}}, {Dim::kHeads, axes}}});
   }
 }
 

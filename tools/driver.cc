@@ -57,6 +57,11 @@ void note_unvalidated_moe(const ModelSpec& model) {
 }
 
 void note_unvalidated_hybrid(const ModelSpec& model) {
+  if (model.has_layer_kind('G')) {
+    std::printf(
+        "note: Gated DeltaNet layers are priced by their kernels' FLOPs and traffic, which no "
+        "kernel measurement or published training run has checked yet (docs/hybrid.md)\n");
+  }
   if (!model.has_layer_kind('M')) return;
   std::printf(
       "note: Mamba-2 layers are priced by their kernels' traffic, which no kernel measurement "

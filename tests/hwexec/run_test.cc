@@ -1362,6 +1362,12 @@ TEST(NnexecRunRefuses, HybridModelsNameTheField) {
   ASSERT_FALSE(s.ok());
   EXPECT_TRUE(contains(s.error().message(), "model.layer_pattern")) << s.error().message();
   EXPECT_TRUE(contains(s.error().message(), "simulated only")) << s.error().message();
+  // Gated attention outputs (Qwen3-Next's) are simulated only too.
+  Plan gated = *base;
+  gated.model.attention_output_gate = true;
+  const Status g = check_runnable(gated);
+  ASSERT_FALSE(g.ok());
+  EXPECT_TRUE(contains(g.error().message(), "model.attention_output_gate")) << g.error().message();
 }
 
 // Expert-parallel plans nnsim plan does not write, edited by hand: each refusal names its field.

@@ -1,4 +1,5 @@
-// A hybrid model (Nemotron-H: Mamba-2, MLP and attention layers) replayed by the simulator:
+// Hybrid models (Nemotron-H: Mamba-2, MLP and attention layers; Qwen3-Next: Gated DeltaNet,
+// gated attention and experts) replayed by the simulator:
 // the estimator agrees with it, and each layer kind's operators run where its layers are.
 #include <gtest/gtest.h>
 
@@ -55,6 +56,41 @@ TEST(HybridSim, NemotronHRunsItsLayerKindsOnTheirStages) {
   // The forward and the backward of each, for 8 micro-batches.
   EXPECT_EQ(scans[0], 2 * 8 * 12);
   EXPECT_EQ(scans[1], 2 * 8 * 12);
+}
+
+// Qwen3-Next over tp 2, cp 2 and pp 2 on one DGX H100: the all-to-alls around each Gated
+// DeltaNet layer's delta rule run in the simulator as the estimator prices them.
+TEST(HybridSim, QwenNextRunsItsDeltaRulesBetweenAllToAlls) {
+  Expected<ModelSpec> m = load_model("qwen3-next-80b-a3b");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  Expected<Topology> t = load_topology("dgx-h100-superpod");
+  ASSERT_TRUE(t.ok());
+  Expected<Topology> one = resize_topology(*t, 1);
+  ASSERT_TRUE(one.ok());
+  MegatronOptions o;
+  o.tp = 2;
+  o.cp = 2;
+  o.pp = 2;
+  o.sequence_parallel = true;
+  o.global_batch = 4;
+  Expected<Plan> plan = build_megatron_plan(*m, *one, o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  Expected<Program> p = compile_plan(*plan, *one);
+  ASSERT_TRUE(p.ok()) << p.error().message();
+  SimOptions options;
+  options.record_tasks = true;
+  Expected<SimResult> r = simulate(*p, options);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  EXPECT_NEAR(estimate_program(*p).iteration_time, r->iteration_time, 0.05 * r->iteration_time);
+  // 48 layers a stage, 18 of them Gated DeltaNet: a forward and a backward for 4 micro-batches.
+  std::map<int, int> scans;
+  for (const TaskRecord& task : r->tasks) {
+    if (task.kind == TaskKind::kCompute && r->labels[task.label] == "gdn.scan") ++scans[task.lane];
+  }
+  ASSERT_EQ(scans.size(), 2u);
+  EXPECT_EQ(scans[0], 2 * 4 * 18);
+  EXPECT_EQ(scans[1], 2 * 4 * 18);
+  EXPECT_GT(r->lanes[0].breakdown.exposed_comm.count("cp"), 0u);
 }
 
 }  // namespace

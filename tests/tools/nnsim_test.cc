@@ -448,6 +448,48 @@ TEST(NnsimTool, HybridModelPlansAndSimulates) {
   EXPECT_EQ(plan["model"]["mamba_heads"], 128);
 }
 
+// A Gated DeltaNet hybrid mixture of experts (Qwen3-Next) from the command line: the plan carries
+// the mixer's fields, and the report notes that nothing measured has checked its pricing.
+TEST(NnsimTool, GatedDeltaNetModelPlansAndSimulates) {
+  Sandbox box;
+  RunResult p = box.nnsim({"plan",
+                           "--model",
+                           "qwen3-next-80b-a3b",
+                           "--topo",
+                           "dgx-h100-superpod",
+                           "--nodes",
+                           "4",
+                           "--tp",
+                           "1",
+                           "--cp",
+                           "2",
+                           "--pp",
+                           "4",
+                           "--ep",
+                           "4",
+                           "--zero",
+                           "1",
+                           "--recompute",
+                           "full",
+                           "--global-batch",
+                           "16",
+                           "-o",
+                           "q.json"});
+  EXPECT_EQ(p.status, 0) << p;
+  RunResult r = box.nnsim({"--topo", "dgx-h100-superpod", "--nodes", "4", "q.json"});
+  EXPECT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "Gated DeltaNet layers are priced by their kernels")) << r;
+  EXPECT_FALSE(contains(r.out, "Mamba-2")) << r;
+  const json plan = json::parse(box.read("q.json"));
+  EXPECT_EQ(plan["model"]["gdn_value_heads"], 32);
+  EXPECT_EQ(plan["model"]["attention_output_gate"], true);
+  // Its 80B parameters and their optimizer state do not fit one node's 8 GPUs without sharding.
+  RunResult one = box.nnsim({"plan", "--model", "qwen3-next-80b-a3b", "--topo", "dgx-h100-superpod",
+                             "--nodes", "1", "--tp", "2", "--pp", "2", "--sequence-parallel",
+                             "--global-batch", "4", "-o", "one.json"});
+  EXPECT_TRUE(contains(one.err, "does not fit in memory")) << one;
+}
+
 // Expert parallelism from the command line: the builder spreads the experts over --ep of the
 // data-parallel ranks, the simulator reports the all-to-alls as the "ep" group's exposed
 // communication, each GPU holds fewer weights, and the search tries expert-parallel degrees
