@@ -77,7 +77,7 @@ TEST(Model, PresetParameterCountsArePinned) {
       {"qwen3-235b-a22b", 235'093'634'560},   {"glm-4.5", 356'784'551'168},
       {"kimi-k2", 1'026'408'209'408},         {"gpt-oss-20b", 20'914'754'880},
       {"gpt-oss-120b", 116'829'149'760},      {"mistral-7b", 7'241'732'096},
-      {"qwen3-next-80b-a3b", 81'324'762'368},
+      {"qwen3-next-80b-a3b", 81'324'762'368}, {"nemotron-3-nano-30b-a3b", 31'577'937'344},
   };
   for (const auto& [name, count] : counts) {
     auto m = load_model(name);
