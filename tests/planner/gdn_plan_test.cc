@@ -126,7 +126,7 @@ TEST_F(QwenNextOnOneNode, ContextParallelismExchangesHeadsAroundTheDeltaRule) {
   ASSERT_EQ(bytes.size(), 2u * 36);
   // A rank's half of the sequence, its tensor-parallel half of Q, K, V, z, beta and the decay's
   // input, in 16-bit; then its quarter of the value heads' outputs for the whole sequence.
-  EXPECT_DOUBLE_EQ(bytes[0], 4096 / 2 * 12352 / 2 * 2);
+  EXPECT_DOUBLE_EQ(bytes[0], 4096.0 / 2 * 12352 / 2 * 2);
   EXPECT_DOUBLE_EQ(bytes[1], 4096 * 4096.0 / 4 * 2);
 }
 
