@@ -221,6 +221,38 @@ TEST(Search, DualPipeVIsTriedForExpertParallelPipelines) {
   EXPECT_FALSE(best.options.ep_overlap);
 }
 
+// A V whose devices recompute only what their two chunks need: Qwen3-Next on 32 H100s (TP 1,
+// PP 4, EP 8) fits only recomputing, and its DualPipeV with per-device recomputation beats the
+// same degrees' DualPipeV with every layer recomputed, keeping some layers' activations.
+TEST(Search, VSchedulesRecomputePerDevice) {
+  const ModelSpec m = *load_model("qwen3-next-80b-a3b");
+  const Topology t = topo("dgx-h100-superpod", 4);
+  SearchOptions o = options(256);
+  o.pins.tp = 1;
+  o.pins.pp = 4;
+  o.pins.ep = 8;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  EXPECT_GT(r->v_recompute_tried, 0u);
+  const Candidate* per_device = nullptr;
+  const Candidate* uniform = nullptr;
+  for (const Candidate& c : r->ranked) {
+    if (c.options.schedule != ScheduleKind::kDualPipeV) continue;
+    if (!per_device && !c.options.recompute_layers.empty()) per_device = &c;
+    if (!uniform && c.options.recompute == RecomputeMode::kFull) uniform = &c;
+  }
+  ASSERT_NE(per_device, nullptr);
+  ASSERT_NE(uniform, nullptr);
+  EXPECT_LT(per_device->time(), uniform->time()) << per_device->describe();
+  EXPECT_LE(per_device->estimate.peak_memory, t.gpu.hbm_bytes);
+  int recomputed = 0, held = 0;
+  for (size_t i = 0; i < per_device->options.stage_layers.size(); ++i) {
+    recomputed += per_device->options.recompute_layers[i];
+    held += per_device->options.stage_layers[i];
+  }
+  EXPECT_LT(recomputed, held);
+}
+
 TEST(Search, ContradictoryConstraintsReportWhatEmptiedTheSpace) {
   const ModelSpec m = *load_model("gpt3-13b");
   const Topology t = topo("dgx-a100x4", 4);
