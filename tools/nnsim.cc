@@ -13,6 +13,7 @@
 #include "tools/compare_command.h"
 #include "tools/driver.h"
 #include "tools/plan_command.h"
+#include "tools/presets_command.h"
 #include "tools/schedule_command.h"
 #include "tools/simulate_command.h"
 #include "tools/validate_command.h"
@@ -39,6 +40,8 @@ int main(int argc, char** argv) {
   CLI::App* calibrate_cmd = add_calibrate_command(app, calibrate);
   CompareArgs compare;
   CLI::App* compare_cmd = add_compare_command(app, compare);
+  PresetsArgs presets;
+  CLI::App* presets_cmd = add_presets_command(app, presets);
 
   if (std::optional<int> done = nnsim::parse_command_line(app, argc, argv, "nnsim")) return *done;
   if (simulate_cmd->parsed()) return run_simulate(sim);
@@ -47,6 +50,7 @@ int main(int argc, char** argv) {
   if (schedule_cmd->parsed()) return run_schedule(schedule);
   if (calibrate_cmd->parsed()) return run_calibrate(calibrate);
   if (compare_cmd->parsed()) return run_compare(compare);
+  if (presets_cmd->parsed()) return run_presets(presets);
   if (export_cmd->parsed()) return run_calibration_export(export_args);
   if (top.topo.empty() || top.plan.empty()) {
     std::fprintf(stderr, "%s", app.help().c_str());

@@ -29,6 +29,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "core/model.h"
+#include "core/topology.h"
 #include "core/units.h"
 
 namespace nnsim {
@@ -1404,6 +1406,38 @@ TEST(NnsimTool, ValidateWritePlansReplaysWithSimulate) {
   ASSERT_EQ(s.status, 0) << s;
   EXPECT_EQ(box.read_json("s.json")["iteration_time_s"].get<double>(),
             box.read_json("v.json")["cases"][0]["predicted_iteration_time_s"].get<double>());
+}
+
+// `nnsim presets` lists every model and topology preset with what it is; a kind narrows it, and
+// an unknown kind is refused with the choices.
+TEST(NnsimTool, PresetsListsEveryModelAndTopology) {
+  Sandbox box;
+  RunResult r = box.nnsim({"presets"});
+  EXPECT_EQ(r.status, 0) << r;
+  for (const std::string& name : model_preset_names()) {
+    EXPECT_TRUE(contains(r.out, "  " + name + " ")) << name << "\n" << r;
+  }
+  for (const std::string& name : topology_preset_names()) {
+    EXPECT_TRUE(contains(r.out, "  " + name + " ")) << name << "\n" << r;
+  }
+  // A hybrid's layer kinds counted, with its parameters (docs/model.md's counts).
+  std::istringstream lines(r.out);
+  std::string line, qwen_next;
+  while (std::getline(lines, line)) {
+    if (line.rfind("  qwen3-next-80b-a3b ", 0) == 0) qwen_next = line;
+  }
+  EXPECT_TRUE(contains(qwen_next, "81.32 B")) << qwen_next;
+  EXPECT_TRUE(contains(qwen_next, "36 Gated DeltaNet, 12 attention, 48 experts")) << qwen_next;
+  EXPECT_TRUE(contains(qwen_next, "512 experts, top 10 + shared")) << qwen_next;
+  EXPECT_TRUE(contains(r.out, "dgx-a100x4             4 x 8 a100")) << r;
+
+  RunResult models = box.nnsim({"presets", "models"});
+  EXPECT_EQ(models.status, 0) << models;
+  EXPECT_TRUE(contains(models.out, "gpt3-175b")) << models;
+  EXPECT_FALSE(contains(models.out, "dgx-a100x4")) << models;
+  RunResult bad = box.nnsim({"presets", "gpus"});
+  EXPECT_NE(bad.status, 0);
+  EXPECT_TRUE(contains(bad.err, "models")) << bad;
 }
 
 TEST(NnsimTool, Version) {

@@ -1,0 +1,106 @@
+#include "tools/presets_command.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/model.h"
+#include "core/topology.h"
+#include "tools/driver.h"
+
+namespace nnsim::tool {
+namespace {
+
+// What a model's layers are: dense blocks, experts, or a hybrid pattern's kinds counted.
+std::string layer_summary(const ModelSpec& m) {
+  std::vector<std::string> parts;
+  if (m.hybrid()) {
+    const std::pair<char, const char*> kinds[] = {{'M', "Mamba-2"},
+                                                  {'G', "Gated DeltaNet"},
+                                                  {'*', "attention"},
+                                                  {'-', "MLP"},
+                                                  {'E', "experts"}};
+    std::string counts;
+    for (const auto& [c, name] : kinds) {
+      const auto n = std::count(m.layer_pattern.begin(), m.layer_pattern.end(), c);
+      if (n > 0) counts += fmt::format("{}{} {}", counts.empty() ? "" : ", ", n, name);
+    }
+    parts.push_back("hybrid: " + counts);
+  } else {
+    parts.emplace_back(m.moe() ? "transformer" : "dense transformer");
+  }
+  if (m.moe()) {
+    parts.push_back(fmt::format("{} experts, top {}{}", m.experts, m.experts_per_token,
+                                m.shared_expert_ffn_hidden > 0 ? " + shared" : ""));
+  }
+  if (m.mla()) parts.emplace_back("latent attention");
+  if (m.attention_output_gate) parts.emplace_back("gated attention");
+  if (m.windowed()) parts.push_back(fmt::format("{}-token windows", m.sliding_window));
+  if (m.mtp_layers > 0) {
+    parts.push_back(
+        fmt::format("{} prediction module{}", m.mtp_layers, m.mtp_layers > 1 ? "s" : ""));
+  }
+  std::string out;
+  for (const std::string& p : parts) out += (out.empty() ? "" : "; ") + p;
+  return out;
+}
+
+// Prints the model presets; false if one of them does not load (its error is printed).
+bool print_models() {
+  std::printf("models (models/; --model NAME):\n");
+  std::printf("  %-26s %12s %7s %7s %8s  %s\n", "name", "parameters", "layers", "hidden", "seq_len",
+              "layers are");
+  bool ok = true;
+  for (const std::string& name : model_preset_names()) {
+    Expected<ModelSpec> m = load_model(name);
+    if (!m) {
+      std::fprintf(stderr, "nnsim: error: %s\n", m.error().message().c_str());
+      ok = false;
+      continue;
+    }
+    std::printf("  %-26s %10.2f B %7d %7lld %8lld  %s\n", name.c_str(),
+                static_cast<double>(m->parameters()) / 1e9, m->layers,
+                static_cast<long long>(m->hidden), static_cast<long long>(m->seq_len),
+                layer_summary(*m).c_str());
+  }
+  return ok;
+}
+
+bool print_topologies() {
+  std::printf("topologies (topologies/; --topo NAME, --nodes N resizes):\n");
+  std::printf("  %-22s %-22s  %s\n", "name", "GPUs", "description");
+  bool ok = true;
+  for (const std::string& name : topology_preset_names()) {
+    Expected<Topology> t = load_topology(name);
+    if (!t) {
+      std::fprintf(stderr, "nnsim: error: %s\n", t.error().message().c_str());
+      ok = false;
+      continue;
+    }
+    const std::string gpus = fmt::format("{} x {} {}", t->nodes, t->gpus_per_node, t->gpu.name);
+    std::printf("  %-22s %-22s  %s\n", name.c_str(), gpus.c_str(), t->description.c_str());
+  }
+  return ok;
+}
+
+}  // namespace
+
+CLI::App* add_presets_command(CLI::App& app, PresetsArgs& a) {
+  CLI::App* cmd = app.add_subcommand("presets", "list the model and topology presets");
+  cmd->add_option("kind", a.kind, "only 'models' or only 'topologies'")
+      ->check(CLI::IsMember({"models", "topologies"}));
+  return cmd;
+}
+
+int run_presets(const PresetsArgs& a) {
+  bool ok = true;
+  if (a.kind.empty() || a.kind == "models") ok = print_models() && ok;
+  if (a.kind.empty()) std::printf("\n");
+  if (a.kind.empty() || a.kind == "topologies") ok = print_topologies() && ok;
+  return ok ? 0 : 1;
+}
+
+}  // namespace nnsim::tool
