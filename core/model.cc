@@ -112,6 +112,9 @@ std::optional<Problem> find_hybrid_problem(const ModelSpec& m) {
                      "only a hybrid model has Mamba-2 layers: give 'layer_pattern' with 'M' "
                      "layers, or remove the mamba_ fields"};
     }
+    if (!m.pipeline_layout.empty()) {
+      return Problem{"layer_pattern", "pipeline segments need a hybrid model's layer_pattern"};
+    }
     return std::nullopt;
   }
   const std::string_view kinds = "MG*-E";
@@ -145,6 +148,15 @@ std::optional<Problem> find_hybrid_problem(const ModelSpec& m) {
     return Problem{"sliding_window",
                    "sliding windows in a hybrid model's attention layers are not modelled; "
                    "remove sliding_window or layer_pattern"};
+  }
+  if (!m.pipeline_layout.empty()) {
+    int64_t sum = 0;
+    for (int n : m.pipeline_layout) sum += n < 0 ? m.layers + 1 : n;
+    if (sum != m.layers) {
+      return Problem{"layer_pattern",
+                     fmt::format("its pipeline segments ('|') hold {} layers; the model has {}",
+                                 sum, m.layers)};
+    }
   }
   // A multi-token prediction module's block is an attention layer and the model's MLP (its
   // experts in a mixture), split as the pattern's layers of those kinds are (Qwen3-Next's).
@@ -583,7 +595,48 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
   ModelSpec m;
   m.name = node.get_string("name", default_name);
   m.family = node.get_string("family", "");
+  // Megatron-LM's full notation: "<main>/<mtp>/<mtp>...", the main part's '|' between pipeline
+  // segments.
+  std::string mtp_pattern;
+  int mtp_from_pattern = 0;
   m.layer_pattern = node.get_string("layer_pattern", "");
+  if (node.has("layer_pattern") && m.layer_pattern.find_first_of("[]") != std::string::npos) {
+    node["layer_pattern"].fail(
+        "layer groups ('[...]') are not read; write the group's layers one after another");
+  }
+  if (const size_t slash = m.layer_pattern.find('/'); slash != std::string::npos) {
+    const std::string rest = m.layer_pattern.substr(slash + 1);
+    m.layer_pattern.resize(slash);
+    size_t start = 0;
+    while (true) {
+      const size_t end = rest.find('/', start);
+      const std::string part = rest.substr(start, end == std::string::npos ? end : end - start);
+      if (part.empty() || (mtp_from_pattern > 0 && part != mtp_pattern)) {
+        node["layer_pattern"].fail(fmt::format(
+            "its prediction-module parts (after '/') must all be the same and not empty, got "
+            "'{}'",
+            rest));
+      }
+      mtp_pattern = part;
+      ++mtp_from_pattern;
+      if (end == std::string::npos) break;
+      start = end + 1;
+    }
+  }
+  if (m.layer_pattern.find('|') != std::string::npos) {
+    std::string flat;
+    size_t start = 0;
+    while (true) {
+      const size_t end = m.layer_pattern.find('|', start);
+      const std::string segment =
+          m.layer_pattern.substr(start, end == std::string::npos ? end : end - start);
+      m.pipeline_layout.push_back(static_cast<int>(segment.size()));
+      flat += segment;
+      if (end == std::string::npos) break;
+      start = end + 1;
+    }
+    m.layer_pattern = flat;
+  }
   if (node.has("layer_pattern") && m.layer_pattern.empty()) {
     node["layer_pattern"].fail(
         "must name one kind a layer ('M', 'G', '*', '-', 'E'), or be absent (transformer "
@@ -634,6 +687,16 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
                          kMaxMtpLayers, v));
     }
     m.mtp_layers = static_cast<int>(v);
+    if (mtp_from_pattern > 0 && m.mtp_layers != mtp_from_pattern) {
+      n.fail(fmt::format("layer_pattern gives {} prediction modules ('/'); remove one of the two",
+                         mtp_from_pattern));
+    }
+  } else if (mtp_from_pattern > 0) {
+    if (mtp_from_pattern > kMaxMtpLayers) {
+      node["layer_pattern"].fail(fmt::format("at most {} prediction modules ('/'), got {}",
+                                             kMaxMtpLayers, mtp_from_pattern));
+    }
+    m.mtp_layers = mtp_from_pattern;
   }
   m.dropout = node.get_bool("dropout", false);
   if (auto n = node.get("attention")) {
@@ -754,6 +817,14 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
     }
   }
   m.attention_output_gate = node.get_bool("attention_output_gate", false);
+  // nnsim's prediction module is an attention layer and the model's MLP (or experts).
+  if (const std::string module = m.moe() ? "*E" : "*-";
+      mtp_from_pattern > 0 && mtp_pattern != module) {
+    node["layer_pattern"].fail(
+        fmt::format("a prediction module of pattern '{}' is not modelled; nnsim's is an attention "
+                    "layer and the model's {} ('{}')",
+                    mtp_pattern, m.moe() ? "experts" : "MLP", module));
+  }
   if (auto p = find_problem(m)) {
     // Point at the offending field; kv_heads may be absent (defaulted), then at the mapping.
     if (node.has(p->field)) node[p->field].fail(p->message);
@@ -805,7 +876,17 @@ std::string model_to_json(const ModelSpec& m) {
     j["full_attention_interval"] = m.full_attention_interval;
   }
   if (m.hybrid()) {
-    j["layer_pattern"] = m.layer_pattern;
+    std::string pattern = m.layer_pattern;
+    if (!m.pipeline_layout.empty()) {  // the segments' boundaries written back as '|'
+      pattern.clear();
+      size_t at = 0;
+      for (size_t i = 0; i < m.pipeline_layout.size(); ++i) {
+        if (i > 0) pattern += '|';
+        pattern += m.layer_pattern.substr(at, m.pipeline_layout[i]);
+        at += m.pipeline_layout[i];
+      }
+    }
+    j["layer_pattern"] = pattern;
     if (m.has_layer_kind('M')) {
       j["mamba_heads"] = m.mamba_heads;
       j["mamba_head_dim"] = m.mamba_head_dim;

@@ -119,6 +119,10 @@ struct ModelSpec {
   // self-attention alone, '-' an MLP of ffn_hidden alone, 'E' a mixture of experts' MLP alone.
   // Empty: every layer is a transformer block (attention and an MLP or experts).
   std::string layer_pattern;
+  // Layers per pipeline segment where the pattern as written splits them ('|' in Megatron-LM's
+  // notation: its flexible virtual pipeline stages); empty: the plan splits them. The
+  // pattern's '/' parts (multi-token prediction modules) set mtp_layers.
+  std::vector<int> pipeline_layout;
   // The Mamba-2 mixer (Dao and Gu 2024; 'M' layers): mamba_heads heads of mamba_head_dim
   // channels (the inner width d = heads x head_dim), a state of mamba_state per head, B and C
   // shared by mamba_groups groups of heads, a causal depthwise convolution of mamba_conv taps

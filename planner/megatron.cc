@@ -456,8 +456,17 @@ Expected<std::vector<int>> segment_layers(const ModelSpec& model, const Megatron
     return Error(fmt::format("pp x vpp = {} segments, but the model has only {} layers", segments,
                              model.layers));
   }
-  std::vector<int> layers =
-      o.stage_layers.empty() ? split_layers(model.layers, segments) : o.stage_layers;
+  // The pattern's own segments ('|'), unless --stage-layers gives others.
+  const std::vector<int>& layout = model.pipeline_layout;
+  if (o.stage_layers.empty() && !layout.empty() && static_cast<int>(layout.size()) != segments) {
+    return Error(fmt::format(
+        "the model's layer_pattern splits its layers into {} pipeline segments ('|': {}); pp x "
+        "vpp = {}: use pp x vpp = {}, or give --stage-layers",
+        layout.size(), fmt::join(layout, ","), segments, layout.size()));
+  }
+  std::vector<int> layers = !o.stage_layers.empty() ? o.stage_layers
+                            : !layout.empty()       ? layout
+                                                    : split_layers(model.layers, segments);
   if (static_cast<int>(layers.size()) != segments) {
     return Error(
         fmt::format("--stage-layers lists {} segments; pp x vpp = {}", layers.size(), segments));

@@ -397,9 +397,10 @@ class Search {
         avoid_(std::move(avoid)),
         usable_gpus_(usable_gpus),
         capacity_(capacity),
-        fixed_layers_(pin_.stage_layers            ? &*pin_.stage_layers
-                      : cons_.stage_layers.empty() ? nullptr
-                                                   : &cons_.stage_layers) {
+        fixed_layers_(pin_.stage_layers                ? &*pin_.stage_layers
+                      : !cons_.stage_layers.empty()    ? &cons_.stage_layers
+                      : !model.pipeline_layout.empty() ? &model.pipeline_layout
+                                                       : nullptr) {
     placements_ = {{"tp-innermost", {"pp", "dp", "cp", "tp"}},
                    {"dp-innermost", {"pp", "cp", "tp", "dp"}}};
     if (pin_.placement) placements_ = {{"pinned", *pin_.placement}};
@@ -440,7 +441,8 @@ class Search {
   const std::vector<int> avoid_;
   const int usable_gpus_;
   const double capacity_;
-  // Pinned layers per stage (constraints) or per segment (command line); null when free.
+  // Pinned layers per stage (constraints) or per segment (command line, or the model's pattern's
+  // '|'); null when free.
   const std::vector<int>* fixed_layers_;
   std::vector<PlacementChoice> placements_;
 

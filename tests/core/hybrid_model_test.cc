@@ -191,5 +191,40 @@ TEST(HybridModel, BadPatternsAndMixersNameTheField) {
             std::string::npos);
 }
 
+// Megatron-LM's full notation: '|' between pipeline segments (its flexible virtual pipeline
+// stages) and '/' before each multi-token prediction module's layers, which nnsim reads as an
+// attention layer and the model's MLP or experts.
+TEST(HybridModel, MegatronPatternSeparatorsSetSegmentsAndModules) {
+  auto m = parse_model(replace(kHybrid, "\"M-*EM-\"", "\"M-*|EM-/*E\""), "m.yaml");
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_EQ(m->layer_pattern, "M-*EM-");
+  EXPECT_EQ(m->layers, 6);
+  EXPECT_EQ(m->pipeline_layout, (std::vector<int>{3, 3}));
+  EXPECT_EQ(m->mtp_layers, 1);
+  const std::string json = model_to_json(*m);
+  EXPECT_NE(json.find("\"M-*|EM-\""), std::string::npos) << json;
+  auto back = parse_model(json, "m.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_EQ(model_to_json(*back), json);
+  EXPECT_EQ(back->pipeline_layout, m->pipeline_layout);
+
+  EXPECT_NE(parse_error(replace(kHybrid, "\"M-*EM-\"", "\"M-*EM-/*E/*-\"")).find("the same"),
+            std::string::npos);
+  EXPECT_NE(parse_error(replace(kHybrid, "\"M-*EM-\"", "\"M-*EM-/*-\"")).find("'*E'"),
+            std::string::npos);
+  EXPECT_NE(parse_error(replace(kHybrid, "\"M-*EM-\"", "\"[M-]*EM-\"")).find("layer groups"),
+            std::string::npos);
+  EXPECT_NE(parse_error(replace(replace(kHybrid, "\"M-*EM-\"", "\"M-*EM-/*E\""), "bias: false\n",
+                                "bias: false\nmtp_layers: 2\n"))
+                .find("mtp_layers"),
+            std::string::npos);
+  // A model built in code whose segments do not cover its layers.
+  ModelSpec bad = *m;
+  bad.pipeline_layout = {3, 2};
+  const Status s = validate_model(bad);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.error().message().find("layer_pattern"), std::string::npos) << s.error().message();
+}
+
 }  // namespace
 }  // namespace nnsim

@@ -166,5 +166,41 @@ TEST_F(NemotronH8bOnOneNode, TheSearchFindsAPlan) {
   EXPECT_LE(best.estimate.peak_memory, topo.gpu.hbm_bytes);
 }
 
+// The pattern's own pipeline segments ('|', Megatron-LM's flexible virtual pipeline stages) are
+// the plan's unless --stage-layers gives others; a pipeline of another number of segments is
+// refused, and the search keeps to them.
+TEST_F(NemotronH8bOnOneNode, PatternSegmentsSplitThePipeline) {
+  model.pipeline_layout = {20, 32};
+  o.pp = 2;
+  Expected<Plan> plan = build_megatron_plan(model, topo, o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  ASSERT_EQ(plan->segments.size(), 2u);
+  EXPECT_EQ(plan->segments[0].end_layer, 20);
+  EXPECT_EQ(plan->segments[1].end_layer, 52);
+  o.stage_layers = {26, 26};
+  Expected<Plan> given = build_megatron_plan(model, topo, o);
+  ASSERT_TRUE(given.ok()) << given.error().message();
+  EXPECT_EQ(given->segments[0].end_layer, 26);
+  o.stage_layers.clear();
+  o.pp = 4;
+  Expected<Plan> four = build_megatron_plan(model, topo, o);
+  ASSERT_FALSE(four.ok());
+  EXPECT_NE(four.error().message().find("2 pipeline segments ('|': 20,32)"), std::string::npos)
+      << four.error().message();
+
+  SearchOptions so;
+  so.global_batch = 16;
+  so.jobs = 2;
+  so.confirm = 0;
+  so.top = 100;
+  Expected<SearchResult> r = search_plans(model, topo, so);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  ASSERT_FALSE(r->ranked.empty());
+  for (const Candidate& c : r->ranked) {
+    EXPECT_EQ(c.options.pp * c.options.vpp, 2) << c.describe();
+    EXPECT_EQ(c.options.stage_layers, model.pipeline_layout) << c.describe();
+  }
+}
+
 }  // namespace
 }  // namespace nnsim
