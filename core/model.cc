@@ -63,6 +63,19 @@ std::string too_large(int64_t value, std::string_view field) {
   return fmt::format("{} is too large (at most {})", value, size_limit(field));
 }
 
+// The pieces of `text` between `sep`s (one piece, `text`, when there is none).
+std::vector<std::string> split_on(const std::string& text, char sep) {
+  std::vector<std::string> pieces(1);
+  for (char c : text) {
+    if (c == sep) {
+      pieces.emplace_back();
+    } else {
+      pieces.back() += c;
+    }
+  }
+  return pieces;
+}
+
 // A Gated DeltaNet mixer's fields; those fields without 'G' layers.
 std::optional<Problem> find_gdn_problem(const ModelSpec& m) {
   if (!m.has_layer_kind('G')) {
@@ -151,8 +164,10 @@ std::optional<Problem> find_hybrid_problem(const ModelSpec& m) {
   }
   if (!m.pipeline_layout.empty()) {
     int64_t sum = 0;
-    for (int n : m.pipeline_layout) sum += n < 0 ? m.layers + 1 : n;
-    if (sum != m.layers) {
+    for (int n : m.pipeline_layout) sum += n;
+    const bool negative = std::any_of(m.pipeline_layout.begin(), m.pipeline_layout.end(),
+                                      [](int n) { return n < 0; });
+    if (negative || sum != m.layers) {
       return Problem{"layer_pattern",
                      fmt::format("its pipeline segments ('|') hold {} layers; the model has {}",
                                  sum, m.layers)};
@@ -597,45 +612,30 @@ ModelSpec parse_model_node(const InputNode& node, const std::string& default_nam
   m.family = node.get_string("family", "");
   // Megatron-LM's full notation: "<main>/<mtp>/<mtp>...", the main part's '|' between pipeline
   // segments.
-  std::string mtp_pattern;
-  int mtp_from_pattern = 0;
   m.layer_pattern = node.get_string("layer_pattern", "");
   if (node.has("layer_pattern") && m.layer_pattern.find_first_of("[]") != std::string::npos) {
     node["layer_pattern"].fail(
         "layer groups ('[...]') are not read; write the group's layers one after another");
   }
-  if (const size_t slash = m.layer_pattern.find('/'); slash != std::string::npos) {
-    const std::string rest = m.layer_pattern.substr(slash + 1);
-    m.layer_pattern.resize(slash);
-    size_t start = 0;
-    while (true) {
-      const size_t end = rest.find('/', start);
-      const std::string part = rest.substr(start, end == std::string::npos ? end : end - start);
-      if (part.empty() || (mtp_from_pattern > 0 && part != mtp_pattern)) {
-        node["layer_pattern"].fail(fmt::format(
-            "its prediction-module parts (after '/') must all be the same and not empty, got "
-            "'{}'",
-            rest));
-      }
-      mtp_pattern = part;
-      ++mtp_from_pattern;
-      if (end == std::string::npos) break;
-      start = end + 1;
+  const std::vector<std::string> parts = split_on(m.layer_pattern, '/');
+  m.layer_pattern = parts.front();
+  for (size_t i = 1; i < parts.size(); ++i) {
+    if (parts[i].empty() || parts[i] != parts[1]) {
+      node["layer_pattern"].fail(
+          fmt::format("its prediction-module parts (after '/') must all be the same and not "
+                      "empty, got '{}'",
+                      parts[i]));
     }
   }
-  if (m.layer_pattern.find('|') != std::string::npos) {
-    std::string flat;
-    size_t start = 0;
-    while (true) {
-      const size_t end = m.layer_pattern.find('|', start);
-      const std::string segment =
-          m.layer_pattern.substr(start, end == std::string::npos ? end : end - start);
+  const int mtp_from_pattern = static_cast<int>(parts.size()) - 1;
+  const std::string mtp_pattern = mtp_from_pattern > 0 ? parts[1] : "";
+  if (const std::vector<std::string> segments = split_on(m.layer_pattern, '|');
+      segments.size() > 1) {
+    m.layer_pattern.clear();
+    for (const std::string& segment : segments) {
       m.pipeline_layout.push_back(static_cast<int>(segment.size()));
-      flat += segment;
-      if (end == std::string::npos) break;
-      start = end + 1;
+      m.layer_pattern += segment;
     }
-    m.layer_pattern = flat;
   }
   if (node.has("layer_pattern") && m.layer_pattern.empty()) {
     node["layer_pattern"].fail(
