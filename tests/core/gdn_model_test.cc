@@ -6,39 +6,17 @@
 
 #include "core/model.h"
 #include "core/opgraph.h"
+#include "tests/core/model_test_helpers.h"
 
 namespace nnsim {
 namespace {
+
+using namespace test;
 
 ModelSpec qwen3_next() {
   auto m = load_model("qwen3-next-80b-a3b");
   EXPECT_TRUE(m.ok()) << (m.ok() ? "" : m.error().message());
   return *m;
-}
-
-double params(const GraphPart& part) {
-  double n = 0;
-  for (const Op& op : part.ops) n += op.parameters();
-  return n;
-}
-
-double fwd(const GraphPart& part) {
-  double f = 0;
-  for (const Op& op : part.ops) f += op.fwd_flops;
-  return f;
-}
-
-const Op* find_op(const GraphPart& part, const std::string& name) {
-  for (const Op& op : part.ops) {
-    if (op.name == name) return &op;
-  }
-  return nullptr;
-}
-
-std::vector<std::string> names(const GraphPart& part) {
-  std::vector<std::string> out;
-  for (const Op& op : part.ops) out.push_back(op.name);
-  return out;
 }
 
 // Qwen3-Next-80B-A3B's released config, layer by layer: 36 Gated DeltaNet mixers, 12 gated
@@ -164,18 +142,6 @@ const char* kGdn =
     "gdn_key_head_dim: 32\n"
     "gdn_value_head_dim: 64\n";
 
-std::string replace(std::string text, const std::string& from, const std::string& to) {
-  const auto pos = text.find(from);
-  EXPECT_NE(pos, std::string::npos) << from;
-  return text.replace(pos, from.size(), to);
-}
-
-std::string parse_error(const std::string& yaml) {
-  auto m = parse_model(yaml, "m.yaml");
-  EXPECT_FALSE(m.ok());
-  return m.ok() ? "" : m.error().message();
-}
-
 TEST(GatedDeltaNet, FieldsReadBackAndBadOnesNameTheField) {
   auto m = parse_model(kGdn, "m.yaml");
   ASSERT_TRUE(m.ok()) << m.error().message();
@@ -203,8 +169,8 @@ TEST(GatedDeltaNet, FieldsReadBackAndBadOnesNameTheField) {
       std::string::npos);
   // A multi-token prediction module, an attention layer and an MLP here, needs both kinds in the
   // pattern to be parallelized as they are.
-  EXPECT_TRUE(parse_model(replace(kGdn, "bias: false\n", "bias: false\nmtp_layers: 1\n"), "m.yaml")
-                  .ok());
+  EXPECT_TRUE(
+      parse_model(replace(kGdn, "bias: false\n", "bias: false\nmtp_layers: 1\n"), "m.yaml").ok());
   EXPECT_NE(parse_error(replace(replace(kGdn, "bias: false\n", "bias: false\nmtp_layers: 1\n"),
                                 "G-G*", "G*G*"))
                 .find("'*' and '-' layers"),

@@ -6,39 +6,17 @@
 
 #include "core/model.h"
 #include "core/opgraph.h"
+#include "tests/core/model_test_helpers.h"
 
 namespace nnsim {
 namespace {
+
+using namespace test;
 
 ModelSpec preset(const std::string& name) {
   auto m = load_model(name);
   EXPECT_TRUE(m.ok()) << (m.ok() ? "" : m.error().message());
   return *m;
-}
-
-double params(const GraphPart& part) {
-  double n = 0;
-  for (const Op& op : part.ops) n += op.parameters();
-  return n;
-}
-
-double fwd(const GraphPart& part) {
-  double f = 0;
-  for (const Op& op : part.ops) f += op.fwd_flops;
-  return f;
-}
-
-const Op* find_op(const GraphPart& part, const std::string& name) {
-  for (const Op& op : part.ops) {
-    if (op.name == name) return &op;
-  }
-  return nullptr;
-}
-
-std::vector<std::string> names(const GraphPart& part) {
-  std::vector<std::string> out;
-  for (const Op& op : part.ops) out.push_back(op.name);
-  return out;
 }
 
 // A small hybrid with every kind of layer; tests replace one line to break it.
@@ -62,18 +40,6 @@ const char* kHybrid =
     "mamba_head_dim: 64\n"
     "mamba_state: 32\n"
     "mamba_groups: 2\n";
-
-std::string replace(std::string text, const std::string& from, const std::string& to) {
-  const auto pos = text.find(from);
-  EXPECT_NE(pos, std::string::npos) << from;
-  return text.replace(pos, from.size(), to);
-}
-
-std::string parse_error(const std::string& yaml) {
-  auto m = parse_model(yaml, "m.yaml");
-  EXPECT_FALSE(m.ok());
-  return m.ok() ? "" : m.error().message();
-}
 
 // Nemotron-H 8B: 24 Mamba-2, 4 attention and 24 MLP layers, 8.1 billion parameters (its name's),
 // every one of them in a layer of the operator graph.

@@ -10,9 +10,13 @@
 #include <gtest/gtest.h>
 
 #include "core/input.h"
+#include "tests/core/model_test_helpers.h"
 
 namespace nnsim {
 namespace {
+
+using test::parse_error;
+using test::replace;
 
 bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
@@ -28,18 +32,6 @@ const char* kSmall =
     "mlp: gelu\n"    // line 6
     "vocab: 1000\n"  // line 7
     "seq_len: 128\n";
-
-std::string replace(std::string text, const std::string& from, const std::string& to) {
-  auto pos = text.find(from);
-  EXPECT_NE(pos, std::string::npos) << from;
-  return text.replace(pos, from.size(), to);
-}
-
-std::string parse_error(const std::string& yaml) {
-  auto m = parse_model(yaml, "m.yaml");
-  EXPECT_FALSE(m.ok());
-  return m.ok() ? "" : m.error().message();
-}
 
 TEST(Model, EveryPresetLoadsAndValidates) {
   const std::vector<std::string> expected = {

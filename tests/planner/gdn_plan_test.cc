@@ -10,26 +10,13 @@
 #include "core/topology.h"
 #include "planner/megatron.h"
 #include "planner/search.h"
+#include "tests/planner/preset_on_one_node.h"
 
 namespace nnsim {
 namespace {
 
-// The first forward block of lane 0's steps.
-const BlockTemplate* first_forward(const Program& p) {
-  for (const BlockTemplate& t : p.templates) {
-    if (t.lane == 0 && t.kind == BlockKind::kForward) return &t;
-  }
-  return nullptr;
-}
-
-// The FLOPs and bytes of operator `op`'s compute steps in the first forward block of lane 0.
-double forward_flops(const Program& p, const std::string& op) {
-  double f = 0;
-  for (const Step& s : first_forward(p)->steps) {
-    if (s.kind == StepKind::kCompute && p.labels[s.label] == op) f += s.flops;
-  }
-  return f;
-}
+using test::first_forward;
+using test::forward_flops;
 
 double forward_seconds(const Program& p, const std::string& op) {
   double t = 0;
@@ -39,26 +26,8 @@ double forward_seconds(const Program& p, const std::string& op) {
   return t;
 }
 
-struct QwenNextOnOneNode : ::testing::Test {
-  void SetUp() override {
-    Expected<ModelSpec> m = load_model("qwen3-next-80b-a3b");
-    ASSERT_TRUE(m.ok()) << m.error().message();
-    model = *m;
-    Expected<Topology> t = load_topology("dgx-h100-superpod");
-    ASSERT_TRUE(t.ok());
-    Expected<Topology> r = resize_topology(*t, 1);
-    ASSERT_TRUE(r.ok());
-    topo = *r;
-    o.global_batch = 16;
-  }
-  Expected<Program> compile(const MegatronOptions& opts) const {
-    Expected<Plan> plan = build_megatron_plan(model, topo, opts);
-    if (!plan) return plan.error();
-    return compile_plan(*plan, topo);
-  }
-  ModelSpec model;
-  Topology topo;
-  MegatronOptions o;
+struct QwenNextOnOneNode : test::PresetOnOneNode {
+  QwenNextOnOneNode() : PresetOnOneNode("qwen3-next-80b-a3b") {}
 };
 
 // Tensor parallelism splits the Gated DeltaNet mixers (projections, delta rule) and the gated

@@ -10,44 +10,17 @@
 #include "core/topology.h"
 #include "planner/megatron.h"
 #include "planner/search.h"
+#include "tests/planner/preset_on_one_node.h"
 
 namespace nnsim {
 namespace {
 
-// The FLOPs of operator `op`'s compute steps in the first forward block of the first lane.
-double forward_flops(const Program& p, const std::string& op) {
-  double f = 0;
-  for (const BlockTemplate& t : p.templates) {
-    if (t.lane != 0 || t.kind != BlockKind::kForward) continue;
-    for (const Step& s : t.steps) {
-      if (s.kind == StepKind::kCompute && p.labels[s.label] == op) f += s.flops;
-    }
-    break;
-  }
-  return f;
-}
-
-struct NemotronH8bOnOneNode : ::testing::Test {
-  void SetUp() override {
-    Expected<ModelSpec> m = load_model("nemotron-h-8b");
-    ASSERT_TRUE(m.ok()) << m.error().message();
-    model = *m;
-    Expected<Topology> t = load_topology("dgx-h100-superpod");
-    ASSERT_TRUE(t.ok());
-    Expected<Topology> r = resize_topology(*t, 1);
-    ASSERT_TRUE(r.ok());
-    topo = *r;
-    o.global_batch = 16;
-  }
-  Expected<Program> compile(const MegatronOptions& opts) const {
-    Expected<Plan> plan = build_megatron_plan(model, topo, opts);
-    if (!plan) return plan.error();
-    return compile_plan(*plan, topo);
-  }
-  ModelSpec model;
-  Topology topo;
-  MegatronOptions o;
+struct NemotronH8bOnOneNode : test::PresetOnOneNode {
+  NemotronH8bOnOneNode() : PresetOnOneNode("nemotron-h-8b") {}
 };
+
+using test::first_forward;
+using test::forward_flops;
 
 // Tensor parallelism splits every layer kind (the mixers by group of heads): a GPU holds half
 // the model's parameters at tp 2, all but the replicated norms' scales.
@@ -104,14 +77,10 @@ TEST_F(NemotronH8bOnOneNode, ContextParallelismExchangesHeadsAroundTheScan) {
   Expected<Program> p = compile(o);
   ASSERT_TRUE(p.ok()) << p.error().message();
   std::vector<double> bytes;
-  for (const BlockTemplate& t : p->templates) {
-    if (t.lane != 0 || t.kind != BlockKind::kForward) continue;
-    for (const Step& s : t.steps) {
-      if (s.kind == StepKind::kCollective && s.collective == CollectiveKind::kAllToAll) {
-        bytes.push_back(s.bytes);
-      }
+  for (const Step& s : first_forward(*p)->steps) {
+    if (s.kind == StepKind::kCollective && s.collective == CollectiveKind::kAllToAll) {
+      bytes.push_back(s.bytes);
     }
-    break;
   }
   ASSERT_EQ(bytes.size(), 2u * 24);
   // A rank's half of the sequence, its tensor-parallel half of z, x, B, C and dt, in 16-bit;
