@@ -19,7 +19,6 @@ struct NemotronH8bOnOneNode : test::PresetOnOneNode {
   NemotronH8bOnOneNode() : PresetOnOneNode("nemotron-h-8b") {}
 };
 
-using test::first_forward;
 using test::forward_flops;
 
 // Tensor parallelism splits every layer kind (the mixers by group of heads): a GPU holds half
@@ -76,12 +75,7 @@ TEST_F(NemotronH8bOnOneNode, ContextParallelismExchangesHeadsAroundTheScan) {
   o.sequence_parallel = true;
   Expected<Program> p = compile(o);
   ASSERT_TRUE(p.ok()) << p.error().message();
-  std::vector<double> bytes;
-  for (const Step& s : first_forward(*p)->steps) {
-    if (s.kind == StepKind::kCollective && s.collective == CollectiveKind::kAllToAll) {
-      bytes.push_back(s.bytes);
-    }
-  }
+  const std::vector<double> bytes = test::forward_all_to_alls(*p);
   ASSERT_EQ(bytes.size(), 2u * 24);
   // A rank's half of the sequence, its tensor-parallel half of z, x, B, C and dt, in 16-bit;
   // then its quarter of the heads' outputs for the whole sequence.

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -55,6 +56,20 @@ inline double forward_flops(const Program& p, const std::string& op) {
     if (s.kind == StepKind::kCompute && p.labels[s.label] == op) f += s.flops;
   }
   return f;
+}
+
+// The bytes of the all-to-alls in lane 0's first forward block, in order; with `label_prefix`,
+// of those labelled by an operator whose name starts with it.
+inline std::vector<double> forward_all_to_alls(const Program& p,
+                                               const std::string& label_prefix = "") {
+  std::vector<double> bytes;
+  for (const Step& s : first_forward(p)->steps) {
+    if (s.kind == StepKind::kCollective && s.collective == CollectiveKind::kAllToAll &&
+        p.labels[s.label].rfind(label_prefix, 0) == 0) {
+      bytes.push_back(s.bytes);
+    }
+  }
+  return bytes;
 }
 
 }  // namespace nnsim::test
