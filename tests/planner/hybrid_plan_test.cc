@@ -80,7 +80,7 @@ TEST_F(NemotronH8bOnOneNode, ContextParallelismExchangesHeadsAroundTheScan) {
   // A rank's half of the sequence, its tensor-parallel half of z, x, B, C and dt, in 16-bit;
   // then its quarter of the heads' outputs for the whole sequence.
   const double in_width = 2 * 8192 + 2 * 8 * 128 + 128;
-  EXPECT_DOUBLE_EQ(bytes[0], 8192 / 2 * in_width / 2 * 2);
+  EXPECT_DOUBLE_EQ(bytes[0], 8192.0 / 2 * in_width / 2 * 2);
   EXPECT_DOUBLE_EQ(bytes[1], 8192 * 8192.0 / 4 * 2);
 }
 

@@ -552,7 +552,7 @@ TEST(NnsimTool, ExpertParallelismPlansSearchesAndSimulates) {
     box.write("dense-" + field + ".json", dense_with.dump(1));
     bad = box.nnsim({"--topo", "dgx-a100x4", "--nodes", "1", "dense-" + field + ".json"});
     EXPECT_NE(bad.status, 0);
-    EXPECT_TRUE(contains(bad.err, "field '" + field + "': " + refusal)) << bad;
+    EXPECT_TRUE(contains(bad.err, fmt::format("field '{}': {}", field, refusal))) << bad;
   }
   bad = box.nnsim({"plan", "--model", "dense.yaml", "--topo", "dgx-a100x4", "--nodes", "1", "--tp",
                    "1", "--pp", "1", "--moe-deepep", "--global-batch", "16", "-o", "bad.json"});
