@@ -6,6 +6,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "core/model.h"
 #include "core/topology.h"
@@ -48,8 +49,9 @@ std::string layer_summary(const ModelSpec& m) {
   return out;
 }
 
-// Prints the model presets; false if one of them does not load (its error is printed).
-bool print_models() {
+// Prints the model presets, adding each to `out` (its description as a plan records it, and its
+// parameters); false if one of them does not load (its error is printed).
+bool print_models(nlohmann::ordered_json& out) {
   std::printf("models (models/; --model NAME):\n");
   std::printf("  %-26s %12s %7s %7s %8s  %s\n", "name", "parameters", "layers", "hidden", "seq_len",
               "layers are");
@@ -61,6 +63,11 @@ bool print_models() {
       ok = false;
       continue;
     }
+    nlohmann::ordered_json entry;
+    entry["name"] = name;
+    entry["parameters"] = m->parameters();
+    entry["model"] = nlohmann::ordered_json::parse(model_to_json(*m));
+    out.push_back(std::move(entry));
     std::printf("  %-26s %10.2f B %7d %7lld %8lld  %s\n", name.c_str(),
                 static_cast<double>(m->parameters()) / 1e9, m->layers,
                 static_cast<long long>(m->hidden), static_cast<long long>(m->seq_len),
@@ -69,7 +76,7 @@ bool print_models() {
   return ok;
 }
 
-bool print_topologies() {
+bool print_topologies(nlohmann::ordered_json& out) {
   std::printf("topologies (topologies/; --topo NAME, --nodes N resizes):\n");
   std::printf("  %-22s %-22s  %s\n", "name", "GPUs", "description");
   bool ok = true;
@@ -80,6 +87,11 @@ bool print_topologies() {
       ok = false;
       continue;
     }
+    out.push_back({{"name", name},
+                   {"gpu", t->gpu.name},
+                   {"nodes", t->nodes},
+                   {"gpus_per_node", t->gpus_per_node},
+                   {"description", t->description}});
     const std::string gpus = fmt::format("{} x {} {}", t->nodes, t->gpus_per_node, t->gpu.name);
     std::printf("  %-22s %-22s  %s\n", name.c_str(), gpus.c_str(), t->description.c_str());
   }
@@ -92,14 +104,26 @@ CLI::App* add_presets_command(CLI::App& app, PresetsArgs& a) {
   CLI::App* cmd = app.add_subcommand("presets", "list the model and topology presets");
   cmd->add_option("kind", a.kind, "only 'models' or only 'topologies'")
       ->check(CLI::IsMember({"models", "topologies"}));
+  cmd->add_option("--json", a.json,
+                  "also write them as JSON: each model's full description and parameters, each "
+                  "topology's GPUs");
   return cmd;
 }
 
 int run_presets(const PresetsArgs& a) {
   bool ok = true;
-  if (a.kind.empty() || a.kind == "models") ok = print_models() && ok;
+  nlohmann::ordered_json out = nlohmann::ordered_json::object();
+  if (a.kind.empty() || a.kind == "models") {
+    out["models"] = nlohmann::ordered_json::array();
+    ok = print_models(out["models"]) && ok;
+  }
   if (a.kind.empty()) std::printf("\n");
-  if (a.kind.empty() || a.kind == "topologies") ok = print_topologies() && ok;
+  if (a.kind.empty() || a.kind == "topologies") {
+    out["topologies"] = nlohmann::ordered_json::array();
+    ok = print_topologies(out["topologies"]) && ok;
+  }
+  std::string error;
+  if (!a.json.empty() && !write_file(a.json, out.dump(1) + "\n", &error)) return fail(error);
   return ok ? 0 : 1;
 }
 

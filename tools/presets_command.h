@@ -10,6 +10,7 @@ namespace nnsim::tool {
 
 struct PresetsArgs {
   std::string kind;  // "models", "topologies" or empty (both)
+  std::string json;  // also write them here: each model's full description and parameters
 };
 
 CLI::App* add_presets_command(CLI::App& app, PresetsArgs& a);

@@ -1438,6 +1438,22 @@ TEST(NnsimTool, PresetsListsEveryModelAndTopology) {
   RunResult bad = box.nnsim({"presets", "gpus"});
   EXPECT_NE(bad.status, 0);
   EXPECT_TRUE(contains(bad.err, "models")) << bad;
+
+  // As JSON: each model's description as a plan records it (which reads back) and its count.
+  RunResult j = box.nnsim({"presets", "--json", "presets.json"});
+  EXPECT_EQ(j.status, 0) << j;
+  const json presets = json::parse(box.read("presets.json"));
+  ASSERT_EQ(presets["models"].size(), model_preset_names().size());
+  ASSERT_EQ(presets["topologies"].size(), topology_preset_names().size());
+  for (const json& m : presets["models"]) {
+    Expected<ModelSpec> back = parse_model(m["model"].dump(), "m.json");
+    ASSERT_TRUE(back.ok()) << back.error().message();
+    EXPECT_EQ(back->parameters(), m["parameters"].get<int64_t>()) << m["name"];
+  }
+  EXPECT_EQ(presets["topologies"][0]["gpus_per_node"], 8);
+  RunResult unwritable = box.nnsim({"presets", "--json", "no-such-dir/p.json"});
+  EXPECT_NE(unwritable.status, 0);
+  EXPECT_TRUE(contains(unwritable.err, "no-such-dir/p.json")) << unwritable;
 }
 
 TEST(NnsimTool, Version) {
