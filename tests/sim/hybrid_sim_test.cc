@@ -16,30 +16,30 @@
 namespace nnsim {
 namespace {
 
-// Nemotron-H 8B over tp 2 (sequence parallel) and pp 2 on one DGX H100, 8 micro-batches a
-// replica.
-Program compile_nemotron_h() {
-  Expected<ModelSpec> m = load_model("nemotron-h-8b");
-  EXPECT_TRUE(m.ok()) << (m.ok() ? "" : m.error().message());
+// `preset` planned by the Megatron builder with `o` on one DGX H100, and compiled.
+Expected<Program> compile_on_one_node(const std::string& preset, const MegatronOptions& o) {
+  Expected<ModelSpec> m = load_model(preset);
+  if (!m) return m.error();
   Expected<Topology> t = load_topology("dgx-h100-superpod");
-  EXPECT_TRUE(t.ok());
+  if (!t) return t.error();
   Expected<Topology> one = resize_topology(*t, 1);
-  EXPECT_TRUE(one.ok());
+  if (!one) return one.error();
+  Expected<Plan> plan = build_megatron_plan(*m, *one, o);
+  if (!plan) return plan.error();
+  return compile_plan(*plan, *one);
+}
+
+// Nemotron-H 8B over tp 2 (sequence parallel) and pp 2, 8 micro-batches a replica.
+TEST(HybridSim, NemotronHRunsItsLayerKindsOnTheirStages) {
   MegatronOptions o;
   o.tp = 2;
   o.pp = 2;
   o.sequence_parallel = true;
   o.global_batch = 16;
   o.zero = 1;
-  Expected<Plan> plan = build_megatron_plan(*m, *one, o);
-  EXPECT_TRUE(plan.ok()) << (plan.ok() ? "" : plan.error().message());
-  Expected<Program> prog = compile_plan(*plan, *one);
-  EXPECT_TRUE(prog.ok()) << (prog.ok() ? "" : prog.error().message());
-  return *prog;
-}
-
-TEST(HybridSim, NemotronHRunsItsLayerKindsOnTheirStages) {
-  const Program p = compile_nemotron_h();
+  Expected<Program> compiled = compile_on_one_node("nemotron-h-8b", o);
+  ASSERT_TRUE(compiled.ok()) << compiled.error().message();
+  const Program& p = *compiled;
   SimOptions options;
   options.record_tasks = true;
   Expected<SimResult> r = simulate(p, options);
@@ -61,21 +61,13 @@ TEST(HybridSim, NemotronHRunsItsLayerKindsOnTheirStages) {
 // Qwen3-Next over tp 2, cp 2 and pp 2 on one DGX H100: the all-to-alls around each Gated
 // DeltaNet layer's delta rule run in the simulator as the estimator prices them.
 TEST(HybridSim, QwenNextRunsItsDeltaRulesBetweenAllToAlls) {
-  Expected<ModelSpec> m = load_model("qwen3-next-80b-a3b");
-  ASSERT_TRUE(m.ok()) << m.error().message();
-  Expected<Topology> t = load_topology("dgx-h100-superpod");
-  ASSERT_TRUE(t.ok());
-  Expected<Topology> one = resize_topology(*t, 1);
-  ASSERT_TRUE(one.ok());
   MegatronOptions o;
   o.tp = 2;
   o.cp = 2;
   o.pp = 2;
   o.sequence_parallel = true;
   o.global_batch = 4;
-  Expected<Plan> plan = build_megatron_plan(*m, *one, o);
-  ASSERT_TRUE(plan.ok()) << plan.error().message();
-  Expected<Program> p = compile_plan(*plan, *one);
+  Expected<Program> p = compile_on_one_node("qwen3-next-80b-a3b", o);
   ASSERT_TRUE(p.ok()) << p.error().message();
   SimOptions options;
   options.record_tasks = true;
