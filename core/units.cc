@@ -159,4 +159,12 @@ std::string format_count(double n) {
   return format_decimal(n, "");
 }
 
+std::string format_duration(double seconds) {
+  const double a = std::fabs(seconds);
+  if (a >= 2 * 86400.0) return fmt::format("{:.1f} days", seconds / 86400.0);
+  if (a >= 2 * 3600.0) return fmt::format("{:.1f} hours", seconds / 3600.0);
+  if (a >= 2 * 60.0) return fmt::format("{:.1f} min", seconds / 60.0);
+  return format_seconds(seconds);
+}
+
 }  // namespace nnsim

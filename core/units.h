@@ -22,5 +22,6 @@ std::string format_seconds(double seconds);    // "12.3 ms"
 std::string format_rate(double bytes_per_s);   // "25.0 GB/s"
 std::string format_flops(double flops_per_s);  // "312 TFLOP/s"
 std::string format_count(double n);            // "1.2 M"
+std::string format_duration(double seconds);   // "8.1 days", "5.2 hours", "12.0 min", "3.456 s"
 
 }  // namespace nnsim

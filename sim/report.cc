@@ -34,7 +34,8 @@ json memory_json(const LaneReport& l) {
 
 }  // namespace
 
-std::string report_json(const Program& program, const SimResult& r) {
+std::string report_json(const Program& program, const SimResult& r,
+                        const std::optional<TrainingTime>& training) {
   json j;
   j["format"] = "nnsim-report";
   j["version"] = 1;
@@ -51,6 +52,11 @@ std::string report_json(const Program& program, const SimResult& r) {
   j["memory_capacity_bytes"] = program.topology.gpu.hbm_bytes;
   const LaneReport& worst = worst_memory_lane(r);
   j["peak_memory_bytes"] = worst.peak_memory;
+  if (training) {
+    j["training"] = {{"tokens", training->tokens}, {"tokens_per_step", training->tokens_per_step},
+                     {"steps", training->steps},   {"time_s", training->seconds},
+                     {"gpus", training->gpus},     {"gpu_hours", training->gpu_hours}};
+  }
   j["simulation"] = {{"fidelity", std::string(to_string(r.fidelity))},
                      {"lanes_simulated", r.simulated_lanes},
                      {"replicas_simulated", r.replicas_simulated}};

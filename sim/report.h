@@ -2,13 +2,17 @@
 // Field-by-field description in docs/simulator.md.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "core/program.h"
+#include "core/training_time.h"
 #include "sim/result.h"
 
 namespace nnsim {
 
-std::string report_json(const Program& program, const SimResult& result);
+// `training`, when given, adds the time to train its tokens ("training").
+std::string report_json(const Program& program, const SimResult& result,
+                        const std::optional<TrainingTime>& training = std::nullopt);
 
 }  // namespace nnsim

@@ -5,6 +5,8 @@
 
 #include <fmt/format.h>
 
+#include "core/units.h"
+
 namespace nnsim::tool {
 
 int fail(const std::string& message) {
@@ -38,6 +40,37 @@ Expected<Topology> load_topology_sized(const std::string& path, int nodes) {
   Expected<Topology> topo = load_topology(path);
   if (!topo || nodes <= 0) return topo;
   return resize_topology(*topo, nodes);
+}
+
+namespace {
+// "1.2 M" (format_count leaves a space for the unit when there is no prefix).
+std::string count(double n) {
+  std::string s = format_count(n);
+  while (!s.empty() && s.back() == ' ') s.pop_back();
+  return s;
+}
+// Tokens as the field writes them: billions with B ("300 B"), not G.
+std::string tokens(double n) {
+  std::string s = count(n);
+  if (!s.empty() && s.back() == 'G') s.back() = 'B';
+  return s;
+}
+// 3576279 -> "3,576,279".
+std::string grouped(int64_t n) {
+  std::string digits = std::to_string(n);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+}  // namespace
+
+std::string describe_training(const TrainingTime& t) {
+  return fmt::format("{} tokens in {} steps of {} tokens: {} on {} GPUs, {} GPU-hours",
+                     tokens(t.tokens), grouped(t.steps), tokens(t.tokens_per_step),
+                     format_duration(t.seconds), t.gpus, count(t.gpu_hours));
 }
 
 void note_hypothetical_gpu(const GpuSpec& gpu) {

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/model.h"
 #include "core/topology.h"
+#include "core/training_time.h"
 
 namespace nnsim::tool {
 
@@ -35,6 +36,9 @@ void note_unvalidated_hybrid(const ModelSpec& model);
 // For a hypothetical GPU (a what-if part), a note that its figures are as given and its
 // efficiencies its base GPU's measured ones (docs/topology.md).
 void note_hypothetical_gpu(const GpuSpec& gpu);
+
+// "15.0 T tokens in 3,576,279 steps of 4.19 M tokens: 54.2 days on 2048 GPUs, 2.66 M GPU-hours".
+std::string describe_training(const TrainingTime& t);
 
 // Progress on a terminal only; pipes and files stay quiet.
 class Progress {

@@ -11,6 +11,7 @@
 #include "core/memory_check.h"
 #include "core/model.h"
 #include "core/plan.h"
+#include "core/training_time.h"
 #include "core/units.h"
 #include "sim/simulator.h"
 #include "tools/cli_checks.h"
@@ -143,6 +144,17 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
     std::printf("estimator vs simulator: %zu of %zu pairs of confirmed plans ranked differently\n",
                 r->rank_disagreements, r->rank_pairs);
   }
+  if (!a.train_tokens.empty()) {
+    // Parsed before the search; the best plan's time is its simulated one where confirmed.
+    const Candidate& best = r->ranked.front();
+    Expected<TrainingTime> t =
+        training_time(*parse_token_count(a.train_tokens),
+                      static_cast<double>(r->best.global_batch) * r->best.model.seq_len,
+                      best.time(), r->best.mesh.num_ranks());
+    if (!t) return fail("--train-tokens: " + t.error().message());
+    std::printf("the best plan trains %s (%s)\n", describe_training(*t).c_str(),
+                best.simulated ? "simulated" : "estimated");
+  }
   note_unvalidated_moe(r->best.model);
   note_unvalidated_hybrid(r->best.model);
   note_hypothetical_gpu(topo.gpu);
@@ -174,6 +186,16 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
 }
 
 int run_plan(PlanArgs& a) {
+  if (!a.train_tokens.empty()) {
+    if (!a.search) {
+      return fail(
+          "--train-tokens needs an iteration time: search (--search), or simulate the built "
+          "plan (nnsim --topo TOPO plan.json --train-tokens N)");
+    }
+    if (Expected<double> n = parse_token_count(a.train_tokens); !n) {
+      return fail("--train-tokens: " + n.error().message());
+    }
+  }
   Expected<ModelSpec> model = load_model(a.model);
   if (!model) return fail(model.error().message());
   if (!a.loss.empty()) {
@@ -325,6 +347,9 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
   cmd->add_option("--confirm", a.confirm, "best estimates confirmed by simulation (default 5)");
   cmd->add_option("--jobs", a.jobs, "candidates evaluated at once (default: cores)");
   cmd->add_option("--csv", a.csv, "write the ranked and rejected plans as CSV");
+  cmd->add_option("--train-tokens", a.train_tokens,
+                  "also print how long the best plan takes to train this many tokens, e.g. 15T "
+                  "or 300B (search only; checkpoints, evaluation and restarts not counted)");
   cmd->add_option("--calib", a.calib,
                   "calibration file (HDF5): estimate, schedule and simulate with its cost "
                   "model");

@@ -28,7 +28,8 @@ struct PlanArgs {
   int confirm = 5;
   int jobs = 0;
   std::string csv;
-  SearchPins pins;  // what was given on the command line
+  std::string train_tokens;  // e.g. "15T": the best plan's time to train that many tokens
+  SearchPins pins;           // what was given on the command line
   std::string calib;
   Calibration calibration;  // loaded from `calib`; a.o.costs points at it
 };

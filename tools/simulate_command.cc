@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <vector>
 
 #include <fmt/format.h>
@@ -9,6 +10,7 @@
 #include "core/memory_check.h"
 #include "core/plan.h"
 #include "core/program.h"
+#include "core/training_time.h"
 #include "core/units.h"
 #include "sim/report.h"
 #include "sim/simulator.h"
@@ -25,7 +27,8 @@ std::string lane_gpus(const LaneReport& l) {
   return fmt::format("{}-{}", *lo, *hi);
 }
 
-void print_report(const Program& prog, const SimResult& r) {
+void print_report(const Program& prog, const SimResult& r,
+                  const std::optional<TrainingTime>& training) {
   const Topology& t = prog.topology;
   std::printf(
       "%s\n",
@@ -40,6 +43,7 @@ void print_report(const Program& prog, const SimResult& r) {
               format_count(r.tokens_per_second).c_str(),
               format_flops(r.model_flops_per_gpu).c_str(), 100 * r.mfu,
               format_flops(r.peak_flops_per_gpu).c_str());
+  if (training) std::printf("  to train         %s\n", describe_training(*training).c_str());
   const LaneReport& worst = worst_memory_lane(r);
   std::printf("  peak memory      %s of %s (GPU %d, %s)\n", format_bytes(worst.peak_memory).c_str(),
               format_bytes(t.gpu.hbm_bytes).c_str(), worst.gpus.front(), worst.name.c_str());
@@ -110,11 +114,21 @@ void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
                 "result)");
   app->add_option("--calib", a.calib,
                   "calibration file (HDF5) replacing the cost model's constants for its GPUs");
+  app->add_option("--train-tokens", a.train_tokens,
+                  "also report how long training this many tokens takes at the simulated "
+                  "iteration time, e.g. 15T or 300B (checkpoints, evaluation and restarts not "
+                  "counted)");
   app->add_flag("--allow-oom", a.allow_oom,
                 "simulate even when the plan does not fit in GPU memory (still exits non-zero)");
 }
 
 int run_simulate(const SimulateArgs& a) {
+  std::optional<double> train_tokens;
+  if (!a.train_tokens.empty()) {
+    Expected<double> n = parse_token_count(a.train_tokens);
+    if (!n) return fail("--train-tokens: " + n.error().message());
+    train_tokens = *n;
+  }
   Expected<Topology> topo = load_topology_sized(a.topo, a.nodes);
   if (!topo) return fail(topo.error().message());
   Expected<Plan> plan = load_plan(a.plan);
@@ -140,9 +154,16 @@ int run_simulate(const SimulateArgs& a) {
   progress.done();
   if (!result) return fail(result.error().message());
 
-  print_report(*prog, *result);
+  std::optional<TrainingTime> training;
+  if (train_tokens) {
+    Expected<TrainingTime> t = training_time(*train_tokens, prog->tokens_per_iteration,
+                                             result->iteration_time, result->num_gpus);
+    if (!t) return fail("--train-tokens: " + t.error().message());
+    training = *t;
+  }
+  print_report(*prog, *result, training);
   std::string error;
-  if (!a.json.empty() && !write_file(a.json, report_json(*prog, *result), &error)) {
+  if (!a.json.empty() && !write_file(a.json, report_json(*prog, *result, training), &error)) {
     return fail(error);
   }
   if (!a.trace.empty() &&

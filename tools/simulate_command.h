@@ -19,6 +19,7 @@ struct SimulateArgs {
   bool allow_oom = false;
   bool no_fold = false;
   std::string calib;
+  std::string train_tokens;  // e.g. "15T": also report the time to train that many tokens
 };
 
 // The simulate options on `app` (the top level, where they are optional, or the subcommand).

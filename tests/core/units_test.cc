@@ -34,6 +34,14 @@ TEST(Units, RejectsNumbersThatAreNotFinite) {
   }
 }
 
+TEST(Units, FormatsDurationsInTheirLargestUnit) {
+  EXPECT_EQ(format_duration(3.456), "3.456 s");
+  EXPECT_EQ(format_duration(119.0), "119.000 s");
+  EXPECT_EQ(format_duration(720.0), "12.0 min");
+  EXPECT_EQ(format_duration(5.25 * 3600), "5.2 hours");
+  EXPECT_EQ(format_duration(8.1 * 86400), "8.1 days");
+}
+
 TEST(Units, FormatsForHumans) {
   EXPECT_EQ(format_bytes(1536.0 * 1024 * 1024), "1.50 GiB");
   EXPECT_EQ(format_seconds(0.0123), "12.30 ms");

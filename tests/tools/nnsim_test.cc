@@ -793,6 +793,90 @@ TEST(NnsimTool, NodesResizesTheTopologyForPlanAndSimulate) {
   EXPECT_FALSE(box.exists("bad.json"));
 }
 
+TEST(NnsimTool, TrainTokensGivesTheTimeToTrainAtTheSimulatedIteration) {
+  Sandbox box;
+  make_plan(box);
+  RunResult r =
+      box.nnsim({"--topo", "dgx-a100x4", "p.json", "--json", "r.json", "--train-tokens", "300B"});
+  ASSERT_EQ(r.status, 0) << r;
+  json report = box.read_json("r.json");
+  // gpt3-1.3b, 64 sequences of 2,048 tokens a step: 3e11 / 131,072 = 2,288,818.4 steps.
+  const json& t = report["training"];
+  EXPECT_EQ(t["tokens"].get<double>(), 3e11);
+  EXPECT_EQ(t["tokens_per_step"].get<double>(), 131072.0);
+  EXPECT_EQ(t["steps"].get<int64_t>(), 2288819);
+  EXPECT_DOUBLE_EQ(t["time_s"].get<double>(), 2288819 * report["iteration_time_s"].get<double>());
+  EXPECT_EQ(t["gpus"], 32);
+  EXPECT_DOUBLE_EQ(t["gpu_hours"].get<double>(), 32 * t["time_s"].get<double>() / 3600);
+  EXPECT_TRUE(contains(r.out, "to train         300 B tokens in 2,288,819 steps of 131 k tokens: "))
+      << r;
+  EXPECT_TRUE(contains(r.out, " days on 32 GPUs, ")) << r;
+  // Without the option the report has no training figures.
+  ASSERT_EQ(box.nnsim({"--topo", "dgx-a100x4", "p.json", "--json", "plain.json"}).status, 0);
+  EXPECT_FALSE(box.read_json("plain.json").contains("training"));
+
+  // The search prints the best plan's, from its simulated time.
+  RunResult s = box.nnsim({"plan",
+                           "--model",
+                           "gpt3-1.3b",
+                           "--topo",
+                           "dgx-a100x4",
+                           "--tp",
+                           "2",
+                           "--pp",
+                           "4",
+                           "--micro-batch",
+                           "1",
+                           "--recompute",
+                           "none",
+                           "--zero",
+                           "1",
+                           "--schedule",
+                           "1f1b",
+                           "--global-batch",
+                           "64",
+                           "--search",
+                           "--jobs",
+                           "1",
+                           "--confirm",
+                           "1",
+                           "--csv",
+                           "s.csv",
+                           "-o",
+                           "s.json",
+                           "--train-tokens",
+                           "1B"});
+  ASSERT_EQ(s.status, 0) << s;
+  std::istringstream csv(box.read("s.csv"));
+  std::string header, best;
+  std::getline(csv, header);
+  std::getline(csv, best);
+  // simulated_s is the CSV's 19th column; 1e9 / 131,072 = 7,629.4 steps.
+  std::vector<std::string> cells(1);
+  bool quoted = false;
+  for (char c : best) {
+    if (c == '"')
+      quoted = !quoted;
+    else if (c == ',' && !quoted)
+      cells.emplace_back();
+    else
+      cells.back() += c;
+  }
+  ASSERT_GE(cells.size(), 19u) << best;
+  const double minutes = 7630 * std::stod(cells[18]) / 60;
+  EXPECT_TRUE(contains(s.out, fmt::format("the best plan trains 1.00 B tokens in 7,630 steps of "
+                                          "131 k tokens: {:.1f} min on 32 GPUs",
+                                          minutes)))
+      << s;
+
+  expect_error(box.nnsim({"--topo", "dgx-a100x4", "p.json", "--train-tokens", "3x"}),
+               {"--train-tokens", "'3x'", "15T"});
+  std::vector<std::string> built(kPlanArgs.begin(), kPlanArgs.end() - 2);  // without -o p.json
+  built.insert(built.end(), {"-o", "b.json", "--train-tokens", "1B"});
+  expect_error(box.nnsim(built), {"--train-tokens", "--search", "plan.json --train-tokens"});
+  EXPECT_FALSE(box.exists("b.json"));
+}
+
 // ------------------------------------------------------------------------------------------
 // 4. Bad inputs. Topologies.
 
