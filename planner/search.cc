@@ -421,7 +421,7 @@ class Search {
   void evaluate_chains();
   void balance_stages();
   void try_schedules();
-  void try_v_schedules_with_stage_recompute();
+  void try_schedules_with_stage_recompute();
   void try_sub_pipelining();
   void try_ep_overlap();
   void try_placements();
@@ -880,17 +880,18 @@ void Search::try_schedules() {
   }
   result_.schedules_tried = tries.size();
   estimate_variants(tries, "scheduling", "");
-  try_v_schedules_with_stage_recompute();
+  try_schedules_with_stage_recompute();
 }
 
-// The V schedules with each device recomputing only what its two chunks need (the partitioner's
-// virtual-stage path, balance_chain) for the best pipelined degree sets whose plans recompute
-// (uniformly or per stage): try_schedules gives a V the plan's uniform recomputation, or none,
-// while a V's devices hold unequal numbers of blocks in flight.
-void Search::try_v_schedules_with_stage_recompute() {
-  if (fixed_layers_ || pin_.vpp.value_or(2) != 2) return;
+// The zero-bubble, Merak and V schedules with each stage (in a V, each device) recomputing only
+// what it needs to fit (balance_chain, which re-partitions the layers too) for the best pipelined
+// degree sets whose plans recompute, uniformly or per stage: try_schedules gives them the plan's
+// uniform recomputation, or none, while their stages hold unequal numbers of micro-batches in
+// flight.
+void Search::try_schedules_with_stage_recompute() {
+  if (fixed_layers_) return;
   std::optional<RecomputeMode> pinned = cons_.recompute ? cons_.recompute : pin_.recompute;
-  if (pinned || !cons_.stage_recompute.empty()) return;  // nothing to choose per device
+  if (pinned || !cons_.stage_recompute.empty()) return;  // nothing to choose per stage
   auto allowed = [&](ScheduleKind k) {
     return cons_.schedules.empty() ||
            std::find(cons_.schedules.begin(), cons_.schedules.end(), k) != cons_.schedules.end();
@@ -900,28 +901,40 @@ void Search::try_v_schedules_with_stage_recompute() {
   std::set<std::string> seen;
   for (const Candidate& c : feasible_) {
     if (seen.size() >= kMaxRescheduled) break;
-    if (c.options.pp < 2 || 2 * c.options.pp > model_.layers) continue;
-    // Degrees whose plan fits without recomputing have their V tried as it is (try_schedules).
+    if (c.options.pp < 2) continue;
+    // Degrees whose plan fits without recomputing have their schedules tried as they are
+    // (try_schedules).
     if (c.options.recompute == RecomputeMode::kNone && c.options.recompute_layers.empty()) {
       continue;
     }
     Chain chain;
     chain.base = c.options;
-    chain.base.vpp = 2;
     chain.base.stage_layers.clear();
     chain.base.recompute = RecomputeMode::kNone;
     chain.base.recompute_layers.clear();
     chain.placement = c.placement;
     chain.levels = {{RecomputeMode::kNone, c.options.zero}};
+    // The degrees, whatever the virtual stages and schedule.
     Candidate key = c;
     key.options = chain.base;
-    key.options.schedule = ScheduleKind::kZbV;
+    key.options.vpp = 1;
+    key.options.schedule = ScheduleKind::kOneFOneB;
     if (!seen.insert(key.describe()).second) continue;
-    for (ScheduleKind kind : {ScheduleKind::kZbV, ScheduleKind::kDualPipeV}) {
-      if (!allowed(kind) || (kind == ScheduleKind::kDualPipeV && c.options.ep < 2)) continue;
+    std::vector<std::pair<ScheduleKind, int>> kinds;
+    if (pin_.vpp.value_or(1) == 1) {
+      kinds = {{ScheduleKind::kZbH1, 1}, {ScheduleKind::kZbH2, 1}, {ScheduleKind::kMerak, 1}};
+    }
+    if (2 * c.options.pp <= model_.layers && pin_.vpp.value_or(2) == 2) {
+      kinds.emplace_back(ScheduleKind::kZbV, 2);
+      if (c.options.ep > 1) kinds.emplace_back(ScheduleKind::kDualPipeV, 2);
+    }
+    for (const auto& [kind, vpp] : kinds) {
+      if (!allowed(kind)) continue;
       Chain v = chain;
       v.base.schedule = kind;
+      v.base.vpp = vpp;
       if (kind == ScheduleKind::kDualPipeV) {
+        // Its pairs hide the all-to-alls; the builder refuses the other ways of hiding them.
         v.base.ep_overlap = false;
         v.base.moe_shared_expert_overlap = false;
         v.base.tp_sub_batches = 1;
@@ -937,9 +950,9 @@ void Search::try_v_schedules_with_stage_recompute() {
             balance_chain(model_, topo_, chains[i], std::nullopt, capacity_, cons_, evaluated_);
       },
       [&](size_t done_count, size_t all) {
-        if (o_.progress) o_.progress("recomputing V stages", done_count, all);
+        if (o_.progress) o_.progress("recomputing stages", done_count, all);
       });
-  result_.v_recompute_tried = chains.size();
+  result_.recompute_schedules_tried = chains.size();
   for (std::optional<Candidate>& c : fitted) {
     if (c) feasible_.push_back(std::move(*c));
   }

@@ -91,8 +91,8 @@ struct SearchResult {
   size_t placements_tried = 0;
   // Zero-bubble and Merak schedules tried for the best pipelined plans.
   size_t schedules_tried = 0;
-  // V schedules (ZB-V, DualPipeV) tried with each device recomputing what its chunks need.
-  size_t v_recompute_tried = 0;
+  // Zero-bubble, Merak and V schedules tried with each stage (device) recomputing what it needs.
+  size_t recompute_schedules_tried = 0;
   // Sub-pipelined variants (SearchOptions::tp_sub_batches) tried for the best plans.
   size_t sub_pipelined_tried = 0;
   size_t ep_overlap_tried = 0;  // combined-1F1B variants (SearchOptions::ep_overlap) tried

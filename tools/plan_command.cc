@@ -83,9 +83,11 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
         "pipelined plans\n",
         r->schedules_tried);
   }
-  if (r->v_recompute_tried > 0) {
-    std::printf("%zu V schedules (ZB-V, DualPipeV) tried with per-device recomputation\n",
-                r->v_recompute_tried);
+  if (r->recompute_schedules_tried > 0) {
+    std::printf(
+        "%zu zero-bubble, Merak and V schedules tried with per-stage recomputation and "
+        "re-partitioned stages\n",
+        r->recompute_schedules_tried);
   }
   if (r->sub_pipelined_tried > 0) {
     std::printf("%zu plans tried with sub-pipelined tensor parallelism (Merak)\n",
