@@ -62,6 +62,55 @@ InputNode InputNode::load_string(const std::string& text, const std::string& dis
   return InputNode(root, file, "", root.Mark());
 }
 
+namespace {
+
+// A value from the command line, its YAML read.
+YAML::Node override_value(const FieldOverride& o, const std::string& origin) {
+  try {
+    return YAML::Load(o.value);
+  } catch (const YAML::Exception& e) {
+    throw InputError(fmt::format("{}: malformed YAML value: {}", origin, e.msg));
+  }
+}
+
+}  // namespace
+
+InputNode InputNode::load_file(const std::string& path, const std::vector<FieldOverride>& overrides,
+                               const std::string& flag, std::string_view scalar_field,
+                               std::string_view scalar_key) {
+  InputNode root = load_file(path);
+  if (overrides.empty()) return root;
+  auto replaced = std::make_shared<std::vector<Replaced>>();
+  for (const FieldOverride& o : overrides) {
+    const std::string origin = fmt::format("{} {}", flag, o.text);
+    // Assigning one YAML::Node to another writes into the tree; reset() only rebinds.
+    YAML::Node at;
+    at.reset(root.node_);
+    std::string field;
+    for (size_t i = 0; i < o.field.size(); ++i) {
+      const std::string& key = o.field[i];
+      if (at.IsDefined() && !at.IsMap() && !at.IsNull()) {
+        throw InputError(fmt::format("{}: field '{}' of {} holds a {}, not fields", origin, field,
+                                     path, at.IsSequence() ? "list" : "value"));
+      }
+      field += (field.empty() ? "" : ".") + key;
+      if (i + 1 == o.field.size()) {
+        at[key] = override_value(o, origin);
+        break;
+      }
+      if (YAML::Node next = at[key]; next.IsScalar() && field == scalar_field) {
+        YAML::Node holder(YAML::NodeType::Map);
+        holder[std::string(scalar_key)] = YAML::Clone(next);
+        at[key] = holder;
+      }
+      at.reset(at[key]);
+    }
+    replaced->push_back({field, origin});
+  }
+  root.replaced_ = std::move(replaced);
+  return root;
+}
+
 InputNode InputNode::load_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(path + ": cannot open the file (does it exist?)");
@@ -75,6 +124,13 @@ int InputNode::line() const {
 }
 
 std::string InputNode::location() const {
+  if (replaced_) {
+    for (const Replaced& r : *replaced_) {
+      if (path_ == r.field || path_.starts_with(r.field + ".")) {
+        return fmt::format("{}: field '{}'", r.origin, path_);
+      }
+    }
+  }
   std::string where = line() > 0 ? fmt::format("{}:{}", *file_, line()) : *file_;
   if (path_.empty()) return where;
   return fmt::format("{}: field '{}'", where, path_);
@@ -92,7 +148,7 @@ void InputNode::fail_unknown(const std::string& value,
 InputNode InputNode::child(const YAML::Node& n, std::string path) const {
   YAML::Mark mark = n ? n.Mark() : mark_;
   if (mark.is_null()) mark = mark_;
-  return InputNode(n, file_, std::move(path), mark);
+  return InputNode(n, file_, std::move(path), mark, replaced_);
 }
 
 bool InputNode::has(std::string_view key) const {

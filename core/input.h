@@ -16,6 +16,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "core/error.h"
+#include "core/field_override.h"
 #include "core/units.h"
 
 namespace nnsim {
@@ -29,6 +30,14 @@ class InputNode {
  public:
   // Reads a YAML or JSON file. Syntax errors throw InputError with the file, line and column.
   static InputNode load_file(const std::string& path);
+  // The same with fields replaced, in order (what-if studies without copying the file): maps
+  // on a field's way are created, and where the way runs through the scalar field
+  // `scalar_field` ("gpu: h100-sxm5-80gb") that becomes a map holding it under `scalar_key`
+  // ({base: h100-sxm5-80gb}). An error in a replaced value names `flag` and the override
+  // ("--topo-set node.nics.bandwidth=fast: field 'node.nics.bandwidth': ...").
+  static InputNode load_file(const std::string& path, const std::vector<FieldOverride>& overrides,
+                             const std::string& flag, std::string_view scalar_field = "",
+                             std::string_view scalar_key = "");
   static InputNode load_string(const std::string& text, const std::string& display_name);
 
   bool is_map() const { return node_.IsMap(); }
@@ -84,10 +93,21 @@ class InputNode {
   int line() const;
 
  private:
+  // Fields replaced from the command line, and where they came from ("--topo-set a.b=v").
+  struct Replaced {
+    std::string field;  // "a.b"
+    std::string origin;
+  };
+  using ReplacedList = std::shared_ptr<const std::vector<Replaced>>;
+
   // YAML::Node has reference semantics: copying it is cheap and shares the document.
   InputNode(const YAML::Node& node, std::shared_ptr<const std::string> file, std::string path,
-            YAML::Mark mark)
-      : node_(node), file_(std::move(file)), path_(std::move(path)), mark_(mark) {}
+            YAML::Mark mark, ReplacedList replaced = nullptr)
+      : node_(node),
+        file_(std::move(file)),
+        path_(std::move(path)),
+        mark_(mark),
+        replaced_(std::move(replaced)) {}
   InputNode child(const YAML::Node& n, std::string path) const;
   std::string location() const;
 
@@ -95,6 +115,7 @@ class InputNode {
   std::shared_ptr<const std::string> file_;
   std::string path_;
   YAML::Mark mark_;  // where this node (or, if missing, its parent) is
+  ReplacedList replaced_;
 };
 
 // Runs `parse` and turns an InputError into an Error; any other exception also becomes an Error

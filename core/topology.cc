@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/input.h"
 #include "core/suggest.h"
@@ -546,6 +547,12 @@ Expected<Topology> parse_topology(const std::string& yaml_text, const std::strin
 }
 
 Expected<Topology> load_topology(const std::string& path_or_preset) {
+  return load_topology(path_or_preset, {}, "");
+}
+
+Expected<Topology> load_topology(const std::string& path_or_preset,
+                                 const std::vector<FieldOverride>& overrides,
+                                 const std::string& flag) {
   std::error_code ec;
   std::string path = path_or_preset;
   bool looks_like_path = path.find('/') != std::string::npos || path.ends_with(".yaml") ||
@@ -559,7 +566,17 @@ Expected<Topology> load_topology(const std::string& path_or_preset) {
                       path_or_preset, suggest(path_or_preset, topology_preset_names())));
     }
   }
-  return catch_input_errors<Topology>(path, [&] { return parse_root(InputNode::load_file(path)); });
+  Expected<Topology> t = catch_input_errors<Topology>(
+      path, [&] { return parse_root(InputNode::load_file(path, overrides, flag, "gpu", "base")); });
+  const bool named = std::any_of(overrides.begin(), overrides.end(), [](const FieldOverride& o) {
+    return o.field == std::vector<std::string>{"name"};
+  });
+  if (t && !overrides.empty() && !named) {
+    std::vector<std::string> changes;
+    for (const FieldOverride& o : overrides) changes.push_back(o.text);
+    t->name += " with " + fmt::format("{}", fmt::join(changes, ", "));
+  }
+  return t;
 }
 
 Status validate_topology(const Topology& topo) {

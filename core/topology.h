@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/field_override.h"
 #include "core/gpu.h"
 
 namespace nnsim {
@@ -78,6 +79,13 @@ struct Topology {
 
 // Reads a topology from a YAML file, or a preset name ("dgx-a100x4") from topologies/.
 Expected<Topology> load_topology(const std::string& path_or_preset);
+// The same with fields replaced ("node.nics.bandwidth=800 Gb/s", "fabric.oversubscription=2",
+// "gpu.hbm_bytes=141 GB": a GPU given by name becomes a hypothetical one based on it), for
+// what-if studies without copying the file. The name records them ("dgx-h100-superpod with
+// node.nics.bandwidth=800 Gb/s") unless one sets it. Errors in a replaced value name `flag`.
+Expected<Topology> load_topology(const std::string& path_or_preset,
+                                 const std::vector<FieldOverride>& overrides,
+                                 const std::string& flag);
 Expected<Topology> parse_topology(const std::string& yaml_text, const std::string& display_name);
 // Checks internal consistency (every GPU served by a NIC, indices in range, ...).
 Status validate_topology(const Topology& topo);

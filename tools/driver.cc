@@ -36,8 +36,15 @@ bool write_file(const std::string& path, const std::string& text, std::string* e
   return true;
 }
 
-Expected<Topology> load_topology_sized(const std::string& path, int nodes) {
-  Expected<Topology> topo = load_topology(path);
+Expected<Topology> load_topology_sized(const std::string& path, int nodes,
+                                       const std::vector<std::string>& topo_set) {
+  std::vector<FieldOverride> overrides;
+  for (const std::string& text : topo_set) {
+    Expected<FieldOverride> o = parse_field_override(text);
+    if (!o) return Error("--topo-set " + o.error().message());
+    overrides.push_back(*o);
+  }
+  Expected<Topology> topo = load_topology(path, overrides, "--topo-set");
   if (!topo || nodes <= 0) return topo;
   return resize_topology(*topo, nodes);
 }

@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "core/calibration.h"
 #include "core/error.h"
@@ -24,8 +25,10 @@ Expected<const Calibration*> optional_calibration(const std::string& path, Calib
 
 bool write_file(const std::string& path, const std::string& text, std::string* error);
 
-// The topology of `path` (a file or a preset), resized to `nodes` when that is positive.
-Expected<Topology> load_topology_sized(const std::string& path, int nodes);
+// The topology of `path` (a file or a preset) with the fields `--topo-set` gave replaced
+// ("node.nics.bandwidth=800Gb/s"), resized to `nodes` when that is positive.
+Expected<Topology> load_topology_sized(const std::string& path, int nodes,
+                                       const std::vector<std::string>& topo_set = {});
 
 // For a mixture of experts, a note that its step times are not validated yet: the published
 // MoE runs nnsim has been set against ran slower or faster than it predicts (docs/moe.md).

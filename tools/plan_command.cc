@@ -205,7 +205,7 @@ int run_plan(PlanArgs& a) {
     if (!loss) return fail("--loss: " + loss.error().message());
     model->loss = *loss;
   }
-  Expected<Topology> topo = load_topology_sized(a.topo, a.nodes);
+  Expected<Topology> topo = load_topology_sized(a.topo, a.nodes, a.topo_set);
   if (!topo) return fail(topo.error().message());
   Expected<RecomputeMode> rec = parse_recompute_mode(a.recompute);
   if (!rec) return fail("--recompute: " + rec.error().message());
@@ -253,6 +253,11 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
   cmd->add_option("--model", a.model, "model YAML file or preset name")->required();
   cmd->add_option("--topo", a.topo, "topology YAML file or preset name")->required();
   cmd->add_option("--nodes", a.nodes, "resize the topology to this many nodes")->check(at_least(1));
+  cmd->add_option(
+      "--topo-set", a.topo_set,
+      "replace a field of the topology (what-if; repeatable), e.g. node.nics.bandwidth=800Gb/s, "
+      "fabric.oversubscription=2, gpu.hbm_bytes=141GB (a GPU given by name becomes a "
+      "hypothetical one based on it)");
   cmd->add_option("--tp", a.o.tp, "tensor-parallel degree");
   cmd->add_option("--pp", a.o.pp, "pipeline-parallel degree (stages)");
   cmd->add_option("--dp", a.o.dp, "data-parallel degree (default: GPUs / (tp pp cp))")

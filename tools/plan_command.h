@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -15,6 +16,7 @@ struct PlanArgs {
   std::string model;
   std::string topo;
   int nodes = 0;
+  std::vector<std::string> topo_set;  // topology fields replaced: "node.nics.bandwidth=800Gb/s"
   MegatronOptions o;
   std::string recompute = "none";
   std::string schedule = "1f1b";

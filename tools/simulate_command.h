@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -11,6 +12,7 @@ struct SimulateArgs {
   std::string topo;
   std::string plan;
   int nodes = 0;
+  std::vector<std::string> topo_set;  // topology fields replaced: "node.nics.bandwidth=800Gb/s"
   std::string json;
   std::string trace;
   std::string hdf5;

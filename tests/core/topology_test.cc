@@ -374,6 +374,78 @@ TEST(Topology, HypotheticalGpu) {
       << msg;
 }
 
+// The fields of `texts` replaced in the preset dgx-a100x4 ("--topo-set" is the flag errors name).
+Expected<Topology> preset_with(std::initializer_list<const char*> texts) {
+  std::vector<FieldOverride> overrides;
+  for (const char* text : texts) {
+    Expected<FieldOverride> o = parse_field_override(text);
+    EXPECT_TRUE(o.ok()) << text;
+    if (o) overrides.push_back(*o);
+  }
+  return load_topology("dgx-a100x4", overrides, "--topo-set");
+}
+
+TEST(Topology, FieldsReplacedFromTheCommandLine) {
+  Expected<Topology> t = preset_with({"node.nics.bandwidth=400 Gb/s", "fabric.kind=fat_tree",
+                                      "fabric.nodes_per_group=2", "fabric.oversubscription=2",
+                                      "fabric.switch_latency=0.13 us"});
+  ASSERT_TRUE(t.ok()) << t.error().message();
+  EXPECT_DOUBLE_EQ(t->nics.front().bandwidth, 50e9);
+  EXPECT_EQ(t->nics.size(), 8u);  // the rest of the NICs' map stands
+  EXPECT_EQ(t->fabric.kind, FabricKind::kFatTree);
+  EXPECT_EQ(t->fabric.nodes_per_group, 2);
+  EXPECT_DOUBLE_EQ(t->fabric.oversubscription, 2.0);
+  EXPECT_EQ(t->name,
+            "dgx-a100x4 with node.nics.bandwidth=400 Gb/s, fabric.kind=fat_tree, "
+            "fabric.nodes_per_group=2, fabric.oversubscription=2, fabric.switch_latency=0.13 us");
+  // A whole map as YAML; a name given is kept.
+  t = preset_with({"node.nics={count: 4, bandwidth: 100 Gb/s, latency: 2 us}", "name=half"});
+  ASSERT_TRUE(t.ok()) << t.error().message();
+  EXPECT_EQ(t->nics.size(), 4u);
+  EXPECT_DOUBLE_EQ(t->nics.front().latency, 2e-6);
+  EXPECT_EQ(t->name, "half");
+  // A GPU given by name becomes a hypothetical one based on it.
+  t = preset_with({"gpu.hbm_bytes=40 GB"});
+  ASSERT_TRUE(t.ok()) << t.error().message();
+  EXPECT_DOUBLE_EQ(t->gpu.hbm_bytes, 40e9);
+  EXPECT_EQ(t->gpu.name, "a100-sxm4-80gb-custom");
+  EXPECT_EQ(t->gpu.base, "a100-sxm4-80gb");
+  // Without overrides, the file as it is.
+  EXPECT_EQ(preset_with({})->name, "dgx-a100x4");
+}
+
+TEST(Topology, ReplacedFieldsThatDoNotReadNameTheFlag) {
+  auto error = [](std::initializer_list<const char*> texts) {
+    Expected<Topology> t = preset_with(texts);
+    return t ? std::string() : t.error().message();
+  };
+  EXPECT_EQ(error({"node.nics.bandwith=400 Gb/s"}),
+            "--topo-set node.nics.bandwith=400 Gb/s: field 'node.nics.bandwith': unknown field "
+            "'bandwith' (did you mean 'bandwidth'?)");
+  EXPECT_EQ(
+      error({"node.nics.bandwidth=fast"})
+          .rfind("--topo-set node.nics.bandwidth=fast: field 'node.nics.bandwidth': 'fast' is not "
+                 "a number",
+                 0),
+      0u);
+  EXPECT_NE(error({"node.nics={count: 8"}).find("--topo-set node.nics={count: 8: malformed YAML"),
+            std::string::npos);
+  EXPECT_NE(error({"name.first=x"}).find("field 'name' of "), std::string::npos);
+  EXPECT_NE(error({"name.first=x"}).find("holds a value, not fields"), std::string::npos);
+  // Other fields' errors still cite the file's line.
+  EXPECT_NE(error({"node.gpus=16"}).find("dgx-a100x4.yaml:"), std::string::npos);
+
+  for (const char* bad : {"nodes", "=4", "node..gpus=4", "node.gpus=", "node.gpu s=4"}) {
+    EXPECT_FALSE(parse_field_override(bad).ok()) << bad;
+  }
+  EXPECT_NE(parse_field_override("nodes").error().message().find("expected FIELD=VALUE"),
+            std::string::npos);
+  Expected<FieldOverride> ok = parse_field_override("a.b_2=x=y");
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok->field, (std::vector<std::string>{"a", "b_2"}));
+  EXPECT_EQ(ok->value, "x=y");
+}
+
 // The what-if preset's GPU is hypothetical: Blackwell's peaks over the H200's measured behaviour,
 // in 72-GPU NVLink domains.
 TEST(Topology, TheGb200WhatIfKeepsTheH200sMeasuredBehaviour) {

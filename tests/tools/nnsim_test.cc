@@ -877,6 +877,38 @@ TEST(NnsimTool, TrainTokensGivesTheTimeToTrainAtTheSimulatedIteration) {
   EXPECT_FALSE(box.exists("b.json"));
 }
 
+TEST(NnsimTool, TopoSetReplacesTopologyFieldsForPlanAndSimulate) {
+  Sandbox box;
+  make_plan(box);
+  RunResult base = box.nnsim({"--topo", "dgx-a100x4", "p.json", "--json", "base.json"});
+  ASSERT_EQ(base.status, 0) << base;
+  // Half the NICs' bandwidth: the same plan's data-parallel and pipeline traffic slows.
+  RunResult slow = box.nnsim({"--topo", "dgx-a100x4", "p.json", "--json", "slow.json", "--topo-set",
+                              "node.nics.bandwidth=100Gb/s"});
+  ASSERT_EQ(slow.status, 0) << slow;
+  EXPECT_TRUE(contains(slow.out, "on dgx-a100x4 with node.nics.bandwidth=100Gb/s (32 x")) << slow;
+  const json b = box.read_json("base.json");
+  const json s = box.read_json("slow.json");
+  EXPECT_GT(s["iteration_time_s"].get<double>(), b["iteration_time_s"].get<double>());
+  EXPECT_EQ(s["topology"], "dgx-a100x4 with node.nics.bandwidth=100Gb/s");
+  // A GPU with less memory: the plan no longer fits, and the message says by how much.
+  RunResult small =
+      box.nnsim({"--topo", "dgx-a100x4", "p.json", "--topo-set", "gpu.hbm_bytes=4GB"});
+  expect_error(small, {"does not fit", "a100-sxm4-80gb-custom"});
+  // The plan command reads them too (the builder checks the plan fits the changed cluster).
+  std::vector<std::string> args(kPlanArgs.begin(), kPlanArgs.end() - 2);
+  args.insert(args.end(), {"-o", "q.json", "--topo-set", "node.gpus=4", "--topo-set",
+                           "node.nics={count: 4, bandwidth: 200 Gb/s, latency: 1 us}"});
+  RunResult plan = box.nnsim(args);
+  ASSERT_EQ(plan.status, 0) << plan;
+  EXPECT_TRUE(contains(box.read_json("q.json")["name"].get<std::string>(), "dp2")) << plan;
+
+  expect_error(box.nnsim({"--topo", "dgx-a100x4", "p.json", "--topo-set", "node.nics.bandwith=1"}),
+               {"--topo-set node.nics.bandwith=1", "did you mean 'bandwidth'"});
+  expect_error(box.nnsim({"--topo", "dgx-a100x4", "p.json", "--topo-set", "nodes"}),
+               {"--topo-set", "expected FIELD=VALUE"});
+}
+
 // ------------------------------------------------------------------------------------------
 // 4. Bad inputs. Topologies.
 
