@@ -36,6 +36,14 @@ bool write_file(const std::string& path, const std::string& text, std::string* e
   return true;
 }
 
+void add_topo_set_option(CLI::App* app, std::vector<std::string>& topo_set) {
+  app->add_option("--topo-set", topo_set,
+                  "replace a field of the topology (what-if; repeatable), e.g. "
+                  "node.nics.bandwidth=800Gb/s, fabric.oversubscription=2, gpu.hbm_bytes=141GB (a "
+                  "GPU given by name becomes a hypothetical one based on it)")
+      ->allow_extra_args(false);
+}
+
 Expected<Topology> load_topology_sized(const std::string& path, int nodes,
                                        const std::vector<std::string>& topo_set) {
   std::vector<FieldOverride> overrides;

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 #include "core/calibration.h"
 #include "core/error.h"
 #include "core/model.h"
@@ -24,6 +26,9 @@ int fail(const std::string& message);
 Expected<const Calibration*> optional_calibration(const std::string& path, Calibration& storage);
 
 bool write_file(const std::string& path, const std::string& text, std::string* error);
+
+// --topo-set FIELD=VALUE, once an occurrence (a plan file after it stays a positional).
+void add_topo_set_option(CLI::App* app, std::vector<std::string>& topo_set);
 
 // The topology of `path` (a file or a preset) with the fields `--topo-set` gave replaced
 // ("node.nics.bandwidth=800Gb/s"), resized to `nodes` when that is positive.

@@ -3,6 +3,7 @@
 //
 //   nnsim --topo topologies/dgx-a100x4.yaml plan.json     (same as `nnsim simulate ...`)
 //   nnsim plan --model gpt3-175b --topo dgx-a100x4 --tp 8 --pp 4 ... -o plan.json
+//   nnsim sweep --model llama3-70b --topo dgx-h100-superpod --nodes 8,16,32 --global-batch 512
 #include <cstdio>
 #include <optional>
 
@@ -16,6 +17,7 @@
 #include "tools/presets_command.h"
 #include "tools/schedule_command.h"
 #include "tools/simulate_command.h"
+#include "tools/sweep_command.h"
 #include "tools/validate_command.h"
 
 int main(int argc, char** argv) {
@@ -42,6 +44,8 @@ int main(int argc, char** argv) {
   CLI::App* compare_cmd = add_compare_command(app, compare);
   PresetsArgs presets;
   CLI::App* presets_cmd = add_presets_command(app, presets);
+  SweepArgs sweep;
+  CLI::App* sweep_cmd = add_sweep_command(app, sweep);
 
   if (std::optional<int> done = nnsim::parse_command_line(app, argc, argv, "nnsim")) return *done;
   if (simulate_cmd->parsed()) return run_simulate(sim);
@@ -51,6 +55,7 @@ int main(int argc, char** argv) {
   if (calibrate_cmd->parsed()) return run_calibrate(calibrate);
   if (compare_cmd->parsed()) return run_compare(compare);
   if (presets_cmd->parsed()) return run_presets(presets);
+  if (sweep_cmd->parsed()) return run_sweep(sweep, *sweep_cmd);
   if (export_cmd->parsed()) return run_calibration_export(export_args);
   if (top.topo.empty() || top.plan.empty()) {
     std::fprintf(stderr, "%s", app.help().c_str());

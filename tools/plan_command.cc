@@ -25,32 +25,9 @@ std::string csv_escape(const std::string& s) {
 }
 
 int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
-  SearchOptions so;
-  so.global_batch = a.o.global_batch;
-  so.precision = a.o.precision;
-  so.framework = a.o.framework;
-  so.tp_comm_overlap = a.o.tp_comm_overlap;
-  so.tp_sub_batches = a.o.tp_sub_batches;
-  so.moe_grouped_gemm = a.o.moe_grouped_gemm;
-  so.moe_deepep = a.o.moe_deepep;
-  so.ep_overlap = a.o.ep_overlap;
-  so.moe_shared_expert_overlap = a.o.moe_shared_expert_overlap;
-  so.compile = a.o.costs;
-  so.pins = a.pins;
-  so.top = a.top;
-  so.confirm = a.confirm;
-  so.jobs =
-      a.jobs > 0 ? a.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  if (!a.constraints.empty()) {
-    Expected<Constraints> c = load_constraints(a.constraints);
-    if (!c) return fail(c.error().message());
-    so.constraints = *c;
-  }
-  for (int g : a.o.avoid_gpus) so.constraints.avoid_gpus.push_back(g);
-  if (Status st = check_recompute_modules(model, a.o.recompute_modules); !st) {
-    return fail("--recompute-modules: " + st.error().message());
-  }
-  for (const std::string& m : a.o.recompute_modules) so.constraints.recompute_modules.push_back(m);
+  Expected<SearchOptions> options = search_options(a, model);
+  if (!options) return fail(options.error().message());
+  SearchOptions& so = *options;
   Progress progress("searching");
   so.progress = [&progress](const std::string& phase, size_t done, size_t all) {
     const double f = static_cast<double>(done) / all;
@@ -59,11 +36,6 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
     if (phase == "placing ranks") progress.update(0.85 + 0.025 * f);
     if (phase == "scheduling") progress.update(0.875 + 0.025 * f);
     if (phase == "simulating") progress.update(0.9 + 0.1 * f);
-  };
-  so.simulate = [](const Program& p) -> Expected<double> {
-    Expected<SimResult> r = simulate(p);
-    if (!r) return r.error();
-    return r->iteration_time;
   };
   Expected<SearchResult> r = search_plans(model, topo, so);
   progress.done();
@@ -198,39 +170,10 @@ int run_plan(PlanArgs& a) {
       return fail("--train-tokens: " + n.error().message());
     }
   }
-  Expected<ModelSpec> model = load_model(a.model);
+  Expected<ModelSpec> model = load_plan_model(a);
   if (!model) return fail(model.error().message());
-  if (!a.loss.empty()) {
-    Expected<LossKernel> loss = parse_loss_kernel(a.loss);
-    if (!loss) return fail("--loss: " + loss.error().message());
-    model->loss = *loss;
-  }
   Expected<Topology> topo = load_topology_sized(a.topo, a.nodes, a.topo_set);
   if (!topo) return fail(topo.error().message());
-  Expected<RecomputeMode> rec = parse_recompute_mode(a.recompute);
-  if (!rec) return fail("--recompute: " + rec.error().message());
-  a.o.recompute = *rec;
-  Expected<ScheduleKind> sched = parse_schedule_kind(a.schedule);
-  if (!sched) return fail("--schedule: " + sched.error().message());
-  a.o.schedule = *sched;
-  if (!a.precision.empty()) {
-    static const std::pair<const char*, Precision> kNames[] = {{"fp32", Precision::kFp32},
-                                                               {"tf32", Precision::kTf32},
-                                                               {"bf16", Precision::kBf16},
-                                                               {"fp16", Precision::kFp16},
-                                                               {"fp8", Precision::kFp8}};
-    bool found = false;
-    for (const auto& [n, p] : kNames) {
-      if (a.precision == n) {
-        a.o.precision = p;
-        found = true;
-      }
-    }
-    if (!found) return fail("--precision: expected one of fp32, tf32, bf16, fp16, fp8");
-  }
-  Expected<const Calibration*> calib = optional_calibration(a.calib, a.calibration);
-  if (!calib) return fail(calib.error().message());
-  a.o.costs.calibration = *calib;
   if (a.search) return run_search(a, *model, *topo);
   Expected<Plan> plan = build_megatron_plan(*model, *topo, a.o);
   if (!plan) return fail(plan.error().message());
@@ -248,16 +191,56 @@ int run_plan(PlanArgs& a) {
 
 }  // namespace
 
-CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
-  CLI::App* cmd = app.add_subcommand("plan", "build a fully pinned Megatron-style plan");
+Expected<ModelSpec> load_plan_model(const PlanArgs& a) {
+  Expected<ModelSpec> model = load_model(a.model);
+  if (!model) return model;
+  if (!a.loss.empty()) {
+    Expected<LossKernel> loss = parse_loss_kernel(a.loss);
+    if (!loss) return Error("--loss: " + loss.error().message());
+    model->loss = *loss;
+  }
+  return model;
+}
+
+Expected<SearchOptions> search_options(const PlanArgs& a, const ModelSpec& model) {
+  SearchOptions so;
+  so.global_batch = a.o.global_batch;
+  so.precision = a.o.precision;
+  so.framework = a.o.framework;
+  so.tp_comm_overlap = a.o.tp_comm_overlap;
+  so.tp_sub_batches = a.o.tp_sub_batches;
+  so.moe_grouped_gemm = a.o.moe_grouped_gemm;
+  so.moe_deepep = a.o.moe_deepep;
+  so.ep_overlap = a.o.ep_overlap;
+  so.moe_shared_expert_overlap = a.o.moe_shared_expert_overlap;
+  so.compile = a.o.costs;
+  so.pins = a.pins;
+  so.top = a.top;
+  so.confirm = a.confirm;
+  so.jobs =
+      a.jobs > 0 ? a.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (!a.constraints.empty()) {
+    Expected<Constraints> c = load_constraints(a.constraints);
+    if (!c) return c.error();
+    so.constraints = *c;
+  }
+  for (int g : a.o.avoid_gpus) so.constraints.avoid_gpus.push_back(g);
+  if (Status st = check_recompute_modules(model, a.o.recompute_modules); !st) {
+    return Error("--recompute-modules: " + st.error().message());
+  }
+  for (const std::string& m : a.o.recompute_modules) so.constraints.recompute_modules.push_back(m);
+  so.simulate = [](const Program& p) -> Expected<double> {
+    Expected<SimResult> r = simulate(p);
+    if (!r) return r.error();
+    return r->iteration_time;
+  };
+  return so;
+}
+
+void add_plan_choices(CLI::App* cmd, PlanArgs& a) {
   cmd->add_option("--model", a.model, "model YAML file or preset name")->required();
   cmd->add_option("--topo", a.topo, "topology YAML file or preset name")->required();
-  cmd->add_option("--nodes", a.nodes, "resize the topology to this many nodes")->check(at_least(1));
-  cmd->add_option(
-      "--topo-set", a.topo_set,
-      "replace a field of the topology (what-if; repeatable), e.g. node.nics.bandwidth=800Gb/s, "
-      "fabric.oversubscription=2, gpu.hbm_bytes=141GB (a GPU given by name becomes a "
-      "hypothetical one based on it)");
+  add_topo_set_option(cmd, a.topo_set);
   cmd->add_option("--tp", a.o.tp, "tensor-parallel degree");
   cmd->add_option("--pp", a.o.pp, "pipeline-parallel degree (stages)");
   cmd->add_option("--dp", a.o.dp, "data-parallel degree (default: GPUs / (tp pp cp))")
@@ -282,7 +265,6 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
   cmd->add_option("--recycle", a.o.recycle,
                   "forward passes per micro-batch before its backward (AlphaFold's "
                   "recycling; gpipe, 1f1b or tessel; builder only)");
-  cmd->add_option("--global-batch", a.o.global_batch, "sequences per optimizer step")->required();
   cmd->add_option("--recompute", a.recompute, "none, selective or full");
   cmd->add_option("--zero", a.o.zero, "optimizer sharding stage 0-3");
   cmd->add_option("--schedule", a.schedule,
@@ -346,24 +328,31 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
                   "top of --recompute, as Megatron-Core's --recompute-modules; the search "
                   "keeps them in every plan")
       ->delimiter(',');
+  cmd->add_option("--constraints", a.constraints, "constraints file (YAML) for the search");
+  cmd->add_option("--confirm", a.confirm, "best estimates confirmed by simulation (default 5)");
+  cmd->add_option("--jobs", a.jobs, "candidates evaluated at once (default: cores)");
+  cmd->add_option("--calib", a.calib,
+                  "calibration file (HDF5): estimate, schedule and simulate with its cost "
+                  "model");
+}
+
+CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
+  CLI::App* cmd = app.add_subcommand("plan", "build a fully pinned Megatron-style plan");
+  cmd->add_option("--nodes", a.nodes, "resize the topology to this many nodes")->check(at_least(1));
+  cmd->add_option("--global-batch", a.o.global_batch, "sequences per optimizer step")->required();
+  add_plan_choices(cmd, a);
   cmd->add_option("-o,--output", a.output, "where to write plan.json")->required();
   cmd->add_flag("--search", a.search,
                 "search the choices not given (implied when --tp or --pp is missing)");
-  cmd->add_option("--constraints", a.constraints, "constraints file (YAML) for the search");
   cmd->add_option("--top", a.top, "plans shown in the ranked table (default 10)");
-  cmd->add_option("--confirm", a.confirm, "best estimates confirmed by simulation (default 5)");
-  cmd->add_option("--jobs", a.jobs, "candidates evaluated at once (default: cores)");
   cmd->add_option("--csv", a.csv, "write the ranked and rejected plans as CSV");
   cmd->add_option("--train-tokens", a.train_tokens,
                   "also print how long the best plan takes to train this many tokens, e.g. 15T "
                   "or 300B (search only; checkpoints, evaluation and restarts not counted)");
-  cmd->add_option("--calib", a.calib,
-                  "calibration file (HDF5): estimate, schedule and simulate with its cost "
-                  "model");
   return cmd;
 }
 
-int run_plan_command(PlanArgs& a, const CLI::App& cmd) {
+Status read_plan_choices(PlanArgs& a, const CLI::App& cmd) {
   // What the user pinned; the search explores the rest.
   auto given = [&](const char* name) { return cmd.count(name) > 0; };
   SearchPins& p = a.pins;
@@ -381,30 +370,59 @@ int run_plan_command(PlanArgs& a, const CLI::App& cmd) {
   if (given("--placement")) p.placement = a.o.placement;
   if (given("--recompute")) {
     Expected<RecomputeMode> r = parse_recompute_mode(a.recompute);
-    if (!r) return fail("--recompute: " + r.error().message());
+    if (!r) return Error("--recompute: " + r.error().message());
     p.recompute = *r;
   }
   if (given("--schedule")) {
     Expected<ScheduleKind> s = parse_schedule_kind(a.schedule);
-    if (!s) return fail("--schedule: " + s.error().message());
+    if (!s) return Error("--schedule: " + s.error().message());
     p.schedule = *s;
   }
   if (!p.tp || !p.pp) a.search = true;
   if (a.search && (given("--shard-head") || given("--shard-embedding"))) {
-    return fail(
+    return Error(
         "--shard-head and --shard-embedding are for the builder: give --tp and --pp (the "
         "search does not shard the head or the embedding)");
   }
   if (a.search && given("--recycle")) {
-    return fail(
+    return Error(
         "--recycle is for the builder: give --tp and --pp (the plan search does not place "
         "repeated forwards)");
   }
   if (a.search && given("--recompute-layers")) {
-    return fail(
+    return Error(
         "--recompute-layers pins the builder's per-stage recomputation; the search chooses "
         "it (give --tp and --pp without --search to build a plan with it)");
   }
+  Expected<RecomputeMode> rec = parse_recompute_mode(a.recompute);
+  if (!rec) return Error("--recompute: " + rec.error().message());
+  a.o.recompute = *rec;
+  Expected<ScheduleKind> sched = parse_schedule_kind(a.schedule);
+  if (!sched) return Error("--schedule: " + sched.error().message());
+  a.o.schedule = *sched;
+  if (!a.precision.empty()) {
+    static const std::pair<const char*, Precision> kNames[] = {{"fp32", Precision::kFp32},
+                                                               {"tf32", Precision::kTf32},
+                                                               {"bf16", Precision::kBf16},
+                                                               {"fp16", Precision::kFp16},
+                                                               {"fp8", Precision::kFp8}};
+    bool found = false;
+    for (const auto& [name, precision] : kNames) {
+      if (a.precision == name) {
+        a.o.precision = precision;
+        found = true;
+      }
+    }
+    if (!found) return Error("--precision: expected one of fp32, tf32, bf16, fp16, fp8");
+  }
+  Expected<const Calibration*> calib = optional_calibration(a.calib, a.calibration);
+  if (!calib) return calib.error();
+  a.o.costs.calibration = *calib;
+  return Status::Ok();
+}
+
+int run_plan_command(PlanArgs& a, const CLI::App& cmd) {
+  if (Status st = read_plan_choices(a, cmd); !st) return fail(st.error().message());
   return run_plan(a);
 }
 

@@ -40,4 +40,16 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a);
 // After parsing: what the user pinned (the options given on `cmd`), then the build or search.
 int run_plan_command(PlanArgs& a, const CLI::App& cmd);
 
+// What `nnsim sweep` shares with `plan`: the model, topology and every choice of the plan and
+// its search, without the node count, the global batch and the outputs.
+void add_plan_choices(CLI::App* cmd, PlanArgs& a);
+// After parsing: the pins (the options given on `cmd`), the names read (recompute, schedule,
+// precision) and the calibration loaded; a builder-only option under a search is an error.
+Status read_plan_choices(PlanArgs& a, const CLI::App& cmd);
+// The model with the cross-entropy `--loss` gave.
+Expected<ModelSpec> load_plan_model(const PlanArgs& a);
+// The search's options (constraints, pins, recomputed modules, simulation of the best plans);
+// no progress callback.
+Expected<SearchOptions> search_options(const PlanArgs& a, const ModelSpec& model);
+
 }  // namespace nnsim::tool

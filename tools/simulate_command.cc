@@ -100,11 +100,7 @@ void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
   }
   app->add_option("--nodes", a.nodes, "resize the topology to this many nodes (what-if)")
       ->check(at_least(1));
-  app->add_option(
-      "--topo-set", a.topo_set,
-      "replace a field of the topology (what-if; repeatable), e.g. node.nics.bandwidth=800Gb/s, "
-      "fabric.oversubscription=2, gpu.hbm_bytes=141GB (a GPU given by name becomes a "
-      "hypothetical one based on it)");
+  add_topo_set_option(app, a.topo_set);
   app->add_option("--json", a.json, "write the report as JSON to this file");
   app->add_option("--trace", a.trace, "write a Chrome/Perfetto timeline (JSON) to this file");
   app->add_flag("--trace-per-gpu", a.trace_per_gpu,

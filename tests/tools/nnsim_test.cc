@@ -909,6 +909,95 @@ TEST(NnsimTool, TopoSetReplacesTopologyFieldsForPlanAndSimulate) {
                {"--topo-set", "expected FIELD=VALUE"});
 }
 
+// The plan search at each point, as `nnsim plan` runs it: the same best plan and step.
+TEST(NnsimTool, SweepSearchesEachPointAsPlanDoes) {
+  Sandbox box;
+  const std::vector<std::string> pins = {"--model", "gpt3-1.3b", "--topo",    "dgx-a100x4",
+                                         "--tp",    "2",         "--pp",      "4",
+                                         "--jobs",  "1",         "--confirm", "1"};
+  std::vector<std::string> sweep = {"sweep",
+                                    "--nodes",
+                                    "1,2",
+                                    "--global-batch",
+                                    "64",
+                                    "--vary",
+                                    "node.nics.bandwidth=25Gb/s,200Gb/s",
+                                    "--train-tokens",
+                                    "1B",
+                                    "--json",
+                                    "s.json",
+                                    "--csv",
+                                    "s.csv",
+                                    "--plans",
+                                    "plans"};
+  sweep.insert(sweep.end(), pins.begin(), pins.end());
+  RunResult r = box.nnsim(sweep);
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "gpt3-1.3b on dgx-a100x4: 4 points, each searched")) << r;
+  const json j = box.read_json("s.json");
+  EXPECT_EQ(j["format"], "nnsim-sweep");
+  ASSERT_EQ(j["points"].size(), 4u);
+  const json& slow = j["points"][1];  // 2 nodes, 25 Gb/s
+  const json& fast = j["points"][3];  // 2 nodes, 200 Gb/s
+  for (const json* p : {&slow, &fast}) {
+    EXPECT_EQ((*p)["status"], "ok") << *p;
+    EXPECT_EQ((*p)["gpus"], 16);
+    EXPECT_TRUE((*p)["simulated"].get<bool>());
+    EXPECT_DOUBLE_EQ((*p)["tokens_per_s"].get<double>(),
+                     64.0 * 2048 / (*p)["iteration_time_s"].get<double>());
+    EXPECT_EQ((*p)["training"]["steps"], 7630);  // 1e9 / 131,072 tokens, rounded up
+  }
+  EXPECT_EQ(slow["set"], "node.nics.bandwidth=25Gb/s");
+  EXPECT_GT(slow["iteration_time_s"].get<double>(), fast["iteration_time_s"].get<double>());
+  // Per GPU against the same value's first point (1 node).
+  EXPECT_DOUBLE_EQ(fast["per_gpu_vs_group_first"].get<double>(),
+                   fast["tokens_per_s_per_gpu"].get<double>() /
+                       j["points"][2]["tokens_per_s_per_gpu"].get<double>());
+  EXPECT_TRUE(contains(box.read("s.csv"), "\"node.nics.bandwidth=25Gb/s\",\"ok\""))
+      << box.read("s.csv");
+
+  // The plan command at the fast point finds the same plan and step.
+  std::vector<std::string> plan = {"plan",  "--nodes",  "2",          "--global-batch",
+                                   "64",    "--search", "--topo-set", "node.nics.bandwidth=200Gb/s",
+                                   "--csv", "p.csv",    "-o",         "p.json"};
+  plan.insert(plan.end(), pins.begin(), pins.end());
+  RunResult p = box.nnsim(plan);
+  ASSERT_EQ(p.status, 0) << p;
+  EXPECT_EQ(box.read_json("p.json")["name"], fast["plan"]);
+  EXPECT_EQ(box.read_json("plans/nodes2-gb64-2.json"), box.read_json("p.json"));
+  // A written plan simulates on its point's cluster at the sweep's step.
+  RunResult sim =
+      box.nnsim({"--topo", "dgx-a100x4", "--nodes", "2", "--topo-set",
+                 "node.nics.bandwidth=200Gb/s", "plans/nodes2-gb64-2.json", "--json", "r.json"});
+  ASSERT_EQ(sim.status, 0) << sim;
+  EXPECT_DOUBLE_EQ(box.read_json("r.json")["iteration_time_s"].get<double>(),
+                   fast["iteration_time_s"].get<double>());
+}
+
+TEST(NnsimToolErrors, SweepRefusesBadPointsBeforeSearching) {
+  Sandbox box;
+  const std::vector<std::string> base = {"sweep",      "--model",        "gpt3-1.3b", "--topo",
+                                         "dgx-a100x4", "--global-batch", "64",        "--tp",
+                                         "2",          "--pp",           "4"};
+  auto with = [&](std::initializer_list<std::string> more) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), more);
+    return box.nnsim(args);
+  };
+  expect_error(with({"--vary", "node.nics.bandwidth"}), {"--vary", "expected FIELD=V1,V2"});
+  expect_error(with({"--vary", "node.nics.bandwith=1,2"}),
+               {"--vary node.nics.bandwith=1", "did you mean 'bandwidth'"});
+  expect_error(with({"--vary", "node.nics.bandwidth=1Gb/s,,2Gb/s"}), {"an empty value"});
+  expect_error(with({"--recycle", "2"}), {"--recycle is for the builder"});
+  expect_error(with({"--train-tokens", "lots"}), {"--train-tokens", "'lots'"});
+  // Nothing fits anywhere: the rows say why, and the exit status says it failed.
+  RunResult none = box.nnsim({"sweep", "--model", "gpt3-175b", "--topo", "dgx-a100x4", "--nodes",
+                              "1", "--global-batch", "64", "--jobs", "1"});
+  EXPECT_NE(none.status, 0) << none;
+  EXPECT_TRUE(contains(none.out, "no plan is feasible")) << none;
+  EXPECT_TRUE(contains(none.err, "no point of the sweep has a feasible plan")) << none;
+}
+
 // ------------------------------------------------------------------------------------------
 // 4. Bad inputs. Topologies.
 

@@ -1,0 +1,335 @@
+#include "tools/sweep_command.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/json_format.h"
+#include "core/plan.h"
+#include "core/training_time.h"
+#include "core/units.h"
+#include "planner/search.h"
+#include "tools/cli_checks.h"
+#include "tools/driver.h"
+
+namespace nnsim::tool {
+namespace {
+
+// One point of the sweep: a cluster size, a global batch and a topology field's value.
+struct Point {
+  int nodes = 0;  // 0: the topology's own
+  int global_batch = 0;
+  std::string set;  // "FIELD=VALUE", or empty
+  int group = 0;    // points that differ only in nodes share one: scaling is read along it
+};
+
+// What the search found there.
+struct Row {
+  Point point;
+  int gpus = 0;
+  std::string status = "ok";  // or why no plan came out
+  Plan best;
+  double iteration_time = 0;  // simulated when the search confirmed it, else estimated
+  bool simulated = false;
+  double tokens_per_s = 0;
+  double mfu = 0;
+  double peak_memory = 0;  // the estimator's, of the fullest GPU
+  std::optional<TrainingTime> training;
+  double vs_first = 0;  // tokens/s a GPU over the group's first planned point's
+};
+
+// A multi-line message on one row: "a:\n   b\n   c" -> "a: b; c".
+std::string one_line(const std::string& message) {
+  std::string out;
+  size_t from = 0;
+  while (from <= message.size()) {
+    size_t end = message.find('\n', from);
+    if (end == std::string::npos) end = message.size();
+    std::string line = message.substr(from, end - from);
+    line.erase(0, line.find_first_not_of(' '));
+    if (!line.empty()) {
+      if (!out.empty()) out += out.back() == ':' ? " " : "; ";
+      out += line;
+    }
+    from = end + 1;
+  }
+  return out;
+}
+
+double per_gpu(const Row& r) {
+  return r.gpus > 0 ? r.tokens_per_s / r.gpus : 0;
+}
+
+// "FIELD=V1,V2" -> {"FIELD=V1", "FIELD=V2"}.
+Expected<std::vector<std::string>> vary_values(const std::string& vary) {
+  const size_t eq = vary.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 == vary.size()) {
+    return Error(fmt::format(
+        "--vary '{}': expected FIELD=V1,V2,..., e.g. node.nics.bandwidth=200Gb/s,400Gb/s", vary));
+  }
+  std::vector<std::string> out;
+  const std::string field = vary.substr(0, eq);
+  size_t from = eq + 1;
+  while (true) {
+    const size_t comma = vary.find(',', from);
+    const std::string value = vary.substr(from, comma == std::string::npos ? comma : comma - from);
+    if (value.empty()) return Error(fmt::format("--vary '{}': an empty value", vary));
+    out.push_back(fmt::format("{}={}", field, value));
+    if (comma == std::string::npos) break;
+    from = comma + 1;
+  }
+  return out;
+}
+
+std::string row_line(const Row& r, bool vary, size_t set_width, bool train) {
+  std::string line =
+      fmt::format("  {:>5} {:>6} {:>6}", r.point.nodes, r.gpus, r.point.global_batch);
+  if (vary) {
+    const std::string value = r.point.set.substr(r.point.set.find('=') + 1);
+    line += fmt::format(" {:<{}}", value, set_width);
+  }
+  if (r.status != "ok") return line + "  " + r.status;
+  line += fmt::format(" {:>10}{} {:>10.0f} {:>7.1f}% {:>5.1f}% {:>10}",
+                      format_seconds(r.iteration_time), r.simulated ? " " : "*", per_gpu(r),
+                      100 * r.vs_first, 100 * r.mfu, format_bytes(r.peak_memory));
+  if (train) line += fmt::format(" {:>11}", format_duration(r.training->seconds));
+  return line + "  " + r.best.name;
+}
+
+std::string sweep_json(const SweepArgs& a, const std::vector<Row>& rows) {
+  using json = nlohmann::ordered_json;
+  json points = json::array();
+  for (const Row& r : rows) {
+    json p = {{"nodes", r.point.nodes},
+              {"gpus", r.gpus},
+              {"global_batch", r.point.global_batch},
+              {"set", r.point.set.empty() ? json(nullptr) : json(r.point.set)},
+              {"status", r.status}};
+    if (r.status == "ok") {
+      p["plan"] = r.best.name;
+      p["iteration_time_s"] = r.iteration_time;
+      p["simulated"] = r.simulated;
+      p["tokens_per_s"] = r.tokens_per_s;
+      p["tokens_per_s_per_gpu"] = per_gpu(r);
+      p["per_gpu_vs_group_first"] = r.vs_first;
+      p["mfu"] = r.mfu;
+      p["peak_memory_bytes"] = r.peak_memory;
+      if (r.training) {
+        p["training"] = {{"tokens", r.training->tokens},
+                         {"steps", r.training->steps},
+                         {"time_s", r.training->seconds},
+                         {"gpu_hours", r.training->gpu_hours}};
+      }
+    }
+    points.push_back(p);
+  }
+  json j = {{"format", "nnsim-sweep"},     {"version", 1},
+            {"model", a.plan.model},       {"topology", a.plan.topo},
+            {"topo_set", a.plan.topo_set}, {"points", points}};
+  return format_json(j);
+}
+
+std::string sweep_csv(const std::vector<Row>& rows) {
+  std::string csv =
+      "nodes,gpus,global_batch,set,status,plan,iteration_time_s,simulated,tokens_per_s,"
+      "tokens_per_s_per_gpu,per_gpu_vs_group_first,mfu,peak_memory_bytes,train_time_s,"
+      "gpu_hours\n";
+  auto quoted = [](const std::string& s) {
+    std::string q = "\"";
+    for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
+    return q + "\"";
+  };
+  for (const Row& r : rows) {
+    csv += fmt::format("{},{},{},{},{}", r.point.nodes, r.gpus, r.point.global_batch,
+                       quoted(r.point.set), quoted(r.status));
+    if (r.status != "ok") {
+      csv += ",,,,,,,,,,\n";
+      continue;
+    }
+    csv += fmt::format(",{},{},{},{},{},{},{},{},{},{}\n", quoted(r.best.name), r.iteration_time,
+                       r.simulated ? 1 : 0, r.tokens_per_s, per_gpu(r), r.vs_first, r.mfu,
+                       r.peak_memory, r.training ? fmt::format("{}", r.training->seconds) : "",
+                       r.training ? fmt::format("{}", r.training->gpu_hours) : "");
+  }
+  return csv;
+}
+
+}  // namespace
+
+CLI::App* add_sweep_command(CLI::App& app, SweepArgs& a) {
+  CLI::App* cmd = app.add_subcommand(
+      "sweep",
+      "search the best plan at each cluster size, global batch or topology field value, and "
+      "tabulate them (what-if studies)");
+  cmd->add_option("--nodes", a.nodes,
+                  "cluster sizes in nodes, e.g. 8,16,32,64 (default: the topology's)")
+      ->delimiter(',')
+      ->check(at_least(1));
+  cmd->add_option("--global-batch", a.global_batches,
+                  "sequences per optimizer step; several, e.g. 512,1024, are swept too")
+      ->delimiter(',')
+      ->required()
+      ->check(at_least(1));
+  cmd->add_option("--vary", a.vary,
+                  "a topology field's values, swept as --topo-set sets one: "
+                  "FIELD=V1,V2,... (e.g. node.nics.bandwidth=200Gb/s,400Gb/s,800Gb/s)");
+  add_plan_choices(cmd, a.plan);
+  cmd->add_option("--train-tokens", a.train_tokens,
+                  "also the time to train this many tokens at each point's step, e.g. 15T");
+  cmd->add_option("--csv", a.csv, "write the rows as CSV");
+  cmd->add_option("--json", a.json, "write the rows as JSON");
+  cmd->add_option("--plans", a.plans_dir,
+                  "write each point's best plan in this folder (nodes<N>-gb<B>[-<k>].json)");
+  return cmd;
+}
+
+int run_sweep(SweepArgs& a, const CLI::App& cmd) {
+  PlanArgs& pa = a.plan;
+  pa.search = true;  // every point is searched; builder-only options are refused
+  if (Status st = read_plan_choices(pa, cmd); !st) return fail(st.error().message());
+  std::optional<double> train_tokens;
+  if (!a.train_tokens.empty()) {
+    Expected<double> n = parse_token_count(a.train_tokens);
+    if (!n) return fail("--train-tokens: " + n.error().message());
+    train_tokens = *n;
+  }
+  Expected<ModelSpec> model = load_plan_model(pa);
+  if (!model) return fail(model.error().message());
+
+  std::vector<std::string> sets = {""};
+  if (!a.vary.empty()) {
+    Expected<std::vector<std::string>> v = vary_values(a.vary);
+    if (!v) return fail(v.error().message());
+    sets = *v;
+  }
+  const std::vector<int> nodes = a.nodes.empty() ? std::vector<int>{0} : a.nodes;
+  // Every point's cluster is read before any search, so a bad value stops the sweep at once.
+  std::vector<Point> points;
+  std::vector<Topology> topologies;
+  int group = 0;
+  for (const std::string& set : sets) {
+    for (int gb : a.global_batches) {
+      for (int n : nodes) {
+        std::vector<std::string> topo_set = pa.topo_set;
+        if (!set.empty()) topo_set.push_back(set);
+        Expected<Topology> topo = load_topology_sized(pa.topo, n, topo_set);
+        if (!topo) {
+          return fail(set.empty() ? topo.error().message()
+                                  : fmt::format("--vary {}: {}", set, topo.error().message()));
+        }
+        points.push_back({topo->nodes, gb, set, group});
+        topologies.push_back(*topo);
+      }
+      ++group;
+    }
+  }
+
+  size_t set_width = 0;
+  for (const std::string& set : sets) {
+    set_width = std::max(set_width, set.size() - set.find('=') - 1);
+  }
+  const bool vary = !a.vary.empty();
+  std::string header = fmt::format("  {:>5} {:>6} {:>6}", "nodes", "GPUs", "batch");
+  if (vary) {
+    const std::string field = a.vary.substr(0, a.vary.find('='));
+    set_width = std::max(set_width, field.size());
+    header += fmt::format(" {:<{}}", field, set_width);
+  }
+  header += fmt::format(" {:>11} {:>10} {:>8} {:>6} {:>10}", "step", "tok/s/GPU", "vs first", "MFU",
+                        "peak mem");
+  if (train_tokens) header += fmt::format(" {:>11}", "to train");
+  header += "  best plan";
+  std::string cluster = pa.topo;
+  for (size_t i = 0; i < pa.topo_set.size(); ++i) {
+    cluster += (i == 0 ? " with " : ", ") + pa.topo_set[i];
+  }
+  std::printf("%s on %s: %zu point%s, each searched\n", model->name.c_str(), cluster.c_str(),
+              points.size(), points.size() == 1 ? "" : "s");
+  std::printf("%s\n", header.c_str());
+  std::fflush(stdout);
+
+  std::vector<Row> rows;
+  Progress progress("sweeping");
+  for (size_t k = 0; k < points.size(); ++k) {
+    Row row;
+    row.point = points[k];
+    const Topology& topo = topologies[k];
+    pa.o.global_batch = row.point.global_batch;
+    Expected<SearchOptions> so = search_options(pa, *model);
+    if (!so) return fail(so.error().message());
+    so->progress = [&](const std::string&, size_t done, size_t all) {
+      progress.update((static_cast<double>(k) + static_cast<double>(done) / all) /
+                      static_cast<double>(points.size()));
+    };
+    Expected<SearchResult> r = search_plans(*model, topo, *so);
+    progress.done();
+    row.gpus = topo.num_gpus();
+    if (!r) {
+      row.status = one_line(r.error().message());
+    } else {
+      const Candidate& best = r->ranked.front();
+      row.best = r->best;
+      row.gpus = r->best.mesh.num_ranks();
+      row.iteration_time = best.time();
+      row.simulated = best.simulated.has_value();
+      row.tokens_per_s =
+          static_cast<double>(row.point.global_batch) * model->seq_len / row.iteration_time;
+      row.mfu = best.estimate.mfu * best.estimate.iteration_time / row.iteration_time;
+      row.peak_memory = best.estimate.peak_memory;
+      if (train_tokens) {
+        Expected<TrainingTime> t = training_time(
+            *train_tokens, static_cast<double>(row.point.global_batch) * model->seq_len,
+            row.iteration_time, row.gpus);
+        if (!t) return fail("--train-tokens: " + t.error().message());
+        row.training = *t;
+      }
+      const Row* first = nullptr;
+      for (const Row& earlier : rows) {
+        if (earlier.point.group == row.point.group && earlier.status == "ok") {
+          first = &earlier;
+          break;
+        }
+      }
+      row.vs_first = first ? per_gpu(row) / per_gpu(*first) : 1.0;
+    }
+    rows.push_back(row);
+    std::printf("%s\n", row_line(row, vary, set_width, train_tokens.has_value()).c_str());
+    std::fflush(stdout);
+  }
+  std::printf(
+      "step: simulated (* estimated only); vs first: tokens/s a GPU against the first point "
+      "with the same batch%s\n",
+      vary ? " and value" : "");
+  note_unvalidated_moe(*model);
+  note_unvalidated_hybrid(*model);
+  note_hypothetical_gpu(topologies.front().gpu);
+
+  std::string error;
+  if (!a.csv.empty() && !write_file(a.csv, sweep_csv(rows), &error)) return fail(error);
+  if (!a.json.empty() && !write_file(a.json, sweep_json(a, rows), &error)) return fail(error);
+  if (!a.plans_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(a.plans_dir, ec);
+    if (ec) return fail(fmt::format("--plans: cannot create '{}': {}", a.plans_dir, ec.message()));
+    for (const Row& r : rows) {
+      if (r.status != "ok") continue;
+      std::string name = fmt::format("nodes{}-gb{}", r.point.nodes, r.point.global_batch);
+      if (vary) {
+        const auto it = std::find(sets.begin(), sets.end(), r.point.set);
+        name += fmt::format("-{}", it - sets.begin() + 1);
+      }
+      const std::string path = (std::filesystem::path(a.plans_dir) / (name + ".json")).string();
+      if (!write_file(path, plan_to_json(r.best), &error)) return fail(error);
+    }
+  }
+  const bool any =
+      std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.status == "ok"; });
+  if (!any) return fail("no point of the sweep has a feasible plan (the rows say why)");
+  return 0;
+}
+
+}  // namespace nnsim::tool

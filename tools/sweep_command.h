@@ -1,0 +1,29 @@
+// nnsim sweep: the plan search repeated over cluster sizes, global batches and one topology
+// field (what-if studies), one row a point: the best plan, its simulated step, throughput per
+// GPU against the group's first point, memory and, with --train-tokens, the time to train.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "tools/plan_command.h"
+
+namespace nnsim::tool {
+
+struct SweepArgs {
+  PlanArgs plan;                    // the model, topology and choices (plan's options)
+  std::vector<int> nodes;           // empty: the topology's own
+  std::vector<int> global_batches;  // sequences per step
+  std::string vary;                 // "FIELD=V1,V2,...": a topology field's values
+  std::string train_tokens;
+  std::string csv;
+  std::string json;
+  std::string plans_dir;  // each point's best plan written here
+};
+
+CLI::App* add_sweep_command(CLI::App& app, SweepArgs& a);
+int run_sweep(SweepArgs& a, const CLI::App& cmd);
+
+}  // namespace nnsim::tool
