@@ -37,4 +37,14 @@ Expected<FieldOverride> parse_field_override(std::string_view text) {
   return o;
 }
 
+std::string name_with_overrides(const std::string& name,
+                                const std::vector<FieldOverride>& overrides) {
+  std::string out = name;
+  for (size_t i = 0; i < overrides.size(); ++i) {
+    if (overrides[i].field == std::vector<std::string>{"name"}) return name;
+    out += (i == 0 ? " with " : ", ") + overrides[i].text;
+  }
+  return out;
+}
+
 }  // namespace nnsim

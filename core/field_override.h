@@ -18,4 +18,10 @@ struct FieldOverride {
 // "FIELD=VALUE", split at the first '='; FIELD is dot-separated keys.
 Expected<FieldOverride> parse_field_override(std::string_view text);
 
+// `name` with the overrides recorded ("dgx-a100x4 with node.nics.bandwidth=400Gb/s, ..."), so a
+// changed model or cluster does not pass for the file's; `name` itself when there are none or
+// one of them sets the field `name`.
+std::string name_with_overrides(const std::string& name,
+                                const std::vector<FieldOverride>& overrides);
+
 }  // namespace nnsim

@@ -922,6 +922,12 @@ Expected<ModelSpec> parse_model(const std::string& yaml_text, const std::string&
 }
 
 Expected<ModelSpec> load_model(const std::string& path_or_preset) {
+  return load_model(path_or_preset, {}, "");
+}
+
+Expected<ModelSpec> load_model(const std::string& path_or_preset,
+                               const std::vector<FieldOverride>& overrides,
+                               const std::string& flag) {
   std::string path = path_or_preset;
   // An existing file wins over a preset of the same name.
   if (!is_file(path) && !path.empty() && path.find('/') == std::string::npos) {
@@ -933,9 +939,12 @@ Expected<ModelSpec> load_model(const std::string& path_or_preset) {
                                models_dir(), suggest(path, model_preset_names())));
     }
   }
-  return catch_input_errors<ModelSpec>(path, [&] {
-    return parse_model_node(InputNode::load_file(path), fs::path(path).stem().string());
+  Expected<ModelSpec> m = catch_input_errors<ModelSpec>(path, [&] {
+    return parse_model_node(InputNode::load_file(path, overrides, flag),
+                            fs::path(path).stem().string());
   });
+  if (m) m->name = name_with_overrides(m->name, overrides);
+  return m;
 }
 
 std::string model_preset_path(const std::string& name) {

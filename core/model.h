@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/field_override.h"
 #include "core/precision.h"
 
 namespace nnsim {
@@ -219,6 +220,12 @@ struct ModelSpec {
 
 // Reads a model from a YAML file, or a preset name ("gpt3-175b") from models/.
 Expected<ModelSpec> load_model(const std::string& path_or_preset);
+// The same with fields replaced ("seq_len=32768", "layers=40"), for what-if studies without
+// copying the file; the name records them ("llama3-8b with seq_len=32768") unless one sets it.
+// Errors in a replaced value name `flag` ("--model-set seq_len=x: field 'seq_len': ...").
+Expected<ModelSpec> load_model(const std::string& path_or_preset,
+                               const std::vector<FieldOverride>& overrides,
+                               const std::string& flag);
 Expected<ModelSpec> parse_model(const std::string& yaml_text, const std::string& display_name);
 Status validate_model(const ModelSpec& model);
 

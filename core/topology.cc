@@ -10,7 +10,6 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "core/input.h"
 #include "core/suggest.h"
@@ -568,14 +567,7 @@ Expected<Topology> load_topology(const std::string& path_or_preset,
   }
   Expected<Topology> t = catch_input_errors<Topology>(
       path, [&] { return parse_root(InputNode::load_file(path, overrides, flag, "gpu", "base")); });
-  const bool named = std::any_of(overrides.begin(), overrides.end(), [](const FieldOverride& o) {
-    return o.field == std::vector<std::string>{"name"};
-  });
-  if (t && !overrides.empty() && !named) {
-    std::vector<std::string> changes;
-    for (const FieldOverride& o : overrides) changes.push_back(o.text);
-    t->name += " with " + fmt::format("{}", fmt::join(changes, ", "));
-  }
+  if (t) t->name = name_with_overrides(t->name, overrides);
   return t;
 }
 

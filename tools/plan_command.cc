@@ -191,8 +191,16 @@ int run_plan(PlanArgs& a) {
 
 }  // namespace
 
-Expected<ModelSpec> load_plan_model(const PlanArgs& a) {
-  Expected<ModelSpec> model = load_model(a.model);
+Expected<ModelSpec> load_plan_model(const PlanArgs& a, const std::vector<std::string>& more) {
+  std::vector<FieldOverride> overrides;
+  std::vector<std::string> texts = a.model_set;
+  texts.insert(texts.end(), more.begin(), more.end());
+  for (const std::string& text : texts) {
+    Expected<FieldOverride> o = parse_field_override(text);
+    if (!o) return Error("--model-set " + o.error().message());
+    overrides.push_back(*o);
+  }
+  Expected<ModelSpec> model = load_model(a.model, overrides, "--model-set");
   if (!model) return model;
   if (!a.loss.empty()) {
     Expected<LossKernel> loss = parse_loss_kernel(a.loss);
@@ -241,6 +249,10 @@ void add_plan_choices(CLI::App* cmd, PlanArgs& a) {
   cmd->add_option("--model", a.model, "model YAML file or preset name")->required();
   cmd->add_option("--topo", a.topo, "topology YAML file or preset name")->required();
   add_topo_set_option(cmd, a.topo_set);
+  cmd->add_option("--model-set", a.model_set,
+                  "replace a field of the model (what-if; repeatable), e.g. seq_len=32768, "
+                  "layers=40")
+      ->allow_extra_args(false);
   cmd->add_option("--tp", a.o.tp, "tensor-parallel degree");
   cmd->add_option("--pp", a.o.pp, "pipeline-parallel degree (stages)");
   cmd->add_option("--dp", a.o.dp, "data-parallel degree (default: GPUs / (tp pp cp))")

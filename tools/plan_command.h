@@ -16,7 +16,8 @@ struct PlanArgs {
   std::string model;
   std::string topo;
   int nodes = 0;
-  std::vector<std::string> topo_set;  // topology fields replaced: "node.nics.bandwidth=800Gb/s"
+  std::vector<std::string> topo_set;   // topology fields replaced: "node.nics.bandwidth=800Gb/s"
+  std::vector<std::string> model_set;  // model fields replaced: "seq_len=32768"
   MegatronOptions o;
   std::string recompute = "none";
   std::string schedule = "1f1b";
@@ -46,8 +47,9 @@ void add_plan_choices(CLI::App* cmd, PlanArgs& a);
 // After parsing: the pins (the options given on `cmd`), the names read (recompute, schedule,
 // precision) and the calibration loaded; a builder-only option under a search is an error.
 Status read_plan_choices(PlanArgs& a, const CLI::App& cmd);
-// The model with the cross-entropy `--loss` gave.
-Expected<ModelSpec> load_plan_model(const PlanArgs& a);
+// The model with the fields `--model-set` gave replaced and the cross-entropy `--loss` gave;
+// `more` adds model fields (a sweep's point).
+Expected<ModelSpec> load_plan_model(const PlanArgs& a, const std::vector<std::string>& more = {});
 // The search's options (constraints, pins, recomputed modules, simulation of the best plans);
 // no progress callback.
 Expected<SearchOptions> search_options(const PlanArgs& a, const ModelSpec& model);

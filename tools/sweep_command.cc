@@ -19,12 +19,21 @@
 namespace nnsim::tool {
 namespace {
 
-// One point of the sweep: a cluster size, a global batch and a topology field's value.
+// A field swept over its values: "FIELD=V1,V2" as "FIELD=V1", "FIELD=V2".
+struct Varied {
+  std::string flag;  // "--vary" (topology) or "--vary-model"
+  std::string field;
+  std::vector<std::string> sets = {""};  // "FIELD=V" each ({""}: not varied)
+  size_t width = 0;                      // of the column: the field or its longest value
+};
+
+// One point of the sweep: a cluster size, a global batch, a topology and a model field's value.
 struct Point {
-  int nodes = 0;  // 0: the topology's own
+  int nodes = 0;
   int global_batch = 0;
-  std::string set;  // "FIELD=VALUE", or empty
-  int group = 0;    // points that differ only in nodes share one: scaling is read along it
+  std::string set;        // "FIELD=VALUE" (--vary), or empty
+  std::string model_set;  // "FIELD=VALUE" (--vary-model), or empty
+  int group = 0;          // points that differ only in nodes share one: scaling is read along it
 };
 
 // What the search found there.
@@ -64,33 +73,42 @@ double per_gpu(const Row& r) {
   return r.gpus > 0 ? r.tokens_per_s / r.gpus : 0;
 }
 
-// "FIELD=V1,V2" -> {"FIELD=V1", "FIELD=V2"}.
-Expected<std::vector<std::string>> vary_values(const std::string& vary) {
-  const size_t eq = vary.find('=');
-  if (eq == std::string::npos || eq == 0 || eq + 1 == vary.size()) {
+Expected<Varied> read_varied(const std::string& flag, const std::string& text) {
+  Varied v;
+  v.flag = flag;
+  if (text.empty()) return v;
+  const size_t eq = text.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 == text.size()) {
     return Error(fmt::format(
-        "--vary '{}': expected FIELD=V1,V2,..., e.g. node.nics.bandwidth=200Gb/s,400Gb/s", vary));
+        "{} '{}': expected FIELD=V1,V2,..., e.g. {}", flag, text,
+        flag == "--vary" ? "node.nics.bandwidth=200Gb/s,400Gb/s" : "seq_len=8192,32768"));
   }
-  std::vector<std::string> out;
-  const std::string field = vary.substr(0, eq);
+  v.field = text.substr(0, eq);
+  v.width = v.field.size();
+  v.sets.clear();
   size_t from = eq + 1;
   while (true) {
-    const size_t comma = vary.find(',', from);
-    const std::string value = vary.substr(from, comma == std::string::npos ? comma : comma - from);
-    if (value.empty()) return Error(fmt::format("--vary '{}': an empty value", vary));
-    out.push_back(fmt::format("{}={}", field, value));
+    const size_t comma = text.find(',', from);
+    const std::string value = text.substr(from, comma == std::string::npos ? comma : comma - from);
+    if (value.empty()) return Error(fmt::format("{} '{}': an empty value", flag, text));
+    v.sets.push_back(fmt::format("{}={}", v.field, value));
+    v.width = std::max(v.width, value.size());
     if (comma == std::string::npos) break;
     from = comma + 1;
   }
-  return out;
+  return v;
 }
 
-std::string row_line(const Row& r, bool vary, size_t set_width, bool train) {
+std::string value_of(const std::string& set) {
+  return set.substr(set.find('=') + 1);
+}
+
+std::string row_line(const Row& r, const Varied& topo, const Varied& model, bool train) {
   std::string line =
       fmt::format("  {:>5} {:>6} {:>6}", r.point.nodes, r.gpus, r.point.global_batch);
-  if (vary) {
-    const std::string value = r.point.set.substr(r.point.set.find('=') + 1);
-    line += fmt::format(" {:<{}}", value, set_width);
+  if (!topo.field.empty()) line += fmt::format(" {:<{}}", value_of(r.point.set), topo.width);
+  if (!model.field.empty()) {
+    line += fmt::format(" {:<{}}", value_of(r.point.model_set), model.width);
   }
   if (r.status != "ok") return line + "  " + r.status;
   line += fmt::format(" {:>10}{} {:>10.0f} {:>7.1f}% {:>5.1f}% {:>10}",
@@ -108,6 +126,7 @@ std::string sweep_json(const SweepArgs& a, const std::vector<Row>& rows) {
               {"gpus", r.gpus},
               {"global_batch", r.point.global_batch},
               {"set", r.point.set.empty() ? json(nullptr) : json(r.point.set)},
+              {"model_set", r.point.model_set.empty() ? json(nullptr) : json(r.point.model_set)},
               {"status", r.status}};
     if (r.status == "ok") {
       p["plan"] = r.best.name;
@@ -127,15 +146,19 @@ std::string sweep_json(const SweepArgs& a, const std::vector<Row>& rows) {
     }
     points.push_back(p);
   }
-  json j = {{"format", "nnsim-sweep"},     {"version", 1},
-            {"model", a.plan.model},       {"topology", a.plan.topo},
-            {"topo_set", a.plan.topo_set}, {"points", points}};
+  json j = {{"format", "nnsim-sweep"},
+            {"version", 1},
+            {"model", a.plan.model},
+            {"topology", a.plan.topo},
+            {"topo_set", a.plan.topo_set},
+            {"model_set", a.plan.model_set},
+            {"points", points}};
   return format_json(j);
 }
 
 std::string sweep_csv(const std::vector<Row>& rows) {
   std::string csv =
-      "nodes,gpus,global_batch,set,status,plan,iteration_time_s,simulated,tokens_per_s,"
+      "nodes,gpus,global_batch,set,model_set,status,plan,iteration_time_s,simulated,tokens_per_s,"
       "tokens_per_s_per_gpu,per_gpu_vs_group_first,mfu,peak_memory_bytes,train_time_s,"
       "gpu_hours\n";
   auto quoted = [](const std::string& s) {
@@ -144,8 +167,8 @@ std::string sweep_csv(const std::vector<Row>& rows) {
     return q + "\"";
   };
   for (const Row& r : rows) {
-    csv += fmt::format("{},{},{},{},{}", r.point.nodes, r.gpus, r.point.global_batch,
-                       quoted(r.point.set), quoted(r.status));
+    csv += fmt::format("{},{},{},{},{},{}", r.point.nodes, r.gpus, r.point.global_batch,
+                       quoted(r.point.set), quoted(r.point.model_set), quoted(r.status));
     if (r.status != "ok") {
       csv += ",,,,,,,,,,\n";
       continue;
@@ -177,13 +200,17 @@ CLI::App* add_sweep_command(CLI::App& app, SweepArgs& a) {
   cmd->add_option("--vary", a.vary,
                   "a topology field's values, swept as --topo-set sets one: "
                   "FIELD=V1,V2,... (e.g. node.nics.bandwidth=200Gb/s,400Gb/s,800Gb/s)");
+  cmd->add_option("--vary-model", a.vary_model,
+                  "a model field's values, swept as --model-set sets one: FIELD=V1,V2,... "
+                  "(e.g. seq_len=8192,32768,131072)");
   add_plan_choices(cmd, a.plan);
   cmd->add_option("--train-tokens", a.train_tokens,
                   "also the time to train this many tokens at each point's step, e.g. 15T");
   cmd->add_option("--csv", a.csv, "write the rows as CSV");
   cmd->add_option("--json", a.json, "write the rows as JSON");
   cmd->add_option("--plans", a.plans_dir,
-                  "write each point's best plan in this folder (nodes<N>-gb<B>[-<k>].json)");
+                  "write each point's best plan in this folder (nodes<N>-gb<B>[-t<i>][-m<j>].json: "
+                  "the i-th --vary and j-th --vary-model value)");
   return cmd;
 }
 
@@ -197,47 +224,53 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
     if (!n) return fail("--train-tokens: " + n.error().message());
     train_tokens = *n;
   }
-  Expected<ModelSpec> model = load_plan_model(pa);
-  if (!model) return fail(model.error().message());
-
-  std::vector<std::string> sets = {""};
-  if (!a.vary.empty()) {
-    Expected<std::vector<std::string>> v = vary_values(a.vary);
-    if (!v) return fail(v.error().message());
-    sets = *v;
+  Expected<Varied> topo_vary = read_varied("--vary", a.vary);
+  if (!topo_vary) return fail(topo_vary.error().message());
+  Expected<Varied> model_vary = read_varied("--vary-model", a.vary_model);
+  if (!model_vary) return fail(model_vary.error().message());
+  // Every point's model and cluster are read before any search, so a bad value stops the sweep
+  // at once.
+  std::vector<ModelSpec> models;
+  for (const std::string& set : model_vary->sets) {
+    Expected<ModelSpec> m =
+        load_plan_model(pa, set.empty() ? std::vector<std::string>{} : std::vector{set});
+    if (!m) {
+      return fail(set.empty() ? m.error().message()
+                              : fmt::format("--vary-model {}: {}", set, m.error().message()));
+    }
+    models.push_back(*m);
   }
   const std::vector<int> nodes = a.nodes.empty() ? std::vector<int>{0} : a.nodes;
-  // Every point's cluster is read before any search, so a bad value stops the sweep at once.
   std::vector<Point> points;
   std::vector<Topology> topologies;
+  std::vector<size_t> model_of;  // index into `models`, per point
   int group = 0;
-  for (const std::string& set : sets) {
-    for (int gb : a.global_batches) {
-      for (int n : nodes) {
-        std::vector<std::string> topo_set = pa.topo_set;
-        if (!set.empty()) topo_set.push_back(set);
-        Expected<Topology> topo = load_topology_sized(pa.topo, n, topo_set);
-        if (!topo) {
-          return fail(set.empty() ? topo.error().message()
-                                  : fmt::format("--vary {}: {}", set, topo.error().message()));
+  for (size_t mi = 0; mi < models.size(); ++mi) {
+    for (const std::string& set : topo_vary->sets) {
+      for (int gb : a.global_batches) {
+        for (int n : nodes) {
+          std::vector<std::string> topo_set = pa.topo_set;
+          if (!set.empty()) topo_set.push_back(set);
+          Expected<Topology> topo = load_topology_sized(pa.topo, n, topo_set);
+          if (!topo) {
+            return fail(set.empty() ? topo.error().message()
+                                    : fmt::format("--vary {}: {}", set, topo.error().message()));
+          }
+          points.push_back({topo->nodes, gb, set, model_vary->sets[mi], group});
+          topologies.push_back(*topo);
+          model_of.push_back(mi);
         }
-        points.push_back({topo->nodes, gb, set, group});
-        topologies.push_back(*topo);
+        ++group;
       }
-      ++group;
     }
   }
 
-  size_t set_width = 0;
-  for (const std::string& set : sets) {
-    set_width = std::max(set_width, set.size() - set.find('=') - 1);
-  }
-  const bool vary = !a.vary.empty();
   std::string header = fmt::format("  {:>5} {:>6} {:>6}", "nodes", "GPUs", "batch");
-  if (vary) {
-    const std::string field = a.vary.substr(0, a.vary.find('='));
-    set_width = std::max(set_width, field.size());
-    header += fmt::format(" {:<{}}", field, set_width);
+  if (!topo_vary->field.empty()) {
+    header += fmt::format(" {:<{}}", topo_vary->field, topo_vary->width);
+  }
+  if (!model_vary->field.empty()) {
+    header += fmt::format(" {:<{}}", model_vary->field, model_vary->width);
   }
   header += fmt::format(" {:>11} {:>10} {:>8} {:>6} {:>10}", "step", "tok/s/GPU", "vs first", "MFU",
                         "peak mem");
@@ -247,8 +280,9 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
   for (size_t i = 0; i < pa.topo_set.size(); ++i) {
     cluster += (i == 0 ? " with " : ", ") + pa.topo_set[i];
   }
-  std::printf("%s on %s: %zu point%s, each searched\n", model->name.c_str(), cluster.c_str(),
-              points.size(), points.size() == 1 ? "" : "s");
+  std::printf("%s on %s: %zu point%s, each searched\n",
+              model_vary->field.empty() ? models.front().name.c_str() : pa.model.c_str(),
+              cluster.c_str(), points.size(), points.size() == 1 ? "" : "s");
   std::printf("%s\n", header.c_str());
   std::fflush(stdout);
 
@@ -258,14 +292,15 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
     Row row;
     row.point = points[k];
     const Topology& topo = topologies[k];
+    const ModelSpec& model = models[model_of[k]];
     pa.o.global_batch = row.point.global_batch;
-    Expected<SearchOptions> so = search_options(pa, *model);
+    Expected<SearchOptions> so = search_options(pa, model);
     if (!so) return fail(so.error().message());
     so->progress = [&](const std::string&, size_t done, size_t all) {
       progress.update((static_cast<double>(k) + static_cast<double>(done) / all) /
                       static_cast<double>(points.size()));
     };
-    Expected<SearchResult> r = search_plans(*model, topo, *so);
+    Expected<SearchResult> r = search_plans(model, topo, *so);
     progress.done();
     row.gpus = topo.num_gpus();
     if (!r) {
@@ -277,12 +312,12 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
       row.iteration_time = best.time();
       row.simulated = best.simulated.has_value();
       row.tokens_per_s =
-          static_cast<double>(row.point.global_batch) * model->seq_len / row.iteration_time;
+          static_cast<double>(row.point.global_batch) * model.seq_len / row.iteration_time;
       row.mfu = best.estimate.mfu * best.estimate.iteration_time / row.iteration_time;
       row.peak_memory = best.estimate.peak_memory;
       if (train_tokens) {
         Expected<TrainingTime> t = training_time(
-            *train_tokens, static_cast<double>(row.point.global_batch) * model->seq_len,
+            *train_tokens, static_cast<double>(row.point.global_batch) * model.seq_len,
             row.iteration_time, row.gpus);
         if (!t) return fail("--train-tokens: " + t.error().message());
         row.training = *t;
@@ -297,15 +332,15 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
       row.vs_first = first ? per_gpu(row) / per_gpu(*first) : 1.0;
     }
     rows.push_back(row);
-    std::printf("%s\n", row_line(row, vary, set_width, train_tokens.has_value()).c_str());
+    std::printf("%s\n", row_line(row, *topo_vary, *model_vary, train_tokens.has_value()).c_str());
     std::fflush(stdout);
   }
   std::printf(
       "step: simulated (* estimated only); vs first: tokens/s a GPU against the first point "
       "with the same batch%s\n",
-      vary ? " and value" : "");
-  note_unvalidated_moe(*model);
-  note_unvalidated_hybrid(*model);
+      topo_vary->field.empty() && model_vary->field.empty() ? "" : " and values");
+  note_unvalidated_moe(models.front());
+  note_unvalidated_hybrid(models.front());
   note_hypothetical_gpu(topologies.front().gpu);
 
   std::string error;
@@ -318,9 +353,12 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
     for (const Row& r : rows) {
       if (r.status != "ok") continue;
       std::string name = fmt::format("nodes{}-gb{}", r.point.nodes, r.point.global_batch);
-      if (vary) {
-        const auto it = std::find(sets.begin(), sets.end(), r.point.set);
-        name += fmt::format("-{}", it - sets.begin() + 1);
+      auto index = [](const Varied& v, const std::string& set) {
+        return std::find(v.sets.begin(), v.sets.end(), set) - v.sets.begin() + 1;
+      };
+      if (!topo_vary->field.empty()) name += fmt::format("-t{}", index(*topo_vary, r.point.set));
+      if (!model_vary->field.empty()) {
+        name += fmt::format("-m{}", index(*model_vary, r.point.model_set));
       }
       const std::string path = (std::filesystem::path(a.plans_dir) / (name + ".json")).string();
       if (!write_file(path, plan_to_json(r.best), &error)) return fail(error);

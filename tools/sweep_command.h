@@ -1,6 +1,7 @@
-// nnsim sweep: the plan search repeated over cluster sizes, global batches and one topology
-// field (what-if studies), one row a point: the best plan, its simulated step, throughput per
-// GPU against the group's first point, memory and, with --train-tokens, the time to train.
+// nnsim sweep: the plan search repeated over cluster sizes, global batches, one topology field
+// and one model field (what-if studies), one row a point: the best plan, its simulated step,
+// throughput per GPU against the group's first point, memory and, with --train-tokens, the time to
+// train.
 #pragma once
 
 #include <string>
@@ -17,6 +18,7 @@ struct SweepArgs {
   std::vector<int> nodes;           // empty: the topology's own
   std::vector<int> global_batches;  // sequences per step
   std::string vary;                 // "FIELD=V1,V2,...": a topology field's values
+  std::string vary_model;           // the same for a model field
   std::string train_tokens;
   std::string csv;
   std::string json;

@@ -953,7 +953,7 @@ TEST(NnsimTool, SweepSearchesEachPointAsPlanDoes) {
   EXPECT_DOUBLE_EQ(fast["per_gpu_vs_group_first"].get<double>(),
                    fast["tokens_per_s_per_gpu"].get<double>() /
                        j["points"][2]["tokens_per_s_per_gpu"].get<double>());
-  EXPECT_TRUE(contains(box.read("s.csv"), "\"node.nics.bandwidth=25Gb/s\",\"ok\""))
+  EXPECT_TRUE(contains(box.read("s.csv"), "\"node.nics.bandwidth=25Gb/s\",\"\",\"ok\""))
       << box.read("s.csv");
 
   // The plan command at the fast point finds the same plan and step.
@@ -964,14 +964,52 @@ TEST(NnsimTool, SweepSearchesEachPointAsPlanDoes) {
   RunResult p = box.nnsim(plan);
   ASSERT_EQ(p.status, 0) << p;
   EXPECT_EQ(box.read_json("p.json")["name"], fast["plan"]);
-  EXPECT_EQ(box.read_json("plans/nodes2-gb64-2.json"), box.read_json("p.json"));
+  EXPECT_EQ(box.read_json("plans/nodes2-gb64-t2.json"), box.read_json("p.json"));
   // A written plan simulates on its point's cluster at the sweep's step.
   RunResult sim =
       box.nnsim({"--topo", "dgx-a100x4", "--nodes", "2", "--topo-set",
-                 "node.nics.bandwidth=200Gb/s", "plans/nodes2-gb64-2.json", "--json", "r.json"});
+                 "node.nics.bandwidth=200Gb/s", "plans/nodes2-gb64-t2.json", "--json", "r.json"});
   ASSERT_EQ(sim.status, 0) << sim;
   EXPECT_DOUBLE_EQ(box.read_json("r.json")["iteration_time_s"].get<double>(),
                    fast["iteration_time_s"].get<double>());
+}
+
+// A model field swept: each point's model has it set, as `--model-set` sets it on plan.
+TEST(NnsimTool, SweepVariesAModelFieldAsModelSetDoes) {
+  Sandbox box;
+  const std::vector<std::string> pins = {
+      "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--nodes",   "1", "--tp",           "2",
+      "--pp",    "4",         "--jobs", "1",          "--confirm", "1", "--global-batch", "64"};
+  std::vector<std::string> sweep = {"sweep", "--vary-model", "seq_len=1024,4096", "--json",
+                                    "s.json"};
+  sweep.insert(sweep.end(), pins.begin(), pins.end());
+  RunResult r = box.nnsim(sweep);
+  ASSERT_EQ(r.status, 0) << r;
+  const json j = box.read_json("s.json");
+  ASSERT_EQ(j["points"].size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    const json& p = j["points"][i];
+    const int seq = i == 0 ? 1024 : 4096;
+    EXPECT_EQ(p["model_set"], fmt::format("seq_len={}", seq));
+    EXPECT_DOUBLE_EQ(p["tokens_per_s"].get<double>(),
+                     64.0 * seq / p["iteration_time_s"].get<double>());
+    EXPECT_TRUE(contains(p["plan"].get<std::string>(), fmt::format("with seq_len={}", seq)))
+        << p["plan"];
+  }
+  // Four times the tokens a sequence take longer than four times as long: attention grows with
+  // the square of the sequence.
+  EXPECT_GT(j["points"][1]["iteration_time_s"].get<double>(),
+            4 * j["points"][0]["iteration_time_s"].get<double>());
+
+  std::vector<std::string> plan = {"plan",         "--search", "--model-set",
+                                   "seq_len=4096", "-o",       "p.json"};
+  plan.insert(plan.end(), pins.begin(), pins.end());
+  RunResult p = box.nnsim(plan);
+  ASSERT_EQ(p.status, 0) << p;
+  const json built = box.read_json("p.json");
+  EXPECT_EQ(built["name"], j["points"][1]["plan"]);
+  EXPECT_EQ(built["model"]["seq_len"], 4096);
+  EXPECT_EQ(built["model"]["name"], "gpt3-1.3b with seq_len=4096");
 }
 
 TEST(NnsimToolErrors, SweepRefusesBadPointsBeforeSearching) {
@@ -989,6 +1027,11 @@ TEST(NnsimToolErrors, SweepRefusesBadPointsBeforeSearching) {
                {"--vary node.nics.bandwith=1", "did you mean 'bandwidth'"});
   expect_error(with({"--vary", "node.nics.bandwidth=1Gb/s,,2Gb/s"}), {"an empty value"});
   expect_error(with({"--recycle", "2"}), {"--recycle is for the builder"});
+  expect_error(with({"--vary-model", "seq_len=1024,lots"}),
+               {"--vary-model seq_len=lots", "field 'seq_len'"});
+  expect_error(with({"--vary-model", "seq_len"}), {"--vary-model", "e.g. seq_len=8192,32768"});
+  expect_error(with({"--model-set", "hiden=1024"}),
+               {"--model-set hiden=1024: field 'hiden'", "did you mean 'hidden'"});
   expect_error(with({"--train-tokens", "lots"}), {"--train-tokens", "'lots'"});
   // Nothing fits anywhere: the rows say why, and the exit status says it failed.
   RunResult none = box.nnsim({"sweep", "--model", "gpt3-175b", "--topo", "dgx-a100x4", "--nodes",
