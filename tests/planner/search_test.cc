@@ -27,6 +27,14 @@ SearchOptions options(int global_batch) {
   return o;
 }
 
+// The search for the preset `model` on `t` with `pins` (every other choice searched).
+Expected<SearchResult> search_pinned(const std::string& model, const Topology& t, int global_batch,
+                                     const SearchPins& pins) {
+  SearchOptions o = options(global_batch);
+  o.pins = pins;
+  return search_plans(*load_model(model), t, o);
+}
+
 // A 4-layer preset at 2,048 tokens, small enough to search in full.
 ModelSpec small_model(const std::string& name) {
   ModelSpec m = *load_model(name);
@@ -225,13 +233,12 @@ TEST(Search, DualPipeVIsTriedForExpertParallelPipelines) {
 // PP 4, EP 8) fits only recomputing, and its DualPipeV with per-device recomputation beats the
 // same degrees' DualPipeV with every layer recomputed, keeping some layers' activations.
 TEST(Search, VSchedulesRecomputePerDevice) {
-  const ModelSpec m = *load_model("qwen3-next-80b-a3b");
   const Topology t = topo("dgx-h100-superpod", 4);
-  SearchOptions o = options(256);
-  o.pins.tp = 1;
-  o.pins.pp = 4;
-  o.pins.ep = 8;
-  Expected<SearchResult> r = search_plans(m, t, o);
+  SearchPins pins;
+  pins.tp = 1;
+  pins.pp = 4;
+  pins.ep = 8;
+  Expected<SearchResult> r = search_pinned("qwen3-next-80b-a3b", t, 256, pins);
   ASSERT_TRUE(r.ok()) << r.error().message();
   EXPECT_GT(r->recompute_schedules_tried, 0u);
   const Candidate* per_device = nullptr;
@@ -259,13 +266,12 @@ TEST(Search, VSchedulesRecomputePerDevice) {
 // bubble is a third of 1F1B's 7 / 16. Without per-stage recomputation for the zero-bubble
 // schedules the best plan is 1F1B.
 TEST(Search, ZeroBubbleRecomputesPerStage) {
-  const ModelSpec m = *load_model("llama3-70b");
   const Topology t = topo("dgx-h100-superpod", 4);
-  SearchOptions o = options(16);
-  o.pins.tp = 4;
-  o.pins.pp = 8;
-  o.pins.vpp = 1;
-  Expected<SearchResult> r = search_plans(m, t, o);
+  SearchPins pins;
+  pins.tp = 4;
+  pins.pp = 8;
+  pins.vpp = 1;
+  Expected<SearchResult> r = search_pinned("llama3-70b", t, 16, pins);
   ASSERT_TRUE(r.ok()) << r.error().message();
   EXPECT_GT(r->recompute_schedules_tried, 0u);
   const Candidate& best = r->ranked.front();
