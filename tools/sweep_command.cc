@@ -1,6 +1,7 @@
 #include "tools/sweep_command.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <optional>
@@ -192,11 +193,19 @@ CLI::App* add_sweep_command(CLI::App& app, SweepArgs& a) {
                   "cluster sizes in nodes, e.g. 8,16,32,64 (default: the topology's)")
       ->delimiter(',')
       ->check(at_least(1));
-  cmd->add_option("--global-batch", a.global_batches,
-                  "sequences per optimizer step; several, e.g. 512,1024, are swept too")
-      ->delimiter(',')
-      ->required()
-      ->check(at_least(1));
+  CLI::Option* sequences =
+      cmd->add_option("--global-batch", a.global_batches,
+                      "sequences per optimizer step; several, e.g. 512,1024, are swept too")
+          ->delimiter(',')
+          ->check(at_least(1));
+  CLI::Option* tokens =
+      cmd->add_option("--global-batch-tokens", a.global_batch_tokens,
+                      "tokens per optimizer step instead, e.g. 4194304 or 8.388608M: each "
+                      "point's global batch is that many tokens' sequences (with --vary-model "
+                      "seq_len, the same tokens a step at every length)")
+          ->delimiter(',');
+  sequences->excludes(tokens);
+  tokens->excludes(sequences);
   cmd->add_option("--vary", a.vary,
                   "a topology field's values, swept as --topo-set sets one: "
                   "FIELD=V1,V2,... (e.g. node.nics.bandwidth=200Gb/s,400Gb/s,800Gb/s)");
@@ -240,6 +249,30 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
     }
     models.push_back(*m);
   }
+  if (a.global_batches.empty() == a.global_batch_tokens.empty()) {
+    return fail("give the global batch: --global-batch (sequences) or --global-batch-tokens");
+  }
+  std::vector<double> batch_tokens;
+  for (const std::string& text : a.global_batch_tokens) {
+    Expected<double> n = parse_token_count(text);
+    if (!n) return fail("--global-batch-tokens: " + n.error().message());
+    batch_tokens.push_back(*n);
+  }
+  // Each model's global batches in sequences.
+  std::vector<std::vector<int>> batches(models.size(), a.global_batches);
+  for (size_t mi = 0; mi < models.size() && !batch_tokens.empty(); ++mi) {
+    for (size_t b = 0; b < batch_tokens.size(); ++b) {
+      const double sequences = batch_tokens[b] / models[mi].seq_len;
+      if (sequences < 1 || sequences != std::floor(sequences) || sequences > 1e9) {
+        return fail(fmt::format(
+            "--global-batch-tokens {}: {} tokens are {:.4g} sequences of {} tokens ({}): give a "
+            "whole number of sequences",
+            a.global_batch_tokens[b], batch_tokens[b], sequences, models[mi].seq_len,
+            models[mi].name));
+      }
+      batches[mi].push_back(static_cast<int>(sequences));
+    }
+  }
   const std::vector<int> nodes = a.nodes.empty() ? std::vector<int>{0} : a.nodes;
   std::vector<Point> points;
   std::vector<Topology> topologies;
@@ -247,7 +280,7 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
   int group = 0;
   for (size_t mi = 0; mi < models.size(); ++mi) {
     for (const std::string& set : topo_vary->sets) {
-      for (int gb : a.global_batches) {
+      for (int gb : batches[mi]) {
         for (int n : nodes) {
           std::vector<std::string> topo_set = pa.topo_set;
           if (!set.empty()) topo_set.push_back(set);

@@ -14,11 +14,12 @@
 namespace nnsim::tool {
 
 struct SweepArgs {
-  PlanArgs plan;                    // the model, topology and choices (plan's options)
-  std::vector<int> nodes;           // empty: the topology's own
-  std::vector<int> global_batches;  // sequences per step
-  std::string vary;                 // "FIELD=V1,V2,...": a topology field's values
-  std::string vary_model;           // the same for a model field
+  PlanArgs plan;                                 // the model, topology and choices (plan's options)
+  std::vector<int> nodes;                        // empty: the topology's own
+  std::vector<int> global_batches;               // sequences per step
+  std::vector<std::string> global_batch_tokens;  // or tokens per step ("4194304")
+  std::string vary;                              // "FIELD=V1,V2,...": a topology field's values
+  std::string vary_model;                        // the same for a model field
   std::string train_tokens;
   std::string csv;
   std::string json;

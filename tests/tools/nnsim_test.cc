@@ -1010,6 +1010,19 @@ TEST(NnsimTool, SweepVariesAModelFieldAsModelSetDoes) {
   EXPECT_EQ(built["name"], j["points"][1]["plan"]);
   EXPECT_EQ(built["model"]["seq_len"], 4096);
   EXPECT_EQ(built["model"]["name"], "gpt3-1.3b with seq_len=4096");
+
+  // The same tokens a step at each length: 131,072 tokens are 128 sequences of 1,024 and 32 of
+  // 4,096.
+  std::vector<std::string> tokens = {
+      "sweep",  "--vary-model", "seq_len=1024,4096", "--global-batch-tokens", "131072",
+      "--json", "t.json"};
+  tokens.insert(tokens.end(), pins.begin(), pins.end() - 2);  // without --global-batch 64
+  RunResult t = box.nnsim(tokens);
+  ASSERT_EQ(t.status, 0) << t;
+  const json tj = box.read_json("t.json");
+  ASSERT_EQ(tj["points"].size(), 2u);
+  EXPECT_EQ(tj["points"][0]["global_batch"], 128);
+  EXPECT_EQ(tj["points"][1]["global_batch"], 32);
 }
 
 TEST(NnsimToolErrors, SweepRefusesBadPointsBeforeSearching) {
@@ -1030,6 +1043,13 @@ TEST(NnsimToolErrors, SweepRefusesBadPointsBeforeSearching) {
   expect_error(with({"--vary-model", "seq_len=1024,lots"}),
                {"--vary-model seq_len=lots", "field 'seq_len'"});
   expect_error(with({"--vary-model", "seq_len"}), {"--vary-model", "e.g. seq_len=8192,32768"});
+  expect_error(with({"--global-batch-tokens", "4M"}), {"excludes"});
+  std::vector<std::string> by_tokens(base.begin(), base.end());
+  by_tokens.erase(by_tokens.begin() + 5, by_tokens.begin() + 7);  // --global-batch 64
+  by_tokens.insert(by_tokens.end(), {"--global-batch-tokens", "100000"});
+  expect_error(box.nnsim(by_tokens),
+               {"--global-batch-tokens 100000", "48.83 sequences of 2048 tokens",
+                "whole number of sequences"});
   expect_error(with({"--model-set", "hiden=1024"}),
                {"--model-set hiden=1024: field 'hiden'", "did you mean 'hidden'"});
   expect_error(with({"--train-tokens", "lots"}), {"--train-tokens", "'lots'"});
