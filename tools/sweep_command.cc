@@ -14,6 +14,7 @@
 #include "core/training_time.h"
 #include "core/units.h"
 #include "planner/search.h"
+#include "sim/simulator.h"
 #include "tools/cli_checks.h"
 #include "tools/driver.h"
 
@@ -43,11 +44,14 @@ struct Row {
   int gpus = 0;
   std::string status = "ok";  // or why no plan came out
   Plan best;
-  double iteration_time = 0;  // simulated when the search confirmed it, else estimated
-  bool simulated = false;
+  double iteration_time = 0;  // simulated
   double tokens_per_s = 0;
   double mfu = 0;
-  double peak_memory = 0;  // the estimator's, of the fullest GPU
+  double peak_memory = 0;  // the simulator's, of the fullest GPU
+  // Where the pace-setting lane's step goes (the lane that waits least: a pipeline's slowest
+  // stage): its name and breakdown.
+  std::string lane;
+  Breakdown breakdown;
   std::optional<TrainingTime> training;
   double vs_first = 0;  // tokens/s a GPU over the group's first planned point's
 };
@@ -112,9 +116,12 @@ std::string row_line(const Row& r, const Varied& topo, const Varied& model, bool
     line += fmt::format(" {:<{}}", value_of(r.point.model_set), model.width);
   }
   if (r.status != "ok") return line + "  " + r.status;
-  line += fmt::format(" {:>10}{} {:>10.0f} {:>7.1f}% {:>5.1f}% {:>10}",
-                      format_seconds(r.iteration_time), r.simulated ? " " : "*", per_gpu(r),
-                      100 * r.vs_first, 100 * r.mfu, format_bytes(r.peak_memory));
+  const Breakdown& b = r.breakdown;
+  auto share = [&](double seconds) { return 100 * seconds / r.iteration_time; };
+  line += fmt::format(" {:>10} {:>10.0f} {:>7.1f}% {:>5.1f}% {:>10} {:>5.0f}% {:>5.0f}% {:>5.0f}%",
+                      format_seconds(r.iteration_time), per_gpu(r), 100 * r.vs_first, 100 * r.mfu,
+                      format_bytes(r.peak_memory), share(b.compute + b.recompute + b.optimizer),
+                      share(b.total_exposed_comm()), share(b.bubble));
   if (train) line += fmt::format(" {:>11}", format_duration(r.training->seconds));
   return line + "  " + r.best.name;
 }
@@ -132,12 +139,19 @@ std::string sweep_json(const SweepArgs& a, const std::vector<Row>& rows) {
     if (r.status == "ok") {
       p["plan"] = r.best.name;
       p["iteration_time_s"] = r.iteration_time;
-      p["simulated"] = r.simulated;
       p["tokens_per_s"] = r.tokens_per_s;
       p["tokens_per_s_per_gpu"] = per_gpu(r);
       p["per_gpu_vs_group_first"] = r.vs_first;
       p["mfu"] = r.mfu;
       p["peak_memory_bytes"] = r.peak_memory;
+      json exposed = json::object();
+      for (const auto& [group, seconds] : r.breakdown.exposed_comm) exposed[group] = seconds;
+      p["pace_lane"] = {{"name", r.lane},
+                        {"compute_s", r.breakdown.compute},
+                        {"recompute_s", r.breakdown.recompute},
+                        {"optimizer_s", r.breakdown.optimizer},
+                        {"exposed_comm_s", exposed},
+                        {"bubble_s", r.breakdown.bubble}};
       if (r.training) {
         p["training"] = {{"tokens", r.training->tokens},
                          {"steps", r.training->steps},
@@ -159,9 +173,9 @@ std::string sweep_json(const SweepArgs& a, const std::vector<Row>& rows) {
 
 std::string sweep_csv(const std::vector<Row>& rows) {
   std::string csv =
-      "nodes,gpus,global_batch,set,model_set,status,plan,iteration_time_s,simulated,tokens_per_s,"
-      "tokens_per_s_per_gpu,per_gpu_vs_group_first,mfu,peak_memory_bytes,train_time_s,"
-      "gpu_hours\n";
+      "nodes,gpus,global_batch,set,model_set,status,plan,iteration_time_s,tokens_per_s,"
+      "tokens_per_s_per_gpu,per_gpu_vs_group_first,mfu,peak_memory_bytes,busy_s,exposed_comm_s,"
+      "bubble_s,train_time_s,gpu_hours\n";
   auto quoted = [](const std::string& s) {
     std::string q = "\"";
     for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
@@ -171,12 +185,14 @@ std::string sweep_csv(const std::vector<Row>& rows) {
     csv += fmt::format("{},{},{},{},{},{}", r.point.nodes, r.gpus, r.point.global_batch,
                        quoted(r.point.set), quoted(r.point.model_set), quoted(r.status));
     if (r.status != "ok") {
-      csv += ",,,,,,,,,,\n";
+      csv += ",,,,,,,,,,,\n";
       continue;
     }
-    csv += fmt::format(",{},{},{},{},{},{},{},{},{},{}\n", quoted(r.best.name), r.iteration_time,
-                       r.simulated ? 1 : 0, r.tokens_per_s, per_gpu(r), r.vs_first, r.mfu,
-                       r.peak_memory, r.training ? fmt::format("{}", r.training->seconds) : "",
+    const Breakdown& b = r.breakdown;
+    csv += fmt::format(",{},{},{},{},{},{},{},{},{},{},{},{}\n", quoted(r.best.name),
+                       r.iteration_time, r.tokens_per_s, per_gpu(r), r.vs_first, r.mfu,
+                       r.peak_memory, b.compute + b.recompute + b.optimizer, b.total_exposed_comm(),
+                       b.bubble, r.training ? fmt::format("{}", r.training->seconds) : "",
                        r.training ? fmt::format("{}", r.training->gpu_hours) : "");
   }
   return csv;
@@ -305,8 +321,8 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
   if (!model_vary->field.empty()) {
     header += fmt::format(" {:<{}}", model_vary->field, model_vary->width);
   }
-  header += fmt::format(" {:>11} {:>10} {:>8} {:>6} {:>10}", "step", "tok/s/GPU", "vs first", "MFU",
-                        "peak mem");
+  header += fmt::format(" {:>10} {:>10} {:>8} {:>6} {:>10} {:>6} {:>6} {:>6}", "step", "tok/s/GPU",
+                        "vs first", "MFU", "peak mem", "busy", "comm", "bubble");
   if (train_tokens) header += fmt::format(" {:>11}", "to train");
   header += "  best plan";
   std::string cluster = pa.topo;
@@ -339,15 +355,23 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
     if (!r) {
       row.status = one_line(r.error().message());
     } else {
-      const Candidate& best = r->ranked.front();
+      // The best plan simulated again for its breakdown and memory (the search keeps only
+      // its time); deterministic, so its step is the search's.
+      Expected<Program> prog = compile_plan(r->best, topo, pa.o.costs);
+      Expected<SimResult> sim = prog ? simulate(*prog) : Expected<SimResult>(prog.error());
+      if (!sim) return fail(fmt::format("{}: {}", r->best.name, sim.error().message()));
       row.best = r->best;
       row.gpus = r->best.mesh.num_ranks();
-      row.iteration_time = best.time();
-      row.simulated = best.simulated.has_value();
-      row.tokens_per_s =
-          static_cast<double>(row.point.global_batch) * model.seq_len / row.iteration_time;
-      row.mfu = best.estimate.mfu * best.estimate.iteration_time / row.iteration_time;
-      row.peak_memory = best.estimate.peak_memory;
+      row.iteration_time = sim->iteration_time;
+      row.tokens_per_s = sim->tokens_per_second;
+      row.mfu = sim->mfu;
+      row.peak_memory = worst_memory_lane(*sim).peak_memory;
+      const LaneReport* pace = &sim->lanes.front();
+      for (const LaneReport& l : sim->lanes) {
+        if (l.breakdown.bubble < pace->breakdown.bubble) pace = &l;
+      }
+      row.lane = pace->name;
+      row.breakdown = pace->breakdown;
       if (train_tokens) {
         Expected<TrainingTime> t = training_time(
             *train_tokens, static_cast<double>(row.point.global_batch) * model.seq_len,
@@ -369,8 +393,9 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
     std::fflush(stdout);
   }
   std::printf(
-      "step: simulated (* estimated only); vs first: tokens/s a GPU against the first point "
-      "with the same batch%s\n",
+      "vs first: tokens/s a GPU against the first point with the same batch%s; busy, comm, "
+      "bubble: the step's shares of compute, exposed communication and waiting on the lane "
+      "that waits least\n",
       topo_vary->field.empty() && model_vary->field.empty() ? "" : " and values");
   note_unvalidated_moe(models.front());
   note_unvalidated_hybrid(models.front());

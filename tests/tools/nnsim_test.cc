@@ -942,7 +942,14 @@ TEST(NnsimTool, SweepSearchesEachPointAsPlanDoes) {
   for (const json* p : {&slow, &fast}) {
     EXPECT_EQ((*p)["status"], "ok") << *p;
     EXPECT_EQ((*p)["gpus"], 16);
-    EXPECT_TRUE((*p)["simulated"].get<bool>());
+    // The pace-setting lane's breakdown adds up to the step.
+    const json& lane = (*p)["pace_lane"];
+    double parts = lane["compute_s"].get<double>() + lane["recompute_s"].get<double>() +
+                   lane["optimizer_s"].get<double>() + lane["bubble_s"].get<double>();
+    for (const auto& [group, seconds] : lane["exposed_comm_s"].items()) {
+      parts += seconds.get<double>();
+    }
+    EXPECT_NEAR(parts, (*p)["iteration_time_s"].get<double>(), 1e-9) << lane;
     EXPECT_DOUBLE_EQ((*p)["tokens_per_s"].get<double>(),
                      64.0 * 2048 / (*p)["iteration_time_s"].get<double>());
     EXPECT_EQ((*p)["training"]["steps"], 7630);  // 1e9 / 131,072 tokens, rounded up
