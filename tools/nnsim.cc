@@ -18,6 +18,7 @@
 #include "tools/schedule_command.h"
 #include "tools/simulate_command.h"
 #include "tools/sweep_command.h"
+#include "tools/topology_command.h"
 #include "tools/validate_command.h"
 
 int main(int argc, char** argv) {
@@ -46,6 +47,8 @@ int main(int argc, char** argv) {
   CLI::App* presets_cmd = add_presets_command(app, presets);
   SweepArgs sweep;
   CLI::App* sweep_cmd = add_sweep_command(app, sweep);
+  TopologyArgs topology;
+  CLI::App* topology_cmd = add_topology_command(app, topology);
 
   if (std::optional<int> done = nnsim::parse_command_line(app, argc, argv, "nnsim")) return *done;
   if (simulate_cmd->parsed()) return run_simulate(sim);
@@ -56,6 +59,7 @@ int main(int argc, char** argv) {
   if (compare_cmd->parsed()) return run_compare(compare);
   if (presets_cmd->parsed()) return run_presets(presets);
   if (sweep_cmd->parsed()) return run_sweep(sweep, *sweep_cmd);
+  if (topology_cmd->parsed()) return run_topology(topology);
   if (export_cmd->parsed()) return run_calibration_export(export_args);
   if (top.topo.empty() || top.plan.empty()) {
     std::fprintf(stderr, "%s", app.help().c_str());

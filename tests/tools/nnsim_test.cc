@@ -877,6 +877,25 @@ TEST(NnsimTool, TrainTokensGivesTheTimeToTrainAtTheSimulatedIteration) {
   EXPECT_FALSE(box.exists("b.json"));
 }
 
+// `nnsim topology` shows the cluster a what-if makes, and writes it to replay.
+TEST(NnsimTool, TopologyShowsAndWritesTheClusterAsRead) {
+  Sandbox box;
+  RunResult r = box.nnsim({"topology", "--topo", "dgx-h100-superpod", "--nodes", "16", "--topo-set",
+                           "node.nics.bandwidth=800Gb/s", "--topo-set", "gpu.hbm_bytes=141GB", "-o",
+                           "what.yaml"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "16 nodes x 8 GPUs = 128 GPUs")) << r;
+  EXPECT_TRUE(contains(r.out, "8 a node, 100 GB/s each per direction (800 GB/s a node)")) << r;
+  EXPECT_TRUE(contains(r.out, "131.32 GiB of memory")) << r;
+  EXPECT_TRUE(contains(r.out, "hypothetical: h100-sxm5-80gb's measured efficiencies")) << r;
+  // The written file reads back as the same cluster.
+  RunResult back = box.nnsim({"topology", "--topo", "what.yaml"});
+  ASSERT_EQ(back.status, 0) << back;
+  EXPECT_EQ(back.out + "wrote what.yaml\n", r.out);
+  expect_error(box.nnsim({"topology", "--topo", "dgx-h100-superpod", "--topo-set", "fabric=3"}),
+               {"--topo-set fabric=3", "field 'fabric'"});
+}
+
 TEST(NnsimTool, TopoSetReplacesTopologyFieldsForPlanAndSimulate) {
   Sandbox box;
   make_plan(box);
