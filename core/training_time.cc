@@ -1,5 +1,6 @@
 #include "core/training_time.h"
 
+#include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cmath>
@@ -31,6 +32,33 @@ Expected<TrainingTime> training_time(double tokens, double tokens_per_step, doub
   t.gpus = gpus;
   t.gpu_hours = gpus * t.seconds / 3600.0;
   return t;
+}
+
+Expected<FailureCost> failure_cost(const TrainingTime& t, const FailureModel& f) {
+  if (!(f.gpu_failures_per_hour > 0) || !(f.checkpoint_seconds >= 0) || !(f.restart_seconds >= 0) ||
+      t.gpus <= 0 || t.steps <= 0) {
+    return Error(fmt::format(
+        "no failure cost from {} failures a GPU-hour, {} s a checkpoint, {} s a restart",
+        f.gpu_failures_per_hour, f.checkpoint_seconds, f.restart_seconds));
+  }
+  FailureCost c;
+  c.mtbf_seconds = 3600.0 / (t.gpus * f.gpu_failures_per_hour);
+  const double step = t.seconds / static_cast<double>(t.steps);
+  c.checkpoint_interval = std::max(step, std::sqrt(2.0 * f.checkpoint_seconds * c.mtbf_seconds));
+  c.lost_fraction = f.checkpoint_seconds / c.checkpoint_interval +
+                    (c.checkpoint_interval / 2 + f.restart_seconds) / c.mtbf_seconds;
+  if (c.lost_fraction >= 0.5) {
+    return Error(fmt::format(
+        "the job fails every {:.3g} s on average and would lose {:.0f} % of its time to "
+        "checkpoints and restarts (a first-order estimate no longer holds): checkpoint and "
+        "restart faster, or use fewer GPUs",
+        c.mtbf_seconds, 100 * c.lost_fraction));
+  }
+  c.seconds = t.seconds / (1 - c.lost_fraction);
+  c.failures = c.seconds / c.mtbf_seconds;
+  c.gpu_hours = t.gpus * c.seconds / 3600.0;
+  c.model = f;
+  return c;
 }
 
 Expected<double> parse_token_count(std::string_view text) {

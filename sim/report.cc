@@ -56,6 +56,17 @@ std::string report_json(const Program& program, const SimResult& r,
     j["training"] = {{"tokens", training->tokens}, {"tokens_per_step", training->tokens_per_step},
                      {"steps", training->steps},   {"time_s", training->seconds},
                      {"gpus", training->gpus},     {"gpu_hours", training->gpu_hours}};
+    if (const std::optional<FailureCost>& f = training->with_failures) {
+      j["training"]["with_failures"] = {{"gpu_failures_per_hour", f->model.gpu_failures_per_hour},
+                                        {"checkpoint_s", f->model.checkpoint_seconds},
+                                        {"restart_s", f->model.restart_seconds},
+                                        {"mtbf_s", f->mtbf_seconds},
+                                        {"checkpoint_interval_s", f->checkpoint_interval},
+                                        {"lost_fraction", f->lost_fraction},
+                                        {"failures", f->failures},
+                                        {"time_s", f->seconds},
+                                        {"gpu_hours", f->gpu_hours}};
+    }
   }
   j["simulation"] = {{"fidelity", std::string(to_string(r.fidelity))},
                      {"lanes_simulated", r.simulated_lanes},

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,19 @@ void note_unvalidated_hybrid(const ModelSpec& model);
 // For a hypothetical GPU (a what-if part), a note that its figures are as given and its
 // efficiencies its base GPU's measured ones (docs/topology.md).
 void note_hypothetical_gpu(const GpuSpec& gpu);
+
+// --checkpoint-seconds, --restart-seconds and --gpu-failure-rate: a long run's failures.
+struct FailureArgs {
+  double checkpoint_seconds = -1;
+  double restart_seconds = -1;
+  double gpu_failures_per_hour = -1;
+};
+void add_failure_options(CLI::App* app, FailureArgs& a);
+// The failure model the options give (none: nullopt); an error when one is given without the
+// other or without --train-tokens.
+Expected<std::optional<FailureModel>> read_failure_options(const FailureArgs& a, bool train_tokens);
+// `t` with its failure cost added when `f` is given.
+Status add_failure_cost(TrainingTime& t, const std::optional<FailureModel>& f);
 
 // "15.0 T tokens in 3,576,279 steps of 4.19 M tokens: 54.2 days on 2048 GPUs, 2.66 M GPU-hours".
 std::string describe_training(const TrainingTime& t);

@@ -126,6 +126,7 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
                       static_cast<double>(r->best.global_batch) * r->best.model.seq_len,
                       best.time(), r->best.mesh.num_ranks());
     if (!t) return fail("--train-tokens: " + t.error().message());
+    if (Status st = add_failure_cost(*t, a.failure_model); !st) return fail(st.error().message());
     std::printf("the best plan trains %s (%s)\n", describe_training(*t).c_str(),
                 best.simulated ? "simulated" : "estimated");
   }
@@ -170,6 +171,10 @@ int run_plan(PlanArgs& a) {
       return fail("--train-tokens: " + n.error().message());
     }
   }
+  Expected<std::optional<FailureModel>> failures =
+      read_failure_options(a.failures, !a.train_tokens.empty());
+  if (!failures) return fail(failures.error().message());
+  a.failure_model = *failures;
   Expected<ModelSpec> model = load_plan_model(a);
   if (!model) return fail(model.error().message());
   Expected<Topology> topo = load_topology_sized(a.topo, a.nodes, a.topo_set);
@@ -361,6 +366,7 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
   cmd->add_option("--train-tokens", a.train_tokens,
                   "also print how long the best plan takes to train this many tokens, e.g. 15T "
                   "or 300B (search only; checkpoints, evaluation and restarts not counted)");
+  add_failure_options(cmd, a.failures);
   return cmd;
 }
 

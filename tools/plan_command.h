@@ -1,6 +1,7 @@
 // nnsim plan: build a pinned Megatron-style plan, or search the choices not given.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -9,6 +10,7 @@
 #include "core/calibration.h"
 #include "planner/megatron.h"
 #include "planner/search.h"
+#include "tools/driver.h"
 
 namespace nnsim::tool {
 
@@ -32,7 +34,9 @@ struct PlanArgs {
   int jobs = 0;
   std::string csv;
   std::string train_tokens;  // e.g. "15T": the best plan's time to train that many tokens
-  SearchPins pins;           // what was given on the command line
+  FailureArgs failures;      // and with hardware failures, checkpoints and restarts
+  std::optional<FailureModel> failure_model;  // read from `failures`
+  SearchPins pins;                            // what was given on the command line
   std::string calib;
   Calibration calibration;  // loaded from `calib`; a.o.costs points at it
 };

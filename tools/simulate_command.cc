@@ -119,6 +119,7 @@ void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
                   "also report how long training this many tokens takes at the simulated "
                   "iteration time, e.g. 15T or 300B (checkpoints, evaluation and restarts not "
                   "counted)");
+  add_failure_options(app, a.failures);
   app->add_flag("--allow-oom", a.allow_oom,
                 "simulate even when the plan does not fit in GPU memory (still exits non-zero)");
 }
@@ -130,6 +131,9 @@ int run_simulate(const SimulateArgs& a) {
     if (!n) return fail("--train-tokens: " + n.error().message());
     train_tokens = *n;
   }
+  Expected<std::optional<FailureModel>> failures =
+      read_failure_options(a.failures, train_tokens.has_value());
+  if (!failures) return fail(failures.error().message());
   Expected<Topology> topo = load_topology_sized(a.topo, a.nodes, a.topo_set);
   if (!topo) return fail(topo.error().message());
   Expected<Plan> plan = load_plan(a.plan);
@@ -160,6 +164,7 @@ int run_simulate(const SimulateArgs& a) {
     Expected<TrainingTime> t = training_time(*train_tokens, prog->tokens_per_iteration,
                                              result->iteration_time, result->num_gpus);
     if (!t) return fail("--train-tokens: " + t.error().message());
+    if (Status st = add_failure_cost(*t, *failures); !st) return fail(st.error().message());
     training = *t;
   }
   print_report(*prog, *result, training);

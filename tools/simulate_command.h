@@ -6,6 +6,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "tools/driver.h"
+
 namespace nnsim::tool {
 
 struct SimulateArgs {
@@ -22,6 +24,7 @@ struct SimulateArgs {
   bool no_fold = false;
   std::string calib;
   std::string train_tokens;  // e.g. "15T": also report the time to train that many tokens
+  FailureArgs failures;      // and with hardware failures, checkpoints and restarts
 };
 
 // The simulate options on `app` (the top level, where they are optional, or the subcommand).

@@ -122,7 +122,11 @@ std::string row_line(const Row& r, const Varied& topo, const Varied& model, bool
                       format_seconds(r.iteration_time), per_gpu(r), 100 * r.vs_first, 100 * r.mfu,
                       format_bytes(r.peak_memory), share(b.compute + b.recompute + b.optimizer),
                       share(b.total_exposed_comm()), share(b.bubble));
-  if (train) line += fmt::format(" {:>11}", format_duration(r.training->seconds));
+  if (train) {
+    const TrainingTime& t = *r.training;
+    line += fmt::format(" {:>11}",
+                        format_duration(t.with_failures ? t.with_failures->seconds : t.seconds));
+  }
   return line + "  " + r.best.name;
 }
 
@@ -157,6 +161,13 @@ std::string sweep_json(const SweepArgs& a, const std::vector<Row>& rows) {
                          {"steps", r.training->steps},
                          {"time_s", r.training->seconds},
                          {"gpu_hours", r.training->gpu_hours}};
+        if (const std::optional<FailureCost>& f = r.training->with_failures) {
+          p["training"]["with_failures"] = {{"time_s", f->seconds},
+                                            {"gpu_hours", f->gpu_hours},
+                                            {"failures", f->failures},
+                                            {"lost_fraction", f->lost_fraction},
+                                            {"checkpoint_interval_s", f->checkpoint_interval}};
+        }
       }
     }
     points.push_back(p);
@@ -175,7 +186,7 @@ std::string sweep_csv(const std::vector<Row>& rows) {
   std::string csv =
       "nodes,gpus,global_batch,set,model_set,status,plan,iteration_time_s,tokens_per_s,"
       "tokens_per_s_per_gpu,per_gpu_vs_group_first,mfu,peak_memory_bytes,busy_s,exposed_comm_s,"
-      "bubble_s,train_time_s,gpu_hours\n";
+      "bubble_s,train_time_s,gpu_hours,train_time_with_failures_s\n";
   auto quoted = [](const std::string& s) {
     std::string q = "\"";
     for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
@@ -185,15 +196,18 @@ std::string sweep_csv(const std::vector<Row>& rows) {
     csv += fmt::format("{},{},{},{},{},{}", r.point.nodes, r.gpus, r.point.global_batch,
                        quoted(r.point.set), quoted(r.point.model_set), quoted(r.status));
     if (r.status != "ok") {
-      csv += ",,,,,,,,,,,\n";
+      csv += ",,,,,,,,,,,,\n";
       continue;
     }
     const Breakdown& b = r.breakdown;
-    csv += fmt::format(",{},{},{},{},{},{},{},{},{},{},{},{}\n", quoted(r.best.name),
+    csv += fmt::format(",{},{},{},{},{},{},{},{},{},{},{},{},{}\n", quoted(r.best.name),
                        r.iteration_time, r.tokens_per_s, per_gpu(r), r.vs_first, r.mfu,
                        r.peak_memory, b.compute + b.recompute + b.optimizer, b.total_exposed_comm(),
                        b.bubble, r.training ? fmt::format("{}", r.training->seconds) : "",
-                       r.training ? fmt::format("{}", r.training->gpu_hours) : "");
+                       r.training ? fmt::format("{}", r.training->gpu_hours) : "",
+                       r.training && r.training->with_failures
+                           ? fmt::format("{}", r.training->with_failures->seconds)
+                           : "");
   }
   return csv;
 }
@@ -231,6 +245,7 @@ CLI::App* add_sweep_command(CLI::App& app, SweepArgs& a) {
   add_plan_choices(cmd, a.plan);
   cmd->add_option("--train-tokens", a.train_tokens,
                   "also the time to train this many tokens at each point's step, e.g. 15T");
+  add_failure_options(cmd, a.failures);
   cmd->add_option("--csv", a.csv, "write the rows as CSV");
   cmd->add_option("--json", a.json, "write the rows as JSON");
   cmd->add_option("--plans", a.plans_dir,
@@ -249,6 +264,9 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
     if (!n) return fail("--train-tokens: " + n.error().message());
     train_tokens = *n;
   }
+  Expected<std::optional<FailureModel>> failures =
+      read_failure_options(a.failures, train_tokens.has_value());
+  if (!failures) return fail(failures.error().message());
   Expected<Varied> topo_vary = read_varied("--vary", a.vary);
   if (!topo_vary) return fail(topo_vary.error().message());
   Expected<Varied> model_vary = read_varied("--vary-model", a.vary_model);
@@ -323,7 +341,7 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
   }
   header += fmt::format(" {:>10} {:>10} {:>8} {:>6} {:>10} {:>6} {:>6} {:>6}", "step", "tok/s/GPU",
                         "vs first", "MFU", "peak mem", "busy", "comm", "bubble");
-  if (train_tokens) header += fmt::format(" {:>11}", "to train");
+  if (train_tokens) header += fmt::format(" {:>11}", *failures ? "w/ failures" : "to train");
   header += "  best plan";
   std::string cluster = pa.topo;
   for (size_t i = 0; i < pa.topo_set.size(); ++i) {
@@ -377,6 +395,9 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
             *train_tokens, static_cast<double>(row.point.global_batch) * model.seq_len,
             row.iteration_time, row.gpus);
         if (!t) return fail("--train-tokens: " + t.error().message());
+        if (Status st = add_failure_cost(*t, *failures); !st) {
+          return fail(fmt::format("{}: {}", r->best.name, st.error().message()));
+        }
         row.training = *t;
       }
       const Row* first = nullptr;

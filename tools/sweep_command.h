@@ -9,6 +9,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "tools/driver.h"
 #include "tools/plan_command.h"
 
 namespace nnsim::tool {
@@ -21,6 +22,7 @@ struct SweepArgs {
   std::string vary;                              // "FIELD=V1,V2,...": a topology field's values
   std::string vary_model;                        // the same for a model field
   std::string train_tokens;
+  FailureArgs failures;  // hardware failures, checkpoints and restarts in the time to train
   std::string csv;
   std::string json;
   std::string plans_dir;  // each point's best plan written here

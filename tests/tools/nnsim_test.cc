@@ -869,6 +869,22 @@ TEST(NnsimTool, TrainTokensGivesTheTimeToTrainAtTheSimulatedIteration) {
                                           minutes)))
       << s;
 
+  // With failures: Llama 3's rate on 32 GPUs, 30 s checkpoints, 600 s restarts.
+  RunResult f = box.nnsim({"--topo", "dgx-a100x4", "p.json", "--json", "f.json", "--train-tokens",
+                           "300B", "--checkpoint-seconds", "30", "--restart-seconds", "600"});
+  ASSERT_EQ(f.status, 0) << f;
+  const json w = box.read_json("f.json")["training"]["with_failures"];
+  EXPECT_EQ(w["checkpoint_s"], 30.0);
+  EXPECT_DOUBLE_EQ(w["mtbf_s"].get<double>(), 3600 / (32 * 419.0 / (54 * 24 * 16384.0)));
+  EXPECT_DOUBLE_EQ(w["time_s"].get<double>(),
+                   t["time_s"].get<double>() / (1 - w["lost_fraction"].get<double>()));
+  EXPECT_TRUE(contains(f.out, "with failures: ")) << f;
+  expect_error(box.nnsim({"--topo", "dgx-a100x4", "p.json", "--train-tokens", "1B",
+                          "--checkpoint-seconds", "30"}),
+               {"give both --checkpoint-seconds and --restart-seconds"});
+  expect_error(box.nnsim({"--topo", "dgx-a100x4", "p.json", "--checkpoint-seconds", "30",
+                          "--restart-seconds", "60"}),
+               {"need --train-tokens"});
   expect_error(box.nnsim({"--topo", "dgx-a100x4", "p.json", "--train-tokens", "3x"}),
                {"--train-tokens", "'3x'", "15T"});
   std::vector<std::string> built(kPlanArgs.begin(), kPlanArgs.end() - 2);  // without -o p.json
