@@ -127,8 +127,8 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
                       best.time(), r->best.mesh.num_ranks());
     if (!t) return fail("--train-tokens: " + t.error().message());
     if (Status st = add_failure_cost(*t, a.failure_model); !st) return fail(st.error().message());
-    std::printf("the best plan trains %s (%s)\n", describe_training(*t).c_str(),
-                best.simulated ? "simulated" : "estimated");
+    std::printf("the best plan (%s) trains %s\n", best.simulated ? "simulated" : "estimated",
+                describe_training(*t).c_str());
   }
   note_unvalidated_moe(r->best.model);
   note_unvalidated_hybrid(r->best.model);

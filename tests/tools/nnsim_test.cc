@@ -864,9 +864,10 @@ TEST(NnsimTool, TrainTokensGivesTheTimeToTrainAtTheSimulatedIteration) {
   }
   ASSERT_GE(cells.size(), 19u) << best;
   const double minutes = 7630 * std::stod(cells[18]) / 60;
-  EXPECT_TRUE(contains(s.out, fmt::format("the best plan trains 1.00 B tokens in 7,630 steps of "
-                                          "131 k tokens: {:.1f} min on 32 GPUs",
-                                          minutes)))
+  EXPECT_TRUE(contains(
+      s.out, fmt::format("the best plan (simulated) trains 1.00 B tokens in 7,630 steps of "
+                         "131 k tokens: {:.1f} min on 32 GPUs",
+                         minutes)))
       << s;
 
   // With failures: Llama 3's rate on 32 GPUs, 30 s checkpoints, 600 s restarts.
