@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <optional>
 
 #include <fmt/format.h>
@@ -53,7 +54,7 @@ struct Row {
   std::string lane;
   Breakdown breakdown;
   std::optional<TrainingTime> training;
-  double vs_first = 0;  // tokens/s a GPU over the group's first planned point's
+  double vs_first = 1;  // tokens/s a GPU over the group's first planned point's
 };
 
 // A multi-line message on one row: "a:\n   b\n   c" -> "a: b; c".
@@ -212,13 +213,187 @@ std::string sweep_csv(const std::vector<Row>& rows) {
   return csv;
 }
 
+// What a row costs beyond its step: the time to train, with failures.
+struct Costing {
+  std::optional<double> train_tokens;
+  std::optional<FailureModel> failures;
+};
+
+// Every point of a sweep with its model and cluster, read before any search so that a bad value
+// stops the sweep at once.
+struct Grid {
+  Varied topo_vary;
+  Varied model_vary;
+  std::vector<ModelSpec> models;  // one per --vary-model value
+  std::vector<Point> points;
+  std::vector<Topology> topologies;  // per point
+  std::vector<size_t> model_of;      // per point, into `models`
+};
+
+// Each model's global batches in sequences: --global-batch as given, or --global-batch-tokens
+// over the model's sequence length (a whole number of sequences, else an error).
+Expected<std::vector<int>> batches_of(const SweepArgs& a, const ModelSpec& m) {
+  if (a.global_batches.empty() == a.global_batch_tokens.empty()) {
+    return Error("give the global batch: --global-batch (sequences) or --global-batch-tokens");
+  }
+  std::vector<int> out = a.global_batches;
+  for (const std::string& text : a.global_batch_tokens) {
+    Expected<double> n = parse_token_count(text);
+    if (!n) return Error("--global-batch-tokens: " + n.error().message());
+    const double sequences = *n / static_cast<double>(m.seq_len);
+    if (sequences < 1 || sequences != std::floor(sequences) || sequences > 1e9) {
+      return Error(fmt::format(
+          "--global-batch-tokens {}: {} tokens are {:.4g} sequences of {} tokens ({}): give a "
+          "whole number of sequences",
+          text, *n, sequences, m.seq_len, m.name));
+    }
+    out.push_back(static_cast<int>(sequences));
+  }
+  return out;
+}
+
+Expected<Grid> read_grid(const SweepArgs& a) {
+  const PlanArgs& pa = a.plan;
+  Grid g;
+  Expected<Varied> topo_vary = read_varied("--vary", a.vary);
+  if (!topo_vary) return topo_vary.error();
+  g.topo_vary = *topo_vary;
+  Expected<Varied> model_vary = read_varied("--vary-model", a.vary_model);
+  if (!model_vary) return model_vary.error();
+  g.model_vary = *model_vary;
+  const std::vector<int> nodes = a.nodes.empty() ? std::vector<int>{0} : a.nodes;
+  int group = 0;
+  for (size_t mi = 0; mi < g.model_vary.sets.size(); ++mi) {
+    const std::string& model_set = g.model_vary.sets[mi];
+    Expected<ModelSpec> m = load_plan_model(
+        pa, model_set.empty() ? std::vector<std::string>{} : std::vector{model_set});
+    if (!m) {
+      if (model_set.empty()) return m.error();
+      return Error(fmt::format("--vary-model {}: {}", model_set, m.error().message()));
+    }
+    g.models.push_back(*m);
+    Expected<std::vector<int>> batches = batches_of(a, *m);
+    if (!batches) return batches.error();
+    for (const std::string& set : g.topo_vary.sets) {
+      for (int gb : *batches) {
+        for (int n : nodes) {
+          std::vector<std::string> topo_set = pa.topo_set;
+          if (!set.empty()) topo_set.push_back(set);
+          Expected<Topology> topo = load_topology_sized(pa.topo, n, topo_set);
+          if (!topo) {
+            if (set.empty()) return topo.error();
+            return Error(fmt::format("--vary {}: {}", set, topo.error().message()));
+          }
+          g.points.push_back({topo->nodes, gb, set, model_set, group});
+          g.topologies.push_back(*topo);
+          g.model_of.push_back(mi);
+        }
+        ++group;
+      }
+    }
+  }
+  return g;
+}
+
+void print_header(const SweepArgs& a, const Grid& g, const Costing& costing) {
+  std::string header = fmt::format("  {:>5} {:>6} {:>6}", "nodes", "GPUs", "batch");
+  for (const Varied* v : {&g.topo_vary, &g.model_vary}) {
+    if (!v->field.empty()) header += fmt::format(" {:<{}}", v->field, v->width);
+  }
+  header += fmt::format(" {:>10} {:>10} {:>8} {:>6} {:>10} {:>6} {:>6} {:>6}", "step", "tok/s/GPU",
+                        "vs first", "MFU", "peak mem", "busy", "comm", "bubble");
+  if (costing.train_tokens) {
+    header += fmt::format(" {:>11}", costing.failures ? "w/ failures" : "to train");
+  }
+  header += "  best plan";
+  std::string cluster = a.plan.topo;
+  for (size_t i = 0; i < a.plan.topo_set.size(); ++i) {
+    cluster += (i == 0 ? " with " : ", ") + a.plan.topo_set[i];
+  }
+  std::printf("%s on %s: %zu point%s, each searched\n",
+              g.model_vary.field.empty() ? g.models.front().name.c_str() : a.plan.model.c_str(),
+              cluster.c_str(), g.points.size(), g.points.size() == 1 ? "" : "s");
+  std::printf("%s\n", header.c_str());
+  std::fflush(stdout);
+}
+
+// The search at one point, and its best plan simulated again for its breakdown and memory (the
+// search keeps only its time; deterministic, so the step is the search's). No plan: a row that
+// says why. An error only when the best plan does not simulate or cost.
+Expected<Row> plan_point(PlanArgs& pa, const Point& point, const ModelSpec& model,
+                         const Topology& topo, const Costing& costing,
+                         const std::function<void(double)>& progress) {
+  Row row;
+  row.point = point;
+  row.gpus = topo.num_gpus();
+  pa.o.global_batch = point.global_batch;
+  Expected<SearchOptions> so = search_options(pa, model);
+  if (!so) return so.error();
+  so->progress = [&](const std::string&, size_t done, size_t all) {
+    progress(static_cast<double>(done) / static_cast<double>(all));
+  };
+  Expected<SearchResult> r = search_plans(model, topo, *so);
+  if (!r) {
+    row.status = one_line(r.error().message());
+    return row;
+  }
+  Expected<Program> prog = compile_plan(r->best, topo, pa.o.costs);
+  Expected<SimResult> sim = prog ? simulate(*prog) : Expected<SimResult>(prog.error());
+  if (!sim) return Error(fmt::format("{}: {}", r->best.name, sim.error().message()));
+  row.best = r->best;
+  row.gpus = r->best.mesh.num_ranks();
+  row.iteration_time = sim->iteration_time;
+  row.tokens_per_s = sim->tokens_per_second;
+  row.mfu = sim->mfu;
+  row.peak_memory = worst_memory_lane(*sim).peak_memory;
+  const LaneReport* pace = &sim->lanes.front();
+  for (const LaneReport& l : sim->lanes) {
+    if (l.breakdown.bubble < pace->breakdown.bubble) pace = &l;
+  }
+  row.lane = pace->name;
+  row.breakdown = pace->breakdown;
+  if (costing.train_tokens) {
+    Expected<TrainingTime> t = training_time(
+        *costing.train_tokens, static_cast<double>(point.global_batch) * model.seq_len,
+        row.iteration_time, row.gpus);
+    if (!t) return Error("--train-tokens: " + t.error().message());
+    if (Status st = add_failure_cost(*t, costing.failures); !st) {
+      return Error(fmt::format("{}: {}", r->best.name, st.error().message()));
+    }
+    row.training = *t;
+  }
+  return row;
+}
+
+// Each point's best plan in `dir`: nodes<N>-gb<B>[-t<i>][-m<j>].json.
+Status write_plans(const std::string& dir, const std::vector<Row>& rows, const Grid& g) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return Error(fmt::format("--plans: cannot create '{}': {}", dir, ec.message()));
+  auto index = [](const Varied& v, const std::string& set) {
+    return std::find(v.sets.begin(), v.sets.end(), set) - v.sets.begin() + 1;
+  };
+  for (const Row& r : rows) {
+    if (r.status != "ok") continue;
+    std::string name = fmt::format("nodes{}-gb{}", r.point.nodes, r.point.global_batch);
+    if (!g.topo_vary.field.empty()) name += fmt::format("-t{}", index(g.topo_vary, r.point.set));
+    if (!g.model_vary.field.empty()) {
+      name += fmt::format("-m{}", index(g.model_vary, r.point.model_set));
+    }
+    std::string error;
+    const std::string path = (std::filesystem::path(dir) / (name + ".json")).string();
+    if (!write_file(path, plan_to_json(r.best), &error)) return Error(error);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 CLI::App* add_sweep_command(CLI::App& app, SweepArgs& a) {
   CLI::App* cmd = app.add_subcommand(
       "sweep",
-      "search the best plan at each cluster size, global batch or topology field value, and "
-      "tabulate them (what-if studies)");
+      "search the best plan at each cluster size, global batch, topology and model field value, "
+      "and tabulate them (what-if studies)");
   cmd->add_option("--nodes", a.nodes,
                   "cluster sizes in nodes, e.g. 8,16,32,64 (default: the topology's)")
       ->delimiter(',')
@@ -258,190 +433,57 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
   PlanArgs& pa = a.plan;
   pa.search = true;  // every point is searched; builder-only options are refused
   if (Status st = read_plan_choices(pa, cmd); !st) return fail(st.error().message());
-  std::optional<double> train_tokens;
+  Costing costing;
   if (!a.train_tokens.empty()) {
     Expected<double> n = parse_token_count(a.train_tokens);
     if (!n) return fail("--train-tokens: " + n.error().message());
-    train_tokens = *n;
+    costing.train_tokens = *n;
   }
   Expected<std::optional<FailureModel>> failures =
-      read_failure_options(a.failures, train_tokens.has_value());
+      read_failure_options(a.failures, costing.train_tokens.has_value());
   if (!failures) return fail(failures.error().message());
-  Expected<Varied> topo_vary = read_varied("--vary", a.vary);
-  if (!topo_vary) return fail(topo_vary.error().message());
-  Expected<Varied> model_vary = read_varied("--vary-model", a.vary_model);
-  if (!model_vary) return fail(model_vary.error().message());
-  // Every point's model and cluster are read before any search, so a bad value stops the sweep
-  // at once.
-  std::vector<ModelSpec> models;
-  for (const std::string& set : model_vary->sets) {
-    Expected<ModelSpec> m =
-        load_plan_model(pa, set.empty() ? std::vector<std::string>{} : std::vector{set});
-    if (!m) {
-      return fail(set.empty() ? m.error().message()
-                              : fmt::format("--vary-model {}: {}", set, m.error().message()));
-    }
-    models.push_back(*m);
-  }
-  if (a.global_batches.empty() == a.global_batch_tokens.empty()) {
-    return fail("give the global batch: --global-batch (sequences) or --global-batch-tokens");
-  }
-  std::vector<double> batch_tokens;
-  for (const std::string& text : a.global_batch_tokens) {
-    Expected<double> n = parse_token_count(text);
-    if (!n) return fail("--global-batch-tokens: " + n.error().message());
-    batch_tokens.push_back(*n);
-  }
-  // Each model's global batches in sequences.
-  std::vector<std::vector<int>> batches(models.size(), a.global_batches);
-  for (size_t mi = 0; mi < models.size() && !batch_tokens.empty(); ++mi) {
-    for (size_t b = 0; b < batch_tokens.size(); ++b) {
-      const double sequences = batch_tokens[b] / models[mi].seq_len;
-      if (sequences < 1 || sequences != std::floor(sequences) || sequences > 1e9) {
-        return fail(fmt::format(
-            "--global-batch-tokens {}: {} tokens are {:.4g} sequences of {} tokens ({}): give a "
-            "whole number of sequences",
-            a.global_batch_tokens[b], batch_tokens[b], sequences, models[mi].seq_len,
-            models[mi].name));
-      }
-      batches[mi].push_back(static_cast<int>(sequences));
-    }
-  }
-  const std::vector<int> nodes = a.nodes.empty() ? std::vector<int>{0} : a.nodes;
-  std::vector<Point> points;
-  std::vector<Topology> topologies;
-  std::vector<size_t> model_of;  // index into `models`, per point
-  int group = 0;
-  for (size_t mi = 0; mi < models.size(); ++mi) {
-    for (const std::string& set : topo_vary->sets) {
-      for (int gb : batches[mi]) {
-        for (int n : nodes) {
-          std::vector<std::string> topo_set = pa.topo_set;
-          if (!set.empty()) topo_set.push_back(set);
-          Expected<Topology> topo = load_topology_sized(pa.topo, n, topo_set);
-          if (!topo) {
-            return fail(set.empty() ? topo.error().message()
-                                    : fmt::format("--vary {}: {}", set, topo.error().message()));
-          }
-          points.push_back({topo->nodes, gb, set, model_vary->sets[mi], group});
-          topologies.push_back(*topo);
-          model_of.push_back(mi);
-        }
-        ++group;
-      }
-    }
-  }
-
-  std::string header = fmt::format("  {:>5} {:>6} {:>6}", "nodes", "GPUs", "batch");
-  if (!topo_vary->field.empty()) {
-    header += fmt::format(" {:<{}}", topo_vary->field, topo_vary->width);
-  }
-  if (!model_vary->field.empty()) {
-    header += fmt::format(" {:<{}}", model_vary->field, model_vary->width);
-  }
-  header += fmt::format(" {:>10} {:>10} {:>8} {:>6} {:>10} {:>6} {:>6} {:>6}", "step", "tok/s/GPU",
-                        "vs first", "MFU", "peak mem", "busy", "comm", "bubble");
-  if (train_tokens) header += fmt::format(" {:>11}", *failures ? "w/ failures" : "to train");
-  header += "  best plan";
-  std::string cluster = pa.topo;
-  for (size_t i = 0; i < pa.topo_set.size(); ++i) {
-    cluster += (i == 0 ? " with " : ", ") + pa.topo_set[i];
-  }
-  std::printf("%s on %s: %zu point%s, each searched\n",
-              model_vary->field.empty() ? models.front().name.c_str() : pa.model.c_str(),
-              cluster.c_str(), points.size(), points.size() == 1 ? "" : "s");
-  std::printf("%s\n", header.c_str());
-  std::fflush(stdout);
+  costing.failures = *failures;
+  Expected<Grid> grid = read_grid(a);
+  if (!grid) return fail(grid.error().message());
+  print_header(a, *grid, costing);
 
   std::vector<Row> rows;
   Progress progress("sweeping");
-  for (size_t k = 0; k < points.size(); ++k) {
-    Row row;
-    row.point = points[k];
-    const Topology& topo = topologies[k];
-    const ModelSpec& model = models[model_of[k]];
-    pa.o.global_batch = row.point.global_batch;
-    Expected<SearchOptions> so = search_options(pa, model);
-    if (!so) return fail(so.error().message());
-    so->progress = [&](const std::string&, size_t done, size_t all) {
-      progress.update((static_cast<double>(k) + static_cast<double>(done) / all) /
-                      static_cast<double>(points.size()));
+  for (size_t k = 0; k < grid->points.size(); ++k) {
+    auto on_progress = [&](double f) {
+      progress.update((static_cast<double>(k) + f) / static_cast<double>(grid->points.size()));
     };
-    Expected<SearchResult> r = search_plans(model, topo, *so);
+    Expected<Row> row = plan_point(pa, grid->points[k], grid->models[grid->model_of[k]],
+                                   grid->topologies[k], costing, on_progress);
     progress.done();
-    row.gpus = topo.num_gpus();
-    if (!r) {
-      row.status = one_line(r.error().message());
-    } else {
-      // The best plan simulated again for its breakdown and memory (the search keeps only
-      // its time); deterministic, so its step is the search's.
-      Expected<Program> prog = compile_plan(r->best, topo, pa.o.costs);
-      Expected<SimResult> sim = prog ? simulate(*prog) : Expected<SimResult>(prog.error());
-      if (!sim) return fail(fmt::format("{}: {}", r->best.name, sim.error().message()));
-      row.best = r->best;
-      row.gpus = r->best.mesh.num_ranks();
-      row.iteration_time = sim->iteration_time;
-      row.tokens_per_s = sim->tokens_per_second;
-      row.mfu = sim->mfu;
-      row.peak_memory = worst_memory_lane(*sim).peak_memory;
-      const LaneReport* pace = &sim->lanes.front();
-      for (const LaneReport& l : sim->lanes) {
-        if (l.breakdown.bubble < pace->breakdown.bubble) pace = &l;
+    if (!row) return fail(row.error().message());
+    // Scaling along the nodes: against the first point of the group that has a plan.
+    for (const Row& earlier : rows) {
+      if (earlier.point.group == row->point.group && earlier.status == "ok") {
+        row->vs_first = per_gpu(*row) / per_gpu(earlier);
+        break;
       }
-      row.lane = pace->name;
-      row.breakdown = pace->breakdown;
-      if (train_tokens) {
-        Expected<TrainingTime> t = training_time(
-            *train_tokens, static_cast<double>(row.point.global_batch) * model.seq_len,
-            row.iteration_time, row.gpus);
-        if (!t) return fail("--train-tokens: " + t.error().message());
-        if (Status st = add_failure_cost(*t, *failures); !st) {
-          return fail(fmt::format("{}: {}", r->best.name, st.error().message()));
-        }
-        row.training = *t;
-      }
-      const Row* first = nullptr;
-      for (const Row& earlier : rows) {
-        if (earlier.point.group == row.point.group && earlier.status == "ok") {
-          first = &earlier;
-          break;
-        }
-      }
-      row.vs_first = first ? per_gpu(row) / per_gpu(*first) : 1.0;
     }
-    rows.push_back(row);
-    std::printf("%s\n", row_line(row, *topo_vary, *model_vary, train_tokens.has_value()).c_str());
+    rows.push_back(*row);
+    std::printf("%s\n", row_line(rows.back(), grid->topo_vary, grid->model_vary,
+                                 costing.train_tokens.has_value())
+                            .c_str());
     std::fflush(stdout);
   }
   std::printf(
       "vs first: tokens/s a GPU against the first point with the same batch%s; busy, comm, "
       "bubble: the step's shares of compute, exposed communication and waiting on the lane "
       "that waits least\n",
-      topo_vary->field.empty() && model_vary->field.empty() ? "" : " and values");
-  note_unvalidated_moe(models.front());
-  note_unvalidated_hybrid(models.front());
-  note_hypothetical_gpu(topologies.front().gpu);
+      grid->topo_vary.field.empty() && grid->model_vary.field.empty() ? "" : " and values");
+  note_unvalidated_moe(grid->models.front());
+  note_unvalidated_hybrid(grid->models.front());
+  note_hypothetical_gpu(grid->topologies.front().gpu);
 
   std::string error;
   if (!a.csv.empty() && !write_file(a.csv, sweep_csv(rows), &error)) return fail(error);
   if (!a.json.empty() && !write_file(a.json, sweep_json(a, rows), &error)) return fail(error);
   if (!a.plans_dir.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(a.plans_dir, ec);
-    if (ec) return fail(fmt::format("--plans: cannot create '{}': {}", a.plans_dir, ec.message()));
-    for (const Row& r : rows) {
-      if (r.status != "ok") continue;
-      std::string name = fmt::format("nodes{}-gb{}", r.point.nodes, r.point.global_batch);
-      auto index = [](const Varied& v, const std::string& set) {
-        return std::find(v.sets.begin(), v.sets.end(), set) - v.sets.begin() + 1;
-      };
-      if (!topo_vary->field.empty()) name += fmt::format("-t{}", index(*topo_vary, r.point.set));
-      if (!model_vary->field.empty()) {
-        name += fmt::format("-m{}", index(*model_vary, r.point.model_set));
-      }
-      const std::string path = (std::filesystem::path(a.plans_dir) / (name + ".json")).string();
-      if (!write_file(path, plan_to_json(r.best), &error)) return fail(error);
-    }
+    if (Status st = write_plans(a.plans_dir, rows, *grid); !st) return fail(st.error().message());
   }
   const bool any =
       std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.status == "ok"; });
