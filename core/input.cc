@@ -125,9 +125,10 @@ int InputNode::line() const {
 
 std::string InputNode::location() const {
   if (replaced_) {
-    for (const Replaced& r : *replaced_) {
-      if (path_ == r.field || path_.starts_with(r.field + ".")) {
-        return fmt::format("{}: field '{}'", r.origin, path_);
+    // The last override that covers the field set its value.
+    for (auto r = replaced_->rbegin(); r != replaced_->rend(); ++r) {
+      if (path_ == r->field || path_.starts_with(r->field + ".")) {
+        return fmt::format("{}: field '{}'", r->origin, path_);
       }
     }
   }

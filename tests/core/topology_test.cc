@@ -432,6 +432,10 @@ TEST(Topology, ReplacedFieldsThatDoNotReadNameTheFlag) {
             std::string::npos);
   EXPECT_NE(error({"name.first=x"}).find("field 'name' of "), std::string::npos);
   EXPECT_NE(error({"name.first=x"}).find("holds a value, not fields"), std::string::npos);
+  // Set twice, the error names the override whose value stands.
+  EXPECT_EQ(error({"node.nics.bandwidth=400 Gb/s", "node.nics.bandwidth=fast"})
+                .rfind("--topo-set node.nics.bandwidth=fast: field 'node.nics.bandwidth'", 0),
+            0u);
   // Other fields' errors still cite the file's line.
   EXPECT_NE(error({"node.gpus=16"}).find("dgx-a100x4.yaml:"), std::string::npos);
 
