@@ -8,8 +8,11 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "core/gpu.h"
 #include "core/model.h"
+#include "core/precision.h"
 #include "core/topology.h"
+#include "core/units.h"
 #include "tools/driver.h"
 
 namespace nnsim::tool {
@@ -98,12 +101,36 @@ bool print_topologies(nlohmann::ordered_json& out) {
   return ok;
 }
 
+// Prints the GPU catalog (the names a topology's `gpu` takes), adding each to `out`.
+void print_gpus(nlohmann::ordered_json& out) {
+  std::printf("GPUs (the catalog; a topology's gpu: NAME, or --topo-set gpu=NAME):\n");
+  std::printf("  %-18s %12s %12s %10s %12s %12s %5s\n", "name", "bf16", "fp8", "memory", "HBM",
+              "NVLink", "SMs");
+  for (const GpuSpec& g : gpu_catalog()) {
+    nlohmann::ordered_json flops = nlohmann::ordered_json::object();
+    for (const auto& [precision, f] : g.dense_flops) flops[std::string(to_string(precision))] = f;
+    out.push_back({{"name", g.name},
+                   {"dense_flops", flops},
+                   {"hbm_bytes", g.hbm_bytes},
+                   {"hbm_bandwidth", g.hbm_bandwidth},
+                   {"nvlink_bandwidth", g.nvlink_bandwidth},
+                   {"sms", g.sms},
+                   {"source", g.source}});
+    const auto fp8 = g.dense_flops.find(Precision::kFp8);
+    std::printf("  %-18s %12s %12s %10s %12s %12s %5d\n", g.name.c_str(),
+                format_flops(g.peak_flops(Precision::kBf16)).c_str(),
+                fp8 == g.dense_flops.end() ? "-" : format_flops(fp8->second).c_str(),
+                format_bytes(g.hbm_bytes).c_str(), format_rate(g.hbm_bandwidth).c_str(),
+                g.nvlink_bandwidth > 0 ? format_rate(g.nvlink_bandwidth).c_str() : "-", g.sms);
+  }
+}
+
 }  // namespace
 
 CLI::App* add_presets_command(CLI::App& app, PresetsArgs& a) {
   CLI::App* cmd = app.add_subcommand("presets", "list the model and topology presets");
-  cmd->add_option("kind", a.kind, "only 'models' or only 'topologies'")
-      ->check(CLI::IsMember({"models", "topologies"}));
+  cmd->add_option("kind", a.kind, "only 'models', 'topologies' or 'gpus'")
+      ->check(CLI::IsMember({"models", "topologies", "gpus"}));
   cmd->add_option("--json", a.json,
                   "also write them as JSON: each model's full description and parameters, each "
                   "topology's GPUs");
@@ -121,6 +148,11 @@ int run_presets(const PresetsArgs& a) {
   if (a.kind.empty() || a.kind == "topologies") {
     out["topologies"] = nlohmann::ordered_json::array();
     ok = print_topologies(out["topologies"]) && ok;
+  }
+  if (a.kind.empty()) std::printf("\n");
+  if (a.kind.empty() || a.kind == "gpus") {
+    out["gpus"] = nlohmann::ordered_json::array();
+    print_gpus(out["gpus"]);
   }
   std::string error;
   if (!a.json.empty() && !write_file(a.json, out.dump(1) + "\n", &error)) return fail(error);

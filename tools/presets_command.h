@@ -1,5 +1,6 @@
-// nnsim presets: the models and topologies nnsim ships (models/, topologies/), so a name for
-// --model or --topo can be found, and what it describes seen, without opening the files.
+// nnsim presets: the models and topologies nnsim ships (models/, topologies/) and its GPU
+// catalog, so a name for --model, --topo or a topology's gpu can be found, and what it describes
+// seen, without opening the files.
 #pragma once
 
 #include <string>
@@ -9,7 +10,7 @@
 namespace nnsim::tool {
 
 struct PresetsArgs {
-  std::string kind;  // "models", "topologies" or empty (both)
+  std::string kind;  // "models", "topologies", "gpus" or empty (all)
   std::string json;  // also write them here: each model's full description and parameters
 };
 

@@ -1746,9 +1746,18 @@ TEST(NnsimTool, PresetsListsEveryModelAndTopology) {
   EXPECT_EQ(models.status, 0) << models;
   EXPECT_TRUE(contains(models.out, "gpt3-175b")) << models;
   EXPECT_FALSE(contains(models.out, "dgx-a100x4")) << models;
-  RunResult bad = box.nnsim({"presets", "gpus"});
+  RunResult bad = box.nnsim({"presets", "racks"});
   EXPECT_NE(bad.status, 0);
   EXPECT_TRUE(contains(bad.err, "models")) << bad;
+  // The GPU catalog, the names a topology's gpu takes (--topo-set gpu=NAME).
+  RunResult gpus = box.nnsim({"presets", "gpus"});
+  EXPECT_EQ(gpus.status, 0) << gpus;
+  for (const GpuSpec& g : gpu_catalog()) {
+    EXPECT_TRUE(contains(gpus.out, "  " + g.name + " ")) << g.name << "\n" << gpus;
+  }
+  EXPECT_TRUE(contains(gpus.out, "h200-sxm-141gb      989 TFLOP/s 1.98 PFLOP/s 140.40 GiB"))
+      << gpus;
+  EXPECT_FALSE(contains(gpus.out, "gpt3-175b")) << gpus;
 
   // As JSON: each model's description as a plan records it (which reads back) and its count.
   RunResult j = box.nnsim({"presets", "--json", "presets.json"});
@@ -1762,6 +1771,9 @@ TEST(NnsimTool, PresetsListsEveryModelAndTopology) {
     EXPECT_EQ(back->parameters(), m["parameters"].get<int64_t>()) << m["name"];
   }
   EXPECT_EQ(presets["topologies"][0]["gpus_per_node"], 8);
+  ASSERT_EQ(presets["gpus"].size(), gpu_catalog().size());
+  EXPECT_EQ(presets["gpus"][0]["name"], gpu_catalog().front().name);
+  EXPECT_EQ(presets["gpus"][0]["hbm_bytes"].get<double>(), gpu_catalog().front().hbm_bytes);
   RunResult unwritable = box.nnsim({"presets", "--json", "no-such-dir/p.json"});
   EXPECT_NE(unwritable.status, 0);
   EXPECT_TRUE(contains(unwritable.err, "no-such-dir/p.json")) << unwritable;
