@@ -263,8 +263,8 @@ TEST(Search, VSchedulesRecomputePerDevice) {
 // Llama 3 70B on 32 H100s pinned to TP 4, PP 8, one chunk a stage, 16 micro-batches: 1F1B fits
 // only with its stages re-partitioned (no recomputation), and ZB-H1 only recomputing some
 // layers, more on its early stages (which hold more micro-batches in flight), yet it wins: its
-// bubble is a third of 1F1B's 7 / 16. Without per-stage recomputation for the zero-bubble
-// schedules the best plan is 1F1B.
+// bubble is about a third of 1F1B's (7 stages' fill and drain over 16 micro-batches). Without
+// per-stage recomputation for the zero-bubble schedules the best plan is 1F1B.
 TEST(Search, ZeroBubbleRecomputesPerStage) {
   const Topology t = topo("dgx-h100-superpod", 4);
   SearchPins pins;
