@@ -45,6 +45,7 @@ struct Row {
   int gpus = 0;
   std::string status = "ok";  // or why no plan came out
   Plan best;
+  std::string choices;        // the search's words for it: "tp2 pp4 dp2 mb1 sp none zero1 1f1b"
   double iteration_time = 0;  // simulated
   double tokens_per_s = 0;
   double mfu = 0;
@@ -128,7 +129,7 @@ std::string row_line(const Row& r, const Varied& topo, const Varied& model, bool
     line += fmt::format(" {:>11}",
                         format_duration(t.with_failures ? t.with_failures->seconds : t.seconds));
   }
-  return line + "  " + r.best.name;
+  return line + "  " + r.choices;
 }
 
 std::string sweep_json(const SweepArgs& a, const std::vector<Row>& rows) {
@@ -143,6 +144,7 @@ std::string sweep_json(const SweepArgs& a, const std::vector<Row>& rows) {
               {"status", r.status}};
     if (r.status == "ok") {
       p["plan"] = r.best.name;
+      p["choices"] = r.choices;
       p["iteration_time_s"] = r.iteration_time;
       p["tokens_per_s"] = r.tokens_per_s;
       p["tokens_per_s_per_gpu"] = per_gpu(r);
@@ -341,6 +343,7 @@ Expected<Row> plan_point(PlanArgs& pa, const Point& point, const ModelSpec& mode
   Expected<SimResult> sim = prog ? simulate(*prog) : Expected<SimResult>(prog.error());
   if (!sim) return Error(fmt::format("{}: {}", r->best.name, sim.error().message()));
   row.best = r->best;
+  row.choices = r->ranked.front().describe();
   row.gpus = r->best.mesh.num_ranks();
   row.iteration_time = sim->iteration_time;
   row.tokens_per_s = sim->tokens_per_second;

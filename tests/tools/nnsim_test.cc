@@ -991,6 +991,11 @@ TEST(NnsimTool, SweepSearchesEachPointAsPlanDoes) {
     EXPECT_EQ((*p)["training"]["steps"], 7630);  // 1e9 / 131,072 tokens, rounded up
   }
   EXPECT_EQ(slow["set"], "node.nics.bandwidth=25Gb/s");
+  // The table names each best plan in the search's words, micro-batch included.
+  const std::string choices = fast["choices"].get<std::string>();
+  EXPECT_EQ(choices.rfind("tp2 pp4 ", 0), 0u) << choices;
+  EXPECT_TRUE(contains(choices, " mb")) << choices;
+  EXPECT_TRUE(contains(r.out, "  " + choices + "\n")) << r;
   EXPECT_GT(slow["iteration_time_s"].get<double>(), fast["iteration_time_s"].get<double>());
   // Per GPU against the same value's first point (1 node).
   EXPECT_DOUBLE_EQ(fast["per_gpu_vs_group_first"].get<double>(),
