@@ -118,13 +118,12 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
     std::printf("estimator vs simulator: %zu of %zu pairs of confirmed plans ranked differently\n",
                 r->rank_disagreements, r->rank_pairs);
   }
-  if (!a.train_tokens.empty()) {
-    // Parsed before the search; the best plan's time is its simulated one where confirmed.
+  if (a.train_token_count) {
+    // The best plan's time is its simulated one where confirmed.
     const Candidate& best = r->ranked.front();
-    Expected<TrainingTime> t =
-        training_time(*parse_token_count(a.train_tokens),
-                      static_cast<double>(r->best.global_batch) * r->best.model.seq_len,
-                      best.time(), r->best.mesh.num_ranks());
+    Expected<TrainingTime> t = training_time(
+        *a.train_token_count, static_cast<double>(r->best.global_batch) * r->best.model.seq_len,
+        best.time(), r->best.mesh.num_ranks());
     if (!t) return fail("--train-tokens: " + t.error().message());
     if (Status st = add_failure_cost(*t, a.failure_model); !st) return fail(st.error().message());
     std::printf("the best plan (%s) trains %s\n", best.simulated ? "simulated" : "estimated",
@@ -167,9 +166,9 @@ int run_plan(PlanArgs& a) {
           "--train-tokens needs an iteration time: search (--search), or simulate the built "
           "plan (nnsim --topo TOPO plan.json --train-tokens N)");
     }
-    if (Expected<double> n = parse_token_count(a.train_tokens); !n) {
-      return fail("--train-tokens: " + n.error().message());
-    }
+    Expected<double> n = parse_token_count(a.train_tokens);
+    if (!n) return fail("--train-tokens: " + n.error().message());
+    a.train_token_count = *n;
   }
   Expected<std::optional<FailureModel>> failures =
       read_failure_options(a.failures, !a.train_tokens.empty());

@@ -34,7 +34,8 @@ struct PlanArgs {
   int jobs = 0;
   std::string csv;
   std::string train_tokens;  // e.g. "15T": the best plan's time to train that many tokens
-  FailureArgs failures;      // and with hardware failures, checkpoints and restarts
+  std::optional<double> train_token_count;  // read from `train_tokens`
+  FailureArgs failures;                     // and with hardware failures, checkpoints and restarts
   std::optional<FailureModel> failure_model;  // read from `failures`
   SearchPins pins;                            // what was given on the command line
   std::string calib;

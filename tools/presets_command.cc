@@ -62,7 +62,7 @@ bool print_models(nlohmann::ordered_json& out) {
   for (const std::string& name : model_preset_names()) {
     Expected<ModelSpec> m = load_model(name);
     if (!m) {
-      std::fprintf(stderr, "nnsim: error: %s\n", m.error().message().c_str());
+      fail(m.error().message());  // the others are still listed
       ok = false;
       continue;
     }
@@ -86,7 +86,7 @@ bool print_topologies(nlohmann::ordered_json& out) {
   for (const std::string& name : topology_preset_names()) {
     Expected<Topology> t = load_topology(name);
     if (!t) {
-      std::fprintf(stderr, "nnsim: error: %s\n", t.error().message().c_str());
+      fail(t.error().message());  // the others are still listed
       ok = false;
       continue;
     }

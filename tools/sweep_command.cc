@@ -264,6 +264,21 @@ Expected<Grid> read_grid(const SweepArgs& a) {
   if (!model_vary) return model_vary.error();
   g.model_vary = *model_vary;
   const std::vector<int> nodes = a.nodes.empty() ? std::vector<int>{0} : a.nodes;
+  // Each cluster once: per --vary value, per node count.
+  std::vector<std::vector<Topology>> clusters;
+  for (const std::string& set : g.topo_vary.sets) {
+    std::vector<std::string> topo_set = pa.topo_set;
+    if (!set.empty()) topo_set.push_back(set);
+    clusters.emplace_back();
+    for (int n : nodes) {
+      Expected<Topology> topo = load_topology_sized(pa.topo, n, topo_set);
+      if (!topo) {
+        if (set.empty()) return topo.error();
+        return Error(fmt::format("--vary {}: {}", set, topo.error().message()));
+      }
+      clusters.back().push_back(*topo);
+    }
+  }
   int group = 0;
   for (size_t mi = 0; mi < g.model_vary.sets.size(); ++mi) {
     const std::string& model_set = g.model_vary.sets[mi];
@@ -276,18 +291,11 @@ Expected<Grid> read_grid(const SweepArgs& a) {
     g.models.push_back(*m);
     Expected<std::vector<int>> batches = batches_of(a, *m);
     if (!batches) return batches.error();
-    for (const std::string& set : g.topo_vary.sets) {
+    for (size_t ti = 0; ti < g.topo_vary.sets.size(); ++ti) {
       for (int gb : *batches) {
-        for (int n : nodes) {
-          std::vector<std::string> topo_set = pa.topo_set;
-          if (!set.empty()) topo_set.push_back(set);
-          Expected<Topology> topo = load_topology_sized(pa.topo, n, topo_set);
-          if (!topo) {
-            if (set.empty()) return topo.error();
-            return Error(fmt::format("--vary {}: {}", set, topo.error().message()));
-          }
-          g.points.push_back({topo->nodes, gb, set, model_set, group});
-          g.topologies.push_back(*topo);
+        for (const Topology& topo : clusters[ti]) {
+          g.points.push_back({topo.nodes, gb, g.topo_vary.sets[ti], model_set, group});
+          g.topologies.push_back(topo);
           g.model_of.push_back(mi);
         }
         ++group;
