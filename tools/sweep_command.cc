@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <optional>
 
 #include <fmt/format.h>
@@ -327,9 +329,35 @@ void print_header(const SweepArgs& a, const Grid& g, const Costing& costing) {
   std::fflush(stdout);
 }
 
-// The search at one point, and its best plan simulated again for its breakdown and memory (the
-// search keeps only its time; deterministic, so the step is the search's). No plan: a row that
-// says why. An error only when the best plan does not simulate or cost.
+// What a row reads from a simulation of the point's best plan.
+struct Simulated {
+  double iteration_time = 0;
+  double tokens_per_s = 0;
+  double mfu = 0;
+  double peak_memory = 0;
+  std::string lane;  // the lane that waits least (a pipeline's slowest stage)
+  Breakdown breakdown;
+};
+
+Simulated summarize(const SimResult& sim) {
+  Simulated s;
+  s.iteration_time = sim.iteration_time;
+  s.tokens_per_s = sim.tokens_per_second;
+  s.mfu = sim.mfu;
+  s.peak_memory = worst_memory_lane(sim).peak_memory;
+  const LaneReport* pace = &sim.lanes.front();
+  for (const LaneReport& l : sim.lanes) {
+    if (l.breakdown.bubble < pace->breakdown.bubble) pace = &l;
+  }
+  s.lane = pace->name;
+  s.breakdown = pace->breakdown;
+  return s;
+}
+
+// The search at one point. Its confirming simulations are kept by plan, so that the best
+// plan's breakdown and memory come from the simulation that confirmed it; a best plan the
+// search did not simulate is simulated here. No plan: a row that says why. An error only when
+// the best plan does not simulate or cost.
 Expected<Row> plan_point(PlanArgs& pa, const Point& point, const ModelSpec& model,
                          const Topology& topo, const Costing& costing,
                          const std::function<void(double)>& progress) {
@@ -342,27 +370,40 @@ Expected<Row> plan_point(PlanArgs& pa, const Point& point, const ModelSpec& mode
   so->progress = [&](const std::string&, size_t done, size_t all) {
     progress(static_cast<double>(done) / static_cast<double>(all));
   };
+  // The search confirms several plans at once (SearchOptions::jobs threads).
+  std::mutex mutex;
+  std::map<std::string, Simulated> confirmed;  // plan.json -> its simulation
+  so->simulate = [&](const Program& p) -> Expected<double> {
+    Expected<SimResult> r = simulate(p);
+    if (!r) return r.error();
+    const Simulated s = summarize(*r);
+    std::lock_guard<std::mutex> lock(mutex);
+    confirmed[plan_to_json(p.plan)] = s;
+    return s.iteration_time;
+  };
   Expected<SearchResult> r = search_plans(model, topo, *so);
   if (!r) {
     row.status = one_line(r.error().message());
     return row;
   }
-  Expected<Program> prog = compile_plan(r->best, topo, pa.o.costs);
-  Expected<SimResult> sim = prog ? simulate(*prog) : Expected<SimResult>(prog.error());
-  if (!sim) return Error(fmt::format("{}: {}", r->best.name, sim.error().message()));
+  Simulated best;
+  if (auto it = confirmed.find(plan_to_json(r->best)); it != confirmed.end()) {
+    best = it->second;
+  } else {
+    Expected<Program> prog = compile_plan(r->best, topo, pa.o.costs);
+    Expected<SimResult> sim = prog ? simulate(*prog) : Expected<SimResult>(prog.error());
+    if (!sim) return Error(fmt::format("{}: {}", r->best.name, sim.error().message()));
+    best = summarize(*sim);
+  }
   row.best = r->best;
   row.choices = r->ranked.front().describe();
   row.gpus = r->best.mesh.num_ranks();
-  row.iteration_time = sim->iteration_time;
-  row.tokens_per_s = sim->tokens_per_second;
-  row.mfu = sim->mfu;
-  row.peak_memory = worst_memory_lane(*sim).peak_memory;
-  const LaneReport* pace = &sim->lanes.front();
-  for (const LaneReport& l : sim->lanes) {
-    if (l.breakdown.bubble < pace->breakdown.bubble) pace = &l;
-  }
-  row.lane = pace->name;
-  row.breakdown = pace->breakdown;
+  row.iteration_time = best.iteration_time;
+  row.tokens_per_s = best.tokens_per_s;
+  row.mfu = best.mfu;
+  row.peak_memory = best.peak_memory;
+  row.lane = best.lane;
+  row.breakdown = best.breakdown;
   if (costing.train_tokens) {
     Expected<TrainingTime> t = training_time(
         *costing.train_tokens, static_cast<double>(point.global_batch) * model.seq_len,
