@@ -35,7 +35,8 @@ json memory_json(const LaneReport& l) {
 }  // namespace
 
 std::string report_json(const Program& program, const SimResult& r,
-                        const std::optional<TrainingTime>& training) {
+                        const std::optional<TrainingTime>& training,
+                        const std::optional<Sensitivity>& sensitivity) {
   json j;
   j["format"] = "nnsim-report";
   j["version"] = 1;
@@ -67,6 +68,15 @@ std::string report_json(const Program& program, const SimResult& r,
                                         {"time_s", f->seconds},
                                         {"gpu_hours", f->gpu_hours}};
     }
+  }
+  if (sensitivity) {
+    json resources = json::array();
+    for (const ResourceSensitivity& x : sensitivity->resources) {
+      resources.push_back({{"resource", std::string(resource_name(x.resource))},
+                           {"iteration_time_s", x.iteration_time},
+                           {"change", x.iteration_time / sensitivity->baseline - 1}});
+    }
+    j["sensitivity"] = {{"factor", sensitivity->factor}, {"resources", resources}};
   }
   j["simulation"] = {{"fidelity", std::string(to_string(r.fidelity))},
                      {"lanes_simulated", r.simulated_lanes},

@@ -8,11 +8,14 @@
 #include "core/program.h"
 #include "core/training_time.h"
 #include "sim/result.h"
+#include "sim/sensitivity.h"
 
 namespace nnsim {
 
-// `training`, when given, adds the time to train its tokens ("training").
+// `training`, when given, adds the time to train its tokens ("training"); `sensitivity`, the
+// plan's iteration time with each resource scaled ("sensitivity").
 std::string report_json(const Program& program, const SimResult& result,
-                        const std::optional<TrainingTime>& training = std::nullopt);
+                        const std::optional<TrainingTime>& training = std::nullopt,
+                        const std::optional<Sensitivity>& sensitivity = std::nullopt);
 
 }  // namespace nnsim

@@ -13,6 +13,7 @@
 #include "core/training_time.h"
 #include "core/units.h"
 #include "sim/report.h"
+#include "sim/sensitivity.h"
 #include "sim/simulator.h"
 #include "sim/trace.h"
 #include "tools/cli_checks.h"
@@ -89,6 +90,16 @@ void print_report(const Program& prog, const SimResult& r,
   note_hypothetical_gpu(prog.topology.gpu);
 }
 
+void print_sensitivity(const Sensitivity& s) {
+  std::printf("sensitivity: the plan simulated again with one resource %gx as fast:\n", s.factor);
+  std::printf("  %-11s %10s %8s  %s\n", "resource", "iteration", "change", "what scales");
+  for (const ResourceSensitivity& x : s.resources) {
+    std::printf("  %-11s %10s %+7.1f%%  %s\n", std::string(resource_name(x.resource)).c_str(),
+                format_seconds(x.iteration_time).c_str(), 100 * (x.iteration_time / s.baseline - 1),
+                std::string(resource_description(x.resource)).c_str());
+  }
+}
+
 }  // namespace
 
 void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
@@ -120,11 +131,21 @@ void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
                   "iteration time, e.g. 15T or 300B (checkpoints, evaluation and restarts not "
                   "counted)");
   add_failure_options(app, a.failures);
+  app->add_option("--sensitivity", a.sensitivity,
+                  "also simulate the plan with each resource (GPU compute, HBM bandwidth, "
+                  "intra-node links, network) this many times as fast, one at a time, e.g. 2 "
+                  "(0.5: half as fast)")
+      ->check(at_least(0, true));
   app->add_flag("--allow-oom", a.allow_oom,
                 "simulate even when the plan does not fit in GPU memory (still exits non-zero)");
 }
 
 int run_simulate(const SimulateArgs& a) {
+  if (a.sensitivity > 0) {
+    if (Status st = check_sensitivity_factor(a.sensitivity); !st) {
+      return fail("--sensitivity: " + st.error().message());
+    }
+  }
   std::optional<double> train_tokens;
   if (!a.train_tokens.empty()) {
     Expected<double> n = parse_token_count(a.train_tokens);
@@ -168,8 +189,19 @@ int run_simulate(const SimulateArgs& a) {
     training = *t;
   }
   print_report(*prog, *result, training);
+  std::optional<Sensitivity> sens;
+  if (a.sensitivity > 0) {
+    Progress again("sensitivity");
+    Expected<Sensitivity> s =
+        sensitivity(*plan, *topo, compile, opts, a.sensitivity, result->iteration_time,
+                    [&again](double f) { again.update(f); });
+    again.done();
+    if (!s) return fail("--sensitivity: " + s.error().message());
+    print_sensitivity(*s);
+    sens = *s;
+  }
   std::string error;
-  if (!a.json.empty() && !write_file(a.json, report_json(*prog, *result, training), &error)) {
+  if (!a.json.empty() && !write_file(a.json, report_json(*prog, *result, training, sens), &error)) {
     return fail(error);
   }
   if (!a.trace.empty() &&

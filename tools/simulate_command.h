@@ -25,6 +25,7 @@ struct SimulateArgs {
   std::string calib;
   std::string train_tokens;  // e.g. "15T": also report the time to train that many tokens
   FailureArgs failures;      // and with hardware failures, checkpoints and restarts
+  double sensitivity = 0;    // > 0: simulate again with each resource this many times as fast
 };
 
 // The simulate options on `app` (the top level, where they are optional, or the subcommand).

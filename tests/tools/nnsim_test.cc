@@ -894,6 +894,42 @@ TEST(NnsimTool, TrainTokensGivesTheTimeToTrainAtTheSimulatedIteration) {
   EXPECT_FALSE(box.exists("b.json"));
 }
 
+// `--sensitivity F`: the plan simulated again with each resource F times as fast, in the report
+// and its JSON; the main figures are the plain run's.
+TEST(NnsimTool, SensitivityRerunsThePlanWithEachResourceScaled) {
+  Sandbox box;
+  make_plan(box);
+  ASSERT_EQ(box.nnsim({"--topo", "dgx-a100x4", "p.json", "--json", "plain.json"}).status, 0);
+  RunResult r =
+      box.nnsim({"--topo", "dgx-a100x4", "p.json", "--json", "s.json", "--sensitivity", "2"});
+  ASSERT_EQ(r.status, 0) << r;
+  const json plain = box.read_json("plain.json");
+  const json report = box.read_json("s.json");
+  EXPECT_FALSE(plain.contains("sensitivity"));
+  EXPECT_EQ(report["iteration_time_s"], plain["iteration_time_s"]);
+  const json& s = report["sensitivity"];
+  EXPECT_EQ(s["factor"], 2.0);
+  ASSERT_EQ(s["resources"].size(), 4u);
+  const double base = report["iteration_time_s"].get<double>();
+  std::vector<std::string> names;
+  for (const json& x : s["resources"]) {
+    names.push_back(x["resource"].get<std::string>());
+    const double t = x["iteration_time_s"].get<double>();
+    EXPECT_LT(t, base) << x;  // faster hardware never slows this plan
+    EXPECT_DOUBLE_EQ(x["change"].get<double>(), t / base - 1) << x;
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"compute", "hbm", "intra-node", "network"}));
+  EXPECT_TRUE(contains(r.out, "sensitivity: the plan simulated again with one resource 2x as fast"))
+      << r;
+  EXPECT_TRUE(contains(r.out, "GPU dense FLOP/s, every precision")) << r;
+  expect_error(box.nnsim({"--topo", "dgx-a100x4", "p.json", "--sensitivity", "0"}),
+               {"--sensitivity", "must be more than 0"});
+  expect_error(box.nnsim({"--topo", "dgx-a100x4", "p.json", "--sensitivity", "fast"}),
+               {"--sensitivity", "expected a number, got 'fast'"});
+  expect_error(box.nnsim({"--topo", "dgx-a100x4", "p.json", "--sensitivity", "500"}),
+               {"--sensitivity", "the factor must be from 0.01 to 100"});
+}
+
 // `nnsim topology` shows the cluster a what-if makes, and writes it to replay.
 TEST(NnsimTool, TopologyShowsAndWritesTheClusterAsRead) {
   Sandbox box;
