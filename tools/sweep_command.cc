@@ -17,6 +17,7 @@
 #include "core/training_time.h"
 #include "core/units.h"
 #include "planner/search.h"
+#include "sim/sensitivity.h"
 #include "sim/simulator.h"
 #include "tools/cli_checks.h"
 #include "tools/driver.h"
@@ -57,7 +58,8 @@ struct Row {
   std::string lane;
   Breakdown breakdown;
   std::optional<TrainingTime> training;
-  double vs_first = 1;  // tokens/s a GPU over the group's first planned point's
+  std::optional<Sensitivity> sensitivity;  // the best plan with each resource scaled
+  double vs_first = 1;                     // tokens/s a GPU over the group's first planned point's
 };
 
 // A multi-line message on one row: "a:\n   b\n   c" -> "a: b; c".
@@ -112,7 +114,8 @@ std::string value_of(const std::string& set) {
   return set.substr(set.find('=') + 1);
 }
 
-std::string row_line(const Row& r, const Varied& topo, const Varied& model, bool train) {
+std::string row_line(const Row& r, const Varied& topo, const Varied& model, bool train,
+                     bool sensitivity) {
   std::string line =
       fmt::format("  {:>5} {:>6} {:>6}", r.point.nodes, r.gpus, r.point.global_batch);
   if (!topo.field.empty()) line += fmt::format(" {:<{}}", value_of(r.point.set), topo.width);
@@ -130,6 +133,12 @@ std::string row_line(const Row& r, const Varied& topo, const Varied& model, bool
     const TrainingTime& t = *r.training;
     line += fmt::format(" {:>11}",
                         format_duration(t.with_failures ? t.with_failures->seconds : t.seconds));
+  }
+  if (sensitivity) {
+    for (const ResourceSensitivity& x : r.sensitivity->resources) {
+      line += fmt::format(" {:>+{}.0f}%", 100 * (x.iteration_time / r.iteration_time - 1),
+                          std::max<size_t>(resource_name(x.resource).size(), 4) - 1);
+    }
   }
   return line + "  " + r.choices;
 }
@@ -174,6 +183,15 @@ std::string sweep_json(const SweepArgs& a, const std::vector<Row>& rows) {
                                             {"checkpoint_interval_s", f->checkpoint_interval}};
         }
       }
+      if (r.sensitivity) {
+        json resources = json::array();
+        for (const ResourceSensitivity& x : r.sensitivity->resources) {
+          resources.push_back({{"resource", std::string(resource_name(x.resource))},
+                               {"iteration_time_s", x.iteration_time},
+                               {"change", x.iteration_time / r.iteration_time - 1}});
+        }
+        p["sensitivity"] = {{"factor", r.sensitivity->factor}, {"resources", resources}};
+      }
     }
     points.push_back(p);
   }
@@ -191,7 +209,9 @@ std::string sweep_csv(const std::vector<Row>& rows) {
   std::string csv =
       "nodes,gpus,global_batch,set,model_set,status,plan,iteration_time_s,tokens_per_s,"
       "tokens_per_s_per_gpu,per_gpu_vs_group_first,mfu,peak_memory_bytes,busy_s,exposed_comm_s,"
-      "bubble_s,train_time_s,gpu_hours,train_time_with_failures_s\n";
+      "bubble_s,train_time_s,gpu_hours,train_time_with_failures_s,compute_change,hbm_change,"
+      "intra_node_change,network_change\n";
+  const auto columns = static_cast<size_t>(std::count(csv.begin(), csv.end(), ',') + 1);
   auto quoted = [](const std::string& s) {
     std::string q = "\"";
     for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
@@ -201,7 +221,7 @@ std::string sweep_csv(const std::vector<Row>& rows) {
     csv += fmt::format("{},{},{},{},{},{}", r.point.nodes, r.gpus, r.point.global_batch,
                        quoted(r.point.set), quoted(r.point.model_set), quoted(r.status));
     if (r.status != "ok") {
-      csv += ",,,,,,,,,,,,\n";
+      csv += std::string(columns - 6, ',') + "\n";  // no plan: six fields, then none
       continue;
     }
     const Breakdown& b = r.breakdown;
@@ -213,14 +233,23 @@ std::string sweep_csv(const std::vector<Row>& rows) {
                        r.training && r.training->with_failures
                            ? fmt::format("{}", r.training->with_failures->seconds)
                            : "");
+    csv.pop_back();  // the row goes on with the sensitivity's changes, empty without it
+    for (size_t i = 0; i < kResources.size(); ++i) {
+      csv += r.sensitivity
+                 ? fmt::format(",{}",
+                               r.sensitivity->resources[i].iteration_time / r.iteration_time - 1)
+                 : ",";
+    }
+    csv += "\n";
   }
   return csv;
 }
 
-// What a row costs beyond its step: the time to train, with failures.
+// What a row gives beyond its step: the time to train, with failures, and the sensitivity.
 struct Costing {
   std::optional<double> train_tokens;
   std::optional<FailureModel> failures;
+  double sensitivity = 0;  // > 0: the factor
 };
 
 // Every point of a sweep with its model and cluster, read before any search so that a bad value
@@ -317,6 +346,12 @@ void print_header(const SweepArgs& a, const Grid& g, const Costing& costing) {
   if (costing.train_tokens) {
     header += fmt::format(" {:>11}", costing.failures ? "w/ failures" : "to train");
   }
+  if (costing.sensitivity > 0) {
+    for (Resource r : kResources) {
+      const std::string name(resource_name(r));
+      header += fmt::format(" {:>{}}", name, std::max<size_t>(name.size(), 4));
+    }
+  }
   header += "  best plan";
   std::string cluster = a.plan.topo;
   for (size_t i = 0; i < a.plan.topo_set.size(); ++i) {
@@ -404,6 +439,13 @@ Expected<Row> plan_point(PlanArgs& pa, const Point& point, const ModelSpec& mode
   row.peak_memory = best.peak_memory;
   row.lane = best.lane;
   row.breakdown = best.breakdown;
+  if (costing.sensitivity > 0) {
+    Expected<Sensitivity> sens =
+        sensitivity(r->best, topo, pa.o.costs, {}, costing.sensitivity, best.iteration_time);
+    if (!sens)
+      return Error(fmt::format("{}: --sensitivity: {}", r->best.name, sens.error().message()));
+    row.sensitivity = *sens;
+  }
   if (costing.train_tokens) {
     Expected<TrainingTime> t = training_time(
         *costing.train_tokens, static_cast<double>(point.global_batch) * model.seq_len,
@@ -473,6 +515,11 @@ CLI::App* add_sweep_command(CLI::App& app, SweepArgs& a) {
   cmd->add_option("--train-tokens", a.train_tokens,
                   "also the time to train this many tokens at each point's step, e.g. 15T");
   add_failure_options(cmd, a.failures);
+  cmd->add_option("--sensitivity", a.sensitivity,
+                  "also each best plan with each resource (GPU compute, HBM bandwidth, "
+                  "intra-node links, network) this many times as fast, one at a time, e.g. 2: "
+                  "the step's change a column each")
+      ->check(at_least(0, true));
   cmd->add_option("--csv", a.csv, "write the rows as CSV");
   cmd->add_option("--json", a.json, "write the rows as JSON");
   cmd->add_option("--plans", a.plans_dir,
@@ -495,6 +542,12 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
       read_failure_options(a.failures, costing.train_tokens.has_value());
   if (!failures) return fail(failures.error().message());
   costing.failures = *failures;
+  if (a.sensitivity > 0) {
+    if (Status st = check_sensitivity_factor(a.sensitivity); !st) {
+      return fail("--sensitivity: " + st.error().message());
+    }
+    costing.sensitivity = a.sensitivity;
+  }
   Expected<Grid> grid = read_grid(a);
   if (!grid) return fail(grid.error().message());
   print_header(a, *grid, costing);
@@ -518,7 +571,7 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
     }
     rows.push_back(*row);
     std::printf("%s\n", row_line(rows.back(), grid->topo_vary, grid->model_vary,
-                                 costing.train_tokens.has_value())
+                                 costing.train_tokens.has_value(), costing.sensitivity > 0)
                             .c_str());
     std::fflush(stdout);
   }
@@ -527,6 +580,12 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
       "bubble: the step's shares of compute, exposed communication and waiting on the lane "
       "that waits least\n",
       grid->topo_vary.field.empty() && grid->model_vary.field.empty() ? "" : " and values");
+  if (costing.sensitivity > 0) {
+    std::printf(
+        "compute, hbm, intra-node, network: the best plan's step with that resource %gx as fast "
+        "(GPU FLOP/s, HBM bandwidth, links inside a node, NICs), the plan unchanged\n",
+        costing.sensitivity);
+  }
   note_unvalidated_moe(grid->models.front());
   note_unvalidated_hybrid(grid->models.front());
   note_hypothetical_gpu(grid->topologies.front().gpu);

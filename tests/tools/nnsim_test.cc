@@ -1109,6 +1109,82 @@ TEST(NnsimTool, SweepVariesAModelFieldAsModelSetDoes) {
   EXPECT_EQ(tj["points"][1]["global_batch"], 32);
 }
 
+// Fields of a CSV line, commas inside double quotes kept.
+size_t csv_fields(const std::string& line) {
+  size_t fields = 1;
+  bool quoted = false;
+  for (char c : line) {
+    if (c == '"') quoted = !quoted;
+    if (c == ',' && !quoted) ++fields;
+  }
+  return fields;
+}
+
+// `--sensitivity F` on a sweep: each best plan again with each resource scaled, a column each;
+// a point without a plan keeps the CSV's shape.
+TEST(NnsimTool, SweepSensitivityGivesEachBestPlansResourceChanges) {
+  Sandbox box;
+  RunResult r = box.nnsim({"sweep",
+                           "--model",
+                           "gpt3-1.3b",
+                           "--topo",
+                           "dgx-a100x4",
+                           "--nodes",
+                           "1",
+                           "--global-batch",
+                           "64",
+                           "--tp",
+                           "2",
+                           "--pp",
+                           "4",
+                           "--jobs",
+                           "1",
+                           "--confirm",
+                           "1",
+                           "--vary",
+                           "gpu.hbm_bytes=1GB,80GB",
+                           "--sensitivity",
+                           "2",
+                           "--json",
+                           "s.json",
+                           "--csv",
+                           "s.csv"});
+  ASSERT_EQ(r.status, 0) << r;
+  const json j = box.read_json("s.json");
+  ASSERT_EQ(j["points"].size(), 2u);
+  EXPECT_NE(j["points"][0]["status"], "ok");  // nothing fits in 1 GB
+  EXPECT_FALSE(j["points"][0].contains("sensitivity"));
+  const json& p = j["points"][1];
+  ASSERT_EQ(p["status"], "ok") << p;
+  const json& s = p["sensitivity"];
+  EXPECT_EQ(s["factor"], 2.0);
+  ASSERT_EQ(s["resources"].size(), 4u);
+  const double step = p["iteration_time_s"].get<double>();
+  for (const json& x : s["resources"]) {
+    EXPECT_DOUBLE_EQ(x["change"].get<double>(), x["iteration_time_s"].get<double>() / step - 1);
+    if (x["resource"] == "network") {
+      EXPECT_EQ(x["change"].get<double>(), 0.0) << "one node: nothing crosses a NIC";
+    } else {
+      EXPECT_LT(x["change"].get<double>(), 0.0) << x;
+    }
+  }
+  EXPECT_TRUE(contains(r.out, "intra-node network  best plan")) << r;
+  EXPECT_TRUE(contains(r.out, "the plan unchanged")) << r;
+  // Every CSV row has the header's columns, the infeasible point's too.
+  const std::string csv = box.read("s.csv");
+  std::vector<std::string> lines;
+  for (size_t from = 0, end; (end = csv.find('\n', from)) != std::string::npos; from = end + 1) {
+    lines.push_back(csv.substr(from, end - from));
+  }
+  ASSERT_EQ(lines.size(), 3u) << csv;
+  EXPECT_TRUE(contains(lines[0], ",compute_change,hbm_change,intra_node_change,network_change"));
+  for (const std::string& line : lines) EXPECT_EQ(csv_fields(line), csv_fields(lines[0])) << line;
+
+  expect_error(box.nnsim({"sweep", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--global-batch",
+                          "64", "--sensitivity", "1000"}),
+               {"--sensitivity", "the factor must be from 0.01 to 100"});
+}
+
 TEST(NnsimToolErrors, SweepRefusesBadPointsBeforeSearching) {
   Sandbox box;
   const std::vector<std::string> base = {"sweep",      "--model",        "gpt3-1.3b", "--topo",
