@@ -16,6 +16,7 @@
 #include "core/model.h"
 #include "core/topology.h"
 #include "core/training_time.h"
+#include "sim/sensitivity.h"
 
 namespace nnsim::tool {
 
@@ -61,6 +62,9 @@ Status add_failure_cost(TrainingTime& t, const std::optional<FailureModel>& f);
 
 // "15.0 T tokens in 3,576,279 steps of 4.19 M tokens: 54.2 days on 2048 GPUs, 2.66 M GPU-hours".
 std::string describe_training(const TrainingTime& t);
+
+// The sensitivity study's table (--sensitivity): a resource a row, its step and the change.
+void print_sensitivity(const Sensitivity& s);
 
 // Progress on a terminal only; pipes and files stay quiet.
 class Progress {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -13,6 +14,7 @@
 #include "core/plan.h"
 #include "core/training_time.h"
 #include "core/units.h"
+#include "sim/sensitivity.h"
 #include "sim/simulator.h"
 #include "tools/cli_checks.h"
 #include "tools/driver.h"
@@ -129,6 +131,24 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
     std::printf("the best plan (%s) trains %s\n", best.simulated ? "simulated" : "estimated",
                 describe_training(*t).c_str());
   }
+  if (a.sensitivity > 0) {
+    // Against the best plan's simulated step: the confirming simulation's, else one now.
+    const Candidate& best = r->ranked.front();
+    std::optional<double> baseline = best.simulated;
+    if (!baseline) {
+      Expected<Program> prog = compile_plan(r->best, topo, a.o.costs);
+      Expected<SimResult> sim = prog ? simulate(*prog) : Expected<SimResult>(prog.error());
+      if (!sim) return fail(fmt::format("{}: {}", r->best.name, sim.error().message()));
+      baseline = sim->iteration_time;
+    }
+    Progress again("sensitivity");
+    Expected<Sensitivity> s = sensitivity(r->best, topo, a.o.costs, {}, a.sensitivity, *baseline,
+                                          [&again](double f) { again.update(f); });
+    again.done();
+    if (!s) return fail("--sensitivity: " + s.error().message());
+    std::printf("the best plan simulated: %s a step\n", format_seconds(*baseline).c_str());
+    print_sensitivity(*s);
+  }
   note_unvalidated_moe(r->best.model);
   note_unvalidated_hybrid(r->best.model);
   note_hypothetical_gpu(topo.gpu);
@@ -160,6 +180,16 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
 }
 
 int run_plan(PlanArgs& a) {
+  if (a.sensitivity > 0) {
+    if (!a.search) {
+      return fail(
+          "--sensitivity needs a simulated plan: search (--search), or simulate the built plan "
+          "(nnsim --topo TOPO plan.json --sensitivity F)");
+    }
+    if (Status st = check_sensitivity_factor(a.sensitivity); !st) {
+      return fail("--sensitivity: " + st.error().message());
+    }
+  }
   if (!a.train_tokens.empty()) {
     if (!a.search) {
       return fail(
@@ -366,6 +396,11 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
                   "also print how long the best plan takes to train this many tokens, e.g. 15T "
                   "or 300B (search only; checkpoints, evaluation and restarts not counted)");
   add_failure_options(cmd, a.failures);
+  cmd->add_option("--sensitivity", a.sensitivity,
+                  "also simulate the best plan with each resource (GPU compute, HBM bandwidth, "
+                  "intra-node links, network) this many times as fast, one at a time, e.g. 2 "
+                  "(search only)")
+      ->check(at_least(0, true));
   return cmd;
 }
 

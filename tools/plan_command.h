@@ -37,7 +37,8 @@ struct PlanArgs {
   std::optional<double> train_token_count;  // read from `train_tokens`
   FailureArgs failures;                     // and with hardware failures, checkpoints and restarts
   std::optional<FailureModel> failure_model;  // read from `failures`
-  SearchPins pins;                            // what was given on the command line
+  double sensitivity = 0;  // > 0: the best plan again with each resource this many times as fast
+  SearchPins pins;         // what was given on the command line
   std::string calib;
   Calibration calibration;  // loaded from `calib`; a.o.costs points at it
 };

@@ -90,16 +90,6 @@ void print_report(const Program& prog, const SimResult& r,
   note_hypothetical_gpu(prog.topology.gpu);
 }
 
-void print_sensitivity(const Sensitivity& s) {
-  std::printf("sensitivity: the plan simulated again with one resource %gx as fast:\n", s.factor);
-  std::printf("  %-11s %10s %8s  %s\n", "resource", "iteration", "change", "what scales");
-  for (const ResourceSensitivity& x : s.resources) {
-    std::printf("  %-11s %10s %+7.1f%%  %s\n", std::string(resource_name(x.resource)).c_str(),
-                format_seconds(x.iteration_time).c_str(), 100 * (x.iteration_time / s.baseline - 1),
-                std::string(resource_description(x.resource)).c_str());
-  }
-}
-
 }  // namespace
 
 void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {

@@ -928,6 +928,27 @@ TEST(NnsimTool, SensitivityRerunsThePlanWithEachResourceScaled) {
                {"--sensitivity", "expected a number, got 'fast'"});
   expect_error(box.nnsim({"--topo", "dgx-a100x4", "p.json", "--sensitivity", "500"}),
                {"--sensitivity", "the factor must be from 0.01 to 100"});
+
+  // The search's best plan, against its confirming simulation; the builder has none.
+  RunResult searched =
+      box.nnsim({"plan",      "--model", "gpt3-1.3b",      "--topo", "dgx-a100x4", "--tp",   "2",
+                 "--pp",      "4",       "--global-batch", "64",     "--search",   "--jobs", "1",
+                 "--confirm", "1",       "--sensitivity",  "2",      "-o",         "s.json"});
+  ASSERT_EQ(searched.status, 0) << searched;
+  EXPECT_TRUE(contains(searched.out, "the best plan simulated: ")) << searched;
+  EXPECT_TRUE(contains(searched.out, "sensitivity: the plan simulated again")) << searched;
+  RunResult again = box.nnsim({"--topo", "dgx-a100x4", "s.json", "--sensitivity", "2"});
+  ASSERT_EQ(again.status, 0) << again;
+  // The same plan, the same four simulations: the same table.
+  const std::string table = "sensitivity: the plan simulated again";
+  EXPECT_EQ(searched.out.substr(searched.out.find(table),
+                                searched.out.find("wrote s.json") - searched.out.find(table)),
+            again.out.substr(again.out.find(table)))
+      << searched << again;
+  std::vector<std::string> built(kPlanArgs.begin(), kPlanArgs.end() - 2);  // without -o p.json
+  built.insert(built.end(), {"-o", "b.json", "--sensitivity", "2"});
+  expect_error(box.nnsim(built), {"--sensitivity needs a simulated plan", "--search"});
+  EXPECT_FALSE(box.exists("b.json"));
 }
 
 // `nnsim topology` shows the cluster a what-if makes, and writes it to replay.
