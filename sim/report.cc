@@ -34,6 +34,16 @@ json memory_json(const LaneReport& l) {
 
 }  // namespace
 
+nlohmann::ordered_json sensitivity_json(const Sensitivity& s) {
+  json resources = json::array();
+  for (const ResourceSensitivity& x : s.resources) {
+    resources.push_back({{"resource", std::string(resource_name(x.resource))},
+                         {"iteration_time_s", x.iteration_time},
+                         {"change", x.iteration_time / s.baseline - 1}});
+  }
+  return {{"factor", s.factor}, {"resources", resources}};
+}
+
 std::string report_json(const Program& program, const SimResult& r,
                         const std::optional<TrainingTime>& training,
                         const std::optional<Sensitivity>& sensitivity) {
@@ -69,15 +79,7 @@ std::string report_json(const Program& program, const SimResult& r,
                                         {"gpu_hours", f->gpu_hours}};
     }
   }
-  if (sensitivity) {
-    json resources = json::array();
-    for (const ResourceSensitivity& x : sensitivity->resources) {
-      resources.push_back({{"resource", std::string(resource_name(x.resource))},
-                           {"iteration_time_s", x.iteration_time},
-                           {"change", x.iteration_time / sensitivity->baseline - 1}});
-    }
-    j["sensitivity"] = {{"factor", sensitivity->factor}, {"resources", resources}};
-  }
+  if (sensitivity) j["sensitivity"] = sensitivity_json(*sensitivity);
   j["simulation"] = {{"fidelity", std::string(to_string(r.fidelity))},
                      {"lanes_simulated", r.simulated_lanes},
                      {"replicas_simulated", r.replicas_simulated}};

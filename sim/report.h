@@ -5,6 +5,8 @@
 #include <optional>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "core/program.h"
 #include "core/training_time.h"
 #include "sim/result.h"
@@ -17,5 +19,8 @@ namespace nnsim {
 std::string report_json(const Program& program, const SimResult& result,
                         const std::optional<TrainingTime>& training = std::nullopt,
                         const std::optional<Sensitivity>& sensitivity = std::nullopt);
+
+// The "sensitivity" object of the report (and of a sweep's points).
+nlohmann::ordered_json sensitivity_json(const Sensitivity& s);
 
 }  // namespace nnsim

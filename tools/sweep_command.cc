@@ -17,6 +17,7 @@
 #include "core/training_time.h"
 #include "core/units.h"
 #include "planner/search.h"
+#include "sim/report.h"
 #include "sim/sensitivity.h"
 #include "sim/simulator.h"
 #include "tools/cli_checks.h"
@@ -183,15 +184,7 @@ std::string sweep_json(const SweepArgs& a, const std::vector<Row>& rows) {
                                             {"checkpoint_interval_s", f->checkpoint_interval}};
         }
       }
-      if (r.sensitivity) {
-        json resources = json::array();
-        for (const ResourceSensitivity& x : r.sensitivity->resources) {
-          resources.push_back({{"resource", std::string(resource_name(x.resource))},
-                               {"iteration_time_s", x.iteration_time},
-                               {"change", x.iteration_time / r.iteration_time - 1}});
-        }
-        p["sensitivity"] = {{"factor", r.sensitivity->factor}, {"resources", resources}};
-      }
+      if (r.sensitivity) p["sensitivity"] = sensitivity_json(*r.sensitivity);
     }
     points.push_back(p);
   }
