@@ -11,9 +11,9 @@
 #include <nlohmann/json.hpp>
 
 #include "core/plan.h"
-#include "hwexec/bench.h"
 #include "hwexec/micro.h"
 #include "hwexec/run.h"
+#include "nnexec_info.h"
 #include "process.h"
 #include "synthetic.h"
 
@@ -21,6 +21,7 @@ namespace nnsim::hwexec {
 namespace {
 
 using testing::contains;
+using testing::nnexec_build;
 using testing::run;
 using testing::RunResult;
 using testing::slurp;
@@ -45,7 +46,7 @@ std::vector<std::string> compare_args(std::vector<std::string> extra) {
 }
 
 TEST(NnsimCompare, CalibratingFromTheRunBringsTheSimulatorToTheMeasurement) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   TempDir dir;
   ASSERT_EQ(make_plan(dir, "plan.json", 8).status, 0);
   RunResult r = run(dir, NNEXEC_BINARY,
@@ -169,7 +170,7 @@ void PrintTo(const BytesCase& c, std::ostream* os) {
 class NnsimCompareBytes : public ::testing::TestWithParam<BytesCase> {};
 
 TEST_P(NnsimCompareBytes, TheRunAndTheProgramMoveTheSameBytes) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const BytesCase& c = GetParam();
   TempDir dir;
   std::vector<std::string> plan = {"plan", "--model",        *c.model, "--topo",
@@ -249,7 +250,7 @@ void PrintTo(const PipelineCase& c, std::ostream* os) {
 class NnsimComparePipeline : public ::testing::TestWithParam<PipelineCase> {};
 
 TEST_P(NnsimComparePipeline, EverySendAndReceiveIsPriced) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const PipelineCase& c = GetParam();
   TempDir dir;
   std::vector<std::string> plan = {

@@ -25,10 +25,10 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "hwexec/bench.h"
 #include "hwexec/comm.h"
 #include "hwexec/launch.h"
 #include "hwexec/run.h"
+#include "nnexec_info.h"
 #include "process.h"
 #include "synthetic.h"
 
@@ -37,6 +37,8 @@ namespace {
 
 using testing::Child;
 using testing::contains;
+using testing::nnexec_build;
+using testing::nnexec_info;
 using testing::run;
 using testing::RunResult;
 using testing::TempDir;
@@ -465,7 +467,7 @@ void expect_rank0_reports(const std::vector<RunResult>& ranks) {
 class NnexecRunRanks : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    if (!build_info().torch) return;
+    if (!nnexec_build().torch) return;
     dir_ = new TempDir;
     make_plan(*dir_, 2, 2, 1, 4);
     RunResult r = run(*dir_, NNEXEC_BINARY, run_args({"--launch", "4", "--out", "launch.h5"}));
@@ -481,7 +483,7 @@ class NnexecRunRanks : public ::testing::Test {
     dir_ = nullptr;
   }
   void SetUp() override {
-    if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+    if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
     ASSERT_NE(reference_, nullptr) << "nnexec run --launch 4 failed";
   }
   // `out` (in the shared directory), read back, checked and compared with --launch's.
@@ -593,7 +595,7 @@ TEST(NnexecRunRanksRefuse, MissingMasterAddress) {
 }
 
 TEST(NnexecRunOneRank, NeedsNoMasterAndCudaSaysWhyNot) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   TempDir dir;
   RunResult p = run(dir, NNSIM_BINARY,
                     {"plan",
@@ -626,8 +628,8 @@ TEST(NnexecRunOneRank, NeedsNoMasterAndCudaSaysWhyNot) {
   ASSERT_TRUE(file.ok()) << file.error().message();
   EXPECT_TRUE(file->check_passed());
   // --device cuda where it cannot run: the same reasons as under --launch, from the rank.
-  const CudaProbe probe = probe_cuda();
-  if (build_info().torch_cuda && probe.usable) GTEST_SKIP() << "this machine can run cuda";
+  const CudaProbe probe = nnexec_info().gpus;
+  if (nnexec_build().torch_cuda && probe.usable) GTEST_SKIP() << "this machine can run cuda";
   r = run(dir, NNEXEC_BINARY, run_args({"--out", "gpu.h5", "--device", "cuda"}), one);
   EXPECT_EQ(r.status, 1) << r;
   EXPECT_TRUE(contains(r.err, "nnexec: rank 0: error: --device cuda: ")) << r;
@@ -635,7 +637,7 @@ TEST(NnexecRunOneRank, NeedsNoMasterAndCudaSaysWhyNot) {
 }
 
 TEST(NnexecRunRanksRefuse, UnreachableMaster) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   TempDir dir;
   make_plan(dir, 2, 1, 1, 2);
   const int port = free_port();
@@ -652,7 +654,7 @@ TEST(NnexecRunRanksRefuse, UnreachableMaster) {
 
 TEST(NnexecRunRanksRefuse, ARankThatNeverComesIsNamed) {
   // Rank 1 of 2 never comes: rank 0 says which rank is missing.
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   TempDir dir;
   make_plan(dir, 2, 1, 1, 2);
   const int port = free_port();
@@ -711,7 +713,7 @@ bool within(double seconds, const std::function<bool()>& done) {
 // Rank 0 is stopped while rank 1 is killed, so that it cannot notice the dead peer and fail
 // first; the launcher's SIGTERM is seen pending before rank 0 continues.
 TEST(NnexecRunLaunch, RanksAreForkedAndADeadRankStopsTheRun) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   TempDir dir;
   make_plan(dir, 1, 2, 1, 4);
   const std::vector<std::string> args = {"run",    "--plan",   "plan.json", "--launch",

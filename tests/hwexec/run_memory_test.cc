@@ -12,13 +12,14 @@
 #include <nlohmann/json.hpp>
 
 #include "core/model.h"
-#include "hwexec/bench.h"
 #include "hwexec/run.h"
+#include "nnexec_info.h"
 #include "process.h"
 
 namespace nnsim::hwexec {
 namespace {
 
+using testing::nnexec_build;
 using testing::run;
 using testing::RunResult;
 using testing::slurp;
@@ -40,7 +41,7 @@ void PrintTo(const MemoryCase& c, std::ostream* os) {
 class NnexecRunMemory : public ::testing::TestWithParam<MemoryCase> {};
 
 TEST_P(NnexecRunMemory, StaticMemoryIsTheSimulatorsAndThePeakNearIt) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const MemoryCase c = GetParam();
   const std::string model = std::string(NNSIM_TEST_DATA) + "/" + c.model;
   const int n = c.tp * c.pp * c.dp;

@@ -26,18 +26,20 @@
 
 #include "core/model.h"
 #include "core/plan.h"
-#include "hwexec/bench.h"
 #include "hwexec/comm.h"
 #include "hwexec/run.h"
 #include "hwexec/run_layout.h"
 #include "hwexec/run_model_ops.h"
 #include "hwexec/run_spanning.h"
+#include "nnexec_info.h"
 #include "process.h"
 #include "synthetic.h"
 
 namespace nnsim::hwexec {
 namespace {
 
+using testing::nnexec_build;
+using testing::nnexec_info;
 using testing::TempDir;
 
 using testing::contains;
@@ -417,7 +419,7 @@ Case vshape(const char* name, int dp, int global_batch, std::vector<std::string>
 class NnexecRun : public ::testing::TestWithParam<Case> {};
 
 TEST_P(NnexecRun, MatchesTheUnpartitionedLossAndGradients) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const Case c = GetParam();
   TempDir dir;
   RunResult p = make_plan(dir, c.tp, c.pp, c.dp, c.schedule, c.global_batch, c.plan_flags, *c.model,
@@ -1194,7 +1196,7 @@ std::vector<double> five_step_losses(const std::vector<std::string>& args) {
 // reach the operators' copies: trained five steps, bf16 ZeRO-3 follows bf16 ZeRO-1 (both compute
 // with bf16 casts of the same fp32 master chunks), while the loss itself moves far more.
 TEST(NnexecRunBf16, Zero3TrainsAsZero1) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const std::vector<double> z1 = five_step_losses({"--zero", "1"});
   const std::vector<double> z3 = five_step_losses({"--zero", "3"});
   ASSERT_EQ(z1.size(), 5u);
@@ -1209,7 +1211,7 @@ TEST(NnexecRunBf16, Zero3TrainsAsZero1) {
 // all of kModel's biases and norms) whole and gathers their updated chunks after each step:
 // trained five steps, it follows ZeRO-1 (0.046 apart without that gather).
 TEST(NnexecRunBf16, DeepSpeedZero3PersistentTensorsTrainAsZero1) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const std::vector<double> z1 = five_step_losses({"--zero", "1"});
   const std::vector<double> ds = five_step_losses({"--zero", "3", "--framework", "deepspeed"});
   ASSERT_EQ(z1.size(), 5u);
@@ -1221,7 +1223,7 @@ TEST(NnexecRunBf16, DeepSpeedZero3PersistentTensorsTrainAsZero1) {
 TEST(NnexecRunCheck, AWrongGradientFailsLoudly) {
   // The check is not vacuous: --inject-fault scales one gradient shard of the last rank by 1.01
   // before the comparison.
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   TempDir dir;
   ASSERT_EQ(make_plan(dir, 2, 1, 1, "1f1b", 2).status, 0);
   RunResult r = run(dir, NNEXEC_BINARY,
@@ -1793,38 +1795,6 @@ TEST(NnexecRunSpanning, TransfersAndVocabularyShardsAsTheProgram) {
       << refusal(p);
 }
 
-// fp8 as Transformer Engine rounds: e4m3 (3 significand bits, normals from 2^-6, subnormals
-// 2^-9 apart, largest 448) and e5m2 (2 bits, normals from 2^-14, subnormals 2^-16 apart,
-// largest 57344), to nearest even, saturating.
-TEST(NnexecRunFp8, RoundsAsTheFormats) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
-  struct Example {
-    bool e5m2;
-    double x, want;
-  };
-  const double p = std::exp2(-9), q = std::exp2(-16);
-  const std::vector<Example> examples = {
-      {false, 1.0, 1.0},
-      {false, 1.0625, 1.0},  // halfway: to the even 1.0
-      {false, 1.1875, 1.25},
-      {false, 0.3, 0.3125},  // spacing 2^-5 in [0.25, 0.5)
-      {false, -0.3, -0.3125},
-      {false, 500, 448},  // saturates
-      {false, p, p},
-      {false, p / 2, 0},  // the smallest subnormal; half of it
-      {false, 1.5 * p, 2 * p},
-      {true, 1.125, 1.0},  // halfway: even
-      {true, 1.375, 1.5},
-      {true, 0.3, 0.3125},  // spacing 2^-4 in [0.25, 0.5)
-      {true, 100, 96},
-      {true, 60000, 57344},  // spacing 16 in [64, 128); saturates
-      {true, q, q},
-      {true, q / 2, 0}};
-  for (const Example& e : examples) {
-    EXPECT_EQ(fp8_round(e.x, e.e5m2), e.want) << (e.e5m2 ? "e5m2" : "e4m3") << " of " << e.x;
-  }
-}
-
 // Press et al.'s slopes: 2^(-8 i / n) for a power of two n heads; otherwise the largest power of
 // two m's, then every other one of 2m's.
 TEST(NnexecRunAlibi, SlopesArePressEtAls) {
@@ -1858,7 +1828,7 @@ double one_rank_first_loss(const std::string& model) {
 // unfused chain (the scores masked in place) give the same loss, and another than the same
 // model whose window spans the sequence.
 TEST(NnexecRunSlidingWindow, FusedAndUnfusedMaskAlikeAndChangeTheLoss) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const std::string text = slurp(kSlidingWindow);
   auto first_loss = [&](const std::string& from, const std::string& to) {
     TempDir models;
@@ -1878,7 +1848,7 @@ TEST(NnexecRunSlidingWindow, FusedAndUnfusedMaskAlikeAndChangeTheLoss) {
 // another loss than the same model without, and the masks are a function of the seed, the
 // iteration, the layer, the site, the sample and the forward pass only (dropout_seed).
 TEST(NnexecRunDropout, MasksChangeTheLoss) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   const double with = one_rank_first_loss(kDropout), without = one_rank_first_loss(kModel);
   EXPECT_GT(std::abs(with - without), 1e-4) << with << " vs " << without;
   EXPECT_NE(dropout_seed(1, 0, 0, DropoutSite::kAttention, 0),
@@ -1902,7 +1872,7 @@ std::optional<std::string> python_with_h5py(const TempDir& dir) {
 }
 
 TEST(NnexecRunFile, ReadableWithH5py) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   TempDir dir;
   ASSERT_EQ(make_plan(dir, 2, 2, 1, "1f1b", 4).status, 0);
   RunResult r =
@@ -1951,8 +1921,8 @@ namespace {
 // ---------------------------------------------------------------- --device cuda
 
 TEST(NnexecRunCuda, RefusesWithTheReasonWhereItCannotRun) {
-  const BuildInfo b = build_info();
-  const CudaProbe p = probe_cuda();
+  const BuildInfo b = nnexec_build();
+  const CudaProbe p = nnexec_info().gpus;
   if (!b.torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   if (b.cuda && p.usable && b.torch_cuda) GTEST_SKIP() << "this machine can run --device cuda";
   TempDir dir;
@@ -1970,7 +1940,8 @@ TEST(NnexecRunCuda, RefusesWithTheReasonWhereItCannotRun) {
     EXPECT_TRUE(contains(r.err, "no usable GPU: " + name)) << r;
   }
   if (!b.torch_cuda) {
-    EXPECT_TRUE(contains(r.err, "this build's LibTorch (" + b.torch_version + ") has no CUDA"))
+    EXPECT_TRUE(
+        contains(r.err, "this build's LibTorch (" + nnexec_info().torch_version + ") has no CUDA"))
         << r;
   }
   EXPECT_FALSE(std::ifstream(dir.file("run.h5")).good());
@@ -1978,9 +1949,9 @@ TEST(NnexecRunCuda, RefusesWithTheReasonWhereItCannotRun) {
 
 // Needs a CUDA LibTorch and `ranks` GPUs; skipped otherwise.
 std::optional<std::string> gpu_unavailable(int ranks) {
-  const BuildInfo b = build_info();
+  const BuildInfo b = nnexec_build();
   if (!b.torch_cuda) return std::string("this build's LibTorch has no CUDA");
-  const CudaProbe p = probe_cuda();
+  const CudaProbe p = nnexec_info().gpus;
   if (!p.usable) return "no usable GPU: " + p.reason;
   if (p.devices < ranks) return fmt::format("needs {} GPUs, {} visible", ranks, p.devices);
   return std::nullopt;

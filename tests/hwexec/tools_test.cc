@@ -11,14 +11,16 @@
 #include <gtest/gtest.h>
 
 #include "core/calibration.h"
-#include "hwexec/bench.h"
 #include "hwexec/micro.h"
+#include "nnexec_info.h"
 #include "process.h"
 #include "synthetic.h"
 
 namespace nnsim::hwexec {
 namespace {
 
+using testing::nnexec_build;
+using testing::nnexec_info;
 using testing::synthetic_micro;
 using testing::TempDir;
 
@@ -35,7 +37,7 @@ std::optional<std::string> python_with_h5py(const TempDir& dir) {
 }
 
 TEST(NnexecBench, CpuQuickWritesPlausibleFiguresReadableWithH5py) {
-  if (!build_info().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
+  if (!nnexec_build().torch) GTEST_SKIP() << "built without LibTorch (NNSIM_WITH_TORCH)";
   TempDir dir;
   RunResult r = run(dir, NNEXEC_BINARY, {"bench", "--out", "micro.h5", "--quick"});
   ASSERT_EQ(r.status, 0) << r;
@@ -121,14 +123,14 @@ with h5py.File(sys.argv[1], "r") as f:
 }
 
 TEST(NnexecBench, CudaWithoutAGpuSaysWhy) {
-  const CudaProbe probe = probe_cuda();
+  const CudaProbe probe = nnexec_info().gpus;
   if (probe.usable) GTEST_SKIP() << "a GPU is usable here (" << probe.name << ")";
   TempDir dir;
   RunResult r = run(dir, NNEXEC_BINARY, {"bench", "--out", "m.h5", "--device", "cuda"});
   EXPECT_EQ(r.status, 1) << r;
   EXPECT_TRUE(contains(r.err, "--device cuda: no usable GPU: ")) << r;
   EXPECT_TRUE(contains(r.err, probe.reason)) << r;
-  if (build_info().cuda) {
+  if (nnexec_build().cuda) {
     // The runtime's own error name, e.g. cudaErrorInsufficientDriver without a driver.
     EXPECT_TRUE(contains(r.err, "cudaError")) << r;
   }
@@ -136,9 +138,9 @@ TEST(NnexecBench, CudaWithoutAGpuSaysWhy) {
 }
 
 TEST(NnexecBench, CudaQuickOnAGpu) {
-  const CudaProbe probe = probe_cuda();
+  const CudaProbe probe = nnexec_info().gpus;
   if (!probe.usable) GTEST_SKIP() << "no usable GPU: " << probe.reason;
-  if (!build_info().torch_cuda) GTEST_SKIP() << "LibTorch here has no CUDA";
+  if (!nnexec_build().torch_cuda) GTEST_SKIP() << "LibTorch here has no CUDA";
   TempDir dir;
   RunResult r = run(dir, NNEXEC_BINARY, {"bench", "--out", "m.h5", "--device", "cuda", "--quick"});
   ASSERT_EQ(r.status, 0) << r;
