@@ -38,41 +38,44 @@ inline std::string info_line(const std::string& out, const std::string& label) {
   return out.substr(from, out.find('\n', from) - from);
 }
 
+// `nnexec info`'s output, read.
+inline NnexecInfo parse_nnexec_info(const std::string& out) {
+  NnexecInfo i;
+  i.text = out;
+  if (const std::string t = info_line(out, "LibTorch"); t != "not built in") i.torch_version = t;
+  const std::string cuda = info_line(out, "CUDA+NCCL");
+  if (const size_t at = cuda.find("NCCL "); at != std::string::npos) {
+    i.nccl_version = cuda.substr(at + 5);
+  }
+  // "GPUs       2 x NVIDIA H100 80GB HBM3[ (LibTorch here has no CUDA: ...)]" or
+  // "GPUs       none usable: REASON".
+  const std::string gpus = info_line(out, "GPUs");
+  const std::string none = "none usable: ";
+  int devices = 0;
+  int name_at = 0;
+  if (gpus.rfind(none, 0) == 0) {
+    i.gpus.reason = gpus.substr(none.size());
+  } else if (std::sscanf(gpus.c_str(), "%d x %n", &devices, &name_at) == 1 && name_at > 0) {
+    i.gpus.usable = true;
+    i.gpus.devices = devices;
+    const std::string name = gpus.substr(static_cast<size_t>(name_at));
+    i.gpus.name = name.substr(0, name.find(" (LibTorch"));
+  } else {
+    i.gpus.reason = "nnexec info's GPU line did not read: '" + gpus + "'";
+  }
+  return i;
+}
+
+// `nnexec info` of the nnexec under test, run once per test process.
 inline const NnexecInfo& nnexec_info() {
   static const NnexecInfo info = [] {
-    NnexecInfo i;
     TempDir dir;
     const RunResult r = run(dir, NNEXEC_BINARY, {"info"});
-    i.text = r.out + r.err;
-    if (r.status != 0) {
-      i.gpus.reason = "nnexec info failed: " + i.text;
-      return i;
-    }
-    if (const std::string t = info_line(r.out, "LibTorch"); t != "not built in") {
-      i.torch_version = t;
-    }
-    const std::string cuda = info_line(r.out, "CUDA+NCCL");
-    if (const size_t at = cuda.find("NCCL "); at != std::string::npos) {
-      i.nccl_version = cuda.substr(at + 5);
-    }
-    // "GPUs       2 x NVIDIA H100 80GB HBM3[ (...)]" or "GPUs       none usable: REASON".
-    const std::string gpus = info_line(r.out, "GPUs");
-    const std::string none = "none usable: ";
-    if (gpus.rfind(none, 0) == 0) {
-      i.gpus.reason = gpus.substr(none.size());
-    } else {
-      int devices = 0;
-      int name_at = 0;
-      if (std::sscanf(gpus.c_str(), "%d x %n", &devices, &name_at) == 1 && name_at > 0) {
-        i.gpus.usable = true;
-        i.gpus.devices = devices;
-        i.gpus.name = gpus.substr(static_cast<size_t>(name_at));
-        i.gpus.name = i.gpus.name.substr(0, i.gpus.name.find(" (LibTorch"));
-      } else {
-        i.gpus.reason = "nnexec info's GPU line did not read: " + gpus;
-      }
-    }
-    return i;
+    if (r.status == 0) return parse_nnexec_info(r.out);
+    NnexecInfo failed;
+    failed.text = r.out + r.err;
+    failed.gpus.reason = "nnexec info failed: " + failed.text;
+    return failed;
   }();
   return info;
 }

@@ -21,6 +21,7 @@ namespace {
 
 using testing::nnexec_build;
 using testing::nnexec_info;
+using testing::NnexecInfo;
 using testing::synthetic_micro;
 using testing::TempDir;
 
@@ -120,6 +121,40 @@ with h5py.File(sys.argv[1], "r") as f:
   RunResult check = run(dir, *python, {"check.py", "micro.h5"});
   EXPECT_EQ(check.status, 0) << check;
   EXPECT_TRUE(contains(check.out, "ok ")) << check;
+}
+
+// The tests learn what the GPUs allow from `nnexec info` (tests/hwexec/nnexec_info.h): its
+// lines on a GPU machine, on one whose LibTorch has no CUDA, and on a CPU machine.
+TEST(NnexecInfo, ReadsTheVersionsAndTheGpuLine) {
+  const NnexecInfo gpu = testing::parse_nnexec_info(
+      "LibTorch   2.5.1+cu124\nCUDA+NCCL  built in, NCCL 2.21.5\n"
+      "GPUs       8 x NVIDIA H100 80GB HBM3\n");
+  EXPECT_EQ(gpu.torch_version, "2.5.1+cu124");
+  EXPECT_EQ(gpu.nccl_version, "2.21.5");
+  EXPECT_TRUE(gpu.gpus.usable);
+  EXPECT_EQ(gpu.gpus.devices, 8);
+  EXPECT_EQ(gpu.gpus.name, "NVIDIA H100 80GB HBM3");
+  const NnexecInfo nccl_only = testing::parse_nnexec_info(
+      "LibTorch   1.13.0\nCUDA+NCCL  built in, NCCL 2.28.9\n"
+      "GPUs       1 x NVIDIA H200 (LibTorch here has no CUDA: only NCCL can use them)\n");
+  EXPECT_EQ(nccl_only.gpus.devices, 1);
+  EXPECT_EQ(nccl_only.gpus.name, "NVIDIA H200");
+  const NnexecInfo cpu = testing::parse_nnexec_info(
+      "LibTorch   not built in\nCUDA+NCCL  not built in\n"
+      "GPUs       none usable: cudaErrorInsufficientDriver: CUDA driver version is "
+      "insufficient for CUDA runtime version\n");
+  EXPECT_EQ(cpu.torch_version, "");
+  EXPECT_EQ(cpu.nccl_version, "");
+  EXPECT_FALSE(cpu.gpus.usable);
+  EXPECT_EQ(cpu.gpus.reason,
+            "cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime "
+            "version");
+  const NnexecInfo odd = testing::parse_nnexec_info("GPUs       many\n");
+  EXPECT_FALSE(odd.gpus.usable);
+  EXPECT_NE(odd.gpus.reason.find("did not read: 'many'"), std::string::npos) << odd.gpus.reason;
+  // And the nnexec under test agrees with what CMake says it was built with.
+  EXPECT_EQ(nnexec_info().torch_version.empty(), !nnexec_build().torch) << nnexec_info().text;
+  EXPECT_EQ(nnexec_info().nccl_version.empty(), !nnexec_build().cuda) << nnexec_info().text;
 }
 
 TEST(NnexecBench, CudaWithoutAGpuSaysWhy) {
