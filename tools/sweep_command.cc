@@ -137,8 +137,10 @@ std::string row_line(const Row& r, const Varied& topo, const Varied& model, bool
   }
   if (sensitivity) {
     for (const ResourceSensitivity& x : r.sensitivity->resources) {
-      line += fmt::format(" {:>+{}.0f}%", 100 * (x.iteration_time / r.iteration_time - 1),
-                          std::max<size_t>(resource_name(x.resource).size(), 4) - 1);
+      // Whole percent; a change that rounds to none is "0%", not "-0%" or "+0%".
+      const double percent = std::round(100 * (x.iteration_time / r.iteration_time - 1));
+      line += fmt::format(" {:>{}}", percent == 0 ? "0%" : fmt::format("{:+.0f}%", percent),
+                          std::max<size_t>(resource_name(x.resource).size(), 4));
     }
   }
   return line + "  " + r.choices;
