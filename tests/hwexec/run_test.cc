@@ -243,7 +243,8 @@ TEST(Comm, Bf16AllReduceSumsAndRoundsToNearestEven) {
     const std::vector<uint16_t> in = {bf16_bits(float(r)), bf16_bits(float(r + 10))};
     if (!c.all_gather_bf16({0, 1, 2, 3}, in.data(), 2, all.data()).ok()) return false;
     for (int i = 0; i < 4; ++i) {
-      if (bf16_value(all[2 * i]) != i || bf16_value(all[2 * i + 1]) != i + 10) return false;
+      const size_t at = 2 * static_cast<size_t>(i);
+      if (bf16_value(all[at]) != i || bf16_value(all[at + 1]) != i + 10) return false;
     }
     return true;
   }));
