@@ -12,6 +12,8 @@ std::string_view resource_name(Resource r) {
       return "intra-node";
     case Resource::kNetwork:
       return "network";
+    case Resource::kLatency:
+      return "latency";
   }
   return "";
 }
@@ -26,6 +28,8 @@ std::string_view resource_description(Resource r) {
       return "links inside a node (NVLink, NVSwitch, PCIe)";
     case Resource::kNetwork:
       return "NICs and the fabric behind them";
+    case Resource::kLatency:
+      return "link, NIC and switch latencies and NCCL's time a step (divided)";
   }
   return "";
 }
@@ -48,8 +52,22 @@ Topology scale_resource(Topology topo, Resource r, double factor) {
       // The fabric's uplinks are sized from the NICs (core/network.h), so they follow.
       for (NicSpec& nic : topo.nics) nic.bandwidth *= factor;
       break;
+    case Resource::kLatency:
+      topo.intra.latency /= factor;
+      topo.intra.pcie.latency /= factor;
+      for (NicSpec& nic : topo.nics) nic.latency /= factor;
+      topo.fabric.switch_latency /= factor;
+      break;
   }
   return topo;
+}
+
+CommModel scale_resource(CommModel comm, Resource r, double factor) {
+  if (r == Resource::kLatency) {
+    comm.nvlink.step_latency /= factor;
+    comm.network.step_latency /= factor;
+  }
+  return comm;
 }
 
 }  // namespace nnsim

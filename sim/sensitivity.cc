@@ -29,6 +29,9 @@ Expected<Sensitivity> sensitivity(const Plan& plan, const Topology& topo,
   for (size_t i = 0; i < kResources.size(); ++i) {
     const Resource r = kResources[i];
     Expected<Program> prog = compile_plan(plan, scale_resource(topo, r, factor), compile);
+    // The simulator reads the communication model from the program (the compiler resolved it:
+    // the GPU's defaults and a calibration file's entry).
+    if (prog) prog->comm_model = scale_resource(prog->comm_model, r, factor);
     Expected<SimResult> result = prog ? simulate(*prog, options) : prog.error();
     if (!result) {
       return Error(

@@ -1,6 +1,6 @@
 // Which hardware resource sets a plan's pace: the plan simulated again on its cluster with one
-// resource (compute, HBM, intra-node links, network) `factor` times as fast, the plan and every
-// other resource unchanged (docs/simulator.md, "Sensitivity").
+// resource (compute, HBM, intra-node links, network, latency) `factor` times as fast, the plan
+// and every other resource unchanged (docs/simulator.md, "Sensitivity").
 #pragma once
 
 #include <functional>

@@ -398,7 +398,8 @@ CLI::App* add_plan_command(CLI::App& app, PlanArgs& a) {
   add_failure_options(cmd, a.failures);
   cmd->add_option("--sensitivity", a.sensitivity,
                   "also simulate the best plan with each resource (GPU compute, HBM bandwidth, "
-                  "intra-node links, network) this many times as fast, one at a time, e.g. 2 "
+                  "intra-node links, network bandwidth, latency) this many times as fast, one at a "
+                  "time, e.g. 2 "
                   "(search only)")
       ->check(at_least(0, true));
   return cmd;

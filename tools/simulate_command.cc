@@ -123,7 +123,8 @@ void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
   add_failure_options(app, a.failures);
   app->add_option("--sensitivity", a.sensitivity,
                   "also simulate the plan with each resource (GPU compute, HBM bandwidth, "
-                  "intra-node links, network) this many times as fast, one at a time, e.g. 2 "
+                  "intra-node links, network bandwidth, latency) this many times as fast, one at a "
+                  "time, e.g. 2 "
                   "(0.5: half as fast)")
       ->check(at_least(0, true));
   app->add_flag("--allow-oom", a.allow_oom,

@@ -205,7 +205,7 @@ std::string sweep_csv(const std::vector<Row>& rows) {
       "nodes,gpus,global_batch,set,model_set,status,plan,iteration_time_s,tokens_per_s,"
       "tokens_per_s_per_gpu,per_gpu_vs_group_first,mfu,peak_memory_bytes,busy_s,exposed_comm_s,"
       "bubble_s,train_time_s,gpu_hours,train_time_with_failures_s,compute_change,hbm_change,"
-      "intra_node_change,network_change\n";
+      "intra_node_change,network_change,latency_change\n";
   const auto columns = static_cast<size_t>(std::count(csv.begin(), csv.end(), ',') + 1);
   auto quoted = [](const std::string& s) {
     std::string q = "\"";
@@ -512,7 +512,8 @@ CLI::App* add_sweep_command(CLI::App& app, SweepArgs& a) {
   add_failure_options(cmd, a.failures);
   cmd->add_option("--sensitivity", a.sensitivity,
                   "also each best plan with each resource (GPU compute, HBM bandwidth, "
-                  "intra-node links, network) this many times as fast, one at a time, e.g. 2: "
+                  "intra-node links, network bandwidth, latency) this many times as fast, one at a "
+                  "time, e.g. 2: "
                   "the step's change a column each")
       ->check(at_least(0, true));
   cmd->add_option("--csv", a.csv, "write the rows as CSV");
@@ -577,8 +578,9 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
       grid->topo_vary.field.empty() && grid->model_vary.field.empty() ? "" : " and values");
   if (costing.sensitivity > 0) {
     std::printf(
-        "compute, hbm, intra-node, network: the best plan's step with that resource %gx as fast "
-        "(GPU FLOP/s, HBM bandwidth, links inside a node, NICs), the plan unchanged\n",
+        "compute, hbm, intra-node, network, latency: the best plan's step with that resource %gx "
+        "as fast (GPU FLOP/s, HBM bandwidth, links inside a node, NICs; latencies divided), the "
+        "plan unchanged\n",
         costing.sensitivity);
   }
   note_unvalidated_moe(grid->models.front());

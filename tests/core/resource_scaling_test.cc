@@ -69,6 +69,35 @@ TEST(ResourceScaling, NetworkScalesEveryNicAndKeepsTheFabricsShape) {
   EXPECT_TRUE(validate_topology(s).ok());
 }
 
+TEST(ResourceScaling, LatencyDividesEveryLatencyAndNcclsStepTimeAndNoBandwidth) {
+  const Topology t = preset("dgx-h100-superpod");
+  const Topology s = scale_resource(t, Resource::kLatency, 2);
+  EXPECT_DOUBLE_EQ(s.intra.latency, t.intra.latency / 2);
+  EXPECT_DOUBLE_EQ(s.fabric.switch_latency, t.fabric.switch_latency / 2);
+  for (size_t i = 0; i < t.nics.size(); ++i) {
+    EXPECT_DOUBLE_EQ(s.nics[i].latency, t.nics[i].latency / 2) << i;
+    EXPECT_EQ(s.nics[i].bandwidth, t.nics[i].bandwidth) << i;
+  }
+  EXPECT_EQ(s.intra.bandwidth, t.intra.bandwidth);
+  EXPECT_EQ(s.gpu.dense_flops, t.gpu.dense_flops);
+  const Topology pcie = preset("pcie-a100x8");
+  EXPECT_DOUBLE_EQ(scale_resource(pcie, Resource::kLatency, 4).intra.pcie.latency,
+                   pcie.intra.pcie.latency / 4);
+
+  const CommModel comm = CommModel::defaults_for(t.gpu);
+  ASSERT_GT(comm.network.step_latency, 0);
+  const CommModel fast = scale_resource(comm, Resource::kLatency, 2);
+  EXPECT_DOUBLE_EQ(fast.network.step_latency, comm.network.step_latency / 2);
+  EXPECT_DOUBLE_EQ(fast.nvlink.step_latency, comm.nvlink.step_latency / 2);
+  EXPECT_EQ(fast.network.curve.size(), comm.network.curve.size());
+  // Bandwidth resources leave the communication model's latency alone.
+  for (Resource r :
+       {Resource::kCompute, Resource::kMemoryBandwidth, Resource::kIntraNode, Resource::kNetwork}) {
+    EXPECT_EQ(scale_resource(comm, r, 2).network.step_latency, comm.network.step_latency)
+        << resource_name(r);
+  }
+}
+
 TEST(ResourceScaling, NamesAreDistinct) {
   for (Resource a : kResources) {
     EXPECT_FALSE(resource_name(a).empty());

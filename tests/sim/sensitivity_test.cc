@@ -66,6 +66,7 @@ TEST(Sensitivity, TwiceTheComputeHalvesAStepOfMatmulsAndNothingElseMovesIt) {
   EXPECT_NEAR(time_of(*s, Resource::kMemoryBandwidth), c->baseline, 1e-9 * c->baseline);
   EXPECT_DOUBLE_EQ(time_of(*s, Resource::kIntraNode), c->baseline);
   EXPECT_DOUBLE_EQ(time_of(*s, Resource::kNetwork), c->baseline);
+  EXPECT_DOUBLE_EQ(time_of(*s, Resource::kLatency), c->baseline);
 }
 
 TEST(Sensitivity, HalfTheComputeDoublesIt) {

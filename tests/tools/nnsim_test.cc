@@ -909,7 +909,7 @@ TEST(NnsimTool, SensitivityRerunsThePlanWithEachResourceScaled) {
   EXPECT_EQ(report["iteration_time_s"], plain["iteration_time_s"]);
   const json& s = report["sensitivity"];
   EXPECT_EQ(s["factor"], 2.0);
-  ASSERT_EQ(s["resources"].size(), 4u);
+  ASSERT_EQ(s["resources"].size(), 5u);
   const double base = report["iteration_time_s"].get<double>();
   std::vector<std::string> names;
   for (const json& x : s["resources"]) {
@@ -918,7 +918,8 @@ TEST(NnsimTool, SensitivityRerunsThePlanWithEachResourceScaled) {
     EXPECT_LT(t, base) << x;  // faster hardware never slows this plan
     EXPECT_DOUBLE_EQ(x["change"].get<double>(), t / base - 1) << x;
   }
-  EXPECT_EQ(names, (std::vector<std::string>{"compute", "hbm", "intra-node", "network"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"compute", "hbm", "intra-node", "network", "latency"}));
   EXPECT_TRUE(contains(r.out, "sensitivity: the plan simulated again with one resource 2x as fast"))
       << r;
   EXPECT_TRUE(contains(r.out, "GPU dense FLOP/s, every precision")) << r;
@@ -1179,7 +1180,7 @@ TEST(NnsimTool, SweepSensitivityGivesEachBestPlansResourceChanges) {
   ASSERT_EQ(p["status"], "ok") << p;
   const json& s = p["sensitivity"];
   EXPECT_EQ(s["factor"], 2.0);
-  ASSERT_EQ(s["resources"].size(), 4u);
+  ASSERT_EQ(s["resources"].size(), 5u);
   const double step = p["iteration_time_s"].get<double>();
   for (const json& x : s["resources"]) {
     EXPECT_DOUBLE_EQ(x["change"].get<double>(), x["iteration_time_s"].get<double>() / step - 1);
@@ -1189,7 +1190,7 @@ TEST(NnsimTool, SweepSensitivityGivesEachBestPlansResourceChanges) {
       EXPECT_LT(x["change"].get<double>(), 0.0) << x;
     }
   }
-  EXPECT_TRUE(contains(r.out, "intra-node network  best plan")) << r;
+  EXPECT_TRUE(contains(r.out, "intra-node network latency  best plan")) << r;
   EXPECT_TRUE(contains(r.out, "the plan unchanged")) << r;
   // Every CSV row has the header's columns, the infeasible point's too.
   const std::string csv = box.read("s.csv");
@@ -1198,7 +1199,8 @@ TEST(NnsimTool, SweepSensitivityGivesEachBestPlansResourceChanges) {
     lines.push_back(csv.substr(from, end - from));
   }
   ASSERT_EQ(lines.size(), 3u) << csv;
-  EXPECT_TRUE(contains(lines[0], ",compute_change,hbm_change,intra_node_change,network_change"));
+  EXPECT_TRUE(contains(
+      lines[0], ",compute_change,hbm_change,intra_node_change,network_change,latency_change"));
   for (const std::string& line : lines) EXPECT_EQ(csv_fields(line), csv_fields(lines[0])) << line;
 
   expect_error(box.nnsim({"sweep", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4", "--global-batch",
