@@ -43,21 +43,25 @@ struct Point {
   int group = 0;          // points that differ only in nodes share one: scaling is read along it
 };
 
-// What the search found there.
+// What a row reads from a simulation of the point's best plan (peak memory: the fullest GPU's;
+// lane and breakdown: the lane that waits least, a pipeline's slowest stage).
+struct Simulated {
+  double iteration_time = 0;
+  double tokens_per_s = 0;
+  double mfu = 0;
+  double peak_memory = 0;
+  std::string lane;
+  Breakdown breakdown;
+};
+
+// What the search found at a point.
 struct Row {
   Point point;
   int gpus = 0;
   std::string status = "ok";  // or why no plan came out
   Plan best;
-  std::string choices;        // the search's words for it: "tp2 pp4 dp2 mb1 sp none zero1 1f1b"
-  double iteration_time = 0;  // simulated
-  double tokens_per_s = 0;
-  double mfu = 0;
-  double peak_memory = 0;  // the simulator's, of the fullest GPU
-  // Where the pace-setting lane's step goes (the lane that waits least: a pipeline's slowest
-  // stage): its name and breakdown.
-  std::string lane;
-  Breakdown breakdown;
+  std::string choices;  // the search's words for it: "tp2 pp4 dp2 mb1 sp none zero1 1f1b"
+  Simulated sim;        // the best plan's simulation
   std::optional<TrainingTime> training;
   std::optional<Sensitivity> sensitivity;  // the best plan with each resource scaled
   double vs_first = 1;                     // tokens/s a GPU over the group's first planned point's
@@ -82,7 +86,7 @@ std::string one_line(const std::string& message) {
 }
 
 double per_gpu(const Row& r) {
-  return r.gpus > 0 ? r.tokens_per_s / r.gpus : 0;
+  return r.gpus > 0 ? r.sim.tokens_per_s / r.gpus : 0;
 }
 
 Expected<Varied> read_varied(const std::string& flag, const std::string& text) {
@@ -124,12 +128,13 @@ std::string row_line(const Row& r, const Varied& topo, const Varied& model, bool
     line += fmt::format(" {:<{}}", value_of(r.point.model_set), model.width);
   }
   if (r.status != "ok") return line + "  " + r.status;
-  const Breakdown& b = r.breakdown;
-  auto share = [&](double seconds) { return 100 * seconds / r.iteration_time; };
+  const Breakdown& b = r.sim.breakdown;
+  auto share = [&](double seconds) { return 100 * seconds / r.sim.iteration_time; };
   line += fmt::format(" {:>10} {:>10.0f} {:>7.1f}% {:>5.1f}% {:>10} {:>5.0f}% {:>5.0f}% {:>5.0f}%",
-                      format_seconds(r.iteration_time), per_gpu(r), 100 * r.vs_first, 100 * r.mfu,
-                      format_bytes(r.peak_memory), share(b.compute + b.recompute + b.optimizer),
-                      share(b.total_exposed_comm()), share(b.bubble));
+                      format_seconds(r.sim.iteration_time), per_gpu(r), 100 * r.vs_first,
+                      100 * r.sim.mfu, format_bytes(r.sim.peak_memory),
+                      share(b.compute + b.recompute + b.optimizer), share(b.total_exposed_comm()),
+                      share(b.bubble));
   if (train) {
     const TrainingTime& t = *r.training;
     line += fmt::format(" {:>11}",
@@ -138,7 +143,7 @@ std::string row_line(const Row& r, const Varied& topo, const Varied& model, bool
   if (sensitivity) {
     for (const ResourceSensitivity& x : r.sensitivity->resources) {
       // Whole percent; a change that rounds to none is "0%", not "-0%" or "+0%".
-      const double percent = std::round(100 * (x.iteration_time / r.iteration_time - 1));
+      const double percent = std::round(100 * (x.iteration_time / r.sim.iteration_time - 1));
       line += fmt::format(" {:>{}}", percent == 0 ? "0%" : fmt::format("{:+.0f}%", percent),
                           std::max<size_t>(resource_name(x.resource).size(), 4));
     }
@@ -159,20 +164,20 @@ std::string sweep_json(const SweepArgs& a, const std::vector<Row>& rows) {
     if (r.status == "ok") {
       p["plan"] = r.best.name;
       p["choices"] = r.choices;
-      p["iteration_time_s"] = r.iteration_time;
-      p["tokens_per_s"] = r.tokens_per_s;
+      p["iteration_time_s"] = r.sim.iteration_time;
+      p["tokens_per_s"] = r.sim.tokens_per_s;
       p["tokens_per_s_per_gpu"] = per_gpu(r);
       p["per_gpu_vs_group_first"] = r.vs_first;
-      p["mfu"] = r.mfu;
-      p["peak_memory_bytes"] = r.peak_memory;
+      p["mfu"] = r.sim.mfu;
+      p["peak_memory_bytes"] = r.sim.peak_memory;
       json exposed = json::object();
-      for (const auto& [group, seconds] : r.breakdown.exposed_comm) exposed[group] = seconds;
-      p["pace_lane"] = {{"name", r.lane},
-                        {"compute_s", r.breakdown.compute},
-                        {"recompute_s", r.breakdown.recompute},
-                        {"optimizer_s", r.breakdown.optimizer},
+      for (const auto& [group, seconds] : r.sim.breakdown.exposed_comm) exposed[group] = seconds;
+      p["pace_lane"] = {{"name", r.sim.lane},
+                        {"compute_s", r.sim.breakdown.compute},
+                        {"recompute_s", r.sim.breakdown.recompute},
+                        {"optimizer_s", r.sim.breakdown.optimizer},
                         {"exposed_comm_s", exposed},
-                        {"bubble_s", r.breakdown.bubble}};
+                        {"bubble_s", r.sim.breakdown.bubble}};
       if (r.training) {
         p["training"] = {{"tokens", r.training->tokens},
                          {"steps", r.training->steps},
@@ -219,11 +224,12 @@ std::string sweep_csv(const std::vector<Row>& rows) {
       csv += std::string(columns - 6, ',') + "\n";  // no plan: six fields, then none
       continue;
     }
-    const Breakdown& b = r.breakdown;
+    const Breakdown& b = r.sim.breakdown;
     csv += fmt::format(",{},{},{},{},{},{},{},{},{},{},{},{},{}\n", quoted(r.best.name),
-                       r.iteration_time, r.tokens_per_s, per_gpu(r), r.vs_first, r.mfu,
-                       r.peak_memory, b.compute + b.recompute + b.optimizer, b.total_exposed_comm(),
-                       b.bubble, r.training ? fmt::format("{}", r.training->seconds) : "",
+                       r.sim.iteration_time, r.sim.tokens_per_s, per_gpu(r), r.vs_first, r.sim.mfu,
+                       r.sim.peak_memory, b.compute + b.recompute + b.optimizer,
+                       b.total_exposed_comm(), b.bubble,
+                       r.training ? fmt::format("{}", r.training->seconds) : "",
                        r.training ? fmt::format("{}", r.training->gpu_hours) : "",
                        r.training && r.training->with_failures
                            ? fmt::format("{}", r.training->with_failures->seconds)
@@ -231,8 +237,8 @@ std::string sweep_csv(const std::vector<Row>& rows) {
     csv.pop_back();  // the row goes on with the sensitivity's changes, empty without it
     for (size_t i = 0; i < kResources.size(); ++i) {
       csv += r.sensitivity
-                 ? fmt::format(",{}",
-                               r.sensitivity->resources[i].iteration_time / r.iteration_time - 1)
+                 ? fmt::format(
+                       ",{}", r.sensitivity->resources[i].iteration_time / r.sim.iteration_time - 1)
                  : ",";
     }
     csv += "\n";
@@ -359,16 +365,6 @@ void print_header(const SweepArgs& a, const Grid& g, const Costing& costing) {
   std::fflush(stdout);
 }
 
-// What a row reads from a simulation of the point's best plan.
-struct Simulated {
-  double iteration_time = 0;
-  double tokens_per_s = 0;
-  double mfu = 0;
-  double peak_memory = 0;
-  std::string lane;  // the lane that waits least (a pipeline's slowest stage)
-  Breakdown breakdown;
-};
-
 Simulated summarize(const SimResult& sim) {
   Simulated s;
   s.iteration_time = sim.iteration_time;
@@ -416,27 +412,20 @@ Expected<Row> plan_point(PlanArgs& pa, const Point& point, const ModelSpec& mode
     row.status = one_line(r.error().message());
     return row;
   }
-  Simulated best;
   if (auto it = confirmed.find(plan_to_json(r->best)); it != confirmed.end()) {
-    best = it->second;
+    row.sim = it->second;
   } else {
     Expected<Program> prog = compile_plan(r->best, topo, pa.o.costs);
     Expected<SimResult> sim = prog ? simulate(*prog) : Expected<SimResult>(prog.error());
     if (!sim) return Error(fmt::format("{}: {}", r->best.name, sim.error().message()));
-    best = summarize(*sim);
+    row.sim = summarize(*sim);
   }
   row.best = r->best;
   row.choices = r->ranked.front().describe();
   row.gpus = r->best.mesh.num_ranks();
-  row.iteration_time = best.iteration_time;
-  row.tokens_per_s = best.tokens_per_s;
-  row.mfu = best.mfu;
-  row.peak_memory = best.peak_memory;
-  row.lane = best.lane;
-  row.breakdown = best.breakdown;
   if (costing.sensitivity > 0) {
     Expected<Sensitivity> sens =
-        sensitivity(r->best, topo, pa.o.costs, {}, costing.sensitivity, best.iteration_time);
+        sensitivity(r->best, topo, pa.o.costs, {}, costing.sensitivity, row.sim.iteration_time);
     if (!sens)
       return Error(fmt::format("{}: --sensitivity: {}", r->best.name, sens.error().message()));
     row.sensitivity = *sens;
@@ -444,7 +433,7 @@ Expected<Row> plan_point(PlanArgs& pa, const Point& point, const ModelSpec& mode
   if (costing.train_tokens) {
     Expected<TrainingTime> t = training_time(
         *costing.train_tokens, static_cast<double>(point.global_batch) * model.seq_len,
-        row.iteration_time, row.gpus);
+        row.sim.iteration_time, row.gpus);
     if (!t) return Error("--train-tokens: " + t.error().message());
     if (Status st = add_failure_cost(*t, costing.failures); !st) {
       return Error(fmt::format("{}: {}", r->best.name, st.error().message()));
