@@ -172,6 +172,25 @@ void note_unvalidated_hybrid(const ModelSpec& model) {
       "runs do not state which (docs/hybrid.md)\n");
 }
 
+Status check_sensitivity_option(double factor) {
+  if (factor <= 0) return Status::Ok();
+  if (Status st = check_sensitivity_factor(factor); !st) {
+    return Error("--sensitivity: " + st.error().message());
+  }
+  return Status::Ok();
+}
+
+Expected<Sensitivity> run_sensitivity(const Plan& plan, const Topology& topo,
+                                      const CompileOptions& compile, const SimOptions& sim,
+                                      double factor, double baseline) {
+  Progress progress("sensitivity");
+  Expected<Sensitivity> s = sensitivity(plan, topo, compile, sim, factor, baseline,
+                                        [&progress](double f) { progress.update(f); });
+  progress.done();
+  if (!s) return Error("--sensitivity: " + s.error().message());
+  return s;
+}
+
 void print_sensitivity(const Sensitivity& s) {
   std::printf("sensitivity: the plan simulated again with one resource %gx as fast:\n", s.factor);
   std::printf("  %-11s %10s %8s  %s\n", "resource", "iteration", "change", "what scales");

@@ -63,6 +63,12 @@ Status add_failure_cost(TrainingTime& t, const std::optional<FailureModel>& f);
 // "15.0 T tokens in 3,576,279 steps of 4.19 M tokens: 54.2 days on 2048 GPUs, 2.66 M GPU-hours".
 std::string describe_training(const TrainingTime& t);
 
+// --sensitivity F: refused before anything runs when F (> 0: asked for) is out of range.
+Status check_sensitivity_option(double factor);
+// The sensitivity study, with progress on a terminal; its errors name the option.
+Expected<Sensitivity> run_sensitivity(const Plan& plan, const Topology& topo,
+                                      const CompileOptions& compile, const SimOptions& sim,
+                                      double factor, double baseline);
 // The sensitivity study's table (--sensitivity): a resource a row, its step and the change.
 void print_sensitivity(const Sensitivity& s);
 

@@ -141,11 +141,9 @@ int run_search(PlanArgs& a, const ModelSpec& model, const Topology& topo) {
       if (!sim) return fail(fmt::format("{}: {}", r->best.name, sim.error().message()));
       baseline = sim->iteration_time;
     }
-    Progress again("sensitivity");
-    Expected<Sensitivity> s = sensitivity(r->best, topo, a.o.costs, {}, a.sensitivity, *baseline,
-                                          [&again](double f) { again.update(f); });
-    again.done();
-    if (!s) return fail("--sensitivity: " + s.error().message());
+    Expected<Sensitivity> s =
+        run_sensitivity(r->best, topo, a.o.costs, {}, a.sensitivity, *baseline);
+    if (!s) return fail(s.error().message());
     std::printf("the best plan simulated: %s a step\n", format_seconds(*baseline).c_str());
     print_sensitivity(*s);
   }
@@ -186,9 +184,7 @@ int run_plan(PlanArgs& a) {
           "--sensitivity needs a simulated plan: search (--search), or simulate the built plan "
           "(nnsim --topo TOPO plan.json --sensitivity F)");
     }
-    if (Status st = check_sensitivity_factor(a.sensitivity); !st) {
-      return fail("--sensitivity: " + st.error().message());
-    }
+    if (Status st = check_sensitivity_option(a.sensitivity); !st) return fail(st.error().message());
   }
   if (!a.train_tokens.empty()) {
     if (!a.search) {

@@ -132,11 +132,7 @@ void add_simulate_options(CLI::App* app, SimulateArgs& a, bool required) {
 }
 
 int run_simulate(const SimulateArgs& a) {
-  if (a.sensitivity > 0) {
-    if (Status st = check_sensitivity_factor(a.sensitivity); !st) {
-      return fail("--sensitivity: " + st.error().message());
-    }
-  }
+  if (Status st = check_sensitivity_option(a.sensitivity); !st) return fail(st.error().message());
   std::optional<double> train_tokens;
   if (!a.train_tokens.empty()) {
     Expected<double> n = parse_token_count(a.train_tokens);
@@ -182,12 +178,9 @@ int run_simulate(const SimulateArgs& a) {
   print_report(*prog, *result, training);
   std::optional<Sensitivity> sens;
   if (a.sensitivity > 0) {
-    Progress again("sensitivity");
     Expected<Sensitivity> s =
-        sensitivity(*plan, *topo, compile, opts, a.sensitivity, result->iteration_time,
-                    [&again](double f) { again.update(f); });
-    again.done();
-    if (!s) return fail("--sensitivity: " + s.error().message());
+        run_sensitivity(*plan, *topo, compile, opts, a.sensitivity, result->iteration_time);
+    if (!s) return fail(s.error().message());
     print_sensitivity(*s);
     sens = *s;
   }

@@ -527,12 +527,8 @@ int run_sweep(SweepArgs& a, const CLI::App& cmd) {
       read_failure_options(a.failures, costing.train_tokens.has_value());
   if (!failures) return fail(failures.error().message());
   costing.failures = *failures;
-  if (a.sensitivity > 0) {
-    if (Status st = check_sensitivity_factor(a.sensitivity); !st) {
-      return fail("--sensitivity: " + st.error().message());
-    }
-    costing.sensitivity = a.sensitivity;
-  }
+  if (Status st = check_sensitivity_option(a.sensitivity); !st) return fail(st.error().message());
+  costing.sensitivity = a.sensitivity;
   Expected<Grid> grid = read_grid(a);
   if (!grid) return fail(grid.error().message());
   print_header(a, *grid, costing);
