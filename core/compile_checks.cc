@@ -89,6 +89,13 @@ Status Compiler::check_basics() {
         fmt::format("training.recycle is {}; it counts forward passes per micro-batch: at least 1",
                     plan.recycle));
   }
+  if (plan.optimizer.offload_fraction > 0 && !topo.has_host) {
+    return Error(fmt::format(
+        "optimizer.offload_fraction {} keeps optimizer state in host memory, but topology '{}' "
+        "describes no host: add node.host (memory, memory_bandwidth, link_bandwidth; "
+        "docs/topology.md) or set offload_fraction to 0",
+        plan.optimizer.offload_fraction, topo.name));
+  }
   return Status::Ok();
 }
 

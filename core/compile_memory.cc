@@ -5,6 +5,8 @@
 #include <numeric>
 #include <utility>
 
+#include "core/optimizer_offload.h"
+
 namespace nnsim::detail {
 
 // Activation bytes a part keeps for its backward pass (one micro-batch). With
@@ -144,7 +146,10 @@ void Compiler::build_memory(Lane& lane, int lane_index, const std::vector<int>& 
   StaticMemory m;
   m.weights = params * weight_bytes;
   m.gradients = (zero >= 2 ? sharded : params) * plan.optimizer.grad_bytes;
-  m.optimizer = (zero >= 1 ? sharded : params) * plan.optimizer.state_bytes;
+  const double optimizer_params = zero >= 1 ? sharded : params;
+  m.optimizer =
+      (1 - plan.optimizer.offload_fraction) * optimizer_params * plan.optimizer.state_bytes;
+  lane.host_bytes = offloaded_host_bytes(optimizer_params, plan.optimizer);
   if (zero >= 3) {
     // Sharded weights plus the gathered copies of the layer in use and the one prefetched.
     double layer_params = 0;  // the largest block's

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <set>
 
+#include "core/optimizer_offload.h"
+
 namespace nnsim::detail {
 
 namespace {
@@ -158,8 +160,28 @@ void Compiler::add_epilogue(int o, Lane& lane, const std::vector<int>& segs) {
   Step opt;
   opt.kind = StepKind::kCompute;
   opt.compute_class = ComputeClass::kOptimizer;
-  opt.seconds = optimizer_seconds(local_params, plan.optimizer.grad_bytes,
-                                  plan.optimizer.state_bytes, topology.gpu, prog.compute_model);
+  if (plan.optimizer.offload_fraction > 0) {
+    // The CPU updates its fraction tensor by tensor; a tensor's piece is at most the shard.
+    double largest_tensor = 0;
+    auto consider = [&](const PartInfo& p) {
+      for (double t : p.weight_tensors) largest_tensor = std::max(largest_tensor, t);
+    };
+    for (int s : segs) {
+      const Segment& seg = plan.segments[s];
+      const std::vector<int> count = layer_counts(seg);
+      for (size_t b = 0; b < blocks.size(); ++b) {
+        if (count[b] > 0) consider(blocks[b]);
+      }
+      if (seg.embedding) consider(embed);
+      if (seg.head) consider(head);
+    }
+    opt.seconds = offloaded_optimizer_step(local_params, largest_tensor, plan.optimizer, topology,
+                                           prog.compute_model)
+                      .seconds;
+  } else {
+    opt.seconds = optimizer_seconds(local_params, plan.optimizer.grad_bytes,
+                                    plan.optimizer.state_bytes, topology.gpu, prog.compute_model);
+  }
   opt.label = label("optimizer step");
   lane.epilogue.push_back(opt);
   // Updated parameters gathered after the step, one all-gather per entry of `params` (and

@@ -63,7 +63,42 @@ std::string describe_memory_parts(const StaticMemory& memory, double activations
   return out;
 }
 
+NodeHostMemory busiest_host_memory(const Program& program) {
+  std::vector<double> per_node(program.topology.nodes, 0.0);
+  bool any = false;
+  for (const Lane& lane : program.lanes) {
+    if (lane.host_bytes <= 0) continue;
+    any = true;
+    for (int rank : lane.ranks) {
+      for (int r = 0; r < program.replicas; ++r) {
+        const int gpu = program.gpu_of_rank[program.rank_in_replica(rank, r)];
+        per_node[program.topology.node_of(gpu)] += lane.host_bytes;
+      }
+    }
+  }
+  if (!any) return {};
+  const auto busiest = std::max_element(per_node.begin(), per_node.end());
+  return {*busiest, static_cast<int>(busiest - per_node.begin())};
+}
+
+namespace {
+
+Status check_host_memory_fits(const Program& program) {
+  const NodeHostMemory host = busiest_host_memory(program);
+  if (host.node < 0 || host.bytes <= program.topology.host.memory) return Status::Ok();
+  return Error(fmt::format(
+      "the plan does not fit in host memory: node {}'s GPUs keep {} of offloaded optimizer state "
+      "and gradient copies there, but it has {}: {} over.\n"
+      "  try a smaller optimizer.offload_fraction (--optimizer-offload), optimizer sharding "
+      "(--zero 1..3), or more nodes",
+      host.node, format_bytes(host.bytes), format_bytes(program.topology.host.memory),
+      format_bytes(host.bytes - program.topology.host.memory)));
+}
+
+}  // namespace
+
 Status check_memory_fits(const Program& program) {
+  if (Status s = check_host_memory_fits(program); !s) return s;
   const double capacity = program.topology.gpu.hbm_bytes;
   auto peaks = lane_memory_peaks(program);
   size_t worst = 0;

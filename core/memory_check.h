@@ -27,8 +27,16 @@ std::vector<LaneMemoryPeak> lane_memory_peaks(const Program& program);
 std::string describe_memory_parts(const StaticMemory& memory, double activations,
                                   const std::string& activations_note = "");
 
-// Error when a lane's peak exceeds the GPU's memory: which GPU, by how much, what dominates and
-// what to try.
+// Host memory the busiest node's GPUs take with their offloaded optimizer shards (Plan
+// optimizer.offload_fraction), bytes, and that node; {0, -1} without offloading.
+struct NodeHostMemory {
+  double bytes = 0;
+  int node = -1;
+};
+NodeHostMemory busiest_host_memory(const Program& program);
+
+// Error when a lane's peak exceeds the GPU's memory (which GPU, by how much, what dominates and
+// what to try), or a node's offloaded optimizer state exceeds its host memory.
 Status check_memory_fits(const Program& program);
 
 }  // namespace nnsim

@@ -371,8 +371,8 @@ void parse_recompute(const InputNode& rec, Plan& plan) {
 
 // optimizer: Adam's bytes per parameter and the ZeRO stage.
 void parse_optimizer(const InputNode& opt, Plan& plan) {
-  opt.check_keys(
-      {"kind", "zero", "grad_bytes", "state_bytes", "weight_shard_bytes", "keep_gathered"});
+  opt.check_keys({"kind", "zero", "grad_bytes", "state_bytes", "weight_shard_bytes",
+                  "keep_gathered", "offload_fraction", "offload_overlap", "offload_param_bytes"});
   plan.optimizer.kind = opt.get_string("kind", "adam");
   if (plan.optimizer.kind != "adam") opt["kind"].fail_unknown(plan.optimizer.kind, {"adam"});
   plan.optimizer.zero = opt.get_small_int("zero", 0);
@@ -391,6 +391,22 @@ void parse_optimizer(const InputNode& opt, Plan& plan) {
   if (plan.optimizer.keep_gathered && plan.optimizer.zero != 3) {
     opt["keep_gathered"].fail(
         "keeps ZeRO-3's gathered parameters; it needs \"zero\": 3 (or remove it)");
+  }
+  plan.optimizer.offload_fraction = opt.get_double("offload_fraction", 0);
+  if (!(plan.optimizer.offload_fraction >= 0 && plan.optimizer.offload_fraction <= 1)) {
+    opt["offload_fraction"].fail(
+        "must be from 0 (the optimizer on the GPU) to 1 (all of it on the host)");
+  }
+  plan.optimizer.offload_overlap = opt.get_bool("offload_overlap", false);
+  plan.optimizer.offload_param_bytes =
+      read_element_bytes(opt, "offload_param_bytes", plan.optimizer.offload_param_bytes, 1, 8,
+                         "4 for an fp32 parameter copy, 2 for a 16-bit one");
+  if (plan.optimizer.offload_fraction == 0) {
+    for (const char* key : {"offload_overlap", "offload_param_bytes"}) {
+      if (opt.has(key)) {
+        opt[key].fail("applies to optimizer offloading; set \"offload_fraction\" (or remove it)");
+      }
+    }
   }
 }
 
@@ -645,6 +661,11 @@ std::string plan_to_json(const Plan& plan) {
                     {"state_bytes", plan.optimizer.state_bytes},
                     {"weight_shard_bytes", plan.optimizer.weight_shard_bytes},
                     {"keep_gathered", plan.optimizer.keep_gathered}};
+  if (plan.optimizer.offload_fraction > 0) {
+    j["optimizer"]["offload_fraction"] = plan.optimizer.offload_fraction;
+    j["optimizer"]["offload_overlap"] = plan.optimizer.offload_overlap;
+    j["optimizer"]["offload_param_bytes"] = plan.optimizer.offload_param_bytes;
+  }
   j["communication"] = {{"dp_bucket_bytes", plan.comm.dp_bucket_bytes},
                         {"overlap_grad_reduce", plan.comm.overlap_grad_reduce},
                         {"overlap_param_gather", plan.comm.overlap_param_gather},

@@ -155,6 +155,15 @@ struct OptimizerSpec {
   // and one reduce-scatter per iteration instead of per micro-batch, as PyTorch FSDP2 runs
   // under pipeline schedules.
   bool keep_gathered = false;
+  // Optimizer offloading (Megatron-Core's --optimizer-cpu-offload, DeepSpeed's
+  // offload_optimizer): the fraction of this device's optimizer shard whose state lives in
+  // host memory and which the CPU updates. Its gradients cross PCIe to the host and its
+  // updated parameters (offload_param_bytes each: 4 for Megatron's fp32 copy, 2 for
+  // DeepSpeed's 16-bit one) come back. With offload_overlap the copies and the CPU's update run
+  // tensor by tensor, concurrently (--overlap-cpu-optimizer-d2h-h2d); without, one after another.
+  double offload_fraction = 0;
+  bool offload_overlap = false;
+  double offload_param_bytes = 4;
 };
 
 struct CommSettings {

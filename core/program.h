@@ -123,6 +123,7 @@ struct Lane {
   std::vector<Step> epilogue;         // gradient sync waits, optimizer step
   StaticMemory memory;
   double parameters = 0;  // parameters held per device (before ZeRO sharding)
+  double host_bytes = 0;  // host memory a device's offloaded optimizer shard takes
 };
 
 struct Program {

@@ -234,6 +234,17 @@ std::optional<Problem> find_problem_in_sizes(const Topology& t) {
   return std::nullopt;
 }
 
+std::optional<Problem> check_host(const HostSpec& h) {
+  if (!(h.memory > 0)) return Problem{"node.host.memory", "must be positive (e.g. '2 TB')"};
+  if (!(h.memory_bandwidth > 0)) {
+    return Problem{"node.host.memory_bandwidth", "must be positive (e.g. '409.6 GB/s')"};
+  }
+  if (!(h.link_bandwidth > 0)) {
+    return Problem{"node.host.link_bandwidth", "must be positive (e.g. '16 GB/s')"};
+  }
+  return std::nullopt;
+}
+
 std::optional<Problem> find_problem(const Topology& t) {
   if (auto p = find_problem_in_sizes(t)) return p;
   if (auto p = check_gpu(t.gpu)) return p;
@@ -253,6 +264,9 @@ std::optional<Problem> find_problem(const Topology& t) {
   if (auto p = check_nics(t)) return p;
   if (in.has_pcie) {
     if (auto p = check_pcie(t)) return p;
+  }
+  if (t.has_host) {
+    if (auto p = check_host(t.host)) return p;
   }
   return check_fabric(t.fabric);
 }
@@ -366,6 +380,13 @@ void parse_pcie(const InputNode& n, PcieSpec& p) {
   if (auto ns = n.get("nic_switch")) {
     for (const InputNode& s : ns->items()) p.nic_switch.push_back(s.as_small_int());
   }
+}
+
+void parse_host(const InputNode& n, HostSpec& h) {
+  n.check_keys({"memory", "memory_bandwidth", "link_bandwidth"});
+  h.memory = n["memory"].as_quantity(Dimension::kBytes);
+  h.memory_bandwidth = n["memory_bandwidth"].as_quantity(Dimension::kBytesPerSecond);
+  h.link_bandwidth = n["link_bandwidth"].as_quantity(Dimension::kBytesPerSecond);
 }
 
 void parse_nics(const InputNode& n, Topology& t) {
@@ -486,7 +507,7 @@ Topology parse_root(const InputNode& root) {
   t.gpu = parse_gpu(root["gpu"]);
   t.nodes = root["nodes"].as_small_int();
   InputNode node = root["node"];
-  node.check_keys({"gpus", "intra", "pcie", "nics"});
+  node.check_keys({"gpus", "intra", "pcie", "nics", "host"});
   t.gpus_per_node = node["gpus"].as_small_int();
   // Checked before the NIC and PCIe lists, which are indexed by GPU.
   if (auto p = find_problem_in_sizes(t)) report(root, *p);
@@ -496,6 +517,10 @@ Topology parse_root(const InputNode& root) {
   }
   parse_intra(node["intra"], t);
   if (auto nics = node.get("nics")) parse_nics(*nics, t);
+  if (auto h = node.get("host")) {
+    t.has_host = true;
+    parse_host(*h, t.host);
+  }
   if (t.intra.has_pcie) {
     PcieSpec& p = t.intra.pcie;
     if (t.intra.kind == IntraNodeKind::kPcie) {

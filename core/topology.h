@@ -48,6 +48,16 @@ struct NicSpec {
   std::vector<int> gpus;  // local GPU indices this NIC serves
 };
 
+// The host a node's GPUs offload to (optimizer offloading, docs/topology.md "node.host"): its
+// memory, the bandwidth of that memory, and each GPU's share of the PCIe path to it.
+struct HostSpec {
+  double memory = 0;            // bytes of host memory per node
+  double memory_bandwidth = 0;  // bytes/s, the node's peak memory bandwidth (all sockets)
+  // bytes/s per direction between one GPU and host memory while every GPU of the node copies
+  // (a PCIe switch uplink shared by two GPUs gives each half of it).
+  double link_bandwidth = 0;
+};
+
 struct FabricSpec {
   FabricKind kind = FabricKind::kSingleSwitch;
   // kFatTree: nodes under one leaf switch. kRailOptimized: nodes in one scalable unit (each rail
@@ -66,6 +76,8 @@ struct Topology {
   int gpus_per_node = 0;
   IntraNodeSpec intra;
   std::vector<NicSpec> nics;  // per node
+  bool has_host = false;      // true when node.host is described
+  HostSpec host;
   FabricSpec fabric;
 
   int num_gpus() const { return nodes * gpus_per_node; }

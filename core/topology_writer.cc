@@ -168,6 +168,13 @@ Expected<std::string> topology_to_yaml(const Topology& topo) {
   node["gpus"] = topo.gpus_per_node;
   node["intra"] = intra_node(topo.intra);
   if (topo.intra.has_pcie) node["pcie"] = pcie_node(topo.intra.pcie);
+  if (topo.has_host) {
+    YAML::Node host;
+    host["memory"] = number(topo.host.memory);
+    host["memory_bandwidth"] = number(topo.host.memory_bandwidth);
+    host["link_bandwidth"] = number(topo.host.link_bandwidth);
+    node["host"] = flow(host);
+  }
   if (!topo.nics.empty()) {
     Expected<YAML::Node> nics = nics_node(topo.nics);
     if (!nics) return nics.error().with_context(fmt::format("topology '{}'", topo.name));

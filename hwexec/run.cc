@@ -112,6 +112,11 @@ Status check_model_runnable(const Plan& plan) {
                   "sub-pipelined tensor parallelism is simulated only; nnexec runs each "
                   "micro-batch whole (remove the field)");
   }
+  if (plan.optimizer.offload_fraction > 0) {
+    return refuse("optimizer.offload_fraction",
+                  "optimizer offloading is simulated only; nnexec keeps the optimizer state on "
+                  "the device (remove the field)");
+  }
   if (m.hybrid()) {
     return refuse("model.layer_pattern",
                   "hybrid models (Mamba-2, Gated DeltaNet, attention-only, MLP-only and "

@@ -375,6 +375,16 @@ Status check_schedule_options(const ModelSpec& model, const MegatronOptions& o) 
                                       : "--tp-sub-batches (it would hide them too)"));
   }
   if (o.zero < 0 || o.zero > 3) return Error("--zero must be 0, 1, 2 or 3");
+  if (!(o.optimizer_offload >= 0 && o.optimizer_offload <= 1)) {
+    return Error(fmt::format(
+        "--optimizer-offload {} is the fraction of the optimizer state kept on the host: from 0 "
+        "to 1",
+        o.optimizer_offload));
+  }
+  if (o.offload_overlap && o.optimizer_offload == 0) {
+    return Error(
+        "--offload-overlap overlaps optimizer offloading's copies; add --optimizer-offload");
+  }
   if (o.tp_sub_batches < 1) {
     return Error(fmt::format("--tp-sub-batches must be at least 1 (got {})", o.tp_sub_batches));
   }
@@ -820,6 +830,19 @@ Status set_framework_conventions(const MegatronOptions& o, int dp, Plan& plan) {
         "a ZeRO-3 prefetch bucket is DeepSpeed's ZeRO-3 setting; this plan is {} with ZeRO-{} "
         "(use --framework deepspeed --zero 3, or drop the prefetch bucket)",
         o.framework, o.zero));
+  }
+  if (o.optimizer_offload > 0) {
+    if (o.framework == "fsdp") {
+      return Error(
+          "--optimizer-offload with --framework fsdp: PyTorch FSDP's CPUOffload moves the "
+          "parameters and gradients to the host too, which nnsim does not model; use "
+          "--framework megatron or deepspeed");
+    }
+    plan.optimizer.offload_fraction = o.optimizer_offload;
+    plan.optimizer.offload_overlap = o.offload_overlap;
+    // Megatron's HybridDeviceOptimizer updates fp32 copies on the host and copies them back;
+    // DeepSpeed's ZeRO-Offload copies back the 16-bit parameters.
+    plan.optimizer.offload_param_bytes = o.framework == "megatron" ? 4 : 2;
   }
   // Megatron-Core's bucket: max(40M, 1M x dp) parameters.
   plan.comm.dp_bucket_bytes = std::max(40e6, 1e6 * dp) * plan.optimizer.grad_bytes;

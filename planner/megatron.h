@@ -82,6 +82,12 @@ struct MegatronOptions {
   // DeepSpeed ZeRO-3's stage3_prefetch_bucket_size (elements gathered ahead of the operator
   // that waits); negative: its default (5e7). Only with framework deepspeed and ZeRO-3.
   double zero3_prefetch_elements = -1;
+  // Optimizer offloading (Plan optimizer.offload_fraction): the fraction of each device's
+  // optimizer shard the host keeps and updates (Megatron-Core's --optimizer-cpu-offload with
+  // --optimizer-offload-fraction; DeepSpeed's offload_optimizer), and whether the copies and
+  // the host's update overlap tensor by tensor (--overlap-cpu-optimizer-d2h-h2d).
+  double optimizer_offload = 0;
+  bool offload_overlap = false;
   // Rank placement, outermost axis first (the innermost varies fastest over GPU indices):
   // Megatron's default puts tensor parallelism innermost, pipeline outermost; with expert
   // parallelism "ep" goes just outside "cp" unless the order names it.

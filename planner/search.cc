@@ -96,7 +96,7 @@ struct PlacementChoice {
 // Static memory per GPU (weights, gradients, optimizer state) without activations: a lower
 // bound that rules out degrees before compiling anything.
 double static_bytes_lower_bound(const ModelSpec& m, int tp, int pp, int dp, int cp, int ep,
-                                int zero, bool fsdp) {
+                                int zero, bool fsdp, double offload) {
   const double per_param = fsdp ? 16.0 : 18.0;
   // Dense weights shard over dp x cp; experts, spread over ep of the dp ranks, over the rest.
   const double experts = static_cast<double>(m.expert_parameters());
@@ -108,6 +108,8 @@ double static_bytes_lower_bound(const ModelSpec& m, int tp, int pp, int dp, int 
     if (zero >= 1) b -= params * 12 * (1 - 1 / shard);
     if (zero >= 2) b -= params * 4 * (1 - 1 / shard);
     if (zero >= 3) b -= params * 2 * (1 - 1 / shard);
+    // The host keeps `offload` of what is left of the optimizer state.
+    b -= offload * params * 12 * (zero >= 1 ? 1 / shard : 1);
   }
   return b;
 }
@@ -614,6 +616,8 @@ void Search::add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleK
     b.moe_grouped_gemm = o_.moe_grouped_gemm;
     b.moe_deepep = o_.moe_deepep;
     b.moe_shared_expert_overlap = o_.moe_shared_expert_overlap && ep > 1;
+    b.optimizer_offload = o_.optimizer_offload;
+    b.offload_overlap = o_.offload_overlap;
     b.costs = o_.compile;
     b.placement = pl.order;
     if (fixed_layers_) b.stage_layers = *fixed_layers_;
@@ -635,7 +639,8 @@ void Search::add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleK
     if (pin_.zero) zeros = {*pin_.zero};
     for (RecomputeMode r : recs) {
       for (int z : zeros) {
-        if (static_bytes_lower_bound(model_, d.tp, d.pp, d.dp, d.cp, ep, z, fsdp) > capacity_) {
+        if (static_bytes_lower_bound(model_, d.tp, d.pp, d.dp, d.cp, ep, z, fsdp,
+                                     o_.optimizer_offload) > capacity_) {
           reject("does not fit in memory");
           continue;
         }
@@ -688,6 +693,15 @@ void Search::evaluate_chains() {
           cand.status = fmt::format("does not fit: needs {:.1f} GiB of {:.1f} GiB usable",
                                     cand.estimate.peak_memory / (1 << 30), capacity_ / (1 << 30));
           reject("does not fit in memory");
+          std::lock_guard<std::mutex> lock(mutex_);
+          lost_.push_back(cand);
+          continue;
+        }
+        if (const NodeHostMemory host = busiest_host_memory(*prog);
+            host.node >= 0 && host.bytes > topo_.host.memory) {
+          cand.status = fmt::format("does not fit in host memory: needs {:.1f} GiB of {:.1f} GiB",
+                                    host.bytes / (1 << 30), topo_.host.memory / (1 << 30));
+          reject("does not fit in host memory");
           std::lock_guard<std::mutex> lock(mutex_);
           lost_.push_back(cand);
           continue;
@@ -1156,6 +1170,28 @@ Expected<SearchResult> Search::rank_and_confirm() {
 Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo,
                                     const SearchOptions& o) {
   if (o.global_batch < 1) return Error("--global-batch is required for a search");
+  if (!(o.optimizer_offload >= 0 && o.optimizer_offload <= 1)) {
+    return Error(
+        fmt::format("--optimizer-offload {} is a fraction of the optimizer state: from "
+                    "0 to 1",
+                    o.optimizer_offload));
+  }
+  if (o.optimizer_offload > 0 && !topo.has_host) {
+    return Error(fmt::format(
+        "--optimizer-offload keeps optimizer state in host memory, but topology '{}' describes "
+        "no host: add node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
+        topo.name));
+  }
+  if (o.optimizer_offload > 0 && o.framework == "fsdp") {
+    return Error(
+        "--optimizer-offload with --framework fsdp: PyTorch FSDP's CPUOffload moves the "
+        "parameters and gradients to the host too, which nnsim does not model; use --framework "
+        "megatron or deepspeed");
+  }
+  if (o.offload_overlap && o.optimizer_offload == 0) {
+    return Error(
+        "--offload-overlap overlaps optimizer offloading's copies; add --optimizer-offload");
+  }
   if (o.moe_deepep && !model.moe()) {
     return Error(
         fmt::format("--moe-deepep exchanges a mixture of experts' tokens, but model '{}' has none "

@@ -45,6 +45,9 @@ struct SearchOptions {
   // Candidates with expert parallelism run their shared expert beside the all-to-alls.
   bool moe_shared_expert_overlap = false;
   bool moe_grouped_gemm = false;  // every candidate's experts as one grouped-GEMM kernel
+  // Every candidate's optimizer offloading (MegatronOptions optimizer_offload, offload_overlap).
+  double optimizer_offload = 0;
+  bool offload_overlap = false;
   SearchPins pins;
   Constraints constraints;
   double memory_headroom = 0.1;  // fraction of GPU memory left free (without memory_cap)

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_format.h"
+#include "core/memory_check.h"
 
 namespace nnsim {
 
@@ -63,6 +64,10 @@ std::string report_json(const Program& program, const SimResult& r,
   j["memory_capacity_bytes"] = program.topology.gpu.hbm_bytes;
   const LaneReport& worst = worst_memory_lane(r);
   j["peak_memory_bytes"] = worst.peak_memory;
+  if (const NodeHostMemory host = busiest_host_memory(program); host.node >= 0) {
+    j["host_memory_capacity_bytes"] = program.topology.host.memory;
+    j["host_memory_bytes"] = host.bytes;
+  }
   if (training) {
     j["training"] = {{"tokens", training->tokens}, {"tokens_per_step", training->tokens_per_step},
                      {"steps", training->steps},   {"time_s", training->seconds},

@@ -251,6 +251,8 @@ Expected<SearchOptions> search_options(const PlanArgs& a, const ModelSpec& model
   so.moe_deepep = a.o.moe_deepep;
   so.ep_overlap = a.o.ep_overlap;
   so.moe_shared_expert_overlap = a.o.moe_shared_expert_overlap;
+  so.optimizer_offload = a.o.optimizer_offload;
+  so.offload_overlap = a.o.offload_overlap;
   so.compile = a.o.costs;
   so.pins = a.pins;
   so.top = a.top;
@@ -351,6 +353,14 @@ void add_plan_choices(CLI::App* cmd, PlanArgs& a) {
                   "needs them (stage3_prefetch_bucket_size; default 5e7; DeepSpeed's 0, no "
                   "prefetch, is not modelled)")
       ->check(at_least(1));
+  cmd->add_option("--optimizer-offload", a.o.optimizer_offload,
+                  "fraction of each GPU's optimizer state kept and updated on the host "
+                  "(Megatron-Core's --optimizer-cpu-offload --optimizer-offload-fraction, "
+                  "DeepSpeed's offload_optimizer); needs the topology's node.host");
+  cmd->add_flag("--offload-overlap", a.o.offload_overlap,
+                "with --optimizer-offload: copy gradients out, update and copy parameters back "
+                "tensor by tensor, concurrently (Megatron-Core's "
+                "--overlap-cpu-optimizer-d2h-h2d)");
   cmd->add_option("--stage-layers", a.o.stage_layers,
                   "layers per segment (pp x vpp numbers), default as even as possible")
       ->delimiter(',');

@@ -50,6 +50,10 @@ void print_report(const Program& prog, const SimResult& r,
               format_bytes(t.gpu.hbm_bytes).c_str(), worst.gpus.front(), worst.name.c_str());
   std::printf("    %s\n",
               describe_memory_parts(worst.static_memory, worst.peak_activations).c_str());
+  if (const NodeHostMemory host = busiest_host_memory(prog); host.node >= 0) {
+    std::printf("  host memory      %s of %s (node %d: offloaded optimizer state and gradients)\n",
+                format_bytes(host.bytes).c_str(), format_bytes(t.host.memory).c_str(), host.node);
+  }
   // Per-lane breakdown.
   std::vector<std::string> groups;
   for (const auto& l : r.lanes) {

@@ -73,6 +73,11 @@ void print_topology(const Topology& t) {
                 format_rate(t.nics.front().bandwidth).c_str(), format_rate(total).c_str(),
                 format_seconds(t.nics.front().latency).c_str());
   }
+  if (t.has_host) {
+    std::printf("  host       %s of memory at %s a node, %s per GPU per direction to it\n",
+                format_bytes(t.host.memory).c_str(), format_rate(t.host.memory_bandwidth).c_str(),
+                format_rate(t.host.link_bandwidth).c_str());
+  }
   const FabricSpec& f = t.fabric;
   if (f.kind == FabricKind::kSingleSwitch) {
     std::printf("  fabric     %s\n", fabric_name(f.kind));

@@ -118,6 +118,36 @@ TEST(Plan, JsonRoundTrip) {
   EXPECT_EQ(plan_to_json(*q), once);
 }
 
+TEST(Plan, OptimizerOffloadingReadsAndRoundTrips) {
+  const std::string text = replace(kPlan, "{\"zero\": 1}",
+                                   "{\"zero\": 1, \"offload_fraction\": 0.5, "
+                                   "\"offload_overlap\": true, \"offload_param_bytes\": 2}");
+  auto p = parse_plan(text, "plan.json");
+  ASSERT_TRUE(p.ok()) << p.error().message();
+  EXPECT_EQ(p->optimizer.offload_fraction, 0.5);
+  EXPECT_TRUE(p->optimizer.offload_overlap);
+  EXPECT_EQ(p->optimizer.offload_param_bytes, 2);
+  const std::string once = plan_to_json(*p);
+  auto q = parse_plan(once, "once.json");
+  ASSERT_TRUE(q.ok()) << q.error().message();
+  EXPECT_EQ(q->optimizer.offload_fraction, 0.5);
+  EXPECT_EQ(plan_to_json(*q), once);
+  // Without offloading the plan writes none of the fields.
+  EXPECT_EQ(plan_to_json(*parse_plan(kPlan, "plan.json")).find("offload"), std::string::npos);
+}
+
+TEST(Plan, OptimizerOffloadingChecks) {
+  expect_error("{\"zero\": 1}", "{\"zero\": 1, \"offload_fraction\": 1.5}",
+               "optimizer.offload_fraction", "must be from 0");
+  expect_error("{\"zero\": 1}", "{\"zero\": 1, \"offload_fraction\": -0.1}",
+               "optimizer.offload_fraction", "must be from 0");
+  expect_error("{\"zero\": 1}", "{\"zero\": 1, \"offload_overlap\": true}",
+               "optimizer.offload_overlap", "set \"offload_fraction\"");
+  expect_error("{\"zero\": 1}",
+               "{\"zero\": 1, \"offload_fraction\": 1, \"offload_param_bytes\": 16}",
+               "optimizer.offload_param_bytes", "out of range");
+}
+
 // "F1@0+B0@0" in an order pairs the two blocks (the first one is marked); the plan writes it
 // back the same. More than two blocks, or a pair beside the shared-expert overlap, are refused.
 TEST(Plan, OrdersPairBlocksWithAPlus) {

@@ -124,8 +124,15 @@ TEST(Topology, PresetFigures) {
   EXPECT_EQ(a100.nic_of(5), 5);
   EXPECT_EQ(a100.fabric.kind, FabricKind::kSingleSwitch);
   EXPECT_EQ(a100.group_size(), 4);
+  // DGX A100's host: 2 TB, two EPYC 7742 (8 x DDR4-3200 each), two GPUs to a PCIe Gen4 uplink.
+  ASSERT_TRUE(a100.has_host);
+  EXPECT_DOUBLE_EQ(a100.host.memory, 2e12);
+  EXPECT_DOUBLE_EQ(a100.host.memory_bandwidth, 409.6e9);
+  EXPECT_DOUBLE_EQ(a100.host.link_bandwidth, 16e9);
 
   Topology pod = *load_topology("dgx-h100-superpod");
+  ASSERT_TRUE(pod.has_host);
+  EXPECT_DOUBLE_EQ(pod.host.memory_bandwidth, 614.4e9);
   EXPECT_EQ(pod.nodes, 128);
   EXPECT_EQ(pod.fabric.kind, FabricKind::kRailOptimized);
   EXPECT_EQ(pod.group_size(), 32);
@@ -348,6 +355,28 @@ TEST(Topology, PcieChecks) {
                             "kind: pcie, latency: 1 us"));
   EXPECT_NE(msg.find("field 'node.intra.latency': a PCIe-only node takes"), std::string::npos)
       << msg;
+}
+
+TEST(Topology, HostChecks) {
+  const std::string host =
+      "  host: {memory: 1 TB, memory_bandwidth: 400 GB/s, link_bandwidth: 16 GB/s}\nfabric:";
+  auto t = parse_topology(replace(kBase, "fabric:", host), "test.yaml");
+  ASSERT_TRUE(t.ok()) << t.error().message();
+  EXPECT_TRUE(t->has_host);
+  EXPECT_DOUBLE_EQ(t->host.memory, 1e12);
+  EXPECT_DOUBLE_EQ(t->host.memory_bandwidth, 400e9);
+  EXPECT_DOUBLE_EQ(t->host.link_bandwidth, 16e9);
+  EXPECT_FALSE(parse_topology(kBase, "test.yaml")->has_host);
+
+  std::string msg = parse_error(replace(kBase, "fabric:", replace(host, "1 TB", "0 TB")));
+  EXPECT_NE(msg.find("test.yaml:12: field 'node.host.memory': must be positive"), std::string::npos)
+      << msg;
+  msg = parse_error(replace(kBase, "fabric:", replace(host, ", link_bandwidth: 16 GB/s", "")));
+  EXPECT_NE(msg.find("link_bandwidth"), std::string::npos) << msg;
+  msg = parse_error(replace(kBase, "fabric:", replace(host, "400 GB/s", "400 GB")));
+  EXPECT_NE(msg.find("memory_bandwidth"), std::string::npos) << msg;
+  msg = parse_error(replace(kBase, "fabric:", replace(host, "memory: 1 TB", "ram: 1 TB")));
+  EXPECT_NE(msg.find("ram"), std::string::npos) << msg;
 }
 
 TEST(Topology, HypotheticalGpu) {

@@ -43,6 +43,10 @@ void expect_same_cluster(const Topology& a, const Topology& b) {
     EXPECT_EQ(a.nics[i].latency, b.nics[i].latency);
     EXPECT_EQ(a.nics[i].gpus, b.nics[i].gpus);
   }
+  EXPECT_EQ(a.has_host, b.has_host);
+  EXPECT_EQ(a.host.memory, b.host.memory);
+  EXPECT_EQ(a.host.memory_bandwidth, b.host.memory_bandwidth);
+  EXPECT_EQ(a.host.link_bandwidth, b.host.link_bandwidth);
   EXPECT_EQ(a.fabric.kind, b.fabric.kind);
   EXPECT_EQ(a.fabric.nodes_per_group, b.fabric.nodes_per_group);
   EXPECT_EQ(a.fabric.oversubscription, b.fabric.oversubscription);

@@ -1352,8 +1352,9 @@ TEST(NnexecRunRefuses, AHeadWeightGradientAfterTheTiedMatrixIsReduced) {
   EXPECT_TRUE(check_runnable(p).ok()) << check_runnable(p).error().message();
 }
 
-// Hybrid models (Mamba-2 layers and layers of attention or an MLP alone) are simulated only.
-TEST(NnexecRunRefuses, HybridModelsNameTheField) {
+// Hybrid models (Mamba-2 layers and layers of attention or an MLP alone), gated attention
+// outputs and optimizer offloading are simulated only.
+TEST(NnexecRunRefuses, SimulatedOnlyFeaturesNameTheField) {
   TempDir dir;
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
   Expected<Plan> base = load_plan(dir.file("plan.json"));
@@ -1371,6 +1372,13 @@ TEST(NnexecRunRefuses, HybridModelsNameTheField) {
   const Status g = check_runnable(gated);
   ASSERT_FALSE(g.ok());
   EXPECT_TRUE(contains(g.error().message(), "model.attention_output_gate")) << g.error().message();
+  // And optimizer offloading: nnexec's optimizer state stays on the device.
+  Plan offloading = *base;
+  offloading.optimizer.offload_fraction = 0.5;
+  const Status o = check_runnable(offloading);
+  ASSERT_FALSE(o.ok());
+  EXPECT_TRUE(contains(o.error().message(), "optimizer.offload_fraction")) << o.error().message();
+  EXPECT_TRUE(contains(o.error().message(), "simulated only")) << o.error().message();
 }
 
 // Expert-parallel plans nnsim plan does not write, edited by hand: each refusal names its field.

@@ -255,6 +255,48 @@ TEST(NnsimTool, PlanTakesDeepSpeedsZero3Settings) {
   }
 }
 
+// Optimizer offloading from the builder to the report: the plan carries it, the report shows
+// the host's memory, and values or clusters that cannot take it are refused with the fix.
+TEST(NnsimTool, PlanAndSimulateOffloadTheOptimizer) {
+  Sandbox box;
+  const std::vector<std::string> base = {
+      "plan", "--model", "gpt3-1.3b", "--topo", "dgx-a100x4",     "--tp", "8",
+      "--pp", "1",       "--zero",    "1",      "--global-batch", "32"};
+  auto with = [&](const std::vector<std::string>& extra, const std::string& out) {
+    return plan_args(base, extra, out);
+  };
+  make_plan(box, with({}, "gpu.json"));
+  make_plan(box, with({"--optimizer-offload", "0.5", "--offload-overlap"}, "host.json"));
+  const json opt = box.read_json("host.json")["optimizer"];
+  EXPECT_EQ(opt["offload_fraction"], 0.5);
+  EXPECT_EQ(opt["offload_overlap"], true);
+  RunResult gpu = box.nnsim({"--topo", "dgx-a100x4", "gpu.json", "--json", "gpu-r.json"});
+  RunResult host = box.nnsim({"--topo", "dgx-a100x4", "host.json", "--json", "host-r.json"});
+  ASSERT_EQ(gpu.status, 0) << gpu;
+  ASSERT_EQ(host.status, 0) << host;
+  EXPECT_FALSE(contains(gpu.out, "host memory")) << gpu;
+  expect_matches(host.out, R"(host memory +[0-9.]+ GiB of 1\.82 TiB \(node 0: offloaded)");
+  const json g = box.read_json("gpu-r.json");
+  const json h = box.read_json("host-r.json");
+  EXPECT_FALSE(g.contains("host_memory_bytes"));
+  EXPECT_EQ(h["host_memory_capacity_bytes"], 2e12);
+  EXPECT_GT(h["host_memory_bytes"].get<double>(), 0);
+  EXPECT_LT(h["peak_memory_bytes"].get<double>(), g["peak_memory_bytes"].get<double>());
+  EXPECT_GT(h["iteration_time_s"].get<double>(), g["iteration_time_s"].get<double>());
+
+  expect_error(box.nnsim(with({"--optimizer-offload", "2"}, "bad.json")),
+               {"--optimizer-offload 2", "from 0 to 1"});
+  expect_error(box.nnsim(with({"--offload-overlap"}, "bad.json")), {"add --optimizer-offload"});
+  std::vector<std::string> no_host = with({"--optimizer-offload", "1"}, "bad.json");
+  no_host[std::find(no_host.begin(), no_host.end(), "dgx-a100x4") - no_host.begin()] = "h200x8";
+  no_host[std::find(no_host.begin(), no_host.end(), "32") - no_host.begin()] = "8";
+  expect_error(box.nnsim(no_host), {"topology 'h200x8' describes no host", "node.host"});
+  // A host too small for the offloaded state.
+  expect_error(
+      box.nnsim({"--topo", "dgx-a100x4", "--topo-set", "node.host.memory=1 GB", "host.json"}),
+      {"does not fit in host memory", "--optimizer-offload"});
+}
+
 // --loss names the training code's cross-entropy: the plan's model carries it (the preset's own
 // is the fused kernel), and a misspelling is an error naming the option and the spellings.
 TEST(NnsimTool, PlanTakesTheTrainingCodesCrossEntropy) {

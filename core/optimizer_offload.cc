@@ -1,0 +1,46 @@
+#include "core/optimizer_offload.h"
+
+#include <algorithm>
+
+namespace nnsim {
+
+OffloadedStep offloaded_optimizer_step(double params, double largest_tensor,
+                                       const OptimizerSpec& optimizer, const Topology& topology,
+                                       const ComputeModel& model) {
+  OffloadedStep s;
+  const double f = optimizer.offload_fraction;
+  s.gpu = optimizer_seconds((1 - f) * params, optimizer.grad_bytes, optimizer.state_bytes,
+                            topology.gpu, model);
+  const double host_params = f * params;
+  if (host_params <= 0) {
+    s.seconds = s.gpu;
+    return s;
+  }
+  const HostSpec& host = topology.host;
+  s.to_host = host_params * optimizer.grad_bytes / (host.link_bandwidth * kDeviceToHostEfficiency);
+  s.to_device =
+      host_params * optimizer.offload_param_bytes / (host.link_bandwidth * kHostToDeviceEfficiency);
+  // Host memory traffic per parameter: the copied-in gradient written and read, Adam's state
+  // read and written, the updated parameter read by the copy back. Every GPU of the node
+  // updates its shard at once, so each gets its share of the bandwidth.
+  const double traffic =
+      2 * optimizer.grad_bytes + 2 * optimizer.state_bytes + optimizer.offload_param_bytes;
+  s.host = host_params * traffic / (host.memory_bandwidth / topology.gpus_per_node);
+  if (optimizer.offload_overlap) {
+    // Tensor by tensor: the copies and the update pipeline, so the slowest of them (or the
+    // GPU's own part) sets the pace and the largest tensor passes through the other two.
+    const double one = std::min(largest_tensor, host_params) / host_params;
+    s.seconds = std::max({s.to_host, s.host, s.to_device, s.gpu}) +
+                one * (s.to_host + s.host + s.to_device);
+  } else {
+    // The gradients copy, then the CPU updates while the GPU does its part, then the copy back.
+    s.seconds = s.to_host + std::max(s.host, s.gpu) + s.to_device;
+  }
+  return s;
+}
+
+double offloaded_host_bytes(double params, const OptimizerSpec& optimizer) {
+  return optimizer.offload_fraction * params * (optimizer.state_bytes + optimizer.grad_bytes);
+}
+
+}  // namespace nnsim

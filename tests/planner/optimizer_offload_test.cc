@@ -1,0 +1,155 @@
+// Optimizer offloading in plans: the builder's options, the compiled memory and optimizer step,
+// the host's memory check, and the search planning with it.
+#include <algorithm>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "core/memory_check.h"
+#include "core/optimizer_offload.h"
+#include "core/program.h"
+#include "planner/estimator.h"
+#include "planner/megatron.h"
+#include "planner/search.h"
+
+namespace nnsim {
+namespace {
+
+Topology one_node() {
+  Expected<Topology> t = load_topology("dgx-a100x4");
+  EXPECT_TRUE(t.ok());
+  Expected<Topology> r = resize_topology(*t, 1);
+  EXPECT_TRUE(r.ok());
+  return *r;
+}
+
+MegatronOptions gpt_options(double offload, bool overlap) {
+  MegatronOptions o;
+  o.tp = 4;
+  o.pp = 1;
+  o.zero = 1;
+  o.global_batch = 16;
+  o.optimizer_offload = offload;
+  o.offload_overlap = overlap;
+  return o;
+}
+
+Expected<Program> compile_gpt(const Topology& t, double offload, bool overlap) {
+  const ModelSpec m = *load_model("gpt3-1.3b");
+  Expected<Plan> plan = build_megatron_plan(m, t, gpt_options(offload, overlap));
+  if (!plan) return plan.error();
+  return compile_plan(*plan, t);
+}
+
+double optimizer_step_seconds(const Program& p) {
+  for (const Step& s : p.lanes[0].epilogue) {
+    if (s.kind == StepKind::kCompute && s.compute_class == ComputeClass::kOptimizer) {
+      return s.seconds;
+    }
+  }
+  ADD_FAILURE() << "no optimizer step";
+  return 0;
+}
+
+TEST(OptimizerOffloadPlan, MovesTheStateToTheHostAndPaysTheCopies) {
+  const Topology t = one_node();
+  Expected<Program> gpu = compile_gpt(t, 0, false);
+  Expected<Program> half = compile_gpt(t, 0.5, false);
+  ASSERT_TRUE(gpu.ok()) << gpu.error().message();
+  ASSERT_TRUE(half.ok()) << half.error().message();
+  EXPECT_EQ(half->plan.optimizer.offload_fraction, 0.5);
+  // Megatron's host copies are fp32.
+  EXPECT_EQ(half->plan.optimizer.offload_param_bytes, 4);
+  const Lane& a = gpu->lanes[0];
+  const Lane& b = half->lanes[0];
+  EXPECT_DOUBLE_EQ(b.memory.optimizer, a.memory.optimizer / 2);
+  EXPECT_EQ(b.memory.gradients, a.memory.gradients);
+  EXPECT_EQ(a.host_bytes, 0);
+  // ZeRO-1 over dp 2: half of the shard's 12 + 4 bytes a parameter.
+  const double shard = a.memory.optimizer / 12;
+  EXPECT_DOUBLE_EQ(b.host_bytes, 0.5 * shard * 16);
+  EXPECT_EQ(busiest_host_memory(*gpu).node, -1);
+  EXPECT_DOUBLE_EQ(busiest_host_memory(*half).bytes, 8 * b.host_bytes);
+
+  // The step is the offloaded one; with nothing else after it, the estimate moves by as much.
+  const double largest = 51200.0 * 2048 / 4;  // the embedding's rows over tp (50,257 padded)
+  const OffloadedStep step =
+      offloaded_optimizer_step(shard, largest, half->plan.optimizer, t, half->compute_model);
+  EXPECT_NEAR(optimizer_step_seconds(*half), step.seconds, 1e-9);
+  EXPECT_GT(optimizer_step_seconds(*half), optimizer_step_seconds(*gpu));
+  EXPECT_NEAR(estimate_program(*half).iteration_time - estimate_program(*gpu).iteration_time,
+              optimizer_step_seconds(*half) - optimizer_step_seconds(*gpu), 1e-6);
+
+  Expected<Program> overlap = compile_gpt(t, 0.5, true);
+  ASSERT_TRUE(overlap.ok()) << overlap.error().message();
+  EXPECT_LT(optimizer_step_seconds(*overlap), optimizer_step_seconds(*half));
+}
+
+TEST(OptimizerOffloadPlan, DeepSpeedCopiesBack16BitParameters) {
+  const Topology t = one_node();
+  MegatronOptions o = gpt_options(1, false);
+  o.framework = "deepspeed";
+  Expected<Plan> plan = build_megatron_plan(*load_model("gpt3-1.3b"), t, o);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  EXPECT_EQ(plan->optimizer.offload_param_bytes, 2);
+}
+
+TEST(OptimizerOffloadPlan, BadOptionsAreRefused) {
+  const Topology t = one_node();
+  const ModelSpec m = *load_model("gpt3-1.3b");
+  auto error = [&](const MegatronOptions& o) {
+    Expected<Plan> p = build_megatron_plan(m, t, o);
+    return p ? std::string() : p.error().message();
+  };
+  EXPECT_NE(error(gpt_options(1.5, false)).find("from 0 to 1"), std::string::npos);
+  EXPECT_NE(error(gpt_options(0, true)).find("add --optimizer-offload"), std::string::npos);
+  MegatronOptions fsdp = gpt_options(1, false);
+  fsdp.framework = "fsdp";
+  EXPECT_NE(error(fsdp).find("CPUOffload"), std::string::npos);
+}
+
+TEST(OptimizerOffloadPlan, NeedsAHostThatHoldsIt) {
+  Topology no_host = one_node();
+  no_host.has_host = false;
+  Expected<Program> p = compile_gpt(no_host, 1, false);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.error().message().find("describes no host: add node.host"), std::string::npos)
+      << p.error().message();
+
+  Topology small = one_node();
+  small.host.memory = 1e9;
+  p = compile_gpt(small, 1, false);
+  ASSERT_TRUE(p.ok()) << p.error().message();
+  Status fits = check_memory_fits(*p);
+  ASSERT_FALSE(fits.ok());
+  EXPECT_NE(fits.error().message().find("does not fit in host memory: node 0"), std::string::npos)
+      << fits.error().message();
+  EXPECT_TRUE(check_memory_fits(*compile_gpt(one_node(), 1, false)).ok());
+}
+
+// Llama 3 70B on one DGX A100: no plan fits on the GPUs alone; with the optimizer on the host,
+// the search finds plans, every one of them offloading.
+TEST(OptimizerOffloadPlan, TheSearchPlansWithTheStateOnTheHost) {
+  const Topology t = one_node();
+  const ModelSpec m = *load_model("llama3-70b");
+  SearchOptions o;
+  o.global_batch = 16;
+  o.jobs = 2;
+  o.confirm = 0;
+  EXPECT_FALSE(search_plans(m, t, o).ok());
+  o.optimizer_offload = 1;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  ASSERT_FALSE(r->ranked.empty());
+  for (const Candidate& c : r->ranked) EXPECT_EQ(c.options.optimizer_offload, 1);
+  EXPECT_EQ(r->best.optimizer.offload_fraction, 1);
+
+  Topology no_host = t;
+  no_host.has_host = false;
+  Expected<SearchResult> refused = search_plans(m, no_host, o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("describes no host"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace nnsim
