@@ -375,16 +375,6 @@ Status check_schedule_options(const ModelSpec& model, const MegatronOptions& o) 
                                       : "--tp-sub-batches (it would hide them too)"));
   }
   if (o.zero < 0 || o.zero > 3) return Error("--zero must be 0, 1, 2 or 3");
-  if (!(o.optimizer_offload >= 0 && o.optimizer_offload <= 1)) {
-    return Error(fmt::format(
-        "--optimizer-offload {} is the fraction of the optimizer state kept on the host: from 0 "
-        "to 1",
-        o.optimizer_offload));
-  }
-  if (o.offload_overlap && o.optimizer_offload == 0) {
-    return Error(
-        "--offload-overlap overlaps optimizer offloading's copies; add --optimizer-offload");
-  }
   if (o.tp_sub_batches < 1) {
     return Error(fmt::format("--tp-sub-batches must be at least 1 (got {})", o.tp_sub_batches));
   }
@@ -832,12 +822,6 @@ Status set_framework_conventions(const MegatronOptions& o, int dp, Plan& plan) {
         o.framework, o.zero));
   }
   if (o.optimizer_offload > 0) {
-    if (o.framework == "fsdp") {
-      return Error(
-          "--optimizer-offload with --framework fsdp: PyTorch FSDP's CPUOffload moves the "
-          "parameters and gradients to the host too, which nnsim does not model; use "
-          "--framework megatron or deepspeed");
-    }
     plan.optimizer.offload_fraction = o.optimizer_offload;
     plan.optimizer.offload_overlap = o.offload_overlap;
     // Megatron's HybridDeviceOptimizer updates fp32 copies on the host and copies them back;
@@ -922,6 +906,34 @@ Expected<Plan> add_schedule(Plan plan, const Topology& topo, const MegatronOptio
 
 }  // namespace
 
+Status check_optimizer_offload(double fraction, bool overlap, const std::string& framework,
+                               const Topology& topo) {
+  if (!(fraction >= 0 && fraction <= 1)) {
+    return Error(fmt::format(
+        "--optimizer-offload {} is the fraction of the optimizer state kept on the host: from 0 "
+        "to 1",
+        fraction));
+  }
+  if (overlap && fraction == 0) {
+    return Error(
+        "--offload-overlap overlaps optimizer offloading's copies; add --optimizer-offload");
+  }
+  if (fraction == 0) return Status::Ok();
+  if (framework == "fsdp") {
+    return Error(
+        "--optimizer-offload with --framework fsdp: PyTorch FSDP's CPUOffload moves the "
+        "parameters and gradients to the host too, which nnsim does not model; use --framework "
+        "megatron or deepspeed");
+  }
+  if (!topo.has_host) {
+    return Error(fmt::format(
+        "--optimizer-offload keeps optimizer state in host memory, but topology '{}' describes "
+        "no host: add node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
+        topo.name));
+  }
+  return Status::Ok();
+}
+
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                                    const MegatronOptions& o) {
   if (Status s = validate_model(model); !s) return s.error();
@@ -946,6 +958,10 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (Status s = check_expert_options(model, o, dp); !s) return s.error();
   if (Status s = check_shapes(model, o, dp); !s) return s.error();
   if (Status s = check_schedule_options(model, o); !s) return s.error();
+  if (Status s = check_optimizer_offload(o.optimizer_offload, o.offload_overlap, o.framework, topo);
+      !s) {
+    return s.error();
+  }
   Expected<std::vector<int>> layers = segment_layers(model, o);
   if (!layers) return layers.error();
 

@@ -118,6 +118,12 @@ struct MegatronOptions {
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                                    const MegatronOptions& options);
 
+// Optimizer offloading's options against the framework and the cluster: a fraction from 0 to 1,
+// overlap only with offloading, a framework whose offloading nnsim models (not FSDP's
+// CPUOffload, which moves the parameters too) and a topology that describes its host.
+Status check_optimizer_offload(double fraction, bool overlap, const std::string& framework,
+                               const Topology& topo);
+
 // Every pattern of a per-module recomputation policy (`recompute_modules`) must match an
 // operator of the model's blocks; the error names the first that does not and lists them.
 Status check_recompute_modules(const ModelSpec& model, const std::vector<std::string>& modules);

@@ -46,6 +46,7 @@ std::string Candidate::describe() const {
   if (!o.recompute_layers.empty()) {
     s += fmt::format(" recompute-layers={}", fmt::join(o.recompute_layers, ","));
   }
+  if (o.optimizer_offload > 0) s += fmt::format(" offload{:g}", o.optimizer_offload);
   if (placement != "tp-innermost") s += " " + placement;
   return s;
 }
@@ -421,6 +422,7 @@ class Search {
   void enumerate();
   void add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleKind sched);
   void evaluate_chains();
+  std::optional<Candidate> fit_by_offloading(const Candidate& cand, const Program& prog);
   void balance_stages();
   void try_schedules();
   void try_schedules_with_stage_recompute();
@@ -640,7 +642,8 @@ void Search::add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleK
     for (RecomputeMode r : recs) {
       for (int z : zeros) {
         if (static_bytes_lower_bound(model_, d.tp, d.pp, d.dp, d.cp, ep, z, fsdp,
-                                     o_.optimizer_offload) > capacity_) {
+                                     o_.offload_as_needed ? 1.0 : o_.optimizer_offload) >
+            capacity_) {
           reject("does not fit in memory");
           continue;
         }
@@ -693,8 +696,14 @@ void Search::evaluate_chains() {
           cand.status = fmt::format("does not fit: needs {:.1f} GiB of {:.1f} GiB usable",
                                     cand.estimate.peak_memory / (1 << 30), capacity_ / (1 << 30));
           reject("does not fit in memory");
+          std::optional<Candidate> offloaded;
+          if (o_.offload_as_needed) offloaded = fit_by_offloading(cand, *prog);
           std::lock_guard<std::mutex> lock(mutex_);
           lost_.push_back(cand);
+          if (offloaded) {
+            chain_best_[i] = std::min(chain_best_[i], offloaded->estimate.iteration_time);
+            feasible_.push_back(*offloaded);
+          }
           continue;
         }
         if (const NodeHostMemory host = busiest_host_memory(*prog);
@@ -717,7 +726,7 @@ void Search::evaluate_chains() {
           break;
         }
         cand.status = "ok";
-        chain_best_[i] = cand.estimate.iteration_time;
+        chain_best_[i] = std::min(chain_best_[i], cand.estimate.iteration_time);
         std::lock_guard<std::mutex> lock(mutex_);
         feasible_.push_back(cand);
         break;  // the rest of the chain costs more time
@@ -733,6 +742,46 @@ void Search::evaluate_chains() {
   for (int j = 1; j < std::max(1, o_.jobs); ++j) threads.emplace_back(worker);
   worker();
   for (auto& t : threads) t.join();
+}
+
+// The candidate with the least fraction of its optimizer state on the host (in hundredths) that
+// brings every lane within the GPUs' memory: each lane's excess over its optimizer state, since
+// offloading frees that state and nothing else. None when no fraction does, or when the
+// offloaded plan breaks the host's memory or a constraint (counted as rejected).
+std::optional<Candidate> Search::fit_by_offloading(const Candidate& cand, const Program& prog) {
+  double fraction = 0;
+  const std::vector<LaneMemoryPeak> peaks = lane_memory_peaks(prog);
+  for (size_t l = 0; l < peaks.size(); ++l) {
+    const double excess = peaks[l].peak - capacity_;
+    if (excess <= 0) continue;
+    const double state = prog.lanes[l].memory.optimizer;
+    if (!(state >= excess)) return std::nullopt;
+    fraction = std::max(fraction, excess / state);
+  }
+  fraction = std::min(1.0, std::ceil(fraction * 100) / 100);
+  if (fraction <= 0) return std::nullopt;
+  Candidate off = cand;
+  off.options.optimizer_offload = fraction;
+  off.options.offload_overlap = o_.offload_overlap;
+  Expected<Plan> plan = build_megatron_plan(model_, topo_, off.options);
+  if (!plan) return std::nullopt;
+  Expected<Program> offloaded = compile_plan(*plan, topo_, off.options.costs);
+  if (!offloaded) return std::nullopt;
+  ++evaluated_;
+  off.estimate = estimate_program(*offloaded);
+  if (off.estimate.peak_memory > capacity_) return std::nullopt;
+  if (busiest_host_memory(*offloaded).bytes > topo_.host.memory) {
+    reject("does not fit in host memory");
+    return std::nullopt;
+  }
+  const std::string why = violated_constraint(
+      cons_, *plan, *offloaded, off.estimate.bubble_fraction, off.estimate.peak_memory);
+  if (!why.empty()) {
+    reject(why);
+    return std::nullopt;
+  }
+  off.status = "ok";
+  return off;
 }
 
 // Compiles and estimates variants of feasible plans (other schedules, other placements); those
@@ -1170,27 +1219,15 @@ Expected<SearchResult> Search::rank_and_confirm() {
 Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo,
                                     const SearchOptions& o) {
   if (o.global_batch < 1) return Error("--global-batch is required for a search");
-  if (!(o.optimizer_offload >= 0 && o.optimizer_offload <= 1)) {
+  if (o.offload_as_needed && o.optimizer_offload > 0) {
     return Error(
-        fmt::format("--optimizer-offload {} is a fraction of the optimizer state: from "
-                    "0 to 1",
-                    o.optimizer_offload));
+        "the search offloads either the fraction given or as much as each plan needs "
+        "(--optimizer-offload auto), not both");
   }
-  if (o.optimizer_offload > 0 && !topo.has_host) {
-    return Error(fmt::format(
-        "--optimizer-offload keeps optimizer state in host memory, but topology '{}' describes "
-        "no host: add node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
-        topo.name));
-  }
-  if (o.optimizer_offload > 0 && o.framework == "fsdp") {
-    return Error(
-        "--optimizer-offload with --framework fsdp: PyTorch FSDP's CPUOffload moves the "
-        "parameters and gradients to the host too, which nnsim does not model; use --framework "
-        "megatron or deepspeed");
-  }
-  if (o.offload_overlap && o.optimizer_offload == 0) {
-    return Error(
-        "--offload-overlap overlaps optimizer offloading's copies; add --optimizer-offload");
+  if (Status st = check_optimizer_offload(o.offload_as_needed ? 1.0 : o.optimizer_offload,
+                                          o.offload_overlap, o.framework, topo);
+      !st) {
+    return st.error();
   }
   if (o.moe_deepep && !model.moe()) {
     return Error(

@@ -48,6 +48,10 @@ struct SearchOptions {
   // Every candidate's optimizer offloading (MegatronOptions optimizer_offload, offload_overlap).
   double optimizer_offload = 0;
   bool offload_overlap = false;
+  // Instead: a candidate that does not fit on its GPUs offloads the least fraction (in
+  // hundredths) of its optimizer state that makes it fit, if any does; the same candidate
+  // saving memory otherwise (more recomputation, ZeRO) is tried too.
+  bool offload_as_needed = false;
   SearchPins pins;
   Constraints constraints;
   double memory_headroom = 0.1;  // fraction of GPU memory left free (without memory_cap)

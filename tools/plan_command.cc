@@ -1,7 +1,9 @@
 #include "tools/plan_command.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <thread>
@@ -219,6 +221,14 @@ int run_plan(PlanArgs& a) {
   return 0;
 }
 
+// A number written out in full ("0.5", "1"), nothing after it.
+std::optional<double> parse_fraction(const std::string& text) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(v)) return std::nullopt;
+  return v;
+}
+
 }  // namespace
 
 Expected<ModelSpec> load_plan_model(const PlanArgs& a, const std::vector<std::string>& more) {
@@ -253,6 +263,7 @@ Expected<SearchOptions> search_options(const PlanArgs& a, const ModelSpec& model
   so.moe_shared_expert_overlap = a.o.moe_shared_expert_overlap;
   so.optimizer_offload = a.o.optimizer_offload;
   so.offload_overlap = a.o.offload_overlap;
+  so.offload_as_needed = a.offload_as_needed;
   so.compile = a.o.costs;
   so.pins = a.pins;
   so.top = a.top;
@@ -353,10 +364,11 @@ void add_plan_choices(CLI::App* cmd, PlanArgs& a) {
                   "needs them (stage3_prefetch_bucket_size; default 5e7; DeepSpeed's 0, no "
                   "prefetch, is not modelled)")
       ->check(at_least(1));
-  cmd->add_option("--optimizer-offload", a.o.optimizer_offload,
+  cmd->add_option("--optimizer-offload", a.optimizer_offload,
                   "fraction of each GPU's optimizer state kept and updated on the host "
                   "(Megatron-Core's --optimizer-cpu-offload --optimizer-offload-fraction, "
-                  "DeepSpeed's offload_optimizer); needs the topology's node.host");
+                  "DeepSpeed's offload_optimizer), or 'auto': the search offloads what each plan "
+                  "needs to fit; needs the topology's node.host");
   cmd->add_flag("--offload-overlap", a.o.offload_overlap,
                 "with --optimizer-offload: copy gradients out, update and copy parameters back "
                 "tensor by tensor, concurrently (Megatron-Core's "
@@ -438,6 +450,22 @@ Status read_plan_choices(PlanArgs& a, const CLI::App& cmd) {
     p.schedule = *s;
   }
   if (!p.tp || !p.pp) a.search = true;
+  if (a.optimizer_offload == "auto") {
+    if (!a.search) {
+      return Error(
+          "--optimizer-offload auto lets the search offload what each plan needs; the builder "
+          "takes a fraction (e.g. --optimizer-offload 0.5), or drop --tp/--pp to search");
+    }
+    a.offload_as_needed = true;
+  } else if (!a.optimizer_offload.empty()) {
+    std::optional<double> f = parse_fraction(a.optimizer_offload);
+    if (!f) {
+      return Error(
+          fmt::format("--optimizer-offload '{}': expected a fraction from 0 to 1 or 'auto'",
+                      a.optimizer_offload));
+    }
+    a.o.optimizer_offload = *f;
+  }
   if (a.search && (given("--shard-head") || given("--shard-embedding"))) {
     return Error(
         "--shard-head and --shard-embedding are for the builder: give --tp and --pp (the "

@@ -25,6 +25,10 @@ struct PlanArgs {
   std::string schedule = "1f1b";
   std::string precision;
   std::string loss;  // the model's cross-entropy kernel, replaced
+  // Optimizer offloading: a fraction (into o.optimizer_offload), or "auto" for the search
+  // (SearchOptions::offload_as_needed).
+  std::string optimizer_offload;
+  bool offload_as_needed = false;
   std::string output;
   // Search.
   bool search = false;

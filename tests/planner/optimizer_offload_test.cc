@@ -1,6 +1,7 @@
 // Optimizer offloading in plans: the builder's options, the compiled memory and optimizer step,
 // the host's memory check, and the search planning with it.
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -111,9 +112,19 @@ TEST(OptimizerOffloadPlan, BadOptionsAreRefused) {
 TEST(OptimizerOffloadPlan, NeedsAHostThatHoldsIt) {
   Topology no_host = one_node();
   no_host.has_host = false;
+  // The builder refuses, and so does the compiler a plan written for another cluster.
   Expected<Program> p = compile_gpt(no_host, 1, false);
   ASSERT_FALSE(p.ok());
   EXPECT_NE(p.error().message().find("describes no host: add node.host"), std::string::npos)
+      << p.error().message();
+  Expected<Plan> offloading =
+      build_megatron_plan(*load_model("gpt3-1.3b"), one_node(), gpt_options(1, false));
+  ASSERT_TRUE(offloading.ok()) << offloading.error().message();
+  p = compile_plan(*offloading, no_host);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.error().message().find("optimizer.offload_fraction 1 keeps optimizer state in host "
+                                     "memory"),
+            std::string::npos)
       << p.error().message();
 
   Topology small = one_node();
@@ -149,6 +160,49 @@ TEST(OptimizerOffloadPlan, TheSearchPlansWithTheStateOnTheHost) {
   Expected<SearchResult> refused = search_plans(m, no_host, o);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.error().message().find("describes no host"), std::string::npos);
+}
+
+// Offloading as needed: plans that fit on their GPUs keep their state there; those that do not
+// offload the least fraction, in hundredths, that makes them fit.
+TEST(OptimizerOffloadPlan, TheSearchOffloadsWhatEachPlanNeeds) {
+  const Topology t = one_node();
+  const ModelSpec m = *load_model("llama3-70b");
+  SearchOptions o;
+  o.global_batch = 16;
+  o.jobs = 2;
+  o.confirm = 0;
+  o.top = 1000;
+  o.offload_as_needed = true;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  ASSERT_FALSE(r->ranked.empty());
+  const double usable = t.gpu.hbm_bytes * (1 - o.memory_headroom);
+  auto peak = [&](MegatronOptions opts, double fraction) {
+    opts.optimizer_offload = fraction;
+    Expected<Plan> plan = build_megatron_plan(m, t, opts);
+    EXPECT_TRUE(plan.ok()) << plan.error().message();
+    Expected<Program> prog = compile_plan(*plan, t);
+    EXPECT_TRUE(prog.ok()) << prog.error().message();
+    return estimate_program(*prog).peak_memory;
+  };
+  int partial = 0;
+  for (const Candidate& c : r->ranked) {
+    const double f = c.options.optimizer_offload;
+    ASSERT_GT(f, 0) << c.describe();  // 70B does not fit on 8 GPUs with its state
+    EXPECT_NEAR(f * 100, std::round(f * 100), 1e-9) << c.describe();
+    EXPECT_LE(c.estimate.peak_memory, usable) << c.describe();
+    if (f < 1 && partial < 3) {
+      ++partial;
+      EXPECT_GT(peak(c.options, f - 0.01), usable) << c.describe();
+    }
+  }
+  EXPECT_GT(partial, 0);
+
+  // Both a fraction and "as needed" is refused.
+  o.optimizer_offload = 0.5;
+  Expected<SearchResult> both = search_plans(m, t, o);
+  ASSERT_FALSE(both.ok());
+  EXPECT_NE(both.error().message().find("not both"), std::string::npos);
 }
 
 }  // namespace

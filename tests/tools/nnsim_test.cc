@@ -291,6 +291,17 @@ TEST(NnsimTool, PlanAndSimulateOffloadTheOptimizer) {
   no_host[std::find(no_host.begin(), no_host.end(), "dgx-a100x4") - no_host.begin()] = "h200x8";
   no_host[std::find(no_host.begin(), no_host.end(), "32") - no_host.begin()] = "8";
   expect_error(box.nnsim(no_host), {"topology 'h200x8' describes no host", "node.host"});
+  // "auto" is the search's; the builder takes a fraction.
+  expect_error(box.nnsim(with({"--optimizer-offload", "auto"}, "bad.json")),
+               {"--optimizer-offload auto", "the builder takes a fraction"});
+  expect_error(box.nnsim(with({"--optimizer-offload", "half"}, "bad.json")),
+               {"--optimizer-offload 'half'", "a fraction from 0 to 1 or 'auto'"});
+  RunResult search = box.nnsim({"plan", "--model", "llama3-70b", "--topo", "dgx-a100x4", "--nodes",
+                                "1", "--global-batch", "16", "--confirm", "1",
+                                "--optimizer-offload", "auto", "-o", "auto.json"});
+  ASSERT_EQ(search.status, 0) << search;
+  expect_matches(search.out, R"(\n +1 +tp\S+ .* offload[0-9.]+ )");
+  EXPECT_GT(box.read_json("auto.json")["optimizer"]["offload_fraction"].get<double>(), 0);
   // A host too small for the offloaded state.
   expect_error(
       box.nnsim({"--topo", "dgx-a100x4", "--topo-set", "node.host.memory=1 GB", "host.json"}),
