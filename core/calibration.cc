@@ -29,6 +29,9 @@ constexpr ComputeField kComputeFields[] = {
     {"elementwise_traffic", &ComputeModel::elementwise_traffic},
     {"kernel_overhead", &ComputeModel::kernel_overhead},
     {"comm_interference", &ComputeModel::comm_interference},
+    {"host_to_device_efficiency", &ComputeModel::host_to_device_efficiency},
+    {"device_to_host_efficiency", &ComputeModel::device_to_host_efficiency},
+    {"host_memory_efficiency", &ComputeModel::host_memory_efficiency},
 };
 
 constexpr Precision kPrecisions[] = {Precision::kFp32, Precision::kTf32, Precision::kBf16,

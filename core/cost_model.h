@@ -65,6 +65,14 @@ struct ComputeModel {
   // memory bandwidth): compute takes (1 + comm_interference) as long.
   double comm_interference = 0.1;
 
+  // Optimizer offloading (core/optimizer_offload.h): PCIe's achieved over its raw bandwidth,
+  // host to device and device to host (nvbandwidth on an 8x H200 node, refs.yaml
+  // nvlink-p2p-h200: 55.43 and 55.06 GB/s over PCIe Gen5 x16's 64 GB/s), and the host's Adam
+  // over the host's peak memory bandwidth (no measurement: 1, the bound).
+  double host_to_device_efficiency = 55.43 / 64.0;
+  double device_to_host_efficiency = 55.06 / 64.0;
+  double host_memory_efficiency = 1.0;
+
   // Defaults for a GPU and attention library (docs/cost-model.md).
   static ComputeModel defaults_for(const GpuSpec& gpu, AttentionLibrary attention);
   static ComputeModel defaults_for(const GpuSpec& gpu);

@@ -17,15 +17,17 @@ OffloadedStep offloaded_optimizer_step(double params, double largest_tensor,
     return s;
   }
   const HostSpec& host = topology.host;
-  s.to_host = host_params * optimizer.grad_bytes / (host.link_bandwidth * kDeviceToHostEfficiency);
-  s.to_device =
-      host_params * optimizer.offload_param_bytes / (host.link_bandwidth * kHostToDeviceEfficiency);
+  s.to_host =
+      host_params * optimizer.grad_bytes / (host.link_bandwidth * model.device_to_host_efficiency);
+  s.to_device = host_params * optimizer.offload_param_bytes /
+                (host.link_bandwidth * model.host_to_device_efficiency);
   // Host memory traffic per parameter: the copied-in gradient written and read, Adam's state
   // read and written, the updated parameter read by the copy back. Every GPU of the node
   // updates its shard at once, so each gets its share of the bandwidth.
   const double traffic =
       2 * optimizer.grad_bytes + 2 * optimizer.state_bytes + optimizer.offload_param_bytes;
-  s.host = host_params * traffic / (host.memory_bandwidth / topology.gpus_per_node);
+  s.host = host_params * traffic /
+           (host.memory_bandwidth * model.host_memory_efficiency / topology.gpus_per_node);
   if (optimizer.offload_overlap) {
     // Tensor by tensor: the copies and the update pipeline, so the slowest of them (or the
     // GPU's own part) sets the pace and the largest tensor passes through the other two.

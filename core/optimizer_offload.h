@@ -10,11 +10,6 @@
 
 namespace nnsim {
 
-// PCIe's achieved over its raw bandwidth, host to device and device to host: nvbandwidth on an
-// 8x H200 node (refs.yaml nvlink-p2p-h200: 55.43 and 55.06 GB/s over PCIe Gen5 x16's 64 GB/s).
-inline constexpr double kHostToDeviceEfficiency = 55.43 / 64.0;
-inline constexpr double kDeviceToHostEfficiency = 55.06 / 64.0;
-
 // The parts of one device's optimizer step with `params` parameters in its optimizer shard,
 // the largest of its tensors `largest_tensor` parameters, `offload_fraction` of them on the host.
 struct OffloadedStep {

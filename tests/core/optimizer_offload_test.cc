@@ -71,6 +71,20 @@ TEST(OptimizerOffload, OverlapPipelinesTheCopiesAndTheUpdate) {
   EXPECT_DOUBLE_EQ(one.seconds, slowest + serial.seconds);
 }
 
+// The efficiencies are the compute model's, which a calibration file can replace.
+TEST(OptimizerOffload, TheModelsEfficienciesApply) {
+  const Topology t = host_node();
+  ComputeModel m = ComputeModel::defaults_for(t.gpu);
+  const OffloadedStep before = offloaded_optimizer_step(1e9, 1e7, offloading(1, false), t, m);
+  m.host_memory_efficiency = 0.5;
+  m.host_to_device_efficiency = 0.5;
+  m.device_to_host_efficiency = 0.25;
+  const OffloadedStep after = offloaded_optimizer_step(1e9, 1e7, offloading(1, false), t, m);
+  EXPECT_DOUBLE_EQ(after.host, 2 * before.host);
+  EXPECT_DOUBLE_EQ(after.to_device, 4e9 / (16e9 * 0.5));
+  EXPECT_DOUBLE_EQ(after.to_host, 4e9 / (16e9 * 0.25));
+}
+
 TEST(OptimizerOffload, HostKeepsTheStateAndAGradientCopy) {
   EXPECT_DOUBLE_EQ(offloaded_host_bytes(1e9, offloading(0.25, false)), 0.25e9 * (12 + 4));
   EXPECT_DOUBLE_EQ(offloaded_host_bytes(1e9, offloading(0, false)), 0);
