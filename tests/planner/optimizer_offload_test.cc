@@ -138,15 +138,22 @@ TEST(OptimizerOffloadPlan, NeedsAHostThatHoldsIt) {
   EXPECT_TRUE(check_memory_fits(*compile_gpt(one_node(), 1, false)).ok());
 }
 
+// Searches for Llama 3 70B on one DGX A100, 16 sequences a step, every candidate ranked.
+SearchOptions search_options() {
+  SearchOptions o;
+  o.global_batch = 16;
+  o.jobs = 2;
+  o.confirm = 0;
+  o.top = 1000;
+  return o;
+}
+
 // Llama 3 70B on one DGX A100: no plan fits on the GPUs alone; with the optimizer on the host,
 // the search finds plans, every one of them offloading.
 TEST(OptimizerOffloadPlan, TheSearchPlansWithTheStateOnTheHost) {
   const Topology t = one_node();
   const ModelSpec m = *load_model("llama3-70b");
-  SearchOptions o;
-  o.global_batch = 16;
-  o.jobs = 2;
-  o.confirm = 0;
+  SearchOptions o = search_options();
   EXPECT_FALSE(search_plans(m, t, o).ok());
   o.optimizer_offload = 1;
   Expected<SearchResult> r = search_plans(m, t, o);
@@ -167,11 +174,7 @@ TEST(OptimizerOffloadPlan, TheSearchPlansWithTheStateOnTheHost) {
 TEST(OptimizerOffloadPlan, TheSearchOffloadsWhatEachPlanNeeds) {
   const Topology t = one_node();
   const ModelSpec m = *load_model("llama3-70b");
-  SearchOptions o;
-  o.global_batch = 16;
-  o.jobs = 2;
-  o.confirm = 0;
-  o.top = 1000;
+  SearchOptions o = search_options();
   o.offload_as_needed = true;
   Expected<SearchResult> r = search_plans(m, t, o);
   ASSERT_TRUE(r.ok()) << r.error().message();
