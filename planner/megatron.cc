@@ -496,6 +496,10 @@ std::string plan_name(const ModelSpec& model, const MegatronOptions& o, int dp) 
   if (!o.recompute_modules.empty()) {
     name += fmt::format(" recompute-modules {}", fmt::join(o.recompute_modules, ","));
   }
+  if (o.optimizer_offload > 0) {
+    name +=
+        fmt::format(" offload {:g}{}", o.optimizer_offload, o.offload_overlap ? " overlap" : "");
+  }
   if (!o.stage_layers.empty()) {
     name += fmt::format(" layers {}", fmt::join(o.stage_layers, ","));
   }

@@ -270,6 +270,8 @@ TEST(NnsimTool, PlanAndSimulateOffloadTheOptimizer) {
   const json opt = box.read_json("host.json")["optimizer"];
   EXPECT_EQ(opt["offload_fraction"], 0.5);
   EXPECT_EQ(opt["offload_overlap"], true);
+  EXPECT_TRUE(contains(box.read_json("host.json")["name"].get<std::string>(),
+                       " offload 0.5 overlap"));
   RunResult gpu = box.nnsim({"--topo", "dgx-a100x4", "gpu.json", "--json", "gpu-r.json"});
   RunResult host = box.nnsim({"--topo", "dgx-a100x4", "host.json", "--json", "host-r.json"});
   ASSERT_EQ(gpu.status, 0) << gpu;
