@@ -119,11 +119,16 @@ Status check_memory_fits(const Program& program) {
       "the plan does not fit in memory: GPU {} ({}) needs {} but has {} ({}): {} over.\n"
       "  largest parts: {}.\n"
       "  try activation recomputation (--recompute selective or full), optimizer sharding "
-      "(--zero 1..3), more pipeline or tensor parallelism{}, or a smaller micro-batch",
+      "(--zero 1..3), more pipeline or tensor parallelism{}, {}or a smaller micro-batch",
       lane.gpus.front(), where.empty() ? "every stage" : where, format_bytes(p.peak),
       format_bytes(capacity), program.topology.gpu.name, format_bytes(p.peak - capacity), what,
       // A mixture of experts can also spread its experts.
-      program.plan.model.moe() ? ", expert parallelism (--ep)" : ""));
+      program.plan.model.moe() ? ", expert parallelism (--ep)" : "",
+      // A cluster with a host can take optimizer state the plan keeps on the GPUs.
+      program.topology.has_host && program.plan.optimizer.offload_fraction < 1 &&
+              lane.memory.optimizer > 0
+          ? "optimizer offloading (--optimizer-offload), "
+          : ""));
 }
 
 }  // namespace nnsim

@@ -1133,6 +1133,13 @@ Error Search::none_feasible() const {
             [](const auto& a, const auto& b) { return a.second > b.second; });
   for (const auto& [why, n] : sorted) msg += fmt::format("\n  {:>7} removed by {}", n, why);
   msg += "\nrelax the constraints that removed the most, or use more GPUs";
+  // Memory was what ruled plans out and the host could take optimizer state.
+  const bool memory = std::any_of(sorted.begin(), sorted.end(), [](const auto& r) {
+    return r.first == "does not fit in memory";
+  });
+  if (memory && topo_.has_host && o_.optimizer_offload == 0 && !o_.offload_as_needed) {
+    msg += ", or keep optimizer state in host memory (--optimizer-offload auto)";
+  }
   return Error(msg);
 }
 

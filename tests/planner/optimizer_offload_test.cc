@@ -136,6 +136,21 @@ TEST(OptimizerOffloadPlan, NeedsAHostThatHoldsIt) {
   EXPECT_NE(fits.error().message().find("does not fit in host memory: node 0"), std::string::npos)
       << fits.error().message();
   EXPECT_TRUE(check_memory_fits(*compile_gpt(one_node(), 1, false)).ok());
+
+  // A plan too big for its GPUs: offloading is among the fixes where there is a host.
+  Topology tight = one_node();
+  tight.gpu.hbm_bytes = 1e9;
+  Expected<Program> big = compile_gpt(tight, 0, false);
+  ASSERT_TRUE(big.ok()) << big.error().message();
+  Status over = check_memory_fits(*big);
+  ASSERT_FALSE(over.ok());
+  EXPECT_NE(over.error().message().find("optimizer offloading (--optimizer-offload)"),
+            std::string::npos)
+      << over.error().message();
+  tight.has_host = false;
+  big = compile_gpt(tight, 0, false);
+  ASSERT_TRUE(big.ok()) << big.error().message();
+  EXPECT_EQ(check_memory_fits(*big).error().message().find("offload"), std::string::npos);
 }
 
 // Searches for Llama 3 70B on one DGX A100, 16 sequences a step, every candidate ranked.
@@ -154,7 +169,17 @@ TEST(OptimizerOffloadPlan, TheSearchPlansWithTheStateOnTheHost) {
   const Topology t = one_node();
   const ModelSpec m = *load_model("llama3-70b");
   SearchOptions o = search_options();
-  EXPECT_FALSE(search_plans(m, t, o).ok());
+  // Without: nothing fits, and the error points at the host.
+  Expected<SearchResult> none = search_plans(m, t, o);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.error().message().find("host memory (--optimizer-offload auto)"),
+            std::string::npos)
+      << none.error().message();
+  Topology no_host = t;
+  no_host.has_host = false;
+  none = search_plans(m, no_host, o);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.error().message().find("--optimizer-offload"), std::string::npos);
   o.optimizer_offload = 1;
   Expected<SearchResult> r = search_plans(m, t, o);
   ASSERT_TRUE(r.ok()) << r.error().message();
@@ -162,8 +187,6 @@ TEST(OptimizerOffloadPlan, TheSearchPlansWithTheStateOnTheHost) {
   for (const Candidate& c : r->ranked) EXPECT_EQ(c.options.optimizer_offload, 1);
   EXPECT_EQ(r->best.optimizer.offload_fraction, 1);
 
-  Topology no_host = t;
-  no_host.has_host = false;
   Expected<SearchResult> refused = search_plans(m, no_host, o);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.error().message().find("describes no host"), std::string::npos);
