@@ -7,8 +7,6 @@
 #include <algorithm>
 #include <set>
 
-#include "core/optimizer_offload.h"
-
 namespace nnsim::detail {
 
 namespace {
@@ -175,9 +173,9 @@ void Compiler::add_epilogue(int o, Lane& lane, const std::vector<int>& segs) {
       if (seg.embedding) consider(embed);
       if (seg.head) consider(head);
     }
-    opt.seconds = offloaded_optimizer_step(local_params, largest_tensor, plan.optimizer, topology,
-                                           prog.compute_model)
-                      .seconds;
+    lane.offloaded_step = offloaded_optimizer_step(local_params, largest_tensor, plan.optimizer,
+                                                   topology, prog.compute_model);
+    opt.seconds = lane.offloaded_step.seconds;
   } else {
     opt.seconds = optimizer_seconds(local_params, plan.optimizer.grad_bytes,
                                     plan.optimizer.state_bytes, topology.gpu, prog.compute_model);

@@ -19,6 +19,7 @@
 #include "core/layout.h"
 #include "core/network.h"
 #include "core/opgraph.h"
+#include "core/optimizer_offload.h"
 #include "core/plan.h"
 #include "core/topology.h"
 
@@ -124,6 +125,8 @@ struct Lane {
   StaticMemory memory;
   double parameters = 0;  // parameters held per device (before ZeRO sharding)
   double host_bytes = 0;  // host memory a device's offloaded optimizer shard takes
+  // Optimizer offloading: the parts of the optimizer step (all 0 without offloading).
+  OffloadedStep offloaded_step;
 };
 
 struct Program {

@@ -89,16 +89,26 @@ std::string report_json(const Program& program, const SimResult& r,
                      {"lanes_simulated", r.simulated_lanes},
                      {"replicas_simulated", r.replicas_simulated}};
   json lanes = json::array();
-  for (const auto& l : r.lanes) {
+  for (size_t i = 0; i < r.lanes.size(); ++i) {
+    const LaneReport& l = r.lanes[i];
     json timeline = json::array();
     for (const auto& p : l.memory_timeline) timeline.push_back({p.time, p.bytes});
-    lanes.push_back({{"name", l.name},
-                     {"gpus", l.gpus},
-                     {"parameters", l.parameters},
-                     {"finish_s", l.finish_time},
-                     {"breakdown", breakdown_json(l.breakdown)},
-                     {"memory", memory_json(l)},
-                     {"memory_timeline", timeline}});
+    json lane = {{"name", l.name},
+                 {"gpus", l.gpus},
+                 {"parameters", l.parameters},
+                 {"finish_s", l.finish_time},
+                 {"breakdown", breakdown_json(l.breakdown)},
+                 {"memory", memory_json(l)},
+                 {"memory_timeline", timeline}};
+    if (program.plan.optimizer.offload_fraction > 0) {
+      const OffloadedStep& o = program.lanes[i].offloaded_step;
+      lane["optimizer_offload"] = {{"step_s", o.seconds},
+                                   {"to_host_s", o.to_host},
+                                   {"host_s", o.host},
+                                   {"to_device_s", o.to_device},
+                                   {"gpu_s", o.gpu}};
+    }
+    lanes.push_back(lane);
   }
   j["lanes"] = lanes;
   // Every GPU of the job: replicas that were not simulated mirror replica 0.

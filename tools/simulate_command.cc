@@ -53,6 +53,22 @@ void print_report(const Program& prog, const SimResult& r,
   if (const NodeHostMemory host = busiest_host_memory(prog); host.node >= 0) {
     std::printf("  host memory      %s of %s (node %d: offloaded optimizer state and gradients)\n",
                 format_bytes(host.bytes).c_str(), format_bytes(t.host.memory).c_str(), host.node);
+    // The lane whose offloaded step is longest, part by part.
+    size_t slowest = 0;
+    for (size_t i = 0; i < prog.lanes.size(); ++i) {
+      if (prog.lanes[i].offloaded_step.seconds > prog.lanes[slowest].offloaded_step.seconds) {
+        slowest = i;
+      }
+    }
+    const OffloadedStep& o = prog.lanes[slowest].offloaded_step;
+    std::printf(
+        "  optimizer step   %s (%s): gradients to the host %s, the host's update %s, parameters "
+        "back %s%s, %s\n",
+        format_seconds(o.seconds).c_str(), r.lanes[slowest].name.c_str(),
+        format_seconds(o.to_host).c_str(), format_seconds(o.host).c_str(),
+        format_seconds(o.to_device).c_str(),
+        o.gpu > 0 ? fmt::format(", the GPU's part {}", format_seconds(o.gpu)).c_str() : "",
+        prog.plan.optimizer.offload_overlap ? "overlapped tensor by tensor" : "one after another");
   }
   // Per-lane breakdown.
   std::vector<std::string> groups;

@@ -270,8 +270,8 @@ TEST(NnsimTool, PlanAndSimulateOffloadTheOptimizer) {
   const json opt = box.read_json("host.json")["optimizer"];
   EXPECT_EQ(opt["offload_fraction"], 0.5);
   EXPECT_EQ(opt["offload_overlap"], true);
-  EXPECT_TRUE(contains(box.read_json("host.json")["name"].get<std::string>(),
-                       " offload 0.5 overlap"));
+  EXPECT_TRUE(
+      contains(box.read_json("host.json")["name"].get<std::string>(), " offload 0.5 overlap"));
   RunResult gpu = box.nnsim({"--topo", "dgx-a100x4", "gpu.json", "--json", "gpu-r.json"});
   RunResult host = box.nnsim({"--topo", "dgx-a100x4", "host.json", "--json", "host-r.json"});
   ASSERT_EQ(gpu.status, 0) << gpu;
@@ -284,6 +284,17 @@ TEST(NnsimTool, PlanAndSimulateOffloadTheOptimizer) {
   EXPECT_EQ(h["host_memory_capacity_bytes"], 2e12);
   EXPECT_GT(h["host_memory_bytes"].get<double>(), 0);
   EXPECT_LT(h["peak_memory_bytes"].get<double>(), g["peak_memory_bytes"].get<double>());
+  // The offloaded step part by part: the lane's optimizer time is the step.
+  EXPECT_FALSE(g["lanes"][0].contains("optimizer_offload"));
+  const json parts = h["lanes"][0]["optimizer_offload"];
+  EXPECT_NEAR(parts["step_s"].get<double>(),
+              h["lanes"][0]["breakdown"]["optimizer_s"].get<double>(), 1e-12);
+  for (const char* part : {"to_host_s", "host_s", "to_device_s", "gpu_s"}) {
+    EXPECT_GT(parts[part].get<double>(), 0) << part;
+    EXPECT_LT(parts[part].get<double>(), parts["step_s"].get<double>()) << part;
+  }
+  expect_matches(host.out, R"(optimizer step +[0-9.]+ m?s \(pp=0\): gradients to the host .*, )"
+                           R"(overlapped tensor by tensor)");
   EXPECT_GT(h["iteration_time_s"].get<double>(), g["iteration_time_s"].get<double>());
 
   expect_error(box.nnsim(with({"--optimizer-offload", "2"}, "bad.json")),
