@@ -619,7 +619,9 @@ void Search::add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleK
     b.moe_deepep = o_.moe_deepep;
     b.moe_shared_expert_overlap = o_.moe_shared_expert_overlap && ep > 1;
     b.optimizer_offload = o_.optimizer_offload;
-    b.offload_overlap = o_.offload_overlap;
+    // Under `offload_as_needed` a candidate that fits offloads nothing (fit_by_offloading sets
+    // the overlap with the fraction).
+    b.offload_overlap = o_.offload_overlap && o_.optimizer_offload > 0;
     b.costs = o_.compile;
     b.placement = pl.order;
     if (fixed_layers_) b.stage_layers = *fixed_layers_;

@@ -224,6 +224,18 @@ TEST(OptimizerOffloadPlan, TheSearchOffloadsWhatEachPlanNeeds) {
   }
   EXPECT_GT(partial, 0);
 
+  // With the overlap: the same plans, each offloading one overlapped.
+  o.offload_overlap = true;
+  Expected<SearchResult> overlapped = search_plans(m, t, o);
+  ASSERT_TRUE(overlapped.ok()) << overlapped.error().message();
+  ASSERT_FALSE(overlapped->ranked.empty());
+  for (const Candidate& c : overlapped->ranked) {
+    EXPECT_TRUE(c.options.offload_overlap) << c.describe();
+  }
+  EXPECT_LT(overlapped->ranked.front().estimate.iteration_time,
+            r->ranked.front().estimate.iteration_time);
+  o.offload_overlap = false;
+
   // Both a fraction and "as needed" is refused.
   o.optimizer_offload = 0.5;
   Expected<SearchResult> both = search_plans(m, t, o);
