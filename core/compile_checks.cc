@@ -202,14 +202,7 @@ Status Compiler::check_spanning() {
   const int dp_axis = mesh.axis_index(kDataParallelAxis);
   for (size_t s = 0; s < plan.segments.size(); ++s) {
     const Segment& seg = plan.segments[s];
-    std::vector<const PartInfo*> parts;
-    if (seg.embedding) parts.push_back(&embed);
-    const std::vector<int> count = layer_counts(seg);
-    for (size_t b = 0; b < blocks.size(); ++b) {
-      if (count[b] > 0) parts.push_back(&blocks[b]);
-    }
-    if (seg.head) parts.push_back(&head);
-    for (const PartInfo* p : parts) {
+    for (const PartInfo* p : segment_parts(seg)) {
       for (size_t i = 0; i < p->partitions.size(); ++i) {
         const std::string& op = p->part->ops[i].name;
         for (size_t a = 0; a < mesh.axes.size(); ++a) {

@@ -161,17 +161,10 @@ void Compiler::add_epilogue(int o, Lane& lane, const std::vector<int>& segs) {
   if (plan.optimizer.offload_fraction > 0) {
     // The CPU updates its fraction tensor by tensor; a tensor's piece is at most the shard.
     double largest_tensor = 0;
-    auto consider = [&](const PartInfo& p) {
-      for (double t : p.weight_tensors) largest_tensor = std::max(largest_tensor, t);
-    };
     for (int s : segs) {
-      const Segment& seg = plan.segments[s];
-      const std::vector<int> count = layer_counts(seg);
-      for (size_t b = 0; b < blocks.size(); ++b) {
-        if (count[b] > 0) consider(blocks[b]);
+      for (const PartInfo* p : segment_parts(plan.segments[s])) {
+        for (double t : p->weight_tensors) largest_tensor = std::max(largest_tensor, t);
       }
-      if (seg.embedding) consider(embed);
-      if (seg.head) consider(head);
     }
     lane.offloaded_step = offloaded_optimizer_step(local_params, largest_tensor, plan.optimizer,
                                                    topology, prog.compute_model);

@@ -234,6 +234,17 @@ struct Compiler {
     for (int l = s.first_layer; l < s.end_layer; ++l) ++n[prog.graph.block_index(l)];
     return n;
   }
+  // The resolved parts a segment runs: its embedding, the blocks of its layers, its head.
+  std::vector<const PartInfo*> segment_parts(const Segment& s) const {
+    std::vector<const PartInfo*> out;
+    if (s.embedding) out.push_back(&embed);
+    const std::vector<int> count = layer_counts(s);
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      if (count[b] > 0) out.push_back(&blocks[b]);
+    }
+    if (s.head) out.push_back(&head);
+    return out;
+  }
   // The resolved parts: the embedding, the blocks and the head.
   std::vector<const PartInfo*> parts() const {
     std::vector<const PartInfo*> out{&embed};
