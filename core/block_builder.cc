@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <numeric>
 
+#include "core/activation_offload.h"
+
 namespace nnsim::detail {
 
 BlockBuilder::BlockBuilder(Compiler& c, BlockTemplate& t, bool grad_sync, bool explicit_recompute,
@@ -55,6 +57,10 @@ BlockBuilder::BlockBuilder(Compiler& c, BlockTemplate& t, bool grad_sync, bool e
 
   collect_units();
   install_tensor_prefetch();
+  if (plan_.activation_offload_layers > 0) {
+    offload_window_ =
+        activation_offload_windows(s_.end_layer - s_.first_layer, plan_.activation_offload_layers);
+  }
   act_ = activations();
 }
 
@@ -296,6 +302,50 @@ void BlockBuilder::install_tensor_prefetch() {
   };
 }
 
+// Transformer Engine's offload handler: the first layer's end starts copying its activations;
+// a window's last layer waits for the copy under way, frees that layer's activations and
+// starts the next offloaded layer's copy.
+void BlockBuilder::offload_after_forward(int i) {
+  const int offloaded = static_cast<int>(offload_window_.size());
+  if (offloaded == 0) return;
+  if (i == 0) host_copy(0, true);
+  if (offload_count_ < offloaded && offload_window_[offload_count_] == i) {
+    host_copy_wait(true);
+    if (offload_count_ + 1 < offloaded) host_copy(offload_count_ + 1, true);
+    ++offload_count_;
+  }
+}
+
+// Backwards: a window's last layer (the first to run its backward) waits for the copies back
+// under way and starts its offloaded layer's; the first layer waits for the last of them.
+void BlockBuilder::reload_before_backward(int i) {
+  if (offload_window_.empty()) return;
+  if (offload_count_ >= 1 && offload_window_[offload_count_ - 1] == i) {
+    host_copy_wait(false);
+    host_copy(offload_count_ - 1, false);
+    --offload_count_;
+  }
+  if (i == 0) host_copy_wait(false);
+}
+
+void BlockBuilder::host_copy(int group, bool to_host) {
+  Step x;
+  x.kind = StepKind::kHostCopyLaunch;
+  x.to_host = to_host;
+  x.bytes = act_.layer_kept[group];
+  x.seconds = host_copy_seconds(x.bytes, to_host, c_.topo, c_.prog.compute_model);
+  x.label = c_.label(to_host ? "activation offload" : "activation reload");
+  steps_->push_back(x);
+}
+
+void BlockBuilder::host_copy_wait(bool to_host) {
+  Step w;
+  w.kind = StepKind::kHostCopyWait;
+  w.to_host = to_host;
+  w.label = c_.label(to_host ? "activation offload" : "activation reload");
+  steps_->push_back(w);
+}
+
 BlockBuilder::Activations BlockBuilder::activations() const {
   const PartInfo& embed = c_.embed;
   const PartInfo& head = c_.head;
@@ -311,6 +361,10 @@ BlockBuilder::Activations BlockBuilder::activations() const {
     const double layer_weight_inputs = c_.kept_bytes(p, layer_in(l), r, true);
     a.kept_layers += layer_kept;
     a.kept += layer_kept;
+    if (!offload_window_.empty()) {
+      a.layer_kept.push_back(layer_kept);
+      if (l - s_.first_layer < plan_.activation_offload_layers) a.offloaded += layer_kept;
+    }
     a.layers_weight_inputs += layer_weight_inputs;
     a.kept_weight_inputs += layer_weight_inputs;
   }
@@ -362,6 +416,54 @@ double BlockBuilder::forward_peak() const {
   so_far += act_.kept_layers;
   if (s_.head) worst = std::max(worst, so_far + act_.kept_head + c_.transient_bytes(c_.head));
   return worst;
+}
+
+double BlockBuilder::offload_forward_peak() const {
+  double so_far = act_.kept - act_.kept_layers - act_.kept_head;  // the embedding's
+  double worst = s_.embedding ? so_far + c_.transient_bytes(c_.embed) : 0.0;
+  const int offloaded = plan_.activation_offload_layers;
+  double resident = 0;  // what the layers before i still hold
+  int released = 0;     // offloaded layers whose copy a forward has waited for
+  for (int i = 0; i < s_.end_layer - s_.first_layer; ++i) {
+    const int l = s_.first_layer + i;
+    const PartInfo& p = c_.layer_at(l);
+    const double peak = c_.running_transient_bytes(p, layer_in(l), c_.recomputed_ops(p, l));
+    worst = std::max(worst, so_far + resident + act_.layer_kept[i] + peak);
+    resident += act_.layer_kept[i];
+    if (released < offloaded && offload_window_[released] == i) {
+      resident -= act_.layer_kept[released++];
+    }
+  }
+  so_far += resident;
+  if (s_.head) worst = std::max(worst, so_far + act_.kept_head + c_.transient_bytes(c_.head));
+  return worst;
+}
+
+double BlockBuilder::offload_backward_peak() const {
+  const int offloaded = plan_.activation_offload_layers;
+  double worst = 0, freed_before = 0;
+  if (s_.head) {
+    worst = c_.transient_bytes(c_.head);
+    freed_before = act_.kept_head;
+  }
+  double freed_later = 0;  // what the backwards of the resident layers after i freed
+  double reloaded = 0;     // offloaded layers copied back and not yet run
+  int next = offloaded - 1;
+  for (int i = s_.end_layer - s_.first_layer - 1; i >= 0; --i) {
+    const int l = s_.first_layer + i;
+    if (next >= 0 && offload_window_[next] == i) reloaded += act_.layer_kept[next--];
+    const PartInfo& p = c_.layer_at(l);
+    const double peak = c_.running_transient_bytes(p, layer_in(l), c_.recomputed_ops(p, l), false);
+    worst = std::max(worst, peak + reloaded - freed_before - freed_later);
+    if (i < offloaded) {
+      reloaded -= act_.layer_kept[i];
+    } else {
+      freed_later += act_.layer_kept[i];
+    }
+  }
+  freed_before += freed_later;
+  if (s_.embedding) worst = std::max(worst, c_.transient_bytes(c_.embed) - freed_before);
+  return worst + act_piece_;
 }
 
 // The parts' backwards run one after another, each freeing what its forward kept before the

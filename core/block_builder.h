@@ -47,6 +47,10 @@ class BlockBuilder {
     double kept_layers = 0, layers_weight_inputs = 0;
     double kept_head = 0, head_weight_inputs = 0;
     double transient = 0;  // the largest transient of a part
+    // Activation offloading: what each of the segment's layers keeps, and of it the offloaded
+    // layers' (Plan::activation_offload_layers; empty and 0 without).
+    std::vector<double> layer_kept;
+    double offloaded = 0;
   };
 
   void forward();
@@ -82,12 +86,24 @@ class BlockBuilder {
   // DeepSpeed's prefetch (comm.zero3_prefetch_elements): installs the compiler's before_op hook.
   void install_tensor_prefetch();
 
+  // Activation offloading: after layer `i` (of the segment) ran its forward, the copies to the
+  // host its end starts and waits for; before layer `i`'s backward, those back.
+  void offload_after_forward(int i);
+  void reload_before_backward(int i);
+  void host_copy(int group, bool to_host);
+  void host_copy_wait(bool to_host);
+
   Activations activations() const;
   // The forward's peak above the block's start: each part's transient on what it and the parts
   // before it keep.
   double forward_peak() const;
   // The backward's peak: its parts free their activations one after another.
   double backward_peak(bool input_half, bool recompute_inside) const;
+  // The same with activation offloading (no recomputation, whole backwards): an offloaded
+  // layer's activations stay until its window's last forward has run, and come back at its
+  // window's first backward.
+  double offload_forward_peak() const;
+  double offload_backward_peak() const;
 
   Compiler& c_;
   const Plan& plan_;
@@ -127,6 +143,10 @@ class BlockBuilder {
   size_t next_use_ = 0, launched_ = 0;
 
   Activations act_;
+  // Activation offloading: each offloaded layer's window end (activation_offload_windows), and
+  // how many layers' copies the forward has waited for (the backward: not yet reloaded).
+  std::vector<int> offload_window_;
+  int offload_count_ = 0;
 };
 
 }  // namespace nnsim::detail

@@ -108,7 +108,10 @@ void BlockBuilder::forward() {
     append_conversions(conversions(c_.boundary, embed_out_, embed_boundary_, c_.mesh),
                        c_.label("embed.partial-sums"), t_.steps);
   }
-  for (int l = s_.first_layer; l < s_.end_layer; ++l) forward_part(c_.layer_at(l), l, layer_in(l));
+  for (int l = s_.first_layer; l < s_.end_layer; ++l) {
+    forward_part(c_.layer_at(l), l, layer_in(l));
+    offload_after_forward(l - s_.first_layer);
+  }
   if (s_.head) forward_part(head, -1, layer_out_);
   for (int l : send_next_lanes_) send(next_, l, false, segment_out_);
   if (role & 4) {
@@ -116,9 +119,10 @@ void BlockBuilder::forward() {
       if (c_.source_lane(seg_, l) == t_.lane) send(first_seg, l, false, layer_out_, true);
     }
   }
-  t_.peak_bytes = forward_peak();
+  t_.peak_bytes = offload_window_.empty() ? forward_peak() : offload_forward_peak();
   if (role & 1) return;  // an earlier pass holds its activations only while it runs
-  t_.kept_bytes = act_.kept + c_.retained_output_bytes(seg_);
+  t_.kept_bytes = act_.kept - act_.offloaded + c_.retained_output_bytes(seg_);
+  c_.offloaded_activations[t_.lane] = std::max(c_.offloaded_activations[t_.lane], act_.offloaded);
   memory(t_.kept_bytes);
 }
 
@@ -205,7 +209,9 @@ void BlockBuilder::backward() {
     grads_ready(backward_units_[next_unit_ - 1]);
   };
   if (s_.head) backward_part(head, -1, layer_out_, layer_out_grad_);
+  offload_count_ = static_cast<int>(offload_window_.size());
   for (int l = s_.end_layer - 1; l >= s_.first_layer; --l) {
+    reload_before_backward(l - s_.first_layer);
     backward_part(c_.layer_at(l), l, layer_in(l), layer_in_grad(l));
   }
   if (s_.embedding) backward_part(embed, -1, embed_out_, embed_out_grad_);
@@ -231,7 +237,7 @@ void BlockBuilder::backward() {
   const bool recompute_inside = input_grads && !explicit_recompute_ && c_.has_recompute(seg_);
   double freed = 0;
   if (kind == BlockKind::kBackward) {
-    freed = act_.kept;
+    freed = act_.kept - act_.offloaded;  // the offloaded come back and go within the block
     if (explicit_recompute_) {
       for (int l = s_.first_layer; l < s_.end_layer; ++l) {
         freed += c_.recomputed_bytes(c_.layer_at(l), layer_in(l), l);
@@ -257,6 +263,8 @@ void BlockBuilder::backward() {
     t_.peak_bytes = worst + act_piece_;
   } else if (explicit_recompute_) {
     t_.peak_bytes = act_.transient + act_piece_;
+  } else if (!offload_window_.empty()) {
+    t_.peak_bytes = offload_backward_peak();
   } else {
     t_.peak_bytes = backward_peak(kind == BlockKind::kBackwardInput, recompute_inside);
   }

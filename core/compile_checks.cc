@@ -96,6 +96,52 @@ Status Compiler::check_basics() {
         "docs/topology.md) or set offload_fraction to 0",
         plan.optimizer.offload_fraction, topo.name));
   }
+  return check_activation_offload();
+}
+
+// Megatron-Core runs Transformer Engine's activation offloading on one pipeline stage without
+// recomputation (TransformerConfig refuses the rest), the only form nnsim models.
+Status Compiler::check_activation_offload() const {
+  const int n = plan.activation_offload_layers;
+  if (n == 0) return Status::Ok();
+  auto refuse = [&](const std::string& why) {
+    return Error(fmt::format("activation_offload_layers {}: {}; or set it to 0", n, why));
+  };
+  if (!topo.has_host) {
+    return refuse(fmt::format(
+        "offloaded activations live in host memory, but topology '{}' describes no host: add "
+        "node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
+        topo.name));
+  }
+  if (plan.framework != "megatron") {
+    return refuse(fmt::format(
+        "activation offloading is Megatron-Core's (--cpu-offloading, Transformer Engine's CPU "
+        "offload), not framework '{}''s; use framework megatron",
+        plan.framework));
+  }
+  if (plan.segments.size() != 1) {
+    return refuse(fmt::format(
+        "the plan has {} segments, but Megatron-Core offloads activations on one pipeline stage "
+        "only (\"no support for Pipeline parallelism with CPU offloading\"); use one segment "
+        "holding every layer",
+        plan.segments.size()));
+  }
+  if (!plan.recompute.empty()) {
+    return refuse(
+        "Megatron-Core does not offload activations with recomputation (\"CPU offloading does "
+        "not work when activation recomputation is enabled\"); remove the recompute rules");
+  }
+  if (plan.recycle > 1) return refuse("repeated forwards (training.recycle) are not offloaded");
+  for (const DeviceOrder& o : plan.schedule) {
+    for (const Block& b : o.blocks) {
+      if (b.kind != BlockKind::kForward && b.kind != BlockKind::kBackward) {
+        return refuse(fmt::format(
+            "the schedule runs block {}, but offloaded activations come back in a whole "
+            "backward (F and B blocks only)",
+            to_string(b)));
+      }
+    }
+  }
   return Status::Ok();
 }
 

@@ -150,6 +150,10 @@ void Compiler::build_memory(Lane& lane, int lane_index, const std::vector<int>& 
   m.optimizer =
       (1 - plan.optimizer.offload_fraction) * optimizer_params * plan.optimizer.state_bytes;
   lane.host_bytes = offloaded_host_bytes(optimizer_params, plan.optimizer);
+  if (auto it = offloaded_activations.find(lane_index); it != offloaded_activations.end()) {
+    lane.offloaded_activations = it->second;
+    lane.host_bytes += it->second;
+  }
   if (zero >= 3) {
     // Sharded weights plus the gathered copies of the layer in use and the one prefetched.
     double layer_params = 0;  // the largest block's

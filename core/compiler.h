@@ -186,6 +186,9 @@ struct Compiler {
   const Topology& topo;
   Program& prog;
   const Mesh& mesh;
+  // Activation offloading: by lane, the bytes of activations a micro-batch's forward copies to
+  // the host (its pinned buffers there).
+  std::map<int, double> offloaded_activations;
   Network net;
   PartInfo embed, head;
   std::vector<PartInfo> blocks;  // graph.blocks'
@@ -253,6 +256,7 @@ struct Compiler {
     return out;
   }
   Status check_basics();
+  Status check_activation_offload() const;
   // Every block shape leaves the hidden state in the first one's layout (a hybrid model's
   // residuals split alike).
   Status check_block_outputs() const;

@@ -86,13 +86,24 @@ namespace {
 Status check_host_memory_fits(const Program& program) {
   const NodeHostMemory host = busiest_host_memory(program);
   if (host.node < 0 || host.bytes <= program.topology.host.memory) return Status::Ok();
+  const Plan& plan = program.plan;
+  const bool optimizer = plan.optimizer.offload_fraction > 0;
+  const bool activations = plan.activation_offload_layers > 0;
+  const std::string what = optimizer && activations ? "optimizer state, gradients and activations"
+                           : optimizer              ? "optimizer state and gradient copies"
+                                                    : "activations";
+  std::string fixes;
+  if (optimizer) {
+    fixes += "a smaller optimizer.offload_fraction (--optimizer-offload), optimizer sharding "
+             "(--zero 1..3), ";
+  }
+  if (activations) fixes += "fewer activation_offload_layers (--activation-offload), ";
   return Error(fmt::format(
-      "the plan does not fit in host memory: node {}'s GPUs keep {} of offloaded optimizer state "
-      "and gradient copies there, but it has {}: {} over.\n"
-      "  try a smaller optimizer.offload_fraction (--optimizer-offload), optimizer sharding "
-      "(--zero 1..3), or more nodes",
-      host.node, format_bytes(host.bytes), format_bytes(program.topology.host.memory),
-      format_bytes(host.bytes - program.topology.host.memory)));
+      "the plan does not fit in host memory: node {}'s GPUs keep {} of offloaded {} there, but "
+      "it has {}: {} over.\n"
+      "  try {}or more nodes",
+      host.node, format_bytes(host.bytes), what, format_bytes(program.topology.host.memory),
+      format_bytes(host.bytes - program.topology.host.memory), fixes));
 }
 
 }  // namespace
@@ -119,7 +130,7 @@ Status check_memory_fits(const Program& program) {
       "the plan does not fit in memory: GPU {} ({}) needs {} but has {} ({}): {} over.\n"
       "  largest parts: {}.\n"
       "  try activation recomputation (--recompute selective or full), optimizer sharding "
-      "(--zero 1..3), more pipeline or tensor parallelism{}, {}or a smaller micro-batch",
+      "(--zero 1..3), more pipeline or tensor parallelism{}, {}{}or a smaller micro-batch",
       lane.gpus.front(), where.empty() ? "every stage" : where, format_bytes(p.peak),
       format_bytes(capacity), program.topology.gpu.name, format_bytes(p.peak - capacity), what,
       // A mixture of experts can also spread its experts.
@@ -128,6 +139,13 @@ Status check_memory_fits(const Program& program) {
       program.topology.has_host && program.plan.optimizer.offload_fraction < 1 &&
               lane.memory.optimizer > 0
           ? "optimizer offloading (--optimizer-offload), "
+          : "",
+      // And, on one pipeline stage without recomputation, activations (as Megatron-Core does).
+      program.topology.has_host && program.plan.framework == "megatron" &&
+              program.plan.segments.size() == 1 && program.plan.recompute.empty() &&
+              program.plan.recycle == 1 &&
+              program.plan.activation_offload_layers + 1 < program.plan.model.layers
+          ? "activation offloading (--activation-offload), "
           : ""));
 }
 

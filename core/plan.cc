@@ -538,7 +538,7 @@ void parse_schedule(const InputNode& sched, Plan& plan) {
 Plan parse_plan_node(const InputNode& root) {
   root.check_keys({"format", "version", "name", "topology", "model", "training", "mesh",
                    "placement", "segments", "partition", "recompute", "recompute_early_stop",
-                   "moe_grouped_gemm", "moe_deepep", "optimizer", "communication", "schedule"});
+                   "activation_offload_layers", "moe_grouped_gemm", "moe_deepep", "optimizer", "communication", "schedule"});
   if (root["format"].as_string() != "nnsim-plan") {
     root["format"].fail("expected \"nnsim-plan\" (is this a plan file?)");
   }
@@ -566,6 +566,15 @@ Plan parse_plan_node(const InputNode& root) {
   if (auto parts = root.get("partition")) parse_partition(*parts, plan);
   if (auto rec = root.get("recompute")) parse_recompute(*rec, plan);
   plan.recompute_early_stop = root.get_bool("recompute_early_stop", false);
+  plan.activation_offload_layers = root.get_small_int("activation_offload_layers", 0);
+  if (plan.activation_offload_layers < 0 ||
+      plan.activation_offload_layers >= plan.model.layers) {
+    root["activation_offload_layers"].fail(fmt::format(
+        "offloads the activations of the model's first N layers: from 0 to {} (the model has {} "
+        "layers, and the last one's are needed first in the backward: Megatron-Core's "
+        "--cpu-offloading-num-layers takes fewer than num_layers)",
+        plan.model.layers - 1, plan.model.layers));
+  }
   plan.moe_grouped_gemm = root.get_bool("moe_grouped_gemm", false);
   if (plan.moe_grouped_gemm && !plan.model.moe()) {
     root["moe_grouped_gemm"].fail(
@@ -653,6 +662,9 @@ std::string plan_to_json(const Plan& plan) {
   }
   j["recompute"] = recompute;
   j["recompute_early_stop"] = plan.recompute_early_stop;
+  if (plan.activation_offload_layers > 0) {
+    j["activation_offload_layers"] = plan.activation_offload_layers;
+  }
   if (plan.moe_grouped_gemm) j["moe_grouped_gemm"] = true;
   if (plan.moe_deepep) j["moe_deepep"] = true;
   j["optimizer"] = {{"kind", plan.optimizer.kind},

@@ -256,6 +256,12 @@ struct Plan {
   // early stop is on by default); false: the whole recomputed region runs again (Megatron's and
   // DeepSpeed's checkpointing).
   bool recompute_early_stop = false;
+  // Activation offloading (Megatron-Core's --cpu-offloading --cpu-offloading-num-layers N,
+  // Transformer Engine's CPU offload): the activations the first N layers save for the backward
+  // are copied to host memory during the forward, each layer's copy waited on by a later
+  // layer's forward, and copied back during the backward ahead of their use (docs/cost-model.md,
+  // "Activation offloading"). 0: none.
+  int activation_offload_layers = 0;
   // A mixture of experts' local experts run as one grouped-GEMM kernel (Megatron-Core's
   // --moe-grouped-gemm), else one GEMM after another.
   bool moe_grouped_gemm = false;

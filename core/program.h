@@ -41,6 +41,11 @@ enum class StepKind : uint8_t {
   // for (by `tag`) before the compute that needs it.
   kCommLaunch,
   kCommWait,
+  // Activation offloading (Plan::activation_offload_layers): a copy of `bytes` taking `seconds`
+  // queued on the lane's stream to the host (`to_host`) or back, which runs its copies one after
+  // another while compute goes on; and a wait for every copy queued on it so far.
+  kHostCopyLaunch,
+  kHostCopyWait,
 };
 
 struct Step {
@@ -60,6 +65,7 @@ struct Step {
   // kSend: the compute stream waits until the transfer has completed (plan.comm's
   // pp_blocking_sends); otherwise it runs on the sender's send stream while compute goes on.
   bool blocking = false;
+  bool to_host = false;  // kHostCopyLaunch / kHostCopyWait: the stream to the host, else back
   int tag = -1;         // kDpLaunch / kDpWait: what to wait for (-1: everything)
   int group = -1;       // kCollective over an explicit group (Program::explicit_groups)
   int label = -1;       // index into Program::labels ("attn.qkv", "grad bucket 3", ...)
@@ -124,9 +130,12 @@ struct Lane {
   std::vector<Step> epilogue;         // gradient sync waits, optimizer step
   StaticMemory memory;
   double parameters = 0;  // parameters held per device (before ZeRO sharding)
-  double host_bytes = 0;  // host memory a device's offloaded optimizer shard takes
+  double host_bytes = 0;  // host memory a device's offloaded optimizer shard and activations take
   // Optimizer offloading: the parts of the optimizer step (all 0 without offloading).
   OffloadedStep offloaded_step;
+  // Activation offloading: the activation bytes a micro-batch's forward copies to the host (and
+  // its backward back), per device; in host_bytes too.
+  double offloaded_activations = 0;
 };
 
 struct Program {

@@ -117,6 +117,11 @@ Status check_model_runnable(const Plan& plan) {
                   "optimizer offloading is simulated only; nnexec keeps the optimizer state on "
                   "the device (remove the field)");
   }
+  if (plan.activation_offload_layers > 0) {
+    return refuse("activation_offload_layers",
+                  "activation offloading is simulated only; nnexec keeps the activations on the "
+                  "device (remove the field)");
+  }
   if (m.hybrid()) {
     return refuse("model.layer_pattern",
                   "hybrid models (Mamba-2, Gated DeltaNet, attention-only, MLP-only and "

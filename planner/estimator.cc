@@ -18,6 +18,7 @@ struct Op {
   // kJoin: a collective joining the lanes of a spanning segment (a rendezvous).
   // kCommLaunch / kCommWait: a paired block's expert exchange on its own stream (each lane's
   // exchange at its time alone; the group's lanes run in step, so no rendezvous).
+  // kCopyLaunch / kCopyWait: activation offloading's copies, on a stream each way.
   enum Kind {
     kDelay,
     kRecv,
@@ -26,7 +27,9 @@ struct Op {
     kDpWait,
     kJoin,
     kCommLaunch,
-    kCommWait
+    kCommWait,
+    kCopyLaunch,
+    kCopyWait
   } kind = kDelay;
   double seconds = 0;  // kDelay: busy time; kSend / kDpLaunch / kJoin: communication time
   double compute = 0;  // kDelay: of which compute (the rest is blocking communication)
@@ -40,6 +43,7 @@ struct Op {
   int sequence = 0;       // kJoin: rank among the block's joint collectives
   int member = 0;         // kRecv / kSend / kJoin: whose of a pair (Step::member)
   bool exchange = false;  // kCommLaunch: DeepEP's exchange (CollectiveKind::kExpertExchange)
+  bool to_host = false;   // kCopyLaunch / kCopyWait: the stream to the host
 };
 
 class Estimator {
@@ -166,6 +170,15 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
         out.push_back(o);
         break;
       }
+      case StepKind::kHostCopyLaunch:
+      case StepKind::kHostCopyWait: {
+        Op o;
+        o.kind = s.kind == StepKind::kHostCopyLaunch ? Op::kCopyLaunch : Op::kCopyWait;
+        o.seconds = s.seconds;
+        o.to_host = s.to_host;
+        out.push_back(o);
+        break;
+      }
       case StepKind::kMemory:
         break;
     }
@@ -259,6 +272,7 @@ Estimate Estimator::run() {
     double comm_free = 0;             // when the expert communication stream is next free
     double exchange_free = 0;         // when its last DeepEP exchange ends
     std::map<int, double> comm_done;  // a pair's exchange tag -> when it ends
+    double copy_free[2] = {0, 0};     // when each copy stream ([1]: to the host) is next free
     size_t block = 0;                 // next block (lanes' prologue is block "-1")
     size_t op = 0;                    // next op within it
     int phase = 0;                    // 0 prologue, 1 blocks, 2 epilogue, 3 done
@@ -359,6 +373,11 @@ Estimate Estimator::run() {
             if (o.exchange) s.exchange_free = s.comm_free;
           } else if (o.kind == Op::kCommWait) {
             s.time = std::max(s.time, s.comm_done.at(o.tag));
+          } else if (o.kind == Op::kCopyLaunch) {
+            double& free = s.copy_free[o.to_host ? 1 : 0];
+            free = std::max(free, s.time) + o.seconds;
+          } else if (o.kind == Op::kCopyWait) {
+            s.time = std::max(s.time, s.copy_free[o.to_host ? 1 : 0]);
           } else if (o.kind == Op::kDpLaunch) {
             s.dp_free = std::max(s.dp_free, s.time) + o.seconds;
             s.dp_last = s.dp_free;

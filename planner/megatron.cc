@@ -500,6 +500,7 @@ std::string plan_name(const ModelSpec& model, const MegatronOptions& o, int dp) 
     name +=
         fmt::format(" offload {:g}{}", o.optimizer_offload, o.offload_overlap ? " overlap" : "");
   }
+  if (o.activation_offload > 0) name += fmt::format(" act-offload {}", o.activation_offload);
   if (!o.stage_layers.empty()) {
     name += fmt::format(" layers {}", fmt::join(o.stage_layers, ","));
   }
@@ -832,6 +833,7 @@ Status set_framework_conventions(const MegatronOptions& o, int dp, Plan& plan) {
     // DeepSpeed's ZeRO-Offload copies back the 16-bit parameters.
     plan.optimizer.offload_param_bytes = o.framework == "megatron" ? 4 : 2;
   }
+  plan.activation_offload_layers = o.activation_offload;
   // Megatron-Core's bucket: max(40M, 1M x dp) parameters.
   plan.comm.dp_bucket_bytes = std::max(40e6, 1e6 * dp) * plan.optimizer.grad_bytes;
   plan.comm.overlap_grad_reduce = o.overlap_grad_reduce;
@@ -938,6 +940,43 @@ Status check_optimizer_offload(double fraction, bool overlap, const std::string&
   return Status::Ok();
 }
 
+Status check_activation_offload(const ModelSpec& model, const MegatronOptions& o,
+                                const Topology& topo) {
+  const int n = o.activation_offload;
+  if (n == 0) return Status::Ok();
+  if (n < 0 || n >= model.layers) {
+    return Error(fmt::format(
+        "--activation-offload {} offloads the activations of the model's first N layers: from 1 "
+        "to {} (the last layer's are needed first; Megatron-Core's --cpu-offloading-num-layers)",
+        n, model.layers - 1));
+  }
+  const std::string what = fmt::format("--activation-offload {}", n);
+  if (o.pp > 1 || o.vpp > 1) {
+    return Error(what +
+                 " runs on one pipeline stage (Megatron-Core: \"no support for Pipeline "
+                 "parallelism with CPU offloading\"); use --pp 1 without --vpp");
+  }
+  if (o.recompute != RecomputeMode::kNone || !o.stage_recompute.empty() ||
+      !o.recompute_layers.empty() || !o.recompute_modules.empty()) {
+    return Error(what +
+                 " replaces recomputation (Megatron-Core: \"CPU offloading does not work when "
+                 "activation recomputation is enabled\"); drop --recompute and its variants");
+  }
+  if (o.framework != "megatron") {
+    return Error(fmt::format(
+        "{} is Megatron-Core's (Transformer Engine's CPU offload), not --framework {}'s", what,
+        o.framework));
+  }
+  if (o.recycle > 1) return Error(what + " does not offload repeated forwards; drop --recycle");
+  if (!topo.has_host) {
+    return Error(fmt::format(
+        "{} keeps activations in host memory, but topology '{}' describes no host: add "
+        "node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
+        what, topo.name));
+  }
+  return Status::Ok();
+}
+
 Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                                    const MegatronOptions& o) {
   if (Status s = validate_model(model); !s) return s.error();
@@ -966,6 +1005,7 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
       !s) {
     return s.error();
   }
+  if (Status s = check_activation_offload(model, o, topo); !s) return s.error();
   Expected<std::vector<int>> layers = segment_layers(model, o);
   if (!layers) return layers.error();
 

@@ -88,6 +88,10 @@ struct MegatronOptions {
   // the host's update overlap tensor by tensor (--overlap-cpu-optimizer-d2h-h2d).
   double optimizer_offload = 0;
   bool offload_overlap = false;
+  // Activation offloading (Plan activation_offload_layers): the activations of the first this
+  // many layers are copied to the host and back (Megatron-Core's --cpu-offloading
+  // --cpu-offloading-num-layers); one pipeline stage, no recomputation.
+  int activation_offload = 0;
   // Rank placement, outermost axis first (the innermost varies fastest over GPU indices):
   // Megatron's default puts tensor parallelism innermost, pipeline outermost; with expert
   // parallelism "ep" goes just outside "cp" unless the order names it.
@@ -123,6 +127,12 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
 // CPUOffload, which moves the parameters too) and a topology that describes its host.
 Status check_optimizer_offload(double fraction, bool overlap, const std::string& framework,
                                const Topology& topo);
+
+// Activation offloading's options against the model, the rest of the plan and the cluster, as
+// Megatron-Core takes them: fewer layers than the model has, one pipeline stage, no
+// recomputation, Megatron's framework and a topology that describes its host.
+Status check_activation_offload(const ModelSpec& model, const MegatronOptions& options,
+                                const Topology& topo);
 
 // Every pattern of a per-module recomputation policy (`recompute_modules`) must match an
 // operator of the model's blocks; the error names the first that does not and lists them.

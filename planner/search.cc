@@ -47,6 +47,7 @@ std::string Candidate::describe() const {
     s += fmt::format(" recompute-layers={}", fmt::join(o.recompute_layers, ","));
   }
   if (o.optimizer_offload > 0) s += fmt::format(" offload{:g}", o.optimizer_offload);
+  if (o.activation_offload > 0) s += fmt::format(" act-offload{}", o.activation_offload);
   if (placement != "tp-innermost") s += " " + placement;
   return s;
 }
@@ -423,6 +424,11 @@ class Search {
   void add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleKind sched);
   void evaluate_chains();
   std::optional<Candidate> fit_by_offloading(const Candidate& cand, const Program& prog);
+  std::optional<Candidate> fit_by_offloading_activations(const Candidate& cand,
+                                                         const Program& prog);
+  // What an offloaded candidate must pass besides the GPUs' memory: the host's memory and the
+  // constraints (each failure counted).
+  bool offloaded_fits(const Plan& plan, const Program& prog, const Estimate& estimate);
   void balance_stages();
   void try_schedules();
   void try_schedules_with_stage_recompute();
@@ -698,13 +704,17 @@ void Search::evaluate_chains() {
           cand.status = fmt::format("does not fit: needs {:.1f} GiB of {:.1f} GiB usable",
                                     cand.estimate.peak_memory / (1 << 30), capacity_ / (1 << 30));
           reject("does not fit in memory");
-          std::optional<Candidate> offloaded;
+          std::optional<Candidate> offloaded, activations;
           if (o_.offload_as_needed) offloaded = fit_by_offloading(cand, *prog);
+          if (o_.activation_offload_as_needed) {
+            activations = fit_by_offloading_activations(cand, *prog);
+          }
           std::lock_guard<std::mutex> lock(mutex_);
           lost_.push_back(cand);
-          if (offloaded) {
-            chain_best_[i] = std::min(chain_best_[i], offloaded->estimate.iteration_time);
-            feasible_.push_back(*offloaded);
+          for (const auto& fit : {offloaded, activations}) {
+            if (!fit) continue;
+            chain_best_[i] = std::min(chain_best_[i], fit->estimate.iteration_time);
+            feasible_.push_back(*fit);
           }
           continue;
         }
@@ -772,18 +782,58 @@ std::optional<Candidate> Search::fit_by_offloading(const Candidate& cand, const 
   ++evaluated_;
   off.estimate = estimate_program(*offloaded);
   if (off.estimate.peak_memory > capacity_) return std::nullopt;
-  if (busiest_host_memory(*offloaded).bytes > topo_.host.memory) {
-    reject("does not fit in host memory");
-    return std::nullopt;
-  }
-  const std::string why = violated_constraint(
-      cons_, *plan, *offloaded, off.estimate.bubble_fraction, off.estimate.peak_memory);
-  if (!why.empty()) {
-    reject(why);
-    return std::nullopt;
-  }
+  if (!offloaded_fits(*plan, *offloaded, off.estimate)) return std::nullopt;
   off.status = "ok";
   return off;
+}
+
+bool Search::offloaded_fits(const Plan& plan, const Program& prog, const Estimate& estimate) {
+  if (busiest_host_memory(prog).bytes > topo_.host.memory) {
+    reject("does not fit in host memory");
+    return false;
+  }
+  const std::string why =
+      violated_constraint(cons_, plan, prog, estimate.bubble_fraction, estimate.peak_memory);
+  if (!why.empty()) {
+    reject(why);
+    return false;
+  }
+  return true;
+}
+
+// The candidate offloading the activations of the fewest first layers that brings it within
+// the GPUs' memory, as Megatron-Core offloads them (one pipeline stage, no recomputation).
+// Each offloaded layer frees about what it keeps, so the search starts from the excess over a
+// layer's activations and adds layers until the plan fits. None when no count does, or when the
+// offloaded plan breaks the host's memory or a constraint.
+std::optional<Candidate> Search::fit_by_offloading_activations(const Candidate& cand,
+                                                              const Program& prog) {
+  const MegatronOptions& o = cand.options;
+  if (o.pp > 1 || o.vpp > 1 || o.recompute != RecomputeMode::kNone ||
+      !o.stage_recompute.empty() || !o.recompute_modules.empty() || o.framework != "megatron") {
+    return std::nullopt;
+  }
+  const std::vector<double>& kept = prog.layer_activation_bytes;
+  const int layers = static_cast<int>(kept.size());
+  const double excess = cand.estimate.peak_memory - capacity_;
+  double freed = 0;
+  int n = 0;
+  while (n + 1 < layers && freed < excess) freed += kept[n++];
+  for (; n < layers; ++n) {
+    Candidate off = cand;
+    off.options.activation_offload = n;
+    Expected<Plan> plan = build_megatron_plan(model_, topo_, off.options);
+    if (!plan) return std::nullopt;
+    Expected<Program> offloaded = compile_plan(*plan, topo_, off.options.costs);
+    if (!offloaded) return std::nullopt;
+    ++evaluated_;
+    off.estimate = estimate_program(*offloaded);
+    if (off.estimate.peak_memory > capacity_) continue;
+    if (!offloaded_fits(*plan, *offloaded, off.estimate)) return std::nullopt;
+    off.status = "ok";
+    return off;
+  }
+  return std::nullopt;
 }
 
 // Compiles and estimates variants of feasible plans (other schedules, other placements); those
@@ -1142,6 +1192,10 @@ Error Search::none_feasible() const {
   if (memory && topo_.has_host && o_.optimizer_offload == 0 && !o_.offload_as_needed) {
     msg += ", or keep optimizer state in host memory (--optimizer-offload auto)";
   }
+  if (memory && topo_.has_host && o_.framework == "megatron" &&
+      !o_.activation_offload_as_needed) {
+    msg += ", or activations on one pipeline stage (--activation-offload auto)";
+  }
   return Error(msg);
 }
 
@@ -1237,6 +1291,21 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                                           o.offload_overlap, o.framework, topo);
       !st) {
     return st.error();
+  }
+  if (o.activation_offload_as_needed) {
+    if (o.framework != "megatron") {
+      return Error(fmt::format(
+          "--activation-offload auto: activation offloading is Megatron-Core's (Transformer "
+          "Engine's CPU offload), not --framework {}'s",
+          o.framework));
+    }
+    if (!topo.has_host) {
+      return Error(fmt::format(
+          "--activation-offload auto keeps activations in host memory, but topology '{}' "
+          "describes no host: add node.host (memory, memory_bandwidth, link_bandwidth; "
+          "docs/topology.md)",
+          topo.name));
+    }
   }
   if (o.moe_deepep && !model.moe()) {
     return Error(

@@ -52,6 +52,10 @@ struct SearchOptions {
   // hundredths) of its optimizer state that makes it fit, if any does; the same candidate
   // saving memory otherwise (more recomputation, ZeRO) is tried too.
   bool offload_as_needed = false;
+  // A candidate on one pipeline stage without recomputation that does not fit on its GPUs
+  // offloads the activations of the fewest first layers that makes it fit (MegatronOptions
+  // activation_offload), if any does; recomputation is tried beside it.
+  bool activation_offload_as_needed = false;
   SearchPins pins;
   Constraints constraints;
   double memory_headroom = 0.1;  // fraction of GPU memory left free (without memory_cap)

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_format.h"
+#include "core/activation_offload.h"
 #include "core/memory_check.h"
 
 namespace nnsim {
@@ -107,6 +108,15 @@ std::string report_json(const Program& program, const SimResult& r,
                                    {"host_s", o.host},
                                    {"to_device_s", o.to_device},
                                    {"gpu_s", o.gpu}};
+    }
+    if (program.plan.activation_offload_layers > 0) {
+      // A micro-batch's copies, one after another on each stream.
+      const double bytes = program.lanes[i].offloaded_activations;
+      lane["activation_offload"] = {
+          {"bytes", bytes},
+          {"to_host_s", host_copy_seconds(bytes, true, program.topology, program.compute_model)},
+          {"to_device_s",
+           host_copy_seconds(bytes, false, program.topology, program.compute_model)}};
     }
     lanes.push_back(lane);
   }

@@ -30,6 +30,10 @@ std::string_view to_string(TaskKind k) {
       return "dp-collective";
     case TaskKind::kCommWait:
       return "comm-wait";
+    case TaskKind::kHostCopy:
+      return "host-copy";
+    case TaskKind::kHostCopyWait:
+      return "host-copy-wait";
   }
   return "?";
 }
@@ -44,6 +48,10 @@ std::string_view to_string(Stream s) {
       return "pipeline-send";
     case Stream::kExpertComm:
       return "expert-comm";
+    case Stream::kOffload:
+      return "offload";
+    case Stream::kReload:
+      return "reload";
   }
   return "?";
 }

@@ -52,11 +52,21 @@ enum class TaskKind : uint8_t {
   kDpCollective,  // a collective on the data-parallel stream
   kSendWait,      // compute stream waiting for its own blocking send to complete
   kCommWait,      // compute stream waiting for the expert communication stream (a pair's)
+  kHostCopy,      // an activation copy to the host or back, on its stream
+  kHostCopyWait,  // compute stream waiting for activation copies (activation offloading)
 };
 std::string_view to_string(TaskKind k);
 
-// kExpertComm: a paired block's expert all-to-alls (Plan comm.ep_overlap).
-enum class Stream : uint8_t { kCompute, kDataParallel, kPipelineSend, kExpertComm };
+// kExpertComm: a paired block's expert all-to-alls (Plan comm.ep_overlap). kOffload, kReload:
+// activation offloading's copies to the host and back (Plan::activation_offload_layers).
+enum class Stream : uint8_t {
+  kCompute,
+  kDataParallel,
+  kPipelineSend,
+  kExpertComm,
+  kOffload,
+  kReload
+};
 std::string_view to_string(Stream s);
 
 struct TaskRecord {

@@ -473,6 +473,20 @@ void Simulation::comm_wait(Instance& inst, const Step& step, int block) {
   }
 }
 
+// The compute stream waits for every copy queued on the stream so far (Transformer Engine's
+// wait_stream); the wait is exposed offloading, counted with the exposed communication.
+void Simulation::host_copy_wait(Instance& inst, const Step& step, int block) {
+  flush_compute(inst, block);
+  auto& stream = inst.host_copy[step.to_host ? 1 : 0];
+  const double t0 = sg4::Engine::get_clock();
+  stream.wait_until(stream.launched);
+  const double t1 = sg4::Engine::get_clock();
+  if (t1 > t0) {
+    inst.breakdown.exposed_comm["offload"] += t1 - t0;
+    record(inst, Stream::kCompute, TaskKind::kHostCopyWait, t0, t1, step.label, block, 0, 0, 0);
+  }
+}
+
 void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int block) {
   PendingCompute& p = pending_[&inst];
   for (const Step& step : steps) {
@@ -515,6 +529,17 @@ void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int b
       }
       case StepKind::kCommWait:
         comm_wait(inst, step, block);
+        break;
+      case StepKind::kHostCopyLaunch: {
+        flush_compute(inst, block);  // the activations exist once the compute before them ran
+        auto& stream = inst.host_copy[step.to_host ? 1 : 0];
+        ++stream.launched;
+        stream.queue.push_back({&step, block});
+        stream.pending->release();
+        break;
+      }
+      case StepKind::kHostCopyWait:
+        host_copy_wait(inst, step, block);
         break;
       case StepKind::kDpLaunch: {
         flush_compute(inst, block);  // the gradients exist once the compute before them ran
@@ -598,6 +623,22 @@ void Simulation::comm_stream_actor(Instance& inst) {
   }
 }
 
+// Copies over the GPU's way to the host, priced in closed form (host_copy_seconds): the link
+// bandwidth is already each GPU's share when all of the node's copy.
+void Simulation::host_copy_actor(Instance& inst, bool to_host) {
+  sg4::Actor::self()->daemonize();
+  auto& stream = inst.host_copy[to_host ? 1 : 0];
+  while (true) {
+    const Instance::CopyItem item = stream.next();
+    const double t0 = sg4::Engine::get_clock();
+    wait_for(item.step->seconds);
+    ++activities_;
+    record(inst, to_host ? Stream::kOffload : Stream::kReload, TaskKind::kHostCopy, t0,
+           sg4::Engine::get_clock(), item.step->label, item.block, item.step->bytes, 0, 0);
+    stream.complete_one();
+  }
+}
+
 void configure_engine_once() {
   // SimGrid is quiet: everything nnsim reports goes through the result.
   xbt_log_control_set("root.thresh:critical");
@@ -650,6 +691,7 @@ Expected<SimResult> Simulation::run() {
       }
       inst->dp.open();
       inst->ep.open();
+      for (auto& stream : inst->host_copy) stream.open();
       inst->send_pending[0] = sg4::Semaphore::create(0);
       inst->send_pending[1] = sg4::Semaphore::create(0);
       instances_.push_back(std::move(inst));
@@ -668,6 +710,13 @@ Expected<SimResult> Simulation::run() {
     if (prog_.has_pairs()) {
       sg4::Actor::create(fmt::format("ep{}.r{}", p->lane, p->replica), host,
                          [this, p] { comm_stream_actor(*p); });
+    }
+    if (prog_.plan.activation_offload_layers > 0) {
+      for (bool to_host : {false, true}) {
+        sg4::Actor::create(fmt::format("{}{}.r{}", to_host ? "offload" : "reload", p->lane,
+                                       p->replica),
+                           host, [this, p, to_host] { host_copy_actor(*p, to_host); });
+      }
     }
     for (int d = 0; d < 2; ++d) {
       sg4::Actor::create(fmt::format("send{}.{}.r{}", d, p->lane, p->replica), host,

@@ -112,6 +112,13 @@ class Simulation {
       int block = -1;
     };
     CommStream<CommItem> ep;      // its tags count within the running block
+    // Activation offloading's copies (StepKind::kHostCopyLaunch), a stream each way: [1] to
+    // the host, [0] back.
+    struct CopyItem {
+      const Step* step = nullptr;
+      int block = -1;
+    };
+    CommStream<CopyItem> host_copy[2];
     int exchanges_in_flight = 0;  // of them, DeepEP's (CollectiveKind::kExpertExchange)
     // Accounting.
     Breakdown breakdown;
@@ -154,6 +161,7 @@ class Simulation {
   void compute_actor(Instance& inst);
   void dp_stream_actor(Instance& inst);
   void comm_stream_actor(Instance& inst);
+  void host_copy_actor(Instance& inst, bool to_host);
   void send_stream_actor(Instance& inst, int direction);
   // Prepares every communication of every instance and finds the collectives whose links no
   // other communication crosses (those run in closed form on the compute stream) and the lanes
@@ -165,6 +173,7 @@ class Simulation {
                     const std::set<std::pair<const PreparedComm*, LinkUse>>& crossings);
   bool foldable(const Instance& inst, const Step& step) const;
   const PreparedComm& prepared_transfer(Instance& inst, const Step& step);
+  void host_copy_wait(Instance& inst, const Step& step, int block);
   void run_steps(Instance& inst, const std::vector<Step>& steps, int block);
   void flush_compute(Instance& inst, int block);
   void run_collective(Instance& inst, const Step& step, int block);

@@ -25,8 +25,10 @@ std::string chrome_trace_json(const Program& program, const SimResult& r, bool p
     out += e;
     first = false;
   };
-  // Processes (lanes or GPUs) and threads (streams; the expert stream where blocks pair).
+  // Processes (lanes or GPUs) and threads (streams; the expert stream where blocks pair, the
+  // copy streams where activations are offloaded).
   const bool expert_stream = program.has_pairs();
+  const bool copy_streams = program.plan.activation_offload_layers > 0;
   std::vector<std::vector<int>> pids(r.lanes.size());
   for (size_t l = 0; l < r.lanes.size(); ++l) {
     const LaneReport& lane = r.lanes[l];
@@ -48,9 +50,10 @@ std::string chrome_trace_json(const Program& program, const SimResult& r, bool p
       emit(fmt::format(
           R"({{"name":"process_sort_index","ph":"M","pid":{},"args":{{"sort_index":{}}}}})",
           pids[l][i], pids[l][i]));
-      for (Stream s :
-           {Stream::kCompute, Stream::kDataParallel, Stream::kPipelineSend, Stream::kExpertComm}) {
+      for (Stream s : {Stream::kCompute, Stream::kDataParallel, Stream::kPipelineSend,
+                       Stream::kExpertComm, Stream::kOffload, Stream::kReload}) {
         if (s == Stream::kExpertComm && !expert_stream) continue;
+        if ((s == Stream::kOffload || s == Stream::kReload) && !copy_streams) continue;
         emit(fmt::format(
             R"({{"name":"thread_name","ph":"M","pid":{},"tid":{},"args":{{"name":"{}"}}}})",
             pids[l][i], static_cast<int>(s), to_string(s)));

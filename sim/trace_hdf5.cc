@@ -100,10 +100,10 @@ Status write_hdf5_timeline(const std::string& path, const Program& program, cons
     return Error(fmt::format("writing the task table to '{}' failed", path));
   }
   std::vector<std::string> kinds, streams, lanes, blocks;
-  for (int k = 0; k <= static_cast<int>(TaskKind::kCommWait); ++k) {
+  for (int k = 0; k <= static_cast<int>(TaskKind::kHostCopyWait); ++k) {
     kinds.emplace_back(to_string(static_cast<TaskKind>(k)));
   }
-  for (int s = 0; s <= static_cast<int>(Stream::kExpertComm); ++s) {
+  for (int s = 0; s <= static_cast<int>(Stream::kReload); ++s) {
     streams.emplace_back(to_string(static_cast<Stream>(s)));
   }
   for (const auto& l : r.lanes) lanes.push_back(l.name);

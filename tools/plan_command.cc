@@ -1,11 +1,13 @@
 #include "tools/plan_command.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <optional>
+#include <system_error>
 #include <thread>
 
 #include <fmt/format.h>
@@ -264,6 +266,7 @@ Expected<SearchOptions> search_options(const PlanArgs& a, const ModelSpec& model
   so.optimizer_offload = a.o.optimizer_offload;
   so.offload_overlap = a.o.offload_overlap;
   so.offload_as_needed = a.offload_as_needed;
+  so.activation_offload_as_needed = a.activation_offload == "auto";
   so.compile = a.o.costs;
   so.pins = a.pins;
   so.top = a.top;
@@ -373,6 +376,12 @@ void add_plan_choices(CLI::App* cmd, PlanArgs& a) {
                 "with --optimizer-offload: copy gradients out, update and copy parameters back "
                 "tensor by tensor, concurrently (Megatron-Core's "
                 "--overlap-cpu-optimizer-d2h-h2d)");
+  cmd->add_option("--activation-offload", a.activation_offload,
+                  "copy the activations of the model's first N layers to the host during the "
+                  "forward and back during the backward (Megatron-Core's --cpu-offloading "
+                  "--cpu-offloading-num-layers N): one pipeline stage, no recomputation; or "
+                  "'auto': the search offloads the fewest layers that make each such plan fit; "
+                  "needs the topology's node.host");
   cmd->add_option("--stage-layers", a.o.stage_layers,
                   "layers per segment (pp x vpp numbers), default as even as possible")
       ->delimiter(',');
@@ -475,6 +484,27 @@ Status read_plan_choices(PlanArgs& a, const CLI::App& cmd) {
     return Error(
         "--recycle is for the builder: give --tp and --pp (the plan search does not place "
         "repeated forwards)");
+  }
+  if (a.activation_offload == "auto") {
+    if (!a.search) {
+      return Error(
+          "--activation-offload auto lets the search offload what each plan needs; the builder "
+          "takes a layer count (e.g. --activation-offload 8), or drop --tp/--pp to search");
+    }
+  } else if (!a.activation_offload.empty()) {
+    const std::string& text = a.activation_offload;
+    int n = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
+    if (ec != std::errc() || end != text.data() + text.size() || n < 0) {
+      return Error(fmt::format(
+          "--activation-offload '{}': expected a number of layers or 'auto'", text));
+    }
+    if (a.search) {
+      return Error(
+          "--activation-offload with a layer count is for the builder: give --tp and --pp 1, "
+          "or let the search choose with --activation-offload auto");
+    }
+    a.o.activation_offload = n;
   }
   if (a.search && given("--recompute-layers")) {
     return Error(

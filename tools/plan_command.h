@@ -29,6 +29,9 @@ struct PlanArgs {
   // (SearchOptions::offload_as_needed).
   std::string optimizer_offload;
   bool offload_as_needed = false;
+  // Activation offloading: a layer count (into o.activation_offload), or "auto" for the search
+  // (SearchOptions::activation_offload_as_needed).
+  std::string activation_offload;
   std::string output;
   // Search.
   bool search = false;

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "core/activation_offload.h"
 #include "core/memory_check.h"
 #include "core/plan.h"
 #include "core/program.h"
@@ -50,9 +51,29 @@ void print_report(const Program& prog, const SimResult& r,
               format_bytes(t.gpu.hbm_bytes).c_str(), worst.gpus.front(), worst.name.c_str());
   std::printf("    %s\n",
               describe_memory_parts(worst.static_memory, worst.peak_activations).c_str());
+  const bool optimizer_offload = prog.plan.optimizer.offload_fraction > 0;
   if (const NodeHostMemory host = busiest_host_memory(prog); host.node >= 0) {
-    std::printf("  host memory      %s of %s (node %d: offloaded optimizer state and gradients)\n",
-                format_bytes(host.bytes).c_str(), format_bytes(t.host.memory).c_str(), host.node);
+    const bool activations = prog.plan.activation_offload_layers > 0;
+    std::printf("  host memory      %s of %s (node %d: offloaded %s)\n",
+                format_bytes(host.bytes).c_str(), format_bytes(t.host.memory).c_str(), host.node,
+                optimizer_offload && activations ? "optimizer state, gradients and activations"
+                : optimizer_offload              ? "optimizer state and gradients"
+                                                 : "activations");
+  }
+  if (prog.plan.activation_offload_layers > 0) {
+    // The lane that offloads the most, per micro-batch; its copies run one after another.
+    size_t most = 0;
+    for (size_t i = 0; i < prog.lanes.size(); ++i) {
+      if (prog.lanes[i].offloaded_activations > prog.lanes[most].offloaded_activations) most = i;
+    }
+    const double bytes = prog.lanes[most].offloaded_activations;
+    std::printf("  offloaded acts   %d layers, %s a micro-batch (%s): %s to the host, %s back\n",
+                prog.plan.activation_offload_layers, format_bytes(bytes).c_str(),
+                r.lanes[most].name.c_str(),
+                format_seconds(host_copy_seconds(bytes, true, t, prog.compute_model)).c_str(),
+                format_seconds(host_copy_seconds(bytes, false, t, prog.compute_model)).c_str());
+  }
+  if (optimizer_offload) {
     // The lane whose offloaded step is longest, part by part.
     size_t slowest = 0;
     for (size_t i = 0; i < prog.lanes.size(); ++i) {

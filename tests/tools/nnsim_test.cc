@@ -321,6 +321,70 @@ TEST(NnsimTool, PlanAndSimulateOffloadTheOptimizer) {
       {"does not fit in host memory", "--optimizer-offload"});
 }
 
+// Activation offloading from the builder to the report: the plan carries the count, the
+// report shows the host's memory, the copies and their exposed wait, and what Megatron-Core
+// refuses is refused with the fix.
+TEST(NnsimTool, PlanAndSimulateOffloadActivations) {
+  Sandbox box;
+  const std::vector<std::string> base = {
+      "plan", "--model", "llama3-8b", "--topo", "dgx-a100x4",     "--tp", "4",
+      "--pp", "1",       "--zero",    "1",      "--global-batch", "8"};
+  auto with = [&](const std::vector<std::string>& extra, const std::string& out) {
+    return plan_args(base, extra, out);
+  };
+  make_plan(box, with({}, "gpu.json"));
+  make_plan(box, with({"--activation-offload", "8"}, "host.json"));
+  EXPECT_EQ(box.read_json("host.json")["activation_offload_layers"], 8);
+  EXPECT_FALSE(box.read_json("gpu.json").contains("activation_offload_layers"));
+  EXPECT_TRUE(
+      contains(box.read_json("host.json")["name"].get<std::string>(), " act-offload 8"));
+  RunResult gpu = box.nnsim({"--topo", "dgx-a100x4", "gpu.json", "--json", "gpu-r.json"});
+  RunResult host = box.nnsim({"--topo", "dgx-a100x4", "host.json", "--json", "host-r.json"});
+  ASSERT_EQ(gpu.status, 0) << gpu;
+  ASSERT_EQ(host.status, 0) << host;
+  expect_matches(host.out,
+                 R"(host memory +[0-9.]+ GiB of 1\.82 TiB \(node 0: offloaded activations\))");
+  expect_matches(host.out, R"(offloaded acts +8 layers, [0-9.]+ GiB a micro-batch \(pp=0\): )"
+                           R"([0-9.]+ m?s to the host, [0-9.]+ m?s back)");
+  EXPECT_FALSE(contains(host.out, "optimizer step")) << host;
+  EXPECT_TRUE(contains(host.out, "exp.offload")) << host;
+  const json g = box.read_json("gpu-r.json");
+  const json h = box.read_json("host-r.json");
+  EXPECT_LT(h["peak_memory_bytes"].get<double>(), g["peak_memory_bytes"].get<double>());
+  EXPECT_GT(h["iteration_time_s"].get<double>(), g["iteration_time_s"].get<double>());
+  const json copies = h["lanes"][0]["activation_offload"];
+  EXPECT_GT(copies["bytes"].get<double>(), 0);
+  EXPECT_GT(copies["to_host_s"].get<double>(), 0);
+  EXPECT_GT(copies["to_device_s"].get<double>(), 0);
+  EXPECT_GT(h["lanes"][0]["breakdown"]["exposed_comm_s"]["offload"].get<double>(), 0);
+  EXPECT_FALSE(g["lanes"][0].contains("activation_offload"));
+
+  expect_error(box.nnsim(with({"--activation-offload", "32"}, "bad.json")),
+               {"--activation-offload 32", "from 1 to 31"});
+  expect_error(box.nnsim(with({"--activation-offload", "many"}, "bad.json")),
+               {"--activation-offload 'many'", "a number of layers or 'auto'"});
+  expect_error(box.nnsim(with({"--activation-offload", "auto"}, "bad.json")),
+               {"--activation-offload auto", "the builder takes a layer count"});
+  expect_error(box.nnsim(with({"--activation-offload", "8", "--recompute", "full"}, "bad.json")),
+               {"--activation-offload 8 replaces recomputation", "drop --recompute"});
+  std::vector<std::string> staged = with({"--activation-offload", "8"}, "bad.json");
+  staged[std::find(staged.begin(), staged.end(), "--pp") - staged.begin() + 1] = "2";
+  staged[std::find(staged.begin(), staged.end(), "--tp") - staged.begin() + 1] = "2";
+  expect_error(box.nnsim(staged), {"one pipeline stage", "use --pp 1"});
+  RunResult search = box.nnsim({"plan", "--model", "llama3-8b", "--topo", "dgx-a100x4",
+                                "--nodes", "1", "--global-batch", "32", "--confirm", "1",
+                                "--activation-offload", "auto", "-o", "auto.json"});
+  ASSERT_EQ(search.status, 0) << search;
+  expect_matches(search.out, R"(\n +[0-9]+ +tp\S+ pp1 .* act-offload[0-9]+ )");
+  expect_error(box.nnsim({"plan", "--model", "llama3-8b", "--topo", "dgx-a100x4", "--nodes", "1",
+                          "--global-batch", "32", "--activation-offload", "8", "-o", "x.json"}),
+               {"--activation-offload with a layer count is for the builder"});
+  // A host too small for the copies.
+  expect_error(
+      box.nnsim({"--topo", "dgx-a100x4", "--topo-set", "node.host.memory=1 GB", "host.json"}),
+      {"does not fit in host memory", "offloaded activations", "--activation-offload"});
+}
+
 // --loss names the training code's cross-entropy: the plan's model carries it (the preset's own
 // is the fused kernel), and a misspelling is an error naming the option and the spellings.
 TEST(NnsimTool, PlanTakesTheTrainingCodesCrossEntropy) {
