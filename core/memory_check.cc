@@ -94,8 +94,9 @@ Status check_host_memory_fits(const Program& program) {
                                                     : "activations";
   std::string fixes;
   if (optimizer) {
-    fixes += "a smaller optimizer.offload_fraction (--optimizer-offload), optimizer sharding "
-             "(--zero 1..3), ";
+    fixes +=
+        "a smaller optimizer.offload_fraction (--optimizer-offload), optimizer sharding "
+        "(--zero 1..3), ";
   }
   if (activations) fixes += "fewer activation_offload_layers (--activation-offload), ";
   return Error(fmt::format(

@@ -538,7 +538,8 @@ void parse_schedule(const InputNode& sched, Plan& plan) {
 Plan parse_plan_node(const InputNode& root) {
   root.check_keys({"format", "version", "name", "topology", "model", "training", "mesh",
                    "placement", "segments", "partition", "recompute", "recompute_early_stop",
-                   "activation_offload_layers", "moe_grouped_gemm", "moe_deepep", "optimizer", "communication", "schedule"});
+                   "activation_offload_layers", "moe_grouped_gemm", "moe_deepep", "optimizer",
+                   "communication", "schedule"});
   if (root["format"].as_string() != "nnsim-plan") {
     root["format"].fail("expected \"nnsim-plan\" (is this a plan file?)");
   }
@@ -567,8 +568,7 @@ Plan parse_plan_node(const InputNode& root) {
   if (auto rec = root.get("recompute")) parse_recompute(*rec, plan);
   plan.recompute_early_stop = root.get_bool("recompute_early_stop", false);
   plan.activation_offload_layers = root.get_small_int("activation_offload_layers", 0);
-  if (plan.activation_offload_layers < 0 ||
-      plan.activation_offload_layers >= plan.model.layers) {
+  if (plan.activation_offload_layers < 0 || plan.activation_offload_layers >= plan.model.layers) {
     root["activation_offload_layers"].fail(fmt::format(
         "offloads the activations of the model's first N layers: from 0 to {} (the model has {} "
         "layers, and the last one's are needed first in the backward: Megatron-Core's "

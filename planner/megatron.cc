@@ -969,10 +969,10 @@ Status check_activation_offload(const ModelSpec& model, const MegatronOptions& o
   }
   if (o.recycle > 1) return Error(what + " does not offload repeated forwards; drop --recycle");
   if (!topo.has_host) {
-    return Error(fmt::format(
-        "{} keeps activations in host memory, but topology '{}' describes no host: add "
-        "node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
-        what, topo.name));
+    return Error(
+        fmt::format("{} keeps activations in host memory, but topology '{}' describes no host: add "
+                    "node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
+                    what, topo.name));
   }
   return Status::Ok();
 }

@@ -807,10 +807,10 @@ bool Search::offloaded_fits(const Plan& plan, const Program& prog, const Estimat
 // layer's activations and adds layers until the plan fits. None when no count does, or when the
 // offloaded plan breaks the host's memory or a constraint.
 std::optional<Candidate> Search::fit_by_offloading_activations(const Candidate& cand,
-                                                              const Program& prog) {
+                                                               const Program& prog) {
   const MegatronOptions& o = cand.options;
-  if (o.pp > 1 || o.vpp > 1 || o.recompute != RecomputeMode::kNone ||
-      !o.stage_recompute.empty() || !o.recompute_modules.empty() || o.framework != "megatron") {
+  if (o.pp > 1 || o.vpp > 1 || o.recompute != RecomputeMode::kNone || !o.stage_recompute.empty() ||
+      !o.recompute_modules.empty() || o.framework != "megatron") {
     return std::nullopt;
   }
   const std::vector<double>& kept = prog.layer_activation_bytes;
@@ -1192,8 +1192,7 @@ Error Search::none_feasible() const {
   if (memory && topo_.has_host && o_.optimizer_offload == 0 && !o_.offload_as_needed) {
     msg += ", or keep optimizer state in host memory (--optimizer-offload auto)";
   }
-  if (memory && topo_.has_host && o_.framework == "megatron" &&
-      !o_.activation_offload_as_needed) {
+  if (memory && topo_.has_host && o_.framework == "megatron" && !o_.activation_offload_as_needed) {
     msg += ", or activations on one pipeline stage (--activation-offload auto)";
   }
   return Error(msg);

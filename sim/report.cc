@@ -2,8 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/json_format.h"
 #include "core/activation_offload.h"
+#include "core/json_format.h"
 #include "core/memory_check.h"
 
 namespace nnsim {

@@ -713,9 +713,9 @@ Expected<SimResult> Simulation::run() {
     }
     if (prog_.plan.activation_offload_layers > 0) {
       for (bool to_host : {false, true}) {
-        sg4::Actor::create(fmt::format("{}{}.r{}", to_host ? "offload" : "reload", p->lane,
-                                       p->replica),
-                           host, [this, p, to_host] { host_copy_actor(*p, to_host); });
+        sg4::Actor::create(
+            fmt::format("{}{}.r{}", to_host ? "offload" : "reload", p->lane, p->replica), host,
+            [this, p, to_host] { host_copy_actor(*p, to_host); });
       }
     }
     for (int d = 0; d < 2; ++d) {

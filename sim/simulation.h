@@ -111,7 +111,7 @@ class Simulation {
       RendezvousKey key;
       int block = -1;
     };
-    CommStream<CommItem> ep;      // its tags count within the running block
+    CommStream<CommItem> ep;  // its tags count within the running block
     // Activation offloading's copies (StepKind::kHostCopyLaunch), a stream each way: [1] to
     // the host, [0] back.
     struct CopyItem {

@@ -496,8 +496,8 @@ Status read_plan_choices(PlanArgs& a, const CLI::App& cmd) {
     int n = 0;
     const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
     if (ec != std::errc() || end != text.data() + text.size() || n < 0) {
-      return Error(fmt::format(
-          "--activation-offload '{}': expected a number of layers or 'auto'", text));
+      return Error(
+          fmt::format("--activation-offload '{}': expected a number of layers or 'auto'", text));
     }
     if (a.search) {
       return Error(

@@ -1353,7 +1353,7 @@ TEST(NnexecRunRefuses, AHeadWeightGradientAfterTheTiedMatrixIsReduced) {
 }
 
 // Hybrid models (Mamba-2 layers and layers of attention or an MLP alone), gated attention
-// outputs and optimizer offloading are simulated only.
+// outputs and optimizer and activation offloading are simulated only.
 TEST(NnexecRunRefuses, SimulatedOnlyFeaturesNameTheField) {
   TempDir dir;
   ASSERT_EQ(make_plan(dir, 1, 2, 1, "1f1b", 2).status, 0);
@@ -1379,6 +1379,13 @@ TEST(NnexecRunRefuses, SimulatedOnlyFeaturesNameTheField) {
   ASSERT_FALSE(o.ok());
   EXPECT_TRUE(contains(o.error().message(), "optimizer.offload_fraction")) << o.error().message();
   EXPECT_TRUE(contains(o.error().message(), "simulated only")) << o.error().message();
+  // And activation offloading: nnexec keeps the activations on the device.
+  Plan activations = *base;
+  activations.activation_offload_layers = 1;
+  const Status a = check_runnable(activations);
+  ASSERT_FALSE(a.ok());
+  EXPECT_TRUE(contains(a.error().message(), "activation_offload_layers")) << a.error().message();
+  EXPECT_TRUE(contains(a.error().message(), "simulated only")) << a.error().message();
 }
 
 // Expert-parallel plans nnsim plan does not write, edited by hand: each refusal names its field.

@@ -86,8 +86,7 @@ TEST(ActivationOffloadSim, ASlowLinkMakesTheComputeWait) {
   EXPECT_GE(b->iteration_time, copies);
   EXPECT_LE(b->iteration_time, copies + a->iteration_time);
   // Nothing else changed: the iteration grew by the exposed wait.
-  EXPECT_NEAR(b->iteration_time - a->iteration_time, exposed_offload(*b),
-              1e-9 * b->iteration_time);
+  EXPECT_NEAR(b->iteration_time - a->iteration_time, exposed_offload(*b), 1e-9 * b->iteration_time);
   // The estimator replays the same streams.
   EXPECT_NEAR(estimate_program(*offload).iteration_time, b->iteration_time,
               1e-6 * b->iteration_time);
@@ -97,10 +96,10 @@ TEST(ActivationOffloadSim, ASlowLinkMakesTheComputeWait) {
   int out = 0, back = 0;
   for (const TaskRecord& task : b->tasks) {
     if (task.kind != TaskKind::kHostCopy) continue;
-    EXPECT_NEAR(task.end - task.start,
-                host_copy_seconds(task.bytes, task.stream == Stream::kOffload, t,
-                                  offload->compute_model),
-                1e-9);
+    EXPECT_NEAR(
+        task.end - task.start,
+        host_copy_seconds(task.bytes, task.stream == Stream::kOffload, t, offload->compute_model),
+        1e-9);
     (task.stream == Stream::kOffload ? out : back) += 1;
   }
   EXPECT_EQ(out, 8 * offload->micro_batches);

@@ -336,8 +336,7 @@ TEST(NnsimTool, PlanAndSimulateOffloadActivations) {
   make_plan(box, with({"--activation-offload", "8"}, "host.json"));
   EXPECT_EQ(box.read_json("host.json")["activation_offload_layers"], 8);
   EXPECT_FALSE(box.read_json("gpu.json").contains("activation_offload_layers"));
-  EXPECT_TRUE(
-      contains(box.read_json("host.json")["name"].get<std::string>(), " act-offload 8"));
+  EXPECT_TRUE(contains(box.read_json("host.json")["name"].get<std::string>(), " act-offload 8"));
   RunResult gpu = box.nnsim({"--topo", "dgx-a100x4", "gpu.json", "--json", "gpu-r.json"});
   RunResult host = box.nnsim({"--topo", "dgx-a100x4", "host.json", "--json", "host-r.json"});
   ASSERT_EQ(gpu.status, 0) << gpu;
@@ -371,8 +370,8 @@ TEST(NnsimTool, PlanAndSimulateOffloadActivations) {
   staged[std::find(staged.begin(), staged.end(), "--pp") - staged.begin() + 1] = "2";
   staged[std::find(staged.begin(), staged.end(), "--tp") - staged.begin() + 1] = "2";
   expect_error(box.nnsim(staged), {"one pipeline stage", "use --pp 1"});
-  RunResult search = box.nnsim({"plan", "--model", "llama3-8b", "--topo", "dgx-a100x4",
-                                "--nodes", "1", "--global-batch", "32", "--confirm", "1",
+  RunResult search = box.nnsim({"plan", "--model", "llama3-8b", "--topo", "dgx-a100x4", "--nodes",
+                                "1", "--global-batch", "32", "--confirm", "1",
                                 "--activation-offload", "auto", "-o", "auto.json"});
   ASSERT_EQ(search.status, 0) << search;
   expect_matches(search.out, R"(\n +[0-9]+ +tp\S+ pp1 .* act-offload[0-9]+ )");
