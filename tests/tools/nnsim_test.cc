@@ -338,11 +338,18 @@ TEST(NnsimTool, PlanAndSimulateOffloadActivations) {
   EXPECT_FALSE(box.read_json("gpu.json").contains("activation_offload_layers"));
   EXPECT_TRUE(contains(box.read_json("host.json")["name"].get<std::string>(), " act-offload 8"));
   RunResult gpu = box.nnsim({"--topo", "dgx-a100x4", "gpu.json", "--json", "gpu-r.json"});
-  RunResult host = box.nnsim({"--topo", "dgx-a100x4", "host.json", "--json", "host-r.json"});
+  RunResult host = box.nnsim(
+      {"--topo", "dgx-a100x4", "host.json", "--json", "host-r.json", "--trace", "trace.json"});
   ASSERT_EQ(gpu.status, 0) << gpu;
   ASSERT_EQ(host.status, 0) << host;
   expect_matches(host.out,
                  R"(host memory +[0-9.]+ GiB of 1\.82 TiB \(node 0: offloaded activations\))");
+  // The trace has the two copy streams and their copies.
+  const std::string trace = read_text(box.path("trace.json"));
+  for (const char* part : {R"("args":{"name":"offload"})", R"("args":{"name":"reload"})",
+                           R"("cat":"host-copy")", "activation offload", "activation reload"}) {
+    EXPECT_TRUE(contains(trace, part)) << part;
+  }
   expect_matches(host.out, R"(offloaded acts +8 layers, [0-9.]+ GiB a micro-batch \(pp=0\): )"
                            R"([0-9.]+ m?s to the host, [0-9.]+ m?s back)");
   EXPECT_FALSE(contains(host.out, "optimizer step")) << host;
