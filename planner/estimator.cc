@@ -44,6 +44,9 @@ struct Op {
   int member = 0;         // kRecv / kSend / kJoin: whose of a pair (Step::member)
   bool exchange = false;  // kCommLaunch: DeepEP's exchange (CollectiveKind::kExpertExchange)
   bool to_host = false;   // kCopyLaunch / kCopyWait: the stream to the host
+  // kDelay: a blocking collective (with any compute it overlaps) as the simulator runs one that
+  // shares its links: a stretch of its own, which communication beside it does not slow.
+  bool collective = false;
 };
 
 class Estimator {
@@ -97,7 +100,7 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
   std::vector<Op> out;
   int joins[2] = {0, 0};
   auto delay = [&](double seconds, double compute) {
-    if (out.empty() || out.back().kind != Op::kDelay) out.push_back(Op{});
+    if (out.empty() || out.back().kind != Op::kDelay || out.back().collective) out.push_back(Op{});
     out.back().seconds += seconds;
     out.back().compute += compute;
   };
@@ -126,7 +129,11 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
           out.push_back(o);
           break;
         }
-        delay(std::max(comm, s.seconds), s.seconds);
+        Op o;
+        o.seconds = std::max(comm, s.seconds);
+        o.compute = s.seconds;
+        o.collective = true;
+        out.push_back(o);
         break;
       }
       case StepKind::kRecv: {
@@ -339,7 +346,8 @@ Estimate Estimator::run() {
             // Compute shares the GPU with communication still running: the data-parallel stream,
             // a pair's exchanges (as in the simulator, decided at the start of the stretch).
             const double interference =
-                s.exchange_free > s.time ? interference_beside(prog_.compute_model, true)
+                o.collective               ? 0
+                : s.exchange_free > s.time ? interference_beside(prog_.compute_model, true)
                 : s.dp_last > s.time || s.comm_free > s.time ? prog_.compute_model.comm_interference
                                                              : 0;
             const double slowdown = o.compute * interference;
