@@ -162,7 +162,9 @@ void Compiler::build_memory(Lane& lane, int lane_index, const std::vector<int>& 
       layer_params = std::max(layer_params,
                               std::accumulate(p->local_params.begin(), p->local_params.end(), 0.0));
     }
-    m.weights = sharded * plan.optimizer.weight_shard_bytes;
+    // Offloaded parameters: the shards, and their gradients', live on the host.
+    m.weights = plan.optimizer.offload_params ? 0.0 : sharded * plan.optimizer.weight_shard_bytes;
+    if (plan.optimizer.offload_params) m.gradients = 0;
     // Persistent tensors: their whole 16-bit copy on every GPU besides their shard.
     for (int s : segments) m.weights += segment_persistent_params(s) * weight_bytes;
     m.gathered = 2 * layer_params * weight_bytes + layer_params * plan.optimizer.grad_bytes;

@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include "core/activation_offload.h"
+
 namespace nnsim::detail {
 
 std::vector<std::pair<int, double>> Compiler::gather_buckets(int segment, int group) const {
@@ -85,6 +87,39 @@ double Compiler::segment_sum(const Segment& s,
   if (s.embedding) n += per_part(embed);
   if (s.head) n += per_part(head);
   return n;
+}
+
+// Parameter offloading (FSDP's CPUOffload): every ZeRO-3 gather first copies this device's
+// shard in from the host, every gradient reduction then copies its shard out (FSDP2's copy-in,
+// and its reduce-scatter's copy to the host), on the data-parallel stream with the collective.
+// The epilogue's gathers are of the persistent tensors, which stay on the device.
+void Compiler::add_param_offload_copies() {
+  if (!plan.optimizer.offload_params) return;
+  auto shard_degree_of = [&](uint32_t axes) {
+    int n = 1;
+    for (size_t a = 0; a < mesh.axes.size(); ++a) {
+      if (axes & (1u << a)) n *= mesh.axes[a].size;
+    }
+    return static_cast<double>(n);
+  };
+  auto add = [&](std::vector<Step>& steps, bool gathers) {
+    for (Step& s : steps) {
+      if (s.kind != StepKind::kDpLaunch) continue;
+      const double shard = shard_degree_of(s.axes);
+      if (s.collective == CollectiveKind::kAllGather && gathers) {
+        const double elements = s.bytes / compute_weight_bytes(plan) / shard;
+        s.host_seconds = host_copy_seconds(elements * plan.optimizer.weight_shard_bytes, false,
+                                           topo, prog.compute_model);
+      } else if (s.collective == CollectiveKind::kReduceScatter) {
+        s.host_seconds = host_copy_seconds(s.bytes / shard, true, topo, prog.compute_model);
+      }
+    }
+  };
+  for (BlockTemplate& t : prog.templates) add(t.steps, true);
+  for (Lane& lane : prog.lanes) {
+    add(lane.prologue, true);
+    add(lane.epilogue, false);
+  }
 }
 
 void Compiler::emit_grad_buckets(double bytes, double& pending, std::vector<Step>& steps,

@@ -286,6 +286,8 @@ struct Compiler {
   void add_epilogue(int o, Lane& lane, const std::vector<int>& segs);
   // The tied embedding's gradient sum between its first- and last-stage copies.
   void add_tied_embedding_sync();
+  // Parameter offloading: the host copies beside ZeRO-3's gathers and reductions.
+  void add_param_offload_copies();
   // ZeRO-3 tensor by tensor with prefetch (comm.zero3_prefetch_elements): called before
   // operator `op` of part `p` runs its forward (`recompute`: inside the backward) or its
   // backward, to gather its tensors; set while a block is built.

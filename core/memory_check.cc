@@ -89,9 +89,10 @@ Status check_host_memory_fits(const Program& program) {
   const Plan& plan = program.plan;
   const bool optimizer = plan.optimizer.offload_fraction > 0;
   const bool activations = plan.activation_offload_layers > 0;
-  const std::string what = optimizer && activations ? "optimizer state, gradients and activations"
-                           : optimizer              ? "optimizer state and gradient copies"
-                                                    : "activations";
+  std::string what = plan.optimizer.offload_params ? "parameters, gradients and optimizer state"
+                     : optimizer                   ? "optimizer state and gradient copies"
+                                                   : "";
+  if (activations) what += what.empty() ? "activations" : " and activations";
   std::string fixes;
   if (optimizer) {
     fixes +=

@@ -17,15 +17,22 @@ OffloadedStep offloaded_optimizer_step(double params, double largest_tensor,
     return s;
   }
   const HostSpec& host = topology.host;
-  s.to_host =
-      host_params * optimizer.grad_bytes / (host.link_bandwidth * model.device_to_host_efficiency);
-  s.to_device = host_params * optimizer.offload_param_bytes /
-                (host.link_bandwidth * model.host_to_device_efficiency);
   // Host memory traffic per parameter: the copied-in gradient written and read, Adam's state
   // read and written, the updated parameter read by the copy back. Every GPU of the node
   // updates its shard at once, so each gets its share of the bandwidth.
-  const double traffic =
+  double traffic =
       2 * optimizer.grad_bytes + 2 * optimizer.state_bytes + optimizer.offload_param_bytes;
+  if (optimizer.offload_params) {
+    // The parameters live on the host: the gradients arrived during the backward, the
+    // parameters are read and written in place, and the next gathers copy them out.
+    traffic =
+        2 * optimizer.grad_bytes + 2 * optimizer.state_bytes + 2 * optimizer.weight_shard_bytes;
+  } else {
+    s.to_host = host_params * optimizer.grad_bytes /
+                (host.link_bandwidth * model.device_to_host_efficiency);
+    s.to_device = host_params * optimizer.offload_param_bytes /
+                  (host.link_bandwidth * model.host_to_device_efficiency);
+  }
   s.host = host_params * traffic /
            (host.memory_bandwidth * model.host_memory_efficiency / topology.gpus_per_node);
   if (optimizer.offload_overlap) {
@@ -42,7 +49,9 @@ OffloadedStep offloaded_optimizer_step(double params, double largest_tensor,
 }
 
 double offloaded_host_bytes(double params, const OptimizerSpec& optimizer) {
-  return optimizer.offload_fraction * params * (optimizer.state_bytes + optimizer.grad_bytes);
+  const double per_param = optimizer.state_bytes + optimizer.grad_bytes +
+                           (optimizer.offload_params ? optimizer.weight_shard_bytes : 0.0);
+  return optimizer.offload_fraction * params * per_param;
 }
 
 }  // namespace nnsim

@@ -23,7 +23,8 @@ OffloadedStep offloaded_optimizer_step(double params, double largest_tensor,
                                        const OptimizerSpec& optimizer, const Topology& topology,
                                        const ComputeModel& model);
 
-// Host memory one device's offloaded shard takes: its state and a pinned copy of its gradients.
+// Host memory one device's offloaded shard takes: its state and a pinned copy of its gradients,
+// and with offload_params its parameter shard.
 double offloaded_host_bytes(double params, const OptimizerSpec& optimizer);
 
 }  // namespace nnsim

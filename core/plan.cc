@@ -372,7 +372,8 @@ void parse_recompute(const InputNode& rec, Plan& plan) {
 // optimizer: Adam's bytes per parameter and the ZeRO stage.
 void parse_optimizer(const InputNode& opt, Plan& plan) {
   opt.check_keys({"kind", "zero", "grad_bytes", "state_bytes", "weight_shard_bytes",
-                  "keep_gathered", "offload_fraction", "offload_overlap", "offload_param_bytes"});
+                  "keep_gathered", "offload_fraction", "offload_overlap", "offload_param_bytes",
+                  "offload_params"});
   plan.optimizer.kind = opt.get_string("kind", "adam");
   if (plan.optimizer.kind != "adam") opt["kind"].fail_unknown(plan.optimizer.kind, {"adam"});
   plan.optimizer.zero = opt.get_small_int("zero", 0);
@@ -407,6 +408,18 @@ void parse_optimizer(const InputNode& opt, Plan& plan) {
         opt[key].fail("applies to optimizer offloading; set \"offload_fraction\" (or remove it)");
       }
     }
+  }
+  plan.optimizer.offload_params = opt.get_bool("offload_params", false);
+  if (plan.optimizer.offload_params &&
+      (plan.optimizer.zero != 3 || plan.optimizer.offload_fraction != 1)) {
+    opt["offload_params"].fail(
+        "keeps ZeRO-3's parameter shards on the host beside the whole optimizer state: it needs "
+        "\"zero\": 3 and \"offload_fraction\": 1 (or remove it)");
+  }
+  if (plan.optimizer.offload_params && plan.optimizer.offload_overlap) {
+    opt["offload_overlap"].fail(
+        "overlaps the optimizer's own copies, which parameter offloading does not make (its "
+        "copies run beside the gathers and reductions); remove it");
   }
 }
 
@@ -677,6 +690,7 @@ std::string plan_to_json(const Plan& plan) {
     j["optimizer"]["offload_fraction"] = plan.optimizer.offload_fraction;
     j["optimizer"]["offload_overlap"] = plan.optimizer.offload_overlap;
     j["optimizer"]["offload_param_bytes"] = plan.optimizer.offload_param_bytes;
+    if (plan.optimizer.offload_params) j["optimizer"]["offload_params"] = true;
   }
   j["communication"] = {{"dp_bucket_bytes", plan.comm.dp_bucket_bytes},
                         {"overlap_grad_reduce", plan.comm.overlap_grad_reduce},

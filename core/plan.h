@@ -164,6 +164,12 @@ struct OptimizerSpec {
   double offload_fraction = 0;
   bool offload_overlap = false;
   double offload_param_bytes = 4;
+  // Parameter offloading (PyTorch FSDP's CPUOffload, DeepSpeed's offload_param): with ZeRO-3
+  // and all of the optimizer offloaded, the device's parameter and gradient shards live on the
+  // host too. Each parameter gather first copies its shard to the device, each gradient
+  // reduction copies its shard back, both on the data-parallel stream, and the host's update
+  // needs no copies of its own.
+  bool offload_params = false;
 };
 
 struct CommSettings {

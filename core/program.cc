@@ -245,6 +245,7 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
     if (Status s = detail::pair_blocks(prog); !s) return s.error();
   }
   c.add_tied_embedding_sync();
+  c.add_param_offload_copies();
 
   for (int l = 0; l < plan.model.layers; ++l) {
     const TensorLayout in = l == 0 ? input_layout_of(c.embed) : input_layout_of(c.layer_at(l - 1));

@@ -66,10 +66,14 @@ struct Step {
   // pp_blocking_sends); otherwise it runs on the sender's send stream while compute goes on.
   bool blocking = false;
   bool to_host = false;  // kHostCopyLaunch / kHostCopyWait: the stream to the host, else back
-  int tag = -1;          // kDpLaunch / kDpWait: what to wait for (-1: everything)
-  int group = -1;        // kCollective over an explicit group (Program::explicit_groups)
-  int label = -1;        // index into Program::labels ("attn.qkv", "grad bucket 3", ...)
-  bool matmul = false;   // kCompute of a linear operator (a GEMM)
+  // kDpLaunch under parameter offloading (OptimizerSpec::offload_params): the copy of this
+  // device's shard the data-parallel stream runs with the collective, from the host before a
+  // gather, to it after a reduction.
+  double host_seconds = 0;
+  int tag = -1;         // kDpLaunch / kDpWait: what to wait for (-1: everything)
+  int group = -1;       // kCollective over an explicit group (Program::explicit_groups)
+  int label = -1;       // index into Program::labels ("attn.qkv", "grad bucket 3", ...)
+  bool matmul = false;  // kCompute of a linear operator (a GEMM)
   // A paired block's step: 0 belongs to the instance's block, 1 to its partner (transfers and
   // joint collectives are keyed by their own block's micro-batch).
   uint8_t member = 0;

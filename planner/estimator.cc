@@ -163,7 +163,7 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
       case StepKind::kCommLaunch: {
         Op o;
         o.kind = s.kind == StepKind::kDpLaunch ? Op::kDpLaunch : Op::kCommLaunch;
-        o.seconds = collective_seconds(lane, s);
+        o.seconds = collective_seconds(lane, s) + s.host_seconds;
         o.exchange = s.collective == CollectiveKind::kExpertExchange;
         o.tag = s.tag;
         out.push_back(o);

@@ -832,6 +832,16 @@ Status set_framework_conventions(const MegatronOptions& o, int dp, Plan& plan) {
     // Megatron's HybridDeviceOptimizer updates fp32 copies on the host and copies them back;
     // DeepSpeed's ZeRO-Offload copies back the 16-bit parameters.
     plan.optimizer.offload_param_bytes = o.framework == "megatron" ? 4 : 2;
+    // FSDP's CPUOffload: the shards themselves live on the host (ZeRO-3 only).
+    if (o.framework == "fsdp") {
+      if (o.zero != 3) {
+        return Error(fmt::format(
+            "--optimizer-offload with --framework fsdp offloads ZeRO-3's shards (FSDP's "
+            "CPUOffload); this plan is ZeRO-{}: use --zero 3",
+            o.zero));
+      }
+      plan.optimizer.offload_params = true;
+    }
   }
   plan.activation_offload_layers = o.activation_offload;
   // Megatron-Core's bucket: max(40M, 1M x dp) parameters.
@@ -925,11 +935,13 @@ Status check_optimizer_offload(double fraction, bool overlap, const std::string&
         "--offload-overlap overlaps optimizer offloading's copies; add --optimizer-offload");
   }
   if (fraction == 0) return Status::Ok();
-  if (framework == "fsdp") {
-    return Error(
-        "--optimizer-offload with --framework fsdp: PyTorch FSDP's CPUOffload moves the "
-        "parameters and gradients to the host too, which nnsim does not model; use --framework "
-        "megatron or deepspeed");
+  if (framework == "fsdp" && (fraction != 1 || overlap)) {
+    return Error(fmt::format(
+        "--optimizer-offload {}{} with --framework fsdp: PyTorch FSDP's CPUOffload moves all "
+        "of a GPU's shard, its parameters, gradients and optimizer state, to the host; use "
+        "--optimizer-offload 1{}",
+        fraction, overlap ? " --offload-overlap" : "",
+        overlap ? " without --offload-overlap" : ""));
   }
   if (!topo.has_host) {
     return Error(fmt::format(

@@ -85,7 +85,8 @@ struct MegatronOptions {
   // Optimizer offloading (Plan optimizer.offload_fraction): the fraction of each device's
   // optimizer shard the host keeps and updates (Megatron-Core's --optimizer-cpu-offload with
   // --optimizer-offload-fraction; DeepSpeed's offload_optimizer), and whether the copies and
-  // the host's update overlap tensor by tensor (--overlap-cpu-optimizer-d2h-h2d).
+  // the host's update overlap tensor by tensor (--overlap-cpu-optimizer-d2h-h2d). Under FSDP
+  // (ZeRO-3, fraction 1) it is CPUOffload: the parameter and gradient shards go to the host too.
   double optimizer_offload = 0;
   bool offload_overlap = false;
   // Activation offloading (Plan activation_offload_layers): the activations of the first this
@@ -123,8 +124,8 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
                                    const MegatronOptions& options);
 
 // Optimizer offloading's options against the framework and the cluster: a fraction from 0 to 1,
-// overlap only with offloading, a framework whose offloading nnsim models (not FSDP's
-// CPUOffload, which moves the parameters too) and a topology that describes its host.
+// overlap only with offloading, all of it without overlap under FSDP (whose CPUOffload moves the
+// parameter and gradient shards too) and a topology that describes its host.
 Status check_optimizer_offload(double fraction, bool overlap, const std::string& framework,
                                const Topology& topo);
 

@@ -99,6 +99,8 @@ struct PlacementChoice {
 // bound that rules out degrees before compiling anything.
 double static_bytes_lower_bound(const ModelSpec& m, int tp, int pp, int dp, int cp, int ep,
                                 int zero, bool fsdp, double offload) {
+  // FSDP's CPUOffload keeps every shard on the host: only the gathered working set remains.
+  if (fsdp && offload > 0 && zero == 3) return 0;
   const double per_param = fsdp ? 16.0 : 18.0;
   // Dense weights shard over dp x cp; experts, spread over ep of the dp ranks, over the rest.
   const double experts = static_cast<double>(m.expert_parameters());
@@ -642,6 +644,8 @@ void Search::add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleK
     std::vector<int> zeros =
         d.tp == 1 && d.pp == 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 1};
     if (fsdp) zeros = {3, 2};
+    // FSDP offloads through ZeRO-3's shards (CPUOffload).
+    if (fsdp && o_.optimizer_offload > 0) zeros = {3};
     // DeepSpeed's tensor-by-tensor ZeRO-3 has no expert group (compile_plan).
     if (ep > 1 && o_.framework == "deepspeed") {
       zeros.erase(std::remove(zeros.begin(), zeros.end(), 3), zeros.end());
@@ -766,12 +770,20 @@ std::optional<Candidate> Search::fit_by_offloading(const Candidate& cand, const 
   for (size_t l = 0; l < peaks.size(); ++l) {
     const double excess = peaks[l].peak - capacity_;
     if (excess <= 0) continue;
-    const double state = prog.lanes[l].memory.optimizer;
+    // FSDP's CPUOffload frees the parameter and gradient shards too.
+    const StaticMemory& m = prog.lanes[l].memory;
+    const double state =
+        m.optimizer + (cand.options.framework == "fsdp" ? m.weights + m.gradients : 0.0);
     if (!(state >= excess)) return std::nullopt;
     fraction = std::max(fraction, excess / state);
   }
   fraction = std::min(1.0, std::ceil(fraction * 100) / 100);
   if (fraction <= 0) return std::nullopt;
+  // FSDP's CPUOffload moves all of a ZeRO-3 shard, parameters and gradients too.
+  if (cand.options.framework == "fsdp") {
+    if (cand.options.zero != 3) return std::nullopt;
+    fraction = 1;
+  }
   Candidate off = cand;
   off.options.optimizer_offload = fraction;
   off.options.offload_overlap = o_.offload_overlap;

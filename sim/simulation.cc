@@ -603,11 +603,25 @@ void Simulation::dp_stream_actor(Instance& inst) {
   while (true) {
     const Step& step = *inst.dp.next().step;
     const RendezvousKey key{inst.lane, 1 << 20, inst.dp_sequence_for_rendezvous++, 0, 0};
+    // Parameter offloading: a gather's shard comes from the host first, a reduction's goes
+    // there after.
+    const bool copy_in = step.host_seconds > 0 && step.collective == CollectiveKind::kAllGather;
+    const bool copy_out = step.host_seconds > 0 && !copy_in;
+    if (copy_in) host_copy_on_dp_stream(inst, step);
     const double t0 = run_on_stream(inst, step, key);
     record(inst, Stream::kDataParallel, TaskKind::kDpCollective, t0, sg4::Engine::get_clock(),
            step.label, -1, step.bytes, 0, step.axes);
+    if (copy_out) host_copy_on_dp_stream(inst, step);
     inst.dp.complete_one();
   }
+}
+
+void Simulation::host_copy_on_dp_stream(Instance& inst, const Step& step) {
+  const double t0 = sg4::Engine::get_clock();
+  wait_for(step.host_seconds);
+  ++activities_;
+  record(inst, Stream::kDataParallel, TaskKind::kHostCopy, t0, sg4::Engine::get_clock(), step.label,
+         -1, 0, 0, 0);
 }
 
 void Simulation::comm_stream_actor(Instance& inst) {

@@ -162,6 +162,8 @@ class Simulation {
   void dp_stream_actor(Instance& inst);
   void comm_stream_actor(Instance& inst);
   void host_copy_actor(Instance& inst, bool to_host);
+  // Parameter offloading's copy beside a data-parallel collective (Step::host_seconds).
+  void host_copy_on_dp_stream(Instance& inst, const Step& step);
   void send_stream_actor(Instance& inst, int direction);
   // Prepares every communication of every instance and finds the collectives whose links no
   // other communication crosses (those run in closed form on the compute stream) and the lanes

@@ -54,11 +54,14 @@ void print_report(const Program& prog, const SimResult& r,
   const bool optimizer_offload = prog.plan.optimizer.offload_fraction > 0;
   if (const NodeHostMemory host = busiest_host_memory(prog); host.node >= 0) {
     const bool activations = prog.plan.activation_offload_layers > 0;
+    std::string what = prog.plan.optimizer.offload_params ? "parameters, gradients and optimizer "
+                                                            "state"
+                       : optimizer_offload                ? "optimizer state and gradients"
+                                                          : "";
+    if (activations) what += what.empty() ? "activations" : " and activations";
     std::printf("  host memory      %s of %s (node %d: offloaded %s)\n",
                 format_bytes(host.bytes).c_str(), format_bytes(t.host.memory).c_str(), host.node,
-                optimizer_offload && activations ? "optimizer state, gradients and activations"
-                : optimizer_offload              ? "optimizer state and gradients"
-                                                 : "activations");
+                what.c_str());
   }
   if (prog.plan.activation_offload_layers > 0) {
     // The lane that offloads the most, per micro-batch; its copies run one after another.
@@ -82,14 +85,22 @@ void print_report(const Program& prog, const SimResult& r,
       }
     }
     const OffloadedStep& o = prog.lanes[slowest].offloaded_step;
-    std::printf(
-        "  optimizer step   %s (%s): gradients to the host %s, the host's update %s, parameters "
-        "back %s%s, %s\n",
-        format_seconds(o.seconds).c_str(), r.lanes[slowest].name.c_str(),
-        format_seconds(o.to_host).c_str(), format_seconds(o.host).c_str(),
-        format_seconds(o.to_device).c_str(),
-        o.gpu > 0 ? fmt::format(", the GPU's part {}", format_seconds(o.gpu)).c_str() : "",
-        prog.plan.optimizer.offload_overlap ? "overlapped tensor by tensor" : "one after another");
+    if (prog.plan.optimizer.offload_params) {
+      std::printf(
+          "  optimizer step   %s (%s): the host's update; the shards cross PCIe beside the "
+          "gathers and reductions\n",
+          format_seconds(o.seconds).c_str(), r.lanes[slowest].name.c_str());
+    } else {
+      std::printf(
+          "  optimizer step   %s (%s): gradients to the host %s, the host's update %s, parameters "
+          "back %s%s, %s\n",
+          format_seconds(o.seconds).c_str(), r.lanes[slowest].name.c_str(),
+          format_seconds(o.to_host).c_str(), format_seconds(o.host).c_str(),
+          format_seconds(o.to_device).c_str(),
+          o.gpu > 0 ? fmt::format(", the GPU's part {}", format_seconds(o.gpu)).c_str() : "",
+          prog.plan.optimizer.offload_overlap ? "overlapped tensor by tensor"
+                                              : "one after another");
+    }
   }
   // Per-lane breakdown.
   std::vector<std::string> groups;

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include "core/activation_offload.h"
 #include "core/memory_check.h"
 #include "core/optimizer_offload.h"
 #include "core/program.h"
@@ -104,9 +105,10 @@ TEST(OptimizerOffloadPlan, BadOptionsAreRefused) {
   };
   EXPECT_NE(error(gpt_options(1.5, false)).find("from 0 to 1"), std::string::npos);
   EXPECT_NE(error(gpt_options(0, true)).find("add --optimizer-offload"), std::string::npos);
-  MegatronOptions fsdp = gpt_options(1, false);
+  MegatronOptions fsdp = gpt_options(0.5, false);
   fsdp.framework = "fsdp";
-  EXPECT_NE(error(fsdp).find("CPUOffload"), std::string::npos);
+  fsdp.zero = 3;
+  EXPECT_NE(error(fsdp).find("CPUOffload moves all"), std::string::npos) << error(fsdp);
 }
 
 TEST(OptimizerOffloadPlan, NeedsAHostThatHoldsIt) {
@@ -151,6 +153,102 @@ TEST(OptimizerOffloadPlan, NeedsAHostThatHoldsIt) {
   big = compile_gpt(tight, 0, false);
   ASSERT_TRUE(big.ok()) << big.error().message();
   EXPECT_EQ(check_memory_fits(*big).error().message().find("offload"), std::string::npos);
+}
+
+// FSDP's CPUOffload: the GPU keeps no shard at all, only ZeRO-3's gathered working set; the
+// host keeps the fp32 parameters, gradients and Adam's moments; every gather copies its shard
+// in first and every reduction copies its shard out, on the data-parallel stream, and the
+// host's update needs no copies of its own.
+TEST(OptimizerOffloadPlan, FsdpMovesItsShardsToTheHost) {
+  const Topology t = one_node();
+  const ModelSpec m = *load_model("llama3-8b");
+  MegatronOptions o;
+  o.tp = 1;
+  o.pp = 1;
+  o.zero = 3;
+  o.framework = "fsdp";
+  o.global_batch = 16;
+  Expected<Plan> gpu_plan = build_megatron_plan(m, t, o);
+  o.optimizer_offload = 1;
+  Expected<Plan> host_plan = build_megatron_plan(m, t, o);
+  ASSERT_TRUE(gpu_plan.ok()) << gpu_plan.error().message();
+  ASSERT_TRUE(host_plan.ok()) << host_plan.error().message();
+  EXPECT_TRUE(host_plan->optimizer.offload_params);
+  EXPECT_FALSE(gpu_plan->optimizer.offload_params);
+  Expected<Program> gpu = compile_plan(*gpu_plan, t);
+  Expected<Program> host = compile_plan(*host_plan, t);
+  ASSERT_TRUE(gpu.ok()) << gpu.error().message();
+  ASSERT_TRUE(host.ok()) << host.error().message();
+  const Lane& a = gpu->lanes[0];
+  const Lane& b = host->lanes[0];
+  EXPECT_GT(a.memory.weights, 0);
+  EXPECT_EQ(b.memory.weights, 0);
+  EXPECT_EQ(b.memory.gradients, 0);
+  EXPECT_EQ(b.memory.optimizer, 0);
+  EXPECT_EQ(b.memory.gathered, a.memory.gathered);
+  const OptimizerSpec& spec = host->plan.optimizer;
+  const double shard = a.memory.weights / spec.weight_shard_bytes;
+  EXPECT_DOUBLE_EQ(b.host_bytes,
+                   shard * (spec.weight_shard_bytes + spec.grad_bytes + spec.state_bytes));
+  // The copies: a gather's fp32 shard in, a reduction's shard out, over dp 8.
+  int gathers = 0, reductions = 0;
+  for (const BlockTemplate& tpl : host->templates) {
+    for (const Step& s : tpl.steps) {
+      if (s.kind != StepKind::kDpLaunch) continue;
+      if (s.collective == CollectiveKind::kAllGather) {
+        const double elements = s.bytes / 2 / 8;
+        EXPECT_DOUBLE_EQ(s.host_seconds, host_copy_seconds(elements * spec.weight_shard_bytes,
+                                                           false, t, host->compute_model));
+        ++gathers;
+      } else if (s.collective == CollectiveKind::kReduceScatter) {
+        EXPECT_DOUBLE_EQ(s.host_seconds,
+                         host_copy_seconds(s.bytes / 8, true, t, host->compute_model));
+        ++reductions;
+      }
+    }
+  }
+  EXPECT_GT(gathers, 0);
+  EXPECT_GT(reductions, 0);
+  for (const BlockTemplate& tpl : gpu->templates) {
+    for (const Step& s : tpl.steps) EXPECT_EQ(s.host_seconds, 0);
+  }
+  // The step is the host's update alone: parameters, gradients and moments read, the
+  // parameters and moments written, at the GPU's eighth of the node's bandwidth.
+  EXPECT_EQ(b.offloaded_step.to_host, 0);
+  EXPECT_EQ(b.offloaded_step.to_device, 0);
+  const double traffic = 2 * spec.grad_bytes + 2 * spec.state_bytes + 2 * spec.weight_shard_bytes;
+  EXPECT_DOUBLE_EQ(b.offloaded_step.host, shard * traffic / (t.host.memory_bandwidth / 8));
+  EXPECT_DOUBLE_EQ(optimizer_step_seconds(*host), b.offloaded_step.seconds);
+  EXPECT_GT(estimate_program(*host).iteration_time, estimate_program(*gpu).iteration_time);
+  EXPECT_LT(estimate_program(*host).peak_memory, estimate_program(*gpu).peak_memory);
+
+  // The plan file carries it, and reading it checks it.
+  Expected<Plan> back = parse_plan(plan_to_json(*host_plan), "fsdp.json");
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_TRUE(back->optimizer.offload_params);
+  Plan partial = *host_plan;
+  partial.optimizer.offload_fraction = 0.5;
+  Expected<Plan> refused = parse_plan(plan_to_json(partial), "fsdp.json");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("optimizer.offload_params"), std::string::npos)
+      << refused.error().message();
+  EXPECT_NE(refused.error().message().find("\"offload_fraction\": 1"), std::string::npos)
+      << refused.error().message();
+
+  // What FSDP's CPUOffload cannot do is refused with the fix.
+  auto error = [&](const MegatronOptions& opts) {
+    Expected<Plan> p = build_megatron_plan(m, t, opts);
+    return p ? std::string() : p.error().message();
+  };
+  MegatronOptions half = o;
+  half.optimizer_offload = 0.5;
+  EXPECT_NE(error(half).find("use --optimizer-offload 1"), std::string::npos) << error(half);
+  MegatronOptions overlap = o;
+  overlap.offload_overlap = true;
+  EXPECT_NE(error(overlap).find("without --offload-overlap"), std::string::npos) << error(overlap);
+  MegatronOptions zero2 = o;
+  zero2.zero = 2;
+  EXPECT_NE(error(zero2).find("use --zero 3"), std::string::npos) << error(zero2);
 }
 
 // Searches for Llama 3 70B on one DGX A100, 16 sequences a step, every candidate ranked.
@@ -241,6 +339,26 @@ TEST(OptimizerOffloadPlan, TheSearchOffloadsWhatEachPlanNeeds) {
   Expected<SearchResult> both = search_plans(m, t, o);
   ASSERT_FALSE(both.ok());
   EXPECT_NE(both.error().message().find("not both"), std::string::npos);
+}
+
+// FSDP as needed: the plans that do not fit offload everything of their ZeRO-3 shard, the
+// only way FSDP's CPUOffload goes; Llama 3 70B fits on one DGX A100 only so.
+TEST(OptimizerOffloadPlan, TheSearchOffloadsFsdpShardsWhole) {
+  const Topology t = one_node();
+  const ModelSpec m = *load_model("llama3-70b");
+  SearchOptions o = search_options();
+  o.framework = "fsdp";
+  Expected<SearchResult> none = search_plans(m, t, o);
+  ASSERT_FALSE(none.ok());
+  o.offload_as_needed = true;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  ASSERT_FALSE(r->ranked.empty());
+  for (const Candidate& c : r->ranked) {
+    EXPECT_EQ(c.options.optimizer_offload, 1) << c.describe();
+    EXPECT_EQ(c.options.zero, 3) << c.describe();
+  }
+  EXPECT_TRUE(r->best.optimizer.offload_params);
 }
 
 }  // namespace
