@@ -425,12 +425,15 @@ class Search {
   void enumerate();
   void add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleKind sched);
   void evaluate_chains();
+  // Builds and compiles `c`'s plan and estimates it into `c.estimate` (counted as evaluated):
+  // its program, or none when the options make no valid plan.
+  std::optional<Program> estimate(Candidate& c);
   std::optional<Candidate> fit_by_offloading(const Candidate& cand, const Program& prog);
   std::optional<Candidate> fit_by_offloading_activations(const Candidate& cand,
                                                          const Program& prog);
   // What an offloaded candidate must pass besides the GPUs' memory: the host's memory and the
   // constraints (each failure counted).
-  bool offloaded_fits(const Plan& plan, const Program& prog, const Estimate& estimate);
+  bool offloaded_fits(const Program& prog, const Estimate& estimate);
   void balance_stages();
   void try_schedules();
   void try_schedules_with_stage_recompute();
@@ -683,18 +686,11 @@ void Search::evaluate_chains() {
         cand.options.recompute = rec;
         cand.options.zero = zero;
         cand.placement = chain.placement;
-        Expected<Plan> plan = build_megatron_plan(model_, topo_, cand.options);
-        if (!plan) {
-          reject("invalid");
-          break;
-        }
-        Expected<Program> prog = compile_plan(*plan, topo_, cand.options.costs);
+        const std::optional<Program> prog = estimate(cand);
         if (!prog) {
           reject("invalid");
           break;
         }
-        ++evaluated_;
-        cand.estimate = estimate_program(*prog);
         if (first) {
           first_estimate_[i] = cand.estimate.iteration_time;
           // The bound is the dynamic programme's, for one chunk a stage; interleaved chunks go
@@ -731,8 +727,8 @@ void Search::evaluate_chains() {
           lost_.push_back(cand);
           continue;
         }
-        std::string why = violated_constraint(cons_, *plan, *prog, cand.estimate.bubble_fraction,
-                                              cand.estimate.peak_memory);
+        std::string why = violated_constraint(
+            cons_, prog->plan, *prog, cand.estimate.bubble_fraction, cand.estimate.peak_memory);
         if (!why.empty()) {
           cand.status = "violates " + why;
           reject(why);
@@ -787,25 +783,28 @@ std::optional<Candidate> Search::fit_by_offloading(const Candidate& cand, const 
   Candidate off = cand;
   off.options.optimizer_offload = fraction;
   off.options.offload_overlap = o_.offload_overlap;
-  Expected<Plan> plan = build_megatron_plan(model_, topo_, off.options);
-  if (!plan) return std::nullopt;
-  Expected<Program> offloaded = compile_plan(*plan, topo_, off.options.costs);
-  if (!offloaded) return std::nullopt;
-  ++evaluated_;
-  off.estimate = estimate_program(*offloaded);
-  if (off.estimate.peak_memory > capacity_) return std::nullopt;
-  if (!offloaded_fits(*plan, *offloaded, off.estimate)) return std::nullopt;
+  const std::optional<Program> offloaded = estimate(off);
+  if (!offloaded || off.estimate.peak_memory > capacity_) return std::nullopt;
+  if (!offloaded_fits(*offloaded, off.estimate)) return std::nullopt;
   off.status = "ok";
   return off;
 }
 
-bool Search::offloaded_fits(const Plan& plan, const Program& prog, const Estimate& estimate) {
+std::optional<Program> Search::estimate(Candidate& c) {
+  Expected<Program> prog = compile_options(model_, topo_, c.options);
+  if (!prog) return std::nullopt;
+  ++evaluated_;
+  c.estimate = estimate_program(*prog);
+  return std::move(*prog);
+}
+
+bool Search::offloaded_fits(const Program& prog, const Estimate& estimate) {
   if (busiest_host_memory(prog).bytes > topo_.host.memory) {
     reject("does not fit in host memory");
     return false;
   }
   const std::string why =
-      violated_constraint(cons_, plan, prog, estimate.bubble_fraction, estimate.peak_memory);
+      violated_constraint(cons_, prog.plan, prog, estimate.bubble_fraction, estimate.peak_memory);
   if (!why.empty()) {
     reject(why);
     return false;
@@ -834,14 +833,10 @@ std::optional<Candidate> Search::fit_by_offloading_activations(const Candidate& 
   for (; n < layers; ++n) {
     Candidate off = cand;
     off.options.activation_offload = n;
-    Expected<Plan> plan = build_megatron_plan(model_, topo_, off.options);
-    if (!plan) return std::nullopt;
-    Expected<Program> offloaded = compile_plan(*plan, topo_, off.options.costs);
+    const std::optional<Program> offloaded = estimate(off);
     if (!offloaded) return std::nullopt;
-    ++evaluated_;
-    off.estimate = estimate_program(*offloaded);
     if (off.estimate.peak_memory > capacity_) continue;
-    if (!offloaded_fits(*plan, *offloaded, off.estimate)) return std::nullopt;
+    if (!offloaded_fits(*offloaded, off.estimate)) return std::nullopt;
     off.status = "ok";
     return off;
   }
@@ -858,14 +853,9 @@ void Search::estimate_variants(const std::vector<Candidate>& tries, const char* 
       tries.size(), o_.jobs,
       [&](size_t i) {
         Candidate c = tries[i];
-        Expected<Plan> plan = build_megatron_plan(model_, topo_, c.options);
-        if (!plan) return;
-        Expected<Program> prog = compile_plan(*plan, topo_, c.options.costs);
-        if (!prog) return;
-        ++evaluated_;
-        c.estimate = estimate_program(*prog);
-        if (c.estimate.peak_memory > capacity_) return;
-        if (!violated_constraint(cons_, *plan, *prog, c.estimate.bubble_fraction,
+        const std::optional<Program> prog = estimate(c);
+        if (!prog || c.estimate.peak_memory > capacity_) return;
+        if (!violated_constraint(cons_, prog->plan, *prog, c.estimate.bubble_fraction,
                                  c.estimate.peak_memory)
                  .empty()) {
           if (!rejected.empty()) reject(rejected);
