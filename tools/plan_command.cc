@@ -370,7 +370,9 @@ void add_plan_choices(CLI::App* cmd, PlanArgs& a) {
   cmd->add_option("--optimizer-offload", a.optimizer_offload,
                   "fraction of each GPU's optimizer state kept and updated on the host "
                   "(Megatron-Core's --optimizer-cpu-offload --optimizer-offload-fraction, "
-                  "DeepSpeed's offload_optimizer), or 'auto': the search offloads what each plan "
+                  "DeepSpeed's offload_optimizer; with --framework fsdp, 1 only: FSDP's "
+                  "CPUOffload, which moves the parameter and gradient shards too), or 'auto': "
+                  "the search offloads what each plan "
                   "needs to fit; needs the topology's node.host");
   cmd->add_flag("--offload-overlap", a.o.offload_overlap,
                 "with --optimizer-offload: copy gradients out, update and copy parameters back "

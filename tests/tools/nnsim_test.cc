@@ -309,6 +309,23 @@ TEST(NnsimTool, PlanAndSimulateOffloadTheOptimizer) {
                {"--optimizer-offload auto", "the builder takes a fraction"});
   expect_error(box.nnsim(with({"--optimizer-offload", "half"}, "bad.json")),
                {"--optimizer-offload 'half'", "a fraction from 0 to 1 or 'auto'"});
+  // FSDP's CPUOffload moves whole shards, ZeRO-3's only.
+  auto fsdp_args = [&](const std::string& zero, const std::string& fraction,
+                       const std::string& out) {
+    std::vector<std::string> args =
+        with({"--framework", "fsdp", "--optimizer-offload", fraction}, out);
+    args[std::find(args.begin(), args.end(), "--zero") - args.begin() + 1] = zero;
+    return args;
+  };
+  make_plan(box, fsdp_args("3", "1", "fsdp.json"));
+  EXPECT_EQ(box.read_json("fsdp.json")["optimizer"]["offload_params"], true);
+  RunResult fsdp = box.nnsim({"--topo", "dgx-a100x4", "fsdp.json"});
+  ASSERT_EQ(fsdp.status, 0) << fsdp;
+  expect_matches(fsdp.out, R"(node 0: offloaded parameters, gradients and optimizer state\))");
+  expect_matches(fsdp.out, R"(optimizer step +[0-9.]+ m?s \(pp=0\): the host's update;)");
+  expect_error(box.nnsim(fsdp_args("3", "0.5", "bad.json")),
+               {"--optimizer-offload 0.5 with --framework fsdp", "use --optimizer-offload 1"});
+  expect_error(box.nnsim(fsdp_args("2", "1", "bad.json")), {"ZeRO-2", "use --zero 3"});
   RunResult search = box.nnsim({"plan", "--model", "llama3-70b", "--topo", "dgx-a100x4", "--nodes",
                                 "1", "--global-batch", "16", "--confirm", "1",
                                 "--optimizer-offload", "auto", "-o", "auto.json"});
