@@ -13,11 +13,4 @@ std::vector<int> activation_offload_windows(int layers, int offloaded) {
   return window;
 }
 
-double host_copy_seconds(double bytes, bool to_host, const Topology& topology,
-                         const ComputeModel& model) {
-  const double efficiency =
-      to_host ? model.device_to_host_efficiency : model.host_to_device_efficiency;
-  return bytes / (topology.host.link_bandwidth * efficiency);
-}
-
 }  // namespace nnsim

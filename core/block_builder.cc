@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "core/activation_offload.h"
+#include "core/host_copy.h"
 
 namespace nnsim::detail {
 

@@ -4,7 +4,7 @@
 
 #include <fmt/format.h>
 
-#include "core/activation_offload.h"
+#include "core/host_copy.h"
 
 namespace nnsim::detail {
 

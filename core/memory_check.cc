@@ -81,30 +81,35 @@ NodeHostMemory busiest_host_memory(const Program& program) {
   return {*busiest, static_cast<int>(busiest - per_node.begin())};
 }
 
+std::string describe_host_contents(const Plan& plan) {
+  std::string what = plan.optimizer.offload_params ? "parameters, gradients and optimizer state"
+                     : plan.optimizer.offload_fraction > 0 ? "optimizer state and gradient copies"
+                                                           : "";
+  if (plan.activation_offload_layers > 0) what += what.empty() ? "activations" : " and activations";
+  return what;
+}
+
 namespace {
 
 Status check_host_memory_fits(const Program& program) {
   const NodeHostMemory host = busiest_host_memory(program);
   if (host.node < 0 || host.bytes <= program.topology.host.memory) return Status::Ok();
   const Plan& plan = program.plan;
-  const bool optimizer = plan.optimizer.offload_fraction > 0;
-  const bool activations = plan.activation_offload_layers > 0;
-  std::string what = plan.optimizer.offload_params ? "parameters, gradients and optimizer state"
-                     : optimizer                   ? "optimizer state and gradient copies"
-                                                   : "";
-  if (activations) what += what.empty() ? "activations" : " and activations";
   std::string fixes;
-  if (optimizer) {
+  if (plan.optimizer.offload_fraction > 0) {
     fixes +=
         "a smaller optimizer.offload_fraction (--optimizer-offload), optimizer sharding "
         "(--zero 1..3), ";
   }
-  if (activations) fixes += "fewer activation_offload_layers (--activation-offload), ";
+  if (plan.activation_offload_layers > 0) {
+    fixes += "fewer activation_offload_layers (--activation-offload), ";
+  }
   return Error(fmt::format(
       "the plan does not fit in host memory: node {}'s GPUs keep {} of offloaded {} there, but "
       "it has {}: {} over.\n"
       "  try {}or more nodes",
-      host.node, format_bytes(host.bytes), what, format_bytes(program.topology.host.memory),
+      host.node, format_bytes(host.bytes), describe_host_contents(plan),
+      format_bytes(program.topology.host.memory),
       format_bytes(host.bytes - program.topology.host.memory), fixes));
 }
 

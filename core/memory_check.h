@@ -34,6 +34,9 @@ struct NodeHostMemory {
   int node = -1;
 };
 NodeHostMemory busiest_host_memory(const Program& program);
+// What a plan keeps in host memory, as "optimizer state and gradient copies and activations";
+// empty without offloading.
+std::string describe_host_contents(const Plan& plan);
 
 // Error when a lane's peak exceeds the GPU's memory (which GPU, by how much, what dominates and
 // what to try), or a node's offloaded optimizer state exceeds its host memory.

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "core/host_copy.h"
+
 namespace nnsim {
 
 OffloadedStep offloaded_optimizer_step(double params, double largest_tensor,
@@ -16,25 +18,21 @@ OffloadedStep offloaded_optimizer_step(double params, double largest_tensor,
     s.seconds = s.gpu;
     return s;
   }
-  const HostSpec& host = topology.host;
   // Host memory traffic per parameter: the copied-in gradient written and read, Adam's state
-  // read and written, the updated parameter read by the copy back. Every GPU of the node
-  // updates its shard at once, so each gets its share of the bandwidth.
-  double traffic =
-      2 * optimizer.grad_bytes + 2 * optimizer.state_bytes + optimizer.offload_param_bytes;
-  if (optimizer.offload_params) {
-    // The parameters live on the host: the gradients arrived during the backward, the
-    // parameters are read and written in place, and the next gathers copy them out.
-    traffic =
-        2 * optimizer.grad_bytes + 2 * optimizer.state_bytes + 2 * optimizer.weight_shard_bytes;
-  } else {
-    s.to_host = host_params * optimizer.grad_bytes /
-                (host.link_bandwidth * model.device_to_host_efficiency);
-    s.to_device = host_params * optimizer.offload_param_bytes /
-                  (host.link_bandwidth * model.host_to_device_efficiency);
+  // read and written, and the updated parameter read by the copy back, or, with the parameters
+  // living on the host (their copies run beside the gathers and reductions), read and written
+  // in place. Every GPU of the node updates its shard at once, so each gets its share of the
+  // bandwidth.
+  const double parameter_traffic =
+      optimizer.offload_params ? 2 * optimizer.weight_shard_bytes : optimizer.offload_param_bytes;
+  const double traffic = 2 * optimizer.grad_bytes + 2 * optimizer.state_bytes + parameter_traffic;
+  if (!optimizer.offload_params) {
+    s.to_host = host_copy_seconds(host_params * optimizer.grad_bytes, true, topology, model);
+    s.to_device =
+        host_copy_seconds(host_params * optimizer.offload_param_bytes, false, topology, model);
   }
   s.host = host_params * traffic /
-           (host.memory_bandwidth * model.host_memory_efficiency / topology.gpus_per_node);
+           (topology.host.memory_bandwidth * model.host_memory_efficiency / topology.gpus_per_node);
   if (optimizer.offload_overlap) {
     // Tensor by tensor: the copies and the update pipeline, so the slowest of them (or the
     // GPU's own part) sets the pace and the largest tensor passes through the other two.

@@ -2,7 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/activation_offload.h"
+#include "core/host_copy.h"
 #include "core/json_format.h"
 #include "core/memory_check.h"
 

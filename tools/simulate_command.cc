@@ -7,7 +7,7 @@
 
 #include <fmt/format.h>
 
-#include "core/activation_offload.h"
+#include "core/host_copy.h"
 #include "core/memory_check.h"
 #include "core/plan.h"
 #include "core/program.h"
@@ -53,15 +53,9 @@ void print_report(const Program& prog, const SimResult& r,
               describe_memory_parts(worst.static_memory, worst.peak_activations).c_str());
   const bool optimizer_offload = prog.plan.optimizer.offload_fraction > 0;
   if (const NodeHostMemory host = busiest_host_memory(prog); host.node >= 0) {
-    const bool activations = prog.plan.activation_offload_layers > 0;
-    std::string what = prog.plan.optimizer.offload_params ? "parameters, gradients and optimizer "
-                                                            "state"
-                       : optimizer_offload                ? "optimizer state and gradients"
-                                                          : "";
-    if (activations) what += what.empty() ? "activations" : " and activations";
     std::printf("  host memory      %s of %s (node %d: offloaded %s)\n",
                 format_bytes(host.bytes).c_str(), format_bytes(t.host.memory).c_str(), host.node,
-                what.c_str());
+                describe_host_contents(prog.plan).c_str());
   }
   if (prog.plan.activation_offload_layers > 0) {
     // The lane that offloads the most, per micro-batch; its copies run one after another.

@@ -1,6 +1,7 @@
 // Activation offloading's windows and copies (docs/cost-model.md, "Activation offloading"):
 // Transformer Engine's spreading of the copies over the layers, and a copy's time.
 #include "core/activation_offload.h"
+#include "core/host_copy.h"
 
 #include <gtest/gtest.h>
 

@@ -6,23 +6,20 @@
 
 #include <gtest/gtest.h>
 
-#include "core/activation_offload.h"
+#include "core/host_copy.h"
 #include "core/memory_check.h"
 #include "core/optimizer_offload.h"
 #include "core/program.h"
 #include "planner/estimator.h"
 #include "planner/megatron.h"
 #include "planner/search.h"
+#include "tests/support/preset_topology.h"
 
 namespace nnsim {
 namespace {
 
 Topology one_node() {
-  Expected<Topology> t = load_topology("dgx-a100x4");
-  EXPECT_TRUE(t.ok());
-  Expected<Topology> r = resize_topology(*t, 1);
-  EXPECT_TRUE(r.ok());
-  return *r;
+  return testing::preset_topology("dgx-a100x4", 1);
 }
 
 MegatronOptions gpt_options(double offload, bool overlap) {

@@ -7,7 +7,7 @@
 
 #include <gtest/gtest.h>
 
-#include "core/activation_offload.h"
+#include "core/host_copy.h"
 #include "core/program.h"
 #include "core/topology.h"
 #include "planner/estimator.h"

@@ -8,6 +8,7 @@
 #include "planner/estimator.h"
 #include "planner/megatron.h"
 #include "sim/simulator.h"
+#include "tests/support/preset_topology.h"
 
 namespace nnsim {
 namespace {
@@ -18,10 +19,7 @@ namespace {
 // reduction under way slows only the compute that starts beside it; an estimator that folded
 // the exchanges into the compute around them slowed whole backwards and came out 7 % slow.
 TEST(EstimatorAgreement, ABlockingCollectiveIsAStretchOfItsOwn) {
-  Expected<Topology> t = load_topology("dgx-h100-superpod");
-  ASSERT_TRUE(t.ok()) << t.error().message();
-  Expected<Topology> node = resize_topology(*t, 1);
-  ASSERT_TRUE(node.ok()) << node.error().message();
+  const Topology node = testing::preset_topology("dgx-h100-superpod", 1);
   Expected<ModelSpec> m = load_model("llama3-8b");
   ASSERT_TRUE(m.ok()) << m.error().message();
   m->seq_len = 65536;
@@ -31,9 +29,9 @@ TEST(EstimatorAgreement, ABlockingCollectiveIsAStretchOfItsOwn) {
   o.cp = 8;
   o.zero = 2;
   o.global_batch = 8;
-  Expected<Plan> plan = build_megatron_plan(*m, *node, o);
+  Expected<Plan> plan = build_megatron_plan(*m, node, o);
   ASSERT_TRUE(plan.ok()) << plan.error().message();
-  Expected<Program> prog = compile_plan(*plan, *node);
+  Expected<Program> prog = compile_plan(*plan, node);
   ASSERT_TRUE(prog.ok()) << prog.error().message();
   Expected<SimResult> r = simulate(*prog);
   ASSERT_TRUE(r.ok()) << r.error().message();
