@@ -108,10 +108,11 @@ void Compiler::add_param_offload_copies() {
       const double shard = shard_degree_of(s.axes);
       if (s.collective == CollectiveKind::kAllGather && gathers) {
         const double elements = s.bytes / compute_weight_bytes(plan) / shard;
-        s.host_seconds = host_copy_seconds(elements * plan.optimizer.weight_shard_bytes, false,
-                                           topo, prog.compute_model);
+        s.host_bytes = elements * plan.optimizer.weight_shard_bytes;
+        s.host_seconds = host_copy_seconds(s.host_bytes, false, topo, prog.compute_model);
       } else if (s.collective == CollectiveKind::kReduceScatter) {
-        s.host_seconds = host_copy_seconds(s.bytes / shard, true, topo, prog.compute_model);
+        s.host_bytes = s.bytes / shard;
+        s.host_seconds = host_copy_seconds(s.host_bytes, true, topo, prog.compute_model);
       }
     }
   };

@@ -39,6 +39,7 @@ Network::Network(const Topology& topo) : topo_(topo) {
   if (in.kind == IntraNodeKind::kNvLinkMesh) per_node += in.mesh.size();
   if (in.has_pcie) per_node += g + switches;
   per_node += nics;
+  if (topo_.has_host) per_node += g;
   links_.reserve(2 * (per_node * nodes + static_cast<size_t>(groups) * rails));
   if (in.kind == IntraNodeKind::kNvSwitch) nvswitch_port_.reserve(static_cast<size_t>(nodes) * g);
   if (in.kind == IntraNodeKind::kNvLinkMesh) {
@@ -49,6 +50,7 @@ Network::Network(const Topology& topo) : topo_(topo) {
     pcie_uplink_.reserve(static_cast<size_t>(nodes) * switches);
   }
   nic_.reserve(static_cast<size_t>(nodes) * nics);
+  if (topo_.has_host) host_link_.reserve(static_cast<size_t>(nodes) * g);
 
   for (int node = 0; node < nodes; ++node) {
     if (in.kind == IntraNodeKind::kNvSwitch) {
@@ -83,6 +85,15 @@ Network::Network(const Topology& topo) : topo_(topo) {
       const NicSpec& nic = topo_.nics[n];
       nic_.push_back(add_duplex(fmt::format("n{}.nic{}", node, n), LinkKind::kNic, nic.bandwidth,
                                 nic.latency));
+    }
+    // The way on to host memory: link_bandwidth is a GPU's share of it while all copy, so
+    // every GPU gets a link of its own at that bandwidth (its latency is counted in the PCIe
+    // link's, or nowhere for NVLink-C2C).
+    if (topo_.has_host) {
+      for (int j = 0; j < g; ++j) {
+        host_link_.push_back(add_duplex(fmt::format("n{}.g{}.host", node, j), LinkKind::kHost,
+                                        topo_.host.link_bandwidth, 0));
+      }
     }
   }
 
@@ -153,6 +164,11 @@ void Network::route_to(int gpu, Waypoint w, std::vector<int>& out) const {
   switch (w) {
     case Waypoint::kNone:
       return;
+    case Waypoint::kHostMemory:
+      assert(topo_.has_host);
+      if (topo_.intra.has_pcie) out.push_back(pcie_gpu_[gpu]);
+      out.push_back(host_link_[gpu]);
+      return;
     case Waypoint::kNvSwitch:
       out.push_back(nvswitch_port_[gpu]);
       return;
@@ -181,6 +197,18 @@ void Network::route_from(Waypoint w, int gpu, std::vector<int>& out) const {
   route_to(gpu, w, out);
   std::reverse(out.begin() + static_cast<std::ptrdiff_t>(start), out.end());
   for (size_t i = start; i < out.size(); ++i) out[i] ^= 1;
+}
+
+double Network::host_route(int gpu, bool to_host, std::vector<int>& out) const {
+  const size_t start = out.size();
+  if (to_host) {
+    route_to(gpu, Waypoint::kHostMemory, out);
+  } else {
+    route_from(Waypoint::kHostMemory, gpu, out);
+  }
+  double latency = 0;
+  for (size_t i = start; i < out.size(); ++i) latency += links_[out[i]].latency;
+  return latency;
 }
 
 size_t Network::uplink_index(int node, int nic) const {

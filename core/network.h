@@ -9,7 +9,8 @@
 
 namespace nnsim {
 
-enum class LinkKind { kNvLink, kPcie, kNic, kFabric };
+// kHost: a GPU's share of the way on from its PCIe link to host memory (node.host.link_bandwidth).
+enum class LinkKind { kNvLink, kPcie, kNic, kFabric, kHost };
 
 // One direction of a physical link (every physical link is full duplex: two NetLinks).
 struct NetLink {
@@ -34,13 +35,27 @@ class Network {
   // fabric's leaf or its spine. A direct NVLink of a mesh has none. The simulator sums the
   // flows of one parallel task per (source, waypoint) and (waypoint, destination): every link
   // carries the same bytes in fewer route lookups (sim/collective_runner.h).
-  enum class Waypoint { kNone = -1, kNvSwitch, kPcieSwitch, kPcieRoot, kFabricLeaf, kFabricSpine };
-  static constexpr int kWaypoints = 5;
+  // kHostMemory is no GPU-to-GPU route's: it is where copies between a GPU and its node's
+  // memory end (offloading), reached over the GPU's PCIe link when node.pcie describes one
+  // (which its NIC traffic crosses too) and then its host link.
+  enum class Waypoint {
+    kNone = -1,
+    kNvSwitch,
+    kPcieSwitch,
+    kPcieRoot,
+    kFabricLeaf,
+    kFabricSpine,
+    kHostMemory
+  };
+  static constexpr int kWaypoints = 6;
   Waypoint waypoint(int src, int dst) const;
   // The links from `gpu` to waypoint `w` and from `w` to `gpu`: route(src, dst) is exactly
   // route_to(src, waypoint(src, dst)) followed by route_from(waypoint(src, dst), dst).
   void route_to(int gpu, Waypoint w, std::vector<int>& out) const;
   void route_from(Waypoint w, int gpu, std::vector<int>& out) const;
+  // The links a copy between `gpu` and its node's memory crosses (the topology must describe
+  // node.host), appended in order; returns their latency.
+  double host_route(int gpu, bool to_host, std::vector<int>& out) const;
   // True when both GPUs are in the same node.
   bool same_node(int a, int b) const { return topo_.node_of(a) == topo_.node_of(b); }
 
@@ -58,6 +73,7 @@ class Network {
   std::vector<int> pcie_uplink_;    // [node * switches + s]
   std::vector<int> nic_;            // [node * nics + n]
   std::vector<int> fabric_uplink_;  // [group * rails + rail] (rails = 1 for a fat tree)
+  std::vector<int> host_link_;      // [node * gpus_per_node + local], when node.host is described
   std::vector<int> local_switch_;   // local GPU -> PCIe switch
   std::vector<int> local_nic_;      // local GPU -> the NIC serving it (Topology::nic_of)
 };

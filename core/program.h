@@ -68,8 +68,9 @@ struct Step {
   bool to_host = false;  // kHostCopyLaunch / kHostCopyWait: the stream to the host, else back
   // kDpLaunch under parameter offloading (OptimizerSpec::offload_params): the copy of this
   // device's shard the data-parallel stream runs with the collective, from the host before a
-  // gather, to it after a reduction.
+  // gather, to it after a reduction: `host_bytes` taking `host_seconds` alone.
   double host_seconds = 0;
+  double host_bytes = 0;
   int tag = -1;         // kDpLaunch / kDpWait: what to wait for (-1: everything)
   int group = -1;       // kCollective over an explicit group (Program::explicit_groups)
   int label = -1;       // index into Program::labels ("attn.qkv", "grad bucket 3", ...)

@@ -116,11 +116,21 @@ void CollectiveRunner::finish(PreparedComm& out) {
   for (auto& task : out.tasks) {
     load.clear();
     task.latency = 0;
+    const int gpus = net_.topology().num_gpus();
     for (size_t p = 0; p < task.pairs.size(); ++p) {
       scratch_.route.clear();
       int src = task.gpus[task.pairs[p].first];
       int dst = task.gpus[task.pairs[p].second];
-      task.latency = std::max(task.latency, net_.route(src, dst, scratch_.route));
+      double latency = 0;
+      if (dst >= gpus || src >= gpus) {
+        // Only host copies end at a waypoint (kHostMemory).
+        task.to_waypoint = true;
+        latency = dst >= gpus ? net_.host_route(src, true, scratch_.route)
+                              : net_.host_route(dst, false, scratch_.route);
+      } else {
+        latency = net_.route(src, dst, scratch_.route);
+      }
+      task.latency = std::max(task.latency, latency);
       for (int l : scratch_.route) load.emplace_back(l, task.bytes[p]);
     }
     const size_t route_links = load.size();
@@ -133,8 +143,10 @@ void CollectiveRunner::finish(PreparedComm& out) {
       task.link_load.emplace_back(l, sum);
       out.links.push_back(l);
     }
-    out.gpus.insert(out.gpus.end(), task.gpus.begin(), task.gpus.end());
-    split_at_waypoints(task, route_links);
+    for (int h : task.gpus) {
+      if (h < gpus) out.gpus.push_back(h);
+    }
+    if (!task.to_waypoint) split_at_waypoints(task, route_links);
   }
   std::sort(out.links.begin(), out.links.end());
   out.links.erase(std::unique(out.links.begin(), out.links.end()), out.links.end());
@@ -229,6 +241,24 @@ PreparedComm CollectiveRunner::prepare(const std::vector<std::vector<int>>& grou
   return out;
 }
 
+PreparedComm CollectiveRunner::prepare_host_copy(const std::vector<int>& gpus, double bytes,
+                                                 bool to_host, double efficiency) {
+  PreparedComm out;
+  out.bytes_per_device = bytes;
+  PreparedComm::Task task;
+  task.gpus = gpus;
+  const int memory = net_.topology().num_gpus() + static_cast<int>(Network::Waypoint::kHostMemory);
+  task.gpus.push_back(memory);
+  const int m = static_cast<int>(gpus.size());
+  for (int i = 0; i < m; ++i) {
+    task.pairs.emplace_back(to_host ? i : m, to_host ? m : i);
+    task.bytes.push_back(bytes / efficiency);
+  }
+  if (bytes > 0 && m > 0) out.tasks.push_back(std::move(task));
+  finish(out);
+  return out;
+}
+
 PreparedComm CollectiveRunner::prepare_transfer(const std::vector<int>& src_gpus,
                                                 const std::vector<int>& dst_gpus, double bytes) {
   PreparedComm out;
@@ -276,12 +306,14 @@ int CollectiveRunner::run(const PreparedComm& comm, double overlap_seconds) {
     running.push_back(e);
     ++activities;
   };
-  // Tasks start after the steps' latency, and a task split at its waypoints after its route
-  // latency too (SimGrid pays it for the others). Compute of `overlap_seconds` runs alongside.
+  // Tasks start after the steps' latency, and a task split at its waypoints, or a host copy,
+  // after its route latency too (SimGrid pays it for the others). Compute of `overlap_seconds` runs
+  // alongside.
   std::vector<std::pair<double, size_t>> starts;  // (seconds from now, task)
   for (size_t i = 0; i < comm.tasks.size(); ++i) {
     const PreparedComm::Task& t = comm.tasks[i];
-    starts.emplace_back(comm.extra_latency + (t.split_pairs.empty() ? 0.0 : t.latency), i);
+    const bool pays_latency = t.split_pairs.empty() && !t.to_waypoint;
+    starts.emplace_back(comm.extra_latency + (pays_latency ? 0.0 : t.latency), i);
   }
   std::stable_sort(starts.begin(), starts.end(),
                    [](const auto& a, const auto& b) { return a.first < b.first; });

@@ -17,11 +17,12 @@ struct PreparedComm {
   // One SimGrid parallel task, kept sparse: its dense hosts x hosts matrix is built only when
   // it runs.
   struct Task {
-    std::vector<int> gpus;                          // hosts of the task
+    std::vector<int> gpus;  // hosts of the task (from the GPU count on: waypoints, as below)
     std::vector<std::pair<int, int>> pairs;         // (source, destination) indices into gpus
     std::vector<double> bytes;                      // per pair
     std::vector<std::pair<int, double>> link_load;  // bytes each link carries
     double latency = 0;                             // largest route latency (paid once by L07)
+    bool to_waypoint = false;  // a host copy's: its routes end at a waypoint, which pays none
     // What SimGrid runs, when it has fewer route links than the pairs above: every flow split
     // at its route's waypoint (Network::waypoint), the halves summed per (source, waypoint) and
     // (waypoint, destination). L07 sums a task's bytes per link and advances the task at one
@@ -64,6 +65,10 @@ class CollectiveRunner {
   // src_gpus[i] sends `bytes` to dst_gpus[i], all at once.
   PreparedComm prepare_transfer(const std::vector<int>& src_gpus, const std::vector<int>& dst_gpus,
                                 double bytes);
+  // Every GPU of `gpus` copies `bytes` to (or from) its node's memory, taking `1 / efficiency`
+  // times its bytes' share of the links it crosses (PCIe's measured efficiency).
+  PreparedComm prepare_host_copy(const std::vector<int>& gpus, double bytes, bool to_host,
+                                 double efficiency);
   // Runs it from the calling actor and returns when every flow has arrived; with
   // `overlap_seconds` > 0, the caller's compute of that length runs alongside.
   // Returns the number of SimGrid activities used.

@@ -137,6 +137,18 @@ void Simulation::analyze_links() {
           crossings.insert({&c, {index, comm_id(c)}});
           continue;
         }
+        // A host copy, on a copy stream of its own or beside a data-parallel collective.
+        const bool offload = step.kind == StepKind::kHostCopyLaunch;
+        if (offload || (step.kind == StepKind::kDpLaunch && step.host_bytes > 0)) {
+          const bool to_host =
+              offload ? step.to_host : step.collective != CollectiveKind::kAllGather;
+          const double bytes = offload ? step.bytes : step.host_bytes;
+          const PreparedComm& c = prepared_comm(to_host ? -3 : -2, bytes, {inst.gpus});
+          inst.host_copies[&step] = &c;
+          use(c, offload ? (to_host ? -6 : -7) : -8);
+          crossings.insert({&c, {index, comm_id(c)}});
+          if (offload) continue;
+        }
         if (step.kind != StepKind::kCollective && step.kind != StepKind::kDpLaunch &&
             step.kind != StepKind::kCommLaunch) {
           continue;
@@ -268,8 +280,13 @@ const PreparedComm& Simulation::prepared_comm(int kind, double bytes,
   auto key = std::make_tuple(kind, bytes, std::move(groups));
   auto shared = prepared_cache_.find(key);
   if (shared == prepared_cache_.end()) {
+    const bool to_host = kind == -3;
     PreparedComm c =
-        runner_->prepare(std::get<2>(key), static_cast<CollectiveKind>(kind), std::get<1>(key));
+        kind >= 0
+            ? runner_->prepare(std::get<2>(key), static_cast<CollectiveKind>(kind), bytes)
+            : runner_->prepare_host_copy(std::get<2>(key).front(), bytes, to_host,
+                                         to_host ? prog_.compute_model.device_to_host_efficiency
+                                                 : prog_.compute_model.host_to_device_efficiency);
     shared = prepared_cache_.emplace(std::move(key), std::move(c)).first;
   }
   return shared->second;
@@ -616,10 +633,21 @@ void Simulation::dp_stream_actor(Instance& inst) {
   }
 }
 
+void Simulation::run_host_copy(Instance& inst, const Step& step, double seconds) {
+  const PreparedComm& c = *inst.host_copies.at(&step);
+  bool alone = fold_;
+  for (int l : c.links) alone = alone && !link_shared_[l];
+  if (!alone) {
+    activities_ += runner_->run(c);
+    return;
+  }
+  wait_for(seconds);  // nothing else crosses its links
+  ++activities_;
+}
+
 void Simulation::host_copy_on_dp_stream(Instance& inst, const Step& step) {
   const double t0 = sg4::Engine::get_clock();
-  wait_for(step.host_seconds);
-  ++activities_;
+  run_host_copy(inst, step, step.host_seconds);
   record(inst, Stream::kDataParallel, TaskKind::kHostCopy, t0, sg4::Engine::get_clock(), step.label,
          -1, 0, 0, 0);
 }
@@ -637,16 +665,16 @@ void Simulation::comm_stream_actor(Instance& inst) {
   }
 }
 
-// Copies over the GPU's way to the host, priced in closed form (host_copy_seconds): the link
-// bandwidth is already each GPU's share when all of the node's copy.
+// Copies over the GPU's way to the host (Network::host_route): its host link is already its
+// share of the way while all of the node's GPUs copy, and its PCIe link may carry its NIC's
+// traffic too.
 void Simulation::host_copy_actor(Instance& inst, bool to_host) {
   sg4::Actor::self()->daemonize();
   auto& stream = inst.host_copy[to_host ? 1 : 0];
   while (true) {
     const Instance::CopyItem item = stream.next();
     const double t0 = sg4::Engine::get_clock();
-    wait_for(item.step->seconds);
-    ++activities_;
+    run_host_copy(inst, *item.step, item.step->seconds);
     record(inst, to_host ? Stream::kOffload : Stream::kReload, TaskKind::kHostCopy, t0,
            sg4::Engine::get_clock(), item.step->label, item.block, item.step->bytes, 0, 0);
     stream.complete_one();

@@ -130,6 +130,9 @@ class Simulation {
     // may run as its first group alone (lane_mirror.h).
     std::unordered_map<const Step*, const PreparedComm*> prepared;
     std::unordered_map<const Step*, const PreparedComm*> whole;
+    // Copies to or from the host memory (activation offloading's launches, parameter
+    // offloading's data-parallel launches), each over the lane's GPUs.
+    std::unordered_map<const Step*, const PreparedComm*> host_copies;
     // Pipeline sends, one FIFO stream per direction (activations, gradients).
     struct SendItem {
       const PreparedComm* comm = nullptr;
@@ -175,6 +178,9 @@ class Simulation {
                     const std::set<std::pair<const PreparedComm*, LinkUse>>& crossings);
   bool foldable(const Instance& inst, const Step& step) const;
   const PreparedComm& prepared_transfer(Instance& inst, const Step& step);
+  // Runs one of the lane's copies to or from the host: in closed form (`seconds`) when nothing
+  // else crosses its links, else in SimGrid beside what does (its GPU's NIC traffic).
+  void run_host_copy(Instance& inst, const Step& step, double seconds);
   void host_copy_wait(Instance& inst, const Step& step, int block);
   void run_steps(Instance& inst, const std::vector<Step>& steps, int block);
   void flush_compute(Instance& inst, int block);
@@ -215,7 +221,8 @@ class Simulation {
   std::vector<std::unique_ptr<Instance>> instances_;
   std::map<TransferKey, Transfer> transfers_;
   std::map<RendezvousKey, Rendezvous> rendezvous_;
-  // Prepared communication by (collective kind or -1 for a transfer, bytes, groups).
+  // Prepared communication by (collective kind, -1 for a transfer, -2 for a copy from the host
+  // or -3 to it; bytes; groups).
   std::map<std::tuple<int, double, std::vector<std::vector<int>>>, PreparedComm> prepared_cache_;
   std::vector<int> lane_of_rank_;  // replica 0's ranks
   uint32_t cross_axes_ = 0;        // axes that separate lanes, besides dp

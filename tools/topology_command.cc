@@ -63,6 +63,10 @@ void print_topology(const Topology& t) {
   } else {
     std::printf("  in a node  %s, %s per GPU per direction, %s\n", intra_name(in.kind),
                 format_rate(in.bandwidth).c_str(), format_seconds(in.latency).c_str());
+    if (in.has_pcie) {
+      std::printf("  PCIe       %s per GPU link (to its NIC and the host), %zu switches\n",
+                  format_rate(in.pcie.gpu_link_bandwidth).c_str(), in.pcie.switches.size());
+    }
   }
   if (t.nics.empty()) {
     std::printf("  NICs       none\n");

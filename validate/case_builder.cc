@@ -20,7 +20,11 @@ Expected<Topology> case_topology(const ValidationCase& c) {
   t.gpu = *gpu;
   t.intra.bandwidth = gpu->nvlink_bandwidth;
   t.gpus_per_node = c.cluster.gpus_per_node;
-  // NICs: the case's count and speed, GPUs spread evenly over them.
+  // NICs: the case's count and speed, GPUs spread evenly over them. No case states its PCIe
+  // tree, and none offloads (the only traffic PCIe would slow beside the NICs'), so the
+  // preset's tree, laid out for its own NICs, is left out.
+  t.intra.has_pcie = false;
+  t.intra.pcie = {};
   const int nics = c.cluster.nics_per_node;
   t.nics.assign(nics, t.nics.front());
   for (int n = 0; n < nics; ++n) {

@@ -50,6 +50,12 @@ TEST(ActivationOffload, ACopyTakesItsBytesAtTheLinksMeasuredEfficiency) {
   ComputeModel calibrated = m;
   calibrated.device_to_host_efficiency = 0.5;
   EXPECT_DOUBLE_EQ(host_copy_seconds(1e9, true, *t, calibrated), 1e9 / 8e9);
+  // A PCIe link slower than the host link sets the pace, and its latency counts.
+  Topology slow = *t;
+  slow.intra.pcie.gpu_link_bandwidth = 4e9;
+  slow.intra.pcie.latency = 1e-6;
+  EXPECT_EQ(host_link_bandwidth(slow), 4e9);
+  EXPECT_DOUBLE_EQ(host_copy_seconds(1e9, true, slow, calibrated), 1e-6 + 1e9 / 2e9);
 }
 
 }  // namespace

@@ -72,9 +72,12 @@ TEST(Network, NvSwitchRouteCrossesTwoPorts) {
 TEST(Network, InterNodeRouteCrossesTheServingNics) {
   Network net(preset("dgx-a100x4"));
   double lat = 0;
-  EXPECT_EQ(route_names(net, 3, 8 + 5, &lat), (Names{"n0.nic3.up", "n1.nic5.down"}));
+  // Each GPU reaches its NIC over its PCIe link (which the preset gives no latency of its own).
+  EXPECT_EQ(route_names(net, 3, 8 + 5, &lat),
+            (Names{"n0.g3.pcie.up", "n0.nic3.up", "n1.nic5.down", "n1.g5.pcie.down"}));
   EXPECT_DOUBLE_EQ(lat, 2e-6);
-  EXPECT_EQ(route_names(net, 31, 0), (Names{"n3.nic7.up", "n0.nic0.down"}));
+  EXPECT_EQ(route_names(net, 31, 0),
+            (Names{"n3.g7.pcie.up", "n3.nic7.up", "n0.nic0.down", "n0.g0.pcie.down"}));
 }
 
 TEST(Network, LinksComeInUpDownPairsWithUniqueNames) {
@@ -126,18 +129,21 @@ TEST(Network, FatTreeCrossesLeafUplinksOnlyBetweenLeaves) {
 TEST(Network, RailOptimizedSameRailSameUnitStaysOnTheLeaf) {
   Network net(preset("dgx-h100-superpod"));
   // GPU 3 of node 0 and GPU 3 of node 5: rail 3 of unit 0.
-  EXPECT_EQ(route_names(net, 3, 5 * 8 + 3), (Names{"n0.nic3.up", "n5.nic3.down"}));
+  EXPECT_EQ(route_names(net, 3, 5 * 8 + 3),
+            (Names{"n0.g3.pcie.up", "n0.nic3.up", "n5.nic3.down", "n5.g3.pcie.down"}));
   // Another rail of the same unit goes through the spine.
   EXPECT_EQ(route_names(net, 3, 5 * 8 + 4),
-            (Names{"n0.nic3.up", "su0.rail3.up", "su0.rail4.down", "n5.nic4.down"}));
+            (Names{"n0.g3.pcie.up", "n0.nic3.up", "su0.rail3.up", "su0.rail4.down", "n5.nic4.down",
+                   "n5.g4.pcie.down"}));
   // Same rail, another unit (node 40 is in unit 1).
   double lat = 0;
   EXPECT_EQ(route_names(net, 3, 40 * 8 + 3, &lat),
-            (Names{"n0.nic3.up", "su0.rail3.up", "su1.rail3.down", "n40.nic3.down"}));
+            (Names{"n0.g3.pcie.up", "n0.nic3.up", "su0.rail3.up", "su1.rail3.down", "n40.nic3.down",
+                   "n40.g3.pcie.down"}));
   EXPECT_NEAR(lat, 2e-6 + 2 * 0.13e-6, 1e-15);
   std::vector<int> ids;
   net.route(3, 40 * 8 + 3, ids);
-  EXPECT_DOUBLE_EQ(net.links()[ids[1]].bandwidth, 32 * 50e9);
+  EXPECT_DOUBLE_EQ(net.links()[ids[2]].bandwidth, 32 * 50e9);
 }
 
 TEST(Network, PcieRoutesCrossUplinksBetweenSwitches) {
@@ -223,9 +229,10 @@ TEST(Network, RoutesSplitWhereTheyStopDependingOnTheSource) {
   EXPECT_EQ(pod.waypoint(3, 5 * 8 + 3), W::kFabricLeaf);    // same rail, same unit
   EXPECT_EQ(pod.waypoint(3, 5 * 8 + 4), W::kFabricSpine);   // another rail
   EXPECT_EQ(pod.waypoint(3, 40 * 8 + 3), W::kFabricSpine);  // another unit
-  EXPECT_EQ(half_names(pod, 3, W::kFabricSpine, true), (Names{"n0.nic3.up", "su0.rail3.up"}));
+  EXPECT_EQ(half_names(pod, 3, W::kFabricSpine, true),
+            (Names{"n0.g3.pcie.up", "n0.nic3.up", "su0.rail3.up"}));
   EXPECT_EQ(half_names(pod, 40 * 8 + 3, W::kFabricSpine, false),
-            (Names{"su1.rail3.down", "n40.nic3.down"}));
+            (Names{"su1.rail3.down", "n40.nic3.down", "n40.g3.pcie.down"}));
 
   Network pcie(preset("pcie-a100x8", 2));
   EXPECT_EQ(pcie.waypoint(0, 1), W::kPcieSwitch);
@@ -248,8 +255,9 @@ TEST(Network, SuperpodOf16kGpus) {
   Topology big = preset("dgx-h100-superpod", 2048);
   ASSERT_EQ(big.num_gpus(), 16384);
   Network net(big);
-  // Per node 8 NVSwitch ports and 8 NICs; 64 units x 8 rails of leaf uplinks; two entries each.
-  EXPECT_EQ(net.links().size(), 2u * (2048 * 16 + 64 * 8));
+  // Per node 8 NVSwitch ports, 8 PCIe links and 8 PCIe switches, 8 NICs and 8 host links; 64
+  // units x 8 rails of leaf uplinks; two entries each.
+  EXPECT_EQ(net.links().size(), 2u * (2048 * 40 + 64 * 8));
 
   // A million routes: cheap enough not to matter (no timing assertion, just exercise it).
   std::vector<int> out;
@@ -266,8 +274,39 @@ TEST(Network, SuperpodOf16kGpus) {
     total += net.route(next(), next(), out);
     longest = std::max(longest, out.size());
   }
-  EXPECT_EQ(longest, 4u);
+  EXPECT_EQ(longest, 6u);  // PCIe, NIC, rail up; rail down, NIC, PCIe
   EXPECT_GT(total, 0);
+}
+
+// A copy to host memory crosses the GPU's PCIe link (which its NIC traffic crosses too) when
+// node.pcie describes it, then the GPU's own host link; a copy back, the same links down.
+TEST(Network, HostCopiesCrossTheGpusPcieLinkThenItsHostLink) {
+  const Network dgx(preset("dgx-a100x4"));
+  std::vector<int> ids;
+  EXPECT_EQ(dgx.host_route(11, true, ids), 0);  // the NIC's latency covers the PCIe hop
+  std::vector<std::string> names;
+  for (int id : ids) names.push_back(dgx.links()[id].name);
+  EXPECT_EQ(names, (std::vector<std::string>{"n1.g3.pcie.up", "n1.g3.host.up"}));
+  EXPECT_EQ(dgx.links()[ids[1]].kind, LinkKind::kHost);
+  EXPECT_EQ(dgx.links()[ids[1]].bandwidth, 16e9);  // node.host.link_bandwidth
+  ids.clear();
+  dgx.host_route(11, false, ids);
+  names.clear();
+  for (int id : ids) names.push_back(dgx.links()[id].name);
+  EXPECT_EQ(names, (std::vector<std::string>{"n1.g3.host.down", "n1.g3.pcie.down"}));
+  // The same GPU's traffic to another node leaves by the same PCIe link.
+  std::vector<std::string> out = route_names(dgx, 11, 19);
+  EXPECT_EQ(out.front(), "n1.g3.pcie.up");
+
+  // NVLink-C2C (no node.pcie): the host link alone.
+  const Network c2c(preset("gb200-nvl72-whatif", 1));
+  ids.clear();
+  c2c.host_route(5, true, ids);
+  ASSERT_EQ(ids.size(), 1u);
+  EXPECT_EQ(c2c.links()[ids[0]].name, "n0.g5.host.up");
+  // A topology without node.host has no host links.
+  const Network none(preset("h200x8"));
+  for (const NetLink& l : none.links()) EXPECT_NE(l.kind, LinkKind::kHost) << l.name;
 }
 
 }  // namespace

@@ -80,6 +80,8 @@ TEST(TopologyWriter, EditedClustersReadBackTheSame) {
   t.nodes = 48;
   t.gpu = *find_gpu("a100-sxm4-40gb");
   t.intra.bandwidth = t.gpu.nvlink_bandwidth;
+  t.intra.has_pcie = false;  // laid out for the preset's 8 NICs
+  t.intra.pcie = {};
   t.nics.assign(4, t.nics.front());
   for (int n = 0; n < 4; ++n) {
     t.nics[n].bandwidth = 12.5e9;

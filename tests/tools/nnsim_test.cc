@@ -1144,10 +1144,13 @@ TEST(NnsimTool, TopoSetReplacesTopologyFieldsForPlanAndSimulate) {
   RunResult small =
       box.nnsim({"--topo", "dgx-a100x4", "p.json", "--topo-set", "gpu.hbm_bytes=4GB"});
   expect_error(small, {"does not fit", "a100-sxm4-80gb-custom"});
-  // The plan command reads them too (the builder checks the plan fits the changed cluster).
+  // The plan command reads them too (the builder checks the plan fits the changed cluster). A
+  // node of 4 GPUs needs a PCIe tree of 4: the preset's lists GPUs 4-7.
   std::vector<std::string> args(kPlanArgs.begin(), kPlanArgs.end() - 2);
   args.insert(args.end(), {"-o", "q.json", "--topo-set", "node.gpus=4", "--topo-set",
                            "node.nics={count: 4, bandwidth: 200 Gb/s, latency: 1 us}"});
+  expect_error(box.nnsim(args), {"node.pcie.switches[2][0]", "GPU 4 does not exist"});
+  args.insert(args.end(), {"--topo-set", "node.pcie.switches=[[0, 1], [2, 3]]"});
   RunResult plan = box.nnsim(args);
   ASSERT_EQ(plan.status, 0) << plan;
   EXPECT_TRUE(contains(box.read_json("q.json")["name"].get<std::string>(), "dp2")) << plan;
