@@ -8,7 +8,7 @@
 
 namespace nnsim {
 
-Network::Network(const Topology& topo) : topo_(topo) {
+Network::Network(const Topology& topo, bool host_copies) : topo_(topo) {
   // The topology is assumed to pass validate_topology (every parser and resize_topology check it).
   const int nodes = topo_.nodes;
   const int g = topo_.gpus_per_node;
@@ -25,6 +25,14 @@ Network::Network(const Topology& topo) : topo_(topo) {
   }
   local_nic_.assign(g, -1);
   for (int j = 0; j < g; ++j) local_nic_[j] = topo_.nic_of(j);
+  // Behind an NVSwitch no GPU-to-GPU traffic crosses PCIe either.
+  pcie_to_nic_.assign(g, in.has_pcie);
+  const bool nic_only = in.kind == IntraNodeKind::kNvSwitch && !host_copies;
+  for (int j = 0; j < g && in.has_pcie && nic_only; ++j) {
+    const bool idle = local_nic_[j] >= 0 && in.pcie.latency == 0 &&
+                      in.pcie.gpu_link_bandwidth >= topo_.nics[local_nic_[j]].bandwidth;
+    pcie_to_nic_[j] = !idle;
+  }
 
   int groups = 0;
   int rails = 0;
@@ -225,8 +233,9 @@ void Network::gpu_to_nic(int node, int local, int nic, bool outbound, std::vecto
   const int gpu_link = pcie_gpu_[static_cast<size_t>(node) * g + local];
   const int sg = local_switch_[local];
   const int sn = topo_.intra.pcie.nic_switch[nic];
+  const bool listed = pcie_to_nic_[local];
   if (outbound) {
-    out.push_back(gpu_link);
+    if (listed) out.push_back(gpu_link);
     if (sg != sn) {
       out.push_back(pcie_uplink_[switch_base + sg]);
       out.push_back(pcie_uplink_[switch_base + sn] + 1);
@@ -236,7 +245,7 @@ void Network::gpu_to_nic(int node, int local, int nic, bool outbound, std::vecto
       out.push_back(pcie_uplink_[switch_base + sn]);
       out.push_back(pcie_uplink_[switch_base + sg] + 1);
     }
-    out.push_back(gpu_link + 1);
+    if (listed) out.push_back(gpu_link + 1);
   }
 }
 

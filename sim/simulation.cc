@@ -703,7 +703,9 @@ Expected<SimResult> Simulation::run() {
   sg4::Engine engine(&argc, argv);
   apply_engine_config();
 
-  net_ = std::make_unique<Network>(prog_.topology);
+  const bool host_copies =
+      prog_.plan.activation_offload_layers > 0 || prog_.plan.optimizer.offload_params;
+  net_ = std::make_unique<Network>(prog_.topology, host_copies);
   hosts_ = build_platform(*net_);
   runner_ = std::make_unique<CollectiveRunner>(*net_, hosts_, prog_.algorithm, prog_.comm_model,
                                                prog_.expert_routing);

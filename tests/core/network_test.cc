@@ -72,12 +72,9 @@ TEST(Network, NvSwitchRouteCrossesTwoPorts) {
 TEST(Network, InterNodeRouteCrossesTheServingNics) {
   Network net(preset("dgx-a100x4"));
   double lat = 0;
-  // Each GPU reaches its NIC over its PCIe link (which the preset gives no latency of its own).
-  EXPECT_EQ(route_names(net, 3, 8 + 5, &lat),
-            (Names{"n0.g3.pcie.up", "n0.nic3.up", "n1.nic5.down", "n1.g5.pcie.down"}));
+  EXPECT_EQ(route_names(net, 3, 8 + 5, &lat), (Names{"n0.nic3.up", "n1.nic5.down"}));
   EXPECT_DOUBLE_EQ(lat, 2e-6);
-  EXPECT_EQ(route_names(net, 31, 0),
-            (Names{"n3.g7.pcie.up", "n3.nic7.up", "n0.nic0.down", "n0.g0.pcie.down"}));
+  EXPECT_EQ(route_names(net, 31, 0), (Names{"n3.nic7.up", "n0.nic0.down"}));
 }
 
 TEST(Network, LinksComeInUpDownPairsWithUniqueNames) {
@@ -129,21 +126,18 @@ TEST(Network, FatTreeCrossesLeafUplinksOnlyBetweenLeaves) {
 TEST(Network, RailOptimizedSameRailSameUnitStaysOnTheLeaf) {
   Network net(preset("dgx-h100-superpod"));
   // GPU 3 of node 0 and GPU 3 of node 5: rail 3 of unit 0.
-  EXPECT_EQ(route_names(net, 3, 5 * 8 + 3),
-            (Names{"n0.g3.pcie.up", "n0.nic3.up", "n5.nic3.down", "n5.g3.pcie.down"}));
+  EXPECT_EQ(route_names(net, 3, 5 * 8 + 3), (Names{"n0.nic3.up", "n5.nic3.down"}));
   // Another rail of the same unit goes through the spine.
   EXPECT_EQ(route_names(net, 3, 5 * 8 + 4),
-            (Names{"n0.g3.pcie.up", "n0.nic3.up", "su0.rail3.up", "su0.rail4.down", "n5.nic4.down",
-                   "n5.g4.pcie.down"}));
+            (Names{"n0.nic3.up", "su0.rail3.up", "su0.rail4.down", "n5.nic4.down"}));
   // Same rail, another unit (node 40 is in unit 1).
   double lat = 0;
   EXPECT_EQ(route_names(net, 3, 40 * 8 + 3, &lat),
-            (Names{"n0.g3.pcie.up", "n0.nic3.up", "su0.rail3.up", "su1.rail3.down", "n40.nic3.down",
-                   "n40.g3.pcie.down"}));
+            (Names{"n0.nic3.up", "su0.rail3.up", "su1.rail3.down", "n40.nic3.down"}));
   EXPECT_NEAR(lat, 2e-6 + 2 * 0.13e-6, 1e-15);
   std::vector<int> ids;
   net.route(3, 40 * 8 + 3, ids);
-  EXPECT_DOUBLE_EQ(net.links()[ids[2]].bandwidth, 32 * 50e9);
+  EXPECT_DOUBLE_EQ(net.links()[ids[1]].bandwidth, 32 * 50e9);
 }
 
 TEST(Network, PcieRoutesCrossUplinksBetweenSwitches) {
@@ -229,10 +223,9 @@ TEST(Network, RoutesSplitWhereTheyStopDependingOnTheSource) {
   EXPECT_EQ(pod.waypoint(3, 5 * 8 + 3), W::kFabricLeaf);    // same rail, same unit
   EXPECT_EQ(pod.waypoint(3, 5 * 8 + 4), W::kFabricSpine);   // another rail
   EXPECT_EQ(pod.waypoint(3, 40 * 8 + 3), W::kFabricSpine);  // another unit
-  EXPECT_EQ(half_names(pod, 3, W::kFabricSpine, true),
-            (Names{"n0.g3.pcie.up", "n0.nic3.up", "su0.rail3.up"}));
+  EXPECT_EQ(half_names(pod, 3, W::kFabricSpine, true), (Names{"n0.nic3.up", "su0.rail3.up"}));
   EXPECT_EQ(half_names(pod, 40 * 8 + 3, W::kFabricSpine, false),
-            (Names{"su1.rail3.down", "n40.nic3.down", "n40.g3.pcie.down"}));
+            (Names{"su1.rail3.down", "n40.nic3.down"}));
 
   Network pcie(preset("pcie-a100x8", 2));
   EXPECT_EQ(pcie.waypoint(0, 1), W::kPcieSwitch);
@@ -274,14 +267,14 @@ TEST(Network, SuperpodOf16kGpus) {
     total += net.route(next(), next(), out);
     longest = std::max(longest, out.size());
   }
-  EXPECT_EQ(longest, 6u);  // PCIe, NIC, rail up; rail down, NIC, PCIe
+  EXPECT_EQ(longest, 4u);
   EXPECT_GT(total, 0);
 }
 
 // A copy to host memory crosses the GPU's PCIe link (which its NIC traffic crosses too) when
 // node.pcie describes it, then the GPU's own host link; a copy back, the same links down.
 TEST(Network, HostCopiesCrossTheGpusPcieLinkThenItsHostLink) {
-  const Network dgx(preset("dgx-a100x4"));
+  const Network dgx(preset("dgx-a100x4"), /*host_copies=*/true);
   std::vector<int> ids;
   EXPECT_EQ(dgx.host_route(11, true, ids), 0);  // the NIC's latency covers the PCIe hop
   std::vector<std::string> names;
@@ -294,9 +287,20 @@ TEST(Network, HostCopiesCrossTheGpusPcieLinkThenItsHostLink) {
   names.clear();
   for (int id : ids) names.push_back(dgx.links()[id].name);
   EXPECT_EQ(names, (std::vector<std::string>{"n1.g3.host.down", "n1.g3.pcie.down"}));
-  // The same GPU's traffic to another node leaves by the same PCIe link.
-  std::vector<std::string> out = route_names(dgx, 11, 19);
-  EXPECT_EQ(out.front(), "n1.g3.pcie.up");
+  // The same GPU's traffic to another node leaves by the same PCIe link...
+  EXPECT_EQ(route_names(dgx, 11, 19),
+            (Names{"n1.g3.pcie.up", "n1.nic3.up", "n2.nic3.down", "n2.g3.pcie.down"}));
+  // ... which, without copies, carries only what the NIC carries, and is left out: it is
+  // faster than the NIC and has no latency of its own (the preset's NIC latency includes it).
+  const Network plain(preset("dgx-a100x4"));
+  EXPECT_EQ(route_names(plain, 11, 19), (Names{"n1.nic3.up", "n2.nic3.down"}));
+  // A PCIe link slower than its NIC, or with a latency, stays.
+  Topology slow = preset("dgx-a100x4");
+  slow.intra.pcie.gpu_link_bandwidth = 20e9;
+  EXPECT_EQ(route_names(Network(slow), 11, 19).front(), "n1.g3.pcie.up");
+  Topology far = preset("dgx-a100x4");
+  far.intra.pcie.latency = 1e-7;
+  EXPECT_EQ(route_names(Network(far), 11, 19).front(), "n1.g3.pcie.up");
 
   // NVLink-C2C (no node.pcie): the host link alone.
   const Network c2c(preset("gb200-nvl72-whatif", 1));
