@@ -40,6 +40,13 @@ Status time_attention(const std::string& device, Precision dtype, std::int64_t b
                       std::int64_t s, std::int64_t d, const Repeat& r, Timing* fwd, Timing* bwd,
                       std::string* kernel);
 
+// The host's Adam step (AdamLists, LibTorch's CPU kernels on every thread) over `elements`
+// fp32 weights with their gradients and moments.
+Expected<Timing> time_host_adam(std::int64_t elements, const Repeat& r);
+// Every GPU of 0 to `gpus` - 1 copying `bytes` to pinned host memory (`to_host`) or from it,
+// all at once; the time until the last copy ends.
+Expected<Timing> time_host_copies(int gpus, std::int64_t bytes, bool to_host, const Repeat& r);
+
 // cuda.cc
 CudaProbe cuda_probe();
 std::string nccl_version();

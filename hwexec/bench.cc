@@ -46,6 +46,19 @@ struct Shape {
   return {1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28};
 }
 
+// Weights of the host's Adam: its traffic leaves the CPU's caches from the second size on.
+[[maybe_unused]] std::vector<std::int64_t> host_adam_sizes(const BenchOptions& o) {
+  if (o.quick) return {1 << 16, 1 << 18};
+  if (o.device == "cpu") return {1 << 20, 1 << 22, 1 << 24};
+  return {1 << 22, 1 << 24, 1 << 26};
+}
+
+// Bytes a GPU copies to or from the host: a layer's activations are tens to hundreds of MiB.
+[[maybe_unused]] std::vector<std::int64_t> host_copy_sizes(const BenchOptions& o) {
+  if (o.quick) return {1 << 20, 1 << 24};
+  return {1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28};
+}
+
 struct AttentionShape {
   std::int64_t b, h, s, d;
 };
@@ -243,6 +256,30 @@ Expected<MicroResults> run_bench(const BenchOptions& o,
           2 * executed / sample.bwd.seconds / 1e12));
     }
     r.attention.push_back(std::move(s));
+  }
+
+  // The host's side of offloading: its Adam step, and every GPU's copies to and from it.
+  for (std::int64_t n : host_adam_sizes(o)) {
+    Expected<Timing> t = detail::time_host_adam(n, rep);
+    if (!t) return t.error().with_context(fmt::format("host Adam over {} weights", n));
+    r.host_adam.push_back({static_cast<double>(n), *t});
+    say(fmt::format("host adam {:>10} weights  {:>10.3f} ms  {:>8.2f} GB/s", n, t->seconds * 1e3,
+                    n * kHostAdamBytesPerElement / t->seconds / 1e9));
+  }
+  if (o.device == "cuda") {
+    for (bool to_host : {true, false}) {
+      HostCopySeries s{to_host ? "to_host" : "to_device", r.device_count, {}};
+      for (std::int64_t bytes : host_copy_sizes(o)) {
+        Expected<Timing> t = detail::time_host_copies(s.gpus, bytes, to_host, rep);
+        if (!t) return t.error().with_context(fmt::format("{} copies of {} B", s.direction, bytes));
+        s.samples.push_back({static_cast<double>(bytes), *t});
+        say(fmt::format("{:>9} {} GPUs {:>12} B  {:>10.3f} ms  {:>7.2f} GB/s a GPU", s.direction,
+                        s.gpus, bytes, t->seconds * 1e3, bytes / t->seconds / 1e9));
+      }
+      r.host_copies.push_back(std::move(s));
+    }
+  } else {
+    r.notes.emplace_back("host copies: skipped: they need GPUs");
   }
 
   if (o.device == "cuda") {

@@ -1,6 +1,7 @@
 // Microbenchmarks on this machine's CPU or GPUs (`nnexec bench`): a GEMM shape sweep per
-// precision, memory-bound operators over sizes (LibTorch tensors), and NCCL collectives over
-// message sizes on the visible GPUs. Results go into a MicroResults (hwexec/micro.h).
+// precision, memory-bound operators over sizes (LibTorch tensors), the host's Adam step and the
+// GPUs' copies to and from the host (offloading), and NCCL collectives over message sizes on
+// the visible GPUs. Results go into a MicroResults (hwexec/micro.h).
 #pragma once
 
 #include <functional>

@@ -219,6 +219,38 @@ Status write_micro(const std::string& path, const MicroResults& r) {
       return fail("/collectives/" + kind);
     }
   }
+  Handle copies(make_group(file.id, "host_copies"), H5Gclose);
+  for (const HostCopySeries& s : r.host_copies) {
+    Handle g(make_group(copies.id, s.direction), H5Gclose);
+    if (g.id < 0) return fail("/host_copies/" + s.direction);
+    std::vector<double> bytes, rate;
+    std::vector<Timing> t;
+    for (const HostCopySample& x : s.samples) {
+      bytes.push_back(x.bytes);
+      t.push_back(x.t);
+      rate.push_back(x.bytes / x.t.seconds);
+    }
+    if (!write_attr(g.id, "gpus", static_cast<long long>(s.gpus)) ||
+        !write_vector(g.id, "bytes", bytes) || !write_timing(g.id, t) ||
+        !write_vector(g.id, "bytes_per_s", rate)) {
+      return fail("/host_copies/" + s.direction);
+    }
+  }
+  if (!r.host_adam.empty()) {
+    Handle g(make_group(file.id, "host_adam"), H5Gclose);
+    std::vector<double> elements, rate;
+    std::vector<Timing> t;
+    for (const HostAdamSample& x : r.host_adam) {
+      elements.push_back(x.elements);
+      t.push_back(x.t);
+      rate.push_back(x.elements * kHostAdamBytesPerElement / x.t.seconds);
+    }
+    if (g.id < 0 || !write_attr(g.id, "bytes_per_element", kHostAdamBytesPerElement) ||
+        !write_vector(g.id, "elements", elements) || !write_timing(g.id, t) ||
+        !write_vector(g.id, "bytes_per_s", rate)) {
+      return fail("/host_adam");
+    }
+  }
   if (H5Fflush(file.id, H5F_SCOPE_GLOBAL) < 0) return fail("the data");
   return Status::Ok();
 }
@@ -383,6 +415,39 @@ Expected<MicroResults> read_micro(const std::string& path) {
         it->samples.push_back({(*bytes)[i], (*t)[i]});
       }
     }
+  }
+  // Version 4 added the host's copies and Adam.
+  if (*version >= 4 && H5Lexists(file.id, "host_copies", H5P_DEFAULT) > 0) {
+    Handle copies(H5Gopen2(file.id, "host_copies", H5P_DEFAULT), H5Gclose);
+    for (const std::string& name : children(copies.id)) {
+      const std::string where = fmt::format("{}: /host_copies/{}", path, name);
+      if (name != "to_host" && name != "to_device") {
+        return Error(fmt::format("{}: unknown direction (to_host or to_device)", where));
+      }
+      Handle g(H5Gopen2(copies.id, name.c_str(), H5P_DEFAULT), H5Gclose);
+      SeriesReader in(g.id, where);
+      auto bytes = in.column("bytes");
+      if (!bytes) return bytes.error();
+      auto t = timings(in);
+      if (!t) return t.error();
+      auto gpus = read_number(g.id, "gpus");
+      if (!gpus || *gpus < 1 || *gpus != std::floor(*gpus)) {
+        return Error(
+            fmt::format("{}: attribute 'gpus' must be a whole number of 1 or more", where));
+      }
+      HostCopySeries s{name, static_cast<int>(*gpus), {}};
+      for (size_t i = 0; i < bytes->size(); ++i) s.samples.push_back({(*bytes)[i], (*t)[i]});
+      r.host_copies.push_back(std::move(s));
+    }
+  }
+  if (*version >= 4 && H5Lexists(file.id, "host_adam", H5P_DEFAULT) > 0) {
+    Handle g(H5Gopen2(file.id, "host_adam", H5P_DEFAULT), H5Gclose);
+    SeriesReader in(g.id, fmt::format("{}: /host_adam", path));
+    auto elements = in.column("elements");
+    if (!elements) return elements.error();
+    auto t = timings(in);
+    if (!t) return t.error();
+    for (size_t i = 0; i < elements->size(); ++i) r.host_adam.push_back({(*elements)[i], (*t)[i]});
   }
   if (auto notes = read_string(file.id, "notes")) {
     size_t start = 0;

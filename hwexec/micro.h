@@ -11,9 +11,10 @@
 namespace nnsim::hwexec {
 
 inline constexpr const char* kMicroFormat = "nnexec-micro";
-inline constexpr int kMicroVersion = 3;
+inline constexpr int kMicroVersion = 4;
 // Older files are still read: version 1 (before the attention series) has no attention; versions
-// 1 and 2 hold one group size per collective (an attribute, not a column).
+// 1 and 2 hold one group size per collective (an attribute, not a column); versions 1 to 3 have
+// no host copies and no host Adam.
 inline constexpr int kMicroOldestVersion = 1;
 
 // One timed configuration: the median and the fastest of `repetitions` runs after warm-up.
@@ -80,6 +81,28 @@ struct CollectiveSeries {
   std::vector<CollectiveSample> samples;
 };
 
+// Every visible GPU copying `bytes` between its memory and pinned host memory at once (each on
+// its own stream): the way offloading copies while all of a node's GPUs do.
+struct HostCopySample {
+  double bytes = 0;  // per GPU
+  Timing t;          // until every GPU's copy has ended
+};
+
+struct HostCopySeries {
+  std::string direction;  // "to_host" or "to_device"
+  int gpus = 0;           // GPUs copying at once
+  std::vector<HostCopySample> samples;
+};
+
+// The host's Adam step over `elements` fp32 weights (LibTorch's CPU Adam, every thread): the
+// optimizer offloading's update. Its minimal traffic is kHostAdamBytesPerElement a weight: the
+// weight, the gradient and both moments read, the weight and the moments written.
+inline constexpr double kHostAdamBytesPerElement = 28;
+struct HostAdamSample {
+  double elements = 0;
+  Timing t;
+};
+
 // nccl-tests' bus bandwidth factor: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n;
 // also the fraction of `bytes` the busiest link of a ring carries. 0 for an unknown kind.
 double bus_factor(const std::string& kind, int ranks);
@@ -98,11 +121,13 @@ struct MicroResults {
   std::vector<MemorySeries> memory;
   std::vector<AttentionSeries> attention;
   std::vector<CollectiveSeries> collectives;
-  std::vector<std::string> notes;  // what was skipped and why
+  std::vector<HostCopySeries> host_copies;  // since version 4, on a GPU only
+  std::vector<HostAdamSample> host_adam;    // since version 4
+  std::vector<std::string> notes;           // what was skipped and why
 };
 
 Status write_micro(const std::string& path, const MicroResults& r);
-// Checks the format name and version (1 or 2), and that every series is complete and positive;
+// Checks the format name and version (1 to 4), and that every series is complete and positive;
 // errors name the file and the object.
 Expected<MicroResults> read_micro(const std::string& path);
 

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "hwexec/backend.h"
+#include "hwexec/run_adam.h"
 
 #ifdef NNSIM_TORCH_HAS_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -278,6 +279,59 @@ Status time_attention(const std::string& device, Precision dtype, std::int64_t b
   } catch (const c10::Error& e) {
     return Error(std::string("LibTorch: ") + e.what_without_backtrace());
   }
+}
+
+Expected<Timing> time_host_adam(std::int64_t elements, const Repeat& r) {
+  try {
+    at::manual_seed(0);
+    auto o = options("cpu", at::kFloat);
+    AdamLists lists;
+    lists.add(at::randn({elements}, o), at::randn({elements}, o), at::zeros({elements}, o),
+              at::zeros({elements}, o));
+    double k = 0;
+    return measure("cpu", r, [&] { lists.step(1e-4, 0.9, 0.95, 1e-8, ++k); });
+  } catch (const c10::Error& e) {
+    return Error(std::string("LibTorch: ") + e.what_without_backtrace());
+  }
+}
+
+Expected<Timing> time_host_copies(int gpus, std::int64_t bytes, bool to_host, const Repeat& r) {
+#ifdef NNSIM_TORCH_HAS_CUDA
+  try {
+    // Each GPU its pinned host buffer and its device buffer; every copy issued on its GPU's
+    // current stream without waiting, then all waited for: the slowest sets the time.
+    std::vector<at::Tensor> host, device;
+    for (int d = 0; d < gpus; ++d) {
+      host.push_back(at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true)));
+      device.push_back(
+          at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, d)));
+    }
+    auto copy_all = [&] {
+      for (int d = 0; d < gpus; ++d) {
+        if (to_host) {
+          host[d].copy_(device[d], /*non_blocking=*/true);
+        } else {
+          device[d].copy_(host[d], /*non_blocking=*/true);
+        }
+      }
+      for (int d = 0; d < gpus; ++d) at::cuda::getCurrentCUDAStream(d).synchronize();
+    };
+    for (int i = 0; i < r.warmup; ++i) copy_all();
+    std::vector<double> samples;
+    for (int i = 0; i < r.repetitions; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      copy_all();
+      const auto t1 = std::chrono::steady_clock::now();
+      samples.push_back(std::max(std::chrono::duration<double>(t1 - t0).count(), 1e-9));
+    }
+    return summarize(std::move(samples));
+  } catch (const c10::Error& e) {
+    return Error(std::string("LibTorch: ") + e.what_without_backtrace());
+  }
+#else
+  (void)gpus, (void)bytes, (void)to_host, (void)r;
+  return Error("LibTorch has no CUDA support in this build");
+#endif
 }
 
 }  // namespace nnsim::hwexec::detail

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <optional>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -13,6 +14,7 @@
 #include "core/units.h"
 #include "hwexec/compare.h"
 #include "hwexec/fit.h"
+#include "hwexec/fit_host.h"
 #include "hwexec/fit_network.h"
 #include "hwexec/run.h"
 #include "tools/cli_checks.h"
@@ -34,7 +36,8 @@ CLI::App* add_calibrate_command(CLI::App& app, CalibrateArgs& a) {
   cmd->add_option("-o,--output", a.output, "the calibration file to write")->required();
   cmd->add_option("--topo", a.topo,
                   "topology YAML file or preset name whose nodes are the run files' "
-                  "machines: fits the network's efficiency relative to its links "
+                  "machines: fits the network's efficiency relative to its links, and the "
+                  "microbenchmark's host Adam and copies relative to its node.host "
                   "(default GPU: its GPU)");
   cmd->add_option("--nodes", a.nodes, "resize the topology to this many nodes")->check(at_least(1));
   return cmd;
@@ -73,11 +76,12 @@ int run_calibrate(const CalibrateArgs& a) {
   if (!a.topo.empty()) {
     Expected<Topology> t = load_topology_sized(a.topo, a.nodes);
     if (!t) return fail("--topo: " + t.error().message());
-    if (runs.empty()) {
+    if (runs.empty() && !(micro && hwexec::has_host_series(*micro))) {
       return fail(fmt::format(
-          "--topo {}: only run files (nnexec run) have collectives across machines to fit the "
-          "network with; give one, or leave --topo out",
-          a.topo));
+          "--topo {}: it serves run files (nnexec run), whose collectives across machines fit "
+          "the network, and a microbenchmark file's host Adam and copies (nnexec bench, "
+          "version 4); {} has neither: give one, or leave --topo out",
+          a.topo, micro_path.empty() ? "the input" : micro_path));
     }
     if (!a.gpu.empty() && a.gpu != t->gpu.name) {
       return fail(
@@ -147,6 +151,28 @@ int run_calibrate(const CalibrateArgs& a) {
   Expected<hwexec::Fit> fit =
       hwexec::fit_all(micro ? &*micro : nullptr, micro_path, points, *gpu, source);
   if (!fit) return fail(fmt::format("{}: {}", inputs, fit.error().message()));
+  // The host's side of offloading: relative to the topology's host.
+  std::optional<hwexec::HostFit> host;
+  if (micro && hwexec::has_host_series(*micro)) {
+    if (topo) {
+      Expected<hwexec::HostFit> h = hwexec::fit_host(*micro, micro_path, *topo);
+      if (!h) return fail(h.error().message());
+      host = std::move(*h);
+      auto& compute = fit->calibration.compute;
+      if (host->memory_efficiency) compute["host_memory_efficiency"] = *host->memory_efficiency;
+      if (host->to_host_efficiency)
+        compute["device_to_host_efficiency"] = *host->to_host_efficiency;
+      if (host->to_device_efficiency) {
+        compute["host_to_device_efficiency"] = *host->to_device_efficiency;
+      }
+      fit->calibration.source += fmt::format("; the host relative to {}'s node.host", topo->name);
+    } else {
+      fit->notes.push_back(fmt::format(
+          "{}: its host Adam and copies are not fitted without a topology whose node.host "
+          "describes the machine (--topo)",
+          micro_path));
+    }
+  }
   Calibration c;
   c.gpus[gpu->name] = fit->calibration;
   if (Status s = save_calibration(a.output, c); !s) return fail(s.error().message());
@@ -214,6 +240,24 @@ int run_calibrate(const CalibrateArgs& a) {
       std::printf("    %s over %d GPUs: model error median %.1f%%, max %.1f%% (%d sizes)\n",
                   c.kind.c_str(), c.ranks, 100 * c.median_error, 100 * c.max_error, c.samples);
     }
+  }
+  if (host) {
+    if (host->memory_efficiency) {
+      std::printf("  host_memory_efficiency %.4g  (Adam over %.0f weights at %s of %s's %s)\n",
+                  *host->memory_efficiency, host->adam_elements,
+                  format_rate(host->adam_bandwidth).c_str(), topo->name.c_str(),
+                  format_rate(topo->host.memory_bandwidth).c_str());
+    }
+    for (const auto& [name, eff, rate] :
+         {std::tuple{"device_to_host_efficiency", host->to_host_efficiency,
+                     host->to_host_bandwidth},
+          std::tuple{"host_to_device_efficiency", host->to_device_efficiency,
+                     host->to_device_bandwidth}}) {
+      if (!eff) continue;
+      std::printf("  %s %.4g  (%s a GPU, %d at once, of %s a GPU)\n", name, *eff,
+                  format_rate(rate).c_str(), host->gpus, format_rate(host->link_bandwidth).c_str());
+    }
+    for (const std::string& n : host->notes) std::printf("  note: %s\n", n.c_str());
   }
   for (const std::string& n : fit->notes) std::printf("  note: %s\n", n.c_str());
   return 0;

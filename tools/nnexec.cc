@@ -557,6 +557,18 @@ int main(int argc, char** argv) {
     std::printf("  %-14s %d GPUs, best bus bandwidth %8.2f GB/s\n", s.kind.c_str(), s.ranks,
                 best / 1e9);
   }
+  if (!r->host_adam.empty()) {
+    // The largest size: out of the CPU's caches, as an offloaded optimizer's state is.
+    const HostAdamSample& x = r->host_adam.back();
+    std::printf("  host adam  %.0f weights: %.3f ms, %.2f GB/s of traffic\n", x.elements,
+                x.t.seconds * 1e3, x.elements * kHostAdamBytesPerElement / x.t.seconds / 1e9);
+  }
+  for (const HostCopySeries& s : r->host_copies) {
+    double best = 0;
+    for (const HostCopySample& x : s.samples) best = std::max(best, x.bytes / x.t.seconds);
+    std::printf("  %-9s %d GPUs at once, best %8.2f GB/s a GPU\n", s.direction.c_str(), s.gpus,
+                best / 1e9);
+  }
   for (const std::string& n : r->notes) std::printf("  note: %s\n", n.c_str());
   return 0;
 }

@@ -11,6 +11,7 @@
 #include "core/calibration.h"
 #include "core/collective.h"
 #include "hwexec/fit.h"
+#include "hwexec/fit_host.h"
 #include "hwexec/micro.h"
 #include "synthetic.h"
 
@@ -64,6 +65,18 @@ TEST(HwexecMicro, WriteReadRoundTripKeepsEverySeries) {
     EXPECT_DOUBLE_EQ(a.fwd.seconds, b.fwd.seconds);
     EXPECT_DOUBLE_EQ(a.bwd.seconds_min, b.bwd.seconds_min);
   }
+  // The host's Adam and copies (version 4); directions come back in name order.
+  ASSERT_EQ(r->host_adam.size(), m.host_adam.size());
+  for (size_t i = 0; i < m.host_adam.size(); ++i) {
+    EXPECT_EQ(r->host_adam[i].elements, m.host_adam[i].elements);
+    EXPECT_DOUBLE_EQ(r->host_adam[i].t.seconds, m.host_adam[i].t.seconds);
+  }
+  ASSERT_EQ(r->host_copies.size(), 2u);
+  EXPECT_EQ(r->host_copies[0].direction, "to_device");
+  EXPECT_EQ(r->host_copies[1].direction, "to_host");
+  EXPECT_EQ(r->host_copies[1].gpus, 8);
+  ASSERT_EQ(r->host_copies[1].samples.size(), m.host_copies[0].samples.size());
+  EXPECT_DOUBLE_EQ(r->host_copies[1].samples[1].t.seconds, m.host_copies[0].samples[1].t.seconds);
 }
 
 TEST(HwexecMicro, VersionOneFilesWithoutAttentionStillRead) {
@@ -439,6 +452,59 @@ TEST(HwexecFit, TheLargestGroupSetsTheLinkAndTheSmallerOnesCheckIt) {
     EXPECT_NEAR(c.median_error, 1.0 / 3, 1e-6);
   }
   EXPECT_TRUE(checked);
+}
+
+// The host's side of offloading, against dgx-h100-superpod's node.host: each figure from its
+// largest size, relative to the topology's memory bandwidth or a GPU's way to the host.
+TEST(HwexecFitHost, RecoversTheHostsEfficienciesFromTheLargestSizes) {
+  const MicroResults m = synthetic_micro(h100());
+  Expected<Topology> pod = load_topology("dgx-h100-superpod");
+  ASSERT_TRUE(pod.ok()) << pod.error().message();
+  Expected<HostFit> f = fit_host(m, "m.h5", *pod);
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  ASSERT_TRUE(f->memory_efficiency && f->to_host_efficiency && f->to_device_efficiency);
+  EXPECT_NEAR(*f->memory_efficiency, 0.3, 1e-12);
+  EXPECT_NEAR(*f->to_host_efficiency, 0.8, 1e-12);
+  EXPECT_NEAR(*f->to_device_efficiency, 0.85, 1e-12);
+  EXPECT_EQ(f->link_bandwidth, 64e9);
+  EXPECT_EQ(f->gpus, 8);
+  EXPECT_TRUE(f->notes.empty());
+  EXPECT_TRUE(has_host_series(m));
+  EXPECT_FALSE(has_host_series(MicroResults{}));
+}
+
+TEST(HwexecFitHost, BadTopologiesAndFewerGpusAreNamed) {
+  MicroResults m = synthetic_micro(h100());
+  Expected<Topology> pod = load_topology("dgx-h100-superpod");
+  ASSERT_TRUE(pod.ok()) << pod.error().message();
+  // No host described.
+  Topology bare = *pod;
+  bare.has_host = false;
+  Expected<HostFit> f = fit_host(m, "m.h5", bare);
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.error().message().find("describes none: add node.host"), std::string::npos)
+      << f.error().message();
+  // A memory slower than the measured Adam: the topology is not the machine.
+  Topology slow = *pod;
+  slow.host.memory_bandwidth = 100e9;
+  f = fit_host(m, "m.h5", slow);
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.error().message().find("correct node.host.memory_bandwidth"), std::string::npos)
+      << f.error().message();
+  // Four of the node's eight GPUs copying: a note, and where they beat the share, an error that
+  // says to measure on all eight.
+  for (HostCopySeries& s : m.host_copies) s.gpus = 4;
+  f = fit_host(m, "m.h5", *pod);
+  ASSERT_TRUE(f.ok()) << f.error().message();
+  ASSERT_EQ(f->notes.size(), 1u);
+  EXPECT_NE(f->notes[0].find("ran on 4 GPUs at once"), std::string::npos) << f->notes[0];
+  Topology narrow = *pod;
+  narrow.host.link_bandwidth = 32e9;
+  f = fit_host(m, "m.h5", narrow);
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.error().message().find("correct node.host.link_bandwidth, or measure on all 8 GPUs"),
+            std::string::npos)
+      << f.error().message();
 }
 
 }  // namespace

@@ -36,6 +36,11 @@ struct Truth {
   double attention_fwd_efficiency = 0.55;
   double attention_bwd_efficiency = 0.4;
   double attention_seq_half = 300;
+  // The host's side, relative to dgx-h100-superpod's node.host (614.4 GB/s of memory, 64 GB/s a
+  // GPU to it): the Adam step's traffic rate and each direction's copy rate a GPU.
+  double host_memory_efficiency = 0.3;
+  double device_to_host_efficiency = 0.8;
+  double host_to_device_efficiency = 0.85;
   int ranks = 8;
   // Smaller groups timed too (nnexec bench's 2, 4, ... GPUs), from the same link: the smallest
   // message's time scales with the latency steps.
@@ -129,6 +134,22 @@ inline MicroResults synthetic_micro(const GpuSpec& gpu, const Truth& truth = {})
     }
     r.collectives.push_back(ar);
     r.collectives.push_back(ag);
+  }
+  // The largest sizes run at the truth's rates; smaller ones faster (Adam in the CPU's caches)
+  // or slower (a copy's fixed cost), which the fit must not take.
+  const double adam_rate = truth.host_memory_efficiency * 614.4e9;
+  for (double n : {1 << 22, 1 << 24, 1 << 26}) {
+    const double t = n * kHostAdamBytesPerElement / adam_rate / (n < (1 << 26) ? 2 : 1);
+    r.host_adam.push_back({n, {t, t}});
+  }
+  for (auto [direction, e] : {std::pair{"to_host", truth.device_to_host_efficiency},
+                              std::pair{"to_device", truth.host_to_device_efficiency}}) {
+    HostCopySeries c{direction, truth.ranks, {}};
+    for (double bytes : {1 << 20, 1 << 28}) {
+      const double t = bytes / (e * 64e9) + (bytes < (1 << 28) ? 10e-6 : 0.0);
+      c.samples.push_back({bytes, {t, t}});
+    }
+    r.host_copies.push_back(c);
   }
   return r;
 }

@@ -83,6 +83,16 @@ TEST(NnexecBench, CpuQuickWritesPlausibleFiguresReadableWithH5py) {
     EXPECT_LT(x.flops() / x.fwd.seconds, 1e14) << x.seq;
   }
   EXPECT_TRUE(contains(r.out, "attention  fp32")) << r;
+  // The host's Adam on this CPU, and no copies without GPUs.
+  ASSERT_EQ(m->host_adam.size(), 2u);
+  for (const HostAdamSample& x : m->host_adam) {
+    const double rate = x.elements * kHostAdamBytesPerElement / x.t.seconds;
+    EXPECT_GT(rate, 1e7) << x.elements;   // > 10 MB/s
+    EXPECT_LT(rate, 1e13) << x.elements;  // < 10 TB/s
+  }
+  EXPECT_TRUE(m->host_copies.empty());
+  EXPECT_TRUE(contains(r.out, "host adam  262144 weights")) << r;
+  EXPECT_TRUE(contains(r.out, "host copies: skipped: they need GPUs")) << r;
 
   // The CPU file calibrates (relative to a GPU's datasheet) and sets the attention values.
   RunResult c =
@@ -106,7 +116,7 @@ with h5py.File(sys.argv[1], "r") as f:
     fmt = f.attrs["format"]
     fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
     assert fmt == "nnexec-micro", fmt
-    assert int(f.attrs["version"]) == 3
+    assert int(f.attrs["version"]) == 4
     g = f["gemm/fp32"]
     rate = 2 * g["m"][()] * g["n"][()] * g["k"][()] / g["seconds"][()]
     assert abs(rate / g["flop_per_s"][()] - 1).max() < 1e-9, rate
@@ -116,6 +126,8 @@ with h5py.File(sys.argv[1], "r") as f:
     flops = 4 * t["batch"][()] * t["heads"][()] * t["seq"][()] ** 2 * t["head_dim"][()]
     assert abs(flops / t["flops"][()] - 1).max() < 1e-9
     assert (t["bwd_seconds"][()] > 0).all()
+    h = f["host_adam"]
+    assert abs(h["bytes_per_s"][()] * h["seconds"][()] / h["elements"][()] - 28).max() < 1e-9
     print("ok %.1f GFLOP/s" % (rate.max() / 1e9))
 )";
   RunResult check = run(dir, *python, {"check.py", "micro.h5"});
@@ -231,6 +243,42 @@ TEST(NnsimCalibrate, SyntheticFileRoundTripsIntoACalibrationFile) {
   EXPECT_EQ(g.nvlink->curve.size(), 5u);
   // The file drives a simulation: nnsim accepts it.
   EXPECT_FALSE(g.network.has_value());
+}
+
+// The host's Adam and copies need a topology whose node.host they are relative to.
+TEST(NnsimCalibrate, TheHostIsFittedAgainstTheTopologysHost) {
+  TempDir dir;
+  const GpuSpec gpu = *find_gpu("h100-sxm5-80gb");
+  MicroResults m = synthetic_micro(gpu);
+  ASSERT_TRUE(write_micro(dir.file("micro.h5"), m).ok());
+  RunResult r = run(dir, NNSIM_BINARY, {"calibrate", "micro.h5", "-o", "cal.h5"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "its host Adam and copies are not fitted without a topology")) << r;
+  r = run(dir, NNSIM_BINARY,
+          {"calibrate", "micro.h5", "--topo", "dgx-h100-superpod", "-o", "cal.h5"});
+  ASSERT_EQ(r.status, 0) << r;
+  EXPECT_TRUE(contains(r.out, "host_memory_efficiency 0.3 ")) << r;
+  EXPECT_TRUE(contains(r.out, "device_to_host_efficiency 0.8 ")) << r;
+  EXPECT_TRUE(contains(r.out, "host_to_device_efficiency 0.85 ")) << r;
+  Expected<Calibration> c = load_calibration(dir.file("cal.h5"));
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  const GpuCalibration& g = c->gpus.at("h100-sxm5-80gb");
+  EXPECT_NEAR(g.compute.at("host_memory_efficiency"), 0.3, 1e-12);
+  EXPECT_NEAR(g.compute.at("device_to_host_efficiency"), 0.8, 1e-12);
+  EXPECT_NEAR(g.compute.at("host_to_device_efficiency"), 0.85, 1e-12);
+  EXPECT_TRUE(contains(g.source, "the host relative to dgx-h100-superpod's node.host")) << g.source;
+  // A topology without a host, and a file without host series (nor runs), are refused.
+  r = run(dir, NNSIM_BINARY, {"calibrate", "micro.h5", "--topo", "h200x8", "-o", "bad.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "h200x8 describes none: add node.host")) << r;
+  m.host_adam.clear();
+  m.host_copies.clear();
+  ASSERT_TRUE(write_micro(dir.file("old.h5"), m).ok());
+  r = run(dir, NNSIM_BINARY,
+          {"calibrate", "old.h5", "--topo", "dgx-h100-superpod", "-o", "bad.h5"});
+  EXPECT_EQ(r.status, 1) << r;
+  EXPECT_TRUE(contains(r.err, "old.h5 has neither")) << r;
+  EXPECT_FALSE(std::ifstream(dir.file("bad.h5")).good());
 }
 
 TEST(NnsimCalibrate, BadInputsNameTheFileAndTheField) {
