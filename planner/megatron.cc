@@ -832,13 +832,14 @@ Status set_framework_conventions(const MegatronOptions& o, int dp, Plan& plan) {
     // Megatron's HybridDeviceOptimizer updates fp32 copies on the host and copies them back;
     // DeepSpeed's ZeRO-Offload copies back the 16-bit parameters.
     plan.optimizer.offload_param_bytes = o.framework == "megatron" ? 4 : 2;
-    // FSDP's CPUOffload: the shards themselves live on the host (ZeRO-3 only).
-    if (o.framework == "fsdp") {
+    // FSDP's CPUOffload and DeepSpeed's offload_param: the shards themselves live on the host
+    // (ZeRO-3 only).
+    if (o.framework == "fsdp" || o.offload_params) {
       if (o.zero != 3) {
         return Error(fmt::format(
-            "--optimizer-offload with --framework fsdp offloads ZeRO-3's shards (FSDP's "
-            "CPUOffload); this plan is ZeRO-{}: use --zero 3",
-            o.zero));
+            "{} offloads ZeRO-3's parameter shards ({}); this plan is ZeRO-{}: use --zero 3",
+            o.offload_params ? "--offload-params" : "--optimizer-offload with --framework fsdp",
+            o.offload_params ? "DeepSpeed's offload_param" : "FSDP's CPUOffload", o.zero));
       }
       plan.optimizer.offload_params = true;
     }
@@ -922,8 +923,24 @@ Expected<Plan> add_schedule(Plan plan, const Topology& topo, const MegatronOptio
 
 }  // namespace
 
+bool offloads_parameters(const MegatronOptions& o) {
+  return o.optimizer_offload > 0 && o.zero == 3 && (o.framework == "fsdp" || o.offload_params);
+}
+
 Status check_optimizer_offload(double fraction, bool overlap, const std::string& framework,
-                               const Topology& topo) {
+                               const Topology& topo, bool params) {
+  if (params && framework != "deepspeed") {
+    return Error(fmt::format(
+        "--offload-params is DeepSpeed's offload_param; --framework {} {}", framework,
+        framework == "fsdp" ? "offloads its parameters with --optimizer-offload 1 alone"
+                            : "has no parameter offloading: use --framework deepspeed"));
+  }
+  if (params && (fraction != 1 || overlap)) {
+    return Error(fmt::format(
+        "--offload-params keeps ZeRO-3's parameter shards on the host with all of the optimizer "
+        "state: give --optimizer-offload 1{}",
+        overlap ? " without --offload-overlap" : ""));
+  }
   if (!(fraction >= 0 && fraction <= 1)) {
     return Error(fmt::format(
         "--optimizer-offload {} is the fraction of the optimizer state kept on the host: from 0 "
@@ -1013,7 +1030,8 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
   if (Status s = check_expert_options(model, o, dp); !s) return s.error();
   if (Status s = check_shapes(model, o, dp); !s) return s.error();
   if (Status s = check_schedule_options(model, o); !s) return s.error();
-  if (Status s = check_optimizer_offload(o.optimizer_offload, o.offload_overlap, o.framework, topo);
+  if (Status s = check_optimizer_offload(o.optimizer_offload, o.offload_overlap, o.framework, topo,
+                                         o.offload_params);
       !s) {
     return s.error();
   }

@@ -89,6 +89,9 @@ struct MegatronOptions {
   // (ZeRO-3, fraction 1) it is CPUOffload: the parameter and gradient shards go to the host too.
   double optimizer_offload = 0;
   bool offload_overlap = false;
+  // DeepSpeed's offload_param (ZeRO-3 with all of the optimizer state offloaded): the parameter
+  // shards live on the host too, as FSDP's CPUOffload keeps them by itself.
+  bool offload_params = false;
   // Activation offloading (Plan activation_offload_layers): the activations of the first this
   // many layers are copied to the host and back (Megatron-Core's --cpu-offloading
   // --cpu-offloading-num-layers); one pipeline stage, no recomputation.
@@ -125,9 +128,13 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
 
 // Optimizer offloading's options against the framework and the cluster: a fraction from 0 to 1,
 // overlap only with offloading, all of it without overlap under FSDP (whose CPUOffload moves the
-// parameter and gradient shards too) and a topology that describes its host.
+// parameter and gradient shards too) or with DeepSpeed's parameter offloading (`params`), and
+// a topology that describes its host.
 Status check_optimizer_offload(double fraction, bool overlap, const std::string& framework,
-                               const Topology& topo);
+                               const Topology& topo, bool params = false);
+// Whether a plan of these options keeps its ZeRO-3 parameter shards on the host: FSDP's
+// CPUOffload, or DeepSpeed's offload_param.
+bool offloads_parameters(const MegatronOptions& options);
 
 // Activation offloading's options against the model, the rest of the plan and the cluster, as
 // Megatron-Core takes them: fewer layers than the model has, one pipeline stage, no

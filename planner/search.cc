@@ -47,6 +47,7 @@ std::string Candidate::describe() const {
     s += fmt::format(" recompute-layers={}", fmt::join(o.recompute_layers, ","));
   }
   if (o.optimizer_offload > 0) s += fmt::format(" offload{:g}", o.optimizer_offload);
+  if (o.offload_params && o.optimizer_offload > 0) s += " params";
   if (o.activation_offload > 0) s += fmt::format(" act-offload{}", o.activation_offload);
   if (placement != "tp-innermost") s += " " + placement;
   return s;
@@ -98,9 +99,10 @@ struct PlacementChoice {
 // Static memory per GPU (weights, gradients, optimizer state) without activations: a lower
 // bound that rules out degrees before compiling anything.
 double static_bytes_lower_bound(const ModelSpec& m, int tp, int pp, int dp, int cp, int ep,
-                                int zero, bool fsdp, double offload) {
-  // FSDP's CPUOffload keeps every shard on the host: only the gathered working set remains.
-  if (fsdp && offload > 0 && zero == 3) return 0;
+                                int zero, bool fsdp, double offload, bool offload_params) {
+  // FSDP's CPUOffload and DeepSpeed's offload_param keep every shard on the host: only the
+  // gathered working set remains.
+  if ((fsdp || offload_params) && offload > 0 && zero == 3) return 0;
   const double per_param = fsdp ? 16.0 : 18.0;
   // Dense weights shard over dp x cp; experts, spread over ep of the dp ranks, over the rest.
   const double experts = static_cast<double>(m.expert_parameters());
@@ -633,6 +635,7 @@ void Search::add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleK
     // Under `offload_as_needed` a candidate that fits offloads nothing (fit_by_offloading sets
     // the overlap with the fraction).
     b.offload_overlap = o_.offload_overlap && o_.optimizer_offload > 0;
+    b.offload_params = o_.offload_params && o_.optimizer_offload > 0;
     b.costs = o_.compile;
     b.placement = pl.order;
     if (fixed_layers_) b.stage_layers = *fixed_layers_;
@@ -647,8 +650,9 @@ void Search::add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleK
     std::vector<int> zeros =
         d.tp == 1 && d.pp == 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 1};
     if (fsdp) zeros = {3, 2};
-    // FSDP offloads through ZeRO-3's shards (CPUOffload).
-    if (fsdp && o_.optimizer_offload > 0) zeros = {3};
+    // FSDP offloads through ZeRO-3's shards (CPUOffload), and DeepSpeed's offload_param is
+    // ZeRO-3's.
+    if ((fsdp || o_.offload_params) && o_.optimizer_offload > 0) zeros = {3};
     // DeepSpeed's tensor-by-tensor ZeRO-3 has no expert group (compile_plan).
     if (ep > 1 && o_.framework == "deepspeed") {
       zeros.erase(std::remove(zeros.begin(), zeros.end(), 3), zeros.end());
@@ -657,8 +661,8 @@ void Search::add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleK
     for (RecomputeMode r : recs) {
       for (int z : zeros) {
         if (static_bytes_lower_bound(model_, d.tp, d.pp, d.dp, d.cp, ep, z, fsdp,
-                                     o_.offload_as_needed ? 1.0 : o_.optimizer_offload) >
-            capacity_) {
+                                     o_.offload_as_needed ? 1.0 : o_.optimizer_offload,
+                                     o_.offload_params) > capacity_) {
           reject("does not fit in memory");
           continue;
         }
@@ -766,23 +770,26 @@ std::optional<Candidate> Search::fit_by_offloading(const Candidate& cand, const 
   for (size_t l = 0; l < peaks.size(); ++l) {
     const double excess = peaks[l].peak - capacity_;
     if (excess <= 0) continue;
-    // FSDP's CPUOffload frees the parameter and gradient shards too.
+    // FSDP's CPUOffload and DeepSpeed's offload_param free the parameter and gradient shards
+    // too.
     const StaticMemory& m = prog.lanes[l].memory;
-    const double state =
-        m.optimizer + (cand.options.framework == "fsdp" ? m.weights + m.gradients : 0.0);
+    const bool shards = cand.options.framework == "fsdp" || o_.offload_params;
+    const double state = m.optimizer + (shards ? m.weights + m.gradients : 0.0);
     if (!(state >= excess)) return std::nullopt;
     fraction = std::max(fraction, excess / state);
   }
   fraction = std::min(1.0, std::ceil(fraction * 100) / 100);
   if (fraction <= 0) return std::nullopt;
-  // FSDP's CPUOffload moves all of a ZeRO-3 shard, parameters and gradients too.
-  if (cand.options.framework == "fsdp") {
+  // FSDP's CPUOffload and DeepSpeed's offload_param move all of a ZeRO-3 shard, parameters
+  // and gradients too.
+  if (cand.options.framework == "fsdp" || o_.offload_params) {
     if (cand.options.zero != 3) return std::nullopt;
     fraction = 1;
   }
   Candidate off = cand;
   off.options.optimizer_offload = fraction;
   off.options.offload_overlap = o_.offload_overlap;
+  off.options.offload_params = o_.offload_params;
   const std::optional<Program> offloaded = estimate(off);
   if (!offloaded || off.estimate.peak_memory > capacity_) return std::nullopt;
   if (!offloaded_fits(*offloaded, off.estimate)) return std::nullopt;
@@ -1289,7 +1296,7 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
         "(--optimizer-offload auto), not both");
   }
   if (Status st = check_optimizer_offload(o.offload_as_needed ? 1.0 : o.optimizer_offload,
-                                          o.offload_overlap, o.framework, topo);
+                                          o.offload_overlap, o.framework, topo, o.offload_params);
       !st) {
     return st.error();
   }

@@ -48,6 +48,8 @@ struct SearchOptions {
   // Every candidate's optimizer offloading (MegatronOptions optimizer_offload, offload_overlap).
   double optimizer_offload = 0;
   bool offload_overlap = false;
+  // DeepSpeed's offload_param with it (MegatronOptions offload_params): ZeRO-3 only.
+  bool offload_params = false;
   // Instead: a candidate that does not fit on its GPUs offloads the least fraction (in
   // hundredths) of its optimizer state that makes it fit, if any does; the same candidate
   // saving memory otherwise (more recomputation, ZeRO) is tried too.

@@ -265,6 +265,7 @@ Expected<SearchOptions> search_options(const PlanArgs& a, const ModelSpec& model
   so.moe_shared_expert_overlap = a.o.moe_shared_expert_overlap;
   so.optimizer_offload = a.o.optimizer_offload;
   so.offload_overlap = a.o.offload_overlap;
+  so.offload_params = a.o.offload_params;
   so.offload_as_needed = a.offload_as_needed;
   so.activation_offload_as_needed = a.activation_offload == "auto";
   so.compile = a.o.costs;
@@ -378,6 +379,10 @@ void add_plan_choices(CLI::App* cmd, PlanArgs& a) {
                 "with --optimizer-offload: copy gradients out, update and copy parameters back "
                 "tensor by tensor, concurrently (Megatron-Core's "
                 "--overlap-cpu-optimizer-d2h-h2d)");
+  cmd->add_flag("--offload-params", a.o.offload_params,
+                "with --framework deepspeed --zero 3 --optimizer-offload 1 (or auto): keep the "
+                "parameter shards on the host too (DeepSpeed's offload_param to the CPU; FSDP's "
+                "CPUOffload does it by itself)");
   cmd->add_option("--activation-offload", a.activation_offload,
                   "copy the activations of the model's first N layers to the host during the "
                   "forward and back during the backward (Megatron-Core's --cpu-offloading "

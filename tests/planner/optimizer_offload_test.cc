@@ -358,5 +358,88 @@ TEST(OptimizerOffloadPlan, TheSearchOffloadsFsdpShardsWhole) {
   EXPECT_TRUE(r->best.optimizer.offload_params);
 }
 
+// DeepSpeed's offload_param: ZeRO-3's parameter shards on the host with the optimizer state, as
+// FSDP's CPUOffload keeps them, but 16-bit parameters copied back (offload_param_bytes 2).
+TEST(OptimizerOffloadPlan, DeepSpeedOffloadsItsParameterShardsOnRequest) {
+  const Topology t = one_node();
+  const ModelSpec m = *load_model("llama3-8b");
+  MegatronOptions o;
+  o.tp = 1;
+  o.pp = 1;
+  o.zero = 3;
+  o.framework = "deepspeed";
+  o.global_batch = 16;
+  o.optimizer_offload = 1;
+  Expected<Plan> state_only = build_megatron_plan(m, t, o);
+  o.offload_params = true;
+  Expected<Plan> shards = build_megatron_plan(m, t, o);
+  ASSERT_TRUE(state_only.ok()) << state_only.error().message();
+  ASSERT_TRUE(shards.ok()) << shards.error().message();
+  EXPECT_FALSE(state_only->optimizer.offload_params);
+  EXPECT_TRUE(shards->optimizer.offload_params);
+  EXPECT_EQ(shards->optimizer.offload_param_bytes, 2);
+  Expected<Program> a = compile_plan(*state_only, t);
+  Expected<Program> b = compile_plan(*shards, t);
+  ASSERT_TRUE(a.ok()) << a.error().message();
+  ASSERT_TRUE(b.ok()) << b.error().message();
+  // Only the tensors under DeepSpeed's persistence threshold (the norms) stay whole on the GPU.
+  EXPECT_GT(a->lanes[0].memory.weights, 1000 * b->lanes[0].memory.weights);
+  EXPECT_EQ(b->lanes[0].memory.gradients, 0);
+  EXPECT_EQ(b->lanes[0].memory.optimizer, 0);
+  EXPECT_GT(b->lanes[0].host_bytes, a->lanes[0].host_bytes);
+  bool copies = false;
+  for (const BlockTemplate& tpl : b->templates) {
+    for (const Step& s : tpl.steps) copies = copies || s.host_seconds > 0;
+  }
+  EXPECT_TRUE(copies);
+
+  // What it cannot be is refused with the fix.
+  auto error = [&](const MegatronOptions& opts) {
+    Expected<Plan> p = build_megatron_plan(m, t, opts);
+    return p ? std::string() : p.error().message();
+  };
+  MegatronOptions megatron = o;
+  megatron.framework = "megatron";
+  EXPECT_NE(error(megatron).find("use --framework deepspeed"), std::string::npos)
+      << error(megatron);
+  MegatronOptions fsdp = o;
+  fsdp.framework = "fsdp";
+  EXPECT_NE(error(fsdp).find("with --optimizer-offload 1 alone"), std::string::npos) << error(fsdp);
+  MegatronOptions half = o;
+  half.optimizer_offload = 0.5;
+  EXPECT_NE(error(half).find("give --optimizer-offload 1"), std::string::npos) << error(half);
+  MegatronOptions none = o;
+  none.optimizer_offload = 0;
+  EXPECT_NE(error(none).find("give --optimizer-offload 1"), std::string::npos) << error(none);
+  MegatronOptions zero2 = o;
+  zero2.zero = 2;
+  EXPECT_NE(error(zero2).find("use --zero 3"), std::string::npos) << error(zero2);
+}
+
+// Llama 3 70B on one DGX A100 under DeepSpeed: with the parameter shards on the host too, the
+// search's offloading plans are all ZeRO-3 with every shard offloaded.
+TEST(OptimizerOffloadPlan, TheSearchOffloadsDeepSpeedShardsWholeWhenAsked) {
+  const Topology t = one_node();
+  const ModelSpec m = *load_model("llama3-70b");
+  SearchOptions o = search_options();
+  o.framework = "deepspeed";
+  o.offload_as_needed = true;
+  o.offload_params = true;
+  Expected<SearchResult> r = search_plans(m, t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  ASSERT_FALSE(r->ranked.empty());
+  for (const Candidate& c : r->ranked) {
+    EXPECT_EQ(c.options.optimizer_offload, 1) << c.describe();
+    EXPECT_EQ(c.options.zero, 3) << c.describe();
+    EXPECT_TRUE(c.options.offload_params) << c.describe();
+  }
+  EXPECT_TRUE(r->best.optimizer.offload_params);
+  o.framework = "megatron";
+  Expected<SearchResult> refused = search_plans(m, t, o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("--offload-params is DeepSpeed's"), std::string::npos)
+      << refused.error().message();
+}
+
 }  // namespace
 }  // namespace nnsim
