@@ -326,6 +326,22 @@ TEST(NnsimTool, PlanAndSimulateOffloadTheOptimizer) {
   expect_error(box.nnsim(fsdp_args("3", "0.5", "bad.json")),
                {"--optimizer-offload 0.5 with --framework fsdp", "use --optimizer-offload 1"});
   expect_error(box.nnsim(fsdp_args("2", "1", "bad.json")), {"ZeRO-2", "use --zero 3"});
+  // DeepSpeed's offload_param on request: the same shards on the host.
+  std::vector<std::string> ds = fsdp_args("3", "1", "ds.json");
+  ds[std::find(ds.begin(), ds.end(), "fsdp") - ds.begin()] = "deepspeed";
+  ds.push_back("--offload-params");
+  make_plan(box, ds);
+  EXPECT_EQ(box.read_json("ds.json")["optimizer"]["offload_params"], true);
+  RunResult deepspeed = box.nnsim({"--topo", "dgx-a100x4", "ds.json"});
+  ASSERT_EQ(deepspeed.status, 0) << deepspeed;
+  expect_matches(deepspeed.out, R"(node 0: offloaded parameters, gradients and optimizer state\))");
+  std::vector<std::string> ds_half = ds;
+  ds_half[std::find(ds_half.begin(), ds_half.end(), "--optimizer-offload") - ds_half.begin() + 1] =
+      "0.5";
+  ds_half[std::find(ds_half.begin(), ds_half.end(), "ds.json") - ds_half.begin()] = "bad.json";
+  expect_error(box.nnsim(ds_half), {"--offload-params", "give --optimizer-offload 1"});
+  expect_error(box.nnsim(with({"--optimizer-offload", "1", "--offload-params"}, "bad.json")),
+               {"--offload-params is DeepSpeed's offload_param", "use --framework deepspeed"});
   RunResult search = box.nnsim({"plan", "--model", "llama3-70b", "--topo", "dgx-a100x4", "--nodes",
                                 "1", "--global-batch", "16", "--confirm", "1",
                                 "--optimizer-offload", "auto", "-o", "auto.json"});
@@ -1118,6 +1134,10 @@ TEST(NnsimTool, TopologyShowsAndWritesTheClusterAsRead) {
   EXPECT_TRUE(contains(r.out, "8 a node, 100 GB/s each per direction (800 GB/s a node)")) << r;
   EXPECT_TRUE(contains(r.out, "131.32 GiB of memory")) << r;
   EXPECT_TRUE(contains(r.out, "hypothetical: h100-sxm5-80gb's measured efficiencies")) << r;
+  // The PCIe link each GPU's NIC traffic and host copies share.
+  EXPECT_TRUE(contains(r.out, "PCIe       64.0 GB/s per GPU link (to its NIC and the host), 8 "
+                              "switches"))
+      << r;
   // The written file reads back as the same cluster.
   RunResult back = box.nnsim({"topology", "--topo", "what.yaml"});
   ASSERT_EQ(back.status, 0) << back;
