@@ -923,10 +923,6 @@ Expected<Plan> add_schedule(Plan plan, const Topology& topo, const MegatronOptio
 
 }  // namespace
 
-bool offloads_parameters(const MegatronOptions& o) {
-  return o.optimizer_offload > 0 && o.zero == 3 && (o.framework == "fsdp" || o.offload_params);
-}
-
 Status check_optimizer_offload(double fraction, bool overlap, const std::string& framework,
                                const Topology& topo, bool params) {
   if (params && framework != "deepspeed") {

@@ -132,9 +132,6 @@ Expected<Plan> build_megatron_plan(const ModelSpec& model, const Topology& topo,
 // a topology that describes its host.
 Status check_optimizer_offload(double fraction, bool overlap, const std::string& framework,
                                const Topology& topo, bool params = false);
-// Whether a plan of these options keeps its ZeRO-3 parameter shards on the host: FSDP's
-// CPUOffload, or DeepSpeed's offload_param.
-bool offloads_parameters(const MegatronOptions& options);
 
 // Activation offloading's options against the model, the rest of the plan and the cluster, as
 // Megatron-Core takes them: fewer layers than the model has, one pipeline stage, no

@@ -307,8 +307,8 @@ int CollectiveRunner::run(const PreparedComm& comm, double overlap_seconds) {
     ++activities;
   };
   // Tasks start after the steps' latency, and a task split at its waypoints, or a host copy,
-  // after its route latency too (SimGrid pays it for the others). Compute of `overlap_seconds` runs
-  // alongside.
+  // after its route latency too (SimGrid pays it for the others). Compute of
+  // `overlap_seconds` runs alongside.
   std::vector<std::pair<double, size_t>> starts;  // (seconds from now, task)
   for (size_t i = 0; i < comm.tasks.size(); ++i) {
     const PreparedComm::Task& t = comm.tasks[i];

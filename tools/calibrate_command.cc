@@ -159,11 +159,11 @@ int run_calibrate(const CalibrateArgs& a) {
       if (!h) return fail(h.error().message());
       host = std::move(*h);
       auto& compute = fit->calibration.compute;
-      if (host->memory_efficiency) compute["host_memory_efficiency"] = *host->memory_efficiency;
-      if (host->to_host_efficiency)
-        compute["device_to_host_efficiency"] = *host->to_host_efficiency;
-      if (host->to_device_efficiency) {
-        compute["host_to_device_efficiency"] = *host->to_device_efficiency;
+      for (const auto& [name, value] :
+           {std::pair{"host_memory_efficiency", host->memory_efficiency},
+            std::pair{"device_to_host_efficiency", host->to_host_efficiency},
+            std::pair{"host_to_device_efficiency", host->to_device_efficiency}}) {
+        if (value) compute[name] = *value;
       }
       fit->calibration.source += fmt::format("; the host relative to {}'s node.host", topo->name);
     } else {

@@ -40,6 +40,17 @@ Expected<Program> compile_gpt(const Topology& t, double offload, bool overlap) {
   return compile_plan(*plan, t);
 }
 
+// Llama 3 8B's options on one DGX A100 under ZeRO-3, data parallel only, 16 sequences a step.
+MegatronOptions zero3_options(const std::string& framework) {
+  MegatronOptions o;
+  o.tp = 1;
+  o.pp = 1;
+  o.zero = 3;
+  o.framework = framework;
+  o.global_batch = 16;
+  return o;
+}
+
 double optimizer_step_seconds(const Program& p) {
   for (const Step& s : p.lanes[0].epilogue) {
     if (s.kind == StepKind::kCompute && s.compute_class == ComputeClass::kOptimizer) {
@@ -159,12 +170,7 @@ TEST(OptimizerOffloadPlan, NeedsAHostThatHoldsIt) {
 TEST(OptimizerOffloadPlan, FsdpMovesItsShardsToTheHost) {
   const Topology t = one_node();
   const ModelSpec m = *load_model("llama3-8b");
-  MegatronOptions o;
-  o.tp = 1;
-  o.pp = 1;
-  o.zero = 3;
-  o.framework = "fsdp";
-  o.global_batch = 16;
+  MegatronOptions o = zero3_options("fsdp");
   Expected<Plan> gpu_plan = build_megatron_plan(m, t, o);
   o.optimizer_offload = 1;
   Expected<Plan> host_plan = build_megatron_plan(m, t, o);
@@ -363,12 +369,7 @@ TEST(OptimizerOffloadPlan, TheSearchOffloadsFsdpShardsWhole) {
 TEST(OptimizerOffloadPlan, DeepSpeedOffloadsItsParameterShardsOnRequest) {
   const Topology t = one_node();
   const ModelSpec m = *load_model("llama3-8b");
-  MegatronOptions o;
-  o.tp = 1;
-  o.pp = 1;
-  o.zero = 3;
-  o.framework = "deepspeed";
-  o.global_batch = 16;
+  MegatronOptions o = zero3_options("deepspeed");
   o.optimizer_offload = 1;
   Expected<Plan> state_only = build_megatron_plan(m, t, o);
   o.offload_params = true;

@@ -20,7 +20,6 @@ namespace nnsim {
 namespace {
 
 using testing::communication_free_node;
-using testing::matmul_only;
 
 Topology with_host(double link_bandwidth) {
   Topology t = communication_free_node(1);
@@ -36,13 +35,7 @@ std::optional<Program> compile_offloading(const Topology& t, int offloaded) {
   MegatronOptions o;
   o.global_batch = 4;
   o.activation_offload = offloaded;
-  o.costs = matmul_only(t);
-  const std::optional<Plan> plan = testing::uniform_plan(t, o);
-  if (!plan) return std::nullopt;
-  Expected<Program> p = compile_plan(*plan, t, matmul_only(t));
-  EXPECT_TRUE(p.ok()) << (p.ok() ? "" : p.error().message());
-  if (!p) return std::nullopt;
-  return *p;
+  return testing::compile_uniform(t, o);
 }
 
 double exposed_offload(const SimResult& r) {

@@ -19,7 +19,6 @@ namespace nnsim {
 namespace {
 
 using testing::communication_free_node;
-using testing::matmul_only;
 
 constexpr double kLink = 2e9;  // bytes/s: the NIC, the host link and (when described) PCIe
 
@@ -63,11 +62,7 @@ std::optional<CopyRun> run(const Topology& t, int offloaded, int tp = 1,
   o.tp = tp;
   o.dp = 2;
   o.activation_offload = offloaded;
-  o.costs = matmul_only(t);
-  const std::optional<Plan> plan = testing::uniform_plan(t, o);
-  if (!plan) return std::nullopt;
-  Expected<Program> p = compile_plan(*plan, t, matmul_only(t));
-  EXPECT_TRUE(p.ok()) << (p.ok() ? "" : p.error().message());
+  std::optional<Program> p = testing::compile_uniform(t, o);
   if (!p) return std::nullopt;
   SimOptions so;
   so.record_tasks = true;

@@ -40,6 +40,10 @@ inline std::optional<ModelSpec> uniform_model() {
   return *m;
 }
 
+// The uniform model's plan as `nnsim plan` builds it with `o`, compiled with matmul_only's costs
+// (o.costs is set to them).
+std::optional<Program> compile_uniform(const Topology& t, MegatronOptions o);
+
 // The uniform model's plan as `nnsim plan` builds it with `o`.
 inline std::optional<Plan> uniform_plan(const Topology& t, const MegatronOptions& o) {
   const std::optional<ModelSpec> m = uniform_model();
@@ -48,6 +52,16 @@ inline std::optional<Plan> uniform_plan(const Topology& t, const MegatronOptions
   EXPECT_TRUE(plan.ok()) << (plan.ok() ? "" : plan.error().message());
   if (!plan) return std::nullopt;
   return *plan;
+}
+
+inline std::optional<Program> compile_uniform(const Topology& t, MegatronOptions o) {
+  o.costs = matmul_only(t);
+  const std::optional<Plan> plan = uniform_plan(t, o);
+  if (!plan) return std::nullopt;
+  Expected<Program> p = compile_plan(*plan, t, matmul_only(t));
+  EXPECT_TRUE(p.ok()) << (p.ok() ? "" : p.error().message());
+  if (!p) return std::nullopt;
+  return std::move(*p);
 }
 
 }  // namespace nnsim::testing
