@@ -1135,8 +1135,9 @@ TEST(NnsimTool, TopologyShowsAndWritesTheClusterAsRead) {
   EXPECT_TRUE(contains(r.out, "131.32 GiB of memory")) << r;
   EXPECT_TRUE(contains(r.out, "hypothetical: h100-sxm5-80gb's measured efficiencies")) << r;
   // The PCIe link each GPU's NIC traffic and host copies share.
-  EXPECT_TRUE(contains(r.out, "PCIe       64.0 GB/s per GPU link (to its NIC and the host), 8 "
-                              "switches"))
+  EXPECT_TRUE(contains(r.out,
+                       "PCIe       64.0 GB/s per GPU link (to its NIC and the host), 8 "
+                       "switches"))
       << r;
   // The written file reads back as the same cluster.
   RunResult back = box.nnsim({"topology", "--topo", "what.yaml"});
