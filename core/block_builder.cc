@@ -23,7 +23,8 @@ BlockBuilder::BlockBuilder(Compiler& c, BlockTemplate& t, bool grad_sync, bool e
       seg_(t.segment),
       s_(c.plan.segments[t.segment]),
       zero_(c.plan.optimizer.zero),
-      tensor_prefetch_(zero3_prefetches_tensors(c.plan)) {
+      tensor_prefetch_(zero3_prefetches_tensors(c.plan)),
+      module_offload_(!c.plan.activation_offload_modules.empty()) {
   embed_out_ = input_layout_of(c.embed);
   layer_out_ = input_layout_of(c.blocks.front());  // every block leaves one layout
   embed_boundary_ = embed_out_;
@@ -63,6 +64,9 @@ BlockBuilder::BlockBuilder(Compiler& c, BlockTemplate& t, bool grad_sync, bool e
         activation_offload_windows(s_.end_layer - s_.first_layer, plan_.activation_offload_layers);
   }
   act_ = activations();
+  for (auto layer = act_.module_groups.rbegin(); layer != act_.module_groups.rend(); ++layer) {
+    for (auto g = layer->rbegin(); g != layer->rend(); ++g) reload_order_.push_back(g->bytes);
+  }
 }
 
 BlockBuilder::~BlockBuilder() {
@@ -366,6 +370,10 @@ BlockBuilder::Activations BlockBuilder::activations() const {
       a.layer_kept.push_back(layer_kept);
       if (l - s_.first_layer < plan_.activation_offload_layers) a.offloaded += layer_kept;
     }
+    if (module_offload_) {
+      a.layer_kept.push_back(layer_kept);
+      a.module_groups.push_back(module_groups(p, l, r));
+    }
     a.layers_weight_inputs += layer_weight_inputs;
     a.kept_weight_inputs += layer_weight_inputs;
   }
@@ -385,6 +393,22 @@ BlockBuilder::Activations BlockBuilder::activations() const {
                                    c_.kept_bytes(p, layer_in(l), c_.recomputed_ops(p, l), false));
     a.kept -= shared;
     a.kept_layers -= shared;
+    if (module_offload_) {
+      // The buffer stays on the GPU: what the first groups save of it is not offloaded.
+      a.layer_kept.front() -= shared;
+      double left = shared;
+      for (ModuleGroup& g : a.module_groups.front()) {
+        const double from_buffer = std::min(left, g.bytes);
+        g.bytes -= from_buffer;
+        left -= from_buffer;
+      }
+    }
+  }
+  for (const auto& layer : a.module_groups) {
+    double sum = 0;
+    for (const ModuleGroup& g : layer) sum += g.bytes;
+    a.layer_offloaded.push_back(sum);
+    a.offloaded += sum;
   }
   for (int l = s_.first_layer; l < s_.end_layer; ++l) {
     a.transient = std::max(a.transient, c_.transient_bytes(c_.layer_at(l)));

@@ -39,6 +39,11 @@ class BlockBuilder {
   };
   // Elements and the GradGroup whose shard group gathers or reduces them.
   using Piece = std::pair<double, int>;
+  // Fine-grained offloading: what one operator saves, copied to the host as one group.
+  struct ModuleGroup {
+    size_t op;
+    double bytes;
+  };
 
   // What the segment's forward keeps per micro-batch, by part, and of it what a split
   // backward's weight half needs (`*_weight_inputs`).
@@ -51,6 +56,10 @@ class BlockBuilder {
     // layers' (Plan::activation_offload_layers; empty and 0 without).
     std::vector<double> layer_kept;
     double offloaded = 0;
+    // Fine-grained offloading (Plan::activation_offload_modules): per layer of the segment, the
+    // chosen operators whose saved tensors go to the host, forward order, and their sum.
+    std::vector<std::vector<ModuleGroup>> module_groups;
+    std::vector<double> layer_offloaded;
   };
 
   void forward();
@@ -92,6 +101,19 @@ class BlockBuilder {
   void reload_before_backward(int i);
   void host_copy(int group, bool to_host);
   void host_copy_wait(bool to_host);
+
+  // Fine-grained offloading (core/compile_module_offload.cc): the groups of layer `l`; after
+  // layer `i`'s forward (its steps from `start`), each group's copy to the host and the wait
+  // for the layer before's; in layer `i`'s backward, each group's reload one group ahead.
+  std::vector<ModuleGroup> module_groups(const PartInfo& p, int l,
+                                         const std::vector<bool>& recomputed) const;
+  void offload_modules_forward(int i, size_t start);
+  void reload_first_module();
+  void reload_modules_backward(int i, size_t start);
+  Step module_copy(double bytes, bool to_host) const;
+  Step module_copy_wait(bool to_host, int still_running) const;
+  double module_forward_peak() const;
+  double module_backward_peak(bool recompute_inside) const;
 
   Activations activations() const;
   // The forward's peak above the block's start: each part's transient on what it and the parts
@@ -147,6 +169,10 @@ class BlockBuilder {
   // how many layers' copies the forward has waited for (the backward: not yet reloaded).
   std::vector<int> offload_window_;
   int offload_count_ = 0;
+  // Fine-grained offloading: on, the groups' bytes in backward order, and the next to reload.
+  const bool module_offload_;
+  std::vector<double> reload_order_;
+  size_t reloaded_ = 0;
 };
 
 }  // namespace nnsim::detail

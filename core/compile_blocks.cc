@@ -109,8 +109,10 @@ void BlockBuilder::forward() {
                        c_.label("embed.partial-sums"), t_.steps);
   }
   for (int l = s_.first_layer; l < s_.end_layer; ++l) {
+    const size_t start = steps_->size();
     forward_part(c_.layer_at(l), l, layer_in(l));
     offload_after_forward(l - s_.first_layer);
+    offload_modules_forward(l - s_.first_layer, start);
   }
   if (s_.head) forward_part(head, -1, layer_out_);
   for (int l : send_next_lanes_) send(next_, l, false, segment_out_);
@@ -119,10 +121,12 @@ void BlockBuilder::forward() {
       if (c_.source_lane(seg_, l) == t_.lane) send(first_seg, l, false, layer_out_, true);
     }
   }
-  t_.peak_bytes = offload_window_.empty() ? forward_peak() : offload_forward_peak();
+  t_.peak_bytes = module_offload_           ? module_forward_peak()
+                  : offload_window_.empty() ? forward_peak()
+                                            : offload_forward_peak();
   if (role & 1) return;  // an earlier pass holds its activations only while it runs
   t_.kept_bytes = act_.kept - act_.offloaded + c_.retained_output_bytes(seg_);
-  c_.offloaded_activations[t_.lane] = std::max(c_.offloaded_activations[t_.lane], act_.offloaded);
+  if (act_.offloaded > 0) c_.offloaded_activations[{t_.lane, seg_}] = act_.offloaded;
   memory(t_.kept_bytes);
 }
 
@@ -198,6 +202,8 @@ void BlockBuilder::backward() {
   };
   // A part's backward, after its recomputation inside the backward (rules without layers drop
   // the embedding's and the head's operators too).
+  // Where the part's own backward steps start (after its recomputation).
+  size_t backward_start = 0;
   auto backward_part = [&](const PartInfo& p, int layer, const TensorLayout& in_layout,
                            const TensorLayout& in_grad_layout) {
     zero3_before(backward_units_, next_unit_++);
@@ -205,14 +211,17 @@ void BlockBuilder::backward() {
     if (input_grads && !explicit_recompute_ && std::find(r.begin(), r.end(), true) != r.end()) {
       c_.emit_forward(p, in_layout, r, true, ComputeClass::kRecompute, t_.steps, layer);
     }
+    backward_start = steps_->size();
     c_.emit_backward(p, in_layout, in_grad_layout, r, input_grads, weight_grads, t_.steps, layer);
     grads_ready(backward_units_[next_unit_ - 1]);
   };
   if (s_.head) backward_part(head, -1, layer_out_, layer_out_grad_);
   offload_count_ = static_cast<int>(offload_window_.size());
+  reload_first_module();
   for (int l = s_.end_layer - 1; l >= s_.first_layer; --l) {
     reload_before_backward(l - s_.first_layer);
     backward_part(c_.layer_at(l), l, layer_in(l), layer_in_grad(l));
+    reload_modules_backward(l - s_.first_layer, backward_start);
   }
   if (s_.embedding) backward_part(embed, -1, embed_out_, embed_out_grad_);
   if (input_grads) {
@@ -263,6 +272,8 @@ void BlockBuilder::backward() {
     t_.peak_bytes = worst + act_piece_;
   } else if (explicit_recompute_) {
     t_.peak_bytes = act_.transient + act_piece_;
+  } else if (module_offload_) {
+    t_.peak_bytes = module_backward_peak(recompute_inside);
   } else if (!offload_window_.empty()) {
     t_.peak_bytes = offload_backward_peak();
   } else {

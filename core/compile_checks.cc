@@ -37,6 +37,25 @@ Status check_rules_match(const Plan& plan, const OpGraph& graph) {
   for (size_t i = 0; i < plan.recompute.size(); ++i) {
     if (auto e = unmatched("recompute", i, plan.recompute[i].match)) return *e;
   }
+  // Fine-grained offloading chooses operators of the layers only.
+  std::vector<std::string> layer_ops;
+  for (const GraphPart& part : graph.blocks) {
+    for (const Op& op : part.ops) {
+      if (std::find(layer_ops.begin(), layer_ops.end(), op.name) == layer_ops.end()) {
+        layer_ops.push_back(op.name);
+      }
+    }
+  }
+  for (size_t i = 0; i < plan.activation_offload_modules.size(); ++i) {
+    const std::string& pattern = plan.activation_offload_modules[i];
+    if (std::none_of(layer_ops.begin(), layer_ops.end(),
+                     [&](const std::string& n) { return match_pattern(pattern, n); })) {
+      return Error(fmt::format(
+          "activation_offload_modules[{}]: '{}' matches no operator of the model's layers; "
+          "their operators are {}",
+          i, pattern, fmt::join(layer_ops, ", ")));
+    }
+  }
   return Status::Ok();
 }
 
@@ -102,6 +121,7 @@ Status Compiler::check_basics() {
 // Megatron-Core runs Transformer Engine's activation offloading on one pipeline stage without
 // recomputation (TransformerConfig refuses the rest), the only form nnsim models.
 Status Compiler::check_activation_offload() const {
+  if (!plan.activation_offload_modules.empty()) return check_module_offload();
   const int n = plan.activation_offload_layers;
   if (n == 0) return Status::Ok();
   auto refuse = [&](const std::string& why) {
@@ -139,6 +159,44 @@ Status Compiler::check_activation_offload() const {
             "the schedule runs block {}, but offloaded activations come back in a whole "
             "backward (F and B blocks only)",
             to_string(b)));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// Megatron-Core's fine-grained offloading runs with pipelines and beside recomputation; what
+// nnsim does not model of it (split or paired backwards, explicit recomputation blocks,
+// repeated forwards) is refused.
+Status Compiler::check_module_offload() const {
+  auto refuse = [&](const std::string& why) {
+    return Error(fmt::format("activation_offload_modules: {}; or remove the field", why));
+  };
+  if (!topo.has_host) {
+    return refuse(fmt::format(
+        "offloaded activations live in host memory, but topology '{}' describes no host: add "
+        "node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
+        topo.name));
+  }
+  if (plan.framework != "megatron") {
+    return refuse(fmt::format(
+        "fine-grained activation offloading is Megatron-Core's "
+        "(--fine-grained-activation-offloading), not framework '{}''s; use framework megatron",
+        plan.framework));
+  }
+  if (plan.recycle > 1) return refuse("repeated forwards (training.recycle) are not offloaded");
+  if (plan.comm.ep_overlap) {
+    return refuse(
+        "a forward paired with a backward (communication.ep_overlap) is not modelled with "
+        "offloading; set ep_overlap to false");
+  }
+  for (const DeviceOrder& o : plan.schedule) {
+    for (const Block& b : o.blocks) {
+      if ((b.kind != BlockKind::kForward && b.kind != BlockKind::kBackward) || b.paired_with_next) {
+        return refuse(fmt::format(
+            "the schedule runs block {}{}, but nnsim brings offloaded activations back in a "
+            "whole backward of its own (unpaired F and B blocks only)",
+            to_string(b), b.paired_with_next ? " paired with the next" : ""));
       }
     }
   }

@@ -150,10 +150,21 @@ void Compiler::build_memory(Lane& lane, int lane_index, const std::vector<int>& 
   m.optimizer =
       (1 - plan.optimizer.offload_fraction) * optimizer_params * plan.optimizer.state_bytes;
   lane.host_bytes = offloaded_host_bytes(optimizer_params, plan.optimizer);
-  if (auto it = offloaded_activations.find(lane_index); it != offloaded_activations.end()) {
-    lane.offloaded_activations = it->second;
-    lane.host_bytes += it->second;
+  // Offloaded activations stay on the host from a micro-batch's forward to its backward: the
+  // most the lane's order has in flight at once.
+  double on_host = 0, most_on_host = 0;
+  for (int s : segments) {
+    auto it = offloaded_activations.find({lane_index, s});
+    if (it != offloaded_activations.end()) lane.offloaded_activations += it->second;
   }
+  for (const BlockInstance& b : lane.blocks) {
+    auto it = offloaded_activations.find({lane_index, b.block.segment});
+    if (it == offloaded_activations.end()) continue;
+    if (b.block.kind == BlockKind::kForward) on_host += it->second;
+    if (b.block.kind == BlockKind::kBackward) on_host -= it->second;
+    most_on_host = std::max(most_on_host, on_host);
+  }
+  lane.host_bytes += most_on_host;
   if (zero >= 3) {
     // Sharded weights plus the gathered copies of the layer in use and the one prefetched.
     double layer_params = 0;  // the largest block's

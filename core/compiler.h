@@ -15,6 +15,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/program.h"
@@ -186,9 +187,9 @@ struct Compiler {
   const Topology& topo;
   Program& prog;
   const Mesh& mesh;
-  // Activation offloading: by lane, the bytes of activations a micro-batch's forward copies to
-  // the host (its pinned buffers there).
-  std::map<int, double> offloaded_activations;
+  // Activation offloading: by lane and segment, the bytes of activations a micro-batch's
+  // forward copies to the host (its pinned buffers there).
+  std::map<std::pair<int, int>, double> offloaded_activations;
   Network net;
   PartInfo embed, head;
   std::vector<PartInfo> blocks;  // graph.blocks'
@@ -257,6 +258,7 @@ struct Compiler {
   }
   Status check_basics();
   Status check_activation_offload() const;
+  Status check_module_offload() const;
   // Every block shape leaves the hidden state in the first one's layout (a hybrid model's
   // residuals split alike).
   Status check_block_outputs() const;

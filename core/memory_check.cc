@@ -85,7 +85,7 @@ std::string describe_host_contents(const Plan& plan) {
   std::string what = plan.optimizer.offload_params ? "parameters, gradients and optimizer state"
                      : plan.optimizer.offload_fraction > 0 ? "optimizer state and gradient copies"
                                                            : "";
-  if (plan.activation_offload_layers > 0) what += what.empty() ? "activations" : " and activations";
+  if (plan.offloads_activations()) what += what.empty() ? "activations" : " and activations";
   return what;
 }
 
@@ -103,6 +103,9 @@ Status check_host_memory_fits(const Program& program) {
   }
   if (plan.activation_offload_layers > 0) {
     fixes += "fewer activation_offload_layers (--activation-offload), ";
+  }
+  if (!plan.activation_offload_modules.empty()) {
+    fixes += "fewer activation_offload_modules (--offload-modules), ";
   }
   return Error(fmt::format(
       "the plan does not fit in host memory: node {}'s GPUs keep {} of offloaded {} there, but "

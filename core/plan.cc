@@ -551,8 +551,8 @@ void parse_schedule(const InputNode& sched, Plan& plan) {
 Plan parse_plan_node(const InputNode& root) {
   root.check_keys({"format", "version", "name", "topology", "model", "training", "mesh",
                    "placement", "segments", "partition", "recompute", "recompute_early_stop",
-                   "activation_offload_layers", "moe_grouped_gemm", "moe_deepep", "optimizer",
-                   "communication", "schedule"});
+                   "activation_offload_layers", "activation_offload_modules", "moe_grouped_gemm",
+                   "moe_deepep", "optimizer", "communication", "schedule"});
   if (root["format"].as_string() != "nnsim-plan") {
     root["format"].fail("expected \"nnsim-plan\" (is this a plan file?)");
   }
@@ -587,6 +587,14 @@ Plan parse_plan_node(const InputNode& root) {
         "layers, and the last one's are needed first in the backward: Megatron-Core's "
         "--cpu-offloading-num-layers takes fewer than num_layers)",
         plan.model.layers - 1, plan.model.layers));
+  }
+  if (auto mods = root.get("activation_offload_modules")) {
+    for (const auto& m : mods->items()) plan.activation_offload_modules.push_back(m.as_string());
+    if (plan.activation_offload_layers > 0 && !plan.activation_offload_modules.empty()) {
+      (*mods).fail(
+          "offloads chosen operators' activations in every layer, but activation_offload_layers "
+          "offloads whole layers too; Megatron-Core runs one or the other: remove one of them");
+    }
   }
   plan.moe_grouped_gemm = root.get_bool("moe_grouped_gemm", false);
   if (plan.moe_grouped_gemm && !plan.model.moe()) {
@@ -677,6 +685,9 @@ std::string plan_to_json(const Plan& plan) {
   j["recompute_early_stop"] = plan.recompute_early_stop;
   if (plan.activation_offload_layers > 0) {
     j["activation_offload_layers"] = plan.activation_offload_layers;
+  }
+  if (!plan.activation_offload_modules.empty()) {
+    j["activation_offload_modules"] = plan.activation_offload_modules;
   }
   if (plan.moe_grouped_gemm) j["moe_grouped_gemm"] = true;
   if (plan.moe_deepep) j["moe_deepep"] = true;

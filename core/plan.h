@@ -268,6 +268,12 @@ struct Plan {
   // layer's forward, and copied back during the backward ahead of their use (docs/cost-model.md,
   // "Activation offloading"). 0: none.
   int activation_offload_layers = 0;
+  // Fine-grained activation offloading (Megatron-Core's --fine-grained-activation-offloading
+  // --offload-modules): in every layer, what the operators matching these patterns save for
+  // the backward is copied to the host after their forward and back one group ahead of their
+  // backward, with pipelines too (docs/cost-model.md, "Fine-grained activation offloading").
+  // Empty: none. Not with activation_offload_layers.
+  std::vector<std::string> activation_offload_modules;
   // A mixture of experts' local experts run as one grouped-GEMM kernel (Megatron-Core's
   // --moe-grouped-gemm), else one GEMM after another.
   bool moe_grouped_gemm = false;
@@ -284,6 +290,10 @@ struct Plan {
 
   int data_parallel() const { return mesh.axis_size(kDataParallelAxis); }
   int num_micro_batches() const;  // per replica, per iteration
+  // Either form of activation offloading: copies of activations to the host and back.
+  bool offloads_activations() const {
+    return activation_offload_layers > 0 || !activation_offload_modules.empty();
+  }
 };
 
 // plan.json <-> Plan. Reading checks the structure and the names (file, line and field in every

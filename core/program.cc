@@ -6,6 +6,7 @@
 #include <set>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/compiler.h"
 #include "core/schedule_check.h"
@@ -229,6 +230,14 @@ Expected<Program> compile_plan(const Plan& plan, const Topology& topology,
   if (Status s = c.set_group_axes(); !s) return s.error();
   if (Status s = c.check_lane_orders(); !s) return s.error();
   for (size_t o = 0; o < prog.lanes.size(); ++o) c.build_lane_steps(static_cast<int>(o));
+  if (!plan.activation_offload_modules.empty() && c.offloaded_activations.empty()) {
+    return Error(fmt::format(
+        "activation_offload_modules [{}]: the operators they match save nothing for the "
+        "backward in any layer that offloads (their activations are recomputed, or only the "
+        "last layer of one stage has them); choose operators whose activations the forward "
+        "keeps, or remove the field",
+        fmt::join(plan.activation_offload_modules, ", ")));
+  }
 
   if (plan.comm.moe_shared_expert_overlap && c.shared_expert_overlaps == 0) {
     return Error(

@@ -41,9 +41,10 @@ enum class StepKind : uint8_t {
   // for (by `tag`) before the compute that needs it.
   kCommLaunch,
   kCommWait,
-  // Activation offloading (Plan::activation_offload_layers): a copy of `bytes` taking `seconds`
-  // queued on the lane's stream to the host (`to_host`) or back, which runs its copies one after
-  // another while compute goes on; and a wait for every copy queued on it so far.
+  // Activation offloading (Plan::activation_offload_layers, activation_offload_modules): a copy
+  // of `bytes` taking `seconds` queued on the lane's stream to the host (`to_host`) or back,
+  // which runs its copies one after another while compute goes on; and a wait for every copy
+  // queued on it so far but the last `tag` (-1: every copy).
   kHostCopyLaunch,
   kHostCopyWait,
 };
@@ -71,9 +72,9 @@ struct Step {
   // gather, to it after a reduction: `host_bytes` taking `host_seconds` alone.
   double host_seconds = 0;
   double host_bytes = 0;
-  int tag = -1;         // kDpLaunch / kDpWait: what to wait for (-1: everything)
-  int group = -1;       // kCollective over an explicit group (Program::explicit_groups)
-  int label = -1;       // index into Program::labels ("attn.qkv", "grad bucket 3", ...)
+  int tag = -1;    // kDpLaunch / kDpWait: what to wait for (-1: everything); kHostCopyWait above
+  int group = -1;  // kCollective over an explicit group (Program::explicit_groups)
+  int label = -1;  // index into Program::labels ("attn.qkv", "grad bucket 3", ...)
   bool matmul = false;  // kCompute of a linear operator (a GEMM)
   // A paired block's step: 0 belongs to the instance's block, 1 to its partner (transfers and
   // joint collectives are keyed by their own block's micro-batch).
@@ -138,8 +139,9 @@ struct Lane {
   double host_bytes = 0;  // host memory a device's offloaded optimizer shard and activations take
   // Optimizer offloading: the parts of the optimizer step (all 0 without offloading).
   OffloadedStep offloaded_step;
-  // Activation offloading: the activation bytes a micro-batch's forward copies to the host (and
-  // its backward back), per device; in host_bytes too.
+  // Activation offloading: the activation bytes a micro-batch's forwards copy to the host (and
+  // its backwards back), per device, over the lane's segments; in host_bytes as the order has
+  // them in flight.
   double offloaded_activations = 0;
 };
 

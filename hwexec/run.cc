@@ -122,6 +122,11 @@ Status check_model_runnable(const Plan& plan) {
                   "activation offloading is simulated only; nnexec keeps the activations on the "
                   "device (remove the field)");
   }
+  if (!plan.activation_offload_modules.empty()) {
+    return refuse("activation_offload_modules",
+                  "activation offloading is simulated only; nnexec keeps the activations on the "
+                  "device (remove the field)");
+  }
   if (m.hybrid()) {
     return refuse("model.layer_pattern",
                   "hybrid models (Mamba-2, Gated DeltaNet, attention-only, MLP-only and "

@@ -183,6 +183,7 @@ std::vector<Op> Estimator::reduce(int lane_index, const std::vector<Step>& steps
         o.kind = s.kind == StepKind::kHostCopyLaunch ? Op::kCopyLaunch : Op::kCopyWait;
         o.seconds = s.seconds;
         o.to_host = s.to_host;
+        o.tag = s.tag;
         out.push_back(o);
         break;
       }
@@ -273,16 +274,16 @@ Estimate Estimator::run() {
   struct LaneState {
     double time = 0;
     double compute = 0;
-    double dp_free = 0;               // when the data-parallel stream is next free
-    double dp_last = 0;               // when the last launched item ends
-    std::map<int, double> tag_done;   // tag -> when its last launch ends
-    double comm_free = 0;             // when the expert communication stream is next free
-    double exchange_free = 0;         // when its last DeepEP exchange ends
-    std::map<int, double> comm_done;  // a pair's exchange tag -> when it ends
-    double copy_free[2] = {0, 0};     // when each copy stream ([1]: to the host) is next free
-    size_t block = 0;                 // next block (lanes' prologue is block "-1")
-    size_t op = 0;                    // next op within it
-    int phase = 0;                    // 0 prologue, 1 blocks, 2 epilogue, 3 done
+    double dp_free = 0;                // when the data-parallel stream is next free
+    double dp_last = 0;                // when the last launched item ends
+    std::map<int, double> tag_done;    // tag -> when its last launch ends
+    double comm_free = 0;              // when the expert communication stream is next free
+    double exchange_free = 0;          // when its last DeepEP exchange ends
+    std::map<int, double> comm_done;   // a pair's exchange tag -> when it ends
+    std::vector<double> copy_done[2];  // when each copy ([1]: to the host) ends, in order
+    size_t block = 0;                  // next block (lanes' prologue is block "-1")
+    size_t op = 0;                     // next op within it
+    int phase = 0;                     // 0 prologue, 1 blocks, 2 epilogue, 3 done
   };
   std::vector<LaneState> st(lanes);
   // Arrival time of transfers by (from, to, gradient, micro-batch, receiving lane, receiving
@@ -382,10 +383,17 @@ Estimate Estimator::run() {
           } else if (o.kind == Op::kCommWait) {
             s.time = std::max(s.time, s.comm_done.at(o.tag));
           } else if (o.kind == Op::kCopyLaunch) {
-            double& free = s.copy_free[o.to_host ? 1 : 0];
-            free = std::max(free, s.time) + o.seconds;
+            std::vector<double>& done = s.copy_done[o.to_host ? 1 : 0];
+            double start = std::max(done.empty() ? 0.0 : done.back(), s.time);
+            // A copy back waits for the copies to the host before it (the simulator's rule).
+            const std::vector<double>& out = s.copy_done[1];
+            if (!o.to_host && !out.empty()) start = std::max(start, out.back());
+            done.push_back(start + o.seconds);
           } else if (o.kind == Op::kCopyWait) {
-            s.time = std::max(s.time, s.copy_free[o.to_host ? 1 : 0]);
+            // Every copy but the last `tag` (-1: every one).
+            const std::vector<double>& done = s.copy_done[o.to_host ? 1 : 0];
+            const size_t still = o.tag > 0 ? static_cast<size_t>(o.tag) : 0;
+            if (done.size() > still) s.time = std::max(s.time, done[done.size() - 1 - still]);
           } else if (o.kind == Op::kDpLaunch) {
             s.dp_free = std::max(s.dp_free, s.time) + o.seconds;
             s.dp_last = s.dp_free;

@@ -132,6 +132,53 @@ Status check_recompute_modules(const ModelSpec& model, const std::vector<std::st
   return Status::Ok();
 }
 
+Expected<std::vector<std::string>> offload_module_patterns(
+    const ModelSpec& model, const std::vector<std::string>& modules) {
+  // Megatron-Core's modules and the operators that run them (MLA's down projections are its
+  // qkv_linear).
+  static const std::map<std::string, std::vector<std::string>> kModules = {
+      {"attn_norm", {"attn.norm"}},
+      {"qkv_linear", {"attn.qkv", "attn.q", "attn.q_down", "attn.kv_down"}},
+      {"core_attn", {"attn.core"}},
+      {"attn_proj", {"attn.proj"}},
+      {"mlp_norm", {"mlp.norm"}},
+      {"expert_fc1", {"moe.fc1"}},
+      {"moe_act", {"moe.act"}}};
+  const OpGraph graph = lower_model(model, 1);
+  std::vector<std::string> names;
+  for (const GraphPart& part : graph.blocks) {
+    for (const Op& op : part.ops) {
+      if (std::find(names.begin(), names.end(), op.name) == names.end()) names.push_back(op.name);
+    }
+  }
+  auto matches = [&](const std::string& pattern) {
+    return std::any_of(names.begin(), names.end(),
+                       [&](const std::string& n) { return match_pattern(pattern, n); });
+  };
+  std::vector<std::string> patterns;
+  for (const std::string& m : modules) {
+    auto known = kModules.find(m);
+    const size_t before = patterns.size();
+    if (known != kModules.end()) {
+      for (const std::string& op : known->second) {
+        if (matches(op)) patterns.push_back(op);
+      }
+    } else if (matches(m)) {
+      patterns.push_back(m);
+    }
+    if (patterns.size() == before) {
+      std::vector<std::string> choices;
+      for (const auto& [name, ops] : kModules) choices.push_back(name);
+      return Error(fmt::format(
+          "'{}' {} (Megatron-Core's modules: {}; or an operator pattern: {})", m,
+          known != kModules.end() ? "is a module this model's layers do not have"
+                                  : "is no module and matches no operator of the model's layers",
+          fmt::join(choices, ", "), fmt::join(names, ", ")));
+    }
+  }
+  return patterns;
+}
+
 Mesh megatron_mesh(const MegatronOptions& o, int dp) {
   Mesh mesh;
   if (o.ep > 1) {
@@ -501,6 +548,9 @@ std::string plan_name(const ModelSpec& model, const MegatronOptions& o, int dp) 
         fmt::format(" offload {:g}{}", o.optimizer_offload, o.offload_overlap ? " overlap" : "");
   }
   if (o.activation_offload > 0) name += fmt::format(" act-offload {}", o.activation_offload);
+  if (!o.offload_modules.empty()) {
+    name += fmt::format(" offload-modules {}", fmt::join(o.offload_modules, ","));
+  }
   if (!o.stage_layers.empty()) {
     name += fmt::format(" layers {}", fmt::join(o.stage_layers, ","));
   }
@@ -845,6 +895,9 @@ Status set_framework_conventions(const MegatronOptions& o, int dp, Plan& plan) {
     }
   }
   plan.activation_offload_layers = o.activation_offload;
+  if (!o.offload_modules.empty()) {
+    plan.activation_offload_modules = *offload_module_patterns(plan.model, o.offload_modules);
+  }
   // Megatron-Core's bucket: max(40M, 1M x dp) parameters.
   plan.comm.dp_bucket_bytes = std::max(40e6, 1e6 * dp) * plan.optimizer.grad_bytes;
   plan.comm.overlap_grad_reduce = o.overlap_grad_reduce;
@@ -967,6 +1020,30 @@ Status check_optimizer_offload(double fraction, bool overlap, const std::string&
 
 Status check_activation_offload(const ModelSpec& model, const MegatronOptions& o,
                                 const Topology& topo) {
+  if (!o.offload_modules.empty()) {
+    const std::string what = "--offload-modules";
+    if (o.activation_offload > 0) {
+      return Error(what +
+                   " offloads chosen operators of every layer; --activation-offload offloads "
+                   "whole layers: Megatron-Core runs one or the other, so drop one");
+    }
+    if (o.framework != "megatron") {
+      return Error(fmt::format(
+          "{} is Megatron-Core's (--fine-grained-activation-offloading), not --framework {}'s",
+          what, o.framework));
+    }
+    if (o.recycle > 1) return Error(what + " does not offload repeated forwards; drop --recycle");
+    if (!topo.has_host) {
+      return Error(fmt::format(
+          "{} keeps activations in host memory, but topology '{}' describes no host: add "
+          "node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
+          what, topo.name));
+    }
+    if (Expected<std::vector<std::string>> p = offload_module_patterns(model, o.offload_modules);
+        !p) {
+      return Error(what + ": " + p.error().message());
+    }
+  }
   const int n = o.activation_offload;
   if (n == 0) return Status::Ok();
   if (n < 0 || n >= model.layers) {

@@ -96,6 +96,10 @@ struct MegatronOptions {
   // many layers are copied to the host and back (Megatron-Core's --cpu-offloading
   // --cpu-offloading-num-layers); one pipeline stage, no recomputation.
   int activation_offload = 0;
+  // Fine-grained activation offloading (Plan activation_offload_modules): Megatron-Core's
+  // --offload-modules names (attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1,
+  // moe_act) or operator name patterns; with pipelines and recomputation too.
+  std::vector<std::string> offload_modules;
   // Rank placement, outermost axis first (the innermost varies fastest over GPU indices):
   // Megatron's default puts tensor parallelism innermost, pipeline outermost; with expert
   // parallelism "ep" goes just outside "cp" unless the order names it.
@@ -138,6 +142,12 @@ Status check_optimizer_offload(double fraction, bool overlap, const std::string&
 // recomputation, Megatron's framework and a topology that describes its host.
 Status check_activation_offload(const ModelSpec& model, const MegatronOptions& options,
                                 const Topology& topo);
+
+// Fine-grained offloading's modules as operator patterns of the model: Megatron-Core's names
+// become the operators they wrap (those the model has), anything else must be a pattern that
+// matches an operator of a layer.
+Expected<std::vector<std::string>> offload_module_patterns(const ModelSpec& model,
+                                                           const std::vector<std::string>& modules);
 
 // Every pattern of a per-module recomputation policy (`recompute_modules`) must match an
 // operator of the model's blocks; the error names the first that does not and lists them.

@@ -109,7 +109,7 @@ std::string report_json(const Program& program, const SimResult& r,
                                    {"to_device_s", o.to_device},
                                    {"gpu_s", o.gpu}};
     }
-    if (program.plan.activation_offload_layers > 0) {
+    if (program.plan.offloads_activations()) {
       // A micro-batch's copies, one after another on each stream.
       const double bytes = program.lanes[i].offloaded_activations;
       lane["activation_offload"] = {

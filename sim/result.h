@@ -58,7 +58,7 @@ enum class TaskKind : uint8_t {
 std::string_view to_string(TaskKind k);
 
 // kExpertComm: a paired block's expert all-to-alls (Plan comm.ep_overlap). kOffload, kReload:
-// activation offloading's copies to the host and back (Plan::activation_offload_layers).
+// activation offloading's copies to the host and back (Plan::offloads_activations).
 enum class Stream : uint8_t {
   kCompute,
   kDataParallel,

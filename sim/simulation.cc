@@ -491,12 +491,13 @@ void Simulation::comm_wait(Instance& inst, const Step& step, int block) {
 }
 
 // The compute stream waits for every copy queued on the stream so far (Transformer Engine's
-// wait_stream); the wait is exposed offloading, counted with the exposed communication.
+// wait_stream), or all but the last `tag` (fine-grained offloading's groups still on their
+// way); the wait is exposed offloading, counted with the exposed communication.
 void Simulation::host_copy_wait(Instance& inst, const Step& step, int block) {
   flush_compute(inst, block);
   auto& stream = inst.host_copy[step.to_host ? 1 : 0];
   const double t0 = sg4::Engine::get_clock();
-  stream.wait_until(stream.launched);
+  stream.wait_until(step.tag >= 0 ? stream.launched - step.tag : stream.launched);
   const double t1 = sg4::Engine::get_clock();
   if (t1 > t0) {
     inst.breakdown.exposed_comm["offload"] += t1 - t0;
@@ -551,7 +552,7 @@ void Simulation::run_steps(Instance& inst, const std::vector<Step>& steps, int b
         flush_compute(inst, block);  // the activations exist once the compute before them ran
         auto& stream = inst.host_copy[step.to_host ? 1 : 0];
         ++stream.launched;
-        stream.queue.push_back({&step, block});
+        stream.queue.push_back({&step, block, step.to_host ? 0 : inst.host_copy[1].launched});
         stream.pending->release();
         break;
       }
@@ -673,6 +674,7 @@ void Simulation::host_copy_actor(Instance& inst, bool to_host) {
   auto& stream = inst.host_copy[to_host ? 1 : 0];
   while (true) {
     const Instance::CopyItem item = stream.next();
+    if (!to_host) inst.host_copy[1].wait_until(item.after_to_host);
     const double t0 = sg4::Engine::get_clock();
     run_host_copy(inst, *item.step, item.step->seconds);
     record(inst, to_host ? Stream::kOffload : Stream::kReload, TaskKind::kHostCopy, t0,
@@ -703,8 +705,7 @@ Expected<SimResult> Simulation::run() {
   sg4::Engine engine(&argc, argv);
   apply_engine_config();
 
-  const bool host_copies =
-      prog_.plan.activation_offload_layers > 0 || prog_.plan.optimizer.offload_params;
+  const bool host_copies = prog_.plan.offloads_activations() || prog_.plan.optimizer.offload_params;
   net_ = std::make_unique<Network>(prog_.topology, host_copies);
   hosts_ = build_platform(*net_);
   runner_ = std::make_unique<CollectiveRunner>(*net_, hosts_, prog_.algorithm, prog_.comm_model,
@@ -755,7 +756,7 @@ Expected<SimResult> Simulation::run() {
       sg4::Actor::create(fmt::format("ep{}.r{}", p->lane, p->replica), host,
                          [this, p] { comm_stream_actor(*p); });
     }
-    if (prog_.plan.activation_offload_layers > 0) {
+    if (prog_.plan.offloads_activations()) {
       for (bool to_host : {false, true}) {
         sg4::Actor::create(
             fmt::format("{}{}.r{}", to_host ? "offload" : "reload", p->lane, p->replica), host,

@@ -117,6 +117,9 @@ class Simulation {
     struct CopyItem {
       const Step* step = nullptr;
       int block = -1;
+      // A copy back starts once the copies to the host launched before it have finished: what
+      // it brings back must have arrived there.
+      int after_to_host = 0;
     };
     CommStream<CopyItem> host_copy[2];
     int exchanges_in_flight = 0;  // of them, DeepEP's (CollectiveKind::kExpertExchange)

@@ -28,7 +28,7 @@ std::string chrome_trace_json(const Program& program, const SimResult& r, bool p
   // Processes (lanes or GPUs) and threads (streams; the expert stream where blocks pair, the
   // copy streams where activations are offloaded).
   const bool expert_stream = program.has_pairs();
-  const bool copy_streams = program.plan.activation_offload_layers > 0;
+  const bool copy_streams = program.plan.offloads_activations();
   std::vector<std::vector<int>> pids(r.lanes.size());
   for (size_t l = 0; l < r.lanes.size(); ++l) {
     const LaneReport& lane = r.lanes[l];

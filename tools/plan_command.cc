@@ -389,6 +389,13 @@ void add_plan_choices(CLI::App* cmd, PlanArgs& a) {
                   "--cpu-offloading-num-layers N): one pipeline stage, no recomputation; or "
                   "'auto': the search offloads the fewest layers that make each such plan fit; "
                   "needs the topology's node.host");
+  cmd->add_option("--offload-modules", a.o.offload_modules,
+                  "copy what these modules of every layer save for the backward to the host "
+                  "and back (Megatron-Core's --fine-grained-activation-offloading "
+                  "--offload-modules): attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, "
+                  "expert_fc1, moe_act, or operator patterns; with pipelines and recomputation "
+                  "too; for the builder; needs the topology's node.host")
+      ->delimiter(',');
   cmd->add_option("--stage-layers", a.o.stage_layers,
                   "layers per segment (pp x vpp numbers), default as even as possible")
       ->delimiter(',');
@@ -512,6 +519,11 @@ Status read_plan_choices(PlanArgs& a, const CLI::App& cmd) {
           "or let the search choose with --activation-offload auto");
     }
     a.o.activation_offload = n;
+  }
+  if (a.search && given("--offload-modules")) {
+    return Error(
+        "--offload-modules is for the builder: give --tp and --pp (the plan search does not "
+        "choose fine-grained offloading yet)");
   }
   if (a.search && given("--recompute-layers")) {
     return Error(

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/host_copy.h"
 #include "core/memory_check.h"
@@ -57,16 +59,19 @@ void print_report(const Program& prog, const SimResult& r,
                 format_bytes(host.bytes).c_str(), format_bytes(t.host.memory).c_str(), host.node,
                 describe_host_contents(prog.plan).c_str());
   }
-  if (prog.plan.activation_offload_layers > 0) {
+  if (prog.plan.offloads_activations()) {
     // The lane that offloads the most, per micro-batch; its copies run one after another.
     size_t most = 0;
     for (size_t i = 0; i < prog.lanes.size(); ++i) {
       if (prog.lanes[i].offloaded_activations > prog.lanes[most].offloaded_activations) most = i;
     }
     const double bytes = prog.lanes[most].offloaded_activations;
-    std::printf("  offloaded acts   %d layers, %s a micro-batch (%s): %s to the host, %s back\n",
-                prog.plan.activation_offload_layers, format_bytes(bytes).c_str(),
-                r.lanes[most].name.c_str(),
+    const std::string what =
+        prog.plan.activation_offload_layers > 0
+            ? fmt::format("{} layers", prog.plan.activation_offload_layers)
+            : fmt::format("{} of each layer", fmt::join(prog.plan.activation_offload_modules, ","));
+    std::printf("  offloaded acts   %s, %s a micro-batch (%s): %s to the host, %s back\n",
+                what.c_str(), format_bytes(bytes).c_str(), r.lanes[most].name.c_str(),
                 format_seconds(host_copy_seconds(bytes, true, t, prog.compute_model)).c_str(),
                 format_seconds(host_copy_seconds(bytes, false, t, prog.compute_model)).c_str());
   }

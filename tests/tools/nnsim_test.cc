@@ -426,6 +426,57 @@ TEST(NnsimTool, PlanAndSimulateOffloadActivations) {
       {"does not fit in host memory", "offloaded activations", "--activation-offload"});
 }
 
+// Fine-grained activation offloading from the builder to the report: Megatron-Core's module
+// names become the plan's operators, two pipeline stages offload, and what nnsim does not
+// model is refused with the fix.
+TEST(NnsimTool, PlanAndSimulateOffloadModules) {
+  Sandbox box;
+  const std::vector<std::string> base = {
+      "plan", "--model", "llama3-8b", "--topo", "dgx-a100x4",     "--tp", "4",
+      "--pp", "2",       "--zero",    "1",      "--global-batch", "8"};
+  auto with = [&](const std::vector<std::string>& extra, const std::string& out) {
+    return plan_args(base, extra, out);
+  };
+  make_plan(box, with({}, "gpu.json"));
+  make_plan(box, with({"--offload-modules", "core_attn,mlp.fc1"}, "host.json"));
+  EXPECT_EQ(box.read_json("host.json")["activation_offload_modules"],
+            json::array({"attn.core", "mlp.fc1"}));
+  EXPECT_TRUE(contains(box.read_json("host.json")["name"].get<std::string>(),
+                       " offload-modules core_attn,mlp.fc1"));
+  RunResult gpu = box.nnsim({"--topo", "dgx-a100x4", "gpu.json", "--json", "gpu-r.json"});
+  RunResult host = box.nnsim(
+      {"--topo", "dgx-a100x4", "host.json", "--json", "host-r.json", "--trace", "trace.json"});
+  ASSERT_EQ(gpu.status, 0) << gpu;
+  ASSERT_EQ(host.status, 0) << host;
+  expect_matches(host.out,
+                 R"(offloaded acts +attn\.core,mlp\.fc1 of each layer, [0-9.]+ GiB a micro-batch )"
+                 R"(\(pp=0\): [0-9.]+ m?s to the host, [0-9.]+ m?s back)");
+  expect_matches(host.out, R"(host memory +[0-9.]+ GiB of [0-9.]+ TiB)");
+  EXPECT_TRUE(contains(read_text(box.path("trace.json")), R"("args":{"name":"reload"})"));
+  const json g = box.read_json("gpu-r.json");
+  const json h = box.read_json("host-r.json");
+  EXPECT_LT(h["peak_memory_bytes"].get<double>(), g["peak_memory_bytes"].get<double>());
+  EXPECT_GT(h["lanes"][1]["activation_offload"]["bytes"].get<double>(), 0);
+
+  expect_error(box.nnsim(with({"--offload-modules", "expert_fc1"}, "bad.json")),
+               {"--offload-modules: 'expert_fc1' is a module this model's layers do not have",
+                "moe_act", "attn.core"});
+  expect_error(
+      box.nnsim(with({"--offload-modules", "core_attn", "--schedule", "zb-h1"}, "bad.json")),
+      {"activation_offload_modules", "unpaired F and B blocks only"});
+  std::vector<std::string> both = with({"--offload-modules", "core_attn"}, "bad.json");
+  both[std::find(both.begin(), both.end(), "--pp") - both.begin() + 1] = "1";
+  both.insert(both.end() - 2, {"--activation-offload", "4"});
+  expect_error(box.nnsim(both), {"--offload-modules", "--activation-offload", "drop one"});
+  expect_error(
+      box.nnsim({"plan", "--model", "llama3-8b", "--topo", "dgx-a100x4", "--nodes", "1",
+                 "--global-batch", "32", "--offload-modules", "core_attn", "-o", "x.json"}),
+      {"--offload-modules is for the builder"});
+  expect_error(
+      box.nnsim({"--topo", "dgx-a100x4", "--topo-set", "node.host.memory=1 GB", "host.json"}),
+      {"does not fit in host memory", "fewer activation_offload_modules (--offload-modules)"});
+}
+
 // --loss names the training code's cross-entropy: the plan's model carries it (the preset's own
 // is the fused kernel), and a misspelling is an error naming the option and the spellings.
 TEST(NnsimTool, PlanTakesTheTrainingCodesCrossEntropy) {
