@@ -200,10 +200,10 @@ void BlockBuilder::backward() {
       }
     }
   };
+  // Where the last part's own backward steps start (after its recomputation).
+  size_t backward_start = 0;
   // A part's backward, after its recomputation inside the backward (rules without layers drop
   // the embedding's and the head's operators too).
-  // Where the part's own backward steps start (after its recomputation).
-  size_t backward_start = 0;
   auto backward_part = [&](const PartInfo& p, int layer, const TensorLayout& in_layout,
                            const TensorLayout& in_grad_layout) {
     zero3_before(backward_units_, next_unit_++);

@@ -24,8 +24,10 @@ std::vector<BlockBuilder::ModuleGroup> BlockBuilder::module_groups(
     const bool chosen = std::any_of(
         plan_.activation_offload_modules.begin(), plan_.activation_offload_modules.end(),
         [&](const std::string& m) { return match_pattern(m, ops[i].name); });
+    // A recomputed operator's tensors are dropped, and what its recomputation starts from stays
+    // with the checkpoint.
     const double bytes = saved[i] - (i > 0 ? saved[i - 1] : 0.0);
-    if (chosen && bytes > 0) groups.push_back({i, bytes});
+    if (chosen && !recomputed[i] && bytes > 0) groups.push_back({i, bytes});
   }
   return groups;
 }

@@ -179,6 +179,15 @@ Expected<std::vector<std::string>> offload_module_patterns(
   return patterns;
 }
 
+std::vector<std::string> offloadable_modules(const ModelSpec& model) {
+  std::vector<std::string> out;
+  for (const char* m :
+       {"core_attn", "expert_fc1", "qkv_linear", "attn_proj", "moe_act", "mlp_norm", "attn_norm"}) {
+    if (offload_module_patterns(model, {m})) out.emplace_back(m);
+  }
+  return out;
+}
+
 Mesh megatron_mesh(const MegatronOptions& o, int dp) {
   Mesh mesh;
   if (o.ep > 1) {

@@ -149,6 +149,12 @@ Status check_activation_offload(const ModelSpec& model, const MegatronOptions& o
 Expected<std::vector<std::string>> offload_module_patterns(const ModelSpec& model,
                                                            const std::vector<std::string>& modules);
 
+// Megatron-Core's offloadable modules this model's layers have, in the order the search adds
+// them: those whose backward is long enough to hide a copy back first (attention, experts,
+// projections), the cheap ones Megatron-Core advises recomputing instead (activations, norms)
+// last.
+std::vector<std::string> offloadable_modules(const ModelSpec& model);
+
 // Every pattern of a per-module recomputation policy (`recompute_modules`) must match an
 // operator of the model's blocks; the error names the first that does not and lists them.
 Status check_recompute_modules(const ModelSpec& model, const std::vector<std::string>& modules);

@@ -49,6 +49,9 @@ std::string Candidate::describe() const {
   if (o.optimizer_offload > 0) s += fmt::format(" offload{:g}", o.optimizer_offload);
   if (o.offload_params && o.optimizer_offload > 0) s += " params";
   if (o.activation_offload > 0) s += fmt::format(" act-offload{}", o.activation_offload);
+  if (!o.offload_modules.empty()) {
+    s += fmt::format(" offload-modules={}", fmt::join(o.offload_modules, ","));
+  }
   if (placement != "tp-innermost") s += " " + placement;
   return s;
 }
@@ -412,6 +415,7 @@ class Search {
     placements_ = {{"tp-innermost", {"pp", "dp", "cp", "tp"}},
                    {"dp-innermost", {"pp", "cp", "tp", "dp"}}};
     if (pin_.placement) placements_ = {{"pinned", *pin_.placement}};
+    if (o.module_offload_as_needed) offloadable_ = offloadable_modules(model);
   }
 
   Expected<SearchResult> run();
@@ -433,6 +437,7 @@ class Search {
   std::optional<Candidate> fit_by_offloading(const Candidate& cand, const Program& prog);
   std::optional<Candidate> fit_by_offloading_activations(const Candidate& cand,
                                                          const Program& prog);
+  std::optional<Candidate> fit_by_offloading_modules(const Candidate& cand);
   // What an offloaded candidate must pass besides the GPUs' memory: the host's memory and the
   // constraints (each failure counted).
   bool offloaded_fits(const Program& prog, const Estimate& estimate);
@@ -462,6 +467,7 @@ class Search {
   // '|'); null when free.
   const std::vector<int>* fixed_layers_;
   std::vector<PlacementChoice> placements_;
+  std::vector<std::string> offloadable_;  // module offloading's order (offloadable_modules)
 
   SearchResult result_;
   std::map<std::string, size_t> reasons_;
@@ -708,14 +714,15 @@ void Search::evaluate_chains() {
           cand.status = fmt::format("does not fit: needs {:.1f} GiB of {:.1f} GiB usable",
                                     cand.estimate.peak_memory / (1 << 30), capacity_ / (1 << 30));
           reject("does not fit in memory");
-          std::optional<Candidate> offloaded, activations;
+          std::optional<Candidate> offloaded, activations, modules;
           if (o_.offload_as_needed) offloaded = fit_by_offloading(cand, *prog);
           if (o_.activation_offload_as_needed) {
             activations = fit_by_offloading_activations(cand, *prog);
           }
+          if (o_.module_offload_as_needed) modules = fit_by_offloading_modules(cand);
           std::lock_guard<std::mutex> lock(mutex_);
           lost_.push_back(cand);
-          for (const auto& fit : {offloaded, activations}) {
+          for (const auto& fit : {offloaded, activations, modules}) {
             if (!fit) continue;
             chain_best_[i] = std::min(chain_best_[i], fit->estimate.iteration_time);
             feasible_.push_back(*fit);
@@ -843,6 +850,36 @@ std::optional<Candidate> Search::fit_by_offloading_activations(const Candidate& 
     const std::optional<Program> offloaded = estimate(off);
     if (!offloaded) return std::nullopt;
     if (off.estimate.peak_memory > capacity_) continue;
+    if (!offloaded_fits(*offloaded, off.estimate)) return std::nullopt;
+    off.status = "ok";
+    return off;
+  }
+  return std::nullopt;
+}
+
+// The candidate offloading the fewest modules, in offloadable_modules' order, that brings it
+// within the GPUs' memory (Megatron-Core's fine-grained offloading). A module that lowers no
+// peak (what it saves is recomputed, or another module copies it) is left out. None when no
+// choice fits, or when the offloaded plan breaks the host's memory or a constraint.
+std::optional<Candidate> Search::fit_by_offloading_modules(const Candidate& cand) {
+  const MegatronOptions& o = cand.options;
+  const bool whole_blocks = o.schedule == ScheduleKind::kOneFOneB ||
+                            o.schedule == ScheduleKind::kInterleaved ||
+                            o.schedule == ScheduleKind::kGpipe;
+  if (!whole_blocks || o.ep_overlap || o.framework != "megatron" || o.recycle > 1) {
+    return std::nullopt;
+  }
+  std::vector<std::string> chosen;
+  double peak = cand.estimate.peak_memory;
+  for (const std::string& m : offloadable_) {
+    Candidate off = cand;
+    off.options.offload_modules = chosen;
+    off.options.offload_modules.push_back(m);
+    const std::optional<Program> offloaded = estimate(off);
+    if (!offloaded || off.estimate.peak_memory >= peak) continue;
+    chosen = off.options.offload_modules;
+    peak = off.estimate.peak_memory;
+    if (peak > capacity_) continue;
     if (!offloaded_fits(*offloaded, off.estimate)) return std::nullopt;
     off.status = "ok";
     return off;
@@ -1204,6 +1241,9 @@ Error Search::none_feasible() const {
   if (memory && topo_.has_host && o_.framework == "megatron" && !o_.activation_offload_as_needed) {
     msg += ", or activations on one pipeline stage (--activation-offload auto)";
   }
+  if (memory && topo_.has_host && o_.framework == "megatron" && !o_.module_offload_as_needed) {
+    msg += ", or chosen modules' activations (--offload-modules auto)";
+  }
   return Error(msg);
 }
 
@@ -1299,6 +1339,20 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
                                           o.offload_overlap, o.framework, topo, o.offload_params);
       !st) {
     return st.error();
+  }
+  if (o.module_offload_as_needed) {
+    if (o.framework != "megatron") {
+      return Error(fmt::format(
+          "--offload-modules auto: fine-grained activation offloading is Megatron-Core's, not "
+          "--framework {}'s",
+          o.framework));
+    }
+    if (!topo.has_host) {
+      return Error(fmt::format(
+          "--offload-modules auto keeps activations in host memory, but topology '{}' describes "
+          "no host: add node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
+          topo.name));
+    }
   }
   if (o.activation_offload_as_needed) {
     if (o.framework != "megatron") {

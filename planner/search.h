@@ -58,6 +58,11 @@ struct SearchOptions {
   // offloads the activations of the fewest first layers that makes it fit (MegatronOptions
   // activation_offload), if any does; recomputation is tried beside it.
   bool activation_offload_as_needed = false;
+  // A candidate whose blocks are whole forwards and backwards (1F1B, interleaved, GPipe) that
+  // does not fit on its GPUs offloads the activations of the fewest Megatron-Core modules, in
+  // offloadable_modules' order and each lowering its peak, that make it fit (MegatronOptions
+  // offload_modules), if any do.
+  bool module_offload_as_needed = false;
   SearchPins pins;
   Constraints constraints;
   double memory_headroom = 0.1;  // fraction of GPU memory left free (without memory_cap)

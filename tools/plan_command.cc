@@ -268,6 +268,7 @@ Expected<SearchOptions> search_options(const PlanArgs& a, const ModelSpec& model
   so.offload_params = a.o.offload_params;
   so.offload_as_needed = a.offload_as_needed;
   so.activation_offload_as_needed = a.activation_offload == "auto";
+  so.module_offload_as_needed = a.module_offload_auto;
   so.compile = a.o.costs;
   so.pins = a.pins;
   so.top = a.top;
@@ -394,7 +395,8 @@ void add_plan_choices(CLI::App* cmd, PlanArgs& a) {
                   "and back (Megatron-Core's --fine-grained-activation-offloading "
                   "--offload-modules): attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, "
                   "expert_fc1, moe_act, or operator patterns; with pipelines and recomputation "
-                  "too; for the builder; needs the topology's node.host")
+                  "too; or 'auto': the search offloads the fewest modules that make each plan "
+                  "fit; needs the topology's node.host")
       ->delimiter(',');
   cmd->add_option("--stage-layers", a.o.stage_layers,
                   "layers per segment (pp x vpp numbers), default as even as possible")
@@ -520,10 +522,19 @@ Status read_plan_choices(PlanArgs& a, const CLI::App& cmd) {
     }
     a.o.activation_offload = n;
   }
-  if (a.search && given("--offload-modules")) {
+  if (a.o.offload_modules == std::vector<std::string>{"auto"}) {
+    if (!a.search) {
+      return Error(
+          "--offload-modules auto lets the search offload what each plan needs; the builder "
+          "takes module names (e.g. --offload-modules core_attn,expert_fc1), or drop --tp/--pp "
+          "to search");
+    }
+    a.o.offload_modules.clear();
+    a.module_offload_auto = true;
+  } else if (a.search && given("--offload-modules")) {
     return Error(
-        "--offload-modules is for the builder: give --tp and --pp (the plan search does not "
-        "choose fine-grained offloading yet)");
+        "--offload-modules with module names is for the builder: give --tp and --pp, or let "
+        "the search choose with --offload-modules auto");
   }
   if (a.search && given("--recompute-layers")) {
     return Error(

@@ -32,6 +32,9 @@ struct PlanArgs {
   // Activation offloading: a layer count (into o.activation_offload), or "auto" for the search
   // (SearchOptions::activation_offload_as_needed).
   std::string activation_offload;
+  // Fine-grained offloading: module names (into o.offload_modules), or "auto" for the search
+  // (SearchOptions::module_offload_as_needed).
+  bool module_offload_auto = false;
   std::string output;
   // Search.
   bool search = false;

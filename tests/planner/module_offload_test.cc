@@ -3,6 +3,7 @@
 // chosen operators, the memory they take off the GPUs and put on the host, and what is refused.
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -12,6 +13,7 @@
 #include "core/program.h"
 #include "planner/estimator.h"
 #include "planner/megatron.h"
+#include "planner/search.h"
 #include "tests/support/preset_topology.h"
 
 namespace nnsim {
@@ -181,12 +183,17 @@ TEST(ModuleOffloadPlan, RecomputedOperatorsHaveNothingToCopy) {
   EXPECT_FALSE(beside->plan.recompute.empty());
   EXPECT_GT(beside->lanes[0].offloaded_activations, 0);
 
-  o = options({"mlp.fc1"});
-  o.recompute = RecomputeMode::kFull;  // a layer keeps its input only
-  Expected<Program> nothing = compile(t, o);
-  ASSERT_FALSE(nothing.ok());
-  EXPECT_TRUE(has(nothing.error().message(), "save nothing for the backward"))
-      << nothing.error().message();
+  // Megatron's selective recomputation recomputes core attention; full recomputation every
+  // operator, the layer's input staying with the checkpoint.
+  for (const auto& [mode, module] : {std::pair{RecomputeMode::kSelective, "core_attn"},
+                                     std::pair{RecomputeMode::kFull, "attn_norm"}}) {
+    o = options({module});
+    o.recompute = mode;
+    Expected<Program> nothing = compile(t, o);
+    ASSERT_FALSE(nothing.ok()) << module;
+    EXPECT_TRUE(has(nothing.error().message(), "save nothing for the backward"))
+        << nothing.error().message();
+  }
 }
 
 TEST(ModuleOffloadPlan, RefusesWhatItDoesNotModel) {
@@ -266,6 +273,64 @@ TEST(ModuleOffloadPlan, ThePlanFileCarriesIt) {
   EXPECT_TRUE(has(fits.error().message(), "of offloaded activations")) << fits.error().message();
   EXPECT_TRUE(has(fits.error().message(), "fewer activation_offload_modules (--offload-modules)"))
       << fits.error().message();
+}
+
+// Llama 3 8B on one DGX A100 at 32 sequences a step: candidates that do not fit offload the
+// fewest modules, in offloadable_modules' order, that make them fit, pipelined ones too.
+TEST(ModuleOffloadPlan, TheSearchOffloadsTheFewestModulesThatFit) {
+  const Topology t = dgx_a100();
+  EXPECT_EQ(
+      offloadable_modules(llama8b()),
+      (std::vector<std::string>{"core_attn", "qkv_linear", "attn_proj", "mlp_norm", "attn_norm"}));
+  SearchOptions o;
+  o.global_batch = 32;
+  o.jobs = 2;
+  o.confirm = 0;
+  o.top = 2000;
+  Expected<SearchResult> plain = search_plans(llama8b(), t, o);
+  ASSERT_TRUE(plain.ok()) << plain.error().message();
+  for (const Candidate& c : plain->ranked) EXPECT_TRUE(c.options.offload_modules.empty());
+  o.module_offload_as_needed = true;
+  Expected<SearchResult> r = search_plans(llama8b(), t, o);
+  ASSERT_TRUE(r.ok()) << r.error().message();
+  const double usable = t.gpu.hbm_bytes * (1 - o.memory_headroom);
+  const std::vector<std::string> order = offloadable_modules(llama8b());
+  int offloading = 0, pipelined = 0;
+  for (const Candidate& c : r->ranked) {
+    EXPECT_LE(c.estimate.peak_memory, usable) << c.describe();
+    const std::vector<std::string>& m = c.options.offload_modules;
+    if (m.empty()) continue;
+    // In the order, each lowering the peak.
+    for (size_t i = 1; i < m.size(); ++i) {
+      EXPECT_LT(std::find(order.begin(), order.end(), m[i - 1]),
+                std::find(order.begin(), order.end(), m[i]))
+          << c.describe();
+    }
+    pipelined += c.options.pp > 1 ? 1 : 0;
+    if (offloading++ < 3) {
+      // One module fewer does not fit.
+      MegatronOptions fewer = c.options;
+      fewer.offload_modules.pop_back();
+      Expected<Plan> plan = build_megatron_plan(llama8b(), t, fewer);
+      ASSERT_TRUE(plan.ok()) << plan.error().message();
+      Expected<Program> prog = compile_plan(*plan, t);
+      if (prog) EXPECT_GT(estimate_program(*prog).peak_memory, usable) << c.describe();
+    }
+  }
+  EXPECT_GT(offloading, 0);
+  EXPECT_GT(pipelined, 0);
+  EXPECT_GT(r->ranked.size(), plain->ranked.size());
+
+  o.framework = "fsdp";
+  Expected<SearchResult> fsdp = search_plans(llama8b(), t, o);
+  ASSERT_FALSE(fsdp.ok());
+  EXPECT_TRUE(has(fsdp.error().message(), "not --framework fsdp's")) << fsdp.error().message();
+  o.framework = "megatron";
+  Topology no_host = t;
+  no_host.has_host = false;
+  Expected<SearchResult> refused = search_plans(llama8b(), no_host, o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(has(refused.error().message(), "describes no host"));
 }
 
 }  // namespace

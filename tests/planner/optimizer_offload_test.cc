@@ -287,6 +287,9 @@ TEST(OptimizerOffloadPlan, TheSearchPlansWithTheStateOnTheHost) {
   EXPECT_NE(none.error().message().find("host memory (--optimizer-offload auto)"),
             std::string::npos)
       << none.error().message();
+  EXPECT_NE(none.error().message().find("chosen modules' activations (--offload-modules auto)"),
+            std::string::npos)
+      << none.error().message();
   Topology no_host = t;
   no_host.has_host = false;
   none = search_plans(m, no_host, o);

@@ -471,7 +471,15 @@ TEST(NnsimTool, PlanAndSimulateOffloadModules) {
   expect_error(
       box.nnsim({"plan", "--model", "llama3-8b", "--topo", "dgx-a100x4", "--nodes", "1",
                  "--global-batch", "32", "--offload-modules", "core_attn", "-o", "x.json"}),
-      {"--offload-modules is for the builder"});
+      {"--offload-modules with module names is for the builder", "auto"});
+  expect_error(box.nnsim(with({"--offload-modules", "auto"}, "bad.json")),
+               {"--offload-modules auto lets the search offload", "drop --tp/--pp"});
+  // The search offloads modules where plans do not fit (docs/PLANNER.md).
+  RunResult search = box.nnsim({"plan", "--model", "llama3-8b", "--topo", "dgx-a100x4", "--nodes",
+                                "1", "--global-batch", "32", "--confirm", "0", "--top", "40",
+                                "--offload-modules", "auto", "-o", "auto.json"});
+  ASSERT_EQ(search.status, 0) << search;
+  expect_matches(search.out, R"(\n +[0-9]+ +tp\S+ .* offload-modules=core_attn)");
   expect_error(
       box.nnsim({"--topo", "dgx-a100x4", "--topo-set", "node.host.memory=1 GB", "host.json"}),
       {"does not fit in host memory", "fewer activation_offload_modules (--offload-modules)"});
