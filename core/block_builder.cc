@@ -334,21 +334,30 @@ void BlockBuilder::reload_before_backward(int i) {
 }
 
 void BlockBuilder::host_copy(int group, bool to_host) {
-  Step x;
-  x.kind = StepKind::kHostCopyLaunch;
-  x.to_host = to_host;
-  x.bytes = act_.layer_kept[group];
-  x.seconds = host_copy_seconds(x.bytes, to_host, c_.topo, c_.prog.compute_model);
-  x.label = c_.label(to_host ? "activation offload" : "activation reload");
-  steps_->push_back(x);
+  steps_->push_back(copy_step(act_.layer_kept[group], to_host));
 }
 
 void BlockBuilder::host_copy_wait(bool to_host) {
+  steps_->push_back(copy_wait_step(to_host, -1));
+}
+
+Step BlockBuilder::copy_step(double bytes, bool to_host) const {
+  Step x;
+  x.kind = StepKind::kHostCopyLaunch;
+  x.to_host = to_host;
+  x.bytes = bytes;
+  x.seconds = host_copy_seconds(bytes, to_host, c_.topo, c_.prog.compute_model);
+  x.label = c_.label(to_host ? "activation offload" : "activation reload");
+  return x;
+}
+
+Step BlockBuilder::copy_wait_step(bool to_host, int still_running) const {
   Step w;
   w.kind = StepKind::kHostCopyWait;
   w.to_host = to_host;
+  w.tag = still_running;
   w.label = c_.label(to_host ? "activation offload" : "activation reload");
-  steps_->push_back(w);
+  return w;
 }
 
 BlockBuilder::Activations BlockBuilder::activations() const {

@@ -101,6 +101,10 @@ class BlockBuilder {
   void reload_before_backward(int i);
   void host_copy(int group, bool to_host);
   void host_copy_wait(bool to_host);
+  // Both forms' steps: a copy of `bytes` on the lane's stream to the host (or back), and a wait
+  // for every copy queued on it but the last `still_running` (-1: every one).
+  Step copy_step(double bytes, bool to_host) const;
+  Step copy_wait_step(bool to_host, int still_running) const;
 
   // Fine-grained offloading (core/compile_module_offload.cc): the groups of layer `l`; after
   // layer `i`'s forward (its steps from `start`), each group's copy to the host and the wait
@@ -110,8 +114,6 @@ class BlockBuilder {
   void offload_modules_forward(int i, size_t start);
   void reload_first_module();
   void reload_modules_backward(int i, size_t start);
-  Step module_copy(double bytes, bool to_host) const;
-  Step module_copy_wait(bool to_host, int still_running) const;
   double module_forward_peak() const;
   double module_backward_peak(bool recompute_inside) const;
 

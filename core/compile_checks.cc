@@ -118,6 +118,29 @@ Status Compiler::check_basics() {
   return check_activation_offload();
 }
 
+namespace {
+
+// What both forms of activation offloading need: a host to keep the activations, and
+// Megatron-Core (`flag` runs the form there). Empty when the plan has both.
+std::string offload_host_and_framework(const Plan& plan, const Topology& topo,
+                                       const std::string& flag) {
+  if (!topo.has_host) {
+    return fmt::format(
+        "offloaded activations live in host memory, but topology '{}' describes no host: add "
+        "node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
+        topo.name);
+  }
+  if (plan.framework != "megatron") {
+    return fmt::format(
+        "activation offloading is Megatron-Core's ({}), not framework '{}''s; use framework "
+        "megatron",
+        flag, plan.framework);
+  }
+  return {};
+}
+
+}  // namespace
+
 // Megatron-Core runs Transformer Engine's activation offloading on one pipeline stage without
 // recomputation (TransformerConfig refuses the rest), the only form nnsim models.
 Status Compiler::check_activation_offload() const {
@@ -127,17 +150,10 @@ Status Compiler::check_activation_offload() const {
   auto refuse = [&](const std::string& why) {
     return Error(fmt::format("activation_offload_layers {}: {}; or set it to 0", n, why));
   };
-  if (!topo.has_host) {
-    return refuse(fmt::format(
-        "offloaded activations live in host memory, but topology '{}' describes no host: add "
-        "node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
-        topo.name));
-  }
-  if (plan.framework != "megatron") {
-    return refuse(fmt::format(
-        "activation offloading is Megatron-Core's (--cpu-offloading, Transformer Engine's CPU "
-        "offload), not framework '{}''s; use framework megatron",
-        plan.framework));
+  if (std::string why = offload_host_and_framework(
+          plan, topo, "--cpu-offloading, Transformer Engine's CPU offload");
+      !why.empty()) {
+    return refuse(why);
   }
   if (plan.segments.size() != 1) {
     return refuse(fmt::format(
@@ -172,17 +188,10 @@ Status Compiler::check_module_offload() const {
   auto refuse = [&](const std::string& why) {
     return Error(fmt::format("activation_offload_modules: {}; or remove the field", why));
   };
-  if (!topo.has_host) {
-    return refuse(fmt::format(
-        "offloaded activations live in host memory, but topology '{}' describes no host: add "
-        "node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
-        topo.name));
-  }
-  if (plan.framework != "megatron") {
-    return refuse(fmt::format(
-        "fine-grained activation offloading is Megatron-Core's "
-        "(--fine-grained-activation-offloading), not framework '{}''s; use framework megatron",
-        plan.framework));
+  if (std::string why =
+          offload_host_and_framework(plan, topo, "--fine-grained-activation-offloading");
+      !why.empty()) {
+    return refuse(why);
   }
   if (plan.recycle > 1) return refuse("repeated forwards (training.recycle) are not offloaded");
   if (plan.comm.ep_overlap) {

@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "core/block_builder.h"
-#include "core/host_copy.h"
 
 namespace nnsim::detail {
 
@@ -32,25 +31,6 @@ std::vector<BlockBuilder::ModuleGroup> BlockBuilder::module_groups(
   return groups;
 }
 
-Step BlockBuilder::module_copy(double bytes, bool to_host) const {
-  Step x;
-  x.kind = StepKind::kHostCopyLaunch;
-  x.to_host = to_host;
-  x.bytes = bytes;
-  x.seconds = host_copy_seconds(bytes, to_host, c_.topo, c_.prog.compute_model);
-  x.label = c_.label(to_host ? "activation offload" : "activation reload");
-  return x;
-}
-
-Step BlockBuilder::module_copy_wait(bool to_host, int still_running) const {
-  Step w;
-  w.kind = StepKind::kHostCopyWait;
-  w.to_host = to_host;
-  w.tag = still_running;
-  w.label = c_.label(to_host ? "activation offload" : "activation reload");
-  return w;
-}
-
 // A group's copy starts after its operator's steps and the collectives that follow them (a
 // sequence-parallel reduce-scatter stays next to its GEMM). The layer's end waits for the copies
 // the layer before started: at most one layer's groups are on their way, which is what the
@@ -70,15 +50,15 @@ void BlockBuilder::offload_modules_forward(int i, size_t start) {
       }
     }
     while (at < steps.size() && steps[at].kind == StepKind::kCollective) ++at;
-    steps.insert(steps.begin() + static_cast<std::ptrdiff_t>(at), module_copy(g->bytes, true));
+    steps.insert(steps.begin() + static_cast<std::ptrdiff_t>(at), copy_step(g->bytes, true));
   }
-  steps.push_back(module_copy_wait(true, static_cast<int>(groups.size())));
+  steps.push_back(copy_wait_step(true, static_cast<int>(groups.size())));
 }
 
 void BlockBuilder::reload_first_module() {
   reloaded_ = 0;
   if (module_offload_ && !reload_order_.empty()) {
-    steps_->push_back(module_copy(reload_order_.front(), false));
+    steps_->push_back(copy_step(reload_order_.front(), false));
   }
 }
 
@@ -100,8 +80,8 @@ void BlockBuilder::reload_modules_backward(int i, size_t start) {
     }
     const size_t next = ++reloaded_;
     std::vector<Step> here;
-    if (next < reload_order_.size()) here.push_back(module_copy(reload_order_[next], false));
-    here.push_back(module_copy_wait(false, next < reload_order_.size() ? 1 : 0));
+    if (next < reload_order_.size()) here.push_back(copy_step(reload_order_[next], false));
+    here.push_back(copy_wait_step(false, next < reload_order_.size() ? 1 : 0));
     inserts.emplace_back(at, std::move(here));
   }
   // Backward order is ascending positions: insert from the last so earlier ones stay put.

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -1340,33 +1341,23 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
       !st) {
     return st.error();
   }
-  if (o.module_offload_as_needed) {
+  // Either form of activation offloading needs Megatron-Core and a host.
+  for (const auto& [on, flag, form] :
+       {std::tuple{o.activation_offload_as_needed, "--activation-offload auto",
+                   "Transformer Engine's CPU offload"},
+        std::tuple{o.module_offload_as_needed, "--offload-modules auto",
+                   "--fine-grained-activation-offloading"}}) {
+    if (!on) continue;
     if (o.framework != "megatron") {
-      return Error(fmt::format(
-          "--offload-modules auto: fine-grained activation offloading is Megatron-Core's, not "
-          "--framework {}'s",
-          o.framework));
+      return Error(
+          fmt::format("{}: activation offloading is Megatron-Core's ({}), not --framework {}'s",
+                      flag, form, o.framework));
     }
     if (!topo.has_host) {
       return Error(fmt::format(
-          "--offload-modules auto keeps activations in host memory, but topology '{}' describes "
-          "no host: add node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
-          topo.name));
-    }
-  }
-  if (o.activation_offload_as_needed) {
-    if (o.framework != "megatron") {
-      return Error(fmt::format(
-          "--activation-offload auto: activation offloading is Megatron-Core's (Transformer "
-          "Engine's CPU offload), not --framework {}'s",
-          o.framework));
-    }
-    if (!topo.has_host) {
-      return Error(fmt::format(
-          "--activation-offload auto keeps activations in host memory, but topology '{}' "
-          "describes no host: add node.host (memory, memory_bandwidth, link_bandwidth; "
-          "docs/topology.md)",
-          topo.name));
+          "{} keeps activations in host memory, but topology '{}' describes no host: add "
+          "node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
+          flag, topo.name));
     }
   }
   if (o.moe_deepep && !model.moe()) {

@@ -13,6 +13,8 @@
 #include "planner/estimator.h"
 #include "planner/megatron.h"
 #include "planner/search.h"
+#include "tests/support/compiled_plan.h"
+#include "tests/support/preset_model.h"
 #include "tests/support/preset_topology.h"
 
 namespace nnsim {
@@ -23,8 +25,7 @@ Topology dgx_a100() {
 }
 
 const ModelSpec& llama8b() {
-  static const ModelSpec m = *load_model("llama3-8b");
-  return m;
+  return testing::preset_model("llama3-8b");
 }
 
 // Llama 3 8B at tp 4 on one stage: 32 layers of 8,192 tokens.
@@ -39,28 +40,13 @@ MegatronOptions options(int offloaded) {
 }
 
 Expected<Program> compile(const Topology& t, const MegatronOptions& o) {
-  Expected<Plan> plan = build_megatron_plan(llama8b(), t, o);
-  if (!plan) return plan.error();
-  return compile_plan(*plan, t);
-}
-
-const BlockTemplate& template_of(const Program& p, BlockKind kind) {
-  const auto it = std::find_if(p.templates.begin(), p.templates.end(),
-                               [&](const BlockTemplate& t) { return t.kind == kind; });
-  EXPECT_NE(it, p.templates.end());
-  return *it;
+  return testing::build_and_compile(llama8b(), t, o);
 }
 
 int count_steps(const BlockTemplate& t, StepKind kind, bool to_host) {
   return static_cast<int>(std::count_if(t.steps.begin(), t.steps.end(), [&](const Step& s) {
     return s.kind == kind && s.to_host == to_host;
   }));
-}
-
-double peak_of(const Program& p) {
-  double peak = 0;
-  for (const LaneMemoryPeak& l : lane_memory_peaks(p)) peak = std::max(peak, l.peak);
-  return peak;
 }
 
 // The first N layers' activations leave the GPU after the forward: the forward keeps that much
@@ -75,11 +61,11 @@ TEST(ActivationOffloadPlan, MovesTheFirstLayersActivationsToTheHost) {
   double offloaded = 0;
   for (int l = 0; l < 8; ++l) offloaded += eight->layer_activation_bytes[l];
   ASSERT_GT(offloaded, 0);
-  const BlockTemplate& f0 = template_of(*none, BlockKind::kForward);
-  const BlockTemplate& f8 = template_of(*eight, BlockKind::kForward);
+  const BlockTemplate& f0 = testing::first_template(*none, BlockKind::kForward);
+  const BlockTemplate& f8 = testing::first_template(*eight, BlockKind::kForward);
   EXPECT_NEAR(f0.kept_bytes - f8.kept_bytes, offloaded, 1e-6 * offloaded);
   // The backward frees what stayed; the offloaded layers come back and go within it.
-  EXPECT_NEAR(template_of(*eight, BlockKind::kBackward).kept_bytes, -f8.kept_bytes, 1);
+  EXPECT_NEAR(testing::first_template(*eight, BlockKind::kBackward).kept_bytes, -f8.kept_bytes, 1);
   const Lane& lane = eight->lanes[0];
   EXPECT_NEAR(lane.offloaded_activations, offloaded, 1e-6 * offloaded);
   EXPECT_DOUBLE_EQ(lane.host_bytes, lane.offloaded_activations);
@@ -91,7 +77,7 @@ TEST(ActivationOffloadPlan, MovesTheFirstLayersActivationsToTheHost) {
   // (its window's and the first layer's backward).
   EXPECT_EQ(count_steps(f8, StepKind::kHostCopyLaunch, true), 8);
   EXPECT_EQ(count_steps(f8, StepKind::kHostCopyWait, true), 8);
-  const BlockTemplate& b8 = template_of(*eight, BlockKind::kBackward);
+  const BlockTemplate& b8 = testing::first_template(*eight, BlockKind::kBackward);
   EXPECT_EQ(count_steps(b8, StepKind::kHostCopyLaunch, false), 8);
   EXPECT_EQ(count_steps(b8, StepKind::kHostCopyWait, false), 9);
   EXPECT_EQ(count_steps(f0, StepKind::kHostCopyLaunch, true), 0);
@@ -103,12 +89,12 @@ TEST(ActivationOffloadPlan, MovesTheFirstLayersActivationsToTheHost) {
     ++layer;
   }
 
-  double last = peak_of(*none);
+  double last = testing::highest_peak(*none);
   for (int n : {8, 16, 31}) {
     Expected<Program> p = compile(t, options(n));
     ASSERT_TRUE(p.ok()) << p.error().message();
-    EXPECT_LT(peak_of(*p), last) << n;
-    last = peak_of(*p);
+    EXPECT_LT(testing::highest_peak(*p), last) << n;
+    last = testing::highest_peak(*p);
   }
 }
 

@@ -14,6 +14,8 @@
 #include "planner/estimator.h"
 #include "planner/megatron.h"
 #include "planner/search.h"
+#include "tests/support/compiled_plan.h"
+#include "tests/support/preset_model.h"
 #include "tests/support/preset_topology.h"
 
 namespace nnsim {
@@ -24,8 +26,7 @@ Topology dgx_a100() {
 }
 
 const ModelSpec& llama8b() {
-  static const ModelSpec m = *load_model("llama3-8b");
-  return m;
+  return testing::preset_model("llama3-8b");
 }
 
 // Llama 3 8B at TP 4 over two 1F1B stages of 16 layers, 16 micro-batches.
@@ -40,17 +41,7 @@ MegatronOptions options(std::vector<std::string> modules) {
 }
 
 Expected<Program> compile(const Topology& t, const MegatronOptions& o) {
-  Expected<Plan> plan = build_megatron_plan(llama8b(), t, o);
-  if (!plan) return plan.error();
-  return compile_plan(*plan, t);
-}
-
-const BlockTemplate& template_of(const Program& p, BlockKind kind, int segment) {
-  const auto it = std::find_if(p.templates.begin(), p.templates.end(), [&](const BlockTemplate& t) {
-    return t.kind == kind && t.segment == segment;
-  });
-  EXPECT_NE(it, p.templates.end());
-  return *it;
+  return testing::build_and_compile(llama8b(), t, o);
 }
 
 std::vector<const Step*> copies(const BlockTemplate& t, StepKind kind) {
@@ -59,12 +50,6 @@ std::vector<const Step*> copies(const BlockTemplate& t, StepKind kind) {
     if (s.kind == kind) out.push_back(&s);
   }
   return out;
-}
-
-double peak_of(const Program& p) {
-  double peak = 0;
-  for (const LaneMemoryPeak& l : lane_memory_peaks(p)) peak = std::max(peak, l.peak);
-  return peak;
 }
 
 bool has(const std::string& message, const std::string& part) {
@@ -83,8 +68,8 @@ TEST(ModuleOffloadPlan, CopiesWhatTheChosenOperatorsSave) {
   EXPECT_EQ(attn->plan.activation_offload_modules, std::vector<std::string>{"attn.core"});
   for (int segment : {0, 1}) {
     SCOPED_TRACE(segment);
-    const BlockTemplate& f0 = template_of(*none, BlockKind::kForward, segment);
-    const BlockTemplate& f = template_of(*attn, BlockKind::kForward, segment);
+    const BlockTemplate& f0 = testing::first_template(*none, BlockKind::kForward, segment);
+    const BlockTemplate& f = testing::first_template(*attn, BlockKind::kForward, segment);
     const std::vector<const Step*> out = copies(f, StepKind::kHostCopyLaunch);
     const int offloading_layers = segment == 0 ? 16 : 15;
     ASSERT_EQ(static_cast<int>(out.size()), offloading_layers);
@@ -109,7 +94,7 @@ TEST(ModuleOffloadPlan, CopiesWhatTheChosenOperatorsSave) {
 
     // The backward: as much back, each wait right before core attention's backward, leaving
     // only the next group's reload running.
-    const BlockTemplate& b = template_of(*attn, BlockKind::kBackward, segment);
+    const BlockTemplate& b = testing::first_template(*attn, BlockKind::kBackward, segment);
     EXPECT_NEAR(b.kept_bytes, -f.kept_bytes, 1e-6 * f.kept_bytes);
     const std::vector<const Step*> back = copies(b, StepKind::kHostCopyLaunch);
     ASSERT_EQ(back.size(), out.size());
@@ -136,16 +121,18 @@ TEST(ModuleOffloadPlan, CopiesWhatTheChosenOperatorsSave) {
               1e-9 * first.offloaded_activations);
   EXPECT_DOUBLE_EQ(first.host_bytes, 2 * first.offloaded_activations);
   EXPECT_DOUBLE_EQ(last.host_bytes, last.offloaded_activations);
-  EXPECT_LT(peak_of(*attn), peak_of(*none));
+  EXPECT_LT(testing::highest_peak(*attn), testing::highest_peak(*none));
 
   // More operators, more off the GPU. (A tensor two operators save goes with the first: core
   // attention's output, which the projection saves too.)
   Expected<Program> more = compile(t, options({"core_attn", "mlp_norm", "mlp.fc1"}));
   ASSERT_TRUE(more.ok()) << more.error().message();
-  EXPECT_EQ(copies(template_of(*more, BlockKind::kForward, 0), StepKind::kHostCopyLaunch).size(),
-            3u * 16);
+  EXPECT_EQ(
+      copies(testing::first_template(*more, BlockKind::kForward, 0), StepKind::kHostCopyLaunch)
+          .size(),
+      3u * 16);
   EXPECT_GT(more->lanes[0].offloaded_activations, first.offloaded_activations);
-  EXPECT_LT(peak_of(*more), peak_of(*attn));
+  EXPECT_LT(testing::highest_peak(*more), testing::highest_peak(*attn));
 }
 
 // Interleaved: each chunk offloads its own layers; only the pipeline's last chunk keeps its last
@@ -161,7 +148,7 @@ TEST(ModuleOffloadPlan, EveryChunkOfAnInterleavedStageOffloads) {
   for (size_t l = 0; l < p->lanes.size(); ++l) {
     double bytes = 0;
     for (int segment = 0; segment <= last; ++segment) {
-      const BlockTemplate& f = template_of(*p, BlockKind::kForward, segment);
+      const BlockTemplate& f = testing::first_template(*p, BlockKind::kForward, segment);
       if (f.lane != static_cast<int>(l)) continue;
       const std::vector<const Step*> out = copies(f, StepKind::kHostCopyLaunch);
       EXPECT_EQ(out.size(), segment == last ? 7u : 8u) << segment;
@@ -314,7 +301,9 @@ TEST(ModuleOffloadPlan, TheSearchOffloadsTheFewestModulesThatFit) {
       Expected<Plan> plan = build_megatron_plan(llama8b(), t, fewer);
       ASSERT_TRUE(plan.ok()) << plan.error().message();
       Expected<Program> prog = compile_plan(*plan, t);
-      if (prog) EXPECT_GT(estimate_program(*prog).peak_memory, usable) << c.describe();
+      if (prog) {
+        EXPECT_GT(estimate_program(*prog).peak_memory, usable) << c.describe();
+      }
     }
   }
   EXPECT_GT(offloading, 0);
