@@ -22,7 +22,7 @@ Dim parse_dim_node(const InputNode& n) {
 Constraints parse(const InputNode& root) {
   root.check_keys({"memory_cap", "schedules", "max_stages", "max_bubble", "tp_within_node",
                    "ep_within_node", "operators", "stage_layers", "recompute", "recompute_modules",
-                   "stage_nodes", "avoid_gpus", "avoid_nodes"});
+                   "offload_modules", "stage_nodes", "avoid_gpus", "avoid_nodes"});
   Constraints c;
   c.file = root.file();
   if (auto n = root.get("memory_cap")) {
@@ -107,6 +107,9 @@ Constraints parse(const InputNode& root) {
   }
   if (auto n = root.get("recompute_modules")) {
     for (const auto& x : n->items()) c.recompute_modules.push_back(x.as_string());
+  }
+  if (auto n = root.get("offload_modules")) {
+    for (const auto& x : n->items()) c.offload_modules.push_back(x.as_string());
   }
   if (auto n = root.get("stage_nodes")) {
     for (const auto& e : n->items()) {

@@ -38,10 +38,11 @@ struct Constraints {
   bool tp_within_node = false;          // tensor-parallel groups inside one node
   bool ep_within_node = false;          // expert-parallel groups (their all-to-alls) likewise
   std::vector<OperatorConstraint> operators;
-  std::vector<int> stage_layers;                              // pinned layers per pipeline stage
-  std::optional<RecomputeMode> recompute;                     // pinned recomputation
-  std::vector<RecomputeMode> stage_recompute;                 // pinned, per pipeline stage
-  std::vector<std::string> recompute_modules;                 // operators always recomputed
+  std::vector<int> stage_layers;               // pinned layers per pipeline stage
+  std::optional<RecomputeMode> recompute;      // pinned recomputation
+  std::vector<RecomputeMode> stage_recompute;  // pinned, per pipeline stage
+  std::vector<std::string> recompute_modules;  // operators always recomputed
+  std::vector<std::string> offload_modules;    // Megatron-Core modules every plan offloads
   std::vector<std::pair<int, std::vector<int>>> stage_nodes;  // stage -> nodes it must use
   std::vector<int> avoid_gpus;                                // GPUs no rank may use
   std::vector<int> avoid_nodes;                               // nodes no rank may use

@@ -654,6 +654,7 @@ void Search::add_chains(const Degrees& d, const std::vector<int>& eps, ScheduleK
     if (!cons_.stage_recompute.empty()) recs = {RecomputeMode::kNone};
     b.stage_recompute = cons_.stage_recompute;
     b.recompute_modules = cons_.recompute_modules;
+    b.offload_modules = cons_.offload_modules;
     std::vector<int> zeros =
         d.tp == 1 && d.pp == 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 1};
     if (fsdp) zeros = {3, 2};
@@ -870,9 +871,10 @@ std::optional<Candidate> Search::fit_by_offloading_modules(const Candidate& cand
   if (!whole_blocks || o.ep_overlap || o.framework != "megatron" || o.recycle > 1) {
     return std::nullopt;
   }
-  std::vector<std::string> chosen;
+  std::vector<std::string> chosen = o.offload_modules;  // the constraints' own
   double peak = cand.estimate.peak_memory;
   for (const std::string& m : offloadable_) {
+    if (std::find(chosen.begin(), chosen.end(), m) != chosen.end()) continue;
     Candidate off = cand;
     off.options.offload_modules = chosen;
     off.options.offload_modules.push_back(m);
@@ -1346,6 +1348,8 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
        {std::tuple{o.activation_offload_as_needed, "--activation-offload auto",
                    "Transformer Engine's CPU offload"},
         std::tuple{o.module_offload_as_needed, "--offload-modules auto",
+                   "--fine-grained-activation-offloading"},
+        std::tuple{!o.constraints.offload_modules.empty(), "offload_modules (--offload-modules)",
                    "--fine-grained-activation-offloading"}}) {
     if (!on) continue;
     if (o.framework != "megatron") {
@@ -1405,6 +1409,10 @@ Expected<SearchResult> search_plans(const ModelSpec& model, const Topology& topo
   const int usable_count = static_cast<int>(usable->size());
   if (Status st = check_recompute_modules(model, cons.recompute_modules); !st) {
     return Error(fmt::format("{}: field 'recompute_modules': {}", cons.file, st.error().message()));
+  }
+  if (Expected<std::vector<std::string>> m = offload_module_patterns(model, cons.offload_modules);
+      !m) {
+    return Error(fmt::format("{}: field 'offload_modules': {}", cons.file, m.error().message()));
   }
   // Plans keep headroom for the caching allocator's reserve and fragmentation, which the memory
   // model does not count; a memory_cap constraint replaces it.

@@ -285,6 +285,7 @@ Expected<SearchOptions> search_options(const PlanArgs& a, const ModelSpec& model
     return Error("--recompute-modules: " + st.error().message());
   }
   for (const std::string& m : a.o.recompute_modules) so.constraints.recompute_modules.push_back(m);
+  for (const std::string& m : a.o.offload_modules) so.constraints.offload_modules.push_back(m);
   so.simulate = [](const Program& p) -> Expected<double> {
     Expected<SimResult> r = simulate(p);
     if (!r) return r.error();
@@ -395,8 +396,8 @@ void add_plan_choices(CLI::App* cmd, PlanArgs& a) {
                   "and back (Megatron-Core's --fine-grained-activation-offloading "
                   "--offload-modules): attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, "
                   "expert_fc1, moe_act, or operator patterns; with pipelines and recomputation "
-                  "too; or 'auto': the search offloads the fewest modules that make each plan "
-                  "fit; needs the topology's node.host")
+                  "too (the search keeps them in every plan); or 'auto': the search offloads "
+                  "the fewest modules that make each plan fit; needs the topology's node.host")
       ->delimiter(',');
   cmd->add_option("--stage-layers", a.o.stage_layers,
                   "layers per segment (pp x vpp numbers), default as even as possible")
@@ -531,10 +532,6 @@ Status read_plan_choices(PlanArgs& a, const CLI::App& cmd) {
     }
     a.o.offload_modules.clear();
     a.module_offload_auto = true;
-  } else if (a.search && given("--offload-modules")) {
-    return Error(
-        "--offload-modules with module names is for the builder: give --tp and --pp, or let "
-        "the search choose with --offload-modules auto");
   }
   if (a.search && given("--recompute-layers")) {
     return Error(

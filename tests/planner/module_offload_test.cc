@@ -11,6 +11,7 @@
 #include "core/host_copy.h"
 #include "core/memory_check.h"
 #include "core/program.h"
+#include "planner/constraints.h"
 #include "planner/estimator.h"
 #include "planner/megatron.h"
 #include "planner/search.h"
@@ -309,6 +310,30 @@ TEST(ModuleOffloadPlan, TheSearchOffloadsTheFewestModulesThatFit) {
   EXPECT_GT(offloading, 0);
   EXPECT_GT(pipelined, 0);
   EXPECT_GT(r->ranked.size(), plain->ranked.size());
+
+  // Modules the constraints name are in every plan, and the search adds to them as needed.
+  Expected<Constraints> c = parse_constraints("offload_modules: [qkv_linear]\n", "c.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  o.constraints = *c;
+  Expected<SearchResult> pinned = search_plans(llama8b(), t, o);
+  ASSERT_TRUE(pinned.ok()) << pinned.error().message();
+  ASSERT_FALSE(pinned->ranked.empty());
+  bool added = false;
+  for (const Candidate& c : pinned->ranked) {
+    const std::vector<std::string>& m = c.options.offload_modules;
+    ASSERT_FALSE(m.empty()) << c.describe();
+    EXPECT_EQ(m.front(), "qkv_linear") << c.describe();
+    added = added || m.size() > 1;
+  }
+  EXPECT_TRUE(added);
+  ASSERT_FALSE(pinned->best.activation_offload_modules.empty());
+  EXPECT_EQ(pinned->best.activation_offload_modules.front(), "attn.qkv");
+  o.constraints.offload_modules = {"expert_fc1"};
+  Expected<SearchResult> absent = search_plans(llama8b(), t, o);
+  ASSERT_FALSE(absent.ok());
+  EXPECT_TRUE(has(absent.error().message(), "c.yaml: field 'offload_modules': 'expert_fc1'"))
+      << absent.error().message();
+  o.constraints.offload_modules.clear();
 
   o.framework = "fsdp";
   Expected<SearchResult> fsdp = search_plans(llama8b(), t, o);

@@ -468,10 +468,13 @@ TEST(NnsimTool, PlanAndSimulateOffloadModules) {
   both[std::find(both.begin(), both.end(), "--pp") - both.begin() + 1] = "1";
   both.insert(both.end() - 2, {"--activation-offload", "4"});
   expect_error(box.nnsim(both), {"--offload-modules", "--activation-offload", "drop one"});
-  expect_error(
-      box.nnsim({"plan", "--model", "llama3-8b", "--topo", "dgx-a100x4", "--nodes", "1",
-                 "--global-batch", "32", "--offload-modules", "core_attn", "-o", "x.json"}),
-      {"--offload-modules with module names is for the builder", "auto"});
+  // Named modules in the search: every plan offloads them.
+  RunResult pinned = box.nnsim({"plan", "--model", "llama3-8b", "--topo", "dgx-a100x4", "--nodes",
+                                "1", "--global-batch", "32", "--confirm", "0", "--offload-modules",
+                                "core_attn", "-o", "pinned.json"});
+  ASSERT_EQ(pinned.status, 0) << pinned;
+  expect_matches(pinned.out, R"(\n +1 +tp\S+ .* offload-modules=core_attn)");
+  EXPECT_EQ(box.read_json("pinned.json")["activation_offload_modules"], json::array({"attn.core"}));
   expect_error(box.nnsim(with({"--offload-modules", "auto"}, "bad.json")),
                {"--offload-modules auto lets the search offload", "drop --tp/--pp"});
   // The search offloads modules where plans do not fit (docs/PLANNER.md).
