@@ -285,6 +285,10 @@ Expected<SearchOptions> search_options(const PlanArgs& a, const ModelSpec& model
     return Error("--recompute-modules: " + st.error().message());
   }
   for (const std::string& m : a.o.recompute_modules) so.constraints.recompute_modules.push_back(m);
+  if (Expected<std::vector<std::string>> m = offload_module_patterns(model, a.o.offload_modules);
+      !m) {
+    return Error("--offload-modules: " + m.error().message());
+  }
   for (const std::string& m : a.o.offload_modules) so.constraints.offload_modules.push_back(m);
   so.simulate = [](const Program& p) -> Expected<double> {
     Expected<SimResult> r = simulate(p);

@@ -475,6 +475,10 @@ TEST(NnsimTool, PlanAndSimulateOffloadModules) {
   ASSERT_EQ(pinned.status, 0) << pinned;
   expect_matches(pinned.out, R"(\n +1 +tp\S+ .* offload-modules=core_attn)");
   EXPECT_EQ(box.read_json("pinned.json")["activation_offload_modules"], json::array({"attn.core"}));
+  expect_error(
+      box.nnsim({"plan", "--model", "llama3-8b", "--topo", "dgx-a100x4", "--nodes", "1",
+                 "--global-batch", "32", "--offload-modules", "auto,core_attn", "-o", "x.json"}),
+      {"--offload-modules: 'auto' is no module", "core_attn"});
   expect_error(box.nnsim(with({"--offload-modules", "auto"}, "bad.json")),
                {"--offload-modules auto lets the search offload", "drop --tp/--pp"});
   // The search offloads modules where plans do not fit (docs/PLANNER.md).
