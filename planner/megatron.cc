@@ -5,6 +5,7 @@
 #include <map>
 #include <numeric>
 #include <set>
+#include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -905,7 +906,9 @@ Status set_framework_conventions(const MegatronOptions& o, int dp, Plan& plan) {
   }
   plan.activation_offload_layers = o.activation_offload;
   if (!o.offload_modules.empty()) {
-    plan.activation_offload_modules = *offload_module_patterns(plan.model, o.offload_modules);
+    Expected<std::vector<std::string>> ops = offload_module_patterns(plan.model, o.offload_modules);
+    if (!ops) return Error("--offload-modules: " + ops.error().message());
+    plan.activation_offload_modules = std::move(*ops);
   }
   // Megatron-Core's bucket: max(40M, 1M x dp) parameters.
   plan.comm.dp_bucket_bytes = std::max(40e6, 1e6 * dp) * plan.optimizer.grad_bytes;
@@ -1048,10 +1051,7 @@ Status check_activation_offload(const ModelSpec& model, const MegatronOptions& o
           "node.host (memory, memory_bandwidth, link_bandwidth; docs/topology.md)",
           what, topo.name));
     }
-    if (Expected<std::vector<std::string>> p = offload_module_patterns(model, o.offload_modules);
-        !p) {
-      return Error(what + ": " + p.error().message());
-    }
+    // The names are checked where the plan takes their operators (set_framework_conventions).
   }
   const int n = o.activation_offload;
   if (n == 0) return Status::Ok();
